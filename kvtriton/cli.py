@@ -1,0 +1,61 @@
+"""The `kvtriton` command line: one subcommand per module.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) ->
+int``. Command modules keep torch and triton imports inside ``run`` so that
+building the parser stays fast and the scheduler-only commands never import
+torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+__all__ = ["main"]
+
+
+class _CommandModule(Protocol):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    name: str
+    module: str
+    help: str
+
+
+_COMMANDS: tuple[_Command, ...] = (
+    _Command("info", "kvtriton.info", "versions, CUDA, pinned memory and memlock limits"),
+    _Command("demo", "kvtriton.demo", "offload a model-shaped KV cache through manager and engine"),
+)
+
+
+def _load(command: _Command) -> _CommandModule:
+    return cast(_CommandModule, importlib.import_module(command.module))
+
+
+def build_parser(load: Callable[[_Command], _CommandModule] = _load) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtriton", description=__doc__.splitlines()[0] if __doc__ else None)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in _COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        load(command).add_arguments(sub)
+        sub.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = cast(_Command, args._command)
+    return _load(command).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

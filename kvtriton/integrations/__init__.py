@@ -1,0 +1,1 @@
+"""Adapters that plug kvtriton into serving engines (optional extras)."""

@@ -1,0 +1,53 @@
+"""OffloadKey: the name of one offloaded block on the scheduler side.
+
+A key is the block hash followed by the KV group index as 4 big-endian bytes,
+exactly as vLLM's ``vllm/v1/kv_offload`` builds it, so keys cross the adapter
+boundary without conversion.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+__all__ = [
+    "GROUP_INDEX_BYTES",
+    "OffloadKey",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "make_offload_key",
+]
+
+OffloadKey = NewType("OffloadKey", bytes)
+
+GROUP_INDEX_BYTES = 4
+_MAX_GROUP_INDEX = 2 ** (8 * GROUP_INDEX_BYTES) - 1
+
+
+def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
+    """Return the key of block ``block_hash`` in KV cache group ``group_idx``."""
+    if not isinstance(block_hash, (bytes, bytearray, memoryview)):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside the typed world pass str or int
+        raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}: {block_hash!r}")
+    if isinstance(group_idx, bool) or not isinstance(group_idx, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- same: reject floats and bools at runtime
+        raise TypeError(f"group_idx must be an int, got {type(group_idx).__name__}: {group_idx!r}")
+    if not 0 <= group_idx <= _MAX_GROUP_INDEX:
+        raise ValueError(f"group_idx must be in 0..{_MAX_GROUP_INDEX}, got {group_idx}")
+    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(GROUP_INDEX_BYTES, "big", signed=False))
+
+
+def _check_key(key: OffloadKey) -> None:
+    if len(key) < GROUP_INDEX_BYTES:
+        raise ValueError(
+            f"key must hold at least {GROUP_INDEX_BYTES} bytes (the group index), got {len(key)}: {key!r}"
+        )
+
+
+def get_offload_block_hash(key: OffloadKey) -> bytes:
+    """Return the block hash part of ``key``."""
+    _check_key(key)
+    return bytes(key[:-GROUP_INDEX_BYTES])
+
+
+def get_offload_group_idx(key: OffloadKey) -> int:
+    """Return the KV cache group index stored in the last 4 bytes of ``key``."""
+    _check_key(key)
+    return int.from_bytes(key[-GROUP_INDEX_BYTES:], "big", signed=False)

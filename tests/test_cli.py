@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtriton.cli import main
+
+
+def test_info_reports_versions_and_machine_facts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {
+        "python", "torch", "triton", "cuda_available", "device_name",
+        "pinned_memory", "memlock_limit", "triton_interpret",
+    }
+    assert report["torch"].startswith("2.")
+    assert report["triton_interpret"] is True  # conftest sets it for the kernel tests
+
+
+def test_info_prints_a_readable_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "memlock limit" in out and "pinned memory" in out
+
+
+def test_unknown_command_exits_with_usage() -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["no-such-command"])
+    assert raised.value.code == 2

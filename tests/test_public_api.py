@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import kvtriton
+
+
+def test_all_is_sorted_and_every_name_resolves() -> None:
+    assert kvtriton.__all__ == sorted(kvtriton.__all__)
+    for name in kvtriton.__all__:
+        assert getattr(kvtriton, name) is not None, name
+
+
+def test_scheduler_side_imports_without_torch_or_triton() -> None:
+    code = (
+        "import sys, kvtriton, kvtriton.keys, kvtriton.specs;"
+        "bad = [m for m in ('torch', 'triton') if m in sys.modules];"
+        "print(','.join(bad))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
