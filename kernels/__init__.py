@@ -2,7 +2,23 @@
 
 Shipped as ``kvtriton.kernels`` (``kvtriton/kernels`` is a symlink to this
 folder). Files holding ``@triton.jit`` bodies live in ``jit/``; everything
-exported from here is fully annotated.
+exported from here is fully annotated. Importing this package does not import
+triton; the first Triton launch does.
 """
 
-__all__: list[str] = []
+from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, Path, gather_pages, scatter_pages, select_path
+from .reference import gather_pages_reference, scatter_pages_reference
+from .validation import PageGeometry, describe_pages
+
+__all__ = [
+    "DEFAULT_BYTES_PER_ITER",
+    "DEFAULT_NUM_PROGRAMS",
+    "PageGeometry",
+    "Path",
+    "describe_pages",
+    "gather_pages",
+    "gather_pages_reference",
+    "scatter_pages",
+    "scatter_pages_reference",
+    "select_path",
+]

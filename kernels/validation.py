@@ -1,0 +1,220 @@
+"""Argument checks shared by every gather/scatter path, and the byte geometry they yield.
+
+Every check runs before a single byte is written, so a bad call leaves the
+page tensors and the slab exactly as they were. Each error names the argument
+and the offending value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "IndexBounds",
+    "PageGeometry",
+    "check_index_pair",
+    "check_slab",
+    "describe_pages",
+]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PageGeometry:
+    """Where each page tensor's block bytes live and where they land in a slab row.
+
+    All values are in bytes. ``row_offsets[t]`` is the column at which page
+    tensor ``t`` starts inside a slab row (page-first layout: tensor 0's page,
+    then tensor 1's, ...).
+    """
+
+    page_bytes: tuple[int, ...]
+    block_strides: tuple[int, ...]
+    storage_offsets: tuple[int, ...]
+    row_offsets: tuple[int, ...]
+    num_blocks: int
+    device: torch.device
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one slab row must hold: the sum of every page."""
+        return sum(self.page_bytes)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.page_bytes)
+
+
+def _block_is_contiguous(page: torch.Tensor) -> bool:
+    """True when the bytes of ``page[i]`` are contiguous for every block ``i``."""
+    expected = 1
+    for size, stride in zip(reversed(page.shape[1:]), reversed(page.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def describe_pages(pages: Sequence[torch.Tensor], name: str) -> PageGeometry:
+    """Check a list of page tensors and return their byte geometry.
+
+    A page tensor's dim 0 indexes blocks; the rest of each block must be
+    contiguous (the block stride itself may exceed the page, as for per-layer
+    views of a cross-layer cache). Blocks must not overlap.
+    """
+    if isinstance(pages, torch.Tensor):
+        raise TypeError(f"{name} must be a sequence of page tensors, got a single tensor of shape {tuple(pages.shape)}")
+    if len(pages) == 0:
+        raise ValueError(f"{name} must hold at least one page tensor, got an empty sequence")
+    page_bytes: list[int] = []
+    block_strides: list[int] = []
+    storage_offsets: list[int] = []
+    row_offsets: list[int] = []
+    offset = 0
+    device: torch.device | None = None
+    num_blocks: int | None = None
+    for t, page in enumerate(pages):
+        label = f"{name}[{t}]"
+        if not isinstance(page, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
+            raise TypeError(f"{label} must be a torch.Tensor, got {type(page).__name__}")
+        if page.dim() < 1:
+            raise ValueError(f"{label} must have a block dimension (dim 0), got a 0-d tensor")
+        device = page.device if device is None else device
+        if page.device != device:
+            raise ValueError(f"{label} is on {page.device} but {name}[0] is on {device}; all page tensors must share one device")
+        if not _block_is_contiguous(page):
+            raise ValueError(
+                f"{label} has non-contiguous blocks: shape {tuple(page.shape)}, stride {page.stride()}; "
+                "each block's bytes (dims 1..) must be contiguous"
+            )
+        size = _page_numel(page) * page.element_size()
+        if size == 0:
+            raise ValueError(f"{label} has empty pages (shape {tuple(page.shape)}); a page must hold at least one byte")
+        stride = page.stride(0) * page.element_size()
+        if page.shape[0] > 1 and stride < size:
+            raise ValueError(
+                f"{label} has overlapping blocks: block stride {stride} B is smaller than the page ({size} B)"
+            )
+        page_bytes.append(size)
+        block_strides.append(stride)
+        storage_offsets.append(int(page.storage_offset()) * page.element_size())
+        row_offsets.append(offset)
+        offset += size
+        num_blocks = page.shape[0] if num_blocks is None else min(num_blocks, page.shape[0])
+    return PageGeometry(
+        page_bytes=tuple(page_bytes),
+        block_strides=tuple(block_strides),
+        storage_offsets=tuple(storage_offsets),
+        row_offsets=tuple(row_offsets),
+        num_blocks=num_blocks or 0,
+        device=device or torch.device("cpu"),
+    )
+
+
+def _page_numel(page: torch.Tensor) -> int:
+    count = 1
+    for size in page.shape[1:]:
+        count *= size
+    return count
+
+
+def check_slab(slab: torch.Tensor, name: str, geometry: PageGeometry) -> None:
+    """Check that ``slab`` is a 2-D uint8 tensor with contiguous rows wide enough for every page."""
+    if not isinstance(slab, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(slab).__name__}")
+    if slab.dtype != torch.uint8:
+        raise TypeError(f"{name} must have dtype torch.uint8, got {slab.dtype}")
+    if slab.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, row_bytes), got shape {tuple(slab.shape)}")
+    if slab.shape[1] > 1 and slab.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous, got stride {slab.stride()}")
+    if slab.shape[0] > 1 and slab.stride(0) < slab.shape[1]:
+        raise ValueError(f"{name} rows overlap: row stride {slab.stride(0)} < row bytes {slab.shape[1]}")
+    if slab.shape[1] < geometry.row_bytes:
+        raise ValueError(
+            f"{name} row too narrow: {slab.shape[1]} bytes per row, the pages need {geometry.row_bytes} "
+            f"(page bytes {list(geometry.page_bytes)})"
+        )
+    if slab.device != geometry.device:
+        raise ValueError(f"{name} is on {slab.device} but the page tensors are on {geometry.device}")
+
+
+def _check_index(index: torch.Tensor, name: str) -> None:
+    if not isinstance(index, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
+    if index.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {index.dtype}")
+    if index.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(index.shape)}")
+
+
+def _check_range(index: torch.Tensor, name: str, bound: int, what: str) -> None:
+    if index.numel() == 0:
+        return
+    bad = (index < 0) | (index >= bound)
+    if bool(bad.any()):
+        position = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"{name}[{position}] = {int(index[position])} is out of range: there are {bound} {what} (valid 0..{bound - 1})"
+        )
+
+
+def _check_unique(index: torch.Tensor, name: str) -> None:
+    if index.numel() < 2:
+        return
+    ordered = torch.sort(index).values
+    repeated = ordered[1:] == ordered[:-1]
+    if bool(repeated.any()):
+        value = int(ordered[1:][repeated][0])
+        raise ValueError(
+            f"{name} names destination {value} more than once; a destination may be written only once per call "
+            "(the parallel kernel has no 'last one wins' order)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class IndexBounds:
+    """Exclusive upper bounds for the two index tensors of one call."""
+
+    source: int
+    source_what: str
+    destination: int
+    destination_what: str
+
+
+def check_index_pair(
+    source: torch.Tensor,
+    source_name: str,
+    destination: torch.Tensor,
+    destination_name: str,
+    *,
+    bounds: IndexBounds,
+    device: torch.device,
+    check_values: bool,
+    allow_duplicate_destinations: bool,
+) -> None:
+    """Check dtypes, shapes, devices, ranges and destination uniqueness of one index pair.
+
+    Index tensors live on the device of the data (the kernel reads them there).
+    Checking values reads them, which costs a device sync on CUDA; callers that
+    built the indices themselves may skip that with ``check_values=False``.
+    """
+    _check_index(source, source_name)
+    _check_index(destination, destination_name)
+    if source.shape[0] != destination.shape[0]:
+        raise ValueError(
+            f"{source_name} and {destination_name} must have equal lengths, got {source.shape[0]} and {destination.shape[0]}"
+        )
+    for index, name in ((source, source_name), (destination, destination_name)):
+        if index.device != device:
+            raise ValueError(f"{name} is on {index.device} but the data is on {device}; index tensors must be on the same device")
+    if not check_values:
+        return
+    _check_range(source, source_name, bounds.source, bounds.source_what)
+    _check_range(destination, destination_name, bounds.destination, bounds.destination_what)
+    if not allow_duplicate_destinations:
+        _check_unique(destination, destination_name)
