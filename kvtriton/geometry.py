@@ -1,0 +1,167 @@
+"""Model geometry: how many bytes one offloaded KV block holds.
+
+Capacity planning speaks in bytes (vLLM's ``cpu_bytes_to_use``) while the
+manager counts slots; the geometry of the model's KV cache (layers, KV heads,
+head dim, dtype, tokens per block) converts one into the other. Pure
+arithmetic: no torch, so ``kvtriton simulate`` stays scheduler-side and fast.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "PRESETS",
+    "KVDtype",
+    "ModelGeometry",
+    "format_bytes",
+    "parse_capacity",
+    "parse_dtype",
+]
+
+GIB = 2**30
+
+
+class KVDtype(enum.Enum):
+    """Element types a KV cache is stored in."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FP8 = "fp8"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE: dict[KVDtype, int] = {KVDtype.FLOAT32: 4, KVDtype.FLOAT16: 2, KVDtype.BFLOAT16: 2, KVDtype.FP8: 1}
+
+
+_DTYPE_NAMES: dict[str, KVDtype] = {
+    "float32": KVDtype.FLOAT32,
+    "fp32": KVDtype.FLOAT32,
+    "float16": KVDtype.FLOAT16,
+    "fp16": KVDtype.FLOAT16,
+    "half": KVDtype.FLOAT16,
+    "bfloat16": KVDtype.BFLOAT16,
+    "bf16": KVDtype.BFLOAT16,
+    "fp8": KVDtype.FP8,
+    "fp8_e4m3": KVDtype.FP8,
+    "fp8_e5m2": KVDtype.FP8,
+}
+
+
+def parse_dtype(name: str) -> KVDtype:
+    """Parse a dtype name as vLLM's ``--kv-cache-dtype`` spells it (``bf16``, ``fp8``, ...)."""
+    dtype = _DTYPE_NAMES.get(name.strip().lower())
+    if dtype is None:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(_DTYPE_NAMES))}, got {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """The shape of a model's KV cache, summed over all layers (and all TP ranks).
+
+    ``kv_factor`` is 2 for attention that caches K and V separately and 1 for
+    MLA, whose latent vector (``head_dim`` wide, one "head") holds both.
+    ``block_size`` is the number of tokens in one offloaded block.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: KVDtype
+    block_size: int = 16
+    kv_factor: int = 2
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value: object = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        if self.kv_factor not in (1, 2):
+            raise ValueError(f"kv_factor must be 1 (MLA) or 2 (K and V), got {self.kv_factor!r}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_for(self, capacity_bytes: int) -> int:
+        """How many whole blocks fit in ``capacity_bytes`` of host memory."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        return capacity_bytes // self.bytes_per_block
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.num_layers} layers x {self.kv_factor} x {self.num_kv_heads} KV heads"
+            f" x {self.head_dim} head dim x {self.dtype.value}, {self.block_size} tokens/block"
+            f" = {format_bytes(self.bytes_per_block)} per block"
+        )
+
+
+def _preset(name: str, layers: int, kv_heads: int, head_dim: int, kv_factor: int = 2) -> ModelGeometry:
+    return ModelGeometry(name, layers, kv_heads, head_dim, KVDtype.BFLOAT16, 16, kv_factor)
+
+
+PRESETS: dict[str, ModelGeometry] = {
+    geometry.name: geometry
+    for geometry in (
+        _preset("llama-3-8b", 32, 8, 128),
+        _preset("llama-3-70b", 80, 8, 128),
+        _preset("llama-3-405b", 126, 8, 128),
+        _preset("mistral-7b", 32, 8, 128),
+        _preset("qwen2.5-7b", 28, 4, 128),
+        _preset("qwen3-8b", 36, 8, 128),
+        _preset("qwen3-32b", 64, 8, 128),
+        # MLA: one 512-wide latent plus a 64-wide rope key per token and layer.
+        _preset("deepseek-v3", 61, 1, 576, kv_factor=1),
+    )
+}
+"""Published KV shapes of common models, bf16, 16 tokens per block."""
+
+_UNITS: dict[str, int] = {
+    "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}  # fmt: skip
+_CAPACITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_capacity(text: str, default_unit: str = "GiB") -> int:
+    """Parse a host memory size such as ``4``, ``1.5GiB``, ``512MiB`` or ``8G`` into bytes.
+
+    A bare number is in ``default_unit``. Binary units (KiB, MiB, GiB, TiB and
+    the single letters K, M, G, T) are powers of 1024; KB, MB, GB, TB are
+    powers of 1000, as written on memory data sheets.
+    """
+    match = _CAPACITY.match(text)
+    if match is None:
+        raise ValueError(f"capacity must be a number with an optional unit (e.g. 4GiB, 512MiB), got {text!r}")
+    number, unit = float(match.group(1)), (match.group(2) or default_unit).lower()
+    if unit not in _UNITS:
+        raise ValueError(f"capacity unit must be one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, got {text!r}")
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"capacity must be positive, got {text!r}")
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(size: float) -> str:
+    """``size`` in the largest binary unit that keeps it >= 1, e.g. ``2.00 MiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size:.0f} B"

@@ -1,0 +1,419 @@
+"""Request traces for capacity planning: built-in synthetic workloads and user traces.
+
+A trace is a list of :class:`Request`: the hashes of each request's full
+prompt blocks, in order, plus the blocks its output completes. Hashes are
+chained like vLLM's prefix-cache block hashes (a block's hash covers every
+token before it), so two requests share a block exactly when they share the
+whole prefix up to and including that block.
+
+Built-in workloads are seeded and deterministic: the same name, parameters,
+seed and block size always give the same trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import random
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar, cast
+
+__all__ = [
+    "WORKLOADS",
+    "ChatParams",
+    "FewShotParams",
+    "Request",
+    "SharedPromptParams",
+    "Workload",
+    "generate",
+    "parse_trace",
+    "read_trace",
+]
+
+_HASH_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as the offload tier sees it.
+
+    ``prompt_blocks`` are looked up (a prefix of them can hit) and the rest are
+    stored; ``output_blocks`` are the full blocks completed while decoding,
+    stored after the prompt's. ``prompt_tokens`` counts the partial last
+    prompt block too, which is never cached.
+    """
+
+    req_id: str
+    prompt_blocks: tuple[bytes, ...]
+    prompt_tokens: int
+    output_blocks: tuple[bytes, ...] = ()
+
+
+# --------------------------------------------------------------------------
+# Chained block hashes
+
+
+class _Sequence:
+    """A token sequence built from content segments, hashed block by block as it grows.
+
+    Tokens are never materialised: a segment is an id (distinct content) and a
+    length, and a block's hash covers the previous block's hash plus the
+    (segment, offset, length) pieces it holds.
+    """
+
+    __slots__ = ("_block_size", "_fill", "_pieces", "hashes", "tokens")
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._fill = 0
+        self._pieces: list[bytes] = []
+        self.hashes: list[bytes] = []
+        self.tokens = 0
+
+    def copy(self) -> _Sequence:
+        clone = _Sequence(self._block_size)
+        clone._fill = self._fill
+        clone._pieces = list(self._pieces)
+        clone.hashes = list(self.hashes)
+        clone.tokens = self.tokens
+        return clone
+
+    def append(self, segment_id: int, length: int) -> None:
+        offset = 0
+        while offset < length:
+            take = min(length - offset, self._block_size - self._fill)
+            self._pieces.append(struct.pack(">QII", segment_id, offset, take))
+            self._fill += take
+            offset += take
+            if self._fill == self._block_size:
+                previous = self.hashes[-1] if self.hashes else b""
+                digest = hashlib.blake2b(previous + b"".join(self._pieces), digest_size=_HASH_BYTES).digest()
+                self.hashes.append(digest)
+                self._pieces.clear()
+                self._fill = 0
+        self.tokens += length
+
+
+def _request(req_id: str, sequence: _Sequence, output_tokens: int, output_segment: int) -> Request:
+    """Snapshot ``sequence`` as a prompt, then append ``output_tokens`` of output to it."""
+    prompt = tuple(sequence.hashes)
+    prompt_tokens = sequence.tokens
+    sequence.append(output_segment, output_tokens)
+    return Request(req_id, prompt, prompt_tokens, tuple(sequence.hashes[len(prompt) :]))
+
+
+# --------------------------------------------------------------------------
+# Built-in workloads
+
+
+def _check_positive(params: object, *names: str) -> None:
+    for name in names:
+        value: object = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+def _check_range(params: object, low: str, high: str) -> None:
+    _check_positive(params, low, high)
+    if getattr(params, low) > getattr(params, high):
+        raise ValueError(f"{low} must be <= {high}, got {getattr(params, low)} > {getattr(params, high)}")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPromptParams:
+    """Many independent requests behind a few long system prompts (one per app or tool set)."""
+
+    requests: int = 1000
+    system_prompts: int = 4
+    system_tokens: int = 2048
+    user_tokens_min: int = 32
+    user_tokens_max: int = 512
+    output_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "system_prompts", "system_tokens", "output_tokens")
+        _check_range(self, "user_tokens_min", "user_tokens_max")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatParams:
+    """Multi-turn conversations, interleaved: each turn's prompt is the whole conversation so far."""
+
+    requests: int = 1000
+    active_conversations: int = 48
+    turns_min: int = 2
+    turns_max: int = 10
+    system_tokens: int = 256
+    user_tokens_min: int = 16
+    user_tokens_max: int = 256
+    output_tokens_min: int = 64
+    output_tokens_max: int = 512
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "active_conversations", "system_tokens")
+        _check_range(self, "turns_min", "turns_max")
+        _check_range(self, "user_tokens_min", "user_tokens_max")
+        _check_range(self, "output_tokens_min", "output_tokens_max")
+
+
+@dataclass(frozen=True, slots=True)
+class FewShotParams:
+    """Few-shot prompts: one of many long example prefixes, picked with Zipf popularity, plus a question."""
+
+    requests: int = 1000
+    prefixes: int = 200
+    zipf_s: float = 1.0
+    prefix_tokens_min: int = 512
+    prefix_tokens_max: int = 2048
+    question_tokens_min: int = 16
+    question_tokens_max: int = 128
+    output_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "prefixes", "zipf_s", "output_tokens")
+        _check_range(self, "prefix_tokens_min", "prefix_tokens_max")
+        _check_range(self, "question_tokens_min", "question_tokens_max")
+
+
+class _SegmentIds:
+    """Hands out content ids; distinct ids mean distinct token content."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def new(self) -> int:
+        return next(self._next)
+
+
+def _shared_prompt(params: SharedPromptParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    prompts: list[_Sequence] = []
+    for _ in range(params.system_prompts):
+        sequence = _Sequence(block_size)
+        sequence.append(ids.new(), params.system_tokens)
+        prompts.append(sequence)
+    requests: list[Request] = []
+    for index in range(params.requests):
+        sequence = rng.choice(prompts).copy()
+        sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
+        requests.append(_request(f"shared-{index}", sequence, params.output_tokens, ids.new()))
+    return requests
+
+
+@dataclass(slots=True)
+class _Conversation:
+    name: str
+    sequence: _Sequence
+    turns_left: int
+    turn: int = 0
+
+
+def _chat(params: ChatParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    system = _Sequence(block_size)
+    system.append(ids.new(), params.system_tokens)
+    started = itertools.count()
+
+    def start() -> _Conversation:
+        turns = rng.randint(params.turns_min, params.turns_max)
+        return _Conversation(f"chat-{next(started)}", system.copy(), turns)
+
+    active = [start() for _ in range(params.active_conversations)]
+    requests: list[Request] = []
+    for _ in range(params.requests):
+        slot = rng.randrange(len(active))
+        conversation = active[slot]
+        conversation.sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
+        output_tokens = rng.randint(params.output_tokens_min, params.output_tokens_max)
+        name = f"{conversation.name}-turn-{conversation.turn}"
+        requests.append(_request(name, conversation.sequence, output_tokens, ids.new()))
+        conversation.turn += 1
+        conversation.turns_left -= 1
+        if conversation.turns_left == 0:
+            active[slot] = start()
+    return requests
+
+
+def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    prefixes: list[_Sequence] = []
+    for _ in range(params.prefixes):
+        sequence = _Sequence(block_size)
+        sequence.append(ids.new(), rng.randint(params.prefix_tokens_min, params.prefix_tokens_max))
+        prefixes.append(sequence)
+    # Zipf popularity: prefix k (0-based) is chosen with weight 1 / (k + 1) ** s.
+    cumulative = list(itertools.accumulate(1.0 / (rank + 1) ** params.zipf_s for rank in range(params.prefixes)))
+    requests: list[Request] = []
+    for index in range(params.requests):
+        (chosen,) = rng.choices(prefixes, cum_weights=cumulative)
+        sequence = chosen.copy()
+        sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
+        requests.append(_request(f"few-shot-{index}", sequence, params.output_tokens, ids.new()))
+    return requests
+
+
+def _convert(raw: str | int | float, default: object, what: str) -> int | float:
+    """Parse ``raw`` as the type of ``default`` (int or float), refusing lossy conversions."""
+    try:
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(raw, str):
+            return int(raw.strip())
+        if isinstance(raw, float) and not raw.is_integer():
+            raise ValueError(raw)
+        return int(raw)
+    except ValueError:
+        kind = "a number" if isinstance(default, float) else "an integer"
+        raise ValueError(f"{what} must be {kind}, got {raw!r}") from None
+
+
+P = TypeVar("P", SharedPromptParams, ChatParams, FewShotParams)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload(Generic[P]):
+    """A named synthetic workload: its parameters (with defaults) and its generator."""
+
+    name: str
+    summary: str
+    defaults: P
+    build: Callable[[P, random.Random, int], list[Request]]
+
+    def parameters(self) -> dict[str, object]:
+        """Parameter names and default values, in declaration order."""
+        return {field.name: getattr(self.defaults, field.name) for field in dataclasses.fields(self.defaults)}
+
+    def params(self, overrides: Mapping[str, str | int | float]) -> P:
+        """The default parameters with ``overrides`` applied (strings are parsed as the field's type)."""
+        known = self.parameters()
+        changes: dict[str, int | float] = {}
+        for name, raw in overrides.items():
+            if name not in known:
+                raise ValueError(
+                    f"workload {self.name!r} has no parameter {name!r}; its parameters are {', '.join(known)}"
+                )
+            changes[name] = _convert(raw, known[name], f"parameter {name} of workload {self.name!r}")
+        return dataclasses.replace(self.defaults, **changes)
+
+    def generate(self, *, seed: int, block_size: int, overrides: Mapping[str, str | int | float] | None = None) -> list[Request]:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        return self.build(self.params(overrides or {}), random.Random(seed), block_size)
+
+
+WORKLOADS: dict[str, Workload[SharedPromptParams] | Workload[ChatParams] | Workload[FewShotParams]] = {
+    "shared-prompt": Workload(
+        "shared-prompt",
+        "independent requests behind a few long shared system prompts",
+        SharedPromptParams(),
+        _shared_prompt,
+    ),
+    "chat": Workload(
+        "chat",
+        "interleaved multi-turn conversations; each turn resends the whole history",
+        ChatParams(),
+        _chat,
+    ),
+    "few-shot": Workload(
+        "few-shot",
+        "Zipf-popular few-shot example prefixes, each followed by a new question",
+        FewShotParams(),
+        _few_shot,
+    ),
+}
+"""The built-in workloads by name."""
+
+
+def generate(
+    name: str,
+    *,
+    seed: int = 0,
+    block_size: int = 16,
+    overrides: Mapping[str, str | int | float] | None = None,
+) -> list[Request]:
+    """The trace of built-in workload ``name``; deterministic for a given seed."""
+    workload = WORKLOADS.get(name)
+    if workload is None:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {name!r}")
+    return workload.generate(seed=seed, block_size=block_size, overrides=overrides)
+
+
+# --------------------------------------------------------------------------
+# User traces (JSON lines)
+
+
+def _block_hash(value: object, line: str, field: str, index: int) -> bytes:
+    """A trace block hash: a string (used as its UTF-8 bytes) or a non-negative integer."""
+    if isinstance(value, str) and value:
+        return value.encode()
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value.to_bytes(max(8, (value.bit_length() + 7) // 8), "big")
+    raise ValueError(f"{line}: {field}[{index}] must be a non-empty string or a non-negative integer, got {value!r}")
+
+
+def _parse_line(text: str, line: str, block_size: int) -> Request:
+    try:
+        record: object = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{line}: not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{line}: expected a JSON object, got {type(record).__name__}")
+    fields = cast("dict[str, object]", record)  # JSON object keys are always strings
+    unknown = set(fields) - {"id", "blocks", "tokens", "output_blocks"}
+    if unknown:
+        raise ValueError(f"{line}: unknown field(s) {', '.join(sorted(unknown))}; expected id, blocks, tokens, output_blocks")
+    lists: dict[str, tuple[bytes, ...]] = {}
+    for name in ("blocks", "output_blocks"):
+        value = fields.get(name, [] if name == "output_blocks" else None)
+        if value is None:
+            raise ValueError(f"{line}: missing field 'blocks' (the request's prompt block hashes)")
+        if not isinstance(value, list):
+            raise ValueError(f"{line}: {name} must be a list of block hashes, got {type(value).__name__}")
+        items: list[object] = list(value)  # pyright: ignore[reportUnknownArgumentType] -- untyped JSON list
+        lists[name] = tuple(_block_hash(item, line, name, index) for index, item in enumerate(items))
+    blocks = lists["blocks"]
+    full_tokens = len(blocks) * block_size
+    tokens: object = fields.get("tokens", full_tokens)
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise ValueError(f"{line}: tokens must be an integer, got {tokens!r}")
+    if not full_tokens <= tokens < full_tokens + block_size:
+        raise ValueError(
+            f"{line}: tokens = {tokens} does not fit {len(blocks)} full blocks of {block_size} tokens"
+            f" (expected {full_tokens}..{full_tokens + block_size - 1})"
+        )
+    req_id: object = fields.get("id", line)
+    if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
+        raise ValueError(f"{line}: id must be a string or an integer, got {req_id!r}")
+    return Request(str(req_id), blocks, tokens, lists["output_blocks"])
+
+
+def parse_trace(lines: Iterable[str], *, block_size: int = 16, source: str = "trace") -> Iterator[Request]:
+    """Parse JSON-lines requests; a bad line raises ``ValueError`` naming ``source``, the line and why.
+
+    Each non-blank line is an object: ``blocks`` (list of block hashes, strings
+    or non-negative integers, required), ``tokens`` (prompt length, default
+    ``len(blocks) * block_size``), ``output_blocks`` (default none) and ``id``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for number, text in enumerate(lines, start=1):
+        if text.strip():
+            yield _parse_line(text, f"{source} line {number}", block_size)
+
+
+def read_trace(path: str | Path, *, block_size: int = 16) -> list[Request]:
+    """Read a JSON-lines trace file (see :func:`parse_trace`); an empty trace is an error."""
+    trace_path = Path(path)
+    try:
+        with trace_path.open(encoding="utf-8") as handle:
+            requests = list(parse_trace(handle, block_size=block_size, source=str(trace_path)))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{trace_path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not requests:
+        raise ValueError(f"{trace_path}: the trace holds no requests")
+    return requests

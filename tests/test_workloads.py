@@ -1,0 +1,184 @@
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtriton.workloads import WORKLOADS, Request, generate, parse_trace, read_trace
+
+SMALL = {"requests": "60"}
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_workload_is_deterministic_per_seed(name: str) -> None:
+    first = generate(name, seed=7, overrides=SMALL)
+    again = generate(name, seed=7, overrides=SMALL)
+    other = generate(name, seed=8, overrides=SMALL)
+    assert first == again
+    assert first != other
+    assert len(first) == 60
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_prompt_tokens_match_the_full_prompt_blocks(name: str, block_size: int) -> None:
+    for request in generate(name, seed=1, block_size=block_size, overrides=SMALL):
+        full = len(request.prompt_blocks) * block_size
+        assert full <= request.prompt_tokens < full + block_size
+
+
+def test_shared_prompt_requests_share_exactly_the_system_prompt_blocks() -> None:
+    requests = generate(
+        "shared-prompt", seed=3, block_size=16,
+        overrides={"requests": "40", "system_prompts": "1", "system_tokens": "64", "user_tokens_min": "20"},
+    )  # fmt: skip
+    first_blocks = {request.prompt_blocks[:4] for request in requests}
+    assert len(first_blocks) == 1  # 64 system tokens = 4 shared blocks
+    fifth_blocks = [request.prompt_blocks[4] for request in requests]
+    assert len(set(fifth_blocks)) == len(fifth_blocks)  # block 5 holds user tokens: never shared
+
+
+def test_chat_turn_resends_the_previous_turn_and_its_answer() -> None:
+    requests = generate("chat", seed=5, block_size=8, overrides={"requests": "200", "active_conversations": "4"})
+    by_conversation: dict[str, list[Request]] = collections.defaultdict(list)
+    for request in requests:
+        by_conversation[request.req_id.rsplit("-turn-", 1)[0]].append(request)
+    follow_ups = 0
+    for turns in by_conversation.values():
+        for previous, current in zip(turns, turns[1:]):
+            history = previous.prompt_blocks + previous.output_blocks
+            assert current.prompt_blocks[: len(history)] == history
+            assert len(current.prompt_blocks) >= len(history)
+            follow_ups += 1
+    assert follow_ups > 100
+
+
+def test_conversations_share_only_the_system_prompt() -> None:
+    requests = generate(
+        "chat", seed=2, block_size=16, overrides={"requests": "100", "system_tokens": "32", "user_tokens_min": "17"}
+    )
+    firsts = {request.prompt_blocks[:2] for request in requests}
+    thirds = {request.prompt_blocks[2] for request in requests if request.req_id.endswith("-turn-0")}
+    assert len(firsts) == 1
+    assert len(thirds) == sum(request.req_id.endswith("-turn-0") for request in requests)
+
+
+def test_few_shot_popularity_follows_zipf_rank() -> None:
+    requests = generate("few-shot", seed=11, overrides={"requests": "3000", "prefixes": "50", "zipf_s": "1.2"})
+    counts = collections.Counter(request.prompt_blocks[0] for request in requests)
+    ranked = [count for _, count in counts.most_common()]
+    # rank 1 vs rank 10 of a Zipf(1.2) law: about 10 ** 1.2 = 16 times more requests
+    assert ranked[0] > 8 * ranked[9]
+    assert len(counts) <= 50
+
+
+def test_requests_override_and_block_size_change_the_trace_shape() -> None:
+    coarse = generate("few-shot", seed=0, block_size=64, overrides={"requests": "10"})
+    fine = generate("few-shot", seed=0, block_size=16, overrides={"requests": "10"})
+    assert len(coarse) == len(fine) == 10
+    assert sum(len(r.prompt_blocks) for r in fine) > 3 * sum(len(r.prompt_blocks) for r in coarse)
+
+
+def test_unknown_workload_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match="workload must be one of shared-prompt, chat, few-shot, got 'web'"):
+        generate("web")
+
+
+def test_unknown_parameter_names_the_workload_and_its_parameters() -> None:
+    with pytest.raises(ValueError, match="workload 'chat' has no parameter 'turns'; its parameters are requests,"):
+        generate("chat", overrides={"turns": "3"})
+
+
+def test_parameter_of_the_wrong_type_is_rejected() -> None:
+    with pytest.raises(ValueError, match="parameter requests of workload 'chat' must be an integer, got '1.5'"):
+        generate("chat", overrides={"requests": "1.5"})
+    with pytest.raises(ValueError, match="zipf_s of workload 'few-shot' must be a number, got 'steep'"):
+        generate("few-shot", overrides={"zipf_s": "steep"})
+
+
+def test_inconsistent_parameters_are_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="turns_min must be <= turns_max, got 5 > 2"):
+        generate("chat", overrides={"turns_min": "5", "turns_max": "2"})
+    with pytest.raises(ValueError, match="requests must be positive, got 0"):
+        generate("shared-prompt", overrides={"requests": "0"})
+
+
+# --------------------------------------------------------------------------
+# JSON-lines traces
+
+
+def test_trace_lines_become_requests_with_defaults() -> None:
+    lines = [
+        json.dumps({"id": "a", "blocks": ["h1", "h2"], "tokens": 40, "output_blocks": ["h3"]}),
+        "",
+        json.dumps({"blocks": [1, 2]}),
+    ]
+    first, second = parse_trace(lines, block_size=16)
+    assert first == Request("a", (b"h1", b"h2"), 40, (b"h3",))
+    assert second.req_id == "trace line 3"
+    assert second.prompt_tokens == 32
+    assert second.prompt_blocks == ((1).to_bytes(8, "big"), (2).to_bytes(8, "big"))
+    assert second.output_blocks == ()
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"id": "x"}', "missing field 'blocks'"),
+        ('{"blocks": "h1"}', "blocks must be a list of block hashes, got str"),
+        ('{"blocks": ["h1", 2.5]}', r"blocks\[1\] must be a non-empty string or a non-negative integer, got 2.5"),
+        ('{"blocks": [-1]}', r"blocks\[0\] must be a non-empty string or a non-negative integer, got -1"),
+        ('{"blocks": ["a"], "output_blocks": [""]}', r"output_blocks\[0\] must be a non-empty string"),
+        ('{"blocks": ["a"], "tokens": 40}', "tokens = 40 does not fit 1 full blocks of 16 tokens"),
+        ('{"blocks": ["a"], "tokens": "16"}', "tokens must be an integer, got '16'"),
+        ('{"blocks": ["a"], "prompt": "hi"}', "unknown field.*prompt"),
+        ('{"blocks": ["a"], "id": [1]}', "id must be a string or an integer"),
+    ],
+)
+def test_malformed_trace_line_names_the_line_and_why(line: str, why: str) -> None:
+    good = json.dumps({"blocks": ["a", "b"]})
+    with pytest.raises(ValueError, match=f"^t.jsonl line 3: .*{why}"):
+        list(parse_trace([good, "", line, good], block_size=16, source="t.jsonl"))
+
+
+def test_read_trace_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"blocks": ["a"]}\n{"blocks": ["a", "b"]}\n{"blocks": [}\n')
+    with pytest.raises(ValueError, match=f"^{path} line 3: not valid JSON"):
+        read_trace(path)
+
+
+def test_read_trace_rejects_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="the trace holds no requests"):
+        read_trace(path)
+
+
+def test_read_trace_rejects_binary_files(tmp_path: Path) -> None:
+    path = tmp_path / "trace.bin"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        read_trace(path)
+
+
+def test_read_trace_round_trips_a_written_trace(tmp_path: Path) -> None:
+    requests = generate("shared-prompt", seed=4, block_size=16, overrides={"requests": "5"})
+    path = tmp_path / "trace.jsonl"
+    with path.open("w") as handle:
+        for request in requests:
+            record = {
+                "id": request.req_id,
+                "blocks": [block.hex() for block in request.prompt_blocks],
+                "tokens": request.prompt_tokens,
+                "output_blocks": [block.hex() for block in request.output_blocks],
+            }
+            handle.write(json.dumps(record) + "\n")
+    loaded = read_trace(path, block_size=16)
+    assert [r.req_id for r in loaded] == [r.req_id for r in requests]
+    assert [len(r.prompt_blocks) for r in loaded] == [len(r.prompt_blocks) for r in requests]
+    assert [r.prompt_tokens for r in loaded] == [r.prompt_tokens for r in requests]
