@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+import kvtriton.backends as backends_module
+from kvtriton.backends import TransferBackend
+from kvtriton.engine import TransferEngine, TransferResult
+from kvtriton.layout import PagedKV
+from kvtriton.slab import HostSlab
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+BLOCKS, SLOTS = 8, 6
+STORE_TYPE, LOAD_TYPE = ("GPU", "CPU"), ("CPU", "GPU")
+
+
+def make_kv() -> PagedKV:
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-128, 127, (2, BLOCKS, 4, 2, 8), dtype=torch.int8, generator=generator) for _ in range(2)]
+    return PagedKV.from_tensors(tensors)
+
+
+@pytest.fixture
+def engine() -> Iterator[TransferEngine]:
+    kv = make_kv()
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab) as transfer:
+        yield transfer
+
+
+def block_bytes(kv: PagedKV, block: int) -> bytes:
+    return b"".join(bytes(page[block].numpy().tobytes()) for page in kv.byte_pages())
+
+
+def store(engine: TransferEngine, job_id: int, blocks: Sequence[int], slots: Sequence[int]) -> bool:
+    return engine.submit_store(job_id, GPULoadStoreSpec(blocks), CPULoadStoreSpec(slots))
+
+
+def load(engine: TransferEngine, job_id: int, slots: Sequence[int], blocks: Sequence[int]) -> bool:
+    return engine.submit_load(job_id, CPULoadStoreSpec(slots), GPULoadStoreSpec(blocks))
+
+
+def test_auto_runs_the_torch_backend_on_cpu(engine: TransferEngine) -> None:
+    assert engine.backend is TransferBackend.TORCH
+
+
+def test_auto_picks_triton_on_cuda_and_dma_when_the_slab_is_not_pinned() -> None:
+    cuda = torch.device("cuda", 0)
+    assert TransferBackend.AUTO.resolve(cuda, slab_pinned=True) is TransferBackend.TRITON
+    assert TransferBackend.AUTO.resolve(cuda, slab_pinned=False) is TransferBackend.DMA
+    assert TransferBackend.AUTO.resolve(torch.device("cpu"), slab_pinned=False) is TransferBackend.TORCH
+    assert TransferBackend.DMA.resolve(cuda, slab_pinned=True) is TransferBackend.DMA
+
+
+def test_a_store_copies_block_bytes_into_slot_rows_and_is_reported_once(engine: TransferEngine) -> None:
+    assert store(engine, 0, [5, 2], [1, 4])
+    results = engine.get_finished()
+    assert len(results) == 1
+    result = results[0]
+    assert (result.job_id, result.success, result.transfer_type) == (0, True, STORE_TYPE)
+    assert result.transfer_size == 2 * engine.kv.row_bytes
+    assert result.transfer_time >= 0.0
+    assert bytes(engine.slab.rows[1].numpy().tobytes()) == block_bytes(engine.kv, 5)
+    assert bytes(engine.slab.rows[4].numpy().tobytes()) == block_bytes(engine.kv, 2)
+    assert engine.get_finished() == []
+
+
+def test_a_load_brings_slot_bytes_back_into_other_blocks(engine: TransferEngine) -> None:
+    expected = block_bytes(engine.kv, 3)
+    store(engine, 0, [3], [0])
+    assert load(engine, 1, [0], [7])
+    assert [(r.job_id, r.transfer_type) for r in engine.get_finished()] == [(0, STORE_TYPE), (1, LOAD_TYPE)]
+    assert block_bytes(engine.kv, 7) == expected
+
+
+def test_results_come_in_submission_order_per_direction(engine: TransferEngine) -> None:
+    store(engine, 4, [0], [0])
+    load(engine, 2, [0], [6])
+    store(engine, 1, [1], [1])
+    load(engine, 3, [1], [7])
+    results = engine.get_finished()
+    stores = [r.job_id for r in results if r.transfer_type == STORE_TYPE]
+    loads = [r.job_id for r in results if r.transfer_type == LOAD_TYPE]
+    assert (stores, loads) == ([4, 1], [2, 3])
+
+
+def test_an_invalid_submit_returns_false_reports_nothing_and_logs_why(
+    engine: TransferEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtriton.engine"):
+        assert not store(engine, 0, [0, 1], [0])
+        assert not store(engine, 1, [BLOCKS], [0])
+        assert not load(engine, 2, [SLOTS], [0])
+        assert not engine.submit_store(3, CPULoadStoreSpec([0]), CPULoadStoreSpec([0]))  # pyright: ignore[reportArgumentType] -- wrong spec type on purpose
+    assert engine.get_finished() == []
+    assert "holds 1 slots but the GPU spec spans 2" in caplog.text
+    assert "out of range" in caplog.text
+    assert "gpu must be a GPULoadStoreSpec" in caplog.text
+    assert int(engine.slab.rows.sum()) == 0
+
+
+def test_a_job_id_still_unreported_is_refused_then_free_again(engine: TransferEngine) -> None:
+    assert store(engine, 7, [0], [0])
+    assert not load(engine, 7, [0], [1])
+    assert [r.job_id for r in engine.get_finished()] == [7]
+    assert load(engine, 7, [0], [1])
+    assert [r.transfer_type for r in engine.get_finished()] == [LOAD_TYPE]
+
+
+def test_a_non_integer_job_id_is_refused(engine: TransferEngine) -> None:
+    assert not store(engine, "job", [0], [0])  # pyright: ignore[reportArgumentType] -- wrong type on purpose
+    assert not store(engine, True, [0], [0])
+
+
+def test_a_copy_that_raises_fails_only_its_job(engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_gather = backends_module.gather_pages_reference
+    calls: list[int] = []
+
+    def gather_failing_second_call(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated copy failure")
+        real_gather(*args, **kwargs)  # pyright: ignore[reportArgumentType] -- forwarded unchanged
+
+    monkeypatch.setattr(backends_module, "gather_pages_reference", gather_failing_second_call)
+    assert store(engine, 0, [0], [0])
+    assert store(engine, 1, [1], [1])
+    assert store(engine, 2, [2], [2])
+    results = engine.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(0, True), (1, False), (2, True)]
+    assert results[1].transfer_size == 0
+    assert bytes(engine.slab.rows[2].numpy().tobytes()) == block_bytes(engine.kv, 2)
+
+
+def test_wait_accepts_unknown_ids_and_leaves_results_reportable(engine: TransferEngine) -> None:
+    store(engine, 0, [0], [0])
+    engine.wait({0, 99})
+    assert [r.job_id for r in engine.get_finished()] == [0]
+
+
+def test_shutdown_keeps_results_and_refuses_new_jobs(engine: TransferEngine) -> None:
+    store(engine, 0, [0], [0])
+    engine.shutdown()
+    assert not store(engine, 1, [1], [1])
+    assert [r.job_id for r in engine.get_finished()] == [0]
+    engine.shutdown()
+
+
+def test_an_empty_job_succeeds_with_zero_bytes(engine: TransferEngine) -> None:
+    assert store(engine, 0, [], [])
+    (result,) = engine.get_finished()
+    assert (result.job_id, result.success, result.transfer_size) == (0, True, 0)
+
+
+def test_transfer_result_is_a_frozen_value() -> None:
+    result = TransferResult(1, True, 10, 0.5, STORE_TYPE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.success = False  # pyright: ignore[reportAttributeAccessIssue] -- mutation is the point
+
+
+def test_block_size_factor_comes_from_the_slab() -> None:
+    kv = make_kv()
+    with HostSlab(2, 3, kv.row_bytes, pin=False) as slab:
+        engine = TransferEngine(kv, slab)
+        assert engine.block_size_factor == 3
+        assert engine.submit_store(0, GPULoadStoreSpec([0, 1, 2, 3, 4, 5]), CPULoadStoreSpec([1, 0]))
+        assert engine.get_finished()[0].transfer_size == 6 * kv.row_bytes
+        assert bytes(slab.rows[3].numpy().tobytes()) == block_bytes(kv, 0)
+
+
+def test_construction_rejects_narrow_slabs_bad_backends_and_program_counts() -> None:
+    kv = make_kv()
+    with HostSlab(2, 1, kv.row_bytes - 1, pin=False) as narrow:
+        with pytest.raises(ValueError, match=f"slab rows hold {kv.row_bytes - 1} bytes but one block of kv needs"):
+            TransferEngine(kv, narrow)
+    with HostSlab(2, 1, kv.row_bytes, pin=False) as slab:
+        with pytest.raises(ValueError, match="backend must be one of .*'dma'.*got 'cuda'"):
+            TransferEngine(kv, slab, backend="cuda")
+        with pytest.raises(ValueError, match="num_programs must be an int >= 1, got 0"):
+            TransferEngine(kv, slab, num_programs=0)
+    closed = HostSlab(2, 1, kv.row_bytes, pin=False)
+    closed.close()
+    with pytest.raises(ValueError, match="slab is closed"):
+        TransferEngine(kv, closed)
