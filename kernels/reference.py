@@ -115,10 +115,13 @@ def _runs(ordered: torch.Tensor) -> tuple[_Run, ...]:
     return tuple(_Run(start, end - start, first) for start, end, first in zip(starts, ends, firsts))
 
 
-def plan_copy(source: torch.Tensor, destination: torch.Tensor) -> CopyPlan:
-    """Sequential semantics in bulk form: keep the last pair per destination, then find runs."""
-    source = source.to(torch.int64)
-    destination = destination.to(torch.int64)
+def plan_copy(source: torch.Tensor, destination: torch.Tensor, device: torch.device) -> CopyPlan:
+    """Sequential semantics in bulk form: keep the last pair per destination, then find runs.
+
+    The plan's index tensors live on ``device`` (where the copies index).
+    """
+    source = source.to(device=device, dtype=torch.int64)
+    destination = destination.to(device=device, dtype=torch.int64)
     order = torch.argsort(destination, stable=True)
     ordered = destination[order]
     # After a stable sort the last of equal destinations is the last pair in call order.
@@ -141,6 +144,11 @@ def plan_copy(source: torch.Tensor, destination: torch.Tensor) -> CopyPlan:
 def copy_planned(destination: torch.Tensor, source: torch.Tensor, plan: CopyPlan) -> None:
     """``destination[plan.destination[i]] = source[plan.source[i]]`` for every pair, row-wise."""
     if plan.num_pairs == 0:
+        return
+    if destination.device != source.device:
+        # GPU pages and a host slab: pick on the source device, place on the destination's.
+        picked = source.index_select(0, plan.source.to(source.device)).to(destination.device)
+        destination.index_copy_(0, plan.destination.to(destination.device), picked)
         return
     runs = min(len(plan.destination_runs), len(plan.source_runs))
     run_bytes = plan.num_pairs * destination.shape[1] * destination.element_size() // runs
@@ -190,7 +198,7 @@ def gather_unchecked(
     """The gather copy on already validated arguments."""
     if src_blocks.numel() == 0:
         return
-    plan = plan_copy(src_blocks, dst_rows)
+    plan = plan_copy(src_blocks, dst_rows, geometry.device)
     for blocks, rows in page_views(src, dst, geometry):
         copy_planned(rows, blocks, plan)
 
@@ -201,6 +209,6 @@ def scatter_unchecked(
     """The scatter copy on already validated arguments."""
     if src_rows.numel() == 0:
         return
-    plan = plan_copy(src_rows, dst_blocks)
+    plan = plan_copy(src_rows, dst_blocks, geometry.device)
     for blocks, rows in page_views(dst, src, geometry):
         copy_planned(blocks, rows, plan)

@@ -123,7 +123,10 @@ def _page_numel(page: torch.Tensor) -> int:
 
 
 def check_slab(slab: torch.Tensor, name: str, geometry: PageGeometry) -> None:
-    """Check that ``slab`` is a 2-D uint8 tensor with contiguous rows wide enough for every page."""
+    """Check that ``slab`` is a 2-D uint8 tensor with contiguous rows wide enough for every page.
+
+    The slab lives with the pages, or in pinned host memory when the pages are on a GPU.
+    """
     if not isinstance(slab, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
         raise TypeError(f"{name} must be a torch.Tensor, got {type(slab).__name__}")
     if slab.dtype != torch.uint8:
@@ -139,8 +142,14 @@ def check_slab(slab: torch.Tensor, name: str, geometry: PageGeometry) -> None:
             f"{name} row too narrow: {slab.shape[1]} bytes per row, the pages need {geometry.row_bytes} "
             f"(page bytes {list(geometry.page_bytes)})"
         )
-    if slab.device != geometry.device:
-        raise ValueError(f"{name} is on {slab.device} but the page tensors are on {geometry.device}")
+    if slab.device == geometry.device:
+        return
+    if geometry.device.type == "cuda" and slab.device.type == "cpu":
+        # The GPU reaches host memory only when it is pinned (or registered).
+        if not slab.is_pinned():
+            raise ValueError(f"{name} is pageable host memory; a slab used with {geometry.device} pages must be pinned")
+        return
+    raise ValueError(f"{name} is on {slab.device} but the page tensors are on {geometry.device}")
 
 
 def _check_index(index: torch.Tensor, name: str) -> None:

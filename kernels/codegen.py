@@ -1,0 +1,127 @@
+"""What the production kernel compiles to, without a GPU: access widths and index arithmetic.
+
+Compiles :func:`copy_pages_kernel` for ``sm_90`` with the configuration that a
+real launch would use for a page size (see :func:`plan_launch`), then reads the
+PTX (global load/store widths) and the TTIR (integer multiplies). The tests use
+this as a quality gate; ``bench/kernels.py --ptx`` prints it next to the
+descriptor-per-copy baseline.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass
+
+from .launch import MAX_NUM_WARPS, LaunchConfig, make_config, word_width
+from .pages import DEFAULT_BYTES_PER_ITER
+
+__all__ = ["AccessSummary", "CompiledKernel", "compile_copy_pages", "compile_descriptor_copy", "production_config"]
+
+_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s")
+_PTX_MUL32 = re.compile(r"\b(?:mul|mad)\.lo\.[su]32\b")
+_TTIR_MULI = re.compile(r"arith\.muli\s+(%[\w.#]+),\s*(%[\w.#]+)\s*:\s*(i\d+)")
+
+_BITS = {"b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "b32": 32, "u32": 32, "s32": 32, "f32": 32,
+         "b64": 64, "u64": 64, "s64": 64, "f64": 64}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class AccessSummary:
+    """Global memory instructions of one kernel, counted by access width in bytes per thread."""
+
+    loads: dict[int, int]
+    stores: dict[int, int]
+
+    @property
+    def widest_load(self) -> int:
+        return max(self.loads, default=0)
+
+    @property
+    def widest_store(self) -> int:
+        return max(self.stores, default=0)
+
+    def describe(self) -> str:
+        def side(counts: dict[int, int]) -> str:
+            return " ".join(f"{width}B x{count}" for width, count in sorted(counts.items(), reverse=True)) or "-"
+
+        return f"loads {side(self.loads)} | stores {side(self.stores)}"
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledKernel:
+    """Assembly of one kernel configuration, with the questions the quality gate asks."""
+
+    name: str
+    ptx: str
+    ttir: str
+
+    def accesses(self) -> AccessSummary:
+        counts: dict[str, collections.Counter[int]] = {"ld": collections.Counter(), "st": collections.Counter()}
+        for kind, suffix in _ACCESS.findall(self.ptx):
+            parts = suffix.strip(".").split(".")
+            vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+            bits = next((_BITS[p] for p in parts if p in _BITS), 0)
+            counts[kind][vector * bits // 8] += 1
+        return AccessSummary(loads=dict(counts["ld"]), stores=dict(counts["st"]))
+
+    def multiplies(self) -> list[str]:
+        """TTIR integer multiplies as ``"lhs * rhs : type"``."""
+        return [f"{lhs} * {rhs} : {ty}" for lhs, rhs, ty in _TTIR_MULI.findall(self.ttir)]
+
+    def narrow_multiplies(self) -> list[str]:
+        """32-bit (or narrower) multiplies in the TTIR and the PTX; each could wrap an address."""
+        narrow = [m for m in self.multiplies() if not m.endswith(": i64")]
+        return narrow + _PTX_MUL32.findall(self.ptx)
+
+
+def production_config(page_bytes: int, num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER) -> LaunchConfig:
+    """The launch configuration for uniform pages of ``page_bytes`` with 16-byte aligned bases and slab.
+
+    What :func:`kernels.launch.plan_launch` picks in the usual case, in which
+    the word width is set by the page size alone.
+    """
+    return make_config(word_width(page_bytes), [page_bytes] * num_pages, bytes_per_iter)
+
+
+_ELEMENT_TYPES = {8: "i64", 4: "i32", 2: "i16", 1: "i8"}
+
+
+def compile_copy_pages(config: LaunchConfig, *, to_slab: bool, index_type: str = "i64", arch: int = 90) -> CompiledKernel:
+    """Compile the gather (``to_slab``) or scatter kernel for ``config`` on ``sm_<arch>``."""
+    from .jit.compile import compile_asm
+
+    element = _ELEMENT_TYPES[config.element_bytes]
+    asm = compile_asm(
+        "copy_pages",
+        signature={
+            "table_ptr": "*i64", "slab_ptr": f"*{element}", "blocks_ptr": f"*{index_type}",
+            "rows_ptr": f"*{index_type}", "num_pairs": "i32", "row_stride": "i64",
+        },
+        constexprs={
+            "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "PAGE_ELEMS": config.page_elems,
+            "CHUNK": config.chunk, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
+        },
+        # What Triton's launcher specialises for 16-byte aligned tensors and a
+        # slab row stride that is a multiple of 16 elements.
+        divisible_by_16=["table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "row_stride"],
+        num_warps=config.num_warps,
+        arch=arch,
+    )  # fmt: skip
+    kind = "gather" if to_slab else "scatter"
+    return CompiledKernel(name=f"{kind} {config.page_elems * config.element_bytes} B", ptx=asm["ptx"], ttir=asm["ttir"])
+
+
+def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKernel:
+    """Compile the vLLM-style descriptor-per-copy baseline (``kernels/jit/descriptor_copy.py``)."""
+    from .jit.compile import compile_asm
+
+    asm = compile_asm(
+        "descriptor_copy",
+        signature={"descriptors_ptr": "*i64", "num_descriptors": "i64"},
+        constexprs={"BLOCK": block},
+        divisible_by_16=["descriptors_ptr"],
+        num_warps=MAX_NUM_WARPS,
+        arch=arch,
+    )
+    return CompiledKernel(name="descriptor-per-copy", ptx=asm["ptx"], ttir=asm["ttir"])

@@ -1,0 +1,147 @@
+"""@triton.jit bodies of the gather (pages -> slab rows) and scatter (slab rows -> pages) kernels.
+
+One launch moves a whole job. The page tensors are reached through a small
+int64 table, one row of ``TABLE_COLUMNS`` per page tensor::
+
+    [base address (bytes), block stride (bytes), row offset (elements), page size (elements)]
+
+while the slab is a real pointer argument (typed with the word element, so
+that Triton can vectorise the slab side; pinned host memory is translated to
+its device address by Triton's launcher). Work is split into units of one
+``CHUNK`` of one page of one index pair; a persistent grid of programs walks
+the units with a stride of the program count.
+
+Element type = ``slab_ptr``'s element (int8/16/32/64). ``WORD`` is the
+alignment in bytes that the host checked for every base, stride, row offset
+and the slab (16 lets the compiler emit 16-byte accesses of two int64s);
+every hint below relies on that check. All index arithmetic is int64: block,
+row and page indices are widened before they are multiplied.
+
+Raw addresses work under ``TRITON_INTERPRET=1`` as well: the interpreter
+dereferences the same int64 addresses on CPU tensors, so the tests run this
+exact code.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+TABLE_COLUMNS = 4
+
+
+@triton.jit
+def copy_pages_kernel(
+    table_ptr,
+    slab_ptr,
+    blocks_ptr,
+    rows_ptr,
+    num_pairs,
+    row_stride,
+    TO_SLAB: tl.constexpr,
+    NUM_PAGES: tl.constexpr,
+    PAGE_ELEMS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    EVEN: tl.constexpr,
+    WORD: tl.constexpr,
+):
+    """Gather (``TO_SLAB``) or scatter every (block, row) pair for every page tensor.
+
+    gather : slab[rows[i]][off_t : off_t + page_t] = bytes(page_t[blocks[i]])
+    scatter: bytes(page_t[blocks[i]]) = slab[rows[i]][off_t : off_t + page_t]
+
+    ``PAGE_ELEMS`` is the page size in slab elements (the largest one when the
+    pages differ, ``UNIFORM`` False; the per-page size then comes from the
+    table); ``EVEN`` says that every chunk is full, so no mask is needed.
+    """
+    CHUNKS: tl.constexpr = (PAGE_ELEMS + CHUNK - 1) // CHUNK
+    units = num_pairs.to(tl.int64) * (NUM_PAGES * CHUNKS)
+    first = tl.program_id(0).to(tl.int64)
+    step = tl.num_programs(0).to(tl.int64)
+    for unit in range(first, units, step):
+        chunk = unit % CHUNKS  # pyright: ignore[reportOperatorIssue] -- unit is a Triton tensor, not the int pyright infers from range()
+        rest = unit // CHUNKS
+        page = rest % NUM_PAGES
+        pair = rest // NUM_PAGES
+        # Widen before multiplying: i32 products wrap past 2 GiB.
+        block = tl.load(blocks_ptr + pair).to(tl.int64)
+        row = tl.load(rows_ptr + pair).to(tl.int64)
+        entry = table_ptr + page * 4
+        base = tl.load(entry)
+        block_stride = tl.load(entry + 1)
+        row_offset = tl.load(entry + 2)
+        # The host checked that every base, stride and offset is a multiple of WORD.
+        page_start = tl.multiple_of((base + block * block_stride).to(slab_ptr.dtype), WORD)
+        slab_start = tl.multiple_of(slab_ptr + (row * row_stride + row_offset), WORD)
+        offsets = chunk * CHUNK + tl.arange(0, CHUNK)
+        if EVEN:
+            if TO_SLAB:
+                tl.store(slab_start + offsets, tl.load(page_start + offsets))
+            else:
+                tl.store(page_start + offsets, tl.load(slab_start + offsets))
+        else:
+            if UNIFORM:
+                mask = offsets < PAGE_ELEMS
+            else:
+                mask = offsets < tl.load(entry + 3)
+            if TO_SLAB:
+                tl.store(slab_start + offsets, tl.load(page_start + offsets, mask=mask), mask=mask)
+            else:
+                tl.store(page_start + offsets, tl.load(slab_start + offsets, mask=mask), mask=mask)
+
+
+_VARIANTS = {}
+
+
+def _variant(interpret: bool):
+    """The kernel compiled for the GPU, or run by the interpreter, chosen per call.
+
+    ``@triton.jit`` picks one mode from ``TRITON_INTERPRET`` when this module is
+    imported; CUDA tensors must always take the compiled kernel and CPU tensors
+    the interpreter, whatever the environment said at import time.
+    """
+    if interpret not in _VARIANTS:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        raw = copy_pages_kernel.fn
+        _VARIANTS[interpret] = InterpretedFunction(raw) if interpret else JITFunction(raw)
+    return _VARIANTS[interpret]
+
+
+def launch_copy_pages(
+    *,
+    interpret: bool,
+    grid: int,
+    num_warps: int,
+    table: torch.Tensor,
+    slab: torch.Tensor,
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    row_stride: int,
+    to_slab: bool,
+    num_pages: int,
+    page_elems: int,
+    chunk: int,
+    uniform: bool,
+    even: bool,
+    word: int,
+) -> None:
+    """One launch of :func:`copy_pages_kernel` on ``grid`` programs (arguments already checked)."""
+    kernel = _variant(interpret)
+    kernel[(grid,)](
+        table,
+        slab,
+        blocks,
+        rows,
+        blocks.shape[0],
+        row_stride,
+        TO_SLAB=to_slab,
+        NUM_PAGES=num_pages,
+        PAGE_ELEMS=page_elems,
+        CHUNK=chunk,
+        UNIFORM=uniform,
+        EVEN=even,
+        WORD=word,
+        num_warps=num_warps,
+    )

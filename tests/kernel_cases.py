@@ -1,0 +1,140 @@
+"""One builder for the kernel tests: page tensors cut from real engine layouts, slabs and indices.
+
+Every case is deterministic in its seed, so building it twice gives two
+bit-identical copies: one for the kernel, one for the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+# Small on purpose: the interpreter runs one work unit at a time.
+NUM_BLOCKS = 6
+LAYERS = 2
+BLOCK_SIZE = 4
+HEADS = 2
+HEAD_DIM = 8
+
+
+def devices() -> list[str]:
+    """CPU always (through the interpreter), plus CUDA where a GPU is present."""
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class PageCase:
+    """Page tensors (views) plus the tensors that own their memory."""
+
+    name: str
+    pages: list[torch.Tensor]
+    owners: list[torch.Tensor]
+
+    @property
+    def page_bytes(self) -> list[int]:
+        return [page[0].numel() * page.element_size() for page in self.pages]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.page_bytes)
+
+    @property
+    def num_blocks(self) -> int:
+        return min(page.shape[0] for page in self.pages)
+
+    def memory(self) -> list[torch.Tensor]:
+        """Every byte the case owns, as uint8 tensors (compare them to see what changed)."""
+        return [as_bytes(owner) for owner in self.owners]
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """All bytes of a contiguous tensor, as a flat uint8 copy on the CPU."""
+    return tensor.detach().reshape(-1).view(torch.uint8).cpu().clone()
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator, device: str) -> torch.Tensor:
+    """Random bytes reinterpreted as ``dtype``: every bit pattern, NaNs included, must survive a copy."""
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * item), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).to(device)
+
+
+def _flash_attn(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = [random_tensor((2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
+    return [layer[kv] for layer in layers for kv in range(2)], layers
+
+
+def _flashinfer(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = [random_tensor((NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
+    return list(layers), layers
+
+
+def _mla(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = [random_tensor((NUM_BLOCKS, BLOCK_SIZE, 2 * HEAD_DIM + 4), dtype, g, device) for _ in range(LAYERS)]
+    return list(layers), layers
+
+
+def _cross_layer(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    # (N, L, 2, bs, h, d): one strided view per layer, block stride = L pages.
+    cache = random_tensor((NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device)
+    return [cache[:, layer] for layer in range(LAYERS)], [cache]
+
+
+def _odd_pages(sizes: tuple[int, ...]) -> Callable[[torch.dtype, torch.Generator, str], tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    def build(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        item = torch.empty((), dtype=dtype).element_size()
+        owners = [random_tensor((NUM_BLOCKS, size // item), dtype, g, device) for size in sizes]
+        return list(owners), owners
+
+    return build
+
+
+LAYOUTS: dict[str, Callable[[torch.dtype, torch.Generator, str], tuple[list[torch.Tensor], list[torch.Tensor]]]] = {
+    "flash_attn": _flash_attn,
+    "flashinfer": _flashinfer,
+    "mla": _mla,
+    "cross_layer": _cross_layer,
+    "odd_656": _odd_pages((656, 656)),
+    "mixed_sizes": _odd_pages((656, 1024, 48)),
+}
+ODD_BYTE_LAYOUTS: dict[str, tuple[int, ...]] = {"odd_4097": (4097,), "odd_mixed_bytes": (4097, 33, 8)}
+
+
+def build_pages(layout: str, dtype: torch.dtype, device: str, seed: int = 0) -> PageCase:
+    """Page tensors of ``layout`` holding random bytes (same seed -> same bytes)."""
+    generator = torch.Generator().manual_seed(seed)
+    if layout in ODD_BYTE_LAYOUTS:
+        pages, owners = _odd_pages(ODD_BYTE_LAYOUTS[layout])(torch.uint8, generator, device)
+    else:
+        pages, owners = LAYOUTS[layout](dtype, generator, device)
+    return PageCase(name=f"{layout}-{dtype}", pages=pages, owners=owners)
+
+
+def build_slab(case: PageCase, rows: int, device: str, *, extra_bytes: int = 5, seed: int = 1) -> torch.Tensor:
+    """A slab with ``rows`` rows a little wider than needed, filled with random bytes.
+
+    On CUDA the slab is pinned host memory, as in production.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    slab = torch.randint(0, 256, (rows, case.row_bytes + extra_bytes), dtype=torch.uint8, generator=generator)
+    return slab.pin_memory() if device == "cuda" else slab
+
+
+def indices(values: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def block_bytes(page: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """The raw bytes of ``page[blocks]`` as ``(len(blocks), page_bytes)`` uint8 on the CPU (NaN-safe to compare)."""
+    picked = page[blocks].cpu().contiguous()
+    return picked.reshape(len(blocks), -1).view(torch.uint8)
