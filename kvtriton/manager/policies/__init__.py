@@ -1,1 +1,20 @@
-"""Cache policies: one file per policy, chosen by name."""
+"""Cache policies: one file per policy, chosen by name through the registry."""
+
+from __future__ import annotations
+
+from kvtriton.manager.policies.arc import ARCCachePolicy, ARCState
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
+from kvtriton.manager.policies.lru import LRUCachePolicy
+from kvtriton.manager.policies.registry import POLICIES, make_policy, policy_names
+
+__all__ = [
+    "ARCCachePolicy",
+    "ARCState",
+    "Block",
+    "CachePolicy",
+    "LRUCachePolicy",
+    "PENDING",
+    "POLICIES",
+    "make_policy",
+    "policy_names",
+]

@@ -1,0 +1,245 @@
+"""The host-memory offloading manager: slots, block states, eviction, events."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, KeysView
+
+from kvtriton.keys import OffloadKey
+from kvtriton.manager.base import OffloadingManager, override
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
+from kvtriton.manager.policies.registry import make_policy
+from kvtriton.manager.slot_pool import SlotPool
+from kvtriton.manager.stats import ManagerStats
+from kvtriton.specs import (
+    CPULoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReqContext,
+)
+
+__all__ = ["CPUOffloadingManager"]
+
+_MEDIUM = CPULoadStoreSpec.MEDIUM
+# Module-level aliases: the hot paths return these without an enum attribute lookup.
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+# Collections whose elements are distinct by construction (no de-duplication needed).
+_DISTINCT = (set, frozenset, KeysView)
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Tracks which blocks sit in which slot of a host slab of ``num_blocks`` slots.
+
+    A key is *pending* from ``prepare_store`` until ``complete_store``, then
+    *ready*; ``prepare_load`` adds a reader and ``complete_load`` removes one.
+    Only ready blocks without readers are evictable, chosen by the named
+    ``cache_policy`` (see ``kvtriton.manager.policies``). With
+    ``enable_events`` every store completion and every eviction is queued as
+    an ``OffloadingEvent`` for ``take_events``.
+    """
+
+    def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}: {num_blocks!r}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self._policy_name = cache_policy
+        self._pool = SlotPool(num_blocks)
+        # The authoritative index of cached keys. The policy keeps the same
+        # Block objects in its own order; lookups and state changes go
+        # through this plain dict and never call into the policy.
+        self._blocks: dict[OffloadKey, Block] = {}
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._num_pending = 0
+        self._num_loading = 0
+        self._lookups = 0
+        self._hits = 0
+        self._pending_hits = 0
+        self._evictions = 0
+        self._stores = 0
+
+    # --- introspection -------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the host slab (``num_blocks``)."""
+        return self._pool.capacity
+
+    @property
+    def cache_policy(self) -> str:
+        """The name the policy was chosen by."""
+        return self._policy_name
+
+    @property
+    def policy(self) -> CachePolicy:
+        """The policy object (read it, do not drive it: the manager owns its state)."""
+        return self._policy
+
+    def stats(self) -> ManagerStats:
+        """A snapshot of occupancy and counters."""
+        used = len(self._blocks)
+        return ManagerStats(
+            capacity=self._pool.capacity,
+            used=used,
+            pending=self._num_pending,
+            loading=self._num_loading,
+            evictable=used - self._num_pending - self._num_loading,
+            lookups=self._lookups,
+            hits=self._hits,
+            pending_hits=self._pending_hits,
+            evictions=self._evictions,
+            stores=self._stores,
+        )
+
+    def slot_map(self) -> dict[OffloadKey, int]:
+        """A copy of the key -> slot assignment of every cached block (pending included)."""
+        return {key: block.slot for key, block in self._blocks.items()}
+
+    # --- OffloadingManager ---------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._lookups += 1
+        block = self._blocks.get(key)
+        if block is None:
+            return _MISS
+        if block.ref_cnt == PENDING:
+            self._pending_hits += 1
+            return _HIT_PENDING
+        self._hits += 1
+        return _HIT
+
+    @override
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        blocks = self._blocks
+        pinned: list[Block] = []
+        slots: list[int] = []
+        newly_loading = 0
+        # One pass that pins as it validates; on a bad key the pins taken so
+        # far are undone before raising, so a failed call changes nothing.
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.ref_cnt == PENDING:
+                for taken in pinned:
+                    taken.ref_cnt -= 1
+                state = "not cached" if block is None else "still pending (its store has not completed)"
+                raise ValueError(f"prepare_load: key {key!r} is {state}")
+            if block.ref_cnt == 0:
+                newly_loading += 1
+            block.ref_cnt += 1
+            pinned.append(block)
+            slots.append(block.slot)
+        self._num_loading += newly_loading
+        return CPULoadStoreSpec(slots)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._policy.touch(keys)
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        blocks = self._blocks
+        released: list[Block] = []
+        now_idle = 0
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.ref_cnt <= 0:
+                for taken in released:
+                    taken.ref_cnt += 1
+                raise ValueError(f"complete_load: key {key!r} has no load in flight (no matching prepare_load)")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                now_idle += 1
+            released.append(block)
+        self._num_loading -= now_idle
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        blocks = self._blocks
+        new_keys = [key for key in keys if key not in blocks]
+        if not new_keys:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec(()), evicted_keys=[])
+        if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+            distinct = dict.fromkeys(new_keys)
+            if len(distinct) != len(new_keys):
+                new_keys = list(distinct)
+
+        pool = self._pool
+        shortfall = len(new_keys) - pool.num_free
+        evicted: list[OffloadKey] = []
+        if shortfall > 0:
+            evictable = len(blocks) - self._num_pending - self._num_loading
+            if shortfall > evictable:
+                return None
+            # Every key named in the call is protected: the caller was just
+            # told the already-stored ones are cached, so they must stay.
+            protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
+            victims = self._policy.evict(shortfall, protected)
+            if victims is None:
+                return None
+            evicted = victims
+            pop = blocks.pop
+            pool.release_many([pop(key).slot for key in evicted])
+            self._evictions += len(evicted)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(keys=list(evicted), medium=_MEDIUM, removed=True))
+
+        slots = pool.allocate(len(new_keys))
+        made = [Block(slot) for slot in slots]
+        blocks.update(zip(new_keys, made))
+        self._policy.insert(new_keys, made)
+        self._num_pending += len(new_keys)
+        self._stores += len(new_keys)
+        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted)
+
+    @override
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        blocks = self._blocks
+        if success:
+            stored: list[OffloadKey] = []
+            for key in keys:
+                block = blocks.get(key)
+                if block is not None and block.ref_cnt == PENDING:
+                    block.ref_cnt = 0
+                    stored.append(key)
+            self._num_pending -= len(stored)
+            if stored and self._events is not None:
+                self._events.append(OffloadingEvent(keys=stored, medium=_MEDIUM, removed=False))
+            return
+        # A failed store frees its slots at once: a pending key left behind
+        # would hold its slot forever (pending blocks are never evicted).
+        remove = self._policy.remove
+        release = self._pool.release
+        for key in keys:
+            block = blocks.get(key)
+            if block is not None and block.ref_cnt == PENDING:
+                del blocks[key]
+                remove(key)
+                release(block.slot)
+                self._num_pending -= 1
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self._events
+        if not events:
+            return ()
+        self._events = []
+        return events
+
+    @override
+    def reset_cache(self) -> None:
+        self._blocks.clear()
+        self._policy.clear()
+        self._pool.reset()
+        self._num_pending = 0
+        self._num_loading = 0
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"CPUOffloadingManager(capacity={s.capacity}, cache_policy={self._policy_name!r}, "
+            f"used={s.used}, pending={s.pending}, loading={s.loading})"
+        )

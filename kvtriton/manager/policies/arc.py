@@ -1,0 +1,149 @@
+"""Adaptive Replacement Cache (Megiddo & Modha) adapted to offloaded blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Container, Iterator, Sequence
+from dataclasses import dataclass
+
+from kvtriton.keys import OffloadKey
+from kvtriton.manager.policies.base import PENDING, Block
+
+__all__ = ["ARCCachePolicy", "ARCState"]
+
+
+@dataclass(frozen=True, slots=True)
+class ARCState:
+    """A copy of ARC's lists (least recent first) and its adaptive T1 target."""
+
+    t1: tuple[OffloadKey, ...]
+    t2: tuple[OffloadKey, ...]
+    b1: tuple[OffloadKey, ...]
+    b2: tuple[OffloadKey, ...]
+    target_t1: float
+
+
+def _take(
+    entries: Iterator[tuple[OffloadKey, Block]], n: int, protected: Container[OffloadKey]
+) -> list[OffloadKey]:
+    """Advance ``entries`` to collect up to ``n`` ready, idle, unprotected keys."""
+    taken: list[OffloadKey] = []
+    if n <= 0:
+        return taken
+    for key, block in entries:
+        if block.ref_cnt == 0 and key not in protected:
+            taken.append(key)
+            if len(taken) == n:
+                break
+    return taken
+
+
+class ARCCachePolicy:
+    """Balances recency (T1: seen once) against frequency (T2: seen again).
+
+    B1 and B2 remember keys recently evicted from T1 and T2 (keys only, no
+    slots). A touch that hits B1 means T1 was too small, so the T1 target
+    grows; a B2 hit shrinks it. Eviction takes from T1 while T1 is at least
+    its target, else from T2, and falls back to the other list when the
+    preferred one holds nothing evictable, so a store fails only when no
+    evictable block exists at all.
+    """
+
+    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._target = 0.0
+        self._t1: OrderedDict[OffloadKey, Block] = OrderedDict()
+        self._t2: OrderedDict[OffloadKey, Block] = OrderedDict()
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def get(self, key: OffloadKey) -> Block | None:
+        block = self._t1.get(key)
+        return block if block is not None else self._t2.get(key)
+
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
+        self._t1.update(zip(reversed(keys), reversed(blocks)))
+        # A stored key is no longer a ghost. The view intersections run in C
+        # and are almost always empty.
+        for ghost in (self._b1, self._b2):
+            if ghost:
+                for key in ghost.keys() & keys:
+                    del ghost[key]
+
+    def remove(self, key: OffloadKey) -> None:
+        if self._t1.pop(key, None) is None:
+            self._t2.pop(key, None)
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        # Reverse order: the first key ends up most recent (see LRU).
+        for key in reversed(keys if isinstance(keys, list) else list(keys)):
+            block = t1.get(key)
+            if block is not None:
+                if block.ref_cnt == PENDING:
+                    # Only just allocated by prepare_store: not a second use yet.
+                    t1.move_to_end(key)
+                else:
+                    del t1[key]
+                    t2[key] = block
+            elif key in t2:
+                t2.move_to_end(key)
+            elif key in b1:
+                # T1 evicted a key still in demand: give T1 more room.
+                delta = max(1.0, len(b2) / len(b1))
+                self._target = min(self._target + delta, float(self._capacity))
+                b1.move_to_end(key)
+            elif key in b2:
+                delta = max(1.0, len(b1) / len(b2))
+                self._target = max(self._target - delta, 0.0)
+                b2.move_to_end(key)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        t1, t2 = self._t1, self._t2
+        # Choose every victim first and commit only when all n are found, so
+        # a failed eviction leaves the lists untouched. T1 is preferred while
+        # its size minus the T1 victims so far is >= int(target), i.e. for
+        # the first len(T1) - int(target) + 1 victims; then T2; then T1
+        # again as the fallback. Each scan only moves forward.
+        t1_entries = iter(t1.items())
+        from_t1 = _take(t1_entries, min(n, max(0, len(t1) - int(self._target) + 1)), protected)
+        from_t2 = _take(iter(t2.items()), n - len(from_t1), protected)
+        short = n - len(from_t1) - len(from_t2)
+        fallback = _take(t1_entries, short, protected) if short else []
+        if len(fallback) < short:
+            return None
+
+        b1, b2 = self._b1, self._b2
+        for key in from_t1:
+            del t1[key]
+        for key in from_t2:
+            del t2[key]
+        for key in fallback:
+            del t1[key]
+        b1.update(dict.fromkeys(from_t1))
+        b1.update(dict.fromkeys(fallback))
+        b2.update(dict.fromkeys(from_t2))
+        for ghost in (b1, b2):
+            for _ in range(len(ghost) - self._capacity):
+                ghost.popitem(last=False)
+        return from_t1 + from_t2 + fallback
+
+    def clear(self) -> None:
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._target = 0.0
+
+    @property
+    def target_t1(self) -> float:
+        """The adaptive target size of T1, in blocks."""
+        return self._target
+
+    def state(self) -> ARCState:
+        """A copy of the four lists and the target (for tests and debugging)."""
+        return ARCState(tuple(self._t1), tuple(self._t2), tuple(self._b1), tuple(self._b2), self._target)

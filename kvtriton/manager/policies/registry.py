@@ -1,0 +1,36 @@
+"""Cache policies by name: the one place a new policy is registered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtriton.manager.policies.arc import ARCCachePolicy
+from kvtriton.manager.policies.base import CachePolicy
+from kvtriton.manager.policies.lru import LRUCachePolicy
+
+__all__ = ["POLICIES", "make_policy", "policy_names"]
+
+PolicyFactory = Callable[[int], CachePolicy]
+"""Builds a policy for a cache of the given capacity (in blocks)."""
+
+POLICIES: dict[str, PolicyFactory] = {
+    "lru": LRUCachePolicy,
+    "arc": ARCCachePolicy,
+}
+"""Every known policy. Add a line here to make a new policy selectable by name."""
+
+
+def policy_names() -> list[str]:
+    """The valid ``cache_policy`` names, sorted."""
+    return sorted(POLICIES)
+
+
+def make_policy(name: str, capacity: int) -> CachePolicy:
+    """Build the policy called ``name`` for ``capacity`` blocks.
+
+    Raises ``ValueError`` listing the valid names when ``name`` is unknown.
+    """
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"cache_policy must be one of {policy_names()}, got {name!r}")
+    return factory(capacity)

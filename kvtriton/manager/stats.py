@@ -1,0 +1,48 @@
+"""A point-in-time snapshot of a manager's occupancy and traffic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ManagerStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """Occupancy (in blocks) and cumulative counters of a ``CPUOffloadingManager``.
+
+    ``used = pending + loading + evictable``; ``used + free = capacity``.
+    Counters (``lookups`` onwards) count since construction and survive
+    ``reset_cache``: they describe traffic, not contents.
+    """
+
+    capacity: int
+    """Slots in the host slab."""
+    used: int
+    """Slots holding a block (pending or ready)."""
+    pending: int
+    """Blocks whose store has not completed."""
+    loading: int
+    """Ready blocks with at least one load in flight."""
+    evictable: int
+    """Ready blocks with no load in flight."""
+    lookups: int
+    """``lookup`` calls."""
+    hits: int
+    """``lookup`` calls answered ``HIT``."""
+    pending_hits: int = 0
+    """``lookup`` calls answered ``HIT_PENDING``."""
+    evictions: int = 0
+    """Blocks evicted to make room."""
+    stores: int = 0
+    """Blocks that ``prepare_store`` allocated."""
+
+    @property
+    def free(self) -> int:
+        """Slots holding nothing."""
+        return self.capacity - self.used
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / lookups``, 0.0 before the first lookup."""
+        return self.hits / self.lookups if self.lookups else 0.0
