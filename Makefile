@@ -14,10 +14,14 @@ STAMP := $(VENV)/.kvtriton-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# The last step adds vLLM 0.33.0 for the adapter tests without its CUDA stack:
+# --no-deps never resolves, so the torch installed above stays
+# (requirements-vllm.txt lists why each package is there).
+$(STAMP): pyproject.toml Makefile requirements-vllm.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
 	@touch $@
 
 typecheck: $(STAMP)
