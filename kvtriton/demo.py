@@ -1,17 +1,399 @@
-"""`kvtriton demo`: placeholder until the worker side lands (prints machine info)."""
+"""`kvtriton demo`: offload a model-shaped KV cache through the manager and the engine.
+
+Builds a paged KV cache with a real model's geometry (Llama-3-8B by default,
+scaled down in block count to fit a CPU machine), replays a prefix-sharing
+request workload through ``CPUOffloadingManager`` + ``TransferEngine`` --
+look up each prompt's chunks, load the hits into freshly allocated GPU
+blocks, "compute" the rest, store every new chunk, evicting under pressure --
+and checks every loaded block bit for bit against what was stored. Exits 1 on
+any mismatch or failed job.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvtriton import info
+from kvtriton.geometry import PRESETS, ModelGeometry, format_bytes, parse_capacity
+from kvtriton.manager.policies import policy_names
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtriton.engine import TransferEngine, TransferResult
+    from kvtriton.keys import OffloadKey
+    from kvtriton.layout import PagedKV
+    from kvtriton.manager import CPUOffloadingManager
+    from kvtriton.specs import ReqContext
+    from kvtriton.workloads import Request
 
 __all__ = ["add_arguments", "run"]
 
+LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
+BACKENDS = ("auto", "triton", "dma", "torch")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    info.add_arguments(parser)
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("--model", choices=sorted(PRESETS), default="llama-3-8b",
+                        help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="flash_attn", help="engine KV cache layout to build")
+    parser.add_argument("--policy", choices=policy_names(), default="lru", help="manager eviction policy")
+    parser.add_argument("--capacity", default="96MiB",
+                        help="host slab size in bytes, vLLM's cpu_bytes_to_use (units: KiB, MiB, GiB; bare number = MiB)")
+    parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU KV cache size in blocks (scaled down for CPU)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="copy backend; auto = triton on CUDA, torch on CPU")
+    parser.add_argument("--block-size-factor", type=int, default=1, help="GPU blocks per offloaded block (slot)")
+    parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
+    parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
+    parser.add_argument("--device", default="auto", help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
+    parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """The validated demo settings."""
+
+    geometry: ModelGeometry
+    layout: str
+    policy: str
+    capacity_bytes: int
+    gpu_blocks: int
+    backend: str
+    block_size_factor: int
+    requests: int
+    seed: int
+    device: str
+    progress: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DemoConfig:
+        geometry = PRESETS[str(args.model)]
+        layout = str(args.layout)
+        if layout in ("flash_attn", "flashinfer") and geometry.kv_factor != 2:
+            raise ValueError(f"--layout {layout} splits K and V, but {geometry.name} caches one latent (use mla)")
+        for name in ("gpu_blocks", "block_size_factor", "requests"):
+            value = int(getattr(args, name))
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        device = str(args.device)
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+        return cls(
+            geometry=geometry,
+            layout=layout,
+            policy=str(args.policy),
+            capacity_bytes=parse_capacity(str(args.capacity), default_unit="MiB"),
+            gpu_blocks=int(args.gpu_blocks),
+            backend=str(args.backend),
+            block_size_factor=int(args.block_size_factor),
+            requests=int(args.requests),
+            seed=int(args.seed),
+            device=device,
+            progress=not bool(args.no_progress),
+        )
+
+
+def build_cache(geometry: ModelGeometry, layout: str, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    """Zeroed engine tensors of ``geometry`` in ``layout`` (bf16 elements; int8 byte views for ``pages``)."""
+    import torch
+
+    g = geometry
+    heads, dim, bs, layers, kv = g.num_kv_heads, g.head_dim, g.block_size, g.num_layers, g.kv_factor
+    dtype = torch.bfloat16
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    if layout == "flash_attn":
+        return [zeros(2, num_blocks, bs, heads, dim) for _ in range(layers)]
+    if layout == "flashinfer":
+        return [zeros(num_blocks, 2, bs, heads, dim) for _ in range(layers)]
+    if layout == "mla":
+        return [zeros(num_blocks, bs, kv * heads * dim) for _ in range(layers)]
+    if layout == "cross_layer":
+        return [zeros(num_blocks, layers, kv, bs, heads, dim)]
+    page_bytes = kv * bs * heads * dim * dtype.itemsize
+    return [torch.zeros((num_blocks, page_bytes), dtype=torch.int8, device=device) for _ in range(layers)]
+
+
+class BlockContent:
+    """Deterministic bytes for every block hash: a slice of one random pool plus a unique stamp per page.
+
+    Slicing a pool costs a memcpy instead of generating random bytes per
+    block; the stamp (the block's serial number in the first 8 bytes of each
+    page) makes any two blocks differ, so a load from the wrong slot cannot
+    pass the check.
+    """
+
+    _SPREAD = 4096
+
+    def __init__(self, kv: PagedKV, seed: int) -> None:
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        self.kv = kv
+        self.pages = kv.byte_pages()
+        self.pool = torch.randint(0, 256, (kv.row_bytes + self._SPREAD,), dtype=torch.uint8, generator=generator)
+        self.pool = self.pool.to(kv.device)
+        self.serials: dict[bytes, int] = {}
+
+    def row(self, block_hash: bytes) -> torch.Tensor:
+        import torch
+
+        serial = self.serials.setdefault(block_hash, len(self.serials))
+        start = (serial * 64) % self._SPREAD
+        row = self.pool[start : start + self.kv.row_bytes].clone()
+        stamp = torch.tensor(list(serial.to_bytes(8, "little")), dtype=torch.uint8, device=row.device)
+        for offset, size in zip(self.kv.page_offsets, self.kv.page_bytes):
+            width = min(8, size)
+            row[offset : offset + width] = stamp[:width]
+        return row
+
+    def write(self, block: int, block_hash: bytes) -> None:
+        row = self.row(block_hash)
+        for page, offset, size in zip(self.pages, self.kv.page_offsets, self.kv.page_bytes):
+            page[block].copy_(row[offset : offset + size])
+
+    def matches(self, block: int, block_hash: bytes) -> bool:
+        import torch
+
+        row = self.row(block_hash)
+        return all(
+            torch.equal(page[block], row[offset : offset + size])
+            for page, offset, size in zip(self.pages, self.kv.page_offsets, self.kv.page_bytes)
+        )
+
+
+@dataclass(slots=True)
+class DemoStats:
+    """What the run did; ``ok`` when every loaded block matched and no job failed."""
+
+    requests: int = 0
+    prompt_chunks: int = 0
+    hit_chunks: int = 0
+    load_jobs: int = 0
+    store_jobs: int = 0
+    stores_refused: int = 0
+    failed_jobs: int = 0
+    evicted: int = 0
+    loaded_blocks: int = 0
+    mismatched_blocks: int = 0
+    truncated_requests: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    mismatches: list[str] = field(default_factory=lambda: [])
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched_blocks == 0 and self.failed_jobs == 0
+
+    def record(self, result: TransferResult) -> None:
+        if not result.success:
+            self.failed_jobs += 1
+        elif result.transfer_type == ("CPU", "GPU"):
+            self.bytes_loaded += result.transfer_size
+            self.load_seconds += result.transfer_time
+        else:
+            self.bytes_stored += result.transfer_size
+            self.store_seconds += result.transfer_time
+
+
+def _rate(size: int, seconds: float) -> str:
+    return f"{format_bytes(size / seconds)}/s" if seconds > 0 else "n/a"
+
+
+class DemoServer:
+    """Replays requests against one manager + engine pair, as vLLM's connector would drive them."""
+
+    def __init__(self, config: DemoConfig, kv: PagedKV, manager: CPUOffloadingManager, engine: TransferEngine) -> None:
+        import random
+
+        from kvtriton.specs import ReqContext
+
+        self.config = config
+        self.kv = kv
+        self.manager = manager
+        self.engine = engine
+        self.content = BlockContent(kv, config.seed)
+        self.stats = DemoStats()
+        blocks = list(range(config.gpu_blocks))
+        random.Random(config.seed).shuffle(blocks)
+        self.free_blocks: deque[int] = deque(blocks)
+        self.context = ReqContext
+        self.chunks_per_step = max(1, manager.capacity // 4)
+        self._next_job = 0
+
+    def _finish(self, job_id: int) -> TransferResult:
+        self.engine.wait({job_id})
+        finished = {result.job_id: result for result in self.engine.get_finished()}
+        result = finished[job_id]
+        self.stats.record(result)
+        return result
+
+    def _job_id(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    def serve(self, request: Request) -> None:
+        from kvtriton.keys import make_offload_key
+        from kvtriton.specs import GPULoadStoreSpec, LookupResult
+
+        f = self.config.block_size_factor
+        ctx = self.context(req_id=request.req_id)
+        hashes = list(request.prompt_blocks + request.output_blocks)
+        if len(hashes) > self.config.gpu_blocks:
+            hashes = hashes[: self.config.gpu_blocks]
+            self.stats.truncated_requests += 1
+        # One key per offloaded chunk of f blocks: the hash of its last block (vLLM's convention).
+        chunk_keys: list[OffloadKey] = [make_offload_key(hashes[c * f + f - 1]) for c in range(len(hashes) // f)]
+        prompt_chunks = min(len(request.prompt_blocks) // f, len(chunk_keys))
+        hits = 0
+        for key in chunk_keys[:prompt_chunks]:
+            if self.manager.lookup(key, ctx) is not LookupResult.HIT:
+                break
+            hits += 1
+        self.manager.touch(chunk_keys[:prompt_chunks], ctx)
+        self.stats.requests += 1
+        self.stats.prompt_chunks += prompt_chunks
+        self.stats.hit_chunks += hits
+
+        gpu = [self.free_blocks.popleft() for _ in hashes]
+        loaded = hits * f
+        if hits:
+            spec = self.manager.prepare_load(chunk_keys[:hits], ctx)
+            job = self._job_id()
+            if self.engine.submit_load(job, spec, GPULoadStoreSpec(gpu[:loaded])):
+                self.stats.load_jobs += 1
+                result = self._finish(job)
+                if result.success:
+                    self.stats.loaded_blocks += loaded
+                    for index in range(loaded):
+                        if not self.content.matches(gpu[index], hashes[index]):
+                            self.stats.mismatched_blocks += 1
+                            self.stats.mismatches.append(f"{request.req_id} block {index} (GPU block {gpu[index]})")
+            else:
+                self.stats.failed_jobs += 1
+            self.manager.complete_load(chunk_keys[:hits], ctx)
+        for index in range(loaded, len(hashes)):
+            self.content.write(gpu[index], hashes[index])  # the model computes what did not hit
+
+        # Store step by step, as a server stores each prefill step's new chunks.
+        position = {key: chunk for chunk, key in enumerate(chunk_keys)}
+        for first in range(0, len(chunk_keys), self.chunks_per_step):
+            self._store(chunk_keys[first : first + self.chunks_per_step], gpu, position, ctx)
+        self.free_blocks.extend(gpu)
+
+    def _store(self, keys: list[OffloadKey], gpu: list[int], position: dict[OffloadKey, int], ctx: ReqContext) -> None:
+        from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+        f = self.config.block_size_factor
+        output = self.manager.prepare_store(keys, ctx)
+        if output is None:
+            self.stats.stores_refused += 1
+            return
+        if not output.keys_to_store:
+            return
+        self.stats.evicted += len(output.evicted_keys)
+        blocks = [gpu[position[key] * f + i] for key in output.keys_to_store for i in range(f)]
+        if not isinstance(output.store_spec, CPULoadStoreSpec):
+            raise TypeError(f"the manager returned a {type(output.store_spec).__name__}, expected CPULoadStoreSpec")
+        job = self._job_id()
+        if self.engine.submit_store(job, GPULoadStoreSpec(blocks), output.store_spec):
+            self.stats.store_jobs += 1
+            result = self._finish(job)
+            self.manager.complete_store(output.keys_to_store, ctx, success=result.success)
+        else:
+            self.stats.failed_jobs += 1
+            self.manager.complete_store(output.keys_to_store, ctx, success=False)
+
+
+def _workload(config: DemoConfig) -> list[Request]:
+    """Requests behind a few shared system prompts, sized so one request fits the scaled-down GPU cache."""
+    from kvtriton.workloads import generate
+
+    bs = config.geometry.block_size
+    budget = config.gpu_blocks * bs
+    system = max(bs, min(256, budget // 3))
+    user_max = max(bs, min(256, budget // 3))
+    output = max(1, min(64, budget // 6))
+    overrides: dict[str, str | int | float] = {
+        "requests": config.requests, "system_prompts": 3, "system_tokens": system,
+        "user_tokens_min": min(32, user_max), "user_tokens_max": user_max, "output_tokens": output,
+    }  # fmt: skip
+    return generate("shared-prompt", seed=config.seed, block_size=bs, overrides=overrides)
 
 
 def run(args: argparse.Namespace) -> int:
-    return info.run(args)
+    import torch
+
+    from kvtriton.engine import TransferEngine
+    from kvtriton.layout import PagedKV
+    from kvtriton.manager import CPUOffloadingManager
+    from kvtriton.progress import progress
+    from kvtriton.slab import HostSlab
+
+    try:
+        config = DemoConfig.from_args(args)
+        device_name = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        if device_name == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch.cuda.is_available() is False")
+        device = torch.device(device_name)
+        tensors = build_cache(config.geometry, config.layout, config.gpu_blocks, device)
+        kv = PagedKV.from_tensors(tensors, layout=config.layout)
+        slots = HostSlab.slots_for_budget(config.capacity_bytes, config.block_size_factor, kv.row_bytes)
+    except ValueError as error:
+        print(f"kvtriton demo: {error}", file=sys.stderr)
+        return 2
+
+    requests = _workload(config)
+    print(config.geometry.describe())
+    print(
+        f"layout {config.layout}: {len(kv.pages)} page tensors, {format_bytes(kv.row_bytes)} per block; "
+        f"GPU cache {config.gpu_blocks} blocks ({format_bytes(config.gpu_blocks * kv.row_bytes)}) on {device}"
+    )
+    with HostSlab(slots, config.block_size_factor, kv.row_bytes) as slab:
+        manager = CPUOffloadingManager(slots, cache_policy=config.policy)
+        with TransferEngine(kv, slab, backend=config.backend) as engine:
+            print(
+                f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "
+                f"({'pinned' if slab.pinned else 'pageable'}); policy {config.policy}; backend {engine.backend.value}"
+            )
+            server = DemoServer(config, kv, manager, engine)
+            started = time.perf_counter()
+            for request in progress(requests, len(requests), "demo", enabled=config.progress):
+                server.serve(request)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            server.stats.wall_seconds = time.perf_counter() - started
+    _report(server.stats)
+    return 0 if server.stats.ok else 1
+
+
+def _report(stats: DemoStats) -> None:
+    hit_rate = stats.hit_chunks / stats.prompt_chunks if stats.prompt_chunks else 0.0
+    lines = [
+        ("requests", f"{stats.requests} ({stats.truncated_requests} truncated to the GPU cache)"),
+        ("hit rate", f"{hit_rate:.1%} ({stats.hit_chunks} of {stats.prompt_chunks} prompt chunks)"),
+        ("jobs", f"{stats.load_jobs} loads, {stats.store_jobs} stores, {stats.failed_jobs} failed, "
+                 f"{stats.stores_refused} stores refused (no evictable slot)"),
+        ("evicted", f"{stats.evicted} chunks"),
+        ("loaded", f"{format_bytes(stats.bytes_loaded)} at {_rate(stats.bytes_loaded, stats.load_seconds)}"),
+        ("stored", f"{format_bytes(stats.bytes_stored)} at {_rate(stats.bytes_stored, stats.store_seconds)}"),
+        ("verified", f"{stats.loaded_blocks} loaded blocks, {stats.mismatched_blocks} mismatched"),
+        ("wall time", f"{stats.wall_seconds:.2f} s"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in lines)
+    for name, value in lines:
+        print(f"{name:<{width}}  {value}")
+    for where in stats.mismatches[:10]:
+        print(f"MISMATCH {where}", file=sys.stderr)
+    print("OK: every loaded block matched what was stored" if stats.ok else "FAILED", file=sys.stdout)
