@@ -51,7 +51,7 @@ def compile_asm(
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
     try:
         source = ASTSource(fn=jit_fn, signature=full_signature, constexprs=dict(constexprs), attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "enable_fp_fusion": False})
     except (TypeError, AttributeError, KeyError) as error:
         raise UnsupportedTriton(f"triton {triton.__version__}: cannot compile through ASTSource here ({error})") from error
     return {"ttir": str(compiled.asm["ttir"]), "ptx": str(compiled.asm["ptx"])}
