@@ -293,7 +293,7 @@ class DemoServer:
         self.free_blocks.extend(gpu)
 
     def _store(self, keys: list[OffloadKey], gpu: list[int], position: dict[OffloadKey, int], ctx: ReqContext) -> None:
-        from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+        from kvtriton.specs import GPULoadStoreSpec
 
         f = self.config.block_size_factor
         output = self.manager.prepare_store(keys, ctx)
@@ -304,8 +304,6 @@ class DemoServer:
             return
         self.stats.evicted += len(output.evicted_keys)
         blocks = [gpu[position[key] * f + i] for key in output.keys_to_store for i in range(f)]
-        if not isinstance(output.store_spec, CPULoadStoreSpec):
-            raise TypeError(f"the manager returned a {type(output.store_spec).__name__}, expected CPULoadStoreSpec")
         job = self._job_id()
         if self.engine.submit_store(job, GPULoadStoreSpec(blocks), output.store_spec):
             self.stats.store_jobs += 1

@@ -33,7 +33,7 @@ from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.layout import PagedKV
 from kvtriton.plan import TransferDirection, TransferPlan, plan_transfer
 from kvtriton.slab import HostSlab
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
 __all__ = ["TransferEngine", "TransferResult"]
 
@@ -167,12 +167,16 @@ class TransferEngine:
         """The concrete backend in use (``auto`` already resolved)."""
         return self._backend.kind
 
-    def submit_store(self, job_id: int, src: GPULoadStoreSpec, dst: CPULoadStoreSpec) -> bool:
-        """Start copying GPU blocks ``src`` into slots ``dst``; False (nothing reported) if the job is invalid."""
+    def submit_store(self, job_id: int, src: GPULoadStoreSpec, dst: LoadStoreSpec) -> bool:
+        """Start copying GPU blocks ``src`` into slots ``dst``; False (nothing reported) if the job is invalid.
+
+        ``dst`` is typed as vLLM types it (the manager's ``store_spec``); it
+        must be a :class:`CPULoadStoreSpec` at runtime.
+        """
         return self._submit(job_id, TransferDirection.STORE, src, dst)
 
-    def submit_load(self, job_id: int, src: CPULoadStoreSpec, dst: GPULoadStoreSpec) -> bool:
-        """Start copying slots ``src`` into GPU blocks ``dst``; False (nothing reported) if the job is invalid."""
+    def submit_load(self, job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec) -> bool:
+        """Start copying slots ``src`` (a :class:`CPULoadStoreSpec`) into GPU blocks ``dst``; False if invalid."""
         return self._submit(job_id, TransferDirection.LOAD, dst, src)
 
     def get_finished(self) -> list[TransferResult]:
@@ -218,7 +222,7 @@ class TransferEngine:
     ) -> None:
         self.shutdown()
 
-    def _submit(self, job_id: int, direction: TransferDirection, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> bool:
+    def _submit(self, job_id: int, direction: TransferDirection, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> bool:
         name = "store" if direction is TransferDirection.STORE else "load"
         if self._closed:
             logger.warning("%s job %r refused: the engine is shut down", name, job_id)
@@ -228,6 +232,9 @@ class TransferEngine:
             return False
         if job_id in self._unreported:
             logger.warning("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
+            return False
+        if not isinstance(cpu, CPULoadStoreSpec):
+            logger.warning("%s job %d refused: the slot spec is a %s, not a CPULoadStoreSpec", name, job_id, type(cpu).__name__)
             return False
         try:
             plan = plan_transfer(

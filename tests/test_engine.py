@@ -95,10 +95,12 @@ def test_an_invalid_submit_returns_false_reports_nothing_and_logs_why(
         assert not store(engine, 1, [BLOCKS], [0])
         assert not load(engine, 2, [SLOTS], [0])
         assert not engine.submit_store(3, CPULoadStoreSpec([0]), CPULoadStoreSpec([0]))  # pyright: ignore[reportArgumentType] -- wrong spec type on purpose
+        assert not engine.submit_load(4, GPULoadStoreSpec([0]), GPULoadStoreSpec([1]))
     assert engine.get_finished() == []
     assert "holds 1 slots but the GPU spec spans 2" in caplog.text
     assert "out of range" in caplog.text
     assert "gpu must be a GPULoadStoreSpec" in caplog.text
+    assert "the slot spec is a GPULoadStoreSpec, not a CPULoadStoreSpec" in caplog.text
     assert int(engine.slab.rows.sum()) == 0
 
 
