@@ -1,0 +1,65 @@
+"""The policy registry: names, errors, and adding a policy with one line."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Container, Sequence
+
+import pytest
+
+from kvtriton.keys import OffloadKey, make_offload_key
+from kvtriton.manager import POLICIES, ARCCachePolicy, Block, CPUOffloadingManager, LRUCachePolicy, make_policy
+from kvtriton.manager.policies import CachePolicy
+from kvtriton.specs import ReqContext
+
+
+def test_registry_builds_each_policy_by_name() -> None:
+    assert isinstance(make_policy("lru", 4), LRUCachePolicy)
+    assert isinstance(make_policy("arc", 4), ARCCachePolicy)
+
+
+def test_registry_rejects_an_unknown_name_listing_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"cache_policy must be one of \['arc', 'lru'\], got 'LRU'"):
+        make_policy("LRU", 4)
+
+
+class NewestFirst:
+    """A toy policy for the test: evicts the most recently inserted idle block."""
+
+    def __init__(self, capacity: int) -> None:
+        self.blocks: dict[OffloadKey, Block] = {}
+
+    def get(self, key: OffloadKey) -> Block | None:
+        return self.blocks.get(key)
+
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
+        self.blocks.update(zip(keys, blocks))
+
+    def remove(self, key: OffloadKey) -> None:
+        self.blocks.pop(key, None)
+
+    def touch(self, keys: Collection[OffloadKey]) -> None:
+        pass
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        idle = [key for key, block in reversed(self.blocks.items()) if block.ref_cnt == 0 and key not in protected]
+        if len(idle) < n:
+            return None
+        for key in idle[:n]:
+            del self.blocks[key]
+        return idle[:n]
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+
+def test_a_registered_policy_is_selectable_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    factory: type[CachePolicy] = NewestFirst
+    monkeypatch.setitem(POLICIES, "newest", factory)
+    manager = CPUOffloadingManager(2, cache_policy="newest")
+    ctx = ReqContext()
+    keys = [make_offload_key(bytes([i])) for i in range(3)]
+    for key in keys:
+        out = manager.prepare_store([key], ctx)
+        assert out is not None
+        manager.complete_store(out.keys_to_store, ctx)
+    assert manager.slot_map() == {keys[0]: 0, keys[2]: 1}
