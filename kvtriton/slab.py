@@ -11,6 +11,7 @@ slab stays pageable (one warning says so).
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import warnings
 from types import TracebackType
@@ -23,7 +24,10 @@ __all__ = ["HostSlab", "PageableSlabWarning"]
 logger = logging.getLogger(__name__)
 
 PIN_CHUNK_BYTES = 1 << 30
-"""Bytes pinned per cudaHostRegister call (large single registrations are slow or fail)."""
+"""Bytes pinned per cudaHostRegister call (large single registrations are slow or fail); a page multiple."""
+
+HOST_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+"""The host page size: the slab starts on a page boundary."""
 
 
 class PageableSlabWarning(UserWarning):
@@ -111,7 +115,11 @@ class HostSlab:
         self.num_rows = num_slots * rows_per_slot
         self.nbytes = nbytes
         self._registered: list[int] = []
-        self._rows: torch.Tensor | None = torch.zeros((self.num_rows, row_bytes), dtype=torch.uint8)
+        # Start on a page boundary so that every pinned chunk covers whole pages
+        # (two registrations sharing a page fail) and rows get the widest alignment.
+        raw = torch.zeros(nbytes + HOST_PAGE_BYTES, dtype=torch.uint8)
+        start = -raw.data_ptr() % HOST_PAGE_BYTES
+        self._rows: torch.Tensor | None = raw[start : start + nbytes].view(self.num_rows, row_bytes)
         if want_pin:
             self._pin(required=pin is True)
         elif pin is None:

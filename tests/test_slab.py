@@ -35,7 +35,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
     monkeypatch.setattr(slab_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
     monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: None)
-    monkeypatch.setattr(slab_module, "PIN_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(slab_module, "PIN_CHUNK_BYTES", 2 * slab_module.HOST_PAGE_BYTES)
     return registrar
 
 
@@ -49,6 +49,12 @@ def test_slab_is_one_zeroed_uint8_buffer_with_slot_views() -> None:
         assert slab.slot(2).data_ptr() == slab.rows[6].data_ptr()
         assert slab.slot(2).shape == (3, 656)
         assert not slab.pinned
+
+
+def test_slab_rows_start_on_a_host_page_boundary() -> None:
+    for row_bytes in (656, 4096, 100_003):
+        with HostSlab(3, 2, row_bytes, pin=False) as slab:
+            assert slab.rows.data_ptr() % slab_module.HOST_PAGE_BYTES == 0
 
 
 def test_without_cuda_the_default_slab_is_pageable_with_one_clear_warning() -> None:
@@ -93,13 +99,15 @@ def test_non_integer_sizes_are_refused() -> None:
 
 
 def test_with_cuda_the_slab_is_pinned_in_chunks_and_close_unpins_once(fake_cuda: FakeRegistrar) -> None:
-    slab = HostSlab(5, 1, 500)  # 2500 bytes -> chunks of 1000, 1000, 500
+    chunk = 2 * slab_module.HOST_PAGE_BYTES
+    slab = HostSlab(5, 1, chunk // 2)  # 2.5 chunks -> two whole chunks and a half one
     base = slab.rows.data_ptr()
     assert slab.pinned
-    assert fake_cuda.registered == [(base, 1000), (base + 1000, 1000), (base + 2000, 500)]
+    assert fake_cuda.registered == [(base, chunk), (base + chunk, chunk), (base + 2 * chunk, chunk // 2)]
+    assert all(pointer % slab_module.HOST_PAGE_BYTES == 0 for pointer, _ in fake_cuda.registered)
     slab.close()
     slab.close()
-    assert fake_cuda.unregistered == [base, base + 1000, base + 2000]
+    assert fake_cuda.unregistered == [base, base + chunk, base + 2 * chunk]
     assert slab.closed
     with pytest.raises(RuntimeError, match="closed"):
         _ = slab.rows
@@ -108,7 +116,7 @@ def test_with_cuda_the_slab_is_pinned_in_chunks_and_close_unpins_once(fake_cuda:
 def test_a_failed_pin_unregisters_what_was_pinned_and_falls_back_with_a_warning(fake_cuda: FakeRegistrar) -> None:
     fake_cuda.fail_at = 1
     with pytest.warns(PageableSlabWarning, match="cudaHostRegister failed.*stays pageable"):
-        slab = HostSlab(5, 1, 500)
+        slab = HostSlab(5, 1, slab_module.HOST_PAGE_BYTES)
     assert not slab.pinned
     assert fake_cuda.unregistered == [fake_cuda.registered[0][0]]
 
@@ -116,7 +124,7 @@ def test_a_failed_pin_unregisters_what_was_pinned_and_falls_back_with_a_warning(
 def test_a_failed_pin_raises_when_pinning_was_required(fake_cuda: FakeRegistrar) -> None:
     fake_cuda.fail_at = 0
     with pytest.raises(RuntimeError, match="cudaHostRegister failed with CUDA error 2"):
-        HostSlab(5, 1, 500, pin=True)
+        HostSlab(5, 1, slab_module.HOST_PAGE_BYTES, pin=True)
 
 
 def test_a_memlock_limit_below_the_slab_size_warns_before_pinning(
