@@ -34,6 +34,8 @@ class _Command:
 _COMMANDS: tuple[_Command, ...] = (
     _Command("info", "kvtriton.info", "versions, CUDA, pinned memory and memlock limits"),
     _Command("demo", "kvtriton.demo", "offload a model-shaped KV cache through manager and engine"),
+    _Command("simulate", "kvtriton.simulate", "capacity planning: cache hit rate per GiB of host memory for a trace"),
+    _Command("bench", "kvtriton.bench_command", "run the manager and kernel benchmarks of a source checkout"),
 )
 
 

@@ -1,0 +1,212 @@
+"""`kvtriton bench`: the front door to the benchmarks in bench/ (source checkouts only).
+
+Runs ``python -m bench.<name>`` for each chosen benchmark in the checkout,
+streaming its output. Each benchmark prints a table and writes JSON (with the
+machine it ran on) and PNG plots under ``bench/results/``, or under ``--out``.
+By default the benchmarks run in their quick mode so that a full pass takes
+well under a minute; ``--full`` runs them at their full size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BENCHMARKS", "Benchmark", "add_arguments", "benchmark_command", "find_checkout", "run"]
+
+RESULTS_ENV = "KVTRITON_BENCH_OUT"  # read by bench/common.py's results_dir()
+
+
+@dataclass(frozen=True, slots=True)
+class Benchmark:
+    """One benchmark module in bench/ and the flags that make it quick."""
+
+    name: str
+    summary: str
+    quick_flags: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        return f"bench.{self.name}"
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    benchmark.name: benchmark
+    for benchmark in (
+        Benchmark("manager", "scheduler-side manager throughput on a prefix-sharing trace", ("--quick",)),
+        Benchmark("kernels", "gather/scatter kernels against the torch and copy-loop baselines", ("--quick",)),
+    )
+}
+"""The benchmarks ``all`` runs, in order."""
+
+
+def find_checkout(explicit: Path | None = None) -> Path | None:
+    """The source checkout whose bench/ to run, or ``None`` when there is none.
+
+    ``explicit`` wins; otherwise the checkout this kvtriton is imported from
+    (an editable install), then the current directory.
+    """
+    candidates = [explicit] if explicit is not None else [Path(__file__).resolve().parent.parent, Path.cwd()]
+    for candidate in candidates:
+        if (candidate / "bench" / "__init__.py").is_file() and (candidate / "bench" / "common.py").is_file():
+            return candidate.resolve()
+    return None
+
+
+def benchmark_command(benchmark: Benchmark, *, full: bool, extra: Sequence[str]) -> list[str]:
+    """The command line that runs ``benchmark`` with this interpreter."""
+    flags = () if full else benchmark.quick_flags
+    return [sys.executable, "-m", benchmark.module, *flags, *extra]
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run at full size, without the quick flags (minutes on a GPU, much longer on CPU)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help=f"write results here instead of bench/results/ (sets ${RESULTS_ENV}; default: bench/results/)",
+    )
+    parser.add_argument(
+        "--checkout",
+        type=Path,
+        metavar="DIR",
+        help="source checkout holding bench/ (default: the checkout kvtriton is installed from, else the"
+        " current directory)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton bench`: ")
+    parser.epilog = "benchmarks (all runs them in this order):\n" + "\n".join(
+        f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags) or 'none'})"
+        for benchmark in BENCHMARKS.values()
+    ) + (
+        "\n\nexamples:\n  kvtriton bench all\n  kvtriton bench kernels --out /tmp/results"
+        "\n  kvtriton bench manager -- --help      # the benchmark's own options"
+    )
+    _add_options(parser)
+    # One REMAINDER positional rather than a name plus nargs="*": argparse
+    # drops a nargs="*" positional's `-- ARGS` when options sit between the
+    # name and `--`, and a REMAINDER after the name loses a leading `--`. The
+    # name, any options after it, and the `--` split are parsed in run().
+    parser.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="{" + ",".join([*BENCHMARKS, "all"]) + "} [-- ARGS]",
+        help="which benchmark to run (required); ARGS after `--` go unchanged to every chosen benchmark module",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Invocation:
+    benchmarks: list[Benchmark]
+    extra: list[str]
+    full: bool
+    out: Path | None
+    checkout: Path | None
+
+
+def _invocation(args: argparse.Namespace) -> _Invocation:
+    """Split ``NAME [OPTIONS] [-- ARGS]`` and parse the options given after the name."""
+    command: list[str] = list(args.command)
+    choices = [*BENCHMARKS, "all"]
+    if not command:
+        raise ValueError(f"which benchmark? name one of {', '.join(choices)}")
+    name, rest = command[0], command[1:]
+    if name not in choices:
+        raise ValueError(f"invalid benchmark {name!r} (choose from {', '.join(choices)})")
+    cut = rest.index("--") if "--" in rest else len(rest)
+    options = argparse.ArgumentParser(prog="kvtriton bench", add_help=False)
+    _add_options(options)
+    # Parsing into ``args`` keeps what was given before the name: defaults
+    # never overwrite attributes the namespace already has.
+    parsed, unknown = options.parse_known_args(rest[:cut], namespace=args)
+    if unknown:
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)} (arguments for the benchmark go after `--`)")
+    chosen = list(BENCHMARKS.values()) if name == "all" else [BENCHMARKS[name]]
+    return _Invocation(chosen, rest[cut + 1 :], bool(parsed.full), parsed.out, parsed.checkout)
+
+
+def _results_dir(checkout: Path, out: Path | None) -> Path:
+    if out is not None:
+        return out.resolve()
+    chosen = os.environ.get(RESULTS_ENV)
+    return Path(chosen).resolve() if chosen else checkout / "bench" / "results"
+
+
+def _written_since(folder: Path, started: float) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(
+        path for path in folder.iterdir() if path.suffix in (".json", ".png") and path.stat().st_mtime >= started
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        invocation = _invocation(args)
+    except ValueError as error:
+        print(f"kvtriton bench: error: {error}", file=sys.stderr)
+        return 2
+    checkout = find_checkout(invocation.checkout)
+    if checkout is None:
+        looked = (
+            str(invocation.checkout)
+            if invocation.checkout is not None
+            else f"{Path(__file__).resolve().parent.parent} and {Path.cwd()}"
+        )
+        print(
+            "kvtriton bench: error: bench/ is not importable: the benchmarks ship only in a source checkout,"
+            f" not in the installed package (looked in {looked}). Run `kvtriton bench` inside a clone of the"
+            " repository, or pass --checkout DIR.",
+            file=sys.stderr,
+        )
+        return 2
+    missing = [b for b in invocation.benchmarks if not (checkout / "bench" / f"{b.name}.py").is_file()]
+    if missing:
+        names = ", ".join(f"bench/{b.name}.py" for b in missing)
+        print(f"kvtriton bench: error: {names} not found in the checkout {checkout}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
+    if invocation.out is not None:
+        try:
+            invocation.out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            print(f"kvtriton bench: error: --out: cannot create {invocation.out}: {error}", file=sys.stderr)
+            return 2
+        env[RESULTS_ENV] = str(invocation.out.resolve())
+    results = _results_dir(checkout, invocation.out)
+    failures: list[tuple[str, int]] = []
+    started = time.time() - 1  # file times may be rounded down to the second
+    for benchmark in invocation.benchmarks:
+        command = benchmark_command(benchmark, full=invocation.full, extra=invocation.extra)
+        shown = " ".join(["python", *command[1:]])
+        print(f"== kvtriton bench {benchmark.name}: {shown}  (in {checkout})", flush=True)
+        began = time.perf_counter()
+        returncode = subprocess.run(command, cwd=checkout, env=env, check=False).returncode
+        print(f"== {benchmark.name}: exit {returncode} after {time.perf_counter() - began:.1f} s", flush=True)
+        if returncode != 0:
+            failures.append((benchmark.name, returncode))
+    written = _written_since(results, started)
+    if written:
+        print("results:")
+        for path in written:
+            print(f"  {path}")
+    if failures:
+        listed = ", ".join(f"{name} (exit {code})" for name, code in failures)
+        print(f"kvtriton bench: error: failed: {listed}", file=sys.stderr)
+        return failures[0][1]
+    return 0

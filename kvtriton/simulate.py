@@ -1,0 +1,738 @@
+"""`kvtriton simulate`: how many cache hits a given amount of host memory buys, for a trace.
+
+Replays a request trace (a built-in synthetic workload or a JSON-lines file)
+through ``CPUOffloadingManager`` for a sweep of capacities and each eviction
+policy, calling the manager the way a serving engine does, and reports hit
+rates, bytes moved, evictions and refused stores per point. Pure scheduler
+side: no tensors, no torch, so a sweep takes seconds.
+
+The simulation models the host tier alone, as if the GPU prefix cache held
+nothing: every prompt block is looked up in host memory. A real engine serves
+its GPU prefix-cache hits first, so the host tier's own hit rate is lower,
+while the combined hit rate is at least what is reported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, cast
+
+from kvtriton.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
+from kvtriton.keys import OffloadKey, make_offload_key
+from kvtriton.manager import CPUOffloadingManager, OffloadingManager
+from kvtriton.progress import progress
+from kvtriton.specs import LookupResult, ReqContext
+from kvtriton.workloads import WORKLOADS, Request, generate, read_trace
+
+__all__ = [
+    "DEFAULT_OUT",
+    "PointReport",
+    "PreparedRequest",
+    "ReplayStats",
+    "SweepPoint",
+    "TraceSummary",
+    "add_arguments",
+    "default_capacities",
+    "prepare",
+    "replay",
+    "run",
+    "summarize",
+    "sweep",
+]
+
+DEFAULT_OUT = "simulate-results"
+DEFAULT_WORKLOAD = "chat"
+DEFAULT_MODEL = "llama-3-8b"
+DEFAULT_POLICIES = ("lru", "arc")
+DEFAULT_BANDWIDTH_GBPS = 25.0
+DEFAULT_SWEEP_POINTS = 8
+
+
+# --------------------------------------------------------------------------
+# Replay
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request with its block hashes turned into offload keys (group 0) once, before any replay."""
+
+    req_id: str
+    prompt_keys: tuple[OffloadKey, ...]
+    output_keys: tuple[OffloadKey, ...]
+    prompt_tokens: int
+
+
+def prepare(requests: Sequence[Request]) -> list[PreparedRequest]:
+    """Turn block hashes into offload keys, sharing one key object per distinct hash."""
+    keys: dict[bytes, OffloadKey] = {}
+
+    def key(block_hash: bytes) -> OffloadKey:
+        found = keys.get(block_hash)
+        if found is None:
+            found = keys[block_hash] = make_offload_key(block_hash)
+        return found
+
+    return [
+        PreparedRequest(
+            request.req_id,
+            tuple(key(h) for h in request.prompt_blocks),
+            tuple(key(h) for h in request.output_blocks),
+            request.prompt_tokens,
+        )
+        for request in requests
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayStats:
+    """What one replay of a trace through one manager observed, in blocks and tokens."""
+
+    requests: int
+    prompt_blocks: int
+    hit_blocks: int
+    prompt_tokens: int
+    hit_tokens: int
+    blocks_stored: int
+    evictions: int
+    refused_stores: int
+    """``prepare_store`` calls that returned ``None`` (no room: everything evictable was in use)."""
+    refused_blocks: int
+    """Blocks named in those refused calls."""
+    pending_stops: int
+    """Lookups that stopped at a block still being stored by an in-flight request."""
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _InFlight:
+    context: ReqContext
+    loaded: tuple[OffloadKey, ...]
+    stored: list[OffloadKey]
+
+
+@dataclass(slots=True)
+class _Counters:
+    prompt_blocks: int = 0
+    hit_blocks: int = 0
+    prompt_tokens: int = 0
+    blocks_stored: int = 0
+    evictions: int = 0
+    refused_stores: int = 0
+    refused_blocks: int = 0
+    pending_stops: int = 0
+
+
+def replay(
+    requests: Sequence[PreparedRequest],
+    manager: OffloadingManager,
+    *,
+    block_size: int,
+    in_flight: int = 1,
+) -> ReplayStats:
+    """Replay ``requests`` through ``manager`` the way a serving engine calls it.
+
+    Per request, on arrival: ``lookup`` the prompt blocks in order until the
+    first one that is not a ``HIT``, ``prepare_load`` the hits, ``touch`` every
+    prompt block, ``prepare_store`` the missed prompt blocks and the output
+    blocks. When the request retires: ``complete_load`` the hits,
+    ``complete_store`` what was stored. ``in_flight`` requests are admitted
+    before the oldest retires (1: each request retires before the next one
+    arrives), so loads in progress pin their blocks and stores in progress look
+    up as ``HIT_PENDING``, which counts as a miss here (an engine would wait).
+    """
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    counters = _Counters()
+    window: deque[_InFlight] = deque()
+    hit = LookupResult.HIT
+    pending = LookupResult.HIT_PENDING
+
+    def retire(job: _InFlight) -> None:
+        if job.loaded:
+            manager.complete_load(job.loaded, job.context)
+        if job.stored:
+            manager.complete_store(job.stored, job.context)
+
+    for request in requests:
+        if len(window) == in_flight:
+            retire(window.popleft())
+        context = ReqContext(req_id=request.req_id)
+        prompt = request.prompt_keys
+        hits = 0
+        for key in prompt:
+            result = manager.lookup(key, context)
+            if result is not hit:
+                if result is pending:
+                    counters.pending_stops += 1
+                break
+            hits += 1
+        loaded = prompt[:hits]
+        if loaded:
+            manager.prepare_load(loaded, context)
+        if prompt:
+            manager.touch(prompt, context)
+        to_store = prompt[hits:] + request.output_keys
+        stored: list[OffloadKey] = []
+        if to_store:
+            output = manager.prepare_store(to_store, context)
+            if output is None:
+                counters.refused_stores += 1
+                counters.refused_blocks += len(to_store)
+            else:
+                stored = output.keys_to_store
+                counters.evictions += len(output.evicted_keys)
+                counters.blocks_stored += len(stored)
+        counters.prompt_blocks += len(prompt)
+        counters.hit_blocks += hits
+        counters.prompt_tokens += request.prompt_tokens
+        window.append(_InFlight(context, loaded, stored))
+    while window:
+        retire(window.popleft())
+    return ReplayStats(
+        requests=len(requests),
+        prompt_blocks=counters.prompt_blocks,
+        hit_blocks=counters.hit_blocks,
+        prompt_tokens=counters.prompt_tokens,
+        hit_tokens=counters.hit_blocks * block_size,
+        blocks_stored=counters.blocks_stored,
+        evictions=counters.evictions,
+        refused_stores=counters.refused_stores,
+        refused_blocks=counters.refused_blocks,
+        pending_stops=counters.pending_stops,
+    )
+
+
+# --------------------------------------------------------------------------
+# Sweep
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """One (policy, capacity) point of a sweep."""
+
+    policy: str
+    capacity_bytes: int
+    num_blocks: int
+    stats: ReplayStats
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSummary:
+    """Facts about a trace that do not depend on capacity."""
+
+    requests: int
+    prompt_blocks: int
+    output_blocks: int
+    prompt_tokens: int
+    distinct_blocks: int
+    """Distinct blocks stored at least once: the capacity at which nothing is ever evicted."""
+
+
+def summarize(requests: Sequence[PreparedRequest]) -> TraceSummary:
+    distinct: set[OffloadKey] = set()
+    for request in requests:
+        distinct.update(request.prompt_keys)
+        distinct.update(request.output_keys)
+    return TraceSummary(
+        requests=len(requests),
+        prompt_blocks=sum(len(request.prompt_keys) for request in requests),
+        output_blocks=sum(len(request.output_keys) for request in requests),
+        prompt_tokens=sum(request.prompt_tokens for request in requests),
+        distinct_blocks=len(distinct),
+    )
+
+
+def default_capacities(geometry: ModelGeometry, distinct_blocks: int, points: int = DEFAULT_SWEEP_POINTS) -> list[int]:
+    """``points`` capacities doubling up to the first power-of-two GiB that holds every distinct block.
+
+    Capacities that hold no whole block are dropped.
+    """
+    working_set_gib = max(distinct_blocks, 1) * geometry.bytes_per_block / GIB
+    top = 2.0 ** math.ceil(math.log2(working_set_gib))
+    capacities = [int(top / 2**step * GIB) for step in range(points - 1, -1, -1)]
+    return [capacity for capacity in capacities if geometry.blocks_for(capacity) >= 1]
+
+
+def sweep(
+    requests: Sequence[PreparedRequest],
+    geometry: ModelGeometry,
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    in_flight: int = 1,
+    show_progress: bool = True,
+) -> list[SweepPoint]:
+    """Replay ``requests`` once per (policy, capacity), each on a fresh manager."""
+    for capacity in capacities:
+        if geometry.blocks_for(capacity) < 1:
+            raise ValueError(
+                f"capacity {format_bytes(capacity)} holds no block of {format_bytes(geometry.bytes_per_block)}"
+            )
+    grid = [(policy, capacity) for policy in policies for capacity in capacities]
+    points: list[SweepPoint] = []
+    for policy, capacity in progress(grid, len(grid), "simulate", enabled=show_progress):
+        num_blocks = geometry.blocks_for(capacity)
+        manager = CPUOffloadingManager(num_blocks, cache_policy=policy)
+        stats = replay(requests, manager, block_size=geometry.block_size, in_flight=in_flight)
+        points.append(SweepPoint(policy, capacity, num_blocks, stats))
+    return points
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _capacities(text: str) -> list[int]:
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of sizes, got {text!r}")
+    try:
+        return sorted({parse_capacity(item) for item in items})
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _policies(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of policies, got {text!r}")
+    for name in names:
+        try:
+            CPUOffloadingManager(1, cache_policy=name)
+        except ValueError as error:  # the manager's message lists the valid names
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return list(dict.fromkeys(names))
+
+
+def _param(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
+def _dtype(text: str) -> str:
+    try:
+        return parse_dtype(text).value
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _workloads_epilog() -> str:
+    lines = ["built-in workloads and their --param names (defaults):"]
+    for workload in WORKLOADS.values():
+        lines.append(f"  {workload.name}: {workload.summary}")
+        lines.append("    " + ", ".join(f"{name}={value}" for name, value in workload.parameters().items()))
+    lines.append("")
+    lines.append("model presets (bf16, 16 tokens per block):")
+    for geometry in PRESETS.values():
+        lines.append(f"  {geometry.name}: {format_bytes(geometry.bytes_per_block)} per block")
+    lines.append("")
+    lines.append(
+        "trace files: JSON lines, one request per line: "
+        '{"id": "r1", "blocks": ["h1", "h2", ...], "tokens": 40, "output_blocks": ["h3"]}; '
+        "only blocks is required (block hashes: strings or non-negative integers, chained like "
+        "vLLM's, so equal hashes mean equal prefixes)."
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton simulate`: ")
+    parser.epilog = _workloads_epilog()
+    source = parser.add_argument_group("trace")
+    choice = source.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--workload",
+        choices=list(WORKLOADS),
+        default=DEFAULT_WORKLOAD,
+        help=f"built-in synthetic workload to replay (default: {DEFAULT_WORKLOAD})",
+    )
+    choice.add_argument("--trace", type=Path, metavar="FILE", help="replay this JSON-lines trace instead of a workload")
+    source.add_argument(
+        "--requests",
+        type=_positive_int,
+        metavar="N",
+        help="number of requests the workload generates (default: the workload's, 1000)",
+    )
+    source.add_argument("--seed", type=_non_negative_int, default=0, help="workload random seed (default: 0)")
+    source.add_argument(
+        "--param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one workload parameter (repeatable; names listed below)",
+    )
+    model = parser.add_argument_group("model geometry (turns blocks into bytes)")
+    model.add_argument(
+        "--model",
+        choices=list(PRESETS),
+        default=DEFAULT_MODEL,
+        help=f"preset KV shape; the flags below override its fields (default: {DEFAULT_MODEL})",
+    )
+    model.add_argument("--layers", type=_positive_int, metavar="N", help="number of layers (default: the preset's)")
+    model.add_argument("--kv-heads", type=_positive_int, metavar="N", help="KV heads per layer (default: the preset's)")
+    model.add_argument("--head-dim", type=_positive_int, metavar="N", help="head dimension (default: the preset's)")
+    model.add_argument("--dtype", type=_dtype, help="KV cache dtype: bf16, fp16, fp32, fp8 (default: the preset's, bf16)")
+    model.add_argument(
+        "--block-size",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="tokens per offloaded block (default: the preset's, 16)",
+    )
+    sim = parser.add_argument_group("sweep")
+    sim.add_argument(
+        "--capacities",
+        type=_capacities,
+        metavar="LIST",
+        help="host memory sizes to try, comma-separated; bare numbers are GiB, units KiB/MiB/GiB/TiB"
+        f" or KB/MB/GB/TB accepted (default: {DEFAULT_SWEEP_POINTS} sizes doubling up to the first"
+        " power-of-two GiB that holds the whole trace)",
+    )
+    sim.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(DEFAULT_POLICIES),
+        metavar="LIST",
+        help=f"eviction policies to compare, comma-separated (default: {','.join(DEFAULT_POLICIES)})",
+    )
+    sim.add_argument(
+        "--in-flight",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="requests admitted before the oldest completes its loads and stores (default: 1)",
+    )
+    sim.add_argument(
+        "--bandwidth",
+        type=_positive_float,
+        default=DEFAULT_BANDWIDTH_GBPS,
+        metavar="GB/S",
+        help="host<->GPU copy bandwidth for the transfer-time estimate, in GB/s"
+        f" (default: {DEFAULT_BANDWIDTH_GBPS:g}, PCIe 4.0 x16 in practice)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        metavar="DIR",
+        help=f"folder for simulate-<trace>.json and .png, created if missing (default: ./{DEFAULT_OUT})",
+    )
+    out.add_argument("--json", action="store_true", help="print the JSON record on stdout instead of the table")
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG plot (and the matplotlib import)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    name: str
+    description: dict[str, object] = field(default_factory=dict[str, object])
+
+
+def _geometry(args: argparse.Namespace) -> ModelGeometry:
+    preset = PRESETS[args.model]
+    return ModelGeometry(
+        name=preset.name,
+        num_layers=args.layers or preset.num_layers,
+        num_kv_heads=args.kv_heads or preset.num_kv_heads,
+        head_dim=args.head_dim or preset.head_dim,
+        dtype=parse_dtype(args.dtype) if args.dtype else preset.dtype,
+        block_size=args.block_size or preset.block_size,
+        kv_factor=preset.kv_factor,
+    )
+
+
+def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, list[Request]]:
+    if args.trace is not None:
+        path: Path = args.trace
+        if not path.is_file():
+            raise ValueError(f"--trace: no such file: {path}")
+        if args.requests is not None or args.param:
+            raise ValueError("--requests and --param shape built-in workloads; they do not apply to --trace")
+        return _Source(path.stem, {"trace": str(path)}), read_trace(path, block_size=block_size)
+    overrides: dict[str, str] = dict(args.param)
+    if args.requests is not None:
+        overrides["requests"] = str(args.requests)
+    workload = WORKLOADS[args.workload]
+    params = workload.params(overrides)
+    description: dict[str, object] = {"workload": workload.name, "seed": args.seed, "params": asdict(params)}
+    return _Source(workload.name, description), generate(
+        workload.name, seed=args.seed, block_size=block_size, overrides=overrides
+    )
+
+
+def _percent(rate: float) -> str:
+    return f"{100 * rate:.1f}%"
+
+
+def _gib(size: float) -> str:
+    gib = size / GIB
+    return f"{gib:.3g}" if gib < 1000 else f"{gib:,.0f}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max([len(header), *(len(row[i]) for row in rows)]) for i, header in enumerate(headers)]
+    lines = ["  ".join(header.rjust(width) for header, width in zip(headers, widths))]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(value.rjust(width) for value, width in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PointReport:
+    """One sweep point as reported: the replay counts turned into rates, bytes and seconds."""
+
+    policy: str
+    capacity_gib: float
+    capacity_bytes: int
+    num_blocks: int
+    block_hit_rate: float
+    token_hit_rate: float
+    hit_blocks: int
+    hit_tokens: int
+    bytes_loaded: int
+    bytes_stored: int
+    blocks_stored: int
+    evictions: int
+    refused_stores: int
+    refused_blocks: int
+    pending_stops: int
+    load_seconds: float
+    store_seconds: float
+
+    @classmethod
+    def of(cls, point: SweepPoint, geometry: ModelGeometry, bandwidth_gbps: float) -> PointReport:
+        stats = point.stats
+        bytes_loaded = stats.hit_blocks * geometry.bytes_per_block
+        bytes_stored = stats.blocks_stored * geometry.bytes_per_block
+        return cls(
+            policy=point.policy,
+            capacity_gib=point.capacity_bytes / GIB,
+            capacity_bytes=point.capacity_bytes,
+            num_blocks=point.num_blocks,
+            block_hit_rate=stats.block_hit_rate,
+            token_hit_rate=stats.token_hit_rate,
+            hit_blocks=stats.hit_blocks,
+            hit_tokens=stats.hit_tokens,
+            bytes_loaded=bytes_loaded,
+            bytes_stored=bytes_stored,
+            blocks_stored=stats.blocks_stored,
+            evictions=stats.evictions,
+            refused_stores=stats.refused_stores,
+            refused_blocks=stats.refused_blocks,
+            pending_stops=stats.pending_stops,
+            load_seconds=bytes_loaded / (bandwidth_gbps * 1e9),
+            store_seconds=bytes_stored / (bandwidth_gbps * 1e9),
+        )
+
+
+class _Axes(Protocol):
+    """The few matplotlib Axes methods the plot uses, typed (matplotlib's stubs leave ``**kwargs`` unknown)."""
+
+    def plot(self, x: Sequence[float], y: Sequence[float], *, marker: str, label: str) -> object: ...
+    def axhline(self, y: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
+    def axvline(self, x: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
+    def set_xscale(self, value: str, *, base: int) -> None: ...
+    def set_xticks(self, ticks: Sequence[float], labels: Sequence[str]) -> object: ...
+    def minorticks_off(self) -> None: ...
+    def set_xlabel(self, label: str) -> object: ...
+    def set_ylabel(self, label: str) -> object: ...
+    def set_ylim(self, bottom: float, top: float) -> object: ...
+    def set_title(self, label: str, *, fontsize: int) -> object: ...
+    def grid(self, visible: bool, *, which: str, alpha: float) -> None: ...
+    def legend(self, *, loc: str) -> object: ...
+
+
+class _Figure(Protocol):
+    def tight_layout(self) -> None: ...
+    def savefig(self, fname: Path, *, dpi: int) -> None: ...
+
+
+def _plot(path: Path, reports: Sequence[PointReport], title: str, ceiling: float, working_set_gib: float) -> None:
+    """Token hit rate against capacity, one line per policy, with the unlimited-memory ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    raw_figure, raw_axes = plt.subplots(figsize=(7.5, 4.5))
+    figure, axes = cast(_Figure, raw_figure), cast(_Axes, raw_axes)
+    for policy in dict.fromkeys(report.policy for report in reports):
+        mine = [report for report in reports if report.policy == policy]
+        axes.plot(
+            [report.capacity_gib for report in mine],
+            [100 * report.token_hit_rate for report in mine],
+            marker="o",
+            label=policy.upper(),
+        )
+    axes.axhline(100 * ceiling, color="grey", linestyle="--", linewidth=1, label="unlimited memory")
+    axes.axvline(working_set_gib, color="grey", linestyle=":", linewidth=1, label="whole trace fits")
+    axes.set_xscale("log", base=2)
+    ticks = sorted({report.capacity_gib for report in reports})
+    axes.set_xticks(ticks, labels=[f"{tick:.3g}" for tick in ticks])
+    axes.minorticks_off()
+    axes.set_xlabel("host memory for the KV cache (GiB, log scale)")
+    axes.set_ylabel("prompt tokens served from host memory (%)")
+    axes.set_ylim(0, 100)
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(raw_figure)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        geometry = _geometry(args)
+        source, requests = _load_trace(args, geometry.block_size)
+    except (ValueError, OSError) as error:
+        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
+        return 2
+    prepared = prepare(requests)
+    summary = summarize(prepared)
+    capacities: list[int] = args.capacities or default_capacities(geometry, summary.distinct_blocks)
+    too_small = [capacity for capacity in capacities if geometry.blocks_for(capacity) < 1]
+    if too_small:
+        print(
+            f"kvtriton simulate: error: --capacities: {format_bytes(too_small[0])} holds no block of"
+            f" {format_bytes(geometry.bytes_per_block)}",
+            file=sys.stderr,
+        )
+        return 2
+    show_progress = not args.no_progress
+    # The ceiling: capacity for every distinct block, so nothing is ever evicted.
+    unlimited = replay(
+        prepared,
+        CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"),
+        block_size=geometry.block_size,
+        in_flight=args.in_flight,
+    )
+    points = sweep(prepared, geometry, capacities, args.policies, in_flight=args.in_flight, show_progress=show_progress)
+    reports = [PointReport.of(point, geometry, args.bandwidth) for point in points]
+    working_set = summary.distinct_blocks * geometry.bytes_per_block
+    record: dict[str, object] = {
+        "command": "kvtriton simulate",
+        "argv": sys.argv[1:],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "source": {"name": source.name, **source.description},
+        "geometry": {
+            "model": geometry.name,
+            "num_layers": geometry.num_layers,
+            "num_kv_heads": geometry.num_kv_heads,
+            "head_dim": geometry.head_dim,
+            "dtype": geometry.dtype.value,
+            "kv_factor": geometry.kv_factor,
+            "block_size": geometry.block_size,
+            "bytes_per_block": geometry.bytes_per_block,
+        },
+        "trace": {
+            **asdict(summary),
+            "working_set_bytes": working_set,
+            "working_set_gib": working_set / GIB,
+            "unlimited_block_hit_rate": unlimited.block_hit_rate,
+            "unlimited_token_hit_rate": unlimited.token_hit_rate,
+        },
+        "in_flight": args.in_flight,
+        "bandwidth_gbps": args.bandwidth,
+        "points": [asdict(report) for report in reports],
+        "elapsed_seconds": time.perf_counter() - started,
+    }
+    out_dir: Path = args.out
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path = out_dir / f"simulate-{source.name}.json"
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+        png_path = out_dir / f"simulate-{source.name}.png"
+        if not args.no_plot:
+            title = f"{source.name} trace, {summary.requests} requests, {geometry.name} ({format_bytes(geometry.bytes_per_block)}/block)"
+            _plot(png_path, reports, title, unlimited.token_hit_rate, working_set / GIB)
+    except OSError as error:
+        print(f"kvtriton simulate: error: cannot write results to {out_dir}: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return 0
+    print(f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
+          f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks")
+    print(f"geometry  {geometry.describe()}")
+    print(f"working set {format_bytes(working_set)} ({summary.distinct_blocks} distinct blocks);"
+          f" with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
+    print()
+    headers = ["policy", "GiB", "blocks", "hit blk", "hit tok", "stored GiB", "loaded GiB",
+               "evictions", "refused", "load s", "store s"]  # fmt: skip
+    rows = [
+        [
+            report.policy,
+            _gib(report.capacity_bytes),
+            str(report.num_blocks),
+            _percent(report.block_hit_rate),
+            _percent(report.token_hit_rate),
+            _gib(report.bytes_stored),
+            _gib(report.bytes_loaded),
+            str(report.evictions),
+            str(report.refused_stores),
+            f"{report.load_seconds:.2f}",
+            f"{report.store_seconds:.2f}",
+        ]
+        for report in reports
+    ]
+    print(_table(headers, rows))
+    print()
+    print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"))
+    return 0

@@ -1,0 +1,299 @@
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtriton.cli import main
+from kvtriton.geometry import PRESETS, KVDtype, ModelGeometry
+from kvtriton.keys import OffloadKey, make_offload_key
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.simulate import PreparedRequest, default_capacities, prepare, replay, summarize, sweep
+from kvtriton.specs import LookupResult, ReqContext
+from kvtriton.workloads import Request, generate
+
+# One byte per block: capacities in bytes are capacities in blocks.
+ONE_BYTE_BLOCKS = ModelGeometry("unit", num_layers=1, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP8, block_size=1, kv_factor=1)
+
+
+def request(req_id: str, prompt: str, output: str = "", *, block_size: int = 1) -> Request:
+    """A request whose blocks are named by letters: ``request("r", "abc", "d")``."""
+    return Request(req_id, tuple(c.encode() for c in prompt), len(prompt) * block_size, tuple(c.encode() for c in output))
+
+
+def key(name: str) -> OffloadKey:
+    return make_offload_key(name.encode())
+
+
+# --------------------------------------------------------------------------
+# replay against the manager
+
+
+def test_replay_counts_hits_stores_and_evictions_of_a_small_lru_trace() -> None:
+    # LRU order, least recent first, after each request (SEMANTICS.md: a touched
+    # prefix ends most recent, blocks stored after it rank just below it).
+    trace = prepare([
+        request("r0", "ab", "c"),  # miss a; store a b c                     -> c b a
+        request("r1", "abx"),      # hit a b; store x, evicting c            -> x b a
+        request("r2", "ac"),       # hit a; c is gone; store c, evicting x   -> b c a
+        request("r3", "ab"),       # hit a b; nothing to store               -> c b a
+    ])  # fmt: skip
+    manager = CPUOffloadingManager(3, cache_policy="lru")
+    stats = replay(trace, manager, block_size=1)
+    assert (stats.prompt_blocks, stats.hit_blocks, stats.blocks_stored, stats.evictions) == (9, 5, 5, 2)
+    assert (stats.refused_stores, stats.pending_stops) == (0, 0)
+    assert [manager.lookup(key(c), ReqContext()) for c in "abcx"] == [
+        LookupResult.HIT, LookupResult.HIT, LookupResult.HIT, LookupResult.MISS,
+    ]  # fmt: skip
+
+
+def _drive_by_hand(trace: list[PreparedRequest], manager: CPUOffloadingManager) -> tuple[list[int], list[list[OffloadKey]]]:
+    """The engine's calls written out, request by request, recording hits and evictions."""
+    hits: list[int] = []
+    evictions: list[list[OffloadKey]] = []
+    for item in trace:
+        context = ReqContext(req_id=item.req_id)
+        hit = 0
+        while hit < len(item.prompt_keys) and manager.lookup(item.prompt_keys[hit], context) is LookupResult.HIT:
+            hit += 1
+        loaded = list(item.prompt_keys[:hit])
+        if loaded:
+            manager.prepare_load(loaded, context)
+        manager.touch(list(item.prompt_keys), context)
+        output = manager.prepare_store(list(item.prompt_keys[hit:] + item.output_keys), context)
+        if loaded:
+            manager.complete_load(loaded, context)
+        if output is not None:
+            manager.complete_store(output.keys_to_store, context)
+            evictions.append(list(output.evicted_keys))
+        hits.append(hit)
+    return hits, evictions
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_replay_agrees_with_direct_manager_calls(policy: str) -> None:
+    trace = prepare(generate("few-shot", seed=3, block_size=16, overrides={
+        "requests": "80", "prefixes": "12", "prefix_tokens_min": "32", "prefix_tokens_max": "160",
+    }))  # fmt: skip
+    by_hand = CPUOffloadingManager(40, cache_policy=policy, enable_events=True)
+    hits, evictions = _drive_by_hand(trace, by_hand)
+    simulated = CPUOffloadingManager(40, cache_policy=policy, enable_events=True)
+    stats = replay(trace, simulated, block_size=16)
+    assert stats.hit_blocks == sum(hits) > 0
+    assert stats.evictions == sum(len(evicted) for evicted in evictions) > 0
+    assert list(simulated.take_events()) == list(by_hand.take_events())  # same stores and evictions, same order
+    every_key = {k for item in trace for k in item.prompt_keys + item.output_keys}
+    context = ReqContext()
+    assert {k: simulated.lookup(k, context) for k in every_key} == {k: by_hand.lookup(k, context) for k in every_key}
+
+
+def _stack_distance_trace(length: int, seed: int) -> list[Request]:
+    """Single-block requests whose reuse distances are drawn from a skewed distribution."""
+    rng = random.Random(seed)
+    stack: list[bytes] = []
+    fresh = 0
+    requests: list[Request] = []
+    for index in range(length):
+        depth = int(rng.expovariate(1 / 12))
+        if depth < len(stack):
+            block = stack.pop(len(stack) - 1 - depth)
+        else:
+            block = f"block-{fresh}".encode()
+            fresh += 1
+        stack.append(block)
+        requests.append(Request(f"r{index}", (block,), 1))
+    return requests
+
+
+def _lru_hits_from_stack_distances(trace: list[Request], capacity: int) -> int:
+    """Textbook LRU: a reference hits iff fewer than ``capacity`` distinct blocks were used since its last use."""
+    stack: list[bytes] = []
+    hits = 0
+    for item in trace:
+        (block,) = item.prompt_blocks
+        if block in stack:
+            depth = len(stack) - 1 - stack.index(block)
+            hits += depth < capacity
+            stack.remove(block)
+        stack.append(block)
+    return hits
+
+
+def test_lru_hit_rate_never_drops_as_capacity_grows_on_a_stack_distance_trace() -> None:
+    trace = _stack_distance_trace(1500, seed=5)
+    prepared = prepare(trace)
+    distinct = summarize(prepared).distinct_blocks
+    capacities = list(range(1, distinct + 2, 3))
+    points = sweep(prepared, ONE_BYTE_BLOCKS, capacities, ["lru"], show_progress=False)
+    hits = [point.stats.hit_blocks for point in points]
+    assert hits == sorted(hits)
+    assert hits[0] < hits[-1] == len(trace) - distinct  # only compulsory misses once everything fits
+    # LRU is a stack algorithm: the simulator matches the stack-distance count at every capacity.
+    assert hits == [_lru_hits_from_stack_distances(trace, capacity) for capacity in capacities]
+
+
+def test_store_larger_than_the_cache_is_refused_and_changes_nothing() -> None:
+    trace = prepare([request("small", "ab"), request("huge", "cdefg")])
+    manager = CPUOffloadingManager(4)
+    stats = replay(trace, manager, block_size=1)
+    assert (stats.refused_stores, stats.refused_blocks, stats.blocks_stored, stats.evictions) == (1, 5, 2, 0)
+    assert manager.lookup(key("a"), ReqContext()) is LookupResult.HIT
+
+
+def test_in_flight_store_looks_pending_and_is_not_stored_twice() -> None:
+    trace = prepare([request("first", "abc"), request("twin", "abc")])
+    stats = replay(trace, CPUOffloadingManager(8), block_size=1, in_flight=2)
+    assert (stats.hit_blocks, stats.pending_stops, stats.blocks_stored) == (0, 1, 3)
+    sequential = replay(trace, CPUOffloadingManager(8), block_size=1, in_flight=1)
+    assert (sequential.hit_blocks, sequential.pending_stops) == (3, 0)
+
+
+def test_blocks_loading_for_an_in_flight_request_are_never_evicted() -> None:
+    # "reader" loads all four cached blocks and is still in flight when "writer" needs two slots.
+    trace = prepare([request("seed", "abcd"), request("pad", ""), request("reader", "abcd"), request("writer", "ef")])
+    overlapped = replay(trace, CPUOffloadingManager(4), block_size=1, in_flight=2)
+    assert (overlapped.hit_blocks, overlapped.evictions, overlapped.refused_stores, overlapped.refused_blocks) == (4, 0, 1, 2)
+    sequential = replay(trace, CPUOffloadingManager(4), block_size=1, in_flight=1)
+    assert (sequential.hit_blocks, sequential.evictions, sequential.refused_stores) == (4, 2, 0)
+
+
+def test_token_hit_rate_counts_the_uncacheable_prompt_tail() -> None:
+    trace = prepare([Request("a", (b"x",), 24), Request("b", (b"x",), 24)])
+    stats = replay(trace, CPUOffloadingManager(4), block_size=16)
+    assert stats.block_hit_rate == 0.5
+    assert stats.hit_tokens == 16
+    assert stats.token_hit_rate == 16 / 48
+
+
+def test_replay_rejects_bad_window_and_block_size() -> None:
+    with pytest.raises(ValueError, match="in_flight must be >= 1, got 0"):
+        replay([], CPUOffloadingManager(1), block_size=1, in_flight=0)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        replay([], CPUOffloadingManager(1), block_size=0)
+
+
+def test_default_sweep_doubles_up_to_the_power_of_two_holding_the_trace() -> None:
+    geometry = PRESETS["llama-3-8b"]  # 2 MiB blocks
+    capacities = default_capacities(geometry, distinct_blocks=3000)  # 5.9 GiB
+    assert [c / 2**30 for c in capacities] == [0.0625, 0.125, 0.25, 0.5, 1, 2, 4, 8]
+    assert default_capacities(geometry, distinct_blocks=1) == [2**21]  # smaller sizes hold no block
+
+
+def test_sweep_rejects_a_capacity_below_one_block() -> None:
+    with pytest.raises(ValueError, match="capacity 1.00 MiB holds no block of 2.00 MiB"):
+        sweep([], PRESETS["llama-3-8b"], [2**20], ["lru"], show_progress=False)
+
+
+# --------------------------------------------------------------------------
+# command line
+
+TINY = ["--requests", "30", "--capacities", "0.25,1", "--no-progress"]
+
+
+def test_simulate_command_prints_a_table_and_writes_json_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--workload", "few-shot", *TINY, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "hit tok" in out and "llama-3-8b" in out
+    assert out.count(" lru ") == 2 and out.count(" arc ") == 2
+    record = json.loads((tmp_path / "simulate-few-shot.json").read_text())
+    assert [(p["policy"], p["capacity_gib"]) for p in record["points"]] == [
+        ("lru", 0.25), ("lru", 1.0), ("arc", 0.25), ("arc", 1.0),
+    ]  # fmt: skip
+    assert record["points"][0]["num_blocks"] == 128
+    assert record["source"]["params"]["requests"] == 30
+    assert record["geometry"]["bytes_per_block"] == 2 * 2**20
+    for point in record["points"]:
+        assert point["bytes_loaded"] == point["hit_blocks"] * 2 * 2**20
+        assert 0 <= point["token_hit_rate"] <= record["trace"]["unlimited_token_hit_rate"] + 1e-12
+    assert (tmp_path / "simulate-few-shot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_json_flag_prints_the_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TINY, "--policies", "lru", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["source"]["workload"] == "chat"
+    assert len(record["points"]) == 2
+    assert not (tmp_path / "simulate-chat.png").exists()
+
+
+def test_simulate_replays_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "mine.jsonl"
+    trace.write_text("".join(json.dumps({"blocks": ["p", f"u{i}"]}) + "\n" for i in range(5)))
+    args = ["simulate", "--trace", str(trace), "--model", "qwen2.5-7b", "--block-size", "32", "--capacities", "64MiB", "--policies", "lru"]
+    assert main([*args, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    (point,) = record["points"]
+    assert point["hit_blocks"] == 4  # "p" hits for the last four requests
+    assert point["num_blocks"] == 64 * 2**20 // (28 * 2 * 4 * 128 * 2 * 32)
+
+
+def test_malformed_trace_file_fails_naming_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"blocks": ["a"]}\n{"blocks": ["a", 1.5]}\n')
+    assert main(["simulate", "--trace", str(trace), "--out", str(tmp_path)]) == 2
+    assert f"{trace} line 2: blocks[1] must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--capacities", "4x"], "argument --capacities: capacity unit must be one of .* got '4x'"),
+        (["--policies", "lru,fifo"], "argument --policies: .*'fifo'"),
+        (["--requests", "0"], "argument --requests: expected a positive integer, got '0'"),
+        (["--dtype", "int3"], "argument --dtype: dtype must be one of .*got 'int3'"),
+        (["--workload", "web"], "argument --workload: invalid choice: 'web'"),
+        (["--param", "requests"], "argument --param: expected NAME=VALUE, got 'requests'"),
+        (["--bandwidth", "-3"], "argument --bandwidth: expected a positive number, got '-3'"),
+    ],
+)
+def test_bad_flags_exit_with_a_message_naming_the_value(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["simulate", *flags])
+    assert raised.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--param", "turns=3"], "workload 'chat' has no parameter 'turns'"),
+        (["--capacities", "1MiB"], "--capacities: 1.00 MiB holds no block of 2.00 MiB"),
+        (["--trace", "/no/such/trace.jsonl"], "--trace: no such file: /no/such/trace.jsonl"),
+    ],
+)
+def test_bad_settings_exit_2_with_a_message(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *flags, "--no-progress", "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_documents_every_knob_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in [
+        "--workload", "(default: chat)", "--seed", "(default: 0)", "--model", "(default: llama-3-8b)",
+        "--capacities", "--policies", "(default: lru,arc)", "--in-flight", "(default: 1)", "--bandwidth",
+        "(default: 25", "--out", "(default: ./simulate-results)", "few-shot:", "zipf_s=1.0", "deepseek-v3",
+    ]:  # fmt: skip
+        assert expected in text, expected
+
+
+def test_simulate_imports_neither_torch_nor_triton_nor_matplotlib() -> None:
+    code = (
+        "import argparse, sys; import kvtriton.simulate as simulate; parser = argparse.ArgumentParser();"
+        " simulate.add_arguments(parser); parser.parse_args([]);"
+        " print(sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
