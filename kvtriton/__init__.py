@@ -1,12 +1,23 @@
 """kvtriton: offload the paged KV cache of an LLM server to host memory.
 
 The scheduler side (keys, specs, managers) imports neither torch nor triton;
-worker-side names are imported on first use.
+the worker-side names (``PagedKV``, ``HostSlab``, ``TransferEngine``, ...) are
+imported on first use, so ``import kvtriton`` stays light in a scheduler
+process.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from kvtriton.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
+from kvtriton.manager import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    ManagerStats,
+    OffloadingManager,
+)
 from kvtriton.specs import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
@@ -17,17 +28,55 @@ from kvtriton.specs import (
     ReqContext,
 )
 
+if TYPE_CHECKING:
+    from kvtriton.backends import TransferBackend
+    from kvtriton.engine import TransferEngine, TransferResult
+    from kvtriton.layout import KVLayout, PagedKV
+    from kvtriton.slab import HostSlab, PageableSlabWarning
+
 __version__ = "0.1.0"
+
+# Worker-side names and the module that defines each; they import torch.
+_WORKER_NAMES: dict[str, str] = {
+    "HostSlab": "kvtriton.slab",
+    "KVLayout": "kvtriton.layout",
+    "PageableSlabWarning": "kvtriton.slab",
+    "PagedKV": "kvtriton.layout",
+    "TransferBackend": "kvtriton.backends",
+    "TransferEngine": "kvtriton.engine",
+    "TransferResult": "kvtriton.engine",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WORKER_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtriton' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CPULoadStoreSpec",
+    "CPUOffloadingManager",
+    "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
+    "HostSlab",
+    "KVLayout",
     "LoadStoreSpec",
     "LookupResult",
+    "ManagerStats",
     "OffloadKey",
     "OffloadingEvent",
+    "OffloadingManager",
+    "PageableSlabWarning",
+    "PagedKV",
     "PrepareStoreOutput",
     "ReqContext",
+    "TransferBackend",
+    "TransferEngine",
+    "TransferResult",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",

@@ -20,3 +20,18 @@ def test_scheduler_side_imports_without_torch_or_triton() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_worker_names_resolve_on_first_use_to_their_defining_module() -> None:
+    from kvtriton.engine import TransferEngine
+    from kvtriton.layout import PagedKV
+
+    assert kvtriton.TransferEngine is TransferEngine
+    assert kvtriton.PagedKV is PagedKV
+
+
+def test_unknown_attribute_raises_attribute_error() -> None:
+    import pytest
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = kvtriton.no_such_name
