@@ -140,3 +140,19 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     for name, benchmark in BENCHMARKS.items():
         assert f"{name}: " in text and " ".join(benchmark.quick_flags) in text
     assert "--full" in text and "--out" in text and "{manager,kernels,all} [-- ARGS]" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", [])],
+)
+def test_real_benchmark_accepts_its_quick_flags_and_records_the_machine(
+    name: str, extra: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    checkout = find_checkout()
+    if checkout is None or not (checkout / "bench" / f"{name}.py").is_file():
+        pytest.skip(f"bench/{name}.py is not in this checkout")
+    assert main(["bench", name, "--out", str(tmp_path), "--", *extra]) == 0
+    record = json.loads((tmp_path / f"{name}-quick.json").read_text())
+    assert record["machine"]["device_name"] in ("cpu", "cpu-interpreter") or record["machine"]["cuda_available"]
+    assert f"{tmp_path / name}-quick.json" in capfd.readouterr().out
