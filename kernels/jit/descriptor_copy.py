@@ -31,7 +31,17 @@ def descriptor_copy_kernel(
             tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
+_COMPILED = []
+
+
 def launch_descriptor_copy(descriptors: torch.Tensor, *, grid: int, block: int = 1024, num_warps: int = 4) -> None:
-    """Copy every ``(src, dst, bytes)`` row of the int64 ``descriptors`` tensor (on the GPU)."""
-    kernel = descriptor_copy_kernel[(grid,)]
-    kernel(descriptors, descriptors.shape[0], BLOCK=block, num_warps=num_warps)  # pyright: ignore[reportCallIssue] -- launch option, not a jit parameter
+    """Copy every ``(src, dst, bytes)`` row of the int64 ``descriptors`` tensor (on the GPU).
+
+    Always the compiled kernel, even if ``TRITON_INTERPRET`` was set when this module was imported.
+    """
+    if not _COMPILED:
+        from triton.runtime.jit import JITFunction
+
+        _COMPILED.append(JITFunction(descriptor_copy_kernel.fn))
+    kernel = _COMPILED[0][(grid,)]
+    kernel(descriptors, descriptors.shape[0], BLOCK=block, num_warps=num_warps)

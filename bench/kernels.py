@@ -1,0 +1,313 @@
+"""Gather/scatter kernel benchmark: Triton vs torch reference vs per-block copies vs one contiguous copy.
+
+Run ``python -m bench.kernels`` (``--quick`` for a smoke test, ``--ptx`` for
+the code-quality summary that needs no GPU). For each kernel (gather: GPU
+pages -> slab rows; scatter: the inverse), page size and block count it times
+
+* ``triton``     one launch of ``kvtriton.kernels`` (CUDA only; interpreter timings are not performance),
+* ``descriptor`` a descriptor-per-copy Triton kernel in the style of vLLM's ``swap_blocks_triton.py`` (CUDA only),
+* ``torch``      the torch reference (``kernels/reference.py``, the CPU fallback),
+* ``loop``       one ``copy_`` per block per page tensor (what engines do today: one DMA each),
+* ``contiguous`` one copy of the same number of bytes between two contiguous buffers (the ceiling),
+
+and prints GB/s and the ratio to ``contiguous`` measured in the same run. The
+headline case is a Llama-3-8B-shaped job: 32 layers x (K, V) pages of 32 KiB,
+256 blocks. JSON and a PNG go to ``bench/results/`` (``$KVTRITON_BENCH_OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bench.common import format_table, results_dir, write_json
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, gather_pages, scatter_pages
+from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
+from kvtriton.progress import progress
+
+KiB = 1024
+LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One benchmark shape: ``2 * layers`` page tensors (K and V) of ``page_bytes``, ``blocks`` pairs."""
+
+    page_bytes: int
+    blocks: int
+    layers: int
+    rows: str  # "consecutive" (fresh slots) or "random" (a fragmented slab)
+
+    @property
+    def total_bytes(self) -> int:
+        return 2 * self.layers * self.blocks * self.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    kernel: str
+    method: str
+    page_bytes: int
+    blocks: int
+    layers: int
+    rows: str
+    seconds: float
+    gbps: float
+    vs_contiguous: float
+
+
+class Fixture:
+    """Page tensors (FlashAttention layout, one ``(2, N, page)`` tensor per layer), slab, indices, buffers."""
+
+    def __init__(self, job: Job, device: torch.device, pin: bool, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        cache_blocks = job.blocks + max(8, job.blocks // 8)
+        words = job.page_bytes // 8
+        self.layers = [torch.empty((2, cache_blocks, words), dtype=torch.int64, device=device).fill_(layer) for layer in range(job.layers)]
+        self.pages = [layer[kv] for layer in self.layers for kv in range(2)]
+        row_bytes = job.page_bytes * len(self.pages)
+        rows = job.blocks + max(8, job.blocks // 8)
+        self.slab = torch.zeros((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+        blocks = torch.randperm(cache_blocks, generator=generator)[: job.blocks]
+        row_ids = torch.arange(3, 3 + job.blocks) if job.rows == "consecutive" else torch.randperm(rows, generator=generator)[: job.blocks]
+        self.blocks = blocks.to(device)
+        self.rows = row_ids.to(device)
+        self.block_list = [int(b) for b in blocks]
+        self.row_list = [int(r) for r in row_ids]
+        self.page_bytes = job.page_bytes
+        # The ceiling: the same bytes between one contiguous device buffer and the slab.
+        self.flat = torch.empty(job.total_bytes, dtype=torch.uint8, device=device)
+        self.slab_flat = self.slab.view(-1)[: job.total_bytes]
+        self.device = device
+
+    def byte_pages(self) -> list[torch.Tensor]:
+        return [page.view(torch.uint8) for page in self.pages]
+
+
+def _loop(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
+    pages = fixture.byte_pages()
+    size = fixture.page_bytes
+    non_blocking = fixture.device.type == "cuda"
+
+    def run() -> None:
+        for t, page in enumerate(pages):
+            column = t * size
+            for block, row in zip(fixture.block_list, fixture.row_list):
+                if to_slab:
+                    fixture.slab[row, column : column + size].copy_(page[block], non_blocking=non_blocking)
+                else:
+                    page[block].copy_(fixture.slab[row, column : column + size], non_blocking=non_blocking)
+
+    return run
+
+
+def _descriptor(fixture: Fixture, to_slab: bool, num_programs: int) -> Callable[[], object]:
+    from kvtriton.kernels.jit.descriptor_copy import launch_descriptor_copy
+
+    size = fixture.page_bytes
+    stride = fixture.slab.stride(0)
+    entries: list[tuple[int, int, int]] = []
+    for t, page in enumerate(fixture.pages):
+        for block, row in zip(fixture.block_list, fixture.row_list):
+            gpu = page.data_ptr() + block * page.stride(0) * 8
+            host = fixture.slab.data_ptr() + row * stride + t * size
+            entries.append((gpu, host, size) if to_slab else (host, gpu, size))
+    descriptors = torch.tensor(entries, dtype=torch.int64, device=fixture.device)
+    return lambda: launch_descriptor_copy(descriptors, grid=num_programs)
+
+
+def methods(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int) -> dict[str, Callable[[], object]]:
+    """The contenders for one fixture and direction (CUDA-only ones where there is a GPU)."""
+    found: dict[str, Callable[[], object]] = {}
+    if fixture.device.type == "cuda":
+        if to_slab:
+            found["triton"] = lambda: gather_pages(
+                fixture.pages, fixture.slab, fixture.blocks, fixture.rows,
+                num_programs=num_programs, bytes_per_iter=bytes_per_iter, check_indices=False,
+            )  # fmt: skip
+        else:
+            found["triton"] = lambda: scatter_pages(
+                fixture.slab, fixture.pages, fixture.rows, fixture.blocks,
+                num_programs=num_programs, bytes_per_iter=bytes_per_iter, check_indices=False,
+            )  # fmt: skip
+        found["descriptor"] = _descriptor(fixture, to_slab, num_programs)
+    if to_slab:
+        found["torch"] = lambda: gather_pages_reference(fixture.pages, fixture.slab, fixture.blocks, fixture.rows)
+    else:
+        found["torch"] = lambda: scatter_pages_reference(fixture.slab, fixture.pages, fixture.rows, fixture.blocks)
+    found["loop"] = _loop(fixture, to_slab)
+    non_blocking = fixture.device.type == "cuda"
+    if to_slab:
+        found["contiguous"] = lambda: fixture.slab_flat.copy_(fixture.flat, non_blocking=non_blocking)
+    else:
+        found["contiguous"] = lambda: fixture.flat.copy_(fixture.slab_flat, non_blocking=non_blocking)
+    return found
+
+
+def time_round_robin(contenders: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds per method; methods alternate within each repeat so drift hits all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for fn in contenders.values():  # warm-up: compile, fault pages in
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                began = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - began)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def run_job(job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int) -> list[Result]:
+    fixture = Fixture(job, device, pin)
+    results: list[Result] = []
+    for to_slab in (True, False):
+        kernel = "gather" if to_slab else "scatter"
+        timings = time_round_robin(methods(fixture, to_slab, num_programs, bytes_per_iter), repeats, device)
+        ceiling = timings["contiguous"]
+        for method, seconds in timings.items():
+            results.append(
+                Result(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, seconds,
+                       job.total_bytes / seconds / 1e9, ceiling / seconds)
+            )  # fmt: skip
+    return results
+
+
+def sweep_jobs(page_sizes: Sequence[int], block_counts: Sequence[int], layers: int, max_bytes: int) -> list[Job]:
+    """Every page size x block count; layers shrink where a job would exceed ``max_bytes``."""
+    jobs: list[Job] = []
+    for page in page_sizes:
+        for blocks in block_counts:
+            fitting = max(1, min(layers, max_bytes // (2 * blocks * page)))
+            jobs.append(Job(page, blocks, fitting, "consecutive"))
+    return jobs
+
+
+def print_ptx_summary(page_sizes: Sequence[int], num_pages: int) -> list[dict[str, object]]:
+    """Access widths of the production kernels per page size, next to the descriptor-per-copy baseline."""
+    from kvtriton.kernels.codegen import compile_copy_pages, compile_descriptor_copy, production_config
+
+    rows: list[list[object]] = []
+    records: list[dict[str, object]] = []
+    baseline = compile_descriptor_copy()
+    for page in page_sizes:
+        for to_slab in (True, False):
+            kernel = compile_copy_pages(production_config(page, num_pages), to_slab=to_slab)
+            accesses = kernel.accesses()
+            narrow = kernel.narrow_multiplies()
+            rows.append([kernel.name, accesses.widest_load, accesses.widest_store, accesses.describe(), "none" if not narrow else ", ".join(narrow)])
+            records.append({"kernel": kernel.name, "loads": accesses.loads, "stores": accesses.stores, "narrow_multiplies": narrow})
+    accesses = baseline.accesses()
+    rows.append([baseline.name, accesses.widest_load, accesses.widest_store, accesses.describe(), "-"])
+    records.append({"kernel": baseline.name, "loads": accesses.loads, "stores": accesses.stores})
+    print("PTX for sm_90 (compiled on this machine, no GPU needed): global access width in bytes per thread")
+    print(format_table(["kernel", "widest ld", "widest st", "all global accesses", "32-bit address multiplies"], rows))
+    return records
+
+
+def plot(results: Sequence[Result], path_stem: str) -> str | None:
+    """GB/s against page size per method, one panel per kernel (largest block count)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dev dependency
+        return None
+    sweep = [r for r in results if r.rows == "consecutive"]
+    if not sweep:
+        return None
+    blocks = max(r.blocks for r in sweep)
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for axis, kernel in zip(axes, ("gather", "scatter")):
+        for method in sorted({r.method for r in sweep}):
+            points = sorted((r.page_bytes, r.gbps) for r in sweep if r.kernel == kernel and r.method == method and r.blocks == blocks)
+            if points:
+                axis.plot([p / KiB for p, _ in points], [g for _, g in points], marker="o", label=method)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("page size (KiB)")
+        axis.set_title(f"{kernel}, {blocks} blocks")
+        axis.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    figure.tight_layout()
+    path = results_dir() / f"{path_stem}.png"
+    figure.savefig(path, dpi=120)  # pyright: ignore[reportUnknownMemberType] -- matplotlib types **kwargs as Unknown
+    plt.close(figure)
+    return str(path)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--page-kib", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="page sizes in KiB (default: 1 4 16 64 256)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 256], help="block counts per job (default: 32 256)")
+    parser.add_argument("--layers", type=int, default=32, help="layers per sweep job, 2 page tensors each (default: 32)")
+    parser.add_argument("--max-mib", type=int, default=512, help="cap on bytes moved per sweep job; fewer layers above it (default: 512)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per method, median reported (default: 7)")
+    parser.add_argument("--num-programs", type=int, default=DEFAULT_NUM_PROGRAMS, help=f"Triton programs (default: {DEFAULT_NUM_PROGRAMS})")
+    parser.add_argument("--bytes-per-iter", type=int, default=DEFAULT_BYTES_PER_ITER, help=f"bytes per program iteration (default: {DEFAULT_BYTES_PER_ITER})")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
+    parser.add_argument("--no-pin", action="store_true", help="use a pageable slab on CUDA (the Triton path then refuses it)")
+    parser.add_argument("--quick", action="store_true", help="CI smoke test: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats, small headline")
+    parser.add_argument("--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)")
+    parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    page_sizes = [kib * KiB for kib in args.page_kib]
+    if args.ptx:
+        records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"])
+        print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
+        return 0
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    pin = device.type == "cuda" and not args.no_pin
+    if args.quick:
+        page_sizes, block_counts, layers, repeats = [4 * KiB, 32 * KiB], [32], 4, 3
+        headline = [Job(32 * KiB, 64, 8, "consecutive")]
+    else:
+        block_counts, layers, repeats = args.blocks, args.layers, args.repeats
+        llama = (LLAMA3_8B["page_bytes"], LLAMA3_8B["blocks"], LLAMA3_8B["layers"])
+        headline = [Job(*llama, "consecutive"), Job(*llama, "random")]
+    if device.type == "cpu":
+        print("CPU only: timing the torch paths; Triton timings need CUDA (interpreter timings are not performance).")
+    jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
+    results: list[Result] = []
+    for job in progress(jobs, len(jobs), "kernel bench", stream=sys.stderr):
+        results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter)
+    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.rows, r.gbps, r.vs_contiguous] for r in results]
+    print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "rows", "GB/s", "x contiguous"], table))
+    head = [r for r in results if (r.page_bytes, r.blocks, r.layers) == (headline[0].page_bytes, headline[0].blocks, headline[0].layers)]
+    print("\nheadline (Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks):" if not args.quick else "\nheadline (quick):")
+    for r in head:
+        print(f"  {r.kernel:7s} {r.method:10s} rows={r.rows:11s} {r.gbps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
+    payload: dict[str, object] = {
+        "device": str(device), "pinned_slab": pin, "num_programs": args.num_programs, "bytes_per_iter": args.bytes_per_iter,
+        "repeats": repeats, "results": [asdict(r) for r in results],
+        "note": "ratios are against one contiguous copy of the same bytes measured in the same run",
+    }  # fmt: skip
+    png = plot(results, args.name)
+    if png:
+        payload["plot"] = png
+    print(f"wrote {write_json(args.name, payload)}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
