@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, KeysView
+from typing import cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
@@ -114,26 +115,24 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        blocks = self._blocks
-        pinned: list[Block] = []
-        slots: list[int] = []
+        got = list(map(self._blocks.get, keys))
         newly_loading = 0
         # One pass that pins as it validates; on a bad key the pins taken so
         # far are undone before raising, so a failed call changes nothing.
-        for key in keys:
-            block = blocks.get(key)
+        for i, block in enumerate(got):
             if block is None or block.ref_cnt == PENDING:
-                for taken in pinned:
-                    taken.ref_cnt -= 1
+                for taken in got[:i]:
+                    if taken is not None:
+                        taken.ref_cnt -= 1
+                key = list(keys)[i]
                 state = "not cached" if block is None else "still pending (its store has not completed)"
                 raise ValueError(f"prepare_load: key {key!r} is {state}")
             if block.ref_cnt == 0:
                 newly_loading += 1
             block.ref_cnt += 1
-            pinned.append(block)
-            slots.append(block.slot)
         self._num_loading += newly_loading
-        return CPULoadStoreSpec(slots)
+        ready = cast("list[Block]", got)  # every entry was checked above
+        return CPULoadStoreSpec([block.slot for block in ready])
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -141,19 +140,18 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        blocks = self._blocks
-        released: list[Block] = []
+        got = list(map(self._blocks.get, keys))
         now_idle = 0
-        for key in keys:
-            block = blocks.get(key)
+        for i, block in enumerate(got):
             if block is None or block.ref_cnt <= 0:
-                for taken in released:
-                    taken.ref_cnt += 1
+                for taken in got[:i]:
+                    if taken is not None:
+                        taken.ref_cnt += 1
+                key = list(keys)[i]
                 raise ValueError(f"complete_load: key {key!r} has no load in flight (no matching prepare_load)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 now_idle += 1
-            released.append(block)
         self._num_loading -= now_idle
 
     @override
