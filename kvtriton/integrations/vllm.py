@@ -1,0 +1,132 @@
+"""Drop-in kvtriton backend for vLLM's OffloadingConnector (vLLM 0.33).
+
+Switch vLLM's CPU offloading to kvtriton by configuration alone::
+
+    vllm serve <model> --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+      "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "KVTritonOffloadingSpec",
+      "spec_module_path": "kvtriton.integrations.vllm", "cpu_bytes_to_use": 68719476736}}'
+
+vLLM builds :class:`KVTritonOffloadingSpec` once in the scheduler process
+(which asks it for the manager) and once per worker (which asks it for the
+worker). The keys it reads are listed in :mod:`kvtriton.integrations.vllm_config`
+and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+if importlib.util.find_spec("vllm") is None:
+    raise ImportError(
+        "kvtriton.integrations.vllm needs vLLM, which is not installed; "
+        "install the extra with: pip install 'kvtriton[vllm]'"
+    )
+
+from typing import Any  # noqa: E402  (vLLM imports must follow the check above)
+
+from typing_extensions import override  # noqa: E402
+from vllm.v1.kv_offload import base as vllm_base  # noqa: E402
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
+
+from kvtriton.engine import TransferEngine  # noqa: E402
+from kvtriton.integrations.vllm_config import KVTritonOffloadConfig  # noqa: E402
+from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions  # noqa: E402
+from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical  # noqa: E402
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager  # noqa: E402
+from kvtriton.slab import HostSlab  # noqa: E402
+
+__all__ = ["KVTritonOffloadConfig", "KVTritonOffloadingSpec", "VLLMOffloadingManager", "VLLMOffloadingWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
+    """vLLM ``OffloadingSpec`` whose manager and worker are kvtriton's.
+
+    One slot of the host slab holds one offloaded chunk (``blocks_per_chunk``
+    GPU blocks) of this rank's KV bytes. The slot count is derived from
+    ``cpu_bytes_to_use`` (the total over all ranks) identically in the
+    scheduler and in every worker, so the slot ids the manager hands out are
+    valid in every rank's slab. Unlike vLLM's own CPU spec, the worker runs on
+    CPU tensors too (the torch backend; no pinned memory).
+    """
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+        return dict(gauge_definitions())
+
+    @classmethod
+    @override
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return CPUOffloadingInfo.config_info_keys()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        settings = KVTritonOffloadConfig.from_extra_config(config.extra_config)
+        if config.canonical_layout:
+            raise ValueError(
+                "kvtriton stores each rank's own KV bytes; the canonical (parallelism-free) host layout requested "
+                "in kv_connector_extra_config is not supported, remove that setting"
+            )
+        if config.worker_kv_bytes_per_block < 1:
+            raise ValueError(
+                f"vLLM reported worker_kv_bytes_per_block={config.worker_kv_bytes_per_block}: "
+                "the KV cache is not known yet, so the host slab cannot be sized"
+            )
+        world_size = config.parallel.world_size
+        slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.settings: KVTritonOffloadConfig = settings
+        """The parsed ``kv_connector_extra_config``."""
+        self.num_slots: int = HostSlab.slots_for_budget(
+            settings.cpu_bytes_to_use, self.blocks_per_chunk, config.worker_kv_bytes_per_block, world_size=world_size
+        )
+        """Slots in every rank's slab (and in the manager): one offloaded chunk each."""
+        self.cpu_info: CPUOffloadingInfo = CPUOffloadingInfo.from_config(config, self.num_slots, slot_bytes * world_size)
+        logger.info(
+            "kvtriton offloading (rank %d of %d): cpu_bytes_to_use=%d in total, %d bytes for this rank -> "
+            "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s",
+            config.parallel.rank, world_size, settings.cpu_bytes_to_use, settings.per_rank_bytes(world_size),
+            self.num_slots, self.blocks_per_chunk, config.worker_kv_bytes_per_block,
+            settings.eviction_policy, settings.store_threshold, settings.backend.value,
+        )  # fmt: skip
+        self._manager: VLLMOffloadingManager | None = None
+        self._worker: VLLMOffloadingWorker | None = None
+
+    @override
+    def get_manager(self) -> vllm_base.OffloadingManager:
+        if self._manager is None:
+            settings = self.settings
+            cpu = CPUOffloadingManager(
+                self.num_slots,
+                cache_policy=settings.eviction_policy,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+            backing: OffloadingManager = cpu
+            if settings.filters_reuse:
+                backing = FilterReusedOffloadingManager(cpu, settings.store_threshold, settings.max_tracker_size)
+            self._manager = VLLMOffloadingManager(backing, cpu, self.cpu_info)
+        return self._manager
+
+    @override
+    def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
+        if self._worker is None:
+            kv = paged_kv_from_canonical(kv_caches)
+            expected = self.config.worker_kv_bytes_per_block
+            if kv.row_bytes > expected:
+                logger.warning(
+                    "the KV tensors hold %d bytes per block but vLLM sized the budget for %d: the host slab "
+                    "uses %.2fx this rank's share of cpu_bytes_to_use",
+                    kv.row_bytes, expected, kv.row_bytes / expected,
+                )  # fmt: skip
+            # pin=None: pinned when CUDA is available, pageable (with a warning) on CPU.
+            slab = HostSlab(self.num_slots, self.blocks_per_chunk, kv.row_bytes)
+            try:
+                engine = TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs)
+            except BaseException:
+                slab.close()
+                raise
+            self._worker = VLLMOffloadingWorker(engine, slab)
+        return self._worker

@@ -1,0 +1,200 @@
+"""vLLM's scheduler-side ``OffloadingManager``, answered by kvtriton's managers.
+
+vLLM's OffloadingConnector calls this object (under ``manager.lock``, from the
+scheduler thread only); every call is forwarded to a kvtriton
+``OffloadingManager`` -- a ``CPUOffloadingManager``, wrapped by
+``FilterReusedOffloadingManager`` when a reuse threshold is set -- with the
+values converted at the boundary:
+
+* keys: both sides use the same bytes (block hash + 4-byte big-endian group
+  index), so keys pass through unchanged;
+* request contexts: one kvtriton ``ReqContext`` per vLLM request, kept in the
+  vLLM context's per-request state;
+* lookup results, specs and events: mapped to vLLM's classes on the way out
+  (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``).
+
+Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
+is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import cast
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtriton.keys import OffloadKey
+from kvtriton.manager import CPUOffloadingManager, OffloadingManager
+from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent, ReqContext
+
+__all__ = ["VLLMOffloadingManager", "gauge_definitions"]
+
+_LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
+    LookupResult.MISS: vllm_base.LookupResult.MISS,
+    LookupResult.HIT: vllm_base.LookupResult.HIT,
+    LookupResult.HIT_PENDING: vllm_base.LookupResult.HIT_PENDING,
+}
+
+
+def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
+    """The Prometheus gauges :meth:`VLLMOffloadingManager.get_stats` sets (vLLM's CPU tier names)."""
+    return {
+        CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC: vllm_base.OffloadingGaugeMetadata(
+            documentation=(
+                "Fraction of kvtriton host-slab slots pinned by transfers in flight "
+                "(0.0 = idle, 1.0 = saturated: new stores are dropped)."
+            ),
+        ),
+        CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC: vllm_base.OffloadingGaugeMetadata(
+            documentation="Fraction of kvtriton host-slab slots held by stores that have not completed.",
+        ),
+        CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC: vllm_base.OffloadingGaugeMetadata(
+            documentation="Fraction of kvtriton host-slab slots held by loads that have not completed.",
+        ),
+    }
+
+
+def _keys(keys: Collection[vllm_base.OffloadKey]) -> Collection[OffloadKey]:
+    # Both OffloadKey types are NewTypes of the same bytes with the same
+    # encoding; the cast only renames the type, nothing is copied.
+    return cast("Collection[OffloadKey]", keys)
+
+
+def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
+    return cast("list[vllm_base.OffloadKey]", keys)
+
+
+def _slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
+    """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec`` (what vLLM's worker side receives)."""
+    if not isinstance(spec, CPULoadStoreSpec):
+        raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
+    return VLLMCPULoadStoreSpec(spec.block_ids.tolist())
+
+
+class VLLMOffloadingManager(vllm_base.OffloadingManager):
+    """vLLM's manager interface over a kvtriton manager (see the module docstring).
+
+    ``backing`` answers every call; ``cpu`` is the ``CPUOffloadingManager`` at
+    the bottom of it (``backing`` itself when no filter wraps it), read for
+    occupancy gauges. ``info`` fills vLLM's ``kv_offload_config_info`` metric.
+    """
+
+    def __init__(
+        self,
+        backing: OffloadingManager,
+        cpu: CPUOffloadingManager,
+        info: CPUOffloadingInfo | None = None,
+    ) -> None:
+        self._backing = backing
+        self._cpu = cpu
+        self._info: vllm_base.ConfigInfoMapping = info.as_config_info() if info is not None else {}
+
+    @property
+    def backing(self) -> OffloadingManager:
+        """The kvtriton manager every call goes to."""
+        return self._backing
+
+    @property
+    def cpu(self) -> CPUOffloadingManager:
+        """The ``CPUOffloadingManager`` that owns the slots (below the reuse filter, if any)."""
+        return self._cpu
+
+    @staticmethod
+    def _context(req_context: vllm_base.ReqContext) -> ReqContext:
+        """The kvtriton context of ``req_context``'s request, built on first use and kept in its state."""
+        context = req_context.get_state(ReqContext)
+        if context is None:
+            context = ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
+            req_context.set_state(context)
+        return context
+
+    @override
+    def on_new_request(self, req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
+        self._context(req_context)
+        # Chunk level: store newly computed chunks only (what vLLM's CPU tier does).
+        return vllm_base.RequestOffloadingContext(policy=vllm_base.OffloadPolicy.CHUNK_LEVEL)
+
+    @override
+    def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
+        return _LOOKUP_RESULTS[self._backing.lookup(OffloadKey(key), self._context(req_context))]
+
+    @override
+    def get_load_source(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    @override
+    def prepare_load(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.LoadStoreSpec:
+        return _slot_spec(self._backing.prepare_load(_keys(keys), self._context(req_context)))
+
+    @override
+    def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
+        self._backing.touch(_keys(keys), self._context(req_context))
+
+    @override
+    def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
+        self._backing.complete_load(_keys(keys), self._context(req_context))
+
+    @override
+    def prepare_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.PrepareStoreOutput | None:
+        output = self._backing.prepare_store(_keys(keys), self._context(req_context))
+        if output is None:
+            return None
+        return vllm_base.PrepareStoreOutput(
+            keys_to_store=_vllm_keys(output.keys_to_store),
+            store_spec=_slot_spec(output.store_spec),
+            evicted_keys=_vllm_keys(output.evicted_keys),
+        )
+
+    @override
+    def complete_store(
+        self,
+        keys: Collection[vllm_base.OffloadKey],
+        req_context: vllm_base.ReqContext,
+        success: bool = True,
+    ) -> None:
+        self._backing.complete_store(_keys(keys), self._context(req_context), success)
+
+    @override
+    def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:
+        return [_vllm_event(event) for event in self._backing.take_events()]
+
+    @override
+    def reset_cache(self) -> None:
+        self._backing.reset_cache()
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Occupancy gauges of the host slab, under vLLM's CPU tier metric names."""
+        snapshot = self._cpu.stats()
+        capacity = snapshot.capacity
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (snapshot.pending + snapshot.loading) / capacity)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, snapshot.pending / capacity)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, snapshot.loading / capacity)
+        return stats
+
+    @override
+    def config_info(self) -> Sequence[vllm_base.ConfigInfoMapping]:
+        return [self._info]
+
+    @override
+    def shutdown(self) -> None:
+        self._backing.shutdown()
+
+
+def _vllm_event(event: OffloadingEvent) -> vllm_base.OffloadingEvent:
+    return vllm_base.OffloadingEvent(
+        keys=_vllm_keys(event.keys),
+        medium=vllm_base.Medium(event.medium),
+        removed=event.removed,
+    )

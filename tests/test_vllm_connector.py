@@ -1,0 +1,246 @@
+"""A real vLLM request flow with kvtriton in place: vLLM's v1 Scheduler and OffloadingConnector, on CPU.
+
+The scheduler and both sides of the connector are vLLM's own; only the model
+is simulated: it writes a known pattern into the KV blocks of the tokens it
+computes. A prompt is offloaded after its prefill; once the GPU prefix cache is
+reset, the same prompt is served from kvtriton's host slab, and the loaded
+blocks must hold the original bytes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
+
+from kvtriton.integrations.vllm import VLLMOffloadingManager, VLLMOffloadingWorker  # noqa: E402
+from kvtriton.manager import CPUOffloadingManager  # noqa: E402
+from kvtriton.slab import PageableSlabWarning  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_GPU_BLOCKS = 32
+LAYERS = ("layer0", "layer1")
+KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model_config() -> ModelConfig:
+    # The slow part (~10 s the first time: vLLM inspects the model class in a subprocess).
+    return ModelConfig(model=str(TINY_MODEL_DIR), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+
+
+@dataclass
+class Engine:
+    """vLLM's scheduler and worker-side connector, stepped by hand, with a simulated model."""
+
+    scheduler: Scheduler
+    worker: OffloadingConnector
+    kv: dict[str, torch.Tensor]
+    # prompt block index -> bytes the model wrote for it (one pattern per layer)
+    written: dict[int, list[bytes]] = field(default_factory=lambda: {})
+    load_jobs: list[int] = field(default_factory=lambda: [])
+    store_jobs: list[int] = field(default_factory=lambda: [])
+
+    @property
+    def manager(self) -> VLLMOffloadingManager:
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        manager = connector.scheduler.manager
+        assert isinstance(manager, VLLMOffloadingManager)
+        return manager
+
+    def cpu_manager(self) -> CPUOffloadingManager:
+        return self.manager.cpu
+
+    def gpu_blocks(self, request_id: str) -> list[int]:
+        (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+        return list(blocks)
+
+    def block_bytes(self, block: int) -> list[bytes]:
+        return [self.kv[name][block].numpy().tobytes() for name in LAYERS]
+
+    def compute(self, output: SchedulerOutput, model_request: str) -> None:
+        """The model: write a pattern into the blocks of ``model_request``'s newly scheduled full blocks."""
+        scheduled = output.num_scheduled_tokens.get(model_request, 0)
+        if not scheduled:
+            return
+        request = self.scheduler.requests[model_request]
+        end = request.num_computed_tokens + scheduled
+        for index, block in enumerate(self.gpu_blocks(model_request)[: end // BLOCK_SIZE]):
+            if index in self.written:
+                continue
+            for offset, name in enumerate(LAYERS):
+                generator = torch.Generator().manual_seed(1000 * index + offset)
+                pattern = torch.randint(-(2**15), 2**15, self.kv[name][block].shape, generator=generator, dtype=torch.int32)
+                self.kv[name][block].copy_(pattern.to(torch.int16).view(torch.float16))
+            self.written[index] = self.block_bytes(block)
+
+    def step(self, model_request: str = "") -> SchedulerOutput:
+        """One engine step: schedule, run the worker connector around the (simulated) forward, update."""
+        output = self.scheduler.schedule()
+        metadata = output.kv_connector_metadata
+        assert isinstance(metadata, OffloadingConnectorMetadata)
+        self.load_jobs += list(metadata.load_jobs)
+        self.store_jobs += list(metadata.store_jobs)
+        self.worker.bind_connector_metadata(metadata)
+        self.worker.start_load_kv(None)  # pyright: ignore[reportArgumentType] -- the offloading connector ignores the forward context
+        self.compute(output, model_request)
+        if output.total_num_scheduled_tokens > 0:
+            self.worker.wait_for_save()
+        sending, receiving = self.worker.get_finished(output.finished_req_ids)
+        worker_meta = self.worker.build_connector_worker_meta()
+        self.worker.clear_connector_metadata()
+        running = self.scheduler.running
+        self.scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=[request.request_id for request in running],
+                req_id_to_index={request.request_id: index for index, request in enumerate(running)},
+                sampled_token_ids=[[EOS] for _ in running],
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=sending, finished_recving=receiving, kv_connector_worker_meta=worker_meta
+                ),
+            ),
+        )
+        return output
+
+    def run(self, model_request: str = "", max_steps: int = 10) -> None:
+        """Step until no request is left and every transfer has been reported."""
+        for _ in range(max_steps):
+            self.step(model_request)
+            if not self.scheduler.requests and not self.scheduler.has_unfinished_requests():
+                self.step()  # one more step delivers the last store completions
+                return
+        raise AssertionError(f"requests still running after {max_steps} steps")
+
+
+def make_engine(model_config: ModelConfig, extra_config: dict[str, object]) -> Engine:
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={**SPEC_EXTRA_CONFIG, **extra_config},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), KV_SPEC)]
+    )
+    vllm_config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
+    scheduler = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+    )
+    worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    # FlashInfer-style (num_blocks, 2, block_size, heads, dim) layer caches, as a CPU "GPU".
+    kv = {name: torch.zeros(NUM_GPU_BLOCKS, 2, BLOCK_SIZE, 2, 8, dtype=torch.float16) for name in LAYERS}
+    with set_current_vllm_config(vllm_config), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PageableSlabWarning)
+        worker.register_kv_caches(kv)
+    return Engine(scheduler=scheduler, worker=worker, kv=kv)
+
+
+@pytest.fixture
+def engines(model_config: ModelConfig) -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.worker.shutdown()
+        engine.scheduler.shutdown()
+
+
+def make_request(request_id: str, prompt: list[int]) -> Request:
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, EOS)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+PAGE_BYTES = KV_SPEC.page_size_bytes
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
+    model_config: ModelConfig, engines: list[Engine], blocks_per_chunk: int
+) -> None:
+    engine = make_engine(
+        model_config,
+        {"cpu_bytes_to_use": 8 * blocks_per_chunk * PAGE_BYTES * len(LAYERS), "blocks_per_chunk": blocks_per_chunk},
+    )
+    engines.append(engine)
+    connector = engine.worker.connector_worker
+    assert connector is not None and isinstance(connector.worker, VLLMOffloadingWorker)
+
+    prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a partial one
+    engine.scheduler.add_request(make_request("first", prompt))
+    engine.run(model_request="first")
+    assert engine.store_jobs and not engine.load_jobs
+    stats = engine.cpu_manager().stats()
+    assert (stats.stores, stats.pending) == (4 // blocks_per_chunk, 0)  # every full chunk stored, all complete
+
+    assert engine.scheduler.reset_prefix_cache()  # the GPU prefix cache forgets the prompt ...
+    for tensor in engine.kv.values():
+        tensor.zero_()  # ... and its blocks are overwritten
+
+    engine.scheduler.add_request(make_request("second", prompt))
+    first_step = engine.step()
+    assert len(engine.load_jobs) == 1
+    loaded_blocks = engine.gpu_blocks("second")[:4]
+    engine.run()
+    assert first_step.num_scheduled_tokens.get("second", 0) == 0  # waits for its async load
+    assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[index] for index in range(4)]
+    stats = engine.cpu_manager().stats()
+    assert (stats.hits, stats.loading) == (4 // blocks_per_chunk, 0)
+
+
+def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(model_config: ModelConfig, engines: list[Engine]) -> None:
+    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
+    engines.append(engine)
+    engine.scheduler.add_request(make_request("once", list(range(3 * BLOCK_SIZE))))
+    engine.run(model_request="once")
+    assert not isinstance(engine.manager.backing, CPUOffloadingManager)  # the reuse filter is in front
+    assert engine.cpu_manager().stats().stores == 0
+    assert engine.store_jobs == []

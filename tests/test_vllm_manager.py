@@ -1,0 +1,212 @@
+"""The manager adapter answers vLLM's OffloadingConnector scheduler the way vLLM's CPU manager does.
+
+Each test drives the calls the connector makes, in its order (see
+docs/vllm.md and vLLM's offloading/scheduler.py): on_new_request, lookup chunk
+by chunk, prepare_load + get_load_source, prepare_store, complete_store /
+complete_load when the workers report, take_events, get_stats, reset_cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    OffloadPolicy,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm_fixtures.builders import offloading_config  # noqa: E402
+
+import kvtriton  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec  # noqa: E402
+
+BLOCK_BYTES = 1024
+
+
+def make_manager(num_slots: int = 4, enable_events: bool = True, **extra: object) -> OffloadingManager:
+    """The manager vLLM's scheduler would get from a spec holding ``num_slots`` one-block chunks."""
+    settings: Mapping[str, object] = {"cpu_bytes_to_use": num_slots * BLOCK_BYTES, **extra}
+    spec = KVTritonOffloadingSpec(
+        offloading_config(settings, worker_kv_bytes_per_block=BLOCK_BYTES, enable_events=enable_events)
+    )
+    return spec.get_manager()
+
+
+def to_keys(ids: list[int]) -> list[OffloadKey]:
+    """One key per chunk id, as vLLM builds them (chunk hash + group 0)."""
+    return [make_offload_key(i.to_bytes(8, "big"), 0) for i in ids]
+
+
+def slots(spec: object) -> list[int]:
+    assert isinstance(spec, CPULoadStoreSpec), f"expected vLLM's CPULoadStoreSpec, got {type(spec).__name__}"
+    return spec.block_ids.tolist()
+
+
+def lookups(manager: OffloadingManager, keys: list[OffloadKey], context: ReqContext) -> list[LookupResult]:
+    with manager.lock:
+        return [manager.lookup(key, context) for key in keys]
+
+
+def test_a_new_request_is_offloaded_chunk_by_chunk_and_gets_a_kvtriton_context() -> None:
+    manager = make_manager()
+    context = ReqContext(req_id="r1", kv_transfer_params={"a": 1})
+    answer = manager.on_new_request(context)
+    assert answer.policy is OffloadPolicy.CHUNK_LEVEL
+    kvtriton_context = context.get_state(kvtriton.ReqContext)
+    assert kvtriton_context == kvtriton.ReqContext(req_id="r1", kv_transfer_params={"a": 1})
+
+
+def test_store_then_load_follows_the_state_machine_the_connector_relies_on() -> None:
+    manager = make_manager()
+    context = ReqContext(req_id="r1")
+    manager.on_new_request(context)
+    k1, k2, k3 = to_keys([1, 2, 3])
+
+    assert lookups(manager, [k1], context) == [LookupResult.MISS]
+    stored = manager.prepare_store([k1, k2], context)
+    assert stored is not None
+    assert (stored.keys_to_store, slots(stored.store_spec), stored.evicted_keys) == ([k1, k2], [0, 1], [])
+    assert isinstance(stored.store_spec, CPULoadStoreSpec)
+    assert str(stored.store_spec.block_ids.dtype) == "int32"  # what vLLM's own CPU spec carries
+    # Stored but not written yet: the connector defers the request.
+    assert lookups(manager, [k1, k2, k3], context) == [LookupResult.HIT_PENDING, LookupResult.HIT_PENDING, LookupResult.MISS]
+
+    manager.complete_store({k1, k2}, context)  # vLLM passes a set, no success flag
+    assert lookups(manager, [k1, k2, k3], context) == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+
+    load_spec = manager.prepare_load([k1, k2], context)
+    assert slots(load_spec) == [0, 1]
+    assert manager.get_load_source(k1, context) is CacheHitSource.HOST
+    manager.touch([k1, k2], context)
+    manager.complete_load({k1, k2}, context)
+    manager.on_request_finished(context)
+    assert lookups(manager, [k1], context) == [LookupResult.HIT]
+
+
+def test_events_report_stores_and_evictions_in_vllm_types() -> None:
+    manager = make_manager(num_slots=2)
+    context = ReqContext(req_id="r1")
+    k1, k2, k3 = to_keys([1, 2, 3])
+    manager.prepare_store([k1, k2], context)
+    manager.complete_store({k1, k2}, context)
+    stored_events = list(manager.take_events())
+    assert len(stored_events) == 1
+    assert (set(stored_events[0].keys), stored_events[0].medium, stored_events[0].removed) == ({k1, k2}, Medium.CPU, False)
+    assert list(manager.take_events()) == []  # drained
+
+    # The cache is full: storing k3 evicts one of the ready keys (which one
+    # depends on the order of the completion set: both became ready together).
+    output = manager.prepare_store([k3], context)
+    assert output is not None and output.keys_to_store == [k3]
+    (evicted,) = output.evicted_keys
+    assert evicted in (k1, k2)
+    assert slots(output.store_spec) == [[k1, k2].index(evicted)]
+    assert list(manager.take_events()) == [OffloadingEvent(keys=[evicted], medium=Medium.CPU, removed=True)]
+    assert lookups(manager, [evicted, k3], context) == [LookupResult.MISS, LookupResult.HIT_PENDING]
+
+
+def test_without_kv_events_no_events_are_kept() -> None:
+    manager = make_manager(enable_events=False)
+    context = ReqContext(req_id="r1")
+    (k1,) = to_keys([1])
+    manager.prepare_store([k1], context)
+    manager.complete_store([k1], context)
+    assert list(manager.take_events()) == []
+
+
+def test_a_store_that_cannot_make_room_returns_none_and_changes_nothing() -> None:
+    manager = make_manager(num_slots=2)
+    context = ReqContext(req_id="r1")
+    k1, k2, k3 = to_keys([1, 2, 3])
+    manager.prepare_store([k1, k2], context)
+    manager.complete_store([k1, k2], context)
+    manager.prepare_load([k1, k2], context)  # both pinned by loads in flight
+    assert manager.prepare_store([k3], context) is None
+    assert lookups(manager, [k1, k2, k3], context) == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+
+
+def test_already_offloaded_keys_are_not_stored_again() -> None:
+    manager = make_manager()
+    context = ReqContext(req_id="r1")
+    k1, k2 = to_keys([1, 2])
+    manager.prepare_store([k1], context)
+    output = manager.prepare_store([k1, k2], context)
+    assert output is not None and output.keys_to_store == [k2] and slots(output.store_spec) == [1]
+    nothing = manager.prepare_store([k1, k2], context)
+    assert nothing is not None and (nothing.keys_to_store, slots(nothing.store_spec)) == ([], [])
+
+
+def test_a_failed_store_frees_its_slot() -> None:
+    manager = make_manager(num_slots=1)
+    context = ReqContext(req_id="r1")
+    k1, k2 = to_keys([1, 2])
+    manager.prepare_store([k1], context)
+    manager.complete_store([k1], context, success=False)
+    assert lookups(manager, [k1], context) == [LookupResult.MISS]
+    output = manager.prepare_store([k2], context)
+    assert output is not None and slots(output.store_spec) == [0]
+
+
+def test_loading_a_key_that_is_not_ready_raises_before_changing_anything() -> None:
+    manager = make_manager()
+    context = ReqContext(req_id="r1")
+    k1, k2 = to_keys([1, 2])
+    manager.prepare_store([k1], context)
+    with pytest.raises(ValueError):
+        manager.prepare_load([k1], context)
+    with pytest.raises(ValueError):
+        manager.prepare_load([k2], context)
+
+
+def test_with_a_store_threshold_a_chunk_is_stored_only_once_looked_up_that_often() -> None:
+    manager = make_manager(store_threshold=2)
+    context = ReqContext(req_id="r1")
+    (k1,) = to_keys([1])
+    assert lookups(manager, [k1], context) == [LookupResult.MISS]
+    first = manager.prepare_store([k1], context)
+    assert first is not None and first.keys_to_store == []  # seen once: not worth a copy yet
+    assert lookups(manager, [k1], context) == [LookupResult.MISS]
+    second = manager.prepare_store([k1], context)
+    assert second is not None and second.keys_to_store == [k1]
+
+
+def test_stats_report_slab_occupancy_under_vllms_gauge_names() -> None:
+    manager = make_manager(num_slots=4)
+    context = ReqContext(req_id="r1")
+    k1, k2, k3 = to_keys([1, 2, 3])
+    manager.prepare_store([k1, k2, k3], context)
+    manager.complete_store([k1, k2], context)
+    manager.prepare_load([k1], context)
+    stats = manager.get_stats()
+    assert stats is not None
+    assert stats.reduce() == {
+        "vllm:kv_offload_cpu_cache_usage_perc": 0.5,  # k3 pending + k1 loading, of 4 slots
+        "vllm:kv_offload_cpu_cache_write_usage_perc": 0.25,
+        "vllm:kv_offload_cpu_cache_read_usage_perc": 0.25,
+    }
+    (info,) = manager.config_info()
+    assert info["cpu_num_chunks"] == 4 and info["cpu_blocks_per_chunk"] == 1
+
+
+def test_reset_cache_forgets_every_key() -> None:
+    manager = make_manager()
+    context = ReqContext(req_id="r1")
+    k1, k2 = to_keys([1, 2])
+    manager.prepare_store([k1, k2], context)
+    manager.complete_store([k1], context)
+    manager.reset_cache()
+    assert lookups(manager, [k1, k2], context) == [LookupResult.MISS, LookupResult.MISS]
+    output = manager.prepare_store([k2], context)
+    assert output is not None and slots(output.store_spec) == [0]
+    manager.shutdown()

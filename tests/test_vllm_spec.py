@@ -1,0 +1,151 @@
+"""KVTritonOffloadingSpec as vLLM loads and sizes it; vLLM stays an optional dependency."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, offloading_config  # noqa: E402
+
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager  # noqa: E402
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations").glob("vllm*.py"))
+
+
+def test_vllms_factory_loads_the_spec_from_spec_name_and_module_path() -> None:
+    spec_cls = OffloadingSpecFactory.get_spec_cls(SPEC_EXTRA_CONFIG)
+    assert spec_cls is KVTritonOffloadingSpec
+    assert issubclass(spec_cls, OffloadingSpec)
+
+
+def test_vllms_factory_creates_the_spec_from_an_offloading_config() -> None:
+    spec = OffloadingSpecFactory.create_spec(offloading_config({"cpu_bytes_to_use": 10 * 1024}))
+    assert isinstance(spec, KVTritonOffloadingSpec)
+    assert isinstance(spec.get_manager(), VLLMOffloadingManager)
+
+
+def test_the_slab_holds_this_ranks_share_of_cpu_bytes_to_use_in_whole_chunks(caplog: pytest.LogCaptureFixture) -> None:
+    # 4 ranks share 1 MiB: 256 KiB each; a chunk is 4 blocks x 1000 bytes, so 65 slots fit.
+    config = offloading_config(
+        {"cpu_bytes_to_use": 1 << 20}, worker_kv_bytes_per_block=1000, blocks_per_chunk=4, world_size=4, rank=2
+    )
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
+        spec = KVTritonOffloadingSpec(config)
+    assert spec.num_slots == (1 << 18) // 4000 == 65
+    assert "rank 2 of 4" in caplog.text and "262144 bytes for this rank" in caplog.text
+    assert spec.cpu_info == CPUOffloadingInfo(
+        cpu_num_chunks=65,
+        cpu_blocks_per_chunk=4,
+        cpu_kv_cache_size_bytes=65 * 4000 * 4,
+        cpu_kv_cache_size_tokens=65 * 1024 // (1024 // 64),
+    )
+
+
+def test_every_rank_and_the_scheduler_agree_on_the_slot_count() -> None:
+    counts = {
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 5 << 20}, world_size=2, rank=rank)).num_slots
+        for rank in range(2)
+    }
+    assert counts == {(5 << 20) // 2 // 1024}
+
+
+def test_a_budget_below_one_chunk_raises() -> None:
+    with pytest.raises(ValueError, match="cpu_bytes_to_use=1000"):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1000}, worker_kv_bytes_per_block=1024))
+
+
+def test_a_missing_budget_raises_naming_the_key() -> None:
+    with pytest.raises(ValueError, match=r"\['cpu_bytes_to_use'\] is required"):
+        KVTritonOffloadingSpec(offloading_config({}))
+
+
+def test_the_canonical_host_layout_is_refused() -> None:
+    with pytest.raises(ValueError, match="canonical"):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}, canonical_layout=True))
+
+
+def test_store_threshold_below_two_stores_everything_and_two_or_more_filters() -> None:
+    plain = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "store_threshold": 1}))
+    plain_manager = plain.get_manager()
+    assert isinstance(plain_manager, VLLMOffloadingManager)
+    assert isinstance(plain_manager.backing, CPUOffloadingManager)
+
+    filtered = KVTritonOffloadingSpec(
+        offloading_config({"cpu_bytes_to_use": 1 << 20, "store_threshold": 3, "max_tracker_size": 10})
+    )
+    filtered_manager = filtered.get_manager()
+    assert isinstance(filtered_manager, VLLMOffloadingManager)
+    backing = filtered_manager.backing
+    assert isinstance(backing, FilterReusedOffloadingManager)
+    assert (backing.store_threshold, backing.max_tracker_size) == (3, 10)
+    assert filtered.get_manager() is filtered_manager  # one manager per spec
+
+
+def test_the_metrics_and_info_labels_it_declares_are_vllms_cpu_tier_names() -> None:
+    definitions = KVTritonOffloadingSpec.build_metric_definitions({})
+    assert set(definitions) == {
+        "vllm:kv_offload_cpu_cache_usage_perc",
+        "vllm:kv_offload_cpu_cache_write_usage_perc",
+        "vllm:kv_offload_cpu_cache_read_usage_perc",
+    }
+    assert KVTritonOffloadingSpec.config_info_keys({}) == CPUOffloadingInfo.config_info_keys()
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_import_kvtriton_never_imports_vllm() -> None:
+    result = _run_python(
+        """
+        import sys
+        import kvtriton, kvtriton.manager, kvtriton.integrations, kvtriton.integrations.vllm_config
+        print(sorted(name for name in sys.modules if name == "vllm" or name.startswith("vllm.")))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_adapter_names_the_extra_to_install_when_vllm_is_absent() -> None:
+    # sys.modules["vllm"] = None is how Python spells "this package cannot be imported".
+    result = _run_python(
+        """
+        import sys
+        sys.modules["vllm"] = None
+        try:
+            import kvtriton.integrations.vllm
+        except ImportError as error:
+            print(error)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'kvtriton[vllm]'" in result.stdout
+
+
+def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_path: Path) -> None:
+    # A probe that misuses a vLLM type must fail: proves pyright sees vLLM's
+    # annotations (py.typed) rather than Unknown, so "clean" means something.
+    probe = tmp_path / "probe.py"
+    probe.write_text("from vllm.v1.kv_offload.base import LookupResult\n\nresult: int = LookupResult.MISS\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pyright", "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
+    assert len(ADAPTER_FILES) == 4
+    assert [(Path(d["file"]).name, d["rule"]) for d in errors] == [("probe.py", "reportAssignmentType")]

@@ -1,0 +1,84 @@
+"""One builder per vLLM object the adapter tests need, with small named defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_llama"
+"""A config.json-only Llama (2 layers, 2 KV heads of 8): enough for vLLM's ModelConfig on CPU."""
+
+SPEC_EXTRA_CONFIG: dict[str, object] = {
+    "spec_name": "KVTritonOffloadingSpec",
+    "spec_module_path": "kvtriton.integrations.vllm",
+}
+"""The two keys that point vLLM's OffloadingConnector at kvtriton."""
+
+
+def offloading_config(
+    extra_config: Mapping[str, object],
+    *,
+    worker_kv_bytes_per_block: int = 1024,
+    blocks_per_chunk: int = 1,
+    world_size: int = 1,
+    rank: int = 0,
+    enable_events: bool = True,
+    canonical_layout: bool = False,
+    tokens_per_block: int = 16,
+) -> OffloadingConfig:
+    """The OffloadingConfig vLLM's connector would build for one full-attention group."""
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=("layer0",), group_id=0),),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=enable_events,
+        extra_config={**SPEC_EXTRA_CONFIG, **extra_config},
+        engine_id="test-engine",
+        model=OffloadingModelConfig(name="tiny", dtype="float16", max_model_len=1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        canonical_layout=canonical_layout,
+    )
+
+
+def canonical_kv_caches(layers: Sequence[torch.Tensor], num_groups: int = 1) -> CanonicalKVCaches:
+    """vLLM's canonical view of ``layers`` (each ``(num_blocks, ...)`` with contiguous blocks).
+
+    Each layer becomes one int8 ``(num_blocks, page_size_bytes)`` view, as
+    vLLM's OffloadingConnectorWorker.register_kv_caches builds them; every
+    group references every tensor (vLLM shares each tensor between one layer
+    of every group).
+    """
+    tensors: list[CanonicalKVCacheTensor] = []
+    for layer in layers:
+        page = layer[0].numel() * layer.element_size()
+        view = torch.empty(0, dtype=torch.int8).set_(
+            layer.untyped_storage(), layer.storage_offset() * layer.element_size(),
+            (layer.shape[0], page), (layer.stride(0) * layer.element_size(), 1),
+        )  # fmt: skip
+        tensors.append(CanonicalKVCacheTensor(tensor=view, page_size_bytes=page))
+    refs = [
+        [CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=canonical.page_size_bytes) for index, canonical in enumerate(tensors)]
+        for _ in range(num_groups)
+    ]
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
