@@ -22,6 +22,7 @@ from typing import Protocol, cast
 
 import torch
 
+from kvtriton.choices import parse_choice
 from kvtriton.kernels import (
     DEFAULT_NUM_PROGRAMS,
     gather_pages,
@@ -46,13 +47,7 @@ class TransferBackend(enum.Enum):
     @classmethod
     def parse(cls, name: str | TransferBackend) -> TransferBackend:
         """Return the backend called ``name``; unknown names raise ``ValueError`` listing the valid ones."""
-        if isinstance(name, TransferBackend):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            valid = ", ".join(repr(backend.value) for backend in cls)
-            raise ValueError(f"backend must be one of {valid}, got {name!r}") from None
+        return parse_choice(cls, name, "backend")
 
     def resolve(self, device: torch.device, slab_pinned: bool) -> TransferBackend:
         """The concrete backend ``auto`` stands for on ``device``; others are returned unchanged."""

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtriton.choices import parse_choice
+
 __all__ = ["KVLayout", "PagedKV", "byte_view"]
 
 
@@ -49,13 +51,7 @@ class KVLayout(enum.Enum):
     @classmethod
     def parse(cls, name: str | KVLayout) -> KVLayout:
         """Return the layout called ``name``; unknown names raise ``ValueError`` listing the valid ones."""
-        if isinstance(name, KVLayout):
-            return name
-        try:
-            return cls(name)
-        except ValueError:
-            valid = ", ".join(repr(layout.value) for layout in cls)
-            raise ValueError(f"layout must be one of {valid}, got {name!r}") from None
+        return parse_choice(cls, name, "layout")
 
 
 def _detect(name: str, tensor: torch.Tensor) -> KVLayout:
