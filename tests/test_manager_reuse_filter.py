@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable
 import pytest
 
 from kvtriton.keys import OffloadKey, make_offload_key
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
 from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
 
 CTX = ReqContext(req_id="test")
@@ -136,3 +136,31 @@ def test_filter_over_a_cpu_manager_stores_a_block_on_its_second_request() -> Non
         assert out is not None and out.keys_to_store == expected
         manager.complete_store(out.keys_to_store, CTX)
     assert [manager.lookup(key, CTX) for key in request] == [LookupResult.HIT] * 2
+
+
+def test_filter_counting_store_offers_ignores_lookups_and_counts_a_repeated_key_once_per_offer() -> None:
+    backing = Recorder()
+    manager = FilterReusedOffloadingManager(backing, count_on=ReuseSignal.STORE_OFFER)
+    manager.lookup(k(0), CTX)
+    assert manager.use_count(k(0)) == 0
+    manager.prepare_store(ks(0, 1, 0), CTX)
+    assert [manager.use_count(key) for key in ks(0, 1)] == [1, 1]
+    manager.prepare_store(ks(1, 2), CTX)
+    assert backing.calls[-2:] == [("prepare_store", [], CTX), ("prepare_store", ks(1), CTX)]
+
+
+def test_filter_counting_store_offers_stores_a_whole_request_on_its_second_offer() -> None:
+    # A connector that looks up only until the first miss still gets the whole
+    # repeated request stored on its second computation.
+    manager = FilterReusedOffloadingManager(CPUOffloadingManager(4), count_on=ReuseSignal.STORE_OFFER)
+    request = ks(0, 1, 2)
+    for expected in ([], ks(0, 1, 2)):
+        assert manager.lookup(request[0], CTX) is LookupResult.MISS
+        out = manager.prepare_store(request, CTX)
+        assert out is not None and out.keys_to_store == expected
+        manager.complete_store(out.keys_to_store, CTX)
+
+
+def test_filter_rejects_a_count_on_that_is_not_a_reuse_signal() -> None:
+    with pytest.raises(TypeError, match="count_on must be a ReuseSignal, got str: 'lookup'"):
+        FilterReusedOffloadingManager(Recorder(), count_on="lookup")  # pyright: ignore[reportArgumentType] -- the runtime check is under test

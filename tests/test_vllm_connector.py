@@ -244,3 +244,23 @@ def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(model_config: M
     assert not isinstance(engine.manager.backing, CPUOffloadingManager)  # the reuse filter is in front
     assert engine.cpu_manager().stats().stores == 0
     assert engine.store_jobs == []
+
+
+def test_with_a_store_threshold_a_prompt_computed_twice_is_stored_whole(
+    model_config: ModelConfig, engines: list[Engine]
+) -> None:
+    # vLLM looks keys up only until the first miss, so the filter counts store
+    # offers (as vLLM 0.33 does): a prompt is admitted whole on its second
+    # computation, not one chunk per repeat.
+    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
+    engines.append(engine)
+    prompt = list(range(300, 300 + 4 * BLOCK_SIZE))
+    engine.scheduler.add_request(make_request("first", prompt))
+    engine.run(model_request="first")
+    assert engine.cpu_manager().stats().stores == 0
+
+    assert engine.scheduler.reset_prefix_cache()
+    engine.scheduler.add_request(make_request("second", prompt))
+    engine.run(model_request="second")
+    stats = engine.cpu_manager().stats()
+    assert (stats.stores, stats.pending) == (4, 0)

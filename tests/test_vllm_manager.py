@@ -169,16 +169,17 @@ def test_loading_a_key_that_is_not_ready_raises_before_changing_anything() -> No
         manager.prepare_load([k2], context)
 
 
-def test_with_a_store_threshold_a_chunk_is_stored_only_once_looked_up_that_often() -> None:
+def test_with_a_store_threshold_a_chunk_is_stored_on_its_second_offer() -> None:
     manager = make_manager(store_threshold=2)
     context = ReqContext(req_id="r1")
-    (k1,) = to_keys([1])
-    assert lookups(manager, [k1], context) == [LookupResult.MISS]
-    first = manager.prepare_store([k1], context)
-    assert first is not None and first.keys_to_store == []  # seen once: not worth a copy yet
-    assert lookups(manager, [k1], context) == [LookupResult.MISS]
-    second = manager.prepare_store([k1], context)
-    assert second is not None and second.keys_to_store == [k1]
+    keys = to_keys([1, 2, 3])
+    # The connector looks up only until the first miss: just keys[0] here.
+    assert lookups(manager, keys[:1], context) == [LookupResult.MISS]
+    first = manager.prepare_store(keys, context)
+    assert first is not None and first.keys_to_store == []  # offered once: not worth a copy yet
+    assert lookups(manager, keys[:1], context) == [LookupResult.MISS]
+    second = manager.prepare_store(keys, context)
+    assert second is not None and second.keys_to_store == keys
 
 
 def test_stats_report_slab_occupancy_under_vllms_gauge_names() -> None:

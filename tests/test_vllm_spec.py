@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, offloading_config  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager  # noqa: E402
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations").glob("vllm*.py"))
@@ -91,6 +91,7 @@ def test_store_threshold_below_two_stores_everything_and_two_or_more_filters() -
     backing = filtered_manager.backing
     assert isinstance(backing, FilterReusedOffloadingManager)
     assert (backing.store_threshold, backing.max_tracker_size) == (3, 10)
+    assert backing.count_on is ReuseSignal.STORE_OFFER  # vLLM 0.33's admission rule
     assert filtered.get_manager() is filtered_manager  # one manager per spec
 
 

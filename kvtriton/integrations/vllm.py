@@ -34,7 +34,7 @@ from kvtriton.engine import TransferEngine  # noqa: E402
 from kvtriton.integrations.vllm_config import KVTritonOffloadConfig  # noqa: E402
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions  # noqa: E402
 from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager  # noqa: E402
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal  # noqa: E402
 from kvtriton.slab import HostSlab  # noqa: E402
 
 __all__ = ["KVTritonOffloadConfig", "KVTritonOffloadingSpec", "VLLMOffloadingManager", "VLLMOffloadingWorker"]
@@ -106,7 +106,12 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             )
             backing: OffloadingManager = cpu
             if settings.filters_reuse:
-                backing = FilterReusedOffloadingManager(cpu, settings.store_threshold, settings.max_tracker_size)
+                # vLLM 0.33 counts store offers, not lookups: its connector looks
+                # up only until the first miss, so lookup counting would admit
+                # a repeated prompt one chunk per repeat.
+                backing = FilterReusedOffloadingManager(
+                    cpu, settings.store_threshold, settings.max_tracker_size, count_on=ReuseSignal.STORE_OFFER
+                )
             self._manager = VLLMOffloadingManager(backing, cpu, self.cpu_info)
         return self._manager
 

@@ -88,7 +88,7 @@ class KVTritonOffloadConfig:
     ``cpu_bytes_to_use`` is the host-memory budget summed over all ranks of the
     engine, as vLLM defines it; each rank gets ``1/world_size`` of it.
     ``store_threshold < 2`` stores every block; ``>= 2`` stores a block only
-    after it was looked up that many times (vLLM's reuse filter).
+    once it was offered for storing that many times (vLLM 0.33's reuse filter).
     """
 
     cpu_bytes_to_use: int

@@ -17,7 +17,7 @@ from kvtriton.manager.policies import (
     make_policy,
     policy_names,
 )
-from kvtriton.manager.reuse_filter import FilterReusedOffloadingManager
+from kvtriton.manager.reuse_filter import FilterReusedOffloadingManager, ReuseSignal
 from kvtriton.manager.slot_pool import SlotPool
 from kvtriton.manager.stats import ManagerStats
 
@@ -31,6 +31,7 @@ __all__ = [
     "ManagerStats",
     "OffloadingManager",
     "POLICIES",
+    "ReuseSignal",
     "SlotPool",
     "make_policy",
     "policy_names",

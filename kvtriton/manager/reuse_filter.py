@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
@@ -9,20 +10,43 @@ from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
 from kvtriton.specs import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
 
-__all__ = ["FilterReusedOffloadingManager"]
+__all__ = ["FilterReusedOffloadingManager", "ReuseSignal"]
+
+
+class ReuseSignal(enum.Enum):
+    """Which call counts as one use of a key."""
+
+    LOOKUP = "lookup"
+    """Each ``lookup`` counts (SEMANTICS.md; vLLM's filter before 0.33)."""
+    STORE_OFFER = "store_offer"
+    """Each ``prepare_store`` that offers the key counts, once per call (vLLM 0.33's admission).
+
+    vLLM's connector looks keys up only from the first chunk the GPU lacks and
+    stops at the first miss, so counting lookups admits a repeated prompt one
+    chunk per repeat; counting offers admits the whole prompt on its second
+    computation.
+    """
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
-    """Wraps a manager and forwards to ``prepare_store`` only keys looked up ``store_threshold`` times.
+    """Wraps a manager and forwards to ``prepare_store`` only keys used ``store_threshold`` times.
 
     Most blocks of a serving workload are never requested again; storing them
     costs PCIe bandwidth and evicts blocks that would have been reused. Each
-    ``lookup`` counts one use of its key in a table bounded to
-    ``max_tracker_size`` keys (the least recently counted key is forgotten
+    use of a key -- a ``lookup`` by default, or an offer to ``prepare_store``
+    with ``count_on=ReuseSignal.STORE_OFFER`` -- counts once in a table bounded
+    to ``max_tracker_size`` keys (the least recently counted key is forgotten
     first). Every other call is forwarded unchanged.
     """
 
-    def __init__(self, backing: OffloadingManager, store_threshold: int = 2, max_tracker_size: int = 64_000) -> None:
+    def __init__(
+        self,
+        backing: OffloadingManager,
+        store_threshold: int = 2,
+        max_tracker_size: int = 64_000,
+        *,
+        count_on: ReuseSignal = ReuseSignal.LOOKUP,
+    ) -> None:
         if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
             raise TypeError(f"store_threshold must be an int, got {type(store_threshold).__name__}: {store_threshold!r}")
         if isinstance(max_tracker_size, bool) or not isinstance(max_tracker_size, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
@@ -33,7 +57,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
             raise ValueError(f"store_threshold must be >= 2 (1 would filter nothing), got {store_threshold}")
         if max_tracker_size < 1:
             raise ValueError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
+        if not isinstance(count_on, ReuseSignal):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
+            raise TypeError(f"count_on must be a ReuseSignal, got {type(count_on).__name__}: {count_on!r}")
         self._backing = backing
+        self._count_on = count_on
         self._threshold = store_threshold
         self._max_tracked = max_tracker_size
         self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
@@ -44,8 +71,13 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing
 
     @property
+    def count_on(self) -> ReuseSignal:
+        """Which call counts as a use."""
+        return self._count_on
+
+    @property
     def store_threshold(self) -> int:
-        """Lookups a key needs before it is stored."""
+        """Uses a key needs before it is stored."""
         return self._threshold
 
     @property
@@ -54,11 +86,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._max_tracked
 
     def use_count(self, key: OffloadKey) -> int:
-        """How many lookups of ``key`` the tracker remembers (0 if forgotten or never seen)."""
+        """How many uses of ``key`` the tracker remembers (0 if forgotten or never seen)."""
         return self._counts.get(key, 0)
 
-    @override
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+    def _count(self, key: OffloadKey) -> None:
         counts = self._counts
         count = counts.get(key)
         if count is None:
@@ -68,10 +99,18 @@ class FilterReusedOffloadingManager(OffloadingManager):
         else:
             counts[key] = count + 1
             counts.move_to_end(key)
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._count_on is ReuseSignal.LOOKUP:
+            self._count(key)
         return self._backing.lookup(key, req_context)
 
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if self._count_on is ReuseSignal.STORE_OFFER:
+            for key in dict.fromkeys(keys):  # a key repeated in one offer counts once
+                self._count(key)
         counts = self._counts
         threshold = self._threshold
         # Forward even when nothing qualifies: the backing manager answers an
