@@ -27,6 +27,7 @@ __all__ = [
     "WORKLOADS",
     "ChatParams",
     "FewShotParams",
+    "PrefixSharingParams",
     "Request",
     "SharedPromptParams",
     "Workload",
@@ -180,6 +181,28 @@ class FewShotParams:
         _check_range(self, "question_tokens_min", "question_tokens_max")
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSharingParams:
+    """Fixed-length requests: part of a Zipf-popular shared prefix, then blocks no other request has.
+
+    Sized in blocks, not tokens: the manager benchmark's trace (``bench/manager.py``),
+    whose defaults these are. A request shares the first half to all of its prefix.
+    """
+
+    requests: int = 4000
+    blocks_per_request: int = 64
+    prefixes: int = 400
+    prefix_blocks: int = 48
+    zipf_s: float = 1.1
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "blocks_per_request", "prefixes")
+        if not 0 <= self.prefix_blocks <= self.blocks_per_request:
+            raise ValueError(f"prefix_blocks must be in 0..{self.blocks_per_request}, got {self.prefix_blocks}")
+        if not self.zipf_s >= 0:  # also refuses NaN
+            raise ValueError(f"zipf_s must be >= 0, got {self.zipf_s}")
+
+
 class _SegmentIds:
     """Hands out content ids; distinct ids mean distinct token content."""
 
@@ -239,6 +262,11 @@ def _chat(params: ChatParams, rng: random.Random, block_size: int) -> list[Reque
     return requests
 
 
+def _zipf_cumulative(count: int, s: float) -> list[float]:
+    """Cumulative Zipf weights for ``random.choices``: item k (0-based) has weight 1 / (k + 1) ** s."""
+    return list(itertools.accumulate(1.0 / (rank + 1) ** s for rank in range(count)))
+
+
 def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> list[Request]:
     ids = _SegmentIds()
     prefixes: list[_Sequence] = []
@@ -246,14 +274,30 @@ def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> lis
         sequence = _Sequence(block_size)
         sequence.append(ids.new(), rng.randint(params.prefix_tokens_min, params.prefix_tokens_max))
         prefixes.append(sequence)
-    # Zipf popularity: prefix k (0-based) is chosen with weight 1 / (k + 1) ** s.
-    cumulative = list(itertools.accumulate(1.0 / (rank + 1) ** params.zipf_s for rank in range(params.prefixes)))
+    cumulative = _zipf_cumulative(params.prefixes, params.zipf_s)
     requests: list[Request] = []
     for index in range(params.requests):
         (chosen,) = rng.choices(prefixes, cum_weights=cumulative)
         sequence = chosen.copy()
         sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
         requests.append(_request(f"few-shot-{index}", sequence, params.output_tokens, ids.new()))
+    return requests
+
+
+def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    prefix_ids = [ids.new() for _ in range(params.prefixes)]
+    cumulative = _zipf_cumulative(params.prefixes, params.zipf_s)
+    shortest = (params.prefix_blocks + 1) // 2
+    requests: list[Request] = []
+    for index in range(params.requests):
+        (prefix,) = rng.choices(prefix_ids, cum_weights=cumulative)
+        shared = rng.randint(shortest, params.prefix_blocks)
+        # Block-aligned segments: the first ``shared`` blocks hash the same in every request of this prefix.
+        sequence = _Sequence(block_size)
+        sequence.append(prefix, shared * block_size)
+        sequence.append(ids.new(), (params.blocks_per_request - shared) * block_size)
+        requests.append(Request(f"prefix-sharing-{index}", tuple(sequence.hashes), sequence.tokens))
     return requests
 
 
@@ -272,7 +316,7 @@ def _convert(raw: str | int | float, default: object, what: str) -> int | float:
         raise ValueError(f"{what} must be {kind}, got {raw!r}") from None
 
 
-P = TypeVar("P", SharedPromptParams, ChatParams, FewShotParams)
+P = TypeVar("P", SharedPromptParams, ChatParams, FewShotParams, PrefixSharingParams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +350,10 @@ class Workload(Generic[P]):
         return self.build(self.params(overrides or {}), random.Random(seed), block_size)
 
 
-WORKLOADS: dict[str, Workload[SharedPromptParams] | Workload[ChatParams] | Workload[FewShotParams]] = {
+WORKLOADS: dict[
+    str,
+    Workload[SharedPromptParams] | Workload[ChatParams] | Workload[FewShotParams] | Workload[PrefixSharingParams],
+] = {
     "shared-prompt": Workload(
         "shared-prompt",
         "independent requests behind a few long shared system prompts",
@@ -324,6 +371,12 @@ WORKLOADS: dict[str, Workload[SharedPromptParams] | Workload[ChatParams] | Workl
         "Zipf-popular few-shot example prefixes, each followed by a new question",
         FewShotParams(),
         _few_shot,
+    ),
+    "prefix-sharing": Workload(
+        "prefix-sharing",
+        "the manager benchmark's trace: half to all of a Zipf-popular prefix, then unique blocks",
+        PrefixSharingParams(),
+        _prefix_sharing,
     ),
 }
 """The built-in workloads by name."""

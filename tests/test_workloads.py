@@ -74,6 +74,48 @@ def test_few_shot_popularity_follows_zipf_rank() -> None:
     assert len(counts) <= 50
 
 
+PREFIX_SHARING = {"requests": 50, "blocks_per_request": 8, "prefixes": 5, "prefix_blocks": 6, "zipf_s": 1.0}
+
+
+def test_prefix_sharing_is_deterministic_for_a_seed_and_changes_with_it() -> None:
+    assert generate("prefix-sharing", seed=3, overrides=PREFIX_SHARING) == generate(
+        "prefix-sharing", seed=3, overrides=PREFIX_SHARING
+    )
+    assert generate("prefix-sharing", seed=4, overrides=PREFIX_SHARING) != generate(
+        "prefix-sharing", seed=3, overrides=PREFIX_SHARING
+    )
+
+
+def test_prefix_sharing_requests_are_a_shared_prefix_then_unique_blocks() -> None:
+    requests = [r.prompt_blocks for r in generate("prefix-sharing", seed=3, overrides=PREFIX_SHARING)]
+    assert len(requests) == 50
+    assert all(len(blocks) == 8 and len(set(blocks)) == 8 for blocks in requests)
+    first_blocks = {blocks[0] for blocks in requests}
+    assert 1 < len(first_blocks) <= 5  # every request starts with one of the 5 prefixes
+    owners: dict[bytes, int] = {}
+    for i, blocks in enumerate(requests):
+        for block in blocks[3:]:  # past the shortest shared part (ceil(6 / 2) = 3)
+            owners.setdefault(block, i)
+        for block in blocks[6:]:  # past the longest shared part: unique to this request
+            assert owners[block] == i
+
+
+def test_prefix_sharing_shares_every_length_from_half_to_all_of_the_prefix() -> None:
+    overrides = {**PREFIX_SHARING, "requests": 400, "prefixes": 1}
+    requests = [r.prompt_blocks for r in generate("prefix-sharing", seed=0, overrides=overrides)]
+    counts = collections.Counter(block for blocks in requests for block in blocks)
+    shared_lengths = {sum(counts[block] > 1 for block in blocks) for blocks in requests}
+    assert shared_lengths == {3, 4, 5, 6}
+    assert all(r.output_blocks == () for r in generate("prefix-sharing", seed=0, overrides=overrides))
+
+
+def test_prefix_sharing_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="prefix_blocks must be in 0..8, got 9"):
+        generate("prefix-sharing", overrides={"requests": 1, "blocks_per_request": 8, "prefix_blocks": 9})
+    with pytest.raises(ValueError, match="zipf_s must be >= 0, got -1.0"):
+        generate("prefix-sharing", overrides={"zipf_s": "-1"})
+
+
 def test_requests_override_and_block_size_change_the_trace_shape() -> None:
     coarse = generate("few-shot", seed=0, block_size=64, overrides={"requests": "10"})
     fine = generate("few-shot", seed=0, block_size=16, overrides={"requests": "10"})
@@ -82,7 +124,7 @@ def test_requests_override_and_block_size_change_the_trace_shape() -> None:
 
 
 def test_unknown_workload_lists_the_valid_names() -> None:
-    with pytest.raises(ValueError, match="workload must be one of shared-prompt, chat, few-shot, got 'web'"):
+    with pytest.raises(ValueError, match="workload must be one of shared-prompt, chat, few-shot, prefix-sharing, got 'web'"):
         generate("web")
 
 
