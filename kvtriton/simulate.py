@@ -4,7 +4,9 @@ Replays a request trace (a built-in synthetic workload or a JSON-lines file)
 through ``CPUOffloadingManager`` for a sweep of capacities and each eviction
 policy, calling the manager the way a serving engine does, and reports hit
 rates, bytes moved, evictions and refused stores per point. Pure scheduler
-side: no tensors, no torch, so a sweep takes seconds.
+side: no tensors, no torch, so a sweep takes seconds. The replay loop
+(:func:`replay_calls`) is also what ``bench/manager.py`` times, for kvtriton's
+manager and vLLM's.
 
 The simulation models the host tier alone, as if the GPU prefix cache held
 nothing: every prompt block is looked up in host memory. A real engine serves
@@ -22,10 +24,10 @@ import platform
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 from kvtriton.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey, make_offload_key
@@ -36,15 +38,19 @@ from kvtriton.workloads import WORKLOADS, Request, generate, read_trace
 
 __all__ = [
     "DEFAULT_OUT",
+    "ManagerCalls",
     "PointReport",
     "PreparedRequest",
     "ReplayStats",
+    "StoreOutput",
     "SweepPoint",
     "TraceSummary",
     "add_arguments",
     "default_capacities",
+    "manager_calls",
     "prepare",
     "replay",
+    "replay_calls",
     "run",
     "summarize",
     "sweep",
@@ -120,23 +126,154 @@ class ReplayStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-@dataclass(slots=True)
-class _InFlight:
-    context: ReqContext
+class StoreOutput(Protocol):
+    """What the replay reads from a ``prepare_store`` answer (kvtriton's ``PrepareStoreOutput`` or vLLM's)."""
+
+    @property
+    def keys_to_store(self) -> list[OffloadKey]: ...
+    @property
+    def evicted_keys(self) -> list[OffloadKey]: ...
+
+
+CtxT = TypeVar("CtxT")
+KeysCall = Callable[[Sequence[OffloadKey], CtxT], object]
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerCalls(Generic[CtxT]):
+    """A manager's bound methods and lookup answers, so that one replay loop drives any manager.
+
+    :func:`manager_calls` builds them for a kvtriton manager; ``bench/manager.py``
+    builds them for vLLM's, with its per-request hooks and without ``touch``
+    (its 0.33 connector no longer calls it).
+    """
+
+    lookup: Callable[[OffloadKey, CtxT], object]
+    prepare_load: KeysCall[CtxT]
+    touch: KeysCall[CtxT] | None
+    prepare_store: Callable[[Sequence[OffloadKey], CtxT], StoreOutput | None]
+    complete_load: KeysCall[CtxT]
+    complete_store: KeysCall[CtxT]
+    hit: object
+    """The manager's ``LookupResult.HIT``."""
+    pending: object
+    """The manager's ``LookupResult.HIT_PENDING``."""
+    on_new_request: Callable[[CtxT], object] | None = None
+    on_request_finished: Callable[[CtxT], object] | None = None
+
+
+def manager_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
+    """The replay calls of a kvtriton manager."""
+    return ManagerCalls(
+        lookup=manager.lookup,
+        prepare_load=manager.prepare_load,
+        touch=manager.touch,
+        prepare_store=manager.prepare_store,
+        complete_load=manager.complete_load,
+        complete_store=manager.complete_store,
+        hit=LookupResult.HIT,
+        pending=LookupResult.HIT_PENDING,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight(Generic[CtxT]):
+    context: CtxT
     loaded: tuple[OffloadKey, ...]
-    stored: list[OffloadKey]
+    stored: Sequence[OffloadKey]
 
 
-@dataclass(slots=True)
-class _Counters:
-    prompt_blocks: int = 0
-    hit_blocks: int = 0
-    prompt_tokens: int = 0
-    blocks_stored: int = 0
-    evictions: int = 0
-    refused_stores: int = 0
-    refused_blocks: int = 0
-    pending_stops: int = 0
+def replay_calls(
+    calls: ManagerCalls[CtxT],
+    requests: Sequence[PreparedRequest],
+    contexts: Sequence[CtxT],
+    *,
+    block_size: int,
+    in_flight: int = 1,
+) -> ReplayStats:
+    """Replay ``requests`` (``contexts[i]`` is request ``i``'s) through ``calls``, the way a serving engine calls a manager.
+
+    Per request, on arrival: ``on_new_request``; ``lookup`` the prompt blocks
+    in order until the first one that is not a ``HIT``, ``prepare_load`` the
+    hits, ``touch`` every prompt block, ``prepare_store`` the missed prompt
+    blocks and the output blocks. When the request retires: ``complete_load``
+    the hits, ``complete_store`` what was stored, ``on_request_finished``.
+    ``in_flight`` requests are admitted before the oldest retires (1: each
+    request retires before the next one arrives), so loads in progress pin
+    their blocks and stores in progress look up as ``HIT_PENDING``, which
+    counts as a miss here (an engine would wait).
+    """
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if len(contexts) != len(requests):
+        raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")
+    # Bound once: this loop is what bench/manager.py times.
+    lookup, prepare_load, touch, prepare_store = calls.lookup, calls.prepare_load, calls.touch, calls.prepare_store
+    complete_load, complete_store = calls.complete_load, calls.complete_store
+    on_new, on_finished = calls.on_new_request, calls.on_request_finished
+    hit, pending = calls.hit, calls.pending
+    window: deque[_InFlight[CtxT]] = deque()
+    prompt_blocks = hit_blocks = prompt_tokens = blocks_stored = evictions = 0
+    refused_stores = refused_blocks = pending_stops = 0
+
+    def retire(job: _InFlight[CtxT]) -> None:
+        if job.loaded:
+            complete_load(job.loaded, job.context)
+        if job.stored:
+            complete_store(job.stored, job.context)
+        if on_finished is not None:
+            on_finished(job.context)
+
+    for request, context in zip(requests, contexts):
+        if len(window) == in_flight:
+            retire(window.popleft())
+        if on_new is not None:
+            on_new(context)
+        prompt = request.prompt_keys
+        hits = 0
+        for key in prompt:
+            result = lookup(key, context)
+            if result is not hit:
+                if result is pending:
+                    pending_stops += 1
+                break
+            hits += 1
+        loaded = prompt[:hits]
+        if loaded:
+            prepare_load(loaded, context)
+        if prompt and touch is not None:
+            touch(prompt, context)
+        to_store = prompt[hits:] + request.output_keys
+        stored: Sequence[OffloadKey] = ()
+        if to_store:
+            output = prepare_store(to_store, context)
+            if output is None:
+                refused_stores += 1
+                refused_blocks += len(to_store)
+            else:
+                stored = output.keys_to_store
+                evictions += len(output.evicted_keys)
+                blocks_stored += len(stored)
+        prompt_blocks += len(prompt)
+        hit_blocks += hits
+        prompt_tokens += request.prompt_tokens
+        window.append(_InFlight(context, loaded, stored))
+    while window:
+        retire(window.popleft())
+    return ReplayStats(
+        requests=len(requests),
+        prompt_blocks=prompt_blocks,
+        hit_blocks=hit_blocks,
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hit_blocks * block_size,
+        blocks_stored=blocks_stored,
+        evictions=evictions,
+        refused_stores=refused_stores,
+        refused_blocks=refused_blocks,
+        pending_stops=pending_stops,
+    )
 
 
 def replay(
@@ -146,79 +283,9 @@ def replay(
     block_size: int,
     in_flight: int = 1,
 ) -> ReplayStats:
-    """Replay ``requests`` through ``manager`` the way a serving engine calls it.
-
-    Per request, on arrival: ``lookup`` the prompt blocks in order until the
-    first one that is not a ``HIT``, ``prepare_load`` the hits, ``touch`` every
-    prompt block, ``prepare_store`` the missed prompt blocks and the output
-    blocks. When the request retires: ``complete_load`` the hits,
-    ``complete_store`` what was stored. ``in_flight`` requests are admitted
-    before the oldest retires (1: each request retires before the next one
-    arrives), so loads in progress pin their blocks and stores in progress look
-    up as ``HIT_PENDING``, which counts as a miss here (an engine would wait).
-    """
-    if in_flight < 1:
-        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    counters = _Counters()
-    window: deque[_InFlight] = deque()
-    hit = LookupResult.HIT
-    pending = LookupResult.HIT_PENDING
-
-    def retire(job: _InFlight) -> None:
-        if job.loaded:
-            manager.complete_load(job.loaded, job.context)
-        if job.stored:
-            manager.complete_store(job.stored, job.context)
-
-    for request in requests:
-        if len(window) == in_flight:
-            retire(window.popleft())
-        context = ReqContext(req_id=request.req_id)
-        prompt = request.prompt_keys
-        hits = 0
-        for key in prompt:
-            result = manager.lookup(key, context)
-            if result is not hit:
-                if result is pending:
-                    counters.pending_stops += 1
-                break
-            hits += 1
-        loaded = prompt[:hits]
-        if loaded:
-            manager.prepare_load(loaded, context)
-        if prompt:
-            manager.touch(prompt, context)
-        to_store = prompt[hits:] + request.output_keys
-        stored: list[OffloadKey] = []
-        if to_store:
-            output = manager.prepare_store(to_store, context)
-            if output is None:
-                counters.refused_stores += 1
-                counters.refused_blocks += len(to_store)
-            else:
-                stored = output.keys_to_store
-                counters.evictions += len(output.evicted_keys)
-                counters.blocks_stored += len(stored)
-        counters.prompt_blocks += len(prompt)
-        counters.hit_blocks += hits
-        counters.prompt_tokens += request.prompt_tokens
-        window.append(_InFlight(context, loaded, stored))
-    while window:
-        retire(window.popleft())
-    return ReplayStats(
-        requests=len(requests),
-        prompt_blocks=counters.prompt_blocks,
-        hit_blocks=counters.hit_blocks,
-        prompt_tokens=counters.prompt_tokens,
-        hit_tokens=counters.hit_blocks * block_size,
-        blocks_stored=counters.blocks_stored,
-        evictions=counters.evictions,
-        refused_stores=counters.refused_stores,
-        refused_blocks=counters.refused_blocks,
-        pending_stops=counters.pending_stops,
-    )
+    """Replay ``requests`` through a kvtriton ``manager`` (see :func:`replay_calls`), one context per request."""
+    contexts = [ReqContext(req_id=request.req_id) for request in requests]
+    return replay_calls(manager_calls(manager), requests, contexts, block_size=block_size, in_flight=in_flight)
 
 
 # --------------------------------------------------------------------------
@@ -301,50 +368,46 @@ def sweep(
 # Command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+NumberT = TypeVar("NumberT", int, float)
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+def _number(parse: Callable[[str], NumberT], what: str, valid: Callable[[NumberT], bool]) -> Callable[[str], NumberT]:
+    """An argparse ``type``: ``text`` parsed by ``parse`` and accepted by ``valid``, else an error naming ``what``."""
+
+    def convert(text: str) -> NumberT:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = _number(int, "a positive integer", lambda value: value >= 1)
+_non_negative_int = _number(int, "an integer >= 0", lambda value: value >= 0)
+_positive_float = _number(float, "a positive number", lambda value: math.isfinite(value) and value > 0)
+
+
+def _listed(text: str, what: str) -> list[str]:
+    """The non-blank items of a comma-separated list, stripped; an error when there are none."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
+    return items
 
 
 def _capacities(text: str) -> list[int]:
-    items = [item for item in text.split(",") if item.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of sizes, got {text!r}")
     try:
-        return sorted({parse_capacity(item) for item in items})
+        return sorted({parse_capacity(item) for item in _listed(text, "sizes")})
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _policies(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of policies, got {text!r}")
+    names = _listed(text, "policies")
     for name in names:
         try:
             CPUOffloadingManager(1, cache_policy=name)
@@ -403,7 +466,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests",
         type=_positive_int,
         metavar="N",
-        help="number of requests the workload generates (default: the workload's, 1000)",
+        help="number of requests the workload generates (default: the workload's, listed below)",
     )
     source.add_argument("--seed", type=_non_negative_int, default=0, help="workload random seed (default: 0)")
     source.add_argument(

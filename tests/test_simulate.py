@@ -5,6 +5,8 @@ import random
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,17 @@ from kvtriton.cli import main
 from kvtriton.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.simulate import PreparedRequest, default_capacities, prepare, replay, summarize, sweep
+from kvtriton.simulate import (
+    ManagerCalls,
+    PreparedRequest,
+    default_capacities,
+    manager_calls,
+    prepare,
+    replay,
+    replay_calls,
+    summarize,
+    sweep,
+)
 from kvtriton.specs import LookupResult, ReqContext
 from kvtriton.workloads import Request, generate
 
@@ -168,6 +180,60 @@ def test_token_hit_rate_counts_the_uncacheable_prompt_tail() -> None:
     assert stats.block_hit_rate == 0.5
     assert stats.hit_tokens == 16
     assert stats.token_hit_rate == 16 / 48
+
+
+def _logged(calls: ManagerCalls[ReqContext], log: list[str]) -> ManagerCalls[ReqContext]:
+    """``calls`` with every call, the per-request hooks included, appended to ``log`` as "name req keys"."""
+
+    def keyed(name: str, call: Callable[[Sequence[OffloadKey], ReqContext], object]) -> Callable[..., object]:
+        def logged(keys: Sequence[OffloadKey], context: ReqContext) -> object:
+            log.append(f"{name} {context.req_id} {''.join(k[:1].decode() for k in keys)}")
+            return call(keys, context)
+
+        return logged
+
+    def lookup(key: OffloadKey, context: ReqContext) -> object:
+        result = calls.lookup(key, context)
+        log.append(f"lookup {context.req_id} {key[:1].decode()} {getattr(result, 'name')}")
+        return result
+
+    def hook(name: str) -> Callable[[ReqContext], None]:
+        return lambda context: log.append(f"{name} {context.req_id}")
+
+    assert calls.touch is not None
+    return replace(
+        calls,
+        lookup=lookup,
+        prepare_load=keyed("prepare_load", calls.prepare_load),
+        touch=keyed("touch", calls.touch),
+        prepare_store=keyed("prepare_store", calls.prepare_store),
+        complete_load=keyed("complete_load", calls.complete_load),
+        complete_store=keyed("complete_store", calls.complete_store),
+        on_new_request=hook("new"),
+        on_request_finished=hook("finished"),
+    )
+
+
+def test_replay_calls_follow_the_engine_order_and_retire_after_the_window() -> None:
+    trace = prepare([request("r0", "ab"), request("r1", "ab"), request("r2", "ac")])
+    log: list[str] = []
+    calls = _logged(manager_calls(CPUOffloadingManager(8)), log)
+    stats = replay_calls(calls, trace, [ReqContext(req_id=r.req_id) for r in trace], block_size=1, in_flight=2)
+    assert log == [
+        "new r0", "lookup r0 a MISS", "touch r0 ab", "prepare_store r0 ab",
+        "new r1", "lookup r1 a HIT_PENDING", "touch r1 ab", "prepare_store r1 ab",  # r0's store is in flight
+        "complete_store r0 ab", "finished r0",  # the window is full: r0 retires before r2 arrives
+        "new r2", "lookup r2 a HIT", "lookup r2 c MISS", "prepare_load r2 a", "touch r2 ac", "prepare_store r2 c",
+        "finished r1",  # r1 stored nothing: no completions
+        "complete_load r2 a", "complete_store r2 c", "finished r2",
+    ]  # fmt: skip
+    assert (stats.hit_blocks, stats.pending_stops, stats.blocks_stored) == (1, 1, 3)
+
+
+def test_replay_calls_need_one_context_per_request() -> None:
+    trace = prepare([request("r0", "a")])
+    with pytest.raises(ValueError, match="contexts has 0 entries for 1 requests"):
+        replay_calls(manager_calls(CPUOffloadingManager(1)), trace, [], block_size=1)
 
 
 def test_replay_rejects_bad_window_and_block_size() -> None:
