@@ -1,12 +1,15 @@
-"""Scheduler-side throughput: replay a prefix-sharing trace through the managers.
+"""Scheduler-side throughput: replay the prefix-sharing workload through the managers.
 
-The trace (``prefix_sharing_trace``) mimics a serving workload: each request
-starts with part of a shared prefix (system prompts, few-shot examples,
-earlier turns) chosen with Zipf popularity, and ends with blocks no other
-request has. Every request is replayed in the order a serving engine calls the
+The trace is kvtriton's built-in ``prefix-sharing`` workload
+(``kvtriton.workloads``): each request starts with part of a shared prefix
+(system prompts, few-shot examples, earlier turns) chosen with Zipf
+popularity, and ends with blocks no other request has. It is replayed by
+``kvtriton.simulate.replay_calls``, in the order a serving engine calls the
 manager: lookup until the first miss, prepare_load the hits, touch all keys,
 prepare_store the rest; ``complete_load`` / ``complete_store`` arrive
-``--inflight`` requests later, as transfer jobs finish.
+``--inflight`` requests later, as transfer jobs finish. So
+``kvtriton simulate --workload prefix-sharing --in-flight 5`` replays the very
+trace and call order measured here, at any capacity.
 
 Prints blocks per second (trace blocks / replay seconds, best of
 ``--repeats``) and hit rate (blocks loaded from the cache / trace blocks) per
@@ -18,110 +21,71 @@ by the scheduler), so its replay makes those calls too; ``--vllm-touch`` adds
 the ``touch`` call its connector no longer makes.
 
     python -m bench.manager                         # defaults below, ~20 s here
+    python -m bench.manager --quick                 # 1000 requests, one replay
     python -m bench.manager --requests 20000 --capacity 16384
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Generic, Protocol, TypeVar, cast
-
-import numpy as np
+from typing import Protocol, TypeVar, cast
 
 from bench.common import format_table, write_json
-from kvtriton.keys import OffloadKey, make_offload_key
+from kvtriton.geometry import PRESETS
+from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, policy_names
 from kvtriton.progress import progress
-from kvtriton.specs import LookupResult, ReqContext
+from kvtriton.simulate import (
+    ManagerCalls,
+    PreparedRequest,
+    ReplayStats,
+    StoreOutput,
+    manager_calls,
+    prepare,
+    replay_calls,
+)
+from kvtriton.specs import ReqContext
+from kvtriton.workloads import PrefixSharingParams, generate
 
-__all__ = [
-    "ManagerCalls",
-    "ReplayResult",
-    "TraceConfig",
-    "main",
-    "prefix_sharing_trace",
-    "replay",
-]
+__all__ = ["ReplayResult", "build_parser", "main", "replay", "simulate_command", "trace"]
 
 VLLM_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 VLLM_BASE_MODULE = "vllm.v1.kv_offload.base"
+WORKLOAD = "prefix-sharing"
 BLOCK_TOKENS = 16
-"""Tokens per block, only used to give vLLM's ReqContext the key positions its scheduler would record."""
+"""Tokens per block: the workload's block size (hashes depend on it) and the key positions vLLM's ReqContext records."""
+SIMULATE_MODEL = "llama-3-8b"
+"""Geometry of the equivalent ``kvtriton simulate`` command (it turns the slot capacity into bytes)."""
+QUICK_REQUESTS = 1_000
+"""Trace length of ``--quick`` (one replay per manager)."""
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-# --- the trace -----------------------------------------------------------------
+def simulate_command(params: PrefixSharingParams, seed: int, capacity: int, inflight: int, policies: Sequence[str]) -> str:
+    """The ``kvtriton simulate`` command that replays this benchmark's trace, window and capacity.
 
-
-@dataclass(frozen=True, slots=True)
-class TraceConfig:
-    """Shape of a synthetic prefix-sharing trace (defaults: the benchmark's)."""
-
-    requests: int = 4_000
-    """Requests in the trace."""
-    blocks_per_request: int = 64
-    """Blocks (offload keys) per request: shared prefix part + unique tail."""
-    prefixes: int = 400
-    """Distinct shared prefixes."""
-    prefix_blocks: int = 48
-    """Length of each shared prefix; a request uses the first half to all of it."""
-    zipf_s: float = 1.1
-    """Zipf exponent of prefix popularity (prefix of rank r has weight r**-s)."""
-    seed: int = 0
-    """Seed: the same config always yields the same trace."""
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
-        if self.requests < 1:
-            raise ValueError(f"requests must be >= 1, got {self.requests}")
-        if self.blocks_per_request < 1:
-            raise ValueError(f"blocks_per_request must be >= 1, got {self.blocks_per_request}")
-        if self.prefixes < 1:
-            raise ValueError(f"prefixes must be >= 1, got {self.prefixes}")
-        if not 0 <= self.prefix_blocks <= self.blocks_per_request:
-            raise ValueError(f"prefix_blocks must be in 0..{self.blocks_per_request}, got {self.prefix_blocks}")
-        if self.zipf_s < 0:
-            raise ValueError(f"zipf_s must be >= 0, got {self.zipf_s}")
-
-
-def _key(tag: str) -> OffloadKey:
-    # 32-byte block hashes, like vLLM's sha256 prefix-chained block hashes.
-    return make_offload_key(hashlib.sha256(tag.encode()).digest(), 0)
-
-
-def prefix_sharing_trace(config: TraceConfig = TraceConfig()) -> list[list[OffloadKey]]:
-    """Build the requests of a trace: one list of keys per request, in prefix order.
-
-    Request ``i`` picks prefix ``p`` with probability proportional to
-    ``rank(p) ** -zipf_s`` and a shared length ``L`` uniform in
-    ``[ceil(prefix_blocks / 2), prefix_blocks]``; its first ``L`` keys are
-    blocks ``0..L-1`` of prefix ``p`` (identical across requests, as chained
-    block hashes are) and the other ``blocks_per_request - L`` keys are new.
-    Pure: depends on ``config`` only.
+    Its hit counts equal the benchmark's: same workload, seed and block size,
+    ``--in-flight`` one more than ``--inflight`` (it counts the arriving
+    request too), and ``capacity`` blocks given in bytes of the default model.
     """
-    config.validate()
-    rng = np.random.default_rng(config.seed)
-    weights = np.arange(1, config.prefixes + 1, dtype=np.float64) ** -config.zipf_s
-    chosen = rng.choice(config.prefixes, size=config.requests, p=weights / weights.sum())
-    low = (config.prefix_blocks + 1) // 2
-    shared = rng.integers(low, config.prefix_blocks + 1, size=config.requests)
-    prefix_keys: dict[int, list[OffloadKey]] = {}
-    requests: list[list[OffloadKey]] = []
-    for i in range(config.requests):
-        prefix = int(chosen[i])
-        keys = prefix_keys.get(prefix)
-        if keys is None:
-            keys = prefix_keys[prefix] = [_key(f"p{prefix}/{b}") for b in range(config.prefix_blocks)]
-        length = int(shared[i])
-        tail = [_key(f"r{i}/{b}") for b in range(length, config.blocks_per_request)]
-        requests.append(keys[:length] + tail)
-    return requests
+    size = capacity * PRESETS[SIMULATE_MODEL].bytes_per_block
+    unit, scale = next((unit, scale) for unit, scale in _UNITS if size % scale == 0)
+    shape = "".join(f" --param {name}={value}" for name, value in asdict(params).items())
+    return (
+        f"kvtriton simulate --workload {WORKLOAD} --seed {seed}{shape} --model {SIMULATE_MODEL}"
+        f" --block-size {BLOCK_TOKENS} --capacities {size // scale}{unit} --in-flight {inflight + 1}"
+        f" --policies {','.join(policies)}"
+    )
+
+
+def trace(params: PrefixSharingParams, seed: int) -> list[PreparedRequest]:
+    """The benchmark's requests: the ``prefix-sharing`` workload at ``BLOCK_TOKENS`` tokens per block, as keys."""
+    return prepare(generate(WORKLOAD, seed=seed, block_size=BLOCK_TOKENS, overrides=asdict(params)))
 
 
 # --- the replay ----------------------------------------------------------------
@@ -129,35 +93,9 @@ def prefix_sharing_trace(config: TraceConfig = TraceConfig()) -> list[list[Offlo
 CtxT = TypeVar("CtxT")
 
 
-class StoreOutput(Protocol):
-    """What the replay reads from a ``prepare_store`` answer (kvtriton's or vLLM's)."""
-
-    @property
-    def keys_to_store(self) -> list[OffloadKey]: ...
-
-
-KeysCall = Callable[[list[OffloadKey], CtxT], object]
-
-
-@dataclass(frozen=True, slots=True)
-class ManagerCalls(Generic[CtxT]):
-    """The bound methods the replay calls, so one loop drives any manager."""
-
-    lookup: Callable[[OffloadKey, CtxT], object]
-    prepare_load: KeysCall[CtxT]
-    touch: KeysCall[CtxT] | None
-    prepare_store: Callable[[list[OffloadKey], CtxT], StoreOutput | None]
-    complete_load: KeysCall[CtxT]
-    complete_store: KeysCall[CtxT]
-    hit: object
-    """The manager's ``LookupResult.HIT`` value."""
-    on_new_request: Callable[[CtxT], object] | None = None
-    on_request_finished: Callable[[CtxT], object] | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
-    """One replay of a trace through one manager."""
+    """One timed replay of a trace through one manager."""
 
     seconds: float
     blocks: int
@@ -167,6 +105,18 @@ class ReplayResult:
     """Blocks ``prepare_store`` accepted."""
     failed_stores: int
     """``prepare_store`` calls answered ``None`` (no room could be made)."""
+    evictions: int
+
+    @classmethod
+    def of(cls, seconds: float, stats: ReplayStats) -> ReplayResult:
+        return cls(
+            seconds=seconds,
+            blocks=stats.prompt_blocks,
+            loaded=stats.hit_blocks,
+            stored=stats.blocks_stored,
+            failed_stores=stats.refused_stores,
+            evictions=stats.evictions,
+        )
 
     @property
     def blocks_per_s(self) -> float:
@@ -179,78 +129,22 @@ class ReplayResult:
 
 def replay(
     calls: ManagerCalls[CtxT],
-    requests: Sequence[list[OffloadKey]],
+    requests: Sequence[PreparedRequest],
     contexts: Sequence[CtxT],
     inflight: int = 4,
 ) -> ReplayResult:
-    """Replay ``requests`` (``contexts[i]`` is request ``i``'s context) and time it.
+    """Replay ``requests`` (``contexts[i]`` is request ``i``'s context) through ``calls`` and time it.
 
     Completions of request ``i`` are delivered after request ``i + inflight``
     has been scheduled, so loads pin blocks and stores stay pending for a
-    while, as they do while transfers run.
+    while, as they do while transfers run (``replay_calls`` with
+    ``in_flight = inflight + 1``).
     """
     if inflight < 0:
         raise ValueError(f"inflight must be >= 0, got {inflight}")
-    if len(contexts) != len(requests):
-        raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")
-    lookup, prepare_load, touch = calls.lookup, calls.prepare_load, calls.touch
-    prepare_store, complete_load, complete_store = calls.prepare_store, calls.complete_load, calls.complete_store
-    on_new, on_finished, hit = calls.on_new_request, calls.on_request_finished, calls.hit
-    window: deque[tuple[list[OffloadKey], list[OffloadKey], CtxT]] = deque()
-    blocks = loaded = stored = failed = 0
-
-    def finish(job: tuple[list[OffloadKey], list[OffloadKey], CtxT]) -> None:
-        hits, new, ctx = job
-        if hits:
-            complete_load(hits, ctx)
-        if new:
-            complete_store(new, ctx)
-        if on_finished is not None:
-            on_finished(ctx)
-
     start = time.perf_counter()
-    for keys, ctx in zip(requests, contexts):
-        if on_new is not None:
-            on_new(ctx)
-        n = 0
-        for key in keys:
-            if lookup(key, ctx) is not hit:
-                break
-            n += 1
-        hits = keys[:n]
-        if n:
-            prepare_load(hits, ctx)
-        if touch is not None:
-            touch(keys, ctx)
-        out = prepare_store(keys[n:], ctx)
-        if out is None:
-            failed += 1
-            new: list[OffloadKey] = []
-        else:
-            new = out.keys_to_store
-        window.append((hits, new, ctx))
-        if len(window) > inflight:
-            finish(window.popleft())
-        blocks += len(keys)
-        loaded += n
-        stored += len(new)
-    while window:
-        finish(window.popleft())
-    seconds = time.perf_counter() - start
-    return ReplayResult(seconds=seconds, blocks=blocks, loaded=loaded, stored=stored, failed_stores=failed)
-
-
-def kvtriton_calls(manager: CPUOffloadingManager) -> ManagerCalls[ReqContext]:
-    """The replay calls of a kvtriton manager."""
-    return ManagerCalls(
-        lookup=manager.lookup,
-        prepare_load=manager.prepare_load,
-        touch=manager.touch,
-        prepare_store=manager.prepare_store,
-        complete_load=manager.complete_load,
-        complete_store=manager.complete_store,
-        hit=LookupResult.HIT,
-    )
+    stats = replay_calls(calls, requests, contexts, block_size=BLOCK_TOKENS, in_flight=inflight + 1)
+    return ReplayResult.of(time.perf_counter() - start, stats)
 
 
 # --- vLLM, when installed --------------------------------------------------------
@@ -262,11 +156,11 @@ class _VllmContext(Protocol):
 
 class _VllmManager(Protocol):
     def lookup(self, key: OffloadKey, req_context: _VllmContext, /) -> object: ...
-    def prepare_load(self, keys: list[OffloadKey], req_context: _VllmContext, /) -> object: ...
-    def touch(self, keys: list[OffloadKey], req_context: _VllmContext, /) -> None: ...
-    def prepare_store(self, keys: list[OffloadKey], req_context: _VllmContext, /) -> StoreOutput | None: ...
-    def complete_load(self, keys: list[OffloadKey], req_context: _VllmContext, /) -> None: ...
-    def complete_store(self, keys: list[OffloadKey], req_context: _VllmContext, /) -> None: ...
+    def prepare_load(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> object: ...
+    def touch(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> None: ...
+    def prepare_store(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> StoreOutput | None: ...
+    def complete_load(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> None: ...
+    def complete_store(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> None: ...
     def on_new_request(self, req_context: _VllmContext, /) -> object: ...
     def on_request_finished(self, req_context: _VllmContext, /) -> None: ...
 
@@ -277,6 +171,7 @@ class _Vllm:
     make_manager: Callable[[int, str], _VllmManager]
     make_context: Callable[[str], _VllmContext]
     hit: object
+    pending: object
 
 
 def _load_vllm() -> _Vllm | str:
@@ -297,22 +192,22 @@ def _load_vllm() -> _Vllm | str:
     def make_context(req_id: str) -> _VllmContext:
         return context_cls(req_id=req_id)
 
-    return _Vllm(version, make_manager, make_context, getattr(lookup_result, "HIT"))
+    return _Vllm(version, make_manager, make_context, getattr(lookup_result, "HIT"), getattr(lookup_result, "HIT_PENDING"))
 
 
-def _vllm_contexts(vllm: _Vllm, requests: Sequence[list[OffloadKey]]) -> list[_VllmContext]:
+def _vllm_contexts(vllm: _Vllm, requests: Sequence[PreparedRequest]) -> list[_VllmContext]:
     # The scheduler records each key's end-token position in the request's
     # context before calling the manager; do it here, outside the timed loop.
     contexts: list[_VllmContext] = []
-    for i, keys in enumerate(requests):
-        ctx = vllm.make_context(f"req-{i}")
-        for b, key in enumerate(keys):
+    for request in requests:
+        ctx = vllm.make_context(request.req_id)
+        for b, key in enumerate(request.prompt_keys):
             ctx.set_offload_key_position(key, (b + 1) * BLOCK_TOKENS)
         contexts.append(ctx)
     return contexts
 
 
-def vllm_calls(manager: _VllmManager, hit: object, with_touch: bool) -> ManagerCalls[_VllmContext]:
+def _vllm_calls(vllm: _Vllm, manager: _VllmManager, with_touch: bool) -> ManagerCalls[_VllmContext]:
     """The replay calls of a vLLM 0.33 manager, with its per-request hooks."""
     return ManagerCalls(
         lookup=manager.lookup,
@@ -321,7 +216,8 @@ def vllm_calls(manager: _VllmManager, hit: object, with_touch: bool) -> ManagerC
         prepare_store=manager.prepare_store,
         complete_load=manager.complete_load,
         complete_store=manager.complete_store,
-        hit=hit,
+        hit=vllm.hit,
+        pending=vllm.pending,
         on_new_request=manager.on_new_request,
         on_request_finished=manager.on_request_finished,
     )
@@ -331,9 +227,13 @@ def vllm_calls(manager: _VllmManager, hit: object, with_touch: bool) -> ManagerC
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = TraceConfig()
+    defaults = PrefixSharingParams()
     parser = argparse.ArgumentParser(prog="python -m bench.manager", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=defaults.requests, help="requests in the trace (default %(default)s)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        help=f"requests in the trace (default {defaults.requests}; {QUICK_REQUESTS} with --quick)",
+    )
     parser.add_argument(
         "--blocks-per-request", type=int, default=defaults.blocks_per_request, help="keys per request (default %(default)s)"
     )
@@ -342,12 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-blocks", type=int, default=defaults.prefix_blocks, help="blocks per shared prefix (default %(default)s)"
     )
     parser.add_argument("--zipf-s", type=float, default=defaults.zipf_s, help="Zipf exponent of prefix popularity (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="trace seed (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
     parser.add_argument("--capacity", type=int, default=8_192, help="cache slots (default %(default)s)")
     parser.add_argument(
         "--inflight", type=int, default=4, help="requests whose transfers are still running (default %(default)s)"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="replays per manager; the fastest counts (default %(default)s)")
+    parser.add_argument("--repeats", type=int, help="replays per manager; the fastest counts (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_REQUESTS} requests and one replay, unless --requests / --repeats say otherwise",
+    )
     parser.add_argument(
         "--policies", nargs="+", default=policy_names(), choices=policy_names(), help="policies to run (default: all)"
     )
@@ -366,29 +271,37 @@ class _Row:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = TraceConfig(
-        requests=args.requests,
-        blocks_per_request=args.blocks_per_request,
-        prefixes=args.prefixes,
-        prefix_blocks=args.prefix_blocks,
-        zipf_s=args.zipf_s,
-        seed=args.seed,
-    )
+    quick: bool = args.quick
+    repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
     capacity: int = args.capacity
     inflight: int = args.inflight
-    repeats: int = args.repeats
     if capacity < 1 or repeats < 1 or inflight < 0:
         raise SystemExit(f"need --capacity >= 1, --repeats >= 1, --inflight >= 0; got {capacity}, {repeats}, {inflight}")
-    requests = prefix_sharing_trace(config)
-    distinct = len({key for keys in requests for key in keys})
+    default_requests = QUICK_REQUESTS if quick else PrefixSharingParams().requests
+    try:
+        params = PrefixSharingParams(
+            requests=args.requests if args.requests is not None else default_requests,
+            blocks_per_request=args.blocks_per_request,
+            prefixes=args.prefixes,
+            prefix_blocks=args.prefix_blocks,
+            zipf_s=args.zipf_s,
+        )
+    except ValueError as error:
+        raise SystemExit(f"bad trace shape: {error}") from None
+    seed: int = args.seed
+    requests = trace(params, seed)
+    distinct = len({key for request in requests for key in request.prompt_keys})
 
     vllm = None if args.no_vllm else _load_vllm()
     vllm_status = "skipped (--no-vllm)" if vllm is None else vllm if isinstance(vllm, str) else f"vLLM {vllm.version}"
-    print(f"trace: {config.requests} requests x {config.blocks_per_request} blocks, {distinct} distinct keys, capacity {capacity}")
+    print(
+        f"trace: {WORKLOAD} workload, {params.requests} requests x {params.blocks_per_request} blocks,"
+        f" {distinct} distinct keys, capacity {capacity}"
+    )
     if isinstance(vllm, str):
         print(f"vLLM not importable ({vllm}); measuring kvtriton alone")
 
-    ours_ctx = [ReqContext(req_id="bench")] * len(requests)
+    ours_ctx = [ReqContext(req_id=request.req_id) for request in requests]
     policies: list[str] = args.policies
     rows: list[_Row] = []
     steps = [(policy, rep) for policy in policies for rep in range(repeats)]
@@ -401,11 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for policy, _ in progress(steps, total=len(steps), label="replaying"):
         # Alternate the implementations so machine noise hits both alike.
-        keep("kvtriton", policy, replay(kvtriton_calls(CPUOffloadingManager(capacity, policy)), requests, ours_ctx, inflight))
+        keep("kvtriton", policy, replay(manager_calls(CPUOffloadingManager(capacity, policy)), requests, ours_ctx, inflight))
         if isinstance(vllm, _Vllm):
             contexts = _vllm_contexts(vllm, requests)
             manager = vllm.make_manager(capacity, policy)
-            keep("vllm", policy, replay(vllm_calls(manager, vllm.hit, args.vllm_touch), requests, contexts, inflight))
+            keep("vllm", policy, replay(_vllm_calls(vllm, manager, args.vllm_touch), requests, contexts, inflight))
     for policy in policies:
         rows.append(_Row(policy, best[("kvtriton", policy)], best.get(("vllm", policy))))
 
@@ -419,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             line += [row.vllm.blocks_per_s, row.vllm.hit_rate, row.kvtriton.blocks_per_s / row.vllm.blocks_per_s]
         table.append(line)
     print(format_table(headers, table))
+    simulate = simulate_command(params, seed, capacity, inflight, policies)
+    print(f"same trace, window and capacity in the simulator: {simulate}")
 
     def record(result: ReplayResult | None) -> dict[str, object] | None:
         if result is None:
@@ -430,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         {
             "benchmark": "manager",
             "command": " ".join(["python -m bench.manager", *(argv if argv is not None else sys.argv[1:])]),
-            "trace": asdict(config),
+            "trace": {"workload": WORKLOAD, "seed": seed, "block_size": BLOCK_TOKENS, **asdict(params)},
+            "simulate": simulate,
             "distinct_keys": distinct,
             "capacity": capacity,
             "inflight": inflight,

@@ -40,11 +40,10 @@ class Benchmark:
 BENCHMARKS: dict[str, Benchmark] = {
     benchmark.name: benchmark
     for benchmark in (
-        # bench.manager has no quick mode of its own: a smaller trace and one replay stand in for it.
         Benchmark(
             "manager",
-            "manager blocks/s and hit rate per policy on a prefix-sharing trace, against vLLM's when installed",
-            ("--requests", "1000", "--repeats", "1", "--name", "manager-quick"),
+            "manager blocks/s and hit rate per policy on the prefix-sharing workload, against vLLM's when installed",
+            ("--quick", "--name", "manager-quick"),
         ),
         Benchmark(
             "kernels",

@@ -1,54 +1,46 @@
-"""bench/manager.py: the trace generator is pure and shaped as documented; the replay counts right."""
+"""bench/manager.py: it measures the prefix-sharing workload, the replay counts right, and simulate agrees."""
 
 from __future__ import annotations
 
 import json
+import shlex
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from bench.manager import TraceConfig, kvtriton_calls, main, prefix_sharing_trace, replay
+from bench.manager import QUICK_REQUESTS, main, replay, simulate_command, trace
+from kvtriton.cli import main as kvtriton_main
 from kvtriton.manager import CPUOffloadingManager
+from kvtriton.simulate import manager_calls, prepare
 from kvtriton.specs import ReqContext
+from kvtriton.workloads import PrefixSharingParams, generate
 
-SMALL = TraceConfig(requests=50, blocks_per_request=8, prefixes=5, prefix_blocks=6, zipf_s=1.0, seed=3)
-
-
-def test_trace_is_deterministic_for_a_seed_and_changes_with_it() -> None:
-    assert prefix_sharing_trace(SMALL) == prefix_sharing_trace(SMALL)
-    other = TraceConfig(requests=50, blocks_per_request=8, prefixes=5, prefix_blocks=6, zipf_s=1.0, seed=4)
-    assert prefix_sharing_trace(other) != prefix_sharing_trace(SMALL)
+SMALL = PrefixSharingParams(requests=50, blocks_per_request=8, prefixes=5, prefix_blocks=6, zipf_s=1.0)
 
 
-def test_trace_requests_are_a_shared_prefix_then_unique_blocks() -> None:
-    requests = prefix_sharing_trace(SMALL)
-    assert len(requests) == 50
-    assert all(len(keys) == 8 and len(set(keys)) == 8 for keys in requests)
-    first_blocks = {keys[0] for keys in requests}
-    assert 1 < len(first_blocks) <= 5  # every request starts with one of the 5 prefixes
-    owners: dict[bytes, int] = {}
-    for i, keys in enumerate(requests):
-        for key in keys[3:]:  # past the shortest shared part (ceil(6 / 2) = 3)
-            owners.setdefault(key, i)
-        for key in keys[6:]:  # past the longest shared part: unique to this request
-            assert owners[key] == i
-
-
-def test_trace_rejects_bad_shapes() -> None:
-    with pytest.raises(ValueError, match="prefix_blocks must be in 0..8, got 9"):
-        prefix_sharing_trace(TraceConfig(requests=1, blocks_per_request=8, prefix_blocks=9))
+def test_trace_is_the_prefix_sharing_workload_at_16_tokens_per_block() -> None:
+    expected = prepare(generate("prefix-sharing", seed=3, block_size=16, overrides=asdict(SMALL)))
+    assert trace(SMALL, 3) == expected
+    assert trace(SMALL, 3) != trace(SMALL, 4)
 
 
 def test_replay_counts_blocks_hits_and_stores() -> None:
-    requests = prefix_sharing_trace(SMALL)
+    requests = trace(SMALL, 3)
     manager = CPUOffloadingManager(1_000)  # never full: everything stored once
-    result = replay(kvtriton_calls(manager), requests, [ReqContext()] * len(requests), inflight=0)
-    distinct = len({key for keys in requests for key in keys})
+    contexts = [ReqContext()] * len(requests)
+    result = replay(manager_calls(manager), requests, contexts, inflight=0)
+    distinct = len({key for request in requests for key in request.prompt_keys})
     assert result.blocks == 400
     assert result.stored == distinct
     assert result.failed_stores == 0
     assert result.loaded == manager.stats().hits
     assert 0 < result.hit_rate < 1
+
+
+def test_replay_rejects_a_negative_window() -> None:
+    with pytest.raises(ValueError, match="inflight must be >= 0, got -1"):
+        replay(manager_calls(CPUOffloadingManager(1)), [], [], inflight=-1)
 
 
 def test_bench_main_writes_json_and_prints_the_table(
@@ -63,3 +55,63 @@ def test_bench_main_writes_json_and_prints_the_table(
     assert [row["policy"] for row in record["results"]] == ["arc", "lru"]
     assert record["vllm"] == "skipped (--no-vllm)"
     assert record["results"][0]["kvtriton"]["blocks"] == 320
+    assert record["trace"] == {
+        "workload": "prefix-sharing", "seed": 0, "block_size": 16,
+        "requests": 40, "blocks_per_request": 8, "prefixes": 4, "prefix_blocks": 4, "zipf_s": 1.1,
+    }  # fmt: skip
+
+
+def test_quick_shortens_the_trace_and_replays_once_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    small = ["--blocks-per-request", "4", "--prefix-blocks", "2", "--no-vllm", "--policies", "lru"]
+    assert main([*small, "--quick", "--name", "q"]) == 0
+    record = json.loads((tmp_path / "q.json").read_text())
+    assert (record["trace"]["requests"], record["repeats"]) == (QUICK_REQUESTS, 1)
+    assert main([*small, "--quick", "--requests", "30", "--repeats", "2", "--name", "r"]) == 0
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert (record["trace"]["requests"], record["repeats"]) == (30, 2)
+
+
+def test_bad_trace_shape_exits_naming_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    with pytest.raises(SystemExit, match="prefix_blocks must be in 0..8, got 9"):
+        main(["--requests", "1", "--blocks-per-request", "8", "--prefix-blocks", "9", "--no-vllm"])
+
+
+@pytest.mark.parametrize("inflight", [0, 3])
+def test_simulate_command_reproduces_the_benchmark_hit_counts(
+    inflight: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    shape = ["--requests", "120", "--blocks-per-request", "10", "--prefixes", "6", "--prefix-blocks", "8", "--seed", "5"]
+    flags = ["--capacity", "60", "--inflight", str(inflight), "--repeats", "1", "--no-vllm", "--name", "b"]
+    assert main([*shape, *flags]) == 0
+    bench = json.loads((tmp_path / "b.json").read_text())
+    params = PrefixSharingParams(requests=120, blocks_per_request=10, prefixes=6, prefix_blocks=8)
+    assert bench["simulate"] == simulate_command(params, 5, 60, inflight, ["arc", "lru"])
+    capsys.readouterr()
+    command = shlex.split(bench["simulate"])
+    assert command[:2] == ["kvtriton", "simulate"]
+    assert kvtriton_main([*command[1:], "--json", "--no-plot", "--no-progress", "--out", str(tmp_path)]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert [point["num_blocks"] for point in simulated["points"]] == [60, 60]
+    for row, point in zip(bench["results"], simulated["points"]):
+        assert point["policy"] == row["policy"]
+        assert point["hit_blocks"] == row["kvtriton"]["loaded"] > 0
+        assert point["blocks_stored"] == row["kvtriton"]["stored"]
+        assert point["evictions"] == row["kvtriton"]["evictions"] > 0
+
+
+def test_vllm_replays_the_same_trace_when_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm.v1.kv_offload.cpu.manager", reason="vLLM is not installed")
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    shape = ["--requests", "60", "--blocks-per-request", "8", "--prefixes", "4", "--prefix-blocks", "6"]
+    assert main([*shape, "--capacity", "40", "--repeats", "1", "--policies", "lru", "--name", "v"]) == 0
+    record = json.loads((tmp_path / "v.json").read_text())
+    assert record["vllm"].startswith("vLLM ")
+    (row,) = record["results"]
+    assert row["vllm"]["blocks"] == row["kvtriton"]["blocks"] == 480
+    assert row["vllm"]["loaded"] > 0 and row["vllm"]["stored"] > 0
+    assert row["speedup"] > 0
