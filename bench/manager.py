@@ -4,7 +4,7 @@ The trace is kvtriton's built-in ``prefix-sharing`` workload
 (``kvtriton.workloads``): each request starts with part of a shared prefix
 (system prompts, few-shot examples, earlier turns) chosen with Zipf
 popularity, and ends with blocks no other request has. It is replayed by
-``kvtriton.simulate.replay_calls``, in the order a serving engine calls the
+``kvtriton.replay.replay_calls``, in the order a serving engine calls the
 manager: lookup until the first miss, prepare_load the hits, touch all keys,
 prepare_store the rest; ``complete_load`` / ``complete_store`` arrive
 ``--inflight`` requests later, as transfer jobs finish. So
@@ -40,7 +40,7 @@ from kvtriton.geometry import PRESETS
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, policy_names
 from kvtriton.progress import progress
-from kvtriton.simulate import (
+from kvtriton.replay import (
     ManagerCalls,
     PreparedRequest,
     ReplayStats,

@@ -12,7 +12,7 @@ import pytest
 from bench.manager import QUICK_REQUESTS, main, replay, simulate_command, trace
 from kvtriton.cli import main as kvtriton_main
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.simulate import manager_calls, prepare
+from kvtriton.replay import manager_calls, prepare
 from kvtriton.specs import ReqContext
 from kvtriton.workloads import PrefixSharingParams, generate
 

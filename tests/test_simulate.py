@@ -15,17 +15,8 @@ from kvtriton.cli import main
 from kvtriton.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.simulate import (
-    ManagerCalls,
-    PreparedRequest,
-    default_capacities,
-    manager_calls,
-    prepare,
-    replay,
-    replay_calls,
-    summarize,
-    sweep,
-)
+from kvtriton.replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
+from kvtriton.simulate import default_capacities, summarize, sweep
 from kvtriton.specs import LookupResult, ReqContext
 from kvtriton.workloads import Request, generate
 
