@@ -12,7 +12,10 @@ pages -> slab rows; scatter: the inverse), page size and block count it times
 
 and prints GB/s and the ratio to ``contiguous`` measured in the same run. The
 headline case is a Llama-3-8B-shaped job: 32 layers x (K, V) pages of 32 KiB,
-256 blocks. JSON and a PNG go to ``bench/results/`` (``$KVTRITON_BENCH_OUT``).
+256 blocks, shuffled GPU blocks into consecutive slab rows; the same job with
+random slab rows and with GPU blocks in runs of 16 follows. Every buffer is
+written before timing, so no method pays (or skips) first-touch page faults.
+JSON and a PNG go to ``bench/results/`` (``$KVTRITON_BENCH_OUT``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from kvtriton.progress import progress
 
 KiB = 1024
 LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}
+# GPU blocks of the "runs" pattern come in runs of this many consecutive blocks
+# (a request's blocks, allocated together), the runs in random order.
+RUN_BLOCKS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +48,9 @@ class Job:
     page_bytes: int
     blocks: int
     layers: int
-    rows: str  # "consecutive" (fresh slots) or "random" (a fragmented slab)
+    rows: str  # slab rows: "consecutive" (fresh slots) or "random" (a fragmented slab)
+    pattern: str = "random"  # GPU blocks: "random" (shuffled) or "runs" (runs of RUN_BLOCKS consecutive blocks)
+    group: str = "sweep"  # "headline" or "sweep" (the plot shows the sweep)
 
     @property
     def total_bytes(self) -> int:
@@ -57,24 +65,61 @@ class Result:
     blocks: int
     layers: int
     rows: str
+    pattern: str
+    group: str
     seconds: float
     gbps: float
     vs_contiguous: float
 
 
+def gpu_blocks(pattern: str, count: int, cache_blocks: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` distinct block ids below ``cache_blocks``: shuffled, or runs of consecutive ids in random order."""
+    if pattern == "random":
+        return torch.randperm(cache_blocks, generator=generator)[:count]
+    if pattern != "runs":
+        raise ValueError(f"pattern must be 'random' or 'runs', got {pattern!r}")
+    run = min(RUN_BLOCKS, count)
+    slots = torch.randperm(cache_blocks // run, generator=generator)[: -(-count // run)]
+    return (slots[:, None] * run + torch.arange(run)).flatten()[:count]
+
+
+def fill_distinct(tensor: torch.Tensor, start: int) -> int:
+    """Fill a contiguous tensor (bytes a multiple of 8) with consecutive int64 values from ``start``; the next start.
+
+    Every 8-byte word differs, so no two memory pages hold the same bytes:
+    constant fills let the hypervisor (or KSM) merge pages, after which
+    reading them hits the cache and writing them faults, both untypical of a
+    KV cache.
+    """
+    words = tensor.view(-1).view(torch.int64)
+    torch.arange(start, start + words.numel(), dtype=torch.int64, device=tensor.device, out=words)
+    return start + words.numel()
+
+
 class Fixture:
-    """Page tensors (FlashAttention layout, one ``(2, N, page)`` tensor per layer), slab, indices, buffers."""
+    """Page tensors (FlashAttention layout, one ``(2, N, page)`` tensor per layer), slab, indices, buffers.
+
+    Every buffer is written once here with distinct words (``fill_distinct``),
+    so that no timed copy pays first-touch page faults, and none reads
+    never-written memory (which the kernel maps to one shared zero page: a
+    "copy" from it never leaves the cache) or pages merged for equal content.
+    """
 
     def __init__(self, job: Job, device: torch.device, pin: bool, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        cache_blocks = job.blocks + max(8, job.blocks // 8)
+        spare = max(8, job.blocks // 8)
+        cache_blocks = job.blocks + spare + RUN_BLOCKS
         words = job.page_bytes // 8
-        self.layers = [torch.empty((2, cache_blocks, words), dtype=torch.int64, device=device).fill_(layer) for layer in range(job.layers)]
+        self.layers = [torch.empty((2, cache_blocks, words), dtype=torch.int64, device=device) for _ in range(job.layers)]
+        start = 0
+        for layer in self.layers:
+            start = fill_distinct(layer, start)
         self.pages = [layer[kv] for layer in self.layers for kv in range(2)]
         row_bytes = job.page_bytes * len(self.pages)
-        rows = job.blocks + max(8, job.blocks // 8)
-        self.slab = torch.zeros((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
-        blocks = torch.randperm(cache_blocks, generator=generator)[: job.blocks]
+        rows = job.blocks + spare
+        self.slab = torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+        start = fill_distinct(self.slab, start)
+        blocks = gpu_blocks(job.pattern, job.blocks, cache_blocks, generator)
         row_ids = torch.arange(3, 3 + job.blocks) if job.rows == "consecutive" else torch.randperm(rows, generator=generator)[: job.blocks]
         self.blocks = blocks.to(device)
         self.rows = row_ids.to(device)
@@ -83,6 +128,7 @@ class Fixture:
         self.page_bytes = job.page_bytes
         # The ceiling: the same bytes between one contiguous device buffer and the slab.
         self.flat = torch.empty(job.total_bytes, dtype=torch.uint8, device=device)
+        fill_distinct(self.flat, start)
         self.slab_flat = self.slab.view(-1)[: job.total_bytes]
         self.device = device
 
@@ -182,7 +228,7 @@ def run_job(job: Job, device: torch.device, pin: bool, repeats: int, num_program
         ceiling = timings["contiguous"]
         for method, seconds in timings.items():
             results.append(
-                Result(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, seconds,
+                Result(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, job.pattern, job.group, seconds,
                        job.total_bytes / seconds / 1e9, ceiling / seconds)
             )  # fmt: skip
     return results
@@ -229,7 +275,7 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:  # pragma: no cover - matplotlib is a dev dependency
         return None
-    sweep = [r for r in results if r.rows == "consecutive"]
+    sweep = [r for r in results if r.group == "sweep"]
     if not sweep:
         return None
     blocks = max(r.blocks for r in sweep)
@@ -280,23 +326,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     pin = device.type == "cuda" and not args.no_pin
     if args.quick:
         page_sizes, block_counts, layers, repeats = [4 * KiB, 32 * KiB], [32], 4, 3
-        headline = [Job(32 * KiB, 64, 8, "consecutive")]
+        headline = [Job(32 * KiB, 64, 8, "consecutive", "random", "headline")]
     else:
         block_counts, layers, repeats = args.blocks, args.layers, args.repeats
         llama = (LLAMA3_8B["page_bytes"], LLAMA3_8B["blocks"], LLAMA3_8B["layers"])
-        headline = [Job(*llama, "consecutive"), Job(*llama, "random")]
+        # The headline first: shuffled GPU blocks (no help from block runs) into fresh, consecutive slab slots.
+        headline = [
+            Job(*llama, rows, pattern, "headline")
+            for pattern, rows in (("random", "consecutive"), ("random", "random"), ("runs", "consecutive"), ("runs", "random"))
+        ]
     if device.type == "cpu":
         print("CPU only: timing the torch paths; Triton timings need CUDA (interpreter timings are not performance).")
     jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
     results: list[Result] = []
     for job in progress(jobs, len(jobs), "kernel bench", stream=sys.stderr):
         results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter)
-    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.rows, r.gbps, r.vs_contiguous] for r in results]
-    print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "rows", "GB/s", "x contiguous"], table))
-    head = [r for r in results if (r.page_bytes, r.blocks, r.layers) == (headline[0].page_bytes, headline[0].blocks, headline[0].layers)]
-    print("\nheadline (Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks):" if not args.quick else "\nheadline (quick):")
-    for r in head:
-        print(f"  {r.kernel:7s} {r.method:10s} rows={r.rows:11s} {r.gbps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
+    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.gbps, r.vs_contiguous] for r in results]
+    print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"], table))
+    head = [r for r in results if r.group == "headline"]
+    title = "Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks" if not args.quick else "quick"
+    print(f"\nheadline ({title}); * = the headline pattern: shuffled GPU blocks into consecutive slab rows")
+    first = (headline[0].pattern, headline[0].rows)
+    for kernel in ("gather", "scatter"):
+        for r in (r for r in head if r.kernel == kernel):
+            mark = "*" if (r.pattern, r.rows) == first else " "
+            print(f" {mark}{r.kernel:7s} {r.method:10s} blocks={r.pattern:6s} rows={r.rows:11s} {r.gbps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
     payload: dict[str, object] = {
         "device": str(device), "pinned_slab": pin, "num_programs": args.num_programs, "bytes_per_iter": args.bytes_per_iter,
         "repeats": repeats, "results": [asdict(r) for r in results],

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from .reference import gather_unchecked, scatter_unchecked
-from .validation import IndexBounds, PageGeometry, check_index_pair, check_slab, describe_pages
+from .validation import PageGeometry, check_call
 
 __all__ = ["DEFAULT_BYTES_PER_ITER", "DEFAULT_NUM_PROGRAMS", "Path", "gather_pages", "scatter_pages", "select_path"]
 
@@ -79,13 +79,10 @@ def gather_pages(
     what one program moves per iteration; ``check_indices=False`` skips the
     range and uniqueness checks, which read the indices (a device sync on CUDA).
     """
-    geometry = describe_pages(src, "src")
-    check_slab(dst, "dst", geometry)
     _check_knobs(num_programs, bytes_per_iter)
-    check_index_pair(
-        src_blocks, "src_blocks", dst_rows, "dst_rows",
-        bounds=IndexBounds(geometry.num_blocks, "blocks", int(dst.shape[0]), "slab rows"),
-        device=geometry.device, check_values=check_indices, allow_duplicate_destinations=False,
+    geometry = check_call(
+        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows",
+        to_slab=True, check_values=check_indices, allow_duplicate_destinations=False,
     )  # fmt: skip
     _run(True, list(src), dst, src_blocks, dst_rows, geometry, num_programs, bytes_per_iter)
 
@@ -105,13 +102,10 @@ def scatter_pages(
     The inverse of :func:`gather_pages`; each destination block may be named
     once. Knobs as for :func:`gather_pages`.
     """
-    geometry = describe_pages(dst, "dst")
-    check_slab(src, "src", geometry)
     _check_knobs(num_programs, bytes_per_iter)
-    check_index_pair(
-        src_rows, "src_rows", dst_blocks, "dst_blocks",
-        bounds=IndexBounds(int(src.shape[0]), "slab rows", geometry.num_blocks, "blocks"),
-        device=geometry.device, check_values=check_indices, allow_duplicate_destinations=False,
+    geometry = check_call(
+        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks",
+        to_slab=False, check_values=check_indices, allow_duplicate_destinations=False,
     )  # fmt: skip
     _run(False, list(dst), src, dst_blocks, src_rows, geometry, num_programs, bytes_per_iter)
 

@@ -11,12 +11,20 @@ because the parallel kernel has no order). Bytes outside the named rows and
 blocks -- and slab columns past the pages -- are never touched.
 
 Why not a per-block loop: one ``copy_`` per block per page tensor pays Python
-and dispatch overhead per 32 KiB page (about 0.17 of a contiguous copy on a
-CPU). Instead the index pairs are sorted once per call and split into runs
-that are consecutive on one side; each run then moves with a single
-``index_select(out=...)`` straight into the destination slice, or a single
-``index_copy_`` from a source slice, on word-sized views of the raw bytes.
-Slabs filled from fresh slots (consecutive rows) take one op per page tensor.
+and dispatch overhead per 32 KiB page (about 0.2 - 0.4 of a contiguous copy on
+a CPU). Instead the copy is a few bulk torch ops per call:
+
+* Page tensors that one strided view covers (the K and V halves of a
+  FlashAttention layer, every layer of a cross-layer cache) form a *group* and
+  move together: one op per group instead of one per page tensor.
+* The index pairs are sorted once per call and split into runs that are
+  consecutive on one side; each run moves with one ``index_select(out=...)``
+  straight into a destination slice (row ``memcpy``), or one ``index_copy_``
+  from a source slice.
+* Bytes move as the widest integer-like word the alignment allows, up to 16
+  bytes (``complex128``: ``index_copy_`` copies element by element, so wider
+  elements mean fewer of them; a copy never does arithmetic on them, so every
+  bit pattern, NaNs included, survives).
 """
 
 from __future__ import annotations
@@ -27,45 +35,127 @@ from typing import cast
 
 import torch
 
-from .validation import IndexBounds, PageGeometry, check_index_pair, check_slab, describe_pages
+from .launch import word_width
+from .validation import PageGeometry, check_call
 
 __all__ = ["gather_pages_reference", "scatter_pages_reference"]
 
-# Torch dtypes used to move raw bytes: the widest that the geometry allows.
-_WORD_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Torch dtypes used to move raw bytes: the widest that the alignment allows.
+# complex128 is only ever copied (never computed on), which keeps it bit-exact.
+_WORD_DTYPES: dict[int, torch.dtype] = {
+    16: torch.complex128,
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
 
-# A run-by-run copy pays one op per run and page tensor; below this many bytes
+# A run-by-run copy pays one op per run and page group; below this many bytes
 # per op on average, two bulk passes (index_select into a temporary, then
 # index_copy_) are faster. Measured on a 2-core x86 box: ops cost ~5 us.
 _MIN_BYTES_PER_RUN = 64 * 1024
 
 
-def _word_width(*values: int) -> int:
-    for width in (8, 4, 2):
-        if all(value % width == 0 for value in values):
-            return width
-    return 1
+@dataclass(frozen=True, slots=True)
+class _Strided:
+    """Where one page group's bytes live: storage, byte offset and byte strides of a 3-D view.
+
+    The view is ``(items, pages, page_bytes)``: blocks (or slab rows), the page
+    tensors of the group, the bytes of one page.
+    """
+
+    storage: torch.UntypedStorage
+    offset: int
+    items: int
+    item_stride: int
+    pages: int
+    page_stride: int
+    page_bytes: int
+
+    def alignment_values(self) -> tuple[int, ...]:
+        strides = (self.item_stride,) if self.items > 1 else ()
+        strides += (self.page_stride,) if self.pages > 1 else ()
+        return (self.storage.data_ptr() + self.offset, self.page_bytes, *strides)
+
+    def view(self, width: int, device: torch.device) -> torch.Tensor:
+        """The ``(items, pages, page_bytes // width)`` word view (no copy)."""
+        words = torch.empty(0, dtype=_WORD_DTYPES[width], device=device)
+        shape = (self.items, self.pages, self.page_bytes // width)
+        return words.set_(self.storage, self.offset // width, shape, (self.item_stride // width, self.page_stride // width, 1))
 
 
-def _words(base: torch.Tensor, offset: int, shape: tuple[int, int], row_stride: int, width: int) -> torch.Tensor:
-    """A ``(rows, bytes // width)`` integer view of raw bytes of ``base``'s storage (no copy)."""
-    view = torch.empty(0, dtype=_WORD_DTYPES[width], device=base.device)
-    return view.set_(base.untyped_storage(), offset // width, (shape[0], shape[1] // width), (row_stride // width, 1))
+def _injective(sizes_and_strides: Sequence[tuple[int, int]]) -> bool:
+    """True when no two elements of a view with these (size, stride) pairs share a byte address."""
+    span = 1  # bytes covered by the dims taken so far, from the smallest stride up
+    for size, stride in sorted((pair for pair in sizes_and_strides if pair[0] > 1), key=lambda pair: pair[1]):
+        if stride < span:
+            return False
+        span += (size - 1) * stride
+    return True
 
 
-def page_views(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each page tensor: (its blocks as ``(N, words)``, the slab columns it maps to as ``(rows, words)``)."""
-    slab_offset = int(slab.storage_offset())
+def _page_strided(page: torch.Tensor, geometry: PageGeometry, t: int) -> _Strided:
+    size = geometry.page_bytes[t]
+    return _Strided(
+        storage=page.untyped_storage(),
+        offset=geometry.storage_offsets[t],
+        items=geometry.num_blocks,
+        item_stride=geometry.block_strides[t] if geometry.num_blocks > 1 else size,
+        pages=1,
+        page_stride=size,
+        page_bytes=size,
+    )
+
+
+def _join(group: _Strided, page: _Strided) -> _Strided | None:
+    """``group`` extended by the next page tensor, if one strided view still covers them all, else None."""
+    same_shape = (group.storage.data_ptr(), group.storage.nbytes(), group.item_stride, group.page_bytes) == (
+        page.storage.data_ptr(), page.storage.nbytes(), page.item_stride, page.page_bytes,
+    )  # fmt: skip
+    if not same_shape:
+        return None
+    pitch = page.offset - group.offset if group.pages == 1 else group.page_stride
+    if pitch <= 0 or page.offset != group.offset + group.pages * pitch:
+        return None
+    if word_width(pitch) < word_width(*group.alignment_values()):
+        return None  # joining would narrow the words: not worth it
+    joined = _Strided(group.storage, group.offset, group.items, group.item_stride, group.pages + 1, pitch, group.page_bytes)
+    # Written through, a view whose elements overlap would lose the "later page tensor wins" order.
+    dims = ((joined.items, joined.item_stride), (joined.pages, pitch), (joined.page_bytes, 1))
+    return joined if _injective(dims) else None
+
+
+def page_groups(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per group of page tensors: (its blocks as ``(N, G, words)``, the slab columns it maps to as ``(rows, G, words)``).
+
+    Consecutive page tensors join a group when one strided view of their
+    common storage covers them (same page size and block stride, evenly
+    spaced bases, no overlap); their slab columns are adjacent by the
+    page-first row layout.
+    """
     slab_stride = slab.stride(0) if slab.shape[0] > 1 else slab.shape[1]
-    views: list[tuple[torch.Tensor, torch.Tensor]] = []
+    slab_offset = int(slab.storage_offset())
+    groups: list[tuple[_Strided, int]] = []  # (page-side view, first page tensor)
     for t, page in enumerate(pages):
-        size = geometry.page_bytes[t]
-        stride = geometry.block_strides[t] if page.shape[0] > 1 else size
-        column = slab_offset + geometry.row_offsets[t]
-        width = _word_width(size, stride, geometry.storage_offsets[t], column, slab_stride)
-        blocks = _words(page, geometry.storage_offsets[t], (page.shape[0], size), stride, width)
-        rows = _words(slab, column, (slab.shape[0], size), slab_stride, width)
-        views.append((blocks, rows))
+        strided = _page_strided(page, geometry, t)
+        joined = _join(groups[-1][0], strided) if groups else None
+        if joined is not None:
+            groups[-1] = (joined, groups[-1][1])
+        else:
+            groups.append((strided, t))
+    views: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for group, first in groups:
+        rows = _Strided(
+            storage=slab.untyped_storage(),
+            offset=slab_offset + geometry.row_offsets[first],
+            items=int(slab.shape[0]),
+            item_stride=slab_stride,
+            pages=group.pages,
+            page_stride=group.page_bytes,
+            page_bytes=group.page_bytes,
+        )
+        width = word_width(*group.alignment_values(), *rows.alignment_values())
+        views.append((group.view(width, geometry.device), rows.view(width, slab.device)))
     return views
 
 
@@ -141,8 +231,21 @@ def plan_copy(source: torch.Tensor, destination: torch.Tensor, device: torch.dev
     )
 
 
+def _row_copyable(source: torch.Tensor, destination: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(source, destination) pairs of ``(items, ...)`` views that ``index_select`` copies row by row.
+
+    ``index_select`` copies whole rows with ``memcpy`` only from a contiguous
+    source; a group whose pages are not adjacent in memory (the K and V halves
+    of a layer) goes one page at a time instead, each page's blocks being
+    contiguous.
+    """
+    if source.shape[1] == 1 or source.is_contiguous():
+        return [(source, destination)]
+    return list(zip(source.unbind(1), destination.unbind(1)))
+
+
 def copy_planned(destination: torch.Tensor, source: torch.Tensor, plan: CopyPlan) -> None:
-    """``destination[plan.destination[i]] = source[plan.source[i]]`` for every pair, row-wise."""
+    """``destination[plan.destination[i]] = source[plan.source[i]]`` for every pair, along dim 0."""
     if plan.num_pairs == 0:
         return
     if destination.device != source.device:
@@ -151,13 +254,18 @@ def copy_planned(destination: torch.Tensor, source: torch.Tensor, plan: CopyPlan
         destination.index_copy_(0, plan.destination.to(destination.device), picked)
         return
     runs = min(len(plan.destination_runs), len(plan.source_runs))
-    run_bytes = plan.num_pairs * destination.shape[1] * destination.element_size() // runs
-    if run_bytes < _MIN_BYTES_PER_RUN and runs > 1:
-        destination.index_copy_(0, plan.destination, source.index_select(0, plan.source))
+    item_bytes = destination[0].numel() * destination.element_size()
+    if plan.num_pairs * item_bytes // runs < _MIN_BYTES_PER_RUN and runs > 1:
+        picked = torch.empty((plan.num_pairs, *source.shape[1:]), dtype=source.dtype, device=source.device)
+        for part, out in _row_copyable(source, picked):
+            torch.index_select(part, 0, plan.source, out=out)
+        destination.index_copy_(0, plan.destination, picked)
     elif len(plan.destination_runs) <= len(plan.source_runs):
+        parts = _row_copyable(source, destination)
         for run in plan.destination_runs:
             picked = plan.source[run.start : run.start + run.length]
-            torch.index_select(source, 0, picked, out=destination[run.first : run.first + run.length])
+            for part, out in parts:
+                torch.index_select(part, 0, picked, out=out[run.first : run.first + run.length])
     else:
         for run in plan.source_runs:
             targets = plan.source_sorted_destination[run.start : run.start + run.length]
@@ -168,12 +276,9 @@ def gather_pages_reference(
     src: Sequence[torch.Tensor], dst: torch.Tensor, src_blocks: torch.Tensor, dst_rows: torch.Tensor
 ) -> None:
     """Copy blocks ``src_blocks[i]`` of every page tensor in ``src`` into slab row ``dst_rows[i]``."""
-    geometry = describe_pages(src, "src")
-    check_slab(dst, "dst", geometry)
-    bounds = IndexBounds(geometry.num_blocks, "blocks", int(dst.shape[0]), "slab rows")
-    check_index_pair(
-        src_blocks, "src_blocks", dst_rows, "dst_rows",
-        bounds=bounds, device=geometry.device, check_values=True, allow_duplicate_destinations=True,
+    geometry = check_call(
+        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows",
+        to_slab=True, check_values=True, allow_duplicate_destinations=True,
     )  # fmt: skip
     gather_unchecked(src, dst, src_blocks, dst_rows, geometry)
 
@@ -182,12 +287,9 @@ def scatter_pages_reference(
     src: torch.Tensor, dst: Sequence[torch.Tensor], src_rows: torch.Tensor, dst_blocks: torch.Tensor
 ) -> None:
     """Copy slab row ``src_rows[i]`` back into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
-    geometry = describe_pages(dst, "dst")
-    check_slab(src, "src", geometry)
-    bounds = IndexBounds(int(src.shape[0]), "slab rows", geometry.num_blocks, "blocks")
-    check_index_pair(
-        src_rows, "src_rows", dst_blocks, "dst_blocks",
-        bounds=bounds, device=geometry.device, check_values=True, allow_duplicate_destinations=True,
+    geometry = check_call(
+        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks",
+        to_slab=False, check_values=True, allow_duplicate_destinations=True,
     )  # fmt: skip
     scatter_unchecked(src, dst, src_rows, dst_blocks, geometry)
 
@@ -199,7 +301,7 @@ def gather_unchecked(
     if src_blocks.numel() == 0:
         return
     plan = plan_copy(src_blocks, dst_rows, geometry.device)
-    for blocks, rows in page_views(src, dst, geometry):
+    for blocks, rows in page_groups(src, dst, geometry):
         copy_planned(rows, blocks, plan)
 
 
@@ -210,5 +312,5 @@ def scatter_unchecked(
     if src_rows.numel() == 0:
         return
     plan = plan_copy(src_rows, dst_blocks, geometry.device)
-    for blocks, rows in page_views(dst, src, geometry):
+    for blocks, rows in page_groups(dst, src, geometry):
         copy_planned(blocks, rows, plan)

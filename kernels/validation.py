@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "IndexBounds",
     "PageGeometry",
+    "check_call",
     "check_index_pair",
     "check_slab",
     "describe_pages",
@@ -227,3 +228,34 @@ def check_index_pair(
     _check_range(destination, destination_name, bounds.destination, bounds.destination_what)
     if not allow_duplicate_destinations:
         _check_unique(destination, destination_name)
+
+
+def check_call(
+    pages: Sequence[torch.Tensor],
+    pages_name: str,
+    slab: torch.Tensor,
+    slab_name: str,
+    source: torch.Tensor,
+    source_name: str,
+    destination: torch.Tensor,
+    destination_name: str,
+    *,
+    to_slab: bool,
+    check_values: bool,
+    allow_duplicate_destinations: bool,
+) -> PageGeometry:
+    """Every check of one gather (``to_slab``: blocks -> rows) or scatter (rows -> blocks) call; the page geometry.
+
+    ``source`` / ``destination`` are the index tensors in copy direction:
+    blocks then rows for a gather, rows then blocks for a scatter.
+    """
+    geometry = describe_pages(pages, pages_name)
+    check_slab(slab, slab_name, geometry)
+    blocks, rows = (geometry.num_blocks, "blocks"), (int(slab.shape[0]), "slab rows")
+    (source_bound, source_what), (destination_bound, destination_what) = (blocks, rows) if to_slab else (rows, blocks)
+    check_index_pair(
+        source, source_name, destination, destination_name,
+        bounds=IndexBounds(source_bound, source_what, destination_bound, destination_what),
+        device=geometry.device, check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
+    )  # fmt: skip
+    return geometry
