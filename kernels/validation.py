@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "IndexBounds",
     "PageGeometry",
+    "block_is_contiguous",
     "check_call",
     "check_index_pair",
     "check_slab",
@@ -50,7 +51,7 @@ class PageGeometry:
         return len(self.page_bytes)
 
 
-def _block_is_contiguous(page: torch.Tensor) -> bool:
+def block_is_contiguous(page: torch.Tensor) -> bool:
     """True when the bytes of ``page[i]`` are contiguous for every block ``i``."""
     expected = 1
     for size, stride in zip(reversed(page.shape[1:]), reversed(page.stride()[1:])):
@@ -87,7 +88,7 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str) -> PageGeometry:
         device = page.device if device is None else device
         if page.device != device:
             raise ValueError(f"{label} is on {page.device} but {name}[0] is on {device}; all page tensors must share one device")
-        if not _block_is_contiguous(page):
+        if not block_is_contiguous(page):
             raise ValueError(
                 f"{label} has non-contiguous blocks: shape {tuple(page.shape)}, stride {page.stride()}; "
                 "each block's bytes (dims 1..) must be contiguous"

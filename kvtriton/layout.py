@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtriton.choices import parse_choice
+from kvtriton.kernels.validation import block_is_contiguous
 
 __all__ = ["KVLayout", "PagedKV", "byte_view"]
 
@@ -100,16 +101,6 @@ def _split(name: str, tensor: torch.Tensor, layout: KVLayout) -> list[tuple[str,
     return [(name, tensor)]
 
 
-def _block_is_contiguous(page: torch.Tensor) -> bool:
-    """True when the elements of ``page[i]`` are contiguous in memory (size-1 dims ignored)."""
-    expected = 1
-    for size, stride in zip(reversed(page.shape[1:]), reversed(page.stride()[1:])):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def byte_view(page: torch.Tensor) -> torch.Tensor:
     """Return ``page`` as a ``(num_blocks, page_bytes)`` uint8 view sharing its memory.
 
@@ -157,7 +148,7 @@ class PagedKV:
             if page.ndim < 1 or page.shape[0] != first.shape[0]:
                 got = page.shape[0] if page.ndim else "no"
                 raise ValueError(f"{name} has {got} blocks but {first_name} has {first.shape[0]}")
-            if not _block_is_contiguous(page):
+            if not block_is_contiguous(page):
                 raise ValueError(
                     f"{name} with shape {tuple(page.shape)} and strides {page.stride()} does not hold each "
                     "block's bytes contiguously"
