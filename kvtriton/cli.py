@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -53,10 +54,23 @@ def build_parser(load: Callable[[_Command], _CommandModule] = _load) -> argparse
     return parser
 
 
+def _format_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """One line per warning on the command line, without the source line Python adds."""
+    del filename, lineno, line
+    return f"kvtriton: {category.__name__}: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = cast(_Command, args._command)
-    return _load(command).run(args)
+    previous = warnings.formatwarning
+    warnings.formatwarning = _format_warning
+    try:
+        return _load(command).run(args)
+    finally:
+        warnings.formatwarning = previous
 
 
 if __name__ == "__main__":

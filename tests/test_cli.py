@@ -28,3 +28,15 @@ def test_unknown_command_exits_with_usage() -> None:
     with pytest.raises(SystemExit) as raised:
         main(["no-such-command"])
     assert raised.value.code == 2
+
+
+def test_warnings_print_as_one_line_naming_kvtriton() -> None:
+    import warnings
+
+    from kvtriton.cli import _format_warning  # pyright: ignore[reportPrivateUsage] -- the formatter is the unit under test
+
+    line = _format_warning(UserWarning("slab stays pageable"), UserWarning, "demo.py", 12, "source line")
+    assert line == "kvtriton: UserWarning: slab stays pageable\n"
+    before = warnings.formatwarning
+    assert main(["info", "--json"]) == 0
+    assert warnings.formatwarning is before  # restored after the command
