@@ -161,6 +161,22 @@ def test_filter_counting_store_offers_stores_a_whole_request_on_its_second_offer
         manager.complete_store(out.keys_to_store, CTX)
 
 
+def test_filter_counting_store_offers_never_forgets_a_key_of_the_same_offer() -> None:
+    # An offer larger than the tracker must not push out the keys it has just
+    # counted (else no such offer is ever admitted): the tracked keys count,
+    # new keys take only room that other keys can give up, the rest wait.
+    backing = Recorder()
+    manager = FilterReusedOffloadingManager(backing, max_tracker_size=2, count_on=ReuseSignal.STORE_OFFER)
+    manager.prepare_store(ks(0, 1, 2), CTX)
+    assert [manager.use_count(key) for key in ks(0, 1, 2)] == [1, 1, 0]
+    manager.prepare_store(ks(2, 0, 1), CTX)
+    assert [manager.use_count(key) for key in ks(0, 1, 2)] == [2, 2, 0]
+    assert backing.calls[-1] == ("prepare_store", ks(0, 1), CTX)
+    # A key outside the offer still makes room, least recently counted first.
+    manager.prepare_store(ks(1, 3), CTX)
+    assert [manager.use_count(key) for key in ks(0, 1, 3)] == [0, 3, 1]
+
+
 def test_filter_rejects_a_count_on_that_is_not_a_reuse_signal() -> None:
     with pytest.raises(TypeError, match="count_on must be a ReuseSignal, got str: 'lookup'"):
         FilterReusedOffloadingManager(Recorder(), count_on="lookup")  # pyright: ignore[reportArgumentType] -- the runtime check is under test

@@ -100,6 +100,34 @@ class FilterReusedOffloadingManager(OffloadingManager):
             counts[key] = count + 1
             counts.move_to_end(key)
 
+    def _count_offer(self, keys: Collection[OffloadKey]) -> None:
+        """Count each distinct key of one store offer once, never forgetting a key of the offer.
+
+        Counting key by key would let the offer's new keys push out the keys
+        it has just counted whenever it names more keys than the tracker
+        holds, and such an offer would never be admitted. So the tracked keys
+        count first (moving to the recent end), and a new key takes only room
+        that a key outside the offer gives up; the rest wait for a later offer
+        (vLLM 0.33 records offers the same way).
+        """
+        counts = self._counts
+        offer = dict.fromkeys(keys)  # a key repeated in one offer counts once
+        new = [key for key in offer if key not in counts]
+        for key in offer:
+            count = counts.get(key)
+            if count is not None:
+                counts[key] = count + 1
+                counts.move_to_end(key)
+        # Keys outside the offer, all now at the old end of the table.
+        forgettable = len(counts) - (len(offer) - len(new))
+        for key in new:
+            if len(counts) >= self._max_tracked:
+                if forgettable == 0:
+                    break
+                counts.popitem(last=False)
+                forgettable -= 1
+            counts[key] = 1
+
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._count_on is ReuseSignal.LOOKUP:
@@ -109,8 +137,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         if self._count_on is ReuseSignal.STORE_OFFER:
-            for key in dict.fromkeys(keys):  # a key repeated in one offer counts once
-                self._count(key)
+            self._count_offer(keys)
         counts = self._counts
         threshold = self._threshold
         # Forward even when nothing qualifies: the backing manager answers an
