@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import pytest
 
@@ -73,3 +74,37 @@ def test_the_descriptor_per_copy_baseline_compiles_to_8_byte_scalar_accesses() -
     except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
         pytest.skip(str(error))
     assert accesses.widest_load == 8 and accesses.widest_store == 8
+
+
+@KINDS
+@pytest.mark.parametrize("constant", ["num_pairs", "row_stride"])
+def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compiles(to_slab: bool, constant: str) -> None:
+    # Triton's launcher turns an int argument equal to 1 into a compile-time
+    # constant (a plain int in the body): a one-pair job, or a one-element row
+    # stride, must compile as well as the general case.
+    from kvtriton.kernels.jit.compile import UnsupportedTriton, compile_asm
+
+    config = production_config(8, 2)
+    signature = {"table_ptr": "*i64", "slab_ptr": "*i64", "blocks_ptr": "*i64", "rows_ptr": "*i64",
+                 "num_pairs": "i32", "row_stride": "i64"}  # fmt: skip
+    del signature[constant]
+    constexprs: dict[str, int | bool] = {
+        constant: 1, "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "PAGE_ELEMS": config.page_elems,
+        "CHUNK": config.chunk, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
+    }  # fmt: skip
+    try:
+        asm = compile_asm("copy_pages", signature=signature, constexprs=constexprs, divisible_by_16=[], num_warps=1)
+    except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
+        pytest.skip(str(error))
+    assert "st.global" in asm["ptx"]
+
+
+def test_the_compiled_kernel_never_specialises_the_pair_count() -> None:
+    # One compiled variant serves every job size (no recompile for 1 pair or a multiple of 16 pairs).
+    from kvtriton.kernels.jit.copy_pages import _variant  # pyright: ignore[reportPrivateUsage] -- the launch-time kernel object
+
+    # A JITFunction; its parameter records (KernelParam) are Triton internals, read untyped.
+    kernel = cast(object, _variant(False))
+    params = cast("list[object]", getattr(kernel, "params"))
+    skipped = {cast(str, getattr(param, "name")) for param in params if getattr(param, "do_not_specialize")}
+    assert skipped == {"num_pairs"}

@@ -28,8 +28,14 @@ import triton.language as tl
 
 TABLE_COLUMNS = 4
 
+# Triton turns an int argument equal to 1 into a compile-time constant (a plain
+# int in the kernel body), so a one-pair job would compile a second variant
+# and the body could not call tensor methods on it: ``num_pairs`` is never
+# specialised, and the body widens it with ``tl.cast`` (which takes both forms).
+_DO_NOT_SPECIALIZE = ("num_pairs",)
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
 def copy_pages_kernel(
     table_ptr,
     slab_ptr,
@@ -55,7 +61,7 @@ def copy_pages_kernel(
     table); ``EVEN`` says that every chunk is full, so no mask is needed.
     """
     CHUNKS: tl.constexpr = (PAGE_ELEMS + CHUNK - 1) // CHUNK
-    units = num_pairs.to(tl.int64) * (NUM_PAGES * CHUNKS)
+    units = tl.cast(num_pairs, tl.int64) * (NUM_PAGES * CHUNKS)
     first = tl.program_id(0).to(tl.int64)
     step = tl.num_programs(0).to(tl.int64)
     for unit in range(first, units, step):
@@ -105,7 +111,7 @@ def _variant(interpret: bool):
         from triton.runtime.jit import JITFunction
 
         raw = copy_pages_kernel.fn
-        _VARIANTS[interpret] = InterpretedFunction(raw) if interpret else JITFunction(raw)
+        _VARIANTS[interpret] = InterpretedFunction(raw) if interpret else JITFunction(raw, do_not_specialize=_DO_NOT_SPECIALIZE)
     return _VARIANTS[interpret]
 
 
