@@ -6,11 +6,19 @@ the buffer is allocated pageable and then pinned chunk by chunk with
 ``cudaHostRegister``: torch's pinned allocator rounds every allocation up to a
 power of two and a single large pin fails on some systems. Without CUDA the
 slab stays pageable (one warning says so).
+
+The buffer is an anonymous private ``mmap``: it starts on a page boundary (so
+every registered chunk covers whole pages) and the tensor's storage starts
+exactly where the registration does. ``Tensor.is_pinned()`` asks CUDA about
+the *storage's* first byte, so a buffer carved out of a larger torch
+allocation would read as pageable even when every row is registered.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import resource
 import warnings
@@ -35,11 +43,54 @@ class PageableSlabWarning(UserWarning):
 
 
 class _HostRegistrar(Protocol):
-    """The two CUDA runtime calls the slab needs (``torch.cuda.cudart()`` provides them)."""
+    """The CUDA runtime calls the slab needs."""
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...
 
     def cudaHostUnregister(self, ptr: int) -> SupportsInt: ...
+
+    def cudaGetLastError(self) -> SupportsInt: ...
+
+
+class _CudaRuntime:
+    """``torch.cuda.cudart()``'s register calls, plus ``cudaGetLastError`` from the loaded libcudart.
+
+    A failing runtime call also sets the runtime's per-thread last error, which
+    torch reads after its next kernel launch and would report there, far from
+    the cause; torch binds no ``cudaGetLastError``, so it is taken from the
+    libcudart this process already loaded (as vLLM does).
+    """
+
+    def __init__(self) -> None:
+        self._torch = cast(_HostRegistrar, torch.cuda.cudart())
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt:
+        return self._torch.cudaHostRegister(ptr, size, flags)
+
+    def cudaHostUnregister(self, ptr: int) -> SupportsInt:
+        return self._torch.cudaHostUnregister(ptr)
+
+    def cudaGetLastError(self) -> SupportsInt:
+        library = _loaded_cudart()
+        if library is None:
+            logger.warning("libcudart is not loaded in this process; a failed CUDA call may surface at a later launch")
+            return 0
+        return cast(int, library.cudaGetLastError())
+
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The libcudart shared library mapped into this process (torch's own copy), or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = [line.split()[-1] for line in maps if "libcudart" in line]
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 def _cuda_available() -> bool:
@@ -47,7 +98,17 @@ def _cuda_available() -> bool:
 
 
 def _registrar() -> _HostRegistrar:
-    return cast(_HostRegistrar, torch.cuda.cudart())
+    return _CudaRuntime()
+
+
+def _page_aligned_zeros(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zeroed bytes whose storage starts on a host page boundary (an anonymous private mmap).
+
+    The kernel zero-fills pages on first touch, so a large slab costs no upfront
+    memset; the tensor keeps the mapping alive (``torch.frombuffer`` holds it).
+    """
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def mem_available_bytes() -> int | None:
@@ -115,11 +176,10 @@ class HostSlab:
         self.num_rows = num_slots * rows_per_slot
         self.nbytes = nbytes
         self._registered: list[int] = []
-        # Start on a page boundary so that every pinned chunk covers whole pages
-        # (two registrations sharing a page fail) and rows get the widest alignment.
-        raw = torch.zeros(nbytes + HOST_PAGE_BYTES, dtype=torch.uint8)
-        start = -raw.data_ptr() % HOST_PAGE_BYTES
-        self._rows: torch.Tensor | None = raw[start : start + nbytes].view(self.num_rows, row_bytes)
+        # Page-aligned storage: every pinned chunk covers whole pages (two
+        # registrations sharing a page fail), rows get the widest alignment, and
+        # is_pinned() (which inspects the storage's first byte) sees the pin.
+        self._rows: torch.Tensor | None = _page_aligned_zeros(nbytes).view(self.num_rows, row_bytes)
         if want_pin:
             self._pin(required=pin is True)
         elif pin is None:
@@ -176,6 +236,7 @@ class HostSlab:
             size = min(PIN_CHUNK_BYTES, self.nbytes - offset)
             code = int(registrar.cudaHostRegister(base + offset, size, 0))
             if code != 0:
+                registrar.cudaGetLastError()  # consumed here, not by torch's next launch check
                 self._unpin()
                 message = (
                     f"cudaHostRegister failed with CUDA error {code} on bytes {offset}..{offset + size} "
@@ -195,6 +256,7 @@ class HostSlab:
         for pointer in self._registered:
             code = int(registrar.cudaHostUnregister(pointer))
             if code != 0:
+                registrar.cudaGetLastError()
                 logger.warning("cudaHostUnregister(%#x) failed with CUDA error %d", pointer, code)
         self._registered.clear()
 

@@ -17,9 +17,11 @@ class FakeRegistrar:
     fail_at: int | None = None
     registered: list[tuple[int, int]] = field(default_factory=lambda: [])
     unregistered: list[int] = field(default_factory=lambda: [])
+    pending_error: int = 0
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         if self.fail_at is not None and len(self.registered) == self.fail_at:
+            self.pending_error = 2
             return 2  # cudaErrorMemoryAllocation
         self.registered.append((ptr, size))
         return 0
@@ -27,6 +29,10 @@ class FakeRegistrar:
     def cudaHostUnregister(self, ptr: int) -> int:
         self.unregistered.append(ptr)
         return 0
+
+    def cudaGetLastError(self) -> int:
+        error, self.pending_error = self.pending_error, 0
+        return error
 
 
 @pytest.fixture
@@ -55,6 +61,24 @@ def test_slab_rows_start_on_a_host_page_boundary() -> None:
     for row_bytes in (656, 4096, 100_003):
         with HostSlab(3, 2, row_bytes, pin=False) as slab:
             assert slab.rows.data_ptr() % slab_module.HOST_PAGE_BYTES == 0
+
+
+def test_slab_storage_starts_where_the_rows_start() -> None:
+    # Tensor.is_pinned() asks CUDA about the storage's first byte: it must be
+    # the first registered byte, or a pinned slab reads as pageable and the
+    # kernels refuse it.
+    with HostSlab(3, 2, 656, pin=False) as slab:
+        assert slab.rows.untyped_storage().data_ptr() == slab.rows.data_ptr()
+        assert slab.rows.untyped_storage().nbytes() == slab.nbytes
+
+
+def test_slab_memory_outlives_close_for_views_taken_earlier() -> None:
+    slab = HostSlab(2, 1, 64, pin=False)
+    view = slab.slot(1)
+    view.fill_(7)
+    slab.close()
+    del slab
+    assert int(view.sum()) == 7 * 64
 
 
 def test_without_cuda_the_default_slab_is_pageable_with_one_clear_warning() -> None:
@@ -119,6 +143,7 @@ def test_a_failed_pin_unregisters_what_was_pinned_and_falls_back_with_a_warning(
         slab = HostSlab(5, 1, slab_module.HOST_PAGE_BYTES)
     assert not slab.pinned
     assert fake_cuda.unregistered == [fake_cuda.registered[0][0]]
+    assert fake_cuda.pending_error == 0  # consumed, so torch's next launch check does not report it
 
 
 def test_a_failed_pin_raises_when_pinning_was_required(fake_cuda: FakeRegistrar) -> None:
