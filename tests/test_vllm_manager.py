@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm_fixtures.builders import offloading_config  # noqa: E402
 
@@ -211,3 +212,53 @@ def test_reset_cache_forgets_every_key() -> None:
     output = manager.prepare_store([k2], context)
     assert output is not None and slots(output.store_spec) == [0]
     manager.shutdown()
+
+
+
+SCENARIOS = ["load", "offer", "reload_own"]
+
+
+def evicted_after_reuse(manager: OffloadingManager, scenario: str) -> list[OffloadKey]:
+    """Store k1, k2, k3 (3 slots) in order, reuse k1 as ``scenario`` says, then store k4: what is evicted.
+
+    ``load``: another request loads k1 (lookup, prepare_load, complete_load).
+    ``offer``: another request offers k1 to prepare_store again (the GPU prefix
+    cache still held it). ``reload_own``: k1's writer loads it back (after a
+    preemption). vLLM 0.33's connector never calls touch() in any of them.
+    """
+    k1, k2, k3, k4 = to_keys([1, 2, 3, 4])
+    writer = ReqContext(req_id="writer")
+    with manager.lock:
+        manager.on_new_request(writer)
+        assert manager.prepare_store([k1], writer) is not None
+        manager.complete_store({k1}, writer)
+        for index, key in enumerate([k2, k3]):
+            context = ReqContext(req_id=f"other{index}")
+            manager.on_new_request(context)
+            assert manager.prepare_store([key], context) is not None
+            manager.complete_store({key}, context)
+            manager.on_request_finished(context)
+        reader = writer if scenario == "reload_own" else ReqContext(req_id="reader")
+        if reader is not writer:
+            manager.on_new_request(reader)
+        if scenario == "offer":
+            again = manager.prepare_store([k1], reader)
+            assert again is not None and again.keys_to_store == []
+        else:
+            assert manager.lookup(k1, reader) is LookupResult.HIT
+            manager.prepare_load([k1], reader)
+            manager.complete_load({k1}, reader)
+        manager.on_request_finished(reader)
+        if reader is not writer:
+            manager.on_request_finished(writer)
+        output = manager.prepare_store([k4], ReqContext(req_id="new"))
+    assert output is not None
+    return output.evicted_keys
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_reused_chunk_outlives_older_unused_ones_as_in_vllms_cpu_manager(policy: str, scenario: str) -> None:
+    ours = evicted_after_reuse(make_manager(num_slots=3, eviction_policy=policy), scenario)
+    vllms = evicted_after_reuse(VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy), scenario)
+    assert ours == vllms == to_keys([2])

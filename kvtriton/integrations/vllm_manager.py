@@ -11,7 +11,11 @@ values converted at the boundary:
 * request contexts: one kvtriton ``ReqContext`` per vLLM request, kept in the
   vLLM context's per-request state;
 * lookup results, specs and events: mapped to vLLM's classes on the way out
-  (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``).
+  (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``);
+* recency: vLLM 0.33's connector never calls ``touch``, so the keys of every
+  ``prepare_load`` and ``prepare_store`` are touched here, the reuse signals
+  vLLM's own CPU manager feeds its policies. Without this, LRU would evict in
+  insertion order and ARC would never promote or adapt.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -132,7 +136,12 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_load(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.LoadStoreSpec:
-        return _slot_spec(self._backing.prepare_load(_keys(keys), self._context(req_context)))
+        context = self._context(req_context)
+        spec = _slot_spec(self._backing.prepare_load(_keys(keys), context))
+        # vLLM 0.33 never calls touch(): a load is its sign of reuse (its own
+        # CPU manager records loaded chunks as request accesses).
+        self._backing.touch(_keys(keys), context)
+        return spec
 
     @override
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
@@ -146,7 +155,12 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_store(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        output = self._backing.prepare_store(_keys(keys), self._context(req_context))
+        context = self._context(req_context)
+        # An offered chunk that is already offloaded was computed again while
+        # still cached (vLLM's CPU manager counts it as reused); touching first
+        # also ranks the new chunks below it and lets ARC learn from ghost keys.
+        self._backing.touch(_keys(keys), context)
+        output = self._backing.prepare_store(_keys(keys), context)
         if output is None:
             return None
         return vllm_base.PrepareStoreOutput(
