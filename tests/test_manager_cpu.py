@@ -499,6 +499,15 @@ def test_stats_snapshot_counts_occupancy_and_traffic(policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_contains_reports_cached_keys_without_counting_a_lookup(policy: str) -> None:
+    manager = make_manager(policy)
+    store(manager, ks(0))
+    manager.prepare_store(ks(1), CTX)
+    assert [k(i) in manager for i in (0, 1, 2)] == [True, True, False]
+    assert manager.stats().lookups == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_keys_may_be_any_collection(policy: str) -> None:
     manager = make_manager(policy, num_blocks=8)
     out = manager.prepare_store({k(0), k(1)}, CTX)

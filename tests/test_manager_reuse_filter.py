@@ -177,6 +177,28 @@ def test_filter_counting_store_offers_never_forgets_a_key_of_the_same_offer() ->
     assert [manager.use_count(key) for key in ks(0, 1, 3)] == [0, 3, 1]
 
 
+@pytest.mark.parametrize("count_on", list(ReuseSignal))
+def test_filter_prepare_store_rule3_protects_cached_keys_below_the_threshold(count_on: ReuseSignal) -> None:
+    # SEMANTICS rule 3: every key named in prepare_store is protected. A cached
+    # key whose count aged out of the tracker (or that was stored before the
+    # filter saw it) is still named by the caller, so the backing manager must
+    # see it: it never stores it again, but it must not evict it either.
+    cpu = CPUOffloadingManager(2, cache_policy="lru")
+    out = cpu.prepare_store(ks(1, 0), CTX)  # full; k0 is the least recent
+    assert out is not None
+    cpu.complete_store(out.keys_to_store, CTX)
+    manager = FilterReusedOffloadingManager(cpu, count_on=count_on)
+    if count_on is ReuseSignal.LOOKUP:
+        manager.lookup(k(6), CTX)
+        manager.lookup(k(6), CTX)
+    else:
+        manager.prepare_store(ks(6), CTX)  # first offer: counted once, not stored
+    out = manager.prepare_store(ks(0, 6), CTX)
+    assert out is not None
+    assert (out.keys_to_store, out.evicted_keys) == (ks(6), ks(1))
+    assert cpu.lookup(k(0), CTX) is LookupResult.HIT
+
+
 def test_filter_rejects_a_count_on_that_is_not_a_reuse_signal() -> None:
     with pytest.raises(TypeError, match="count_on must be a ReuseSignal, got str: 'lookup'"):
         FilterReusedOffloadingManager(Recorder(), count_on="lookup")  # pyright: ignore[reportArgumentType] -- the runtime check is under test

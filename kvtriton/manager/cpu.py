@@ -95,6 +95,10 @@ class CPUOffloadingManager(OffloadingManager):
             stores=self._stores,
         )
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is cached, pending or ready; unlike ``lookup`` it counts nothing."""
+        return key in self._blocks
+
     def slot_map(self) -> dict[OffloadKey, int]:
         """A copy of the key -> slot assignment of every cached block (pending included)."""
         return {key: block.slot for key, block in self._blocks.items()}

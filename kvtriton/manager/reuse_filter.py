@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
@@ -28,6 +29,13 @@ class ReuseSignal(enum.Enum):
     """
 
 
+@runtime_checkable
+class _HoldsKeys(Protocol):
+    """A backing manager that can say whether it caches a key without counting a lookup."""
+
+    def __contains__(self, key: object, /) -> bool: ...
+
+
 class FilterReusedOffloadingManager(OffloadingManager):
     """Wraps a manager and forwards to ``prepare_store`` only keys used ``store_threshold`` times.
 
@@ -36,7 +44,11 @@ class FilterReusedOffloadingManager(OffloadingManager):
     use of a key -- a ``lookup`` by default, or an offer to ``prepare_store``
     with ``count_on=ReuseSignal.STORE_OFFER`` -- counts once in a table bounded
     to ``max_tracker_size`` keys (the least recently counted key is forgotten
-    first). Every other call is forwarded unchanged.
+    first). Keys the backing manager already caches are forwarded whatever
+    their count when it can tell (``key in backing``, as
+    ``CPUOffloadingManager`` answers): it never stores them again, but being
+    named protects them from the call's eviction (SEMANTICS rule 3). Every
+    other call is forwarded unchanged.
     """
 
     def __init__(
@@ -64,6 +76,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._threshold = store_threshold
         self._max_tracked = max_tracker_size
         self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._holds: Callable[[OffloadKey], bool] | None = (
+            backing.__contains__ if isinstance(backing, _HoldsKeys) else None
+        )
 
     @property
     def backing(self) -> OffloadingManager:
@@ -142,7 +157,15 @@ class FilterReusedOffloadingManager(OffloadingManager):
         threshold = self._threshold
         # Forward even when nothing qualifies: the backing manager answers an
         # empty call with an empty output, which the caller expects.
-        eligible = [key for key in keys if counts.get(key, 0) >= threshold]
+        holds = self._holds
+        if holds is None:
+            eligible = [key for key in keys if counts.get(key, 0) >= threshold]
+        else:
+            # A cached key below the threshold (its count aged out of the
+            # tracker, or it was stored before this filter counted it) goes
+            # through too: the backing never stores it again, and naming it
+            # keeps this call from evicting it.
+            eligible = [key for key in keys if counts.get(key, 0) >= threshold or holds(key)]
         return self._backing.prepare_store(eligible, req_context)
 
     @override
