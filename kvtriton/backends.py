@@ -7,7 +7,9 @@
   what runs when the slab could not be pinned (the kernel cannot reach
   pageable host memory).
 * ``torch``: the torch reference (``kvtriton.kernels.reference``), the oracle
-  of the tests; on CUDA it goes through a device staging buffer.
+  of the tests; on CUDA it goes through a device staging buffer and reads the
+  device indices to plan its copies, a device sync per job (the other two
+  never synchronise on submit).
 * ``auto``: ``triton`` on CUDA with a pinned slab, ``dma`` on CUDA otherwise,
   ``torch`` on CPU.
 

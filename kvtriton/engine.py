@@ -7,10 +7,11 @@ indices (:mod:`kvtriton.plan`), copied by one backend call
 submission order per direction.
 
 On CUDA each direction has its own stream, so stores and loads overlap with
-each other and with the model; a store first waits for the compute stream
-(the pages it reads were just written by the model). Index tensors are staged
-in pinned memory and copied with ``non_blocking=True``: submitting never
-synchronises the device. CUDA events mark completion and time each job.
+each other and with the model. Every job first waits for the work already
+queued on the compute stream: a store reads pages the model just wrote, a
+load overwrites blocks that queued work may still read or zero. Index tensors
+are staged in pinned memory and copied with ``non_blocking=True``: submitting
+never synchronises the device. CUDA events mark completion and time each job.
 
 On CPU the copy runs inside ``submit_*`` and the job is reported by the next
 ``get_finished``. Both paths share the planning, validation, ordering and
@@ -267,9 +268,11 @@ class TransferEngine:
         stream = self._streams[plan.direction]
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        if plan.direction is TransferDirection.STORE:
-            # The model writes the pages on the compute stream; read them only after that.
-            stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        # Both directions start after the work already queued on the compute
+        # stream: a store reads pages the model just wrote; a load overwrites
+        # blocks that earlier steps may still read or zero (with async
+        # scheduling nothing else orders them; vLLM's handler waits likewise).
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         keepalive: list[torch.Tensor] = []
         with torch.cuda.stream(stream):
             start.record(stream)
