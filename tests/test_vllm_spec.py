@@ -137,6 +137,52 @@ def test_the_adapter_names_the_extra_to_install_when_vllm_is_absent() -> None:
     assert "pip install 'kvtriton[vllm]'" in result.stdout
 
 
+_BLOCKER = """
+import importlib.abc
+import sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    \"\"\"Makes the named modules (and their submodules) unimportable, as if not installed.\"\"\"
+
+    def __init__(self, *names):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if any(fullname == name or fullname.startswith(name + ".") for name in self.names):
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+"""
+
+
+@pytest.mark.parametrize(
+    ("blocked", "expected"),
+    [
+        (("vllm",), "pip install 'kvtriton[vllm]'"),
+        # An older vLLM: the package imports, the offloading interface does not.
+        (("vllm.v1.kv_offload.config",), "vLLM 0.33"),
+    ],
+)
+def test_without_a_usable_vllm_the_adapter_raises_an_import_error_saying_what_to_install(
+    blocked: tuple[str, ...], expected: str
+) -> None:
+    result = _run_python(
+        _BLOCKER
+        + f"""
+sys.meta_path.insert(0, Blocker(*{blocked!r}))
+try:
+    import kvtriton.integrations.vllm
+except ImportError as error:
+    print(type(error).__name__, error)
+    print("cause:", error.__cause__)
+else:
+    print("imported")
+"""
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ImportError ") and expected in result.stdout, result.stdout
+    assert "cause: No module named" in result.stdout  # the original error stays attached
+
+
 def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_path: Path) -> None:
     # A probe that misuses a vLLM type must fail: proves pyright sees vLLM's
     # annotations (py.typed) rather than Unknown, so "clean" means something.

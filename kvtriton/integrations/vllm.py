@@ -14,28 +14,56 @@ and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import importlib.metadata
 import logging
 
-if importlib.util.find_spec("vllm") is None:
+_EXTRA = "pip install 'kvtriton[vllm]'"
+
+
+def _vllm_version() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+try:
+    # vLLM itself first, to tell "absent" or "broken" from "too old" below.
+    importlib.import_module("vllm")
+except ImportError as _error:
+    if _error.name == "vllm":
+        raise ImportError(
+            f"kvtriton.integrations.vllm needs vLLM, which is not installed; install the extra with: {_EXTRA}"
+        ) from _error
     raise ImportError(
-        "kvtriton.integrations.vllm needs vLLM, which is not installed; "
-        "install the extra with: pip install 'kvtriton[vllm]'"
-    )
+        f"vLLM {_vllm_version()} is installed but cannot be imported ({_error}); "
+        f"install it with its dependencies: {_EXTRA}"
+    ) from _error
 
-from typing import Any  # noqa: E402  (vLLM imports must follow the check above)
+try:
+    from typing import Any
 
-from typing_extensions import override  # noqa: E402
-from vllm.v1.kv_offload import base as vllm_base  # noqa: E402
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
+    from typing_extensions import override
+    from vllm.v1.kv_offload import base as vllm_base
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
-from kvtriton.engine import TransferEngine  # noqa: E402
-from kvtriton.integrations.vllm_config import KVTritonOffloadConfig  # noqa: E402
-from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions  # noqa: E402
-from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal  # noqa: E402
-from kvtriton.slab import HostSlab  # noqa: E402
+    from kvtriton.engine import TransferEngine
+    from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
+    from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
+    from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical
+    from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
+    from kvtriton.slab import HostSlab
+except ImportError as _error:
+    # A vLLM release without the offloading interface this adapter is written
+    # against (vLLM 0.33): say so instead of naming one missing module.
+    if _error.name is not None and _error.name.startswith("vllm."):
+        raise ImportError(
+            f"kvtriton.integrations.vllm supports vLLM 0.33, but the installed vLLM {_vllm_version()} "
+            f"lacks {_error.name} ({_error}); install a supported release with: {_EXTRA}"
+        ) from _error
+    raise
 
 __all__ = ["KVTritonOffloadConfig", "KVTritonOffloadingSpec", "VLLMOffloadingManager", "VLLMOffloadingWorker"]
 
