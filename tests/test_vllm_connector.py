@@ -35,7 +35,13 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -49,6 +55,10 @@ BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 32
 LAYERS = ("layer0", "layer1")
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
+WINDOW_SPEC = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=32)
+ONE_GROUP: list[tuple[list[str], KVCacheSpec]] = [(list(LAYERS), KV_SPEC)]
+HYBRID: list[tuple[list[str], KVCacheSpec]] = [(["layer0"], KV_SPEC), (["layer1"], WINDOW_SPEC)]
+"""A full-attention group and a sliding-window group (2 blocks), one layer each."""
 EOS = 2
 
 
@@ -65,8 +75,10 @@ class Engine:
     scheduler: Scheduler
     worker: OffloadingConnector
     kv: dict[str, torch.Tensor]
-    # prompt block index -> bytes the model wrote for it (one pattern per layer)
-    written: dict[int, list[bytes]] = field(default_factory=lambda: {})
+    groups: list[list[str]]
+    """The layer names of each KV cache group."""
+    # (group, prompt block index) -> bytes the model wrote for it (one pattern per layer of the group)
+    written: dict[tuple[int, int], list[bytes]] = field(default_factory=lambda: {})
     load_jobs: list[int] = field(default_factory=lambda: [])
     store_jobs: list[int] = field(default_factory=lambda: [])
 
@@ -81,12 +93,12 @@ class Engine:
     def cpu_manager(self) -> CPUOffloadingManager:
         return self.manager.cpu
 
-    def gpu_blocks(self, request_id: str) -> list[int]:
-        (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
-        return list(blocks)
+    def gpu_blocks(self, request_id: str, group: int = 0) -> list[int]:
+        """``request_id``'s GPU blocks in ``group`` (0: the null block, e.g. outside a sliding window)."""
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[group])
 
-    def block_bytes(self, block: int) -> list[bytes]:
-        return [self.kv[name][block].numpy().tobytes() for name in LAYERS]
+    def block_bytes(self, block: int, group: int = 0) -> list[bytes]:
+        return [self.kv[name][block].numpy().tobytes() for name in self.groups[group]]
 
     def compute(self, output: SchedulerOutput, model_request: str) -> None:
         """The model: write a pattern into the blocks of ``model_request``'s newly scheduled full blocks."""
@@ -95,14 +107,15 @@ class Engine:
             return
         request = self.scheduler.requests[model_request]
         end = request.num_computed_tokens + scheduled
-        for index, block in enumerate(self.gpu_blocks(model_request)[: end // BLOCK_SIZE]):
-            if index in self.written:
-                continue
-            for offset, name in enumerate(LAYERS):
-                generator = torch.Generator().manual_seed(1000 * index + offset)
-                pattern = torch.randint(-(2**15), 2**15, self.kv[name][block].shape, generator=generator, dtype=torch.int32)
-                self.kv[name][block].copy_(pattern.to(torch.int16).view(torch.float16))
-            self.written[index] = self.block_bytes(block)
+        for group, names in enumerate(self.groups):
+            for index, block in enumerate(self.gpu_blocks(model_request, group)[: end // BLOCK_SIZE]):
+                if block == 0 or (group, index) in self.written:
+                    continue
+                for name in names:
+                    generator = torch.Generator().manual_seed(1000 * index + LAYERS.index(name))
+                    pattern = torch.randint(-(2**15), 2**15, self.kv[name][block].shape, generator=generator, dtype=torch.int32)
+                    self.kv[name][block].copy_(pattern.to(torch.int16).view(torch.float16))
+                self.written[group, index] = self.block_bytes(block, group)
 
     def step(self, model_request: str = "") -> SchedulerOutput:
         """One engine step: schedule, run the worker connector around the (simulated) forward, update."""
@@ -143,7 +156,11 @@ class Engine:
         raise AssertionError(f"requests still running after {max_steps} steps")
 
 
-def make_engine(model_config: ModelConfig, extra_config: dict[str, object]) -> Engine:
+def make_engine(
+    model_config: ModelConfig,
+    extra_config: dict[str, object],
+    groups: list[tuple[list[str], KVCacheSpec]] = ONE_GROUP,
+) -> Engine:
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -158,7 +175,9 @@ def make_engine(model_config: ModelConfig, extra_config: dict[str, object]) -> E
         device_config=DeviceConfig("cpu"),
     )
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), KV_SPEC)]
+        num_blocks=NUM_GPU_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups],
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
     scheduler = Scheduler(
@@ -174,7 +193,7 @@ def make_engine(model_config: ModelConfig, extra_config: dict[str, object]) -> E
     with set_current_vllm_config(vllm_config), warnings.catch_warnings():
         warnings.simplefilter("ignore", PageableSlabWarning)
         worker.register_kv_caches(kv)
-    return Engine(scheduler=scheduler, worker=worker, kv=kv)
+    return Engine(scheduler=scheduler, worker=worker, kv=kv, groups=[names for names, _ in groups])
 
 
 @pytest.fixture
@@ -231,7 +250,7 @@ def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
     loaded_blocks = engine.gpu_blocks("second")[:4]
     engine.run()
     assert first_step.num_scheduled_tokens.get("second", 0) == 0  # waits for its async load
-    assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[index] for index in range(4)]
+    assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[0, index] for index in range(4)]
     stats = engine.cpu_manager().stats()
     assert (stats.hits, stats.loading) == (4 // blocks_per_chunk, 0)
 
@@ -264,3 +283,38 @@ def test_with_a_store_threshold_a_prompt_computed_twice_is_stored_whole(
     engine.run(model_request="second")
     stats = engine.cpu_manager().stats()
     assert (stats.stores, stats.pending) == (4, 0)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 4])
+def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
+    model_config: ModelConfig, engines: list[Engine], blocks_per_chunk: int
+) -> None:
+    # Two KV cache groups: GPU specs carry group_sizes, and the window group's
+    # load starts at its block 4 (blocks_per_chunk=1) or half-way into its
+    # first chunk (blocks_per_chunk=4, block_indices=[0, 2]).
+    engine = make_engine(
+        model_config, {"cpu_bytes_to_use": 64 * blocks_per_chunk * PAGE_BYTES, "blocks_per_chunk": blocks_per_chunk}, HYBRID
+    )
+    engines.append(engine)
+    prompt = list(range(500, 500 + 6 * BLOCK_SIZE + 5))
+    engine.scheduler.add_request(make_request("first", prompt))
+    engine.run(model_request="first")
+    assert engine.store_jobs and not engine.load_jobs
+
+    assert engine.scheduler.reset_prefix_cache()
+    for tensor in engine.kv.values():
+        tensor.zero_()
+    engine.scheduler.add_request(make_request("second", prompt))
+    engine.step()
+    assert len(engine.load_jobs) == 1
+    full_blocks = engine.gpu_blocks("second", 0)
+    window_blocks = engine.gpu_blocks("second", 1)
+    engine.run()
+
+    full_chunks = 6 // blocks_per_chunk * blocks_per_chunk  # whole chunks of the 6 full blocks
+    assert [engine.block_bytes(block, 0) for block in full_blocks[:full_chunks]] == [
+        engine.written[0, index] for index in range(full_chunks)
+    ]
+    window = [(index, block) for index, block in enumerate(window_blocks[:full_chunks]) if block != 0]
+    assert [index for index, _ in window] == [full_chunks - 2, full_chunks - 1]  # the last 32 tokens
+    assert [engine.block_bytes(block, 1) for _, block in window] == [engine.written[1, index] for index, _ in window]
