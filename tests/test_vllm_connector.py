@@ -124,6 +124,7 @@ class Engine:
         assert isinstance(metadata, OffloadingConnectorMetadata)
         self.load_jobs += list(metadata.load_jobs)
         self.store_jobs += list(metadata.store_jobs)
+        self.worker.handle_preemptions(metadata)  # the model runner's first connector call of a step
         self.worker.bind_connector_metadata(metadata)
         self.worker.start_load_kv(None)  # pyright: ignore[reportArgumentType] -- the offloading connector ignores the forward context
         self.compute(output, model_request)
@@ -318,3 +319,27 @@ def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
     window = [(index, block) for index, block in enumerate(window_blocks[:full_chunks]) if block != 0]
     assert [index for index, _ in window] == [full_chunks - 2, full_chunks - 1]  # the last 32 tokens
     assert [engine.block_bytes(block, 1) for _, block in window] == [engine.written[1, index] for index, _ in window]
+
+
+def test_a_connector_cache_reset_with_stores_in_flight_forgets_every_chunk_and_stores_them_again(
+    model_config: ModelConfig, engines: list[Engine]
+) -> None:
+    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS)})
+    engines.append(engine)
+    prompt = list(range(700, 700 + 3 * BLOCK_SIZE + 1))
+    engine.scheduler.add_request(make_request("first", prompt))
+    while engine.scheduler.has_unfinished_requests():
+        engine.step("first")
+    # The request is done but its store job only reaches the worker next step:
+    # the reset flushes it, and vLLM drops its late completion.
+    assert engine.cpu_manager().stats().pending == 3
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.step()
+    assert engine.cpu_manager().stats().used == 0
+
+    engine.scheduler.add_request(make_request("second", prompt))
+    engine.run(model_request="second")
+    assert engine.load_jobs == []  # nothing survived the reset
+    stats = engine.cpu_manager().stats()
+    assert (stats.used, stats.pending, stats.loading) == (3, 0, 0)
+    assert sorted(engine.cpu_manager().slot_map().values()) == [0, 1, 2]  # the slots were handed out afresh
