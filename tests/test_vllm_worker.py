@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,6 +152,16 @@ def test_a_job_the_engine_cannot_run_is_refused_not_half_done(rig: Rig) -> None:
     assert not rig.worker.submit_store(0, gpu([0, 1]), CPULoadStoreSpec([NUM_SLOTS]))
     assert not rig.worker.submit_store(1, gpu([0, 1]), gpu([2, 3]))
     assert not rig.worker.submit_load(2, gpu([2, 3]), gpu([0, 1]))
+    assert finished(rig.worker) == {}
+
+
+def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    # The scheduler sizes the cache from rank 0's KV bytes per block; a
+    # pipeline stage holding more layers than rank 0 fits fewer slots.
+    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations.vllm_worker"):
+        assert not rig.worker.submit_load(3, CPULoadStoreSpec([1, NUM_SLOTS + 2]), gpu([0, 1, 2, 3]))
+    assert f"slot {NUM_SLOTS + 2}" in caplog.text and f"holds {NUM_SLOTS} slots" in caplog.text
+    assert "pipeline" in caplog.text
     assert finished(rig.worker) == {}
 
 

@@ -75,10 +75,14 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
 
     One slot of the host slab holds one offloaded chunk (``blocks_per_chunk``
     GPU blocks) of this rank's KV bytes. The slot count is derived from
-    ``cpu_bytes_to_use`` (the total over all ranks) identically in the
-    scheduler and in every worker, so the slot ids the manager hands out are
-    valid in every rank's slab. Unlike vLLM's own CPU spec, the worker runs on
-    CPU tensors too (the torch backend; no pinned memory).
+    ``cpu_bytes_to_use`` (the total over all ranks) and the KV bytes per block
+    by the same formula in the scheduler (which sees rank 0's bytes) and in
+    every worker (its own), so the slot ids the manager hands out are valid in
+    every rank's slab when all ranks hold the same bytes per block (tensor
+    parallelism, evenly split pipeline stages); vLLM's own CPU spec has the
+    same limit. A worker refuses a slot beyond its slab, naming the cause.
+    Unlike vLLM's own CPU spec, the worker runs on CPU tensors too (the torch
+    backend; no pinned memory).
     """
 
     @classmethod

@@ -97,6 +97,20 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         """The engine that runs the jobs."""
         return self._engine
 
+    def _slots_fit(self, job_id: int, slots: CPULoadStoreSpec) -> bool:
+        """Whether every slot id exists in this rank's slab; logs the likely cause when not."""
+        num_slots = self._slab.num_slots
+        if slots.block_ids.size == 0 or int(slots.block_ids.max()) < num_slots:
+            return True
+        logger.error(
+            "job %d refused: it names slot %d but this rank's slab holds %d slots. The scheduler sized the "
+            "cache from rank 0's KV bytes per block; a rank with more KV bytes per block (a pipeline-parallel "
+            "stage holding more layers than the first) fits fewer slots. Split the layers evenly over the "
+            "pipeline stages (VLLM_PP_LAYER_PARTITION).",
+            job_id, int(slots.block_ids.max()), num_slots,
+        )  # fmt: skip
+        return False
+
     @override
     def submit_store(
         self, job_id: int, src_spec: vllm_base.GPULoadStoreSpec, dst_spec: vllm_base.LoadStoreSpec
@@ -104,6 +118,8 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         slots = _slot_spec(dst_spec)
         if slots is None:
             logger.error("store job %d refused: destination is a %s, not a CPU slot spec", job_id, type(dst_spec).__name__)
+            return False
+        if not self._slots_fit(job_id, slots):
             return False
         return self._engine.submit_store(job_id, _gpu_spec(src_spec), slots)
 
@@ -120,6 +136,8 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         slots = _slot_spec(src_spec)
         if slots is None:
             logger.error("load job %d refused: source is a %s, not a CPU slot spec", job_id, type(src_spec).__name__)
+            return False
+        if not self._slots_fit(job_id, slots):
             return False
         return self._engine.submit_load(job_id, slots, _gpu_spec(dst_spec))
 
