@@ -33,6 +33,7 @@ from bench.common import format_table, results_dir, write_json
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, gather_pages, scatter_pages
 from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
 from kvtriton.progress import progress
+from kvtriton.slab import HostSlab
 
 KiB = 1024
 LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}
@@ -117,7 +118,11 @@ class Fixture:
         self.pages = [layer[kv] for layer in self.layers for kv in range(2)]
         row_bytes = job.page_bytes * len(self.pages)
         rows = job.blocks + spare
-        self.slab = torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+        # On CUDA the slab is a HostSlab, registered chunk by chunk as in
+        # production (not torch's pinned allocator), so the kernels are timed
+        # against the memory they will really read and write.
+        self.host_slab = HostSlab(rows, 1, row_bytes, pin=True) if pin else None
+        self.slab = self.host_slab.rows if self.host_slab else torch.empty((rows, row_bytes), dtype=torch.uint8)
         start = fill_distinct(self.slab, start)
         blocks = gpu_blocks(job.pattern, job.blocks, cache_blocks, generator)
         row_ids = torch.arange(3, 3 + job.blocks) if job.rows == "consecutive" else torch.randperm(rows, generator=generator)[: job.blocks]
