@@ -19,8 +19,12 @@ from .pages import DEFAULT_BYTES_PER_ITER
 __all__ = ["AccessSummary", "CompiledKernel", "compile_copy_pages", "compile_descriptor_copy", "production_config"]
 
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s")
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.MULTILINE)
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+_THREADS = re.compile(r"\.reqntid\s+(\d+)")
 _PTX_MUL32 = re.compile(r"\b(?:mul|mad)\.lo\.[su]32\b")
-_TTIR_MULI = re.compile(r"arith\.muli\s+(%[\w.#]+),\s*(%[\w.#]+)\s*:\s*(i\d+)")
+# Scalar (``: i64``) and tensor (``: tensor<16xi64>``) multiplies; the element type is what can wrap.
+_TTIR_MULI = re.compile(r"arith\.muli\s+(%[\w.#]+),\s*(%[\w.#]+)\s*:\s*(?:tensor<(?:\d+x)*)?(i\d+)")
 
 _BITS = {"b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "b32": 32, "u32": 32, "s32": 32, "f32": 32,
          "b64": 64, "u64": 64, "s64": 64, "f64": 64}  # fmt: skip
@@ -57,22 +61,52 @@ class CompiledKernel:
     ttir: str
 
     def accesses(self) -> AccessSummary:
-        counts: dict[str, collections.Counter[int]] = {"ld": collections.Counter(), "st": collections.Counter()}
-        for kind, suffix in _ACCESS.findall(self.ptx):
-            parts = suffix.strip(".").split(".")
-            vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
-            bits = next((_BITS[p] for p in parts if p in _BITS), 0)
-            counts[kind][vector * bits // 8] += 1
-        return AccessSummary(loads=dict(counts["ld"]), stores=dict(counts["st"]))
+        """Every global access instruction of the kernel, counted once each."""
+        return _count_accesses(self.ptx)
+
+    def loop_accesses(self) -> AccessSummary:
+        """The global accesses inside the persistent loop: what one thread issues per iteration.
+
+        The loop body is the PTX between the label that the loop's backward
+        branch jumps to and that branch (the kernel has one loop).
+        """
+        labels = {match.group(1): match.start() for match in _LABEL.finditer(self.ptx)}
+        for branch in _BRANCH.finditer(self.ptx):
+            target = labels.get(branch.group(1))
+            if target is not None and target < branch.start():
+                return _count_accesses(self.ptx[target : branch.start()])
+        raise ValueError(f"{self.name}: no loop (backward branch) in the PTX")
+
+    @property
+    def threads(self) -> int:
+        """Threads per program (``.reqntid`` in the PTX: 32 x num_warps)."""
+        match = _THREADS.search(self.ptx)
+        if match is None:
+            raise ValueError(f"{self.name}: the PTX declares no .reqntid thread count")
+        return int(match.group(1))
+
+    def loop_bytes_loaded(self, width: int = 16) -> int:
+        """Bytes one program loads per loop iteration with ``width``-byte accesses (all threads)."""
+        return self.loop_accesses().loads.get(width, 0) * width * self.threads
 
     def multiplies(self) -> list[str]:
-        """TTIR integer multiplies as ``"lhs * rhs : type"``."""
+        """TTIR integer multiplies as ``"lhs * rhs : type"`` (the element type for tensors)."""
         return [f"{lhs} * {rhs} : {ty}" for lhs, rhs, ty in _TTIR_MULI.findall(self.ttir)]
 
     def narrow_multiplies(self) -> list[str]:
         """32-bit (or narrower) multiplies in the TTIR and the PTX; each could wrap an address."""
         narrow = [m for m in self.multiplies() if not m.endswith(": i64")]
         return narrow + _PTX_MUL32.findall(self.ptx)
+
+
+def _count_accesses(ptx: str) -> AccessSummary:
+    counts: dict[str, collections.Counter[int]] = {"ld": collections.Counter(), "st": collections.Counter()}
+    for kind, suffix in _ACCESS.findall(ptx):
+        parts = suffix.strip(".").split(".")
+        vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        bits = next((_BITS[p] for p in parts if p in _BITS), 0)
+        counts[kind][vector * bits // 8] += 1
+    return AccessSummary(loads=dict(counts["ld"]), stores=dict(counts["st"]))
 
 
 def production_config(page_bytes: int, num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER) -> LaunchConfig:
@@ -100,7 +134,7 @@ def compile_copy_pages(config: LaunchConfig, *, to_slab: bool, index_type: str =
         },
         constexprs={
             "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "PAGE_ELEMS": config.page_elems,
-            "CHUNK": config.chunk, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
+            "CHUNK": config.chunk, "PAIRS": config.pairs, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
         },
         # What Triton's launcher specialises for 16-byte aligned tensors and a
         # slab row stride that is a multiple of 16 elements.

@@ -16,12 +16,17 @@ import torch
 
 from .validation import PageGeometry
 
-__all__ = ["MAX_NUM_WARPS", "LaunchConfig", "launch_copy", "make_config", "plan_launch", "word_width"]
+__all__ = ["MAX_NUM_WARPS", "MAX_PAIRS", "LaunchConfig", "launch_copy", "make_config", "plan_launch", "word_width"]
 
 # Warps per program, at most: 4 warps x 32 threads x 16 B = 2 KiB per access
-# wave, so a 16 KiB chunk keeps eight 16-byte loads per thread in flight.
-# Smaller chunks get fewer warps so that each thread still moves whole words.
+# wave, so a 16 KiB tile keeps eight 16-byte loads per thread in flight.
+# Smaller tiles get fewer warps so that each thread still moves whole words.
 MAX_NUM_WARPS = 4
+
+# Index pairs per tile, at most: each pair costs a thread registers for its
+# block and row ids, so pages under 128 B (no KV layout has them) get smaller
+# tiles rather than hundreds of pairs per program.
+MAX_PAIRS = 128
 
 _ELEMENT_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -39,13 +44,17 @@ class LaunchConfig:
     """Compile-time shape of one launch: what the kernel is specialised on.
 
     Sizes are in slab elements (``element_bytes`` each, at most 8; a 16-byte
-    word is two int64 elements that the compiler fuses into one access).
+    word is two int64 elements that the compiler fuses into one access). One
+    work unit is a ``pairs x chunk`` tile: one chunk of one page tensor for
+    ``pairs`` consecutive index pairs (``pairs`` > 1 only when a whole page
+    fits in one chunk).
     """
 
     word: int
     element_bytes: int
     page_elems: int
     chunk: int
+    pairs: int
     uniform: bool
     num_pages: int
 
@@ -55,13 +64,22 @@ class LaunchConfig:
         return self.uniform and self.page_elems % self.chunk == 0
 
     @property
+    def tile_bytes(self) -> int:
+        """Bytes one program moves per loop iteration (masked columns and pairs included)."""
+        return self.pairs * self.chunk * self.element_bytes
+
+    @property
     def num_warps(self) -> int:
-        """Enough warps that every thread holds at least one 16-byte word of a chunk."""
-        return max(1, min(MAX_NUM_WARPS, self.chunk * self.element_bytes // (32 * 16)))
+        """Enough warps that every thread holds at least one 16-byte word of a tile."""
+        return max(1, min(MAX_NUM_WARPS, self.tile_bytes // (32 * 16)))
 
     @property
     def chunks_per_page(self) -> int:
         return -(-self.page_elems // self.chunk)
+
+    def units(self, num_pairs: int) -> int:
+        """Work units (tiles) of a launch over ``num_pairs`` index pairs: what the grid walks."""
+        return -(-num_pairs // self.pairs) * self.num_pages * self.chunks_per_page
 
 
 def _next_power_of_two(value: int) -> int:
@@ -80,7 +98,14 @@ def plan_launch(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: Pag
 
 
 def make_config(word: int, page_bytes: Sequence[int], bytes_per_iter: int) -> LaunchConfig:
-    """Element size and chunking for pages of these sizes, all aligned to ``word`` bytes."""
+    """Element size and tiling for pages of these sizes, all aligned to ``word`` bytes.
+
+    A page larger than ``bytes_per_iter`` is cut into chunks of
+    ``bytes_per_iter``; a smaller one is one chunk (its size rounded up to a
+    power of two) and a tile stacks ``bytes_per_iter // chunk bytes`` pairs
+    (at most ``MAX_PAIRS``), so every iteration moves about ``bytes_per_iter``
+    whatever the page size.
+    """
     element = min(word, 8)
     page_elems = max(page_bytes) // element
     chunk = min(max(bytes_per_iter // element, 1), _next_power_of_two(page_elems))
@@ -89,6 +114,7 @@ def make_config(word: int, page_bytes: Sequence[int], bytes_per_iter: int) -> La
         element_bytes=element,
         page_elems=page_elems,
         chunk=chunk,
+        pairs=max(1, min(MAX_PAIRS, bytes_per_iter // (chunk * element))),
         uniform=len(set(page_bytes)) == 1,
         num_pages=len(page_bytes),
     )
@@ -134,7 +160,7 @@ def launch_copy(
     from .jit.copy_pages import launch_copy_pages  # imports triton
 
     config = plan_launch(pages, slab, geometry, bytes_per_iter)
-    units = blocks.shape[0] * config.num_pages * config.chunks_per_page
+    units = config.units(blocks.shape[0])
     slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
     launch_copy_pages(
         interpret=interpret,
@@ -149,6 +175,7 @@ def launch_copy(
         num_pages=config.num_pages,
         page_elems=config.page_elems,
         chunk=config.chunk,
+        pairs=config.pairs,
         uniform=config.uniform,
         even=config.even,
         word=config.word,

@@ -90,7 +90,7 @@ def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compi
     del signature[constant]
     constexprs: dict[str, int | bool] = {
         constant: 1, "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "PAGE_ELEMS": config.page_elems,
-        "CHUNK": config.chunk, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
+        "CHUNK": config.chunk, "PAIRS": config.pairs, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
     }  # fmt: skip
     try:
         asm = compile_asm("copy_pages", signature=signature, constexprs=constexprs, divisible_by_16=[], num_warps=1)

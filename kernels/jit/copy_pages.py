@@ -7,9 +7,15 @@ int64 table, one row of ``TABLE_COLUMNS`` per page tensor::
 
 while the slab is a real pointer argument (typed with the word element, so
 that Triton can vectorise the slab side; pinned host memory is translated to
-its device address by Triton's launcher). Work is split into units of one
-``CHUNK`` of one page of one index pair; a persistent grid of programs walks
-the units with a stride of the program count.
+its device address by Triton's launcher). Work is split into units: one
+``CHUNK`` of one page tensor for ``PAIRS`` consecutive index pairs, a
+``PAIRS x CHUNK`` tile; a persistent grid of programs walks the units with a
+stride of the program count. A page larger than the per-iteration budget is
+cut into chunks (``PAIRS`` = 1: scalar block and row ids, the same code as a
+one-row tile); a smaller page is one chunk and the tile stacks several pairs,
+their block and row ids loaded as vectors, so that each iteration of a
+program still keeps about ``bytes_per_iter`` of loads in flight (host reads
+are latency-bound).
 
 Element type = ``slab_ptr``'s element (int8/16/32/64). ``WORD`` is the
 alignment in bytes that the host checked for every base, stride, row offset
@@ -47,6 +53,7 @@ def copy_pages_kernel(
     NUM_PAGES: tl.constexpr,
     PAGE_ELEMS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PAIRS: tl.constexpr,
     UNIFORM: tl.constexpr,
     EVEN: tl.constexpr,
     WORD: tl.constexpr,
@@ -58,42 +65,63 @@ def copy_pages_kernel(
 
     ``PAGE_ELEMS`` is the page size in slab elements (the largest one when the
     pages differ, ``UNIFORM`` False; the per-page size then comes from the
-    table); ``EVEN`` says that every chunk is full, so no mask is needed.
+    table); ``EVEN`` says that every chunk is full, so no column mask is
+    needed. A unit is a ``PAIRS x CHUNK`` tile: one chunk of one page for
+    ``PAIRS`` consecutive index pairs (``PAIRS`` > 1 only when a whole page
+    fits in one chunk, so that a small page still moves about
+    ``bytes_per_iter`` per iteration); the last group of pairs is masked.
     """
     CHUNKS: tl.constexpr = (PAGE_ELEMS + CHUNK - 1) // CHUNK
-    units = tl.cast(num_pairs, tl.int64) * (NUM_PAGES * CHUNKS)
+    total = tl.cast(num_pairs, tl.int64)
+    groups = (total + (PAIRS - 1)) // PAIRS
+    units = groups * (NUM_PAGES * CHUNKS)
     first = tl.program_id(0).to(tl.int64)
     step = tl.num_programs(0).to(tl.int64)
     for unit in range(first, units, step):
         chunk = unit % CHUNKS  # pyright: ignore[reportOperatorIssue] -- unit is a Triton tensor, not the int pyright infers from range()
         rest = unit // CHUNKS
         page = rest % NUM_PAGES
-        pair = rest // NUM_PAGES
-        # Widen before multiplying: i32 products wrap past 2 GiB.
-        block = tl.load(blocks_ptr + pair).to(tl.int64)
-        row = tl.load(rows_ptr + pair).to(tl.int64)
+        group = rest // NUM_PAGES
         entry = table_ptr + page * 4
         base = tl.load(entry)
         block_stride = tl.load(entry + 1)
         row_offset = tl.load(entry + 2)
-        # The host checked that every base, stride and offset is a multiple of WORD.
-        page_start = tl.multiple_of((base + block * block_stride).to(slab_ptr.dtype), WORD)
-        slab_start = tl.multiple_of(slab_ptr + (row * row_stride + row_offset), WORD)
-        offsets = chunk * CHUNK + tl.arange(0, CHUNK)
-        if EVEN:
-            if TO_SLAB:
-                tl.store(slab_start + offsets, tl.load(page_start + offsets))
+        columns = chunk * CHUNK + tl.arange(0, CHUNK)
+        if PAIRS == 1:
+            # One pair per unit: scalar block and row.
+            # Widen before multiplying: i32 products wrap past 2 GiB.
+            block = tl.load(blocks_ptr + group).to(tl.int64)
+            row = tl.load(rows_ptr + group).to(tl.int64)
+            # The host checked that every base, stride and offset is a multiple of WORD.
+            page_start = tl.multiple_of((base + block * block_stride).to(slab_ptr.dtype), WORD)
+            slab_start = tl.multiple_of(slab_ptr + (row * row_stride + row_offset), WORD)
+            offsets = columns
+            if EVEN:
+                mask = None
+            elif UNIFORM:
+                mask = columns < PAGE_ELEMS
             else:
-                tl.store(page_start + offsets, tl.load(slab_start + offsets))
+                mask = columns < tl.load(entry + 3)
         else:
-            if UNIFORM:
-                mask = offsets < PAGE_ELEMS
+            # PAIRS pairs per unit: the block and row ids are loaded as vectors
+            # (one per tile row), so the whole tile's accesses are in flight at once.
+            pair = group * PAIRS + tl.arange(0, PAIRS)
+            live = pair < total
+            block = tl.load(blocks_ptr + pair, mask=live, other=0).to(tl.int64)
+            row = tl.load(rows_ptr + pair, mask=live, other=0).to(tl.int64)
+            page_start = tl.multiple_of((base + block * block_stride).to(slab_ptr.dtype), WORD)[:, None]
+            slab_start = tl.multiple_of(slab_ptr + (row * row_stride + row_offset), WORD)[:, None]
+            offsets = columns[None, :]
+            if EVEN:
+                mask = live[:, None]
+            elif UNIFORM:
+                mask = live[:, None] & (offsets < PAGE_ELEMS)
             else:
-                mask = offsets < tl.load(entry + 3)
-            if TO_SLAB:
-                tl.store(slab_start + offsets, tl.load(page_start + offsets, mask=mask), mask=mask)
-            else:
-                tl.store(page_start + offsets, tl.load(slab_start + offsets, mask=mask), mask=mask)
+                mask = live[:, None] & (offsets < tl.load(entry + 3))
+        if TO_SLAB:
+            tl.store(slab_start + offsets, tl.load(page_start + offsets, mask=mask), mask=mask)
+        else:
+            tl.store(page_start + offsets, tl.load(slab_start + offsets, mask=mask), mask=mask)
 
 
 _VARIANTS = {}
@@ -129,6 +157,7 @@ def launch_copy_pages(
     num_pages: int,
     page_elems: int,
     chunk: int,
+    pairs: int,
     uniform: bool,
     even: bool,
     word: int,
@@ -146,6 +175,7 @@ def launch_copy_pages(
         NUM_PAGES=num_pages,
         PAGE_ELEMS=page_elems,
         CHUNK=chunk,
+        PAIRS=pairs,
         UNIFORM=uniform,
         EVEN=even,
         WORD=word,
