@@ -138,3 +138,20 @@ def block_bytes(page: torch.Tensor, blocks: list[int]) -> torch.Tensor:
     """The raw bytes of ``page[blocks]`` as ``(len(blocks), page_bytes)`` uint8 on the CPU (NaN-safe to compare)."""
     picked = page[blocks].cpu().contiguous()
     return picked.reshape(len(blocks), -1).view(torch.uint8)
+
+
+def build_sized_pages(sizes: tuple[int, ...], num_blocks: int, device: str, *, strided: bool = False, seed: int = 0) -> PageCase:
+    """uint8 page tensors of these page sizes in bytes, ``num_blocks`` blocks each, holding random bytes.
+
+    ``strided``: every page tensor is a column slice of one ``(num_blocks, sum + 16)``
+    tensor (block stride larger than the page, bases not 16-byte aligned past
+    the first), as a cross-layer cache's per-layer views.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if strided:
+        owner = random_tensor((num_blocks, sum(sizes) + 16), torch.uint8, generator, device)
+        starts = [sum(sizes[:t]) for t in range(len(sizes))]
+        pages = [owner[:, start : start + size] for start, size in zip(starts, sizes)]
+        return PageCase(name=f"strided{sizes}", pages=pages, owners=[owner])
+    owners = [random_tensor((num_blocks, size), torch.uint8, generator, device) for size in sizes]
+    return PageCase(name=f"sized{sizes}", pages=list(owners), owners=owners)

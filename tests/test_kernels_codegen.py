@@ -7,6 +7,7 @@ from typing import cast
 
 import pytest
 
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
 from kvtriton.kernels.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 
 # A Llama-3-8B-shaped job: 32 layers x (K, V) page tensors.
@@ -27,7 +28,7 @@ KINDS = pytest.mark.parametrize("to_slab", [True, False], ids=["gather", "scatte
 
 
 @KINDS
-@pytest.mark.parametrize("page_bytes", [4096, 32768])
+@pytest.mark.parametrize("page_bytes", [1024, 4096, 16384, 32768])
 def test_aligned_pages_use_16_byte_global_loads_and_stores(page_bytes: int, to_slab: bool) -> None:
     accesses = compiled(page_bytes, to_slab).accesses()
     # Every data access is a 16-byte vector (ld/st.global.v2.b64 or v4.b32); the
@@ -38,9 +39,10 @@ def test_aligned_pages_use_16_byte_global_loads_and_stores(page_bytes: int, to_s
     assert "st.global.v2.b64" in ptx or "st.global.v4.b32" in ptx
 
 
-def test_gather_stores_into_the_slab_pointer_are_16_bytes_wide() -> None:
+@pytest.mark.parametrize("page_bytes", [1024, 4096, 32768])
+def test_gather_stores_into_the_slab_pointer_are_16_bytes_wide(page_bytes: int) -> None:
     # In the gather kernel every store goes to the slab (a real pointer argument).
-    kernel = compiled(32768, True)
+    kernel = compiled(page_bytes, True)
     assert kernel.accesses().stores == {16: kernel.accesses().stores[16]}
     assert "copy_pages_kernel_param_1" in kernel.ptx  # the slab parameter exists as a pointer
 
@@ -53,6 +55,61 @@ def test_block_and_row_offsets_are_multiplied_in_64_bits(to_slab: bool, index_ty
     assert any("%block" in m and "%block_stride" in m and m.endswith(": i64") for m in multiplies), multiplies
     assert any("%row" in m and "%row_stride" in m and m.endswith(": i64") for m in multiplies), multiplies
     assert kernel.narrow_multiplies() == []
+
+
+@KINDS
+@pytest.mark.parametrize("index_type", ["i32", "i64"])
+def test_a_tile_of_pairs_multiplies_its_block_and_row_vectors_in_64_bits(to_slab: bool, index_type: str) -> None:
+    # 1 KiB pages: 16 pairs per tile, block and row ids loaded as 16-element vectors.
+    kernel = compiled(1024, to_slab, index_type)
+    multiplies = kernel.multiplies()
+    assert any(m.startswith("%block") and m.endswith(": i64") for m in multiplies), multiplies
+    assert any(m.startswith("%row") and m.endswith(": i64") for m in multiplies), multiplies
+    assert kernel.narrow_multiplies() == []
+
+
+@KINDS
+@pytest.mark.parametrize("page_bytes", [1024, 4096, 16384, 32768])
+def test_one_loop_iteration_keeps_bytes_per_iter_of_16_byte_loads_in_flight(page_bytes: int, to_slab: bool) -> None:
+    # Host reads are latency-bound: whatever the page size, one iteration of one
+    # program issues at least bytes_per_iter / 16 sixteen-byte loads (and as
+    # many stores), not one page's worth (1 KiB pages used to move 1 KiB).
+    kernel = compiled(page_bytes, to_slab)
+    loop = kernel.loop_accesses()
+    wanted = DEFAULT_BYTES_PER_ITER // 16
+    assert loop.loads.get(16, 0) * kernel.threads >= wanted, (kernel.threads, loop.describe())
+    assert loop.stores.get(16, 0) * kernel.threads >= wanted, (kernel.threads, loop.describe())
+    assert kernel.loop_bytes_loaded() >= DEFAULT_BYTES_PER_ITER
+
+
+def test_the_loop_body_is_found_between_the_backward_branch_and_its_label() -> None:
+    ptx = """
+    ld.global.b64 {%rd1}, [%rd2 + 0];
+$L__BB0_2:
+    ld.global.v2.b64 {%rd3, %rd4}, [%rd5 + 0];
+    st.global.v2.b64 [%rd6 + 0], {%rd3, %rd4};
+    @%p2 bra $L__BB0_2;
+$L__BB0_3:
+    st.global.b32 [%rd7 + 0], %r1;
+    .reqntid 64
+"""
+    kernel = CompiledKernel(name="toy", ptx=ptx, ttir="")
+    assert kernel.loop_accesses().loads == {16: 1} and kernel.loop_accesses().stores == {16: 1}
+    assert kernel.accesses().loads == {8: 1, 16: 1}
+    assert kernel.threads == 64 and kernel.loop_bytes_loaded() == 16 * 64
+    with pytest.raises(ValueError, match="no loop"):
+        CompiledKernel(name="straight", ptx="ld.global.b64 {%rd1}, [%rd2];", ttir="").loop_accesses()
+
+
+def test_tensor_multiplies_are_reported_with_their_element_type() -> None:
+    ttir = """
+    %a = arith.muli %block_15, %page_start : tensor<16xi64> loc(#loc70)
+    %b = arith.muli %row, %stride : tensor<4x8xi32> loc(#loc71)
+    %c = arith.muli %page, %c4_i64 : i64 loc(#loc72)
+"""
+    kernel = CompiledKernel(name="toy", ptx="", ttir=ttir)
+    assert kernel.multiplies() == ["%block_15 * %page_start : i64", "%row * %stride : i32", "%page * %c4_i64 : i64"]
+    assert kernel.narrow_multiplies() == ["%row * %stride : i32"]
 
 
 @KINDS
@@ -77,14 +134,16 @@ def test_the_descriptor_per_copy_baseline_compiles_to_8_byte_scalar_accesses() -
 
 
 @KINDS
+@pytest.mark.parametrize("page_bytes", [8, 32768], ids=["tile-of-pairs", "one-pair-per-unit"])
 @pytest.mark.parametrize("constant", ["num_pairs", "row_stride"])
-def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compiles(to_slab: bool, constant: str) -> None:
+def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compiles(to_slab: bool, constant: str, page_bytes: int) -> None:
     # Triton's launcher turns an int argument equal to 1 into a compile-time
     # constant (a plain int in the body): a one-pair job, or a one-element row
-    # stride, must compile as well as the general case.
+    # stride, must compile as well as the general case, in both code paths.
     from kvtriton.kernels.jit.compile import UnsupportedTriton, compile_asm
 
-    config = production_config(8, 2)
+    config = production_config(page_bytes, 2)
+    assert (config.pairs > 1) == (page_bytes < DEFAULT_BYTES_PER_ITER)
     signature = {"table_ptr": "*i64", "slab_ptr": "*i64", "blocks_ptr": "*i64", "rows_ptr": "*i64",
                  "num_pairs": "i32", "row_stride": "i64"}  # fmt: skip
     del signature[constant]
@@ -93,7 +152,7 @@ def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compi
         "CHUNK": config.chunk, "PAIRS": config.pairs, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
     }  # fmt: skip
     try:
-        asm = compile_asm("copy_pages", signature=signature, constexprs=constexprs, divisible_by_16=[], num_warps=1)
+        asm = compile_asm("copy_pages", signature=signature, constexprs=constexprs, divisible_by_16=[], num_warps=config.num_warps)
     except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
         pytest.skip(str(error))
     assert "st.global" in asm["ptx"]

@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtriton.kernels import gather_pages, scatter_pages
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, gather_pages, scatter_pages
 from tests.kernel_cases import indices
 
 PAGE = 1024
 FAR = 2**22 + 3  # index whose byte offset is past 2**32 for 1 KiB+ rows and blocks
+# Both kernel paths: 1 KiB per iteration is one pair per unit; the default
+# stacks 16 pairs of 1 KiB pages into a tile (block and row ids as vectors).
+PATHS = pytest.mark.parametrize("bytes_per_iter", [PAGE, DEFAULT_BYTES_PER_ITER], ids=["one-pair-per-unit", "tile-of-pairs"])
 
 
 def sparse_bytes(path: Path, size: int) -> torch.Tensor:
@@ -39,14 +42,15 @@ def memory_guard() -> Iterator[None]:
     assert max_rss_bytes() - before < 256 * 2**20
 
 
+@PATHS
 @pytest.mark.usefixtures("memory_guard")
-def test_a_slab_row_beyond_4_gib_is_gathered_and_scattered(tmp_path: Path) -> None:
+def test_a_slab_row_beyond_4_gib_is_gathered_and_scattered(tmp_path: Path, bytes_per_iter: int) -> None:
     rows = FAR + 2
     row_bytes = 2 * PAGE + 32
     slab = sparse_bytes(tmp_path / "slab.bin", rows * row_bytes).view(rows, row_bytes)
     assert FAR * row_bytes > 2**32
     pages = [torch.randint(-128, 127, (4, PAGE), dtype=torch.int8) for _ in range(2)]
-    gather_pages(pages, slab, indices([3, 1], torch.int32, "cpu"), indices([FAR, 5], torch.int32, "cpu"))
+    gather_pages(pages, slab, indices([3, 1], torch.int32, "cpu"), indices([FAR, 5], torch.int32, "cpu"), bytes_per_iter=bytes_per_iter)
     assert torch.equal(slab[FAR, :PAGE], pages[0][3].view(torch.uint8))
     assert torch.equal(slab[FAR, PAGE : 2 * PAGE], pages[1][3].view(torch.uint8))
     assert torch.equal(slab[5, PAGE : 2 * PAGE], pages[1][1].view(torch.uint8))
@@ -54,18 +58,19 @@ def test_a_slab_row_beyond_4_gib_is_gathered_and_scattered(tmp_path: Path) -> No
     wrapped = (FAR * row_bytes) % 2**32
     assert int(slab.view(-1)[wrapped : wrapped + PAGE].count_nonzero()) == 0
     targets = [torch.zeros(4, PAGE, dtype=torch.int8) for _ in range(2)]
-    scatter_pages(slab, targets, indices([FAR], torch.int32, "cpu"), indices([2], torch.int32, "cpu"))
+    scatter_pages(slab, targets, indices([FAR], torch.int32, "cpu"), indices([2], torch.int32, "cpu"), bytes_per_iter=bytes_per_iter)
     assert torch.equal(targets[0][2], pages[0][3]) and torch.equal(targets[1][2], pages[1][3])
 
 
+@PATHS
 @pytest.mark.usefixtures("memory_guard")
-def test_a_block_beyond_4_gib_in_a_page_tensor_is_gathered_and_scattered(tmp_path: Path) -> None:
+def test_a_block_beyond_4_gib_in_a_page_tensor_is_gathered_and_scattered(tmp_path: Path, bytes_per_iter: int) -> None:
     blocks = FAR + 2
     cache = sparse_bytes(tmp_path / "cache.bin", blocks * 2 * PAGE).view(blocks, 2, PAGE)
     pages = [cache[:, 0], cache[:, 1]]  # strided views: block stride 2 KiB
     slab = torch.randint(0, 256, (3, 2 * PAGE), dtype=torch.uint8)
-    scatter_pages(slab, pages, indices([2], torch.int64, "cpu"), indices([FAR], torch.int64, "cpu"))
+    scatter_pages(slab, pages, indices([2], torch.int64, "cpu"), indices([FAR], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
     assert torch.equal(cache[FAR].reshape(-1), slab[2])
     out = torch.zeros(3, 2 * PAGE, dtype=torch.uint8)
-    gather_pages(pages, out, indices([FAR], torch.int64, "cpu"), indices([0], torch.int64, "cpu"))
+    gather_pages(pages, out, indices([FAR], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
     assert torch.equal(out[0], slab[2])
