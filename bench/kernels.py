@@ -249,25 +249,47 @@ def sweep_jobs(page_sizes: Sequence[int], block_counts: Sequence[int], layers: i
     return jobs
 
 
-def print_ptx_summary(page_sizes: Sequence[int], num_pages: int) -> list[dict[str, object]]:
-    """Access widths of the production kernels per page size, next to the descriptor-per-copy baseline."""
+def print_ptx_summary(page_sizes: Sequence[int], num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER) -> list[dict[str, object]]:
+    """Access widths of the production kernels per page size, next to the descriptor-per-copy baseline.
+
+    Also what one program issues per loop iteration (the loop body's global
+    accesses per thread times the threads): host reads are latency-bound, so
+    that is the bytes a program keeps in flight.
+    """
     from kvtriton.kernels.codegen import compile_copy_pages, compile_descriptor_copy, production_config
 
     rows: list[list[object]] = []
     records: list[dict[str, object]] = []
     baseline = compile_descriptor_copy()
     for page in page_sizes:
+        config = production_config(page, num_pages, bytes_per_iter)
+        tile = f"{config.pairs} x {config.chunk * config.element_bytes} B"
         for to_slab in (True, False):
-            kernel = compile_copy_pages(production_config(page, num_pages), to_slab=to_slab)
+            kernel = compile_copy_pages(config, to_slab=to_slab)
             accesses = kernel.accesses()
+            loop = kernel.loop_accesses()
             narrow = kernel.narrow_multiplies()
-            rows.append([kernel.name, accesses.widest_load, accesses.widest_store, accesses.describe(), "none" if not narrow else ", ".join(narrow)])
-            records.append({"kernel": kernel.name, "loads": accesses.loads, "stores": accesses.stores, "narrow_multiplies": narrow})
+            wide_loads = loop.loads.get(16, 0) * kernel.threads
+            rows.append([
+                kernel.name, tile, kernel.threads, accesses.widest_load, accesses.widest_store, loop.describe(),
+                wide_loads, f"{wide_loads * 16 / KiB:g}", "none" if not narrow else ", ".join(narrow),
+            ])  # fmt: skip
+            records.append({
+                "kernel": kernel.name, "pairs": config.pairs, "chunk_bytes": config.chunk * config.element_bytes,
+                "threads": kernel.threads, "loads": accesses.loads, "stores": accesses.stores,
+                "loop_loads_per_thread": loop.loads, "loop_stores_per_thread": loop.stores,
+                "loads_16b_per_iteration_per_program": wide_loads, "narrow_multiplies": narrow,
+            })  # fmt: skip
     accesses = baseline.accesses()
-    rows.append([baseline.name, accesses.widest_load, accesses.widest_store, accesses.describe(), "-"])
-    records.append({"kernel": baseline.name, "loads": accesses.loads, "stores": accesses.stores})
-    print("PTX for sm_90 (compiled on this machine, no GPU needed): global access width in bytes per thread")
-    print(format_table(["kernel", "widest ld", "widest st", "all global accesses", "32-bit address multiplies"], rows))
+    loop = baseline.loop_accesses()
+    wide_loads = loop.loads.get(16, 0) * baseline.threads
+    rows.append([baseline.name, "-", baseline.threads, accesses.widest_load, accesses.widest_store, loop.describe(), wide_loads, "0", "-"])
+    records.append({"kernel": baseline.name, "loads": accesses.loads, "stores": accesses.stores, "loop_loads_per_thread": loop.loads})
+    print("PTX for sm_90 (compiled on this machine, no GPU needed): global access width in bytes per thread;")
+    print(f"'per iteration' = the persistent loop's body, per thread; bytes_per_iter = {bytes_per_iter}")
+    headers = ["kernel", "tile (pairs x chunk)", "threads", "widest ld", "widest st", "per iteration, per thread",
+               "16B loads/iter/program", "16B KiB/iter", "32-bit address multiplies"]  # fmt: skip
+    print(format_table(headers, rows))
     return records
 
 
@@ -324,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     page_sizes = [kib * KiB for kib in args.page_kib]
     if args.ptx:
-        records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"])
+        records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
         return 0
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))

@@ -65,17 +65,25 @@ class CompiledKernel:
         return _count_accesses(self.ptx)
 
     def loop_accesses(self) -> AccessSummary:
-        """The global accesses inside the persistent loop: what one thread issues per iteration.
+        """The global accesses inside the copy loop: what one thread issues per iteration.
 
-        The loop body is the PTX between the label that the loop's backward
-        branch jumps to and that branch (the kernel has one loop).
+        A candidate body is the PTX between the label that a backward branch
+        jumps to and that branch; the copy loop is the shortest one that
+        stores (the copy kernel has one loop, the persistent one; in the
+        descriptor kernel it is the inner loop, not an outer-loop latch that
+        the compiler placed above it).
         """
         labels = {match.group(1): match.start() for match in _LABEL.finditer(self.ptx)}
-        for branch in _BRANCH.finditer(self.ptx):
-            target = labels.get(branch.group(1))
-            if target is not None and target < branch.start():
-                return _count_accesses(self.ptx[target : branch.start()])
-        raise ValueError(f"{self.name}: no loop (backward branch) in the PTX")
+        bodies = [
+            self.ptx[labels[branch.group(1)] : branch.start()]
+            for branch in _BRANCH.finditer(self.ptx)
+            if labels.get(branch.group(1), branch.start()) < branch.start()
+        ]
+        copying = [_count_accesses(body) for body in sorted(bodies, key=len)]
+        for accesses in copying:
+            if accesses.stores:
+                return accesses
+        raise ValueError(f"{self.name}: no loop (backward branch) with a global store in the PTX")
 
     @property
     def threads(self) -> int:

@@ -101,6 +101,28 @@ $L__BB0_3:
         CompiledKernel(name="straight", ptx="ld.global.b64 {%rd1}, [%rd2];", ttir="").loop_accesses()
 
 
+def test_the_loop_body_is_the_copy_loop_not_an_outer_latch_placed_above_it() -> None:
+    # The compiler may put an outer loop's latch block before a backward branch
+    # that is shorter than the copy loop (the descriptor kernel does).
+    ptx = """
+$L__BB0_5:
+    @!%p12 bra $L__BB0_6;
+$L__BB0_2:
+    ld.global.b64 {%rd13}, [%rd14 + 0];
+    @%p2 bra $L__BB0_5;
+$L__BB0_4:
+    @%p3 ld.global.b64 {%rd22}, [%rd23 + 0];
+    @%p3 ld.global.b64 {%rd24}, [%rd25 + 0];
+    @%p3 st.global.b64 [%rd38 + 0], {%rd22};
+    @%p3 st.global.b64 [%rd39 + 0], {%rd24};
+    @%p11 bra $L__BB0_4;
+    bra.uni $L__BB0_5;
+$L__BB0_6:
+"""
+    loop = CompiledKernel(name="nested", ptx=ptx, ttir="").loop_accesses()
+    assert loop.loads == {8: 2} and loop.stores == {8: 2}
+
+
 def test_tensor_multiplies_are_reported_with_their_element_type() -> None:
     ttir = """
     %a = arith.muli %block_15, %page_start : tensor<16xi64> loc(#loc70)
