@@ -131,6 +131,15 @@ def _run(
         return
     from .launch import launch_copy  # triton is imported only when a Triton path runs
 
+    if path is Path.INTERPRETER:
+        from .jit.interpreter_probe import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem is not None:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set but {problem}; unset TRITON_INTERPRET to copy CPU tensors "
+                "with the torch path, or use a newer Triton (3.9 works)"
+            )
     launch_copy(
         to_slab, pages, slab, blocks, rows, geometry, interpret=path is Path.INTERPRETER,
         num_programs=num_programs, bytes_per_iter=bytes_per_iter,

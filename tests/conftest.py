@@ -1,16 +1,24 @@
 """Test-wide setup.
 
 TRITON_INTERPRET must be set before triton is first imported: kernel tests run
-the real Triton kernels on CPU tensors through the interpreter.
+the real Triton kernels on CPU tensors through the interpreter. Where the
+installed Triton's interpreter cannot run the kernels (Triton < 3.7 with
+NumPy >= 2.4, as on some GPU machines), CPU cases take the torch path instead
+and the tests that exist to exercise the interpreter are skipped, saying why;
+CUDA cases are unaffected.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402  (must follow the environment set-up)
+
+from kvtriton.kernels.jit.interpreter_probe import interpreter_problem  # noqa: E402
 
 settings.register_profile(
     "ci",
@@ -21,3 +29,28 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, max_examples=100)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+INTERPRETER_PROBLEM = interpreter_problem() if os.environ["TRITON_INTERPRET"] not in ("", "0") else None
+if INTERPRETER_PROBLEM is not None:
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires_interpreter: the test exercises the Triton interpreter on CPU tensors")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    del config
+    if INTERPRETER_PROBLEM is None:
+        return f"triton interpreter: {'on' if os.environ['TRITON_INTERPRET'] not in ('', '0') else 'off'}"
+    return f"triton interpreter: unusable here ({INTERPRETER_PROBLEM}); CPU kernel cases take the torch path"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    del config
+    if INTERPRETER_PROBLEM is None:
+        return
+    skip = pytest.mark.skip(reason=f"Triton interpreter unusable here: {INTERPRETER_PROBLEM}")
+    for item in items:
+        if "requires_interpreter" in item.keywords:
+            item.add_marker(skip)

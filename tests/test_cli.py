@@ -7,6 +7,7 @@ import pytest
 from kvtriton.cli import main
 
 
+@pytest.mark.requires_interpreter
 def test_info_reports_versions_and_machine_facts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

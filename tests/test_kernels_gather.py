@@ -107,6 +107,7 @@ def test_cpu_tensors_take_the_interpreter_under_triton_interpret(monkeypatch: py
     assert select_path(torch.device("cuda", 0)) is Path.TRITON
 
 
+@pytest.mark.requires_interpreter
 def test_the_interpreter_path_runs_the_triton_kernel_not_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvtriton.kernels.pages as pages_module
 
@@ -127,3 +128,22 @@ def test_without_triton_interpret_cpu_tensors_take_the_torch_path(monkeypatch: p
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(launch_module, "launch_copy", refuse)
     run_both("mla", torch.float16, "cpu", BLOCKS, ROWS, torch.int64)
+
+
+@pytest.mark.requires_interpreter
+def test_the_interpreter_probe_finds_no_problem_where_the_interpreter_works() -> None:
+    from kvtriton.kernels.jit.interpreter_probe import interpreter_problem
+
+    assert interpreter_problem() is None
+
+
+def test_an_unusable_interpreter_is_reported_in_words_before_anything_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtriton.kernels.jit.interpreter_probe as probe
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(probe, "interpreter_problem", lambda: "the Triton 3.6.0 interpreter cannot run a loop")
+    case = build_pages("mla", torch.float16, "cpu")
+    slab = torch.zeros(16, sum(case.page_bytes), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET is set but the Triton 3.6.0 interpreter cannot run a loop"):
+        gather_pages(case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"))
+    assert not slab.any()
