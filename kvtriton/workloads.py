@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import random
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -117,6 +118,8 @@ def _check_positive(params: object, *names: str) -> None:
         value: object = getattr(params, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name} must be positive, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _check_range(params: object, low: str, high: str) -> None:
@@ -199,7 +202,9 @@ class PrefixSharingParams:
         _check_positive(self, "requests", "blocks_per_request", "prefixes")
         if not 0 <= self.prefix_blocks <= self.blocks_per_request:
             raise ValueError(f"prefix_blocks must be in 0..{self.blocks_per_request}, got {self.prefix_blocks}")
-        if not self.zipf_s >= 0:  # also refuses NaN
+        if not math.isfinite(self.zipf_s):
+            raise ValueError(f"zipf_s must be a finite number >= 0, got {self.zipf_s!r}")
+        if self.zipf_s < 0:
             raise ValueError(f"zipf_s must be >= 0, got {self.zipf_s}")
 
 
@@ -400,12 +405,16 @@ def generate(
 # User traces (JSON lines)
 
 
+_INT_HASH_TAG = b"\xff"
+"""Leads every integer hash's bytes: 0xFF never occurs in UTF-8, so no string hash can equal an integer one."""
+
+
 def _block_hash(value: object, line: str, field: str, index: int) -> bytes:
-    """A trace block hash: a string (used as its UTF-8 bytes) or a non-negative integer."""
+    """A trace block hash: a string (used as its UTF-8 bytes) or a non-negative integer (tagged big-endian bytes)."""
     if isinstance(value, str) and value:
         return value.encode()
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value.to_bytes(max(8, (value.bit_length() + 7) // 8), "big")
+        return _INT_HASH_TAG + value.to_bytes(max(8, (value.bit_length() + 7) // 8), "big")
     raise ValueError(f"{line}: {field}[{index}] must be a non-empty string or a non-negative integer, got {value!r}")
 
 
@@ -414,6 +423,10 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
         record: object = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{line}: not valid JSON ({error.msg} at column {error.colno})") from None
+    except ValueError as error:  # an integer literal beyond Python's int_max_str_digits
+        raise ValueError(f"{line}: not valid JSON ({error})") from None
+    except RecursionError:
+        raise ValueError(f"{line}: not valid JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ValueError(f"{line}: expected a JSON object, got {type(record).__name__}")
     fields = cast("dict[str, object]", record)  # JSON object keys are always strings
@@ -448,14 +461,16 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
 def parse_trace(lines: Iterable[str], *, block_size: int = 16, source: str = "trace") -> Iterator[Request]:
     """Parse JSON-lines requests; a bad line raises ``ValueError`` naming ``source``, the line and why.
 
-    Each non-blank line is an object: ``blocks`` (list of block hashes, strings
-    or non-negative integers, required), ``tokens`` (prompt length, default
-    ``len(blocks) * block_size``), ``output_blocks`` (default none) and ``id``.
+    Each line that is neither blank nor a ``#`` comment is an object:
+    ``blocks`` (list of block hashes, strings or non-negative integers,
+    required), ``tokens`` (prompt length, default ``len(blocks) * block_size``),
+    ``output_blocks`` (default none) and ``id``.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     for number, text in enumerate(lines, start=1):
-        if text.strip():
+        stripped = text.strip()
+        if stripped and not stripped.startswith("#"):
             yield _parse_line(text, f"{source} line {number}", block_size)
 
 
@@ -463,7 +478,7 @@ def read_trace(path: str | Path, *, block_size: int = 16) -> list[Request]:
     """Read a JSON-lines trace file (see :func:`parse_trace`); an empty trace is an error."""
     trace_path = Path(path)
     try:
-        with trace_path.open(encoding="utf-8") as handle:
+        with trace_path.open(encoding="utf-8-sig") as handle:  # -sig: drop a byte order mark
             requests = list(parse_trace(handle, block_size=block_size, source=str(trace_path)))
     except UnicodeDecodeError as error:
         raise ValueError(f"{trace_path}: not UTF-8 text ({error.reason} at byte {error.start})") from None

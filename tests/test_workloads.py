@@ -147,6 +147,13 @@ def test_inconsistent_parameters_are_rejected_by_name() -> None:
         generate("shared-prompt", overrides={"requests": "0"})
 
 
+@pytest.mark.parametrize("workload", ["few-shot", "prefix-sharing"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_zipf_exponent_is_rejected_by_name(workload: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"zipf_s must be a finite number.*got {value}"):
+        generate(workload, overrides={"requests": "5", "zipf_s": value})
+
+
 # --------------------------------------------------------------------------
 # JSON-lines traces
 
@@ -161,8 +168,23 @@ def test_trace_lines_become_requests_with_defaults() -> None:
     assert first == Request("a", (b"h1", b"h2"), 40, (b"h3",))
     assert second.req_id == "trace line 3"
     assert second.prompt_tokens == 32
-    assert second.prompt_blocks == ((1).to_bytes(8, "big"), (2).to_bytes(8, "big"))
+    assert len(set(second.prompt_blocks)) == 2
     assert second.output_blocks == ()
+
+
+def test_integer_and_string_hashes_never_name_the_same_block() -> None:
+    # 0x6162636465666768 is "abcdefgh" in ASCII: the two must still be different blocks.
+    text, number = parse_trace(['{"blocks": ["abcdefgh"]}', '{"blocks": [7017280452245743464]}'])
+    assert text.prompt_blocks != number.prompt_blocks
+    (same,) = parse_trace(['{"blocks": [7017280452245743464]}'])
+    assert same.prompt_blocks == number.prompt_blocks
+
+
+def test_comment_lines_are_skipped_and_keep_the_line_numbers() -> None:
+    lines = ["# exported from gateway logs", '{"blocks": ["a"]}', "  # a note", '{"blocks": ["a", 2.5]}']
+    with pytest.raises(ValueError, match=r"^trace line 4: blocks\[1\]"):
+        list(parse_trace(lines))
+    assert [r.prompt_blocks for r in parse_trace(lines[:3])] == [(b"a",)]
 
 
 @pytest.mark.parametrize(
@@ -179,6 +201,8 @@ def test_trace_lines_become_requests_with_defaults() -> None:
         ('{"blocks": ["a"], "tokens": "16"}', "tokens must be an integer, got '16'"),
         ('{"blocks": ["a"], "prompt": "hi"}', "unknown field.*prompt"),
         ('{"blocks": ["a"], "id": [1]}', "id must be a string or an integer"),
+        ('{"blocks": [' + "9" * 5000 + "]}", "not valid JSON.*digits"),
+        ("[" * 100_000, "not valid JSON.*nested too deeply"),
     ],
 )
 def test_malformed_trace_line_names_the_line_and_why(line: str, why: str) -> None:
@@ -199,6 +223,12 @@ def test_read_trace_rejects_an_empty_file(tmp_path: Path) -> None:
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="the trace holds no requests"):
         read_trace(path)
+
+
+def test_read_trace_accepts_a_utf8_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "excel.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"blocks": ["a"]}\n{"blocks": ["a", "b"]}\n')
+    assert [len(r.prompt_blocks) for r in read_trace(path)] == [1, 2]
 
 
 def test_read_trace_rejects_binary_files(tmp_path: Path) -> None:
