@@ -154,9 +154,14 @@ def parse_capacity(text: str, default_unit: str = "GiB") -> int:
     number, unit = float(match.group(1)), (match.group(2) or default_unit).lower()
     if unit not in _UNITS:
         raise ValueError(f"capacity unit must be one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, got {text!r}")
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number):
+        raise ValueError(f"capacity must be finite, got {text!r}")
+    if number <= 0:
         raise ValueError(f"capacity must be positive, got {text!r}")
-    return int(number * _UNITS[unit])
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"capacity less than one byte, got {text!r}")
+    return size
 
 
 def format_bytes(size: float) -> str:

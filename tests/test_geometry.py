@@ -73,6 +73,15 @@ def test_bad_capacity_is_rejected_naming_the_text(text: str) -> None:
     assert repr(text) in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("1e400", "must be finite"), ("1e400GiB", "must be finite"), ("1e-20", "less than one byte"), ("0.5B", "less than one byte")],
+)
+def test_capacity_that_is_not_a_whole_positive_byte_count_says_why(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=f"capacity {why}, got '{text}'"):
+        parse_capacity(text)
+
+
 def test_dtype_names_follow_vllm_spellings() -> None:
     assert parse_dtype("bf16") is KVDtype.BFLOAT16
     assert parse_dtype("BFloat16") is KVDtype.BFLOAT16
