@@ -174,7 +174,7 @@ def _capacities(text: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
-    names = _listed(text, "policies")
+    names = [name.lower() for name in _listed(text, "policies")]
     for name in names:
         try:
             CPUOffloadingManager(1, cache_policy=name)
@@ -327,16 +327,31 @@ def _geometry(args: argparse.Namespace) -> ModelGeometry:
 def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, list[Request]]:
     if args.trace is not None:
         path: Path = args.trace
-        if not path.is_file():
+        if not path.exists():
             raise ValueError(f"--trace: no such file: {path}")
+        if path.is_dir():
+            raise ValueError(f"--trace: {path} is a directory, not a JSON-lines trace file")
         if args.requests is not None or args.param:
             raise ValueError("--requests and --param shape built-in workloads; they do not apply to --trace")
-        return _Source(path.stem, {"trace": str(path)}), read_trace(path, block_size=block_size)
+        # Not is_file(): a pipe (`--trace <(zcat trace.jsonl.gz)`) is a fine trace too.
+        try:
+            requests = read_trace(path, block_size=block_size)
+        except OSError as error:
+            raise ValueError(f"--trace: cannot read {path}: {error.strerror or error}") from None
+        return _Source(path.stem, {"trace": str(path)}), requests
     overrides: dict[str, str] = dict(args.param)
     if args.requests is not None:
+        if "requests" in overrides:
+            raise ValueError(
+                f"--requests {args.requests} and --param requests={overrides['requests']} both set the request"
+                " count; give one"
+            )
         overrides["requests"] = str(args.requests)
     workload = WORKLOADS[args.workload]
-    params = workload.params(overrides)
+    try:
+        params = workload.params(overrides)
+    except ValueError as error:
+        raise ValueError(f"--param: {error}") from None
     description: dict[str, object] = {"workload": workload.name, "seed": args.seed, "params": asdict(params)}
     return _Source(workload.name, description), generate(
         workload.name, seed=args.seed, block_size=block_size, overrides=overrides

@@ -347,7 +347,10 @@ class Workload(Generic[P]):
                     f"workload {self.name!r} has no parameter {name!r}; its parameters are {', '.join(known)}"
                 )
             changes[name] = _convert(raw, known[name], f"parameter {name} of workload {self.name!r}")
-        return dataclasses.replace(self.defaults, **changes)
+        try:
+            return dataclasses.replace(self.defaults, **changes)
+        except ValueError as error:  # a value out of range, or values that contradict each other
+            raise ValueError(f"workload {self.name!r}: {error}") from None
 
     def generate(self, *, seed: int, block_size: int, overrides: Mapping[str, str | int | float] | None = None) -> list[Request]:
         if block_size < 1:

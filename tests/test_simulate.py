@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -325,6 +326,10 @@ def test_bad_flags_exit_with_a_message_naming_the_value(
         (["--param", "turns=3"], "workload 'chat' has no parameter 'turns'"),
         (["--capacities", "1MiB"], "--capacities: 1.00 MiB holds no block of 2.00 MiB"),
         (["--trace", "/no/such/trace.jsonl"], "--trace: no such file: /no/such/trace.jsonl"),
+        (["--param", "requests=0"], "--param: workload 'chat': requests must be positive, got 0"),
+        (["--workload", "few-shot", "--param", "zipf_s=nan"], "--param: workload 'few-shot': zipf_s must be a finite"),
+        (["--param", "turns=3"], "--param: workload 'chat' has no parameter 'turns'"),
+        (["--requests", "7", "--param", "requests=5"], "--requests 7 and --param requests=5 both set the request count"),
     ],
 )
 def test_bad_settings_exit_2_with_a_message(
@@ -332,6 +337,43 @@ def test_bad_settings_exit_2_with_a_message(
 ) -> None:
     assert main(["simulate", *flags, "--no-progress", "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_trace_that_is_a_directory_is_named_as_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(tmp_path), "--no-progress", "--out", str(tmp_path / "out")]) == 2
+    assert f"--trace: {tmp_path} is a directory" in capsys.readouterr().err
+
+
+def test_trace_unreadable_file_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"blocks": ["a"]}\n')
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise PermissionError(13, "Permission denied", str(trace))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "open", refuse)
+        assert main(["simulate", "--trace", str(trace), "--no-progress", "--no-plot", "--out", str(tmp_path)]) == 2
+    assert f"--trace: cannot read {trace}: Permission denied" in capsys.readouterr().err
+
+
+def test_trace_can_be_read_from_a_pipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # What `--trace <(zcat trace.jsonl.gz)` passes: a /dev/fd path to a pipe, not a regular file.
+    read_end, write_end = os.pipe()
+    os.write(write_end, b'{"blocks": ["a"]}\n{"blocks": ["a", "b"]}\n')
+    os.close(write_end)
+    try:
+        argv = ["simulate", "--trace", f"/dev/fd/{read_end}", "--capacities", "64MiB", "--policies", "lru"]
+        assert main([*argv, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    finally:
+        os.close(read_end)
+    (point,) = json.loads(capsys.readouterr().out)["points"]
+    assert point["hit_blocks"] == 1
+
+
+def test_policy_names_are_case_insensitive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *TINY, "--policies", "LRU,Arc,lru", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    assert [p["policy"] for p in json.loads(capsys.readouterr().out)["points"]] == ["lru", "lru", "arc", "arc"]
 
 
 def test_help_documents_every_knob_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
