@@ -63,6 +63,8 @@ class DemoConfig:
     layout: str
     policy: str
     capacity_bytes: int
+    capacity_text: str
+    """``--capacity`` as given, for messages."""
     gpu_blocks: int
     backend: str
     block_size_factor: int
@@ -84,11 +86,17 @@ class DemoConfig:
         device = str(args.device)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+        capacity_text = str(args.capacity)
+        try:
+            capacity_bytes = parse_capacity(capacity_text, default_unit="MiB")
+        except ValueError as error:
+            raise ValueError(f"--capacity: {error}") from None
         return cls(
             geometry=geometry,
             layout=layout,
             policy=str(args.policy),
-            capacity_bytes=parse_capacity(str(args.capacity), default_unit="MiB"),
+            capacity_bytes=capacity_bytes,
+            capacity_text=capacity_text,
             gpu_blocks=int(args.gpu_blocks),
             backend=str(args.backend),
             block_size_factor=int(args.block_size_factor),
@@ -330,6 +338,39 @@ def _workload(config: DemoConfig) -> list[Request]:
     return generate("shared-prompt", seed=config.seed, block_size=bs, overrides=overrides)
 
 
+def _slots(config: DemoConfig, row_bytes: int) -> int:
+    """Host slab slots that ``--capacity`` buys, or a ValueError naming the flag."""
+    from kvtriton.slab import HostSlab
+
+    try:
+        return HostSlab.slots_for_budget(config.capacity_bytes, config.block_size_factor, row_bytes)
+    except ValueError as error:
+        raise ValueError(f"--capacity {config.capacity_text}: {error}") from None
+
+
+def _check_memory(config: DemoConfig, device: torch.device) -> None:
+    """Refuse, before allocating anything, a GPU cache on the CPU plus a slab that exceed the available RAM.
+
+    Allocating first would be worse than a traceback: zeroing a cache larger
+    than RAM wakes the OOM killer, which may pick another process.
+    """
+    from kvtriton import slab as slab_module
+
+    available = slab_module.mem_available_bytes()
+    if available is None:
+        return
+    block_bytes = config.geometry.bytes_per_block  # the demo's caches are bf16, as the presets are
+    slab_bytes = _slots(config, block_bytes) * config.block_size_factor * block_bytes
+    cache_bytes = config.gpu_blocks * block_bytes if device.type == "cpu" else 0
+    if cache_bytes + slab_bytes > available:
+        on_cpu = f"{format_bytes(cache_bytes)} (the 'GPU' cache, on the CPU) + " if cache_bytes else ""
+        raise ValueError(
+            f"--gpu-blocks {config.gpu_blocks} and --capacity {config.capacity_text} need"
+            f" {on_cpu}{format_bytes(slab_bytes)} (host slab) of RAM, but only {format_bytes(available)} is"
+            " available (MemAvailable); lower them"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -339,26 +380,33 @@ def run(args: argparse.Namespace) -> int:
     from kvtriton.progress import progress
     from kvtriton.slab import HostSlab
 
+    config: DemoConfig | None = None
     try:
         config = DemoConfig.from_args(args)
         device_name = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         if device_name == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch.cuda.is_available() is False")
         device = torch.device(device_name)
+        _check_memory(config, device)
         tensors = build_cache(config.geometry, config.layout, config.gpu_blocks, device)
         kv = PagedKV.from_tensors(tensors, layout=config.layout)
-        slots = HostSlab.slots_for_budget(config.capacity_bytes, config.block_size_factor, kv.row_bytes)
+        slots = _slots(config, kv.row_bytes)
+        requests = _workload(config)
+        slab = HostSlab(slots, config.block_size_factor, kv.row_bytes)  # last: nothing may fail before `with slab`
     except ValueError as error:
-        print(f"kvtriton demo: {error}", file=sys.stderr)
+        print(f"kvtriton demo: error: {error}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError as error:
+        where = f"--gpu-blocks {config.gpu_blocks}: " if config is not None else ""
+        print(f"kvtriton demo: error: {where}{error}", file=sys.stderr)
         return 2
 
-    requests = _workload(config)
     print(config.geometry.describe())
     print(
         f"layout {config.layout}: {len(kv.pages)} page tensors, {format_bytes(kv.row_bytes)} per block; "
         f"GPU cache {config.gpu_blocks} blocks ({format_bytes(config.gpu_blocks * kv.row_bytes)}) on {device}"
     )
-    with HostSlab(slots, config.block_size_factor, kv.row_bytes) as slab:
+    with slab:
         manager = CPUOffloadingManager(slots, cache_policy=config.policy)
         with TransferEngine(kv, slab, backend=config.backend) as engine:
             print(

@@ -4,7 +4,11 @@ import re
 
 import pytest
 
+import torch
+
 import kvtriton.backends as backends_module
+import kvtriton.demo as demo_module
+import kvtriton.slab as slab_module
 from kvtriton.cli import main
 
 SMALL = ["--model", "qwen2.5-7b", "--gpu-blocks", "16", "--capacity", "24MiB", "--requests", "8", "--no-progress"]
@@ -66,6 +70,61 @@ def test_demo_rejects_impossible_settings_with_exit_code_2(capsys: pytest.Captur
     assert "caches one latent" in capsys.readouterr().err
     assert main(["demo", *SMALL, "--capacity", "1KiB"]) == 2
     assert "less than one slot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--capacity", "abc"], "kvtriton demo: error: --capacity: capacity must be a number .*got 'abc'"),
+        (["--capacity", "0"], "kvtriton demo: error: --capacity: capacity must be positive, got '0'"),
+        (["--capacity", "1KiB"], "kvtriton demo: error: --capacity 1KiB: .*less than one slot"),
+        (["--block-size-factor", "100"], "kvtriton demo: error: --capacity 24MiB: .*less than one slot"),
+        (["--requests", "0"], "kvtriton demo: error: --requests must be >= 1, got 0"),
+    ],
+)
+def test_demo_bad_values_name_the_flag_and_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", *SMALL, *flags]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_demo_refuses_more_memory_than_the_machine_has_before_allocating(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allocated: list[int] = []
+
+    def build_cache(*args: object) -> list[torch.Tensor]:
+        allocated.append(1)
+        return []
+
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(demo_module, "build_cache", build_cache)
+    assert main(["demo", *SMALL, "--capacity", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"kvtriton demo: error: --gpu-blocks 16 and --capacity 1GiB need .* of RAM, .*64.00 MiB", err)
+    assert "Traceback" not in err and allocated == []
+
+
+def test_demo_reports_a_host_slab_refusal_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RAM shrinks between the demo's check and the slab's own (another process allocated it).
+    answers = iter([2**40, 2**20])
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: next(answers))
+    assert main(["demo", *SMALL]) == 2
+    assert re.search(r"kvtriton demo: error: a slab of .* bytes of RAM are available", capsys.readouterr().err)
+
+
+def test_demo_reports_an_out_of_memory_gpu_cache_by_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def out_of_memory(*args: object) -> list[torch.Tensor]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(demo_module, "build_cache", out_of_memory)
+    assert main(["demo", *SMALL]) == 2
+    assert "kvtriton demo: error: --gpu-blocks 16: CUDA out of memory" in capsys.readouterr().err
 
 
 def test_demo_help_documents_every_default(capsys: pytest.CaptureFixture[str]) -> None:
