@@ -548,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
             title = f"{source.name} trace, {summary.requests} requests, {geometry.name} ({format_bytes(geometry.bytes_per_block)}/block)"
             _plot(png_path, reports, title, unlimited.token_hit_rate, working_set / GIB)
     except OSError as error:
-        print(f"kvtriton simulate: error: cannot write results to {out_dir}: {error}", file=sys.stderr)
+        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(record, indent=2))

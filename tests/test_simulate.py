@@ -371,6 +371,13 @@ def test_trace_can_be_read_from_a_pipe(tmp_path: Path, capsys: pytest.CaptureFix
     assert point["hit_blocks"] == 1
 
 
+def test_out_that_is_a_file_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "results"
+    taken.write_text("")
+    assert main(["simulate", *TINY, "--no-plot", "--out", str(taken)]) == 2
+    assert f"kvtriton simulate: error: --out {taken}: cannot write results" in capsys.readouterr().err
+
+
 def test_policy_names_are_case_insensitive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *TINY, "--policies", "LRU,Arc,lru", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     assert [p["policy"] for p in json.loads(capsys.readouterr().out)["points"]] == ["lru", "lru", "arc", "arc"]
