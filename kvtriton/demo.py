@@ -3,9 +3,10 @@
 Builds a paged KV cache with a real model's geometry (Llama-3-8B by default,
 scaled down in block count to fit a CPU machine), replays requests that
 share a few system prompts (the ``shared-prompt`` workload) through
-``CPUOffloadingManager`` + ``TransferEngine`` -- look up each prompt's chunks, load the hits into freshly allocated GPU
-blocks, "compute" the rest, store every new chunk, evicting under pressure --
-and checks every loaded block bit for bit against what was stored. Exits 1 on
+``CPUOffloadingManager`` + ``TransferEngine`` -- look up each prompt's
+chunks, load the hits into freshly allocated GPU blocks, "compute" the rest,
+store every new chunk, evicting under pressure -- and checks every loaded
+block bit for bit against what was stored. Exits 1 on
 any mismatch or failed job.
 """
 
