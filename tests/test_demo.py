@@ -59,7 +59,8 @@ def test_demo_exits_nonzero_when_a_loaded_block_differs(
         """A load that silently moves no bytes."""
 
     monkeypatch.setattr(backends_module, "scatter_pages_reference", copy_nothing)
-    assert main(["demo", *SMALL]) == 1
+    # Pinned to the patched torch backend: on a CUDA machine "auto" would pick triton and copy for real.
+    assert main(["demo", *SMALL, "--device", "cpu", "--backend", "torch"]) == 1
     captured = capsys.readouterr()
     assert "FAILED" in captured.out
     assert "MISMATCH" in captured.err
