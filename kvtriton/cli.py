@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,6 +32,9 @@ class _Command:
     module: str
     help: str
 
+
+_SIGPIPE_EXIT = 128 + 13
+"""Exit status of a process killed by SIGPIPE, which is what a shell expects after ``| head``."""
 
 _COMMANDS: tuple[_Command, ...] = (
     _Command("info", "kvtriton.info", "versions, CUDA, pinned memory and memlock limits"),
@@ -69,6 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = _format_warning
     try:
         return _load(command).run(args)
+    except BrokenPipeError:
+        # `kvtriton simulate | head` closed stdout early: exit as a process
+        # killed by SIGPIPE would, without a traceback. stdout is pointed at
+        # /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _SIGPIPE_EXIT
     finally:
         warnings.formatwarning = previous
 

@@ -41,3 +41,17 @@ def test_warnings_print_as_one_line_naming_kvtriton() -> None:
     before = warnings.formatwarning
     assert main(["info", "--json"]) == 0
     assert warnings.formatwarning is before  # restored after the command
+
+
+def test_output_piped_into_head_ends_quietly_with_the_sigpipe_status() -> None:
+    import subprocess
+    import sys
+
+    script = "import sys\nfrom kvtriton.cli import main\nsys.exit(main(['info']))\n"
+    # Close the read end at once: every write to stdout fails with EPIPE.
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait() == 141
+    assert "Traceback" not in stderr
