@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -385,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     png = plot(results, args.name)
     if png:
-        payload["plot"] = png
+        payload["plot"] = Path(png).name  # beside the JSON; no machine-specific absolute path
     print(f"wrote {write_json(args.name, payload)}" + (f" and {png}" if png else ""))
     return 0
 
