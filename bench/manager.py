@@ -169,6 +169,8 @@ class _VllmManager(Protocol):
 class _Vllm:
     version: str
     make_manager: Callable[[int, str], _VllmManager]
+    make_adapter: Callable[[int, str], _VllmManager]
+    """kvtriton's manager behind its vLLM adapter: what vLLM really calls after the drop-in."""
     make_context: Callable[[str], _VllmContext]
     hit: object
     pending: object
@@ -189,10 +191,19 @@ def _load_vllm() -> _Vllm | str:
     def make_manager(capacity: int, policy: str) -> _VllmManager:
         return manager_cls(capacity, cache_policy=policy, enable_events=False)
 
+    def make_adapter(capacity: int, policy: str) -> _VllmManager:
+        from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+
+        cpu = CPUOffloadingManager(capacity, policy)
+        # The adapter takes vLLM's ReqContext; the protocol names only the part the replay uses.
+        return cast(_VllmManager, VLLMOffloadingManager(cpu, cpu))
+
     def make_context(req_id: str) -> _VllmContext:
         return context_cls(req_id=req_id)
 
-    return _Vllm(version, make_manager, make_context, getattr(lookup_result, "HIT"), getattr(lookup_result, "HIT_PENDING"))
+    return _Vllm(
+        version, make_manager, make_adapter, make_context, getattr(lookup_result, "HIT"), getattr(lookup_result, "HIT_PENDING")
+    )
 
 
 def _vllm_contexts(vllm: _Vllm, requests: Sequence[PreparedRequest]) -> list[_VllmContext]:
@@ -267,6 +278,8 @@ class _Row:
     policy: str
     kvtriton: ReplayResult
     vllm: ReplayResult | None
+    adapter: ReplayResult | None
+    """kvtriton driven through its vLLM adapter with vLLM's call pattern (no touch calls)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -319,17 +332,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             contexts = _vllm_contexts(vllm, requests)
             manager = vllm.make_manager(capacity, policy)
             keep("vllm", policy, replay(_vllm_calls(vllm, manager, args.vllm_touch), requests, contexts, inflight))
+            contexts = _vllm_contexts(vllm, requests)
+            adapter = vllm.make_adapter(capacity, policy)
+            keep("adapter", policy, replay(_vllm_calls(vllm, adapter, args.vllm_touch), requests, contexts, inflight))
     for policy in policies:
-        rows.append(_Row(policy, best[("kvtriton", policy)], best.get(("vllm", policy))))
+        rows.append(_Row(policy, best[("kvtriton", policy)], best.get(("vllm", policy)), best.get(("adapter", policy))))
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
-        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up"]
+        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up", "via adapter blocks/s", "via adapter hit rate", "adapter speed-up"]
     table: list[list[object]] = []
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]
-        if row.vllm is not None:
+        if row.vllm is not None and row.adapter is not None:
             line += [row.vllm.blocks_per_s, row.vllm.hit_rate, row.kvtriton.blocks_per_s / row.vllm.blocks_per_s]
+            line += [row.adapter.blocks_per_s, row.adapter.hit_rate, row.adapter.blocks_per_s / row.vllm.blocks_per_s]
         table.append(line)
     print(format_table(headers, table))
     simulate = simulate_command(params, seed, capacity, inflight, policies)
@@ -359,6 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "kvtriton": record(row.kvtriton),
                     "vllm": record(row.vllm),
                     "speedup": None if row.vllm is None else row.kvtriton.blocks_per_s / row.vllm.blocks_per_s,
+                    "kvtriton_via_vllm_adapter": record(row.adapter),
+                    "adapter_speedup": (
+                        None if row.vllm is None or row.adapter is None else row.adapter.blocks_per_s / row.vllm.blocks_per_s
+                    ),
                 }
                 for row in rows
             ],
