@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 
@@ -32,6 +32,7 @@ from kvtriton.kernels import (
     scatter_pages,
     scatter_pages_reference,
 )
+from kvtriton.kernels.reference import int_list
 from kvtriton.layout import PagedKV
 from kvtriton.plan import TransferDirection, TransferPlan
 
@@ -78,10 +79,6 @@ class CopyBackend(Protocol):
         pages' device (the same object on CPU).
         """
         ...
-
-
-def _int_list(values: torch.Tensor) -> list[int]:
-    return cast("list[int]", values.tolist())  # pyright: ignore[reportUnknownMemberType] -- torch types tolist() as list[Unknown]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +150,7 @@ class DmaCopy:
     def copy(self, host: TransferPlan, device: TransferPlan) -> None:
         del device
         store = host.direction is TransferDirection.STORE
-        runs = _runs(_int_list(host.gpu_blocks), _int_list(host.slab_rows))
+        runs = _runs(int_list(host.gpu_blocks), int_list(host.slab_rows))
         for page, offset, size in zip(self.kv.byte_pages(), self.kv.page_offsets, self.kv.page_bytes):
             columns = self.slab[:, offset : offset + size]
             # A run is one contiguous range on both sides only when this page
@@ -197,7 +194,7 @@ class TorchCopy:
         count, width = host.num_rows, self.kv.row_bytes
         staging = torch.empty((count, width), dtype=torch.uint8, device=self.kv.device)
         local = torch.arange(count, dtype=torch.int64, device=self.kv.device)
-        rows = _int_list(host.slab_rows)
+        rows = int_list(host.slab_rows)
         runs = _runs(list(range(count)), rows)
         if store:
             gather_pages_reference(self.kv.pages, staging, device.gpu_blocks, local)
