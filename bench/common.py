@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvtriton.info import collect_machine_info
+from kvtriton.tools.info import collect_machine_info
 
 __all__ = ["format_table", "machine_record", "results_dir", "write_json"]
 

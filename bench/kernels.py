@@ -33,8 +33,8 @@ import torch
 from bench.common import format_table, results_dir, write_json
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, gather_pages, scatter_pages
 from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
-from kvtriton.progress import progress
-from kvtriton.slab import HostSlab
+from kvtriton.tools.progress import progress
+from kvtriton.worker.slab import HostSlab
 
 KiB = 1024
 LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}

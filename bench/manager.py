@@ -1,10 +1,10 @@
 """Scheduler-side throughput: replay the prefix-sharing workload through the managers.
 
 The trace is kvtriton's built-in ``prefix-sharing`` workload
-(``kvtriton.workloads``): each request starts with part of a shared prefix
+(``kvtriton.tools.workloads``): each request starts with part of a shared prefix
 (system prompts, few-shot examples, earlier turns) chosen with Zipf
 popularity, and ends with blocks no other request has. It is replayed by
-``kvtriton.replay.replay_calls``, in the order a serving engine calls the
+``kvtriton.tools.replay.replay_calls``, in the order a serving engine calls the
 manager: lookup until the first miss, prepare_load the hits, touch all keys,
 prepare_store the rest; ``complete_load`` / ``complete_store`` arrive
 ``--inflight`` requests later, as transfer jobs finish. So
@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass
 from typing import Protocol, TypeVar, cast
 
 from bench.common import format_table, write_json
-from kvtriton.geometry import PRESETS
+from kvtriton.tools.geometry import PRESETS
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, policy_names
-from kvtriton.progress import progress
-from kvtriton.replay import (
+from kvtriton.tools.progress import progress
+from kvtriton.tools.replay import (
     ManagerCalls,
     PreparedRequest,
     ReplayStats,
@@ -50,7 +50,7 @@ from kvtriton.replay import (
     replay_calls,
 )
 from kvtriton.specs import ReqContext
-from kvtriton.workloads import PrefixSharingParams, generate
+from kvtriton.tools.workloads import PrefixSharingParams, generate
 
 __all__ = ["ReplayResult", "build_parser", "main", "replay", "simulate_command", "trace"]
 

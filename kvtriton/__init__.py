@@ -29,22 +29,22 @@ from kvtriton.specs import (
 )
 
 if TYPE_CHECKING:
-    from kvtriton.backends import TransferBackend
-    from kvtriton.engine import TransferEngine, TransferResult
-    from kvtriton.layout import KVLayout, PagedKV
-    from kvtriton.slab import HostSlab, PageableSlabWarning
+    from kvtriton.worker.backends import TransferBackend
+    from kvtriton.worker.engine import TransferEngine, TransferResult
+    from kvtriton.worker.layout import KVLayout, PagedKV
+    from kvtriton.worker.slab import HostSlab, PageableSlabWarning
 
 __version__ = "0.1.0"
 
 # Worker-side names and the module that defines each; they import torch.
 _WORKER_NAMES: dict[str, str] = {
-    "HostSlab": "kvtriton.slab",
-    "KVLayout": "kvtriton.layout",
-    "PageableSlabWarning": "kvtriton.slab",
-    "PagedKV": "kvtriton.layout",
-    "TransferBackend": "kvtriton.backends",
-    "TransferEngine": "kvtriton.engine",
-    "TransferResult": "kvtriton.engine",
+    "HostSlab": "kvtriton.worker.slab",
+    "KVLayout": "kvtriton.worker.layout",
+    "PageableSlabWarning": "kvtriton.worker.slab",
+    "PagedKV": "kvtriton.worker.layout",
+    "TransferBackend": "kvtriton.worker.backends",
+    "TransferEngine": "kvtriton.worker.engine",
+    "TransferResult": "kvtriton.worker.engine",
 }
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.bench_command import BENCHMARKS, find_checkout
-from kvtriton.cli import main
+from kvtriton.tools.bench_command import BENCHMARKS, find_checkout
+from kvtriton.tools.cli import main
 
 # A stand-in benchmark: records its argv and where it was told to write, like bench/common.py does.
 FAKE_BENCHMARK = '''

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvtriton.cli import main
+from kvtriton.tools.cli import main
 
 
 @pytest.mark.requires_interpreter
@@ -34,7 +34,7 @@ def test_unknown_command_exits_with_usage() -> None:
 def test_warnings_print_as_one_line_naming_kvtriton() -> None:
     import warnings
 
-    from kvtriton.cli import _format_warning  # pyright: ignore[reportPrivateUsage] -- the formatter is the unit under test
+    from kvtriton.tools.cli import _format_warning  # pyright: ignore[reportPrivateUsage] -- the formatter is the unit under test
 
     line = _format_warning(UserWarning("slab stays pageable"), UserWarning, "demo.py", 12, "source line")
     assert line == "kvtriton: UserWarning: slab stays pageable\n"
@@ -47,7 +47,7 @@ def test_output_piped_into_head_ends_quietly_with_the_sigpipe_status() -> None:
     import subprocess
     import sys
 
-    script = "import sys\nfrom kvtriton.cli import main\nsys.exit(main(['info']))\n"
+    script = "import sys\nfrom kvtriton.tools.cli import main\nsys.exit(main(['info']))\n"
     # Close the read end at once: every write to stdout fails with EPIPE.
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdout is not None and process.stderr is not None

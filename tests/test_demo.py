@@ -6,10 +6,10 @@ import pytest
 
 import torch
 
-import kvtriton.backends as backends_module
-import kvtriton.demo as demo_module
-import kvtriton.slab as slab_module
-from kvtriton.cli import main
+import kvtriton.worker.backends as backends_module
+import kvtriton.tools.demo as demo_module
+import kvtriton.worker.slab as slab_module
+from kvtriton.tools.cli import main
 
 SMALL = ["--model", "qwen2.5-7b", "--gpu-blocks", "16", "--capacity", "24MiB", "--requests", "8", "--no-progress"]
 
@@ -20,7 +20,7 @@ def _field(out: str, name: str) -> str:
     return match.group(1)
 
 
-@pytest.mark.filterwarnings("ignore::kvtriton.slab.PageableSlabWarning")
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
 def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL]) == 0
     out = capsys.readouterr().out
@@ -33,7 +33,7 @@ def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys:
     assert "OK: every loaded block matched" in out
 
 
-@pytest.mark.filterwarnings("ignore::kvtriton.slab.PageableSlabWarning")
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
 @pytest.mark.parametrize(
     "flags",
     [
@@ -51,7 +51,7 @@ def test_demo_runs_clean_for_other_layouts_policies_and_backends(
     assert "0 mismatched" in capsys.readouterr().out
 
 
-@pytest.mark.filterwarnings("ignore::kvtriton.slab.PageableSlabWarning")
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
 def test_demo_exits_nonzero_when_a_loaded_block_differs(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -7,11 +7,11 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-import kvtriton.backends as backends_module
-from kvtriton.backends import TransferBackend
-from kvtriton.engine import TransferEngine, TransferResult
-from kvtriton.layout import PagedKV
-from kvtriton.slab import HostSlab
+import kvtriton.worker.backends as backends_module
+from kvtriton.worker.backends import TransferBackend
+from kvtriton.worker.engine import TransferEngine, TransferResult
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 BLOCKS, SLOTS = 8, 6
@@ -90,7 +90,7 @@ def test_results_come_in_submission_order_per_direction(engine: TransferEngine) 
 def test_an_invalid_submit_returns_false_reports_nothing_and_logs_why(
     engine: TransferEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvtriton.engine"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.worker.engine"):
         assert not store(engine, 0, [0, 1], [0])
         assert not store(engine, 1, [BLOCKS], [0])
         assert not load(engine, 2, [SLOTS], [0])

@@ -13,10 +13,10 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from kvtriton.backends import TransferBackend
-from kvtriton.engine import TransferEngine
-from kvtriton.layout import PagedKV
-from kvtriton.slab import HostSlab
+from kvtriton.worker.backends import TransferBackend
+from kvtriton.worker.engine import TransferEngine
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

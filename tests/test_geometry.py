@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtriton.geometry import PRESETS, KVDtype, ModelGeometry, format_bytes, parse_capacity, parse_dtype
+from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 
 
 def test_llama_3_8b_block_of_16_bf16_tokens_is_two_mib() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtriton.layout import KVLayout, PagedKV, byte_view
+from kvtriton.worker.layout import KVLayout, PagedKV, byte_view
 
 BLOCKS, BS, HEADS, DIM = 6, 4, 2, 8
 PAGE_BF16 = BS * HEADS * DIM * 2  # bytes of one K (or V) page in bf16

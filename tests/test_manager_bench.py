@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from bench.manager import QUICK_REQUESTS, main, replay, simulate_command, trace
-from kvtriton.cli import main as kvtriton_main
+from kvtriton.tools.cli import main as kvtriton_main
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.replay import manager_calls, prepare
+from kvtriton.tools.replay import manager_calls, prepare
 from kvtriton.specs import ReqContext
-from kvtriton.workloads import PrefixSharingParams, generate
+from kvtriton.tools.workloads import PrefixSharingParams, generate
 
 SMALL = PrefixSharingParams(requests=50, blocks_per_request=8, prefixes=5, prefix_blocks=6, zipf_s=1.0)
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtriton.plan import TransferDirection, plan_transfer, slots_needed
+from kvtriton.worker.plan import TransferDirection, plan_transfer, slots_needed
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from kvtriton.progress import progress
+from kvtriton.tools.progress import progress
 
 
 def test_progress_yields_every_item_and_reports_the_total() -> None:

@@ -23,8 +23,8 @@ def test_scheduler_side_imports_without_torch_or_triton() -> None:
 
 
 def test_worker_names_resolve_on_first_use_to_their_defining_module() -> None:
-    from kvtriton.engine import TransferEngine
-    from kvtriton.layout import PagedKV
+    from kvtriton.worker.engine import TransferEngine
+    from kvtriton.worker.layout import PagedKV
 
     assert kvtriton.TransferEngine is TransferEngine
     assert kvtriton.PagedKV is PagedKV

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kvtriton.backends as backends_module
-from kvtriton.engine import TransferEngine, TransferResult
+import kvtriton.worker.backends as backends_module
+from kvtriton.worker.engine import TransferEngine, TransferResult
 from kvtriton.keys import OffloadKey, make_offload_key
-from kvtriton.layout import PagedKV
+from kvtriton.worker.layout import PagedKV
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.slab import HostSlab
+from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LookupResult, ReqContext
 
 NUM_BLOCKS = 16

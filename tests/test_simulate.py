@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.cli import main
-from kvtriton.geometry import PRESETS, KVDtype, ModelGeometry
+from kvtriton.tools.cli import main
+from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
-from kvtriton.simulate import default_capacities, summarize, sweep
+from kvtriton.tools.replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
+from kvtriton.tools.simulate import default_capacities, summarize, sweep
 from kvtriton.specs import LookupResult, ReqContext
-from kvtriton.workloads import Request, generate
+from kvtriton.tools.workloads import Request, generate
 
 # One byte per block: capacities in bytes are capacities in blocks.
 ONE_BYTE_BLOCKS = ModelGeometry("unit", num_layers=1, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP8, block_size=1, kv_factor=1)
@@ -397,7 +397,7 @@ def test_help_documents_every_knob_with_its_default(capsys: pytest.CaptureFixtur
 
 def test_simulate_imports_neither_torch_nor_triton_nor_matplotlib() -> None:
     code = (
-        "import argparse, sys; import kvtriton.simulate as simulate; parser = argparse.ArgumentParser();"
+        "import argparse, sys; import kvtriton.tools.simulate as simulate; parser = argparse.ArgumentParser();"
         " simulate.add_arguments(parser); parser.parse_args([]);"
         " print(sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules))"
     )

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import kvtriton.slab as slab_module
-from kvtriton.slab import HostSlab, PageableSlabWarning
+import kvtriton.worker.slab as slab_module
+from kvtriton.worker.slab import HostSlab, PageableSlabWarning
 
 
 @dataclass

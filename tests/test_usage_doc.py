@@ -14,7 +14,7 @@ def python_blocks(markdown: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", markdown, flags=re.MULTILINE | re.DOTALL)
 
 
-@pytest.mark.filterwarnings("ignore::kvtriton.slab.PageableSlabWarning")
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
 def test_usage_example_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     blocks = python_blocks(USAGE.read_text(encoding="utf-8"))
     assert len(blocks) == 1, "docs/usage.md should hold exactly one python example"

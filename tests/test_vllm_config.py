@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvtriton.backends import TransferBackend
+from kvtriton.worker.backends import TransferBackend
 from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 

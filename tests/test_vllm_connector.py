@@ -49,7 +49,7 @@ from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E4
 
 from kvtriton.integrations.vllm import VLLMOffloadingManager, VLLMOffloadingWorker  # noqa: E402
 from kvtriton.manager import CPUOffloadingManager  # noqa: E402
-from kvtriton.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 32

@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm_fixtures.builders import canonical_kv_caches, offloading_config  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
-from kvtriton.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
 
 NUM_BLOCKS = 16
 BLOCKS_PER_CHUNK = 2

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.workloads import WORKLOADS, Request, generate, parse_trace, read_trace
+from kvtriton.tools.workloads import WORKLOADS, Request, generate, parse_trace, read_trace
 
 SMALL = {"requests": "60"}
 

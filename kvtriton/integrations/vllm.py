@@ -49,12 +49,12 @@ try:
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
-    from kvtriton.engine import TransferEngine
+    from kvtriton.worker.engine import TransferEngine
     from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
     from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
-    from kvtriton.slab import HostSlab
+    from kvtriton.worker.slab import HostSlab
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
     # against (vLLM 0.33): say so instead of naming one missing module.

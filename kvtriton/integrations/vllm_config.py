@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvtriton.backends import TransferBackend
+from kvtriton.worker.backends import TransferBackend
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.manager.policies import policy_names
 

@@ -21,9 +21,9 @@ import torch
 from typing_extensions import override
 from vllm.v1.kv_offload import base as vllm_base
 
-from kvtriton.engine import TransferEngine, TransferResult
-from kvtriton.layout import KVLayout, PagedKV
-from kvtriton.slab import HostSlab
+from kvtriton.worker.engine import TransferEngine, TransferResult
+from kvtriton.worker.layout import KVLayout, PagedKV
+from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 __all__ = ["VLLMOffloadingWorker", "paged_kv_from_canonical"]

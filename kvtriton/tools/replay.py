@@ -18,7 +18,7 @@ from typing import Generic, Protocol, TypeVar
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import OffloadingManager
 from kvtriton.specs import LookupResult, ReqContext
-from kvtriton.workloads import Request
+from kvtriton.tools.workloads import Request
 
 __all__ = [
     "ManagerCalls",

@@ -19,18 +19,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtriton.geometry import PRESETS, ModelGeometry, format_bytes, parse_capacity
+from kvtriton.tools.geometry import PRESETS, ModelGeometry, format_bytes, parse_capacity
 from kvtriton.manager.policies import policy_names
 
 if TYPE_CHECKING:
     import torch
 
-    from kvtriton.engine import TransferEngine, TransferResult
+    from kvtriton.worker.engine import TransferEngine, TransferResult
     from kvtriton.keys import OffloadKey
-    from kvtriton.layout import PagedKV
+    from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.specs import ReqContext
-    from kvtriton.workloads import Request
+    from kvtriton.tools.workloads import Request
 
 __all__ = ["add_arguments", "run"]
 
@@ -325,7 +325,7 @@ class DemoServer:
 
 def _workload(config: DemoConfig) -> list[Request]:
     """Requests behind a few shared system prompts, sized so one request fits the scaled-down GPU cache."""
-    from kvtriton.workloads import generate
+    from kvtriton.tools.workloads import generate
 
     bs = config.geometry.block_size
     budget = config.gpu_blocks * bs
@@ -341,7 +341,7 @@ def _workload(config: DemoConfig) -> list[Request]:
 
 def _slots(config: DemoConfig, row_bytes: int) -> int:
     """Host slab slots that ``--capacity`` buys, or a ValueError naming the flag."""
-    from kvtriton.slab import HostSlab
+    from kvtriton.worker.slab import HostSlab
 
     try:
         return HostSlab.slots_for_budget(config.capacity_bytes, config.block_size_factor, row_bytes)
@@ -355,7 +355,7 @@ def _check_memory(config: DemoConfig, device: torch.device) -> None:
     Allocating first would be worse than a traceback: zeroing a cache larger
     than RAM wakes the OOM killer, which may pick another process.
     """
-    from kvtriton import slab as slab_module
+    from kvtriton.worker import slab as slab_module
 
     available = slab_module.mem_available_bytes()
     if available is None:
@@ -375,11 +375,11 @@ def _check_memory(config: DemoConfig, device: torch.device) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtriton.engine import TransferEngine
-    from kvtriton.layout import PagedKV
+    from kvtriton.worker.engine import TransferEngine
+    from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
-    from kvtriton.progress import progress
-    from kvtriton.slab import HostSlab
+    from kvtriton.tools.progress import progress
+    from kvtriton.worker.slab import HostSlab
 
     config: DemoConfig | None = None
     try:

@@ -2,8 +2,8 @@
 
 The worker-side counterpart of vLLM's CPU<->GPU offloading handlers. A job is
 submitted with the specs the scheduler side produced, planned into launch
-indices (:mod:`kvtriton.plan`), copied by one backend call
-(:mod:`kvtriton.backends`) and reported once by :meth:`get_finished`, in
+indices (:mod:`kvtriton.worker.plan`), copied by one backend call
+(:mod:`kvtriton.worker.backends`) and reported once by :meth:`get_finished`, in
 submission order per direction.
 
 On CUDA each direction has its own stream, so stores and loads overlap with
@@ -29,11 +29,11 @@ from typing import Protocol
 
 import torch
 
-from kvtriton.backends import CopyBackend, TransferBackend, make_backend
+from kvtriton.worker.backends import CopyBackend, TransferBackend, make_backend
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
-from kvtriton.layout import PagedKV
-from kvtriton.plan import TransferDirection, TransferPlan, plan_transfer
-from kvtriton.slab import HostSlab
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.plan import TransferDirection, TransferPlan, plan_transfer
+from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
 __all__ = ["TransferEngine", "TransferResult"]
@@ -115,7 +115,7 @@ class TransferEngine:
     """Runs store and load jobs between ``kv``'s GPU pages and ``slab``'s rows.
 
     ``backend`` is ``"auto"``, ``"triton"``, ``"dma"`` or ``"torch"`` (see
-    :mod:`kvtriton.backends`); ``num_programs`` caps the Triton grid. The
+    :mod:`kvtriton.worker.backends`); ``num_programs`` caps the Triton grid. The
     slab's ``rows_per_slot`` is the block size factor: one slot holds that
     many GPU blocks. The engine does not own the slab: close it after
     :meth:`shutdown`.

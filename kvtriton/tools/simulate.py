@@ -5,7 +5,7 @@ through ``CPUOffloadingManager`` for a sweep of capacities and each eviction
 policy, calling the manager the way a serving engine does, and reports hit
 rates, bytes moved, evictions and refused stores per point. Pure scheduler
 side: no tensors, no torch, so a sweep takes seconds. The replay loop
-(:mod:`kvtriton.replay`) is also what ``bench/manager.py`` times, for
+(:mod:`kvtriton.tools.replay`) is also what ``bench/manager.py`` times, for
 kvtriton's manager and vLLM's.
 
 The simulation models the host tier alone, as if the GPU prefix cache held
@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
+from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.progress import progress
-from kvtriton.replay import PreparedRequest, ReplayStats, prepare, replay
-from kvtriton.workloads import WORKLOADS, Request, generate, read_trace
+from kvtriton.tools.progress import progress
+from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
+from kvtriton.tools.workloads import WORKLOADS, Request, generate, read_trace
 
 __all__ = [
     "DEFAULT_OUT",

@@ -33,8 +33,8 @@ from kvtriton.kernels import (
     scatter_pages_reference,
 )
 from kvtriton.kernels.reference import int_list
-from kvtriton.layout import PagedKV
-from kvtriton.plan import TransferDirection, TransferPlan
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.plan import TransferDirection, TransferPlan
 
 __all__ = ["CopyBackend", "TransferBackend", "make_backend"]
 

@@ -1,0 +1,1 @@
+"""Storage tiers behind the host slab (secondary tiers of vLLM's tiered offloading)."""
