@@ -30,6 +30,15 @@ def test_worker_names_resolve_on_first_use_to_their_defining_module() -> None:
     assert kvtriton.PagedKV is PagedKV
 
 
+def test_the_worker_api_of_issue_10_is_public() -> None:
+    from kvtriton.worker.engine import TransferLane
+    from kvtriton.worker.slab import SlabPinningError
+
+    assert kvtriton.TransferLane is TransferLane
+    assert kvtriton.SlabPinningError is SlabPinningError
+    assert issubclass(SlabPinningError, RuntimeError)
+
+
 def test_unknown_attribute_raises_attribute_error() -> None:
     import pytest
 
