@@ -44,3 +44,15 @@ def test_unknown_attribute_raises_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = kvtriton.no_such_name
+
+
+def test_the_kernel_package_ships_only_what_users_run() -> None:
+    import importlib.util
+
+    import kvtriton.kernels
+
+    # PTX inspection and compile-only tools live in bench/, outside the wheel.
+    assert importlib.util.find_spec("kvtriton.kernels.codegen") is None
+    assert importlib.util.find_spec("kvtriton.kernels.jit.compile") is None
+    assert not hasattr(kvtriton.kernels, "Path")  # was an enum shadowing pathlib.Path; now KernelPath
+    assert kvtriton.kernels.KernelPath.TRITON.value == "triton"
