@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,3 +56,35 @@ def test_output_piped_into_head_ends_quietly_with_the_sigpipe_status() -> None:
     stderr = process.stderr.read().decode()
     assert process.wait() == 141
     assert "Traceback" not in stderr
+
+
+def test_version_prints_the_package_version_from_pyproject(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    # A regex, not tomllib: the package supports Python 3.10, which lacks it.
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    found = re.search(r'^\[project\]$.*?^version = "([^"]+)"$', pyproject, re.MULTILINE | re.DOTALL)
+    assert found is not None, "pyproject.toml has no [project] version"
+    version = found.group(1)
+    with pytest.raises(SystemExit) as raised:
+        main(["--version"])
+    assert raised.value.code == 0
+    assert capsys.readouterr().out == f"kvtriton {version}\n"
+
+
+def test_top_level_help_states_the_unit_rule_for_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "a bare number is GiB" in out and "--version" in out
+
+
+@pytest.mark.parametrize(("command", "flag"), [("demo", "--capacity"), ("simulate", "--capacities")])
+def test_every_size_flag_help_says_a_bare_number_is_gib(
+    command: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    help_of_flag = out[out.index(f"{flag} ", out.index("options:")) :]
+    assert re.match(rf"{flag} \S+ .{{0,80}}?bare numbers? (is|are) GiB", help_of_flag), help_of_flag[:200]

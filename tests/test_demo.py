@@ -107,6 +107,31 @@ def test_demo_refuses_more_memory_than_the_machine_has_before_allocating(
     assert "Traceback" not in err and allocated == []
 
 
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [(None, 96 * 2**20), ("1.5", 3 * 2**29), ("24MiB", 24 * 2**20), ("2G", 2 * 2**30)],
+    ids=["default-of-make-demo", "bare-number-is-gib", "mib", "g"],
+)
+def test_demo_capacity_follows_the_command_line_unit_rule(capacity: str | None, expected: int) -> None:
+    from kvtriton.tools.cli import build_parser
+
+    argv = ["demo"] if capacity is None else ["demo", "--capacity", capacity]
+    config = demo_module.DemoConfig.from_args(build_parser().parse_args(argv))
+    assert config.capacity_bytes == expected
+
+
+def test_a_bare_capacity_too_large_for_the_machine_reminds_that_bare_numbers_are_gib(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 256 * 2**20)
+    assert main(["demo", *SMALL, "--capacity", "96"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacity 96 need" in err and "(a bare --capacity is GiB: write e.g. 96MiB for MiB)" in err
+    # With a unit there is nothing to remind.
+    assert main(["demo", *SMALL, "--capacity", "96GiB"]) == 2
+    assert "bare" not in capsys.readouterr().err
+
+
 def test_demo_reports_a_host_slab_refusal_without_a_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtriton.tools.geometry import PRESETS, ModelGeometry, format_bytes, parse_capacity
+from kvtriton.tools.geometry import (
+    BARE_NUMBER_UNIT,
+    PRESETS,
+    SIZE_RULE,
+    ModelGeometry,
+    format_bytes,
+    is_bare_number,
+    parse_capacity,
+)
 from kvtriton.manager.policies import policy_names
 
 if TYPE_CHECKING:
@@ -36,6 +44,8 @@ __all__ = ["add_arguments", "run"]
 
 LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
 BACKENDS = ("auto", "triton", "dma", "torch")
+DEFAULT_CAPACITY = "96MiB"
+"""The host slab of ``make demo``: 48 Llama-3-8B blocks, small enough for any CPU machine."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
     parser.add_argument("--layout", choices=LAYOUTS, default="flash_attn", help="engine KV cache layout to build")
     parser.add_argument("--policy", choices=policy_names(), default="lru", help="manager eviction policy")
-    parser.add_argument("--capacity", default="96MiB",
-                        help="host slab size in bytes, vLLM's cpu_bytes_to_use (units: KiB, MiB, GiB; bare number = MiB)")
+    parser.add_argument("--capacity", default=DEFAULT_CAPACITY, metavar="SIZE",
+                        help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})")
     parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU KV cache size in blocks (scaled down for CPU)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="copy backend; auto = triton on CUDA, torch on CPU")
@@ -89,7 +99,7 @@ class DemoConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
         capacity_text = str(args.capacity)
         try:
-            capacity_bytes = parse_capacity(capacity_text, default_unit="MiB")
+            capacity_bytes = parse_capacity(capacity_text)
         except ValueError as error:
             raise ValueError(f"--capacity: {error}") from None
         return cls(
@@ -368,8 +378,15 @@ def _check_memory(config: DemoConfig, device: torch.device) -> None:
         raise ValueError(
             f"--gpu-blocks {config.gpu_blocks} and --capacity {config.capacity_text} need"
             f" {on_cpu}{format_bytes(slab_bytes)} (host slab) of RAM, but only {format_bytes(available)} is"
-            " available (MemAvailable); lower them"
+            f" available (MemAvailable); lower them{_bare_number_hint(config.capacity_text)}"
         )
+
+
+def _bare_number_hint(capacity_text: str) -> str:
+    """A reminder of the unit rule when ``--capacity`` was a bare number, the likely cause of a huge slab."""
+    if not is_bare_number(capacity_text):
+        return ""
+    return f" (a bare --capacity is {BARE_NUMBER_UNIT}: write e.g. {capacity_text.strip()}MiB for MiB)"
 
 
 def run(args: argparse.Namespace) -> int:
