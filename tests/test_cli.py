@@ -79,12 +79,38 @@ def test_top_level_help_states_the_unit_rule_for_sizes(capsys: pytest.CaptureFix
     assert "a bare number is GiB" in out and "--version" in out
 
 
-@pytest.mark.parametrize(("command", "flag"), [("demo", "--capacity"), ("simulate", "--capacities")])
-def test_every_size_flag_help_says_a_bare_number_is_gib(
-    command: str, flag: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit):
-        main([command, "--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    help_of_flag = out[out.index(f"{flag} ", out.index("options:")) :]
-    assert re.match(rf"{flag} \S+ .{{0,80}}?bare numbers? (is|are) GiB", help_of_flag), help_of_flag[:200]
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as raised:
+        main([*argv, "--help"])
+    assert raised.value.code == 0
+    return capsys.readouterr().out
+
+
+def _option_helps(help_text: str) -> dict[str, str]:
+    """Each option's ``--flag METAVAR`` line and help, joined into one line, by flag."""
+    options: dict[str, str] = {}
+    flag = ""
+    for line in help_text.splitlines():
+        started = re.match(r"^  (?:-\w, )?(--[\w-]+)", line)
+        if started:
+            flag = started.group(1)
+            options[flag] = line.strip()
+        elif flag and line.startswith("   "):
+            options[flag] += " " + line.strip()
+        else:
+            flag = ""
+    return options
+
+
+def test_every_size_flag_of_every_command_says_a_bare_number_is_gib(capsys: pytest.CaptureFixture[str]) -> None:
+    """A size flag is one named after a capacity or shown with a SIZE metavar; each states the unit rule."""
+    commands = re.findall(r"^    (\w+) ", _help([], capsys), re.MULTILINE)
+    assert {"info", "demo", "simulate", "bench"} <= set(commands)
+    size_flags: dict[str, str] = {}
+    for command in commands:
+        for flag, text in _option_helps(_help([command], capsys)).items():
+            if "capacit" in flag or re.match(rf"{flag} SIZES?\b", text):
+                size_flags[f"{command} {flag}"] = text
+    assert {"demo --capacity", "simulate --capacities"} <= set(size_flags)
+    for where, text in size_flags.items():
+        assert re.search(r"bare numbers? (is|are) GiB", text), f"kvtriton {where}: {text}"
