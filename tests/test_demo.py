@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvtriton.worker.backends as backends_module
+import kvtriton.worker.engine as engine_module
 import kvtriton.tools.demo as demo_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.tools.cli import main
@@ -160,3 +161,59 @@ def test_demo_help_documents_every_default(capsys: pytest.CaptureFixture[str]) -
     for default in ["(default: llama-3-8b)", "(default: flash_attn)", "(default: lru)", "(default: 96MiB)",
                     "(default: auto)", "(default: 40)", "(default: 0)"]:  # fmt: skip
         assert default in out
+
+
+def _recording_slab_class() -> tuple[type[slab_module.HostSlab], list[slab_module.HostSlab], list[bool]]:
+    """A HostSlab subclass that remembers every slab built and the ``allow_pageable`` it was given."""
+    slabs: list[slab_module.HostSlab] = []
+    allow_pageable_given: list[bool] = []
+
+    class RecordingSlab(slab_module.HostSlab):
+        def __init__(self, num_slots: int, block_size_factor: int, row_bytes: int, pin: bool | None = None,
+                     *, allow_pageable: bool = False) -> None:  # fmt: skip
+            allow_pageable_given.append(allow_pageable)
+            super().__init__(num_slots, block_size_factor, row_bytes, pin, allow_pageable=allow_pageable)
+            slabs.append(self)
+
+    return RecordingSlab, slabs, allow_pageable_given
+
+
+def test_a_slab_that_cannot_be_pinned_stops_the_demo_with_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class UnpinnableSlab(slab_module.HostSlab):
+        def __init__(self, *args: int, allow_pageable: bool = False) -> None:
+            raise slab_module.SlabPinningError("cannot pin the 25165824-byte host slab; RLIMIT_MEMLOCK is 8388608 bytes")
+
+    monkeypatch.setattr(slab_module, "HostSlab", UnpinnableSlab)
+    assert main(["demo", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtriton demo: error: --capacity 24MiB: cannot pin the 25165824-byte host slab")
+    assert err.rstrip().endswith("(here: --allow-pageable)") and err.count("\n") == 1
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_allow_pageable_reaches_the_slab(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    recording_slab, _, allow_pageable_given = _recording_slab_class()
+    monkeypatch.setattr(slab_module, "HostSlab", recording_slab)
+    assert main(["demo", *SMALL, "--requests", "2"]) == 0
+    assert main(["demo", *SMALL, "--requests", "2", "--allow-pageable"]) == 0
+    assert allow_pageable_given == [False, True]
+    assert "OK: every loaded block matched" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_an_engine_the_slab_cannot_serve_is_refused_by_flag_and_the_slab_is_closed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> engine_module.TransferEngine:
+        raise ValueError("backend='triton' needs a pinned slab on CUDA; pin the slab or use backend='dma'")
+
+    recording_slab, slabs, _ = _recording_slab_class()
+    monkeypatch.setattr(slab_module, "HostSlab", recording_slab)
+    monkeypatch.setattr(engine_module, "TransferEngine", refuse)
+    assert main(["demo", *SMALL, "--backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtriton demo: error: --backend triton: backend='triton' needs a pinned slab")
+    assert "Traceback" not in err
+    assert len(slabs) == 1 and slabs[0].closed

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
     parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
     parser.add_argument("--device", default="auto", help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
+    parser.add_argument("--allow-pageable", action="store_true",
+                        help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
+                        " instead of stopping")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
 
 
@@ -82,6 +85,7 @@ class DemoConfig:
     requests: int
     seed: int
     device: str
+    allow_pageable: bool
     progress: bool
 
     @classmethod
@@ -114,6 +118,7 @@ class DemoConfig:
             requests=int(args.requests),
             seed=int(args.seed),
             device=device,
+            allow_pageable=bool(args.allow_pageable),
             progress=not bool(args.no_progress),
         )
 
@@ -396,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.tools.progress import progress
-    from kvtriton.worker.slab import HostSlab
+    from kvtriton.worker.slab import HostSlab, SlabPinningError
 
     config: DemoConfig | None = None
     try:
@@ -410,9 +415,14 @@ def run(args: argparse.Namespace) -> int:
         kv = PagedKV.from_tensors(tensors, layout=config.layout)
         slots = _slots(config, kv.row_bytes)
         requests = _workload(config)
-        slab = HostSlab(slots, config.block_size_factor, kv.row_bytes)  # last: nothing may fail before `with slab`
+        # Last in this block: once the slab exists, nothing may fail before `with slab` owns it.
+        slab = HostSlab(slots, config.block_size_factor, kv.row_bytes, allow_pageable=config.allow_pageable)
     except ValueError as error:
         print(f"kvtriton demo: error: {error}", file=sys.stderr)
+        return 2
+    except SlabPinningError as error:
+        where = f"--capacity {config.capacity_text}: " if config is not None else ""
+        print(f"kvtriton demo: error: {where}{error} (here: --allow-pageable)", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as error:
         where = f"--gpu-blocks {config.gpu_blocks}: " if config is not None else ""
@@ -426,7 +436,12 @@ def run(args: argparse.Namespace) -> int:
     )
     with slab:
         manager = CPUOffloadingManager(slots, cache_policy=config.policy)
-        with TransferEngine(kv, slab, backend=config.backend) as engine:
+        try:
+            engine = TransferEngine(kv, slab, backend=config.backend)
+        except ValueError as error:  # e.g. --backend triton on a slab that could not be pinned
+            print(f"kvtriton demo: error: --backend {config.backend}: {error}", file=sys.stderr)
+            return 2
+        with engine:
             print(
                 f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "
                 f"({'pinned' if slab.pinned else 'pageable'}); policy {config.policy}; backend {engine.backend.value}"
