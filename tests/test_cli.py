@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,3 +56,61 @@ def test_output_piped_into_head_ends_quietly_with_the_sigpipe_status() -> None:
     stderr = process.stderr.read().decode()
     assert process.wait() == 141
     assert "Traceback" not in stderr
+
+
+def test_version_prints_the_package_version_from_pyproject(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    # A regex, not tomllib: the package supports Python 3.10, which lacks it.
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    found = re.search(r'^\[project\]$.*?^version = "([^"]+)"$', pyproject, re.MULTILINE | re.DOTALL)
+    assert found is not None, "pyproject.toml has no [project] version"
+    version = found.group(1)
+    with pytest.raises(SystemExit) as raised:
+        main(["--version"])
+    assert raised.value.code == 0
+    assert capsys.readouterr().out == f"kvtriton {version}\n"
+
+
+def test_top_level_help_states_the_unit_rule_for_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "a bare number is GiB" in out and "--version" in out
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as raised:
+        main([*argv, "--help"])
+    assert raised.value.code == 0
+    return capsys.readouterr().out
+
+
+def _option_helps(help_text: str) -> dict[str, str]:
+    """Each option's ``--flag METAVAR`` line and help, joined into one line, by flag."""
+    options: dict[str, str] = {}
+    flag = ""
+    for line in help_text.splitlines():
+        started = re.match(r"^  (?:-\w, )?(--[\w-]+)", line)
+        if started:
+            flag = started.group(1)
+            options[flag] = line.strip()
+        elif flag and line.startswith("   "):
+            options[flag] += " " + line.strip()
+        else:
+            flag = ""
+    return options
+
+
+def test_every_size_flag_of_every_command_says_a_bare_number_is_gib(capsys: pytest.CaptureFixture[str]) -> None:
+    """A size flag is one named after a capacity or shown with a SIZE metavar; each states the unit rule."""
+    commands = re.findall(r"^    (\w+) ", _help([], capsys), re.MULTILINE)
+    assert {"info", "demo", "simulate", "bench"} <= set(commands)
+    size_flags: dict[str, str] = {}
+    for command in commands:
+        for flag, text in _option_helps(_help([command], capsys)).items():
+            if "capacit" in flag or re.match(rf"{flag} SIZES?\b", text):
+                size_flags[f"{command} {flag}"] = text
+    assert {"demo --capacity", "simulate --capacities"} <= set(size_flags)
+    for where, text in size_flags.items():
+        assert re.search(r"bare numbers? (is|are) GiB", text), f"kvtriton {where}: {text}"

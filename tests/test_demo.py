@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvtriton.worker.backends as backends_module
+import kvtriton.worker.engine as engine_module
 import kvtriton.tools.demo as demo_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.tools.cli import main
@@ -107,6 +108,31 @@ def test_demo_refuses_more_memory_than_the_machine_has_before_allocating(
     assert "Traceback" not in err and allocated == []
 
 
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [(None, 96 * 2**20), ("1.5", 3 * 2**29), ("24MiB", 24 * 2**20), ("2G", 2 * 2**30)],
+    ids=["default-of-make-demo", "bare-number-is-gib", "mib", "g"],
+)
+def test_demo_capacity_follows_the_command_line_unit_rule(capacity: str | None, expected: int) -> None:
+    from kvtriton.tools.cli import build_parser
+
+    argv = ["demo"] if capacity is None else ["demo", "--capacity", capacity]
+    config = demo_module.DemoConfig.from_args(build_parser().parse_args(argv))
+    assert config.capacity_bytes == expected
+
+
+def test_a_bare_capacity_too_large_for_the_machine_reminds_that_bare_numbers_are_gib(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 256 * 2**20)
+    assert main(["demo", *SMALL, "--capacity", "96"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacity 96 need" in err and "(a bare --capacity is GiB: write e.g. 96MiB for MiB)" in err
+    # With a unit there is nothing to remind.
+    assert main(["demo", *SMALL, "--capacity", "96GiB"]) == 2
+    assert "bare" not in capsys.readouterr().err
+
+
 def test_demo_reports_a_host_slab_refusal_without_a_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,3 +161,59 @@ def test_demo_help_documents_every_default(capsys: pytest.CaptureFixture[str]) -
     for default in ["(default: llama-3-8b)", "(default: flash_attn)", "(default: lru)", "(default: 96MiB)",
                     "(default: auto)", "(default: 40)", "(default: 0)"]:  # fmt: skip
         assert default in out
+
+
+def _recording_slab_class() -> tuple[type[slab_module.HostSlab], list[slab_module.HostSlab], list[bool]]:
+    """A HostSlab subclass that remembers every slab built and the ``allow_pageable`` it was given."""
+    slabs: list[slab_module.HostSlab] = []
+    allow_pageable_given: list[bool] = []
+
+    class RecordingSlab(slab_module.HostSlab):
+        def __init__(self, num_slots: int, block_size_factor: int, row_bytes: int, pin: bool | None = None,
+                     *, allow_pageable: bool = False) -> None:  # fmt: skip
+            allow_pageable_given.append(allow_pageable)
+            super().__init__(num_slots, block_size_factor, row_bytes, pin, allow_pageable=allow_pageable)
+            slabs.append(self)
+
+    return RecordingSlab, slabs, allow_pageable_given
+
+
+def test_a_slab_that_cannot_be_pinned_stops_the_demo_with_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class UnpinnableSlab(slab_module.HostSlab):
+        def __init__(self, *args: int, allow_pageable: bool = False) -> None:
+            raise slab_module.SlabPinningError("cannot pin the 25165824-byte host slab; RLIMIT_MEMLOCK is 8388608 bytes")
+
+    monkeypatch.setattr(slab_module, "HostSlab", UnpinnableSlab)
+    assert main(["demo", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtriton demo: error: --capacity 24MiB: cannot pin the 25165824-byte host slab")
+    assert err.rstrip().endswith("(here: --allow-pageable)") and err.count("\n") == 1
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_allow_pageable_reaches_the_slab(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    recording_slab, _, allow_pageable_given = _recording_slab_class()
+    monkeypatch.setattr(slab_module, "HostSlab", recording_slab)
+    assert main(["demo", *SMALL, "--requests", "2"]) == 0
+    assert main(["demo", *SMALL, "--requests", "2", "--allow-pageable"]) == 0
+    assert allow_pageable_given == [False, True]
+    assert "OK: every loaded block matched" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_an_engine_the_slab_cannot_serve_is_refused_by_flag_and_the_slab_is_closed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> engine_module.TransferEngine:
+        raise ValueError("backend='triton' needs a pinned slab on CUDA; pin the slab or use backend='dma'")
+
+    recording_slab, slabs, _ = _recording_slab_class()
+    monkeypatch.setattr(slab_module, "HostSlab", recording_slab)
+    monkeypatch.setattr(engine_module, "TransferEngine", refuse)
+    assert main(["demo", *SMALL, "--backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtriton demo: error: --backend triton: backend='triton' needs a pinned slab")
+    assert "Traceback" not in err
+    assert len(slabs) == 1 and slabs[0].closed

@@ -2,7 +2,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry, format_bytes, parse_capacity, parse_dtype
+from kvtriton.tools.geometry import (
+    BARE_NUMBER_UNIT,
+    PRESETS,
+    SIZE_RULE,
+    KVDtype,
+    ModelGeometry,
+    format_bytes,
+    is_bare_number,
+    parse_capacity,
+    parse_dtype,
+)
 
 
 def test_llama_3_8b_block_of_16_bf16_tokens_is_two_mib() -> None:
@@ -62,8 +72,16 @@ def test_capacity_parses_binary_and_decimal_units(text: str, expected: int) -> N
     assert parse_capacity(text) == expected
 
 
-def test_bare_capacity_uses_the_default_unit() -> None:
-    assert parse_capacity("3", default_unit="MiB") == 3 * 2**20
+def test_a_bare_number_is_gib_the_one_unit_rule_of_every_command() -> None:
+    assert BARE_NUMBER_UNIT == "GiB"
+    assert parse_capacity("3") == parse_capacity("3GiB") == 3 * 2**30
+    assert parse_capacity("0.5") == 2**29
+    assert SIZE_RULE.startswith("a bare number is GiB")
+
+
+@pytest.mark.parametrize(("text", "bare"), [("96", True), (" 1.5 ", True), ("96MiB", False), ("8G", False), ("x", False)])
+def test_is_bare_number_tells_a_size_without_a_unit(text: str, bare: bool) -> None:
+    assert is_bare_number(text) is bare
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "1x", "-1", "0", "1.2.3GiB", "nan"])

@@ -3,7 +3,7 @@
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) ->
 int``. Command modules keep torch and triton imports inside ``run`` so that
 building the parser stays fast and the scheduler-only commands never import
-torch.
+torch. Every size flag follows one unit rule (``geometry.SIZE_RULE``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
+
+from kvtriton import __version__
+from kvtriton.tools.geometry import SIZE_RULE
 
 __all__ = ["main"]
 
@@ -49,7 +52,12 @@ def _load(command: _Command) -> _CommandModule:
 
 
 def build_parser(load: Callable[[_Command], _CommandModule] = _load) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtriton", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kvtriton",
+        description="kvtriton: offload the paged KV cache of an LLM server to host memory.",
+        epilog=f"sizes (--capacity, --capacities): {SIZE_RULE}. `kvtriton COMMAND --help` lists each command's flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvtriton {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in _COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

@@ -19,7 +19,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtriton.tools.geometry import PRESETS, ModelGeometry, format_bytes, parse_capacity
+from kvtriton.tools.geometry import (
+    BARE_NUMBER_UNIT,
+    PRESETS,
+    SIZE_RULE,
+    ModelGeometry,
+    format_bytes,
+    is_bare_number,
+    parse_capacity,
+)
 from kvtriton.manager.policies import policy_names
 
 if TYPE_CHECKING:
@@ -36,6 +44,8 @@ __all__ = ["add_arguments", "run"]
 
 LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
 BACKENDS = ("auto", "triton", "dma", "torch")
+DEFAULT_CAPACITY = "96MiB"
+"""The host slab of ``make demo``: 48 Llama-3-8B blocks, small enough for any CPU machine."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
     parser.add_argument("--layout", choices=LAYOUTS, default="flash_attn", help="engine KV cache layout to build")
     parser.add_argument("--policy", choices=policy_names(), default="lru", help="manager eviction policy")
-    parser.add_argument("--capacity", default="96MiB",
-                        help="host slab size in bytes, vLLM's cpu_bytes_to_use (units: KiB, MiB, GiB; bare number = MiB)")
+    parser.add_argument("--capacity", default=DEFAULT_CAPACITY, metavar="SIZE",
+                        help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})")
     parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU KV cache size in blocks (scaled down for CPU)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="copy backend; auto = triton on CUDA, torch on CPU")
@@ -53,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
     parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
     parser.add_argument("--device", default="auto", help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
+    parser.add_argument("--allow-pageable", action="store_true",
+                        help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
+                        " instead of stopping")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
 
 
@@ -72,6 +85,7 @@ class DemoConfig:
     requests: int
     seed: int
     device: str
+    allow_pageable: bool
     progress: bool
 
     @classmethod
@@ -89,7 +103,7 @@ class DemoConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
         capacity_text = str(args.capacity)
         try:
-            capacity_bytes = parse_capacity(capacity_text, default_unit="MiB")
+            capacity_bytes = parse_capacity(capacity_text)
         except ValueError as error:
             raise ValueError(f"--capacity: {error}") from None
         return cls(
@@ -104,6 +118,7 @@ class DemoConfig:
             requests=int(args.requests),
             seed=int(args.seed),
             device=device,
+            allow_pageable=bool(args.allow_pageable),
             progress=not bool(args.no_progress),
         )
 
@@ -368,8 +383,15 @@ def _check_memory(config: DemoConfig, device: torch.device) -> None:
         raise ValueError(
             f"--gpu-blocks {config.gpu_blocks} and --capacity {config.capacity_text} need"
             f" {on_cpu}{format_bytes(slab_bytes)} (host slab) of RAM, but only {format_bytes(available)} is"
-            " available (MemAvailable); lower them"
+            f" available (MemAvailable); lower them{_bare_number_hint(config.capacity_text)}"
         )
+
+
+def _bare_number_hint(capacity_text: str) -> str:
+    """A reminder of the unit rule when ``--capacity`` was a bare number, the likely cause of a huge slab."""
+    if not is_bare_number(capacity_text):
+        return ""
+    return f" (a bare --capacity is {BARE_NUMBER_UNIT}: write e.g. {capacity_text.strip()}MiB for MiB)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -379,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.tools.progress import progress
-    from kvtriton.worker.slab import HostSlab
+    from kvtriton.worker.slab import HostSlab, SlabPinningError
 
     config: DemoConfig | None = None
     try:
@@ -393,9 +415,14 @@ def run(args: argparse.Namespace) -> int:
         kv = PagedKV.from_tensors(tensors, layout=config.layout)
         slots = _slots(config, kv.row_bytes)
         requests = _workload(config)
-        slab = HostSlab(slots, config.block_size_factor, kv.row_bytes)  # last: nothing may fail before `with slab`
+        # Last in this block: once the slab exists, nothing may fail before `with slab` owns it.
+        slab = HostSlab(slots, config.block_size_factor, kv.row_bytes, allow_pageable=config.allow_pageable)
     except ValueError as error:
         print(f"kvtriton demo: error: {error}", file=sys.stderr)
+        return 2
+    except SlabPinningError as error:
+        where = f"--capacity {config.capacity_text}: " if config is not None else ""
+        print(f"kvtriton demo: error: {where}{error} (here: --allow-pageable)", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as error:
         where = f"--gpu-blocks {config.gpu_blocks}: " if config is not None else ""
@@ -409,7 +436,12 @@ def run(args: argparse.Namespace) -> int:
     )
     with slab:
         manager = CPUOffloadingManager(slots, cache_policy=config.policy)
-        with TransferEngine(kv, slab, backend=config.backend) as engine:
+        try:
+            engine = TransferEngine(kv, slab, backend=config.backend)
+        except ValueError as error:  # e.g. --backend triton on a slab that could not be pinned
+            print(f"kvtriton demo: error: --backend {config.backend}: {error}", file=sys.stderr)
+            return 2
+        with engine:
             print(
                 f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "
                 f"({'pinned' if slab.pinned else 'pageable'}); policy {config.policy}; backend {engine.backend.value}"

@@ -1,9 +1,11 @@
-"""Model geometry: how many bytes one offloaded KV block holds.
+"""Model geometry: how many bytes one offloaded KV block holds, and host memory sizes in bytes.
 
 Capacity planning speaks in bytes (vLLM's ``cpu_bytes_to_use``) while the
 manager counts slots; the geometry of the model's KV cache (layers, KV heads,
-head dim, dtype, tokens per block) converts one into the other. Pure
-arithmetic: no torch, so ``kvtriton simulate`` stays scheduler-side and fast.
+head dim, dtype, tokens per block) converts one into the other. The command
+line's sizes are parsed here too, by one rule for every command
+(:data:`SIZE_RULE`). Pure arithmetic: no torch, so ``kvtriton simulate``
+stays scheduler-side and fast.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
+    "BARE_NUMBER_UNIT",
     "PRESETS",
+    "SIZE_RULE",
     "KVDtype",
     "ModelGeometry",
     "format_bytes",
+    "is_bare_number",
     "parse_capacity",
     "parse_dtype",
 ]
@@ -131,6 +136,15 @@ PRESETS: dict[str, ModelGeometry] = {
 }
 """Published KV shapes of common models, bf16, 16 tokens per block."""
 
+BARE_NUMBER_UNIT = "GiB"
+"""The unit of a size given as a bare number, in every command: vLLM's ``--kv-offloading-size`` is in GiB too."""
+
+SIZE_RULE = (
+    f"a bare number is {BARE_NUMBER_UNIT}; units B, KiB or K, MiB or M, GiB or G, TiB or T are powers of 1024,"
+    " KB, MB, GB, TB powers of 1000"
+)
+"""The one unit rule of the command line, quoted in the --help of every size flag."""
+
 _UNITS: dict[str, int] = {
     "b": 1,
     "k": 2**10, "kib": 2**10, "kb": 10**3,
@@ -141,17 +155,18 @@ _UNITS: dict[str, int] = {
 _CAPACITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_capacity(text: str, default_unit: str = "GiB") -> int:
+def parse_capacity(text: str) -> int:
     """Parse a host memory size such as ``4``, ``1.5GiB``, ``512MiB`` or ``8G`` into bytes.
 
-    A bare number is in ``default_unit``. Binary units (KiB, MiB, GiB, TiB and
-    the single letters K, M, G, T) are powers of 1024; KB, MB, GB, TB are
-    powers of 1000, as written on memory data sheets.
+    One rule for every command (:data:`SIZE_RULE`): a bare number is
+    :data:`BARE_NUMBER_UNIT`. Binary units (KiB, MiB, GiB, TiB and the single
+    letters K, M, G, T) are powers of 1024; KB, MB, GB, TB are powers of
+    1000, as written on memory data sheets.
     """
     match = _CAPACITY.match(text)
     if match is None:
         raise ValueError(f"capacity must be a number with an optional unit (e.g. 4GiB, 512MiB), got {text!r}")
-    number, unit = float(match.group(1)), (match.group(2) or default_unit).lower()
+    number, unit = float(match.group(1)), (match.group(2) or BARE_NUMBER_UNIT).lower()
     if unit not in _UNITS:
         raise ValueError(f"capacity unit must be one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, got {text!r}")
     if not math.isfinite(number):
@@ -162,6 +177,12 @@ def parse_capacity(text: str, default_unit: str = "GiB") -> int:
     if size < 1:
         raise ValueError(f"capacity less than one byte, got {text!r}")
     return size
+
+
+def is_bare_number(text: str) -> bool:
+    """Whether ``text`` is a size without a unit (so it was read as :data:`BARE_NUMBER_UNIT`)."""
+    match = _CAPACITY.match(text)
+    return match is not None and not match.group(2)
 
 
 def format_bytes(size: float) -> str:
