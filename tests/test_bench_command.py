@@ -26,7 +26,7 @@ def fake_checkout(root: Path, codes: dict[str, int] | None = None) -> Path:
     bench.mkdir(parents=True)
     (bench / "__init__.py").write_text("")
     (bench / "common.py").write_text("")
-    for name, code in (codes if codes is not None else {"manager": 0, "kernels": 0}).items():
+    for name, code in (codes if codes is not None else dict.fromkeys(BENCHMARKS, 0)).items():
         (bench / f"{name}.py").write_text(FAKE_BENCHMARK.format(name=name, code=code))
     return root
 
@@ -72,7 +72,7 @@ def test_bench_full_drops_the_quick_flags(tmp_path: Path) -> None:
 def test_failing_benchmark_is_named_and_its_exit_code_returned(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    checkout = fake_checkout(tmp_path / "repo", {"manager": 3, "kernels": 0})
+    checkout = fake_checkout(tmp_path / "repo", {**dict.fromkeys(BENCHMARKS, 0), "manager": 3})
     assert main(["bench", "all", "--checkout", str(checkout), "--out", str(tmp_path / "out")]) == 3
     captured = capfd.readouterr()
     assert "kernels table row" in captured.out  # later benchmarks still run
@@ -96,8 +96,8 @@ def test_bench_names_a_missing_benchmark_module(tmp_path: Path, capfd: pytest.Ca
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "which benchmark? name one of manager, kernels, all"),
-        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, all)"),
+        ([], "which benchmark? name one of manager, kernels, engine, all"),
+        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, engine, all)"),
         (["manager", "--requests", "5"], "unrecognized arguments: --requests 5 (arguments for the benchmark go after `--`)"),
         (["manager", "kernels"], "unrecognized arguments: kernels"),
     ],
@@ -139,12 +139,12 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     text = capsys.readouterr().out
     for name, benchmark in BENCHMARKS.items():
         assert f"{name}: " in text and " ".join(benchmark.quick_flags) in text
-    assert "--full" in text and "--out" in text and "{manager,kernels,all} [-- ARGS]" in text
+    assert "--full" in text and "--out" in text and "{manager,kernels,engine,all} [-- ARGS]" in text
 
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", [])],
+    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", []), ("engine", [])],
 )
 def test_real_benchmark_accepts_its_quick_flags_and_records_the_machine(
     name: str, extra: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]

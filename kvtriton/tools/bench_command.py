@@ -50,6 +50,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "gather/scatter GB/s against the torch, copy-loop and contiguous-copy baselines",
             ("--quick", "--name", "kernels-quick"),
         ),
+        Benchmark(
+            "engine",
+            "host microseconds per submit_store + submit_load, copies stubbed out, against the pre-redesign engine",
+            ("--quick", "--name", "engine-quick"),
+        ),
     )
 }
 """The benchmarks ``all`` runs, in order. Quick runs write ``<name>-quick.*`` so that they never
@@ -62,7 +67,7 @@ def find_checkout(explicit: Path | None = None) -> Path | None:
     ``explicit`` wins; otherwise the checkout this kvtriton is imported from
     (an editable install), then the current directory.
     """
-    candidates = [explicit] if explicit is not None else [Path(__file__).resolve().parent.parent, Path.cwd()]
+    candidates = [explicit] if explicit is not None else [Path(__file__).resolve().parents[2], Path.cwd()]
     for candidate in candidates:
         if (candidate / "bench" / "__init__.py").is_file() and (candidate / "bench" / "common.py").is_file():
             return candidate.resolve()

@@ -444,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
         with engine:
             print(
                 f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "
-                f"({'pinned' if slab.pinned else 'pageable'}); policy {config.policy}; backend {engine.backend.value}"
+                f"({'pinned' if slab.pinned else 'pageable'}); policy {config.policy}; backend {engine.backend_name}"
             )
             server = DemoServer(config, kv, manager, engine)
             started = time.perf_counter()

@@ -121,12 +121,12 @@ def measure_warmup() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtriton.tools.geometry import parse_capacity
+    from kvtriton.tools.geometry import SIZE_RULE, parse_capacity
 
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
         "--slab-size", type=parse_capacity, default=None, metavar="SIZE",
-        help="say whether the memlock limit allows pinning a host slab of this size, e.g. 96GiB",
+        help=f"say whether the memlock limit allows pinning a host slab of this size, e.g. 96GiB ({SIZE_RULE})",
     )  # fmt: skip
 
 
