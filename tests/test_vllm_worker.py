@@ -6,6 +6,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 
@@ -287,4 +288,46 @@ def test_every_job_moves_the_bytes_vllms_own_cpu_worker_moves(blocks_per_chunk: 
         assert ours_sizes == theirs_sizes == {job: 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1] for job in (1, 2)}
     for index, (mine, vllms) in enumerate(zip(ours, theirs)):
         assert torch.equal(mine, vllms), f"tensor {index} differs from what vLLM's CPU worker loaded"
+    worker.shutdown()
+
+
+def test_an_empty_job_of_a_hybrid_model_succeeds_without_reaching_an_engine() -> None:
+    worker = hybrid_worker(hybrid_layers())
+    assert worker.submit_load(30, CPULoadStoreSpec([]), gpu([], group_sizes=[0, 0]), expedited=True)
+    assert worker.submit_store(31, gpu([], group_sizes=[0, 0]), CPULoadStoreSpec([]))
+    assert {job: (result.success, result.transfer_size) for job, result in finished(worker).items()} == {
+        30: (True, 0),
+        31: (True, 0),
+    }
+    assert all(engine.get_finished() == [] for engine in worker.engines)
+    worker.shutdown()
+
+
+def test_a_hybrid_job_that_does_not_fit_is_refused_before_any_part_runs() -> None:
+    layers = hybrid_layers()
+    before = [layer.clone() for layer in layers]
+    worker = hybrid_worker(layers)
+    # Two groups storing into one slot (each engine alone would see no repeat), a slot count that does not
+    # match, a GPU block out of range, a group count that does not match, a load writing a block twice.
+    assert not worker.submit_store(41, gpu([1, 2, 3, 4], group_sizes=[2, 2]), CPULoadStoreSpec([0, 0]))
+    assert not worker.submit_store(42, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1, 2]))
+    assert not worker.submit_load(43, CPULoadStoreSpec([0, 1]), gpu([1, NUM_BLOCKS], group_sizes=[1, 1]))
+    assert not worker.submit_load(44, CPULoadStoreSpec([0]), gpu([1]))
+    assert not worker.submit_load(45, CPULoadStoreSpec([0, 1]), gpu([5, 5], group_sizes=[1, 1]))
+    assert finished(worker) == {}
+    assert all(torch.equal(layer, original) for layer, original in zip(layers, before))
+    # The worker goes on: the next job runs normally.
+    assert worker.submit_store(46, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([2, 3]))
+    assert finished(worker)[46].success
+    worker.shutdown()
+
+
+def test_a_hybrid_job_an_engine_refuses_after_another_took_its_part_reports_nothing() -> None:
+    worker = hybrid_worker(hybrid_layers())
+    with mock.patch.object(worker.engines[1], "submit_store", return_value=False):
+        assert not worker.submit_store(50, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    worker.wait({50})
+    assert finished(worker) == {}  # group 0's part ran, but the refused job is never reported
+    assert worker.submit_store(51, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    assert finished(worker)[51].transfer_size == 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1]
     worker.shutdown()

@@ -253,6 +253,13 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         if slots.block_ids.size and int(slots.block_ids.min()) < 0:
             logger.error("%s job %d refused: slot ids must not be negative, got %d", name, job_id, int(slots.block_ids.min()))
             return None
+        # Each engine checks that its part writes no row or block twice; two parts
+        # writing the same slot would mix two groups' bytes in one row.
+        written = slots.block_ids if name == "store" else gpu.block_ids
+        if np.unique(written).size != written.size:
+            what = "slot" if name == "store" else "GPU block"
+            logger.error("%s job %d refused: it writes a %s twice (the copies would race)", name, job_id, what)
+            return None
         # Per engine: the block and slot ranges of each of its groups, in group order.
         shares: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
         block_start = slot_start = 0
