@@ -9,7 +9,7 @@ import torch
 
 import kvtriton.worker.backends as backends_module
 from kvtriton.worker.backends import TransferBackend
-from kvtriton.worker.engine import TransferEngine, TransferResult
+from kvtriton.worker.engine import TransferEngine, TransferLane, TransferResult
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -151,10 +151,55 @@ def test_shutdown_keeps_results_and_refuses_new_jobs(engine: TransferEngine) -> 
     engine.shutdown()
 
 
-def test_an_empty_job_succeeds_with_zero_bytes(engine: TransferEngine) -> None:
-    assert store(engine, 0, [], [])
+@pytest.mark.parametrize("backend", [TransferBackend.TORCH, TransferBackend.DMA, TransferBackend.TRITON], ids=lambda b: b.value)
+def test_an_empty_job_succeeds_at_once_without_touching_the_backend(
+    backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = make_kv()
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, backend) as engine:
+        def refuse(*args: object) -> None:
+            raise AssertionError("an empty job reached the backend")
+
+        monkeypatch.setattr(engine, "_copy", refuse)
+        assert store(engine, 0, [], [])
+        assert engine.submit_load(1, CPULoadStoreSpec([]), GPULoadStoreSpec([]), expedited=True)
+        results = engine.get_finished()
+        assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(0, True, 0), (1, True, 0)]
+
+
+def test_an_expedited_load_copies_like_a_load_and_is_reported_as_one(engine: TransferEngine) -> None:
+    assert store(engine, 0, [3], [2])
+    engine.get_finished()
+    assert engine.submit_load(1, CPULoadStoreSpec([2]), GPULoadStoreSpec([6]), expedited=True)
     (result,) = engine.get_finished()
-    assert (result.job_id, result.success, result.transfer_size) == (0, True, 0)
+    assert (result.job_id, result.success, result.transfer_type) == (1, True, LOAD_TYPE)
+    assert block_bytes(engine.kv, 6) == block_bytes(engine.kv, 3)
+
+
+def test_an_expedited_job_id_shares_the_in_flight_check_with_other_lanes(engine: TransferEngine) -> None:
+    assert store(engine, 7, [0], [0])
+    assert not engine.submit_load(7, CPULoadStoreSpec([0]), GPULoadStoreSpec([1]), expedited=True)
+
+
+def test_the_engine_is_a_user_of_its_slab_and_closing_the_slab_drains_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = make_kv()
+    slab = HostSlab(SLOTS, 1, kv.row_bytes, pin=False)
+    engine = TransferEngine(kv, slab)
+    drained: list[bool] = []
+    monkeypatch.setattr(engine, "drain", lambda: drained.append(True))
+    slab.close()
+    slab.close()
+    assert drained == [True]
+
+
+def test_close_is_shutdown_and_a_second_close_is_a_no_op(engine: TransferEngine) -> None:
+    assert store(engine, 0, [1], [1])
+    engine.close()
+    engine.close()
+    assert engine.closed
+    assert [r.job_id for r in engine.get_finished()] == [0]
+    with pytest.raises(ValueError, match="no load stream"):
+        engine.stream(TransferLane.LOAD)
 
 
 def test_transfer_result_is_a_frozen_value() -> None:

@@ -20,6 +20,7 @@ reporting code; only :class:`_Completion` differs.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
@@ -36,9 +37,26 @@ from kvtriton.worker.plan import TransferDirection, TransferPlan, plan_transfer
 from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
-__all__ = ["TransferEngine", "TransferResult"]
+__all__ = ["TransferEngine", "TransferLane", "TransferResult"]
 
 logger = logging.getLogger(__name__)
+
+
+class TransferLane(enum.Enum):
+    """One ordered queue of jobs with its own CUDA stream.
+
+    Expedited loads (vLLM's ``expedited=True``: the scheduler waits for them
+    within the step) have a lane of their own, on a high-priority stream, so
+    that they never queue behind ordinary loads submitted earlier.
+    """
+
+    STORE = "store"
+    LOAD = "load"
+    EXPEDITED_LOAD = "expedited load"
+
+    @property
+    def direction(self) -> TransferDirection:
+        return TransferDirection.STORE if self is TransferLane.STORE else TransferDirection.LOAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +121,7 @@ class _Events:
 @dataclass(slots=True)
 class _Job:
     job_id: int
-    direction: TransferDirection
+    lane: TransferLane
     size: int
     success: bool
     completion: _Completion
@@ -116,9 +134,10 @@ class TransferEngine:
 
     ``backend`` is ``"auto"``, ``"triton"``, ``"dma"`` or ``"torch"`` (see
     :mod:`kvtriton.worker.backends`); ``num_programs`` caps the Triton grid. The
-    slab's ``rows_per_slot`` is the block size factor: one slot holds that
-    many GPU blocks. The engine does not own the slab: close it after
-    :meth:`shutdown`.
+    slab's ``block_size_factor`` is the engine's: one slot holds that many GPU
+    blocks. The engine holds the slab and registers itself as its user, so
+    closing the slab first drains this engine's streams; :meth:`close` (or
+    :meth:`shutdown`) drains them too, and so does garbage collection.
     """
 
     def __init__(
@@ -147,20 +166,25 @@ class TransferEngine:
             )
         self.kv = kv
         self.slab = slab
-        self.block_size_factor = slab.rows_per_slot
+        self.block_size_factor = slab.block_size_factor
         self._backend: CopyBackend = make_backend(
             parsed, kv, slab.rows, slab_pinned=slab.pinned, num_programs=num_programs
         )
         self._cuda = kv.device.type == "cuda"
-        self._streams: dict[TransferDirection, torch.cuda.Stream] = {}
+        self._streams: dict[TransferLane, torch.cuda.Stream] = {}
         if self._cuda:
-            self._streams = {direction: torch.cuda.Stream(kv.device) for direction in TransferDirection}
-        self._queues: dict[TransferDirection, deque[_Job]] = {direction: deque() for direction in TransferDirection}
+            # Lower numbers are higher priorities: expedited loads overtake the other lanes' kernels.
+            self._streams = {
+                lane: torch.cuda.Stream(kv.device, priority=-1 if lane is TransferLane.EXPEDITED_LOAD else 0)
+                for lane in TransferLane
+            }
+        self._queues: dict[TransferLane, deque[_Job]] = {lane: deque() for lane in TransferLane}
         self._unreported: set[int] = set()
         self._closed = False
+        slab.add_user(self)
         logger.info(
             "transfer engine: %d page tensors, %d-byte rows, %d slots x %d rows, backend %s on %s",
-            len(kv.pages), kv.row_bytes, slab.num_slots, slab.rows_per_slot, self.backend.value, kv.device,
+            len(kv.pages), kv.row_bytes, slab.num_slots, slab.block_size_factor, self.backend.value, kv.device,
         )  # fmt: skip
 
     @property
@@ -168,22 +192,38 @@ class TransferEngine:
         """The concrete backend in use (``auto`` already resolved)."""
         return self._backend.kind
 
+    def stream(self, lane: TransferLane) -> torch.cuda.Stream:
+        """The CUDA stream ``lane``'s jobs run on (``ValueError`` on a CPU engine, which has none)."""
+        if not self._cuda:
+            raise ValueError(f"a CPU engine runs jobs inside submit_*; it has no {lane.value} stream")
+        return self._streams[lane]
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` or :meth:`shutdown` ran: new jobs are refused."""
+        return self._closed
+
     def submit_store(self, job_id: int, src: GPULoadStoreSpec, dst: LoadStoreSpec) -> bool:
         """Start copying GPU blocks ``src`` into slots ``dst``; False (nothing reported) if the job is invalid.
 
         ``dst`` is typed as vLLM types it (the manager's ``store_spec``); it
         must be a :class:`CPULoadStoreSpec` at runtime.
         """
-        return self._submit(job_id, TransferDirection.STORE, src, dst)
+        return self._submit(job_id, TransferLane.STORE, src, dst)
 
-    def submit_load(self, job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec) -> bool:
-        """Start copying slots ``src`` (a :class:`CPULoadStoreSpec`) into GPU blocks ``dst``; False if invalid."""
-        return self._submit(job_id, TransferDirection.LOAD, dst, src)
+    def submit_load(self, job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        """Start copying slots ``src`` (a :class:`CPULoadStoreSpec`) into GPU blocks ``dst``; False if invalid.
+
+        ``expedited=True`` (vLLM's name: a load the scheduler waits for within
+        the step) runs it on its own high-priority stream, never behind the
+        ordinary loads submitted before it.
+        """
+        return self._submit(job_id, TransferLane.EXPEDITED_LOAD if expedited else TransferLane.LOAD, dst, src)
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call, each exactly once, in submission order per direction."""
+        """Jobs finished since the last call, each exactly once, in submission order per lane."""
         results: list[TransferResult] = []
-        for direction, queue in self._queues.items():
+        for lane, queue in self._queues.items():
             while queue and queue[0].completion.done():
                 job = queue.popleft()
                 self._unreported.discard(job.job_id)
@@ -193,7 +233,7 @@ class TransferEngine:
                         success=job.success,
                         transfer_size=job.size if job.success else 0,
                         transfer_time=job.completion.seconds(),
-                        transfer_type=direction.transfer_type,
+                        transfer_type=lane.direction.transfer_type,
                     )
                 )
         return results
@@ -205,12 +245,22 @@ class TransferEngine:
                 if job.job_id in job_ids:
                     job.completion.wait()
 
-    def shutdown(self) -> None:
-        """Wait for every job in flight and refuse new ones; results stay available to get_finished."""
+    def drain(self) -> None:
+        """Block until nothing queued by this engine touches the slab or the pages any more."""
         for queue in self._queues.values():
             for job in queue:
                 job.completion.wait()
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def shutdown(self) -> None:
+        """Drain every job in flight and refuse new ones; results stay available to get_finished. Idempotent."""
+        self.drain()
         self._closed = True
+
+    def close(self) -> None:
+        """Same as :meth:`shutdown` (the slab is closed by its owner, after this)."""
+        self.shutdown()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -223,8 +273,16 @@ class TransferEngine:
     ) -> None:
         self.shutdown()
 
-    def _submit(self, job_id: int, direction: TransferDirection, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> bool:
-        name = "store" if direction is TransferDirection.STORE else "load"
+    def __del__(self) -> None:
+        # A forgotten engine must not let the slab's memory go (unpinned or
+        # unmapped) under copies still queued on its streams.
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown may have torn down CUDA already
+            pass
+
+    def _submit(self, job_id: int, lane: TransferLane, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> bool:
+        name = lane.value
         if self._closed:
             logger.warning("%s job %r refused: the engine is shut down", name, job_id)
             return False
@@ -239,36 +297,42 @@ class TransferEngine:
             return False
         try:
             plan = plan_transfer(
-                direction, gpu, cpu, self.block_size_factor,
+                lane.direction, gpu, cpu, self.block_size_factor,
                 num_gpu_blocks=self.kv.num_blocks, num_slots=self.slab.num_slots,
             )  # fmt: skip
         except (TypeError, ValueError) as error:
             logger.warning("%s job %d refused: %s", name, job_id, error)
             return False
-        job = self._launch_cuda(job_id, plan) if self._cuda else self._run_now(job_id, plan)
-        self._queues[direction].append(job)
+        if plan.num_rows == 0:
+            # Nothing to move: done at once, on every backend and device, without touching a kernel or a stream.
+            job = _Job(job_id, lane, 0, True, _Finished(0.0))
+        elif self._cuda:
+            job = self._launch_cuda(job_id, lane, plan)
+        else:
+            job = self._run_now(job_id, lane, plan)
+        self._queues[lane].append(job)
         self._unreported.add(job_id)
         return True
 
-    def _copy(self, job_id: int, host: TransferPlan, device: TransferPlan) -> bool:
+    def _copy(self, job_id: int, lane: TransferLane, host: TransferPlan, device: TransferPlan) -> bool:
         """Run the backend; a raising copy fails only this job."""
         try:
             self._backend.copy(host, device)
         except Exception:
-            logger.exception("%s job %d failed in the %s backend", host.direction.name.lower(), job_id, self.backend.value)
+            logger.exception("%s job %d failed in the %s backend", lane.value, job_id, self.backend.value)
             return False
         return True
 
-    def _run_now(self, job_id: int, plan: TransferPlan) -> _Job:
+    def _run_now(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
         started = time.perf_counter()
-        success = self._copy(job_id, plan, plan)
-        return _Job(job_id, plan.direction, plan.num_rows * self.kv.row_bytes, success, _Finished(time.perf_counter() - started))
+        success = self._copy(job_id, lane, plan, plan)
+        return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, success, _Finished(time.perf_counter() - started))
 
-    def _launch_cuda(self, job_id: int, plan: TransferPlan) -> _Job:
-        stream = self._streams[plan.direction]
+    def _launch_cuda(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
+        stream = self._streams[lane]
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        # Both directions start after the work already queued on the compute
+        # Every lane starts after the work already queued on the compute
         # stream: a store reads pages the model just wrote; a load overwrites
         # blocks that earlier steps may still read or zero (with async
         # scheduling nothing else orders them; vLLM's handler waits likewise).
@@ -277,13 +341,13 @@ class TransferEngine:
         with torch.cuda.stream(stream):
             start.record(stream)
             device = plan
-            if self._backend.wants_device_indices and plan.num_rows:
+            if self._backend.wants_device_indices:
                 staged = torch.empty((2, plan.num_rows), dtype=torch.int64, pin_memory=True)
                 staged[0].copy_(plan.gpu_blocks)
                 staged[1].copy_(plan.slab_rows)
                 on_device = staged.to(self.kv.device, non_blocking=True)
                 keepalive.append(staged)
                 device = TransferPlan(plan.direction, on_device[0], on_device[1])
-            success = self._copy(job_id, plan, device)
+            success = self._copy(job_id, lane, plan, device)
             end.record(stream)
-        return _Job(job_id, plan.direction, plan.num_rows * self.kv.row_bytes, success, _Events(start, end), keepalive)
+        return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, success, _Events(start, end), keepalive)
