@@ -367,6 +367,32 @@ def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
     assert (stats.hits, stats.loading) == (4 // blocks_per_chunk, 0)
 
 
+def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(model_config: ModelConfig, engines: list[Engine]) -> None:
+    # With a sync-load budget vLLM loads a hit within the step that schedules
+    # it and waits for it there: kvtriton must not queue it behind other loads.
+    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "sync_load_budget_bytes": 1 << 30})
+    engines.append(engine)
+    prompt = list(range(1100, 1100 + 4 * BLOCK_SIZE + 5))
+    engine.scheduler.add_request(make_request("first", prompt))
+    engine.run(model_request="first")
+    assert engine.scheduler.reset_prefix_cache()
+    for tensor in engine.kv.values():
+        tensor.zero_()
+
+    (transfer_engine,) = engine.kvtriton_worker.engines
+    with mock.patch.object(transfer_engine, "submit_load", wraps=transfer_engine.submit_load) as submit_load:
+        engine.scheduler.add_request(make_request("second", prompt))
+        first_step = engine.step()
+    (load,) = [job for job in engine.recorder.jobs if job.kind == "load"]
+    assert load.expedited
+    assert submit_load.call_count == 1 and submit_load.call_args.kwargs["expedited"] is True
+    assert first_step.num_scheduled_tokens["second"] > 0  # computed in the step that loaded it: no waiting
+    loaded_blocks = [int(block) for block in load.gpu.block_ids]  # the request already finished and freed them
+    assert len(loaded_blocks) == 4
+    assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[0, index] for index in range(4)]
+    engine.run()
+
+
 def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(model_config: ModelConfig, engines: list[Engine]) -> None:
     engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
     engines.append(engine)

@@ -22,7 +22,7 @@ from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offlo
 import kvtriton.integrations.vllm as vllm_module  # noqa: E402
 import kvtriton.worker.slab as slab_module  # noqa: E402
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, open_host_slab  # noqa: E402
-from kvtriton.worker.slab import HostSlab, PageableSlabWarning  # noqa: E402
+from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError  # noqa: E402
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,8 +230,7 @@ def as_if_on_cuda(monkeypatch: pytest.MonkeyPatch, error: int) -> RegistrarStub:
     registrar = RegistrarStub(error)
     monkeypatch.setattr(slab_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
-    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: None)
-    monkeypatch.setattr(vllm_module, "memlock_limit_bytes", lambda: 65536)
+    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 65536)
     return registrar
 
 
@@ -239,11 +238,11 @@ def test_a_cuda_worker_whose_slab_cannot_be_pinned_fails_with_one_line_saying_ho
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     as_if_on_cuda(monkeypatch, error=2)
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(SlabPinningError) as raised:
         open_host_slab(4, 2, 1000, device=CUDA, pageable_allowed=False)
     message = str(raised.value)
     assert "\n" not in message
-    assert "could not pin its 8000-byte host slab" in message
+    assert "cannot pin the 8000-byte host slab" in message
     assert "RLIMIT_MEMLOCK is 65536 bytes" in message and "ulimit -l unlimited" in message
     assert "kv_connector_extra_config['kvtriton_pageable_slab']=true" in message
 

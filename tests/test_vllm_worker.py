@@ -331,3 +331,17 @@ def test_a_hybrid_job_an_engine_refuses_after_another_took_its_part_reports_noth
     assert worker.submit_store(51, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
     assert finished(worker)[51].transfer_size == 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1]
     worker.shutdown()
+
+
+@pytest.mark.parametrize("expedited", [False, True])
+def test_every_part_of_an_expedited_load_takes_its_engines_expedited_lane(expedited: bool) -> None:
+    worker = hybrid_worker(hybrid_layers())
+    assert worker.submit_store(60, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    with (
+        mock.patch.object(worker.engines[0], "submit_load", wraps=worker.engines[0].submit_load) as first,
+        mock.patch.object(worker.engines[1], "submit_load", wraps=worker.engines[1].submit_load) as second,
+    ):
+        assert worker.submit_load(61, CPULoadStoreSpec([0, 1]), gpu([4, 5, 6], group_sizes=[2, 1]), expedited=expedited)
+    assert [call.kwargs["expedited"] for call in (*first.call_args_list, *second.call_args_list)] == [expedited, expedited]
+    assert finished(worker)[61].success
+    worker.shutdown()

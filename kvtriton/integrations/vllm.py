@@ -56,7 +56,7 @@ try:
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
-    from kvtriton.worker.slab import HostSlab, memlock_limit_bytes
+    from kvtriton.worker.slab import HostSlab, SlabPinningError
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
     # against (vLLM 0.33): say so instead of naming one missing module.
@@ -84,26 +84,19 @@ def open_host_slab(
     """The worker's host slab: pinned when the KV cache is on CUDA, or a one-line error saying how to fix it.
 
     A pageable slab still works but copies through the CPU, several times
-    slower, so a CUDA server refuses to start with one unless
+    slower, so a CUDA server refuses to start with one (the slab's
+    :class:`~kvtriton.worker.slab.SlabPinningError`, naming RLIMIT_MEMLOCK,
+    the bytes asked for and how to raise the limit) unless
     ``kvtriton_pageable_slab`` allows it (then it warns and runs). Off CUDA
-    (tests, CPU runs) pinning has nothing to speed up and the slab is
-    pageable as before.
+    (tests, CPU runs) there is no copy engine to pin for: the slab is pageable.
     """
     if device.type != "cuda":
-        return HostSlab(num_slots, block_size_factor, row_bytes)
-    if pageable_allowed:
-        return HostSlab(num_slots, block_size_factor, row_bytes, pin=None)
+        return HostSlab(num_slots, block_size_factor, row_bytes, pin=False)
     try:
-        return HostSlab(num_slots, block_size_factor, row_bytes, pin=True)
-    except RuntimeError as error:
-        nbytes = num_slots * block_size_factor * row_bytes
-        limit = memlock_limit_bytes()
-        limit_text = "unlimited" if limit is None else f"{limit} bytes"
-        raise RuntimeError(
-            f"kvtriton could not pin its {nbytes}-byte host slab ({error}); RLIMIT_MEMLOCK is {limit_text}: raise it "
-            "(`ulimit -l unlimited`, docker run --ulimit memlock=-1, or the container runtime's memlock setting), "
-            f"lower cpu_bytes_to_use, or set kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true to run with "
-            "a slower pageable slab"
+        return HostSlab(num_slots, block_size_factor, row_bytes, allow_pageable=pageable_allowed)
+    except SlabPinningError as error:
+        raise SlabPinningError(
+            f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
         ) from error
 
 

@@ -197,7 +197,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         self._engines = list(engines)
         self._engine_of_group = groups
         self._slab = slab
-        self._block_size_factor = slab.rows_per_slot
+        self._block_size_factor = slab.block_size_factor
         self._num_gpu_blocks = min(engine.kv.num_blocks for engine in engines)
         # One engine moving every group: jobs pass through unsplit (the hot path).
         self._single_engine = len(engines) == 1 and all(engine == 0 for engine in groups)
@@ -287,7 +287,14 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             return None
         return []
 
-    def _submit(self, name: str, job_id: int, gpu_spec: vllm_base.GPULoadStoreSpec, slot_spec: vllm_base.LoadStoreSpec) -> bool:
+    def _submit(
+        self,
+        name: str,
+        job_id: int,
+        gpu_spec: vllm_base.GPULoadStoreSpec,
+        slot_spec: vllm_base.LoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
         slots = _slot_spec(slot_spec)
         if slots is None:
             side = "destination" if name == "store" else "source"
@@ -316,7 +323,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             if name == "store":
                 accepted = engine.submit_store(job_id, part.gpu, part.slots)
             else:
-                accepted = engine.submit_load(job_id, part.slots, part.gpu)
+                accepted = engine.submit_load(job_id, part.slots, part.gpu, expedited=expedited)
             if not accepted:
                 if pending.parts_left:
                     # Earlier parts are already queued: let them finish unseen (their rows and blocks
@@ -342,9 +349,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         dst_spec: vllm_base.GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        # Expedited loads (vLLM waits for them within the step) need no special
-        # queue: the engine runs loads on their own stream, never behind stores.
-        return self._submit("load", job_id, dst_spec, src_spec)
+        # vLLM's sync loads: it waits for them within the step, so each engine
+        # runs them on its own expedited stream, never behind earlier loads.
+        return self._submit("load", job_id, dst_spec, src_spec, expedited)
 
     @override
     def get_finished(self) -> list[vllm_base.TransferResult]:
