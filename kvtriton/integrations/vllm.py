@@ -104,7 +104,9 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     """vLLM ``OffloadingSpec`` whose manager and worker are kvtriton's.
 
     One slot of the host slab holds one offloaded chunk (``blocks_per_chunk``
-    GPU blocks) of this rank's KV bytes. The slot count is derived from
+    GPU blocks) of one KV cache group's bytes on this rank: the pages the
+    group references, without padding (see
+    :mod:`kvtriton.integrations.vllm_worker`). The slot count is derived from
     ``cpu_bytes_to_use`` (the total over all ranks) and the KV bytes per block
     by the same formula in the scheduler (which sees rank 0's bytes) and in
     every worker (its own), so the slot ids the manager hands out are valid in
