@@ -19,6 +19,7 @@ from vllm_fixtures.builders import canonical_kv_caches, offloading_config  # noq
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
+from kvtriton.integrations.vllm_worker import GroupPages  # noqa: E402
 from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
 
 NUM_BLOCKS = 16
@@ -345,3 +346,33 @@ def test_every_part_of_an_expedited_load_takes_its_engines_expedited_lane(expedi
     assert [call.kwargs["expedited"] for call in (*first.call_args_list, *second.call_args_list)] == [expedited, expedited]
     assert finished(worker)[61].success
     worker.shutdown()
+
+
+def test_group_pages_cut_each_referenced_tensor_to_its_unpadded_size_and_share_equal_sets() -> None:
+    layers = [torch.zeros(NUM_BLOCKS, 96, dtype=torch.int8), torch.zeros(NUM_BLOCKS, 40, dtype=torch.int8)]
+    # Groups 0 and 2 reference the same pages; group 1 cuts tensor 0 shorter; group 3 references nothing.
+    refs: list[list[tuple[int, int]]] = [[(0, 96), (1, 40)], [(0, 64)], [(0, 96), (1, 40)], []]
+    pages = GroupPages.from_canonical(canonical_kv_caches(layers, group_refs=refs))
+    assert pages.kv_of_group == (0, 1, 0, None)
+    assert pages.group_row_bytes == (136, 64, 136, 0)
+    assert [kv.page_bytes for kv in pages.kvs] == [[96, 40], [64]]
+    assert pages.row_bytes == 136
+
+
+NO_REFS: list[tuple[int, int]] = []
+BAD_REFS: list[tuple[list[list[tuple[int, int]]], str]] = [
+    ([[(2, 8)]], r"kv_caches.group_data_refs\[0\] references tensor 2, but there are 2 tensors"),
+    ([[(0, 8)], [(1, 48)]], r"group_data_refs\[1\] uses 48 bytes of each page of kv_caches.tensors\[1\], whose pages hold 40"),
+    ([[(0, 0)]], r"uses 0 bytes"),
+    ([NO_REFS], r"no group in kv_caches.group_data_refs references a tensor"),
+    ([], r"kv_caches.group_data_refs is empty"),
+]
+
+
+@pytest.mark.parametrize(("refs", "message"), BAD_REFS)
+def test_group_references_that_do_not_fit_the_tensors_are_refused_naming_the_group(
+    refs: list[list[tuple[int, int]]], message: str
+) -> None:
+    layers = [torch.zeros(NUM_BLOCKS, 96, dtype=torch.int8), torch.zeros(NUM_BLOCKS, 40, dtype=torch.int8)]
+    with pytest.raises(ValueError, match=message):
+        GroupPages.from_canonical(canonical_kv_caches(layers, group_refs=refs))

@@ -79,10 +79,12 @@ def _group_refs(
         if not 0 <= ref.tensor_idx < len(tensors):
             raise ValueError(f"{where} references tensor {ref.tensor_idx}, but there are {len(tensors)} tensors")
         padded = kv_caches.tensors[ref.tensor_idx].page_size_bytes
-        if not 1 <= ref.page_size_bytes <= padded:
+        element = tensors[ref.tensor_idx].element_size()
+        if not 1 <= ref.page_size_bytes <= padded or ref.page_size_bytes % element:
             raise ValueError(
                 f"{where} uses {ref.page_size_bytes} bytes of each page of {_tensor_name(ref.tensor_idx)}, "
-                f"whose pages hold {padded} bytes (expected 1..{padded})"
+                f"whose pages hold {padded} bytes of {element}-byte elements (expected a multiple of {element} "
+                f"in 1..{padded})"
             )
         sizes[ref.tensor_idx] = max(sizes.get(ref.tensor_idx, 0), ref.page_size_bytes)
     return tuple(sizes.items())
