@@ -376,3 +376,39 @@ def test_group_references_that_do_not_fit_the_tensors_are_refused_naming_the_gro
     layers = [torch.zeros(NUM_BLOCKS, 96, dtype=torch.int8), torch.zeros(NUM_BLOCKS, 40, dtype=torch.int8)]
     with pytest.raises(ValueError, match=message):
         GroupPages.from_canonical(canonical_kv_caches(layers, group_refs=refs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "dma"])
+def test_on_cuda_a_hybrid_model_round_trips_through_a_pinned_slab_with_expedited_loads(backend: str) -> None:
+    layers = [layer.cuda() for layer in hybrid_layers()]
+    original = [layer.clone() for layer in layers]
+    spec = KVTritonOffloadingSpec(
+        offloading_config(
+            {"cpu_bytes_to_use": NUM_SLOTS * BLOCKS_PER_CHUNK * HYBRID_PADDED_BYTES, "kvtriton_backend": backend},
+            worker_kv_bytes_per_block=HYBRID_PADDED_BYTES,
+            blocks_per_chunk=BLOCKS_PER_CHUNK,
+        )
+    )
+    worker = spec.get_worker(canonical_kv_caches(layers, group_refs=HYBRID_REFS))
+    assert isinstance(worker, VLLMOffloadingWorker)
+    assert all(engine.slab.pinned and engine.backend.value == backend for engine in worker.engines)
+    assert worker.submit_store(0, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    worker.wait({0})
+    assert finished(worker)[0].success
+    for layer in layers:
+        layer.fill_(0x5A)
+    assert worker.submit_load(1, CPULoadStoreSpec([0]), gpu([9, 10], group_sizes=[2, 0]))
+    assert worker.submit_load(2, CPULoadStoreSpec([1]), gpu([11], group_sizes=[0, 1]), expedited=True)
+    worker.wait({1, 2})
+    results = finished(worker)
+    assert {job: result.transfer_size for job, result in results.items()} == {
+        1: 2 * HYBRID_GROUP_BYTES[0],
+        2: HYBRID_GROUP_BYTES[1],
+    }
+    assert torch.equal(layers[0][9:11], original[0][1:3])
+    assert torch.equal(layers[2][9:11, :128], original[2][1:3, :128])
+    assert bool((layers[2][9:11, 128:] == 0x5A).all())  # padding stays on the GPU
+    assert torch.equal(layers[1][11], original[1][3])
+    assert bool((layers[1][9:11] == 0x5A).all()) and bool((layers[0][11] == 0x5A).all())
+    worker.shutdown()
