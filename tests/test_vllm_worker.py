@@ -412,3 +412,12 @@ def test_on_cuda_a_hybrid_model_round_trips_through_a_pinned_slab_with_expedited
     assert torch.equal(layers[1][11], original[1][3])
     assert bool((layers[1][9:11] == 0x5A).all()) and bool((layers[0][11] == 0x5A).all())
     worker.shutdown()
+
+
+def test_a_worker_needs_an_engine_for_every_group_it_names() -> None:
+    worker = hybrid_worker(hybrid_layers())
+    with pytest.raises(ValueError, match=r"engine_of_group\[1\] is 2, but there are 2 engines"):
+        VLLMOffloadingWorker(worker.engines, worker.engines[0].slab, [0, 2])
+    with pytest.raises(ValueError, match="engines must hold at least one TransferEngine"):
+        VLLMOffloadingWorker([], worker.engines[0].slab)
+    worker.shutdown()
