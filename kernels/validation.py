@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 __all__ = [
     "IndexBounds",
@@ -18,7 +21,9 @@ __all__ = [
     "block_is_contiguous",
     "check_call",
     "check_index_pair",
+    "check_index_range",
     "check_slab",
+    "check_unique",
     "describe_pages",
 ]
 
@@ -61,12 +66,14 @@ def block_is_contiguous(page: torch.Tensor) -> bool:
     return True
 
 
-def describe_pages(pages: Sequence[torch.Tensor], name: str) -> PageGeometry:
+def describe_pages(pages: Sequence[torch.Tensor], name: str, labels: Sequence[str] | None = None) -> PageGeometry:
     """Check a list of page tensors and return their byte geometry.
 
     A page tensor's dim 0 indexes blocks; the rest of each block must be
     contiguous (the block stride itself may exceed the page, as for per-layer
-    views of a cross-layer cache). Blocks must not overlap.
+    views of a cross-layer cache). Blocks must not overlap. The one home of
+    the page-tensor checks: the public kernels and ``PagedKV`` both call it.
+    Errors name ``labels[t]`` (default ``name[t]``).
     """
     if isinstance(pages, torch.Tensor):
         raise TypeError(f"{name} must be a sequence of page tensors, got a single tensor of shape {tuple(pages.shape)}")
@@ -80,14 +87,15 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str) -> PageGeometry:
     device: torch.device | None = None
     num_blocks: int | None = None
     for t, page in enumerate(pages):
-        label = f"{name}[{t}]"
+        label = labels[t] if labels is not None else f"{name}[{t}]"
+        first_label = labels[0] if labels is not None else f"{name}[0]"
         if not isinstance(page, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
             raise TypeError(f"{label} must be a torch.Tensor, got {type(page).__name__}")
         if page.dim() < 1:
             raise ValueError(f"{label} must have a block dimension (dim 0), got a 0-d tensor")
         device = page.device if device is None else device
         if page.device != device:
-            raise ValueError(f"{label} is on {page.device} but {name}[0] is on {device}; all page tensors must share one device")
+            raise ValueError(f"{label} is on {page.device} but {first_label} is on {device}; all page tensors must share one device")
         if not block_is_contiguous(page):
             raise ValueError(
                 f"{label} has non-contiguous blocks: shape {tuple(page.shape)}, stride {page.stride()}; "
@@ -163,28 +171,63 @@ def _check_index(index: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(index.shape)}")
 
 
-def _check_range(index: torch.Tensor, name: str, bound: int, what: str) -> None:
-    if index.numel() == 0:
-        return
-    bad = (index < 0) | (index >= bound)
-    if bool(bad.any()):
-        position = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"{name}[{position}] = {int(index[position])} is out of range: there are {bound} {what} (valid 0..{bound - 1})"
-        )
+def _host_values(index: torch.Tensor | NDArray[np.int64]) -> NDArray[np.int64] | None:
+    """The values as a numpy array when they are on the host (numpy is faster on small host arrays), else None."""
+    if isinstance(index, np.ndarray):
+        return index
+    if index.device.type == "cpu":
+        return cast("NDArray[np.int64]", index.numpy())
+    return None
 
 
-def _check_unique(index: torch.Tensor, name: str) -> None:
-    if index.numel() < 2:
-        return
-    ordered = torch.sort(index).values
-    repeated = ordered[1:] == ordered[:-1]
-    if bool(repeated.any()):
+def check_index_range(index: torch.Tensor | NDArray[np.int64], name: str, bound: int, what: str) -> None:
+    """Every value of ``index`` must lie in ``0..bound-1``; the error names the first bad position and value.
+
+    The one range check of the package: the public kernels run it on their
+    index tensors, the engine's planner on each job's host indices (numpy).
+    """
+    host = _host_values(index)
+    if host is not None:
+        if host.size == 0 or (int(host.min()) >= 0 and int(host.max()) < bound):
+            return
+        position = int(np.flatnonzero((host < 0) | (host >= bound))[0])
+        value = int(host[position])
+    else:
+        assert isinstance(index, torch.Tensor)
+        if index.numel() == 0:
+            return
+        low, high = torch.aminmax(index)
+        if int(low) >= 0 and int(high) < bound:
+            return
+        position = int(torch.nonzero((index < 0) | (index >= bound))[0, 0])
+        value = int(index[position])
+    raise ValueError(f"{name}[{position}] = {value} is out of range: there are {bound} {what} (valid 0..{bound - 1})")
+
+
+def check_unique(index: torch.Tensor | NDArray[np.int64], name: str) -> None:
+    """No value may appear twice in ``index`` (a destination written twice in one parallel copy races)."""
+    host = _host_values(index)
+    if host is not None:
+        if host.size < 2:
+            return
+        ordered_host = np.sort(host)
+        repeated_host = ordered_host[1:] == ordered_host[:-1]
+        if not repeated_host.any():
+            return
+        value = int(ordered_host[1:][repeated_host][0])
+    else:
+        assert isinstance(index, torch.Tensor)
+        if index.numel() < 2:
+            return
+        ordered = torch.sort(index).values
+        repeated = ordered[1:] == ordered[:-1]
+        if not bool(repeated.any()):
+            return
         value = int(ordered[1:][repeated][0])
-        raise ValueError(
-            f"{name} names destination {value} more than once; a destination may be written only once per call "
-            "(the parallel kernel has no 'last one wins' order)"
-        )
+    raise ValueError(
+        f"{name} names destination {value} more than once; a destination may be written only once per call "
+        "(the parallel kernel has no 'last one wins' order)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +268,10 @@ def check_index_pair(
             raise ValueError(f"{name} is on {index.device} but the data is on {device}; index tensors must be on the same device")
     if not check_values:
         return
-    _check_range(source, source_name, bounds.source, bounds.source_what)
-    _check_range(destination, destination_name, bounds.destination, bounds.destination_what)
+    check_index_range(source, source_name, bounds.source, bounds.source_what)
+    check_index_range(destination, destination_name, bounds.destination, bounds.destination_what)
     if not allow_duplicate_destinations:
-        _check_unique(destination, destination_name)
+        check_unique(destination, destination_name)
 
 
 def check_call(

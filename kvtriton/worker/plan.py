@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvtriton.kernels.validation import check_index_range, check_unique
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
-__all__ = ["TransferDirection", "TransferPlan", "plan_transfer", "slots_needed"]
+__all__ = ["TransferDirection", "TransferPlan", "host_tensor", "plan_transfer", "slots_needed"]
 
 
 class TransferDirection(enum.Enum):
@@ -40,18 +41,24 @@ class TransferDirection(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """Co-indexed launch indices: row ``slab_rows[i]`` pairs with GPU block ``gpu_blocks[i]``.
+    """Co-indexed indices of one job: slab row ``slab_rows[i]`` pairs with GPU block ``gpu_blocks[i]``.
 
-    Both are 1-D int64 CPU tensors; the engine stages them for the device.
+    Both are 1-D int64 numpy arrays on the host, already checked (range, and
+    no destination named twice); the engine stages them for the device.
     """
 
     direction: TransferDirection
-    gpu_blocks: torch.Tensor
-    slab_rows: torch.Tensor
+    gpu_blocks: NDArray[np.int64]
+    slab_rows: NDArray[np.int64]
 
     @property
     def num_rows(self) -> int:
         return int(self.gpu_blocks.shape[0])
+
+
+def host_tensor(array: NDArray[np.int64]) -> torch.Tensor:
+    """A CPU tensor sharing ``array``'s memory (no copy)."""
+    return torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType] -- torch types from_numpy's argument as Unknown
 
 
 def _check_factor(block_size_factor: int) -> None:
@@ -64,30 +71,13 @@ def _check_factor(block_size_factor: int) -> None:
 def slots_needed(gpu: GPULoadStoreSpec, block_size_factor: int) -> int:
     """How many slots ``gpu`` spans: the length the matching CPU spec must have."""
     _check_factor(block_size_factor)
+    if block_size_factor == 1:
+        return len(gpu.block_ids)
     total = 0
     for size, index in zip(gpu.group_sizes, gpu.block_indices):
         if size:
             total += -(-(size + index % block_size_factor) // block_size_factor)
     return total
-
-
-def _check_range(name: str, ids: NDArray[np.int64], limit: int | None) -> None:
-    if ids.size == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0:
-        raise ValueError(f"{name} holds {low}; ids must not be negative")
-    if limit is not None and high >= limit:
-        raise ValueError(f"{name} holds {high}, out of range for {limit} entries (0..{limit - 1})")
-
-
-def _check_unique(name: str, ids: NDArray[np.int64]) -> None:
-    values, counts = np.unique(ids, return_counts=True)
-    repeated = values[counts > 1]
-    if repeated.size:
-        raise ValueError(
-            f"{name} written more than once in one job: {repeated[:8].tolist()} (the copies would race)"
-        )
 
 
 def plan_transfer(
@@ -120,9 +110,20 @@ def plan_transfer(
             f"({len(gpu.block_ids)} GPU blocks, group_sizes={list(gpu.group_sizes)}, "
             f"block_indices={list(gpu.block_indices)}, block_size_factor={f})"
         )
-    _check_range("GPU block_ids", gpu.block_ids, num_gpu_blocks)
-    _check_range("CPU block_ids (slots)", slots, num_slots)
+    if num_gpu_blocks is not None:
+        check_index_range(gpu.block_ids, "GPU block_ids", num_gpu_blocks, "GPU blocks")
+    if num_slots is not None:
+        check_index_range(slots, "CPU block_ids", num_slots, "slots")
+    rows = slots if f == 1 else _rows(gpu, slots, f)  # one block per slot: row = slot
+    if direction is TransferDirection.STORE:
+        check_unique(rows, "slab rows")
+    else:
+        check_unique(gpu.block_ids, "GPU block_ids")
+    return TransferPlan(direction=direction, gpu_blocks=gpu.block_ids, slab_rows=rows)
 
+
+def _rows(gpu: GPULoadStoreSpec, slots: NDArray[np.int64], f: int) -> NDArray[np.int64]:
+    """The slab row of each GPU block, group by group (a loop over groups, vectorised within each)."""
     within_slot = np.arange(f, dtype=np.int64)
     parts: list[NDArray[np.int64]] = []
     slot_cursor = 0
@@ -135,14 +136,4 @@ def plan_transfer(
         slot_cursor += count
         rows = np.repeat(group_slots * f, f) + np.tile(within_slot, count)
         parts.append(rows[skip : skip + size])
-    rows = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-    if direction is TransferDirection.STORE:
-        _check_unique("slab row", rows)
-    else:
-        _check_unique("GPU block", gpu.block_ids)
-    return TransferPlan(
-        direction=direction,
-        gpu_blocks=torch.as_tensor(gpu.block_ids, dtype=torch.int64).clone(),
-        slab_rows=torch.as_tensor(rows, dtype=torch.int64),
-    )
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

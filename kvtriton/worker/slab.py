@@ -34,7 +34,6 @@ memory that is no longer pinned.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import mmap
@@ -46,6 +45,8 @@ from types import TracebackType
 from typing import Protocol, SupportsInt, cast
 
 import torch
+
+from kvtriton.worker.cudart import last_error, loaded_cudart
 
 __all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "pin_ranges"]
 
@@ -111,26 +112,9 @@ class _CudaRuntime:
         return self._torch.cudaHostUnregister(ptr)
 
     def cudaGetLastError(self) -> SupportsInt:
-        library = _loaded_cudart()
-        if library is None:
+        if loaded_cudart() is None:
             logger.warning("libcudart is not loaded in this process; a failed CUDA call may surface at a later launch")
-            return 0
-        return cast(int, library.cudaGetLastError())
-
-
-def _loaded_cudart() -> ctypes.CDLL | None:
-    """The libcudart shared library mapped into this process (torch's own copy), or None."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = [line.split()[-1] for line in maps if "libcudart" in line]
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
+        return last_error()
 
 
 def _cuda_available() -> bool:
