@@ -392,7 +392,7 @@ def test_on_cuda_a_hybrid_model_round_trips_through_a_pinned_slab_with_expedited
     )
     worker = spec.get_worker(canonical_kv_caches(layers, group_refs=HYBRID_REFS))
     assert isinstance(worker, VLLMOffloadingWorker)
-    assert all(engine.slab.pinned and engine.backend.value == backend for engine in worker.engines)
+    assert all(engine.slab.pinned and {kind.value for kind in engine.backends.values()} == {backend} for engine in worker.engines)
     assert worker.submit_store(0, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
     worker.wait({0})
     assert finished(worker)[0].success
