@@ -19,7 +19,7 @@ the two never share imports. On CPU the kernels take Triton's interpreter
 path (``TRITON_INTERPRET=1``), which is the same host path up to the launch;
 on CUDA the engine also stages indices and records events.
 
-Goals (issue 10): at most 40 us per job at 64 page tensors and 60 us at 160.
+Goals: at most 40 us per job at 64 page tensors and 60 us at 160.
 JSON goes to ``bench/results/engine.json`` (``$KVTRITON_BENCH_OUT``).
 """
 
