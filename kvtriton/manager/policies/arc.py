@@ -30,10 +30,12 @@ def _take(
     taken: list[OffloadKey] = []
     if n <= 0:
         return taken
+    append = taken.append
     for key, block in entries:
         if block.ref_cnt == 0 and key not in protected:
-            taken.append(key)
-            if len(taken) == n:
+            append(key)
+            n -= 1
+            if not n:
                 break
     return taken
 
@@ -174,19 +176,24 @@ class ARCCachePolicy:
         if len(fallback) < short:
             return None
 
+        # One pass per list moves each victim into its ghost list.
         b1, b2 = self._b1, self._b2
         for key in from_t1:
             del t1[key]
+            b1[key] = None
         for key in from_t2:
             del t2[key]
+            b2[key] = None
         for key in fallback:
             del t1[key]
-        b1.update(dict.fromkeys(from_t1))
-        b1.update(dict.fromkeys(fallback))
-        b2.update(dict.fromkeys(from_t2))
+            b1[key] = None
+        capacity = self._capacity
         for ghost in (b1, b2):
-            for _ in range(len(ghost) - self._capacity):
-                ghost.popitem(last=False)
+            excess = len(ghost) - capacity
+            if excess > 0:
+                popitem = ghost.popitem
+                for _ in range(excess):
+                    popitem(last=False)
         return from_t1 + from_t2 + fallback
 
     def clear(self) -> None:
