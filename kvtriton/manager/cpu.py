@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, KeysView
+from collections.abc import Callable, Collection, Container, Iterable, KeysView
 from typing import TypeVar, cast
 
 from kvtriton.keys import OffloadKey
@@ -30,6 +30,7 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 # Collections whose elements are distinct by construction (no de-duplication needed).
 _DISTINCT = (set, frozenset, KeysView)
 _R = TypeVar("_R")
+_NOTHING: frozenset[OffloadKey] = frozenset()
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -213,9 +214,7 @@ class CPUOffloadingManager(OffloadingManager):
                 access.observe(loaded)
                 inserted = access.inserted
                 access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
-                # Recent from now on: the load ends before the request stores,
-                # and the prefix must not age out in between.
-                self._policy.refresh(loaded)
+                self._policy.on_request_load(loaded)
         return CPULoadStoreSpec.from_slots([block.slot for block in ready])
 
     @override
@@ -275,12 +274,7 @@ class CPUOffloadingManager(OffloadingManager):
             if len(distinct) != len(new_keys):
                 new_keys = list(distinct)
         if new_keys:
-            # Learn from a key once per request, even if its store is refused and offered again.
-            missed = access.store_missed
-            misses = new_keys if missed.isdisjoint(new_keys) else [key for key in new_keys if key not in missed]
-            if misses:
-                self._policy.on_store_miss(misses)
-                missed.update(misses)
+            self._policy.on_store_miss(new_keys, access.store_missed)
         # Record the new and ready keys, in the offer's (head-to-tail) order; a
         # key some other request is still storing is not this request's yet.
         earlier = len(access.keys)
@@ -295,7 +289,13 @@ class CPUOffloadingManager(OffloadingManager):
             access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
         if not new_keys:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
-        output = self._store(new_keys, keys)
+        # The offer's cached keys are its ready ones and the ones still pending
+        # (another request's store); only they could be evicted.
+        if skipped_pending:
+            cached: Container[OffloadKey] = {key for key, block in zip(offered, got) if block is not None}
+        else:
+            cached = set(ready) if ready else _NOTHING
+        output = self._store(new_keys, keys, cached)
         if output is None:
             return None
         access.inserted.update(new_keys)
@@ -309,8 +309,18 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.refresh(head)
         return output
 
-    def _store(self, new_keys: list[OffloadKey], keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
-        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected."""
+    def _store(
+        self,
+        new_keys: list[OffloadKey],
+        keys: Collection[OffloadKey],
+        cached: Container[OffloadKey] | None = None,
+    ) -> PrepareStoreOutput | None:
+        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected.
+
+        ``cached``, when the caller knows them, are the keys of ``keys`` that are
+        cached: the only ones an eviction could take, so protecting them alone
+        protects the whole offer without building a set of it.
+        """
         blocks = self._blocks
 
         pool = self._pool
@@ -322,7 +332,10 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
             # Every key named in the call is protected: the caller was just
             # told the already-stored ones are cached, so they must stay.
-            protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
+            if cached is not None:
+                protected = cached
+            else:
+                protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
             victims = self._policy.evict(shortfall, protected)
             if victims is None:
                 return None

@@ -45,7 +45,8 @@ class CachePolicy(Protocol):
     ``remove`` when a store fails, ``touch`` on every ``touch`` call,
     ``evict`` when it needs room and ``clear`` on ``reset_cache``. For a
     request it tracks (``on_new_request``) it also calls ``on_store_miss``
-    before a store, ``refresh`` on its loads and after its stores, and ``on_request_finished`` at the
+    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
+    ``refresh`` after it and ``on_request_finished`` at the
     end (``kvtriton.manager.request_access``). A policy
     must never evict a block whose ``ref_cnt`` is not 0 or whose key is in
     ``protected``.
@@ -80,11 +81,23 @@ class CachePolicy(Protocol):
         """
         ...
 
-    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+    def on_request_load(self, keys: Sequence[OffloadKey]) -> None:
+        """A tracked request loads ``keys`` (head first); its reuse counts only when it finishes.
+
+        LRU ranks them most recent: the load completes before the request
+        stores the rest of its prompt, and its prefix must not age out in
+        between. ARC leaves its lists alone (vLLM 0.33's ARC does too).
+        """
+        ...
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         """Learn from ``keys`` about to be stored because no request found them cached.
 
-        Called before the eviction that makes room for them, once per key and
-        request; ARC adapts its T1 target to keys still in a ghost list.
+        Called before the eviction that makes room for them. ``learnt`` is the
+        storing request's record of keys already learnt from: a policy learns
+        from a key once per request (a refused store may be offered again) and
+        adds the keys it learnt from. ARC adapts its T1 target to keys still
+        in a ghost list.
         """
         ...
 
