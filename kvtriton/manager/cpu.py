@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable, KeysView
-from typing import TypeVar, cast
+from collections.abc import Callable, Collection, Container, Iterable, KeysView, Sequence
+from typing import NamedTuple, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
 from kvtriton.manager.policies.registry import make_policy
 from kvtriton.manager.request_access import RequestAccess, head_first
 from kvtriton.manager.slot_pool import SlotPool
@@ -31,6 +31,34 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 _DISTINCT = (set, frozenset, KeysView)
 _R = TypeVar("_R")
 _NOTHING: frozenset[OffloadKey] = frozenset()
+
+
+class _RequestHooks(NamedTuple):
+    """The policy's request-scoped calls, or stand-ins for a policy without them."""
+
+    refresh: Callable[[Sequence[OffloadKey]], None]
+    on_request_load: Callable[[Sequence[OffloadKey]], None]
+    on_store_miss: Callable[[Sequence[OffloadKey], set[OffloadKey]], None]
+    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey]], None]
+
+
+def _request_hooks(policy: CachePolicy) -> _RequestHooks:
+    """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
+    if isinstance(policy, RequestAwarePolicy):
+        return _RequestHooks(policy.refresh, policy.on_request_load, policy.on_store_miss, policy.on_request_finished)
+    touch = policy.touch
+
+    def ignore(keys: Sequence[OffloadKey]) -> None:
+        del keys
+
+    def ignore_miss(keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+        del keys, learnt
+
+    def finished(keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]) -> None:
+        del inserted, reused
+        touch(keys)
+
+    return _RequestHooks(touch, ignore, ignore_miss, finished)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -64,6 +92,7 @@ class CPUOffloadingManager(OffloadingManager):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self._hooks = _request_hooks(self._policy)
         self._policy_name = cache_policy
         self._pool = SlotPool(num_blocks)
         # The authoritative index of cached keys. The policy keeps the same
@@ -172,7 +201,7 @@ class CPUOffloadingManager(OffloadingManager):
             position_of = req_context.key_positions.get
         if position_of is not None:
             keys = head_first(keys, position_of)
-        self._policy.on_request_finished(keys, access.inserted, access.reused)
+        self._hooks.on_request_finished(keys, access.inserted, access.reused)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -214,7 +243,7 @@ class CPUOffloadingManager(OffloadingManager):
                 access.observe(loaded)
                 inserted = access.inserted
                 access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
-                self._policy.on_request_load(loaded)
+                self._hooks.on_request_load(loaded)
         return CPULoadStoreSpec.from_slots([block.slot for block in ready])
 
     @override
@@ -274,7 +303,7 @@ class CPUOffloadingManager(OffloadingManager):
             if len(distinct) != len(new_keys):
                 new_keys = list(distinct)
         if new_keys:
-            self._policy.on_store_miss(new_keys, access.store_missed)
+            self._hooks.on_store_miss(new_keys, access.store_missed)
         # Record the new and ready keys, in the offer's (head-to-tail) order; a
         # key some other request is still storing is not this request's yet.
         earlier = len(access.keys)
@@ -306,7 +335,7 @@ class CPUOffloadingManager(OffloadingManager):
             stored = set(new_keys)
             head.extend(key for key in access.keys[earlier:] if key not in stored)
         if head:
-            self._policy.refresh(head)
+            self._hooks.refresh(head)
         return output
 
     def _store(

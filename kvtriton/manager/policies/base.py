@@ -8,11 +8,11 @@ small means a new policy is one file plus one line in the registry.
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
 
-__all__ = ["PENDING", "Block", "CachePolicy"]
+__all__ = ["PENDING", "Block", "CachePolicy", "RequestAwarePolicy"]
 
 PENDING = -1
 """``Block.ref_cnt`` of a block whose store has not completed yet."""
@@ -72,6 +72,31 @@ class CachePolicy(Protocol):
         """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys are ignored."""
         ...
 
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        """Remove and return ``n`` ready, idle, unprotected keys in eviction order.
+
+        Atomic: when fewer than ``n`` such keys exist, return ``None`` and
+        change nothing.
+        """
+        ...
+
+    def clear(self) -> None:
+        """Forget every key and reset any adaptive state."""
+        ...
+
+
+@runtime_checkable
+class RequestAwarePolicy(CachePolicy, Protocol):
+    """A policy that also takes the request-scoped signal (optional; LRU and ARC implement it).
+
+    For a request it tracks (``on_new_request``) the manager calls
+    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
+    ``refresh`` after it and ``on_request_finished`` at the end
+    (``kvtriton.manager.request_access``). A policy without these methods
+    still works: the manager then calls its ``touch`` for ``refresh`` and
+    ``on_request_finished`` and skips the other two (vLLM's defaults).
+    """
+
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
         """Rank ``keys`` most recent, the first key most recent, without counting a use.
 
@@ -110,16 +135,4 @@ class CachePolicy(Protocol):
         for a frequency policy); ``inserted`` keys were stored by it (not a
         use); keys in neither (a refused store) are left where they are.
         """
-        ...
-
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
-        """Remove and return ``n`` ready, idle, unprotected keys in eviction order.
-
-        Atomic: when fewer than ``n`` such keys exist, return ``None`` and
-        change nothing.
-        """
-        ...
-
-    def clear(self) -> None:
-        """Forget every key and reset any adaptive state."""
         ...
