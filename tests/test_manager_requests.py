@@ -220,3 +220,30 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
     manager.on_request_finished(second)
     # refresh after the store and the end of each request became touches; loads and misses were skipped.
     assert touched == [ks(0, 1), ks(0, 1), ks(0, 1, 2)]
+
+
+def test_a_loading_requests_new_blocks_rank_where_it_first_used_the_cache() -> None:
+    manager = CPUOffloadingManager(16)
+    first = request("first", 0, 1)
+    manager.on_new_request(first)
+    store_for(manager, first, 0, 1)
+    manager.on_request_finished(first)
+
+    loader = request("loader", 0, 1, 2)
+    manager.on_new_request(loader)
+    manager.prepare_load(ks(0, 1), loader)
+    # Another request stores and finishes after the loader's first load.
+    other = request("other", 7)
+    manager.on_new_request(other)
+    store_for(manager, other, 7)
+    manager.on_request_finished(other)
+    manager.complete_load(ks(0, 1), loader)
+    store_for(manager, loader, 2)
+    # vLLM 0.33 ranks an active request's new block at the moment of its first
+    # use: below what others used since, and below its own head.
+    assert lru_order(manager) == ks(2, 1, 0, 7)
+    manager.on_request_finished(loader)
+    assert lru_order(manager) == ks(7, 2, 1, 0)
+    policy = manager.policy
+    assert isinstance(policy, LRUCachePolicy)
+    assert len(policy.ordered_keys()) == len(manager.slot_map())  # the request's mark is gone

@@ -36,29 +36,43 @@ _NOTHING: frozenset[OffloadKey] = frozenset()
 class _RequestHooks(NamedTuple):
     """The policy's request-scoped calls, or stand-ins for a policy without them."""
 
-    refresh: Callable[[Sequence[OffloadKey]], None]
-    on_request_load: Callable[[Sequence[OffloadKey]], None]
+    on_request_load: Callable[[Sequence[OffloadKey], object | None], object | None]
+    on_request_store: Callable[[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey], object | None], None]
     on_store_miss: Callable[[Sequence[OffloadKey], set[OffloadKey]], None]
-    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey]], None]
+    on_request_finished: Callable[
+        [Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], object | None], None
+    ]
 
 
 def _request_hooks(policy: CachePolicy) -> _RequestHooks:
     """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
     if isinstance(policy, RequestAwarePolicy):
-        return _RequestHooks(policy.refresh, policy.on_request_load, policy.on_store_miss, policy.on_request_finished)
+        return _RequestHooks(
+            policy.on_request_load, policy.on_request_store, policy.on_store_miss, policy.on_request_finished
+        )
     touch = policy.touch
 
-    def ignore(keys: Sequence[OffloadKey]) -> None:
+    def load(keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
         del keys
+        return anchor
 
-    def ignore_miss(keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+    def store(
+        head: Sequence[OffloadKey], stored: Sequence[OffloadKey], reoffered: Sequence[OffloadKey], anchor: object | None
+    ) -> None:
+        del stored, reoffered, anchor
+        if head:
+            touch(head)
+
+    def miss(keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         del keys, learnt
 
-    def finished(keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]) -> None:
-        del inserted, reused
+    def finished(
+        keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], anchor: object | None
+    ) -> None:
+        del inserted, reused, anchor
         touch(keys)
 
-    return _RequestHooks(touch, ignore, ignore_miss, finished)
+    return _RequestHooks(load, store, miss, finished)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -203,7 +217,7 @@ class CPUOffloadingManager(OffloadingManager):
             position_of = req_context.key_positions.get
         if position_of is not None:
             keys = head_first(keys, position_of)
-        self._hooks.on_request_finished(keys, access.inserted, access.reused)
+        self._hooks.on_request_finished(keys, access.inserted, access.reused, access.anchor)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -245,7 +259,7 @@ class CPUOffloadingManager(OffloadingManager):
                 access.observe(loaded)
                 inserted = access.inserted
                 access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
-                self._hooks.on_request_load(loaded)
+                access.anchor = self._hooks.on_request_load(loaded, access.anchor)
         return CPULoadStoreSpec.from_slots([block.slot for block in ready])
 
     @override
@@ -330,14 +344,14 @@ class CPUOffloadingManager(OffloadingManager):
         if output is None:
             return None
         access.inserted.update(new_keys)
-        # The new keys entered head first at the recent end; the request's
-        # earlier keys (its loaded prefix) go above them, head most recent.
+        # The new keys entered head first at the recent end; the policy ranks
+        # them against the request's earlier keys (its loaded prefix).
         head = access.keys[:earlier]
         if ready:
             stored = set(new_keys)
             head.extend(key for key in access.keys[earlier:] if key not in stored)
-        if head:
-            self._hooks.refresh(head)
+        if head or access.anchor is not None:
+            self._hooks.on_request_store(head, new_keys, ready, access.anchor)
         return output
 
     def _store(

@@ -27,11 +27,12 @@ class RequestAccess:
     order (``seen`` is the same keys as a set); ``inserted`` the keys its
     stores allocated; ``reused`` the ready keys it loaded or offered again;
     ``store_missed`` the keys whose store miss the policy already learnt from
-    (once per request). ``generation`` is the manager's reset count when the
+    (once per request); ``anchor`` what the policy returned from the
+    request's first load (``RequestAwarePolicy.on_request_load``). ``generation`` is the manager's reset count when the
     request started: after ``reset_cache`` the record is stale and ignored.
     """
 
-    __slots__ = ("generation", "keys", "seen", "inserted", "reused", "store_missed", "finished")
+    __slots__ = ("generation", "keys", "seen", "inserted", "reused", "store_missed", "finished", "anchor")
 
     def __init__(self, generation: int) -> None:
         self.generation = generation
@@ -41,6 +42,8 @@ class RequestAccess:
         self.reused: set[OffloadKey] = set()
         self.store_missed: set[OffloadKey] = set()
         self.finished = False
+        # The policy's mark of the moment the request first loaded (LRU ranks its stores there).
+        self.anchor: object | None = None
 
     def observe(self, keys: list[OffloadKey]) -> list[OffloadKey]:
         """Add the keys not seen before to ``keys`` (first-seen order) and return them."""

@@ -124,8 +124,19 @@ class ARCCachePolicy:
             elif key in t2:
                 t2_move(key)
 
-    def on_request_load(self, keys: Sequence[OffloadKey]) -> None:
+    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
         del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
+        return anchor
+
+    def on_request_store(
+        self,
+        head: Sequence[OffloadKey],
+        stored: Sequence[OffloadKey],
+        reoffered: Sequence[OffloadKey],
+        anchor: object | None,
+    ) -> None:
+        del stored, reoffered, anchor  # new blocks enter T1's recent end, as ARC always does; head lists reoffered
+        self.refresh(head)
 
     def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
@@ -149,8 +160,13 @@ class ARCCachePolicy:
                 b2.move_to_end(key)
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
+        self,
+        keys: Sequence[OffloadKey],
+        inserted: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        anchor: object | None,
     ) -> None:
+        del anchor  # ARC hands out none
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):

@@ -91,10 +91,11 @@ class RequestAwarePolicy(CachePolicy, Protocol):
 
     For a request it tracks (``on_new_request``) the manager calls
     ``on_request_load`` on its loads, ``on_store_miss`` before a store,
-    ``refresh`` after it and ``on_request_finished`` at the end
+    ``on_request_store`` after it and ``on_request_finished`` at the end
     (``kvtriton.manager.request_access``). A policy without these methods
-    still works: the manager then calls its ``touch`` for ``refresh`` and
-    ``on_request_finished`` and skips the other two (vLLM's defaults).
+    still works: the manager then calls its ``touch`` with the head after a
+    store and with all the request's keys at its end, and skips the other two
+    (vLLM's defaults).
     """
 
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
@@ -106,12 +107,30 @@ class RequestAwarePolicy(CachePolicy, Protocol):
         """
         ...
 
-    def on_request_load(self, keys: Sequence[OffloadKey]) -> None:
-        """A tracked request loads ``keys`` (head first); its reuse counts only when it finishes.
+    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
+        """A tracked request loads ``keys`` (head first); return its anchor (``anchor`` if it has one).
 
-        LRU ranks them most recent: the load completes before the request
-        stores the rest of its prompt, and its prefix must not age out in
-        between. ARC leaves its lists alone (vLLM 0.33's ARC does too).
+        The anchor marks the moment the request first used the cache: vLLM
+        0.33 ranks an active request's keys there. LRU keeps a mark at that
+        point of its order, ranks the loaded keys just above it and returns
+        the mark; ARC leaves its lists alone (a load counts as a reuse only
+        when the request finishes) and returns ``None``.
+        """
+        ...
+
+    def on_request_store(
+        self,
+        head: Sequence[OffloadKey],
+        stored: Sequence[OffloadKey],
+        reoffered: Sequence[OffloadKey],
+        anchor: object | None,
+    ) -> None:
+        """A tracked request just stored ``stored`` (inserted at the recent end) after using ``head``.
+
+        ``reoffered`` are ready keys the same offer named (already cached;
+        ``head`` lists them too). LRU with an anchor moves ``stored`` and
+        ``reoffered`` down to it (below everything used since the request's
+        first load); otherwise ``head`` goes above ``stored``, head most recent.
         """
         ...
 
@@ -127,12 +146,17 @@ class RequestAwarePolicy(CachePolicy, Protocol):
         ...
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
+        self,
+        keys: Sequence[OffloadKey],
+        inserted: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        anchor: object | None,
     ) -> None:
         """Apply one finished request's access: ``keys`` head first (head most recent afterwards).
 
         ``reused`` keys were ready before the request used them (one use each,
         for a frequency policy); ``inserted`` keys were stored by it (not a
         use); keys in neither (a refused store) are left where they are.
+        ``anchor`` (from ``on_request_load``) is released.
         """
         ...
