@@ -12,10 +12,20 @@ values converted at the boundary:
   vLLM context's per-request state;
 * lookup results, specs and events: mapped to vLLM's classes on the way out
   (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``);
-* recency: vLLM 0.33's connector never calls ``touch``, so the keys of every
-  ``prepare_load`` and ``prepare_store`` are touched here, the reuse signals
-  vLLM's own CPU manager feeds its policies. Without this, LRU would evict in
-  insertion order and ARC would never promote or adapt.
+* recency: vLLM 0.33's connector never calls ``touch``; it records each
+  key's token position in its context and brackets a request's calls with
+  ``on_new_request`` / ``on_request_finished``. Both hooks are forwarded, and
+  the kvtriton context reads vLLM's positions, so the manager ranks a
+  request's keys head first when it stores and when it finishes, and ARC
+  counts one reuse per request (see ``kvtriton.manager.request_access``);
+* failed stores: reported as a ``metadata_only`` removal event, as vLLM 0.33
+  does, so its ``OffloadingEventsTracker`` drops the payload it recorded.
+
+Lookups are the hottest call (one per chunk of every scheduled prompt), so
+when no filter sits in between, the adapter's ``lookup`` is replaced, per
+instance, by the ``CPUOffloadingManager``'s own lookup answering vLLM's
+``LookupResult`` (``CPUOffloadingManager.lookup_with``): one call, no
+translation.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -23,8 +33,8 @@ is installed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
-from typing import cast
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Protocol, cast
 
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -44,6 +54,7 @@ _LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
     LookupResult.HIT: vllm_base.LookupResult.HIT,
     LookupResult.HIT_PENDING: vllm_base.LookupResult.HIT_PENDING,
 }
+_CHUNK_LEVEL = vllm_base.OffloadPolicy.CHUNK_LEVEL
 
 
 def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
@@ -64,10 +75,28 @@ def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
     }
 
 
-def _keys(keys: Collection[vllm_base.OffloadKey]) -> Collection[OffloadKey]:
-    # Both OffloadKey types are NewTypes of the same bytes with the same
-    # encoding; the cast only renames the type, nothing is copied.
-    return cast("Collection[OffloadKey]", keys)
+class _StoreAnswer(Protocol):
+    """kvtriton's ``PrepareStoreOutput`` with its keys typed as vLLM's (the same bytes)."""
+
+    @property
+    def keys_to_store(self) -> list[vllm_base.OffloadKey]: ...
+    @property
+    def store_spec(self) -> LoadStoreSpec: ...
+    @property
+    def evicted_keys(self) -> list[vllm_base.OffloadKey]: ...
+
+
+class _VLLMKeyedManager(Protocol):
+    """A kvtriton manager seen with vLLM's key type: one cast at construction instead of one per call."""
+
+    def lookup(self, key: vllm_base.OffloadKey, req_context: ReqContext, /) -> LookupResult: ...
+    def prepare_load(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> LoadStoreSpec: ...
+    def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> None: ...
+    def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> None: ...
+    def prepare_store(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> _StoreAnswer | None: ...
+    def complete_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, success: bool = True, /
+    ) -> None: ...
 
 
 def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
@@ -76,9 +105,9 @@ def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
 
 def _slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
     """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec`` (what vLLM's worker side receives)."""
-    if not isinstance(spec, CPULoadStoreSpec):
+    if type(spec) is not CPULoadStoreSpec and not isinstance(spec, CPULoadStoreSpec):
         raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
-    return VLLMCPULoadStoreSpec(spec.block_ids.tolist())
+    return VLLMCPULoadStoreSpec(spec.slot_list())
 
 
 class VLLMOffloadingManager(vllm_base.OffloadingManager):
@@ -98,6 +127,19 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._backing = backing
         self._cpu = cpu
         self._info: vllm_base.ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        # vLLM's events tracker expects a metadata-only removal for every failed store.
+        cpu.report_dropped_stores = True
+        # Both key types are NewTypes of the same bytes with the same encoding:
+        # the casts rename types once here, nothing is converted per call.
+        self._calls = cast(_VLLMKeyedManager, backing)
+        if backing is cpu:
+            # The hottest call (one per chunk of every scheduled prompt): the
+            # instance's lookup becomes the CPU manager's own, answering
+            # vLLM's LookupResult, so vLLM's call costs one Python frame.
+            direct = cpu.lookup_with(
+                vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
+            )
+            setattr(self, "lookup", direct)  # noqa: B010 -- an instance attribute shadowing the method is the point
 
     @property
     def backing(self) -> OffloadingManager:
@@ -114,19 +156,28 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         """The kvtriton context of ``req_context``'s request, built on first use and kept in its state."""
         context = req_context.get_state(ReqContext)
         if context is None:
-            context = ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
+            context = ReqContext(
+                req_id=req_context.req_id,
+                kv_transfer_params=req_context.kv_transfer_params,
+                position_of=_position_reader(req_context),
+            )
             req_context.set_state(context)
         return context
 
     @override
     def on_new_request(self, req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
-        self._context(req_context)
+        self._backing.on_new_request(self._context(req_context))
         # Chunk level: store newly computed chunks only (what vLLM's CPU tier does).
-        return vllm_base.RequestOffloadingContext(policy=vllm_base.OffloadPolicy.CHUNK_LEVEL)
+        return vllm_base.RequestOffloadingContext(policy=_CHUNK_LEVEL)
+
+    @override
+    def on_request_finished(self, req_context: vllm_base.ReqContext) -> None:
+        self._backing.on_request_finished(self._context(req_context))
 
     @override
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
-        return _LOOKUP_RESULTS[self._backing.lookup(OffloadKey(key), self._context(req_context))]
+        # Shadowed per instance when no filter wraps the CPU manager (see __init__).
+        return _LOOKUP_RESULTS[self._calls.lookup(key, self._context(req_context))]
 
     @override
     def get_load_source(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> CacheHitSource:
@@ -136,37 +187,27 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_load(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.LoadStoreSpec:
-        context = self._context(req_context)
-        spec = _slot_spec(self._backing.prepare_load(_keys(keys), context))
-        # vLLM 0.33 never calls touch(): a load is its sign of reuse (its own
-        # CPU manager records loaded chunks as request accesses).
-        self._backing.touch(_keys(keys), context)
-        return spec
+        return _slot_spec(self._calls.prepare_load(keys, self._context(req_context)))
 
     @override
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._backing.touch(_keys(keys), self._context(req_context))
+        self._calls.touch(keys, self._context(req_context))
 
     @override
     def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._backing.complete_load(_keys(keys), self._context(req_context))
+        self._calls.complete_load(keys, self._context(req_context))
 
     @override
     def prepare_store(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        context = self._context(req_context)
-        # An offered chunk that is already offloaded was computed again while
-        # still cached (vLLM's CPU manager counts it as reused); touching first
-        # also ranks the new chunks below it and lets ARC learn from ghost keys.
-        self._backing.touch(_keys(keys), context)
-        output = self._backing.prepare_store(_keys(keys), context)
+        output = self._calls.prepare_store(keys, self._context(req_context))
         if output is None:
             return None
         return vllm_base.PrepareStoreOutput(
-            keys_to_store=_vllm_keys(output.keys_to_store),
+            keys_to_store=output.keys_to_store,
             store_spec=_slot_spec(output.store_spec),
-            evicted_keys=_vllm_keys(output.evicted_keys),
+            evicted_keys=output.evicted_keys,
         )
 
     @override
@@ -176,7 +217,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         req_context: vllm_base.ReqContext,
         success: bool = True,
     ) -> None:
-        self._backing.complete_store(_keys(keys), self._context(req_context), success)
+        self._calls.complete_store(keys, self._context(req_context), success)
 
     @override
     def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:
@@ -206,9 +247,24 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._backing.shutdown()
 
 
+def _position_reader(req_context: vllm_base.ReqContext) -> Callable[[OffloadKey], int | None]:
+    """Read the token positions vLLM's scheduler records in ``req_context`` (its keys are ours).
+
+    vLLM 0.33 keeps them in a dict behind ``get_offload_key_position``;
+    reading the dict's ``get`` directly spares a Python call per key when a
+    finished request's keys are ordered. Any other layout goes through the
+    public getter.
+    """
+    positions: object = getattr(req_context, "_offload_key_positions", None)
+    if type(positions) is dict:
+        return cast("dict[OffloadKey, int]", positions).get
+    return cast("Callable[[OffloadKey], int | None]", req_context.get_offload_key_position)
+
+
 def _vllm_event(event: OffloadingEvent) -> vllm_base.OffloadingEvent:
     return vllm_base.OffloadingEvent(
         keys=_vllm_keys(event.keys),
         medium=vllm_base.Medium(event.medium),
         removed=event.removed,
+        metadata_only=event.metadata_only,
     )

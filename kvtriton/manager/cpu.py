@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, KeysView
-from typing import cast
+from collections.abc import Callable, Collection, Container, Iterable, KeysView, Sequence
+from typing import NamedTuple, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
 from kvtriton.manager.policies.registry import make_policy
+from kvtriton.manager.request_access import RequestAccess, head_first
 from kvtriton.manager.slot_pool import SlotPool
 from kvtriton.manager.stats import ManagerStats
 from kvtriton.specs import (
@@ -28,6 +29,50 @@ _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 # Collections whose elements are distinct by construction (no de-duplication needed).
 _DISTINCT = (set, frozenset, KeysView)
+_R = TypeVar("_R")
+_NOTHING: frozenset[OffloadKey] = frozenset()
+
+
+class _RequestHooks(NamedTuple):
+    """The policy's request-scoped calls, or stand-ins for a policy without them."""
+
+    on_request_load: Callable[[Sequence[OffloadKey], object | None], object | None]
+    on_request_store: Callable[[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey], object | None], None]
+    on_store_miss: Callable[[Sequence[OffloadKey], set[OffloadKey]], None]
+    on_request_finished: Callable[
+        [Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], object | None], None
+    ]
+
+
+def _request_hooks(policy: CachePolicy) -> _RequestHooks:
+    """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
+    if isinstance(policy, RequestAwarePolicy):
+        return _RequestHooks(
+            policy.on_request_load, policy.on_request_store, policy.on_store_miss, policy.on_request_finished
+        )
+    touch = policy.touch
+
+    def load(keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
+        del keys
+        return anchor
+
+    def store(
+        head: Sequence[OffloadKey], stored: Sequence[OffloadKey], reoffered: Sequence[OffloadKey], anchor: object | None
+    ) -> None:
+        del stored, reoffered, anchor
+        if head:
+            touch(head)
+
+    def miss(keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+        del keys, learnt
+
+    def finished(
+        keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], anchor: object | None
+    ) -> None:
+        del inserted, reused, anchor
+        touch(keys)
+
+    return _RequestHooks(load, store, miss, finished)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -38,15 +83,30 @@ class CPUOffloadingManager(OffloadingManager):
     Only ready blocks without readers are evictable, chosen by the named
     ``cache_policy`` (see ``kvtriton.manager.policies``). With
     ``enable_events`` every store completion and every eviction is queued as
-    an ``OffloadingEvent`` for ``take_events``.
+    an ``OffloadingEvent`` for ``take_events``; with ``report_dropped_stores``
+    too, a failed store queues a ``metadata_only`` removal of its keys (what
+    vLLM 0.33 emits, so its events tracker can drop what it recorded).
+
+    Recency comes from ``touch`` (kvtriton's own API) or, for a request
+    announced with ``on_new_request`` (vLLM's connector), from the request
+    itself: its stores rank its keys head first, and ``on_request_finished``
+    ranks them again and counts its reuses (``kvtriton.manager.request_access``).
     """
 
-    def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+        *,
+        report_dropped_stores: bool = False,
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}: {num_blocks!r}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self._hooks = _request_hooks(self._policy)
         self._policy_name = cache_policy
         self._pool = SlotPool(num_blocks)
         # The authoritative index of cached keys. The policy keeps the same
@@ -61,6 +121,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._pending_hits = 0
         self._evictions = 0
         self._stores = 0
+        self.report_dropped_stores = report_dropped_stores
+        # Bumped by reset_cache: a request's record from before a reset is stale.
+        self._generation = 0
 
     # --- introspection -------------------------------------------------
 
@@ -103,6 +166,59 @@ class CPUOffloadingManager(OffloadingManager):
         """A copy of the key -> slot assignment of every cached block (pending included)."""
         return {key: block.slot for key, block in self._blocks.items()}
 
+    def lookup_with(self, miss: _R, hit: _R, pending: _R) -> Callable[[OffloadKey, object], _R]:
+        """A ``lookup(key, req_context)`` that answers ``miss`` / ``hit`` / ``pending`` instead of ``LookupResult``.
+
+        It counts like :meth:`lookup` and ignores the context (this manager's
+        lookup never reads one), so an adapter can install it as its own
+        ``lookup`` and answer in its own result type with one call and no
+        translation table.
+        """
+        blocks_get = self._blocks.get
+
+        def lookup(key: OffloadKey, req_context: object = None) -> _R:
+            del req_context
+            self._lookups += 1
+            block = blocks_get(key)
+            if block is None:
+                return miss
+            if block.ref_cnt == PENDING:
+                self._pending_hits += 1
+                return pending
+            self._hits += 1
+            return hit
+
+        return lookup
+
+    # --- request hooks ---------------------------------------------------
+
+    def _access(self, req_context: ReqContext) -> RequestAccess | None:
+        """The record of a tracked request (renewed after a reset), else ``None``."""
+        accesses = req_context.accesses
+        if not accesses:
+            return None
+        access = accesses.get(self)
+        if access is not None and access.generation != self._generation:
+            access = accesses[self] = RequestAccess(self._generation)
+        return access
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> None:
+        req_context.accesses[self] = RequestAccess(self._generation)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        access = req_context.accesses.pop(self, None)
+        if access is None or access.generation != self._generation or not access.keys:
+            return
+        keys = access.keys
+        position_of = req_context.position_of
+        if position_of is None and req_context.key_positions:
+            position_of = req_context.key_positions.get
+        if position_of is not None:
+            keys = head_first(keys, position_of)
+        self._hooks.on_request_finished(keys, access.inserted, access.reused, access.anchor)
+
     # --- OffloadingManager ---------------------------------------------
 
     @override
@@ -136,7 +252,15 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt += 1
         self._num_loading += newly_loading
         ready = cast("list[Block]", got)  # every entry was checked above
-        return CPULoadStoreSpec([block.slot for block in ready])
+        if req_context.accesses:
+            access = self._access(req_context)
+            if access is not None:
+                loaded = keys if isinstance(keys, list) else list(keys)
+                access.observe(loaded)
+                inserted = access.inserted
+                access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
+                access.anchor = self._hooks.on_request_load(loaded, access.anchor)
+        return CPULoadStoreSpec.from_slots([block.slot for block in ready])
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -161,13 +285,88 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         blocks = self._blocks
-        new_keys = [key for key in keys if key not in blocks]
-        if not new_keys:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec(()), evicted_keys=[])
+        access = self._access(req_context) if req_context.accesses else None
+        if access is None:
+            new_keys = [key for key in keys if key not in blocks]
+            if not new_keys:
+                return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
+            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+                distinct = dict.fromkeys(new_keys)
+                if len(distinct) != len(new_keys):
+                    new_keys = list(distinct)
+            return self._store(new_keys, keys)
+        return self._prepare_tracked_store(access, keys)
+
+    def _prepare_tracked_store(self, access: RequestAccess, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
+        """``prepare_store`` for a tracked request: record its keys, learn from misses, rank its keys head first."""
+        blocks = self._blocks
+        offered = keys if isinstance(keys, list) else list(keys)
+        got = list(map(blocks.get, offered))
+        ready: list[OffloadKey] = []
+        skipped_pending = False
+        if got.count(None) == len(got):
+            new_keys = offered[:]  # the usual offer: chunks nobody stored yet
+        else:
+            new_keys = [key for key, block in zip(offered, got) if block is None]
+            for key, block in zip(offered, got):
+                if block is not None:
+                    if block.ref_cnt != PENDING:
+                        ready.append(key)
+                    else:
+                        skipped_pending = True
         if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
             distinct = dict.fromkeys(new_keys)
             if len(distinct) != len(new_keys):
                 new_keys = list(distinct)
+        if new_keys:
+            self._hooks.on_store_miss(new_keys, access.store_missed)
+        # Record the new and ready keys, in the offer's (head-to-tail) order; a
+        # key some other request is still storing is not this request's yet.
+        earlier = len(access.keys)
+        if skipped_pending:
+            wanted = set(new_keys)
+            wanted.update(ready)
+            access.observe([key for key in offered if key in wanted])
+        else:
+            access.observe(offered)
+        if ready:
+            inserted = access.inserted
+            access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
+        if not new_keys:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
+        # The offer's cached keys are its ready ones and the ones still pending
+        # (another request's store); only they could be evicted.
+        if skipped_pending:
+            cached: Container[OffloadKey] = {key for key, block in zip(offered, got) if block is not None}
+        else:
+            cached = set(ready) if ready else _NOTHING
+        output = self._store(new_keys, keys, cached)
+        if output is None:
+            return None
+        access.inserted.update(new_keys)
+        # The new keys entered head first at the recent end; the policy ranks
+        # them against the request's earlier keys (its loaded prefix).
+        head = access.keys[:earlier]
+        if ready:
+            stored = set(new_keys)
+            head.extend(key for key in access.keys[earlier:] if key not in stored)
+        if head or access.anchor is not None:
+            self._hooks.on_request_store(head, new_keys, ready, access.anchor)
+        return output
+
+    def _store(
+        self,
+        new_keys: list[OffloadKey],
+        keys: Collection[OffloadKey],
+        cached: Container[OffloadKey] | None = None,
+    ) -> PrepareStoreOutput | None:
+        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected.
+
+        ``cached``, when the caller knows them, are the keys of ``keys`` that are
+        cached: the only ones an eviction could take, so protecting them alone
+        protects the whole offer without building a set of it.
+        """
+        blocks = self._blocks
 
         pool = self._pool
         shortfall = len(new_keys) - pool.num_free
@@ -178,7 +377,10 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
             # Every key named in the call is protected: the caller was just
             # told the already-stored ones are cached, so they must stay.
-            protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
+            if cached is not None:
+                protected = cached
+            else:
+                protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
             victims = self._policy.evict(shortfall, protected)
             if victims is None:
                 return None
@@ -190,12 +392,12 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(OffloadingEvent(keys=list(evicted), medium=_MEDIUM, removed=True))
 
         slots = pool.allocate(len(new_keys))
-        made = [Block(slot) for slot in slots]
+        made = list(map(Block, slots))
         blocks.update(zip(new_keys, made))
         self._policy.insert(new_keys, made)
         self._num_pending += len(new_keys)
         self._stores += len(new_keys)
-        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted)
+        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=CPULoadStoreSpec.from_slots(slots), evicted_keys=evicted)
 
     @override
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -215,6 +417,7 @@ class CPUOffloadingManager(OffloadingManager):
         # would hold its slot forever (pending blocks are never evicted).
         remove = self._policy.remove
         release = self._pool.release
+        dropped: list[OffloadKey] = []
         for key in keys:
             block = blocks.get(key)
             if block is not None and block.ref_cnt == PENDING:
@@ -222,6 +425,9 @@ class CPUOffloadingManager(OffloadingManager):
                 remove(key)
                 release(block.slot)
                 self._num_pending -= 1
+                dropped.append(key)
+        if dropped and self.report_dropped_stores and self._events is not None:
+            self._events.append(OffloadingEvent(keys=dropped, medium=_MEDIUM, removed=True, metadata_only=True))
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -229,10 +435,25 @@ class CPUOffloadingManager(OffloadingManager):
         if not events:
             return ()
         self._events = []
-        return events
+        if not self.report_dropped_stores:
+            return events
+        # A key whose failed store is reported may have been stored again
+        # since: it is cached now, so its metadata must stay.
+        blocks = self._blocks
+        drained: list[OffloadingEvent] = []
+        for event in events:
+            if event.metadata_only:
+                kept = [key for key in event.keys if key not in blocks]
+                if not kept:
+                    continue
+                if len(kept) != len(event.keys):
+                    event = OffloadingEvent(keys=kept, medium=event.medium, removed=True, metadata_only=True)
+            drained.append(event)
+        return drained
 
     @override
     def reset_cache(self) -> None:
+        self._generation += 1
         self._blocks.clear()
         self._policy.clear()
         self._pool.reset()

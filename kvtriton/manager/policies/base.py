@@ -8,11 +8,11 @@ small means a new policy is one file plus one line in the registry.
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
 
-__all__ = ["PENDING", "Block", "CachePolicy"]
+__all__ = ["PENDING", "Block", "CachePolicy", "RequestAwarePolicy"]
 
 PENDING = -1
 """``Block.ref_cnt`` of a block whose store has not completed yet."""
@@ -43,7 +43,11 @@ class CachePolicy(Protocol):
 
     The manager calls ``insert`` when ``prepare_store`` allocates blocks,
     ``remove`` when a store fails, ``touch`` on every ``touch`` call,
-    ``evict`` when it needs room and ``clear`` on ``reset_cache``. A policy
+    ``evict`` when it needs room and ``clear`` on ``reset_cache``. For a
+    request it tracks (``on_new_request``) it also calls ``on_store_miss``
+    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
+    ``refresh`` after it and ``on_request_finished`` at the
+    end (``kvtriton.manager.request_access``). A policy
     must never evict a block whose ``ref_cnt`` is not 0 or whose key is in
     ``protected``.
     """
@@ -78,4 +82,81 @@ class CachePolicy(Protocol):
 
     def clear(self) -> None:
         """Forget every key and reset any adaptive state."""
+        ...
+
+
+@runtime_checkable
+class RequestAwarePolicy(CachePolicy, Protocol):
+    """A policy that also takes the request-scoped signal (optional; LRU and ARC implement it).
+
+    For a request it tracks (``on_new_request``) the manager calls
+    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
+    ``on_request_store`` after it and ``on_request_finished`` at the end
+    (``kvtriton.manager.request_access``). A policy without these methods
+    still works: the manager then calls its ``touch`` with the head after a
+    store and with all the request's keys at its end, and skips the other two
+    (vLLM's defaults).
+    """
+
+    def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        """Rank ``keys`` most recent, the first key most recent, without counting a use.
+
+        The request-scoped recency signal (a request's keys when it stores and
+        when it finishes): ARC moves each key within its own list and never
+        promotes. Unknown keys are ignored.
+        """
+        ...
+
+    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
+        """A tracked request loads ``keys`` (head first); return its anchor (``anchor`` if it has one).
+
+        The anchor marks the moment the request first used the cache: vLLM
+        0.33 ranks an active request's keys there. LRU keeps a mark at that
+        point of its order, ranks the loaded keys just above it and returns
+        the mark; ARC leaves its lists alone (a load counts as a reuse only
+        when the request finishes) and returns ``None``.
+        """
+        ...
+
+    def on_request_store(
+        self,
+        head: Sequence[OffloadKey],
+        stored: Sequence[OffloadKey],
+        reoffered: Sequence[OffloadKey],
+        anchor: object | None,
+    ) -> None:
+        """A tracked request just stored ``stored`` (inserted at the recent end) after using ``head``.
+
+        ``reoffered`` are ready keys the same offer named (already cached;
+        ``head`` lists them too). LRU with an anchor moves ``stored`` and
+        ``reoffered`` down to it (below everything used since the request's
+        first load); otherwise ``head`` goes above ``stored``, head most recent.
+        """
+        ...
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+        """Learn from ``keys`` about to be stored because no request found them cached.
+
+        Called before the eviction that makes room for them. ``learnt`` is the
+        storing request's record of keys already learnt from: a policy learns
+        from a key once per request (a refused store may be offered again) and
+        adds the keys it learnt from. ARC adapts its T1 target to keys still
+        in a ghost list.
+        """
+        ...
+
+    def on_request_finished(
+        self,
+        keys: Sequence[OffloadKey],
+        inserted: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        anchor: object | None,
+    ) -> None:
+        """Apply one finished request's access: ``keys`` head first (head most recent afterwards).
+
+        ``reused`` keys were ready before the request used them (one use each,
+        for a frequency policy); ``inserted`` keys were stored by it (not a
+        use); keys in neither (a refused store) are left where they are.
+        ``anchor`` (from ``on_request_load``) is released.
+        """
         ...

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Container, Sequence
+from typing import cast
 
 from kvtriton.keys import OffloadKey
-from kvtriton.manager.policies.base import Block
+from kvtriton.manager.policies.base import PENDING, Block
 
 __all__ = ["LRUCachePolicy"]
+
+
+class _Anchor:
+    """A unique, hashable mark in the LRU order (never equal to a key)."""
+
+    __slots__ = ()
+
+
+_ANCHOR_BLOCK = Block(-1, PENDING)
+"""The block every anchor maps to: pending, so eviction always skips it."""
 
 
 class LRUCachePolicy:
@@ -23,9 +34,15 @@ class LRUCachePolicy:
     0.33 reaches the same order by ranking a request's blocks by position.
     Without touches this is plain LRU. Eviction scans from the old end and
     skips pending, loading and protected keys.
+
+    Through the request hooks (what vLLM's connector gives: no ``touch``), a
+    request's keys are ranked as vLLM 0.33 ranks them: its loaded head goes on
+    top at its first load, where an anchor marks the moment; the blocks it
+    then stores go just above the anchor, below everything used since; and
+    when it finishes all its keys go on top, head most recent.
     """
 
-    __slots__ = ("_blocks", "_run", "_unsettled")
+    __slots__ = ("_anchors", "_blocks", "_run", "_unsettled")
 
     def __init__(self, capacity: int) -> None:
         # capacity is unused: LRU keeps no ghost state; the uniform
@@ -38,6 +55,9 @@ class LRUCachePolicy:
         # Inserts since the run was last moved back on top. Settling is lazy:
         # done once before the order is next read, not once per insert.
         self._unsettled = False
+        # Marks of active requests' first loads (see on_request_load), kept in
+        # _blocks with a never-evictable block.
+        self._anchors: set[OffloadKey] = set()
 
     def _settle(self) -> None:
         self._unsettled = False
@@ -73,6 +93,83 @@ class LRUCachePolicy:
                 run.append((key, block))
         self._run = run
 
+    def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        if self._unsettled:
+            self._settle()
+        # The request-scoped order replaces any touched run.
+        self._run = []
+        blocks = self._blocks
+        move_to_end = blocks.move_to_end
+        for key in reversed(keys):
+            if key in blocks:
+                move_to_end(key)
+
+    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
+        if anchor is None:
+            # A mark in the order where the request first used the cache: its
+            # stores are ranked there later. Its block is never evictable.
+            mark = cast("OffloadKey", _Anchor())
+            self._blocks[mark] = _ANCHOR_BLOCK
+            self._anchors.add(mark)
+            anchor = mark
+        self.refresh(keys)
+        return anchor
+
+    def on_request_store(
+        self,
+        head: Sequence[OffloadKey],
+        stored: Sequence[OffloadKey],
+        reoffered: Sequence[OffloadKey],
+        anchor: object | None,
+    ) -> None:
+        blocks = self._blocks
+        if anchor is None or anchor not in blocks:
+            if head:
+                self.refresh(head)
+            return
+        if self._unsettled:
+            self._settle()
+        self._run = []
+        move_to_end = blocks.move_to_end
+        if reoffered:
+            # Ready keys named again rank with the request's new keys (vLLM
+            # raises them to the request's rank): on top of them first.
+            for key in reversed(reoffered):
+                if key in blocks:
+                    move_to_end(key)
+            stored = [*stored, *reoffered]
+        # ``stored`` sit at the recent end. Everything between the anchor and
+        # them was used after the request's first load (its own loaded head
+        # included): move it back on top, which leaves ``stored`` just above
+        # the anchor, where vLLM 0.33 ranks an active request's new keys. That
+        # is about one engine step of blocks.
+        newer = reversed(blocks)
+        for _ in range(len(stored)):
+            next(newer, None)
+        later: list[OffloadKey] = []
+        for key in newer:
+            if key is anchor:
+                break
+            later.append(key)
+        for key in reversed(later):
+            move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+        del keys, learnt  # LRU keeps no history of evicted keys
+
+    def on_request_finished(
+        self,
+        keys: Sequence[OffloadKey],
+        inserted: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        anchor: object | None,
+    ) -> None:
+        del inserted, reused  # every access counts the same in LRU
+        if anchor is not None and anchor in self._anchors:
+            self._anchors.discard(cast("OffloadKey", anchor))
+            self._blocks.pop(cast("OffloadKey", anchor), None)
+        self.refresh(keys)
+
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
@@ -93,6 +190,7 @@ class LRUCachePolicy:
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._anchors.clear()
         self._run = []
         self._unsettled = False
 
@@ -100,4 +198,5 @@ class LRUCachePolicy:
         """Every tracked key, least recent first (for tests and debugging)."""
         if self._unsettled:
             self._settle()
-        return list(self._blocks)
+        anchors = self._anchors
+        return [key for key in self._blocks if key not in anchors] if anchors else list(self._blocks)
