@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -31,6 +32,7 @@ from tiering_fixtures.engine import (  # noqa: E402
 )
 
 from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker  # noqa: E402
+from kvtriton.keys import OffloadKey  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +108,53 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
         ], f"rank {rank}'s blocks differ after the promotion"
     stats = engine.cpu.stats()
     assert (stats.stores, stats.pending, stats.loading) == (2 * chunks, 0, 0)  # promoted into fresh slots, all done
+
+
+def test_a_promotion_that_fails_halfway_keeps_the_chunks_that_arrived_and_recomputes_the_rest(
+    config: ModelConfig, engines: list[TieredEngine], tmp_path: Path
+) -> None:
+    engine = make_engine(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
+    engines.append(engine)
+    engine.serve("first", PROMPT)
+    keys = [OffloadKey(key) for key in engine.cpu.slot_map()]
+    assert len(keys) == 4
+    # Chunk 2's file is cut short: the batched read stops there.
+    paths = [Path(engine.fs.file_mapper.get_file_name(cast("Any", key))) for key in keys]
+    assert all(path.exists() for path in paths)
+    slot_of = engine.cpu.slot_map()
+    by_block = sorted(keys, key=lambda key: slot_of[key])  # slots were handed out in prompt order
+    broken = Path(engine.fs.file_mapper.get_file_name(cast("Any", by_block[2])))
+    broken.write_bytes(broken.read_bytes()[:100])
+
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.step()
+    engine.scrub()
+    engine.computed.clear()
+    engine.scheduler.add_request(make_request("second", PROMPT))
+    engine.step_until(lambda: "second" not in engine.scheduler.requests, "the second request finished")
+
+    recomputed = [index for request, index in engine.computed if request == "second"]
+    assert recomputed == [2, 3]  # blocks 0 and 1 came from the fs tier, the rest was computed again
+    blocks = engine.gpu_blocks_seen["second"]
+    assert [engine.block_bytes(0, block) for block in blocks[:4]] == [engine.expected_bytes(0, index) for index in range(4)]
+    # The recomputed chunks are stored (and cascaded) again; the failed promotion left no slot behind.
+    engine.step_until(lambda: engine.cpu.stats().pending == 0 and not engine.tiering.has_pending_work(), "drained")
+    stats = engine.cpu.stats()
+    assert (stats.used, stats.loading) == (4, 0)
+    assert broken.stat().st_size == 4096  # the damaged file was replaced by the new cascade
+
+
+def test_a_connector_cache_reset_drains_the_tiers_cascades_first(
+    config: ModelConfig, engines: list[TieredEngine], tmp_path: Path
+) -> None:
+    engine = make_engine(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
+    engines.append(engine)
+    engine.scheduler.add_request(make_request("first", PROMPT))
+    # Step only until the GPU -> host stores completed: their cascades to fs are then in flight or queued.
+    engine.step_until(lambda: engine.cpu.stats().stores == 4 and engine.cpu.stats().pending == 0, "stores completed")
+    assert engine.tiering.has_pending_work()
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    # reset_cache waited for every tier job: every chunk is on disk, none is pinned or in flight.
+    assert not engine.tiering.has_pending_work()
+    assert len(fs_files(tmp_path)) == 4
+    assert engine.cpu.stats().used == 0

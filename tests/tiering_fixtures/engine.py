@@ -112,6 +112,8 @@ class TieredEngine:
     aggregator: KVOutputAggregator
     computed: list[tuple[str, int]] = field(default_factory=lambda: [])
     """(request, block index) of every full block the model computed, in order."""
+    gpu_blocks_seen: dict[str, list[int]] = field(default_factory=lambda: {})
+    """Each request's GPU blocks as last seen while it ran (they are freed when it finishes)."""
     load_jobs: list[int] = field(default_factory=lambda: [])
     store_jobs: list[int] = field(default_factory=lambda: [])
 
@@ -176,6 +178,8 @@ class TieredEngine:
     def step(self) -> SchedulerOutput:
         """One engine step: schedule, every rank's connector around the simulated forward, aggregate, update."""
         output = self.scheduler.schedule()
+        for request_id in self.scheduler.requests:
+            self.gpu_blocks_seen[request_id] = self.gpu_blocks(request_id)
         metadata = output.kv_connector_metadata
         assert isinstance(metadata, OffloadingConnectorMetadata)
         self.load_jobs += list(metadata.load_jobs)
