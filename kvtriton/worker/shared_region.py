@@ -102,7 +102,13 @@ class RegionLayout:
 
     @staticmethod
     def block_row_stride_for(blocks_per_chunk: int, world_size: int, rank_row_bytes: int) -> int:
-        """Bytes from one block row to the next: all ranks' bytes, padded so a chunk is a multiple of ROW_ALIGNMENT."""
+        """Bytes from one block row to the next: all ranks' bytes, padded so a chunk is a multiple of ROW_ALIGNMENT.
+
+        Every block row has the same stride (the slab is one strided view), so
+        a chunk wastes less than one page when ``blocks_per_chunk`` divides the
+        page (any power of two up to 4096) and up to a page per block row
+        otherwise.
+        """
         step = ROW_ALIGNMENT // math.gcd(blocks_per_chunk, ROW_ALIGNMENT)
         return -(-world_size * rank_row_bytes // step) * step
 
