@@ -6,15 +6,15 @@ exported from here is fully annotated. Importing this package does not import
 triton; the first Triton launch does.
 """
 
-from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, Path, gather_pages, scatter_pages, select_path
+from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, gather_pages, scatter_pages, select_path
 from .reference import gather_pages_reference, scatter_pages_reference
 from .validation import PageGeometry, describe_pages
 
 __all__ = [
     "DEFAULT_BYTES_PER_ITER",
     "DEFAULT_NUM_PROGRAMS",
+    "KernelPath",
     "PageGeometry",
-    "Path",
     "describe_pages",
     "gather_pages",
     "gather_pages_reference",

@@ -4,19 +4,33 @@ The host side does what the kernel must not: it picks the word width (the
 widest of 16/8/4/2/1 bytes dividing every page size, page base, block stride,
 row offset, slab base and slab row stride -- the kernel's alignment hints rely
 on it), builds the int64 page table and sizes the persistent grid.
+:class:`CopyLauncher` does all of that once for a fixed set of pages and a
+slab (the engine's case); :func:`launch_copy` once per call (the public
+``gather_pages`` / ``scatter_pages``).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .validation import PageGeometry
 
-__all__ = ["MAX_NUM_WARPS", "MAX_PAIRS", "LaunchConfig", "launch_copy", "make_config", "plan_launch", "word_width"]
+__all__ = [
+    "MAX_NUM_WARPS",
+    "MAX_PAIRS",
+    "CopyArguments",
+    "CopyLauncher",
+    "LaunchConfig",
+    "launch_config",
+    "launch_copy",
+    "make_config",
+    "record_variants",
+    "word_width",
+]
 
 # Warps per program, at most: 4 warps x 32 threads x 16 B = 2 KiB per access
 # wave, so a 16 KiB tile keeps eight 16-byte loads per thread in flight.
@@ -86,7 +100,7 @@ def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
 
-def plan_launch(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int) -> LaunchConfig:
+def launch_config(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int) -> LaunchConfig:
     """Word width, element size and chunking for these pages and this slab."""
     slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
     values = [slab.data_ptr(), slab_stride, *geometry.page_bytes, *geometry.row_offsets]
@@ -120,20 +134,18 @@ def make_config(word: int, page_bytes: Sequence[int], bytes_per_iter: int) -> La
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _page_table(entries: tuple[tuple[int, int, int, int], ...], device: torch.device) -> torch.Tensor:
-    # Cached by value: a deployment reuses the same page tensors for every job,
-    # so the table is built (and copied to the GPU) once.
-    return torch.tensor(entries, dtype=torch.int64, device=device)
-
-
 def page_table(pages: Sequence[torch.Tensor], geometry: PageGeometry, element_bytes: int) -> torch.Tensor:
-    """``(T, 4)`` int64: base address (B), block stride (B), row offset (elements), page size (elements)."""
-    entries = tuple(
+    """``(T, 4)`` int64 on the pages' device: base address (B), block stride (B), row offset and page size (elements).
+
+    Built on the current stream. Never cached across callers: a cached table
+    freed (evicted) while another stream's kernel still reads it would be
+    reused under that kernel. :class:`CopyLauncher` holds its own for its lifetime.
+    """
+    entries = [
         (page.data_ptr(), geometry.block_strides[t], geometry.row_offsets[t] // element_bytes, geometry.page_bytes[t] // element_bytes)
         for t, page in enumerate(pages)
-    )
-    return _page_table(entries, geometry.device)
+    ]
+    return torch.tensor(entries, dtype=torch.int64, device=geometry.device)
 
 
 def slab_elements(slab: torch.Tensor, element_bytes: int) -> torch.Tensor:
@@ -142,6 +154,132 @@ def slab_elements(slab: torch.Tensor, element_bytes: int) -> torch.Tensor:
     start = int(slab.storage_offset()) // element_bytes
     length = max(0, (slab.untyped_storage().nbytes() // element_bytes) - start)
     return view.set_(slab.untyped_storage(), start, (length,), (1,))
+
+
+_variant_log: set[tuple[object, ...]] | None = None
+
+
+@contextlib.contextmanager
+def record_variants() -> Generator[set[tuple[object, ...]]]:
+    """Collect the specialisation key of every copy launch made inside the block.
+
+    The key is what Triton's launcher would compile a variant for (the
+    constexprs, ``num_warps``, and each runtime argument's type and
+    specialisation as Triton's own binder computes it), so a launch whose key
+    is new would compile on a GPU. Works on the interpreter path too, which
+    is how the CPU tests prove that warm-up left nothing to compile.
+    """
+    global _variant_log
+    recorded: set[tuple[object, ...]] = set()
+    previous, _variant_log = _variant_log, recorded
+    try:
+        yield recorded
+    finally:
+        _variant_log = previous
+
+
+class CopyLauncher:
+    """The launches of one set of page tensors against one slab, prepared once.
+
+    Holds what does not change from job to job: the launch configuration,
+    the page table on the pages' device (built once, held for the launcher's
+    lifetime, so no stream can read a freed table), the slab's element view,
+    the grid cap and the device. :meth:`launch` then only sizes the grid and
+    launches; :meth:`warm_up` compiles both directions up front.
+    """
+
+    def __init__(
+        self,
+        pages: Sequence[torch.Tensor],
+        slab: torch.Tensor,
+        geometry: PageGeometry,
+        *,
+        interpret: bool,
+        num_programs: int,
+        bytes_per_iter: int,
+    ) -> None:
+        self.config = launch_config(pages, slab, geometry, bytes_per_iter)
+        self.device = geometry.device
+        self.interpret = interpret
+        self.num_programs = num_programs
+        self._cuda_index = geometry.device.index if geometry.device.type == "cuda" else None
+        with self._on_device():
+            self.table = page_table(pages, geometry, self.config.element_bytes)
+        self.slab = slab_elements(slab, self.config.element_bytes)
+        slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
+        self.row_stride = slab_stride // self.config.element_bytes
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """A device guard when the pages' GPU is not the current one (Triton launches on the current device)."""
+        if self._cuda_index is None or torch.cuda.current_device() == self._cuda_index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self._cuda_index)
+
+    def launch(self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy every (``blocks[i]``, ``rows[i]``) pair; the indices are checked and on the pages' device."""
+        count = int(blocks.shape[0])
+        if count == 0:
+            return
+        with self._on_device():
+            self._launch(to_slab, blocks, rows, count, min(self.num_programs, self.config.units(count)))
+
+    def warm_up(self, index_dtype: torch.dtype = torch.int64) -> None:
+        """Compile (or, interpreted, trace) the gather and the scatter variant a job can request.
+
+        Launches each with zero pairs on 16-byte aligned ``index_dtype``
+        indices, the alignment the engine's staging guarantees: nothing is read
+        or written, and the variant is cached before the first real job.
+        """
+        with self._on_device():
+            indices = torch.zeros(64, dtype=index_dtype, device=self.device)
+            for to_slab in (True, False):
+                self._launch(to_slab, indices[:32], indices[32:], 0, 1)
+
+    def _launch(self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int) -> None:
+        from .jit.copy_pages import launch_copy_pages, specialization_key  # imports triton
+
+        config = self.config
+        arguments = CopyArguments(
+            table=self.table,
+            slab=self.slab,
+            blocks=blocks,
+            rows=rows,
+            num_pairs=count,
+            row_stride=self.row_stride,
+            to_slab=to_slab,
+            num_pages=config.num_pages,
+            page_elems=config.page_elems,
+            chunk=config.chunk,
+            pairs=config.pairs,
+            uniform=config.uniform,
+            even=config.even,
+            word=config.word,
+            num_warps=config.num_warps,
+        )
+        if _variant_log is not None:
+            _variant_log.add(specialization_key(arguments))
+        launch_copy_pages(arguments, interpret=self.interpret, grid=grid)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyArguments:
+    """The arguments of one copy-kernel launch, by kernel parameter."""
+
+    table: torch.Tensor
+    slab: torch.Tensor
+    blocks: torch.Tensor
+    rows: torch.Tensor
+    num_pairs: int
+    row_stride: int
+    to_slab: bool
+    num_pages: int
+    page_elems: int
+    chunk: int
+    pairs: int
+    uniform: bool
+    even: bool
+    word: int
+    num_warps: int
 
 
 def launch_copy(
@@ -156,27 +294,6 @@ def launch_copy(
     num_programs: int,
     bytes_per_iter: int,
 ) -> None:
-    """One launch moving every validated (block, row) pair of every page tensor."""
-    from .jit.copy_pages import launch_copy_pages  # imports triton
-
-    config = plan_launch(pages, slab, geometry, bytes_per_iter)
-    units = config.units(blocks.shape[0])
-    slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
-    launch_copy_pages(
-        interpret=interpret,
-        grid=min(num_programs, units),
-        num_warps=config.num_warps,
-        table=page_table(pages, geometry, config.element_bytes),
-        slab=slab_elements(slab, config.element_bytes),
-        blocks=blocks,
-        rows=rows,
-        row_stride=slab_stride // config.element_bytes,
-        to_slab=to_slab,
-        num_pages=config.num_pages,
-        page_elems=config.page_elems,
-        chunk=config.chunk,
-        pairs=config.pairs,
-        uniform=config.uniform,
-        even=config.even,
-        word=config.word,
-    )
+    """One launch moving every validated (block, row) pair of every page tensor (prepared for this call only)."""
+    launcher = CopyLauncher(pages, slab, geometry, interpret=interpret, num_programs=num_programs, bytes_per_iter=bytes_per_iter)
+    launcher.launch(to_slab, blocks, rows)

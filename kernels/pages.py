@@ -1,7 +1,10 @@
 """Public gather/scatter entry points: validate, then pick the path that runs the copy.
 
 Dispatch is decided per call from the tensors' device and the environment at
-call time (never at import):
+call time (never at import). This is the dispatch of the public functions
+only; a transfer engine decides its backend once, at construction
+(``kvtriton.worker.backends``), and launches through a prepared
+:class:`~kvtriton.kernels.launch.CopyLauncher`:
 
 * CUDA tensors -> the compiled Triton kernel;
 * CPU tensors with ``TRITON_INTERPRET=1`` -> the same Triton kernel through
@@ -20,7 +23,7 @@ import torch
 from .reference import gather_unchecked, scatter_unchecked
 from .validation import PageGeometry, check_call
 
-__all__ = ["DEFAULT_BYTES_PER_ITER", "DEFAULT_NUM_PROGRAMS", "Path", "gather_pages", "scatter_pages", "select_path"]
+__all__ = ["DEFAULT_BYTES_PER_ITER", "DEFAULT_NUM_PROGRAMS", "KernelPath", "gather_pages", "scatter_pages", "select_path"]
 
 # A persistent grid of at most this many programs: enough to saturate PCIe /
 # C2C host traffic on H100/H200 class GPUs while leaving the other SMs to the
@@ -31,8 +34,8 @@ DEFAULT_NUM_PROGRAMS = 16
 DEFAULT_BYTES_PER_ITER = 16 * 1024
 
 
-class Path(enum.Enum):
-    """Which implementation runs a call."""
+class KernelPath(enum.Enum):
+    """Which implementation runs a public gather/scatter call."""
 
     TRITON = "triton"
     INTERPRETER = "triton-interpreter"
@@ -43,14 +46,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def select_path(device: torch.device) -> Path:
+def select_path(device: torch.device) -> KernelPath:
     """The path a call on ``device`` takes now (reads ``TRITON_INTERPRET`` at call time)."""
     if device.type == "cuda":
-        return Path.TRITON
+        return KernelPath.TRITON
     if device.type == "cpu" and _interpreting():
-        return Path.INTERPRETER
+        return KernelPath.INTERPRETER
     if device.type == "cpu":
-        return Path.TORCH
+        return KernelPath.TORCH
     raise ValueError(f"unsupported device {device}: page tensors must be on CUDA or CPU")
 
 
@@ -73,7 +76,8 @@ def gather_pages(
 ) -> None:
     """Copy block ``src_blocks[i]`` of every page tensor in ``src`` into slab row ``dst_rows[i]``.
 
-    A slab row holds tensor 0's page bytes, then tensor 1's, ... Each
+    Runs on the device of the page tensors whichever GPU is current; tensors
+    on two devices are refused before anything is written. A slab row holds tensor 0's page bytes, then tensor 1's, ... Each
     destination row may be named once (``ValueError`` otherwise). Knobs:
     ``num_programs`` caps the persistent grid (SMs used), ``bytes_per_iter`` is
     what one program moves per iteration; ``check_indices=False`` skips the
@@ -123,7 +127,7 @@ def _run(
     if blocks.numel() == 0:
         return
     path = select_path(geometry.device)
-    if path is Path.TORCH:
+    if path is KernelPath.TORCH:
         if to_slab:
             gather_unchecked(pages, slab, blocks, rows, geometry)
         else:
@@ -131,7 +135,7 @@ def _run(
         return
     from .launch import launch_copy  # triton is imported only when a Triton path runs
 
-    if path is Path.INTERPRETER:
+    if path is KernelPath.INTERPRETER:
         from .jit.interpreter_probe import interpreter_problem
 
         problem = interpreter_problem()
@@ -141,6 +145,6 @@ def _run(
                 "with the torch path, or use a newer Triton (3.9 works)"
             )
     launch_copy(
-        to_slab, pages, slab, blocks, rows, geometry, interpret=path is Path.INTERPRETER,
+        to_slab, pages, slab, blocks, rows, geometry, interpret=path is KernelPath.INTERPRETER,
         num_programs=num_programs, bytes_per_iter=bytes_per_iter,
     )  # fmt: skip

@@ -169,7 +169,7 @@ class _Run:
 
 
 @dataclass(frozen=True, slots=True)
-class CopyPlan:
+class PairRuns:
     """Index pairs of one call, de-duplicated (last wins) and split into consecutive runs.
 
     ``by_destination``: pairs sorted by destination; runs consecutive in the
@@ -194,21 +194,37 @@ def int_list(values: torch.Tensor) -> list[int]:
     return cast("list[int]", values.tolist())  # pyright: ignore[reportUnknownMemberType] -- torch types tolist() as list[Unknown]
 
 
+def consecutive_runs(*indices: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, length)`` of the maximal runs over which every index tensor steps by exactly one.
+
+    The one run detector of the package: the reference copy finds runs in
+    one sorted index, the DMA backend runs that are contiguous in both GPU
+    blocks and slab rows (each run is then one strided copy per page tensor).
+    """
+    count = int(indices[0].shape[0])
+    if count == 0:
+        return []
+    steps = torch.zeros(count - 1, dtype=torch.bool, device=indices[0].device)
+    for index in indices:
+        steps |= index[1:] != index[:-1] + 1
+    starts = [0, *int_list(torch.nonzero(steps).flatten() + 1)]
+    ends = [*starts[1:], count]
+    return [(start, end - start) for start, end in zip(starts, ends)]
+
+
 def _runs(ordered: torch.Tensor) -> tuple[_Run, ...]:
     """Maximal runs of ``ordered`` (sorted int64) where each value is the previous plus one."""
-    if ordered.numel() == 0:
+    runs = consecutive_runs(ordered)
+    if not runs:
         return ()
-    breaks = torch.nonzero(ordered[1:] != ordered[:-1] + 1).flatten() + 1
-    starts = [0, *int_list(breaks)]
-    ends = [*starts[1:], int(ordered.shape[0])]
-    firsts = int_list(ordered[torch.tensor(starts, dtype=torch.int64, device=ordered.device)])
-    return tuple(_Run(start, end - start, first) for start, end, first in zip(starts, ends, firsts))
+    firsts = int_list(ordered[torch.tensor([start for start, _ in runs], dtype=torch.int64, device=ordered.device)])
+    return tuple(_Run(start, length, first) for (start, length), first in zip(runs, firsts))
 
 
-def plan_copy(source: torch.Tensor, destination: torch.Tensor, device: torch.device) -> CopyPlan:
+def split_runs(source: torch.Tensor, destination: torch.Tensor, device: torch.device) -> PairRuns:
     """Sequential semantics in bulk form: keep the last pair per destination, then find runs.
 
-    The plan's index tensors live on ``device`` (where the copies index).
+    The index tensors live on ``device`` (where the copies index).
     """
     source = source.to(device=device, dtype=torch.int64)
     destination = destination.to(device=device, dtype=torch.int64)
@@ -221,7 +237,7 @@ def plan_copy(source: torch.Tensor, destination: torch.Tensor, device: torch.dev
     destination = destination[order]
     source = source[order]
     by_source = torch.argsort(source, stable=True)
-    return CopyPlan(
+    return PairRuns(
         destination=destination,
         source=source,
         destination_runs=_runs(destination),
@@ -244,31 +260,31 @@ def _row_copyable(source: torch.Tensor, destination: torch.Tensor) -> list[tuple
     return list(zip(source.unbind(1), destination.unbind(1)))
 
 
-def copy_planned(destination: torch.Tensor, source: torch.Tensor, plan: CopyPlan) -> None:
-    """``destination[plan.destination[i]] = source[plan.source[i]]`` for every pair, along dim 0."""
-    if plan.num_pairs == 0:
+def copy_runs(destination: torch.Tensor, source: torch.Tensor, pairs: PairRuns) -> None:
+    """``destination[pairs.destination[i]] = source[pairs.source[i]]`` for every pair, along dim 0."""
+    if pairs.num_pairs == 0:
         return
     if destination.device != source.device:
         # GPU pages and a host slab: pick on the source device, place on the destination's.
-        picked = source.index_select(0, plan.source.to(source.device)).to(destination.device)
-        destination.index_copy_(0, plan.destination.to(destination.device), picked)
+        picked = source.index_select(0, pairs.source.to(source.device)).to(destination.device)
+        destination.index_copy_(0, pairs.destination.to(destination.device), picked)
         return
-    runs = min(len(plan.destination_runs), len(plan.source_runs))
+    runs = min(len(pairs.destination_runs), len(pairs.source_runs))
     item_bytes = destination[0].numel() * destination.element_size()
-    if plan.num_pairs * item_bytes // runs < _MIN_BYTES_PER_RUN and runs > 1:
-        picked = torch.empty((plan.num_pairs, *source.shape[1:]), dtype=source.dtype, device=source.device)
+    if pairs.num_pairs * item_bytes // runs < _MIN_BYTES_PER_RUN and runs > 1:
+        picked = torch.empty((pairs.num_pairs, *source.shape[1:]), dtype=source.dtype, device=source.device)
         for part, out in _row_copyable(source, picked):
-            torch.index_select(part, 0, plan.source, out=out)
-        destination.index_copy_(0, plan.destination, picked)
-    elif len(plan.destination_runs) <= len(plan.source_runs):
+            torch.index_select(part, 0, pairs.source, out=out)
+        destination.index_copy_(0, pairs.destination, picked)
+    elif len(pairs.destination_runs) <= len(pairs.source_runs):
         parts = _row_copyable(source, destination)
-        for run in plan.destination_runs:
-            picked = plan.source[run.start : run.start + run.length]
+        for run in pairs.destination_runs:
+            picked = pairs.source[run.start : run.start + run.length]
             for part, out in parts:
                 torch.index_select(part, 0, picked, out=out[run.first : run.first + run.length])
     else:
-        for run in plan.source_runs:
-            targets = plan.source_sorted_destination[run.start : run.start + run.length]
+        for run in pairs.source_runs:
+            targets = pairs.source_sorted_destination[run.start : run.start + run.length]
             destination.index_copy_(0, targets, source[run.first : run.first + run.length])
 
 
@@ -300,9 +316,9 @@ def gather_unchecked(
     """The gather copy on already validated arguments."""
     if src_blocks.numel() == 0:
         return
-    plan = plan_copy(src_blocks, dst_rows, geometry.device)
+    pairs = split_runs(src_blocks, dst_rows, geometry.device)
     for blocks, rows in page_groups(src, dst, geometry):
-        copy_planned(rows, blocks, plan)
+        copy_runs(rows, blocks, pairs)
 
 
 def scatter_unchecked(
@@ -311,6 +327,6 @@ def scatter_unchecked(
     """The scatter copy on already validated arguments."""
     if src_rows.numel() == 0:
         return
-    plan = plan_copy(src_rows, dst_blocks, geometry.device)
+    pairs = split_runs(src_rows, dst_blocks, geometry.device)
     for blocks, rows in page_groups(dst, src, geometry):
-        copy_planned(blocks, rows, plan)
+        copy_runs(blocks, rows, pairs)

@@ -18,7 +18,9 @@ __all__ = [
     "block_is_contiguous",
     "check_call",
     "check_index_pair",
+    "check_index_range",
     "check_slab",
+    "check_unique",
     "describe_pages",
 ]
 
@@ -61,12 +63,14 @@ def block_is_contiguous(page: torch.Tensor) -> bool:
     return True
 
 
-def describe_pages(pages: Sequence[torch.Tensor], name: str) -> PageGeometry:
+def describe_pages(pages: Sequence[torch.Tensor], name: str, labels: Sequence[str] | None = None) -> PageGeometry:
     """Check a list of page tensors and return their byte geometry.
 
     A page tensor's dim 0 indexes blocks; the rest of each block must be
     contiguous (the block stride itself may exceed the page, as for per-layer
-    views of a cross-layer cache). Blocks must not overlap.
+    views of a cross-layer cache). Blocks must not overlap. The one home of
+    the page-tensor checks: the public kernels and ``PagedKV`` both call it.
+    Errors name ``labels[t]`` (default ``name[t]``).
     """
     if isinstance(pages, torch.Tensor):
         raise TypeError(f"{name} must be a sequence of page tensors, got a single tensor of shape {tuple(pages.shape)}")
@@ -80,14 +84,15 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str) -> PageGeometry:
     device: torch.device | None = None
     num_blocks: int | None = None
     for t, page in enumerate(pages):
-        label = f"{name}[{t}]"
+        label = labels[t] if labels is not None else f"{name}[{t}]"
+        first_label = labels[0] if labels is not None else f"{name}[0]"
         if not isinstance(page, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
             raise TypeError(f"{label} must be a torch.Tensor, got {type(page).__name__}")
         if page.dim() < 1:
             raise ValueError(f"{label} must have a block dimension (dim 0), got a 0-d tensor")
         device = page.device if device is None else device
         if page.device != device:
-            raise ValueError(f"{label} is on {page.device} but {name}[0] is on {device}; all page tensors must share one device")
+            raise ValueError(f"{label} is on {page.device} but {first_label} is on {device}; all page tensors must share one device")
         if not block_is_contiguous(page):
             raise ValueError(
                 f"{label} has non-contiguous blocks: shape {tuple(page.shape)}, stride {page.stride()}; "
@@ -163,18 +168,26 @@ def _check_index(index: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(index.shape)}")
 
 
-def _check_range(index: torch.Tensor, name: str, bound: int, what: str) -> None:
+def check_index_range(index: torch.Tensor, name: str, bound: int, what: str) -> None:
+    """Every value of ``index`` must lie in ``0..bound-1``; the error names the first bad position and value.
+
+    The one range check of the package: the public kernels run it on their
+    index tensors, the engine's planner on each job's host indices.
+    """
     if index.numel() == 0:
         return
+    low, high = torch.aminmax(index)
+    if int(low) >= 0 and int(high) < bound:
+        return
     bad = (index < 0) | (index >= bound)
-    if bool(bad.any()):
-        position = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"{name}[{position}] = {int(index[position])} is out of range: there are {bound} {what} (valid 0..{bound - 1})"
-        )
+    position = int(torch.nonzero(bad)[0, 0])
+    raise ValueError(
+        f"{name}[{position}] = {int(index[position])} is out of range: there are {bound} {what} (valid 0..{bound - 1})"
+    )
 
 
-def _check_unique(index: torch.Tensor, name: str) -> None:
+def check_unique(index: torch.Tensor, name: str) -> None:
+    """No value may appear twice in ``index`` (a destination written twice in one parallel copy races)."""
     if index.numel() < 2:
         return
     ordered = torch.sort(index).values
@@ -225,10 +238,10 @@ def check_index_pair(
             raise ValueError(f"{name} is on {index.device} but the data is on {device}; index tensors must be on the same device")
     if not check_values:
         return
-    _check_range(source, source_name, bounds.source, bounds.source_what)
-    _check_range(destination, destination_name, bounds.destination, bounds.destination_what)
+    check_index_range(source, source_name, bounds.source, bounds.source_what)
+    check_index_range(destination, destination_name, bounds.destination, bounds.destination_what)
     if not allow_duplicate_destinations:
-        _check_unique(destination, destination_name)
+        check_unique(destination, destination_name)
 
 
 def check_call(

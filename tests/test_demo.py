@@ -58,7 +58,7 @@ def test_demo_exits_nonzero_when_a_loaded_block_differs(
     def copy_nothing(*args: object, **kwargs: object) -> None:
         """A load that silently moves no bytes."""
 
-    monkeypatch.setattr(backends_module, "scatter_pages_reference", copy_nothing)
+    monkeypatch.setattr(backends_module, "scatter_unchecked", copy_nothing)
     # Pinned to the patched torch backend: on a CUDA machine "auto" would pick triton and copy for real.
     assert main(["demo", *SMALL, "--device", "cpu", "--backend", "torch"]) == 1
     captured = capsys.readouterr()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtriton.worker.backends import TransferBackend
-from kvtriton.worker.engine import TransferEngine
+from kvtriton.worker.engine import TransferEngine, TransferLane
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -40,9 +40,9 @@ def tensors() -> list[torch.Tensor]:
     return make_tensors()
 
 
-def make_engine(tensors: list[torch.Tensor], backend: TransferBackend, rows_per_slot: int = 1) -> tuple[HostSlab, TransferEngine]:
+def make_engine(tensors: list[torch.Tensor], backend: TransferBackend, block_size_factor: int = 1) -> tuple[HostSlab, TransferEngine]:
     kv = PagedKV.from_tensors(tensors)
-    slab = HostSlab(SLOTS, rows_per_slot, kv.row_bytes, pin=True)
+    slab = HostSlab(SLOTS, block_size_factor, kv.row_bytes, pin=True)
     return slab, TransferEngine(kv, slab, backend)
 
 
@@ -121,7 +121,7 @@ def test_a_one_block_job_runs(engine: TransferEngine) -> None:
 
 @BACKENDS
 def test_blocks_spanning_slots_round_trip_with_a_block_size_factor(tensors: list[torch.Tensor], backend: TransferBackend) -> None:
-    slab, transfer = make_engine(tensors, backend, rows_per_slot=4)
+    slab, transfer = make_engine(tensors, backend, block_size_factor=4)
     with slab, transfer:
         # Group starts at block index 2 of its request: it enters slot 3 two rows in.
         spec = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[5], block_indices=[2])
@@ -187,3 +187,43 @@ def test_shutdown_waits_for_jobs_in_flight_and_keeps_their_results(tensors: list
         assert sorted((r.job_id, r.success) for r in results) == [(0, True), (1, True)]
         assert all(r.transfer_time > 0 for r in results)
         assert not transfer.submit_store(2, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+
+
+def test_an_expedited_load_overtakes_an_ordinary_load_submitted_before_it(tensors: list[torch.Tensor]) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    with slab, transfer:
+        store(transfer, 1, [0, 1], [0, 1])
+        finish(transfer, 1)
+        with torch.cuda.stream(transfer.stream(TransferLane.LOAD)):
+            spin_compute_stream()  # the ordinary load lane is busy for a long while
+        load(transfer, 2, [0], [5])
+        assert transfer.submit_load(3, CPULoadStoreSpec([1]), GPULoadStoreSpec([6]), expedited=True)
+        transfer.wait({3})
+        assert [result.job_id for result in transfer.get_finished()] == [3]
+        assert block_bytes(transfer, 6) == block_bytes(transfer, 1)
+        finish(transfer, 2)
+
+
+def test_closing_the_slab_with_jobs_in_flight_drains_them_first_and_twice_is_a_no_op(tensors: list[torch.Tensor]) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    expected = block_bytes(transfer, 3)
+    spin_compute_stream()  # the store below is queued behind this
+    store(transfer, 1, [3], [2])
+    rows = slab.rows
+    slab.close()  # must wait for the queued store before unpinning
+    assert rows[2, : transfer.kv.row_bytes].numpy().tobytes() == expected
+    slab.close()
+    transfer.close()
+    transfer.close()
+    assert transfer.closed
+
+
+@BACKENDS
+def test_an_empty_job_succeeds_at_once_on_every_backend(tensors: list[torch.Tensor], backend: TransferBackend) -> None:
+    slab, transfer = make_engine(tensors, backend)
+    with slab, transfer:
+        spin_compute_stream()
+        assert transfer.submit_store(1, GPULoadStoreSpec([]), CPULoadStoreSpec([]))
+        assert transfer.submit_load(2, CPULoadStoreSpec([]), GPULoadStoreSpec([]), expedited=True)
+        results = transfer.get_finished()  # no wait: nothing was queued
+        assert sorted((r.job_id, r.success, r.transfer_size) for r in results) == [(1, True, 0), (2, True, 0)]

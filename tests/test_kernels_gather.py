@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtriton.kernels import Path, gather_pages, gather_pages_reference, select_path
+from kvtriton.kernels import KernelPath, gather_pages, gather_pages_reference, select_path
 from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, block_bytes, build_pages, build_slab, devices, indices
 
 BLOCKS = [4, 0, 5]
@@ -99,12 +99,12 @@ def test_gather_result_does_not_depend_on_bytes_per_iter(bytes_per_iter: int) ->
 
 def test_cpu_tensors_take_the_interpreter_under_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_path(torch.device("cpu")) is Path.INTERPRETER
+    assert select_path(torch.device("cpu")) is KernelPath.INTERPRETER
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert select_path(torch.device("cpu")) is Path.TORCH
+    assert select_path(torch.device("cpu")) is KernelPath.TORCH
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert select_path(torch.device("cpu")) is Path.TORCH
-    assert select_path(torch.device("cuda", 0)) is Path.TRITON
+    assert select_path(torch.device("cpu")) is KernelPath.TORCH
+    assert select_path(torch.device("cuda", 0)) is KernelPath.TRITON
 
 
 @pytest.mark.requires_interpreter

@@ -102,7 +102,7 @@ def test_disagreeing_devices_name_the_tensor() -> None:
 
 def test_pages_without_contiguous_blocks_are_refused() -> None:
     transposed = torch.zeros(BLOCKS, 8, 4).transpose(1, 2)
-    with pytest.raises(ValueError, match="does not hold each block's bytes contiguously"):
+    with pytest.raises(ValueError, match="has non-contiguous blocks"):
         PagedKV.from_tensors([transposed], layout="pages")
 
 

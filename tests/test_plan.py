@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
-import torch
+from numpy.typing import NDArray
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,8 +14,8 @@ from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD
 
 
-def ids(tensor: torch.Tensor) -> list[int]:
-    return tensor.numpy().tolist()
+def ids(array: NDArray[np.int64]) -> list[int]:
+    return [int(value) for value in array]
 
 
 def brute_force_rows(slots: list[int], group_sizes: list[int], block_indices: list[int], f: int) -> list[int]:
@@ -38,7 +41,7 @@ def test_factor_one_pairs_blocks_and_slots_one_to_one() -> None:
     plan = plan_transfer(STORE, GPULoadStoreSpec([7, 2, 5]), CPULoadStoreSpec([0, 3, 1]), 1)
     assert ids(plan.gpu_blocks) == [7, 2, 5]
     assert ids(plan.slab_rows) == [0, 3, 1]
-    assert plan.gpu_blocks.dtype == torch.int64 and plan.slab_rows.dtype == torch.int64
+    assert plan.gpu_blocks.dtype == np.int64 and plan.slab_rows.dtype == np.int64
     assert plan.num_rows == 3
 
 
@@ -79,16 +82,16 @@ def test_a_slot_count_mismatch_reports_both_numbers() -> None:
 
 
 def test_out_of_range_ids_are_refused() -> None:
-    with pytest.raises(ValueError, match="GPU block_ids holds 8, out of range for 8 entries"):
+    with pytest.raises(ValueError, match=re.escape("GPU block_ids[0] = 8 is out of range: there are 8 GPU blocks (valid 0..7)")):
         plan_transfer(STORE, GPULoadStoreSpec([8]), CPULoadStoreSpec([0]), 1, num_gpu_blocks=8, num_slots=4)
-    with pytest.raises(ValueError, match="slots\\) holds 4, out of range for 4 entries"):
+    with pytest.raises(ValueError, match=re.escape("CPU block_ids[0] = 4 is out of range: there are 4 slots")):
         plan_transfer(STORE, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), 1, num_gpu_blocks=8, num_slots=4)
 
 
 def test_a_job_writing_one_destination_twice_is_refused() -> None:
-    with pytest.raises(ValueError, match="slab row written more than once in one job: \\[2\\]"):
+    with pytest.raises(ValueError, match="slab rows names destination 2 more than once"):
         plan_transfer(STORE, GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([2, 2]), 1)
-    with pytest.raises(ValueError, match="GPU block written more than once in one job: \\[3\\]"):
+    with pytest.raises(ValueError, match="GPU block_ids names destination 3 more than once"):
         plan_transfer(LOAD, GPULoadStoreSpec([3, 3]), CPULoadStoreSpec([0, 1]), 1)
 
 

@@ -163,18 +163,18 @@ def test_a_failed_store_frees_its_slots_and_the_next_store_leaves_no_stale_bytes
 ) -> None:
     h = harness_factory("flash_attn", "torch", factor=1, slots=2)
     h.fill_pages(seed=5)
-    real_gather = backends_module.gather_pages_reference
+    real_gather = backends_module.gather_unchecked
 
     def gather_then_fail(*args: object, **kwargs: object) -> None:
         real_gather(*args, **kwargs)  # pyright: ignore[reportArgumentType] -- forwarded unchanged
         raise RuntimeError("simulated failure after the bytes were written")
 
-    monkeypatch.setattr(backends_module, "gather_pages_reference", gather_then_fail)
+    monkeypatch.setattr(backends_module, "gather_unchecked", gather_then_fail)
     failed_keys = keys(1, 2)
     failed = h.store(failed_keys, GPULoadStoreSpec([0, 1]))
     assert not failed.success
     assert [h.manager.lookup(key, CTX) for key in failed_keys] == [LookupResult.MISS, LookupResult.MISS]
-    monkeypatch.setattr(backends_module, "gather_pages_reference", real_gather)
+    monkeypatch.setattr(backends_module, "gather_unchecked", real_gather)
 
     expected = [h.block(2), h.block(3)]
     new_keys = keys(3, 4)

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import mmap
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
 import kvtriton.worker.slab as slab_module
-from kvtriton.worker.slab import HostSlab, PageableSlabWarning
+from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 
 @dataclass
@@ -46,7 +48,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
 
 
 def test_slab_is_one_zeroed_uint8_buffer_with_slot_views() -> None:
-    with HostSlab(num_slots=4, rows_per_slot=3, row_bytes=656, pin=False) as slab:
+    with HostSlab(num_slots=4, block_size_factor=3, row_bytes=656, pin=False) as slab:
         assert slab.rows.shape == (12, 656)
         assert slab.rows.dtype == torch.uint8
         assert slab.rows.is_contiguous()
@@ -108,7 +110,7 @@ def test_a_slab_larger_than_available_ram_is_refused_with_both_numbers(monkeypat
     ("args", "message"),
     [
         ((0, 1, 64), "num_slots must be >= 1, got 0"),
-        ((1, 0, 64), "rows_per_slot must be >= 1, got 0"),
+        ((1, 0, 64), "block_size_factor must be >= 1, got 0"),
         ((1, 1, -5), "row_bytes must be >= 1, got -5"),
     ],
 )
@@ -137,38 +139,176 @@ def test_with_cuda_the_slab_is_pinned_in_chunks_and_close_unpins_once(fake_cuda:
         _ = slab.rows
 
 
-def test_a_failed_pin_unregisters_what_was_pinned_and_falls_back_with_a_warning(fake_cuda: FakeRegistrar) -> None:
+def test_a_failed_pin_unregisters_what_was_pinned_and_raises_one_line_naming_the_limit(
+    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 64 * 1024)
     fake_cuda.fail_at = 1
-    with pytest.warns(PageableSlabWarning, match="cudaHostRegister failed.*stays pageable"):
-        slab = HostSlab(5, 1, slab_module.HOST_PAGE_BYTES)
-    assert not slab.pinned
+    nbytes = 5 * slab_module.HOST_PAGE_BYTES
+    with pytest.raises(SlabPinningError) as raised:
+        HostSlab(5, 1, slab_module.HOST_PAGE_BYTES)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"cannot pin the {nbytes}-byte host slab" in message
+    assert "cudaHostRegister failed with CUDA error 2" in message
+    assert "RLIMIT_MEMLOCK is 65536 bytes" in message
+    assert "ulimit -l unlimited" in message and "allow_pageable=True" in message
     assert fake_cuda.unregistered == [fake_cuda.registered[0][0]]
     assert fake_cuda.pending_error == 0  # consumed, so torch's next launch check does not report it
 
 
+def test_allow_pageable_keeps_a_slab_that_failed_to_pin_with_a_warning(fake_cuda: FakeRegistrar) -> None:
+    fake_cuda.fail_at = 0
+    with pytest.warns(PageableSlabWarning, match="cannot pin.*RLIMIT_MEMLOCK.*stays pageable"):
+        slab = HostSlab(5, 1, slab_module.HOST_PAGE_BYTES, allow_pageable=True)
+    assert not slab.pinned
+    assert fake_cuda.pending_error == 0
+
+
 def test_a_failed_pin_raises_when_pinning_was_required(fake_cuda: FakeRegistrar) -> None:
     fake_cuda.fail_at = 0
-    with pytest.raises(RuntimeError, match="cudaHostRegister failed with CUDA error 2"):
-        HostSlab(5, 1, slab_module.HOST_PAGE_BYTES, pin=True)
+    with pytest.raises(SlabPinningError, match="cudaHostRegister failed with CUDA error 2"):
+        HostSlab(5, 1, slab_module.HOST_PAGE_BYTES, pin=True, allow_pageable=False)
 
 
-def test_a_memlock_limit_below_the_slab_size_warns_before_pinning(
-    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("nbytes", "slot_bytes", "chunk_bytes", "page_bytes"),
+    [
+        (10 * 4096, 4096, 3 * 4096, 4096),  # page-sized slots: chunks of 3 slots
+        (7 * 6144, 6144, 4 * 4096, 4096),  # 1.5-page slots: boundaries every 2 slots (3 pages)
+        (9 * 1000, 1000, 5000, 4096),  # odd slots: only every 512th slot boundary is page-aligned
+        (5 * 3 * 656, 3 * 656, 1 << 30, 4096),  # one chunk larger than the slab
+    ],
+)
+def test_pin_ranges_end_on_slot_and_page_boundaries_and_cover_the_slab(
+    nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int
 ) -> None:
-    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 64 * 1024)
-    with pytest.warns(PageableSlabWarning, match="RLIMIT_MEMLOCK is 65536 bytes, below the 131072-byte slab"):
-        HostSlab(128, 1, 1024).close()
-    assert fake_cuda.registered
+    ranges = slab_module.pin_ranges(nbytes, slot_bytes, chunk_bytes, page_bytes)
+    assert ranges[0][0] == 0
+    assert sum(size for _, size in ranges) == nbytes
+    for (offset, size), (following, _) in zip(ranges, ranges[1:]):
+        assert offset + size == following
+        assert following % slot_bytes == 0 and following % page_bytes == 0
+
+
+def test_a_slab_with_odd_rows_pins_chunks_that_never_split_a_slot(fake_cuda: FakeRegistrar) -> None:
+    slot_bytes = 3 * 1000
+    with HostSlab(2048, 3, 1000) as slab:
+        base = slab.rows.data_ptr()
+        assert len(fake_cuda.registered) > 1
+        for pointer, _ in fake_cuda.registered[1:]:
+            assert (pointer - base) % slot_bytes == 0 and pointer % slab_module.HOST_PAGE_BYTES == 0
+        assert sum(size for _, size in fake_cuda.registered) == slab.nbytes
+
+
+def _shared_file(tmp_path: Path, nbytes: int) -> mmap.mmap:
+    path = tmp_path / "slab.shm"
+    with open(path, "wb") as file:
+        file.truncate(nbytes)
+    with open(path, "r+b") as file:
+        return mmap.mmap(file.fileno(), nbytes)
+
+
+def test_a_slab_adopts_a_shared_mapping_and_writes_land_in_it(tmp_path: Path) -> None:
+    mapping = _shared_file(tmp_path, 4 * 2 * 64)
+    slab = HostSlab.from_buffer(mapping, num_slots=4, block_size_factor=2, row_bytes=64, pin=False)
+    assert not slab.owns_memory
+    slab.slot(3).fill_(9)
+    assert mapping[6 * 64 : 8 * 64] == bytes([9]) * 128
+    assert mapping[: 6 * 64] == bytes(6 * 64)
+    slab.close()
+    assert not mapping.closed  # the slab never unmaps memory it does not own
+    mapping[0] = 1
+    mapping.close()
+
+
+def test_per_rank_strided_views_of_one_buffer_write_disjoint_bytes(tmp_path: Path) -> None:
+    ranks, row_bytes, num_slots = 3, 40, 5
+    stride = ranks * row_bytes
+    mapping = _shared_file(tmp_path, num_slots * stride)
+    views = [
+        HostSlab.from_buffer(mapping, num_slots, 1, row_bytes, row_stride=stride, row_offset=rank * row_bytes, pin=False)
+        for rank in range(ranks)
+    ]
+    for rank, view in enumerate(views):
+        assert view.rows.shape == (num_slots, row_bytes) and view.rows.stride() == (stride, 1)
+        view.rows.fill_(rank + 1)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8).view(num_slots, ranks, row_bytes)
+    for rank in range(ranks):
+        assert bool((raw[:, rank] == rank + 1).all())
+    for view in views:
+        view.close()
+    del raw
+    mapping.close()
+
+
+def test_a_pinned_per_rank_view_registers_whole_shared_rows_in_slot_chunks(fake_cuda: FakeRegistrar) -> None:
+    page = slab_module.HOST_PAGE_BYTES
+    buffer = mmap.mmap(-1, 8 * page)
+    with HostSlab.from_buffer(buffer, 8, 1, page // 2, row_stride=page, row_offset=page // 2) as slab:
+        assert slab.pinned
+        base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+        assert fake_cuda.registered == [(base, 2 * page), (base + 2 * page, 2 * page), (base + 4 * page, 2 * page), (base + 6 * page, 2 * page)]
+        assert slab.rows.data_ptr() == base + page // 2
+
+
+@pytest.mark.parametrize(
+    ("row_stride", "row_offset", "message"),
+    [
+        (64, 32, "row_offset 32 \\+ row_bytes 64 = 96 does not fit in row_stride 64"),
+        (None, -1, "row_offset must be an int >= 0, got -1"),
+        (0, 0, "row_stride must be >= 1, got 0"),
+    ],
+)
+def test_bad_buffer_layouts_are_refused(row_stride: int | None, row_offset: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HostSlab.from_buffer(bytearray(1024), 2, 1, 64, row_stride=row_stride, row_offset=row_offset, pin=False)
+
+
+def test_a_buffer_too_small_for_the_slots_is_refused_with_both_sizes() -> None:
+    with pytest.raises(ValueError, match="buffer holds 100 bytes but 2 slots x 1 rows of stride 64 .* need 128"):
+        HostSlab.from_buffer(bytearray(100), 2, 1, 64, pin=False)
+    with pytest.raises(ValueError, match="buffer must be a contiguous 1-D uint8 CPU tensor"):
+        HostSlab.from_buffer(torch.zeros(64, dtype=torch.int32), 1, 1, 64, pin=False)
+
+
+def test_an_unaligned_buffer_cannot_be_pinned(fake_cuda: FakeRegistrar) -> None:
+    flat = torch.frombuffer(mmap.mmap(-1, 2 * slab_module.HOST_PAGE_BYTES), dtype=torch.uint8)[8:]
+    with pytest.raises(ValueError, match="not on a .*host page boundary"):
+        HostSlab.from_buffer(flat, 1, 1, 64)
+    assert not fake_cuda.registered
+
+
+@dataclass
+class RecordingUser:
+    """A slab user that records, when drained, whether the slab was still pinned."""
+
+    slab: HostSlab
+    pinned_when_drained: list[bool] = field(default_factory=lambda: [])
+
+    def drain(self) -> None:
+        self.pinned_when_drained.append(self.slab.pinned)
+
+
+def test_close_drains_every_live_user_before_unpinning(fake_cuda: FakeRegistrar) -> None:
+    slab = HostSlab(4, 1, slab_module.HOST_PAGE_BYTES)
+    users = [RecordingUser(slab), RecordingUser(slab)]
+    for user in users:
+        slab.add_user(user)
+    slab.close()
+    slab.close()
+    assert [user.pinned_when_drained for user in users] == [[True], [True]]  # drained once each, before unpinning
+    assert not slab.pinned and fake_cuda.unregistered
 
 
 def test_slots_for_budget_splits_the_total_across_ranks() -> None:
-    assert HostSlab.slots_for_budget(10_000, rows_per_slot=2, row_bytes=100) == 50
-    assert HostSlab.slots_for_budget(10_000, rows_per_slot=2, row_bytes=100, world_size=4) == 12
+    assert HostSlab.slots_for_budget(10_000, block_size_factor=2, row_bytes=100) == 50
+    assert HostSlab.slots_for_budget(10_000, block_size_factor=2, row_bytes=100, world_size=4) == 12
     with pytest.raises(ValueError, match="leaves 100 bytes per rank, less than one slot of 200 bytes"):
-        HostSlab.slots_for_budget(400, rows_per_slot=2, row_bytes=100, world_size=4)
+        HostSlab.slots_for_budget(400, block_size_factor=2, row_bytes=100, world_size=4)
 
 
 def test_from_budget_allocates_the_slots_that_fit() -> None:
-    with HostSlab.from_budget(1000, rows_per_slot=3, row_bytes=64, pin=False) as slab:
+    with HostSlab.from_budget(1000, block_size_factor=3, row_bytes=64, pin=False) as slab:
         assert slab.num_slots == 5
         assert slab.rows.shape == (15, 64)

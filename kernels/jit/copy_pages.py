@@ -28,9 +28,14 @@ dereferences the same int64 addresses on CPU tensors, so the tests run this
 exact code.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ..launch import CopyArguments
 
 TABLE_COLUMNS = 4
 
@@ -143,41 +148,60 @@ def _variant(interpret: bool):
     return _VARIANTS[interpret]
 
 
-def launch_copy_pages(
-    *,
-    interpret: bool,
-    grid: int,
-    num_warps: int,
-    table: torch.Tensor,
-    slab: torch.Tensor,
-    blocks: torch.Tensor,
-    rows: torch.Tensor,
-    row_stride: int,
-    to_slab: bool,
-    num_pages: int,
-    page_elems: int,
-    chunk: int,
-    pairs: int,
-    uniform: bool,
-    even: bool,
-    word: int,
-) -> None:
+_RUNTIME_PARAMETERS = ("table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "num_pairs", "row_stride")
+
+
+def _runtime_values(arguments: "CopyArguments") -> tuple[object, ...]:
+    return (arguments.table, arguments.slab, arguments.blocks, arguments.rows, arguments.num_pairs, arguments.row_stride)
+
+
+def _constexprs(arguments: "CopyArguments") -> tuple[object, ...]:
+    return (
+        arguments.to_slab, arguments.num_pages, arguments.page_elems, arguments.chunk,
+        arguments.pairs, arguments.uniform, arguments.even, arguments.word,
+    )
+
+
+def _specialize(value, specialize: bool) -> tuple[object, ...]:
+    """How Triton's launcher specialises one runtime argument: its type and (for pointers and ints) divisibility.
+
+    Triton >= 3.4 exposes the C++ routine its binder calls; older releases
+    get a mirror of the same rule (pointer: element type, 16-byte aligned or
+    not; int: type, == 1, divisible by 16).
+    """
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+    except ImportError:
+        if isinstance(value, torch.Tensor):
+            return (f"*{value.dtype}", "D" if value.data_ptr() % 16 == 0 else "")
+        if not specialize:
+            return ("int", None)
+        return ("int", "constexpr 1" if value == 1 else ("D" if value % 16 == 0 else ""))
+    return tuple(native_specialize_impl(BaseBackend, value, False, specialize, True))
+
+
+def specialization_key(arguments: "CopyArguments") -> tuple[object, ...]:
+    """The key under which Triton's launcher caches the compiled variant this launch needs."""
+    runtime = tuple(
+        (name, _specialize(value, name not in _DO_NOT_SPECIALIZE))
+        for name, value in zip(_RUNTIME_PARAMETERS, _runtime_values(arguments))
+    )
+    return runtime + _constexprs(arguments) + (("num_warps", arguments.num_warps),)
+
+
+def launch_copy_pages(arguments: "CopyArguments", *, interpret: bool, grid: int) -> None:
     """One launch of :func:`copy_pages_kernel` on ``grid`` programs (arguments already checked)."""
     kernel = _variant(interpret)
     kernel[(grid,)](
-        table,
-        slab,
-        blocks,
-        rows,
-        blocks.shape[0],
-        row_stride,
-        TO_SLAB=to_slab,
-        NUM_PAGES=num_pages,
-        PAGE_ELEMS=page_elems,
-        CHUNK=chunk,
-        PAIRS=pairs,
-        UNIFORM=uniform,
-        EVEN=even,
-        WORD=word,
-        num_warps=num_warps,
+        *_runtime_values(arguments),
+        TO_SLAB=arguments.to_slab,
+        NUM_PAGES=arguments.num_pages,
+        PAGE_ELEMS=arguments.page_elems,
+        CHUNK=arguments.chunk,
+        PAIRS=arguments.pairs,
+        UNIFORM=arguments.uniform,
+        EVEN=arguments.even,
+        WORD=arguments.word,
+        num_warps=arguments.num_warps,
     )

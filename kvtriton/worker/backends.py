@@ -1,17 +1,35 @@
-"""The three ways a transfer job's rows can be copied, behind one small interface.
+"""The three ways a transfer job's rows can be copied, and the one place that picks among them.
 
-* ``triton``: one Triton gather/scatter launch per job (``kvtriton.kernels``);
-  compiled on CUDA, through the interpreter on CPU under ``TRITON_INTERPRET=1``.
-* ``dma``: one ``copy_`` per (row, page tensor), coalesced into one copy per
-  run when a run is contiguous on both sides; the copy-engine baseline, and
-  what runs when the slab could not be pinned (the kernel cannot reach
-  pageable host memory).
+* ``triton``: one Triton gather/scatter launch per job through a
+  :class:`~kvtriton.kernels.launch.CopyLauncher` prepared once per engine;
+  compiled on CUDA, run by Triton's interpreter on CPU (where the
+  interpreter cannot run, asking for ``triton`` is an error, never a silent
+  torch copy).
+* ``dma``: the copy engines. A job's pairs are split into runs that are
+  consecutive in both GPU blocks and slab rows, and each run moves with one
+  ``cudaMemcpy2DAsync`` per page tensor (a strided copy: block stride on one
+  side, slab row stride on the other). On CPU the same runs move with one
+  strided ``copy_`` each. Never one call per (row, page tensor).
 * ``torch``: the torch reference (``kvtriton.kernels.reference``), the oracle
-  of the tests; on CUDA it goes through a device staging buffer and reads the
-  device indices to plan its copies, a device sync per job (the other two
-  never synchronise on submit).
-* ``auto``: ``triton`` on CUDA with a pinned slab, ``dma`` on CUDA otherwise,
-  ``torch`` on CPU.
+  of the tests; on CUDA it gathers into a device staging buffer, then moves
+  runs of slab rows with the DMA backend's strided copy.
+
+:func:`choose_backend` makes the decision, once per engine and direction,
+from :data:`AUTO_TABLE` when the caller asked for ``auto``:
+
+==========  ============  =========  =================  ========
+device      slab          direction  smallest page (B)  backend
+==========  ============  =========  =================  ========
+cuda        pinned        store      0 and up           triton
+cuda        pinned        load       0 and up           triton
+cuda        pageable      both       any                dma
+cpu         any           both       any                torch
+==========  ============  =========  =================  ========
+
+(The kernel cannot reach pageable host memory, hence ``dma`` there.) The
+CUDA rows are where ``bench/gpu_check.sh``'s dma-vs-triton sweep puts the
+crossover: it prints, per direction, the page size from which ``dma`` wins,
+and a row ``(cuda, pinned, direction, that size, dma)`` encodes it.
 
 A backend only copies: the engine plans, stages indices, orders and times jobs.
 """
@@ -22,21 +40,28 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from kvtriton.choices import parse_choice
-from kvtriton.kernels import (
-    DEFAULT_NUM_PROGRAMS,
-    gather_pages,
-    gather_pages_reference,
-    scatter_pages,
-    scatter_pages_reference,
-)
-from kvtriton.kernels.reference import int_list
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
+from kvtriton.kernels.launch import CopyLauncher
+from kvtriton.kernels.reference import consecutive_runs, gather_unchecked, scatter_unchecked
+from kvtriton.kernels.validation import PageGeometry
+from kvtriton.worker.cudart import memcpy_2d_async
 from kvtriton.worker.layout import PagedKV
-from kvtriton.worker.plan import TransferDirection, TransferPlan
+from kvtriton.worker.plan import TransferDirection, TransferPlan, host_tensor
 
-__all__ = ["CopyBackend", "TransferBackend", "make_backend"]
+__all__ = [
+    "AUTO_TABLE",
+    "AutoRule",
+    "CopyBackend",
+    "DeviceIndices",
+    "TransferBackend",
+    "choose_backend",
+    "make_backend",
+]
 
 
 class TransferBackend(enum.Enum):
@@ -52,13 +77,78 @@ class TransferBackend(enum.Enum):
         """Return the backend called ``name``; unknown names raise ``ValueError`` listing the valid ones."""
         return parse_choice(cls, name, "backend")
 
-    def resolve(self, device: torch.device, slab_pinned: bool) -> TransferBackend:
-        """The concrete backend ``auto`` stands for on ``device``; others are returned unchanged."""
-        if self is not TransferBackend.AUTO:
-            return self
-        if device.type == "cuda":
-            return TransferBackend.TRITON if slab_pinned else TransferBackend.DMA
-        return TransferBackend.TORCH
+
+@dataclass(frozen=True, slots=True)
+class AutoRule:
+    """One row of :data:`AUTO_TABLE`: ``None`` matches anything."""
+
+    device_type: str
+    slab_pinned: bool | None
+    direction: TransferDirection | None
+    min_page_bytes: int
+    backend: TransferBackend
+
+
+AUTO_TABLE: tuple[AutoRule, ...] = (
+    AutoRule("cuda", True, TransferDirection.STORE, 0, TransferBackend.TRITON),
+    AutoRule("cuda", True, TransferDirection.LOAD, 0, TransferBackend.TRITON),
+    AutoRule("cuda", False, None, 0, TransferBackend.DMA),
+    AutoRule("cpu", None, None, 0, TransferBackend.TORCH),
+)
+"""What ``auto`` means: the last matching row wins (rows are ordered by ``min_page_bytes``)."""
+
+
+def _interpreter_problem() -> str | None:
+    from kvtriton.kernels.jit.interpreter_probe import interpreter_problem  # imports triton
+
+    return interpreter_problem()
+
+
+def choose_backend(
+    requested: TransferBackend,
+    direction: TransferDirection,
+    *,
+    device: torch.device,
+    slab_pinned: bool,
+    page_bytes: int,
+) -> TransferBackend:
+    """The backend that will really copy ``direction`` jobs; raises ``ValueError`` when ``requested`` cannot run.
+
+    ``page_bytes`` is the engine's smallest page (the case where per-copy
+    overheads weigh most).
+    """
+    if requested is TransferBackend.AUTO:
+        chosen: TransferBackend | None = None
+        for rule in AUTO_TABLE:
+            if (
+                rule.device_type == device.type
+                and rule.slab_pinned in (None, slab_pinned)
+                and rule.direction in (None, direction)
+                and page_bytes >= rule.min_page_bytes
+            ):
+                chosen = rule.backend
+        if chosen is None:
+            raise ValueError(f"no backend for {direction.name.lower()} jobs on {device} in AUTO_TABLE")
+        requested = chosen
+    if requested is TransferBackend.TRITON:
+        if device.type == "cuda" and not slab_pinned:
+            raise ValueError(
+                "backend='triton' needs a pinned slab on CUDA (the kernel cannot reach pageable host memory); "
+                "pin the slab or use backend='dma'"
+            )
+        if device.type == "cpu":
+            problem = _interpreter_problem()
+            if problem is not None:
+                raise ValueError(f"backend='triton' on CPU runs Triton's interpreter, but {problem}; use backend='torch'")
+    return requested
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceIndices:
+    """A job's indices on the pages' device, each starting on a 16-byte boundary (the staging guarantees it)."""
+
+    gpu_blocks: torch.Tensor
+    slab_rows: torch.Tensor
 
 
 class CopyBackend(Protocol):
@@ -72,155 +162,176 @@ class CopyBackend(Protocol):
         """True when :meth:`copy` reads ``device`` (index tensors on the pages' device)."""
         ...
 
-    def copy(self, host: TransferPlan, device: TransferPlan) -> None:
-        """Run ``host.direction`` for the pairs of the plan.
+    def warm_up(self) -> None:
+        """Compile whatever a job can need (nothing, for backends that do not compile)."""
+        ...
 
-        ``host`` holds CPU index tensors; ``device`` the same indices on the
-        pages' device (the same object on CPU).
+    def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
+        """Run ``plan.direction`` for the pairs of the plan on the current stream.
+
+        ``plan`` holds the host indices; ``device`` the same indices on the
+        pages' device when :attr:`wants_device_indices`, else None.
         """
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class _Run:
-    """``length`` pairs from pair ``start`` on, consecutive in both GPU blocks and slab rows."""
-
-    start: int
-    block: int
-    row: int
-    length: int
-
-
-def _runs(blocks: list[int], rows: list[int]) -> list[_Run]:
-    runs: list[_Run] = []
-    start = 0
-    for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1 or rows[i] != rows[i - 1] + 1:
-            runs.append(_Run(start, blocks[start], rows[start], i - start))
-            start = i
-    return runs
-
-
-@dataclass(frozen=True, slots=True)
 class TritonCopy:
     """One gather or scatter launch per job."""
 
-    kv: PagedKV
-    slab: torch.Tensor
-    num_programs: int
+    kind = TransferBackend.TRITON
+    wants_device_indices = True
 
-    @property
-    def kind(self) -> TransferBackend:
-        return TransferBackend.TRITON
+    def __init__(self, kv: PagedKV, slab: torch.Tensor, num_programs: int) -> None:
+        self.launcher = CopyLauncher(
+            kv.pages, slab, kv.geometry, interpret=kv.device.type == "cpu",
+            num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+        )  # fmt: skip
 
-    @property
-    def wants_device_indices(self) -> bool:
-        return True
+    def warm_up(self) -> None:
+        self.launcher.warm_up(torch.int64)
 
-    def copy(self, host: TransferPlan, device: TransferPlan) -> None:
-        # The plan already checked ranges and uniqueness on the host; checking
-        # again here would read the device indices (a sync on CUDA).
-        if host.direction is TransferDirection.STORE:
-            gather_pages(
-                self.kv.pages, self.slab, device.gpu_blocks, device.slab_rows,
-                num_programs=self.num_programs, check_indices=False,
-            )  # fmt: skip
-        else:
-            scatter_pages(
-                self.slab, self.kv.pages, device.slab_rows, device.gpu_blocks,
-                num_programs=self.num_programs, check_indices=False,
-            )  # fmt: skip
+    def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
+        assert device is not None
+        # The planner checked ranges and uniqueness on the host: the launch reads nothing back.
+        self.launcher.launch(plan.direction is TransferDirection.STORE, device.gpu_blocks, device.slab_rows)
 
 
 @dataclass(frozen=True, slots=True)
+class _PitchedPages:
+    """Addresses and pitches of every page tensor and of the slab, computed once per engine."""
+
+    page_bases: NDArray[np.int64]
+    block_strides: NDArray[np.int64]
+    page_bytes: NDArray[np.int64]
+    row_offsets: NDArray[np.int64]
+    slab_base: int
+    slab_stride: int
+
+    @classmethod
+    def of(cls, kv: PagedKV, slab: torch.Tensor) -> _PitchedPages:
+        geometry: PageGeometry = kv.geometry
+        return cls(
+            page_bases=np.array([page.data_ptr() for page in kv.pages], dtype=np.int64),
+            block_strides=np.array(geometry.block_strides, dtype=np.int64),
+            page_bytes=np.array(geometry.page_bytes, dtype=np.int64),
+            row_offsets=np.array(geometry.row_offsets, dtype=np.int64),
+            slab_base=slab.data_ptr(),
+            slab_stride=slab.stride(0) if slab.shape[0] > 1 else slab.shape[1],
+        )
+
+
+def dma_runs(plan: TransferPlan) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """First block, first row and length of each run consecutive on both sides."""
+    runs = consecutive_runs(host_tensor(plan.gpu_blocks), host_tensor(plan.slab_rows))
+    starts = np.array([start for start, _ in runs], dtype=np.int64)
+    lengths = np.array([length for _, length in runs], dtype=np.int64)
+    return plan.gpu_blocks[starts], plan.slab_rows[starts], lengths
+
+
 class DmaCopy:
-    """Plain ``copy_`` calls: whole runs where both sides are contiguous, else row by row."""
+    """One strided copy per (run of consecutive blocks and rows, page tensor)."""
 
-    kv: PagedKV
-    slab: torch.Tensor
+    kind = TransferBackend.DMA
+    wants_device_indices = False
 
-    @property
-    def kind(self) -> TransferBackend:
-        return TransferBackend.DMA
+    def __init__(self, kv: PagedKV, slab: torch.Tensor) -> None:
+        self.kv = kv
+        self.slab = slab
+        self._cuda = kv.device.type == "cuda"
+        self._pitched = _PitchedPages.of(kv, slab)
+        self._byte_pages = kv.byte_pages()
 
-    @property
-    def wants_device_indices(self) -> bool:
-        return False
+    def warm_up(self) -> None:
+        return None
 
-    def copy(self, host: TransferPlan, device: TransferPlan) -> None:
+    def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         del device
-        store = host.direction is TransferDirection.STORE
-        runs = _runs(int_list(host.gpu_blocks), int_list(host.slab_rows))
-        for page, offset, size in zip(self.kv.byte_pages(), self.kv.page_offsets, self.kv.page_bytes):
-            columns = self.slab[:, offset : offset + size]
-            # A run is one contiguous range on both sides only when this page
-            # fills whole slab rows and its blocks are packed back to back.
-            whole = size == self.slab.shape[1] and page.stride(0) == size
-            for run in runs:
-                if whole:
-                    pairs = [(columns[run.row : run.row + run.length], page[run.block : run.block + run.length])]
+        store = plan.direction is TransferDirection.STORE
+        blocks, rows, lengths = dma_runs(plan)
+        if not self._cuda:
+            self._copy_on_host(store, blocks, rows, lengths)
+            return
+        p = self._pitched
+        # (page tensor, run) addresses, vectorised; the loop below only issues the calls.
+        page_addresses = p.page_bases[:, None] + blocks[None, :] * p.block_strides[:, None]
+        slab_addresses = p.slab_base + rows[None, :] * p.slab_stride + p.row_offsets[:, None]
+        stream = torch.cuda.current_stream(self.kv.device).cuda_stream
+        for t in range(len(p.page_bases)):
+            width, page_pitch = int(p.page_bytes[t]), int(p.block_strides[t])
+            for page_address, slab_address, height in zip(page_addresses[t].tolist(), slab_addresses[t].tolist(), lengths.tolist()):
+                if store:
+                    memcpy_2d_async(slab_address, p.slab_stride, page_address, page_pitch, width, height, stream)
                 else:
-                    pairs = [(columns[run.row + i], page[run.block + i]) for i in range(run.length)]
-                for slab_part, page_part in pairs:
-                    if store:
-                        slab_part.copy_(page_part, non_blocking=True)
-                    else:
-                        page_part.copy_(slab_part, non_blocking=True)
+                    memcpy_2d_async(page_address, page_pitch, slab_address, p.slab_stride, width, height, stream)
+
+    def _copy_on_host(
+        self, store: bool, blocks: NDArray[np.int64], rows: NDArray[np.int64], lengths: NDArray[np.int64]
+    ) -> None:
+        for page, offset, size in zip(self._byte_pages, self.kv.page_offsets, self.kv.page_bytes):
+            columns = self.slab[:, offset : offset + size]
+            for block, row, length in zip(blocks.tolist(), rows.tolist(), lengths.tolist()):
+                slab_part, page_part = columns[row : row + length], page[block : block + length]
+                if store:
+                    slab_part.copy_(page_part)
+                else:
+                    page_part.copy_(slab_part)
 
 
-@dataclass(frozen=True, slots=True)
 class TorchCopy:
-    """The torch reference; on CUDA it stages rows in a device buffer, then copies runs to the slab."""
+    """The torch reference; on CUDA it stages rows in a device buffer, then moves runs of slab rows."""
 
-    kv: PagedKV
-    slab: torch.Tensor
+    kind = TransferBackend.TORCH
 
-    @property
-    def kind(self) -> TransferBackend:
-        return TransferBackend.TORCH
+    def __init__(self, kv: PagedKV, slab: torch.Tensor) -> None:
+        self.kv = kv
+        self.slab = slab
+        self._cuda = kv.device.type == "cuda"
+        self._pitched = _PitchedPages.of(kv, slab)
 
     @property
     def wants_device_indices(self) -> bool:
-        return self.kv.device.type != "cpu"
+        return self._cuda
 
-    def copy(self, host: TransferPlan, device: TransferPlan) -> None:
-        store = host.direction is TransferDirection.STORE
-        if self.kv.device == self.slab.device:
+    def warm_up(self) -> None:
+        return None
+
+    def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
+        store = plan.direction is TransferDirection.STORE
+        geometry = self.kv.geometry
+        if not self._cuda:
+            blocks, rows = host_tensor(plan.gpu_blocks), host_tensor(plan.slab_rows)
             if store:
-                gather_pages_reference(self.kv.pages, self.slab, host.gpu_blocks, host.slab_rows)
+                gather_unchecked(self.kv.pages, self.slab, blocks, rows, geometry)
             else:
-                scatter_pages_reference(self.slab, self.kv.pages, host.slab_rows, host.gpu_blocks)
+                scatter_unchecked(self.slab, self.kv.pages, rows, blocks, geometry)
             return
-        count, width = host.num_rows, self.kv.row_bytes
+        assert device is not None
+        count, width = plan.num_rows, self.kv.row_bytes
         staging = torch.empty((count, width), dtype=torch.uint8, device=self.kv.device)
         local = torch.arange(count, dtype=torch.int64, device=self.kv.device)
-        rows = int_list(host.slab_rows)
-        runs = _runs(list(range(count)), rows)
         if store:
-            gather_pages_reference(self.kv.pages, staging, device.gpu_blocks, local)
-        for run in runs:
-            slab_part = self.slab[run.row : run.row + run.length, :width]
-            staged = staging[run.start : run.start + run.length]
+            gather_unchecked(self.kv.pages, staging, device.gpu_blocks, local, geometry)
+        stream = torch.cuda.current_stream(self.kv.device).cuda_stream
+        slab_stride = self._pitched.slab_stride
+        for start, length in consecutive_runs(host_tensor(plan.slab_rows)):
+            slab_address = self._pitched.slab_base + int(plan.slab_rows[start]) * slab_stride
+            staged_address = staging.data_ptr() + start * width
             if store:
-                slab_part.copy_(staged, non_blocking=True)
+                memcpy_2d_async(slab_address, slab_stride, staged_address, width, width, length, stream)
             else:
-                staged.copy_(slab_part, non_blocking=True)
+                memcpy_2d_async(staged_address, width, slab_address, slab_stride, width, length, stream)
         if not store:
-            scatter_pages_reference(staging, self.kv.pages, local, device.gpu_blocks)
+            scatter_unchecked(staging, self.kv.pages, local, device.gpu_blocks, geometry)
 
 
 def make_backend(
-    backend: TransferBackend, kv: PagedKV, slab: torch.Tensor, *, slab_pinned: bool, num_programs: int = DEFAULT_NUM_PROGRAMS
+    backend: TransferBackend, kv: PagedKV, slab: torch.Tensor, *, num_programs: int = DEFAULT_NUM_PROGRAMS
 ) -> CopyBackend:
-    """Build the concrete backend for ``kv`` and ``slab`` (``auto`` resolved here)."""
-    concrete = backend.resolve(kv.device, slab_pinned)
-    if concrete is TransferBackend.TRITON:
-        if kv.device.type == "cuda" and not slab_pinned:
-            raise ValueError(
-                "backend='triton' needs a pinned slab on CUDA (the kernel cannot reach pageable host memory); "
-                "pin the slab or use backend='dma'"
-            )
+    """Build a concrete (already chosen) backend for ``kv`` and ``slab``."""
+    if backend is TransferBackend.TRITON:
         return TritonCopy(kv, slab, num_programs)
-    if concrete is TransferBackend.DMA:
+    if backend is TransferBackend.DMA:
         return DmaCopy(kv, slab)
-    return TorchCopy(kv, slab)
+    if backend is TransferBackend.TORCH:
+        return TorchCopy(kv, slab)
+    raise ValueError(f"make_backend needs a concrete backend, got {backend.value!r}; resolve it with choose_backend")

@@ -1,44 +1,81 @@
 """TransferEngine: asynchronous store (GPU -> slab) and load (slab -> GPU) jobs.
 
 The worker-side counterpart of vLLM's CPU<->GPU offloading handlers. A job is
-submitted with the specs the scheduler side produced, planned into launch
-indices (:mod:`kvtriton.worker.plan`), copied by one backend call
-(:mod:`kvtriton.worker.backends`) and reported once by :meth:`get_finished`, in
-submission order per direction.
+submitted with the specs the scheduler side produced, planned into host
+indices (:mod:`kvtriton.worker.plan`, which also validates them, vectorised),
+copied by one backend call (:mod:`kvtriton.worker.backends`) and reported
+once by :meth:`get_finished`, in submission order per lane.
 
-On CUDA each direction has its own stream, so stores and loads overlap with
-each other and with the model. Every job first waits for the work already
-queued on the compute stream: a store reads pages the model just wrote, a
-load overwrites blocks that queued work may still read or zero. Index tensors
-are staged in pinned memory and copied with ``non_blocking=True``: submitting
-never synchronises the device. CUDA events mark completion and time each job.
+Built once per engine: the backend choice per direction, the backend itself
+(for Triton: launch configuration, page table on the device, slab view), the
+streams, and the warm-up that compiles every kernel variant a job can ask
+for (``warmup_seconds``). Per job the host only plans, stages the indices,
+launches and records an event.
+
+Lanes and streams (CUDA): stores, loads and expedited loads each have a
+stream; the expedited one has a higher priority and its own queue, so an
+expedited load never waits behind ordinary loads. Every job first waits for
+the work already queued on the compute stream: a store reads pages the model
+just wrote, a load overwrites blocks that queued work may still read or zero.
+Indices are staged in pooled pinned buffers and copied with
+``non_blocking=True`` into pooled device buffers that only their lane's
+stream uses; both start on 16-byte boundaries (blocks and rows in separate,
+padded halves), so the kernel sees one alignment and never needs a second
+variant. Submitting never synchronises the device. Pooled CUDA events mark
+completion and time each job.
+
+A pageable slab (``HostSlab(..., allow_pageable=True)`` after a failed pin):
+copies to or from pageable memory block the calling thread until the
+stream is ready, so such jobs run on one worker thread per lane; ``submit_*``
+returns at once and never waits for the forward pass.
 
 On CPU the copy runs inside ``submit_*`` and the job is reported by the next
-``get_finished``. Both paths share the planning, validation, ordering and
-reporting code; only :class:`_Completion` differs.
+``get_finished``. All paths share planning, validation, ordering and
+reporting; only the :class:`_Completion` differs.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
-from kvtriton.worker.backends import CopyBackend, TransferBackend, make_backend
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtriton.worker.backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan, plan_transfer
 from kvtriton.worker.slab import HostSlab
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
-__all__ = ["TransferEngine", "TransferResult"]
+__all__ = ["TransferEngine", "TransferLane", "TransferResult"]
 
 logger = logging.getLogger(__name__)
+
+
+class TransferLane(enum.Enum):
+    """One ordered queue of jobs with its own CUDA stream.
+
+    Expedited loads (vLLM's ``expedited=True``: the scheduler waits for them
+    within the step) have a lane of their own, on a high-priority stream, so
+    that they never queue behind ordinary loads submitted earlier.
+    """
+
+    STORE = "store"
+    LOAD = "load"
+    EXPEDITED_LOAD = "expedited load"
+
+    @property
+    def direction(self) -> TransferDirection:
+        return TransferDirection.STORE if self is TransferLane.STORE else TransferDirection.LOAD
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +95,22 @@ class TransferResult:
 
 
 class _Completion(Protocol):
-    """When a job's copy is done and how long it took."""
+    """When a job's copy is done, whether it succeeded and how long it took."""
 
     def done(self) -> bool: ...
 
     def wait(self) -> None: ...
+
+    def succeeded(self) -> bool: ...
 
     def seconds(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
 class _Finished:
-    """A copy that already ran on the host (CPU path, or a job that failed before reaching the GPU)."""
+    """A copy that already ran on the host (CPU path, empty job, or a job that failed before reaching the GPU)."""
 
+    success: bool
     elapsed: float
 
     def done(self) -> bool:
@@ -79,46 +119,118 @@ class _Finished:
     def wait(self) -> None:
         return None
 
+    def succeeded(self) -> bool:
+        return self.success
+
     def seconds(self) -> float:
         return self.elapsed
+
+
+@dataclass(frozen=True, slots=True)
+class _EventPair:
+    """Two timing events around one job on a stream; pooled, reused once the job is reported."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
 
 
 @dataclass(frozen=True, slots=True)
 class _Events:
     """A copy enqueued on a CUDA stream between two timing events."""
 
-    start: torch.cuda.Event
-    end: torch.cuda.Event
+    events: _EventPair
+    success: bool
 
     def done(self) -> bool:
-        return self.end.query()
+        return self.events.end.query()
 
     def wait(self) -> None:
-        self.end.synchronize()
+        self.events.end.synchronize()
+
+    def succeeded(self) -> bool:
+        return self.success
 
     def seconds(self) -> float:
-        return self.start.elapsed_time(self.end) / 1e3
+        return self.events.start.elapsed_time(self.events.end) / 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class _Threaded:
+    """A copy to or from a pageable slab, issued by the lane's worker thread, then timed by events."""
+
+    future: Future[bool]
+    events: _EventPair
+
+    def done(self) -> bool:
+        return self.future.done() and self.events.end.query()
+
+    def wait(self) -> None:
+        self.future.result()
+        self.events.end.synchronize()
+
+    def succeeded(self) -> bool:
+        return self.future.result()
+
+    def seconds(self) -> float:
+        return self.events.start.elapsed_time(self.events.end) / 1e3
+
+
+MIN_STAGING_PAIRS = 64
+"""Smallest index staging buffer, in pairs; larger jobs get the next power of two."""
+
+
+class _Staging:
+    """One job's index buffers: host (pinned on CUDA) and device, reused once the job is reported.
+
+    Blocks go in the first half, rows in the second; each half starts on a
+    16-byte boundary (the halves are an even number of int64s long and
+    allocations start 512-byte aligned), so every job presents the kernel
+    with the same alignment.
+    """
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        cuda = device.type == "cuda"
+        self.host = torch.empty(2 * capacity, dtype=torch.int64, pin_memory=cuda)
+        self.host_numpy: NDArray[np.int64] = self.host.numpy()
+        self.device = torch.empty(2 * capacity, dtype=torch.int64, device=device) if cuda else self.host
+
+    def stage(self, plan: TransferPlan) -> DeviceIndices:
+        count = plan.num_rows
+        self.host_numpy[:count] = plan.gpu_blocks
+        self.host_numpy[self.capacity : self.capacity + count] = plan.slab_rows
+        if self.device is not self.host:
+            # The whole buffer in one contiguous copy: cheaper to issue than two slices.
+            self.device.copy_(self.host, non_blocking=True)
+        return DeviceIndices(self.device[:count], self.device[self.capacity : self.capacity + count])
+
+
+def _staging_capacity(count: int) -> int:
+    return max(MIN_STAGING_PAIRS, 1 << (count - 1).bit_length())
 
 
 @dataclass(slots=True)
 class _Job:
     job_id: int
-    direction: TransferDirection
+    lane: TransferLane
     size: int
-    success: bool
     completion: _Completion
-    # Host-side staging buffers the device may still read: dropped once the job is reported.
-    keepalive: list[torch.Tensor] = field(default_factory=lambda: [])
+    staging: _Staging | None = None
 
 
 class TransferEngine:
     """Runs store and load jobs between ``kv``'s GPU pages and ``slab``'s rows.
 
-    ``backend`` is ``"auto"``, ``"triton"``, ``"dma"`` or ``"torch"`` (see
-    :mod:`kvtriton.worker.backends`); ``num_programs`` caps the Triton grid. The
-    slab's ``rows_per_slot`` is the block size factor: one slot holds that
-    many GPU blocks. The engine does not own the slab: close it after
-    :meth:`shutdown`.
+    ``backend`` is ``"auto"``, ``"triton"``, ``"dma"`` or ``"torch"``; the
+    choice is made here, once per direction (see
+    :mod:`kvtriton.worker.backends`), and :attr:`backends` reports what runs.
+    ``num_programs`` caps the Triton grid. The slab's ``block_size_factor`` is
+    the engine's: one slot holds that many GPU blocks. Building the engine
+    warms up every kernel variant a job can need (:attr:`warmup_seconds`).
+
+    The engine holds the slab and registers itself as its user, so closing
+    the slab first drains this engine's streams; :meth:`close` (or
+    :meth:`shutdown`) drains them too, and so does garbage collection.
     """
 
     def __init__(
@@ -147,26 +259,84 @@ class TransferEngine:
             )
         self.kv = kv
         self.slab = slab
-        self.block_size_factor = slab.rows_per_slot
-        self._backend: CopyBackend = make_backend(
-            parsed, kv, slab.rows, slab_pinned=slab.pinned, num_programs=num_programs
-        )
+        self.block_size_factor = slab.block_size_factor
         self._cuda = kv.device.type == "cuda"
-        self._streams: dict[TransferDirection, torch.cuda.Stream] = {}
+        # Copies to or from pageable memory block the issuing thread: they get worker threads.
+        self._threaded = self._cuda and not slab.pinned
+        chosen = {
+            direction: choose_backend(
+                parsed, direction, device=kv.device, slab_pinned=slab.pinned, page_bytes=min(kv.page_bytes)
+            )
+            for direction in TransferDirection
+        }
+        built: dict[TransferBackend, CopyBackend] = {}
+        for kind in chosen.values():
+            if kind not in built:
+                built[kind] = make_backend(kind, kv, slab.rows, num_programs=num_programs)
+        self._backends: dict[TransferDirection, CopyBackend] = {direction: built[kind] for direction, kind in chosen.items()}
+        self._streams: dict[TransferLane, torch.cuda.Stream] = {}
+        self._workers: dict[TransferLane, ThreadPoolExecutor] = {}
         if self._cuda:
-            self._streams = {direction: torch.cuda.Stream(kv.device) for direction in TransferDirection}
-        self._queues: dict[TransferDirection, deque[_Job]] = {direction: deque() for direction in TransferDirection}
+            # Lower numbers are higher priorities: expedited loads overtake the other lanes' kernels.
+            self._streams = {
+                lane: torch.cuda.Stream(kv.device, priority=-1 if lane is TransferLane.EXPEDITED_LOAD else 0)
+                for lane in TransferLane
+            }
+        if self._threaded:
+            self._workers = {
+                lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtriton-{lane.name.lower()}")
+                for lane in TransferLane
+            }
+        self._queues: dict[TransferLane, deque[_Job]] = {lane: deque() for lane in TransferLane}
+        self._free_staging: dict[TransferLane, list[_Staging]] = {lane: [] for lane in TransferLane}
+        self._free_events: list[_EventPair] = []
         self._unreported: set[int] = set()
         self._closed = False
+        self.warmup_seconds = self._warm_up(list(built.values()))
+        slab.add_user(self)
         logger.info(
-            "transfer engine: %d page tensors, %d-byte rows, %d slots x %d rows, backend %s on %s",
-            len(kv.pages), kv.row_bytes, slab.num_slots, slab.rows_per_slot, self.backend.value, kv.device,
+            "transfer engine: %d page tensors, %d-byte rows, %d slots x %d rows, backend %s on %s, "
+            "warm-up %.3f s",
+            len(kv.pages), kv.row_bytes, slab.num_slots, slab.block_size_factor, self._describe_backends(),
+            kv.device, self.warmup_seconds,
         )  # fmt: skip
+
+    def _warm_up(self, backends: list[CopyBackend]) -> float:
+        """Compile every variant a job can need, now rather than on a live server's first job; the seconds it took."""
+        started = time.perf_counter()
+        for backend in backends:
+            backend.warm_up()
+        if self._cuda:
+            torch.cuda.synchronize(self.kv.device)
+        return time.perf_counter() - started
+
+    def _describe_backends(self) -> str:
+        store, load = (self._backends[direction].kind.value for direction in TransferDirection)
+        return store if store == load else f"{store} (store) / {load} (load)"
+
+    @property
+    def backends(self) -> dict[TransferDirection, TransferBackend]:
+        """The backend that really copies each direction's jobs (``auto`` resolved)."""
+        return {direction: backend.kind for direction, backend in self._backends.items()}
 
     @property
     def backend(self) -> TransferBackend:
-        """The concrete backend in use (``auto`` already resolved)."""
-        return self._backend.kind
+        """The backend in use when both directions use the same one; see :attr:`backends` otherwise."""
+        store, load = (self._backends[direction].kind for direction in TransferDirection)
+        if store is not load:
+            raise ValueError(f"stores run {store.value} and loads run {load.value}; read engine.backends")
+        return store
+
+    def stream(self, lane: TransferLane) -> torch.cuda.Stream:
+        """The CUDA stream ``lane``'s jobs run on (``ValueError`` on a CPU engine, which has none)."""
+        if not self._cuda:
+            raise ValueError(f"a CPU engine runs jobs inside submit_*; it has no {lane.value} stream")
+        return self._streams[lane]
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` or :meth:`shutdown` ran: new jobs are refused."""
+        return self._closed
 
     def submit_store(self, job_id: int, src: GPULoadStoreSpec, dst: LoadStoreSpec) -> bool:
         """Start copying GPU blocks ``src`` into slots ``dst``; False (nothing reported) if the job is invalid.
@@ -174,29 +344,44 @@ class TransferEngine:
         ``dst`` is typed as vLLM types it (the manager's ``store_spec``); it
         must be a :class:`CPULoadStoreSpec` at runtime.
         """
-        return self._submit(job_id, TransferDirection.STORE, src, dst)
+        return self._submit(job_id, TransferLane.STORE, src, dst)
 
-    def submit_load(self, job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec) -> bool:
-        """Start copying slots ``src`` (a :class:`CPULoadStoreSpec`) into GPU blocks ``dst``; False if invalid."""
-        return self._submit(job_id, TransferDirection.LOAD, dst, src)
+    def submit_load(self, job_id: int, src: LoadStoreSpec, dst: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        """Start copying slots ``src`` (a :class:`CPULoadStoreSpec`) into GPU blocks ``dst``; False if invalid.
+
+        ``expedited=True`` (vLLM's name: a load the scheduler waits for within
+        the step) runs it on its own high-priority stream, never behind the
+        ordinary loads submitted before it.
+        """
+        return self._submit(job_id, TransferLane.EXPEDITED_LOAD if expedited else TransferLane.LOAD, dst, src)
 
     def get_finished(self) -> list[TransferResult]:
-        """Jobs finished since the last call, each exactly once, in submission order per direction."""
+        """Jobs finished since the last call, each exactly once, in submission order per lane."""
         results: list[TransferResult] = []
-        for direction, queue in self._queues.items():
+        for lane, queue in self._queues.items():
             while queue and queue[0].completion.done():
                 job = queue.popleft()
                 self._unreported.discard(job.job_id)
+                success = job.completion.succeeded()
                 results.append(
                     TransferResult(
                         job_id=job.job_id,
-                        success=job.success,
-                        transfer_size=job.size if job.success else 0,
+                        success=success,
+                        transfer_size=job.size if success else 0,
                         transfer_time=job.completion.seconds(),
-                        transfer_type=direction.transfer_type,
+                        transfer_type=lane.direction.transfer_type,
                     )
                 )
+                self._recycle(job)
         return results
+
+    def _recycle(self, job: _Job) -> None:
+        """Return a reported job's staging buffers and events to the pools (its copy has finished)."""
+        if job.staging is not None:
+            self._free_staging[job.lane].append(job.staging)
+        completion = job.completion
+        if isinstance(completion, (_Events, _Threaded)):
+            self._free_events.append(completion.events)
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until the named jobs have finished (ids not in flight are ignored); they stay reportable."""
@@ -205,12 +390,24 @@ class TransferEngine:
                 if job.job_id in job_ids:
                     job.completion.wait()
 
-    def shutdown(self) -> None:
-        """Wait for every job in flight and refuse new ones; results stay available to get_finished."""
+    def drain(self) -> None:
+        """Block until nothing queued by this engine touches the slab or the pages any more."""
         for queue in self._queues.values():
             for job in queue:
                 job.completion.wait()
+        for stream in self._streams.values():
+            stream.synchronize()
+
+    def shutdown(self) -> None:
+        """Drain every job in flight and refuse new ones; results stay available to get_finished. Idempotent."""
+        self.drain()
+        for worker in self._workers.values():
+            worker.shutdown(wait=True)
         self._closed = True
+
+    def close(self) -> None:
+        """Same as :meth:`shutdown` (the slab is closed by its owner, after this)."""
+        self.shutdown()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -223,8 +420,16 @@ class TransferEngine:
     ) -> None:
         self.shutdown()
 
-    def _submit(self, job_id: int, direction: TransferDirection, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> bool:
-        name = "store" if direction is TransferDirection.STORE else "load"
+    def __del__(self) -> None:
+        # A forgotten engine must not let the slab's memory go (unpinned or
+        # unmapped) under copies still queued on its streams.
+        try:
+            self.drain()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown may have torn down CUDA already
+            pass
+
+    def _submit(self, job_id: int, lane: TransferLane, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> bool:
+        name = lane.value
         if self._closed:
             logger.warning("%s job %r refused: the engine is shut down", name, job_id)
             return False
@@ -239,51 +444,100 @@ class TransferEngine:
             return False
         try:
             plan = plan_transfer(
-                direction, gpu, cpu, self.block_size_factor,
+                lane.direction, gpu, cpu, self.block_size_factor,
                 num_gpu_blocks=self.kv.num_blocks, num_slots=self.slab.num_slots,
             )  # fmt: skip
         except (TypeError, ValueError) as error:
             logger.warning("%s job %d refused: %s", name, job_id, error)
             return False
-        job = self._launch_cuda(job_id, plan) if self._cuda else self._run_now(job_id, plan)
-        self._queues[direction].append(job)
+        if plan.num_rows == 0:
+            # Nothing to move: done at once, on every backend and device, without touching a kernel or a stream.
+            job = _Job(job_id, lane, 0, _Finished(True, 0.0))
+        elif self._threaded:
+            job = self._launch_threaded(job_id, lane, plan)
+        elif self._cuda:
+            job = self._launch_cuda(job_id, lane, plan)
+        else:
+            job = self._run_now(job_id, lane, plan)
+        self._queues[lane].append(job)
         self._unreported.add(job_id)
         return True
 
-    def _copy(self, job_id: int, host: TransferPlan, device: TransferPlan) -> bool:
-        """Run the backend; a raising copy fails only this job."""
+    def _copy(self, job_id: int, lane: TransferLane, plan: TransferPlan, device: DeviceIndices | None) -> bool:
+        """Run the direction's backend; a raising copy fails only this job."""
+        backend = self._backends[plan.direction]
         try:
-            self._backend.copy(host, device)
+            backend.copy(plan, device)
         except Exception:
-            logger.exception("%s job %d failed in the %s backend", host.direction.name.lower(), job_id, self.backend.value)
+            logger.exception("%s job %d failed in the %s backend", lane.value, job_id, backend.kind.value)
             return False
         return True
 
-    def _run_now(self, job_id: int, plan: TransferPlan) -> _Job:
-        started = time.perf_counter()
-        success = self._copy(job_id, plan, plan)
-        return _Job(job_id, plan.direction, plan.num_rows * self.kv.row_bytes, success, _Finished(time.perf_counter() - started))
+    def _take_staging(self, lane: TransferLane, count: int) -> _Staging:
+        free = self._free_staging[lane]
+        for index, staging in enumerate(free):
+            if staging.capacity >= count:
+                return free.pop(index)
+        return _Staging(_staging_capacity(count), self.kv.device)
 
-    def _launch_cuda(self, job_id: int, plan: TransferPlan) -> _Job:
-        stream = self._streams[plan.direction]
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        # Both directions start after the work already queued on the compute
+    def _take_events(self) -> _EventPair:
+        if self._free_events:
+            return self._free_events.pop()
+        return _EventPair(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def _run_now(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
+        started = time.perf_counter()
+        backend = self._backends[plan.direction]
+        staging = self._take_staging(lane, plan.num_rows) if backend.wants_device_indices else None
+        device = staging.stage(plan) if staging is not None else None
+        success = self._copy(job_id, lane, plan, device)
+        if staging is not None:
+            self._free_staging[lane].append(staging)  # the copy already ran: reusable at once
+        completion = _Finished(success, time.perf_counter() - started)
+        return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, completion)
+
+    def _launch_cuda(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
+        stream = self._streams[lane]
+        events = self._take_events()
+        # Every lane starts after the work already queued on the compute
         # stream: a store reads pages the model just wrote; a load overwrites
         # blocks that earlier steps may still read or zero (with async
         # scheduling nothing else orders them; vLLM's handler waits likewise).
         stream.wait_stream(torch.cuda.current_stream(self.kv.device))
-        keepalive: list[torch.Tensor] = []
+        staging: _Staging | None = None
         with torch.cuda.stream(stream):
-            start.record(stream)
-            device = plan
-            if self._backend.wants_device_indices and plan.num_rows:
-                staged = torch.empty((2, plan.num_rows), dtype=torch.int64, pin_memory=True)
-                staged[0].copy_(plan.gpu_blocks)
-                staged[1].copy_(plan.slab_rows)
-                on_device = staged.to(self.kv.device, non_blocking=True)
-                keepalive.append(staged)
-                device = TransferPlan(plan.direction, on_device[0], on_device[1])
-            success = self._copy(job_id, plan, device)
-            end.record(stream)
-        return _Job(job_id, plan.direction, plan.num_rows * self.kv.row_bytes, success, _Events(start, end), keepalive)
+            events.start.record(stream)
+            device: DeviceIndices | None = None
+            if self._backends[plan.direction].wants_device_indices:
+                # Taken (and, when new, allocated) on this lane's stream: only this stream ever uses it.
+                staging = self._take_staging(lane, plan.num_rows)
+                device = staging.stage(plan)
+            success = self._copy(job_id, lane, plan, device)
+            events.end.record(stream)
+        return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, _Events(events, success), staging)
+
+    def _launch_threaded(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
+        stream = self._streams[lane]
+        events = self._take_events()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.kv.device))
+        staging: _Staging | None = None
+        if self._backends[plan.direction].wants_device_indices:
+            with torch.cuda.stream(stream):
+                staging = self._take_staging(lane, plan.num_rows)
+
+        def run() -> bool:
+            try:
+                with torch.cuda.device(self.kv.device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    events.start.record(stream)
+                    device = staging.stage(plan) if staging is not None else None
+                    success = self._copy(job_id, lane, plan, device)
+                    events.end.record(stream)
+                return success
+            except Exception:
+                logger.exception("%s job %d failed on its worker thread", lane.value, job_id)
+                return False
+
+        future = self._workers[lane].submit(run)
+        return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, _Threaded(future, events), staging)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtriton.choices import parse_choice
-from kvtriton.kernels.validation import block_is_contiguous
+from kvtriton.kernels.validation import PageGeometry, describe_pages
 
 __all__ = ["KVLayout", "PagedKV", "byte_view"]
 
@@ -120,12 +120,14 @@ class PagedKV:
     """The page tensors of one KV cache and the slab row layout they imply.
 
     Build it with :meth:`from_tensors`. ``page_offsets[t]`` is where page
-    tensor ``t``'s bytes start inside a slab row; ``row_bytes`` is their sum.
+    tensor ``t``'s bytes start inside a slab row; ``row_bytes`` is their sum;
+    ``geometry`` is the kernels' view of the same facts, computed once.
     """
 
     pages: list[torch.Tensor]
     names: list[str]
     layout: KVLayout = KVLayout.PAGES
+    geometry: PageGeometry = field(init=False)
     page_bytes: list[int] = field(init=False)
     page_offsets: list[int] = field(init=False)
     row_bytes: int = field(init=False)
@@ -140,39 +142,21 @@ class PagedKV:
         first_name, first = self.names[0], self.pages[0]
         if first.ndim < 1 or first.shape[0] < 1:
             raise ValueError(f"{first_name} with shape {tuple(first.shape)} has no blocks along dim 0")
-        page_bytes: list[int] = []
+        # Device, contiguity, empty and overlapping pages: the kernels' own checks, in one place.
+        geometry = describe_pages(self.pages, "pages", labels=self.names)
         seen_pointers: dict[int, str] = {}
         for name, page in zip(self.names, self.pages):
-            if page.device != first.device:
-                raise ValueError(f"{name} is on {page.device} but {first_name} is on {first.device}")
-            if page.ndim < 1 or page.shape[0] != first.shape[0]:
-                got = page.shape[0] if page.ndim else "no"
-                raise ValueError(f"{name} has {got} blocks but {first_name} has {first.shape[0]}")
-            if not block_is_contiguous(page):
-                raise ValueError(
-                    f"{name} with shape {tuple(page.shape)} and strides {page.stride()} does not hold each "
-                    "block's bytes contiguously"
-                )
-            size = math.prod(page.shape[1:]) * page.element_size()
-            if size == 0:
-                raise ValueError(f"{name} with shape {tuple(page.shape)} has empty pages")
-            if page.shape[0] > 1 and page.stride(0) * page.element_size() < size:
-                raise ValueError(
-                    f"{name}: block stride {page.stride(0)} elements is smaller than its page "
-                    f"({size // page.element_size()} elements), so blocks overlap"
-                )
+            if page.shape[0] != first.shape[0]:
+                raise ValueError(f"{name} has {page.shape[0]} blocks but {first_name} has {first.shape[0]}")
             other = seen_pointers.setdefault(page.data_ptr(), name)
             if other != name:
                 raise ValueError(f"{name} and {other} start at the same address; pass each tensor once")
-            page_bytes.append(size)
-        offsets = [0]
-        for size in page_bytes[:-1]:
-            offsets.append(offsets[-1] + size)
-        object.__setattr__(self, "page_bytes", page_bytes)
-        object.__setattr__(self, "page_offsets", offsets)
-        object.__setattr__(self, "row_bytes", sum(page_bytes))
-        object.__setattr__(self, "num_blocks", int(first.shape[0]))
-        object.__setattr__(self, "device", first.device)
+        object.__setattr__(self, "geometry", geometry)
+        object.__setattr__(self, "page_bytes", list(geometry.page_bytes))
+        object.__setattr__(self, "page_offsets", list(geometry.row_offsets))
+        object.__setattr__(self, "row_bytes", geometry.row_bytes)
+        object.__setattr__(self, "num_blocks", geometry.num_blocks)
+        object.__setattr__(self, "device", geometry.device)
 
     @classmethod
     def from_tensors(

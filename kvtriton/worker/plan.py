@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvtriton.kernels.validation import check_index_range, check_unique
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
-__all__ = ["TransferDirection", "TransferPlan", "plan_transfer", "slots_needed"]
+__all__ = ["TransferDirection", "TransferPlan", "host_tensor", "plan_transfer", "slots_needed"]
 
 
 class TransferDirection(enum.Enum):
@@ -40,18 +41,24 @@ class TransferDirection(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """Co-indexed launch indices: row ``slab_rows[i]`` pairs with GPU block ``gpu_blocks[i]``.
+    """Co-indexed indices of one job: slab row ``slab_rows[i]`` pairs with GPU block ``gpu_blocks[i]``.
 
-    Both are 1-D int64 CPU tensors; the engine stages them for the device.
+    Both are 1-D int64 numpy arrays on the host, already checked (range, and
+    no destination named twice); the engine stages them for the device.
     """
 
     direction: TransferDirection
-    gpu_blocks: torch.Tensor
-    slab_rows: torch.Tensor
+    gpu_blocks: NDArray[np.int64]
+    slab_rows: NDArray[np.int64]
 
     @property
     def num_rows(self) -> int:
         return int(self.gpu_blocks.shape[0])
+
+
+def host_tensor(array: NDArray[np.int64]) -> torch.Tensor:
+    """A CPU tensor sharing ``array``'s memory (no copy)."""
+    return torch.from_numpy(array)  # pyright: ignore[reportUnknownMemberType] -- torch types from_numpy's argument as Unknown
 
 
 def _check_factor(block_size_factor: int) -> None:
@@ -69,25 +76,6 @@ def slots_needed(gpu: GPULoadStoreSpec, block_size_factor: int) -> int:
         if size:
             total += -(-(size + index % block_size_factor) // block_size_factor)
     return total
-
-
-def _check_range(name: str, ids: NDArray[np.int64], limit: int | None) -> None:
-    if ids.size == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0:
-        raise ValueError(f"{name} holds {low}; ids must not be negative")
-    if limit is not None and high >= limit:
-        raise ValueError(f"{name} holds {high}, out of range for {limit} entries (0..{limit - 1})")
-
-
-def _check_unique(name: str, ids: NDArray[np.int64]) -> None:
-    values, counts = np.unique(ids, return_counts=True)
-    repeated = values[counts > 1]
-    if repeated.size:
-        raise ValueError(
-            f"{name} written more than once in one job: {repeated[:8].tolist()} (the copies would race)"
-        )
 
 
 def plan_transfer(
@@ -120,8 +108,10 @@ def plan_transfer(
             f"({len(gpu.block_ids)} GPU blocks, group_sizes={list(gpu.group_sizes)}, "
             f"block_indices={list(gpu.block_indices)}, block_size_factor={f})"
         )
-    _check_range("GPU block_ids", gpu.block_ids, num_gpu_blocks)
-    _check_range("CPU block_ids (slots)", slots, num_slots)
+    if num_gpu_blocks is not None:
+        check_index_range(host_tensor(gpu.block_ids), "GPU block_ids", num_gpu_blocks, "GPU blocks")
+    if num_slots is not None:
+        check_index_range(host_tensor(slots), "CPU block_ids", num_slots, "slots")
 
     within_slot = np.arange(f, dtype=np.int64)
     parts: list[NDArray[np.int64]] = []
@@ -138,11 +128,7 @@ def plan_transfer(
     rows = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     if direction is TransferDirection.STORE:
-        _check_unique("slab row", rows)
+        check_unique(host_tensor(rows), "slab rows")
     else:
-        _check_unique("GPU block", gpu.block_ids)
-    return TransferPlan(
-        direction=direction,
-        gpu_blocks=torch.as_tensor(gpu.block_ids, dtype=torch.int64).clone(),
-        slab_rows=torch.as_tensor(rows, dtype=torch.int64),
-    )
+        check_unique(host_tensor(gpu.block_ids), "GPU block_ids")
+    return TransferPlan(direction=direction, gpu_blocks=gpu.block_ids, slab_rows=rows)

@@ -1,45 +1,86 @@
 """HostSlab: the packed host buffer that offloaded KV blocks live in.
 
-One allocation of ``num_slots * rows_per_slot`` rows of ``row_bytes`` bytes;
-slot ``s`` is rows ``s*f .. s*f+f-1`` with ``f = rows_per_slot``. With CUDA
-the buffer is allocated pageable and then pinned chunk by chunk with
-``cudaHostRegister``: torch's pinned allocator rounds every allocation up to a
-power of two and a single large pin fails on some systems. Without CUDA the
-slab stays pageable (one warning says so).
+``num_slots * block_size_factor`` rows of ``row_bytes`` bytes; slot ``s`` is
+rows ``s*f .. s*f+f-1`` with ``f = block_size_factor`` (vLLM's
+``blocks_per_chunk``: one slot holds that many GPU blocks).
 
-The buffer is an anonymous private ``mmap``: it starts on a page boundary (so
-every registered chunk covers whole pages) and the tensor's storage starts
-exactly where the registration does. ``Tensor.is_pinned()`` asks CUDA about
-the *storage's* first byte, so a buffer carved out of a larger torch
-allocation would read as pageable even when every row is registered.
+Where the memory comes from:
+
+* ``HostSlab(...)`` allocates it: an anonymous private ``mmap``, so it starts
+  on a page boundary and the tensor's storage starts exactly where the first
+  registration does (``Tensor.is_pinned()`` asks CUDA about the *storage's*
+  first byte, so rows carved out of a larger torch allocation would read as
+  pageable even when every row is registered).
+* ``HostSlab.from_buffer(...)`` adopts memory created elsewhere (an ``mmap``
+  of a ``/dev/shm`` file shared by several ranks, say). It never unmaps it.
+  With ``row_stride`` and ``row_offset`` the slab is one rank's strided view:
+  every shared row is ``row_stride`` bytes and this rank's ``row_bytes`` start
+  ``row_offset`` bytes into it.
+
+Pinning: with CUDA the memory is registered with ``cudaHostRegister`` chunk
+by chunk (one huge registration is slow or fails on some systems), and every
+chunk ends on a slot boundary that is also a host page boundary, so no slot
+straddles two registrations (the copy engine would split such a copy) and no
+two registrations share a page. When pinning fails the slab raises
+:class:`SlabPinningError`, one line naming ``RLIMIT_MEMLOCK``, the bytes asked
+for and how to raise the limit, unless the caller opted into a pageable slab
+with ``allow_pageable=True`` (then a :class:`PageableSlabWarning` says so).
+
+Lifetime: transfer engines register themselves as users of the slab
+(:meth:`HostSlab.add_user`); :meth:`HostSlab.close` drains every live user's
+streams before it unregisters the memory, so no queued copy ever touches
+memory that is no longer pinned.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import math
 import mmap
 import os
 import resource
 import warnings
+import weakref
 from types import TracebackType
 from typing import Protocol, SupportsInt, cast
 
 import torch
 
-__all__ = ["HostSlab", "PageableSlabWarning"]
+from kvtriton.worker.cudart import last_error, loaded_cudart
+
+__all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "pin_ranges"]
 
 logger = logging.getLogger(__name__)
 
 PIN_CHUNK_BYTES = 1 << 30
-"""Bytes pinned per cudaHostRegister call (large single registrations are slow or fail); a page multiple."""
+"""Bytes pinned per cudaHostRegister call, about (large single registrations are slow or fail).
+
+Rounded to whole slots that end on a host page boundary, see :func:`pin_ranges`.
+"""
 
 HOST_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 """The host page size: the slab starts on a page boundary."""
 
+MEMLOCK_ADVICE = (
+    "raise it with `ulimit -l unlimited`, `docker run --ulimit memlock=-1`, or LimitMEMLOCK=infinity in a "
+    "systemd unit"
+)
+
 
 class PageableSlabWarning(UserWarning):
-    """The slab could not be pinned: transfers work but host copies are slower and synchronous."""
+    """The slab is not pinned: transfers work but host copies are slower and synchronous."""
+
+
+class SlabPinningError(RuntimeError):
+    """The slab could not be pinned and the caller did not allow a pageable slab."""
+
+
+class SlabUser(Protocol):
+    """Something that queues copies touching the slab (a transfer engine)."""
+
+    def drain(self) -> None:
+        """Wait until no queued copy touches the slab any more."""
+        ...
 
 
 class _HostRegistrar(Protocol):
@@ -71,26 +112,9 @@ class _CudaRuntime:
         return self._torch.cudaHostUnregister(ptr)
 
     def cudaGetLastError(self) -> SupportsInt:
-        library = _loaded_cudart()
-        if library is None:
+        if loaded_cudart() is None:
             logger.warning("libcudart is not loaded in this process; a failed CUDA call may surface at a later launch")
-            return 0
-        return cast(int, library.cudaGetLastError())
-
-
-def _loaded_cudart() -> ctypes.CDLL | None:
-    """The libcudart shared library mapped into this process (torch's own copy), or None."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = [line.split()[-1] for line in maps if "libcudart" in line]
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
+        return last_error()
 
 
 def _cuda_available() -> bool:
@@ -136,86 +160,206 @@ def _check_count(name: str, value: int) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-class HostSlab:
-    """A packed, optionally pinned host buffer of ``num_slots`` slots of ``rows_per_slot`` rows.
+def _check_sizes(num_slots: int, block_size_factor: int, row_bytes: int) -> None:
+    _check_count("num_slots", num_slots)
+    _check_count("block_size_factor", block_size_factor)
+    _check_count("row_bytes", row_bytes)
 
-    ``pin=None`` pins when CUDA is available and falls back to pageable memory
-    with a :class:`PageableSlabWarning` otherwise (or when pinning fails);
-    ``pin=True`` raises instead of falling back; ``pin=False`` never pins.
-    Use it as a context manager or call :meth:`close` to unpin.
+
+def _flat_bytes(buffer: torch.Tensor | mmap.mmap | bytearray | memoryview) -> torch.Tensor:
+    """``buffer`` as a 1-D uint8 CPU tensor sharing its memory."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError(
+                f"buffer must be a contiguous 1-D uint8 CPU tensor, got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+            )
+        return buffer
+    if isinstance(buffer, memoryview) and buffer.readonly:
+        raise ValueError("buffer is read-only; the slab writes into it")
+    if isinstance(buffer, (mmap.mmap, bytearray, memoryview)):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
+        with warnings.catch_warnings():
+            # frombuffer warns on read-only buffers; a read-only mmap fails on first write instead.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(buffer, dtype=torch.uint8)
+    raise TypeError(f"buffer must be an mmap, bytearray, memoryview or uint8 tensor, got {type(buffer).__name__}")
+
+
+def pin_ranges(nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` registrations covering ``nbytes`` from a page-aligned base.
+
+    Every range but the last ends on a slot boundary (a multiple of
+    ``slot_bytes``) that is also a page boundary, and holds about
+    ``chunk_bytes`` (at least the smallest such span).
+    """
+    slots_per_aligned_step = page_bytes // math.gcd(slot_bytes, page_bytes)
+    wanted_slots = max(1, chunk_bytes // slot_bytes)
+    chunk_slots = max(1, wanted_slots // slots_per_aligned_step) * slots_per_aligned_step
+    step = chunk_slots * slot_bytes
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+
+
+def _pin_failure(nbytes: int, detail: str) -> str:
+    limit = memlock_limit_bytes()
+    limit_text = "unlimited" if limit is None else f"{limit} bytes"
+    return (
+        f"cannot pin the {nbytes}-byte host slab ({detail}); RLIMIT_MEMLOCK is {limit_text}: {MEMLOCK_ADVICE}, "
+        "or opt into a slower pageable slab (allow_pageable=True)"
+    )
+
+
+class HostSlab:
+    """A packed, optionally pinned host buffer of ``num_slots`` slots of ``block_size_factor`` rows.
+
+    ``pin=None`` pins when CUDA is available and stays pageable (one
+    :class:`PageableSlabWarning`) when it is not; ``pin=True`` requires CUDA;
+    ``pin=False`` never pins. A failed pin raises :class:`SlabPinningError`
+    unless ``allow_pageable=True``, which keeps the slab pageable with a
+    warning (transfers then take the ``dma`` backend). Use it as a context
+    manager or call :meth:`close`.
     """
 
-    def __init__(self, num_slots: int, rows_per_slot: int, row_bytes: int, pin: bool | None = None) -> None:
-        _check_count("num_slots", num_slots)
-        _check_count("rows_per_slot", rows_per_slot)
-        _check_count("row_bytes", row_bytes)
-        if pin is not None and not isinstance(pin, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- reject "yes" and 1
-            raise TypeError(f"pin must be True, False or None, got {pin!r}")
-        nbytes = num_slots * rows_per_slot * row_bytes
-        if pin is True and not _cuda_available():
-            raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
+    def __init__(
+        self,
+        num_slots: int,
+        block_size_factor: int,
+        row_bytes: int,
+        pin: bool | None = None,
+        *,
+        allow_pageable: bool = False,
+    ) -> None:
+        _check_sizes(num_slots, block_size_factor, row_bytes)
+        nbytes = num_slots * block_size_factor * row_bytes
         available = mem_available_bytes()
         if available is not None and nbytes > available:
             raise ValueError(
-                f"a slab of {num_slots} slots x {rows_per_slot} rows x {row_bytes} bytes needs {nbytes} bytes, "
+                f"a slab of {num_slots} slots x {block_size_factor} rows x {row_bytes} bytes needs {nbytes} bytes, "
                 f"but only {available} bytes of RAM are available (MemAvailable)"
             )
-        want_pin = _cuda_available() if pin is None else pin
-        if want_pin:
-            limit = memlock_limit_bytes()
-            if limit is not None and limit < nbytes:
-                warnings.warn(
-                    f"RLIMIT_MEMLOCK is {limit} bytes, below the {nbytes}-byte slab: pinning may fail "
-                    "(raise it with `ulimit -l unlimited` or the container's memlock setting)",
-                    PageableSlabWarning,
-                    stacklevel=2,
-                )
-        self.num_slots = num_slots
-        self.rows_per_slot = rows_per_slot
-        self.row_bytes = row_bytes
-        self.num_rows = num_slots * rows_per_slot
-        self.nbytes = nbytes
-        self._registered: list[int] = []
-        # Page-aligned storage: every pinned chunk covers whole pages (two
-        # registrations sharing a page fail), rows get the widest alignment, and
-        # is_pinned() (which inspects the storage's first byte) sees the pin.
-        self._rows: torch.Tensor | None = _page_aligned_zeros(nbytes).view(self.num_rows, row_bytes)
-        if want_pin:
-            self._pin(required=pin is True)
-        elif pin is None:
-            warnings.warn(
-                f"CUDA is not available: the {nbytes}-byte host slab stays pageable (not pinned)",
-                PageableSlabWarning,
-                stacklevel=2,
+        flat = _page_aligned_zeros(nbytes)
+        self._setup(flat, num_slots, block_size_factor, row_bytes, row_bytes, 0, owns_memory=True)
+        self._pin_if_wanted(pin, allow_pageable)
+
+    @classmethod
+    def from_buffer(
+        cls,
+        buffer: torch.Tensor | mmap.mmap | bytearray | memoryview,
+        num_slots: int,
+        block_size_factor: int,
+        row_bytes: int,
+        *,
+        row_stride: int | None = None,
+        row_offset: int = 0,
+        pin: bool | None = None,
+        allow_pageable: bool = False,
+    ) -> HostSlab:
+        """A slab over host memory created elsewhere; :meth:`close` unpins it but never unmaps it.
+
+        ``buffer`` is a writable buffer (an ``mmap``, say) or a 1-D uint8 CPU
+        tensor. Row ``r`` of the slab is ``buffer[r*row_stride + row_offset :
+        ... + row_bytes]``: with the defaults (``row_stride = row_bytes``,
+        ``row_offset = 0``) the rows are packed; a per-rank view of a shared
+        buffer passes the shared row stride and this rank's offset in a row.
+        Pinning registers every whole shared row the slab spans (in this
+        process's address space), so the buffer must start on a host page
+        boundary when it is pinned.
+        """
+        _check_sizes(num_slots, block_size_factor, row_bytes)
+        stride = row_bytes if row_stride is None else row_stride
+        _check_count("row_stride", stride)
+        if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
+            raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
+        if row_offset + row_bytes > stride:
+            raise ValueError(
+                f"row_offset {row_offset} + row_bytes {row_bytes} = {row_offset + row_bytes} does not fit in "
+                f"row_stride {stride}: ranks' bytes would overlap the next row"
             )
+        flat = _flat_bytes(buffer)
+        num_rows = num_slots * block_size_factor
+        needed = (num_rows - 1) * stride + row_offset + row_bytes
+        if flat.numel() < needed:
+            raise ValueError(
+                f"buffer holds {flat.numel()} bytes but {num_slots} slots x {block_size_factor} rows of stride "
+                f"{stride} (row_offset {row_offset}, row_bytes {row_bytes}) need {needed}"
+            )
+        slab = cls.__new__(cls)
+        slab._setup(flat, num_slots, block_size_factor, row_bytes, stride, row_offset, owns_memory=False)
+        slab._pin_if_wanted(pin, allow_pageable)
+        return slab
+
+    def _setup(
+        self,
+        flat: torch.Tensor,
+        num_slots: int,
+        block_size_factor: int,
+        row_bytes: int,
+        row_stride: int,
+        row_offset: int,
+        *,
+        owns_memory: bool,
+    ) -> None:
+        self.num_slots = num_slots
+        self.block_size_factor = block_size_factor
+        self.row_bytes = row_bytes
+        self.row_stride = row_stride
+        self.row_offset = row_offset
+        self.num_rows = num_slots * block_size_factor
+        self.nbytes = self.num_rows * row_bytes
+        self.owns_memory = owns_memory
+        # Pinned span: every whole shared row the slab touches, clipped to the buffer.
+        self._span_bytes = min(self.num_rows * row_stride, int(flat.numel()))
+        self._flat: torch.Tensor | None = flat
+        self._registered: list[int] = []
+        self._users: list[weakref.ref[SlabUser]] = []
+        self._rows: torch.Tensor | None = flat.as_strided(
+            (self.num_rows, row_bytes), (row_stride, 1), flat.storage_offset() + row_offset
+        )
+
+    def _pin_if_wanted(self, pin: bool | None, allow_pageable: bool) -> None:
+        if pin is not None and not isinstance(pin, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- reject "yes" and 1
+            raise TypeError(f"pin must be True, False or None, got {pin!r}")
+        if not isinstance(allow_pageable, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
+            raise TypeError(f"allow_pageable must be True or False, got {allow_pageable!r}")
+        if pin is True and not _cuda_available():
+            raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
+        if pin is False:
+            return
+        if not _cuda_available():
+            warnings.warn(
+                f"CUDA is not available: the {self.nbytes}-byte host slab stays pageable (not pinned)",
+                PageableSlabWarning,
+                stacklevel=3,
+            )
+            return
+        self._pin(allow_pageable)
 
     @classmethod
     def from_budget(
         cls,
         cpu_bytes_to_use: int,
-        rows_per_slot: int,
+        block_size_factor: int,
         row_bytes: int,
         *,
         world_size: int = 1,
         pin: bool | None = None,
+        allow_pageable: bool = False,
     ) -> HostSlab:
         """A slab holding as many slots as this rank's share of ``cpu_bytes_to_use`` allows."""
-        return cls(cls.slots_for_budget(cpu_bytes_to_use, rows_per_slot, row_bytes, world_size=world_size),
-                   rows_per_slot, row_bytes, pin=pin)
+        slots = cls.slots_for_budget(cpu_bytes_to_use, block_size_factor, row_bytes, world_size=world_size)
+        return cls(slots, block_size_factor, row_bytes, pin=pin, allow_pageable=allow_pageable)
 
     @staticmethod
-    def slots_for_budget(cpu_bytes_to_use: int, rows_per_slot: int, row_bytes: int, *, world_size: int = 1) -> int:
+    def slots_for_budget(cpu_bytes_to_use: int, block_size_factor: int, row_bytes: int, *, world_size: int = 1) -> int:
         """How many slots fit in ``cpu_bytes_to_use`` split evenly over ``world_size`` ranks.
 
         Mirrors vLLM's ``cpu_bytes_to_use``: the budget is the total across
         ranks. Raises ``ValueError`` when not even one slot fits.
         """
         _check_count("cpu_bytes_to_use", cpu_bytes_to_use)
-        _check_count("rows_per_slot", rows_per_slot)
+        _check_count("block_size_factor", block_size_factor)
         _check_count("row_bytes", row_bytes)
         _check_count("world_size", world_size)
         per_rank = cpu_bytes_to_use // world_size
-        slot_bytes = rows_per_slot * row_bytes
+        slot_bytes = block_size_factor * row_bytes
         slots = per_rank // slot_bytes
         if slots < 1:
             raise ValueError(
@@ -225,29 +369,34 @@ class HostSlab:
         logger.info(
             "host slab budget: %d bytes over %d rank(s) = %d bytes per rank -> %d slots of %d bytes",
             cpu_bytes_to_use, world_size, per_rank, slots, slot_bytes,
-        )
+        )  # fmt: skip
         return slots
 
-    def _pin(self, required: bool) -> None:
-        rows = self.rows
+    def _pin(self, allow_pageable: bool) -> None:
+        flat = self._flat
+        assert flat is not None
+        base = flat.data_ptr()
+        if base % HOST_PAGE_BYTES:
+            raise ValueError(
+                f"the buffer starts at {base:#x}, not on a {HOST_PAGE_BYTES}-byte host page boundary; "
+                "pinning it would share a page with other registrations (map it with mmap, or pass pin=False)"
+            )
         registrar = _registrar()
-        base = rows.data_ptr()
-        for offset in range(0, self.nbytes, PIN_CHUNK_BYTES):
-            size = min(PIN_CHUNK_BYTES, self.nbytes - offset)
+        slot_bytes = self.block_size_factor * self.row_stride
+        for offset, size in pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES):
             code = int(registrar.cudaHostRegister(base + offset, size, 0))
             if code != 0:
                 registrar.cudaGetLastError()  # consumed here, not by torch's next launch check
                 self._unpin()
-                message = (
-                    f"cudaHostRegister failed with CUDA error {code} on bytes {offset}..{offset + size} "
-                    f"of the {self.nbytes}-byte slab"
+                message = _pin_failure(
+                    self._span_bytes, f"cudaHostRegister failed with CUDA error {code} on bytes {offset}..{offset + size}"
                 )
-                if required:
-                    raise RuntimeError(message)
-                warnings.warn(message + "; the slab stays pageable", PageableSlabWarning, stacklevel=3)
+                if not allow_pageable:
+                    raise SlabPinningError(message)
+                warnings.warn(message + "; allow_pageable=True: the slab stays pageable", PageableSlabWarning, stacklevel=4)
                 return
             self._registered.append(base + offset)
-        logger.info("pinned a %d-byte host slab in %d chunk(s)", self.nbytes, len(self._registered))
+        logger.info("pinned a %d-byte host slab in %d chunk(s)", self._span_bytes, len(self._registered))
 
     def _unpin(self) -> None:
         if not self._registered:
@@ -260,9 +409,14 @@ class HostSlab:
                 logger.warning("cudaHostUnregister(%#x) failed with CUDA error %d", pointer, code)
         self._registered.clear()
 
+    def add_user(self, user: SlabUser) -> None:
+        """Have :meth:`close` call ``user.drain()`` first (held weakly: a collected user drains itself)."""
+        self._users = [ref for ref in self._users if ref() is not None]
+        self._users.append(weakref.ref(user))
+
     @property
     def rows(self) -> torch.Tensor:
-        """The ``(num_slots * rows_per_slot, row_bytes)`` uint8 buffer."""
+        """The ``(num_slots * block_size_factor, row_bytes)`` uint8 rows (strided when ``row_stride > row_bytes``)."""
         if self._rows is None:
             raise RuntimeError("the host slab is closed")
         return self._rows
@@ -277,15 +431,25 @@ class HostSlab:
         return self._rows is None
 
     def slot(self, slot: int) -> torch.Tensor:
-        """The ``(rows_per_slot, row_bytes)`` view of slot ``slot``."""
+        """The ``(block_size_factor, row_bytes)`` view of slot ``slot``."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot must be in 0..{self.num_slots - 1}, got {slot}")
-        return self.rows[slot * self.rows_per_slot : (slot + 1) * self.rows_per_slot]
+        return self.rows[slot * self.block_size_factor : (slot + 1) * self.block_size_factor]
 
     def close(self) -> None:
-        """Unpin and drop the buffer; idempotent. Views taken earlier keep the memory alive, unpinned."""
+        """Drain the engines using the slab, unpin, drop the buffer; idempotent.
+
+        Memory this slab allocated is freed once no view taken earlier holds
+        it; memory adopted by :meth:`from_buffer` is left to its owner.
+        """
+        users, self._users = self._users, []
+        for ref in users:
+            user = ref()
+            if user is not None:
+                user.drain()
         self._unpin()
         self._rows = None
+        self._flat = None
 
     def __enter__(self) -> HostSlab:
         return self
@@ -308,7 +472,8 @@ class HostSlab:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("pinned" if self.pinned else "pageable")
+        layout = "" if self.row_stride == self.row_bytes else f", row_stride={self.row_stride}, row_offset={self.row_offset}"
         return (
-            f"HostSlab(num_slots={self.num_slots}, rows_per_slot={self.rows_per_slot}, "
-            f"row_bytes={self.row_bytes}, {state})"
+            f"HostSlab(num_slots={self.num_slots}, block_size_factor={self.block_size_factor}, "
+            f"row_bytes={self.row_bytes}{layout}, {state})"
         )
