@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import TYPE_CHECKING, ClassVar, Union
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvtriton.keys import OffloadKey
+
+if TYPE_CHECKING:
+    from kvtriton.manager.request_access import RequestAccess
 
 __all__ = [
     "CPULoadStoreSpec",
@@ -44,10 +47,35 @@ class LookupResult(enum.Enum):
 
 @dataclass
 class ReqContext:
-    """The request a manager call is made for (vLLM passes its own context)."""
+    """The request a manager call is made for (vLLM passes its own context).
+
+    Besides the request's id and transfer parameters it carries the token
+    position of each of the request's keys, as vLLM 0.33's scheduler records
+    them: the end token of the block (or chunk) a key names. A manager that
+    tracks the request (after ``on_new_request``) ranks the request's keys by
+    these positions when the request finishes, head first. ``position_of``,
+    when set, answers instead of the positions recorded here (the vLLM
+    adapter points it at vLLM's own context, so nothing is copied).
+    """
 
     req_id: str = ""
     kv_transfer_params: Mapping[str, object] | None = None
+    position_of: Callable[[OffloadKey], int | None] | None = field(default=None, repr=False, compare=False)
+    key_positions: dict[OffloadKey, int] = field(default_factory=lambda: {}, repr=False, compare=False)
+    """End-token position per key, filled by :meth:`set_offload_key_position`."""
+    accesses: dict[object, RequestAccess] = field(default_factory=lambda: {}, repr=False, compare=False)
+    """What each manager tracking this request recorded about it, by manager (see ``on_new_request``)."""
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        """Record that ``key`` names the block ending at token ``end_token`` of this request."""
+        self.key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        """The end-token position of ``key`` in this request, or ``None`` when unknown."""
+        position_of = self.position_of
+        if position_of is not None:
+            return position_of(key)
+        return self.key_positions.get(key)
 
 
 def _as_block_id_array(block_ids: BlockIds, name: str) -> NDArray[np.int64]:
@@ -72,12 +100,51 @@ class LoadStoreSpec(ABC):
 
 
 class CPULoadStoreSpec(LoadStoreSpec):
-    """Slot ids in the host slab, co-indexed with the keys of the call."""
+    """Slot ids in the host slab, co-indexed with the keys of the call.
+
+    Built from caller data, the ids are checked and copied at once. The
+    manager builds its answers with :meth:`from_slots` from a list of slots
+    it allocated itself: nothing to check, and the numpy array is made only
+    when the worker side first reads ``block_ids`` (the vLLM adapter reads the
+    list instead and never pays for it).
+    """
+
+    __slots__ = ("_array", "_slots")
 
     MEDIUM: ClassVar[str] = "CPU"
 
     def __init__(self, block_ids: BlockIds) -> None:
-        self.block_ids: NDArray[np.int64] = _as_block_id_array(block_ids, "block_ids")
+        self._array: NDArray[np.int64] | None = _as_block_id_array(block_ids, "block_ids")
+        self._slots: list[int] | None = None
+
+    @classmethod
+    def from_slots(cls, slots: list[int]) -> CPULoadStoreSpec:
+        """A spec over ``slots``, which the caller built and will not change (not checked, not copied)."""
+        spec = cls.__new__(cls)
+        spec._array = None
+        spec._slots = slots
+        return spec
+
+    @property
+    def block_ids(self) -> NDArray[np.int64]:
+        """The slot ids as a 1-D int64 array."""
+        array = self._array
+        if array is None:
+            slots = self._slots
+            array = self._array = np.array(slots if slots is not None else (), dtype=np.int64)
+        return array
+
+    @block_ids.setter
+    def block_ids(self, block_ids: BlockIds) -> None:
+        self._array = _as_block_id_array(block_ids, "block_ids")
+        self._slots = None
+
+    def slot_list(self) -> list[int]:
+        """The slot ids as a list of ints (the manager's own list when it built the spec)."""
+        slots = self._slots
+        if slots is None:
+            slots = self._slots = self.block_ids.tolist()
+        return slots
 
     @staticmethod
     def medium() -> str:
@@ -146,8 +213,14 @@ class PrepareStoreOutput:
 
 @dataclass
 class OffloadingEvent:
-    """Keys that became readable (``removed=False``) or were evicted (``removed=True``)."""
+    """Keys that became readable (``removed=False``) or were evicted (``removed=True``).
+
+    ``metadata_only`` marks the removal of keys whose store failed: they were
+    never readable, so no cache announced them, but a consumer that recorded
+    something when the store was prepared (vLLM 0.33's events tracker) drops it.
+    """
 
     keys: list[OffloadKey]
     medium: str
     removed: bool
+    metadata_only: bool = False

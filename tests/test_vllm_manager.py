@@ -262,3 +262,43 @@ def test_a_reused_chunk_outlives_older_unused_ones_as_in_vllms_cpu_manager(polic
     ours = evicted_after_reuse(make_manager(num_slots=3, eviction_policy=policy), scenario)
     vllms = evicted_after_reuse(VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy), scenario)
     assert ours == vllms == to_keys([2])
+
+
+def test_a_failed_store_releases_the_payload_vllms_events_tracker_recorded() -> None:
+    """vLLM's tracker keeps a payload per stored key until a removal names it; a failed store must name it too."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventGroupSpec,
+        OffloadingEventsTracker,
+    )
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    manager = make_manager(num_slots=4)
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=True))
+    context = ReqContext(req_id="r1")
+    manager.on_new_request(context)
+    k1, k2 = to_keys([1, 2])
+    block_hashes = [bytes(key[:-4]) for key in (k1, k2)]
+    # What _build_store_jobs hands the tracker for a full-attention group of one-block chunks.
+    req: Any = SimpleNamespace(block_hashes=block_hashes, all_token_ids=list(range(32)), lora_request=None)
+    group: Any = SimpleNamespace(
+        hashes_per_chunk=1,
+        tokens_per_chunk=16,
+        tokens_per_block=16,
+        sliding_window_size_in_chunks=None,
+        group_idx=0,
+        kv_event_group_spec=OffloadingEventGroupSpec(None, None),
+    )
+    with manager.lock:
+        output = manager.prepare_store([k1, k2], context)
+        assert output is not None
+        for chunk_idx, key in enumerate(output.keys_to_store):
+            tracker.record_store(req, group, chunk_idx, key)
+        payloads = cast("dict[object, object]", tracker._pending_event_metadata)  # pyright: ignore[reportPrivateUsage] -- the leak under test lives in this dict; the tracker exposes no count
+        assert len(payloads) == 2
+        manager.complete_store([k1, k2], context, success=False)
+        published = list(tracker.take_events(manager.take_events()))
+    assert published == []  # nothing was ever announced, so nothing is removed publicly
+    assert payloads == {}

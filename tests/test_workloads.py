@@ -124,7 +124,7 @@ def test_requests_override_and_block_size_change_the_trace_shape() -> None:
 
 
 def test_unknown_workload_lists_the_valid_names() -> None:
-    with pytest.raises(ValueError, match="workload must be one of shared-prompt, chat, few-shot, prefix-sharing, got 'web'"):
+    with pytest.raises(ValueError, match="workload must be one of shared-prompt, chat, few-shot, prefix-sharing, system-prompts, multi-turn, prefix-tree, scan, got 'web'"):
         generate("web")
 
 
@@ -254,3 +254,66 @@ def test_read_trace_round_trips_a_written_trace(tmp_path: Path) -> None:
     assert [r.req_id for r in loaded] == [r.req_id for r in requests]
     assert [len(r.prompt_blocks) for r in loaded] == [len(r.prompt_blocks) for r in requests]
     assert [r.prompt_tokens for r in loaded] == [r.prompt_tokens for r in requests]
+
+
+# --------------------------------------------------------------------------
+# The four workloads of the vLLM-order measurements
+
+
+def small(name: str, **overrides: int | float) -> list[Request]:
+    return generate(name, seed=3, block_size=16, overrides={"requests": 200, **overrides})
+
+
+def test_system_prompts_share_whole_prompts_and_end_in_unique_blocks() -> None:
+    requests = small("system-prompts", system_prompts=5)
+    counts = collections.Counter(block for request in requests for block in request.prompt_blocks)
+    for request in requests:
+        shared = [block for block in request.prompt_blocks if counts[block] > 1]
+        # Shared blocks are a prefix (the system prompt); the user message is unique.
+        assert request.prompt_blocks[: len(shared)] == tuple(shared)
+    heads = collections.Counter(request.prompt_blocks[0] for request in requests)
+    assert len(heads) <= 5
+    ((_, top_count),) = heads.most_common(1)
+    assert top_count > len(requests) / 5  # Zipf: the first prompt is more popular than a uniform pick
+
+
+def test_multi_turn_resends_the_history_and_the_last_answer() -> None:
+    requests = small("multi-turn", active_conversations=1, turns_min=3, turns_max=3)
+    first, second = requests[0], requests[1]
+    assert first.req_id.endswith("turn-0") and second.req_id.endswith("turn-1")
+    history = first.prompt_blocks + first.output_blocks
+    assert second.prompt_blocks[: len(history)] == history
+
+
+def test_prefix_tree_prompts_are_a_header_then_the_first_k_examples() -> None:
+    requests = small("prefix-tree", tasks=1, examples_per_task=4, header_tokens=64, example_tokens_min=32, example_tokens_max=32)
+    # One task: every prompt starts with the 4 header blocks, then k of the 8 example blocks.
+    header = requests[0].prompt_blocks[:4]
+    longest = max(requests, key=lambda request: len(request.prompt_blocks)).prompt_blocks
+    for request in requests:
+        assert request.prompt_blocks[:4] == header
+        shared = 0
+        while shared < len(request.prompt_blocks) and request.prompt_blocks[shared] == longest[shared]:
+            shared += 1
+        assert (shared - 4) % 2 == 0 or shared == len(request.prompt_blocks)  # whole examples of 2 blocks
+
+
+def test_scan_documents_are_never_reused_and_hot_prompts_are() -> None:
+    requests = small("scan", scan_fraction=0.3)
+    counts = collections.Counter(block for request in requests for block in request.prompt_blocks)
+    documents = [request for request in requests if request.req_id.startswith("scan-document")]
+    hot = [request for request in requests if request.req_id.startswith("scan-hot")]
+    assert documents and hot
+    assert all(counts[block] == 1 for request in documents for block in request.prompt_blocks)
+    assert any(counts[request.prompt_blocks[0]] > 1 for request in hot)
+
+
+@pytest.mark.parametrize("name", ["system-prompts", "multi-turn", "prefix-tree", "scan"])
+def test_new_workloads_are_deterministic_per_seed(name: str) -> None:
+    assert small(name) == small(name)
+    assert small(name) != generate(name, seed=4, block_size=16, overrides={"requests": 200})
+
+
+def test_scan_fraction_out_of_range_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="scan_fraction must be in 0..1, got 1.5"):
+        generate("scan", overrides={"scan_fraction": "1.5"})

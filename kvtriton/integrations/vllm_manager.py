@@ -12,10 +12,19 @@ values converted at the boundary:
   vLLM context's per-request state;
 * lookup results, specs and events: mapped to vLLM's classes on the way out
   (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``);
-* recency: vLLM 0.33's connector never calls ``touch``, so the keys of every
-  ``prepare_load`` and ``prepare_store`` are touched here, the reuse signals
-  vLLM's own CPU manager feeds its policies. Without this, LRU would evict in
-  insertion order and ARC would never promote or adapt.
+* recency: vLLM 0.33's connector never calls ``touch``; it records each
+  key's token position in its context and brackets a request's calls with
+  ``on_new_request`` / ``on_request_finished``. Both hooks are forwarded, and
+  the kvtriton context reads vLLM's positions, so the manager ranks a
+  request's keys head first when it stores and when it finishes, and ARC
+  counts one reuse per request (see ``kvtriton.manager.request_access``);
+* failed stores: reported as a ``metadata_only`` removal event, as vLLM 0.33
+  does, so its ``OffloadingEventsTracker`` drops the payload it recorded.
+
+Lookups are the hottest call (one per chunk of every scheduled prompt), so
+when no filter sits in between they go straight to the ``CPUOffloadingManager``
+through a lookup that answers vLLM's ``LookupResult`` itself
+(``CPUOffloadingManager.lookup_with``).
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -23,7 +32,7 @@ is installed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import cast
 
 from typing_extensions import override
@@ -44,6 +53,7 @@ _LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
     LookupResult.HIT: vllm_base.LookupResult.HIT,
     LookupResult.HIT_PENDING: vllm_base.LookupResult.HIT_PENDING,
 }
+_CHUNK_LEVEL = vllm_base.OffloadPolicy.CHUNK_LEVEL
 
 
 def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
@@ -76,9 +86,9 @@ def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
 
 def _slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
     """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec`` (what vLLM's worker side receives)."""
-    if not isinstance(spec, CPULoadStoreSpec):
+    if type(spec) is not CPULoadStoreSpec and not isinstance(spec, CPULoadStoreSpec):
         raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
-    return VLLMCPULoadStoreSpec(spec.block_ids.tolist())
+    return VLLMCPULoadStoreSpec(spec.slot_list())
 
 
 class VLLMOffloadingManager(vllm_base.OffloadingManager):
@@ -98,6 +108,13 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._backing = backing
         self._cpu = cpu
         self._info: vllm_base.ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        # vLLM's events tracker expects a metadata-only removal for every failed store.
+        cpu.report_dropped_stores = True
+        self._direct_lookup: Callable[[OffloadKey], vllm_base.LookupResult] | None = (
+            cpu.lookup_with(vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING)
+            if backing is cpu
+            else None
+        )
 
     @property
     def backing(self) -> OffloadingManager:
@@ -114,19 +131,30 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         """The kvtriton context of ``req_context``'s request, built on first use and kept in its state."""
         context = req_context.get_state(ReqContext)
         if context is None:
-            context = ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
+            context = ReqContext(
+                req_id=req_context.req_id,
+                kv_transfer_params=req_context.kv_transfer_params,
+                position_of=_position_reader(req_context),
+            )
             req_context.set_state(context)
         return context
 
     @override
     def on_new_request(self, req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
-        self._context(req_context)
+        self._backing.on_new_request(self._context(req_context))
         # Chunk level: store newly computed chunks only (what vLLM's CPU tier does).
-        return vllm_base.RequestOffloadingContext(policy=vllm_base.OffloadPolicy.CHUNK_LEVEL)
+        return vllm_base.RequestOffloadingContext(policy=_CHUNK_LEVEL)
+
+    @override
+    def on_request_finished(self, req_context: vllm_base.ReqContext) -> None:
+        self._backing.on_request_finished(self._context(req_context))
 
     @override
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
-        return _LOOKUP_RESULTS[self._backing.lookup(OffloadKey(key), self._context(req_context))]
+        direct = self._direct_lookup
+        if direct is not None:
+            return direct(cast("OffloadKey", key))
+        return _LOOKUP_RESULTS[self._backing.lookup(cast("OffloadKey", key), self._context(req_context))]
 
     @override
     def get_load_source(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> CacheHitSource:
@@ -136,12 +164,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_load(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.LoadStoreSpec:
-        context = self._context(req_context)
-        spec = _slot_spec(self._backing.prepare_load(_keys(keys), context))
-        # vLLM 0.33 never calls touch(): a load is its sign of reuse (its own
-        # CPU manager records loaded chunks as request accesses).
-        self._backing.touch(_keys(keys), context)
-        return spec
+        return _slot_spec(self._backing.prepare_load(_keys(keys), self._context(req_context)))
 
     @override
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
@@ -155,12 +178,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_store(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        context = self._context(req_context)
-        # An offered chunk that is already offloaded was computed again while
-        # still cached (vLLM's CPU manager counts it as reused); touching first
-        # also ranks the new chunks below it and lets ARC learn from ghost keys.
-        self._backing.touch(_keys(keys), context)
-        output = self._backing.prepare_store(_keys(keys), context)
+        output = self._backing.prepare_store(_keys(keys), self._context(req_context))
         if output is None:
             return None
         return vllm_base.PrepareStoreOutput(
@@ -206,9 +224,15 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._backing.shutdown()
 
 
+def _position_reader(req_context: vllm_base.ReqContext) -> Callable[[OffloadKey], int | None]:
+    """Read the token positions vLLM's scheduler records in ``req_context`` (its keys are ours)."""
+    return cast("Callable[[OffloadKey], int | None]", req_context.get_offload_key_position)
+
+
 def _vllm_event(event: OffloadingEvent) -> vllm_base.OffloadingEvent:
     return vllm_base.OffloadingEvent(
         keys=_vllm_keys(event.keys),
         medium=vllm_base.Medium(event.medium),
         removed=event.removed,
+        metadata_only=event.metadata_only,
     )

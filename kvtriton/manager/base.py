@@ -34,8 +34,26 @@ class OffloadingManager(ABC):
     The engine calls ``lookup`` key by key, then ``prepare_load`` /
     ``complete_load`` around a load job and ``prepare_store`` /
     ``complete_store`` around a store job; ``take_events`` drains the
-    stored / evicted notifications.
+    stored / evicted notifications. An engine may bracket a request's calls
+    with ``on_new_request`` / ``on_request_finished`` (vLLM 0.33 does, and
+    never calls ``touch``).
     """
+
+    def on_new_request(self, req_context: ReqContext) -> None:
+        """Start tracking the request of ``req_context``: its loads and stores rank its keys from now on.
+
+        Optional: a manager called without the request hooks keeps its
+        ``touch``-driven behaviour. vLLM 0.33's connector calls this once per
+        request before any other call for it.
+        """
+        del req_context
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """The request of ``req_context`` will make no more ``prepare_*`` calls: commit its access.
+
+        ``complete_load`` / ``complete_store`` for its jobs may still follow.
+        """
+        del req_context
 
     @abstractmethod
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:

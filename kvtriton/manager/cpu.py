@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, KeysView
-from typing import cast
+from collections.abc import Callable, Collection, Iterable, KeysView
+from typing import TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
 from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
 from kvtriton.manager.policies.registry import make_policy
+from kvtriton.manager.request_access import RequestAccess, head_first
 from kvtriton.manager.slot_pool import SlotPool
 from kvtriton.manager.stats import ManagerStats
 from kvtriton.specs import (
@@ -28,6 +29,7 @@ _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 # Collections whose elements are distinct by construction (no de-duplication needed).
 _DISTINCT = (set, frozenset, KeysView)
+_R = TypeVar("_R")
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -38,10 +40,24 @@ class CPUOffloadingManager(OffloadingManager):
     Only ready blocks without readers are evictable, chosen by the named
     ``cache_policy`` (see ``kvtriton.manager.policies``). With
     ``enable_events`` every store completion and every eviction is queued as
-    an ``OffloadingEvent`` for ``take_events``.
+    an ``OffloadingEvent`` for ``take_events``; with ``report_dropped_stores``
+    too, a failed store queues a ``metadata_only`` removal of its keys (what
+    vLLM 0.33 emits, so its events tracker can drop what it recorded).
+
+    Recency comes from ``touch`` (kvtriton's own API) or, for a request
+    announced with ``on_new_request`` (vLLM's connector), from the request
+    itself: its stores rank its keys head first, and ``on_request_finished``
+    ranks them again and counts its reuses (``kvtriton.manager.request_access``).
     """
 
-    def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str = "lru",
+        enable_events: bool = False,
+        *,
+        report_dropped_stores: bool = False,
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}: {num_blocks!r}")
         if num_blocks < 1:
@@ -61,6 +77,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._pending_hits = 0
         self._evictions = 0
         self._stores = 0
+        self.report_dropped_stores = report_dropped_stores
+        # Bumped by reset_cache: a request's record from before a reset is stale.
+        self._generation = 0
 
     # --- introspection -------------------------------------------------
 
@@ -103,6 +122,57 @@ class CPUOffloadingManager(OffloadingManager):
         """A copy of the key -> slot assignment of every cached block (pending included)."""
         return {key: block.slot for key, block in self._blocks.items()}
 
+    def lookup_with(self, miss: _R, hit: _R, pending: _R) -> Callable[[OffloadKey], _R]:
+        """A lookup that answers ``miss`` / ``hit`` / ``pending`` instead of ``LookupResult``.
+
+        It counts like :meth:`lookup` and needs no request context (this
+        manager's lookup never reads one), so an adapter answers in its own
+        result type with one call and no translation table.
+        """
+        blocks_get = self._blocks.get
+
+        def lookup(key: OffloadKey) -> _R:
+            self._lookups += 1
+            block = blocks_get(key)
+            if block is None:
+                return miss
+            if block.ref_cnt == PENDING:
+                self._pending_hits += 1
+                return pending
+            self._hits += 1
+            return hit
+
+        return lookup
+
+    # --- request hooks ---------------------------------------------------
+
+    def _access(self, req_context: ReqContext) -> RequestAccess | None:
+        """The record of a tracked request (renewed after a reset), else ``None``."""
+        accesses = req_context.accesses
+        if not accesses:
+            return None
+        access = accesses.get(self)
+        if access is not None and access.generation != self._generation:
+            access = accesses[self] = RequestAccess(self._generation)
+        return access
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> None:
+        req_context.accesses[self] = RequestAccess(self._generation)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        access = req_context.accesses.pop(self, None)
+        if access is None or access.generation != self._generation or not access.keys:
+            return
+        keys = access.keys
+        position_of = req_context.position_of
+        if position_of is None and req_context.key_positions:
+            position_of = req_context.key_positions.get
+        if position_of is not None:
+            keys = head_first(keys, position_of)
+        self._policy.on_request_finished(keys, access.inserted, access.reused)
+
     # --- OffloadingManager ---------------------------------------------
 
     @override
@@ -136,7 +206,17 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt += 1
         self._num_loading += newly_loading
         ready = cast("list[Block]", got)  # every entry was checked above
-        return CPULoadStoreSpec([block.slot for block in ready])
+        if req_context.accesses:
+            access = self._access(req_context)
+            if access is not None:
+                loaded = keys if isinstance(keys, list) else list(keys)
+                access.observe(loaded)
+                inserted = access.inserted
+                access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
+                # Recent from now on: the load ends before the request stores,
+                # and the prefix must not age out in between.
+                self._policy.refresh(loaded)
+        return CPULoadStoreSpec.from_slots([block.slot for block in ready])
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -161,13 +241,75 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         blocks = self._blocks
-        new_keys = [key for key in keys if key not in blocks]
-        if not new_keys:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec(()), evicted_keys=[])
+        access = self._access(req_context) if req_context.accesses else None
+        if access is None:
+            new_keys = [key for key in keys if key not in blocks]
+            if not new_keys:
+                return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
+            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+                distinct = dict.fromkeys(new_keys)
+                if len(distinct) != len(new_keys):
+                    new_keys = list(distinct)
+            return self._store(new_keys, keys)
+        return self._prepare_tracked_store(access, keys)
+
+    def _prepare_tracked_store(self, access: RequestAccess, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
+        """``prepare_store`` for a tracked request: record its keys, learn from misses, rank its keys head first."""
+        blocks = self._blocks
+        offered = keys if isinstance(keys, list) else list(keys)
+        new_keys: list[OffloadKey] = []
+        ready: list[OffloadKey] = []
+        skipped_pending = False
+        for key in offered:
+            block = blocks.get(key)
+            if block is None:
+                new_keys.append(key)
+            elif block.ref_cnt != PENDING:
+                ready.append(key)
+            else:
+                skipped_pending = True
         if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
             distinct = dict.fromkeys(new_keys)
             if len(distinct) != len(new_keys):
                 new_keys = list(distinct)
+        if new_keys:
+            # Learn from a key once per request, even if its store is refused and offered again.
+            missed = access.store_missed
+            misses = new_keys if missed.isdisjoint(new_keys) else [key for key in new_keys if key not in missed]
+            if misses:
+                self._policy.on_store_miss(misses)
+                missed.update(misses)
+        # Record the new and ready keys, in the offer's (head-to-tail) order; a
+        # key some other request is still storing is not this request's yet.
+        earlier = len(access.keys)
+        if skipped_pending:
+            wanted = set(new_keys)
+            wanted.update(ready)
+            access.observe([key for key in offered if key in wanted])
+        else:
+            access.observe(offered)
+        if ready:
+            inserted = access.inserted
+            access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
+        if not new_keys:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
+        output = self._store(new_keys, keys)
+        if output is None:
+            return None
+        access.inserted.update(new_keys)
+        # The new keys entered head first at the recent end; the request's
+        # earlier keys (its loaded prefix) go above them, head most recent.
+        head = access.keys[:earlier]
+        if ready:
+            stored = set(new_keys)
+            head.extend(key for key in access.keys[earlier:] if key not in stored)
+        if head:
+            self._policy.refresh(head)
+        return output
+
+    def _store(self, new_keys: list[OffloadKey], keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
+        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected."""
+        blocks = self._blocks
 
         pool = self._pool
         shortfall = len(new_keys) - pool.num_free
@@ -190,12 +332,12 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(OffloadingEvent(keys=list(evicted), medium=_MEDIUM, removed=True))
 
         slots = pool.allocate(len(new_keys))
-        made = [Block(slot) for slot in slots]
+        made = list(map(Block, slots))
         blocks.update(zip(new_keys, made))
         self._policy.insert(new_keys, made)
         self._num_pending += len(new_keys)
         self._stores += len(new_keys)
-        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted)
+        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=CPULoadStoreSpec.from_slots(slots), evicted_keys=evicted)
 
     @override
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -215,6 +357,7 @@ class CPUOffloadingManager(OffloadingManager):
         # would hold its slot forever (pending blocks are never evicted).
         remove = self._policy.remove
         release = self._pool.release
+        dropped: list[OffloadKey] = []
         for key in keys:
             block = blocks.get(key)
             if block is not None and block.ref_cnt == PENDING:
@@ -222,6 +365,9 @@ class CPUOffloadingManager(OffloadingManager):
                 remove(key)
                 release(block.slot)
                 self._num_pending -= 1
+                dropped.append(key)
+        if dropped and self.report_dropped_stores and self._events is not None:
+            self._events.append(OffloadingEvent(keys=dropped, medium=_MEDIUM, removed=True, metadata_only=True))
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -229,10 +375,25 @@ class CPUOffloadingManager(OffloadingManager):
         if not events:
             return ()
         self._events = []
-        return events
+        if not self.report_dropped_stores:
+            return events
+        # A key whose failed store is reported may have been stored again
+        # since: it is cached now, so its metadata must stay.
+        blocks = self._blocks
+        drained: list[OffloadingEvent] = []
+        for event in events:
+            if event.metadata_only:
+                kept = [key for key in event.keys if key not in blocks]
+                if not kept:
+                    continue
+                if len(kept) != len(event.keys):
+                    event = OffloadingEvent(keys=kept, medium=event.medium, removed=True, metadata_only=True)
+            drained.append(event)
+        return drained
 
     @override
     def reset_cache(self) -> None:
+        self._generation += 1
         self._blocks.clear()
         self._policy.clear()
         self._pool.reset()

@@ -173,6 +173,14 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.prepare_load(keys, req_context)
 
     @override
+    def on_new_request(self, req_context: ReqContext) -> None:
+        self._backing.on_new_request(req_context)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._backing.on_request_finished(req_context)
+
+    @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._backing.touch(keys, req_context)
 

@@ -28,9 +28,14 @@ __all__ = [
     "WORKLOADS",
     "ChatParams",
     "FewShotParams",
+    "MultiTurnParams",
     "PrefixSharingParams",
+    "PrefixTreeParams",
+    "ScanParams",
     "Request",
     "SharedPromptParams",
+    "SystemPromptsParams",
+    "VLLM_ORDER_WORKLOADS",
     "Workload",
     "generate",
     "parse_trace",
@@ -208,6 +213,92 @@ class PrefixSharingParams:
             raise ValueError(f"zipf_s must be >= 0, got {self.zipf_s}")
 
 
+@dataclass(frozen=True, slots=True)
+class SystemPromptsParams:
+    """Zipf-popular system prompts (apps, agents, tool sets), each request ending in a unique user message."""
+
+    requests: int = 2000
+    system_prompts: int = 40
+    zipf_s: float = 1.0
+    system_tokens_min: int = 256
+    system_tokens_max: int = 1024
+    user_tokens_min: int = 32
+    user_tokens_max: int = 512
+    output_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "system_prompts", "zipf_s", "output_tokens")
+        _check_range(self, "system_tokens_min", "system_tokens_max")
+        _check_range(self, "user_tokens_min", "user_tokens_max")
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnParams:
+    """Interleaved conversations: each turn's prompt is the whole history, the last answer included, plus a new message."""
+
+    requests: int = 1500
+    active_conversations: int = 32
+    turns_min: int = 2
+    turns_max: int = 8
+    system_tokens: int = 512
+    user_tokens_min: int = 16
+    user_tokens_max: int = 256
+    answer_tokens_min: int = 64
+    answer_tokens_max: int = 384
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "active_conversations", "system_tokens")
+        _check_range(self, "turns_min", "turns_max")
+        _check_range(self, "user_tokens_min", "user_tokens_max")
+        _check_range(self, "answer_tokens_min", "answer_tokens_max")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixTreeParams:
+    """Few-shot prompts as a prefix tree: a task header, the first k of the task's fixed examples, a unique question."""
+
+    requests: int = 2000
+    tasks: int = 24
+    zipf_s: float = 1.0
+    header_tokens: int = 256
+    examples_per_task: int = 8
+    example_tokens_min: int = 64
+    example_tokens_max: int = 256
+    question_tokens_min: int = 32
+    question_tokens_max: int = 256
+    output_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "tasks", "zipf_s", "header_tokens", "examples_per_task", "output_tokens")
+        _check_range(self, "example_tokens_min", "example_tokens_max")
+        _check_range(self, "question_tokens_min", "question_tokens_max")
+
+
+@dataclass(frozen=True, slots=True)
+class ScanParams:
+    """A hot set of Zipf-popular prompts mixed with long one-off documents that sweep through the cache (a scan)."""
+
+    requests: int = 2000
+    hot_prompts: int = 60
+    zipf_s: float = 0.9
+    hot_tokens_min: int = 128
+    hot_tokens_max: int = 768
+    scan_fraction: float = 0.15
+    document_tokens_min: int = 1024
+    document_tokens_max: int = 4096
+    question_tokens_min: int = 16
+    question_tokens_max: int = 128
+    output_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "requests", "hot_prompts", "zipf_s", "output_tokens")
+        _check_range(self, "hot_tokens_min", "hot_tokens_max")
+        _check_range(self, "document_tokens_min", "document_tokens_max")
+        _check_range(self, "question_tokens_min", "question_tokens_max")
+        if not 0.0 <= self.scan_fraction <= 1.0:
+            raise ValueError(f"scan_fraction must be in 0..1, got {self.scan_fraction!r}")
+
+
 class _SegmentIds:
     """Hands out content ids; distinct ids mean distinct token content."""
 
@@ -306,6 +397,96 @@ def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size:
     return requests
 
 
+def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    prompts: list[_Sequence] = []
+    for _ in range(params.system_prompts):
+        sequence = _Sequence(block_size)
+        sequence.append(ids.new(), rng.randint(params.system_tokens_min, params.system_tokens_max))
+        prompts.append(sequence)
+    cumulative = _zipf_cumulative(params.system_prompts, params.zipf_s)
+    requests: list[Request] = []
+    for index in range(params.requests):
+        (chosen,) = rng.choices(prompts, cum_weights=cumulative)
+        sequence = chosen.copy()
+        sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
+        requests.append(_request(f"system-prompts-{index}", sequence, params.output_tokens, ids.new()))
+    return requests
+
+
+def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    system = _Sequence(block_size)
+    system.append(ids.new(), params.system_tokens)
+    started = itertools.count()
+
+    def start() -> _Conversation:
+        turns = rng.randint(params.turns_min, params.turns_max)
+        return _Conversation(f"multi-turn-{next(started)}", system.copy(), turns)
+
+    active = [start() for _ in range(params.active_conversations)]
+    requests: list[Request] = []
+    for _ in range(params.requests):
+        slot = rng.randrange(len(active))
+        conversation = active[slot]
+        conversation.sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
+        answer = rng.randint(params.answer_tokens_min, params.answer_tokens_max)
+        # _request appends the answer to the conversation: the next turn resends it.
+        requests.append(_request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new()))
+        conversation.turn += 1
+        conversation.turns_left -= 1
+        if conversation.turns_left == 0:
+            active[slot] = start()
+    return requests
+
+
+def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    # Per task: its header, then its examples as (content id, length), always in the same order.
+    tasks: list[tuple[int, list[tuple[int, int]]]] = []
+    for _ in range(params.tasks):
+        examples = [
+            (ids.new(), rng.randint(params.example_tokens_min, params.example_tokens_max))
+            for _ in range(params.examples_per_task)
+        ]
+        tasks.append((ids.new(), examples))
+    cumulative = _zipf_cumulative(params.tasks, params.zipf_s)
+    requests: list[Request] = []
+    for index in range(params.requests):
+        ((header, examples),) = rng.choices(tasks, cum_weights=cumulative)
+        sequence = _Sequence(block_size)
+        sequence.append(header, params.header_tokens)
+        for example, length in examples[: rng.randint(0, params.examples_per_task)]:
+            sequence.append(example, length)
+        sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
+        requests.append(_request(f"prefix-tree-{index}", sequence, params.output_tokens, ids.new()))
+    return requests
+
+
+def _scan(params: ScanParams, rng: random.Random, block_size: int) -> list[Request]:
+    ids = _SegmentIds()
+    hot: list[_Sequence] = []
+    for _ in range(params.hot_prompts):
+        sequence = _Sequence(block_size)
+        sequence.append(ids.new(), rng.randint(params.hot_tokens_min, params.hot_tokens_max))
+        hot.append(sequence)
+    cumulative = _zipf_cumulative(params.hot_prompts, params.zipf_s)
+    requests: list[Request] = []
+    for index in range(params.requests):
+        if rng.random() < params.scan_fraction:
+            # A document read once: every block is new and never asked for again.
+            sequence = _Sequence(block_size)
+            sequence.append(ids.new(), rng.randint(params.document_tokens_min, params.document_tokens_max))
+            name = f"scan-document-{index}"
+        else:
+            (chosen,) = rng.choices(hot, cum_weights=cumulative)
+            sequence = chosen.copy()
+            name = f"scan-hot-{index}"
+        sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
+        requests.append(_request(name, sequence, params.output_tokens, ids.new()))
+    return requests
+
+
 def _convert(raw: str | int | float, default: object, what: str) -> int | float:
     """Parse ``raw`` as the type of ``default`` (int or float), refusing lossy conversions."""
     try:
@@ -321,7 +502,17 @@ def _convert(raw: str | int | float, default: object, what: str) -> int | float:
         raise ValueError(f"{what} must be {kind}, got {raw!r}") from None
 
 
-P = TypeVar("P", SharedPromptParams, ChatParams, FewShotParams, PrefixSharingParams)
+P = TypeVar(
+    "P",
+    SharedPromptParams,
+    ChatParams,
+    FewShotParams,
+    PrefixSharingParams,
+    SystemPromptsParams,
+    MultiTurnParams,
+    PrefixTreeParams,
+    ScanParams,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +551,14 @@ class Workload(Generic[P]):
 
 WORKLOADS: dict[
     str,
-    Workload[SharedPromptParams] | Workload[ChatParams] | Workload[FewShotParams] | Workload[PrefixSharingParams],
+    Workload[SharedPromptParams]
+    | Workload[ChatParams]
+    | Workload[FewShotParams]
+    | Workload[PrefixSharingParams]
+    | Workload[SystemPromptsParams]
+    | Workload[MultiTurnParams]
+    | Workload[PrefixTreeParams]
+    | Workload[ScanParams],
 ] = {
     "shared-prompt": Workload(
         "shared-prompt",
@@ -386,8 +584,35 @@ WORKLOADS: dict[
         PrefixSharingParams(),
         _prefix_sharing,
     ),
+    "system-prompts": Workload(
+        "system-prompts",
+        "Zipf-popular system prompts of varied length, each request ending in a unique user message",
+        SystemPromptsParams(),
+        _system_prompts,
+    ),
+    "multi-turn": Workload(
+        "multi-turn",
+        "interleaved conversations; each turn resends the history and the last answer",
+        MultiTurnParams(),
+        _multi_turn,
+    ),
+    "prefix-tree": Workload(
+        "prefix-tree",
+        "few-shot prompts as a prefix tree: task header, the first k fixed examples, a unique question",
+        PrefixTreeParams(),
+        _prefix_tree,
+    ),
+    "scan": Workload(
+        "scan",
+        "a Zipf-popular hot set of prompts mixed with long one-off documents that sweep the cache",
+        ScanParams(),
+        _scan,
+    ),
 }
 """The built-in workloads by name."""
+
+VLLM_ORDER_WORKLOADS = ("system-prompts", "multi-turn", "prefix-tree", "scan")
+"""The four workloads the manager is measured on under vLLM's call order (hit-rate parity test, bench/manager.py)."""
 
 
 def generate(

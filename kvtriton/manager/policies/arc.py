@@ -47,6 +47,12 @@ class ARCCachePolicy:
     its target, else from T2, and falls back to the other list when the
     preferred one holds nothing evictable, so a store fails only when no
     evictable block exists at all.
+
+    Through the request hooks (vLLM's connector never touches), a request's
+    reuse of a ready block counts once, when the request finishes
+    (``on_request_finished``); its stores only rank its keys head first, and
+    a store of a key still in a ghost list adapts the target
+    (``on_store_miss``), as vLLM 0.33's ARC does.
     """
 
     __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2")
@@ -90,15 +96,56 @@ class ARCCachePolicy:
                     t2[key] = block
             elif key in t2:
                 t2.move_to_end(key)
-            elif key in b1:
-                # T1 evicted a key still in demand: give T1 more room.
-                delta = max(1.0, len(b2) / len(b1))
-                self._target = min(self._target + delta, float(self._capacity))
-                b1.move_to_end(key)
-            elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self._target = max(self._target - delta, 0.0)
-                b2.move_to_end(key)
+            elif key in b1 or key in b2:
+                # Evicted while still in demand: B1 gives T1 more room, B2 less.
+                self._adapt_to_ghost(key)
+
+    def _adapt_to_ghost(self, key: OffloadKey) -> None:
+        """A key evicted earlier is wanted again: move the T1 target toward the list that lost it."""
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            delta = max(1.0, len(b2) / len(b1))
+            self._target = min(self._target + delta, float(self._capacity))
+            b1.move_to_end(key)
+        elif key in b2:
+            delta = max(1.0, len(b1) / len(b2))
+            self._target = max(self._target - delta, 0.0)
+            b2.move_to_end(key)
+
+    def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in t1:
+                t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        b1, b2 = self._b1, self._b2
+        if not b1 and not b2:
+            return
+        for key in reversed(keys):
+            if key in b1 or key in b2:
+                self._adapt_to_ghost(key)
+
+    def on_request_finished(
+        self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
+    ) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in reused:
+                # One reuse per request: T1 -> T2, or refreshed in T2.
+                block = t1.pop(key, None)
+                if block is not None:
+                    t2[key] = block
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in inserted:
+                # A store is not a use: recency only, in whichever list holds it.
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:

@@ -43,7 +43,10 @@ class CachePolicy(Protocol):
 
     The manager calls ``insert`` when ``prepare_store`` allocates blocks,
     ``remove`` when a store fails, ``touch`` on every ``touch`` call,
-    ``evict`` when it needs room and ``clear`` on ``reset_cache``. A policy
+    ``evict`` when it needs room and ``clear`` on ``reset_cache``. For a
+    request it tracks (``on_new_request``) it also calls ``on_store_miss``
+    before a store, ``refresh`` on its loads and after its stores, and ``on_request_finished`` at the
+    end (``kvtriton.manager.request_access``). A policy
     must never evict a block whose ``ref_cnt`` is not 0 or whose key is in
     ``protected``.
     """
@@ -66,6 +69,34 @@ class CachePolicy(Protocol):
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys are ignored."""
+        ...
+
+    def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        """Rank ``keys`` most recent, the first key most recent, without counting a use.
+
+        The request-scoped recency signal (a request's keys when it stores and
+        when it finishes): ARC moves each key within its own list and never
+        promotes. Unknown keys are ignored.
+        """
+        ...
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """Learn from ``keys`` about to be stored because no request found them cached.
+
+        Called before the eviction that makes room for them, once per key and
+        request; ARC adapts its T1 target to keys still in a ghost list.
+        """
+        ...
+
+    def on_request_finished(
+        self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
+    ) -> None:
+        """Apply one finished request's access: ``keys`` head first (head most recent afterwards).
+
+        ``reused`` keys were ready before the request used them (one use each,
+        for a frequency policy); ``inserted`` keys were stored by it (not a
+        use); keys in neither (a refused store) are left where they are.
+        """
         ...
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:

@@ -23,6 +23,11 @@ class LRUCachePolicy:
     0.33 reaches the same order by ranking a request's blocks by position.
     Without touches this is plain LRU. Eviction scans from the old end and
     skips pending, loading and protected keys.
+
+    Through the request hooks (what vLLM's connector gives: no ``touch``),
+    ``refresh`` ranks a request's keys head first when it stores and when it
+    finishes, so its shared head outlives its unique tail whatever other
+    requests did in between.
     """
 
     __slots__ = ("_blocks", "_run", "_unsettled")
@@ -72,6 +77,26 @@ class LRUCachePolicy:
                 move_to_end(key)
                 run.append((key, block))
         self._run = run
+
+    def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        if self._unsettled:
+            self._settle()
+        # The request-scoped order replaces any touched run.
+        self._run = []
+        blocks = self._blocks
+        move_to_end = blocks.move_to_end
+        for key in reversed(keys):
+            if key in blocks:
+                move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        del keys  # LRU keeps no history of evicted keys
+
+    def on_request_finished(
+        self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
+    ) -> None:
+        del inserted, reused  # every access counts the same in LRU
+        self.refresh(keys)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:

@@ -1,0 +1,172 @@
+"""Recency from the request hooks (vLLM's signal): no touch, positions and on_request_finished."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtriton.keys import OffloadKey, make_offload_key
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
+from kvtriton.manager.policies import ARCCachePolicy, LRUCachePolicy
+from kvtriton.manager.request_access import head_first
+from kvtriton.specs import OffloadingEvent, ReqContext
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(f"block-{i}".encode())
+
+
+def ks(*ids: int) -> list[OffloadKey]:
+    return [k(i) for i in ids]
+
+
+def request(req_id: str, *ids: int) -> ReqContext:
+    """A context that knows each key's end-token position (block i of the list ends at 16 * (i + 1))."""
+    context = ReqContext(req_id=req_id)
+    for index, key in enumerate(ks(*ids)):
+        context.set_offload_key_position(key, 16 * (index + 1))
+    return context
+
+
+def lru_order(manager: CPUOffloadingManager) -> list[OffloadKey]:
+    policy = manager.policy
+    assert isinstance(policy, LRUCachePolicy)
+    return policy.ordered_keys()
+
+
+def store_for(manager: CPUOffloadingManager, context: ReqContext, *ids: int) -> None:
+    out = manager.prepare_store(ks(*ids), context)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, context)
+
+
+def test_a_loading_request_ranks_its_shared_head_above_its_new_tail_whatever_came_between() -> None:
+    manager = CPUOffloadingManager(16)
+    first = request("first", 0, 1)
+    manager.on_new_request(first)
+    store_for(manager, first, 0, 1)
+    manager.on_request_finished(first)
+
+    second = request("second", 0, 1, 2, 3)
+    manager.on_new_request(second)
+    manager.prepare_load(ks(0, 1), second)
+    # Another request stores in between (vLLM interleaves requests within a step).
+    other = request("other", 7)
+    manager.on_new_request(other)
+    store_for(manager, other, 7)
+    manager.complete_load(ks(0, 1), second)
+    store_for(manager, second, 2, 3)
+    # Least recent first: the tail of `second` goes before its head.
+    order = lru_order(manager)
+    assert order.index(k(3)) < order.index(k(2)) < order.index(k(1)) < order.index(k(0))
+    manager.on_request_finished(second)
+    assert lru_order(manager)[-4:] == ks(3, 2, 1, 0)
+
+
+def test_finish_orders_keys_by_token_position_when_they_were_seen_out_of_order() -> None:
+    manager = CPUOffloadingManager(8)
+    context = request("r", 0, 1, 2)
+    manager.on_new_request(context)
+    store_for(manager, context, 2)  # the tail first (a late store)
+    store_for(manager, context, 0, 1)
+    manager.on_request_finished(context)
+    assert lru_order(manager) == ks(2, 1, 0)
+
+
+def test_head_first_keeps_the_seen_order_without_every_position() -> None:
+    positions = {k(0): 32, k(1): 16}
+    assert head_first(ks(0, 1), positions.get) == ks(1, 0)
+    assert head_first(ks(0, 1, 2), positions.get) == ks(0, 1, 2)
+
+
+def test_arc_counts_a_reuse_at_finish_and_never_a_store() -> None:
+    manager = CPUOffloadingManager(8, "arc")
+    policy = manager.policy
+    assert isinstance(policy, ARCCachePolicy)
+    first = request("first", 0, 1)
+    manager.on_new_request(first)
+    store_for(manager, first, 0, 1)
+    manager.on_request_finished(first)
+    assert policy.state().t2 == ()  # stored, not reused
+
+    second = request("second", 0, 1, 2)
+    manager.on_new_request(second)
+    manager.prepare_load(ks(0, 1), second)
+    manager.complete_load(ks(0, 1), second)
+    store_for(manager, second, 2)
+    assert policy.state().t2 == ()  # the reuse counts when the request ends
+    manager.on_request_finished(second)
+    state = policy.state()
+    assert state.t2 == tuple(ks(1, 0))  # one promotion each, head most recent
+    assert state.t1 == tuple(ks(2))
+
+
+def test_arc_learns_from_a_stored_ghost_once_per_request() -> None:
+    manager = CPUOffloadingManager(2, "arc")
+    policy = manager.policy
+    assert isinstance(policy, ARCCachePolicy)
+    filler = request("filler", 0, 1, 2)
+    manager.on_new_request(filler)
+    store_for(manager, filler, 0, 1)
+    store_for(manager, filler, 2)  # evicts block 1 (the tail: the head entered most recent) into B1
+    assert policy.state().b1 == (k(1),)
+    again = request("again", 1)
+    manager.on_new_request(again)
+    out = manager.prepare_store(ks(1), again)
+    assert out is not None and out.keys_to_store == ks(1)
+    assert policy.target_t1 == 1.0  # a ghost hit: T1 deserved more room
+    manager.complete_store(ks(1), again, success=False)
+    manager.prepare_store(ks(1), again)  # the same request retries the store: learnt once only
+    assert policy.target_t1 == 1.0
+
+
+def test_untracked_requests_keep_the_touch_behaviour() -> None:
+    manager = CPUOffloadingManager(8)
+    context = ReqContext(req_id="plain")
+    store_for(manager, context, 0, 1)
+    manager.touch(ks(0), context)
+    store_for(manager, context, 2)
+    # The touched-run rule: the new block ranks just below the touched one.
+    assert lru_order(manager) == ks(1, 2, 0)
+
+
+def test_a_reset_makes_a_request_record_stale() -> None:
+    manager = CPUOffloadingManager(8, "arc")
+    policy = manager.policy
+    assert isinstance(policy, ARCCachePolicy)
+    context = request("r", 0)
+    manager.on_new_request(context)
+    store_for(manager, context, 0)
+    manager.prepare_load(ks(0), context)
+    manager.reset_cache()
+    store_for(manager, context, 0)
+    manager.on_request_finished(context)
+    assert policy.state().t2 == ()  # the pre-reset load is forgotten
+
+
+def test_the_reuse_filter_forwards_the_request_hooks() -> None:
+    cpu = CPUOffloadingManager(8)
+    manager = FilterReusedOffloadingManager(cpu)
+    context = request("r", 0)
+    manager.on_new_request(context)
+    assert cpu in context.accesses
+    manager.on_request_finished(context)
+    assert cpu not in context.accesses
+
+
+@pytest.mark.parametrize("report", [False, True])
+def test_a_failed_store_is_reported_metadata_only_when_asked(report: bool) -> None:
+    manager = CPUOffloadingManager(4, enable_events=True, report_dropped_stores=report)
+    context = ReqContext(req_id="r")
+    manager.prepare_store(ks(0, 1), context)
+    manager.complete_store(ks(0, 1), context, success=False)
+    expected = [OffloadingEvent(keys=ks(0, 1), medium="CPU", removed=True, metadata_only=True)] if report else []
+    assert list(manager.take_events()) == expected
+
+
+def test_a_dropped_key_stored_again_before_the_drain_is_left_out() -> None:
+    manager = CPUOffloadingManager(4, enable_events=True, report_dropped_stores=True)
+    context = ReqContext(req_id="r")
+    manager.prepare_store(ks(0, 1), context)
+    manager.complete_store(ks(0, 1), context, success=False)
+    manager.prepare_store(ks(1), context)  # a retry owns block 1 again
+    assert list(manager.take_events()) == [OffloadingEvent(keys=ks(0), medium="CPU", removed=True, metadata_only=True)]
