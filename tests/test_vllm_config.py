@@ -23,6 +23,7 @@ def test_only_cpu_bytes_to_use_is_required_and_the_rest_defaults_like_vllm() -> 
         max_tracker_size=64_000,
         backend=TransferBackend.AUTO,
         num_programs=DEFAULT_NUM_PROGRAMS,
+        pageable_slab=False,
     )
     assert not config.filters_reuse
 
@@ -36,12 +37,13 @@ def test_every_key_is_read() -> None:
             "max_tracker_size": 100,
             "kvtriton_backend": "dma",
             "kvtriton_num_programs": 4,
+            "kvtriton_pageable_slab": True,
             "spec_name": "KVTritonOffloadingSpec",  # the connector's own keys are left alone
             "block_size": 64,
         }
     )
     assert (config.eviction_policy, config.store_threshold, config.max_tracker_size) == ("arc", 3, 100)
-    assert (config.backend, config.num_programs) == (TransferBackend.DMA, 4)
+    assert (config.backend, config.num_programs, config.pageable_slab) == (TransferBackend.DMA, 4, True)
     assert config.filters_reuse
 
 
@@ -54,6 +56,12 @@ def test_the_config_is_frozen() -> None:
 def test_integral_strings_and_floats_from_a_shell_are_accepted() -> None:
     config = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": "68719476736", "store_threshold": 2.0})
     assert (config.cpu_bytes_to_use, config.store_threshold) == (64 * GIB, 2)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(True, True), (False, False), ("true", True), (" Yes ", True), ("0", False), ("off", False)])
+def test_kvtriton_pageable_slab_reads_json_booleans_and_shell_words(raw: object, expected: bool) -> None:
+    config = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_pageable_slab": raw})
+    assert config.pageable_slab is expected
 
 
 def test_names_are_case_insensitive() -> None:
@@ -81,6 +89,8 @@ def test_missing_cpu_bytes_to_use_names_the_key() -> None:
         ("kvtriton_num_programs", 0, r"'kvtriton_num_programs'\] must be >= 1, got 0"),
         ("eviction_policy", "fifo", r"'eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo'"),
         ("eviction_policy", 3, r"'eviction_policy'\] must be a string, got int 3"),
+        ("kvtriton_pageable_slab", "maybe", r"'kvtriton_pageable_slab'\] must be true or false, got str 'maybe'"),
+        ("kvtriton_pageable_slab", 1, r"'kvtriton_pageable_slab'\] must be true or false, got int 1"),
         ("kvtriton_backend", "cuda", r"'kvtriton_backend'\] must be one of \['auto', 'triton', 'dma', 'torch'\], got 'cuda'"),
     ],
 )

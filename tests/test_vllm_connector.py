@@ -12,6 +12,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
+from unittest import mock
 
 import pytest
 
@@ -35,6 +37,13 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -46,8 +55,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
+from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
 
-from kvtriton.integrations.vllm import VLLMOffloadingManager, VLLMOffloadingWorker  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker  # noqa: E402
 from kvtriton.manager import CPUOffloadingManager  # noqa: E402
 from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
 
@@ -56,10 +66,57 @@ NUM_GPU_BLOCKS = 32
 LAYERS = ("layer0", "layer1")
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
 WINDOW_SPEC = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=32)
+PADDING_BYTES = 64
+PADDED_SPEC = FullAttentionSpec(
+    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16,
+    page_size_padded=KV_SPEC.page_size_bytes + PADDING_BYTES,
+)  # fmt: skip
+"""Each block's page is padded by 64 bytes the model never writes (as vLLM pads pages to a common size)."""
 ONE_GROUP: list[tuple[list[str], KVCacheSpec]] = [(list(LAYERS), KV_SPEC)]
 HYBRID: list[tuple[list[str], KVCacheSpec]] = [(["layer0"], KV_SPEC), (["layer1"], WINDOW_SPEC)]
-"""A full-attention group and a sliding-window group (2 blocks), one layer each."""
+"""A full-attention group and a sliding-window group (2 blocks), one layer each: each group owns its own tensor."""
+PADDED: list[tuple[list[str], KVCacheSpec]] = [(list(LAYERS), PADDED_SPEC)]
+PADDING_MARKER = 0x5A
 EOS = 2
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    """One job as vLLM's connector handed it to the worker."""
+
+    kind: Literal["store", "load"]
+    job_id: int
+    gpu: GPULoadStoreSpec
+    slots: LoadStoreSpec
+    expedited: bool = False
+
+
+class RecordingWorker(OffloadingWorker):
+    """Passes every call to kvtriton's worker and records the jobs and their reported sizes."""
+
+    def __init__(self, inner: OffloadingWorker) -> None:
+        self.inner = inner
+        self.jobs: list[SubmittedJob] = []
+        self.sizes: dict[int, int | None] = {}
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        self.jobs.append(SubmittedJob("store", job_id, src_spec, dst_spec))
+        return self.inner.submit_store(job_id, src_spec, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        self.jobs.append(SubmittedJob("load", job_id, dst_spec, src_spec, expedited))
+        return self.inner.submit_load(job_id, src_spec, dst_spec, expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        results = self.inner.get_finished()
+        self.sizes.update((result.job_id, result.transfer_size) for result in results)
+        return results
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.inner.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +132,23 @@ class Engine:
     scheduler: Scheduler
     worker: OffloadingConnector
     kv: dict[str, torch.Tensor]
+    """Each layer's KV cache as the model sees it (its real bytes: without page padding)."""
+    pages: dict[str, torch.Tensor]
+    """Each layer's whole int8 ``(num_blocks, page_size_bytes)`` pages, padding included."""
     groups: list[list[str]]
     """The layer names of each KV cache group."""
+    recorder: RecordingWorker
+    canonical: CanonicalKVCaches
+    """The canonical KV caches vLLM's connector handed kvtriton's spec."""
     # (group, prompt block index) -> bytes the model wrote for it (one pattern per layer of the group)
     written: dict[tuple[int, int], list[bytes]] = field(default_factory=lambda: {})
     load_jobs: list[int] = field(default_factory=lambda: [])
     store_jobs: list[int] = field(default_factory=lambda: [])
+
+    @property
+    def kvtriton_worker(self) -> VLLMOffloadingWorker:
+        assert isinstance(self.recorder.inner, VLLMOffloadingWorker)
+        return self.recorder.inner
 
     @property
     def manager(self) -> VLLMOffloadingManager:
@@ -189,12 +257,56 @@ def make_engine(
         block_size=BLOCK_SIZE,
     )
     worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    # FlashInfer-style (num_blocks, 2, block_size, heads, dim) layer caches, as a CPU "GPU".
-    kv = {name: torch.zeros(NUM_GPU_BLOCKS, 2, BLOCK_SIZE, 2, 8, dtype=torch.float16) for name in LAYERS}
-    with set_current_vllm_config(vllm_config), warnings.catch_warnings():
+    # FlashInfer-style (num_blocks, 2, block_size, heads, dim) layer caches, as a CPU "GPU"; a padded
+    # page is a view into a wider per-block buffer whose padding holds a marker.
+    pages: dict[str, torch.Tensor] = {}
+    kv: dict[str, torch.Tensor] = {}
+    for names, spec in groups:
+        for name in names:
+            pages[name] = torch.full((NUM_GPU_BLOCKS, spec.page_size_bytes), PADDING_MARKER, dtype=torch.int8)
+            real = pages[name][:, : KV_SPEC.page_size_bytes]
+            real.zero_()
+            kv[name] = real.view(torch.float16).view(NUM_GPU_BLOCKS, 2, BLOCK_SIZE, 2, 8)
+    handed: list[CanonicalKVCaches] = []
+    get_worker = KVTritonOffloadingSpec.get_worker
+
+    def recording_get_worker(spec: KVTritonOffloadingSpec, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        handed.append(kv_caches)
+        return get_worker(spec, kv_caches)
+
+    with (
+        set_current_vllm_config(vllm_config),
+        warnings.catch_warnings(),
+        mock.patch.object(KVTritonOffloadingSpec, "get_worker", recording_get_worker),
+    ):
         warnings.simplefilter("ignore", PageableSlabWarning)
         worker.register_kv_caches(kv)
-    return Engine(scheduler=scheduler, worker=worker, kv=kv, groups=[names for names, _ in groups])
+    connector = worker.connector_worker
+    assert connector is not None and connector.worker is not None
+    recorder = RecordingWorker(connector.worker)
+    connector.worker = recorder
+    return Engine(
+        scheduler=scheduler, worker=worker, kv=kv, pages=pages, groups=[names for names, _ in groups],
+        recorder=recorder, canonical=handed[0],
+    )  # fmt: skip
+
+
+def replay_on_vllms_cpu_worker(engine: Engine) -> dict[int, int | None]:
+    """Run every job kvtriton ran through vLLM's own CPU worker over the same KV caches; its reported sizes.
+
+    The loads write the GPU blocks again: call it once the test has checked them.
+    """
+    connector = engine.worker.connector_worker
+    assert connector is not None and isinstance(connector.spec, KVTritonOffloadingSpec)
+    sizes: dict[int, int | None] = {}
+    with vllm_cpu_worker(engine.canonical, connector.spec.blocks_per_chunk, connector.spec.num_slots) as reference:
+        for job in engine.recorder.jobs:
+            if job.kind == "store":
+                assert reference.submit_store(job.job_id, job.gpu, job.slots)
+            else:
+                assert reference.submit_load(job.job_id, job.slots, job.gpu, job.expedited)
+            sizes.update((result.job_id, result.transfer_size) for result in reference.get_finished())
+    return sizes
 
 
 @pytest.fixture
@@ -231,8 +343,7 @@ def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
         {"cpu_bytes_to_use": 8 * blocks_per_chunk * PAGE_BYTES * len(LAYERS), "blocks_per_chunk": blocks_per_chunk},
     )
     engines.append(engine)
-    connector = engine.worker.connector_worker
-    assert connector is not None and isinstance(connector.worker, VLLMOffloadingWorker)
+    assert len(engine.kvtriton_worker.engines) == 1  # one group referencing every tensor: one engine, no split
 
     prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a partial one
     engine.scheduler.add_request(make_request("first", prompt))
@@ -254,6 +365,32 @@ def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
     assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[0, index] for index in range(4)]
     stats = engine.cpu_manager().stats()
     assert (stats.hits, stats.loading) == (4 // blocks_per_chunk, 0)
+
+
+def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(model_config: ModelConfig, engines: list[Engine]) -> None:
+    # With a sync-load budget vLLM loads a hit within the step that schedules
+    # it and waits for it there: kvtriton must not queue it behind other loads.
+    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "sync_load_budget_bytes": 1 << 30})
+    engines.append(engine)
+    prompt = list(range(1100, 1100 + 4 * BLOCK_SIZE + 5))
+    engine.scheduler.add_request(make_request("first", prompt))
+    engine.run(model_request="first")
+    assert engine.scheduler.reset_prefix_cache()
+    for tensor in engine.kv.values():
+        tensor.zero_()
+
+    (transfer_engine,) = engine.kvtriton_worker.engines
+    with mock.patch.object(transfer_engine, "submit_load", wraps=transfer_engine.submit_load) as submit_load:
+        engine.scheduler.add_request(make_request("second", prompt))
+        first_step = engine.step()
+    (load,) = [job for job in engine.recorder.jobs if job.kind == "load"]
+    assert load.expedited
+    assert submit_load.call_count == 1 and submit_load.call_args.kwargs["expedited"] is True
+    assert first_step.num_scheduled_tokens["second"] > 0  # computed in the step that loaded it: no waiting
+    loaded_blocks = [int(block) for block in load.gpu.block_ids]  # the request already finished and freed them
+    assert len(loaded_blocks) == 4
+    assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[0, index] for index in range(4)]
+    engine.run()
 
 
 def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(model_config: ModelConfig, engines: list[Engine]) -> None:
@@ -319,6 +456,52 @@ def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
     window = [(index, block) for index, block in enumerate(window_blocks[:full_chunks]) if block != 0]
     assert [index for index, _ in window] == [full_chunks - 2, full_chunks - 1]  # the last 32 tokens
     assert [engine.block_bytes(block, 1) for _, block in window] == [engine.written[1, index] for index, _ in window]
+
+    # Each group owns its own tensor: its blocks move that tensor only, so
+    # every other block of both tensors is still zero.
+    assert len(engine.kvtriton_worker.engines) == 2
+    loaded = {"layer0": set(full_blocks[:full_chunks]), "layer1": {block for _, block in window}}
+    for name, blocks in loaded.items():
+        untouched = [block for block in range(NUM_GPU_BLOCKS) if block not in blocks]
+        assert not engine.kv[name][untouched].any(), f"{name}: a block of the other group was written"
+    # A block of either group is one page of one layer.
+    loads = [job for job in engine.recorder.jobs if job.kind == "load"]
+    assert [engine.recorder.sizes[job.job_id] for job in loads] == [len(job.gpu.block_ids) * PAGE_BYTES for job in loads]
+    assert engine.recorder.sizes == replay_on_vllms_cpu_worker(engine)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_padded_pages_move_only_their_real_bytes_bit_exact(
+    model_config: ModelConfig, engines: list[Engine], blocks_per_chunk: int
+) -> None:
+    engine = make_engine(
+        model_config,
+        {"cpu_bytes_to_use": 8 * blocks_per_chunk * PADDED_SPEC.page_size_bytes * len(LAYERS), "blocks_per_chunk": blocks_per_chunk},
+        PADDED,
+    )
+    engines.append(engine)
+    real_row = PAGE_BYTES * len(LAYERS)
+    assert engine.kvtriton_worker.engines[0].slab.row_bytes == real_row  # the slab holds no padding
+    prompt = list(range(900, 900 + 4 * BLOCK_SIZE + 3))
+    engine.scheduler.add_request(make_request("first", prompt))
+    engine.run(model_request="first")
+    stores = [job for job in engine.recorder.jobs if job.kind == "store"]
+    assert stores and [engine.recorder.sizes[job.job_id] for job in stores] == [len(job.gpu.block_ids) * real_row for job in stores]
+
+    assert engine.scheduler.reset_prefix_cache()
+    other_marker = 0x33
+    for page in engine.pages.values():
+        page.fill_(other_marker)  # real bytes and padding alike
+    engine.scheduler.add_request(make_request("second", prompt))
+    engine.step()
+    loaded_blocks = engine.gpu_blocks("second")[:4]
+    engine.run()
+    assert [engine.block_bytes(block) for block in loaded_blocks] == [engine.written[0, index] for index in range(4)]
+    for name, page in engine.pages.items():
+        # Had the padding travelled, the loaded blocks would hold the first run's marker there.
+        padding = page[loaded_blocks, PAGE_BYTES:]
+        assert bool((padding == other_marker).all()), f"{name}: padding was copied"
+    assert engine.recorder.sizes == replay_on_vllms_cpu_worker(engine)
 
 
 def test_a_connector_cache_reset_with_stores_in_flight_forgets_every_chunk_and_stores_them_again(

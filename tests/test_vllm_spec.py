@@ -16,9 +16,13 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, offloading_config  # noqa: E402
+import torch  # noqa: E402
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config  # noqa: E402
 
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager  # noqa: E402
+import kvtriton.integrations.vllm as vllm_module  # noqa: E402
+import kvtriton.worker.slab as slab_module  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, open_host_slab  # noqa: E402
+from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError  # noqa: E402
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,3 +200,82 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
     assert len(ADAPTER_FILES) == 4
     assert [(Path(d["file"]).name, d["rule"]) for d in errors] == [("probe.py", "reportAssignmentType")]
+
+
+class RegistrarStub:
+    """Stands in for the CUDA runtime's host registration: fails every call with ``error`` (0: succeeds)."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+        self.registered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        if not self.error:
+            self.registered.append(ptr)
+        return self.error
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.registered.remove(ptr)
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        return 0
+
+
+CUDA = torch.device("cuda")
+
+
+def as_if_on_cuda(monkeypatch: pytest.MonkeyPatch, error: int) -> RegistrarStub:
+    """Make the slab believe CUDA is there, with a registration that fails with ``error`` (0: works)."""
+    registrar = RegistrarStub(error)
+    monkeypatch.setattr(slab_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
+    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 65536)
+    return registrar
+
+
+def test_a_cuda_worker_whose_slab_cannot_be_pinned_fails_with_one_line_saying_how_to_fix_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    as_if_on_cuda(monkeypatch, error=2)
+    with pytest.raises(SlabPinningError) as raised:
+        open_host_slab(4, 2, 1000, device=CUDA, pageable_allowed=False)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "cannot pin the 8000-byte host slab" in message
+    assert "RLIMIT_MEMLOCK is 65536 bytes" in message and "ulimit -l unlimited" in message
+    assert "kv_connector_extra_config['kvtriton_pageable_slab']=true" in message
+
+
+def test_with_kvtriton_pageable_slab_a_slab_that_cannot_be_pinned_stays_pageable(monkeypatch: pytest.MonkeyPatch) -> None:
+    as_if_on_cuda(monkeypatch, error=2)
+    with pytest.warns(PageableSlabWarning, match="stays pageable"):
+        slab = open_host_slab(4, 2, 1000, device=CUDA, pageable_allowed=True)
+    assert not slab.pinned and slab.rows.shape == (8, 1000)
+    slab.close()
+
+
+def test_a_cuda_worker_pins_its_slab(monkeypatch: pytest.MonkeyPatch) -> None:
+    registrar = as_if_on_cuda(monkeypatch, error=0)
+    slab = open_host_slab(4, 2, 1000, device=CUDA, pageable_allowed=False)
+    assert slab.pinned and registrar.registered
+    slab.close()
+    assert not registrar.registered
+
+
+def test_the_spec_hands_kvtriton_pageable_slab_to_the_slab(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[bool] = []
+
+    def recording_open_host_slab(
+        num_slots: int, block_size_factor: int, row_bytes: int, *, device: torch.device, pageable_allowed: bool
+    ) -> HostSlab:
+        asked.append(pageable_allowed)
+        return HostSlab(num_slots, block_size_factor, row_bytes, pin=False)
+
+    monkeypatch.setattr(vllm_module, "open_host_slab", recording_open_host_slab)
+    for value in (True, False):
+        spec = KVTritonOffloadingSpec(
+            offloading_config({"cpu_bytes_to_use": 1 << 16, "kvtriton_pageable_slab": value}, worker_kv_bytes_per_block=64)
+        )
+        spec.get_worker(canonical_kv_caches([torch.zeros(4, 64, dtype=torch.int8)])).shutdown()
+    assert asked == [True, False]

@@ -6,6 +6,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 
@@ -15,6 +16,7 @@ import torch  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm_fixtures.builders import canonical_kv_caches, offloading_config  # noqa: E402
+from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
 from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
@@ -179,3 +181,167 @@ def test_kv_tensors_whose_view_contradicts_their_page_size_are_rejected() -> Non
     spec = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 16}, worker_kv_bytes_per_block=64))
     with pytest.raises(ValueError, match=r"kv_caches.tensors\[0\] has shape \(16, 64\).*page_size_bytes=32"):
         spec.get_worker(caches)
+
+
+def test_an_empty_job_succeeds_at_once_with_zero_bytes(rig: Rig) -> None:
+    # vLLM's connector asserts success on every result: an empty job must not fail.
+    assert rig.worker.submit_store(20, gpu([]), CPULoadStoreSpec([]))
+    assert rig.worker.submit_load(21, CPULoadStoreSpec([]), gpu([]), expedited=True)
+    results = finished(rig.worker)
+    assert {job: (result.success, result.transfer_size) for job, result in results.items()} == {20: (True, 0), 21: (True, 0)}
+    assert finished(rig.worker) == {}
+    assert all(rig.block(layer, b) == rig.original_block(layer, b) for layer in range(2) for b in range(NUM_BLOCKS))
+
+
+def test_an_empty_gpu_spec_with_slots_is_refused(rig: Rig) -> None:
+    assert not rig.worker.submit_store(22, gpu([]), CPULoadStoreSpec([1]))
+    assert finished(rig.worker) == {}
+
+
+# A hybrid model: tensor 0 (256-byte pages) and tensor 2 (160-byte pages, of
+# which 128 are real, the rest padding) belong to group 0; tensor 1 (84-byte
+# pages) to group 1. A group-0 block moves 256 + 128 bytes, a group-1 block 84.
+HYBRID_SHAPES: list[tuple[int, ...]] = [(NUM_BLOCKS, 256), (NUM_BLOCKS, 84), (NUM_BLOCKS, 160)]
+HYBRID_REFS: list[list[tuple[int, int]]] = [[(0, 256), (2, 128)], [(1, 84)]]
+HYBRID_GROUP_BYTES = (256 + 128, 84)
+HYBRID_PADDED_BYTES = 256 + 84 + 160
+"""What vLLM reports as worker_kv_bytes_per_block: every tensor's whole (padded) page."""
+
+
+def hybrid_layers(seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(-128, 128, shape, generator=generator, dtype=torch.int8) for shape in HYBRID_SHAPES]
+
+
+def hybrid_worker(layers: list[torch.Tensor], blocks_per_chunk: int = BLOCKS_PER_CHUNK) -> VLLMOffloadingWorker:
+    spec = KVTritonOffloadingSpec(
+        offloading_config(
+            {"cpu_bytes_to_use": NUM_SLOTS * blocks_per_chunk * HYBRID_PADDED_BYTES},
+            worker_kv_bytes_per_block=HYBRID_PADDED_BYTES,
+            blocks_per_chunk=blocks_per_chunk,
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PageableSlabWarning)
+        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=HYBRID_REFS))
+    assert isinstance(worker, VLLMOffloadingWorker)
+    return worker
+
+
+def test_a_hybrid_models_group_moves_only_its_own_tensors_at_their_unpadded_size() -> None:
+    layers = hybrid_layers()
+    original = [layer.clone() for layer in layers]
+    worker = hybrid_worker(layers)
+    assert len(worker.engines) == 2
+    assert [engine.kv.row_bytes for engine in worker.engines] == list(HYBRID_GROUP_BYTES)
+    assert worker.engines[0].slab.row_bytes == max(HYBRID_GROUP_BYTES)  # a row holds one block of the largest group
+    # Group 0: blocks 1, 2 -> slot 0; group 1: block 3 -> slot 1.
+    assert worker.submit_store(0, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    assert finished(worker)[0].transfer_size == 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1]
+
+    for layer in layers:
+        layer.fill_(0x5A)  # a marker that every byte the load must not touch keeps
+    assert worker.submit_load(1, CPULoadStoreSpec([0, 1]), gpu([9, 10, 11], group_sizes=[2, 1]))
+    result = finished(worker)[1]
+    assert result.success and result.transfer_size == 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1]
+
+    marker = bytes([0x5A])
+    expected = [layer.clone().fill_(0x5A) for layer in layers]
+    for destination, source in ((9, 1), (10, 2)):  # group 0: all of tensor 0, the real bytes of tensor 2
+        expected[0][destination] = original[0][source]
+        expected[2][destination, :128] = original[2][source, :128]
+    expected[1][11] = original[1][3]  # group 1: tensor 1
+    for index, (layer, want) in enumerate(zip(layers, expected)):
+        assert torch.equal(layer, want), f"tensor {index}"
+    assert layers[2][9, 128:].numpy().tobytes() == marker * 32  # the padding stayed on the GPU
+    worker.shutdown()
+
+
+# (store slots, load slots) for a store of group 0's blocks 0..2 and group 1's
+# blocks 0..1 of a request, then a load of group 0's blocks 1..2 and group 1's
+# block 1 (entering the first chunk part-way when a chunk holds 2 blocks).
+REFERENCE_JOBS: dict[int, tuple[list[int], list[int]]] = {1: ([0, 1, 2, 3, 4], [1, 2, 4]), 2: ([0, 1, 2], [0, 1, 2])}
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_every_job_moves_the_bytes_vllms_own_cpu_worker_moves(blocks_per_chunk: int) -> None:
+    ours = hybrid_layers()
+    theirs = [layer.clone() for layer in ours]
+    worker = hybrid_worker(ours, blocks_per_chunk)
+    store_slots, load_slots = REFERENCE_JOBS[blocks_per_chunk]
+    reference_caches = canonical_kv_caches(theirs, group_refs=HYBRID_REFS)
+    with vllm_cpu_worker(reference_caches, blocks_per_chunk, NUM_SLOTS) as reference:
+        store = gpu([1, 2, 3, 4, 5], group_sizes=[3, 2])
+        assert worker.submit_store(0, store, CPULoadStoreSpec(store_slots))
+        assert reference.submit_store(0, store, CPULoadStoreSpec(store_slots))
+        sizes = (finished(worker)[0].transfer_size, finished(reference)[0].transfer_size)
+        assert sizes[0] == sizes[1] == 3 * HYBRID_GROUP_BYTES[0] + 2 * HYBRID_GROUP_BYTES[1]
+
+        for layer in ours + theirs:
+            layer.fill_(0x5A)
+        for job, expedited in ((1, False), (2, True)):
+            load = gpu([8 + job, 10 + job, 13 + job], group_sizes=[2, 1], block_indices=[1, 1])
+            assert worker.submit_load(job, CPULoadStoreSpec(load_slots), load, expedited=expedited)
+            assert reference.submit_load(job, CPULoadStoreSpec(load_slots), load, expedited=expedited)
+        ours_sizes = {job: result.transfer_size for job, result in finished(worker).items()}
+        theirs_sizes = {job: result.transfer_size for job, result in finished(reference).items()}
+        assert ours_sizes == theirs_sizes == {job: 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1] for job in (1, 2)}
+    for index, (mine, vllms) in enumerate(zip(ours, theirs)):
+        assert torch.equal(mine, vllms), f"tensor {index} differs from what vLLM's CPU worker loaded"
+    worker.shutdown()
+
+
+def test_an_empty_job_of_a_hybrid_model_succeeds_without_reaching_an_engine() -> None:
+    worker = hybrid_worker(hybrid_layers())
+    assert worker.submit_load(30, CPULoadStoreSpec([]), gpu([], group_sizes=[0, 0]), expedited=True)
+    assert worker.submit_store(31, gpu([], group_sizes=[0, 0]), CPULoadStoreSpec([]))
+    assert {job: (result.success, result.transfer_size) for job, result in finished(worker).items()} == {
+        30: (True, 0),
+        31: (True, 0),
+    }
+    assert all(engine.get_finished() == [] for engine in worker.engines)
+    worker.shutdown()
+
+
+def test_a_hybrid_job_that_does_not_fit_is_refused_before_any_part_runs() -> None:
+    layers = hybrid_layers()
+    before = [layer.clone() for layer in layers]
+    worker = hybrid_worker(layers)
+    # Two groups storing into one slot (each engine alone would see no repeat), a slot count that does not
+    # match, a GPU block out of range, a group count that does not match, a load writing a block twice.
+    assert not worker.submit_store(41, gpu([1, 2, 3, 4], group_sizes=[2, 2]), CPULoadStoreSpec([0, 0]))
+    assert not worker.submit_store(42, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1, 2]))
+    assert not worker.submit_load(43, CPULoadStoreSpec([0, 1]), gpu([1, NUM_BLOCKS], group_sizes=[1, 1]))
+    assert not worker.submit_load(44, CPULoadStoreSpec([0]), gpu([1]))
+    assert not worker.submit_load(45, CPULoadStoreSpec([0, 1]), gpu([5, 5], group_sizes=[1, 1]))
+    assert finished(worker) == {}
+    assert all(torch.equal(layer, original) for layer, original in zip(layers, before))
+    # The worker goes on: the next job runs normally.
+    assert worker.submit_store(46, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([2, 3]))
+    assert finished(worker)[46].success
+    worker.shutdown()
+
+
+def test_a_hybrid_job_an_engine_refuses_after_another_took_its_part_reports_nothing() -> None:
+    worker = hybrid_worker(hybrid_layers())
+    with mock.patch.object(worker.engines[1], "submit_store", return_value=False):
+        assert not worker.submit_store(50, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    worker.wait({50})
+    assert finished(worker) == {}  # group 0's part ran, but the refused job is never reported
+    assert worker.submit_store(51, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    assert finished(worker)[51].transfer_size == 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1]
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("expedited", [False, True])
+def test_every_part_of_an_expedited_load_takes_its_engines_expedited_lane(expedited: bool) -> None:
+    worker = hybrid_worker(hybrid_layers())
+    assert worker.submit_store(60, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    with (
+        mock.patch.object(worker.engines[0], "submit_load", wraps=worker.engines[0].submit_load) as first,
+        mock.patch.object(worker.engines[1], "submit_load", wraps=worker.engines[1].submit_load) as second,
+    ):
+        assert worker.submit_load(61, CPULoadStoreSpec([0, 1]), gpu([4, 5, 6], group_sizes=[2, 1]), expedited=expedited)
+    assert [call.kwargs["expedited"] for call in (*first.call_args_list, *second.call_args_list)] == [expedited, expedited]
+    assert finished(worker)[61].success
+    worker.shutdown()

@@ -50,11 +50,13 @@ try:
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
     from kvtriton.worker.engine import TransferEngine
-    from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
+    import torch
+
+    from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
-    from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical
+    from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
-    from kvtriton.worker.slab import HostSlab
+    from kvtriton.worker.slab import HostSlab, SlabPinningError
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
     # against (vLLM 0.33): say so instead of naming one missing module.
@@ -65,16 +67,46 @@ except ImportError as _error:
         ) from _error
     raise
 
-__all__ = ["KVTritonOffloadConfig", "KVTritonOffloadingSpec", "VLLMOffloadingManager", "VLLMOffloadingWorker"]
+__all__ = [
+    "KVTritonOffloadConfig",
+    "KVTritonOffloadingSpec",
+    "VLLMOffloadingManager",
+    "VLLMOffloadingWorker",
+    "open_host_slab",
+]
 
 logger = logging.getLogger(__name__)
+
+
+def open_host_slab(
+    num_slots: int, block_size_factor: int, row_bytes: int, *, device: torch.device, pageable_allowed: bool
+) -> HostSlab:
+    """The worker's host slab: pinned when the KV cache is on CUDA, or a one-line error saying how to fix it.
+
+    A pageable slab still works but copies through the CPU, several times
+    slower, so a CUDA server refuses to start with one (the slab's
+    :class:`~kvtriton.worker.slab.SlabPinningError`, naming RLIMIT_MEMLOCK,
+    the bytes asked for and how to raise the limit) unless
+    ``kvtriton_pageable_slab`` allows it (then it warns and runs). Off CUDA
+    (tests, CPU runs) there is no copy engine to pin for: the slab is pageable.
+    """
+    if device.type != "cuda":
+        return HostSlab(num_slots, block_size_factor, row_bytes, pin=False)
+    try:
+        return HostSlab(num_slots, block_size_factor, row_bytes, allow_pageable=pageable_allowed)
+    except SlabPinningError as error:
+        raise SlabPinningError(
+            f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
+        ) from error
 
 
 class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     """vLLM ``OffloadingSpec`` whose manager and worker are kvtriton's.
 
     One slot of the host slab holds one offloaded chunk (``blocks_per_chunk``
-    GPU blocks) of this rank's KV bytes. The slot count is derived from
+    GPU blocks) of one KV cache group's bytes on this rank: the pages the
+    group references, without padding (see
+    :mod:`kvtriton.integrations.vllm_worker`). The slot count is derived from
     ``cpu_bytes_to_use`` (the total over all ranks) and the KV bytes per block
     by the same formula in the scheduler (which sees rank 0's bytes) and in
     every worker (its own), so the slot ids the manager hands out are valid in
@@ -150,22 +182,35 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     @override
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
         if self._worker is None:
-            kv = paged_kv_from_canonical(kv_caches)
+            groups = GroupPages.from_canonical(kv_caches)
+            # A slot holds one group's chunk, so a row is one block of the largest group.
+            row_bytes = groups.row_bytes
             expected = self.config.worker_kv_bytes_per_block
-            if kv.row_bytes > expected:
+            if row_bytes > expected:
                 logger.warning(
-                    "the KV tensors hold %d bytes per block but vLLM sized the budget for %d: the host slab "
-                    "uses %.2fx this rank's share of cpu_bytes_to_use",
-                    kv.row_bytes, expected, kv.row_bytes / expected,
+                    "the largest KV cache group holds %d bytes per block but vLLM sized the budget for %d: the "
+                    "host slab uses %.2fx this rank's share of cpu_bytes_to_use",
+                    row_bytes, expected, row_bytes / expected,
                 )  # fmt: skip
-            # pin=None: pinned when CUDA is available, pageable (with a warning) on CPU.
-            slab = HostSlab(self.num_slots, self.blocks_per_chunk, kv.row_bytes)
+            logger.info(
+                "kvtriton worker: %d KV cache group(s) moving %s bytes per block over %d page set(s); "
+                "slab rows of %d bytes",
+                len(groups.kv_of_group), list(groups.group_row_bytes), len(groups.kvs), row_bytes,
+            )  # fmt: skip
+            slab = open_host_slab(
+                self.num_slots, self.blocks_per_chunk, row_bytes,
+                device=groups.device, pageable_allowed=self.settings.pageable_slab,
+            )  # fmt: skip
+            engines: list[TransferEngine] = []
             try:
-                engine = TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs)
+                for kv in groups.kvs:
+                    engines.append(TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs))
             except BaseException:
+                for engine in engines:
+                    engine.shutdown()
                 slab.close()
                 raise
-            self._worker = VLLMOffloadingWorker(engine, slab)
+            self._worker = VLLMOffloadingWorker(engines, slab, groups.kv_of_group)
         return self._worker
 
 from kvtriton.integrations.vllm_tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)

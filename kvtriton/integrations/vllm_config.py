@@ -22,6 +22,7 @@ __all__ = [
     "EVICTION_POLICY",
     "KVTRITON_BACKEND",
     "KVTRITON_NUM_PROGRAMS",
+    "KVTRITON_PAGEABLE_SLAB",
     "KVTritonOffloadConfig",
     "MAX_TRACKER_SIZE",
     "STORE_THRESHOLD",
@@ -35,8 +36,12 @@ STORE_THRESHOLD = "store_threshold"
 MAX_TRACKER_SIZE = "max_tracker_size"
 KVTRITON_BACKEND = "kvtriton_backend"
 KVTRITON_NUM_PROGRAMS = "kvtriton_num_programs"
+KVTRITON_PAGEABLE_SLAB = "kvtriton_pageable_slab"
 
-_KVTRITON_KEYS = frozenset({KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS})
+_KVTRITON_KEYS = frozenset({KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB})
+
+_TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
+_FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 
 
 def _where(key: str) -> str:
@@ -74,6 +79,22 @@ def _parse_int(extra_config: Mapping[str, object], key: str, default: int | None
     return value
 
 
+def _parse_bool(extra_config: Mapping[str, object], key: str, default: bool) -> bool:
+    """Read ``key`` as a boolean: JSON ``true``/``false``, or a word a shell user may write ("yes", "0", ...)."""
+    if key not in extra_config:
+        return default
+    raw = extra_config[key]
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str):
+        word = raw.strip().lower()
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+    raise ValueError(f"{_where(key)} must be true or false, got {type(raw).__name__} {raw!r}")
+
+
 def _parse_str(extra_config: Mapping[str, object], key: str, default: str) -> str:
     raw = extra_config.get(key, default)
     if not isinstance(raw, str):
@@ -89,6 +110,9 @@ class KVTritonOffloadConfig:
     engine, as vLLM defines it; each rank gets ``1/world_size`` of it.
     ``store_threshold < 2`` stores every block; ``>= 2`` stores a block only
     once it was offered for storing that many times (vLLM 0.33's reuse filter).
+    ``pageable_slab`` lets a CUDA worker run with a pageable host slab when
+    it cannot be pinned; by default it refuses to start instead (a pageable
+    slab copies through the CPU, several times slower).
     """
 
     cpu_bytes_to_use: int
@@ -97,6 +121,7 @@ class KVTritonOffloadConfig:
     max_tracker_size: int = 64_000
     backend: TransferBackend = TransferBackend.AUTO
     num_programs: int = DEFAULT_NUM_PROGRAMS
+    pageable_slab: bool = False
 
     @property
     def filters_reuse(self) -> bool:
@@ -138,4 +163,5 @@ class KVTritonOffloadConfig:
             max_tracker_size=_parse_int(extra_config, MAX_TRACKER_SIZE, 64_000, 1),
             backend=backend,
             num_programs=_parse_int(extra_config, KVTRITON_NUM_PROGRAMS, DEFAULT_NUM_PROGRAMS, 1),
+            pageable_slab=_parse_bool(extra_config, KVTRITON_PAGEABLE_SLAB, False),
         )

@@ -61,13 +61,21 @@ def offloading_config(
     )
 
 
-def canonical_kv_caches(layers: Sequence[torch.Tensor], num_groups: int = 1) -> CanonicalKVCaches:
+def canonical_kv_caches(
+    layers: Sequence[torch.Tensor],
+    num_groups: int = 1,
+    *,
+    group_refs: Sequence[Sequence[tuple[int, int]]] | None = None,
+) -> CanonicalKVCaches:
     """vLLM's canonical view of ``layers`` (each ``(num_blocks, ...)`` with contiguous blocks).
 
     Each layer becomes one int8 ``(num_blocks, page_size_bytes)`` view, as
-    vLLM's OffloadingConnectorWorker.register_kv_caches builds them; every
-    group references every tensor (vLLM shares each tensor between one layer
-    of every group).
+    vLLM's OffloadingConnectorWorker.register_kv_caches builds them. By
+    default every one of ``num_groups`` groups references every tensor in
+    full (vLLM shares each tensor between one layer of every group);
+    ``group_refs[g]`` instead lists group ``g``'s ``(tensor index, unpadded
+    page bytes)`` references, for hybrid models whose groups own different
+    tensors and for padded pages.
     """
     tensors: list[CanonicalKVCacheTensor] = []
     for layer in layers:
@@ -77,8 +85,7 @@ def canonical_kv_caches(layers: Sequence[torch.Tensor], num_groups: int = 1) -> 
             (layer.shape[0], page), (layer.stride(0) * layer.element_size(), 1),
         )  # fmt: skip
         tensors.append(CanonicalKVCacheTensor(tensor=view, page_size_bytes=page))
-    refs = [
-        [CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=canonical.page_size_bytes) for index, canonical in enumerate(tensors)]
-        for _ in range(num_groups)
-    ]
+    if group_refs is None:
+        group_refs = [[(index, canonical.page_size_bytes) for index, canonical in enumerate(tensors)]] * num_groups
+    refs = [[CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=size) for index, size in group] for group in group_refs]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
