@@ -10,7 +10,6 @@ namespace must keep the two apart: they only miss each other's chunks.
 from __future__ import annotations
 
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +29,7 @@ from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier  
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvtriton.worker.engine import TransferEngine  # noqa: E402
 from kvtriton.worker.layout import PagedKV  # noqa: E402
-from kvtriton.worker.shared_region import RegionLayout, RegionSlab, SharedRegion  # noqa: E402
-from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.worker.shared_region import RegionLayout, SharedRegion  # noqa: E402
 
 PAGE_BYTES = (1536, 512)  # two KV tensors per rank, of unequal page sizes
 RANK_ROW_BYTES = sum(PAGE_BYTES)
@@ -75,9 +73,7 @@ def kvtriton_region_bytes(world_size: int, blocks_per_chunk: int, chunk_blocks: 
     regions = [SharedRegion(name, layout, world_size) for _ in range(world_size)]
     try:
         for rank, region in enumerate(regions):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PageableSlabWarning)
-                slab = RegionSlab(region, rank)
+            slab = region.rank_slab(rank, pin=False)
             engine = TransferEngine(PagedKV(gpu_pages(rank), [f"t{index}" for index in range(len(PAGE_BYTES))]), slab, "torch")
             blocks = [block for chunk in sorted(chunk_blocks) for block in chunk_blocks[chunk]]
             assert engine.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(sorted(chunk_blocks)))

@@ -1,4 +1,4 @@
-"""SharedRegion and RegionSlab: the /dev/shm region the scheduler and every worker rank map.
+"""SharedRegion and its per-rank slabs: the /dev/shm region the scheduler and every worker rank map.
 
 Several SharedRegion objects in one process stand in for several processes:
 each maps the file on its own, exactly as another process would; one test
@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import pytest
 import torch
 
 from kvtriton.worker import shared_region
-from kvtriton.worker.shared_region import ROW_ALIGNMENT, RegionLayout, RegionSlab, SharedRegion
-from kvtriton.worker.slab import PageableSlabWarning
+from kvtriton.worker.shared_region import ROW_ALIGNMENT, RegionLayout, SharedRegion
+from kvtriton.worker.slab import HostSlab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,10 +32,8 @@ def name() -> Iterator[str]:
     assert not leftover.exists(), f"{leftover} was left behind"
 
 
-def slab(region: SharedRegion, rank: int) -> RegionSlab:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PageableSlabWarning)
-        return RegionSlab(region, rank)
+def slab(region: SharedRegion, rank: int) -> HostSlab:
+    return region.rank_slab(rank, pin=False)
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3, 8])
@@ -133,18 +130,16 @@ def test_slab_rows_follow_the_slab_numbering_at_the_ranks_offset(name: str) -> N
     layout = RegionLayout(3, 2, 2, 512)
     region = SharedRegion(name, layout, 1)
     made = slab(region, 1)
-    assert (made.num_slots, made.rows_per_slot, made.row_bytes) == (3, 2, 512)
+    assert (made.num_slots, made.block_size_factor, made.row_bytes) == (3, 2, 512)
     rows = made.rows
     assert rows.shape == (6, 512) and rows.stride() == (layout.block_row_stride, 1)
     made.slot(1)[1].fill_(9)  # chunk 1, its second block
     whole = region.region_tensor().reshape(-1)
     start = 1 * layout.chunk_bytes + 1 * layout.block_row_stride + 512
     assert whole[start : start + 512].eq(9).all() and int(whole.sum()) == 9 * 512
-    with pytest.raises(ValueError, match="pin=True needs CUDA"):
-        if not torch.cuda.is_available():
-            RegionSlab(region, 0, pin=True)
-        else:
-            raise ValueError("pin=True needs CUDA")  # nothing to refuse on a CUDA machine
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin=True needs CUDA"):
+            region.rank_slab(0, pin=True)
     made.close()
     region.close()
 

@@ -23,8 +23,8 @@ The pieces:
   ``_num_chunks``) over kvtriton's ``CPUOffloadingManager``;
 * the host memory is one :class:`~kvtriton.worker.shared_region.SharedRegion`
   in /dev/shm: the scheduler maps it for the secondary tiers, every worker rank
-  writes its bytes of every block row through a strided
-  :class:`~kvtriton.worker.shared_region.RegionSlab`;
+  writes its bytes of every block row through a strided ``HostSlab``
+  (:meth:`~kvtriton.worker.shared_region.SharedRegion.rank_slab`);
 * a layout tag: with several GPU blocks per chunk kvtriton's chunk bytes are
   ordered differently from vLLM's, so the secondary tiers see the model name
   suffixed with :data:`LAYOUT_TAG` and file their chunks under a namespace of
@@ -44,6 +44,7 @@ import re
 from collections.abc import Collection
 from typing import Any, cast
 
+import torch
 from typing_extensions import override
 from vllm.v1.kv_offload import base as vllm_base
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -54,14 +55,15 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
+from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
-from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical
+from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, ReqContext
 from kvtriton.worker.engine import TransferEngine
-from kvtriton.worker.shared_region import RegionLayout, RegionSlab, SharedRegion
+from kvtriton.worker.shared_region import RegionLayout, SharedRegion
+from kvtriton.worker.slab import HostSlab, SlabPinningError
 
 __all__ = [
     "LAYOUT_TAG",
@@ -100,7 +102,17 @@ def _vllm_slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
     """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec``: the orchestrator asserts that class and reads ``chunk_ids``."""
     if not isinstance(spec, CPULoadStoreSpec):
         raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
-    return VLLMCPULoadStoreSpec(spec.block_ids.tolist())
+    return VLLMCPULoadStoreSpec(spec.slot_list())
+
+
+def _tier_context(req_context: vllm_base.ReqContext) -> ReqContext:
+    """A kvtriton context for a copy between tiers: the request's id, but none of its access record.
+
+    kvtriton's manager ranks a request's keys from what the request itself
+    loads and stores (``kvtriton.manager.request_access``); a cascade or a
+    promotion is the tiers' traffic, not the request's, so it must not count.
+    """
+    return ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
 
 
 def region_name(engine_id: str) -> str:
@@ -143,17 +155,21 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
 
     def prepare_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
         """Pin ready chunks for a copy to a secondary tier; no access is recorded (recency stays the request's)."""
-        return _vllm_slot_spec(self.backing.prepare_load(_keys(keys), self._context(req_context)))
+        return _vllm_slot_spec(self.backing.prepare_load(_keys(keys), _tier_context(req_context)))
 
     def complete_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
         """Drop the pins of one ``prepare_read``."""
-        self.backing.complete_load(_keys(keys), self._context(req_context))
+        self.backing.complete_load(_keys(keys), _tier_context(req_context))
 
     def prepare_write(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        """Take slots for chunks promoted from a secondary tier (pending until ``complete_write``); None when full."""
-        output = self.backing.prepare_store(_keys(keys), self._context(req_context))
+        """Take slots for chunks promoted from a secondary tier (pending until ``complete_write``); None when full.
+
+        The promotion is not the request's access: its own ``prepare_load``
+        then counts the chunk as reused, a hit in a lower tier.
+        """
+        output = self.backing.prepare_store(_keys(keys), _tier_context(req_context))
         if output is None:
             return None
         return vllm_base.PrepareStoreOutput(
@@ -166,7 +182,7 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True
     ) -> None:
         """Make promoted chunks loadable, or (``success=False``) free their slots."""
-        self.backing.complete_store(_keys(keys), self._context(req_context), success)
+        self.backing.complete_store(_keys(keys), _tier_context(req_context), success)
 
     @override
     def shutdown(self) -> None:
@@ -178,10 +194,12 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
 
 
 class KVTritonTieringWorker(VLLMOffloadingWorker):
-    """vLLM's worker interface over kvtriton's engine, writing this rank's part of the shared region."""
+    """vLLM's worker interface over kvtriton's engines, writing this rank's part of the shared region."""
 
-    def __init__(self, engine: TransferEngine, slab: RegionSlab, region: SharedRegion) -> None:
-        super().__init__(engine, slab)
+    def __init__(
+        self, engines: list[TransferEngine], slab: HostSlab, kv_of_group: tuple[int | None, ...], region: SharedRegion
+    ) -> None:
+        super().__init__(engines, slab, kv_of_group)
         self._region = region
 
     @override
@@ -293,7 +311,10 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         self.kv_bytes_per_chunk = layout.chunk_bytes
         self.cpu_page_size_per_worker = layout.rank_row_bytes * layout.blocks_per_chunk
         self.cpu_info = CPUOffloadingInfo.from_config(config, layout.num_chunks, layout.chunk_bytes)
-        self.layout_tag: str | None = None if layout.blocks_per_chunk == 1 else LAYOUT_TAG
+        # kvtriton's row is vLLM's only for one block per chunk and one KV cache
+        # group (with several groups a kvtriton slot holds one group's pages).
+        vllm_rows = layout.blocks_per_chunk == 1 and len(config.groups) == 1
+        self.layout_tag: str | None = None if vllm_rows else LAYOUT_TAG
         """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
         logger.info(
             "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s%s",
@@ -365,26 +386,40 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         worker = getattr(self, "_kvtriton_worker", None)
         if isinstance(worker, KVTritonTieringWorker):
             return worker
-        kv = paged_kv_from_canonical(kv_caches)
+        groups = GroupPages.from_canonical(kv_caches)
         layout = self.region_layout
         rank = self.config.parallel.rank
-        if kv.row_bytes > layout.rank_row_bytes:
+        if groups.row_bytes > layout.rank_row_bytes:
             raise ValueError(
-                f"rank {rank}'s KV tensors hold {kv.row_bytes} bytes per block, but the shared region gives each rank "
-                f"{layout.rank_row_bytes} (vLLM's worker_kv_bytes_per_block): pipeline stages must hold the same layers "
-                "per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
+                f"rank {rank}'s KV tensors hold {groups.row_bytes} bytes per block, but the shared region gives each "
+                f"rank {layout.rank_row_bytes} (vLLM's worker_kv_bytes_per_block): pipeline stages must hold the same "
+                "layers per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
             )
         region = self._open_region()
-        slab: RegionSlab | None = None
+        slab: HostSlab | None = None
+        engines: list[TransferEngine] = []
         try:
-            # pin=None: pinned when CUDA is available, pageable (with a warning) on CPU.
-            slab = RegionSlab(region, rank)
-            engine = TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs)
+            slab = self._rank_slab(region, rank, groups.device)
+            for kv in groups.kvs:
+                engines.append(TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs))
         except BaseException:
+            for engine in engines:
+                engine.shutdown()
             if slab is not None:
                 slab.close()
             region.close()
             raise
-        made = KVTritonTieringWorker(engine, slab, region)
+        made = KVTritonTieringWorker(engines, slab, groups.kv_of_group, region)
         self._kvtriton_worker = made
         return made
+
+    def _rank_slab(self, region: SharedRegion, rank: int, device: torch.device) -> HostSlab:
+        """This rank's slab over the region: pinned for a CUDA KV cache (or a one-line error), pageable off CUDA."""
+        if device.type != "cuda":
+            return region.rank_slab(rank, pin=False)
+        try:
+            return region.rank_slab(rank, allow_pageable=self.settings.pageable_slab)
+        except SlabPinningError as error:
+            raise SlabPinningError(
+                f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
+            ) from error

@@ -43,15 +43,13 @@ import mmap
 import os
 import struct
 import time
-import warnings
 from dataclasses import asdict, dataclass
-from typing import Protocol, SupportsInt, cast
 
 import torch
 
-from kvtriton.worker.slab import PIN_CHUNK_BYTES, HostSlab, PageableSlabWarning
+from kvtriton.worker.slab import HostSlab
 
-__all__ = ["REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "RegionSlab", "SharedRegion", "shm_free_bytes"]
+__all__ = ["REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "SharedRegion", "shm_free_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class RegionLayout:
     num_chunks: int
     """Chunks (slots) in the region: the primary tier's capacity."""
     blocks_per_chunk: int
-    """GPU blocks per chunk (the slab's ``rows_per_slot``)."""
+    """GPU blocks per chunk (the slab's ``block_size_factor``)."""
     world_size: int
     """Worker ranks writing the region."""
     rank_row_bytes: int
@@ -338,7 +336,7 @@ class SharedRegion:
         """``rank``'s bytes of every block row: a ``(num_block_rows, rank_row_bytes)`` strided uint8 view.
 
         Block row ``s * blocks_per_chunk + i`` is block ``i`` of chunk ``s``,
-        the row numbering of a slab with ``rows_per_slot = blocks_per_chunk``.
+        the row numbering of a slab with ``block_size_factor = blocks_per_chunk``.
         """
         layout = self.layout
         return torch.as_strided(
@@ -346,6 +344,26 @@ class SharedRegion:
             (layout.num_block_rows, layout.rank_row_bytes),
             (layout.block_row_stride, 1),
             HEADER_BYTES + layout.rank_offset(rank),
+        )
+
+    def rank_slab(self, rank: int, *, pin: bool | None = None, allow_pageable: bool = False) -> HostSlab:
+        """``rank``'s :class:`HostSlab` over the region: the rows of :meth:`rank_rows`, one slot per chunk.
+
+        ``pin`` and ``allow_pageable`` work as for :meth:`HostSlab.from_buffer`,
+        which registers whole chunks with CUDA (the rows start on a page
+        boundary, after the header page). Closing the slab unpins it and
+        leaves the mapping to this region.
+        """
+        layout = self.layout
+        return HostSlab.from_buffer(
+            self.region_tensor().reshape(-1),
+            layout.num_chunks,
+            layout.blocks_per_chunk,
+            layout.rank_row_bytes,
+            row_stride=layout.block_row_stride,
+            row_offset=layout.rank_offset(rank),
+            pin=pin,
+            allow_pageable=allow_pageable,
         )
 
     def chunk_memoryview(self) -> memoryview:
@@ -390,68 +408,3 @@ class SharedRegion:
         state = "closed" if self._mmap is None else ("unlinked" if self._unlinked else "linked")
         return f"SharedRegion({self.path!r}, {self.layout.describe()}, {state})"
 
-
-class _HostRegister(Protocol):
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...
-
-
-class RegionSlab(HostSlab):
-    """One rank's :class:`HostSlab` over a :class:`SharedRegion`: its bytes of every block row, strided.
-
-    Slot ``s`` is chunk ``s``; its ``rows_per_slot`` rows are the chunk's block
-    rows at this rank's offset. With CUDA the whole region is pinned in pieces
-    of whole chunks (a registration never splits a chunk, so no copy straddles
-    two); ``pin`` works as for :class:`HostSlab`. Closing the slab unpins it and
-    leaves the region to its owner.
-    """
-
-    def __init__(self, region: SharedRegion, rank: int, pin: bool | None = None) -> None:
-        # HostSlab.__init__ is not called: it allocates a private buffer, and
-        # this slab's rows already exist in the shared mapping.
-        if pin is not None and not isinstance(pin, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- reject "yes" and 1
-            raise TypeError(f"pin must be True, False or None, got {pin!r}")
-        layout = region.layout
-        if pin is True and not torch.cuda.is_available():
-            raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
-        self.num_slots = layout.num_chunks
-        self.rows_per_slot = layout.blocks_per_chunk
-        self.row_bytes = layout.rank_row_bytes
-        self.num_rows = layout.num_block_rows
-        self.nbytes = self.num_rows * self.row_bytes
-        self.rank = rank
-        self._registered: list[int] = []
-        self._region_rows = region.region_tensor()
-        self._rows = region.rank_rows(rank)
-        want_pin = torch.cuda.is_available() if pin is None else pin
-        if want_pin:
-            self._pin(required=pin is True)
-        elif pin is None:
-            warnings.warn(
-                f"CUDA is not available: the shared host region {region.path} stays pageable (not pinned)",
-                PageableSlabWarning,
-                stacklevel=2,
-            )
-
-    def _pin(self, required: bool) -> None:
-        rows = self._region_rows
-        chunk_bytes = rows.shape[1]
-        piece = max(1, PIN_CHUNK_BYTES // chunk_bytes) * chunk_bytes
-        total = rows.numel()
-        register = cast(_HostRegister, torch.cuda.cudart())
-        base = rows.data_ptr()
-        for offset in range(0, total, piece):
-            size = min(piece, total - offset)
-            code = int(register.cudaHostRegister(base + offset, size, 0))
-            if code != 0:
-                self._unpin()
-                message = f"cudaHostRegister failed with CUDA error {code} on bytes {offset}..{offset + size} of the shared region"
-                if required:
-                    raise RuntimeError(message)
-                warnings.warn(message + "; the slab stays pageable", PageableSlabWarning, stacklevel=3)
-                return
-            self._registered.append(base + offset)
-        logger.info("pinned a %d-byte shared host region in %d piece(s)", total, len(self._registered))
-
-    def close(self) -> None:
-        super().close()
-        self._region_rows = torch.empty(0, dtype=torch.uint8)
