@@ -24,7 +24,8 @@ instead; the integration then tags the secondary tiers' namespace (see
 :mod:`kvtriton.integrations.vllm_tiering`).
 
 Lifetime (:class:`SharedRegion`). The first process to arrive creates the file
-(after checking /dev/shm has room), the others open it. Every process that has
+(after checking /dev/shm has room) and allocates its pages, the others open
+it. Every process that has
 mapped it adds one to a count in the region's header page; the process that
 brings the count to ``expected_mappers`` unlinks the file. From then on the
 memory lives exactly as long as some process maps it: a crash leaks nothing in
@@ -158,6 +159,26 @@ class RegionLayout:
         )
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+
+
+def _populate(region: mmap.mmap) -> None:
+    """Allocate every page of a fresh region now, not on the first copy into it (a fault per page, mid-transfer).
+
+    One ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it; otherwise one
+    write per page (the region is all zeros here, so nothing is overwritten).
+    """
+    try:
+        region.madvise(_MADV_POPULATE_WRITE)
+    except OSError:
+        view = memoryview(region)
+        try:
+            for offset in range(0, len(region), mmap.PAGESIZE):
+                view[offset] = 0
+        finally:
+            view.release()
+
+
 def shm_free_bytes(directory: str = REGION_DIRECTORY) -> int:
     """Bytes an unprivileged process may still allocate in ``directory`` (statvfs ``f_bavail``)."""
     stats = os.statvfs(directory)
@@ -219,6 +240,7 @@ class SharedRegion:
                 )
             os.ftruncate(self._fd, self.file_bytes)
             self._mmap = mmap.mmap(self._fd, self.file_bytes, flags=mmap.MAP_SHARED)
+            _populate(self._mmap)
             layout_json = json.dumps(asdict(self.layout), sort_keys=True).encode()
             if _JSON_AT + len(layout_json) > HEADER_BYTES:
                 raise ValueError(f"the region layout description ({len(layout_json)} bytes) does not fit the header page")
