@@ -51,6 +51,8 @@ from kvtriton.tools.progress import progress
 __all__ = ["PassResult", "build_parser", "main"]
 
 GOAL_RATIO = 0.95
+STEP_S = 0.002
+"""Pause between two polling rounds, standing in for a scheduler step (the tiers' threads run meanwhile)."""
 PRIMARIES = ("vllm", "kvtriton")
 _SPEC_NAMES = {"vllm": ("TieringOffloadingSpec", None), "kvtriton": ("KVTritonTieringOffloadingSpec", "kvtriton.integrations.vllm")}
 
@@ -154,7 +156,7 @@ def run_pass(primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path
                 manager.on_schedule_end(step_end)
                 if not manager.has_pending_work():
                     break
-            time.sleep(0.0005)
+            time.sleep(STEP_S)
         cascade_s = time.perf_counter() - started
         manager.on_request_finished(context)
 
@@ -170,7 +172,7 @@ def run_pass(primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path
                 pending = [key for key in pending if manager.lookup(key, context) is not LookupResult.HIT]
                 manager.on_schedule_end(step_end)
             if pending:
-                time.sleep(0.0005)
+                time.sleep(STEP_S)
         promotion_s = time.perf_counter() - started
         manager.on_request_finished(context)
     finally:
@@ -188,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=4, help="fs tier read and write threads each (default: 4)")
     parser.add_argument("--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)")
     parser.add_argument("--quick", action="store_true", help="16 MiB per pass, one repeat")
+    parser.add_argument("--name", default="tiers", help="result file name without .json (default: tiers)")
     return parser
 
 
@@ -248,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = "met" if worst >= GOAL_RATIO else "NOT met"
     print(f"worst kvtriton/vLLM ratio {worst:.3f}: goal >= {GOAL_RATIO} {verdict}")
     path = write_json(
-        "tiers",
+        args.name,
         {
             "command": " ".join(["python -m bench.tiers", *(sys.argv[1:] if argv is None else argv)]),
             "total_mib": total_mib,
