@@ -1,4 +1,19 @@
-"""Scheduler-side throughput: replay the prefix-sharing workload through the managers.
+"""Scheduler-side throughput: kvtriton's manager against vLLM 0.33's, on the call pattern vLLM makes.
+
+Headline (needs vLLM): the four workloads of ``kvtriton.tools.workloads.VLLM_ORDER_WORKLOADS``,
+each replayed in vLLM's call order (``kvtriton.tools.vllm_order``: step by
+step, request hooks, token positions, no ``touch``) through vLLM's
+``CPUOffloadingManager`` and through kvtriton's manager behind its vLLM adapter
+(what a vLLM user runs), at ``--capacity-fraction`` of each trace's distinct
+prompt blocks. Each round builds fresh managers and contexts, collects and
+freezes the GC heap (vLLM's engine freezes its heap at start), then times one
+replay per implementation, alternating which goes first; the table gives the
+median blocks/s over ``--rounds`` rounds with the range, and the ratio of the
+medians. The driver loop is the same code for both and counts in both.
+
+Second table: the direct-call replay below (kvtriton's own API with ``touch``),
+the figures kept from before the headline existed.
+
 
 The trace is kvtriton's built-in ``prefix-sharing`` workload
 (``kvtriton.tools.workloads``): each request starts with part of a shared prefix
@@ -20,15 +35,17 @@ policy. When vLLM is importable, the same trace also runs through vLLM's
 by the scheduler), so its replay makes those calls too; ``--vllm-touch`` adds
 the ``touch`` call its connector no longer makes.
 
-    python -m bench.manager                         # defaults below, ~20 s here
-    python -m bench.manager --quick                 # 1000 requests, one replay
+    python -m bench.manager                         # both tables, a few minutes here
+    python -m bench.manager --quick                 # small traces, one round / replay
     python -m bench.manager --requests 20000 --capacity 16384
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +67,10 @@ from kvtriton.tools.replay import (
     replay_calls,
 )
 from kvtriton.specs import ReqContext
-from kvtriton.tools.workloads import PrefixSharingParams, generate
+from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
+from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
 
-__all__ = ["ReplayResult", "build_parser", "main", "replay", "simulate_command", "trace"]
+__all__ = ["HeadlineRow", "ReplayResult", "Timing", "build_parser", "format_headline", "headline", "main", "replay", "simulate_command", "trace"]
 
 VLLM_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 VLLM_BASE_MODULE = "vllm.v1.kv_offload.base"
@@ -234,6 +252,126 @@ def _vllm_calls(vllm: _Vllm, manager: _VllmManager, with_touch: bool) -> Manager
     )
 
 
+# --- the headline: vLLM's call order ----------------------------------------------
+
+HEADLINE_FRACTION = 0.1
+"""Default capacity of the headline, as a fraction of each trace's distinct prompt blocks."""
+HEADLINE_ROUNDS = 5
+QUICK_HEADLINE_REQUESTS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """blocks/s over the rounds of one implementation: median and range."""
+
+    median: float
+    low: float
+    high: float
+    hit_rate: float
+
+    @classmethod
+    def of(cls, blocks: int, seconds: Sequence[float], hit_rate: float) -> Timing:
+        rates = [blocks / max(second, 1e-12) for second in seconds]
+        return cls(statistics.median(rates), min(rates), max(rates), hit_rate)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadlineRow:
+    workload: str
+    policy: str
+    capacity: int
+    blocks: int
+    vllm: Timing
+    adapter: Timing
+
+    @property
+    def speedup(self) -> float:
+        return self.adapter.median / self.vllm.median
+
+
+def _timed_vllm_order(make: Callable[[], _VllmManager], vllm: _Vllm, requests: Sequence[PreparedRequest]) -> tuple[float, ReplayStats]:
+    """Set up a fresh manager and contexts, freeze the GC heap, and time one vLLM-order replay."""
+    manager = make()
+    contexts = positioned_contexts(requests, vllm.make_context, block_size=BLOCK_TOKENS)
+    calls = hooked_calls(cast(HookedManager, manager), hit=vllm.hit, pending=vllm.pending)
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.perf_counter()
+        stats = replay_vllm_order(calls, requests, contexts, block_size=BLOCK_TOKENS)
+        seconds = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
+    return seconds, stats
+
+
+def headline(
+    vllm: _Vllm,
+    workloads: Sequence[str],
+    policies: Sequence[str],
+    *,
+    rounds: int,
+    fraction: float,
+    requests: int | None,
+) -> list[HeadlineRow]:
+    """kvtriton through its adapter against vLLM's manager, both in vLLM's call order (module docstring)."""
+    rows: list[HeadlineRow] = []
+    steps = [(workload, policy) for workload in workloads for policy in policies]
+    traces: dict[str, list[PreparedRequest]] = {}
+    for workload, policy in progress(steps, total=len(steps), label="vLLM order"):
+        if workload not in traces:
+            overrides = {"requests": requests} if requests is not None else None
+            traces[workload] = prepare(generate(workload, seed=0, block_size=BLOCK_TOKENS, overrides=overrides))
+        trace_requests = traces[workload]
+        distinct = len({key for request in trace_requests for key in request.prompt_keys})
+        capacity = max(1, int(distinct * fraction))
+        seconds: dict[str, list[float]] = {"vllm": [], "adapter": []}
+        hit_rates: dict[str, float] = {}
+        blocks = 0
+        makers: dict[str, Callable[[], _VllmManager]] = {
+            "vllm": lambda: vllm.make_manager(capacity, policy),
+            "adapter": lambda: vllm.make_adapter(capacity, policy),
+        }
+        for round_index in range(rounds):
+            # Alternate which implementation goes first, so drift hits both alike.
+            order = ("vllm", "adapter") if round_index % 2 == 0 else ("adapter", "vllm")
+            for impl in order:
+                elapsed, stats = _timed_vllm_order(makers[impl], vllm, trace_requests)
+                seconds[impl].append(elapsed)
+                hit_rates[impl] = stats.block_hit_rate
+                blocks = stats.prompt_blocks
+        rows.append(
+            HeadlineRow(
+                workload,
+                policy,
+                capacity,
+                blocks,
+                Timing.of(blocks, seconds["vllm"], hit_rates["vllm"]),
+                Timing.of(blocks, seconds["adapter"], hit_rates["adapter"]),
+            )
+        )
+    return rows
+
+
+def _rate(timing: Timing) -> str:
+    return f"{timing.median:,.0f} ({timing.low:,.0f}-{timing.high:,.0f})"
+
+
+def format_headline(rows: Sequence[HeadlineRow]) -> str:
+    headers = [
+        "workload", "policy", "slots", "vLLM blocks/s (range)", "kvtriton via adapter blocks/s (range)",
+        "speed-up", "vLLM hit %", "kvtriton hit %",
+    ]  # fmt: skip
+    table: list[list[object]] = [
+        [
+            row.workload, row.policy, row.capacity, _rate(row.vllm), _rate(row.adapter),
+            f"{row.speedup:.2f}x", f"{100 * row.vllm.hit_rate:.2f}", f"{100 * row.adapter.hit_rate:.2f}",
+        ]  # fmt: skip
+        for row in rows
+    ]
+    return format_table(headers, table)
+
+
 # --- the command -----------------------------------------------------------------
 
 
@@ -270,6 +408,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is importable")
     parser.add_argument("--vllm-touch", action="store_true", help="also call touch() on vLLM (its 0.33 connector does not)")
     parser.add_argument("--name", default="manager", help="result file name under bench/results/ (default %(default)s)")
+    head = parser.add_argument_group("headline (vLLM's call order; needs vLLM)")
+    head.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(VLLM_ORDER_WORKLOADS),
+        choices=list(VLLM_ORDER_WORKLOADS),
+        help="workloads of the headline (default: all four)",
+    )
+    head.add_argument(
+        "--headline-requests",
+        type=int,
+        help=f"requests per headline trace (default: each workload's default; {QUICK_HEADLINE_REQUESTS} with --quick)",
+    )
+    head.add_argument(
+        "--capacity-fraction",
+        type=float,
+        default=HEADLINE_FRACTION,
+        help="headline capacity as a fraction of the trace's distinct prompt blocks (default %(default)s)",
+    )
+    head.add_argument("--rounds", type=int, help=f"alternating timed rounds per point (default {HEADLINE_ROUNDS}; 1 with --quick)")
+    head.add_argument("--no-headline", action="store_true", help="skip the headline, run only the direct-call table")
     return parser
 
 
@@ -313,6 +472,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if isinstance(vllm, str):
         print(f"vLLM not importable ({vllm}); measuring kvtriton alone")
+
+    rounds: int = args.rounds if args.rounds is not None else 1 if quick else HEADLINE_ROUNDS
+    fraction: float = args.capacity_fraction
+    headline_requests: int | None = args.headline_requests if args.headline_requests is not None else (
+        QUICK_HEADLINE_REQUESTS if quick else None
+    )
+    if rounds < 1 or not 0.0 < fraction <= 1.0 or (headline_requests is not None and headline_requests < 1):
+        raise SystemExit(
+            f"need --rounds >= 1, 0 < --capacity-fraction <= 1, --headline-requests >= 1;"
+            f" got {rounds}, {fraction}, {headline_requests}"
+        )
+    head_rows: list[HeadlineRow] = []
+    if isinstance(vllm, _Vllm) and not args.no_headline:
+        head_rows = headline(
+            vllm, args.workloads, args.policies, rounds=rounds, fraction=fraction, requests=headline_requests
+        )
+        print("headline: kvtriton through its vLLM adapter vs vLLM's manager, both in vLLM's call order, GC frozen;")
+        print(f"median blocks/s (range) over {rounds} alternating round(s), capacity {fraction:g} of the distinct prompt blocks")
+        print(format_headline(head_rows))
+        print()
+        print("second table: direct calls (kvtriton's own API with touch), the prefix-sharing trace")
 
     ours_ctx = [ReqContext(req_id=request.req_id) for request in requests]
     policies: list[str] = args.policies
@@ -370,6 +550,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": repeats,
             "vllm": vllm_status,
             "vllm_touch": bool(args.vllm_touch),
+            "headline": {
+                "call_order": "vllm (kvtriton.tools.vllm_order, async loads, 4 arrivals and 2 decode steps per request)",
+                "rounds": rounds,
+                "capacity_fraction": fraction,
+                "requests": headline_requests,
+                "rows": [
+                    {
+                        "workload": row.workload,
+                        "policy": row.policy,
+                        "capacity": row.capacity,
+                        "blocks": row.blocks,
+                        "vllm": asdict(row.vllm),
+                        "kvtriton_via_vllm_adapter": asdict(row.adapter),
+                        "speedup": row.speedup,
+                    }
+                    for row in head_rows
+                ],
+            },
             "results": [
                 {
                     "policy": row.policy,

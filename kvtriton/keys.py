@@ -7,7 +7,8 @@ boundary without conversion.
 
 from __future__ import annotations
 
-from typing import NewType
+from collections.abc import Callable
+from typing import NewType, cast
 
 __all__ = [
     "GROUP_INDEX_BYTES",
@@ -23,8 +24,18 @@ GROUP_INDEX_BYTES = 4
 _MAX_GROUP_INDEX = 2 ** (8 * GROUP_INDEX_BYTES) - 1
 
 
+# The 4-byte suffixes of the first KV cache groups, built once: almost every
+# key is made for one of them, and the common case then costs a type check,
+# a list index and one concatenation.
+_CACHED_GROUPS = 64
+_SUFFIXES = tuple(group.to_bytes(GROUP_INDEX_BYTES, "big", signed=False) for group in range(_CACHED_GROUPS))
+_concat = cast("Callable[[bytes, bytes], OffloadKey]", bytes.__add__)
+
+
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
     """Return the key of block ``block_hash`` in KV cache group ``group_idx``."""
+    if type(block_hash) is bytes and type(group_idx) is int and 0 <= group_idx < _CACHED_GROUPS:
+        return _concat(block_hash, _SUFFIXES[group_idx])
     if not isinstance(block_hash, (bytes, bytearray, memoryview)):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside the typed world pass str or int
         raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}: {block_hash!r}")
     if isinstance(group_idx, bool) or not isinstance(group_idx, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- same: reject floats and bools at runtime

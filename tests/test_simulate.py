@@ -403,3 +403,28 @@ def test_simulate_imports_neither_torch_nor_triton_nor_matplotlib() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_vllm_call_order_is_recorded_and_matches_the_vllm_order_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtriton.tools.replay import prepare
+    from kvtriton.tools.vllm_order import vllm_order
+    from kvtriton.tools.workloads import generate
+
+    args = ["simulate", "--workload", "scan", "--requests", "60", "--capacities", "0.25", "--policies", "lru"]
+    knobs = ["--call-order", "vllm", "--arrivals", "3", "--decode-steps", "2", "--sync-loads"]
+    assert main([*args, *knobs, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["call_order"] == {"name": "vllm", "in_flight": 1, "arrivals": 3, "decode_steps": 2, "sync_loads": True}
+    (point,) = record["points"]
+    requests = prepare(generate("scan", seed=0, block_size=16, overrides={"requests": 60}))
+    expected = vllm_order(requests, CPUOffloadingManager(point["num_blocks"]), block_size=16, arrivals=3, decode_steps=2, sync_loads=True)
+    assert point["hit_blocks"] == expected.hit_blocks
+    assert point["evictions"] == expected.evictions
+
+
+def test_help_documents_the_vllm_order_knobs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for expected in ["--call-order", "(default: engine)", "--arrivals", "(default: 4)", "--decode-steps", "(default: 2)", "--sync-loads", "prefix-tree:", "scan_fraction=0.15"]:
+        assert expected in text, expected

@@ -33,7 +33,7 @@ is installed.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -74,10 +74,28 @@ def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
     }
 
 
-def _keys(keys: Collection[vllm_base.OffloadKey]) -> Collection[OffloadKey]:
-    # Both OffloadKey types are NewTypes of the same bytes with the same
-    # encoding; the cast only renames the type, nothing is copied.
-    return cast("Collection[OffloadKey]", keys)
+class _StoreAnswer(Protocol):
+    """kvtriton's ``PrepareStoreOutput`` with its keys typed as vLLM's (the same bytes)."""
+
+    @property
+    def keys_to_store(self) -> list[vllm_base.OffloadKey]: ...
+    @property
+    def store_spec(self) -> LoadStoreSpec: ...
+    @property
+    def evicted_keys(self) -> list[vllm_base.OffloadKey]: ...
+
+
+class _VLLMKeyedManager(Protocol):
+    """A kvtriton manager seen with vLLM's key type: one cast at construction instead of one per call."""
+
+    def lookup(self, key: vllm_base.OffloadKey, req_context: ReqContext, /) -> LookupResult: ...
+    def prepare_load(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> LoadStoreSpec: ...
+    def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> None: ...
+    def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> None: ...
+    def prepare_store(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> _StoreAnswer | None: ...
+    def complete_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, success: bool = True, /
+    ) -> None: ...
 
 
 def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
@@ -110,8 +128,14 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._info: vllm_base.ConfigInfoMapping = info.as_config_info() if info is not None else {}
         # vLLM's events tracker expects a metadata-only removal for every failed store.
         cpu.report_dropped_stores = True
-        self._direct_lookup: Callable[[OffloadKey], vllm_base.LookupResult] | None = (
-            cpu.lookup_with(vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING)
+        # Both key types are NewTypes of the same bytes with the same encoding:
+        # the casts rename types once here, nothing is converted per call.
+        self._calls = cast(_VLLMKeyedManager, backing)
+        self._direct_lookup: Callable[[vllm_base.OffloadKey], vllm_base.LookupResult] | None = (
+            cast(
+                "Callable[[vllm_base.OffloadKey], vllm_base.LookupResult]",
+                cpu.lookup_with(vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING),
+            )
             if backing is cpu
             else None
         )
@@ -153,8 +177,8 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
         direct = self._direct_lookup
         if direct is not None:
-            return direct(cast("OffloadKey", key))
-        return _LOOKUP_RESULTS[self._backing.lookup(cast("OffloadKey", key), self._context(req_context))]
+            return direct(key)
+        return _LOOKUP_RESULTS[self._calls.lookup(key, self._context(req_context))]
 
     @override
     def get_load_source(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> CacheHitSource:
@@ -164,27 +188,27 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_load(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.LoadStoreSpec:
-        return _slot_spec(self._backing.prepare_load(_keys(keys), self._context(req_context)))
+        return _slot_spec(self._calls.prepare_load(keys, self._context(req_context)))
 
     @override
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._backing.touch(_keys(keys), self._context(req_context))
+        self._calls.touch(keys, self._context(req_context))
 
     @override
     def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._backing.complete_load(_keys(keys), self._context(req_context))
+        self._calls.complete_load(keys, self._context(req_context))
 
     @override
     def prepare_store(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        output = self._backing.prepare_store(_keys(keys), self._context(req_context))
+        output = self._calls.prepare_store(keys, self._context(req_context))
         if output is None:
             return None
         return vllm_base.PrepareStoreOutput(
-            keys_to_store=_vllm_keys(output.keys_to_store),
+            keys_to_store=output.keys_to_store,
             store_spec=_slot_spec(output.store_spec),
-            evicted_keys=_vllm_keys(output.evicted_keys),
+            evicted_keys=output.evicted_keys,
         )
 
     @override
@@ -194,7 +218,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         req_context: vllm_base.ReqContext,
         success: bool = True,
     ) -> None:
-        self._backing.complete_store(_keys(keys), self._context(req_context), success)
+        self._calls.complete_store(keys, self._context(req_context), success)
 
     @override
     def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:
@@ -225,7 +249,16 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
 
 
 def _position_reader(req_context: vllm_base.ReqContext) -> Callable[[OffloadKey], int | None]:
-    """Read the token positions vLLM's scheduler records in ``req_context`` (its keys are ours)."""
+    """Read the token positions vLLM's scheduler records in ``req_context`` (its keys are ours).
+
+    vLLM 0.33 keeps them in a dict behind ``get_offload_key_position``;
+    reading the dict's ``get`` directly spares a Python call per key when a
+    finished request's keys are ordered. Any other layout goes through the
+    public getter.
+    """
+    positions: object = getattr(req_context, "_offload_key_positions", None)
+    if type(positions) is dict:
+        return cast("dict[OffloadKey, int]", positions).get
     return cast("Callable[[OffloadKey], int | None]", req_context.get_offload_key_position)
 
 

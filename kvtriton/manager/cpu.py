@@ -257,17 +257,19 @@ class CPUOffloadingManager(OffloadingManager):
         """``prepare_store`` for a tracked request: record its keys, learn from misses, rank its keys head first."""
         blocks = self._blocks
         offered = keys if isinstance(keys, list) else list(keys)
-        new_keys: list[OffloadKey] = []
+        got = list(map(blocks.get, offered))
         ready: list[OffloadKey] = []
         skipped_pending = False
-        for key in offered:
-            block = blocks.get(key)
-            if block is None:
-                new_keys.append(key)
-            elif block.ref_cnt != PENDING:
-                ready.append(key)
-            else:
-                skipped_pending = True
+        if got.count(None) == len(got):
+            new_keys = offered[:]  # the usual offer: chunks nobody stored yet
+        else:
+            new_keys = [key for key, block in zip(offered, got) if block is None]
+            for key, block in zip(offered, got):
+                if block is not None:
+                    if block.ref_cnt != PENDING:
+                        ready.append(key)
+                    else:
+                        skipped_pending = True
         if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
             distinct = dict.fromkeys(new_keys)
             if len(distinct) != len(new_keys):

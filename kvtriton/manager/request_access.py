@@ -66,7 +66,7 @@ def head_first(keys: list[OffloadKey], position_of: Callable[[OffloadKey], int |
     positions = [position for position in map(position_of, keys) if position is not None]
     if len(positions) != len(keys):
         return keys
-    if all(earlier <= later for earlier, later in zip(positions, positions[1:])):
+    if positions == sorted(positions):  # C speed; linear on sorted input
         return keys  # already head to tail
     order = sorted(range(len(keys)), key=positions.__getitem__)
     return [keys[index] for index in order]

@@ -33,10 +33,13 @@ from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
+from kvtriton.tools.vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, vllm_order
 from kvtriton.tools.workloads import WORKLOADS, Request, generate, read_trace
 
 __all__ = [
+    "CALL_ORDERS",
     "DEFAULT_OUT",
+    "CallOrder",
     "PointReport",
     "SweepPoint",
     "TraceSummary",
@@ -106,6 +109,41 @@ def default_capacities(geometry: ModelGeometry, distinct_blocks: int, points: in
     return [capacity for capacity in capacities if geometry.blocks_for(capacity) >= 1]
 
 
+CALL_ORDERS = ("engine", "vllm")
+"""``engine``: request by request with ``touch`` (kvtriton.tools.replay); ``vllm``: vLLM 0.33's connector (kvtriton.tools.vllm_order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallOrder:
+    """How the manager is called: the order, and the knobs of vLLM's step model."""
+
+    name: str = "engine"
+    in_flight: int = 1
+    """``engine`` order: requests admitted before the oldest completes its loads and stores."""
+    arrivals: int = DEFAULT_ARRIVALS
+    """``vllm`` order: new requests scheduled per engine step."""
+    decode_steps: int = DEFAULT_DECODE_STEPS
+    """``vllm`` order: steps from a request's prompt computation to its end."""
+    sync_loads: bool = False
+    """``vllm`` order: a loading request computes in the step of its load instead of the next."""
+
+    def __post_init__(self) -> None:
+        if self.name not in CALL_ORDERS:
+            raise ValueError(f"call order must be one of {', '.join(CALL_ORDERS)}, got {self.name!r}")
+
+    def replay(self, requests: Sequence[PreparedRequest], manager: CPUOffloadingManager, block_size: int) -> ReplayStats:
+        if self.name == "vllm":
+            return vllm_order(
+                requests,
+                manager,
+                block_size=block_size,
+                arrivals=self.arrivals,
+                decode_steps=self.decode_steps,
+                sync_loads=self.sync_loads,
+            )
+        return replay(requests, manager, block_size=block_size, in_flight=self.in_flight)
+
+
 def sweep(
     requests: Sequence[PreparedRequest],
     geometry: ModelGeometry,
@@ -114,8 +152,13 @@ def sweep(
     *,
     in_flight: int = 1,
     show_progress: bool = True,
+    order: CallOrder | None = None,
 ) -> list[SweepPoint]:
-    """Replay ``requests`` once per (policy, capacity), each on a fresh manager."""
+    """Replay ``requests`` once per (policy, capacity), each on a fresh manager.
+
+    ``order`` picks the call order (default: the engine order with ``in_flight``).
+    """
+    call_order = order if order is not None else CallOrder(in_flight=in_flight)
     for capacity in capacities:
         if geometry.blocks_for(capacity) < 1:
             raise ValueError(
@@ -126,7 +169,7 @@ def sweep(
     for policy, capacity in progress(grid, len(grid), "simulate", enabled=show_progress):
         num_blocks = geometry.blocks_for(capacity)
         manager = CPUOffloadingManager(num_blocks, cache_policy=policy)
-        stats = replay(requests, manager, block_size=geometry.block_size, in_flight=in_flight)
+        stats = call_order.replay(requests, manager, geometry.block_size)
         points.append(SweepPoint(policy, capacity, num_blocks, stats))
     return points
 
@@ -283,6 +326,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="requests admitted before the oldest completes its loads and stores (default: 1)",
+    )
+    sim.add_argument(
+        "--call-order",
+        choices=list(CALL_ORDERS),
+        default="engine",
+        help="how the manager is called: 'engine' request by request with touch (kvtriton's API),"
+        " 'vllm' step by step as vLLM 0.33's OffloadingConnector calls it, no touch (default: engine)",
+    )
+    sim.add_argument(
+        "--arrivals",
+        type=_positive_int,
+        default=DEFAULT_ARRIVALS,
+        metavar="N",
+        help=f"--call-order vllm: new requests scheduled per engine step (default: {DEFAULT_ARRIVALS})",
+    )
+    sim.add_argument(
+        "--decode-steps",
+        type=_positive_int,
+        default=DEFAULT_DECODE_STEPS,
+        metavar="N",
+        help=f"--call-order vllm: steps from a request's prompt to its end (default: {DEFAULT_DECODE_STEPS})",
+    )
+    sim.add_argument(
+        "--sync-loads",
+        action="store_true",
+        help="--call-order vllm: a request that loads computes in the step of its load"
+        " (vLLM with sync_load_budget_bytes) instead of the next step (vLLM's default)",
     )
     sim.add_argument(
         "--bandwidth",
@@ -499,14 +569,18 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     show_progress = not args.no_progress
-    # The ceiling: capacity for every distinct block, so nothing is ever evicted.
-    unlimited = replay(
-        prepared,
-        CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"),
-        block_size=geometry.block_size,
+    order = CallOrder(
+        name=args.call_order,
         in_flight=args.in_flight,
+        arrivals=args.arrivals,
+        decode_steps=args.decode_steps,
+        sync_loads=args.sync_loads,
     )
-    points = sweep(prepared, geometry, capacities, args.policies, in_flight=args.in_flight, show_progress=show_progress)
+    # The ceiling: capacity for every distinct block, so nothing is ever evicted.
+    unlimited = order.replay(
+        prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
+    )
+    points = sweep(prepared, geometry, capacities, args.policies, show_progress=show_progress, order=order)
     reports = [PointReport.of(point, geometry, args.bandwidth) for point in points]
     working_set = summary.distinct_blocks * geometry.bytes_per_block
     record: dict[str, object] = {
@@ -534,6 +608,7 @@ def run(args: argparse.Namespace) -> int:
             "unlimited_token_hit_rate": unlimited.token_hit_rate,
         },
         "in_flight": args.in_flight,
+        "call_order": asdict(order),
         "bandwidth_gbps": args.bandwidth,
         "points": [asdict(report) for report in reports],
         "elapsed_seconds": time.perf_counter() - started,

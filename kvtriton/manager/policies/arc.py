@@ -30,10 +30,12 @@ def _take(
     taken: list[OffloadKey] = []
     if n <= 0:
         return taken
+    append = taken.append
     for key, block in entries:
         if block.ref_cnt == 0 and key not in protected:
-            taken.append(key)
-            if len(taken) == n:
+            append(key)
+            n -= 1
+            if not n:
                 break
     return taken
 
@@ -114,38 +116,48 @@ class ARCCachePolicy:
 
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2
+        t1_move, t2_move = t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
             if key in t1:
-                t1.move_to_end(key)
+                t1_move(key)
             elif key in t2:
-                t2.move_to_end(key)
+                t2_move(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
-        if not b1 and not b2:
+        # Most stored keys were never evicted: find the ghosts at C speed first.
+        in_b1 = b1.keys() & keys if b1 else ()
+        in_b2 = b2.keys() & keys if b2 else ()
+        if not in_b1 and not in_b2:
             return
+        capacity = float(self._capacity)
         for key in reversed(keys):
-            if key in b1 or key in b2:
-                self._adapt_to_ghost(key)
+            if key in in_b1:
+                self._target = min(self._target + max(1.0, len(b2) / len(b1)), capacity)
+                b1.move_to_end(key)
+            elif key in in_b2:
+                self._target = max(self._target - max(1.0, len(b1) / len(b2)), 0.0)
+                b2.move_to_end(key)
 
     def on_request_finished(
         self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
     ) -> None:
         t1, t2 = self._t1, self._t2
+        t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
             if key in reused:
                 # One reuse per request: T1 -> T2, or refreshed in T2.
-                block = t1.pop(key, None)
+                block = t1_pop(key, None)
                 if block is not None:
                     t2[key] = block
                 elif key in t2:
-                    t2.move_to_end(key)
+                    t2_move(key)
             elif key in inserted:
                 # A store is not a use: recency only, in whichever list holds it.
                 if key in t1:
-                    t1.move_to_end(key)
+                    t1_move(key)
                 elif key in t2:
-                    t2.move_to_end(key)
+                    t2_move(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
@@ -164,19 +176,24 @@ class ARCCachePolicy:
         if len(fallback) < short:
             return None
 
+        # One pass per list moves each victim into its ghost list.
         b1, b2 = self._b1, self._b2
         for key in from_t1:
             del t1[key]
+            b1[key] = None
         for key in from_t2:
             del t2[key]
+            b2[key] = None
         for key in fallback:
             del t1[key]
-        b1.update(dict.fromkeys(from_t1))
-        b1.update(dict.fromkeys(fallback))
-        b2.update(dict.fromkeys(from_t2))
+            b1[key] = None
+        capacity = self._capacity
         for ghost in (b1, b2):
-            for _ in range(len(ghost) - self._capacity):
-                ghost.popitem(last=False)
+            excess = len(ghost) - capacity
+            if excess > 0:
+                popitem = ghost.popitem
+                for _ in range(excess):
+                    popitem(last=False)
         return from_t1 + from_t2 + fallback
 
     def clear(self) -> None:
