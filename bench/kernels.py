@@ -257,7 +257,7 @@ def print_ptx_summary(page_sizes: Sequence[int], num_pages: int, bytes_per_iter:
     accesses per thread times the threads): host reads are latency-bound, so
     that is the bytes a program keeps in flight.
     """
-    from kvtriton.kernels.codegen import compile_copy_pages, compile_descriptor_copy, production_config
+    from bench.codegen import compile_copy_pages, compile_descriptor_copy, production_config
 
     rows: list[list[object]] = []
     records: list[dict[str, object]] = []

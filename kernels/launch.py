@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -208,6 +209,14 @@ class CopyLauncher:
         self.slab = slab_elements(slab, self.config.element_bytes)
         slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
         self.row_stride = slab_stride // self.config.element_bytes
+        config, empty = self.config, self.table[:0]
+        self._templates = {
+            to_slab: CopyArguments(
+                self.table, self.slab, empty, empty, 0, self.row_stride, to_slab, config.num_pages,
+                config.page_elems, config.chunk, config.pairs, config.uniform, config.even, config.word, config.num_warps,
+            )  # fmt: skip
+            for to_slab in (True, False)
+        }
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         """A device guard when the pages' GPU is not the current one (Triton launches on the current device)."""
@@ -236,34 +245,16 @@ class CopyLauncher:
                 self._launch(to_slab, indices[:32], indices[32:], 0, 1)
 
     def _launch(self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int) -> None:
-        from .jit.copy_pages import launch_copy_pages, specialization_key  # imports triton
+        from .jit import copy_pages  # imports triton; a dictionary lookup after the first call
 
-        config = self.config
-        arguments = CopyArguments(
-            table=self.table,
-            slab=self.slab,
-            blocks=blocks,
-            rows=rows,
-            num_pairs=count,
-            row_stride=self.row_stride,
-            to_slab=to_slab,
-            num_pages=config.num_pages,
-            page_elems=config.page_elems,
-            chunk=config.chunk,
-            pairs=config.pairs,
-            uniform=config.uniform,
-            even=config.even,
-            word=config.word,
-            num_warps=config.num_warps,
-        )
+        arguments = self._templates[to_slab]._replace(blocks=blocks, rows=rows, num_pairs=count)
         if _variant_log is not None:
-            _variant_log.add(specialization_key(arguments))
-        launch_copy_pages(arguments, interpret=self.interpret, grid=grid)
+            _variant_log.add(copy_pages.specialization_key(arguments))
+        copy_pages.launch_copy_pages(arguments, interpret=self.interpret, grid=grid)
 
 
-@dataclass(frozen=True, slots=True)
-class CopyArguments:
-    """The arguments of one copy-kernel launch, by kernel parameter."""
+class CopyArguments(NamedTuple):
+    """The arguments of one copy-kernel launch, by kernel parameter (a tuple: cheap to build per job)."""
 
     table: torch.Tensor
     slab: torch.Tensor

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
 __all__ = [
     "IndexBounds",
@@ -168,36 +171,63 @@ def _check_index(index: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(index.shape)}")
 
 
-def check_index_range(index: torch.Tensor, name: str, bound: int, what: str) -> None:
+def _host_values(index: torch.Tensor | NDArray[np.int64]) -> NDArray[np.int64] | None:
+    """The values as a numpy array when they are on the host (numpy is faster on small host arrays), else None."""
+    if isinstance(index, np.ndarray):
+        return index
+    if index.device.type == "cpu":
+        return cast("NDArray[np.int64]", index.numpy())
+    return None
+
+
+def check_index_range(index: torch.Tensor | NDArray[np.int64], name: str, bound: int, what: str) -> None:
     """Every value of ``index`` must lie in ``0..bound-1``; the error names the first bad position and value.
 
     The one range check of the package: the public kernels run it on their
-    index tensors, the engine's planner on each job's host indices.
+    index tensors, the engine's planner on each job's host indices (numpy).
     """
-    if index.numel() == 0:
-        return
-    low, high = torch.aminmax(index)
-    if int(low) >= 0 and int(high) < bound:
-        return
-    bad = (index < 0) | (index >= bound)
-    position = int(torch.nonzero(bad)[0, 0])
-    raise ValueError(
-        f"{name}[{position}] = {int(index[position])} is out of range: there are {bound} {what} (valid 0..{bound - 1})"
-    )
+    host = _host_values(index)
+    if host is not None:
+        if host.size == 0 or (int(host.min()) >= 0 and int(host.max()) < bound):
+            return
+        position = int(np.flatnonzero((host < 0) | (host >= bound))[0])
+        value = int(host[position])
+    else:
+        assert isinstance(index, torch.Tensor)
+        if index.numel() == 0:
+            return
+        low, high = torch.aminmax(index)
+        if int(low) >= 0 and int(high) < bound:
+            return
+        position = int(torch.nonzero((index < 0) | (index >= bound))[0, 0])
+        value = int(index[position])
+    raise ValueError(f"{name}[{position}] = {value} is out of range: there are {bound} {what} (valid 0..{bound - 1})")
 
 
-def check_unique(index: torch.Tensor, name: str) -> None:
+def check_unique(index: torch.Tensor | NDArray[np.int64], name: str) -> None:
     """No value may appear twice in ``index`` (a destination written twice in one parallel copy races)."""
-    if index.numel() < 2:
-        return
-    ordered = torch.sort(index).values
-    repeated = ordered[1:] == ordered[:-1]
-    if bool(repeated.any()):
+    host = _host_values(index)
+    if host is not None:
+        if host.size < 2:
+            return
+        ordered_host = np.sort(host)
+        repeated_host = ordered_host[1:] == ordered_host[:-1]
+        if not repeated_host.any():
+            return
+        value = int(ordered_host[1:][repeated_host][0])
+    else:
+        assert isinstance(index, torch.Tensor)
+        if index.numel() < 2:
+            return
+        ordered = torch.sort(index).values
+        repeated = ordered[1:] == ordered[:-1]
+        if not bool(repeated.any()):
+            return
         value = int(ordered[1:][repeated][0])
-        raise ValueError(
-            f"{name} names destination {value} more than once; a destination may be written only once per call "
-            "(the parallel kernel has no 'last one wins' order)"
-        )
+    raise ValueError(
+        f"{name} names destination {value} more than once; a destination may be written only once per call "
+        "(the parallel kernel has no 'last one wins' order)"
+    )
 
 
 @dataclass(frozen=True, slots=True)

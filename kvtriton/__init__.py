@@ -30,9 +30,9 @@ from kvtriton.specs import (
 
 if TYPE_CHECKING:
     from kvtriton.worker.backends import TransferBackend
-    from kvtriton.worker.engine import TransferEngine, TransferResult
+    from kvtriton.worker.engine import TransferEngine, TransferLane, TransferResult
     from kvtriton.worker.layout import KVLayout, PagedKV
-    from kvtriton.worker.slab import HostSlab, PageableSlabWarning
+    from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 __version__ = "0.1.0"
 
@@ -42,8 +42,10 @@ _WORKER_NAMES: dict[str, str] = {
     "KVLayout": "kvtriton.worker.layout",
     "PageableSlabWarning": "kvtriton.worker.slab",
     "PagedKV": "kvtriton.worker.layout",
+    "SlabPinningError": "kvtriton.worker.slab",
     "TransferBackend": "kvtriton.worker.backends",
     "TransferEngine": "kvtriton.worker.engine",
+    "TransferLane": "kvtriton.worker.engine",
     "TransferResult": "kvtriton.worker.engine",
 }
 
@@ -74,8 +76,10 @@ __all__ = [
     "PagedKV",
     "PrepareStoreOutput",
     "ReqContext",
+    "SlabPinningError",
     "TransferBackend",
     "TransferEngine",
+    "TransferLane",
     "TransferResult",
     "get_offload_block_hash",
     "get_offload_group_idx",

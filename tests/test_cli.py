@@ -13,7 +13,7 @@ def test_info_reports_versions_and_machine_facts(capsys: pytest.CaptureFixture[s
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {
         "python", "torch", "triton", "cuda_available", "device_name",
-        "pinned_memory", "memlock_limit", "triton_interpret",
+        "pinned_memory", "memlock_limit", "triton_interpret", "memlock_verdict", "engine_warmup",
     }
     assert report["torch"].startswith("2.")
     assert report["triton_interpret"] is True  # conftest sets it for the kernel tests

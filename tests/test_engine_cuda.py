@@ -227,3 +227,67 @@ def test_an_empty_job_succeeds_at_once_on_every_backend(tensors: list[torch.Tens
         assert transfer.submit_load(2, CPULoadStoreSpec([]), GPULoadStoreSpec([]), expedited=True)
         results = transfer.get_finished()  # no wait: nothing was queued
         assert sorted((r.job_id, r.success, r.transfer_size) for r in results) == [(1, True, 0), (2, True, 0)]
+
+
+def test_a_pageable_slab_job_returns_before_the_forward_pass_ends(tensors: list[torch.Tensor]) -> None:
+    kv = PagedKV.from_tensors(tensors)
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab) as transfer:
+        assert transfer.backend is TransferBackend.DMA
+        expected = block_bytes(transfer, 4)
+        spin_compute_stream()  # the "forward pass"
+        store(transfer, 0, [4], [3])
+        load(transfer, 1, [3], [7])
+        # submit_* returned while the compute stream is still busy: it did not wait for it.
+        assert not torch.cuda.current_stream().query()
+        finish(transfer, 0)
+        finish(transfer, 1)
+        assert row_bytes(transfer, 3) == expected and block_bytes(transfer, 7) == expected
+
+
+def _compiled_variants() -> int:
+    """How many variants Triton's launcher holds for the copy kernel on the current device."""
+    from kvtriton.kernels.jit.copy_pages import compiled_variant_count
+
+    return compiled_variant_count(torch.cuda.current_device())
+
+
+def test_jobs_after_warm_up_compile_nothing(tensors: list[torch.Tensor]) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    with slab, transfer:
+        warmed = _compiled_variants()
+        job = 0
+        for size in (1, 2, 3, 7, 16):
+            blocks = list(range(size))
+            store(transfer, job, blocks, blocks)
+            load(transfer, job + 1, blocks, [block + 16 for block in blocks])
+            assert transfer.submit_load(job + 2, CPULoadStoreSpec(blocks), GPULoadStoreSpec(blocks), expedited=True)
+            finish(transfer, job, job + 1, job + 2)
+            job += 3
+        assert _compiled_variants() == warmed
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+def test_an_engine_on_the_second_gpu_copies_there_whichever_gpu_is_current() -> None:
+    tensors = [layer.to("cuda:1") for layer in make_tensors()]
+    kv = PagedKV.from_tensors(tensors)
+    with torch.cuda.device(0), HostSlab(SLOTS, 1, kv.row_bytes, pin=True) as slab, TransferEngine(kv, slab, "triton") as transfer:
+        expected = block_bytes(transfer, 5)
+        store(transfer, 0, [5], [2])
+        load(transfer, 1, [2], [9])
+        finish(transfer, 0, 1)
+        assert block_bytes(transfer, 9) == expected
+
+
+@two_gpus
+def test_a_call_with_tensors_on_two_gpus_is_refused_before_anything_is_written() -> None:
+    from kvtriton.kernels import gather_pages
+
+    pages = [torch.ones(4, 64, dtype=torch.uint8, device="cuda:0"), torch.ones(4, 64, dtype=torch.uint8, device="cuda:1")]
+    slab = torch.zeros(4, 128, dtype=torch.uint8, device="cuda:0")
+    index = torch.arange(2, device="cuda:0")
+    with pytest.raises(ValueError, match="is on cuda:1 but"):
+        gather_pages(pages, slab, index, index)
+    assert int(slab.sum()) == 0

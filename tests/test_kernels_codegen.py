@@ -8,7 +8,7 @@ from typing import cast
 import pytest
 
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
-from kvtriton.kernels.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
+from bench.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 
 # A Llama-3-8B-shaped job: 32 layers x (K, V) page tensors.
 NUM_PAGES = 64
@@ -16,7 +16,7 @@ NUM_PAGES = 64
 
 @functools.lru_cache(maxsize=None)
 def compiled(page_bytes: int, to_slab: bool, index_type: str = "i64") -> CompiledKernel:
-    from kvtriton.kernels.jit.compile import UnsupportedTriton
+    from bench.compile_asm import UnsupportedTriton
 
     try:
         return compile_copy_pages(production_config(page_bytes, NUM_PAGES), to_slab=to_slab, index_type=index_type)
@@ -146,7 +146,7 @@ def test_a_4097_byte_page_falls_back_to_byte_accesses(to_slab: bool) -> None:
 
 
 def test_the_descriptor_per_copy_baseline_compiles_to_8_byte_scalar_accesses() -> None:
-    from kvtriton.kernels.jit.compile import UnsupportedTriton
+    from bench.compile_asm import UnsupportedTriton
 
     try:
         accesses = compile_descriptor_copy().accesses()
@@ -162,7 +162,7 @@ def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compi
     # Triton's launcher turns an int argument equal to 1 into a compile-time
     # constant (a plain int in the body): a one-pair job, or a one-element row
     # stride, must compile as well as the general case, in both code paths.
-    from kvtriton.kernels.jit.compile import UnsupportedTriton, compile_asm
+    from bench.compile_asm import UnsupportedTriton, compile_asm
 
     config = production_config(page_bytes, 2)
     assert (config.pairs > 1) == (page_bytes < DEFAULT_BYTES_PER_ITER)

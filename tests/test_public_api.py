@@ -30,8 +30,29 @@ def test_worker_names_resolve_on_first_use_to_their_defining_module() -> None:
     assert kvtriton.PagedKV is PagedKV
 
 
+def test_the_worker_api_of_issue_10_is_public() -> None:
+    from kvtriton.worker.engine import TransferLane
+    from kvtriton.worker.slab import SlabPinningError
+
+    assert kvtriton.TransferLane is TransferLane
+    assert kvtriton.SlabPinningError is SlabPinningError
+    assert issubclass(SlabPinningError, RuntimeError)
+
+
 def test_unknown_attribute_raises_attribute_error() -> None:
     import pytest
 
     with pytest.raises(AttributeError, match="no_such_name"):
         _ = kvtriton.no_such_name
+
+
+def test_the_kernel_package_ships_only_what_users_run() -> None:
+    import importlib.util
+
+    import kvtriton.kernels
+
+    # PTX inspection and compile-only tools live in bench/, outside the wheel.
+    assert importlib.util.find_spec("kvtriton.kernels.codegen") is None
+    assert importlib.util.find_spec("kvtriton.kernels.jit.compile") is None
+    assert not hasattr(kvtriton.kernels, "Path")  # was an enum shadowing pathlib.Path; now KernelPath
+    assert kvtriton.kernels.KernelPath.TRITON.value == "triton"

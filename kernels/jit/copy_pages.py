@@ -148,6 +148,18 @@ def _variant(interpret: bool):
     return _VARIANTS[interpret]
 
 
+def compiled_variant_count(device_index: int) -> int:
+    """How many variants Triton's launcher has compiled for the copy kernel on this device so far.
+
+    Triton >= 3.3 keeps them in ``device_caches[device][0]``, older releases in ``cache[device]``.
+    """
+    kernel = _variant(False)
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return len(caches[device_index][0])
+    return len(kernel.cache[device_index])
+
+
 _RUNTIME_PARAMETERS = ("table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "num_pairs", "row_stride")
 
 

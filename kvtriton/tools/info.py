@@ -9,7 +9,7 @@ import platform
 import resource
 from dataclasses import dataclass
 
-__all__ = ["MachineInfo", "add_arguments", "collect_machine_info", "run"]
+__all__ = ["MachineInfo", "add_arguments", "collect_machine_info", "measure_warmup", "memlock_verdict", "run"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,18 +82,66 @@ def collect_machine_info() -> MachineInfo:
     )
 
 
+def memlock_verdict(limit_bytes: int | None, slab_bytes: int | None) -> str:
+    """Say plainly whether RLIMIT_MEMLOCK (``None`` = unlimited) lets this process pin a slab of ``slab_bytes``."""
+    from kvtriton.tools.geometry import format_bytes
+    from kvtriton.worker.slab import MEMLOCK_ADVICE
+
+    if limit_bytes is None:
+        return "unlimited: a slab of any size can be pinned"
+    limit = format_bytes(limit_bytes)
+    if slab_bytes is None:
+        return f"slabs up to {limit} can be pinned (pass --slab-size to check a size)"
+    size = format_bytes(slab_bytes)
+    if slab_bytes <= limit_bytes:
+        return f"enough: a {size} slab fits under the {limit} limit"
+    return (
+        f"TOO LOW to pin a {size} slab: the limit is {limit} and cudaHostRegister will fail "
+        f"(unless the process has CAP_IPC_LOCK); {MEMLOCK_ADVICE}"
+    )
+
+
+def measure_warmup() -> str:
+    """Build a small Triton engine on the first GPU and report how long its warm-up (kernel compiles) took."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "not measured: no CUDA device (the kernels compile only for a GPU)"
+    from kvtriton.worker.engine import TransferEngine
+    from kvtriton.worker.layout import PagedKV
+    from kvtriton.worker.slab import HostSlab
+
+    kv = PagedKV.from_tensors([torch.zeros((2, 4, 16, 8, 128), dtype=torch.bfloat16, device="cuda")])
+    try:
+        with HostSlab(4, 1, kv.row_bytes, pin=True) as slab, TransferEngine(kv, slab, "triton") as engine:
+            seconds = engine.warmup_seconds
+    except (RuntimeError, ValueError) as error:
+        return f"not measured: {error}"
+    return f"{seconds:.2f} s (gather and scatter compiled when an engine is built; Triton's disk cache makes later starts faster)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtriton.tools.geometry import parse_capacity
+
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--slab-size", type=parse_capacity, default=None, metavar="SIZE",
+        help="say whether the memlock limit allows pinning a host slab of this size, e.g. 96GiB",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from kvtriton.worker.slab import memlock_limit_bytes
+
     info = collect_machine_info()
-    if args.json:
-        print(json.dumps(info.as_dict(), indent=2))
-        return 0
     rows = info.as_dict()
+    rows["memlock_verdict"] = memlock_verdict(memlock_limit_bytes(), args.slab_size)
+    rows["engine_warmup"] = measure_warmup()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
     width = max(len(name) for name in rows)
     for name, value in rows.items():
         print(f"{name.replace('_', ' '):<{width}}  {value}")

@@ -49,7 +49,7 @@ from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.launch import CopyLauncher
 from kvtriton.kernels.reference import consecutive_runs, gather_unchecked, scatter_unchecked
 from kvtriton.kernels.validation import PageGeometry
-from kvtriton.worker.cudart import memcpy_2d_async
+from kvtriton.worker.cudart import loaded_cudart, memcpy_2d_async
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan, host_tensor
 
@@ -220,6 +220,15 @@ class _PitchedPages:
         )
 
 
+def _require_cudart(backend: str) -> None:
+    """Refuse at engine build, not at the first job, when the strided copy cannot be issued."""
+    if loaded_cudart() is None:
+        raise ValueError(
+            f"backend={backend!r} on CUDA issues cudaMemcpy2DAsync from the libcudart torch loaded, "
+            "but no libcudart is mapped into this process; use backend='triton' with a pinned slab"
+        )
+
+
 def dma_runs(plan: TransferPlan) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
     """First block, first row and length of each run consecutive on both sides."""
     runs = consecutive_runs(host_tensor(plan.gpu_blocks), host_tensor(plan.slab_rows))
@@ -238,6 +247,8 @@ class DmaCopy:
         self.kv = kv
         self.slab = slab
         self._cuda = kv.device.type == "cuda"
+        if self._cuda:
+            _require_cudart("dma")
         self._pitched = _PitchedPages.of(kv, slab)
         self._byte_pages = kv.byte_pages()
 
@@ -286,6 +297,8 @@ class TorchCopy:
         self.kv = kv
         self.slab = slab
         self._cuda = kv.device.type == "cuda"
+        if self._cuda:
+            _require_cudart("torch")
         self._pitched = _PitchedPages.of(kv, slab)
 
     @property

@@ -71,6 +71,8 @@ def _check_factor(block_size_factor: int) -> None:
 def slots_needed(gpu: GPULoadStoreSpec, block_size_factor: int) -> int:
     """How many slots ``gpu`` spans: the length the matching CPU spec must have."""
     _check_factor(block_size_factor)
+    if block_size_factor == 1:
+        return len(gpu.block_ids)
     total = 0
     for size, index in zip(gpu.group_sizes, gpu.block_indices):
         if size:
@@ -109,10 +111,19 @@ def plan_transfer(
             f"block_indices={list(gpu.block_indices)}, block_size_factor={f})"
         )
     if num_gpu_blocks is not None:
-        check_index_range(host_tensor(gpu.block_ids), "GPU block_ids", num_gpu_blocks, "GPU blocks")
+        check_index_range(gpu.block_ids, "GPU block_ids", num_gpu_blocks, "GPU blocks")
     if num_slots is not None:
-        check_index_range(host_tensor(slots), "CPU block_ids", num_slots, "slots")
+        check_index_range(slots, "CPU block_ids", num_slots, "slots")
+    rows = slots if f == 1 else _rows(gpu, slots, f)  # one block per slot: row = slot
+    if direction is TransferDirection.STORE:
+        check_unique(rows, "slab rows")
+    else:
+        check_unique(gpu.block_ids, "GPU block_ids")
+    return TransferPlan(direction=direction, gpu_blocks=gpu.block_ids, slab_rows=rows)
 
+
+def _rows(gpu: GPULoadStoreSpec, slots: NDArray[np.int64], f: int) -> NDArray[np.int64]:
+    """The slab row of each GPU block, group by group (a loop over groups, vectorised within each)."""
     within_slot = np.arange(f, dtype=np.int64)
     parts: list[NDArray[np.int64]] = []
     slot_cursor = 0
@@ -125,10 +136,4 @@ def plan_transfer(
         slot_cursor += count
         rows = np.repeat(group_slots * f, f) + np.tile(within_slot, count)
         parts.append(rows[skip : skip + size])
-    rows = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-    if direction is TransferDirection.STORE:
-        check_unique(host_tensor(rows), "slab rows")
-    else:
-        check_unique(host_tensor(gpu.block_ids), "GPU block_ids")
-    return TransferPlan(direction=direction, gpu_blocks=gpu.block_ids, slab_rows=rows)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

@@ -1,7 +1,7 @@
 """What the production kernel compiles to, without a GPU: access widths and index arithmetic.
 
 Compiles :func:`copy_pages_kernel` for ``sm_90`` with the configuration that a
-real launch would use for a page size (see :func:`plan_launch`), then reads the
+real launch would use for a page size (see :func:`kvtriton.kernels.launch.launch_config`), then reads the
 PTX (global load/store widths) and the TTIR (integer multiplies). The tests use
 this as a quality gate; ``bench/kernels.py --ptx`` prints it next to the
 descriptor-per-copy baseline.
@@ -13,8 +13,8 @@ import collections
 import re
 from dataclasses import dataclass
 
-from .launch import MAX_NUM_WARPS, LaunchConfig, make_config, word_width
-from .pages import DEFAULT_BYTES_PER_ITER
+from kvtriton.kernels.launch import MAX_NUM_WARPS, LaunchConfig, make_config, word_width
+from kvtriton.kernels.pages import DEFAULT_BYTES_PER_ITER
 
 __all__ = ["AccessSummary", "CompiledKernel", "compile_copy_pages", "compile_descriptor_copy", "production_config"]
 
@@ -120,7 +120,7 @@ def _count_accesses(ptx: str) -> AccessSummary:
 def production_config(page_bytes: int, num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER) -> LaunchConfig:
     """The launch configuration for uniform pages of ``page_bytes`` with 16-byte aligned bases and slab.
 
-    What :func:`kernels.launch.plan_launch` picks in the usual case, in which
+    What :func:`kvtriton.kernels.launch.launch_config` picks in the usual case, in which
     the word width is set by the page size alone.
     """
     return make_config(word_width(page_bytes), [page_bytes] * num_pages, bytes_per_iter)
@@ -131,7 +131,7 @@ _ELEMENT_TYPES = {8: "i64", 4: "i32", 2: "i16", 1: "i8"}
 
 def compile_copy_pages(config: LaunchConfig, *, to_slab: bool, index_type: str = "i64", arch: int = 90) -> CompiledKernel:
     """Compile the gather (``to_slab``) or scatter kernel for ``config`` on ``sm_<arch>``."""
-    from .jit.compile import compile_asm
+    from bench.compile_asm import compile_asm
 
     element = _ELEMENT_TYPES[config.element_bytes]
     asm = compile_asm(
@@ -156,7 +156,7 @@ def compile_copy_pages(config: LaunchConfig, *, to_slab: bool, index_type: str =
 
 def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKernel:
     """Compile the vLLM-style descriptor-per-copy baseline (``kernels/jit/descriptor_copy.py``)."""
-    from .jit.compile import compile_asm
+    from bench.compile_asm import compile_asm
 
     asm = compile_asm(
         "descriptor_copy",

@@ -1,0 +1,134 @@
+"""Where ``dma`` beats ``triton``: both backends, both directions, over page sizes; the crossover sets ``AUTO_TABLE``.
+
+Run ``python -m bench.crossover`` on a GPU (``bench/gpu_check.sh`` does).
+For each page size and GPU block pattern it builds one engine per backend
+over the same pages and pinned slab, runs store and load jobs, and takes the
+median job time the engine itself measures (CUDA events around each job,
+``TransferResult.transfer_time``). It prints, per direction and pattern, the
+smallest page size from which ``dma`` is faster: the ``min_page_bytes`` of a
+``(cuda, pinned, direction, min_page_bytes, dma)`` row of
+``kvtriton.worker.backends.AUTO_TABLE``. ``--device cpu`` rehearses the same
+code on CPU with ``torch`` in place of ``triton`` (no timing meaning).
+JSON goes to ``bench/results/crossover.json`` (``$KVTRITON_BENCH_OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bench.common import format_table, write_json
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.tools.progress import progress
+from kvtriton.worker.engine import TransferEngine
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.slab import HostSlab
+
+KiB = 1024
+RUN_BLOCKS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    backend: str
+    direction: str
+    pattern: str
+    page_bytes: int
+    seconds: float
+    gbps: float
+
+
+def gpu_blocks(pattern: str, count: int, generator: torch.Generator) -> list[int]:
+    """``count`` distinct blocks out of ``2 * count``: shuffled, or runs of RUN_BLOCKS consecutive blocks in random order."""
+    if pattern == "random":
+        return [int(block) for block in torch.randperm(2 * count, generator=generator)[:count]]
+    starts = torch.randperm(2 * count // RUN_BLOCKS, generator=generator)[: count // RUN_BLOCKS] * RUN_BLOCKS
+    return [int(start) + offset for start in starts for offset in range(RUN_BLOCKS)]
+
+
+def time_backend(kv: PagedKV, slab: HostSlab, backend: str, blocks: list[int], jobs: int) -> dict[str, float]:
+    """Median seconds per store job and per load job of ``blocks`` into the first slots."""
+    slots = CPULoadStoreSpec(list(range(len(blocks))))
+    gpu = GPULoadStoreSpec(blocks)
+    times: dict[str, list[float]] = {"store": [], "load": []}
+    with TransferEngine(kv, slab, backend) as engine:
+        for job in range(jobs + 1):  # job 0 warms caches
+            assert engine.submit_store(2 * job, gpu, slots) and engine.submit_load(2 * job + 1, slots, gpu)
+            engine.wait({2 * job, 2 * job + 1})
+            for result in engine.get_finished():
+                if job:
+                    times["store" if result.transfer_type == ("GPU", "CPU") else "load"].append(result.transfer_time)
+    return {direction: statistics.median(values) for direction, values in times.items()}
+
+
+def crossover(timings: Sequence[Timing], fast: str, direction: str, pattern: str) -> int | None:
+    """The smallest page size from which ``dma`` is faster than ``fast`` at every larger size in the sweep."""
+    sizes = sorted({t.page_bytes for t in timings})
+    by = {(t.backend, t.page_bytes): t.seconds for t in timings if t.direction == direction and t.pattern == pattern}
+    winning = [size for size in sizes if by[("dma", size)] < by[(fast, size)]]
+    for size in sizes:
+        if all(larger in winning for larger in sizes if larger >= size):
+            return size
+    return None
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.crossover", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--page-kib", type=float, nargs="+", default=[0.25, 1, 4, 16, 64], help="page sizes in KiB (default: 0.25 1 4 16 64)")
+    parser.add_argument("--layers", type=int, default=16, help="layers, two page tensors (K, V) each (default: 16)")
+    parser.add_argument("--blocks", type=int, default=128, help="blocks per job, a multiple of 16 (default: 128)")
+    parser.add_argument("--jobs", type=int, default=5, help="timed jobs per direction, median reported (default: 5)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
+    parser.add_argument("--name", default="crossover", help="result file stem (default: crossover)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.blocks < RUN_BLOCKS or args.blocks % RUN_BLOCKS:
+        raise SystemExit(f"--blocks must be a positive multiple of {RUN_BLOCKS}, got {args.blocks}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    fast = "triton" if device == "cuda" else "torch"  # on CPU a rehearsal: the interpreter's timings mean nothing
+    page_sizes = sorted({int(kib * KiB) for kib in args.page_kib})
+    generator = torch.Generator().manual_seed(0)
+    patterns = {pattern: gpu_blocks(pattern, args.blocks, generator) for pattern in ("random", "runs")}
+    timings: list[Timing] = []
+    cases = [(size, pattern) for size in page_sizes for pattern in patterns]
+    for page_bytes, pattern in progress(cases, len(cases), "dma vs triton", stream=sys.stderr):
+        elements = page_bytes // 2  # bf16 pages of (elements,) each
+        tensors = [torch.randn((2, 2 * args.blocks, elements), device=device).to(torch.bfloat16) for _ in range(args.layers)]
+        kv = PagedKV.from_tensors(tensors, layout="flash_attn")
+        with HostSlab(args.blocks, 1, kv.row_bytes, pin=device == "cuda") as slab:
+            for backend in (fast, "dma"):
+                medians = time_backend(kv, slab, backend, patterns[pattern], args.jobs)
+                moved = args.blocks * kv.row_bytes
+                timings += [
+                    Timing(backend, direction, pattern, page_bytes, seconds, moved / seconds / 1e9)
+                    for direction, seconds in medians.items()
+                ]
+        del tensors, kv
+    table = [[t.direction, t.pattern, t.page_bytes, t.backend, t.seconds * 1e3, t.gbps] for t in timings]
+    print(format_table(["direction", "gpu blocks", "page B", "backend", "ms/job", "GB/s"], table))
+    crossings: dict[str, int | None] = {}
+    for direction in ("store", "load"):
+        for pattern in patterns:
+            size = crossover(timings, fast, direction, pattern)
+            crossings[f"{direction}/{pattern}"] = size
+            verdict = f"dma from {size} B pages on" if size is not None else f"{fast} at every page size swept"
+            print(f"crossover {direction:5s} {pattern:6s}: {verdict}")
+    payload: dict[str, object] = {
+        "device": device, "layers": args.layers, "blocks": args.blocks, "jobs": args.jobs, "compared": [fast, "dma"],
+        "crossover_page_bytes": crossings, "results": [asdict(t) for t in timings],
+        "note": "job times are the engine's CUDA-event timings; a crossover sets AUTO_TABLE's min_page_bytes for dma",
+    }  # fmt: skip
+    print(f"wrote {write_json(args.name, payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

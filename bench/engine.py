@@ -1,0 +1,193 @@
+"""Host cost of a transfer job: ``submit_store`` + ``submit_load`` with the copy itself a no-op, now vs before.
+
+Run ``python -m bench.engine`` (``--quick`` for a smoke test). For 64 and 160
+page tensors (32 and 80 FlashAttention layers, K and V) and jobs of 1, 16 and
+256 blocks it times a loop of ``submit_store``, ``submit_load`` and
+``get_finished`` on a ``backend="triton"`` engine whose kernel launch
+(``kvtriton.kernels.jit.copy_pages.launch_copy_pages``) is replaced by a no-op,
+so only the host path is timed: planning, validation, staging, launch
+preparation, events. It reports microseconds per job (two jobs per loop)
+for the best pass, the usual figure for a host-overhead microbenchmark on a
+shared machine (other processes only ever add time), and the median pass.
+
+The same measurement runs, in the same invocation, on the code path before
+the worker redesign: the package as of commit ``BASELINE_COMMIT`` is
+extracted from this checkout's git history (``git archive``) into a
+temporary folder and measured there, in a child process of its own. Each
+tree is measured in a child process with ``PYTHONPATH`` pointing at it, so
+the two never share imports. On CPU the kernels take Triton's interpreter
+path (``TRITON_INTERPRET=1``), which is the same host path up to the launch;
+on CUDA the engine also stages indices and records events.
+
+Goals (issue 10): at most 40 us per job at 64 page tensors and 60 us at 160.
+JSON goes to ``bench/results/engine.json`` (``$KVTRITON_BENCH_OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+BASELINE_COMMIT = "fa74cdaf86b93282005aaa3dde83ab972f9adb78"
+"""The last commit before the worker redesign: the package laid out by side, the old hot path intact."""
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_BLOCKS = 512
+GOALS_US = {64: 40.0, 160: 60.0}
+
+
+def measure(page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str) -> list[dict[str, float]]:
+    """Microseconds per job (best and median pass) per block count, on whatever ``kvtriton`` is importable."""
+    import torch
+
+    import kvtriton.kernels.jit.copy_pages as jit_module
+    from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvtriton.worker.engine import TransferEngine
+    from kvtriton.worker.layout import PagedKV
+    from kvtriton.worker.slab import HostSlab
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        del args, kwargs
+
+    jit_module.launch_copy_pages = no_launch  # the copy itself is what is left out
+    layers = page_tensors // 2
+    # Small pages: with the copy a no-op, the host path does not depend on the page size.
+    tensors = [torch.zeros((2, NUM_BLOCKS, 4, 2, 16), dtype=torch.bfloat16, device=device) for _ in range(layers)]
+    kv = PagedKV.from_tensors(tensors)
+    slab = HostSlab(NUM_BLOCKS, 1, kv.row_bytes, pin=device == "cuda")
+    engine = TransferEngine(kv, slab, "triton")
+    results: list[dict[str, float]] = []
+    for blocks in block_counts:
+        gpu = GPULoadStoreSpec(list(range(blocks)))
+        cpu = CPULoadStoreSpec(list(range(NUM_BLOCKS - blocks, NUM_BLOCKS)))
+        samples: list[float] = []
+        for repeat in range(repeats + 1):  # the first pass warms caches and pools
+            started = time.perf_counter()
+            for job in range(jobs):
+                if not (engine.submit_store(2 * job, gpu, cpu) and engine.submit_load(2 * job + 1, cpu, gpu)):
+                    raise RuntimeError("a benchmark job was refused")
+                engine.get_finished()
+            elapsed = time.perf_counter() - started
+            if device == "cuda":
+                torch.cuda.synchronize()
+                engine.get_finished()
+            if repeat:
+                samples.append(elapsed / (2 * jobs) * 1e6)
+        results.append({"blocks": blocks, "us_per_job": min(samples), "median_us_per_job": statistics.median(samples)})
+    engine.shutdown()
+    slab.close()
+    return results
+
+
+def _extract_baseline(destination: Path) -> Path:
+    """The package (``kvtriton/`` and ``kernels/``) as of ``BASELINE_COMMIT``, extracted under ``destination``."""
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", BASELINE_COMMIT, "kvtriton", "kernels"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = error.stderr.decode().strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
+        raise SystemExit(
+            f"bench/engine.py: cannot read baseline commit {BASELINE_COMMIT[:12]} from git ({detail}); "
+            "run it in a git checkout with full history, or pass --no-baseline"
+        ) from error
+    subprocess.run(["tar", "-x", "-C", str(destination)], input=archive.stdout, check=True)
+    return destination
+
+
+def _run_child(tree: Path, page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str) -> list[dict[str, float]]:
+    environment = dict(os.environ, PYTHONPATH=str(tree))
+    if device == "cpu":
+        environment["TRITON_INTERPRET"] = "1"  # the Triton path on CPU tensors (else the torch fallback runs)
+    command = [
+        sys.executable, str(Path(__file__).resolve()), "--measure", "--page-tensors", str(page_tensors),
+        "--blocks", *map(str, block_counts), "--jobs", str(jobs), "--repeats", str(repeats), "--device", device,
+    ]  # fmt: skip
+    child = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise SystemExit(f"bench/engine.py: measuring {tree} failed:\n{child.stderr}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--page-tensors", type=int, nargs="+", default=[64, 160], help="page tensors per engine (default: 64 160)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 256], help="blocks per job (default: 1 16 256)")
+    parser.add_argument("--jobs", type=int, default=200, help="store+load pairs per timed pass (default: 200)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed passes; best and median reported (default: 7)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
+    parser.add_argument("--no-baseline", action="store_true", help=f"skip the baseline (commit {BASELINE_COMMIT[:12]})")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 64 page tensors, 1 and 16 blocks, 20 jobs, 2 passes")
+    parser.add_argument("--name", default="engine", help="result file stem (default: engine)")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child mode: print one JSON line
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if any(count < 1 for count in args.blocks) or max(args.blocks) > NUM_BLOCKS:
+        raise SystemExit(f"--blocks must lie in 1..{NUM_BLOCKS}, got {args.blocks}")
+    if any(count < 2 or count % 2 for count in args.page_tensors):
+        raise SystemExit(f"--page-tensors must be even numbers >= 2 (K and V per layer), got {args.page_tensors}")
+    if args.measure:
+        print(json.dumps(measure(args.page_tensors[0], args.blocks, args.jobs, args.repeats, args.device)))
+        return 0
+    import torch
+
+    from bench.common import format_table, write_json
+    from kvtriton.tools.progress import progress
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if args.quick:
+        args.page_tensors, args.blocks, args.jobs, args.repeats = [64], [1, 16], 20, 2
+    trees = {"current": ROOT}
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="kvtriton-baseline-") as scratch:
+        if not args.no_baseline:
+            trees["baseline"] = _extract_baseline(Path(scratch))
+        cases = [(name, tree, count) for count in args.page_tensors for name, tree in trees.items()]
+        measured: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for name, tree, count in progress(cases, len(cases), "engine host-cost bench", stream=sys.stderr):
+            measured[name, count] = _run_child(tree, count, args.blocks, args.jobs, args.repeats, device)
+    for count in args.page_tensors:
+        for index, blocks in enumerate(args.blocks):
+            now = measured["current", count][index]
+            row: dict[str, object] = {
+                "page_tensors": count, "blocks": blocks, "current_us": now["us_per_job"],
+                "current_median_us": now["median_us_per_job"], "goal_us": GOALS_US.get(count),
+            }  # fmt: skip
+            if ("baseline", count) in measured:
+                before = measured["baseline", count][index]
+                row |= {
+                    "baseline_us": before["us_per_job"], "baseline_median_us": before["median_us_per_job"],
+                    "speedup": before["us_per_job"] / now["us_per_job"],
+                }  # fmt: skip
+            rows.append(row)
+    headers = ["page tensors", "blocks", "current us/job", "(median)", "baseline us/job", "(median)", "speedup", "goal us/job"]
+    table = [
+        [r["page_tensors"], r["blocks"], r["current_us"], r["current_median_us"], r.get("baseline_us", "-"),
+         r.get("baseline_median_us", "-"), r.get("speedup", "-"), r["goal_us"] or "-"]
+        for r in rows
+    ]  # fmt: skip
+    print(format_table(headers, table))
+    payload: dict[str, object] = {
+        "device": device, "backend": "triton", "jobs_per_pass": 2 * args.jobs, "repeats": args.repeats,
+        "baseline_commit": None if args.no_baseline else BASELINE_COMMIT, "results": rows,
+        "note": "host microseconds per submitted job with the kernel launch replaced by a no-op; "
+                "baseline and current measured in the same run, each in its own child process",
+    }  # fmt: skip
+    print(f"wrote {write_json(args.name, payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

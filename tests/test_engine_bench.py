@@ -1,0 +1,38 @@
+"""bench/engine.py: the host-cost benchmark runs the current tree and the baseline commit, and records both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.engine import BASELINE_COMMIT, main, measure
+
+
+@pytest.mark.requires_interpreter
+def test_measure_times_submits_of_every_block_count_without_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtriton.kernels.jit.copy_pages as jit_module
+
+    monkeypatch.setattr(jit_module, "launch_copy_pages", jit_module.launch_copy_pages)  # restored after the test
+    rows = measure(2, [1, 4], jobs=3, repeats=2, device="cpu")
+    assert [row["blocks"] for row in rows] == [1, 4]
+    assert all(0 < row["us_per_job"] <= row["median_us_per_job"] for row in rows)
+
+
+@pytest.mark.requires_interpreter
+def test_one_run_measures_current_and_baseline_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    assert main(["--page-tensors", "2", "--blocks", "1", "--jobs", "2", "--repeats", "1", "--device", "cpu", "--name", "t"]) == 0
+    record = json.loads((tmp_path / "t.json").read_text())
+    assert record["baseline_commit"] == BASELINE_COMMIT
+    (row,) = record["results"]
+    assert row["page_tensors"] == 2 and row["blocks"] == 1
+    assert row["current_us"] > 0 and row["baseline_us"] > 0 and row["speedup"] == row["baseline_us"] / row["current_us"]
+
+
+def test_bad_arguments_are_refused_naming_the_value() -> None:
+    with pytest.raises(SystemExit, match="--blocks must lie in 1..512, got \\[0\\]"):
+        main(["--blocks", "0"])
+    with pytest.raises(SystemExit, match="--page-tensors must be even numbers >= 2"):
+        main(["--page-tensors", "3"])
