@@ -4,7 +4,9 @@ The scheduler and both sides of the connector are vLLM's own; only the model
 is simulated: it writes a known pattern into the KV blocks of the tokens it
 computes. A prompt is offloaded after its prefill; once the GPU prefix cache is
 reset, the same prompt is served from kvtriton's host slab, and the loaded
-blocks must hold the original bytes.
+blocks must hold the original bytes. For hybrid models and padded pages every
+job kvtriton ran is also replayed through vLLM's own CPU worker (run on CPU,
+see ``vllm_fixtures/vllm_cpu_worker.py``), which must report the same bytes.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from vllm_fixtures.builders import canonical_kv_caches, offloading_config  # noq
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
+from kvtriton.integrations.vllm_worker import GroupPages  # noqa: E402
 from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
 
 NUM_BLOCKS = 16
@@ -344,4 +345,79 @@ def test_every_part_of_an_expedited_load_takes_its_engines_expedited_lane(expedi
         assert worker.submit_load(61, CPULoadStoreSpec([0, 1]), gpu([4, 5, 6], group_sizes=[2, 1]), expedited=expedited)
     assert [call.kwargs["expedited"] for call in (*first.call_args_list, *second.call_args_list)] == [expedited, expedited]
     assert finished(worker)[61].success
+    worker.shutdown()
+
+
+def test_group_pages_cut_each_referenced_tensor_to_its_unpadded_size_and_share_equal_sets() -> None:
+    layers = [torch.zeros(NUM_BLOCKS, 96, dtype=torch.int8), torch.zeros(NUM_BLOCKS, 40, dtype=torch.int8)]
+    # Groups 0 and 2 reference the same pages; group 1 cuts tensor 0 shorter; group 3 references nothing.
+    refs: list[list[tuple[int, int]]] = [[(0, 96), (1, 40)], [(0, 64)], [(0, 96), (1, 40)], []]
+    pages = GroupPages.from_canonical(canonical_kv_caches(layers, group_refs=refs))
+    assert pages.kv_of_group == (0, 1, 0, None)
+    assert pages.group_row_bytes == (136, 64, 136, 0)
+    assert [kv.page_bytes for kv in pages.kvs] == [[96, 40], [64]]
+    assert pages.row_bytes == 136
+
+
+NO_REFS: list[tuple[int, int]] = []
+BAD_REFS: list[tuple[list[list[tuple[int, int]]], str]] = [
+    ([[(2, 8)]], r"kv_caches.group_data_refs\[0\] references tensor 2, but there are 2 tensors"),
+    ([[(0, 8)], [(1, 48)]], r"group_data_refs\[1\] uses 48 bytes of each page of kv_caches.tensors\[1\], whose pages hold 40"),
+    ([[(0, 0)]], r"uses 0 bytes"),
+    ([NO_REFS], r"no group in kv_caches.group_data_refs references a tensor"),
+    ([], r"kv_caches.group_data_refs is empty"),
+]
+
+
+@pytest.mark.parametrize(("refs", "message"), BAD_REFS)
+def test_group_references_that_do_not_fit_the_tensors_are_refused_naming_the_group(
+    refs: list[list[tuple[int, int]]], message: str
+) -> None:
+    layers = [torch.zeros(NUM_BLOCKS, 96, dtype=torch.int8), torch.zeros(NUM_BLOCKS, 40, dtype=torch.int8)]
+    with pytest.raises(ValueError, match=message):
+        GroupPages.from_canonical(canonical_kv_caches(layers, group_refs=refs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "dma"])
+def test_on_cuda_a_hybrid_model_round_trips_through_a_pinned_slab_with_expedited_loads(backend: str) -> None:
+    layers = [layer.cuda() for layer in hybrid_layers()]
+    original = [layer.clone() for layer in layers]
+    spec = KVTritonOffloadingSpec(
+        offloading_config(
+            {"cpu_bytes_to_use": NUM_SLOTS * BLOCKS_PER_CHUNK * HYBRID_PADDED_BYTES, "kvtriton_backend": backend},
+            worker_kv_bytes_per_block=HYBRID_PADDED_BYTES,
+            blocks_per_chunk=BLOCKS_PER_CHUNK,
+        )
+    )
+    worker = spec.get_worker(canonical_kv_caches(layers, group_refs=HYBRID_REFS))
+    assert isinstance(worker, VLLMOffloadingWorker)
+    assert all(engine.slab.pinned and {kind.value for kind in engine.backends.values()} == {backend} for engine in worker.engines)
+    assert worker.submit_store(0, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    worker.wait({0})
+    assert finished(worker)[0].success
+    for layer in layers:
+        layer.fill_(0x5A)
+    assert worker.submit_load(1, CPULoadStoreSpec([0]), gpu([9, 10], group_sizes=[2, 0]))
+    assert worker.submit_load(2, CPULoadStoreSpec([1]), gpu([11], group_sizes=[0, 1]), expedited=True)
+    worker.wait({1, 2})
+    results = finished(worker)
+    assert {job: result.transfer_size for job, result in results.items()} == {
+        1: 2 * HYBRID_GROUP_BYTES[0],
+        2: HYBRID_GROUP_BYTES[1],
+    }
+    assert torch.equal(layers[0][9:11], original[0][1:3])
+    assert torch.equal(layers[2][9:11, :128], original[2][1:3, :128])
+    assert bool((layers[2][9:11, 128:] == 0x5A).all())  # padding stays on the GPU
+    assert torch.equal(layers[1][11], original[1][3])
+    assert bool((layers[1][9:11] == 0x5A).all()) and bool((layers[0][11] == 0x5A).all())
+    worker.shutdown()
+
+
+def test_a_worker_needs_an_engine_for_every_group_it_names() -> None:
+    worker = hybrid_worker(hybrid_layers())
+    with pytest.raises(ValueError, match=r"engine_of_group\[1\] is 2, but there are 2 engines"):
+        VLLMOffloadingWorker(worker.engines, worker.engines[0].slab, [0, 2])
+    with pytest.raises(ValueError, match="engines must hold at least one TransferEngine"):
+        VLLMOffloadingWorker([], worker.engines[0].slab)
     worker.shutdown()

@@ -79,10 +79,12 @@ def _group_refs(
         if not 0 <= ref.tensor_idx < len(tensors):
             raise ValueError(f"{where} references tensor {ref.tensor_idx}, but there are {len(tensors)} tensors")
         padded = kv_caches.tensors[ref.tensor_idx].page_size_bytes
-        if not 1 <= ref.page_size_bytes <= padded:
+        element = tensors[ref.tensor_idx].element_size()
+        if not 1 <= ref.page_size_bytes <= padded or ref.page_size_bytes % element:
             raise ValueError(
                 f"{where} uses {ref.page_size_bytes} bytes of each page of {_tensor_name(ref.tensor_idx)}, "
-                f"whose pages hold {padded} bytes (expected 1..{padded})"
+                f"whose pages hold {padded} bytes of {element}-byte elements (expected a multiple of {element} "
+                f"in 1..{padded})"
             )
         sizes[ref.tensor_idx] = max(sizes.get(ref.tensor_idx, 0), ref.page_size_bytes)
     return tuple(sizes.items())
@@ -150,6 +152,10 @@ def _slot_spec(spec: vllm_base.LoadStoreSpec) -> CPULoadStoreSpec | None:
     return CPULoadStoreSpec(spec.block_ids)
 
 
+def _vllm_result(job_id: int, success: bool, size: int, seconds: float) -> vllm_base.TransferResult:
+    return vllm_base.TransferResult(job_id=job_id, success=success, transfer_size=size if success else 0, transfer_time=seconds)
+
+
 @dataclass(frozen=True, slots=True)
 class _Part:
     """The share of one vLLM job that one engine runs: the job's groups whose pages that engine moves."""
@@ -202,7 +208,10 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         # One engine moving every group: jobs pass through unsplit (the hot path).
         self._single_engine = len(engines) == 1 and all(engine == 0 for engine in groups)
         self._pending: dict[int, _Pending] = {}
+        """Jobs split into several parts, until their last part is reported."""
         self._finished_empty: list[vllm_base.TransferResult] = []
+        self._unreported: set[int] = set()
+        """Every job id accepted and not yet reported (an abandoned job's stays until its parts drain)."""
 
     @property
     def engines(self) -> list[TransferEngine]:
@@ -226,8 +235,8 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
     def _parts(self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec) -> list[_Part] | None:
         """Split a job by engine; None (after logging why) when the specs do not fit together."""
         if self._single_engine:
-            # The engine checks slot counts and ids itself; an empty job never reaches it.
-            return [_Part(0, gpu, slots)] if gpu.block_ids.size else self._no_parts(name, job_id, slots)
+            # Only an empty job gets here (see _submit): the engine checks the others itself.
+            return self._no_parts(name, job_id, slots)
         if len(gpu.group_sizes) != len(self._engine_of_group):
             logger.error(
                 "%s job %d refused: its GPU spec has %d groups but the KV cache has %d",
@@ -300,7 +309,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             side = "destination" if name == "store" else "source"
             logger.error("%s job %d refused: %s is a %s, not a CPU slot spec", name, job_id, side, type(slot_spec).__name__)
             return False
-        if job_id in self._pending or any(result.job_id == job_id for result in self._finished_empty):
+        if job_id in self._unreported:
             logger.error("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
             return False
         if not self._slots_fit(job_id, slots):
@@ -310,6 +319,26 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         except ValueError as error:
             logger.error("%s job %d refused: %s", name, job_id, error)
             return False
+        if self._single_engine and gpu.block_ids.size:
+            # The hot path: the engine checks the rest itself and reports the job as it is.
+            engine = self._engines[0]
+            if name == "store":
+                accepted = engine.submit_store(job_id, gpu, slots)
+            else:
+                accepted = engine.submit_load(job_id, slots, gpu, expedited=expedited)
+        else:
+            accepted = self._submit_parts(name, job_id, gpu, slots, expedited)
+        if accepted:
+            self._unreported.add(job_id)
+        return accepted
+
+    def _submit_part(self, name: str, part: _Part, job_id: int, expedited: bool) -> bool:
+        engine = self._engines[part.engine]
+        if name == "store":
+            return engine.submit_store(job_id, part.gpu, part.slots)
+        return engine.submit_load(job_id, part.slots, part.gpu, expedited=expedited)
+
+    def _submit_parts(self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec, expedited: bool) -> bool:
         parts = self._parts(name, job_id, gpu, slots)
         if parts is None:
             return False
@@ -319,20 +348,17 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             return True
         pending = _Pending(parts_left=0)
         for part in parts:
-            engine = self._engines[part.engine]
-            if name == "store":
-                accepted = engine.submit_store(job_id, part.gpu, part.slots)
-            else:
-                accepted = engine.submit_load(job_id, part.slots, part.gpu, expedited=expedited)
-            if not accepted:
+            if not self._submit_part(name, part, job_id, expedited):
                 if pending.parts_left:
                     # Earlier parts are already queued: let them finish unseen (their rows and blocks
                     # belong to this job), so the refused job reports nothing.
                     pending.abandoned = True
                     self._pending[job_id] = pending
+                    self._unreported.add(job_id)
                 return False
             pending.parts_left += 1
-        self._pending[job_id] = pending
+        if len(parts) > 1:
+            self._pending[job_id] = pending  # a job of one part is reported as its engine reports it
         return True
 
     @override
@@ -358,7 +384,10 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         results, self._finished_empty = self._finished_empty, []
         for engine in self._engines:
             for part in engine.get_finished():
-                pending = self._pending[part.job_id]
+                pending = self._pending.get(part.job_id)
+                if pending is None:
+                    results.append(_vllm_result(part.job_id, part.success, part.transfer_size, part.transfer_time))
+                    continue
                 pending.parts_left -= 1
                 pending.success = pending.success and part.success
                 pending.size += part.transfer_size
@@ -367,15 +396,11 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
                     continue
                 del self._pending[part.job_id]
                 if pending.abandoned:
-                    continue
-                results.append(
-                    vllm_base.TransferResult(
-                        job_id=part.job_id,
-                        success=pending.success,
-                        transfer_size=pending.size if pending.success else 0,
-                        transfer_time=pending.seconds,
-                    )
-                )
+                    self._unreported.discard(part.job_id)
+                else:
+                    results.append(_vllm_result(part.job_id, pending.success, pending.size, pending.seconds))
+        for result in results:
+            self._unreported.discard(result.job_id)
         return results
 
     @override
