@@ -92,6 +92,9 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
 
     engine.computed.clear()
     engine.scheduler.add_request(make_request("second", PROMPT))
+    # The fs tier checks for files on its own thread: its first answer is RETRY, so the request waits.
+    assert engine.step().num_scheduled_tokens.get("second", 0) == 0
+    assert engine.cpu.stats().used == 0  # nothing promoted yet
     loaded_blocks: list[int] = []
 
     def loaded() -> bool:
