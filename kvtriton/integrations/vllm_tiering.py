@@ -249,6 +249,13 @@ def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]
     return tier_cls
 
 
+def _rows_are_vllms(groups: GroupPages, kv_caches: vllm_base.CanonicalKVCaches) -> bool:
+    """Whether a block row holds exactly what vLLM's CPU worker copies: every tensor's whole page, in order."""
+    if len(groups.kvs) != 1:
+        return False
+    return groups.kvs[0].page_bytes == [tensor.page_size_bytes for tensor in kv_caches.tensors]
+
+
 class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` with kvtriton as the primary tier (see the module docstring).
 
@@ -394,6 +401,15 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 f"rank {rank}'s KV tensors hold {groups.row_bytes} bytes per block, but the shared region gives each "
                 f"rank {layout.rank_row_bytes} (vLLM's worker_kv_bytes_per_block): pipeline stages must hold the same "
                 "layers per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
+            )
+        if self.layout_tag is None and not _rows_are_vllms(groups, kv_caches):
+            # The scheduler could not see this (page padding is known to the
+            # workers only) and files chunks under vLLM's own namespace.
+            logger.warning(
+                "rank %d: this model's KV pages are padded or partly referenced, so kvtriton's chunk bytes differ "
+                "from vLLM's CPU primary's although one chunk is one GPU block: do not share this engine's "
+                "secondary tiers (fs root, bucket, peers) with an instance whose primary is vLLM's own",
+                rank,
             )
         region = self._open_region()
         slab: HostSlab | None = None
