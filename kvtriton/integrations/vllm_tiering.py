@@ -305,6 +305,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         # Every rank keeps its own copy of replicated (MLA) KV: the region has
         # a place for each rank, and each rank's worker stores its own bytes.
         self.replicated_layout = False
+        self._kvtriton_worker: KVTritonTieringWorker | None = None
         self.settings: KVTritonOffloadConfig = settings
         """The parsed ``kv_connector_extra_config`` (kvtriton's keys)."""
         self.region_layout: RegionLayout = RegionLayout.for_budget(
@@ -390,9 +391,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
 
     @override
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
-        worker = getattr(self, "_kvtriton_worker", None)
-        if isinstance(worker, KVTritonTieringWorker):
-            return worker
+        if self._kvtriton_worker is not None:
+            return self._kvtriton_worker
         groups = GroupPages.from_canonical(kv_caches)
         layout = self.region_layout
         rank = self.config.parallel.rank
