@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_BYTES_PER_ITER", "DEFAULT_NUM_PROGRAMS", "KernelPath", "gath
 
 # A persistent grid of at most this many programs: enough to saturate PCIe /
 # C2C host traffic on H100/H200 class GPUs while leaving the other SMs to the
-# model (ARCHITECTURE.md, "Kernel design").
+# model (docs/kernels.md, "Kernel design").
 DEFAULT_NUM_PROGRAMS = 16
 # Bytes one program moves per loop iteration: host reads are latency-bound,
 # so each program keeps tens of KiB in flight.

@@ -115,6 +115,7 @@ def test_each_direction_reports_the_backend_that_really_runs_it(monkeypatch: pyt
         assert engine.backends == {STORE: TransferBackend.TORCH, LOAD: TransferBackend.DMA}
         with pytest.raises(ValueError, match="stores run torch and loads run dma; read engine.backends"):
             _ = engine.backend
+        assert engine.backend_name == "torch (store) / dma (load)"
         assert store(engine, 0, [2, 3], [0, 1]) and load(engine, 1, [0, 1], [6, 7])
         assert [block_bytes(kv, 6), block_bytes(kv, 7)] == [block_bytes(kv, 2), block_bytes(kv, 3)]
 

@@ -297,7 +297,7 @@ class TransferEngine:
         logger.info(
             "transfer engine: %d page tensors, %d-byte rows, %d slots x %d rows, backend %s on %s, "
             "warm-up %.3f s",
-            len(kv.pages), kv.row_bytes, slab.num_slots, slab.block_size_factor, self._describe_backends(),
+            len(kv.pages), kv.row_bytes, slab.num_slots, slab.block_size_factor, self.backend_name,
             kv.device, self.warmup_seconds,
         )  # fmt: skip
 
@@ -310,7 +310,9 @@ class TransferEngine:
             torch.cuda.synchronize(self.kv.device)
         return time.perf_counter() - started
 
-    def _describe_backends(self) -> str:
+    @property
+    def backend_name(self) -> str:
+        """What runs, for people: ``"triton"``, or ``"triton (store) / dma (load)"`` when the directions differ."""
         store, load = (self._backends[direction].kind.value for direction in TransferDirection)
         return store if store == load else f"{store} (store) / {load} (load)"
 
