@@ -353,6 +353,33 @@ def headline(
     return rows
 
 
+HIT_RATE_FRACTIONS = (0.05, 0.10, 0.20)
+"""Capacities of the hit-rate table (and of tests/test_vllm_order_parity.py), as fractions of the distinct prompt blocks."""
+HIT_RATE_BLOCK_TOKENS = 64
+"""Tokens per block of the hit-rate table: the parity test's, which keeps the default traces at a few thousand blocks."""
+
+
+def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> tuple[list[str], list[list[object]]]:
+    """Block hit rates (%) of vLLM's manager and of kvtriton through its adapter, vLLM's call order, per workload and capacity."""
+    headers = ["workload / slots", "vLLM 0.33 LRU", "kvtriton LRU via the adapter", "vLLM ARC", "kvtriton ARC via the adapter"]
+    rows: list[list[object]] = []
+    for workload in progress(workloads, total=len(workloads), label="hit rates"):
+        requests = prepare(generate(workload, seed=0, block_size=block_tokens))
+        distinct = len({key for request in requests for key in request.prompt_keys})
+        for fraction in HIT_RATE_FRACTIONS:
+            capacity = max(1, int(distinct * fraction))
+            row: list[object] = [f"{workload} / {capacity}"]
+            for policy in ("lru", "arc"):
+                for make in (vllm.make_manager, vllm.make_adapter):
+                    manager = make(capacity, policy)
+                    contexts = positioned_contexts(requests, vllm.make_context, block_size=block_tokens)
+                    calls = hooked_calls(cast(HookedManager, manager), hit=vllm.hit, pending=vllm.pending)
+                    stats = replay_vllm_order(calls, requests, contexts, block_size=block_tokens)
+                    row.append(f"{100 * stats.block_hit_rate:.2f}%")
+            rows.append(row)
+    return headers, rows
+
+
 def _rate(timing: Timing) -> str:
     return f"{timing.median:,.0f} ({timing.low:,.0f}-{timing.high:,.0f})"
 
@@ -429,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     head.add_argument("--rounds", type=int, help=f"alternating timed rounds per point (default {HEADLINE_ROUNDS}; 1 with --quick)")
     head.add_argument("--no-headline", action="store_true", help="skip the headline, run only the direct-call table")
+    head.add_argument(
+        "--hit-rates",
+        action="store_true",
+        help="print only the hit-rate table (vLLM's manager vs kvtriton via the adapter, vLLM's call order,"
+        f" capacities {', '.join(f'{f:.0%}' for f in HIT_RATE_FRACTIONS)} of each trace's distinct prompt blocks,"
+        f" {HIT_RATE_BLOCK_TOKENS}-token blocks, as tests/test_vllm_order_parity.py) and write it to <name>_hit_rates.json",
+    )
     return parser
 
 
@@ -465,6 +499,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     distinct = len({key for request in requests for key in request.prompt_keys})
 
     vllm = None if args.no_vllm else _load_vllm()
+    if args.hit_rates:
+        if not isinstance(vllm, _Vllm):
+            raise SystemExit(f"--hit-rates needs vLLM: {vllm or 'skipped (--no-vllm)'}")
+        headers, table_rows = hit_rate_table(vllm, args.workloads, HIT_RATE_BLOCK_TOKENS)
+        print(format_table(headers, table_rows))
+        path = write_json(
+            f"{args.name}_hit_rates",
+            {
+                "benchmark": "manager hit rates",
+                "command": " ".join(["python -m bench.manager", *(argv if argv is not None else sys.argv[1:])]),
+                "vllm": f"vLLM {vllm.version}",
+                "block_size": HIT_RATE_BLOCK_TOKENS,
+                "capacity_fractions": list(HIT_RATE_FRACTIONS),
+                "headers": headers,
+                "rows": table_rows,
+            },
+        )
+        print(f"wrote {path}")
+        return 0
     vllm_status = "skipped (--no-vllm)" if vllm is None else vllm if isinstance(vllm, str) else f"vLLM {vllm.version}"
     print(
         f"trace: {WORKLOAD} workload, {params.requests} requests x {params.blocks_per_request} blocks,"

@@ -115,3 +115,34 @@ def test_vllm_replays_the_same_trace_when_installed(tmp_path: Path, monkeypatch:
     assert row["vllm"]["blocks"] == row["kvtriton"]["blocks"] == 480
     assert row["vllm"]["loaded"] > 0 and row["vllm"]["stored"] > 0
     assert row["speedup"] > 0
+
+
+def test_timing_reports_median_and_range_of_blocks_per_second() -> None:
+    from bench.manager import Timing
+
+    timing = Timing.of(100, [1.0, 0.5, 0.25], hit_rate=0.5)
+    assert (timing.median, timing.low, timing.high, timing.hit_rate) == (200.0, 100.0, 400.0, 0.5)
+
+
+def test_headline_times_both_managers_in_vllms_call_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("vllm", reason="the headline compares against vLLM's manager")
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    tiny = ["--requests", "20", "--blocks-per-request", "4", "--prefix-blocks", "2", "--repeats", "1"]
+    head = ["--workloads", "scan", "--headline-requests", "40", "--rounds", "2", "--policies", "lru"]
+    assert main([*tiny, *head, "--name", "h"]) == 0
+    assert "kvtriton via adapter blocks/s (range)" in capsys.readouterr().out
+    record = json.loads((tmp_path / "h.json").read_text())
+    (row,) = record["headline"]["rows"]
+    assert (row["workload"], row["policy"], record["headline"]["rounds"]) == ("scan", "lru", 2)
+    assert row["vllm"]["low"] <= row["vllm"]["median"] <= row["vllm"]["high"]
+    assert row["speedup"] == pytest.approx(row["kvtriton_via_vllm_adapter"]["median"] / row["vllm"]["median"])
+    # Same trace, same call order: both managers saw every prompt block.
+    assert 0 < row["blocks"]
+
+
+def test_hit_rate_table_needs_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    with pytest.raises(SystemExit, match="--hit-rates needs vLLM: skipped"):
+        main(["--requests", "5", "--blocks-per-request", "4", "--prefix-blocks", "2", "--no-vllm", "--hit-rates"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pytest
 
 from kvtriton.keys import OffloadKey, make_offload_key
@@ -170,3 +172,51 @@ def test_a_dropped_key_stored_again_before_the_drain_is_left_out() -> None:
     manager.complete_store(ks(0, 1), context, success=False)
     manager.prepare_store(ks(1), context)  # a retry owns block 1 again
     assert list(manager.take_events()) == [OffloadingEvent(keys=ks(0), medium="CPU", removed=True, metadata_only=True)]
+
+
+def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections.abc import Container, Sequence
+
+    from kvtriton.manager.policies import POLICIES, Block
+
+    touched: list[list[OffloadKey]] = []
+
+    class TouchOnly:
+        """Only the CachePolicy methods, answered by an LRU."""
+
+        def __init__(self, capacity: int) -> None:
+            self.lru = LRUCachePolicy(capacity)
+
+        def get(self, key: OffloadKey) -> Block | None:
+            return self.lru.get(key)
+
+        def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
+            self.lru.insert(keys, blocks)
+
+        def remove(self, key: OffloadKey) -> None:
+            self.lru.remove(key)
+
+        def touch(self, keys: Collection[OffloadKey]) -> None:
+            touched.append(list(keys))
+            self.lru.touch(keys)
+
+        def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+            return self.lru.evict(n, protected)
+
+        def clear(self) -> None:
+            self.lru.clear()
+
+    monkeypatch.setitem(POLICIES, "touch-only", TouchOnly)
+    manager = CPUOffloadingManager(8, "touch-only")
+    first = request("first", 0, 1)
+    manager.on_new_request(first)
+    store_for(manager, first, 0, 1)
+    manager.on_request_finished(first)
+    second = request("second", 0, 1, 2)
+    manager.on_new_request(second)
+    manager.prepare_load(ks(0, 1), second)
+    manager.complete_load(ks(0, 1), second)
+    store_for(manager, second, 2)
+    manager.on_request_finished(second)
+    # refresh after the store and the end of each request became touches; loads and misses were skipped.
+    assert touched == [ks(0, 1), ks(0, 1), ks(0, 1, 2)]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, KeysView
-from typing import TypeVar, cast
+from collections.abc import Callable, Collection, Container, Iterable, KeysView, Sequence
+from typing import NamedTuple, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
 from kvtriton.manager.policies.registry import make_policy
 from kvtriton.manager.request_access import RequestAccess, head_first
 from kvtriton.manager.slot_pool import SlotPool
@@ -30,6 +30,35 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 # Collections whose elements are distinct by construction (no de-duplication needed).
 _DISTINCT = (set, frozenset, KeysView)
 _R = TypeVar("_R")
+_NOTHING: frozenset[OffloadKey] = frozenset()
+
+
+class _RequestHooks(NamedTuple):
+    """The policy's request-scoped calls, or stand-ins for a policy without them."""
+
+    refresh: Callable[[Sequence[OffloadKey]], None]
+    on_request_load: Callable[[Sequence[OffloadKey]], None]
+    on_store_miss: Callable[[Sequence[OffloadKey], set[OffloadKey]], None]
+    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey]], None]
+
+
+def _request_hooks(policy: CachePolicy) -> _RequestHooks:
+    """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
+    if isinstance(policy, RequestAwarePolicy):
+        return _RequestHooks(policy.refresh, policy.on_request_load, policy.on_store_miss, policy.on_request_finished)
+    touch = policy.touch
+
+    def ignore(keys: Sequence[OffloadKey]) -> None:
+        del keys
+
+    def ignore_miss(keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+        del keys, learnt
+
+    def finished(keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]) -> None:
+        del inserted, reused
+        touch(keys)
+
+    return _RequestHooks(touch, ignore, ignore_miss, finished)
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -63,6 +92,7 @@ class CPUOffloadingManager(OffloadingManager):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self._hooks = _request_hooks(self._policy)
         self._policy_name = cache_policy
         self._pool = SlotPool(num_blocks)
         # The authoritative index of cached keys. The policy keeps the same
@@ -171,7 +201,7 @@ class CPUOffloadingManager(OffloadingManager):
             position_of = req_context.key_positions.get
         if position_of is not None:
             keys = head_first(keys, position_of)
-        self._policy.on_request_finished(keys, access.inserted, access.reused)
+        self._hooks.on_request_finished(keys, access.inserted, access.reused)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -213,9 +243,7 @@ class CPUOffloadingManager(OffloadingManager):
                 access.observe(loaded)
                 inserted = access.inserted
                 access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
-                # Recent from now on: the load ends before the request stores,
-                # and the prefix must not age out in between.
-                self._policy.refresh(loaded)
+                self._hooks.on_request_load(loaded)
         return CPULoadStoreSpec.from_slots([block.slot for block in ready])
 
     @override
@@ -275,12 +303,7 @@ class CPUOffloadingManager(OffloadingManager):
             if len(distinct) != len(new_keys):
                 new_keys = list(distinct)
         if new_keys:
-            # Learn from a key once per request, even if its store is refused and offered again.
-            missed = access.store_missed
-            misses = new_keys if missed.isdisjoint(new_keys) else [key for key in new_keys if key not in missed]
-            if misses:
-                self._policy.on_store_miss(misses)
-                missed.update(misses)
+            self._hooks.on_store_miss(new_keys, access.store_missed)
         # Record the new and ready keys, in the offer's (head-to-tail) order; a
         # key some other request is still storing is not this request's yet.
         earlier = len(access.keys)
@@ -295,7 +318,13 @@ class CPUOffloadingManager(OffloadingManager):
             access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
         if not new_keys:
             return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
-        output = self._store(new_keys, keys)
+        # The offer's cached keys are its ready ones and the ones still pending
+        # (another request's store); only they could be evicted.
+        if skipped_pending:
+            cached: Container[OffloadKey] = {key for key, block in zip(offered, got) if block is not None}
+        else:
+            cached = set(ready) if ready else _NOTHING
+        output = self._store(new_keys, keys, cached)
         if output is None:
             return None
         access.inserted.update(new_keys)
@@ -306,11 +335,21 @@ class CPUOffloadingManager(OffloadingManager):
             stored = set(new_keys)
             head.extend(key for key in access.keys[earlier:] if key not in stored)
         if head:
-            self._policy.refresh(head)
+            self._hooks.refresh(head)
         return output
 
-    def _store(self, new_keys: list[OffloadKey], keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
-        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected."""
+    def _store(
+        self,
+        new_keys: list[OffloadKey],
+        keys: Collection[OffloadKey],
+        cached: Container[OffloadKey] | None = None,
+    ) -> PrepareStoreOutput | None:
+        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected.
+
+        ``cached``, when the caller knows them, are the keys of ``keys`` that are
+        cached: the only ones an eviction could take, so protecting them alone
+        protects the whole offer without building a set of it.
+        """
         blocks = self._blocks
 
         pool = self._pool
@@ -322,7 +361,10 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
             # Every key named in the call is protected: the caller was just
             # told the already-stored ones are cached, so they must stay.
-            protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
+            if cached is not None:
+                protected = cached
+            else:
+                protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
             victims = self._policy.evict(shortfall, protected)
             if victims is None:
                 return None

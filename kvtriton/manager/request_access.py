@@ -13,6 +13,7 @@ reuse per request and never counts a store as one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from kvtriton.keys import OffloadKey
 
@@ -63,9 +64,10 @@ def head_first(keys: list[OffloadKey], position_of: Callable[[OffloadKey], int |
     groups at one position keep their first-seen order (the sort is stable).
     Without a position for every key the first-seen order stands, as in vLLM.
     """
-    positions = [position for position in map(position_of, keys) if position is not None]
-    if len(positions) != len(keys):
+    found = list(map(position_of, keys))
+    if None in found:
         return keys
+    positions = cast("list[int]", found)  # no None left
     if positions == sorted(positions):  # C speed; linear on sorted input
         return keys  # already head to tail
     order = sorted(range(len(keys)), key=positions.__getitem__)

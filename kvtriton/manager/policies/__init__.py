@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtriton.manager.policies.arc import ARCCachePolicy, ARCState
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
 from kvtriton.manager.policies.lru import LRUCachePolicy
 from kvtriton.manager.policies.registry import POLICIES, make_policy, policy_names
 
@@ -15,6 +15,7 @@ __all__ = [
     "LRUCachePolicy",
     "PENDING",
     "POLICIES",
+    "RequestAwarePolicy",
     "make_policy",
     "policy_names",
 ]

@@ -54,7 +54,8 @@ class ARCCachePolicy:
     reuse of a ready block counts once, when the request finishes
     (``on_request_finished``); its stores only rank its keys head first, and
     a store of a key still in a ghost list adapts the target
-    (``on_store_miss``), as vLLM 0.33's ARC does.
+    (``on_store_miss``), as vLLM 0.33's ARC does. Loads change nothing until
+    the request ends (``on_request_load``).
     """
 
     __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2")
@@ -123,13 +124,21 @@ class ARCCachePolicy:
             elif key in t2:
                 t2_move(key)
 
-    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+    def on_request_load(self, keys: Sequence[OffloadKey]) -> None:
+        del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
         # Most stored keys were never evicted: find the ghosts at C speed first.
-        in_b1 = b1.keys() & keys if b1 else ()
-        in_b2 = b2.keys() & keys if b2 else ()
+        in_b1 = b1.keys() & keys if b1 else set[OffloadKey]()
+        in_b2 = b2.keys() & keys if b2 else set[OffloadKey]()
         if not in_b1 and not in_b2:
             return
+        if learnt:
+            in_b1 -= learnt
+            in_b2 -= learnt
+        learnt |= in_b1
+        learnt |= in_b2
         capacity = float(self._capacity)
         for key in reversed(keys):
             if key in in_b1:

@@ -8,11 +8,11 @@ small means a new policy is one file plus one line in the registry.
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
 
-__all__ = ["PENDING", "Block", "CachePolicy"]
+__all__ = ["PENDING", "Block", "CachePolicy", "RequestAwarePolicy"]
 
 PENDING = -1
 """``Block.ref_cnt`` of a block whose store has not completed yet."""
@@ -45,7 +45,8 @@ class CachePolicy(Protocol):
     ``remove`` when a store fails, ``touch`` on every ``touch`` call,
     ``evict`` when it needs room and ``clear`` on ``reset_cache``. For a
     request it tracks (``on_new_request``) it also calls ``on_store_miss``
-    before a store, ``refresh`` on its loads and after its stores, and ``on_request_finished`` at the
+    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
+    ``refresh`` after it and ``on_request_finished`` at the
     end (``kvtriton.manager.request_access``). A policy
     must never evict a block whose ``ref_cnt`` is not 0 or whose key is in
     ``protected``.
@@ -71,6 +72,31 @@ class CachePolicy(Protocol):
         """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys are ignored."""
         ...
 
+    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
+        """Remove and return ``n`` ready, idle, unprotected keys in eviction order.
+
+        Atomic: when fewer than ``n`` such keys exist, return ``None`` and
+        change nothing.
+        """
+        ...
+
+    def clear(self) -> None:
+        """Forget every key and reset any adaptive state."""
+        ...
+
+
+@runtime_checkable
+class RequestAwarePolicy(CachePolicy, Protocol):
+    """A policy that also takes the request-scoped signal (optional; LRU and ARC implement it).
+
+    For a request it tracks (``on_new_request``) the manager calls
+    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
+    ``refresh`` after it and ``on_request_finished`` at the end
+    (``kvtriton.manager.request_access``). A policy without these methods
+    still works: the manager then calls its ``touch`` for ``refresh`` and
+    ``on_request_finished`` and skips the other two (vLLM's defaults).
+    """
+
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
         """Rank ``keys`` most recent, the first key most recent, without counting a use.
 
@@ -80,11 +106,23 @@ class CachePolicy(Protocol):
         """
         ...
 
-    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+    def on_request_load(self, keys: Sequence[OffloadKey]) -> None:
+        """A tracked request loads ``keys`` (head first); its reuse counts only when it finishes.
+
+        LRU ranks them most recent: the load completes before the request
+        stores the rest of its prompt, and its prefix must not age out in
+        between. ARC leaves its lists alone (vLLM 0.33's ARC does too).
+        """
+        ...
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         """Learn from ``keys`` about to be stored because no request found them cached.
 
-        Called before the eviction that makes room for them, once per key and
-        request; ARC adapts its T1 target to keys still in a ghost list.
+        Called before the eviction that makes room for them. ``learnt`` is the
+        storing request's record of keys already learnt from: a policy learns
+        from a key once per request (a refused store may be offered again) and
+        adds the keys it learnt from. ARC adapts its T1 target to keys still
+        in a ghost list.
         """
         ...
 
@@ -97,16 +135,4 @@ class CachePolicy(Protocol):
         for a frequency policy); ``inserted`` keys were stored by it (not a
         use); keys in neither (a refused store) are left where they are.
         """
-        ...
-
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
-        """Remove and return ``n`` ready, idle, unprotected keys in eviction order.
-
-        Atomic: when fewer than ``n`` such keys exist, return ``None`` and
-        change nothing.
-        """
-        ...
-
-    def clear(self) -> None:
-        """Forget every key and reset any adaptive state."""
         ...

@@ -89,8 +89,11 @@ class LRUCachePolicy:
             if key in blocks:
                 move_to_end(key)
 
-    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
-        del keys  # LRU keeps no history of evicted keys
+    def on_request_load(self, keys: Sequence[OffloadKey]) -> None:
+        self.refresh(keys)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+        del keys, learnt  # LRU keeps no history of evicted keys
 
     def on_request_finished(
         self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]
