@@ -8,6 +8,7 @@ those expectations, through the spec vLLM builds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.config import OffloadingGroupConfig  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL  # noqa: E402
@@ -25,9 +27,10 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa:
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier  # noqa: E402
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier  # noqa: E402
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
+BUDGET_1M: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
 
 
 @pytest.fixture
@@ -149,3 +152,17 @@ def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(man
     assert isinstance(spec, VLLMCPULoadStoreSpec)
     (slot,) = spec.chunk_ids.tolist()
     assert bytes(flat[slot * CHUNK : (slot + 1) * CHUNK]) == bytes([9]) * CHUNK
+
+
+def test_the_secondary_tiers_namespace_is_tagged_exactly_when_the_chunk_bytes_differ_from_vllms() -> None:
+    one_block = KVTritonTieringOffloadingSpec(tiering_config(BUDGET_1M))
+    assert one_block.layout_tag is None and one_block.tier_facing_spec() is one_block
+    two_blocks = KVTritonTieringOffloadingSpec(tiering_config(BUDGET_1M, blocks_per_chunk=2))
+    tagged = two_blocks.tier_facing_spec()
+    assert tagged.config.model.name == f"tiny-tiering@{LAYOUT_TAG}"
+    assert two_blocks.config.model.name == "tiny-tiering"  # only the tiers' copy is renamed
+    assert tagged.blocks_per_chunk == 2 and tagged.config.parallel == two_blocks.config.parallel
+    config = tiering_config(BUDGET_1M)
+    window = OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer1",), group_id=1, sliding_window_size_in_chunks=2)
+    hybrid = KVTritonTieringOffloadingSpec(dataclasses.replace(config, groups=(*config.groups, window)))
+    assert hybrid.layout_tag == LAYOUT_TAG
