@@ -153,3 +153,20 @@ def test_bad_arguments_are_refused_naming_them(name: str) -> None:
         SharedRegion("a/b", RegionLayout(1, 1, 1, 1), 1)
     with pytest.raises(ValueError, match="directory '/nonexistent' does not exist"):
         SharedRegion(name, RegionLayout(1, 1, 1, 1), 1, directory="/nonexistent")
+
+
+def test_a_region_left_by_a_dead_engine_with_the_same_id_is_replaced_not_joined(name: str) -> None:
+    child = (
+        "import os\n"
+        "from kvtriton.worker.shared_region import RegionLayout, SharedRegion\n"
+        f"region = SharedRegion({name!r}, RegionLayout(2, 1, 1, 4096), 3)  # the other two never come\n"
+        "region.rank_rows(0).fill_(7)\n"
+        "os._exit(0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, timeout=120)
+    path = Path(f"/dev/shm/kvtriton_{name}.region")
+    assert path.exists()  # stale: its creator died before the count completed
+    fresh = SharedRegion(name, RegionLayout(2, 1, 1, 4096), 2)
+    assert fresh.mapped_count == 1 and fresh.region_tensor().eq(0).all()  # a new region, not the dead one's bytes
+    fresh.close()

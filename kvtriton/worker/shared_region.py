@@ -27,7 +27,9 @@ Lifetime (:class:`SharedRegion`). The first process to arrive creates the file
 (after checking /dev/shm has room) and allocates its pages, the others open
 it. Every process that has
 mapped it adds one to a count in the region's header page; the process that
-brings the count to ``expected_mappers`` unlinks the file. From then on the
+brings the count to ``expected_mappers`` unlinks the file. A file whose creator
+no longer runs (an engine with the same id that died before every process had
+mapped it) is removed and created afresh. From then on the
 memory lives exactly as long as some process maps it: a crash leaks nothing in
 /dev/shm. :meth:`SharedRegion.close` also unlinks it, for a process set that
 never completed.
@@ -66,8 +68,10 @@ HEADER_BYTES = ROW_ALIGNMENT
 _MAGIC = b"KVTRREG1"
 _COUNT = struct.Struct("<Q")  # processes that have mapped the region
 _LENGTH = struct.Struct("<I")  # bytes of the layout JSON that follows
+_PID = struct.Struct("<Q")  # the creator's process id: a region whose creator is gone is stale
 _COUNT_AT = len(_MAGIC)
-_LENGTH_AT = _COUNT_AT + _COUNT.size
+_PID_AT = _COUNT_AT + _COUNT.size
+_LENGTH_AT = _PID_AT + _PID.size
 _JSON_AT = _LENGTH_AT + _LENGTH.size
 JOIN_TIMEOUT_S = 30.0
 """How long a joining process waits for the creator to finish the header."""
@@ -159,6 +163,20 @@ class RegionLayout:
         )
 
 
+class _StaleRegion(Exception):
+    """A region file whose creator no longer runs; it has been removed."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, under another user
+    return True
+
+
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 
@@ -219,12 +237,19 @@ class SharedRegion:
         self._tensors: list[torch.Tensor] = []
         self._views: list[memoryview] = []
         self._fd = -1
-        try:
-            self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            self._join(join_timeout_s)
-        else:
-            self._create(directory)
+        for attempt in range(2):
+            try:
+                self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                try:
+                    self._join(join_timeout_s)
+                except _StaleRegion:
+                    if attempt == 0:
+                        continue  # removed: create it afresh
+                    raise
+            else:
+                self._create(directory)
+            break
         self._register_mapping()
 
     # --- creation and joining -----------------------------------------
@@ -244,6 +269,7 @@ class SharedRegion:
             layout_json = json.dumps(asdict(self.layout), sort_keys=True).encode()
             if _JSON_AT + len(layout_json) > HEADER_BYTES:
                 raise ValueError(f"the region layout description ({len(layout_json)} bytes) does not fit the header page")
+            _PID.pack_into(self._mmap, _PID_AT, os.getpid())
             self._mmap[_LENGTH_AT:_JSON_AT] = _LENGTH.pack(len(layout_json))
             self._mmap[_JSON_AT : _JSON_AT + len(layout_json)] = layout_json
             # The magic goes last: joiners wait for it, so they never read a half-written header.
@@ -260,15 +286,24 @@ class SharedRegion:
             deadline = time.monotonic() + timeout_s
             while True:
                 stat = os.fstat(self._fd)
-                if stat.st_size >= HEADER_BYTES:
-                    with open(self.path, "rb") as header_file:
-                        if header_file.read(len(_MAGIC)) == _MAGIC:
-                            break
+                if stat.st_size >= HEADER_BYTES and os.pread(self._fd, len(_MAGIC), 0) == _MAGIC:
+                    break
                 if stat.st_nlink == 0:
                     raise RuntimeError(f"the process creating {self.path} failed before finishing it; see its log")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.path} was not initialised within {timeout_s} s by the process creating it")
                 time.sleep(0.005)
+            (creator,) = _PID.unpack(os.pread(self._fd, _PID.size, _PID_AT))
+            if not _process_alive(int(creator)):
+                # Left by an engine with the same id that died before every
+                # process had mapped it (a fixed engine_id): start afresh.
+                try:
+                    if os.stat(self.path).st_ino == stat.st_ino:
+                        os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+                logger.warning("removed the stale shared host region %s (its creator, pid %d, is gone)", self.path, creator)
+                raise _StaleRegion(self.path)
             if stat.st_size != self.file_bytes:
                 theirs = self._read_layout()
                 raise ValueError(
@@ -292,8 +327,7 @@ class SharedRegion:
 
     def _read_layout(self) -> str:
         """The creator's layout, described as :meth:`RegionLayout.describe` does."""
-        with open(self.path, "rb") as header_file:
-            header = header_file.read(HEADER_BYTES)
+        header = os.pread(self._fd, HEADER_BYTES, 0)
         (length,) = _LENGTH.unpack_from(header, _LENGTH_AT)
         try:
             fields = json.loads(header[_JSON_AT : _JSON_AT + length])
