@@ -22,9 +22,10 @@ values converted at the boundary:
   does, so its ``OffloadingEventsTracker`` drops the payload it recorded.
 
 Lookups are the hottest call (one per chunk of every scheduled prompt), so
-when no filter sits in between they go straight to the ``CPUOffloadingManager``
-through a lookup that answers vLLM's ``LookupResult`` itself
-(``CPUOffloadingManager.lookup_with``).
+when no filter sits in between, the adapter's ``lookup`` is replaced, per
+instance, by the ``CPUOffloadingManager``'s own lookup answering vLLM's
+``LookupResult`` (``CPUOffloadingManager.lookup_with``): one call, no
+translation.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -131,14 +132,14 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         # Both key types are NewTypes of the same bytes with the same encoding:
         # the casts rename types once here, nothing is converted per call.
         self._calls = cast(_VLLMKeyedManager, backing)
-        self._direct_lookup: Callable[[vllm_base.OffloadKey], vllm_base.LookupResult] | None = (
-            cast(
-                "Callable[[vllm_base.OffloadKey], vllm_base.LookupResult]",
-                cpu.lookup_with(vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING),
+        if backing is cpu:
+            # The hottest call (one per chunk of every scheduled prompt): the
+            # instance's lookup becomes the CPU manager's own, answering
+            # vLLM's LookupResult, so vLLM's call costs one Python frame.
+            direct = cpu.lookup_with(
+                vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
             )
-            if backing is cpu
-            else None
-        )
+            setattr(self, "lookup", direct)  # noqa: B010 -- an instance attribute shadowing the method is the point
 
     @property
     def backing(self) -> OffloadingManager:
@@ -175,9 +176,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
 
     @override
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
-        direct = self._direct_lookup
-        if direct is not None:
-            return direct(key)
+        # Shadowed per instance when no filter wraps the CPU manager (see __init__).
         return _LOOKUP_RESULTS[self._calls.lookup(key, self._context(req_context))]
 
     @override

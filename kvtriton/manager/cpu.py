@@ -152,16 +152,18 @@ class CPUOffloadingManager(OffloadingManager):
         """A copy of the key -> slot assignment of every cached block (pending included)."""
         return {key: block.slot for key, block in self._blocks.items()}
 
-    def lookup_with(self, miss: _R, hit: _R, pending: _R) -> Callable[[OffloadKey], _R]:
-        """A lookup that answers ``miss`` / ``hit`` / ``pending`` instead of ``LookupResult``.
+    def lookup_with(self, miss: _R, hit: _R, pending: _R) -> Callable[[OffloadKey, object], _R]:
+        """A ``lookup(key, req_context)`` that answers ``miss`` / ``hit`` / ``pending`` instead of ``LookupResult``.
 
-        It counts like :meth:`lookup` and needs no request context (this
-        manager's lookup never reads one), so an adapter answers in its own
-        result type with one call and no translation table.
+        It counts like :meth:`lookup` and ignores the context (this manager's
+        lookup never reads one), so an adapter can install it as its own
+        ``lookup`` and answer in its own result type with one call and no
+        translation table.
         """
         blocks_get = self._blocks.get
 
-        def lookup(key: OffloadKey) -> _R:
+        def lookup(key: OffloadKey, req_context: object = None) -> _R:
+            del req_context
             self._lookups += 1
             block = blocks_get(key)
             if block is None:
