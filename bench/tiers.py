@@ -1,0 +1,346 @@
+"""Tier traffic through kvtriton's primary tier vs vLLM's CPU primary, behind vLLM's own ``fs`` tier.
+
+vLLM's ``TieringOffloadingManager`` drives both primaries the same way: a
+chunk stored to the primary is *cascaded* to every secondary tier (primary ->
+fs), and a chunk found only in a secondary tier is *promoted* (fs -> primary).
+The primary's part of that traffic is bookkeeping (pin the chunks, hand out
+slots, a memoryview the tier copies through); this benchmark shows that
+kvtriton's adds no measurable cost. Both primaries run in one process, against
+the same fs root on local disk, alternating repeat by repeat, with distinct
+keys (the fs tier skips a file that already exists):
+
+* cascade: ``--total-mib`` of chunks are stored in batches of ``--batch`` (one
+  ``prepare_store`` / ``complete_store`` pair each, as the connector stores one
+  request's new chunks per step); the slots are taken and filled untimed (the
+  workers' part), then the stores complete batch after batch, each cascading
+  its chunks, timed until every fs write has completed;
+* promotion: the primary is emptied (``reset_cache``), then every chunk is
+  looked up, as the scheduler does step after step, until all of them are
+  readable in the primary again (the fs tier's asynchronous existence checks,
+  its reads into the primary's slots, and the completions).
+
+Only the scheduler side runs: no GPU is needed, and the chunk bytes are
+written into the primaries' host memory directly. Chunk sizes are set by the
+KV bytes per GPU block with one block per chunk, so both primaries lay chunks
+out identically (the layouts are byte-identical then). Prints chunks/s and
+GB/s per chunk size, primary and direction (best of ``--repeats``, as
+interference on a shared machine only slows a pass down) and the kvtriton/vLLM
+ratio (goal >= 0.95; the ratio of the medians is printed beside it). A second
+table times the primary-tier calls alone (promotion slot, cascade pin, lookup)
+per chunk, without I/O: the primary's whole share of the tier traffic,
+measured without the disk's noise. Writes ``bench/results/tiers.json``.
+
+    python -m bench.tiers                    # 0.5, 2 and 4 MiB chunks, 128 MiB per pass
+    python -m bench.tiers --quick            # one small pass per size
+    python -m bench.tiers --root /mnt/nvme/kv --total-mib 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.common import format_table, write_json
+from kvtriton.tools.progress import progress
+
+__all__ = ["Bookkeeping", "PassResult", "build_parser", "main", "measure_bookkeeping", "run_pass"]
+
+GOAL_RATIO = 0.95
+BOOKKEEPING_CHUNKS = 4096
+STEP_S = 0.002
+"""Pause between two polling rounds, standing in for a scheduler step (the tiers' threads run meanwhile)."""
+PRIMARIES = ("vllm", "kvtriton")
+_SPEC_NAMES = {"vllm": ("TieringOffloadingSpec", None), "kvtriton": ("KVTritonTieringOffloadingSpec", "kvtriton.integrations.vllm")}
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    """One cascade pass and one promotion pass of ``chunks`` chunks of ``chunk_bytes`` through one primary."""
+
+    primary: str
+    chunk_bytes: int
+    chunks: int
+    cascade_s: float
+    promotion_s: float
+
+    @property
+    def cascade_chunks_per_s(self) -> float:
+        return self.chunks / self.cascade_s
+
+    @property
+    def promotion_chunks_per_s(self) -> float:
+        return self.chunks / self.promotion_s
+
+    @property
+    def cascade_gb_per_s(self) -> float:
+        return self.chunks * self.chunk_bytes / self.cascade_s / 1e9
+
+    @property
+    def promotion_gb_per_s(self) -> float:
+        return self.chunks * self.chunk_bytes / self.promotion_s / 1e9
+
+
+def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int) -> object:
+    """A scheduler-side TieringOffloadingManager with ``primary`` and one fs tier under ``root``."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    spec_name, module = _SPEC_NAMES[primary]
+    extra: dict[str, object] = {
+        "spec_name": spec_name,
+        "cpu_bytes_to_use": chunks * chunk_bytes,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}],
+    }
+    if module is not None:
+        extra["spec_module_path"] = module
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
+        worker_kv_bytes_per_block=chunk_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id=f"bench-tiers-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name="bench/tiers", dtype="float16", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+        ),  # fmt: skip
+    )
+    return OffloadingSpecFactory.create_spec(config).get_manager()
+
+
+def run_pass(primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path, threads: int, first_key: int) -> PassResult:
+    """Cascade ``chunks`` fresh chunks to fs through ``primary``, then promote them all back; time both."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    manager = _manager(primary, chunk_bytes, chunks, root, threads)
+    assert isinstance(manager, TieringOffloadingManager)
+    step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    keys = [make_offload_key((first_key + index).to_bytes(32, "big"), 0) for index in range(chunks)]
+    view = manager.primary_tier.get_kv_memoryview().cast("B")
+    try:
+        payload = bytes(range(256)) * (chunk_bytes // 256)
+        context = ReqContext(req_id="cascade")
+        manager.on_new_request(context)
+        # Untimed: the GPU -> host stores (slots taken, bytes written, as the workers would).
+        batches = [keys[start : start + batch] for start in range(0, chunks, batch)]
+        for batch_keys in batches:
+            with manager.lock:
+                output = manager.prepare_store(batch_keys, context)
+            if output is None:
+                raise RuntimeError(f"the {primary} primary refused to store {len(batch_keys)} chunks")
+            spec = output.store_spec
+            assert isinstance(spec, CPULoadStoreSpec)
+            for slot in spec.block_ids.tolist():
+                view[slot * chunk_bytes : (slot + 1) * chunk_bytes] = payload
+        # Timed: the stores complete step by step, each cascading its chunks, until fs holds them all.
+        started = time.perf_counter()
+        for batch_keys in batches:
+            with manager.lock:
+                manager.complete_store(batch_keys, context)
+                manager.on_schedule_end(step_end)
+        while True:
+            with manager.lock:
+                manager.on_schedule_end(step_end)
+                if not manager.has_pending_work():
+                    break
+            time.sleep(STEP_S)
+        cascade_s = time.perf_counter() - started
+        manager.on_request_finished(context)
+
+        with manager.lock:
+            manager.reset_cache()
+            manager.on_reset_flushed()
+        context = ReqContext(req_id="promotion")
+        manager.on_new_request(context)
+        pending = list(keys)
+        started = time.perf_counter()
+        while pending:
+            with manager.lock:
+                pending = [key for key in pending if manager.lookup(key, context) is not LookupResult.HIT]
+                manager.on_schedule_end(step_end)
+            if pending:
+                time.sleep(STEP_S)
+        promotion_s = time.perf_counter() - started
+        manager.on_request_finished(context)
+    finally:
+        view.release()  # the primary's memory may only be unmapped once no view of it is left
+        manager.shutdown()
+    return PassResult(primary, chunk_bytes, chunks, cascade_s, promotion_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Bookkeeping:
+    """The primary's own cost per chunk, in microseconds, with no tier I/O: what it adds to every chunk moved."""
+
+    primary: str
+    write_us: float
+    """``prepare_write`` + ``complete_write`` (a promotion's slot), per chunk, in batches of ``--batch``."""
+    read_us: float
+    """``prepare_read`` + ``complete_read`` (a cascade's pin), per chunk, in batches of ``--batch``."""
+    lookup_us: float
+    """``lookup`` of a chunk the primary holds."""
+
+
+def measure_bookkeeping(primary: str, chunks: int, batch: int) -> Bookkeeping:
+    """Time the primary-tier calls the orchestrator makes per chunk, directly on ``primary``."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    with tempfile.TemporaryDirectory(prefix="kvtriton-bench-tiers-") as root:
+        manager = _manager(primary, 4096, chunks, Path(root), 1)
+        tier = getattr(manager, "primary_tier")
+        try:
+            keys = [make_offload_key(index.to_bytes(32, "big"), 0) for index in range(chunks)]
+            batches = [keys[start : start + batch] for start in range(0, chunks, batch)]
+            context = ReqContext(req_id="bookkeeping")
+            started = time.perf_counter()
+            for batch_keys in batches:
+                tier.prepare_write(batch_keys, context)
+                tier.complete_write(batch_keys, context, True)
+            written = time.perf_counter()
+            for batch_keys in batches:
+                tier.prepare_read(batch_keys, context)
+                tier.complete_read(batch_keys, context)
+            read = time.perf_counter()
+            for key in keys:
+                tier.lookup(key, context)
+            looked_up = time.perf_counter()
+        finally:
+            getattr(manager, "shutdown")()
+    per_chunk = 1e6 / chunks
+    return Bookkeeping(
+        primary, (written - started) * per_chunk, (read - written) * per_chunk, (looked_up - read) * per_chunk
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--chunk-mib", type=float, nargs="+", default=[0.5, 2.0, 4.0], help="chunk sizes in MiB (default: 0.5 2 4)")
+    parser.add_argument("--total-mib", type=int, default=128, help="MiB moved per pass and direction (default: 128)")
+    parser.add_argument("--batch", type=int, default=8, help="chunks per store, as one step stores them (default: 8)")
+    parser.add_argument("--repeats", type=int, default=None, help="passes per size and primary, best kept (default: 7, 1 with --quick)")
+    parser.add_argument("--threads", type=int, default=4, help="fs tier read and write threads each (default: 4)")
+    parser.add_argument("--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)")
+    parser.add_argument("--quick", action="store_true", help="16 MiB per pass, one repeat")
+    parser.add_argument("--name", default="tiers", help="result file name without .json (default: tiers)")
+    return parser
+
+
+def _best(results: list[PassResult], attribute: str) -> float:
+    """The best pass: on a shared machine, interference only ever slows a pass down."""
+    return max(float(getattr(result, attribute)) for result in results)
+
+
+def _median(results: list[PassResult], attribute: str) -> float:
+    return statistics.median(float(getattr(result, attribute)) for result in results)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    repeats: int = args.repeats if args.repeats is not None else 1 if args.quick else 7
+    total_mib: int = 16 if args.quick else args.total_mib
+    sizes = [int(mib * (1 << 20)) for mib in args.chunk_mib]
+    if repeats < 1 or args.batch < 1 or args.threads < 1 or total_mib < 1:
+        raise SystemExit(f"need --repeats, --batch, --threads and --total-mib >= 1; got {repeats}, {args.batch}, {args.threads}, {total_mib}")
+    bad = [mib for mib, size in zip(args.chunk_mib, sizes) if size < 4096 or size % 4096]
+    if bad:
+        raise SystemExit(f"--chunk-mib must be multiples of 4 KiB (the fs tier reads with O_DIRECT), got {bad}")
+    try:
+        importlib.import_module("vllm.v1.kv_offload.tiering.manager")
+    except ImportError as error:
+        raise SystemExit(f"bench.tiers compares against vLLM's own primary and needs vLLM 0.33: {error}") from None
+
+    base = Path(tempfile.mkdtemp(prefix="kvtriton-bench-tiers-", dir=args.root))
+    print(f"fs root: {base}; {total_mib} MiB per pass; batches of {args.batch}; {args.threads}+{args.threads} fs threads")
+    steps = [(size, repeat, primary) for size in sizes for repeat in range(repeats) for primary in (PRIMARIES if repeat % 2 == 0 else PRIMARIES[::-1])]
+    results: dict[tuple[int, str], list[PassResult]] = {}
+    first_key = 0
+    try:
+        for size, _, primary in progress(steps, total=len(steps), label="tier passes"):
+            chunks = max(1, (total_mib << 20) // size)
+            root = base / "fs"  # one root for both primaries; distinct keys keep their files apart
+            results.setdefault((size, primary), []).append(run_pass(primary, size, chunks, args.batch, root, args.threads, first_key))
+            first_key += chunks
+            shutil.rmtree(root, ignore_errors=True)  # the next pass writes fresh files, not over old ones
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    headers = ["chunk MiB", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s", "ratio", "median ratio"]
+    table: list[list[object]] = []
+    records: list[dict[str, object]] = []
+    worst = float("inf")
+    for size in sizes:
+        for direction in ("cascade", "promotion"):
+            theirs, ours = results[(size, "vllm")], results[(size, "kvtriton")]
+            rate, gbps = f"{direction}_chunks_per_s", f"{direction}_gb_per_s"
+            ratio = _best(ours, rate) / _best(theirs, rate)
+            median_ratio = _median(ours, rate) / _median(theirs, rate)
+            worst = min(worst, ratio)
+            table.append([
+                size / (1 << 20), direction, _best(theirs, rate), _best(theirs, gbps),
+                _best(ours, rate), _best(ours, gbps), ratio, median_ratio,
+            ])  # fmt: skip
+            records.append({
+                "chunk_bytes": size, "direction": direction, "ratio": ratio, "median_ratio": median_ratio,
+                "vllm": {"chunks_per_s": _best(theirs, rate), "gb_per_s": _best(theirs, gbps),
+                         "median_chunks_per_s": _median(theirs, rate)},
+                "kvtriton": {"chunks_per_s": _best(ours, rate), "gb_per_s": _best(ours, gbps),
+                             "median_chunks_per_s": _median(ours, rate)},
+            })  # fmt: skip
+    print(format_table(headers, table))
+
+    # The primary's own share, without I/O: deterministic where the passes above are at the mercy of the disk.
+    bookkeeping: dict[str, list[Bookkeeping]] = {primary: [] for primary in PRIMARIES}
+    for repeat in range(repeats):
+        for primary in PRIMARIES if repeat % 2 == 0 else PRIMARIES[::-1]:
+            bookkeeping[primary].append(measure_bookkeeping(primary, BOOKKEEPING_CHUNKS, args.batch))
+    cost_rows: list[list[object]] = []
+    costs: dict[str, dict[str, float]] = {}
+    for primary in PRIMARIES:
+        runs = bookkeeping[primary]
+        costs[primary] = {
+            field: statistics.median(float(getattr(run, field)) for run in runs) for field in ("write_us", "read_us", "lookup_us")
+        }
+        cost_rows.append([primary, costs[primary]["write_us"], costs[primary]["read_us"], costs[primary]["lookup_us"]])
+    print(f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):")
+    print(format_table(["primary", "promotion slot (write)", "cascade pin (read)", "lookup"], cost_rows))
+    verdict = "met" if worst >= GOAL_RATIO else "NOT met"
+    print(f"worst kvtriton/vLLM ratio {worst:.3f}: goal >= {GOAL_RATIO} {verdict}")
+    path = write_json(
+        args.name,
+        {
+            "command": " ".join(["python -m bench.tiers", *(sys.argv[1:] if argv is None else argv)]),
+            "total_mib": total_mib,
+            "batch": args.batch,
+            "threads": args.threads,
+            "repeats": repeats,
+            "goal_ratio": GOAL_RATIO,
+            "worst_ratio": worst,
+            "results": records,
+            "bookkeeping_us_per_chunk": costs,
+            "passes": [asdict(result) for runs in results.values() for result in runs],
+        },
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

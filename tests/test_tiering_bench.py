@@ -1,0 +1,45 @@
+"""bench/tiers.py runs both primaries through the same fs tier and records what it measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+from bench import tiers  # noqa: E402
+
+
+@pytest.mark.parametrize("primary", tiers.PRIMARIES)
+def test_a_pass_cascades_every_chunk_and_promotes_every_chunk_back(primary: str, tmp_path: Path) -> None:
+    result = tiers.run_pass(primary, 64 << 10, 6, 4, tmp_path / "fs", 1, first_key=100)
+    assert (result.primary, result.chunks, result.chunk_bytes) == (primary, 6, 64 << 10)
+    assert result.cascade_s > 0 and result.promotion_s > 0
+    files = sorted((tmp_path / "fs").rglob("*.bin"))
+    assert len(files) == 6 and all(path.stat().st_size == 64 << 10 for path in files)
+
+
+def test_main_prints_the_ratio_and_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    assert tiers.main(["--chunk-mib", "0.0625", "--total-mib", "1", "--repeats", "1", "--threads", "1", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kvtriton/vLLM ratio" in out and "primary-tier calls alone" in out
+    record = json.loads((tmp_path / "tiers.json").read_text())
+    assert [(row["chunk_bytes"], row["direction"]) for row in record["results"]] == [(65536, "cascade"), (65536, "promotion")]
+    assert record["machine"] and record["command"].startswith("python -m bench.tiers")
+    assert set(record["bookkeeping_us_per_chunk"]) == {"vllm", "kvtriton"}
+    assert [path.name for path in tmp_path.iterdir()] == ["tiers.json"]  # the fs root it made is gone
+
+
+def test_chunk_sizes_that_o_direct_cannot_use_are_refused() -> None:
+    with pytest.raises(SystemExit, match="multiples of 4 KiB"):
+        tiers.main(["--chunk-mib", "0.001"])
+
+
+@pytest.mark.parametrize("primary", tiers.PRIMARIES)
+def test_the_primarys_own_calls_are_timed_per_chunk(primary: str) -> None:
+    cost = tiers.measure_bookkeeping(primary, 64, 8)
+    assert cost.primary == primary
+    assert cost.write_us > 0 and cost.read_us > 0 and cost.lookup_us > 0

@@ -1,0 +1,172 @@
+"""SharedRegion and its per-rank slabs: the /dev/shm region the scheduler and every worker rank map.
+
+Several SharedRegion objects in one process stand in for several processes:
+each maps the file on its own, exactly as another process would; one test
+uses a real second process to show that a crash leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtriton.worker import shared_region
+from kvtriton.worker.shared_region import ROW_ALIGNMENT, RegionLayout, SharedRegion
+from kvtriton.worker.slab import HostSlab
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    made = f"test-{uuid.uuid4().hex[:12]}"
+    yield made
+    leftover = Path(f"/dev/shm/kvtriton_{made}.region")
+    assert not leftover.exists(), f"{leftover} was left behind"
+
+
+def slab(region: SharedRegion, rank: int) -> HostSlab:
+    return region.rank_slab(rank, pin=False)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_chunk_is_a_multiple_of_the_direct_io_alignment_and_holds_every_rank(blocks_per_chunk: int, world_size: int) -> None:
+    layout = RegionLayout(5, blocks_per_chunk, world_size, 1000)
+    assert layout.chunk_bytes % ROW_ALIGNMENT == 0
+    assert layout.block_row_stride >= world_size * 1000
+    padding = layout.chunk_bytes - blocks_per_chunk * world_size * 1000
+    # Under one page per chunk when the block count divides the page; under one page per block row otherwise.
+    assert padding < (ROW_ALIGNMENT if ROW_ALIGNMENT % blocks_per_chunk == 0 else blocks_per_chunk * ROW_ALIGNMENT)
+    assert layout.rank_offset(world_size - 1) + 1000 <= layout.block_row_stride
+
+
+def test_a_budget_below_one_chunk_is_refused_naming_both_sizes() -> None:
+    with pytest.raises(ValueError, match=r"cpu_bytes_to_use=4000 holds no chunk.*takes 8192 bytes"):
+        RegionLayout.for_budget(4000, 2, 2, 2048)
+    assert RegionLayout.for_budget(3 * 8192 + 1, 2, 2, 2048).num_chunks == 3
+
+
+def test_the_file_is_unlinked_once_every_process_mapped_it_and_all_see_the_same_bytes(name: str) -> None:
+    layout = RegionLayout(4, 2, 2, 1000)
+    scheduler = SharedRegion(name, layout, 3)
+    rank0 = SharedRegion(name, layout, 3)
+    assert os.path.exists(scheduler.path) and scheduler.mapped_count == 2
+    rank1 = SharedRegion(name, layout, 3)
+    assert not os.path.exists(scheduler.path) and rank1.unlinked  # the third mapping completed the count
+    slabs = [slab(rank0, 0), slab(rank1, 1)]
+    slabs[0].slot(2).fill_(0xA0)
+    slabs[1].slot(2).fill_(0xB1)
+    chunk = scheduler.region_tensor()[2].view(2, layout.block_row_stride)
+    assert chunk[:, :1000].eq(0xA0).all() and chunk[:, 1000:2000].eq(0xB1).all()
+    assert chunk[:, 2000:].eq(0).all()  # padding untouched
+    assert scheduler.region_tensor()[[0, 1, 3]].eq(0).all()  # other chunks untouched
+    view = scheduler.chunk_memoryview()
+    assert (view.shape, view.strides) == ((4, layout.chunk_bytes), (layout.chunk_bytes, 1))
+    assert bytes(view.cast("B")[2 * layout.chunk_bytes : 2 * layout.chunk_bytes + 2]) == b"\xa0\xa0"
+    for made in slabs:
+        made.close()
+    for region in (scheduler, rank0, rank1):
+        region.close()
+
+
+def test_a_region_whose_processes_never_all_came_is_unlinked_on_close(name: str) -> None:
+    region = SharedRegion(name, RegionLayout(2, 1, 1, 4096), 5)
+    assert os.path.exists(region.path)
+    region.close()
+    region.close()  # idempotent
+    assert not os.path.exists(region.path)
+
+
+def test_a_process_that_crashes_after_mapping_leaks_nothing(name: str) -> None:
+    layout = RegionLayout(2, 1, 2, 2048)
+    scheduler = SharedRegion(name, layout, 2)
+    child = (
+        "import os\n"
+        "from kvtriton.worker.shared_region import RegionLayout, SharedRegion\n"
+        f"region = SharedRegion({name!r}, RegionLayout(2, 1, 2, 2048), 2)\n"
+        "region.rank_rows(1).fill_(7)\n"
+        "os._exit(0)  # no close(): a crash\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, timeout=120)
+    assert not os.path.exists(scheduler.path)
+    assert scheduler.rank_rows(1).eq(7).all()  # the bytes it wrote outlive it while the scheduler maps them
+    scheduler.close()
+
+
+def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = RegionLayout(1000, 1, 1, 4096)
+    monkeypatch.setattr(shared_region, "shm_free_bytes", lambda directory=shared_region.REGION_DIRECTORY: 1 << 20)
+    with pytest.raises(ValueError, match=r"/dev/shm has 1048576 bytes free but the shared host region needs 4100096 bytes"):
+        SharedRegion(name, layout, 2)
+
+
+def test_a_rank_with_another_layout_is_refused_naming_both(name: str) -> None:
+    first = SharedRegion(name, RegionLayout(4, 1, 2, 2048), 3)
+    with pytest.raises(ValueError, match=r"laid out as 4 chunks x 1 block\(s\) x 2 rank\(s\) x 2048 bytes.*expects .*x 1024 bytes.*VLLM_PP_LAYER_PARTITION"):
+        SharedRegion(name, RegionLayout(8, 1, 2, 1024), 3)
+    first.close()
+
+
+def test_joining_a_region_nobody_finishes_times_out(name: str) -> None:
+    path = Path(f"/dev/shm/kvtriton_{name}.region")
+    path.write_bytes(b"")
+    try:
+        with pytest.raises(TimeoutError, match="was not initialised"):
+            SharedRegion(name, RegionLayout(1, 1, 1, 4096), 2, join_timeout_s=0.05)
+    finally:
+        path.unlink()
+
+
+def test_slab_rows_follow_the_slab_numbering_at_the_ranks_offset(name: str) -> None:
+    layout = RegionLayout(3, 2, 2, 512)
+    region = SharedRegion(name, layout, 1)
+    made = slab(region, 1)
+    assert (made.num_slots, made.block_size_factor, made.row_bytes) == (3, 2, 512)
+    rows = made.rows
+    assert rows.shape == (6, 512) and rows.stride() == (layout.block_row_stride, 1)
+    made.slot(1)[1].fill_(9)  # chunk 1, its second block
+    whole = region.region_tensor().reshape(-1)
+    start = 1 * layout.chunk_bytes + 1 * layout.block_row_stride + 512
+    assert whole[start : start + 512].eq(9).all() and int(whole.sum()) == 9 * 512
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin=True needs CUDA"):
+            region.rank_slab(0, pin=True)
+    made.close()
+    region.close()
+
+
+def test_bad_arguments_are_refused_naming_them(name: str) -> None:
+    with pytest.raises(ValueError, match="blocks_per_chunk must be >= 1, got 0"):
+        RegionLayout(1, 0, 1, 1)
+    with pytest.raises(ValueError, match="rank must be in 0..1, got 2"):
+        RegionLayout(1, 1, 2, 1).rank_offset(2)
+    with pytest.raises(ValueError, match="name must be a non-empty string without '/'"):
+        SharedRegion("a/b", RegionLayout(1, 1, 1, 1), 1)
+    with pytest.raises(ValueError, match="directory '/nonexistent' does not exist"):
+        SharedRegion(name, RegionLayout(1, 1, 1, 1), 1, directory="/nonexistent")
+
+
+def test_a_region_left_by_a_dead_engine_with_the_same_id_is_replaced_not_joined(name: str) -> None:
+    child = (
+        "import os\n"
+        "from kvtriton.worker.shared_region import RegionLayout, SharedRegion\n"
+        f"region = SharedRegion({name!r}, RegionLayout(2, 1, 1, 4096), 3)  # the other two never come\n"
+        "region.rank_rows(0).fill_(7)\n"
+        "os._exit(0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, timeout=120)
+    path = Path(f"/dev/shm/kvtriton_{name}.region")
+    assert path.exists()  # stale: its creator died before the count completed
+    fresh = SharedRegion(name, RegionLayout(2, 1, 1, 4096), 2)
+    assert fresh.mapped_count == 1 and fresh.region_tensor().eq(0).all()  # a new region, not the dead one's bytes
+    fresh.close()

@@ -1,0 +1,104 @@
+"""vLLM ``OffloadingConfig`` objects for the tiered spec, and helpers to drive a tiering manager by hand."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+_STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+TIERING_EXTRA: dict[str, object] = {
+    "spec_name": "KVTritonTieringOffloadingSpec",
+    "spec_module_path": "kvtriton.integrations.vllm",
+}
+
+
+def tiering_config(
+    extra_config: Mapping[str, object],
+    *,
+    worker_kv_bytes_per_block: int = 2048,
+    blocks_per_chunk: int = 1,
+    world_size: int = 1,
+    rank: int = 0,
+    engine_id: str | None = None,
+    model_name: str = "tiny-tiering",
+) -> OffloadingConfig:
+    """The OffloadingConfig vLLM's connector builds for one full-attention group, with a fresh engine id."""
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config={**TIERING_EXTRA, **extra_config},
+        engine_id=engine_id or f"tiering-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=model_name, dtype="float16", max_model_len=1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def key(index: int) -> OffloadKey:
+    return make_offload_key(index.to_bytes(32, "big"), 0)
+
+
+def settle_lookup(manager: OffloadingManager, offload_key: OffloadKey, context: ReqContext, timeout_s: float = 10.0) -> LookupResult:
+    """Look ``offload_key`` up until the answer is not RETRY, ending each round as a scheduler step does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with manager.lock:
+            result = manager.lookup(offload_key, context)
+            manager.on_schedule_end(_STEP_END)
+        if result is not LookupResult.RETRY:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"lookup still answers RETRY after {timeout_s} s")
+        time.sleep(0.005)
+
+
+def drain(manager: OffloadingManager, timeout_s: float = 10.0) -> None:
+    """End scheduler steps until no tier job is in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with manager.lock:
+            manager.on_schedule_end(_STEP_END)
+            if not manager.has_pending_work():
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"tier jobs still in flight after {timeout_s} s")
+        time.sleep(0.005)
+
+
+def wait_for_hit(manager: OffloadingManager, offload_key: OffloadKey, context: ReqContext, timeout_s: float = 10.0) -> None:
+    """Step until ``offload_key`` is readable in the primary tier (a promotion has landed)."""
+    deadline = time.monotonic() + timeout_s
+    while (result := settle_lookup(manager, offload_key, context, timeout_s)) is not LookupResult.HIT:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"lookup still answers {result.name} after {timeout_s} s")
+        time.sleep(0.005)
