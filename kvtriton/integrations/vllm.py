@@ -167,3 +167,5 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 raise
             self._worker = VLLMOffloadingWorker(engine, slab)
         return self._worker
+
+from kvtriton.integrations.vllm_tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)

@@ -1,0 +1,390 @@
+"""kvtriton as the primary tier of vLLM 0.33's tiered offloading (``vllm.v1.kv_offload.tiering``).
+
+vLLM's ``TieringOffloadingManager`` puts one *primary* tier (host memory, the
+only tier the GPU reaches) in front of any number of *secondary* tiers
+(``fs``, ``obj``, ``p2p``, out-of-tree tiers by ``module_path``): every chunk
+stored to the primary is cascaded to every secondary tier, and a chunk found
+only in a secondary tier is promoted into the primary before the GPU loads it.
+:class:`KVTritonTieringOffloadingSpec` keeps vLLM's orchestrator and its
+secondary tiers unchanged and replaces the primary: kvtriton's manager decides
+which slot holds which chunk and evicts, kvtriton's Triton kernels move the
+bytes between the GPU and host memory.
+
+Configuration: ``TieringOffloadingSpec``'s keys unchanged (``cpu_bytes_to_use``,
+``block_size`` / ``blocks_per_chunk``, ``eviction_policy``, ``secondary_tiers``,
+``tier_poll_interval_s``, ``backpressure``) plus kvtriton's ``kvtriton_backend``
+and ``kvtriton_num_programs``; docs/tiers.md has a complete example.
+
+The pieces:
+
+* :class:`KVTritonPrimaryTier`: the primary-tier contract the orchestrator
+  calls (``prepare_write`` / ``complete_write`` for promotions,
+  ``prepare_read`` / ``complete_read`` for cascades, ``get_kv_memoryview``,
+  ``_num_chunks``) over kvtriton's ``CPUOffloadingManager``;
+* the host memory is one :class:`~kvtriton.worker.shared_region.SharedRegion`
+  in /dev/shm: the scheduler maps it for the secondary tiers, every worker rank
+  writes its bytes of every block row through a strided
+  :class:`~kvtriton.worker.shared_region.RegionSlab`;
+* a layout tag: with several GPU blocks per chunk kvtriton's chunk bytes are
+  ordered differently from vLLM's, so the secondary tiers see the model name
+  suffixed with :data:`LAYOUT_TAG` and file their chunks under a namespace of
+  their own (a vLLM primary sharing the root only misses, never loads them).
+
+Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
+is installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import logging
+import re
+from collections.abc import Collection
+from typing import Any, cast
+
+from typing_extensions import override
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
+from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+from kvtriton.integrations.vllm_worker import VLLMOffloadingWorker, paged_kv_from_canonical
+from kvtriton.keys import OffloadKey
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvtriton.worker.engine import TransferEngine
+from kvtriton.worker.shared_region import RegionLayout, RegionSlab, SharedRegion
+
+__all__ = [
+    "LAYOUT_TAG",
+    "KVTritonPrimaryTier",
+    "KVTritonTieringOffloadingSpec",
+    "KVTritonTieringWorker",
+    "region_name",
+]
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_TAG = "kvtriton-block-rows-v1"
+"""Appended to the model name the secondary tiers see when a chunk holds several GPU blocks.
+
+vLLM's secondary tiers name their storage after the model, dtype, parallelism
+and chunk size (``vllm.v1.kv_offload.file_mapper.FileMapper``), not after the
+byte order inside a chunk. kvtriton orders a multi-block chunk block by block
+(each block row holds every rank's bytes of one block); vLLM orders it rank by
+rank. The tag keeps the two apart; bump its version if the order ever changes.
+"""
+
+_TIER_PACKAGES: dict[str, tuple[str, str]] = {
+    "obj": ("nixl", "pip install nixl (NIXL with its OBJ plugin)"),
+    "p2p": ("nixl", "pip install nixl"),
+    "kvcr": ("kvcr", "pip install kvcr"),
+}
+"""Built-in tier types whose manager needs a package vLLM does not install, with how to get it."""
+
+
+def _keys(keys: Collection[vllm_base.OffloadKey]) -> Collection[OffloadKey]:
+    # The same bytes under two NewTypes (see kvtriton.integrations.vllm_manager).
+    return cast("Collection[OffloadKey]", keys)
+
+
+def _vllm_slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
+    """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec``: the orchestrator asserts that class and reads ``chunk_ids``."""
+    if not isinstance(spec, CPULoadStoreSpec):
+        raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
+    return VLLMCPULoadStoreSpec(spec.block_ids.tolist())
+
+
+def region_name(engine_id: str) -> str:
+    """The shared region's name for an engine (one per engine and data-parallel replica); safe as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id) or "engine"
+
+
+class KVTritonPrimaryTier(VLLMOffloadingManager):
+    """The primary tier ``TieringOffloadingManager`` drives, answered by kvtriton's ``CPUOffloadingManager``.
+
+    Besides vLLM's manager interface (inherited) it offers what the
+    orchestrator calls on its primary:
+
+    * ``prepare_write`` / ``complete_write``: a promotion takes slots that stay
+      pending (``lookup`` answers ``HIT_PENDING``, never evicted) until the
+      secondary tier has written them; a failed write frees them at once;
+    * ``prepare_read`` / ``complete_read``: a cascade pins chunks without
+      counting an access (the request's own loads do that); pins stack, so two
+      tiers reading one chunk and a GPU load keep it until the last one ends;
+    * ``lookup`` answers HIT, HIT_PENDING or MISS, never RETRY: the
+      orchestrator asks the secondary tiers only on MISS;
+    * ``get_kv_memoryview``: the region's chunks, ``(num_chunks, chunk_bytes)``;
+    * ``_num_chunks``: read by the orchestrator for its occupancy metrics.
+    """
+
+    def __init__(self, cpu: CPUOffloadingManager, info: CPUOffloadingInfo, region: SharedRegion) -> None:
+        super().__init__(cpu, cpu, info)
+        self._region = region
+        self._num_chunks: int = cpu.capacity
+        self._kv_memoryview = region.chunk_memoryview()
+
+    @property
+    def region(self) -> SharedRegion:
+        """The shared host region the tiers copy from and to."""
+        return self._region
+
+    def get_kv_memoryview(self) -> memoryview:
+        """The region's chunks as a ``(num_chunks, chunk_bytes)`` memoryview; chunk ``c`` starts at ``c * chunk_bytes``."""
+        return self._kv_memoryview
+
+    def prepare_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
+        """Pin ready chunks for a copy to a secondary tier; no access is recorded (recency stays the request's)."""
+        return _vllm_slot_spec(self.backing.prepare_load(_keys(keys), self._context(req_context)))
+
+    def complete_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
+        """Drop the pins of one ``prepare_read``."""
+        self.backing.complete_load(_keys(keys), self._context(req_context))
+
+    def prepare_write(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.PrepareStoreOutput | None:
+        """Take slots for chunks promoted from a secondary tier (pending until ``complete_write``); None when full."""
+        output = self.backing.prepare_store(_keys(keys), self._context(req_context))
+        if output is None:
+            return None
+        return vllm_base.PrepareStoreOutput(
+            keys_to_store=cast("list[vllm_base.OffloadKey]", output.keys_to_store),
+            store_spec=_vllm_slot_spec(output.store_spec),
+            evicted_keys=cast("list[vllm_base.OffloadKey]", output.evicted_keys),
+        )
+
+    def complete_write(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True
+    ) -> None:
+        """Make promoted chunks loadable, or (``success=False``) free their slots."""
+        self.backing.complete_store(_keys(keys), self._context(req_context), success)
+
+    @override
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._kv_memoryview = memoryview(b"")
+            self._region.close()
+
+
+class KVTritonTieringWorker(VLLMOffloadingWorker):
+    """vLLM's worker interface over kvtriton's engine, writing this rank's part of the shared region."""
+
+    def __init__(self, engine: TransferEngine, slab: RegionSlab, region: SharedRegion) -> None:
+        super().__init__(engine, slab)
+        self._region = region
+
+    @override
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._region.close()
+
+
+def _tier_label(index: int, tier_config: object) -> str:
+    kind = cast("dict[str, object]", tier_config).get("type") if isinstance(tier_config, dict) else None
+    return f"secondary_tiers[{index}] (type {kind!r})"
+
+
+def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]:
+    """The manager class of one secondary tier, or an error saying what to fix."""
+    label = _tier_label(index, tier_config)
+    if not isinstance(tier_config, dict):
+        raise ValueError(f"secondary_tiers[{index}] must be a mapping with a 'type', got {tier_config!r}")
+    config = cast("dict[str, Any]", tier_config)
+    kind = config.get("type")
+    module_path = config.get("module_path")
+    try:
+        tier_cls = SecondaryTierFactory.get_tier_class(config)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+    except ModuleNotFoundError as error:
+        missing = error.name or str(error)
+        if module_path is not None and (missing == module_path or str(module_path).startswith(missing + ".")):
+            raise ImportError(
+                f"{label}: module_path {module_path!r} cannot be imported ({error}); install the package that "
+                f"provides it or fix the path"
+            ) from error
+        hint = _TIER_PACKAGES.get(str(kind), (missing, f"pip install {missing}"))[1]
+        raise ImportError(f"{label} needs the Python package {missing!r}, which is not installed: {hint}") from error
+    except AttributeError as error:
+        raise ImportError(f"{label}: module {module_path!r} has no class {kind!r} ({error})") from error
+    except AssertionError as error:
+        raise TypeError(f"{label}: {module_path}.{kind} is not a vLLM SecondaryTierManager subclass") from error
+    except ValueError as error:
+        raise ValueError(f"{label}: {error}") from error
+    package = _TIER_PACKAGES.get(str(kind))
+    if package is not None and module_path is None and importlib.util.find_spec(package[0]) is None:
+        raise ImportError(
+            f"{label} needs the Python package {package[0]!r}, which is not installed: {package[1]}; "
+            "or remove this tier from secondary_tiers"
+        )
+    return tier_cls
+
+
+class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's ``TieringOffloadingSpec`` with kvtriton as the primary tier (see the module docstring).
+
+    vLLM builds it once in the scheduler process (:meth:`get_manager`: the
+    orchestrator, kvtriton's primary tier, the secondary tiers) and once per
+    worker rank (:meth:`get_worker`: kvtriton's engine writing this rank's
+    part of the shared region). Every error a configuration can cause is
+    raised here, before anything is allocated, naming the key and the value.
+    """
+
+    @classmethod
+    @override
+    def _get_secondary_tiers(cls, extra_config: dict[str, Any]) -> list[tuple[dict[str, Any], type[SecondaryTierManager]]]:
+        tier_configs = extra_config.get("secondary_tiers", [])
+        if not isinstance(tier_configs, list):
+            raise ValueError(f"secondary_tiers must be a list of tier configurations, got {tier_configs!r}")
+        configs = cast("list[object]", tier_configs)
+        return [(cast("dict[str, Any]", config), _resolve_tier(index, config)) for index, config in enumerate(configs)]
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        extra = config.extra_config
+        # Parsed first: a bad or missing key is reported as kvtriton reports it,
+        # before vLLM's parent classes read the same keys.
+        settings = KVTritonOffloadConfig.from_extra_config(extra)
+        if settings.filters_reuse:
+            raise ValueError(
+                f"kv_connector_extra_config['store_threshold']={extra['store_threshold']!r}: the tiered spec stores "
+                "every chunk (vLLM's TieringOffloadingSpec does not support store_threshold either); remove it"
+            )
+        if extra.get("cache_policy_module_path") is not None:
+            raise ValueError(
+                f"kv_connector_extra_config['cache_policy_module_path']={extra['cache_policy_module_path']!r}: kvtriton's "
+                "primary tier uses its own eviction policies (eviction_policy); remove cache_policy_module_path"
+            )
+        if config.canonical_layout:
+            raise ValueError(
+                "kvtriton stores each rank's own KV bytes; the canonical (parallelism-free) host layout requested "
+                "in kv_connector_extra_config is not supported, remove that setting"
+            )
+        if config.worker_kv_bytes_per_block < 1:
+            raise ValueError(
+                f"vLLM reported worker_kv_bytes_per_block={config.worker_kv_bytes_per_block}: "
+                "the KV cache is not known yet, so the shared host region cannot be sized"
+            )
+        self._get_secondary_tiers(dict(extra))
+        super().__init__(config)
+        # Every rank keeps its own copy of replicated (MLA) KV: the region has
+        # a place for each rank, and each rank's worker stores its own bytes.
+        self.replicated_layout = False
+        self.settings: KVTritonOffloadConfig = settings
+        """The parsed ``kv_connector_extra_config`` (kvtriton's keys)."""
+        self.region_layout: RegionLayout = RegionLayout.for_budget(
+            settings.cpu_bytes_to_use, self.blocks_per_chunk, config.parallel.world_size, config.worker_kv_bytes_per_block
+        )
+        """Where every rank's bytes of every chunk sit in the shared region."""
+        layout = self.region_layout
+        # The attributes vLLM's parent classes derived from their own layout,
+        # restated for kvtriton's (equal to theirs with one block per chunk).
+        self.num_chunks = layout.num_chunks
+        self.kv_bytes_per_chunk = layout.chunk_bytes
+        self.cpu_page_size_per_worker = layout.rank_row_bytes * layout.blocks_per_chunk
+        self.cpu_info = CPUOffloadingInfo.from_config(config, layout.num_chunks, layout.chunk_bytes)
+        self.layout_tag: str | None = None if layout.blocks_per_chunk == 1 else LAYOUT_TAG
+        """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
+        logger.info(
+            "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s%s",
+            config.parallel.rank, config.parallel.world_size, layout.describe(), len(self.secondary_tier_configs),
+            settings.eviction_policy, settings.backend.value,
+            f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
+        )  # fmt: skip
+
+    @property
+    def expected_mappers(self) -> int:
+        """Processes that map the region: the scheduler and every worker rank."""
+        return self.config.parallel.world_size + 1
+
+    def _open_region(self) -> SharedRegion:
+        return SharedRegion(region_name(self.config.engine_id), self.region_layout, self.expected_mappers)
+
+    def tier_facing_spec(self) -> TieringOffloadingSpec:
+        """The spec the secondary tiers are built with: this one, its model name tagged when the layout differs from vLLM's."""
+        if self.layout_tag is None:
+            return self
+        tagged = copy.copy(self)
+        model = dataclasses.replace(self.config.model, name=f"{self.config.model.name}@{self.layout_tag}")
+        tagged.config = dataclasses.replace(self.config, model=model)
+        return tagged
+
+    @override
+    def get_manager(self) -> vllm_base.OffloadingManager:
+        if self._manager is not None:
+            return self._manager
+        region = self._open_region()
+        primary: KVTritonPrimaryTier | None = None
+        tiers: list[SecondaryTierManager] = []
+        try:
+            cpu = CPUOffloadingManager(
+                self.num_chunks,
+                cache_policy=self.settings.eviction_policy,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+            primary = KVTritonPrimaryTier(cpu, self.cpu_info, region)
+            view = primary.get_kv_memoryview()
+            tier_spec = self.tier_facing_spec()
+            for index, tier_config in enumerate(self.secondary_tier_configs):
+                tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+                tiers.append(tier)
+                logger.info("created secondary tier #%d (%s)", index, tier.tier_type)
+            manager = TieringOffloadingManager(
+                # The orchestrator is typed for vLLM's CPU primary; KVTritonPrimaryTier
+                # offers every method and attribute it uses (see the class docstring).
+                primary_tier=primary,  # pyright: ignore[reportArgumentType] -- duck-typed primary, checked by tests/test_tiering_contract.py
+                secondary_tiers=tiers,
+                tier_poll_interval_s=self.tier_poll_interval_s,
+            )
+        except BaseException:
+            for tier in reversed(tiers):
+                try:
+                    tier.shutdown()
+                except Exception:  # noqa: BLE001 -- keep cleaning up; the original error is re-raised
+                    logger.exception("failed to shut down a secondary tier while cleaning up")
+            if primary is not None:
+                primary.shutdown()
+            else:
+                region.close()
+            raise
+        self._manager = manager
+        return manager
+
+    @override
+    def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
+        worker = getattr(self, "_kvtriton_worker", None)
+        if isinstance(worker, KVTritonTieringWorker):
+            return worker
+        kv = paged_kv_from_canonical(kv_caches)
+        layout = self.region_layout
+        rank = self.config.parallel.rank
+        if kv.row_bytes > layout.rank_row_bytes:
+            raise ValueError(
+                f"rank {rank}'s KV tensors hold {kv.row_bytes} bytes per block, but the shared region gives each rank "
+                f"{layout.rank_row_bytes} (vLLM's worker_kv_bytes_per_block): pipeline stages must hold the same layers "
+                "per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
+            )
+        region = self._open_region()
+        slab: RegionSlab | None = None
+        try:
+            # pin=None: pinned when CUDA is available, pageable (with a warning) on CPU.
+            slab = RegionSlab(region, rank)
+            engine = TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs)
+        except BaseException:
+            if slab is not None:
+                slab.close()
+            region.close()
+            raise
+        made = KVTritonTieringWorker(engine, slab, region)
+        self._kvtriton_worker = made
+        return made

@@ -1,0 +1,451 @@
+"""SharedRegion: one host region in /dev/shm that the scheduler and every worker rank map.
+
+vLLM's tiered offloading runs its secondary tiers (``fs``, ``obj``, ``p2p``) in
+the scheduler process, and they copy whole chunks of the primary tier's host
+memory. The slab the workers fill therefore has to be one shared mapping: the
+scheduler maps all of it, and every worker rank writes its own bytes at its
+offset inside every row (a strided view, which the kernels take as they take
+any slab).
+
+Layout (:class:`RegionLayout`). A *chunk* is what a secondary tier stores as
+one object: ``blocks_per_chunk`` GPU blocks of every rank. A *block row* is
+one GPU block of every rank, rank after rank, ``rank_row_bytes`` each::
+
+    chunk c:  [ block row c*f   : rank0 | rank1 | ... | pad ]
+              [ block row c*f+1 : rank0 | rank1 | ... | pad ]   (f = blocks_per_chunk)
+
+Block rows are padded so that every chunk is a multiple of
+:data:`ROW_ALIGNMENT` (4096 bytes, or the host page if larger) and starts on
+that boundary: vLLM's ``fs`` tier reads and writes chunks with ``O_DIRECT``.
+With one block per chunk this is byte for byte the row vLLM's own CPU primary
+tier (``SharedOffloadRegion``) lays out, so both can share a secondary tier's
+data. With several blocks per chunk vLLM puts each rank's blocks together
+instead; the integration then tags the secondary tiers' namespace (see
+:mod:`kvtriton.integrations.vllm_tiering`).
+
+Lifetime (:class:`SharedRegion`). The first process to arrive creates the file
+(after checking /dev/shm has room), the others open it. Every process that has
+mapped it adds one to a count in the region's header page; the process that
+brings the count to ``expected_mappers`` unlinks the file. From then on the
+memory lives exactly as long as some process maps it: a crash leaks nothing in
+/dev/shm. :meth:`SharedRegion.close` also unlinks it, for a process set that
+never completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import mmap
+import os
+import struct
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Protocol, SupportsInt, cast
+
+import torch
+
+from kvtriton.worker.slab import PIN_CHUNK_BYTES, HostSlab, PageableSlabWarning
+
+__all__ = ["REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "RegionSlab", "SharedRegion", "shm_free_bytes"]
+
+logger = logging.getLogger(__name__)
+
+REGION_DIRECTORY = "/dev/shm"
+"""Where regions live: a tmpfs, so the memory is RAM and the file name is only a rendezvous."""
+
+ROW_ALIGNMENT = max(4096, mmap.PAGESIZE)
+"""Chunks are padded to this: O_DIRECT needs 4096-byte buffers and lengths; vLLM pads to the page."""
+
+HEADER_BYTES = ROW_ALIGNMENT
+"""The region starts with one header page (magic, mapper count, layout); rows follow, still aligned."""
+
+_MAGIC = b"KVTRREG1"
+_COUNT = struct.Struct("<Q")  # processes that have mapped the region
+_LENGTH = struct.Struct("<I")  # bytes of the layout JSON that follows
+_COUNT_AT = len(_MAGIC)
+_LENGTH_AT = _COUNT_AT + _COUNT.size
+_JSON_AT = _LENGTH_AT + _LENGTH.size
+JOIN_TIMEOUT_S = 30.0
+"""How long a joining process waits for the creator to finish the header."""
+
+
+def _check_count(name: str, value: int, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionLayout:
+    """Where every rank's bytes of every GPU block sit in a shared region (see the module docstring)."""
+
+    num_chunks: int
+    """Chunks (slots) in the region: the primary tier's capacity."""
+    blocks_per_chunk: int
+    """GPU blocks per chunk (the slab's ``rows_per_slot``)."""
+    world_size: int
+    """Worker ranks writing the region."""
+    rank_row_bytes: int
+    """One rank's KV bytes of one GPU block (every rank holds the same amount)."""
+
+    def __post_init__(self) -> None:
+        _check_count("num_chunks", self.num_chunks)
+        _check_count("blocks_per_chunk", self.blocks_per_chunk)
+        _check_count("world_size", self.world_size)
+        _check_count("rank_row_bytes", self.rank_row_bytes)
+
+    @staticmethod
+    def block_row_stride_for(blocks_per_chunk: int, world_size: int, rank_row_bytes: int) -> int:
+        """Bytes from one block row to the next: all ranks' bytes, padded so a chunk is a multiple of ROW_ALIGNMENT."""
+        step = ROW_ALIGNMENT // math.gcd(blocks_per_chunk, ROW_ALIGNMENT)
+        return -(-world_size * rank_row_bytes // step) * step
+
+    @classmethod
+    def for_budget(cls, cpu_bytes_to_use: int, blocks_per_chunk: int, world_size: int, rank_row_bytes: int) -> RegionLayout:
+        """As many chunks as ``cpu_bytes_to_use`` (all ranks together, as vLLM counts it) holds.
+
+        Raises ``ValueError`` naming both sizes when not even one chunk fits.
+        """
+        _check_count("cpu_bytes_to_use", cpu_bytes_to_use)
+        chunk = blocks_per_chunk * cls.block_row_stride_for(blocks_per_chunk, world_size, rank_row_bytes)
+        if cpu_bytes_to_use < chunk:
+            raise ValueError(
+                f"cpu_bytes_to_use={cpu_bytes_to_use} holds no chunk: one chunk of {blocks_per_chunk} GPU block(s) "
+                f"x {world_size} rank(s) x {rank_row_bytes} bytes, padded to {ROW_ALIGNMENT}, takes {chunk} bytes"
+            )
+        return cls(cpu_bytes_to_use // chunk, blocks_per_chunk, world_size, rank_row_bytes)
+
+    @property
+    def block_row_stride(self) -> int:
+        """Bytes from one block row to the next (all ranks' bytes of a block, plus padding)."""
+        return self.block_row_stride_for(self.blocks_per_chunk, self.world_size, self.rank_row_bytes)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk: what a secondary tier stores per key (a multiple of ROW_ALIGNMENT)."""
+        return self.blocks_per_chunk * self.block_row_stride
+
+    @property
+    def num_block_rows(self) -> int:
+        return self.num_chunks * self.blocks_per_chunk
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of all chunks (the header page not included)."""
+        return self.num_chunks * self.chunk_bytes
+
+    def rank_offset(self, rank: int) -> int:
+        """Where ``rank``'s bytes start inside every block row."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {rank}")
+        return rank * self.rank_row_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_chunks} chunks x {self.blocks_per_chunk} block(s) x {self.world_size} rank(s) x "
+            f"{self.rank_row_bytes} bytes (block rows every {self.block_row_stride} bytes, "
+            f"{self.chunk_bytes}-byte chunks, {self.region_bytes} bytes)"
+        )
+
+
+def shm_free_bytes(directory: str = REGION_DIRECTORY) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory`` (statvfs ``f_bavail``)."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+class SharedRegion:
+    """One region file, mapped by this process (see the module docstring).
+
+    ``name`` identifies the engine (one region per engine and data-parallel
+    replica); ``expected_mappers`` is how many processes will map it (the
+    scheduler plus every worker rank); the one that completes the count
+    unlinks the file. A process joining a region created with another layout
+    raises ``ValueError`` naming both: its ranks disagree on the KV bytes per
+    block (uneven pipeline stages) or on the budget.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        layout: RegionLayout,
+        expected_mappers: int,
+        *,
+        directory: str = REGION_DIRECTORY,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(name, str) or not name or "/" in name:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
+            raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+        _check_count("expected_mappers", expected_mappers)
+        if not os.path.isdir(directory):
+            raise ValueError(f"directory {directory!r} does not exist; the shared host region needs a tmpfs such as /dev/shm")
+        self.layout = layout
+        self.path = os.path.join(directory, f"kvtriton_{name}.region")
+        self.file_bytes = HEADER_BYTES + layout.region_bytes
+        self._expected = expected_mappers
+        self._unlinked = False
+        self._mmap: mmap.mmap | None = None
+        self._tensors: list[torch.Tensor] = []
+        self._views: list[memoryview] = []
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            self._join(join_timeout_s)
+        else:
+            self._create(directory)
+        self._register_mapping()
+
+    # --- creation and joining -----------------------------------------
+
+    def _create(self, directory: str) -> None:
+        try:
+            free = shm_free_bytes(directory)
+            if self.file_bytes > free:
+                raise ValueError(
+                    f"{directory} has {free} bytes free but the shared host region needs {self.file_bytes} bytes "
+                    f"({self.layout.describe()}); lower cpu_bytes_to_use or enlarge {directory} "
+                    f"(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory)"
+                )
+            os.ftruncate(self._fd, self.file_bytes)
+            self._mmap = mmap.mmap(self._fd, self.file_bytes, flags=mmap.MAP_SHARED)
+            layout_json = json.dumps(asdict(self.layout), sort_keys=True).encode()
+            if _JSON_AT + len(layout_json) > HEADER_BYTES:
+                raise ValueError(f"the region layout description ({len(layout_json)} bytes) does not fit the header page")
+            self._mmap[_LENGTH_AT:_JSON_AT] = _LENGTH.pack(len(layout_json))
+            self._mmap[_JSON_AT : _JSON_AT + len(layout_json)] = layout_json
+            # The magic goes last: joiners wait for it, so they never read a half-written header.
+            self._mmap[: len(_MAGIC)] = _MAGIC
+        except BaseException:
+            self._unlink()
+            self._close_mapping()
+            raise
+        logger.info("created shared host region %s: %s", self.path, self.layout.describe())
+
+    def _join(self, timeout_s: float) -> None:
+        self._fd = os.open(self.path, os.O_RDWR)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                stat = os.fstat(self._fd)
+                if stat.st_size >= HEADER_BYTES:
+                    with open(self.path, "rb") as header_file:
+                        if header_file.read(len(_MAGIC)) == _MAGIC:
+                            break
+                if stat.st_nlink == 0:
+                    raise RuntimeError(f"the process creating {self.path} failed before finishing it; see its log")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.path} was not initialised within {timeout_s} s by the process creating it")
+                time.sleep(0.005)
+            if stat.st_size != self.file_bytes:
+                theirs = self._read_layout()
+                raise ValueError(
+                    f"{self.path} holds {stat.st_size} bytes laid out as {theirs}, but this process expects "
+                    f"{self.file_bytes} bytes laid out as {self.layout.describe()}: every rank must hold the same KV "
+                    f"bytes per block (split the layers evenly over pipeline stages: VLLM_PP_LAYER_PARTITION) and "
+                    f"use the same cpu_bytes_to_use and block size"
+                )
+            self._mmap = mmap.mmap(self._fd, self.file_bytes, flags=mmap.MAP_SHARED)
+            theirs = self._read_layout()
+            if theirs != self.layout.describe():
+                raise ValueError(
+                    f"{self.path} is laid out as {theirs}, but this process expects {self.layout.describe()}: every "
+                    f"rank must hold the same KV bytes per block (split the layers evenly over pipeline stages: "
+                    f"VLLM_PP_LAYER_PARTITION) and use the same cpu_bytes_to_use and block size"
+                )
+        except BaseException:
+            self._close_mapping()
+            raise
+        logger.info("joined shared host region %s", self.path)
+
+    def _read_layout(self) -> str:
+        """The creator's layout, described as :meth:`RegionLayout.describe` does."""
+        with open(self.path, "rb") as header_file:
+            header = header_file.read(HEADER_BYTES)
+        (length,) = _LENGTH.unpack_from(header, _LENGTH_AT)
+        try:
+            fields = json.loads(header[_JSON_AT : _JSON_AT + length])
+            return RegionLayout(**fields).describe()
+        except (ValueError, TypeError) as error:
+            return f"an unreadable header ({error})"
+
+    def _register_mapping(self) -> None:
+        """Count this process in; the one that completes the count unlinks the file."""
+        region = self._require_mapping()
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                (count,) = _COUNT.unpack_from(region, _COUNT_AT)
+                count += 1
+                _COUNT.pack_into(region, _COUNT_AT, count)
+                if count >= self._expected:
+                    self._unlink()
+                    logger.info("all %d processes mapped %s: unlinked it", count, self.path)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._close_mapping()
+            raise
+
+    def _unlink(self) -> None:
+        if not self._unlinked:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self._unlinked = True
+
+    def _require_mapping(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise RuntimeError(f"the shared host region {self.path} is closed")
+        return self._mmap
+
+    # --- views ----------------------------------------------------------
+
+    @property
+    def unlinked(self) -> bool:
+        """Whether this process removed the file name (every expected process had mapped it, or close() ran)."""
+        return self._unlinked
+
+    @property
+    def mapped_count(self) -> int:
+        """How many processes have mapped the region so far."""
+        (count,) = _COUNT.unpack_from(self._require_mapping(), _COUNT_AT)
+        return int(count)
+
+    def _bytes(self) -> torch.Tensor:
+        """The whole file as a uint8 tensor sharing the mapping."""
+        tensor = torch.frombuffer(self._require_mapping(), dtype=torch.uint8)
+        self._tensors.append(tensor)
+        return tensor
+
+    def region_tensor(self) -> torch.Tensor:
+        """The rows (header excluded) as a ``(num_chunks, chunk_bytes)`` uint8 tensor sharing the mapping."""
+        layout = self.layout
+        return self._bytes()[HEADER_BYTES:].view(layout.num_chunks, layout.chunk_bytes)
+
+    def rank_rows(self, rank: int) -> torch.Tensor:
+        """``rank``'s bytes of every block row: a ``(num_block_rows, rank_row_bytes)`` strided uint8 view.
+
+        Block row ``s * blocks_per_chunk + i`` is block ``i`` of chunk ``s``,
+        the row numbering of a slab with ``rows_per_slot = blocks_per_chunk``.
+        """
+        layout = self.layout
+        return torch.as_strided(
+            self._bytes(),
+            (layout.num_block_rows, layout.rank_row_bytes),
+            (layout.block_row_stride, 1),
+            HEADER_BYTES + layout.rank_offset(rank),
+        )
+
+    def chunk_memoryview(self) -> memoryview:
+        """The chunks as a ``(num_chunks, chunk_bytes)`` memoryview: what vLLM's secondary tiers copy from and to."""
+        layout = self.layout
+        flat = memoryview(self._require_mapping())[HEADER_BYTES:]
+        view = flat.cast("B", (layout.num_chunks, layout.chunk_bytes))
+        self._views.extend((flat, view))
+        return view
+
+    def close(self) -> None:
+        """Drop this process's mapping (once every view is gone) and unlink the file if no one did; idempotent."""
+        self._unlink()
+        self._close_mapping()
+
+    def _close_mapping(self) -> None:
+        for view in reversed(self._views):
+            view.release()
+        self._views.clear()
+        self._tensors.clear()
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+                self._mmap = None
+            except BufferError:
+                # A view handed out earlier is still alive somewhere (a tier's
+                # memoryview, a tensor): unmapping would pull memory from under
+                # it. The mapping goes when its last user does.
+                logger.debug("%s stays mapped until its last view is dropped", self.path)
+                self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mmap is None else ("unlinked" if self._unlinked else "linked")
+        return f"SharedRegion({self.path!r}, {self.layout.describe()}, {state})"
+
+
+class _HostRegister(Protocol):
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...
+
+
+class RegionSlab(HostSlab):
+    """One rank's :class:`HostSlab` over a :class:`SharedRegion`: its bytes of every block row, strided.
+
+    Slot ``s`` is chunk ``s``; its ``rows_per_slot`` rows are the chunk's block
+    rows at this rank's offset. With CUDA the whole region is pinned in pieces
+    of whole chunks (a registration never splits a chunk, so no copy straddles
+    two); ``pin`` works as for :class:`HostSlab`. Closing the slab unpins it and
+    leaves the region to its owner.
+    """
+
+    def __init__(self, region: SharedRegion, rank: int, pin: bool | None = None) -> None:
+        # HostSlab.__init__ is not called: it allocates a private buffer, and
+        # this slab's rows already exist in the shared mapping.
+        if pin is not None and not isinstance(pin, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- reject "yes" and 1
+            raise TypeError(f"pin must be True, False or None, got {pin!r}")
+        layout = region.layout
+        if pin is True and not torch.cuda.is_available():
+            raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
+        self.num_slots = layout.num_chunks
+        self.rows_per_slot = layout.blocks_per_chunk
+        self.row_bytes = layout.rank_row_bytes
+        self.num_rows = layout.num_block_rows
+        self.nbytes = self.num_rows * self.row_bytes
+        self.rank = rank
+        self._registered: list[int] = []
+        self._region_rows = region.region_tensor()
+        self._rows = region.rank_rows(rank)
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        if want_pin:
+            self._pin(required=pin is True)
+        elif pin is None:
+            warnings.warn(
+                f"CUDA is not available: the shared host region {region.path} stays pageable (not pinned)",
+                PageableSlabWarning,
+                stacklevel=2,
+            )
+
+    def _pin(self, required: bool) -> None:
+        rows = self._region_rows
+        chunk_bytes = rows.shape[1]
+        piece = max(1, PIN_CHUNK_BYTES // chunk_bytes) * chunk_bytes
+        total = rows.numel()
+        register = cast(_HostRegister, torch.cuda.cudart())
+        base = rows.data_ptr()
+        for offset in range(0, total, piece):
+            size = min(piece, total - offset)
+            code = int(register.cudaHostRegister(base + offset, size, 0))
+            if code != 0:
+                self._unpin()
+                message = f"cudaHostRegister failed with CUDA error {code} on bytes {offset}..{offset + size} of the shared region"
+                if required:
+                    raise RuntimeError(message)
+                warnings.warn(message + "; the slab stays pageable", PageableSlabWarning, stacklevel=3)
+                return
+            self._registered.append(base + offset)
+        logger.info("pinned a %d-byte shared host region in %d piece(s)", total, len(self._registered))
+
+    def close(self) -> None:
+        super().close()
+        self._region_rows = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,108 @@
+"""kvtriton as the primary tier of vLLM's tiered offloading, through vLLM's real request flow on CPU.
+
+vLLM's Scheduler, OffloadingConnector, TieringOffloadingManager and ``fs``
+secondary tier run unchanged; kvtriton's manager is the primary tier and
+kvtriton's worker ranks move the bytes into one shared host region. A prompt
+is stored and cascaded to the fs tier; the connector's cache is reset and the
+GPU scrubbed; the same prompt must be promoted from the fs tier and loaded back
+bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+from vllm.config import ModelConfig  # noqa: E402
+from tiering_fixtures.engine import (  # noqa: E402
+    BLOCK_SIZE,
+    LAYERS,
+    TieredEngine,
+    fs_tier,
+    kv_spec,
+    make_engine,
+    make_request,
+    model_config,
+)
+
+from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def config() -> ModelConfig:
+    return model_config()  # the slow part (~10 s once): vLLM inspects the model class
+
+
+@pytest.fixture
+def engines() -> Iterator[list[TieredEngine]]:
+    made: list[TieredEngine] = []
+    yield made
+    for engine in made:
+        engine.shutdown()
+
+
+def budget(chunks: int, blocks_per_chunk: int, world_size: int) -> int:
+    """cpu_bytes_to_use for ``chunks`` chunks (each padded to 4096 bytes)."""
+    chunk = blocks_per_chunk * world_size * kv_spec(world_size).page_size_bytes * len(LAYERS)
+    return chunks * -(-chunk // 4096) * 4096
+
+
+def fs_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.bin"))
+
+
+PROMPT = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a partial one
+
+
+@pytest.mark.parametrize(
+    ("blocks_per_chunk", "world_size"), [(1, 1), (2, 1), (1, 2), (2, 2)], ids=["1block", "2blocks", "2ranks", "2ranks-2blocks"]
+)
+def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
+    config: ModelConfig, engines: list[TieredEngine], tmp_path: Path, blocks_per_chunk: int, world_size: int
+) -> None:
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": budget(8, blocks_per_chunk, world_size),
+        "blocks_per_chunk": blocks_per_chunk,
+        "secondary_tiers": [fs_tier(tmp_path)],
+    }
+    engine = make_engine(config, extra, world_size=world_size)
+    engines.append(engine)
+    assert all(isinstance(worker.connector_worker.worker, KVTritonTieringWorker) for worker in engine.workers if worker.connector_worker)
+    region = engine.primary.region
+    assert not os.path.exists(region.path)  # scheduler + every rank mapped it: no name left in /dev/shm
+    assert region.mapped_count == world_size + 1
+
+    chunks = 4 // blocks_per_chunk
+    engine.serve("first", PROMPT)
+    assert engine.cpu.stats().stores == chunks
+    assert len(fs_files(tmp_path)) == chunks  # every chunk cascaded to the fs tier
+
+    # The connector forgets everything it holds in host memory; the GPU blocks are overwritten.
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.step()
+    assert engine.cpu.stats().used == 0
+    engine.scrub()
+
+    engine.computed.clear()
+    engine.scheduler.add_request(make_request("second", PROMPT))
+    loaded_blocks: list[int] = []
+
+    def loaded() -> bool:
+        if engine.load_jobs and not loaded_blocks:
+            loaded_blocks.extend(engine.gpu_blocks("second")[:4])
+        return "second" not in engine.scheduler.requests
+
+    engine.step_until(loaded, "the second request finished")
+    assert engine.load_jobs, "the prompt was never loaded from the tiers"
+    assert [index for request, index in engine.computed if request == "second"] == []  # nothing recomputed
+    for rank in range(world_size):
+        assert [engine.block_bytes(rank, block) for block in loaded_blocks] == [
+            engine.expected_bytes(rank, index) for index in range(4)
+        ], f"rank {rank}'s blocks differ after the promotion"
+    stats = engine.cpu.stats()
+    assert (stats.stores, stats.pending, stats.loading) == (2 * chunks, 0, 0)  # promoted into fresh slots, all done
