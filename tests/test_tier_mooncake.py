@@ -94,19 +94,24 @@ def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(
 
 
 @pytest.mark.parametrize(
-    ("what", "reader_kwargs", "reader_chunk"),
+    ("what", "reader_namespace", "reader_dtype", "reader_chunk"),
     [
-        ("another namespace", {"namespace": "other"}, CHUNK),
-        ("another dtype", {"dtype_override": "bfloat16"}, CHUNK),
-        ("another chunk size", {}, CHUNK // 2),
+        ("another namespace", "other", None, CHUNK),
+        ("another dtype", "layout", "bfloat16", CHUNK),
+        ("another chunk size", "layout", None, CHUNK // 2),
     ],
 )
 def test_another_layout_or_namespace_sees_only_misses(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier], what: str, reader_kwargs: dict[str, str], reader_chunk: int
+    cluster: MooncakeCluster,
+    tiers: list[MooncakeStoreTier],
+    what: str,
+    reader_namespace: str,
+    reader_dtype: str | None,
+    reader_chunk: int,
 ) -> None:
     writer_memory = Primary(4, CHUNK)
     writer = make_tier(cluster.master_address, writer_memory, namespace="layout")
-    reader = make_tier(cluster.master_address, Primary(4, reader_chunk), **{"namespace": "layout", **reader_kwargs})
+    reader = make_tier(cluster.master_address, Primary(4, reader_chunk), namespace=reader_namespace, dtype_override=reader_dtype)
     tiers += [writer, reader]
     keys = chunk_keys(3, salt=3)
     writer_memory.fill([0, 1, 2], seed=3)

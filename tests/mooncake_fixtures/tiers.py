@@ -26,7 +26,7 @@ class Primary:
 
     def __init__(self, num_chunks: int, chunk_bytes: int) -> None:
         self.rows = np.zeros((num_chunks, chunk_bytes), dtype=np.uint8)
-        self.view = memoryview(self.rows)
+        self.view: memoryview = self.rows.data
 
     def fill(self, chunks: Sequence[int], seed: int) -> list[bytes]:
         """Random bytes in ``chunks``; returns each chunk's bytes."""
