@@ -119,6 +119,7 @@ class StoreClient(Protocol):
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
     def put(self, key: str, value: bytes) -> int: ...
     def get(self, key: str) -> bytes: ...
     def close(self) -> int: ...
@@ -469,7 +470,7 @@ class MooncakeStoreTier(SecondaryTierManager):
         if self._state is not TierState.UP or store is None:
             self._count_failure(0.0)
             return [False] * len(keys)
-        object_keys = [self._object_key(key) for key in keys]
+        object_keys = [self.object_key(key) for key in keys]
         started = time.monotonic()
         try:
             codes = self._bounded(lambda: store.batch_is_exist(object_keys))
@@ -515,7 +516,8 @@ class MooncakeStoreTier(SecondaryTierManager):
     # Store (cascade) and load (promotion) jobs
     # ------------------------------------------------------------------
 
-    def _object_key(self, key: OffloadKey) -> str:
+    def object_key(self, key: OffloadKey) -> str:
+        """The Mooncake object ``key`` is stored under."""
         return self.keyspace.object_key(get_offload_block_hash(key), get_offload_group_idx(key))
 
     def _submit(self, job_metadata: TransferJob, is_load: bool) -> None:
@@ -526,7 +528,7 @@ class MooncakeStoreTier(SecondaryTierManager):
         job = _Job(
             job_id=job_metadata.job_id,
             keys=keys,
-            object_keys=[self._object_key(key) for key in keys],
+            object_keys=[self.object_key(key) for key in keys],
             pointers=[self._primary_base + chunk * self._chunk_bytes for chunk in chunk_ids],
             is_load=is_load,
             deadline=time.monotonic() + self.config.timeout_s,
