@@ -180,7 +180,7 @@ def measure_size(
     # Rows [0, chunks) hold the source data; rows [chunks, 2 * chunks) receive the loads.
     # Page-aligned like vLLM's primary (an mmap region): the fs tier reads and writes it with O_DIRECT.
     region = mmap.mmap(-1, 2 * chunks * chunk_bytes)
-    rows = np.frombuffer(region, dtype=np.uint8).reshape(2 * chunks, chunk_bytes)
+    rows = np.ndarray((2 * chunks, chunk_bytes), dtype=np.uint8, buffer=region)
     rows[chunks:] = 0  # fault the load rows in now, or the first path to write them pays for it
     rows[:chunks] = np.random.default_rng(int(chunk_mib * 16)).integers(0, 256, (chunks, chunk_bytes), dtype=np.uint8)
     view: memoryview = rows.data
@@ -272,7 +272,8 @@ def measure_size(
 
         # One uncounted round first (each client's first transfer opens its connections), then the
         # paths alternate so machine noise hits all alike.
-        tier_run(), raw_run(), fs_run()
+        for warm_up in (tier_run, raw_run, fs_run):
+            warm_up()
         tier_times: list[tuple[float, float]] = []
         raw_times: list[tuple[float, float]] = []
         fs_times: list[tuple[float, float]] = []
