@@ -23,7 +23,7 @@ from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolv
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, TierState  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics, TierState  # noqa: E402
 
 CHUNK = 64 * 1024
 SLACK_S = 2.0
@@ -71,6 +71,13 @@ def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects
     assert not memory.rows[2:4].any()
     assert poll(lambda: tier.state if tier.state is TierState.DOWN else None, 5.0 + SLACK_S, "down") is TierState.DOWN
 
+    # vLLM's metrics see the failures as counter increments and the master as down.
+    metrics = tier.get_stats().reduce()
+    label = "('MooncakeStoreTier',)"
+    assert metrics[f"{MooncakeTierMetrics.UP}:{label}"] == 0
+    assert metrics[f"{MooncakeTierMetrics.FAILED_OPS}:{label}"] >= 1
+    assert f"{MooncakeTierMetrics.FAILED_OPS}:{label}" not in tier.get_stats().reduce()  # reported once
+
     # While down nothing touches the network: lookups miss and jobs fail at once.
     started = time.monotonic()
     assert resolve_lookups(tier, keys) == [MISS, MISS]
@@ -88,6 +95,8 @@ def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects
     stats = tier.stats()
     assert stats.reconnects >= 1 and stats.failed_ops >= 2 and stats.failed_op_seconds > 0
     assert stats.load_failed_keys >= 2
+    metrics = tier.get_stats().reduce()
+    assert metrics[f"{MooncakeTierMetrics.UP}:{label}"] == 1 and metrics[f"{MooncakeTierMetrics.RECONNECTS}:{label}"] >= 1
 
 
 def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(

@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa:
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from vllm_fixtures.builders import offloading_config  # noqa: E402
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics  # noqa: E402
 
 BLOCK_BYTES = 64 * 1024
 
@@ -162,3 +162,15 @@ def test_vllm_builds_the_tier_from_its_documented_defaults(
     assert (config.metadata_server, config.protocol, config.global_segment_size, config.io_threads) == ("P2PHANDSHAKE", "tcp", 0, 4)
     assert config.local_hostname == "127.0.0.1"  # MC_TCP_BIND_ADDRESS, set by the fixtures
     assert tier.config_info() == {"mooncake_master": cluster.master_address, "mooncake_namespace_digest": tier.keyspace.digest}
+
+
+def test_vllm_declares_the_tiers_metrics_and_info_labels() -> None:
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 1 << 20,
+        "secondary_tiers": [
+            {"type": "MooncakeStoreTier", "module_path": "kvtriton.tiers.mooncake", "master_server_address": "127.0.0.1:1"}
+        ],
+    }
+    metrics = TieringOffloadingSpec.build_metric_definitions(extra)
+    assert {MooncakeTierMetrics.FAILED_OPS, MooncakeTierMetrics.FAILED_OP_SECONDS, MooncakeTierMetrics.UP} <= set(metrics)
+    assert {"mooncake_master", "mooncake_namespace_digest"} <= set(TieringOffloadingSpec.config_info_keys(extra))

@@ -50,11 +50,15 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -65,6 +69,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import (
+    TIER_LABEL,
     JobId,
     JobResult,
     SecondaryTierManager,
@@ -80,6 +85,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MooncakeStoreTier",
     "MooncakeTierConfig",
+    "MooncakeTierMetrics",
     "MooncakeTierStats",
     "StoreClient",
     "TierState",
@@ -181,6 +187,16 @@ def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str) -> Ch
     )
 
 
+class MooncakeTierMetrics:
+    """The Prometheus metrics the tier adds to vLLM's offloading metrics (labelled by tier)."""
+
+    FAILED_OPS = "kvtriton:mooncake_tier_failed_ops"
+    FAILED_OP_SECONDS = "kvtriton:mooncake_tier_failed_op_seconds"
+    WRONG_SIZE_VALUES = "kvtriton:mooncake_tier_wrong_size_values"
+    RECONNECTS = "kvtriton:mooncake_tier_reconnects"
+    UP = "kvtriton:mooncake_tier_up"
+
+
 class TierState(enum.Enum):
     CONNECTING = "connecting"
     """Never reached the master yet: everything misses while the background thread sets up."""
@@ -280,9 +296,8 @@ class MooncakeStoreTier(SecondaryTierManager):
         reconnect_interval_s: float = 1.0,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
-        store_factory: Callable[[MooncakeTierConfig], StoreClient | None] | None = None,
     ) -> None:
-        """``store_factory`` replaces :func:`open_store` (the benchmark and tests pass their own); the rest is the config."""
+        """The keyword arguments after ``tier_type`` are the tier's configuration (docs/mooncake.md)."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = MooncakeTierConfig(
             master_server_address=master_server_address,
@@ -307,13 +322,14 @@ class MooncakeStoreTier(SecondaryTierManager):
         self._primary_base: int = self._primary_array.ctypes.data
         self._chunk_bytes = self.block_size_bytes
         self.keyspace = MooncakeKeyspace(chunk_identity(offloading_spec, self._chunk_bytes, namespace))
-        self._open: Callable[[MooncakeTierConfig], StoreClient | None] = store_factory or open_store
 
         self._lock = threading.Lock()
         """Guards the counters, the state and the store handle (taken by I/O, lookup and supervisor threads)."""
         self._counters = _Counters()
         self._state = TierState.CONNECTING
         self._store: StoreClient | None = None
+        self._reported = self.stats()
+        """The counters as of the last get_stats (vLLM's metrics take increments)."""
         self._up = threading.Event()
         self._stopping = threading.Event()
         self._wake_supervisor = threading.Event()
@@ -364,7 +380,7 @@ class MooncakeStoreTier(SecondaryTierManager):
     def _connect(self) -> None:
         started = time.monotonic()
         try:
-            store = self._open(self.config)
+            store = open_store(self.config)
         except Exception:  # a broken installation or bad address: keep missing, keep trying
             logger.exception("Mooncake tier %r: store setup raised", self.tier_type)
             store = None
@@ -695,6 +711,46 @@ class MooncakeStoreTier(SecondaryTierManager):
                 bytes_stored=counters.bytes_stored,
                 bytes_loaded=counters.bytes_loaded,
             )
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, object]) -> dict[str, OffloadingMetricMetadata]:
+        labels = (TIER_LABEL,)
+        return {
+            MooncakeTierMetrics.FAILED_OPS: OffloadingCounterMetadata(
+                "Mooncake store calls (lookup, put, get) that failed, timed out or were refused while the master was unreachable.",
+                labels,
+            ),
+            MooncakeTierMetrics.FAILED_OP_SECONDS: OffloadingCounterMetadata(
+                "Seconds spent in Mooncake store calls that failed.", labels
+            ),
+            MooncakeTierMetrics.WRONG_SIZE_VALUES: OffloadingCounterMetadata(
+                "Mooncake values loaded whose size was not the chunk's (each a miss).", labels
+            ),
+            MooncakeTierMetrics.RECONNECTS: OffloadingCounterMetadata(
+                "Times the tier reached the Mooncake master again after losing it.", labels
+            ),
+            MooncakeTierMetrics.UP: OffloadingGaugeMetadata("1 while the Mooncake master answers, else 0.", labels),
+        }
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats:
+        """The counters' growth since the last call, and whether the master answers now."""
+        now = self.stats()
+        last = self._reported
+        self._reported = now
+        stats = OffloadingConnectorStats()
+        labels = (self.tier_type,)
+        for name, delta in (
+            (MooncakeTierMetrics.FAILED_OPS, now.failed_ops - last.failed_ops),
+            (MooncakeTierMetrics.FAILED_OP_SECONDS, now.failed_op_seconds - last.failed_op_seconds),
+            (MooncakeTierMetrics.WRONG_SIZE_VALUES, now.wrong_size_keys - last.wrong_size_keys),
+            (MooncakeTierMetrics.RECONNECTS, now.reconnects - last.reconnects),
+        ):
+            if delta:
+                stats.increase_counter(name, delta, labels)
+        stats.set_gauge(MooncakeTierMetrics.UP, 1 if now.state is TierState.UP else 0, labels)
+        return stats
 
     @classmethod
     @override
