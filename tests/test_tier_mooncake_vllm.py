@@ -174,3 +174,14 @@ def test_vllm_declares_the_tiers_metrics_and_info_labels() -> None:
     metrics = TieringOffloadingSpec.build_metric_definitions(extra)
     assert {MooncakeTierMetrics.FAILED_OPS, MooncakeTierMetrics.FAILED_OP_SECONDS, MooncakeTierMetrics.UP} <= set(metrics)
     assert {"mooncake_master", "mooncake_namespace_digest"} <= set(TieringOffloadingSpec.config_info_keys(extra))
+
+
+def test_after_shutdown_the_primary_unmaps_its_region(cluster: MooncakeCluster) -> None:
+    # The tier holds the primary's memory registered with Mooncake; once the store is closed it lets go,
+    # so vLLM's primary can unmap its region instead of keeping it mapped for a native user.
+    made: list[TieringOffloadingManager] = []
+    manager, _, rows = tiered_manager(cluster, "mooncake-unmap", made)
+    del rows  # the test's own view of the primary
+    region = manager.primary_tier._mmap_region  # pyright: ignore[reportPrivateUsage] -- vLLM's CPU primary keeps its region private
+    manager.shutdown()
+    assert region.mmap_obj is None

@@ -687,6 +687,14 @@ class MooncakeStoreTier(SecondaryTierManager):
             closer = threading.Thread(target=store.close, name="kvtriton_mooncake_close", daemon=True)
             closer.start()
             closer.join(self.config.timeout_s)
+            if closer.is_alive():
+                # Mooncake still has the primary's memory registered: keep our export of it, so the
+                # primary's region stays mapped instead of being reused under a late transfer.
+                logger.warning("Mooncake tier %r: the store did not close within %.1f s", self.tier_type,
+                               self.config.timeout_s)  # fmt: skip
+                return
+        # Drop our export of the primary's memory so the primary can unmap its region.
+        self._primary_array = np.empty(0, dtype=np.uint8)
 
     # ------------------------------------------------------------------
     # Reporting
