@@ -401,8 +401,10 @@ class MooncakeStoreTier(SecondaryTierManager):
             self._store = store
         if self._write_manifest(store):
             self._set_up()
-        else:
-            self._set_down()
+            return
+        with self._lock:  # set up but the master stopped answering: probe it like a lost one
+            if self._state is TierState.CONNECTING:
+                self._state = TierState.DOWN
 
     def _probe(self) -> None:
         store = self._store
@@ -411,7 +413,7 @@ class MooncakeStoreTier(SecondaryTierManager):
             return
         started = time.monotonic()
         found = self._bounded(lambda: store.batch_is_exist([self.keyspace.manifest_key]))
-        if found is None or not found or found[0] < 0:
+        if found is None or len(found) != 1 or found[0] < 0:
             self._count_failure(time.monotonic() - started)
             return
         # A restarted master has forgotten every object, the manifest included.
@@ -423,15 +425,23 @@ class MooncakeStoreTier(SecondaryTierManager):
         self._set_up()
 
     def _write_manifest(self, store: StoreClient) -> bool:
-        """Store the readable configuration behind the digest (once per digest; an existing one is kept)."""
+        """Store the readable configuration behind the digest, once per digest; False when the master did not answer.
+
+        A manifest the pool refuses (full, say) is logged and skipped: it documents
+        the digest, serving does not depend on it.
+        """
         key = self.keyspace.manifest_key
         exists = self._bounded(lambda: store.batch_is_exist([key]))
-        if exists is None or not exists or exists[0] < 0:
+        if exists is None or len(exists) != 1 or is_connection_error(exists[0]):
             return False
         if exists[0] == 1:
             return True
         status = self._bounded(lambda: store.put(key, self.keyspace.identity.manifest()))
-        return status is not None and not is_connection_error(status)
+        if status is None or is_connection_error(status):
+            return False
+        if status != 0:
+            logger.warning("Mooncake tier %r: storing the manifest %s failed (%d)", self.tier_type, key, status)
+        return True
 
     def _set_up(self) -> None:
         with self._lock:
@@ -463,6 +473,9 @@ class MooncakeStoreTier(SecondaryTierManager):
         except FutureTimeoutError:
             self._set_down()
             return None
+        except Exception:  # the binding raised: treat it as no answer, and keep the calling thread alive
+            logger.exception("Mooncake tier %r: a store call raised", self.tier_type)
+            return None
 
     def _count_failure(self, seconds: float, ops: int = 1) -> None:
         with self._lock:
@@ -488,11 +501,7 @@ class MooncakeStoreTier(SecondaryTierManager):
             return [False] * len(keys)
         object_keys = [self.object_key(key) for key in keys]
         started = time.monotonic()
-        try:
-            codes = self._bounded(lambda: store.batch_is_exist(object_keys))
-        except Exception:
-            logger.exception("Mooncake tier %r: batch_is_exist raised", self.tier_type)
-            codes = None
+        codes = self._bounded(lambda: store.batch_is_exist(object_keys))
         seconds = time.monotonic() - started
         if codes is None or len(codes) != len(keys):
             self._count_failure(seconds)
