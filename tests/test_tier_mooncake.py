@@ -9,6 +9,7 @@ tests/test_tier_mooncake_failures.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -254,3 +255,20 @@ def test_stores_and_loads_move_through_registered_memory_not_python_bytes(cluste
 def test_log_files_of_the_cluster_exist(cluster: MooncakeCluster) -> None:
     assert Path(cluster.log_dir / "master-1.log").stat().st_size > 0
     assert Path(cluster.log_dir / "holder.log").stat().st_size > 0
+
+
+def test_the_tier_master_and_holder_talk_only_to_the_loopback(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+    psutil = pytest.importorskip("psutil")
+    memory = Primary(4, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="loopback")
+    tiers.append(tier)
+    keys = chunk_keys(2, salt=9)
+    memory.fill([0, 1], seed=9)
+    assert run_job(tier, keys, [0, 1], load=False).success and run_job(tier, keys, [2, 3], load=True).success
+    assert cluster.master is not None and cluster.holder is not None
+    peers: set[str] = set()
+    for pid in (os.getpid(), cluster.master.pid, cluster.holder.pid):
+        for connection in psutil.Process(pid).net_connections(kind="inet"):
+            if connection.raddr:
+                peers.add(connection.raddr.ip)
+    assert peers and peers <= {"127.0.0.1", "::ffff:127.0.0.1"}
