@@ -8,6 +8,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# The Mooncake Store tier's package (its aiohttp/requests come with requirements-vllm.txt) and the
+# OS libraries its binaries link: library:Debian package.
+MOONCAKE_PACKAGES := mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4
+MOONCAKE_SYSTEM_LIBS := libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4
 STAMP := $(VENV)/.kvtriton-installed
 
 .PHONY: venv test typecheck pytest demo clean
@@ -22,6 +26,17 @@ $(STAMP): pyproject.toml Makefile requirements-vllm.txt
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(PY) -m pip install --quiet --no-deps $(MOONCAKE_PACKAGES)
+	@missing=""; for pair in $(MOONCAKE_SYSTEM_LIBS); do \
+		$$(command -v ldconfig || echo /sbin/ldconfig) -p | grep -q "$${pair%%:*}" || missing="$$missing $${pair##*:}"; \
+	done; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing the Mooncake tier's system libraries:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	elif [ -n "$$missing" ]; then \
+		echo "The Mooncake tier's tests need these OS packages, missing here:$$missing"; \
+		echo "  install them with: sudo apt-get install -y$$missing   (then run make again)"; \
+	fi
 	@touch $@
 
 typecheck: $(STAMP)

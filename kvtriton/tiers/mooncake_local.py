@@ -1,0 +1,175 @@
+"""A Mooncake Store on the loopback for tests, benchmarks and trying the tier out: a master and one storage holder.
+
+:class:`MooncakeCluster` starts ``mooncake_master`` and a ``mooncake_client``
+storage holder the way a user does (the binaries shipped in the mooncake
+package), on 127.0.0.1 with free ports and MC_TCP_BIND_ADDRESS=127.0.0.1, logs
+each to a file, and stops exactly the processes it started. It is no
+deployment: docs/mooncake.md describes one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["LOOPBACK", "MooncakeCluster", "free_port", "mooncake_binary", "mooncake_missing"]
+
+LOOPBACK = "127.0.0.1"
+
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake tier cannot be tried here (the package is absent), or None."""
+    if importlib.util.find_spec("mooncake") is not None:
+        return None
+    return "the mooncake package is not installed (pip install 'kvtriton[mooncake]'; make test installs it)"
+
+START_TIMEOUT_S = 20.0
+
+
+def mooncake_binary(name: str) -> Path:
+    """``mooncake_master`` / ``mooncake_client`` as shipped inside the mooncake package."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(mooncake_missing() or "the mooncake package has no files")
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the mooncake package")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class MooncakeCluster:
+    """One master and one storage holder of ``holder_bytes`` on the loopback, logs under ``log_dir``."""
+
+    log_dir: Path
+    holder_bytes: int = 256 * 1024 * 1024
+    master_port: int = field(default_factory=free_port)
+    master_extra_args: tuple[str, ...] = ()
+    master: subprocess.Popen[bytes] | None = None
+    holder: subprocess.Popen[bytes] | None = None
+    _started: list[subprocess.Popen[bytes]] = field(default_factory=lambda: [])
+    _restarts: int = 0
+
+    @property
+    def master_address(self) -> str:
+        return f"{LOOPBACK}:{self.master_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 -- the child keeps it; closed with the file object below
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": LOOPBACK}
+        try:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        finally:
+            log.close()
+        self._started.append(process)
+        return process
+
+    def start_master(self) -> None:
+        """(Re)start the master on the same port, so clients find it again at the same address."""
+        self._restarts += 1
+        self.master = self._spawn(
+            f"master-{self._restarts}",
+            [
+                str(mooncake_binary("mooncake_master")),
+                f"--rpc_port={self.master_port}",
+                f"--rpc_address={LOOPBACK}",
+                f"--metrics_port={free_port()}",
+                f"--metrics_host={LOOPBACK}",
+                f"--http_metadata_server_host={LOOPBACK}",
+                f"--http_metadata_server_port={free_port()}",
+                "--client_ttl=2",  # a vanished holder's segment is dropped after 2 s, not 10
+                *self.master_extra_args,
+            ],
+        )
+        self._wait(self.master, self.master_port, "master")
+
+    def start_holder(self) -> None:
+        port = free_port()
+        self.holder = self._spawn(
+            "holder",
+            [
+                str(mooncake_binary("mooncake_client")),
+                f"--host={LOOPBACK}",
+                f"--port={port}",
+                f"--master_server_address={self.master_address}",
+                "--metadata_server=P2PHANDSHAKE",
+                f"--global_segment_size={self.holder_bytes}",
+                "--protocol=tcp",
+            ],
+        )
+        self._wait(self.holder, port, "holder")
+        # The holder listens before its segment is mounted; the master logs the mount.
+        log = self.log_dir / f"master-{self._restarts}.log"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "mount_segment" not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the holder's segment never reached the master; see {log}")
+            time.sleep(0.05)
+
+    def _wait(self, process: subprocess.Popen[bytes], port: int, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _accepts(port):
+            if process.poll() is not None:
+                raise RuntimeError(f"mooncake {what} exited with {process.returncode}; see its log in {self.log_dir}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake {what} did not listen on {LOOPBACK}:{port} in {START_TIMEOUT_S} s")
+            time.sleep(0.05)
+
+    def start(self) -> MooncakeCluster:
+        self.start_master()
+        self.start_holder()
+        return self
+
+    def kill_master(self) -> None:
+        master = self._running(self.master)
+        master.kill()
+        master.wait(5)
+
+    def hang_master(self) -> None:
+        """SIGSTOP: the master keeps its sockets open and answers nothing."""
+        self._running(self.master).send_signal(signal.SIGSTOP)
+
+    def resume_master(self) -> None:
+        self._running(self.master).send_signal(signal.SIGCONT)
+
+    def kill_holder(self) -> None:
+        holder = self._running(self.holder)
+        holder.kill()
+        holder.wait(5)
+
+    @staticmethod
+    def _running(process: subprocess.Popen[bytes] | None) -> subprocess.Popen[bytes]:
+        if process is None:
+            raise RuntimeError("that process was never started")
+        return process
+
+    def stop(self) -> None:
+        """Kill every process this cluster started (and only those), waiting for each."""
+        for process in reversed(self._started):
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)  # a stopped master must run to die promptly
+                process.kill()
+            process.wait(5)
+        self._started.clear()

@@ -1,0 +1,118 @@
+"""Build a :class:`MooncakeStoreTier` over a numpy primary and drive it the way vLLM's tiering manager does."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+from vllm_fixtures.builders import offloading_config
+
+from kvtriton.tiers.mooncake import MooncakeStoreTier
+
+__all__ = ["Primary", "chunk_keys", "make_tier", "poll", "resolve_lookups", "run_job"]
+
+_T = TypeVar("_T")
+
+END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+class Primary:
+    """A primary tier's host memory: ``num_chunks`` rows of ``chunk_bytes``, as vLLM hands it to secondary tiers."""
+
+    def __init__(self, num_chunks: int, chunk_bytes: int) -> None:
+        self.rows = np.zeros((num_chunks, chunk_bytes), dtype=np.uint8)
+        self.view: memoryview = self.rows.data
+
+    def fill(self, chunks: Sequence[int], seed: int) -> list[bytes]:
+        """Random bytes in ``chunks``; returns each chunk's bytes."""
+        generator = np.random.default_rng(seed)
+        for chunk in chunks:
+            self.rows[chunk] = generator.integers(0, 256, self.rows.shape[1], dtype=np.uint8)
+        return [self.rows[chunk].tobytes() for chunk in chunks]
+
+    def chunk(self, index: int) -> bytes:
+        return self.rows[index].tobytes()
+
+
+def chunk_keys(count: int, salt: int = 0, group: int = 0) -> list[OffloadKey]:
+    """``count`` distinct 32-byte block hashes (as vLLM's sha256 block hashes are) in KV group ``group``."""
+    return [make_offload_key(bytes([salt % 256, index % 256]) * 16, group) for index in range(count)]
+
+
+def make_tier(
+    master_address: str,
+    primary: Primary,
+    *,
+    namespace: str = "test",
+    timeout_s: float = 5.0,
+    dtype_override: str | None = None,
+    wait_up: bool = True,
+    **tier_config: object,
+) -> MooncakeStoreTier:
+    config = offloading_config({"cpu_bytes_to_use": primary.rows.nbytes})
+    if dtype_override is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_override))
+    spec = CPUOffloadingSpec(config)
+    tier = MooncakeStoreTier(
+        spec,
+        primary.view,
+        "MooncakeStoreTier",
+        master_server_address=master_address,
+        namespace=namespace,
+        timeout_s=timeout_s,
+        **tier_config,  # pyright: ignore[reportArgumentType] -- the tests pass config keys by name, as vLLM's factory does
+    )
+    if wait_up:
+        assert tier.wait_until_up(timeout_s + 5), "the tier never reached the master"
+    return tier
+
+
+def poll(check: Callable[[], _T | None], timeout_s: float, what: str) -> _T:
+    """``check()`` every few ms until it returns something; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result is not None:
+            return result
+        assert time.monotonic() < deadline, f"{what}: nothing after {timeout_s} s"
+        time.sleep(0.005)
+
+
+_job_ids = iter(range(1, 1 << 62))
+
+
+def run_job(
+    tier: MooncakeStoreTier, keys: Sequence[OffloadKey], chunks: Sequence[int], *, load: bool, timeout_s: float = 15.0
+) -> JobResult:
+    """Submit one store (``load=False``) or load job and wait for its result through ``get_finished_jobs``."""
+    job = TransferJob(next(_job_ids), list(keys), np.array(chunks, dtype=np.int64), load, ReqContext(req_id="job"))
+    (tier.submit_load if load else tier.submit_store)(job)
+
+    def finished() -> JobResult | None:
+        results = [result for result in tier.get_finished_jobs() if result.job_id == job.job_id]
+        return results[0] if results else None
+
+    return poll(finished, timeout_s, f"job {job.job_id}")
+
+
+def resolve_lookups(tier: MooncakeStoreTier, keys: Sequence[OffloadKey], request: str = "req") -> list[LookupResult]:
+    """Look ``keys`` up as the scheduler does, step after step, until no answer is RETRY."""
+    context = ReqContext(req_id=request)
+
+    def answers() -> list[LookupResult] | None:
+        results = [tier.lookup(key, context) for key in keys]
+        if LookupResult.RETRY in results:
+            tier.on_schedule_end(END_OF_STEP)  # the step ends: the batch goes to the lookup thread
+            return None
+        return results
+
+    results = poll(answers, 30.0, "lookups")
+    tier.on_request_finished(context)
+    return results
