@@ -55,6 +55,16 @@ BENCHMARKS: dict[str, Benchmark] = {
             "host microseconds per submit_store + submit_load, copies stubbed out, against the pre-redesign engine",
             ("--quick", "--name", "engine-quick"),
         ),
+        Benchmark(
+            "tiers",
+            "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root",
+            ("--quick", "--name", "tiers-quick"),
+        ),
+        Benchmark(
+            "tiers_mooncake",
+            "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier",
+            ("--quick", "--name", "tiers_mooncake-quick"),
+        ),
     )
 }
 """The benchmarks ``all`` runs, in order. Quick runs write ``<name>-quick.*`` so that they never
