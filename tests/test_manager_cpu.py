@@ -1,4 +1,4 @@
-"""CPUOffloadingManager, rule by rule of SEMANTICS.md, for every policy.
+"""CPUOffloadingManager, rule by rule of docs/manager.md, for every policy.
 
 Scenarios use named keys ``k(0)``, ``k(1)``, ... and assert exact slot ids and
 exact event lists. Rules whose outcome depends on the eviction choice live in

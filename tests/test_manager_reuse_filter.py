@@ -179,7 +179,7 @@ def test_filter_counting_store_offers_never_forgets_a_key_of_the_same_offer() ->
 
 @pytest.mark.parametrize("count_on", list(ReuseSignal))
 def test_filter_prepare_store_rule3_protects_cached_keys_below_the_threshold(count_on: ReuseSignal) -> None:
-    # SEMANTICS rule 3: every key named in prepare_store is protected. A cached
+    # prepare_store rule 3 (docs/manager.md): every key named in prepare_store is protected. A cached
     # key whose count aged out of the tracker (or that was stored before the
     # filter saw it) is still named by the caller, so the backing manager must
     # see it: it never stores it again, but it must not evict it either.

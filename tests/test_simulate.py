@@ -39,7 +39,7 @@ def key(name: str) -> OffloadKey:
 
 
 def test_replay_counts_hits_stores_and_evictions_of_a_small_lru_trace() -> None:
-    # LRU order, least recent first, after each request (SEMANTICS.md: a touched
+    # LRU order, least recent first, after each request (docs/manager.md, LRU: a touched
     # prefix ends most recent, blocks stored after it rank just below it).
     trace = prepare([
         request("r0", "ab", "c"),  # miss a; store a b c                     -> c b a
