@@ -332,30 +332,57 @@ class _Conversation:
     turn: int = 0
 
 
-def _chat(params: ChatParams, rng: random.Random, block_size: int) -> list[Request]:
+def _interleaved_conversations(
+    name: str,
+    rng: random.Random,
+    block_size: int,
+    *,
+    requests: int,
+    active_conversations: int,
+    turns: tuple[int, int],
+    system_tokens: int,
+    user_tokens: tuple[int, int],
+    answer_tokens: tuple[int, int],
+) -> list[Request]:
+    """Conversations behind one system prompt, a random active one taking each turn.
+
+    A turn's prompt is the whole conversation so far plus a new user message;
+    ``_request`` appends the answer, so the next turn resends it. A finished
+    conversation is replaced by a new one.
+    """
     ids = _SegmentIds()
     system = _Sequence(block_size)
-    system.append(ids.new(), params.system_tokens)
+    system.append(ids.new(), system_tokens)
     started = itertools.count()
 
     def start() -> _Conversation:
-        turns = rng.randint(params.turns_min, params.turns_max)
-        return _Conversation(f"chat-{next(started)}", system.copy(), turns)
+        return _Conversation(f"{name}-{next(started)}", system.copy(), rng.randint(*turns))
 
-    active = [start() for _ in range(params.active_conversations)]
-    requests: list[Request] = []
-    for _ in range(params.requests):
+    active = [start() for _ in range(active_conversations)]
+    generated: list[Request] = []
+    for _ in range(requests):
         slot = rng.randrange(len(active))
         conversation = active[slot]
-        conversation.sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
-        output_tokens = rng.randint(params.output_tokens_min, params.output_tokens_max)
-        name = f"{conversation.name}-turn-{conversation.turn}"
-        requests.append(_request(name, conversation.sequence, output_tokens, ids.new()))
+        conversation.sequence.append(ids.new(), rng.randint(*user_tokens))
+        answer = rng.randint(*answer_tokens)
+        generated.append(_request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new()))
         conversation.turn += 1
         conversation.turns_left -= 1
         if conversation.turns_left == 0:
             active[slot] = start()
-    return requests
+    return generated
+
+
+def _chat(params: ChatParams, rng: random.Random, block_size: int) -> list[Request]:
+    return _interleaved_conversations(
+        "chat", rng, block_size,
+        requests=params.requests,
+        active_conversations=params.active_conversations,
+        turns=(params.turns_min, params.turns_max),
+        system_tokens=params.system_tokens,
+        user_tokens=(params.user_tokens_min, params.user_tokens_max),
+        answer_tokens=(params.output_tokens_min, params.output_tokens_max),
+    )  # fmt: skip
 
 
 def _zipf_cumulative(count: int, s: float) -> list[float]:
@@ -363,21 +390,45 @@ def _zipf_cumulative(count: int, s: float) -> list[float]:
     return list(itertools.accumulate(1.0 / (rank + 1) ** s for rank in range(count)))
 
 
-def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> list[Request]:
+def _zipf_prefixes_with_unique_tails(
+    name: str,
+    rng: random.Random,
+    block_size: int,
+    *,
+    requests: int,
+    prefixes: int,
+    zipf_s: float,
+    prefix_tokens: tuple[int, int],
+    tail_tokens: tuple[int, int],
+    output_tokens: int,
+) -> list[Request]:
+    """Requests that each pick one of ``prefixes`` shared prompts by Zipf popularity, then add a unique tail."""
     ids = _SegmentIds()
-    prefixes: list[_Sequence] = []
-    for _ in range(params.prefixes):
+    shared: list[_Sequence] = []
+    for _ in range(prefixes):
         sequence = _Sequence(block_size)
-        sequence.append(ids.new(), rng.randint(params.prefix_tokens_min, params.prefix_tokens_max))
-        prefixes.append(sequence)
-    cumulative = _zipf_cumulative(params.prefixes, params.zipf_s)
-    requests: list[Request] = []
-    for index in range(params.requests):
-        (chosen,) = rng.choices(prefixes, cum_weights=cumulative)
+        sequence.append(ids.new(), rng.randint(*prefix_tokens))
+        shared.append(sequence)
+    cumulative = _zipf_cumulative(prefixes, zipf_s)
+    generated: list[Request] = []
+    for index in range(requests):
+        (chosen,) = rng.choices(shared, cum_weights=cumulative)
         sequence = chosen.copy()
-        sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
-        requests.append(_request(f"few-shot-{index}", sequence, params.output_tokens, ids.new()))
-    return requests
+        sequence.append(ids.new(), rng.randint(*tail_tokens))
+        generated.append(_request(f"{name}-{index}", sequence, output_tokens, ids.new()))
+    return generated
+
+
+def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> list[Request]:
+    return _zipf_prefixes_with_unique_tails(
+        "few-shot", rng, block_size,
+        requests=params.requests,
+        prefixes=params.prefixes,
+        zipf_s=params.zipf_s,
+        prefix_tokens=(params.prefix_tokens_min, params.prefix_tokens_max),
+        tail_tokens=(params.question_tokens_min, params.question_tokens_max),
+        output_tokens=params.output_tokens,
+    )  # fmt: skip
 
 
 def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size: int) -> list[Request]:
@@ -398,46 +449,27 @@ def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size:
 
 
 def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size: int) -> list[Request]:
-    ids = _SegmentIds()
-    prompts: list[_Sequence] = []
-    for _ in range(params.system_prompts):
-        sequence = _Sequence(block_size)
-        sequence.append(ids.new(), rng.randint(params.system_tokens_min, params.system_tokens_max))
-        prompts.append(sequence)
-    cumulative = _zipf_cumulative(params.system_prompts, params.zipf_s)
-    requests: list[Request] = []
-    for index in range(params.requests):
-        (chosen,) = rng.choices(prompts, cum_weights=cumulative)
-        sequence = chosen.copy()
-        sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
-        requests.append(_request(f"system-prompts-{index}", sequence, params.output_tokens, ids.new()))
-    return requests
+    return _zipf_prefixes_with_unique_tails(
+        "system-prompts", rng, block_size,
+        requests=params.requests,
+        prefixes=params.system_prompts,
+        zipf_s=params.zipf_s,
+        prefix_tokens=(params.system_tokens_min, params.system_tokens_max),
+        tail_tokens=(params.user_tokens_min, params.user_tokens_max),
+        output_tokens=params.output_tokens,
+    )  # fmt: skip
 
 
 def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int) -> list[Request]:
-    ids = _SegmentIds()
-    system = _Sequence(block_size)
-    system.append(ids.new(), params.system_tokens)
-    started = itertools.count()
-
-    def start() -> _Conversation:
-        turns = rng.randint(params.turns_min, params.turns_max)
-        return _Conversation(f"multi-turn-{next(started)}", system.copy(), turns)
-
-    active = [start() for _ in range(params.active_conversations)]
-    requests: list[Request] = []
-    for _ in range(params.requests):
-        slot = rng.randrange(len(active))
-        conversation = active[slot]
-        conversation.sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
-        answer = rng.randint(params.answer_tokens_min, params.answer_tokens_max)
-        # _request appends the answer to the conversation: the next turn resends it.
-        requests.append(_request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new()))
-        conversation.turn += 1
-        conversation.turns_left -= 1
-        if conversation.turns_left == 0:
-            active[slot] = start()
-    return requests
+    return _interleaved_conversations(
+        "multi-turn", rng, block_size,
+        requests=params.requests,
+        active_conversations=params.active_conversations,
+        turns=(params.turns_min, params.turns_max),
+        system_tokens=params.system_tokens,
+        user_tokens=(params.user_tokens_min, params.user_tokens_max),
+        answer_tokens=(params.answer_tokens_min, params.answer_tokens_max),
+    )  # fmt: skip
 
 
 def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int) -> list[Request]:
