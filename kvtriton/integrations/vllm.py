@@ -52,7 +52,7 @@ try:
     from kvtriton.worker.engine import TransferEngine
     import torch
 
-    from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig
+    from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig, check_kv_geometry_known
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
@@ -130,16 +130,11 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         settings = KVTritonOffloadConfig.from_extra_config(config.extra_config)
-        if config.canonical_layout:
-            raise ValueError(
-                "kvtriton stores each rank's own KV bytes; the canonical (parallelism-free) host layout requested "
-                "in kv_connector_extra_config is not supported, remove that setting"
-            )
-        if config.worker_kv_bytes_per_block < 1:
-            raise ValueError(
-                f"vLLM reported worker_kv_bytes_per_block={config.worker_kv_bytes_per_block}: "
-                "the KV cache is not known yet, so the host slab cannot be sized"
-            )
+        check_kv_geometry_known(
+            canonical_layout=config.canonical_layout,
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            host_memory="the host slab",
+        )
         world_size = config.parallel.world_size
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.settings: KVTritonOffloadConfig = settings

@@ -26,6 +26,7 @@ __all__ = [
     "KVTritonOffloadConfig",
     "MAX_TRACKER_SIZE",
     "STORE_THRESHOLD",
+    "check_kv_geometry_known",
 ]
 
 logger = logging.getLogger(__name__)
@@ -164,4 +165,24 @@ class KVTritonOffloadConfig:
             backend=backend,
             num_programs=_parse_int(extra_config, KVTRITON_NUM_PROGRAMS, DEFAULT_NUM_PROGRAMS, 1),
             pageable_slab=_parse_bool(extra_config, KVTRITON_PAGEABLE_SLAB, False),
+        )
+
+
+def check_kv_geometry_known(*, canonical_layout: bool, worker_kv_bytes_per_block: int, host_memory: str) -> None:
+    """Refuse, before anything is allocated, what vLLM's ``OffloadingConfig`` asks that kvtriton cannot size.
+
+    Both kvtriton specs store each rank's own KV bytes per block, so they need
+    vLLM's per-rank bytes per block and cannot serve the canonical
+    (parallelism-free) host layout. ``host_memory`` names what would have been
+    sized ("the host slab", "the shared host region").
+    """
+    if canonical_layout:
+        raise ValueError(
+            "kvtriton stores each rank's own KV bytes; the canonical (parallelism-free) host layout requested "
+            "in kv_connector_extra_config is not supported, remove that setting"
+        )
+    if worker_kv_bytes_per_block < 1:
+        raise ValueError(
+            f"vLLM reported worker_kv_bytes_per_block={worker_kv_bytes_per_block}: "
+            f"the KV cache is not known yet, so {host_memory} cannot be sized"
         )

@@ -55,7 +55,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig
+from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig, check_kv_geometry_known
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
 from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.keys import OffloadKey
@@ -290,16 +290,11 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 f"kv_connector_extra_config['cache_policy_module_path']={extra['cache_policy_module_path']!r}: kvtriton's "
                 "primary tier uses its own eviction policies (eviction_policy); remove cache_policy_module_path"
             )
-        if config.canonical_layout:
-            raise ValueError(
-                "kvtriton stores each rank's own KV bytes; the canonical (parallelism-free) host layout requested "
-                "in kv_connector_extra_config is not supported, remove that setting"
-            )
-        if config.worker_kv_bytes_per_block < 1:
-            raise ValueError(
-                f"vLLM reported worker_kv_bytes_per_block={config.worker_kv_bytes_per_block}: "
-                "the KV cache is not known yet, so the shared host region cannot be sized"
-            )
+        check_kv_geometry_known(
+            canonical_layout=config.canonical_layout,
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            host_memory="the shared host region",
+        )
         self._get_secondary_tiers(dict(extra))
         super().__init__(config)
         # Every rank keeps its own copy of replicated (MLA) KV: the region has
