@@ -148,8 +148,19 @@ class MooncakeCluster:
         master.wait(5)
 
     def hang_master(self) -> None:
-        """SIGSTOP: the master keeps its sockets open and answers nothing."""
-        self._running(self.master).send_signal(signal.SIGSTOP)
+        """SIGSTOP: the master keeps its sockets open and answers nothing.
+
+        Returns once every thread of the master is stopped: ``kill`` only queues
+        the signal, and a thread running on another core can still answer a
+        request that arrives in between (seen on a loaded 2-core machine).
+        """
+        master = self._running(self.master)
+        master.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not _all_threads_stopped(master.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master (pid {master.pid}) did not stop within 5 s of SIGSTOP")
+            time.sleep(0.005)
 
     def resume_master(self) -> None:
         self._running(self.master).send_signal(signal.SIGCONT)
@@ -173,3 +184,14 @@ class MooncakeCluster:
                 process.kill()
             process.wait(5)
         self._started.clear()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state ('T' in /proc/PID/task/TID/stat)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        # The state follows the parenthesised command name, which may itself hold spaces.
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)
