@@ -25,7 +25,9 @@ KV bytes per GPU block with one block per chunk, so both primaries lay chunks
 out identically (the layouts are byte-identical then). Prints chunks/s and
 GB/s per chunk size, primary and direction (best of ``--repeats``, as
 interference on a shared machine only slows a pass down) and the kvtriton/vLLM
-ratio (goal >= 0.95; the ratio of the medians is printed beside it). A second
+ratio (goal >= 0.95; the ratio of the medians is printed beside it), next to
+vLLM's primary measured against itself in the same rounds (an A/A run: how far
+the disk's noise alone moves the ratio). A second
 table times the primary-tier calls alone (promotion slot, cascade pin, lookup)
 per chunk, without I/O: the primary's whole share of the tier traffic,
 measured without the disk's noise. Writes ``bench/results/tiers.json``.
@@ -59,7 +61,15 @@ BOOKKEEPING_CHUNKS = 4096
 STEP_S = 0.002
 """Pause between two polling rounds, standing in for a scheduler step (the tiers' threads run meanwhile)."""
 PRIMARIES = ("vllm", "kvtriton")
-_SPEC_NAMES = {"vllm": ("TieringOffloadingSpec", None), "kvtriton": ("KVTritonTieringOffloadingSpec", "kvtriton.integrations.vllm")}
+NOISE_PRIMARY = "vllm-again"
+"""vLLM's primary measured a second time in the same rounds: vLLM against itself (an A/A run) shows how far
+the disk's noise alone moves the ratio, so a kvtriton/vLLM ratio inside that band is no measurable cost."""
+PASS_ORDER = (*PRIMARIES, NOISE_PRIMARY)
+_SPEC_NAMES = {
+    "vllm": ("TieringOffloadingSpec", None),
+    NOISE_PRIMARY: ("TieringOffloadingSpec", None),
+    "kvtriton": ("KVTritonTieringOffloadingSpec", "kvtriton.integrations.vllm"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="kvtriton-bench-tiers-", dir=args.root))
     print(f"fs root: {base}; {total_mib} MiB per pass; batches of {args.batch}; {args.threads}+{args.threads} fs threads")
-    steps = [(size, repeat, primary) for size in sizes for repeat in range(repeats) for primary in (PRIMARIES if repeat % 2 == 0 else PRIMARIES[::-1])]
+    steps = [(size, repeat, primary) for size in sizes for repeat in range(repeats) for primary in (PASS_ORDER if repeat % 2 == 0 else PASS_ORDER[::-1])]
     results: dict[tuple[int, str], list[PassResult]] = {}
     first_key = 0
     try:
@@ -282,23 +292,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    headers = ["chunk MiB", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s", "ratio", "median ratio"]
+    headers = ["chunk MiB", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s", "ratio", "median ratio", "vLLM/vLLM (A/A)"]
     table: list[list[object]] = []
     records: list[dict[str, object]] = []
     worst = float("inf")
+    worst_median = float("inf")
+    noise = 0.0  # the largest distance of an A/A median ratio from 1
     for size in sizes:
         for direction in ("cascade", "promotion"):
             theirs, ours = results[(size, "vllm")], results[(size, "kvtriton")]
             rate, gbps = f"{direction}_chunks_per_s", f"{direction}_gb_per_s"
             ratio = _best(ours, rate) / _best(theirs, rate)
             median_ratio = _median(ours, rate) / _median(theirs, rate)
+            same_ratio = _median(results[(size, NOISE_PRIMARY)], rate) / _median(theirs, rate)
             worst = min(worst, ratio)
+            worst_median = min(worst_median, median_ratio)
+            noise = max(noise, abs(1.0 - same_ratio))
             table.append([
                 size / (1 << 20), direction, _best(theirs, rate), _best(theirs, gbps),
-                _best(ours, rate), _best(ours, gbps), ratio, median_ratio,
+                _best(ours, rate), _best(ours, gbps), ratio, median_ratio, same_ratio,
             ])  # fmt: skip
             records.append({
                 "chunk_bytes": size, "direction": direction, "ratio": ratio, "median_ratio": median_ratio,
+                "vllm_vs_vllm_median_ratio": same_ratio,
                 "vllm": {"chunks_per_s": _best(theirs, rate), "gb_per_s": _best(theirs, gbps),
                          "median_chunks_per_s": _median(theirs, rate)},
                 "kvtriton": {"chunks_per_s": _best(ours, rate), "gb_per_s": _best(ours, gbps),
@@ -322,7 +338,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):")
     print(format_table(["primary", "promotion slot (write)", "cascade pin (read)", "lookup"], cost_rows))
     verdict = "met" if worst >= GOAL_RATIO else "NOT met"
-    print(f"worst kvtriton/vLLM ratio {worst:.3f}: goal >= {GOAL_RATIO} {verdict}")
+    print(f"worst kvtriton/vLLM ratio {worst:.3f} (best passes), {worst_median:.3f} (medians): goal >= {GOAL_RATIO} {verdict}")
+    # Only the primary's calls differ between the two runs; if kvtriton's are cheaper than vLLM's, its primary
+    # cannot slow the tier traffic down, whatever the disk's noise does to the end-to-end ratio.
+    extra_us = costs["kvtriton"]["write_us"] + costs["kvtriton"]["read_us"] - costs["vllm"]["write_us"] - costs["vllm"]["read_us"]
+    print(
+        f"noise floor: vLLM against itself moves the median ratio by up to {noise:.3f}; kvtriton's primary calls cost"
+        f" {extra_us:+.2f} us per chunk against vLLM's (cascade pin + promotion slot)"
+    )
     path = write_json(
         args.name,
         {
@@ -333,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": repeats,
             "goal_ratio": GOAL_RATIO,
             "worst_ratio": worst,
+            "worst_median_ratio": worst_median,
+            "vllm_vs_vllm_noise": noise,
+            "kvtriton_extra_us_per_chunk": extra_us,
             "results": records,
             "bookkeeping_us_per_chunk": costs,
             "passes": [asdict(result) for runs in results.values() for result in runs],
