@@ -351,8 +351,23 @@ class CPUOffloadingManager(OffloadingManager):
         got = list(map(blocks.get, offered))
         ready: list[OffloadKey] = []
         skipped_pending = False
+        # The request's keys before this offer: its head, for on_request_store.
+        earlier = len(access.keys)
         if got.count(None) == len(got):
-            new_keys = offered[:]  # the usual offer: chunks nobody stored yet
+            # The usual offer: chunks nobody stored yet. Record them (offer
+            # order, head to tail); when they were all new to the request
+            # too, its seen-set grew by the whole offer, which proves the offer
+            # distinct without building a dict of it.
+            seen = access.seen
+            before = len(seen)
+            access.observe(offered)
+            new_keys = offered[:]
+            if len(seen) - before != len(new_keys) and len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+                distinct = dict.fromkeys(new_keys)
+                if len(distinct) != len(new_keys):
+                    new_keys = list(distinct)
+            if new_keys:
+                self._hooks.on_store_miss(new_keys, access.store_missed)
         else:
             new_keys = [key for key, block in zip(offered, got) if block is None]
             for key, block in zip(offered, got):
@@ -361,21 +376,20 @@ class CPUOffloadingManager(OffloadingManager):
                         ready.append(key)
                     else:
                         skipped_pending = True
-        if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-            distinct = dict.fromkeys(new_keys)
-            if len(distinct) != len(new_keys):
-                new_keys = list(distinct)
-        if new_keys:
-            self._hooks.on_store_miss(new_keys, access.store_missed)
-        # Record the new and ready keys, in the offer's (head-to-tail) order; a
-        # key some other request is still storing is not this request's yet.
-        earlier = len(access.keys)
-        if skipped_pending:
-            wanted = set(new_keys)
-            wanted.update(ready)
-            access.observe([key for key in offered if key in wanted])
-        else:
-            access.observe(offered)
+            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+                distinct = dict.fromkeys(new_keys)
+                if len(distinct) != len(new_keys):
+                    new_keys = list(distinct)
+            if new_keys:
+                self._hooks.on_store_miss(new_keys, access.store_missed)
+            # Record the new and ready keys, in the offer's (head-to-tail) order; a
+            # key some other request is still storing is not this request's yet.
+            if skipped_pending:
+                wanted = set(new_keys)
+                wanted.update(ready)
+                access.observe([key for key in offered if key in wanted])
+            else:
+                access.observe(offered)
         if ready:
             inserted = access.inserted
             access.reused.update([key for key in ready if key not in inserted] if inserted else ready)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +21,11 @@ class ARCState:
     b1: tuple[OffloadKey, ...]
     b2: tuple[OffloadKey, ...]
     target_t1: float
+
+
+def _consume(calls: Iterator[object]) -> None:
+    """Run a lazy ``map`` of calls to the end at C speed, keeping nothing."""
+    deque(calls, maxlen=0)
 
 
 def _take(
@@ -58,7 +63,7 @@ class ARCCachePolicy:
     the request ends (``on_request_load``).
     """
 
-    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2")
+    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2", "_ghost_free")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -67,6 +72,10 @@ class ARCCachePolicy:
         self._t2: OrderedDict[OffloadKey, Block] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        # The keys on_store_miss last found in no ghost list: the insert that
+        # follows it (same list; the eviction between them only adds cached
+        # keys to the ghost lists) need not look again.
+        self._ghost_free: Sequence[OffloadKey] | None = None
 
     def get(self, key: OffloadKey) -> Block | None:
         block = self._t1.get(key)
@@ -74,6 +83,9 @@ class ARCCachePolicy:
 
     def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
         self._t1.update(zip(reversed(keys), reversed(blocks)))
+        if keys is self._ghost_free:
+            self._ghost_free = None
+            return
         # A stored key is no longer a ghost. The view intersections run in C
         # and are almost always empty.
         for ghost in (self._b1, self._b2):
@@ -116,13 +128,12 @@ class ARCCachePolicy:
             b2.move_to_end(key)
 
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        # Each list's keys move to its recent end in reverse order (the lists
+        # are independent, so one pass per list does it), at C speed.
         t1, t2 = self._t1, self._t2
-        t1_move, t2_move = t1.move_to_end, t2.move_to_end
-        for key in reversed(keys):
-            if key in t1:
-                t1_move(key)
-            elif key in t2:
-                t2_move(key)
+        _consume(map(t1.move_to_end, filter(t1.__contains__, reversed(keys))))
+        if t2:
+            _consume(map(t2.move_to_end, filter(t2.__contains__, reversed(keys))))
 
     def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
         del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
@@ -144,7 +155,9 @@ class ARCCachePolicy:
         in_b1 = b1.keys() & keys if b1 else set[OffloadKey]()
         in_b2 = b2.keys() & keys if b2 else set[OffloadKey]()
         if not in_b1 and not in_b2:
+            self._ghost_free = keys
             return
+        self._ghost_free = None
         if learnt:
             in_b1 -= learnt
             in_b2 -= learnt
@@ -167,6 +180,10 @@ class ARCCachePolicy:
         anchor: object | None,
     ) -> None:
         del anchor  # ARC hands out none
+        self._finish_each(keys, inserted, reused)
+
+    def _finish_each(self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]) -> None:
+        """``on_request_finished`` key by key (for containers other than sets; the reference the fast path mirrors)."""
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
@@ -227,6 +244,7 @@ class ARCCachePolicy:
         self._b1.clear()
         self._b2.clear()
         self._target = 0.0
+        self._ghost_free = None
 
     @property
     def target_t1(self) -> float:
