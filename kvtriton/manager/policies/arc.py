@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,11 +21,6 @@ class ARCState:
     b1: tuple[OffloadKey, ...]
     b2: tuple[OffloadKey, ...]
     target_t1: float
-
-
-def _consume(calls: Iterator[object]) -> None:
-    """Run a lazy ``map`` of calls to the end at C speed, keeping nothing."""
-    deque(calls, maxlen=0)
 
 
 def _take(
@@ -128,12 +123,13 @@ class ARCCachePolicy:
             b2.move_to_end(key)
 
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
-        # Each list's keys move to its recent end in reverse order (the lists
-        # are independent, so one pass per list does it), at C speed.
         t1, t2 = self._t1, self._t2
-        _consume(map(t1.move_to_end, filter(t1.__contains__, reversed(keys))))
-        if t2:
-            _consume(map(t2.move_to_end, filter(t2.__contains__, reversed(keys))))
+        t1_move, t2_move = t1.move_to_end, t2.move_to_end
+        for key in reversed(keys):
+            if key in t1:
+                t1_move(key)
+            elif key in t2:
+                t2_move(key)
 
     def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
         del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
@@ -180,10 +176,6 @@ class ARCCachePolicy:
         anchor: object | None,
     ) -> None:
         del anchor  # ARC hands out none
-        self._finish_each(keys, inserted, reused)
-
-    def _finish_each(self, keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey]) -> None:
-        """``on_request_finished`` key by key (for containers other than sets; the reference the fast path mirrors)."""
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
