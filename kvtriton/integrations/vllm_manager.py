@@ -175,8 +175,17 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
                     return None
                 return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
 
+            cpu_finished = cpu.on_request_finished
+
+            def on_request_finished(req_context: vllm_base.ReqContext) -> None:
+                # A request never announced has no kvtriton context and nothing to rank.
+                context = req_context.get_state(ReqContext)
+                if context is not None:
+                    cpu_finished(context)
+
             setattr(self, "prepare_load", prepare_load)  # noqa: B010 -- as above
             setattr(self, "prepare_store", prepare_store)  # noqa: B010 -- as above
+            setattr(self, "on_request_finished", on_request_finished)  # noqa: B010 -- as above
 
     @property
     def backing(self) -> OffloadingManager:

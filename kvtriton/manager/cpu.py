@@ -331,18 +331,23 @@ class CPUOffloadingManager(OffloadingManager):
 
     def store_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> StoredSlots | None:
         """:meth:`prepare_store`, answering plain lists (an adapter builds its own output types from them)."""
+        accesses = req_context.accesses
+        if accesses:
+            # _access, inlined: one call per store of every tracked request.
+            access = accesses.get(self)
+            if access is not None:
+                if access.generation != self._generation:
+                    access = accesses[self] = RequestAccess(self._generation)
+                return self._prepare_tracked_store(access, keys)
         blocks = self._blocks
-        access = self._access(req_context) if req_context.accesses else None
-        if access is None:
-            new_keys = [key for key in keys if key not in blocks]
-            if not new_keys:
-                return StoredSlots([], [], [])
-            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-                distinct = dict.fromkeys(new_keys)
-                if len(distinct) != len(new_keys):
-                    new_keys = list(distinct)
-            return self._store(new_keys, keys)
-        return self._prepare_tracked_store(access, keys)
+        new_keys = [key for key in keys if key not in blocks]
+        if not new_keys:
+            return StoredSlots([], [], [])
+        if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+            distinct = dict.fromkeys(new_keys)
+            if len(distinct) != len(new_keys):
+                new_keys = list(distinct)
+        return self._store(new_keys, keys)
 
     def _prepare_tracked_store(self, access: RequestAccess, keys: Collection[OffloadKey]) -> StoredSlots | None:
         """``prepare_store`` for a tracked request: record its keys, learn from misses, rank its keys head first."""

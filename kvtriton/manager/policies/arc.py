@@ -143,7 +143,14 @@ class ARCCachePolicy:
         anchor: object | None,
     ) -> None:
         del stored, reoffered, anchor  # new blocks enter T1's recent end, as ARC always does; head lists reoffered
-        self.refresh(head)
+        # refresh(head), inlined: one call per store of every request.
+        t1, t2 = self._t1, self._t2
+        t1_move, t2_move = t1.move_to_end, t2.move_to_end
+        for key in reversed(head):
+            if key in t1:
+                t1_move(key)
+            elif key in t2:
+                t2_move(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
