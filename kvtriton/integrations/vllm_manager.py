@@ -175,7 +175,13 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
                     return None
                 return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
 
-            cpu_finished = cpu.on_request_finished
+            cpu_new, cpu_finished = cpu.on_new_request, cpu.on_request_finished
+            request_offloading_context = vllm_base.RequestOffloadingContext
+
+            def on_new_request(req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
+                context = req_context.get_state(ReqContext)
+                cpu_new(context if context is not None else context_of(req_context))
+                return request_offloading_context(policy=_CHUNK_LEVEL)
 
             def on_request_finished(req_context: vllm_base.ReqContext) -> None:
                 # A request never announced has no kvtriton context and nothing to rank.
@@ -185,6 +191,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
 
             setattr(self, "prepare_load", prepare_load)  # noqa: B010 -- as above
             setattr(self, "prepare_store", prepare_store)  # noqa: B010 -- as above
+            setattr(self, "on_new_request", on_new_request)  # noqa: B010 -- as above
             setattr(self, "on_request_finished", on_request_finished)  # noqa: B010 -- as above
 
     @property

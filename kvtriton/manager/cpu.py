@@ -195,7 +195,7 @@ class CPUOffloadingManager(OffloadingManager):
             if block is None:
                 self._misses += 1
                 return miss
-            if block.ref_cnt == PENDING:
+            if block.ref_cnt < 0:  # PENDING, the only negative count
                 self._pending_hits += 1
                 return pending
             self._hits += 1
@@ -301,22 +301,35 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         got = list(map(self._blocks.get, keys))
+        if None in got:  # C speed; nothing is released yet
+            self._refuse_completion(keys, got, 0)
         now_idle = 0
-        for index, block in enumerate(got):
-            if block is None or block.ref_cnt <= 0:
-                self._refuse_completion(keys, got, index)
+        for index, block in enumerate(cast("list[Block]", got)):  # no None (checked above)
             count = block.ref_cnt - 1
+            if count < 0:
+                self._refuse_completion(keys, got, index)
             block.ref_cnt = count
             if not count:
                 now_idle += 1
         self._num_loading -= now_idle
 
     @staticmethod
-    def _refuse_completion(keys: Collection[OffloadKey], got: list[Block | None], bad: int) -> NoReturn:
-        """Undo the releases ``complete_load`` made before ``got[bad]`` and raise."""
-        for taken in got[:bad]:
+    def _refuse_completion(keys: Collection[OffloadKey], got: list[Block | None], released: int) -> NoReturn:
+        """Undo the releases ``complete_load`` made on ``got[:released]`` and raise for the first key without a load."""
+        for taken in got[:released]:
             if taken is not None:
                 taken.ref_cnt += 1
+        # The first key whose release would fail, counting the releases of
+        # the same block earlier in the call (a key may be named twice).
+        left: dict[int, int] = {}
+        bad = 0
+        for bad, block in enumerate(got):
+            if block is None:
+                break
+            count = left.get(id(block), block.ref_cnt) - 1
+            if count < 0:
+                break
+            left[id(block)] = count
         key = list(keys)[bad]
         raise ValueError(f"complete_load: key {key!r} has no load in flight (no matching prepare_load)")
 
