@@ -48,7 +48,7 @@ class RequestAccess:
     def observe(self, keys: list[OffloadKey]) -> list[OffloadKey]:
         """Add the keys not seen before to ``keys`` (first-seen order) and return them."""
         seen = self.seen
-        if seen.isdisjoint(keys):
+        if not seen or seen.isdisjoint(keys):  # a request's first keys skip the scan
             new = keys
         else:
             new = [key for key in keys if key not in seen]

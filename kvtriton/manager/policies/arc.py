@@ -130,10 +130,10 @@ class ARCCachePolicy:
         t1, t2 = self._t1, self._t2
         t1_move, t2_move = t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
-            if key in t1:
-                t1_move(key)
-            elif key in t2:
+            if key in t2:  # T2 first, as in on_request_store
                 t2_move(key)
+            elif key in t1:
+                t1_move(key)
 
     def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
         del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
@@ -151,10 +151,11 @@ class ARCCachePolicy:
         t1, t2 = self._t1, self._t2
         t1_move, t2_move = t1.move_to_end, t2.move_to_end
         for key in reversed(head):
-            if key in t1:
-                t1_move(key)
-            elif key in t2:
+            # T2 first: a request's head was mostly reused before (T1 and T2 never share a key).
+            if key in t2:
                 t2_move(key)
+            elif key in t1:
+                t1_move(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
@@ -191,12 +192,15 @@ class ARCCachePolicy:
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
             if key in reused:
-                # One reuse per request: T1 -> T2, or refreshed in T2.
-                block = t1_pop(key, None)
-                if block is not None:
-                    t2[key] = block
-                elif key in t2:
+                # One reuse per request: refreshed in T2, or T1 -> T2. T2 is
+                # asked first: most reused keys were reused before, and T1
+                # and T2 never share a key.
+                if key in t2:
                     t2_move(key)
+                else:
+                    block = t1_pop(key, None)
+                    if block is not None:
+                        t2[key] = block
             elif key in inserted:
                 # A store is not a use: recency only, in whichever list holds it.
                 if key in t1:
