@@ -413,6 +413,52 @@ def test_complete_load_without_a_matching_load_raises_and_changes_nothing(policy
     assert manager.stats().loading == 0
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_failed_load_call_names_its_first_bad_key_whatever_follows(policy: str) -> None:
+    # The unknown-key check runs before any pin or release, yet the error
+    # names the first key that fails in call order, and nothing changes.
+    manager = make_manager(policy)
+    store(manager, ks(0, 1))
+    manager.prepare_store(ks(2), CTX)  # k2 stays pending
+    before = manager.stats()
+    with pytest.raises(ValueError, match=re.escape(f"prepare_load: key {k(2)!r} is still pending")):
+        manager.prepare_load([k(0), k(2), k(9)], CTX)
+    with pytest.raises(ValueError, match=re.escape(f"prepare_load: key {k(9)!r} is not cached")):
+        manager.prepare_load([k(0), k(9), k(2)], CTX)
+    assert manager.stats() == before
+    manager.prepare_load(ks(0), CTX)
+    loading = manager.stats()
+    with pytest.raises(ValueError, match=re.escape(f"complete_load: key {k(1)!r} has no load in flight")):
+        manager.complete_load([k(0), k(1), k(9)], CTX)
+    with pytest.raises(ValueError, match=re.escape(f"complete_load: key {k(0)!r} has no load in flight")):
+        manager.complete_load([k(0), k(0), k(9)], CTX)
+    assert manager.stats() == loading
+    manager.complete_load(ks(0), CTX)
+    assert manager.stats().loading == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_slot_list_answers_match_the_specs(policy: str) -> None:
+    # load_slots / store_slots are prepare_load / prepare_store without the
+    # spec objects (the vLLM adapter builds its own from the lists).
+    by_spec, by_list = make_manager(policy, num_blocks=3), make_manager(policy, num_blocks=3)
+    for keys in (ks(0, 1), ks(2, 3), ks(1, 4)):
+        out = by_spec.prepare_store(keys, CTX)
+        stored = by_list.store_slots(keys, CTX)
+        assert out is not None and stored is not None
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
+        assert (stored.keys, stored.slots, stored.evicted) == (
+            out.keys_to_store, out.store_spec.block_ids.tolist(), out.evicted_keys
+        )
+        by_spec.complete_store(keys, CTX)
+        by_list.complete_store(keys, CTX)
+    cached = [key for key in ks(0, 1, 2, 3, 4) if key in by_spec]
+    assert cached == [key for key in ks(0, 1, 2, 3, 4) if key in by_list]
+    spec = by_spec.prepare_load(cached, CTX)
+    assert by_list.load_slots(cached, CTX) == spec.block_ids.tolist()
+    assert by_list.stats() == by_spec.stats()
+
+
 # --- touch -----------------------------------------------------------------------------
 
 

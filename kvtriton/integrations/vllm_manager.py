@@ -25,7 +25,10 @@ Lookups are the hottest call (one per chunk of every scheduled prompt), so
 when no filter sits in between, the adapter's ``lookup`` is replaced, per
 instance, by the ``CPUOffloadingManager``'s own lookup answering vLLM's
 ``LookupResult`` (``CPUOffloadingManager.lookup_with``): one call, no
-translation.
+translation. The other calls take the same shortcut there: the completions
+are the CPU manager's own (they never read a context), and the prepares
+build vLLM's spec and output straight from the slot lists the CPU manager
+answers (``load_slots`` / ``store_slots``), with no kvtriton object between.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -86,6 +89,17 @@ class _StoreAnswer(Protocol):
     def evicted_keys(self) -> list[vllm_base.OffloadKey]: ...
 
 
+class _VLLMStoredSlots(Protocol):
+    """kvtriton's ``StoredSlots`` with its keys typed as vLLM's (the same bytes)."""
+
+    @property
+    def keys(self) -> list[vllm_base.OffloadKey]: ...
+    @property
+    def slots(self) -> list[int]: ...
+    @property
+    def evicted(self) -> list[vllm_base.OffloadKey]: ...
+
+
 class _VLLMKeyedManager(Protocol):
     """A kvtriton manager seen with vLLM's key type: one cast at construction instead of one per call."""
 
@@ -140,6 +154,45 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
                 vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
             )
             setattr(self, "lookup", direct)  # noqa: B010 -- an instance attribute shadowing the method is the point
+            # The CPU manager's completions never read the context: vLLM's calls go straight to them.
+            setattr(self, "complete_load", cpu.complete_load)  # noqa: B010 -- as above
+            setattr(self, "complete_store", cpu.complete_store)  # noqa: B010 -- as above
+            load_slots = cast("Callable[[Collection[vllm_base.OffloadKey], ReqContext], list[int]]", cpu.load_slots)
+            store_slots = cast("Callable[[Collection[vllm_base.OffloadKey], ReqContext], _VLLMStoredSlots | None]", cpu.store_slots)
+            context_of = self._context
+            output = vllm_base.PrepareStoreOutput
+
+            def prepare_load(keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
+                context = req_context.get_state(ReqContext)
+                return VLLMCPULoadStoreSpec(load_slots(keys, context if context is not None else context_of(req_context)))
+
+            def prepare_store(
+                keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+            ) -> vllm_base.PrepareStoreOutput | None:
+                context = req_context.get_state(ReqContext)
+                stored = store_slots(keys, context if context is not None else context_of(req_context))
+                if stored is None:
+                    return None
+                return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
+
+            cpu_new, cpu_finished = cpu.on_new_request, cpu.on_request_finished
+            request_offloading_context = vllm_base.RequestOffloadingContext
+
+            def on_new_request(req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
+                context = req_context.get_state(ReqContext)
+                cpu_new(context if context is not None else context_of(req_context))
+                return request_offloading_context(policy=_CHUNK_LEVEL)
+
+            def on_request_finished(req_context: vllm_base.ReqContext) -> None:
+                # A request never announced has no kvtriton context and nothing to rank.
+                context = req_context.get_state(ReqContext)
+                if context is not None:
+                    cpu_finished(context)
+
+            setattr(self, "prepare_load", prepare_load)  # noqa: B010 -- as above
+            setattr(self, "prepare_store", prepare_store)  # noqa: B010 -- as above
+            setattr(self, "on_new_request", on_new_request)  # noqa: B010 -- as above
+            setattr(self, "on_request_finished", on_request_finished)  # noqa: B010 -- as above
 
     @property
     def backing(self) -> OffloadingManager:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Iterable, KeysView, Sequence
-from typing import NamedTuple, TypeVar, cast
+from typing import NamedTuple, NoReturn, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
@@ -20,7 +20,7 @@ from kvtriton.specs import (
     ReqContext,
 )
 
-__all__ = ["CPUOffloadingManager"]
+__all__ = ["CPUOffloadingManager", "StoredSlots"]
 
 _MEDIUM = CPULoadStoreSpec.MEDIUM
 # Module-level aliases: the hot paths return these without an enum attribute lookup.
@@ -31,6 +31,17 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 _DISTINCT = (set, frozenset, KeysView)
 _R = TypeVar("_R")
 _NOTHING: frozenset[OffloadKey] = frozenset()
+
+
+class StoredSlots(NamedTuple):
+    """What :meth:`CPUOffloadingManager.store_slots` allocated: ``prepare_store``'s answer as plain lists."""
+
+    keys: list[OffloadKey]
+    """The keys to store (``keys_to_store``), distinct, in offer order."""
+    slots: list[int]
+    """Their slots, co-indexed with ``keys`` (the store spec's block ids)."""
+    evicted: list[OffloadKey]
+    """The keys evicted to make room (``evicted_keys``)."""
 
 
 class _RequestHooks(NamedTuple):
@@ -116,7 +127,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._num_pending = 0
         self._num_loading = 0
-        self._lookups = 0
+        # Lookups are counted by outcome only (lookups = misses + hits +
+        # pending hits): one increment per lookup, the hottest call.
+        self._misses = 0
         self._hits = 0
         self._pending_hits = 0
         self._evictions = 0
@@ -151,7 +164,7 @@ class CPUOffloadingManager(OffloadingManager):
             pending=self._num_pending,
             loading=self._num_loading,
             evictable=used - self._num_pending - self._num_loading,
-            lookups=self._lookups,
+            lookups=self._misses + self._hits + self._pending_hits,
             hits=self._hits,
             pending_hits=self._pending_hits,
             evictions=self._evictions,
@@ -176,13 +189,13 @@ class CPUOffloadingManager(OffloadingManager):
         """
         blocks_get = self._blocks.get
 
-        def lookup(key: OffloadKey, req_context: object = None) -> _R:
-            del req_context
-            self._lookups += 1
+        def lookup(key: OffloadKey, _req_context: object = None) -> _R:
+            # The context is never read (no ``del``: that would cost a bytecode per lookup).
             block = blocks_get(key)
             if block is None:
+                self._misses += 1
                 return miss
-            if block.ref_cnt == PENDING:
+            if block.ref_cnt < 0:  # PENDING, the only negative count
                 self._pending_hits += 1
                 return pending
             self._hits += 1
@@ -223,9 +236,9 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._lookups += 1
         block = self._blocks.get(key)
         if block is None:
+            self._misses += 1
             return _MISS
         if block.ref_cnt == PENDING:
             self._pending_hits += 1
@@ -235,32 +248,51 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec.from_slots(self.load_slots(keys, req_context))
+
+    def load_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
+        """:meth:`prepare_load`, answering the slots as a list (an adapter builds its own spec type from it)."""
         got = list(map(self._blocks.get, keys))
+        if None in got:  # C speed; nothing is pinned yet
+            self._refuse_load(keys, got, 0)
         newly_loading = 0
-        # One pass that pins as it validates; on a bad key the pins taken so
-        # far are undone before raising, so a failed call changes nothing.
-        for i, block in enumerate(got):
-            if block is None or block.ref_cnt == PENDING:
-                for taken in got[:i]:
-                    if taken is not None:
-                        taken.ref_cnt -= 1
-                key = list(keys)[i]
-                state = "not cached" if block is None else "still pending (its store has not completed)"
-                raise ValueError(f"prepare_load: key {key!r} is {state}")
-            if block.ref_cnt == 0:
+        # One pass that pins as it validates; on a pending key the pins taken
+        # so far are undone before raising, so a failed call changes nothing.
+        # Pins never make a block pending, so the first pending block met is
+        # the first pending one in ``got``: everything before it was pinned.
+        for block in cast("list[Block]", got):  # no None (checked above)
+            count = block.ref_cnt
+            if count <= 0:
+                if count == PENDING:
+                    self._refuse_load(keys, got, got.index(block))
                 newly_loading += 1
-            block.ref_cnt += 1
+            block.ref_cnt = count + 1
         self._num_loading += newly_loading
-        ready = cast("list[Block]", got)  # every entry was checked above
-        if req_context.accesses:
-            access = self._access(req_context)
+        slots = [block.slot for block in cast("list[Block]", got)]
+        accesses = req_context.accesses
+        if accesses:
+            access = accesses.get(self)
             if access is not None:
+                if access.generation != self._generation:
+                    access = accesses[self] = RequestAccess(self._generation)
                 loaded = keys if isinstance(keys, list) else list(keys)
                 access.observe(loaded)
                 inserted = access.inserted
                 access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
                 access.anchor = self._hooks.on_request_load(loaded, access.anchor)
-        return CPULoadStoreSpec.from_slots([block.slot for block in ready])
+        return slots
+
+    @staticmethod
+    def _refuse_load(keys: Collection[OffloadKey], got: list[Block | None], pinned: int) -> NoReturn:
+        """Undo the pins ``prepare_load`` took on ``got[:pinned]`` and raise for the first uncached or pending key."""
+        for taken in got[:pinned]:
+            if taken is not None:
+                taken.ref_cnt -= 1
+        bad = next(i for i, block in enumerate(got) if block is None or block.ref_cnt == PENDING)
+        block = got[bad]
+        key = list(keys)[bad]
+        state = "not cached" if block is None else "still pending (its store has not completed)"
+        raise ValueError(f"prepare_load: key {key!r} is {state}")
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -269,43 +301,91 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         got = list(map(self._blocks.get, keys))
+        if None in got:  # C speed; nothing is released yet
+            self._refuse_completion(keys, got, 0)
         now_idle = 0
-        for i, block in enumerate(got):
-            if block is None or block.ref_cnt <= 0:
-                for taken in got[:i]:
-                    if taken is not None:
-                        taken.ref_cnt += 1
-                key = list(keys)[i]
-                raise ValueError(f"complete_load: key {key!r} has no load in flight (no matching prepare_load)")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+        for index, block in enumerate(cast("list[Block]", got)):  # no None (checked above)
+            count = block.ref_cnt - 1
+            if count < 0:
+                self._refuse_completion(keys, got, index)
+            block.ref_cnt = count
+            if not count:
                 now_idle += 1
         self._num_loading -= now_idle
 
+    @staticmethod
+    def _refuse_completion(keys: Collection[OffloadKey], got: list[Block | None], released: int) -> NoReturn:
+        """Undo the releases ``complete_load`` made on ``got[:released]`` and raise for the first key without a load."""
+        for taken in got[:released]:
+            if taken is not None:
+                taken.ref_cnt += 1
+        # The first key whose release would fail, counting the releases of
+        # the same block earlier in the call (a key may be named twice).
+        left: dict[int, int] = {}
+        bad = 0
+        for bad, block in enumerate(got):
+            if block is None:
+                break
+            count = left.get(id(block), block.ref_cnt) - 1
+            if count < 0:
+                break
+            left[id(block)] = count
+        key = list(keys)[bad]
+        raise ValueError(f"complete_load: key {key!r} has no load in flight (no matching prepare_load)")
+
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        blocks = self._blocks
-        access = self._access(req_context) if req_context.accesses else None
-        if access is None:
-            new_keys = [key for key in keys if key not in blocks]
-            if not new_keys:
-                return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
-            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-                distinct = dict.fromkeys(new_keys)
-                if len(distinct) != len(new_keys):
-                    new_keys = list(distinct)
-            return self._store(new_keys, keys)
-        return self._prepare_tracked_store(access, keys)
+        stored = self.store_slots(keys, req_context)
+        if stored is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=stored.keys, store_spec=CPULoadStoreSpec.from_slots(stored.slots), evicted_keys=stored.evicted
+        )
 
-    def _prepare_tracked_store(self, access: RequestAccess, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
+    def store_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> StoredSlots | None:
+        """:meth:`prepare_store`, answering plain lists (an adapter builds its own output types from them)."""
+        accesses = req_context.accesses
+        if accesses:
+            # _access, inlined: one call per store of every tracked request.
+            access = accesses.get(self)
+            if access is not None:
+                if access.generation != self._generation:
+                    access = accesses[self] = RequestAccess(self._generation)
+                return self._prepare_tracked_store(access, keys)
+        blocks = self._blocks
+        new_keys = [key for key in keys if key not in blocks]
+        if not new_keys:
+            return StoredSlots([], [], [])
+        if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+            distinct = dict.fromkeys(new_keys)
+            if len(distinct) != len(new_keys):
+                new_keys = list(distinct)
+        return self._store(new_keys, keys)
+
+    def _prepare_tracked_store(self, access: RequestAccess, keys: Collection[OffloadKey]) -> StoredSlots | None:
         """``prepare_store`` for a tracked request: record its keys, learn from misses, rank its keys head first."""
         blocks = self._blocks
         offered = keys if isinstance(keys, list) else list(keys)
         got = list(map(blocks.get, offered))
         ready: list[OffloadKey] = []
         skipped_pending = False
+        # The request's keys before this offer: its head, for on_request_store.
+        earlier = len(access.keys)
         if got.count(None) == len(got):
-            new_keys = offered[:]  # the usual offer: chunks nobody stored yet
+            # The usual offer: chunks nobody stored yet. Record them (offer
+            # order, head to tail); when they were all new to the request
+            # too, its seen-set grew by the whole offer, which proves the offer
+            # distinct without building a dict of it.
+            seen = access.seen
+            before = len(seen)
+            access.observe(offered)
+            new_keys = offered[:]
+            if len(seen) - before != len(new_keys) and len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+                distinct = dict.fromkeys(new_keys)
+                if len(distinct) != len(new_keys):
+                    new_keys = list(distinct)
+            if new_keys:
+                self._hooks.on_store_miss(new_keys, access.store_missed)
         else:
             new_keys = [key for key, block in zip(offered, got) if block is None]
             for key, block in zip(offered, got):
@@ -314,26 +394,25 @@ class CPUOffloadingManager(OffloadingManager):
                         ready.append(key)
                     else:
                         skipped_pending = True
-        if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-            distinct = dict.fromkeys(new_keys)
-            if len(distinct) != len(new_keys):
-                new_keys = list(distinct)
-        if new_keys:
-            self._hooks.on_store_miss(new_keys, access.store_missed)
-        # Record the new and ready keys, in the offer's (head-to-tail) order; a
-        # key some other request is still storing is not this request's yet.
-        earlier = len(access.keys)
-        if skipped_pending:
-            wanted = set(new_keys)
-            wanted.update(ready)
-            access.observe([key for key in offered if key in wanted])
-        else:
-            access.observe(offered)
+            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
+                distinct = dict.fromkeys(new_keys)
+                if len(distinct) != len(new_keys):
+                    new_keys = list(distinct)
+            if new_keys:
+                self._hooks.on_store_miss(new_keys, access.store_missed)
+            # Record the new and ready keys, in the offer's (head-to-tail) order; a
+            # key some other request is still storing is not this request's yet.
+            if skipped_pending:
+                wanted = set(new_keys)
+                wanted.update(ready)
+                access.observe([key for key in offered if key in wanted])
+            else:
+                access.observe(offered)
         if ready:
             inserted = access.inserted
             access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
         if not new_keys:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
+            return StoredSlots([], [], [])
         # The offer's cached keys are its ready ones and the ones still pending
         # (another request's store); only they could be evicted.
         if skipped_pending:
@@ -359,7 +438,7 @@ class CPUOffloadingManager(OffloadingManager):
         new_keys: list[OffloadKey],
         keys: Collection[OffloadKey],
         cached: Container[OffloadKey] | None = None,
-    ) -> PrepareStoreOutput | None:
+    ) -> StoredSlots | None:
         """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected.
 
         ``cached``, when the caller knows them, are the keys of ``keys`` that are
@@ -397,7 +476,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.insert(new_keys, made)
         self._num_pending += len(new_keys)
         self._stores += len(new_keys)
-        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=CPULoadStoreSpec.from_slots(slots), evicted_keys=evicted)
+        return StoredSlots(new_keys, slots, evicted)
 
     @override
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:

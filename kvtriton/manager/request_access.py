@@ -48,7 +48,7 @@ class RequestAccess:
     def observe(self, keys: list[OffloadKey]) -> list[OffloadKey]:
         """Add the keys not seen before to ``keys`` (first-seen order) and return them."""
         seen = self.seen
-        if seen.isdisjoint(keys):
+        if not seen or seen.isdisjoint(keys):  # a request's first keys skip the scan
             new = keys
         else:
             new = [key for key in keys if key not in seen]
@@ -67,10 +67,20 @@ def head_first(keys: list[OffloadKey], position_of: Callable[[OffloadKey], int |
     groups at one position keep their first-seen order (the sort is stable).
     Without a position for every key the first-seen order stands, as in vLLM.
     """
-    found = list(map(position_of, keys))
-    if None in found:
-        return keys
-    positions = cast("list[int]", found)  # no None left
+    # A dict's ``get`` (what kvtriton's and vLLM's contexts hand out) is read
+    # through the dict's ``__getitem__`` instead: a missing key raises at once,
+    # and no scan for ``None`` is needed (about a third cheaper per key).
+    table: object = getattr(position_of, "__self__", None)
+    if type(table) is dict:
+        try:
+            positions = list(map(cast("dict[OffloadKey, int]", table).__getitem__, keys))
+        except KeyError:
+            return keys
+    else:
+        found = list(map(position_of, keys))
+        if None in found:
+            return keys
+        positions = cast("list[int]", found)  # no None left
     if positions == sorted(positions):  # C speed; linear on sorted input
         return keys  # already head to tail
     order = sorted(range(len(keys)), key=positions.__getitem__)

@@ -58,7 +58,7 @@ class ARCCachePolicy:
     the request ends (``on_request_load``).
     """
 
-    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2")
+    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2", "_ghost_free")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -67,13 +67,24 @@ class ARCCachePolicy:
         self._t2: OrderedDict[OffloadKey, Block] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        # The keys on_store_miss last found in no ghost list: the insert that
+        # follows it (same list; the eviction between them only adds cached
+        # keys to the ghost lists) need not look again.
+        self._ghost_free: Sequence[OffloadKey] | None = None
 
     def get(self, key: OffloadKey) -> Block | None:
         block = self._t1.get(key)
         return block if block is not None else self._t2.get(key)
 
     def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
-        self._t1.update(zip(reversed(keys), reversed(blocks)))
+        t1 = self._t1
+        # A loop of item assignments: OrderedDict.update goes through the
+        # generic mapping update, which is slower for a batch this size.
+        for key, block in zip(reversed(keys), reversed(blocks)):
+            t1[key] = block
+        if keys is self._ghost_free:
+            self._ghost_free = None
+            return
         # A stored key is no longer a ghost. The view intersections run in C
         # and are almost always empty.
         for ghost in (self._b1, self._b2):
@@ -119,10 +130,10 @@ class ARCCachePolicy:
         t1, t2 = self._t1, self._t2
         t1_move, t2_move = t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
-            if key in t1:
-                t1_move(key)
-            elif key in t2:
+            if key in t2:  # T2 first, as in on_request_store
                 t2_move(key)
+            elif key in t1:
+                t1_move(key)
 
     def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
         del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
@@ -136,7 +147,15 @@ class ARCCachePolicy:
         anchor: object | None,
     ) -> None:
         del stored, reoffered, anchor  # new blocks enter T1's recent end, as ARC always does; head lists reoffered
-        self.refresh(head)
+        # refresh(head), inlined: one call per store of every request.
+        t1, t2 = self._t1, self._t2
+        t1_move, t2_move = t1.move_to_end, t2.move_to_end
+        for key in reversed(head):
+            # T2 first: a request's head was mostly reused before (T1 and T2 never share a key).
+            if key in t2:
+                t2_move(key)
+            elif key in t1:
+                t1_move(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
@@ -144,7 +163,9 @@ class ARCCachePolicy:
         in_b1 = b1.keys() & keys if b1 else set[OffloadKey]()
         in_b2 = b2.keys() & keys if b2 else set[OffloadKey]()
         if not in_b1 and not in_b2:
+            self._ghost_free = keys
             return
+        self._ghost_free = None
         if learnt:
             in_b1 -= learnt
             in_b2 -= learnt
@@ -171,12 +192,15 @@ class ARCCachePolicy:
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
             if key in reused:
-                # One reuse per request: T1 -> T2, or refreshed in T2.
-                block = t1_pop(key, None)
-                if block is not None:
-                    t2[key] = block
-                elif key in t2:
+                # One reuse per request: refreshed in T2, or T1 -> T2. T2 is
+                # asked first: most reused keys were reused before, and T1
+                # and T2 never share a key.
+                if key in t2:
                     t2_move(key)
+                else:
+                    block = t1_pop(key, None)
+                    if block is not None:
+                        t2[key] = block
             elif key in inserted:
                 # A store is not a use: recency only, in whichever list holds it.
                 if key in t1:
@@ -218,7 +242,7 @@ class ARCCachePolicy:
             if excess > 0:
                 popitem = ghost.popitem
                 for _ in range(excess):
-                    popitem(last=False)
+                    popitem(False)  # the oldest ghost; positional: a keyword call costs more
         return from_t1 + from_t2 + fallback
 
     def clear(self) -> None:
@@ -227,6 +251,7 @@ class ARCCachePolicy:
         self._b1.clear()
         self._b2.clear()
         self._target = 0.0
+        self._ghost_free = None
 
     @property
     def target_t1(self) -> float:
