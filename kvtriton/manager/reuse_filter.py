@@ -18,7 +18,7 @@ class ReuseSignal(enum.Enum):
     """Which call counts as one use of a key."""
 
     LOOKUP = "lookup"
-    """Each ``lookup`` counts (SEMANTICS.md; vLLM's filter before 0.33)."""
+    """Each ``lookup`` counts (docs/manager.md, "The reuse filter"; vLLM's filter before 0.33)."""
     STORE_OFFER = "store_offer"
     """Each ``prepare_store`` that offers the key counts, once per call (vLLM 0.33's admission).
 
@@ -47,7 +47,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
     first). Keys the backing manager already caches are forwarded whatever
     their count when it can tell (``key in backing``, as
     ``CPUOffloadingManager`` answers): it never stores them again, but being
-    named protects them from the call's eviction (SEMANTICS rule 3). Every
+    named protects them from the call's eviction (prepare_store rule 3 in docs/manager.md). Every
     other call is forwarded unchanged.
     """
 
