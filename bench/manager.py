@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hit-rates",
         action="store_true",
         help="print only the hit-rate table (vLLM's manager vs kvtriton via the adapter, vLLM's call order,"
-        f" capacities {', '.join(f'{f:.0%}' for f in HIT_RATE_FRACTIONS)} of each trace's distinct prompt blocks,"
+        f" capacities {', '.join(f'{f * 100:.0f}%%' for f in HIT_RATE_FRACTIONS)} of each trace's distinct prompt blocks,"  # %% for argparse
         f" {HIT_RATE_BLOCK_TOKENS}-token blocks, as tests/test_vllm_order_parity.py) and write it to <name>_hit_rates.json",
     )
     return parser

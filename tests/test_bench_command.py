@@ -156,3 +156,19 @@ def test_real_benchmark_accepts_its_quick_flags_and_records_the_machine(
     record = json.loads((tmp_path / f"{name}-quick.json").read_text())
     assert record["machine"]["device_name"] in ("cpu", "cpu-interpreter") or record["machine"]["cuda_available"]
     assert f"{tmp_path / name}-quick.json" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_prints_its_help(name: str) -> None:
+    """`python -m bench.NAME --help` renders (argparse reads '%' in help text as a format character)."""
+    import subprocess
+    import sys
+
+    checkout = find_checkout()
+    if checkout is None or not (checkout / "bench" / f"{name}.py").is_file():
+        pytest.skip(f"bench/{name}.py is not in this checkout")
+    done = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--help"], cwd=checkout, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
