@@ -27,9 +27,9 @@ from tiering_fixtures.engine import (  # noqa: E402
     fs_tier,
     kv_spec,
     make_engine,
-    make_request,
     model_config,
 )
+from vllm_fixtures.requests import make_request  # noqa: E402
 
 from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker  # noqa: E402
 from kvtriton.keys import OffloadKey  # noqa: E402

@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -35,8 +34,6 @@ from vllm.config import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
@@ -54,9 +51,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
+from vllm_fixtures.requests import EOS, make_request  # noqa: E402
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker  # noqa: E402
@@ -79,7 +76,6 @@ HYBRID: list[tuple[list[str], KVCacheSpec]] = [(["layer0"], KV_SPEC), (["layer1"
 """A full-attention group and a sliding-window group (2 blocks), one layer each: each group owns its own tensor."""
 PADDED: list[tuple[list[str], KVCacheSpec]] = [(list(LAYERS), PADDED_SPEC)]
 PADDING_MARKER = 0x5A
-EOS = 2
 
 
 @dataclass(frozen=True)
@@ -318,19 +314,6 @@ def engines(model_config: ModelConfig) -> Iterator[list[Engine]]:
     for engine in made:
         engine.worker.shutdown()
         engine.scheduler.shutdown()
-
-
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=1)
-    params.update_from_generation_config({}, EOS)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
 
 
 PAGE_BYTES = KV_SPEC.page_size_bytes

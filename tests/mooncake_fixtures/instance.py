@@ -20,7 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
-from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, kv_spec, make_engine, make_request, model_config
+from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, kv_spec, make_engine, model_config
+from vllm_fixtures.requests import make_request
 
 from kvtriton.tiers.mooncake import MooncakeStoreTier
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -40,16 +39,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as connector_module
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_fixtures.requests import EOS, make_request
 
 from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier
 from kvtriton.manager import CPUOffloadingManager
@@ -61,7 +59,6 @@ NUM_GPU_BLOCKS = 32
 LAYERS = ("layer0", "layer1")
 TOTAL_KV_HEADS = 2
 HEAD_SIZE = 8
-EOS = 2
 TIERING_SPEC: dict[str, object] = {
     "spec_name": "KVTritonTieringOffloadingSpec",
     "spec_module_path": "kvtriton.integrations.vllm",
@@ -231,19 +228,6 @@ class TieredEngine:
         for worker in self.workers:
             worker.shutdown()
         self.scheduler.shutdown()
-
-
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=1)
-    params.update_from_generation_config({}, EOS)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
 
 
 def make_engine(
