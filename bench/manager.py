@@ -37,7 +37,7 @@ the ``touch`` call its connector no longer makes.
 
     python -m bench.manager                         # both tables, a few minutes here
     python -m bench.manager --quick                 # small traces, one round / replay
-    python -m bench.manager --requests 20000 --capacity 16384
+    python -m bench.manager --requests 20000 --slots 16384
 """
 
 from __future__ import annotations
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--zipf-s", type=float, default=defaults.zipf_s, help="Zipf exponent of prefix popularity (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
-    parser.add_argument("--capacity", type=int, default=8_192, help="cache slots (default %(default)s)")
+    parser.add_argument("--slots", type=int, default=8_192, help="cache slots of the direct-call table, a count, not a size (default %(default)s)")
     parser.add_argument(
         "--inflight", type=int, default=4, help="requests whose transfers are still running (default %(default)s)"
     )
@@ -479,10 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quick: bool = args.quick
     repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
-    capacity: int = args.capacity
+    capacity: int = args.slots
     inflight: int = args.inflight
     if capacity < 1 or repeats < 1 or inflight < 0:
-        raise SystemExit(f"need --capacity >= 1, --repeats >= 1, --inflight >= 0; got {capacity}, {repeats}, {inflight}")
+        raise SystemExit(f"need --slots >= 1, --repeats >= 1, --inflight >= 0; got {capacity}, {repeats}, {inflight}")
     default_requests = QUICK_REQUESTS if quick else PrefixSharingParams().requests
     try:
         params = PrefixSharingParams(

@@ -48,7 +48,7 @@ def test_bench_main_writes_json_and_prints_the_table(
 ) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     args = ["--requests", "40", "--blocks-per-request", "8", "--prefixes", "4", "--prefix-blocks", "4"]
-    assert main([*args, "--capacity", "32", "--repeats", "1", "--no-vllm", "--name", "t"]) == 0
+    assert main([*args, "--slots", "32", "--repeats", "1", "--no-vllm", "--name", "t"]) == 0
     out = capsys.readouterr().out
     assert "kvtriton blocks/s" in out
     record = json.loads((tmp_path / "t.json").read_text())
@@ -86,7 +86,7 @@ def test_simulate_command_reproduces_the_benchmark_hit_counts(
 ) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     shape = ["--requests", "120", "--blocks-per-request", "10", "--prefixes", "6", "--prefix-blocks", "8", "--seed", "5"]
-    flags = ["--capacity", "60", "--inflight", str(inflight), "--repeats", "1", "--no-vllm", "--name", "b"]
+    flags = ["--slots", "60", "--inflight", str(inflight), "--repeats", "1", "--no-vllm", "--name", "b"]
     assert main([*shape, *flags]) == 0
     bench = json.loads((tmp_path / "b.json").read_text())
     params = PrefixSharingParams(requests=120, blocks_per_request=10, prefixes=6, prefix_blocks=8)
@@ -108,7 +108,7 @@ def test_vllm_replays_the_same_trace_when_installed(tmp_path: Path, monkeypatch:
     pytest.importorskip("vllm.v1.kv_offload.cpu.manager", reason="vLLM is not installed")
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     shape = ["--requests", "60", "--blocks-per-request", "8", "--prefixes", "4", "--prefix-blocks", "6"]
-    assert main([*shape, "--capacity", "40", "--repeats", "1", "--policies", "lru", "--name", "v"]) == 0
+    assert main([*shape, "--slots", "40", "--repeats", "1", "--policies", "lru", "--name", "v"]) == 0
     record = json.loads((tmp_path / "v.json").read_text())
     assert record["vllm"].startswith("vLLM ")
     (row,) = record["results"]
