@@ -34,7 +34,7 @@ def fill(layout: RegionLayout, device: str, backend: str) -> tuple[bytes, list[l
     name = f"cuda-{uuid.uuid4().hex[:12]}"
     regions = [SharedRegion(name, layout, layout.world_size) for _ in range(layout.world_size)]
     kept: list[list[torch.Tensor]] = []
-    slots = CPULoadStoreSpec(list(range(8 // layout.blocks_per_chunk)))
+    slots = CPULoadStoreSpec(list(range(8 // layout.block_size_factor)))
     try:
         for rank, region in enumerate(regions):
             slab = region.rank_slab(rank, pin=device == "cuda")

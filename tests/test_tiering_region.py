@@ -145,7 +145,7 @@ def test_slab_rows_follow_the_slab_numbering_at_the_ranks_offset(name: str) -> N
 
 
 def test_bad_arguments_are_refused_naming_them(name: str) -> None:
-    with pytest.raises(ValueError, match="blocks_per_chunk must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="block_size_factor must be >= 1, got 0"):
         RegionLayout(1, 0, 1, 1)
     with pytest.raises(ValueError, match="rank must be in 0..1, got 2"):
         RegionLayout(1, 1, 2, 1).rank_offset(2)

@@ -312,11 +312,11 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         # restated for kvtriton's (equal to theirs with one block per chunk).
         self.num_chunks = layout.num_chunks
         self.kv_bytes_per_chunk = layout.chunk_bytes
-        self.cpu_page_size_per_worker = layout.rank_row_bytes * layout.blocks_per_chunk
+        self.cpu_page_size_per_worker = layout.rank_row_bytes * layout.block_size_factor
         self.cpu_info = CPUOffloadingInfo.from_config(config, layout.num_chunks, layout.chunk_bytes)
         # kvtriton's row is vLLM's only for one block per chunk and one KV cache
         # group (with several groups a kvtriton slot holds one group's pages).
-        vllm_rows = layout.blocks_per_chunk == 1 and len(config.groups) == 1
+        vllm_rows = layout.block_size_factor == 1 and len(config.groups) == 1
         self.layout_tag: str | None = None if vllm_rows else LAYOUT_TAG
         """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
         logger.info(

@@ -8,11 +8,11 @@ offset inside every row (a strided view, which the kernels take as they take
 any slab).
 
 Layout (:class:`RegionLayout`). A *chunk* is what a secondary tier stores as
-one object: ``blocks_per_chunk`` GPU blocks of every rank. A *block row* is
+one object: ``block_size_factor`` GPU blocks of every rank (vLLM's ``blocks_per_chunk``). A *block row* is
 one GPU block of every rank, rank after rank, ``rank_row_bytes`` each::
 
     chunk c:  [ block row c*f   : rank0 | rank1 | ... | pad ]
-              [ block row c*f+1 : rank0 | rank1 | ... | pad ]   (f = blocks_per_chunk)
+              [ block row c*f+1 : rank0 | rank1 | ... | pad ]   (f = block_size_factor)
 
 Block rows are padded so that every chunk is a multiple of
 :data:`ROW_ALIGNMENT` (4096 bytes, or the host page if larger) and starts on
@@ -90,7 +90,7 @@ class RegionLayout:
 
     num_chunks: int
     """Chunks (slots) in the region: the primary tier's capacity."""
-    blocks_per_chunk: int
+    block_size_factor: int
     """GPU blocks per chunk (the slab's ``block_size_factor``)."""
     world_size: int
     """Worker ranks writing the region."""
@@ -99,50 +99,50 @@ class RegionLayout:
 
     def __post_init__(self) -> None:
         _check_count("num_chunks", self.num_chunks)
-        _check_count("blocks_per_chunk", self.blocks_per_chunk)
+        _check_count("block_size_factor", self.block_size_factor)
         _check_count("world_size", self.world_size)
         _check_count("rank_row_bytes", self.rank_row_bytes)
 
     @staticmethod
-    def block_row_stride_for(blocks_per_chunk: int, world_size: int, rank_row_bytes: int) -> int:
+    def block_row_stride_for(block_size_factor: int, world_size: int, rank_row_bytes: int) -> int:
         """Bytes from one block row to the next: all ranks' bytes, padded so a chunk is a multiple of ROW_ALIGNMENT.
 
         Every block row has the same stride (the slab is one strided view), so
-        a chunk wastes less than one page when ``blocks_per_chunk`` divides the
+        a chunk wastes less than one page when ``block_size_factor`` divides the
         page (any power of two up to 4096) and up to a page per block row
         otherwise.
         """
-        step = ROW_ALIGNMENT // math.gcd(blocks_per_chunk, ROW_ALIGNMENT)
+        step = ROW_ALIGNMENT // math.gcd(block_size_factor, ROW_ALIGNMENT)
         return -(-world_size * rank_row_bytes // step) * step
 
     @classmethod
-    def for_budget(cls, cpu_bytes_to_use: int, blocks_per_chunk: int, world_size: int, rank_row_bytes: int) -> RegionLayout:
+    def for_budget(cls, cpu_bytes_to_use: int, block_size_factor: int, world_size: int, rank_row_bytes: int) -> RegionLayout:
         """As many chunks as ``cpu_bytes_to_use`` (all ranks together, as vLLM counts it) holds.
 
         Raises ``ValueError`` naming both sizes when not even one chunk fits.
         """
         _check_count("cpu_bytes_to_use", cpu_bytes_to_use)
-        chunk = blocks_per_chunk * cls.block_row_stride_for(blocks_per_chunk, world_size, rank_row_bytes)
+        chunk = block_size_factor * cls.block_row_stride_for(block_size_factor, world_size, rank_row_bytes)
         if cpu_bytes_to_use < chunk:
             raise ValueError(
-                f"cpu_bytes_to_use={cpu_bytes_to_use} holds no chunk: one chunk of {blocks_per_chunk} GPU block(s) "
+                f"cpu_bytes_to_use={cpu_bytes_to_use} holds no chunk: one chunk of {block_size_factor} GPU block(s) "
                 f"x {world_size} rank(s) x {rank_row_bytes} bytes, padded to {ROW_ALIGNMENT}, takes {chunk} bytes"
             )
-        return cls(cpu_bytes_to_use // chunk, blocks_per_chunk, world_size, rank_row_bytes)
+        return cls(cpu_bytes_to_use // chunk, block_size_factor, world_size, rank_row_bytes)
 
     @property
     def block_row_stride(self) -> int:
         """Bytes from one block row to the next (all ranks' bytes of a block, plus padding)."""
-        return self.block_row_stride_for(self.blocks_per_chunk, self.world_size, self.rank_row_bytes)
+        return self.block_row_stride_for(self.block_size_factor, self.world_size, self.rank_row_bytes)
 
     @property
     def chunk_bytes(self) -> int:
         """Bytes of one chunk: what a secondary tier stores per key (a multiple of ROW_ALIGNMENT)."""
-        return self.blocks_per_chunk * self.block_row_stride
+        return self.block_size_factor * self.block_row_stride
 
     @property
     def num_block_rows(self) -> int:
-        return self.num_chunks * self.blocks_per_chunk
+        return self.num_chunks * self.block_size_factor
 
     @property
     def region_bytes(self) -> int:
@@ -157,7 +157,7 @@ class RegionLayout:
 
     def describe(self) -> str:
         return (
-            f"{self.num_chunks} chunks x {self.blocks_per_chunk} block(s) x {self.world_size} rank(s) x "
+            f"{self.num_chunks} chunks x {self.block_size_factor} block(s) x {self.world_size} rank(s) x "
             f"{self.rank_row_bytes} bytes (block rows every {self.block_row_stride} bytes, "
             f"{self.chunk_bytes}-byte chunks, {self.region_bytes} bytes)"
         )
@@ -391,8 +391,8 @@ class SharedRegion:
     def rank_rows(self, rank: int) -> torch.Tensor:
         """``rank``'s bytes of every block row: a ``(num_block_rows, rank_row_bytes)`` strided uint8 view.
 
-        Block row ``s * blocks_per_chunk + i`` is block ``i`` of chunk ``s``,
-        the row numbering of a slab with ``block_size_factor = blocks_per_chunk``.
+        Block row ``s * block_size_factor + i`` is block ``i`` of chunk ``s``,
+        the row numbering of a slab with the same ``block_size_factor``.
         """
         layout = self.layout
         return torch.as_strided(
@@ -414,7 +414,7 @@ class SharedRegion:
         return HostSlab.from_buffer(
             self.region_tensor().reshape(-1),
             layout.num_chunks,
-            layout.blocks_per_chunk,
+            layout.block_size_factor,
             layout.rank_row_bytes,
             row_stride=layout.block_row_stride,
             row_offset=layout.rank_offset(rank),
