@@ -41,6 +41,15 @@ class FakeRegistrar:
         return error
 
 
+def same_address(host: int) -> int:
+    return host
+
+
+def gpu_bus_id(index: int) -> str:
+    del index
+    return "0000:3B:00.0"  # upper case, as some tools print it; sysfs names are lower case
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
     registrar = FakeRegistrar()
@@ -48,7 +57,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
     monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
     monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: None)
     monkeypatch.setattr(slab_module, "PIN_CHUNK_BYTES", 2 * slab_module.HOST_PAGE_BYTES)
-    monkeypatch.setattr(slab_module, "_device_pointer", lambda host: host)  # x86 with a recent driver: alias == host
+    monkeypatch.setattr(slab_module, "_device_pointer", same_address)  # x86 with a recent driver: alias == host
     monkeypatch.setattr(slab_module, "_current_cuda_device", lambda: None)
     return registrar
 
@@ -389,7 +398,7 @@ def test_pinning_runs_on_the_cpus_of_the_gpus_numa_node_and_moves_back(
     gpu_cpu = allowed[-1]
     _fake_two_node_host(tmp_path, 1, {0: "0" if gpu_cpu else "1", 1: str(gpu_cpu)})
     monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
-    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", lambda index: "0000:3B:00.0")
+    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", gpu_bus_id)
     before = os.sched_getaffinity(0)
     with HostSlab(4, 1, slab_module.HOST_PAGE_BYTES, gpu=0):
         pass
@@ -400,7 +409,7 @@ def test_pinning_runs_on_the_cpus_of_the_gpus_numa_node_and_moves_back(
 def test_a_host_with_one_numa_node_pins_where_it_runs(fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _fake_two_node_host(tmp_path, 0, {0: "0"})
     monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
-    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", lambda index: "0000:3b:00.0")
+    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", gpu_bus_id)
     before = os.sched_getaffinity(0)
     with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES, gpu=0):
         pass

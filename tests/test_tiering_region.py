@@ -179,7 +179,7 @@ def test_joiners_never_wait_for_a_slow_populate(name: str, monkeypatch: pytest.M
     # Pre-faulting runs near 10 GiB/s: a region of hundreds of GB takes longer than any join timeout. The
     # header is published first and each rank populates its own bytes later, so joiners wait for the header only.
     populating, release = threading.Event(), threading.Event()
-    real = shared_region._populate_rank
+    real = shared_region._populate_rank  # pyright: ignore[reportPrivateUsage] -- the step made slow here
 
     def slow_populate(region: object, layout: RegionLayout, rank: int) -> None:
         populating.set()

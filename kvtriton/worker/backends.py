@@ -254,8 +254,8 @@ def _runs(breaks: NDArray[np.bool_]) -> tuple[NDArray[np.int64], NDArray[np.int6
 def _registration_breaks(rows: NDArray[np.int64], registration_rows: int | None) -> NDArray[np.bool_]:
     """True where ``rows[i]`` starts a slab registration (a run must not continue into it)."""
     if registration_rows is None:
-        return np.zeros(rows.shape[0] - 1, dtype=np.bool_)
-    return rows[1:] % registration_rows == 0
+        return np.zeros(len(rows) - 1, dtype=np.bool_)
+    return np.equal(rows[1:] % registration_rows, 0)
 
 
 def dma_runs(

@@ -498,7 +498,7 @@ class TransferEngine:
                 "shut the engine down before closing its slab", name, job_id,
             )  # fmt: skip
             return False
-        if self._cuda and _graph_capture_underway():
+        if _graph_capture_underway():
             logger.warning(
                 "%s job %r refused: the current CUDA stream is capturing a graph; a captured copy would replay "
                 "this job's indices on every replay (submit transfers outside graph capture)", name, job_id,

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
+from typing import cast
 
 __all__ = ["SYSFS_ROOT", "gpu_numa_node", "node_count", "node_cpus", "on_gpu_node", "on_node", "parse_cpu_list"]
 
@@ -72,17 +73,17 @@ def _cuda_pci_bus_id(device_index: int) -> str | None:
     """``domain:bus:device.function`` of CUDA device ``device_index``, from torch's device properties."""
     import torch
 
-    properties = torch.cuda.get_device_properties(device_index)
-    domain = getattr(properties, "pci_domain_id", None)
-    bus = getattr(properties, "pci_bus_id", None)
-    device = getattr(properties, "pci_device_id", None)
+    properties = cast(object, torch.cuda.get_device_properties(device_index))  # pyright: ignore[reportUnknownMemberType] -- torch types the properties as Unknown
+    domain: object = getattr(properties, "pci_domain_id", None)
+    bus: object = getattr(properties, "pci_bus_id", None)
+    device: object = getattr(properties, "pci_device_id", None)
     if not isinstance(domain, int) or not isinstance(bus, int) or not isinstance(device, int):
         return None
     return f"{domain:04x}:{bus:02x}:{device:02x}.0"
 
 
 @contextlib.contextmanager
-def on_node(node: int | None, sysfs_root: str | None = None) -> Iterator[int | None]:
+def on_node(node: int | None, sysfs_root: str | None = None) -> Generator[int | None]:
     """Run the block on the CPUs of NUMA node ``node`` (first touches land there); yields the node used or None.
 
     Does nothing (yields None) for ``node=None``, a host with one node, a node
@@ -114,7 +115,7 @@ def on_node(node: int | None, sysfs_root: str | None = None) -> Iterator[int | N
 
 
 @contextlib.contextmanager
-def on_gpu_node(device_index: int | None, sysfs_root: str | None = None) -> Iterator[int | None]:
+def on_gpu_node(device_index: int | None, sysfs_root: str | None = None) -> Generator[int | None]:
     """:func:`on_node` for the NUMA node of CUDA device ``device_index`` (None: nothing moves)."""
     node = None
     if device_index is not None:
