@@ -4,7 +4,8 @@ What a GPU run would catch late (a copy straddling two pinned registrations,
 a job accepted on a closed slab or during graph capture, a staging failure
 escaping ``submit_*``, a one-block job copying a large staging buffer, mixed
 page sizes in one launch) is decided by host code, and checked here.
-tests/test_engine_cuda.py checks the same on a real GPU.
+tests/test_engine_cuda.py checks the same on a real GPU (this file is kept out of
+bench/gpu_check.sh's CUDA step: nothing here needs a GPU).
 """
 
 from __future__ import annotations
