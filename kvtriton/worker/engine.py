@@ -382,6 +382,8 @@ class TransferEngine:
         """The CUDA stream ``lane``'s jobs run on (``ValueError`` on a CPU engine, which has none)."""
         if not self._cuda:
             raise ValueError(f"a CPU engine runs jobs inside submit_*; it has no {lane.value} stream")
+        if lane not in self._streams:
+            raise ValueError(f"the engine is shut down: its {lane.value} stream was released")
         return self._streams[lane]
 
     @property
@@ -458,8 +460,12 @@ class TransferEngine:
         self._destroy_streams()
 
     def _destroy_streams(self) -> None:
-        """Release the lanes' own streams (drained already; their recorded events stay queryable)."""
+        """Release the lanes' own streams (drained already; their recorded events stay queryable).
+
+        The stream objects go too: a later :meth:`drain` (the slab's close, say) has none left to synchronise.
+        """
         handles, self._stream_handles = self._stream_handles, []
+        self._streams = {}
         for handle in handles:
             destroy_stream(handle)
 
