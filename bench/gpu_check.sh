@@ -168,9 +168,11 @@ if [[ -z $bench_missing && $DRY_RUN == 0 && $PF_MEMLOCK_OK != 1 ]]; then
 fi
 
 # --- CUDA tests, first and alone -------------------------------------------------------------------------
-TEST_FILES=(tests/test_engine_cuda.py tests/test_slab.py tests/test_kernels_gather.py tests/test_kernels_scatter.py
-    tests/test_kernels_large_offsets.py)
+# In this order: what only a GPU can prove first, the layout x dtype matrix of the kernels (most of the
+# Triton compiles) last, so a run out of budget has already reported the rest.
+TEST_FILES=(tests/test_engine_cuda.py)
 [[ $PF_SHM_OK == 1 ]] && TEST_FILES+=(tests/test_tiering_cuda.py)
+TEST_FILES+=(tests/test_kernels_large_offsets.py tests/test_slab.py tests/test_kernels_gather.py tests/test_kernels_scatter.py)
 if [[ -n $gpu_missing ]]; then skip cuda_tests 170 "$gpu_missing"
 elif [[ $PF_PYTEST != 1 || $PF_HYPOTHESIS != 1 ]]; then skip cuda_tests 170 "pytest or hypothesis does not import"
 else
