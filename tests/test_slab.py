@@ -41,6 +41,9 @@ class FakeRegistrar:
         return error
 
 
+ORIGINAL_DEVICE_POINTER = slab_module._device_pointer  # pyright: ignore[reportPrivateUsage] -- restored in one test
+
+
 def same_address(host: int) -> int:
     return host
 
@@ -419,3 +422,18 @@ def test_a_host_with_one_numa_node_pins_where_it_runs(fake_cuda: FakeRegistrar, 
 def test_a_bad_gpu_index_is_refused() -> None:
     with pytest.raises(ValueError, match="gpu must be a CUDA device index >= 0 or None, got -1"):
         HostSlab(2, 1, 64, pin=False, gpu=-1)
+
+
+def test_a_failing_device_address_query_keeps_the_slab_pinned_but_not_for_triton(
+    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtriton.worker.cudart import CudaRuntimeError
+
+    def failing(host: int) -> int:
+        raise CudaRuntimeError(f"cudaHostGetDevicePointer({host:#x}) failed with cudaErrorInvalidValue (1)")
+
+    monkeypatch.setattr(slab_module, "host_device_pointer", failing)
+    monkeypatch.setattr(slab_module, "_device_pointer", ORIGINAL_DEVICE_POINTER)  # the real query, over the failing call
+    with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES) as slab:
+        assert slab.pinned and not slab.device_aliased
+    assert fake_cuda.unregistered  # closed normally: nothing leaked

@@ -60,7 +60,7 @@ from typing import Protocol, SupportsInt, cast
 
 import torch
 
-from kvtriton.worker.cudart import error_name, host_device_pointer, last_error, loaded_cudart
+from kvtriton.worker.cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
 from kvtriton.worker.numa import on_gpu_node
 
 __all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "pin_ranges"]
@@ -141,8 +141,16 @@ def _registrar() -> _HostRegistrar:
 
 
 def _device_pointer(host: int) -> int | None:
-    """Where the device reaches registered host memory at ``host`` (None: libcudart not loaded, cannot tell)."""
-    return host_device_pointer(host)
+    """Where the device reaches registered host memory at ``host`` (None: libcudart not loaded, cannot tell).
+
+    A failing query reads as "somewhere else" (0): the slab is then not used by
+    the triton backend, which relies on the answer, and no registration leaks.
+    """
+    try:
+        return host_device_pointer(host)
+    except CudaRuntimeError as error:
+        logger.warning("cannot tell where the device reaches the host slab at %#x: %s", host, error)
+        return 0
 
 
 def _current_cuda_device() -> int | None:
