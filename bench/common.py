@@ -4,6 +4,11 @@ Each benchmark prints a table, and writes JSON (plus a PNG where a curve says
 more than a table) under ``bench/results/`` -- or the folder named by
 ``$KVTRITON_BENCH_OUT`` -- with the machine it ran on recorded beside the
 numbers, so figures from different machines are never mixed up.
+
+Units in the JSON: bandwidths are ``bandwidth_GBps``, in GB/s of 10^9 bytes
+(never gigabits); times are seconds unless the name says ``_us``. Smoke runs
+(``--quick``) write ``<name>-quick.json`` (:func:`quick_name`) and carry no
+verdicts, so they never overwrite or pass for a real run's figures.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 from kvtriton.tools.info import collect_machine_info
 
-__all__ = ["format_table", "machine_record", "results_dir", "write_json"]
+__all__ = ["format_table", "machine_record", "quick_name", "readable_bytes", "results_dir", "write_json"]
 
 RESULTS_ENV = "KVTRITON_BENCH_OUT"
 
@@ -44,6 +49,20 @@ def write_json(name: str, payload: Mapping[str, object]) -> Path:
     record: dict[str, object] = {"machine": machine_record(), **payload}
     path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def quick_name(name: str) -> str:
+    """The file stem of a smoke run (``--quick``): ``kernels`` -> ``kernels-quick``."""
+    return name if name.endswith("-quick") else f"{name}-quick"
+
+
+def readable_bytes(size: int) -> str:
+    """``4096`` -> ``4 KiB``, ``1048576`` -> ``1 MiB``, ``656`` -> ``656 B`` (for axis ticks and tables)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.2g} {unit}"
+    return f"{size} B"
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

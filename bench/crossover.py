@@ -1,15 +1,22 @@
 """Where ``dma`` beats ``triton``: both backends, both directions, over page sizes; the crossover sets ``AUTO_TABLE``.
 
 Run ``python -m bench.crossover`` on a GPU (``bench/gpu_check.sh`` does).
-For each page size and GPU block pattern it builds one engine per backend
-over the same pages and pinned slab, runs store and load jobs, and takes the
-median job time the engine itself measures (CUDA events around each job,
-``TransferResult.transfer_time``). It prints, per direction and pattern, the
-smallest page size from which ``dma`` is faster: the ``min_page_bytes`` of a
-``(cuda, pinned, direction, min_page_bytes, dma)`` row of
-``kvtriton.worker.backends.AUTO_TABLE``. ``--device cpu`` rehearses the same
+For each page size (the default ones bracket the 28 KiB from which vLLM's
+own handler prefers DMA) and GPU block pattern it builds one engine per
+backend over the same pages and pinned slab, runs store jobs and then load
+jobs of the same slots (each store finished before its load is submitted:
+lanes are not ordered against each other, and a load racing its store would
+time a copy of half-written rows), and takes the median job time the engine
+itself measures (CUDA events around each job, ``TransferResult.transfer_time``).
+
+It prints, per direction and pattern, the smallest page size from which
+``dma`` is faster at every larger size swept, and the ``AutoRule`` line to
+add to ``kvtriton.worker.backends.AUTO_TABLE`` where both patterns agree
+(docs/worker.md, "Setting AUTO_TABLE"). ``--device cpu`` rehearses the same
 code on CPU with ``torch`` in place of ``triton`` (no timing meaning).
-JSON goes to ``bench/results/crossover.json`` (``$KVTRITON_BENCH_OUT``).
+JSON goes to ``bench/results/crossover.json`` (``$KVTRITON_BENCH_OUT``),
+rewritten after every case; bandwidths are ``bandwidth_GBps`` (10^9 bytes/s).
+``--quick`` is a smoke run: tiny sizes, ``crossover-quick.json``, no verdicts.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.common import format_table, write_json
+from bench.common import format_table, quick_name, readable_bytes, write_json
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.tools.progress import progress
 from kvtriton.worker.engine import TransferEngine
@@ -40,7 +47,8 @@ class Timing:
     pattern: str
     page_bytes: int
     seconds: float
-    gbps: float
+    bandwidth_GBps: float
+    """Bytes moved per second, in GB/s (10^9 bytes)."""
 
 
 def gpu_blocks(pattern: str, count: int, generator: torch.Generator) -> list[int]:
@@ -52,17 +60,28 @@ def gpu_blocks(pattern: str, count: int, generator: torch.Generator) -> list[int
 
 
 def time_backend(kv: PagedKV, slab: HostSlab, backend: str, blocks: list[int], jobs: int) -> dict[str, float]:
-    """Median seconds per store job and per load job of ``blocks`` into the first slots."""
+    """Median seconds per store job and per load job of ``blocks`` into the first slots.
+
+    Each store is finished before the load of the same slots is submitted:
+    the lanes run concurrently otherwise, and each would be timed sharing the
+    link with the other (the load reading rows still being written).
+    """
     slots = CPULoadStoreSpec(list(range(len(blocks))))
     gpu = GPULoadStoreSpec(blocks)
     times: dict[str, list[float]] = {"store": [], "load": []}
     with TransferEngine(kv, slab, backend) as engine:
         for job in range(jobs + 1):  # job 0 warms caches
-            assert engine.submit_store(2 * job, gpu, slots) and engine.submit_load(2 * job + 1, slots, gpu)
-            engine.wait({2 * job, 2 * job + 1})
-            for result in engine.get_finished():
-                if job:
-                    times["store" if result.transfer_type == ("GPU", "CPU") else "load"].append(result.transfer_time)
+            for job_id in (2 * job, 2 * job + 1):
+                store = job_id % 2 == 0
+                accepted = engine.submit_store(job_id, gpu, slots) if store else engine.submit_load(job_id, slots, gpu)
+                if not accepted:
+                    raise RuntimeError(f"{backend}: job {job_id} was refused (see the log above)")
+                engine.wait({job_id})
+                for result in engine.get_finished():
+                    if not result.success:
+                        raise RuntimeError(f"{backend}: job {result.job_id} failed (see the log above)")
+                    if job:
+                        times["store" if result.transfer_type == ("GPU", "CPU") else "load"].append(result.transfer_time)
     return {direction: statistics.median(values) for direction, values in times.items()}
 
 
@@ -77,27 +96,52 @@ def crossover(timings: Sequence[Timing], fast: str, direction: str, pattern: str
     return None
 
 
+def auto_rule_line(direction: str, page_bytes: int) -> str:
+    """The ``AutoRule`` to add to ``AUTO_TABLE`` for a crossover (docs/worker.md, "Setting AUTO_TABLE")."""
+    return f"AutoRule(\"cuda\", True, TransferDirection.{direction.upper()}, {page_bytes}, TransferBackend.DMA),"
+
+
+def suggested_rules(crossings: dict[str, int | None], patterns: Sequence[str]) -> dict[str, int | None]:
+    """Per direction, the page size from which dma wins with every block pattern (the larger crossover), else None."""
+    rules: dict[str, int | None] = {}
+    for direction in ("store", "load"):
+        sizes = [crossings[f"{direction}/{pattern}"] for pattern in patterns]
+        rules[direction] = None if any(size is None for size in sizes) else max(size for size in sizes if size is not None)
+    return rules
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.crossover", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--page-kib", type=float, nargs="+", default=[0.25, 1, 4, 16, 64], help="page sizes in KiB (default: 0.25 1 4 16 64)")
+    parser.add_argument("--page-kib", type=float, nargs="+", default=[8, 16, 32, 64], help="page sizes in KiB (default: 8 16 32 64, around vLLM's 28 KiB)")
     parser.add_argument("--layers", type=int, default=16, help="layers, two page tensors (K, V) each (default: 16)")
     parser.add_argument("--blocks", type=int, default=128, help="blocks per job, a multiple of 16 (default: 128)")
     parser.add_argument("--jobs", type=int, default=5, help="timed jobs per direction, median reported (default: 5)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 and 4 KiB pages, 2 layers, 16 blocks, 1 job; writes <name>-quick, no verdicts")
     parser.add_argument("--name", default="crossover", help="result file stem (default: crossover)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.quick:
+        args.page_kib, args.layers, args.blocks, args.jobs = [1, 4], 2, RUN_BLOCKS, 1
+        print("SMOKE RUN (--quick): tiny sizes, one job; the figures below are no verdict on anything.")
     if args.blocks < RUN_BLOCKS or args.blocks % RUN_BLOCKS:
         raise SystemExit(f"--blocks must be a positive multiple of {RUN_BLOCKS}, got {args.blocks}")
+    name = quick_name(args.name) if args.quick else args.name
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     fast = "triton" if device == "cuda" else "torch"  # on CPU a rehearsal: the interpreter's timings mean nothing
     page_sizes = sorted({int(kib * KiB) for kib in args.page_kib})
     generator = torch.Generator().manual_seed(0)
     patterns = {pattern: gpu_blocks(pattern, args.blocks, generator) for pattern in ("random", "runs")}
     timings: list[Timing] = []
+    payload: dict[str, object] = {
+        "device": device, "layers": args.layers, "blocks": args.blocks, "jobs": args.jobs, "compared": [fast, "dma"],
+        "smoke_run": args.quick, "complete": False, "results": [],
+        "note": "job times are the engine's CUDA-event timings, each store finished before its load; a crossover sets "
+                "AUTO_TABLE's min_page_bytes for dma; bandwidth_GBps is 10^9 bytes per second",
+    }  # fmt: skip
     cases = [(size, pattern) for size in page_sizes for pattern in patterns]
     for page_bytes, pattern in progress(cases, len(cases), "dma vs triton", stream=sys.stderr):
         elements = page_bytes // 2  # bf16 pages of (elements,) each
@@ -112,21 +156,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for direction, seconds in medians.items()
                 ]
         del tensors, kv
-    table = [[t.direction, t.pattern, t.page_bytes, t.backend, t.seconds * 1e3, t.gbps] for t in timings]
-    print(format_table(["direction", "gpu blocks", "page B", "backend", "ms/job", "GB/s"], table))
+        payload["results"] = [asdict(t) for t in timings]
+        write_json(name, payload)  # after every case: a run cut short keeps what finished
+    table = [[t.direction, t.pattern, readable_bytes(t.page_bytes), t.backend, t.seconds * 1e3, t.bandwidth_GBps] for t in timings]
+    print(format_table(["direction", "gpu blocks", "page", "backend", "ms/job", "GB/s"], table))
     crossings: dict[str, int | None] = {}
     for direction in ("store", "load"):
         for pattern in patterns:
-            size = crossover(timings, fast, direction, pattern)
-            crossings[f"{direction}/{pattern}"] = size
-            verdict = f"dma from {size} B pages on" if size is not None else f"{fast} at every page size swept"
-            print(f"crossover {direction:5s} {pattern:6s}: {verdict}")
-    payload: dict[str, object] = {
-        "device": device, "layers": args.layers, "blocks": args.blocks, "jobs": args.jobs, "compared": [fast, "dma"],
-        "crossover_page_bytes": crossings, "results": [asdict(t) for t in timings],
-        "note": "job times are the engine's CUDA-event timings; a crossover sets AUTO_TABLE's min_page_bytes for dma",
-    }  # fmt: skip
-    print(f"wrote {write_json(args.name, payload)}")
+            crossings[f"{direction}/{pattern}"] = crossover(timings, fast, direction, pattern)
+    payload["crossover_page_bytes"] = crossings
+    if args.quick:
+        print("smoke run: no crossover verdict")
+    else:
+        for key, size in crossings.items():
+            verdict = f"dma from {readable_bytes(size)} pages on" if size is not None else f"{fast} at every page size swept"
+            print(f"crossover {key:12s}: {verdict}")
+        rules = suggested_rules(crossings, list(patterns))
+        payload["auto_table_min_page_bytes"] = rules
+        if device == "cuda":
+            print("AUTO_TABLE (kvtriton/worker/backends.py; docs/worker.md, 'Setting AUTO_TABLE'):")
+            for direction, size in rules.items():
+                line = auto_rule_line(direction, size) if size is not None else f"no dma row for {direction} (triton wins at some size with some pattern)"
+                print(f"  {line}")
+    payload["complete"] = True
+    print(f"wrote {write_json(name, payload)}")
     return 0
 
 

@@ -19,8 +19,14 @@ the two never share imports. On CPU the kernels take Triton's interpreter
 path (``TRITON_INTERPRET=1``), which is the same host path up to the launch;
 on CUDA the engine also stages indices and records events.
 
+``--real-launch`` keeps the real kernel launch in the loop (Triton's
+launcher included, on CUDA the copies really run): the host cost a server
+pays per job, which ``bench/gpu_check.sh`` measures on the GPU. The launch is
+part of the figure then, so it has no baseline (``--no-baseline`` is implied).
+
 Goals: at most 40 us per job at 64 page tensors and 60 us at 160.
 JSON goes to ``bench/results/engine.json`` (``$KVTRITON_BENCH_OUT``).
+``--quick`` is a smoke run: ``engine-quick.json``, no goals beside its figures.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ NUM_BLOCKS = 512
 GOALS_US = {64: 40.0, 160: 60.0}
 
 
-def measure(page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str) -> list[dict[str, float]]:
+def measure(
+    page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str, real_launch: bool = False
+) -> list[dict[str, float]]:
     """Microseconds per job (best and median pass) per block count, on whatever ``kvtriton`` is importable."""
     import torch
 
@@ -57,7 +65,8 @@ def measure(page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: 
     def no_launch(*args: object, **kwargs: object) -> None:
         del args, kwargs
 
-    jit_module.launch_copy_pages = no_launch  # the copy itself is what is left out
+    if not real_launch:
+        jit_module.launch_copy_pages = no_launch  # the copy itself is what is left out
     layers = page_tensors // 2
     # Small pages: with the copy a no-op, the host path does not depend on the page size.
     tensors = [torch.zeros((2, NUM_BLOCKS, 4, 2, 16), dtype=torch.bfloat16, device=device) for _ in range(layers)]
@@ -104,13 +113,16 @@ def _extract_baseline(destination: Path) -> Path:
     return destination
 
 
-def _run_child(tree: Path, page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str) -> list[dict[str, float]]:
+def _run_child(
+    tree: Path, page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str, real_launch: bool
+) -> list[dict[str, float]]:
     environment = dict(os.environ, PYTHONPATH=str(tree))
     if device == "cpu":
         environment["TRITON_INTERPRET"] = "1"  # the Triton path on CPU tensors (else the torch fallback runs)
     command = [
         sys.executable, str(Path(__file__).resolve()), "--measure", "--page-tensors", str(page_tensors),
         "--blocks", *map(str, block_counts), "--jobs", str(jobs), "--repeats", str(repeats), "--device", device,
+        *(["--real-launch"] if real_launch else []),
     ]  # fmt: skip
     child = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
     if child.returncode != 0:
@@ -126,7 +138,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timed passes; best and median reported (default: 7)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
     parser.add_argument("--no-baseline", action="store_true", help=f"skip the baseline (commit {BASELINE_COMMIT[:12]})")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 64 page tensors, 1 and 16 blocks, 20 jobs, 2 passes")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 64 page tensors, 1 and 16 blocks, 20 jobs, 2 passes; writes <name>-quick, no goals")
+    parser.add_argument("--real-launch", action="store_true", help="keep the real kernel launch in the timed loop (implies --no-baseline)")
     parser.add_argument("--name", default="engine", help="result file stem (default: engine)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child mode: print one JSON line
     return parser.parse_args(argv)
@@ -139,31 +152,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(count < 2 or count % 2 for count in args.page_tensors):
         raise SystemExit(f"--page-tensors must be even numbers >= 2 (K and V per layer), got {args.page_tensors}")
     if args.measure:
-        print(json.dumps(measure(args.page_tensors[0], args.blocks, args.jobs, args.repeats, args.device)))
+        print(json.dumps(measure(args.page_tensors[0], args.blocks, args.jobs, args.repeats, args.device, args.real_launch)))
         return 0
     import torch
 
-    from bench.common import format_table, write_json
+    from bench.common import format_table, quick_name, write_json
     from kvtriton.tools.progress import progress
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    name = quick_name(args.name) if args.quick else args.name
+    if args.real_launch:
+        args.no_baseline = True  # the launch is in the figure now; the baseline measured without it
     if args.quick:
+        print("SMOKE RUN (--quick): few jobs and passes; the figures below are no verdict on the goals.")
         args.page_tensors, args.blocks, args.jobs, args.repeats = [64], [1, 16], 20, 2
     trees = {"current": ROOT}
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="kvtriton-baseline-") as scratch:
         if not args.no_baseline:
             trees["baseline"] = _extract_baseline(Path(scratch))
-        cases = [(name, tree, count) for count in args.page_tensors for name, tree in trees.items()]
+        cases = [(tree_name, tree, count) for count in args.page_tensors for tree_name, tree in trees.items()]
         measured: dict[tuple[str, int], list[dict[str, float]]] = {}
-        for name, tree, count in progress(cases, len(cases), "engine host-cost bench", stream=sys.stderr):
-            measured[name, count] = _run_child(tree, count, args.blocks, args.jobs, args.repeats, device)
+        for tree_name, tree, count in progress(cases, len(cases), "engine host-cost bench", stream=sys.stderr):
+            measured[tree_name, count] = _run_child(tree, count, args.blocks, args.jobs, args.repeats, device, args.real_launch)
     for count in args.page_tensors:
         for index, blocks in enumerate(args.blocks):
             now = measured["current", count][index]
             row: dict[str, object] = {
                 "page_tensors": count, "blocks": blocks, "current_us": now["us_per_job"],
-                "current_median_us": now["median_us_per_job"], "goal_us": GOALS_US.get(count),
+                "current_median_us": now["median_us_per_job"], "goal_us": None if args.quick else GOALS_US.get(count),
             }  # fmt: skip
             if ("baseline", count) in measured:
                 before = measured["baseline", count][index]
@@ -181,11 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(headers, table))
     payload: dict[str, object] = {
         "device": device, "backend": "triton", "jobs_per_pass": 2 * args.jobs, "repeats": args.repeats,
+        "real_launch": args.real_launch, "smoke_run": args.quick,
         "baseline_commit": None if args.no_baseline else BASELINE_COMMIT, "results": rows,
-        "note": "host microseconds per submitted job with the kernel launch replaced by a no-op; "
-                "baseline and current measured in the same run, each in its own child process",
+        "note": ("host microseconds per submitted job, the real kernel launch included"
+                 if args.real_launch else "host microseconds per submitted job with the kernel launch replaced by a no-op")
+                + "; baseline and current (when both) measured in the same run, each in its own child process",
     }  # fmt: skip
-    print(f"wrote {write_json(args.name, payload)}")
+    print(f"wrote {write_json(name, payload)}")
     return 0
 
 

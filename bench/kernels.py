@@ -1,16 +1,27 @@
 """Gather/scatter kernel benchmark: Triton vs torch reference vs per-block copies vs one contiguous copy.
 
-Run ``python -m bench.kernels`` (``--quick`` for a smoke test, ``--ptx`` for
-the code-quality summary that needs no GPU). For each kernel (gather: GPU
-pages -> slab rows; scatter: the inverse), page size and block count it times
+Run ``python -m bench.kernels`` (``--quick`` for a smoke run, ``--gpu-check``
+for the trimmed run of ``bench/gpu_check.sh``, ``--ptx`` for the code-quality
+summary that needs no GPU). For each kernel (gather: GPU pages -> slab rows;
+scatter: the inverse), page size and block count it times
 
 * ``triton``     one launch of ``kvtriton.kernels`` (CUDA only; interpreter timings are not performance),
 * ``descriptor`` a descriptor-per-copy Triton kernel in the style of vLLM's ``swap_blocks_triton.py`` (CUDA only),
+* ``dma``        the engine's ``dma`` backend: one ``cudaMemcpy2DAsync`` per run of consecutive blocks and page tensor,
 * ``torch``      the torch reference (``kernels/reference.py``, the CPU fallback),
 * ``loop``       one ``copy_`` per block per page tensor (what engines do today: one DMA each),
 * ``contiguous`` one copy of the same number of bytes between two contiguous buffers (the ceiling),
 
-and prints GB/s and the ratio to ``contiguous`` measured in the same run. The
+and prints GB/s (``bandwidth_GBps`` in the JSON: 10^9 bytes per second) and
+the ratio to ``contiguous`` measured in the same run.
+
+``--gpu-check`` keeps what decides the goals and fits a minute on an H200:
+``triton``, ``dma`` and ``contiguous`` at four page sizes (4, 16, 32 and 64
+KiB, 256 shuffled blocks, both directions), ``loop`` only at the smallest
+case (a reference point: one copy per block is the slow baseline), and the
+JSON rewritten after every case, so a run cut short keeps what finished.
+``--quick`` runs are smoke runs: labelled so, they write ``<name>-quick``
+files and their figures are no verdict on anything. The
 headline case is a Llama-3-8B-shaped job: 32 layers x (K, V) pages of 32 KiB,
 256 blocks, shuffled GPU blocks into consecutive slab rows; the same job with
 random slab rows and with GPU blocks in runs of 16 follows. Every buffer is
@@ -30,10 +41,15 @@ from pathlib import Path
 
 import torch
 
-from bench.common import format_table, results_dir, write_json
+import numpy as np
+
+from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, gather_pages, scatter_pages
 from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
 from kvtriton.tools.progress import progress
+from kvtriton.worker.backends import DmaCopy
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.plan import TransferDirection, TransferPlan
 from kvtriton.worker.slab import HostSlab
 
 KiB = 1024
@@ -70,7 +86,8 @@ class Result:
     pattern: str
     group: str
     seconds: float
-    gbps: float
+    bandwidth_GBps: float
+    """Bytes moved per second, in GB/s (10^9 bytes)."""
     vs_contiguous: float
 
 
@@ -174,8 +191,24 @@ def _descriptor(fixture: Fixture, to_slab: bool, num_programs: int) -> Callable[
     return lambda: launch_descriptor_copy(descriptors, grid=num_programs)
 
 
-def methods(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int) -> dict[str, Callable[[], object]]:
-    """The contenders for one fixture and direction (CUDA-only ones where there is a GPU)."""
+def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
+    """The engine's dma backend over the fixture's pages and slab: runs of consecutive blocks, one 2-D copy each."""
+    kv = PagedKV(fixture.pages, [f"page{t}" for t in range(len(fixture.pages))])
+    registration_rows = fixture.host_slab.registration_rows if fixture.host_slab else None
+    backend = DmaCopy(kv, fixture.slab, registration_rows)
+    direction = TransferDirection.STORE if to_slab else TransferDirection.LOAD
+    plan = TransferPlan(direction, np.array(fixture.block_list, dtype=np.int64), np.array(fixture.row_list, dtype=np.int64))
+    return lambda: backend.copy(plan, None)
+
+
+TRIMMED_METHODS = ("triton", "dma", "contiguous")
+"""What ``--gpu-check`` times (plus ``loop`` at one reference point)."""
+
+
+def methods(
+    fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int, only: Sequence[str] | None = None
+) -> dict[str, Callable[[], object]]:
+    """The contenders for one fixture and direction (CUDA-only ones where there is a GPU); ``only`` keeps those named."""
     found: dict[str, Callable[[], object]] = {}
     if fixture.device.type == "cuda":
         if to_slab:
@@ -189,6 +222,7 @@ def methods(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: 
                 num_programs=num_programs, bytes_per_iter=bytes_per_iter, check_indices=False,
             )  # fmt: skip
         found["descriptor"] = _descriptor(fixture, to_slab, num_programs)
+    found["dma"] = _dma(fixture, to_slab)
     if to_slab:
         found["torch"] = lambda: gather_pages_reference(fixture.pages, fixture.slab, fixture.blocks, fixture.rows)
     else:
@@ -199,6 +233,8 @@ def methods(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: 
         found["contiguous"] = lambda: fixture.slab_flat.copy_(fixture.flat, non_blocking=non_blocking)
     else:
         found["contiguous"] = lambda: fixture.flat.copy_(fixture.slab_flat, non_blocking=non_blocking)
+    if only is not None:
+        found = {name: method for name, method in found.items() if name in only}
     return found
 
 
@@ -225,12 +261,15 @@ def time_round_robin(contenders: dict[str, Callable[[], object]], repeats: int, 
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run_job(job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int) -> list[Result]:
+def run_job(
+    job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int,
+    only: Sequence[str] | None = None,
+) -> list[Result]:  # fmt: skip
     fixture = Fixture(job, device, pin)
     results: list[Result] = []
     for to_slab in (True, False):
         kernel = "gather" if to_slab else "scatter"
-        timings = time_round_robin(methods(fixture, to_slab, num_programs, bytes_per_iter), repeats, device)
+        timings = time_round_robin(methods(fixture, to_slab, num_programs, bytes_per_iter, only), repeats, device)
         ceiling = timings["contiguous"]
         for method, seconds in timings.items():
             results.append(
@@ -310,11 +349,14 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for axis, kernel in zip(axes, ("gather", "scatter")):
         for method in sorted({r.method for r in sweep}):
-            points = sorted((r.page_bytes, r.gbps) for r in sweep if r.kernel == kernel and r.method == method and r.blocks == blocks)
+            points = sorted((r.page_bytes, r.bandwidth_GBps) for r in sweep if r.kernel == kernel and r.method == method and r.blocks == blocks)
             if points:
                 axis.plot([p / KiB for p, _ in points], [g for _, g in points], marker="o", label=method)
+        sizes = sorted({r.page_bytes for r in sweep})
         axis.set_xscale("log", base=2)
-        axis.set_xlabel("page size (KiB)")
+        axis.set_xticks([size / KiB for size in sizes], [readable_bytes(size) for size in sizes])
+        axis.minorticks_off()
+        axis.set_xlabel("page size")
         axis.set_title(f"{kernel}, {blocks} blocks")
         axis.grid(True, alpha=0.3)
     axes[0].set_ylabel("GB/s")
@@ -328,8 +370,8 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--page-kib", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="page sizes in KiB (default: 1 4 16 64 256)")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 256], help="block counts per job (default: 32 256)")
+    parser.add_argument("--page-kib", type=int, nargs="+", default=None, help="page sizes in KiB (default: 1 4 16 64 256; --gpu-check: 4 16 32 64)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=None, help="block counts per job (default: 32 256; --gpu-check: 256)")
     parser.add_argument("--layers", type=int, default=32, help="layers per sweep job, 2 page tensors each (default: 32)")
     parser.add_argument("--max-mib", type=int, default=512, help="cap on bytes moved per sweep job; fewer layers above it (default: 512)")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per method, median reported (default: 7)")
@@ -337,7 +379,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--bytes-per-iter", type=int, default=DEFAULT_BYTES_PER_ITER, help=f"bytes per program iteration (default: {DEFAULT_BYTES_PER_ITER})")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
     parser.add_argument("--no-pin", action="store_true", help="use a pageable slab on CUDA (the Triton path then refuses it)")
-    parser.add_argument("--quick", action="store_true", help="CI smoke test: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats, small headline")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats; writes <name>-quick, no verdicts")
+    parser.add_argument(
+        "--gpu-check", action="store_true",
+        help="the trimmed run of bench/gpu_check.sh: triton, dma and contiguous at 4/16/32/64 KiB pages (or --page-kib), "
+        "--blocks 256, one loop reference point, JSON after every case",
+    )  # fmt: skip
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG (the GPU check brings back few files)")
     parser.add_argument("--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)")
     parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
     return parser.parse_args(argv)
@@ -345,18 +393,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    page_sizes = [kib * KiB for kib in args.page_kib]
+    if args.quick and args.gpu_check:
+        raise SystemExit("--quick and --gpu-check are different runs; pick one")
+    default_kib = [4, 16, 32, 64] if args.gpu_check else [1, 4, 16, 64, 256]
+    page_sizes = [kib * KiB for kib in (args.page_kib or default_kib)]
     if args.ptx:
         records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
         return 0
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     pin = device.type == "cuda" and not args.no_pin
+    name = quick_name(args.name) if args.quick else args.name
+    only: tuple[str, ...] | None = None
     if args.quick:
+        print("SMOKE RUN (--quick): tiny sizes, few repeats; the figures below are no verdict on anything.")
         page_sizes, block_counts, layers, repeats = [4 * KiB, 32 * KiB], [32], 4, 3
         headline = [Job(32 * KiB, 64, 8, "consecutive", "random", "headline")]
+    elif args.gpu_check:
+        block_counts, layers, repeats, headline = args.blocks or [256], args.layers, args.repeats, []
+        only = TRIMMED_METHODS
     else:
-        block_counts, layers, repeats = args.blocks, args.layers, args.repeats
+        block_counts, layers, repeats = args.blocks or [32, 256], args.layers, args.repeats
         llama = (LLAMA3_8B["page_bytes"], LLAMA3_8B["blocks"], LLAMA3_8B["layers"])
         # The headline first: shuffled GPU blocks (no help from block runs) into fresh, consecutive slab slots.
         headline = [
@@ -366,29 +423,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu":
         print("CPU only: timing the torch paths; Triton timings need CUDA (interpreter timings are not performance).")
     jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
-    results: list[Result] = []
-    for job in progress(jobs, len(jobs), "kernel bench", stream=sys.stderr):
-        results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter)
-    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.gbps, r.vs_contiguous] for r in results]
-    print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"], table))
-    head = [r for r in results if r.group == "headline"]
-    title = "Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks" if not args.quick else "quick"
-    print(f"\nheadline ({title}); * = the headline pattern: shuffled GPU blocks into consecutive slab rows")
-    first = (headline[0].pattern, headline[0].rows)
-    for kernel in ("gather", "scatter"):
-        for r in (r for r in head if r.kernel == kernel):
-            mark = "*" if (r.pattern, r.rows) == first else " "
-            print(f" {mark}{r.kernel:7s} {r.method:10s} blocks={r.pattern:6s} rows={r.rows:11s} {r.gbps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
     payload: dict[str, object] = {
         "device": str(device), "pinned_slab": pin, "num_programs": args.num_programs, "bytes_per_iter": args.bytes_per_iter,
-        "repeats": repeats, "results": [asdict(r) for r in results],
-        "note": "ratios are against one contiguous copy of the same bytes measured in the same run",
+        "repeats": repeats, "smoke_run": args.quick, "complete": False, "results": [],
+        "note": "ratios are against one contiguous copy of the same bytes measured in the same run; "
+                "bandwidth_GBps is 10^9 bytes per second",
     }  # fmt: skip
-    png = plot(results, args.name)
+    results: list[Result] = []
+    for index, job in enumerate(progress(jobs, len(jobs), "kernel bench", stream=sys.stderr)):
+        # --gpu-check: the per-block loop only at the first (smallest) case, as a reference point.
+        job_methods = (*only, "loop") if only is not None and index == 0 else only
+        results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods)
+        payload["results"] = [asdict(r) for r in results]
+        write_json(name, payload)  # after every case: a run cut short keeps what finished
+    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.bandwidth_GBps, r.vs_contiguous] for r in results]
+    print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"], table))
+    head = [r for r in results if r.group == "headline"]
+    if headline:
+        title = "Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks" if not args.quick else "smoke run"
+        print(f"\nheadline ({title}); * = the headline pattern: shuffled GPU blocks into consecutive slab rows")
+        first = (headline[0].pattern, headline[0].rows)
+        for kernel in ("gather", "scatter"):
+            for r in (r for r in head if r.kernel == kernel):
+                mark = "*" if (r.pattern, r.rows) == first else " "
+                print(f" {mark}{r.kernel:7s} {r.method:10s} blocks={r.pattern:6s} rows={r.rows:11s} {r.bandwidth_GBps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
+    if args.gpu_check:
+        print_trimmed_summary(results)
+    payload["complete"] = True
+    png = None if args.no_plot else plot(results, name)
     if png:
         payload["plot"] = Path(png).name  # beside the JSON; no machine-specific absolute path
-    print(f"wrote {write_json(args.name, payload)}" + (f" and {png}" if png else ""))
+    print(f"wrote {write_json(name, payload)}" + (f" and {png}" if png else ""))
     return 0
+
+
+def print_trimmed_summary(results: Sequence[Result]) -> None:
+    """One line per page size and kernel: triton and dma as a fraction of one contiguous copy, and which is faster."""
+    print("\nper page size: x contiguous (1.0 = the copy engine's ceiling); the faster of triton and dma")
+    for kernel in ("gather", "scatter"):
+        for size in sorted({r.page_bytes for r in results}):
+            by = {r.method: r for r in results if r.kernel == kernel and r.page_bytes == size}
+            if "dma" not in by:
+                continue
+            triton = by.get("triton")
+            faster = "dma" if triton is None or by["dma"].seconds < triton.seconds else "triton"
+            triton_text = f"triton {triton.vs_contiguous:.2f}" if triton else "triton -"
+            print(f"  {kernel:7s} {readable_bytes(size):>7s}: {triton_text}  dma {by['dma'].vs_contiguous:.2f}  -> {faster}")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,19 @@ on it), builds the int64 page table and sizes the persistent grid.
 :class:`CopyLauncher` does all of that once for a fixed set of pages and a
 slab (the engine's case); :func:`launch_copy` once per call (the public
 ``gather_pages`` / ``scatter_pages``).
+
+Pages of different sizes (an MLA or hybrid model, say) get one launch per
+distinct page size: within a launch every page then has the size the kernel
+is specialised on (``UNIFORM``), so the column mask is a compile-time bound
+and the compiler keeps 16-byte accesses; one launch over mixed sizes would
+read each page's bound from the table at run time, which Triton cannot prove
+aligned, and every access would fall to 8 bytes or less.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -179,14 +187,53 @@ def record_variants() -> Generator[set[tuple[object, ...]]]:
         _variant_log = previous
 
 
+def page_size_groups(page_bytes: Sequence[int]) -> list[list[int]]:
+    """Page tensor indices grouped by page size, in order of first appearance: one launch per group."""
+    groups: dict[int, list[int]] = {}
+    for t, size in enumerate(page_bytes):
+        groups.setdefault(size, []).append(t)
+    return list(groups.values())
+
+
+class _SizedLaunch:
+    """The prepared launch of the page tensors of one page size (a subset of the launcher's pages)."""
+
+    def __init__(self, pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int) -> None:
+        self.config = launch_config(pages, slab, geometry, bytes_per_iter)
+        self.table = page_table(pages, geometry, self.config.element_bytes)
+        self.slab = slab_elements(slab, self.config.element_bytes)
+        slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
+        self.row_stride = slab_stride // self.config.element_bytes
+        config, empty = self.config, self.table[:0]
+        self.templates = {
+            to_slab: CopyArguments(
+                self.table, self.slab, empty, empty, 0, self.row_stride, to_slab, config.num_pages,
+                config.page_elems, config.chunk, config.pairs, config.uniform, config.even, config.word, config.num_warps,
+            )  # fmt: skip
+            for to_slab in (True, False)
+        }
+
+
+def _subset(geometry: PageGeometry, members: Sequence[int]) -> PageGeometry:
+    """The geometry of page tensors ``members`` only (row offsets stay where they are in a slab row)."""
+    return dataclasses.replace(
+        geometry,
+        page_bytes=tuple(geometry.page_bytes[t] for t in members),
+        block_strides=tuple(geometry.block_strides[t] for t in members),
+        storage_offsets=tuple(geometry.storage_offsets[t] for t in members),
+        row_offsets=tuple(geometry.row_offsets[t] for t in members),
+    )
+
+
 class CopyLauncher:
     """The launches of one set of page tensors against one slab, prepared once.
 
-    Holds what does not change from job to job: the launch configuration,
-    the page table on the pages' device (built once, held for the launcher's
-    lifetime, so no stream can read a freed table), the slab's element view,
-    the grid cap and the device. :meth:`launch` then only sizes the grid and
-    launches; :meth:`warm_up` compiles both directions up front.
+    Holds what does not change from job to job: per distinct page size (see
+    the module docstring) the launch configuration and the page table on the
+    pages' device (built once, held for the launcher's lifetime, so no stream
+    can read a freed table), the slab's element view, the grid cap and the
+    device. :meth:`launch` then only sizes the grids and launches;
+    :meth:`warm_up` compiles both directions up front.
     """
 
     def __init__(
@@ -199,24 +246,20 @@ class CopyLauncher:
         num_programs: int,
         bytes_per_iter: int,
     ) -> None:
-        self.config = launch_config(pages, slab, geometry, bytes_per_iter)
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs
         self._cuda_index = geometry.device.index if geometry.device.type == "cuda" else None
         with self._on_device():
-            self.table = page_table(pages, geometry, self.config.element_bytes)
-        self.slab = slab_elements(slab, self.config.element_bytes)
-        slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
-        self.row_stride = slab_stride // self.config.element_bytes
-        config, empty = self.config, self.table[:0]
-        self._templates = {
-            to_slab: CopyArguments(
-                self.table, self.slab, empty, empty, 0, self.row_stride, to_slab, config.num_pages,
-                config.page_elems, config.chunk, config.pairs, config.uniform, config.even, config.word, config.num_warps,
-            )  # fmt: skip
-            for to_slab in (True, False)
-        }
+            self._launches = [
+                _SizedLaunch([pages[t] for t in members], slab, _subset(geometry, members), bytes_per_iter)
+                for members in page_size_groups(geometry.page_bytes)
+            ]
+
+    @property
+    def configs(self) -> list[LaunchConfig]:
+        """One launch configuration per distinct page size, in the order the launches run."""
+        return [launch.config for launch in self._launches]
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         """A device guard when the pages' GPU is not the current one (Triton launches on the current device)."""
@@ -230,10 +273,11 @@ class CopyLauncher:
         if count == 0:
             return
         with self._on_device():
-            self._launch(to_slab, blocks, rows, count, min(self.num_programs, self.config.units(count)))
+            for sized in self._launches:
+                self._launch(sized, to_slab, blocks, rows, count, min(self.num_programs, sized.config.units(count)))
 
     def warm_up(self, index_dtype: torch.dtype = torch.int64) -> None:
-        """Compile (or, interpreted, trace) the gather and the scatter variant a job can request.
+        """Compile (or, interpreted, trace) the gather and the scatter variants a job can request.
 
         Launches each with zero pairs on 16-byte aligned ``index_dtype``
         indices, the alignment the engine's staging guarantees: nothing is read
@@ -241,13 +285,14 @@ class CopyLauncher:
         """
         with self._on_device():
             indices = torch.zeros(64, dtype=index_dtype, device=self.device)
-            for to_slab in (True, False):
-                self._launch(to_slab, indices[:32], indices[32:], 0, 1)
+            for sized in self._launches:
+                for to_slab in (True, False):
+                    self._launch(sized, to_slab, indices[:32], indices[32:], 0, 1)
 
-    def _launch(self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int) -> None:
+    def _launch(self, sized: _SizedLaunch, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int) -> None:
         from .jit import copy_pages  # imports triton; a dictionary lookup after the first call
 
-        arguments = self._templates[to_slab]._replace(blocks=blocks, rows=rows, num_pairs=count)
+        arguments = sized.templates[to_slab]._replace(blocks=blocks, rows=rows, num_pairs=count)
         if _variant_log is not None:
             _variant_log.add(copy_pages.specialization_key(arguments))
         copy_pages.launch_copy_pages(arguments, interpret=self.interpret, grid=grid)

@@ -197,9 +197,9 @@ def int_list(values: torch.Tensor) -> list[int]:
 def consecutive_runs(*indices: torch.Tensor) -> list[tuple[int, int]]:
     """``(start, length)`` of the maximal runs over which every index tensor steps by exactly one.
 
-    The one run detector of the package: the reference copy finds runs in
-    one sorted index, the DMA backend runs that are contiguous in both GPU
-    blocks and slab rows (each run is then one strided copy per page tensor).
+    The reference copy's run detector (runs in one sorted index). The DMA
+    backend finds its runs with numpy (``kvtriton.worker.backends.dma_runs``),
+    also cut where a pinned registration of the slab starts.
     """
     count = int(indices[0].shape[0])
     if count == 0:

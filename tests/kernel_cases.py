@@ -130,6 +130,17 @@ def build_slab(case: PageCase, rows: int, device: str, *, extra_bytes: int = 5, 
     return slab.pin_memory() if device == "cuda" else slab
 
 
+def synchronize(device: str) -> None:
+    """Wait for the kernels queued on ``device``: a gather into a pinned host slab is asynchronous.
+
+    Reading the slab on the host (it is already CPU memory, so ``.cpu()``
+    copies nothing and waits for nothing) right after the launch would see
+    whatever the kernel had written so far.
+    """
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def indices(values: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 

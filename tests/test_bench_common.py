@@ -26,3 +26,18 @@ def test_format_table_aligns_columns() -> None:
         " gather   1.235",
         "scatter  12.500",
     ]
+
+
+def test_smoke_runs_get_a_quick_file_stem_once() -> None:
+    from bench.common import quick_name
+
+    assert quick_name("kernels") == "kernels-quick"
+    assert quick_name("kernels-quick") == "kernels-quick"
+
+
+def test_sizes_read_as_bytes_kib_and_mib_not_powers_of_two() -> None:
+    from bench.common import readable_bytes
+
+    assert [readable_bytes(size) for size in (656, 4096, 28 * 1024, 1536, 1 << 20, 1 << 30)] == [
+        "656 B", "4 KiB", "28 KiB", "1.5 KiB", "1 MiB", "1 GiB",
+    ]  # fmt: skip

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pytest
 import torch
 
+import kvtriton.worker.engine as engine_module
+import kvtriton.worker.slab as slab_module
 from kvtriton.worker.backends import TransferBackend
 from kvtriton.worker.engine import TransferEngine, TransferLane
 from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.plan import TransferDirection, TransferPlan
 from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
@@ -114,8 +118,9 @@ def test_a_one_block_job_runs(engine: TransferEngine) -> None:
     # Triton specialises an int argument equal to 1; a one-pair launch must still compile and copy.
     expected = block_bytes(engine, 11)
     store(engine, 0, [11], [2])
+    finish(engine, 0)  # lanes are not ordered against each other: the load must not start before the store ends
     load(engine, 1, [2], [12])
-    finish(engine, 0, 1)
+    finish(engine, 1)
     assert block_bytes(engine, 12) == expected
 
 
@@ -181,7 +186,7 @@ def test_shutdown_waits_for_jobs_in_flight_and_keeps_their_results(tensors: list
     with slab:
         spin_compute_stream()
         store(transfer, 0, list(range(16)), list(range(16)))
-        load(transfer, 1, [0], [31])
+        load(transfer, 1, [0], [31])  # reads slot 0 whenever it runs (lanes are unordered); only completion is checked
         transfer.shutdown()
         results = transfer.get_finished()
         assert sorted((r.job_id, r.success) for r in results) == [(0, True), (1, True)]
@@ -291,3 +296,94 @@ def test_a_call_with_tensors_on_two_gpus_is_refused_before_anything_is_written()
     with pytest.raises(ValueError, match="is on cuda:1 but"):
         gather_pages(pages, slab, index, index)
     assert int(slab.sum()) == 0
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.TRITON, TransferBackend.DMA, TransferBackend.TORCH], ids=lambda b: b.value)
+def test_a_slab_pinned_in_many_registrations_round_trips_runs_that_cross_them(
+    tensors: list[torch.Tensor], backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Registrations of a few pages: every consecutive run of slots crosses registration boundaries, so the
+    # dma and torch backends must cut their runs, and triton must reach every registration from the base.
+    monkeypatch.setattr(slab_module, "PIN_CHUNK_BYTES", 4 * slab_module.HOST_PAGE_BYTES)
+    kv = PagedKV.from_tensors(tensors)
+    with HostSlab(SLOTS, 2, kv.row_bytes, pin=True) as slab:
+        assert len(slab._registered) > 4  # pyright: ignore[reportPrivateUsage] -- the registrations under test
+        assert slab.registration_rows is not None and slab.registration_rows < 2 * SLOTS
+        assert slab.device_aliased  # cudaHostGetDevicePointer(chunk) == chunk for every chunk on x86 H100/H200
+        with TransferEngine(kv, slab, backend) as transfer:
+            blocks, slots = list(range(4, 4 + 2 * SLOTS - 4)), list(range(SLOTS - 2))  # 28 blocks into 14 slots
+            before = [block_bytes(transfer, block) for block in blocks]
+            assert transfer.submit_store(0, GPULoadStoreSpec(blocks), CPULoadStoreSpec(slots))
+            finish(transfer, 0)
+            assert [row_bytes(transfer, row) for row in range(len(blocks))] == before
+            for layer in transfer.kv.byte_pages():
+                layer[blocks] = 0
+            assert transfer.submit_load(1, CPULoadStoreSpec(slots), GPULoadStoreSpec(blocks))
+            finish(transfer, 1)
+            assert [block_bytes(transfer, block) for block in blocks] == before
+
+
+def test_each_lane_runs_on_a_stream_of_its_own_never_one_of_torchs_pool_streams(tensors: list[torch.Tensor]) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    with slab, transfer:
+        lanes = {transfer.stream(lane).cuda_stream for lane in TransferLane}
+        assert len(lanes) == 3
+        # torch's pool holds 32 streams per priority, handed out round-robin: 64 of each cover them all.
+        pool = {torch.cuda.Stream(priority=priority).cuda_stream for priority in (0, -1) for _ in range(64)}
+        assert not lanes & pool
+        assert torch.cuda.current_stream().cuda_stream not in lanes
+        store(transfer, 0, [1], [1])
+        finish(transfer, 0)
+
+
+def test_a_job_on_a_closed_slab_is_refused_on_cuda(tensors: list[torch.Tensor]) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    slab.close()
+    assert not transfer.submit_store(0, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    assert not transfer.submit_load(1, CPULoadStoreSpec([1]), GPULoadStoreSpec([2]))
+    assert transfer.get_finished() == []
+    transfer.close()
+
+
+def test_a_job_submitted_while_a_cuda_graph_is_captured_is_refused(tensors: list[torch.Tensor]) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    with slab, transfer:
+        counter = torch.zeros(1, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            counter.add_(1)  # something to capture
+            accepted = transfer.submit_store(0, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+        assert not accepted
+        store(transfer, 0, [1], [1])  # outside the capture: accepted, under the same id
+        finish(transfer, 0)
+
+
+def test_a_job_copies_only_the_used_part_of_its_staging_buffer() -> None:
+    staging = engine_module._Staging(64, torch.device("cuda"))  # pyright: ignore[reportPrivateUsage] -- the copy under test
+    staging.device.fill_(-1)
+    plan = TransferPlan(TransferDirection.STORE, np.array([5, 6, 7], dtype=np.int64), np.array([1, 2, 3], dtype=np.int64))
+    device = staging.stage(plan)
+    torch.cuda.synchronize()
+    assert [int(block) for block in device.gpu_blocks] == [5, 6, 7] and [int(row) for row in device.slab_rows] == [1, 2, 3]
+    used = engine_module.staged_rows_at(3) + 3
+    assert bool(staging.device[used:].eq(-1).all())  # the rest of the buffer was not copied
+
+
+def test_a_staging_failure_refuses_the_job_and_leaks_no_events(tensors: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    slab, transfer = make_engine(tensors, TransferBackend.TRITON)
+    with slab, transfer:
+        store(transfer, 0, [1], [1])
+        finish(transfer, 0)
+        pooled = len(transfer._free_events)  # pyright: ignore[reportPrivateUsage] -- the pool under test
+        real = engine_module._Staging  # pyright: ignore[reportPrivateUsage] -- same
+
+        def out_of_memory(capacity: int, device: torch.device) -> object:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(engine_module, "_Staging", out_of_memory)
+        # The load lane's pool is still empty: its first job allocates a staging buffer, which fails here.
+        assert not transfer.submit_load(1, CPULoadStoreSpec([1]), GPULoadStoreSpec([5]))
+        assert len(transfer._free_events) == pooled  # pyright: ignore[reportPrivateUsage] -- same
+        monkeypatch.setattr(engine_module, "_Staging", real)
+        store(transfer, 1, [2, 3], [2, 3])
+        finish(transfer, 1)

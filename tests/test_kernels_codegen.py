@@ -189,3 +189,22 @@ def test_the_compiled_kernel_never_specialises_the_pair_count() -> None:
     params = cast("list[object]", getattr(kernel, "params"))
     skipped = {cast(str, getattr(param, "name")) for param in params if getattr(param, "do_not_specialize")}
     assert skipped == {"num_pairs"}
+
+
+@KINDS
+def test_mixed_page_sizes_in_one_launch_fall_to_8_byte_accesses_so_the_launcher_splits_them(to_slab: bool) -> None:
+    # The per-page mask bound read from the table cannot be proven aligned: one launch over 1 KiB and
+    # 4 KiB pages moves 8 bytes per access. CopyLauncher launches each page size on its own (uniform).
+    from bench.compile_asm import UnsupportedTriton
+    from kvtriton.kernels.launch import make_config, page_size_groups
+
+    sizes = [1024, 4096] * 8
+    try:
+        mixed = compile_copy_pages(make_config(16, sizes, DEFAULT_BYTES_PER_ITER), to_slab=to_slab)
+    except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
+        pytest.skip(str(error))
+    assert max(mixed.accesses().stores) == 8, mixed.accesses().describe()
+    for group in page_size_groups(sizes):
+        config = make_config(16, [sizes[t] for t in group], DEFAULT_BYTES_PER_ITER)
+        assert config.uniform
+        assert set(compile_copy_pages(config, to_slab=to_slab).accesses().stores) == {16}

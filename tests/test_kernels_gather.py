@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtriton.kernels import KernelPath, gather_pages, gather_pages_reference, select_path
-from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, block_bytes, build_pages, build_slab, devices, indices
+from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, block_bytes, build_pages, build_slab, devices, indices, synchronize
 
 BLOCKS = [4, 0, 5]
 ROWS = [2, 7, 3]
@@ -19,6 +19,7 @@ def run_both(layout: str, dtype: torch.dtype, device: str, blocks: list[int], ro
     slab = build_slab(case, 9, device)
     expected = build_slab(oracle, 9, "cpu")
     gather_pages(case.pages, slab, indices(blocks, index_dtype, device), indices(rows, index_dtype, device))
+    synchronize(device)
     gather_pages_reference(oracle.pages, expected, indices(blocks, index_dtype, "cpu"), indices(rows, index_dtype, "cpu"))
     assert torch.equal(slab.cpu(), expected)
     # The source is only read.
@@ -52,6 +53,7 @@ def test_gather_places_each_block_in_its_row_and_leaves_other_rows_alone(device:
     slab = build_slab(case, 9, device)
     before = slab.clone()
     gather_pages(case.pages, slab, indices(BLOCKS, torch.int64, device), indices(ROWS, torch.int64, device))
+    synchronize(device)
     for block, row in zip(BLOCKS, ROWS):
         expected = torch.cat([block_bytes(page, [block])[0] for page in case.pages])
         assert torch.equal(slab[row, : case.row_bytes].cpu(), expected)
@@ -83,6 +85,7 @@ def test_gather_with_more_pairs_than_programs_covers_every_pair(device: str) -> 
     blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
     slab, expected = build_slab(case, 9, device), build_slab(oracle, 9, "cpu")
     gather_pages(case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int64, device), num_programs=3)
+    synchronize(device)
     gather_pages_reference(oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"))
     assert torch.equal(slab.cpu(), expected)
 

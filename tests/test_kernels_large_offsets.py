@@ -74,3 +74,33 @@ def test_a_block_beyond_4_gib_in_a_page_tensor_is_gathered_and_scattered(tmp_pat
     out = torch.zeros(3, 2 * PAGE, dtype=torch.uint8)
     gather_pages(pages, out, indices([FAR], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
     assert torch.equal(out[0], slab[2])
+
+
+DEVICE_PAGE = 4096
+DEVICE_BLOCKS = (2**32 + 2**27) // DEVICE_PAGE  # a ~4.1 GiB page tensor: its last blocks start past 4 GiB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@PATHS
+def test_cuda_a_block_beyond_4_gib_of_a_device_page_tensor_is_gathered_and_scattered(bytes_per_iter: int) -> None:
+    from kvtriton.worker.slab import HostSlab
+
+    cache = torch.empty((DEVICE_BLOCKS, DEVICE_PAGE), dtype=torch.uint8, device="cuda")
+    far = DEVICE_BLOCKS - 2
+    assert far * DEVICE_PAGE > 2**32
+    wrapped = (far * DEVICE_PAGE) % 2**32 // DEVICE_PAGE  # where a 32-bit byte offset would land
+    generator = torch.Generator().manual_seed(0)
+    cache[far] = torch.randint(0, 256, (DEVICE_PAGE,), dtype=torch.uint8, generator=generator).cuda()
+    cache[3] = torch.randint(0, 256, (DEVICE_PAGE,), dtype=torch.uint8, generator=generator).cuda()
+    cache[wrapped].zero_()
+    cache[far + 1].zero_()
+    with HostSlab(4, 1, DEVICE_PAGE, pin=True) as slab:
+        gather_pages([cache], slab.rows, indices([far, 3], torch.int32, "cuda"), indices([0, 1], torch.int32, "cuda"), bytes_per_iter=bytes_per_iter)
+        torch.cuda.synchronize()
+        assert torch.equal(slab.rows[0], cache[far].cpu()) and torch.equal(slab.rows[1], cache[3].cpu())
+        slab.rows[2] = torch.randint(1, 256, (DEVICE_PAGE,), dtype=torch.uint8, generator=generator)
+        scatter_pages(slab.rows, [cache], indices([2], torch.int32, "cuda"), indices([far + 1], torch.int32, "cuda"), bytes_per_iter=bytes_per_iter)
+        assert torch.equal(cache[far + 1].cpu(), slab.rows[2])
+    assert int(cache[wrapped].count_nonzero()) == 0  # nothing landed at the wrapped offset
+    del cache
+    torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvtriton.worker.numa as numa_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError
 
@@ -20,12 +22,14 @@ class FakeRegistrar:
     registered: list[tuple[int, int]] = field(default_factory=lambda: [])
     unregistered: list[int] = field(default_factory=lambda: [])
     pending_error: int = 0
+    cpus_while_registering: list[set[int]] = field(default_factory=lambda: [])
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         if self.fail_at is not None and len(self.registered) == self.fail_at:
             self.pending_error = 2
             return 2  # cudaErrorMemoryAllocation
         self.registered.append((ptr, size))
+        self.cpus_while_registering.append(os.sched_getaffinity(0))
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
@@ -37,6 +41,18 @@ class FakeRegistrar:
         return error
 
 
+ORIGINAL_DEVICE_POINTER = slab_module._device_pointer  # pyright: ignore[reportPrivateUsage] -- restored in one test
+
+
+def same_address(host: int) -> int:
+    return host
+
+
+def gpu_bus_id(index: int) -> str:
+    del index
+    return "0000:3B:00.0"  # upper case, as some tools print it; sysfs names are lower case
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
     registrar = FakeRegistrar()
@@ -44,7 +60,15 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeRegistrar:
     monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
     monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: None)
     monkeypatch.setattr(slab_module, "PIN_CHUNK_BYTES", 2 * slab_module.HOST_PAGE_BYTES)
+    monkeypatch.setattr(slab_module, "_device_pointer", same_address)  # x86 with a recent driver: alias == host
+    monkeypatch.setattr(slab_module, "_current_cuda_device", lambda: None)
     return registrar
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about a machine without CUDA: on a GPU machine they still see none."""
+    monkeypatch.setattr(slab_module, "_cuda_available", lambda: False)
 
 
 def test_slab_is_one_zeroed_uint8_buffer_with_slot_views() -> None:
@@ -83,6 +107,7 @@ def test_slab_memory_outlives_close_for_views_taken_earlier() -> None:
     assert int(view.sum()) == 7 * 64
 
 
+@pytest.mark.usefixtures("no_cuda")
 def test_without_cuda_the_default_slab_is_pageable_with_one_clear_warning() -> None:
     with pytest.warns(PageableSlabWarning, match="CUDA is not available.*pageable"):
         slab = HostSlab(2, 1, 64)
@@ -95,6 +120,7 @@ def test_pin_false_stays_silent() -> None:
         HostSlab(2, 1, 64, pin=False).close()
 
 
+@pytest.mark.usefixtures("no_cuda")
 def test_pin_true_without_cuda_is_an_error() -> None:
     with pytest.raises(ValueError, match="pin=True needs CUDA"):
         HostSlab(2, 1, 64, pin=True)
@@ -150,7 +176,7 @@ def test_a_failed_pin_unregisters_what_was_pinned_and_raises_one_line_naming_the
     message = str(raised.value)
     assert "\n" not in message
     assert f"cannot pin the {nbytes}-byte host slab" in message
-    assert "cudaHostRegister failed with CUDA error 2" in message
+    assert "cudaHostRegister failed with cudaErrorMemoryAllocation (2)" in message  # the CUDA error, by name
     assert "RLIMIT_MEMLOCK is 65536 bytes" in message
     assert "ulimit -l unlimited" in message and "allow_pageable=True" in message
     assert fake_cuda.unregistered == [fake_cuda.registered[0][0]]
@@ -167,7 +193,7 @@ def test_allow_pageable_keeps_a_slab_that_failed_to_pin_with_a_warning(fake_cuda
 
 def test_a_failed_pin_raises_when_pinning_was_required(fake_cuda: FakeRegistrar) -> None:
     fake_cuda.fail_at = 0
-    with pytest.raises(SlabPinningError, match="cudaHostRegister failed with CUDA error 2"):
+    with pytest.raises(SlabPinningError, match=r"cudaHostRegister failed with cudaErrorMemoryAllocation \(2\)"):
         HostSlab(5, 1, slab_module.HOST_PAGE_BYTES, pin=True, allow_pageable=False)
 
 
@@ -312,3 +338,102 @@ def test_from_budget_allocates_the_slots_that_fit() -> None:
     with HostSlab.from_budget(1000, block_size_factor=3, row_bytes=64, pin=False) as slab:
         assert slab.num_slots == 5
         assert slab.rows.shape == (15, 64)
+
+
+def test_with_an_unlimited_memlock_a_failed_pin_says_the_limit_is_not_the_cause(fake_cuda: FakeRegistrar) -> None:
+    fake_cuda.fail_at = 0
+    with pytest.raises(SlabPinningError, match="RLIMIT_MEMLOCK is unlimited, so the limit is not the cause"):
+        HostSlab(5, 1, slab_module.HOST_PAGE_BYTES)
+
+
+def test_a_pinned_slab_reports_its_rows_per_registration_where_runs_must_be_cut(fake_cuda: FakeRegistrar) -> None:
+    page = slab_module.HOST_PAGE_BYTES
+    with HostSlab(10, 2, page // 2) as slab:  # slots of one page, registrations of two
+        assert len(fake_cuda.registered) == 5
+        assert slab.registration_rows == 4
+        assert slab.device_aliased
+    assert slab.registration_rows is None
+    with HostSlab(10, 2, page // 2, pin=False) as pageable:
+        assert pageable.registration_rows is None
+
+
+def test_a_registration_reached_at_another_device_address_marks_the_slab_not_aliased(
+    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    second: list[int] = []
+
+    def device_pointer(host: int) -> int:
+        second.append(host)
+        return host if len(second) == 1 else host + (1 << 40)  # the first chunk aliases, the second does not
+
+    monkeypatch.setattr(slab_module, "_device_pointer", device_pointer)
+    with HostSlab(4, 1, slab_module.HOST_PAGE_BYTES) as slab:
+        assert slab.pinned and not slab.device_aliased
+    assert len(second) == 2  # every registration was checked
+    assert "triton backend" in caplog.text
+
+
+def test_an_allocated_slab_is_not_inherited_by_forked_children() -> None:
+    # MADV_DONTFORK shows as the "dc" (do not copy) VmFlag of the mapping in /proc/self/smaps.
+    with HostSlab(4, 1, slab_module.HOST_PAGE_BYTES, pin=False) as slab:
+        start = f"{slab.rows.data_ptr():x}-"
+        with open("/proc/self/smaps", encoding="ascii") as smaps:
+            text = smaps.read()
+        section = text[text.index(start) :]
+        flags = next(line for line in section.splitlines() if line.startswith("VmFlags:"))
+        assert "dc" in flags.split(":", 1)[1].split(), flags
+
+
+def _fake_two_node_host(root: Path, gpu_node: int, node_cpus: dict[int, str]) -> None:
+    for node, cpus in node_cpus.items():
+        folder = root / "devices" / "system" / "node" / f"node{node}"
+        folder.mkdir(parents=True)
+        (folder / "cpulist").write_text(cpus + "\n")
+    device = root / "bus" / "pci" / "devices" / "0000:3b:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text(f"{gpu_node}\n")
+
+
+def test_pinning_runs_on_the_cpus_of_the_gpus_numa_node_and_moves_back(
+    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    gpu_cpu = allowed[-1]
+    _fake_two_node_host(tmp_path, 1, {0: "0" if gpu_cpu else "1", 1: str(gpu_cpu)})
+    monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
+    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", gpu_bus_id)
+    before = os.sched_getaffinity(0)
+    with HostSlab(4, 1, slab_module.HOST_PAGE_BYTES, gpu=0):
+        pass
+    assert fake_cuda.cpus_while_registering and all(cpus == {gpu_cpu} for cpus in fake_cuda.cpus_while_registering)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_a_host_with_one_numa_node_pins_where_it_runs(fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_two_node_host(tmp_path, 0, {0: "0"})
+    monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
+    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", gpu_bus_id)
+    before = os.sched_getaffinity(0)
+    with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES, gpu=0):
+        pass
+    assert fake_cuda.cpus_while_registering == [before]
+
+
+def test_a_bad_gpu_index_is_refused() -> None:
+    with pytest.raises(ValueError, match="gpu must be a CUDA device index >= 0 or None, got -1"):
+        HostSlab(2, 1, 64, pin=False, gpu=-1)
+
+
+def test_a_failing_device_address_query_keeps_the_slab_pinned_but_not_for_triton(
+    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtriton.worker.cudart import CudaRuntimeError
+
+    def failing(host: int) -> int:
+        raise CudaRuntimeError(f"cudaHostGetDevicePointer({host:#x}) failed with cudaErrorInvalidValue (1)")
+
+    monkeypatch.setattr(slab_module, "host_device_pointer", failing)
+    monkeypatch.setattr(slab_module, "_device_pointer", ORIGINAL_DEVICE_POINTER)  # the real query, over the failing call
+    with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES) as slab:
+        assert slab.pinned and not slab.device_aliased
+    assert fake_cuda.unregistered  # closed normally: nothing leaked

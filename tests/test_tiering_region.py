@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from kvtriton.worker.shared_region import ROW_ALIGNMENT, RegionLayout, SharedReg
 from kvtriton.worker.slab import HostSlab
 
 ROOT = Path(__file__).resolve().parent.parent
+HEADER = shared_region.HEADER_BYTES
 
 
 @pytest.fixture
@@ -170,3 +173,54 @@ def test_a_region_left_by_a_dead_engine_with_the_same_id_is_replaced_not_joined(
     fresh = SharedRegion(name, RegionLayout(2, 1, 1, 4096), 2)
     assert fresh.mapped_count == 1 and fresh.region_tensor().eq(0).all()  # a new region, not the dead one's bytes
     fresh.close()
+
+
+def test_joiners_never_wait_for_a_slow_populate(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pre-faulting runs near 10 GiB/s: a region of hundreds of GB takes longer than any join timeout. The
+    # header is published first and each rank populates its own bytes later, so joiners wait for the header only.
+    populating, release = threading.Event(), threading.Event()
+    real = shared_region._populate_rank  # pyright: ignore[reportPrivateUsage] -- the step made slow here
+
+    def slow_populate(region: object, layout: RegionLayout, rank: int) -> None:
+        populating.set()
+        assert release.wait(timeout=30)
+        real(region, layout, rank)  # pyright: ignore[reportArgumentType] -- the real mmap, passed through
+
+    monkeypatch.setattr(shared_region, "_populate_rank", slow_populate)
+    layout = RegionLayout(4, 1, 2, 4096)
+    creator = SharedRegion(name, layout, 3)
+    slabs: list[HostSlab] = []
+    worker = threading.Thread(target=lambda: slabs.append(creator.rank_slab(0, pin=False)))
+    worker.start()
+    try:
+        assert populating.wait(timeout=30)
+        joined = SharedRegion(name, layout, 3, join_timeout_s=0.2)  # while rank 0 is still populating
+        scheduler = SharedRegion(name, layout, 3, join_timeout_s=0.2)
+        assert scheduler.unlinked and joined.mapped_count == 3
+    finally:
+        release.set()
+        worker.join()
+    slabs[0].close()
+    for region in (joined, scheduler, creator):
+        region.close()
+
+
+def test_the_page_by_page_populate_never_writes_another_ranks_bytes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_region, "_MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: the pre-5.14 fallback runs
+    layout = RegionLayout(3, 2, 2, 1000)  # rank bytes straddle pages: pages are shared between ranks
+    region = SharedRegion(name, layout, 1)
+    other = slab(region, 1)
+    other.rows.fill_(7)
+    mine = slab(region, 0)
+    assert bool(other.rows.eq(7).all()) and bool(mine.rows.eq(0).all())
+    mine.close()
+    other.close()
+    region.close()
+
+
+def test_page_spans_cover_a_ranks_bytes_with_whole_pages_merged() -> None:
+    starts = np.array([4096 + 100, 4096 + 5000, 4096 + 20000], dtype=np.int64)
+    assert shared_region.page_spans(starts, 1000, page=4096) == [(4096, 8192), (20480, 8192)]
+    layout = RegionLayout(2, 1, 2, 4096)
+    assert shared_region.rank_row_starts(layout, 1).tolist() == [HEADER + 4096, HEADER + 3 * 4096]
+    assert shared_region.page_spans(shared_region.rank_row_starts(layout, 0), 4096, page=4096) == [(HEADER, 4096), (HEADER + 8192, 4096)]

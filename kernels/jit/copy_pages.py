@@ -1,6 +1,7 @@
 """@triton.jit bodies of the gather (pages -> slab rows) and scatter (slab rows -> pages) kernels.
 
-One launch moves a whole job. The page tensors are reached through a small
+One launch moves a whole job (its pages of one size: the launcher groups
+pages by size, so a launch always has ``UNIFORM`` pages). The page tensors are reached through a small
 int64 table, one row of ``TABLE_COLUMNS`` per page tensor::
 
     [base address (bytes), block stride (bytes), row offset (elements), page size (elements)]

@@ -6,7 +6,9 @@
   interpreter cannot run, asking for ``triton`` is an error, never a silent
   torch copy).
 * ``dma``: the copy engines. A job's pairs are split into runs that are
-  consecutive in both GPU blocks and slab rows, and each run moves with one
+  consecutive in both GPU blocks and slab rows and lie in one CUDA
+  registration of the slab (a copy spanning two registrations is rejected or
+  staged as pageable by CUDA), and each run moves with one
   ``cudaMemcpy2DAsync`` per page tensor (a strided copy: block stride on one
   side, slab row stride on the other). On CPU the same runs move with one
   strided ``copy_`` each. Never one call per (row, page tensor).
@@ -26,10 +28,13 @@ cuda        pageable      both       any                dma
 cpu         any           both       any                torch
 ==========  ============  =========  =================  ========
 
-(The kernel cannot reach pageable host memory, hence ``dma`` there.) The
-CUDA rows are where ``bench/gpu_check.sh``'s dma-vs-triton sweep puts the
-crossover: it prints, per direction, the page size from which ``dma`` wins,
-and a row ``(cuda, pinned, direction, that size, dma)`` encodes it.
+(The kernel cannot reach pageable host memory, hence ``dma`` there; nor a
+pinned slab whose registrations the device reaches at other addresses than
+the host's, see ``HostSlab.device_aliased``: ``auto`` then takes ``dma`` and
+asking for ``triton`` is an error.) The CUDA rows are where
+``bench/crossover.py`` (run by ``bench/gpu_check.sh``) puts the crossover: it
+prints, per direction, the page size from which ``dma`` wins, and the
+``AutoRule`` line to add for it (docs/worker.md, "Setting AUTO_TABLE").
 
 A backend only copies: the engine plans, stages indices, orders and times jobs.
 """
@@ -47,7 +52,7 @@ from numpy.typing import NDArray
 from kvtriton.choices import parse_choice
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.launch import CopyLauncher
-from kvtriton.kernels.reference import consecutive_runs, gather_unchecked, scatter_unchecked
+from kvtriton.kernels.reference import gather_unchecked, scatter_unchecked
 from kvtriton.kernels.validation import PageGeometry
 from kvtriton.worker.cudart import loaded_cudart, memcpy_2d_async
 from kvtriton.worker.layout import PagedKV
@@ -111,12 +116,17 @@ def choose_backend(
     device: torch.device,
     slab_pinned: bool,
     page_bytes: int,
+    slab_device_aliased: bool = True,
 ) -> TransferBackend:
     """The backend that will really copy ``direction`` jobs; raises ``ValueError`` when ``requested`` cannot run.
 
     ``page_bytes`` is the engine's smallest page (the case where per-copy
-    overheads weigh most).
+    overheads weigh most). ``slab_device_aliased`` is False when a pinned
+    slab's registrations are reached on the device at other addresses than
+    the host's: the kernel cannot address such a slab, ``dma`` can.
     """
+    if requested is TransferBackend.AUTO and device.type == "cuda" and slab_pinned and not slab_device_aliased:
+        requested = TransferBackend.DMA
     if requested is TransferBackend.AUTO:
         chosen: TransferBackend | None = None
         for rule in AUTO_TABLE:
@@ -135,6 +145,12 @@ def choose_backend(
             raise ValueError(
                 "backend='triton' needs a pinned slab on CUDA (the kernel cannot reach pageable host memory); "
                 "pin the slab or use backend='dma'"
+            )
+        if device.type == "cuda" and not slab_device_aliased:
+            raise ValueError(
+                "backend='triton' needs every registration of the pinned slab to be reached on the device at its host "
+                "address (cudaHostGetDevicePointer differs here: cudaDevAttrCanUseHostPointerForRegisteredMem is 0); "
+                "use backend='dma'"
             )
         if device.type == "cpu":
             problem = _interpreter_problem()
@@ -229,12 +245,45 @@ def _require_cudart(backend: str) -> None:
         )
 
 
-def dma_runs(plan: TransferPlan) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
-    """First block, first row and length of each run consecutive on both sides."""
-    runs = consecutive_runs(host_tensor(plan.gpu_blocks), host_tensor(plan.slab_rows))
-    starts = np.array([start for start, _ in runs], dtype=np.int64)
-    lengths = np.array([length for _, length in runs], dtype=np.int64)
-    return plan.gpu_blocks[starts], plan.slab_rows[starts], lengths
+def _runs(breaks: NDArray[np.bool_]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Start and length of each run, given where a new run begins (``breaks[0]`` is True)."""
+    starts = np.flatnonzero(breaks).astype(np.int64)
+    return starts, np.diff(np.append(starts, np.int64(breaks.shape[0])))
+
+
+def _registration_breaks(rows: NDArray[np.int64], registration_rows: int | None) -> NDArray[np.bool_]:
+    """True where ``rows[i]`` starts a slab registration (a run must not continue into it)."""
+    if registration_rows is None:
+        return np.zeros(len(rows) - 1, dtype=np.bool_)
+    return np.equal(rows[1:] % registration_rows, 0)
+
+
+def dma_runs(
+    plan: TransferPlan, registration_rows: int | None = None
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """First block, first row and length of each run consecutive on both sides and inside one registration.
+
+    ``registration_rows`` is the slab's rows per CUDA registration
+    (``HostSlab.registration_rows``): runs are cut where a registration starts.
+    """
+    blocks, rows = plan.gpu_blocks, plan.slab_rows
+    if rows.shape[0] == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.ones(rows.shape[0], dtype=np.bool_)
+    breaks[1:] = (blocks[1:] != blocks[:-1] + 1) | (rows[1:] != rows[:-1] + 1) | _registration_breaks(rows, registration_rows)
+    starts, lengths = _runs(breaks)
+    return blocks[starts], rows[starts], lengths
+
+
+def slab_row_runs(rows: NDArray[np.int64], registration_rows: int | None = None) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Start (position in ``rows``) and length of each run of consecutive slab rows inside one registration."""
+    if rows.shape[0] == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty
+    breaks = np.ones(rows.shape[0], dtype=np.bool_)
+    breaks[1:] = (rows[1:] != rows[:-1] + 1) | _registration_breaks(rows, registration_rows)
+    return _runs(breaks)
 
 
 class DmaCopy:
@@ -243,9 +292,10 @@ class DmaCopy:
     kind = TransferBackend.DMA
     wants_device_indices = False
 
-    def __init__(self, kv: PagedKV, slab: torch.Tensor) -> None:
+    def __init__(self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None) -> None:
         self.kv = kv
         self.slab = slab
+        self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
         if self._cuda:
             _require_cudart("dma")
@@ -258,7 +308,7 @@ class DmaCopy:
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         del device
         store = plan.direction is TransferDirection.STORE
-        blocks, rows, lengths = dma_runs(plan)
+        blocks, rows, lengths = dma_runs(plan, self.registration_rows)
         if not self._cuda:
             self._copy_on_host(store, blocks, rows, lengths)
             return
@@ -293,9 +343,10 @@ class TorchCopy:
 
     kind = TransferBackend.TORCH
 
-    def __init__(self, kv: PagedKV, slab: torch.Tensor) -> None:
+    def __init__(self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None) -> None:
         self.kv = kv
         self.slab = slab
+        self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
         if self._cuda:
             _require_cudart("torch")
@@ -326,7 +377,8 @@ class TorchCopy:
             gather_unchecked(self.kv.pages, staging, device.gpu_blocks, local, geometry)
         stream = torch.cuda.current_stream(self.kv.device).cuda_stream
         slab_stride = self._pitched.slab_stride
-        for start, length in consecutive_runs(host_tensor(plan.slab_rows)):
+        starts, lengths = slab_row_runs(plan.slab_rows, self.registration_rows)
+        for start, length in zip(starts.tolist(), lengths.tolist()):
             slab_address = self._pitched.slab_base + int(plan.slab_rows[start]) * slab_stride
             staged_address = staging.data_ptr() + start * width
             if store:
@@ -338,13 +390,23 @@ class TorchCopy:
 
 
 def make_backend(
-    backend: TransferBackend, kv: PagedKV, slab: torch.Tensor, *, num_programs: int = DEFAULT_NUM_PROGRAMS
+    backend: TransferBackend,
+    kv: PagedKV,
+    slab: torch.Tensor,
+    *,
+    num_programs: int = DEFAULT_NUM_PROGRAMS,
+    registration_rows: int | None = None,
 ) -> CopyBackend:
-    """Build a concrete (already chosen) backend for ``kv`` and ``slab``."""
+    """Build a concrete (already chosen) backend for ``kv`` and ``slab``.
+
+    ``registration_rows``: the slab's rows per CUDA registration, where the
+    ``dma`` and ``torch`` backends cut their runs (None: one registration or
+    a pageable slab).
+    """
     if backend is TransferBackend.TRITON:
         return TritonCopy(kv, slab, num_programs)
     if backend is TransferBackend.DMA:
-        return DmaCopy(kv, slab)
+        return DmaCopy(kv, slab, registration_rows)
     if backend is TransferBackend.TORCH:
-        return TorchCopy(kv, slab)
+        return TorchCopy(kv, slab, registration_rows)
     raise ValueError(f"make_backend needs a concrete backend, got {backend.value!r}; resolve it with choose_backend")

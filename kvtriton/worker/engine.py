@@ -13,16 +13,31 @@ for (``warmup_seconds``). Per job the host only plans, stages the indices,
 launches and records an event.
 
 Lanes and streams (CUDA): stores, loads and expedited loads each have a
-stream; the expedited one has a higher priority and its own queue, so an
-expedited load never waits behind ordinary loads. Every job first waits for
+stream of their own, created for this engine (``torch.cuda.Stream()`` would
+hand out pool streams shared round-robin with every other ``Stream()`` in the
+process, vLLM's included, and a lane would then queue behind unrelated
+work); the expedited one has the device's highest priority and its own
+queue, so an expedited load never waits behind ordinary loads. Lanes are not
+ordered against each other: a load of a slot whose store is still in flight
+reads whatever the slot held (vLLM's manager never issues one). Every job first waits for
 the work already queued on the compute stream: a store reads pages the model
 just wrote, a load overwrites blocks that queued work may still read or zero.
-Indices are staged in pooled pinned buffers and copied with
-``non_blocking=True`` into pooled device buffers that only their lane's
-stream uses; both start on 16-byte boundaries (blocks and rows in separate,
-padded halves), so the kernel sees one alignment and never needs a second
-variant. Submitting never synchronises the device. Pooled CUDA events mark
-completion and time each job.
+Indices are staged in pooled pinned buffers (the smallest free one that fits)
+and copied with ``non_blocking=True`` into pooled device buffers that only
+their lane's stream uses; only the used part is copied. Block and row ids
+both start on 16-byte boundaries, so the kernel sees one alignment and never
+needs a second variant. Submitting never synchronises the device. Pooled CUDA
+events mark completion and time each job. A job that cannot be staged (out of
+memory, say) is refused (``submit_*`` returns False) and leaks nothing.
+
+Refused at submit, besides invalid specs: jobs after :meth:`TransferEngine.shutdown`,
+jobs on a closed slab (the memory may be unpinned or gone), and jobs
+submitted while the current CUDA stream is capturing a graph (a captured
+launch would replay with the indices of that one job forever).
+
+Threads: the engine is driven from one thread (vLLM's worker calls it from
+its own); ``submit_*``, ``get_finished`` and ``wait`` are not safe to call
+concurrently.
 
 A pageable slab (``HostSlab(..., allow_pageable=True)`` after a failed pin):
 copies to or from pageable memory block the calling thread until the
@@ -52,6 +67,7 @@ from numpy.typing import NDArray
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtriton.worker.backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
+from kvtriton.worker.cudart import create_stream, destroy_stream, loaded_cudart, stream_priority_range
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan, plan_transfer
 from kvtriton.worker.slab import HostSlab
@@ -182,10 +198,11 @@ MIN_STAGING_PAIRS = 64
 class _Staging:
     """One job's index buffers: host (pinned on CUDA) and device, reused once the job is reported.
 
-    Blocks go in the first half, rows in the second; each half starts on a
-    16-byte boundary (the halves are an even number of int64s long and
-    allocations start 512-byte aligned), so every job presents the kernel
-    with the same alignment.
+    A job of ``count`` pairs puts its blocks at ``[0, count)`` and its rows
+    right after, from the next even index (``staged_rows_at``): both start on
+    a 16-byte boundary (allocations start 512-byte aligned), so every job
+    presents the kernel with the same alignment, and the used part is one
+    contiguous prefix, copied to the device in one call.
     """
 
     def __init__(self, capacity: int, device: torch.device) -> None:
@@ -197,16 +214,45 @@ class _Staging:
 
     def stage(self, plan: TransferPlan) -> DeviceIndices:
         count = plan.num_rows
+        rows_at = staged_rows_at(count)
         self.host_numpy[:count] = plan.gpu_blocks
-        self.host_numpy[self.capacity : self.capacity + count] = plan.slab_rows
+        self.host_numpy[rows_at : rows_at + count] = plan.slab_rows
         if self.device is not self.host:
-            # The whole buffer in one contiguous copy: cheaper to issue than two slices.
-            self.device.copy_(self.host, non_blocking=True)
-        return DeviceIndices(self.device[:count], self.device[self.capacity : self.capacity + count])
+            used = rows_at + count
+            self.device[:used].copy_(self.host[:used], non_blocking=True)
+        return DeviceIndices(self.device[:count], self.device[rows_at : rows_at + count])
+
+
+def staged_rows_at(count: int) -> int:
+    """Where a job of ``count`` pairs stages its rows: the first even index after its blocks (16-byte aligned)."""
+    return count + (count & 1)
 
 
 def _staging_capacity(count: int) -> int:
     return max(MIN_STAGING_PAIRS, 1 << (count - 1).bit_length())
+
+
+def _graph_capture_underway() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False before CUDA is initialised: nothing can be)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _lane_stream(device: torch.device, lane: TransferLane) -> tuple[torch.cuda.Stream, int | None]:
+    """A stream used by this lane alone, and its handle to destroy (None when it came from torch's pool).
+
+    Expedited loads get the device's most urgent priority, the other lanes the default one.
+    """
+    urgent = lane is TransferLane.EXPEDITED_LOAD
+    if loaded_cudart() is None:
+        logger.warning(
+            "libcudart is not loaded in this process: the %s lane takes a stream from torch's pool, which other "
+            "streams of the process may share", lane.value,
+        )  # fmt: skip
+        return torch.cuda.Stream(device, priority=-1 if urgent else 0), None
+    with torch.cuda.device(device):
+        least, greatest = stream_priority_range()
+        handle = create_stream(greatest if urgent else least)
+    return torch.cuda.ExternalStream(handle, device=device), handle
 
 
 @dataclass(slots=True)
@@ -265,23 +311,26 @@ class TransferEngine:
         self._threaded = self._cuda and not slab.pinned
         chosen = {
             direction: choose_backend(
-                parsed, direction, device=kv.device, slab_pinned=slab.pinned, page_bytes=min(kv.page_bytes)
-            )
+                parsed, direction, device=kv.device, slab_pinned=slab.pinned, page_bytes=min(kv.page_bytes),
+                slab_device_aliased=slab.device_aliased,
+            )  # fmt: skip
             for direction in TransferDirection
         }
         built: dict[TransferBackend, CopyBackend] = {}
         for kind in chosen.values():
             if kind not in built:
-                built[kind] = make_backend(kind, kv, slab.rows, num_programs=num_programs)
+                built[kind] = make_backend(
+                    kind, kv, slab.rows, num_programs=num_programs, registration_rows=slab.registration_rows
+                )
         self._backends: dict[TransferDirection, CopyBackend] = {direction: built[kind] for direction, kind in chosen.items()}
         self._streams: dict[TransferLane, torch.cuda.Stream] = {}
+        self._stream_handles: list[int] = []
         self._workers: dict[TransferLane, ThreadPoolExecutor] = {}
         if self._cuda:
-            # Lower numbers are higher priorities: expedited loads overtake the other lanes' kernels.
-            self._streams = {
-                lane: torch.cuda.Stream(kv.device, priority=-1 if lane is TransferLane.EXPEDITED_LOAD else 0)
-                for lane in TransferLane
-            }
+            for lane in TransferLane:
+                self._streams[lane], handle = _lane_stream(kv.device, lane)
+                if handle is not None:
+                    self._stream_handles.append(handle)
         if self._threaded:
             self._workers = {
                 lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtriton-{lane.name.lower()}")
@@ -333,6 +382,8 @@ class TransferEngine:
         """The CUDA stream ``lane``'s jobs run on (``ValueError`` on a CPU engine, which has none)."""
         if not self._cuda:
             raise ValueError(f"a CPU engine runs jobs inside submit_*; it has no {lane.value} stream")
+        if lane not in self._streams:
+            raise ValueError(f"the engine is shut down: its {lane.value} stream was released")
         return self._streams[lane]
 
     @property
@@ -406,6 +457,17 @@ class TransferEngine:
         for worker in self._workers.values():
             worker.shutdown(wait=True)
         self._closed = True
+        self._destroy_streams()
+
+    def _destroy_streams(self) -> None:
+        """Release the lanes' own streams (drained already; their recorded events stay queryable).
+
+        The stream objects go too: a later :meth:`drain` (the slab's close, say) has none left to synchronise.
+        """
+        handles, self._stream_handles = self._stream_handles, []
+        self._streams = {}
+        for handle in handles:
+            destroy_stream(handle)
 
     def close(self) -> None:
         """Same as :meth:`shutdown` (the slab is closed by its owner, after this)."""
@@ -427,6 +489,7 @@ class TransferEngine:
         # unmapped) under copies still queued on its streams.
         try:
             self.drain()
+            self._destroy_streams()
         except Exception:  # noqa: BLE001 -- interpreter shutdown may have torn down CUDA already
             pass
 
@@ -434,6 +497,18 @@ class TransferEngine:
         name = lane.value
         if self._closed:
             logger.warning("%s job %r refused: the engine is shut down", name, job_id)
+            return False
+        if self.slab.closed:
+            logger.warning(
+                "%s job %r refused: the host slab is closed (its memory may be unpinned or unmapped); "
+                "shut the engine down before closing its slab", name, job_id,
+            )  # fmt: skip
+            return False
+        if _graph_capture_underway():
+            logger.warning(
+                "%s job %r refused: the current CUDA stream is capturing a graph; a captured copy would replay "
+                "this job's indices on every replay (submit transfers outside graph capture)", name, job_id,
+            )  # fmt: skip
             return False
         if isinstance(job_id, bool) or not isinstance(job_id, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
             logger.warning("%s job %r refused: job_id must be an int", name, job_id)
@@ -455,12 +530,17 @@ class TransferEngine:
         if plan.num_rows == 0:
             # Nothing to move: done at once, on every backend and device, without touching a kernel or a stream.
             job = _Job(job_id, lane, 0, _Finished(True, 0.0))
-        elif self._threaded:
-            job = self._launch_threaded(job_id, lane, plan)
-        elif self._cuda:
-            job = self._launch_cuda(job_id, lane, plan)
         else:
-            job = self._run_now(job_id, lane, plan)
+            try:
+                if self._threaded:
+                    job = self._launch_threaded(job_id, lane, plan)
+                elif self._cuda:
+                    job = self._launch_cuda(job_id, lane, plan)
+                else:
+                    job = self._run_now(job_id, lane, plan)
+            except Exception as error:  # staging: out of (pinned or device) memory, say; nothing was queued
+                logger.warning("%s job %d refused: its indices could not be staged: %s", name, job_id, error)
+                return False
         self._queues[lane].append(job)
         self._unreported.add(job_id)
         return True
@@ -476,10 +556,14 @@ class TransferEngine:
         return True
 
     def _take_staging(self, lane: TransferLane, count: int) -> _Staging:
+        """The smallest free staging buffer of ``lane`` that holds ``count`` pairs, or a new one."""
         free = self._free_staging[lane]
+        best: int | None = None
         for index, staging in enumerate(free):
-            if staging.capacity >= count:
-                return free.pop(index)
+            if staging.capacity >= count and (best is None or staging.capacity < free[best].capacity):
+                best = index
+        if best is not None:
+            return free.pop(best)
         return _Staging(_staging_capacity(count), self.kv.device)
 
     def _take_events(self) -> _EventPair:
@@ -500,33 +584,33 @@ class TransferEngine:
 
     def _launch_cuda(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
         stream = self._streams[lane]
-        events = self._take_events()
-        # Every lane starts after the work already queued on the compute
-        # stream: a store reads pages the model just wrote; a load overwrites
-        # blocks that earlier steps may still read or zero (with async
-        # scheduling nothing else orders them; vLLM's handler waits likewise).
-        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
         staging: _Staging | None = None
         with torch.cuda.stream(stream):
-            events.start.record(stream)
-            device: DeviceIndices | None = None
             if self._backends[plan.direction].wants_device_indices:
                 # Taken (and, when new, allocated) on this lane's stream: only this stream ever uses it.
+                # Before anything is queued: a failed allocation refuses the job and leaks nothing.
                 staging = self._take_staging(lane, plan.num_rows)
-                device = staging.stage(plan)
+            events = self._take_events()
+            # Every lane starts after the work already queued on the compute
+            # stream: a store reads pages the model just wrote; a load overwrites
+            # blocks that earlier steps may still read or zero (with async
+            # scheduling nothing else orders them; vLLM's handler waits likewise).
+            stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            events.start.record(stream)
+            device = staging.stage(plan) if staging is not None else None
             success = self._copy(job_id, lane, plan, device)
             events.end.record(stream)
         return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, _Events(events, success), staging)
 
     def _launch_threaded(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
         stream = self._streams[lane]
-        events = self._take_events()
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.kv.device))
         staging: _Staging | None = None
         if self._backends[plan.direction].wants_device_indices:
             with torch.cuda.stream(stream):
                 staging = self._take_staging(lane, plan.num_rows)
+        events = self._take_events()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.kv.device))
 
         def run() -> bool:
             try:

@@ -24,8 +24,15 @@ instead; the integration then tags the secondary tiers' namespace (see
 :mod:`kvtriton.integrations.vllm_tiering`).
 
 Lifetime (:class:`SharedRegion`). The first process to arrive creates the file
-(after checking /dev/shm has room) and allocates its pages, the others open
-it. Every process that has
+(after checking /dev/shm has room) and publishes its header at once, the
+others open it and wait only for that header (a page: milliseconds, whatever
+the region's size). Nobody pre-faults the whole region before others may
+join: at ~10 GiB/s a region of hundreds of GB would take longer than any
+join timeout. Instead each worker rank populates its own bytes of every row
+when it takes its slab (:meth:`SharedRegion.rank_slab`), on the CPUs of its
+GPU's NUMA node, so that each rank's bytes sit next to the GPU that copies
+them; pages no rank populated are faulted in by the first process that
+touches them (the pinning, or a secondary tier's copy). Every process that has
 mapped it adds one to a count in the region's header page; the process that
 brings the count to ``expected_mappers`` unlinks the file. A file whose creator
 no longer runs (an engine with the same id that died before every process had
@@ -48,9 +55,17 @@ import struct
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 
+from kvtriton.worker.numa import on_gpu_node
 from kvtriton.worker.slab import HostSlab
+
+
+def _current_cuda_device() -> int | None:
+    """The GPU whose NUMA node a rank's bytes are placed on by default (None without CUDA)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 __all__ = ["REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "SharedRegion", "shm_free_bytes"]
 
@@ -65,7 +80,7 @@ ROW_ALIGNMENT = max(4096, mmap.PAGESIZE)
 HEADER_BYTES = ROW_ALIGNMENT
 """The region starts with one header page (magic, mapper count, layout); rows follow, still aligned."""
 
-_MAGIC = b"KVTRREG1"
+_MAGIC = b"KVTRREG2"
 _COUNT = struct.Struct("<Q")  # processes that have mapped the region
 _LENGTH = struct.Struct("<I")  # bytes of the layout JSON that follows
 _PID = struct.Struct("<Q")  # the creator's process id: a region whose creator is gone is stale
@@ -74,7 +89,7 @@ _PID_AT = _COUNT_AT + _COUNT.size
 _LENGTH_AT = _PID_AT + _PID.size
 _JSON_AT = _LENGTH_AT + _LENGTH.size
 JOIN_TIMEOUT_S = 30.0
-"""How long a joining process waits for the creator to finish the header."""
+"""How long a joining process waits for the creator to write the header (one page: no size makes it slow)."""
 
 
 def _check_count(name: str, value: int, minimum: int = 1) -> None:
@@ -180,21 +195,51 @@ def _process_alive(pid: int) -> bool:
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 
-def _populate(region: mmap.mmap) -> None:
-    """Allocate every page of a fresh region now, not on the first copy into it (a fault per page, mid-transfer).
+def rank_row_starts(layout: RegionLayout, rank: int) -> NDArray[np.int64]:
+    """File offset of ``rank``'s bytes in every block row (``rank_row_bytes`` each; the header included)."""
+    rows = np.arange(layout.num_block_rows, dtype=np.int64)
+    return HEADER_BYTES + rows * layout.block_row_stride + layout.rank_offset(rank)
 
-    One ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it; otherwise one
-    write per page (the region is all zeros here, so nothing is overwritten).
+
+def page_spans(starts: NDArray[np.int64], length: int, page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """The whole pages covering ``[start, start + length)`` for each (increasing) start, merged: ``(offset, length)``.
+
+    Vectorised: a region has millions of rows, the spans are what the loop visits.
     """
+    if starts.shape[0] == 0:
+        return []
+    firsts = starts - starts % page
+    ends = -(-(starts + length) // page) * page
+    breaks = np.flatnonzero(firsts[1:] > ends[:-1])
+    span_firsts = np.concatenate([firsts[:1], firsts[breaks + 1]])
+    span_ends = np.concatenate([ends[breaks], ends[-1:]])
+    return [(int(first), int(end - first)) for first, end in zip(span_firsts.tolist(), span_ends.tolist())]
+
+
+def _populate_rank(region: mmap.mmap, layout: RegionLayout, rank: int) -> None:
+    """Allocate the pages holding ``rank``'s bytes now, not on the first copy into them (a fault per page, mid-transfer).
+
+    ``madvise(MADV_POPULATE_WRITE)`` per span of whole pages where the kernel
+    has it (it never changes what the pages hold, so pages shared with another
+    rank are safe); otherwise one write per page, of a byte of this rank's own
+    (rewritten with its value: other ranks' bytes are never written).
+    """
+    starts = rank_row_starts(layout, rank)
     try:
-        region.madvise(_MADV_POPULATE_WRITE)
+        for offset, length in page_spans(starts, layout.rank_row_bytes):
+            region.madvise(_MADV_POPULATE_WRITE, offset, length)
+        return
     except OSError:
-        view = memoryview(region)
-        try:
-            for offset in range(0, len(region), mmap.PAGESIZE):
-                view[offset] = 0
-        finally:
-            view.release()
+        pass  # Linux before 5.14: touch the pages one by one
+    view = memoryview(region)
+    try:
+        for start in starts.tolist():
+            touch = start
+            while touch < start + layout.rank_row_bytes:
+                view[touch] = view[touch]
+                touch = touch - touch % mmap.PAGESIZE + mmap.PAGESIZE
+    finally:
+        view.release()
 
 
 def shm_free_bytes(directory: str = REGION_DIRECTORY) -> int:
@@ -265,7 +310,7 @@ class SharedRegion:
                 )
             os.ftruncate(self._fd, self.file_bytes)
             self._mmap = mmap.mmap(self._fd, self.file_bytes, flags=mmap.MAP_SHARED)
-            _populate(self._mmap)
+            # No pre-faulting here: joiners wait for the header only; ranks populate their own bytes (rank_slab).
             layout_json = json.dumps(asdict(self.layout), sort_keys=True).encode()
             if _JSON_AT + len(layout_json) > HEADER_BYTES:
                 raise ValueError(f"the region layout description ({len(layout_json)} bytes) does not fit the header page")
@@ -402,15 +447,30 @@ class SharedRegion:
             HEADER_BYTES + layout.rank_offset(rank),
         )
 
-    def rank_slab(self, rank: int, *, pin: bool | None = None, allow_pageable: bool = False) -> HostSlab:
+    def rank_slab(
+        self, rank: int, *, pin: bool | None = None, allow_pageable: bool = False, gpu: int | None = None
+    ) -> HostSlab:
         """``rank``'s :class:`HostSlab` over the region: the rows of :meth:`rank_rows`, one slot per chunk.
 
-        ``pin`` and ``allow_pageable`` work as for :meth:`HostSlab.from_buffer`,
-        which registers whole chunks with CUDA (the rows start on a page
-        boundary, after the header page). Closing the slab unpins it and
-        leaves the mapping to this region.
+        First populates the pages holding ``rank``'s bytes (on the CPUs of
+        ``gpu``'s NUMA node when the slab is pinned: default the current CUDA
+        device, see :mod:`kvtriton.worker.numa`). ``pin``, ``allow_pageable``
+        and ``gpu`` work as for :meth:`HostSlab.from_buffer`, which registers
+        whole chunks with CUDA (the rows start on a page boundary, after the
+        header page). Closing the slab unpins it and leaves the mapping to
+        this region.
         """
         layout = self.layout
+        layout.rank_offset(rank)  # validates rank before any work
+        region = self._require_mapping()
+        placed_on = gpu if gpu is not None else (_current_cuda_device() if pin is not False else None)
+        started = time.perf_counter()
+        with on_gpu_node(placed_on) as node:
+            _populate_rank(region, layout, rank)
+        logger.info(
+            "populated rank %d's bytes of %s in %.3f s%s", rank, self.path, time.perf_counter() - started,
+            "" if node is None else f" on NUMA node {node}",
+        )  # fmt: skip
         return HostSlab.from_buffer(
             self.region_tensor().reshape(-1),
             layout.num_chunks,
@@ -420,6 +480,7 @@ class SharedRegion:
             row_offset=layout.rank_offset(rank),
             pin=pin,
             allow_pageable=allow_pageable,
+            gpu=gpu,
         )
 
     def chunk_memoryview(self) -> memoryview:

@@ -20,11 +20,25 @@ Where the memory comes from:
 Pinning: with CUDA the memory is registered with ``cudaHostRegister`` chunk
 by chunk (one huge registration is slow or fails on some systems), and every
 chunk ends on a slot boundary that is also a host page boundary, so no slot
-straddles two registrations (the copy engine would split such a copy) and no
-two registrations share a page. When pinning fails the slab raises
-:class:`SlabPinningError`, one line naming ``RLIMIT_MEMLOCK``, the bytes asked
-for and how to raise the limit, unless the caller opted into a pageable slab
-with ``allow_pageable=True`` (then a :class:`PageableSlabWarning` says so).
+straddles two registrations and no two registrations share a page. Every
+chunk holds the same number of rows (:attr:`HostSlab.registration_rows`, the
+last one fewer): a run of consecutive rows may still cross a chunk boundary,
+so the copy backends cut runs there (one DMA may not span two registrations).
+At pin time every chunk's device address is checked to equal its host
+address (:attr:`HostSlab.device_aliased`), which the Triton path relies on:
+the kernel reaches every row as the slab's base plus an offset.
+
+The pages are first touched by the pinning, on the CPUs of the GPU's NUMA
+node (:mod:`kvtriton.worker.numa`), so they live next to the GPU that copies
+them. An allocated slab is also marked ``MADV_DONTFORK``: a child process
+forked later (a tokenizer pool, say) must not turn the pinned pages
+copy-on-write, after which the process's writes would go to fresh pages the
+GPU never sees.
+
+When pinning fails the slab raises :class:`SlabPinningError`, one line naming
+the CUDA error, the bytes asked for, ``RLIMIT_MEMLOCK`` and how to raise it,
+unless the caller opted into a pageable slab with ``allow_pageable=True``
+(then a :class:`PageableSlabWarning` says so).
 
 Lifetime: transfer engines register themselves as users of the slab
 (:meth:`HostSlab.add_user`); :meth:`HostSlab.close` drains every live user's
@@ -46,7 +60,8 @@ from typing import Protocol, SupportsInt, cast
 
 import torch
 
-from kvtriton.worker.cudart import last_error, loaded_cudart
+from kvtriton.worker.cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
+from kvtriton.worker.numa import on_gpu_node
 
 __all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "pin_ranges"]
 
@@ -125,13 +140,39 @@ def _registrar() -> _HostRegistrar:
     return _CudaRuntime()
 
 
+def _device_pointer(host: int) -> int | None:
+    """Where the device reaches registered host memory at ``host`` (None: libcudart not loaded, cannot tell).
+
+    A failing query reads as "somewhere else" (0): the slab is then not used by
+    the triton backend, which relies on the answer, and no registration leaks.
+    """
+    try:
+        return host_device_pointer(host)
+    except CudaRuntimeError as error:
+        logger.warning("cannot tell where the device reaches the host slab at %#x: %s", host, error)
+        return 0
+
+
+def _current_cuda_device() -> int | None:
+    """The CUDA device whose NUMA node pinned memory is placed on by default (None without CUDA)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
+
+
 def _page_aligned_zeros(nbytes: int) -> torch.Tensor:
     """``nbytes`` zeroed bytes whose storage starts on a host page boundary (an anonymous private mmap).
 
     The kernel zero-fills pages on first touch, so a large slab costs no upfront
     memset; the tensor keeps the mapping alive (``torch.frombuffer`` holds it).
+    The mapping is ``MADV_DONTFORK`` (see the module docstring).
     """
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    try:
+        buffer.madvise(_MADV_DONTFORK)
+    except OSError as error:  # not fatal: only a later fork() would be
+        logger.warning("madvise(MADV_DONTFORK) on the host slab failed: %s", error)
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
@@ -200,11 +241,11 @@ def pin_ranges(nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int) 
 
 def _pin_failure(nbytes: int, detail: str) -> str:
     limit = memlock_limit_bytes()
-    limit_text = "unlimited" if limit is None else f"{limit} bytes"
-    return (
-        f"cannot pin the {nbytes}-byte host slab ({detail}); RLIMIT_MEMLOCK is {limit_text}: {MEMLOCK_ADVICE}, "
-        "or opt into a slower pageable slab (allow_pageable=True)"
-    )
+    if limit is None:
+        limit_text = "RLIMIT_MEMLOCK is unlimited, so the limit is not the cause"
+    else:
+        limit_text = f"RLIMIT_MEMLOCK is {limit} bytes: {MEMLOCK_ADVICE}"
+    return f"cannot pin the {nbytes}-byte host slab ({detail}); {limit_text}; or opt into a slower pageable slab (allow_pageable=True)"
 
 
 class HostSlab:
@@ -226,6 +267,7 @@ class HostSlab:
         pin: bool | None = None,
         *,
         allow_pageable: bool = False,
+        gpu: int | None = None,
     ) -> None:
         _check_sizes(num_slots, block_size_factor, row_bytes)
         nbytes = num_slots * block_size_factor * row_bytes
@@ -237,7 +279,7 @@ class HostSlab:
             )
         flat = _page_aligned_zeros(nbytes)
         self._setup(flat, num_slots, block_size_factor, row_bytes, row_bytes, 0, owns_memory=True)
-        self._pin_if_wanted(pin, allow_pageable)
+        self._pin_if_wanted(pin, allow_pageable, gpu)
 
     @classmethod
     def from_buffer(
@@ -251,6 +293,7 @@ class HostSlab:
         row_offset: int = 0,
         pin: bool | None = None,
         allow_pageable: bool = False,
+        gpu: int | None = None,
     ) -> HostSlab:
         """A slab over host memory created elsewhere; :meth:`close` unpins it but never unmaps it.
 
@@ -283,7 +326,7 @@ class HostSlab:
             )
         slab = cls.__new__(cls)
         slab._setup(flat, num_slots, block_size_factor, row_bytes, stride, row_offset, owns_memory=False)
-        slab._pin_if_wanted(pin, allow_pageable)
+        slab._pin_if_wanted(pin, allow_pageable, gpu)
         return slab
 
     def _setup(
@@ -309,16 +352,22 @@ class HostSlab:
         self._span_bytes = min(self.num_rows * row_stride, int(flat.numel()))
         self._flat: torch.Tensor | None = flat
         self._registered: list[int] = []
+        self.registration_rows: int | None = None
+        """Rows per CUDA registration while pinned (the last registration may hold fewer); None when pageable."""
+        self.device_aliased = True
+        """Whether every registration is reached on the device at its host address (checked at pin time)."""
         self._users: list[weakref.ref[SlabUser]] = []
         self._rows: torch.Tensor | None = flat.as_strided(
             (self.num_rows, row_bytes), (row_stride, 1), flat.storage_offset() + row_offset
         )
 
-    def _pin_if_wanted(self, pin: bool | None, allow_pageable: bool) -> None:
+    def _pin_if_wanted(self, pin: bool | None, allow_pageable: bool, gpu: int | None) -> None:
         if pin is not None and not isinstance(pin, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- reject "yes" and 1
             raise TypeError(f"pin must be True, False or None, got {pin!r}")
         if not isinstance(allow_pageable, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
             raise TypeError(f"allow_pageable must be True or False, got {allow_pageable!r}")
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
+            raise ValueError(f"gpu must be a CUDA device index >= 0 or None, got {gpu!r}")
         if pin is True and not _cuda_available():
             raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
         if pin is False:
@@ -330,7 +379,10 @@ class HostSlab:
                 stacklevel=3,
             )
             return
-        self._pin(allow_pageable)
+        with on_gpu_node(gpu if gpu is not None else _current_cuda_device()) as node:
+            self._pin(allow_pageable)
+        if node is not None and self.pinned:
+            logger.info("host slab pages placed on NUMA node %d", node)
 
     @classmethod
     def from_budget(
@@ -342,10 +394,11 @@ class HostSlab:
         world_size: int = 1,
         pin: bool | None = None,
         allow_pageable: bool = False,
+        gpu: int | None = None,
     ) -> HostSlab:
         """A slab holding as many slots as this rank's share of ``cpu_bytes_to_use`` allows."""
         slots = cls.slots_for_budget(cpu_bytes_to_use, block_size_factor, row_bytes, world_size=world_size)
-        return cls(slots, block_size_factor, row_bytes, pin=pin, allow_pageable=allow_pageable)
+        return cls(slots, block_size_factor, row_bytes, pin=pin, allow_pageable=allow_pageable, gpu=gpu)
 
     @staticmethod
     def slots_for_budget(cpu_bytes_to_use: int, block_size_factor: int, row_bytes: int, *, world_size: int = 1) -> int:
@@ -383,19 +436,32 @@ class HostSlab:
             )
         registrar = _registrar()
         slot_bytes = self.block_size_factor * self.row_stride
-        for offset, size in pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES):
+        ranges = pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES)
+        aliased = True
+        for offset, size in ranges:
             code = int(registrar.cudaHostRegister(base + offset, size, 0))
             if code != 0:
                 registrar.cudaGetLastError()  # consumed here, not by torch's next launch check
                 self._unpin()
                 message = _pin_failure(
-                    self._span_bytes, f"cudaHostRegister failed with CUDA error {code} on bytes {offset}..{offset + size}"
+                    self._span_bytes, f"cudaHostRegister failed with {error_name(code)} on bytes {offset}..{offset + size}"
                 )
                 if not allow_pageable:
                     raise SlabPinningError(message)
                 warnings.warn(message + "; allow_pageable=True: the slab stays pageable", PageableSlabWarning, stacklevel=4)
                 return
             self._registered.append(base + offset)
+            device = _device_pointer(base + offset)
+            if device is not None and device != base + offset:
+                aliased = False
+                logger.warning(
+                    "the host slab's registration at %#x is reached on the device at %#x: the triton backend "
+                    "(which addresses every row from the slab's base) is refused for it; dma copies it",
+                    base + offset, device,
+                )  # fmt: skip
+        self.device_aliased = aliased
+        # Every registration but the last holds the same whole slots (pin_ranges' step).
+        self.registration_rows = self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride
         logger.info("pinned a %d-byte host slab in %d chunk(s)", self._span_bytes, len(self._registered))
 
     def _unpin(self) -> None:
@@ -406,8 +472,9 @@ class HostSlab:
             code = int(registrar.cudaHostUnregister(pointer))
             if code != 0:
                 registrar.cudaGetLastError()
-                logger.warning("cudaHostUnregister(%#x) failed with CUDA error %d", pointer, code)
+                logger.warning("cudaHostUnregister(%#x) failed with %s", pointer, error_name(code))
         self._registered.clear()
+        self.registration_rows = None
 
     def add_user(self, user: SlabUser) -> None:
         """Have :meth:`close` call ``user.drain()`` first (held weakly: a collected user drains itself)."""
