@@ -446,9 +446,9 @@ def summary_table(results: Results) -> str:
         ["engine host cost per job (kernel launch stubbed), median", engine_goals, engine_summary(results), when("engine"),
          "[engine](#engine-host-cost-per-job)"],
         ["tier traffic through kvtriton's primary vs vLLM's CPU primary, behind the `fs` tier", ">= 0.95",
-         tiers_summary(results), when("tiers"), "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary)"],
+         tiers_summary(results), when("tiers"), "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary-benchtierspy)"],
         ["Mooncake Store tier vs the raw Mooncake calls on the same chunks", f">= {_num(results('tiers_mooncake'), 'overhead_goal'):g}",
-         mooncake_summary(results), when("tiers_mooncake"), "[Mooncake](#mooncake-store-tier-cascade-promotion-and-overhead)"],
+         mooncake_summary(results), when("tiers_mooncake"), "[Mooncake](#mooncake-store-tier-cascade-promotion-and-overhead-benchtiers_mooncakepy)"],
     ]  # fmt: skip
     return _table(["what", "goal", "measured", "run", "where"], rows, "lllll")
 
