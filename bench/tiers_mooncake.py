@@ -21,7 +21,7 @@ is compared with the bytes cascaded. JSON under bench/results/.
 
 Mooncake's client library logs about a hundred lines per run to stderr; they
 go to a file, and one line names it with its line and error counts
-(``--mooncake-log`` shows them instead). ``--quick`` is a smoke run: 64 MiB
+(``--mooncake-log`` shows them instead). ``--quick`` is a smoke run: 16 MiB
 per size, one repeat, no goal verdict, written as ``tiers_mooncake-quick.json``.
 """
 
@@ -99,14 +99,14 @@ def gbps(total_bytes: int, seconds: float) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.tiers_mooncake", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--chunk-mib", type=float, nargs="+", default=list(DEFAULT_CHUNK_MIB), help="chunk sizes in MiB (default 0.5 2 4)")
-    parser.add_argument("--total-mib", type=int, help="bytes moved per size and direction, in MiB (default 256; 64 with --quick)")
+    parser.add_argument("--total-mib", type=int, help="bytes moved per size and direction, in MiB (default 256; 16 with --quick)")
     parser.add_argument("--chunks-per-job", type=int, default=8, help="chunks per store/load job (default %(default)s)")
     parser.add_argument("--io-threads", type=int, default=4, help="the tier's io_threads and the raw path's threads (default %(default)s)")
     parser.add_argument("--repeats", type=int, help="runs per path; the fastest counts (default 3; 1 with --quick)")
     parser.add_argument("--promotions", type=int, default=5, help="single-chunk promotions timed per size (default %(default)s)")
     parser.add_argument("--step-ms", type=float, default=5.0, help="scheduler step period for the promotion latency (default %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 64 MiB per size and one repeat, no goal verdict; writes tiers_mooncake-quick.json")
+                        help="smoke run: 16 MiB per size and one repeat, no goal verdict; writes tiers_mooncake-quick.json")
     parser.add_argument("--name", default=None,
                         help="result file name under bench/results/ (default tiers_mooncake, tiers_mooncake-quick with --quick)")
     parser.add_argument("--mooncake-log", action="store_true",
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_vllm()
     quick: bool = args.quick
     name: str = args.name if args.name is not None else "tiers_mooncake-quick" if quick else "tiers_mooncake"
-    total_mib: int = args.total_mib if args.total_mib is not None else 64 if quick else 256
+    total_mib: int = args.total_mib if args.total_mib is not None else 16 if quick else 256
     repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
     chunk_sizes: list[float] = args.chunk_mib
     per_job: int = args.chunks_per_job
