@@ -40,7 +40,11 @@ _SIGPIPE_EXIT = 128 + 13
 """Exit status of a process killed by SIGPIPE, which is what a shell expects after ``| head``."""
 
 _COMMANDS: tuple[_Command, ...] = (
-    _Command("info", "kvtriton.tools.info", "versions, CUDA, pinned memory and memlock limits"),
+    _Command(
+        "info",
+        "kvtriton.tools.info",
+        "versions, CUDA, pinned memory; with --slab-size, whether a host slab fits the memlock limit, RAM and /dev/shm",
+    ),
     _Command("demo", "kvtriton.tools.demo", "offload a model-shaped KV cache through manager and engine"),
     _Command("simulate", "kvtriton.tools.simulate", "capacity planning: cache hit rate per GiB of host memory for a trace"),
     _Command(

@@ -1,4 +1,10 @@
-"""`kvtriton info`: what this machine offers an offload backend."""
+"""`kvtriton info`: what this machine offers an offload backend, and whether a host slab of a given size can start.
+
+With ``--slab-size`` it checks the three limits that stop a server at start:
+RLIMIT_MEMLOCK (the slab is pinned on CUDA), the RAM available, and /dev/shm
+(only the tiering spec keeps its slab there); it exits 1 when the first two
+say TOO LOW, so a start-up script can run it as a check.
+"""
 
 from __future__ import annotations
 
