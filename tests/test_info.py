@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -29,6 +30,8 @@ def test_info_takes_a_slab_size_and_reports_the_verdict(capsys: pytest.CaptureFi
 
     monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 8 * 2**20)
     monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 64 * 2**30)
+    real = info_module.collect_machine_info()
+    monkeypatch.setattr(info_module, "collect_machine_info", lambda: dataclasses.replace(real, cuda_available=True))
     assert main(["info", "--json", "--slab-size", "1GiB"]) == 1  # a slab that cannot be pinned fails the check
     report = json.loads(capsys.readouterr().out)
     assert report["memlock_verdict"].startswith("TOO LOW to pin a 1.00 GiB slab: the limit is 8.00 MiB")
@@ -82,3 +85,19 @@ def test_without_cuda_the_warm_up_line_says_why_it_was_not_measured() -> None:
         assert measure_warmup().endswith("later starts faster)")
     else:
         assert measure_warmup() == "not measured: no CUDA device (the kernels compile only for a GPU)"
+
+
+def test_without_cuda_a_low_memlock_limit_is_named_but_does_not_fail(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
+    import kvtriton.worker.slab as slab_module
+
+    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 8 * 2**20)
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 64 * 2**30)
+    real = info_module.collect_machine_info()
+    monkeypatch.setattr(info_module, "collect_machine_info", lambda: dataclasses.replace(real, cuda_available=False))
+    assert main(["info", "--json", "--slab-size", "1GiB"]) == 0
+    verdict = json.loads(capsys.readouterr().out)["memlock_verdict"]
+    assert verdict.startswith("TOO LOW to pin a 1.00 GiB slab")
+    assert verdict.endswith("(no CUDA device here: slabs stay pageable, so this matters only on the GPU machine)")

@@ -2,8 +2,9 @@
 
 With ``--slab-size`` it checks the three limits that stop a server at start:
 RLIMIT_MEMLOCK (the slab is pinned on CUDA), the RAM available, and /dev/shm
-(only the tiering spec keeps its slab there); it exits 1 when the first two
-say TOO LOW, so a start-up script can run it as a check.
+(only the tiering spec keeps its slab there); it exits 1 when the RAM, or on
+a CUDA machine the memlock limit, says TOO LOW, so a start-up script can run
+it as a check.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtriton.tools.geometry import SIZE_RULE, size_argument
 
     parser.epilog = (
-        "exit status: 0, or 1 when a --slab-size slab cannot start here (a verdict reads TOO LOW:"
-        " the memlock limit, or the RAM available)"
+        "exit status: 0, or 1 when a --slab-size slab cannot start here (a verdict reads TOO LOW: the RAM"
+        " available, or, on a machine with CUDA, the memlock limit)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
@@ -208,10 +209,15 @@ def run(args: argparse.Namespace) -> int:
     info = collect_machine_info()
     rows = info.as_dict()
     rows["memlock_verdict"] = memlock_verdict(memlock_limit_bytes(), slab_bytes)
+    if not info.cuda_available and str(rows["memlock_verdict"]).startswith(TOO_LOW):
+        rows["memlock_verdict"] = f"{rows['memlock_verdict']} (no CUDA device here: slabs stay pageable, so this matters only on the GPU machine)"
     rows["memory_verdict"] = memory_verdict(mem_available_bytes(), slab_bytes)
     rows["shm_verdict"] = shm_verdict(_shm_free_bytes(), slab_bytes)
     rows["engine_warmup"] = measure_warmup()
-    blocking = any(str(rows[name]).startswith(TOO_LOW) for name in ("memlock_verdict", "memory_verdict"))
+    # Pinning needs the memlock limit only where there is CUDA to pin for; RAM is needed everywhere.
+    blocking = str(rows["memory_verdict"]).startswith(TOO_LOW) or (
+        info.cuda_available and str(rows["memlock_verdict"]).startswith(TOO_LOW)
+    )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
