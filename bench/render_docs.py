@@ -328,10 +328,12 @@ def kernels_ptx_summary(results: Results) -> str:
     rows = _list(results("kernels_ptx").get("ptx"))
     aligned = [row for row in rows if re.fullmatch(r"(gather|scatter) \d+ B", str(row.get("kernel")))
                and int(str(row["kernel"]).split()[1]) % 16 == 0]  # fmt: skip
-    wide = all(max(int(width) for width in _obj(row.get("stores"))) == 16 for row in aligned)
+    wide = all(
+        max(int(width) for width in _obj(row.get(kind))) == 16 for row in aligned for kind in ("loads", "stores")
+    )
     narrow = any(row.get("narrow_multiplies") for row in rows)
     return (
-        f"{'16-byte' if wide else 'NOT all 16-byte'} stores for every 16-byte-aligned page size;"
+        f"{'16-byte' if wide else 'NOT all 16-byte'} loads and stores for every 16-byte-aligned page size;"
         f" {'a' if narrow else 'no'} 32-bit address multiply"
     )
 
