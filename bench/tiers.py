@@ -33,7 +33,7 @@ per chunk, without I/O: the primary's whole share of the tier traffic,
 measured without the disk's noise. Writes ``bench/results/tiers.json``.
 
     python -m bench.tiers                    # 0.5, 2 and 4 MiB chunks, 128 MiB per pass
-    python -m bench.tiers --quick            # one small pass per size
+    python -m bench.tiers --quick            # smoke run: one small pass per size, no verdict, tiers-quick.json
     python -m bench.tiers --root /mnt/nvme/kv --total-mib 1024
 """
 
@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import format_table, write_json
+from bench.third_party_logs import quiet_vllm
 from kvtriton.tools.progress import progress
 
 __all__ = ["Bookkeeping", "PassResult", "build_parser", "main", "measure_bookkeeping", "run_pass"]
@@ -248,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=None, help="passes per size and primary, best kept (default: 7, 1 with --quick)")
     parser.add_argument("--threads", type=int, default=4, help="fs tier read and write threads each (default: 4)")
     parser.add_argument("--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)")
-    parser.add_argument("--quick", action="store_true", help="16 MiB per pass, one repeat")
-    parser.add_argument("--name", default="tiers", help="result file name without .json (default: tiers)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 16 MiB per pass, one repeat, no goal verdict; writes tiers-quick.json")
+    parser.add_argument("--name", default=None, help="result file name without .json (default: tiers, tiers-quick with --quick)")
     return parser
 
 
@@ -264,6 +266,8 @@ def _median(results: list[PassResult], attribute: str) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_vllm()
+    name: str = args.name if args.name is not None else "tiers-quick" if args.quick else "tiers"
     repeats: int = args.repeats if args.repeats is not None else 1 if args.quick else 7
     total_mib: int = 16 if args.quick else args.total_mib
     sizes = [int(mib * (1 << 20)) for mib in args.chunk_mib]
@@ -337,8 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost_rows.append([primary, costs[primary]["write_us"], costs[primary]["read_us"], costs[primary]["lookup_us"]])
     print(f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):")
     print(format_table(["primary", "promotion slot (write)", "cascade pin (read)", "lookup"], cost_rows))
-    verdict = "met" if worst >= GOAL_RATIO else "NOT met"
-    print(f"worst kvtriton/vLLM ratio {worst:.3f} (best passes), {worst_median:.3f} (medians): goal >= {GOAL_RATIO} {verdict}")
+    if args.quick:
+        verdict = f"smoke run (--quick, {total_mib} MiB, {repeats} pass): no verdict on the goal >= {GOAL_RATIO}"
+    else:
+        verdict = f"goal >= {GOAL_RATIO} {'met' if worst >= GOAL_RATIO else 'NOT met'}"
+    print(f"worst kvtriton/vLLM ratio {worst:.3f} (best passes), {worst_median:.3f} (medians): {verdict}")
     # Only the primary's calls differ between the two runs; if kvtriton's are cheaper than vLLM's, its primary
     # cannot slow the tier traffic down, whatever the disk's noise does to the end-to-end ratio.
     extra_us = costs["kvtriton"]["write_us"] + costs["kvtriton"]["read_us"] - costs["vllm"]["write_us"] - costs["vllm"]["read_us"]
@@ -347,9 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {extra_us:+.2f} us per chunk against vLLM's (cascade pin + promotion slot)"
     )
     path = write_json(
-        args.name,
+        name,
         {
             "command": " ".join(["python -m bench.tiers", *(sys.argv[1:] if argv is None else argv)]),
+            "smoke_run": bool(args.quick),
+            "goal_met": None if args.quick else worst >= GOAL_RATIO,
             "total_mib": total_mib,
             "batch": args.batch,
             "threads": args.threads,

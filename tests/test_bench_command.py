@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.tools.bench_command import BENCHMARKS, find_checkout
+from kvtriton.tools.bench_command import ALL_QUICK_DURATION, BENCHMARKS, SMOKE_RUN_NOTE, find_checkout
 from kvtriton.tools.cli import main
 
 # A stand-in benchmark: records its argv and where it was told to write, like bench/common.py does.
@@ -172,3 +172,34 @@ def test_every_benchmark_prints_its_help(name: str) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
+
+
+def test_quick_runs_are_announced_as_smoke_runs_with_how_long_all_takes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    checkout = fake_checkout(tmp_path / "repo")
+    assert main(["bench", "all", "--checkout", str(checkout), "--out", str(tmp_path / "out")]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith(f"kvtriton bench: {SMOKE_RUN_NOTE}; all {len(BENCHMARKS)} take {ALL_QUICK_DURATION}")
+    assert "no goal verdicts" in SMOKE_RUN_NOTE
+    assert "== kvtriton bench manager (smoke run): python -m bench.manager --quick" in out
+    assert f"== {len(BENCHMARKS)} benchmarks in " in out
+    assert main(["bench", "kernels", "--full", "--checkout", str(checkout), "--out", str(tmp_path / "out")]) == 0
+    full = capfd.readouterr().out
+    assert "smoke" not in full and "== kvtriton bench kernels (full run): python -m bench.kernels  (in" in full
+
+
+def test_every_quick_run_writes_a_quick_named_file(tmp_path: Path) -> None:
+    for benchmark in BENCHMARKS.values():
+        flags = list(benchmark.quick_flags)
+        assert "--quick" in flags and flags[flags.index("--name") + 1] == f"{benchmark.name}-quick"
+
+
+def test_an_out_that_is_a_file_is_refused_in_words(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    checkout = fake_checkout(tmp_path / "repo")
+    taken = tmp_path / "results.txt"
+    taken.write_text("not a folder")
+    assert main(["bench", "manager", "--checkout", str(checkout), "--out", str(taken)]) == 2
+    err = capfd.readouterr().err
+    assert f"kvtriton bench: error: --out {taken}: is a file, not a folder" in err
+    assert "File exists" not in err and taken.read_text() == "not a folder"

@@ -14,7 +14,8 @@ def test_info_reports_versions_and_machine_facts(capsys: pytest.CaptureFixture[s
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {
         "python", "torch", "triton", "cuda_available", "device_name",
-        "pinned_memory", "memlock_limit", "triton_interpret", "memlock_verdict", "engine_warmup",
+        "pinned_memory", "memlock_limit", "triton_interpret", "memlock_verdict", "memory_verdict", "shm_verdict",
+        "engine_warmup",
     }
     assert report["torch"].startswith("2.")
     assert report["triton_interpret"] is True  # conftest sets it for the kernel tests
@@ -114,3 +115,12 @@ def test_every_size_flag_of_every_command_says_a_bare_number_is_gib(capsys: pyte
     assert {"demo --capacity", "simulate --capacities"} <= set(size_flags)
     for where, text in size_flags.items():
         assert re.search(r"bare numbers? (is|are) GiB", text), f"kvtriton {where}: {text}"
+
+
+def test_top_level_help_names_every_benchmark_that_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtriton.tools.bench_command import BENCHMARKS
+
+    text = " ".join(_help([], capsys).split())
+    for name in BENCHMARKS:
+        assert name in text
+    assert "the manager and kernel benchmarks" not in text

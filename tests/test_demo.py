@@ -42,8 +42,9 @@ def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys:
         ["--layout", "pages", "--backend", "dma"],
         ["--layout", "flashinfer", "--backend", "triton", "--requests", "3"],
         ["--model", "deepseek-v3", "--layout", "mla", "--capacity", "32MiB"],
+        ["--model", "deepseek-v3", "--capacity", "32MiB"],  # the default layout follows the model
     ],
-    ids=["cross_layer-arc-f2", "pages-dma", "flashinfer-triton", "mla"],
+    ids=["cross_layer-arc-f2", "pages-dma", "flashinfer-triton", "mla", "mla-by-default"],
 )
 def test_demo_runs_clean_for_other_layouts_policies_and_backends(
     flags: list[str], capsys: pytest.CaptureFixture[str]
@@ -158,7 +159,7 @@ def test_demo_help_documents_every_default(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for default in ["(default: llama-3-8b)", "(default: flash_attn)", "(default: lru)", "(default: 96MiB)",
+    for default in ["(default: llama-3-8b)", "(default: auto)", "(default: lru)", "(default: 96MiB)",
                     "(default: auto)", "(default: 40)", "(default: 0)"]:  # fmt: skip
         assert default in out
 
@@ -217,3 +218,32 @@ def test_an_engine_the_slab_cannot_serve_is_refused_by_flag_and_the_slab_is_clos
     assert err.startswith("kvtriton demo: error: --backend triton: backend='triton' needs a pinned slab")
     assert "Traceback" not in err
     assert len(slabs) == 1 and slabs[0].closed
+
+
+def test_the_default_layout_follows_the_model() -> None:
+    assert demo_module.default_layout(demo_module.PRESETS["deepseek-v3"]) == "mla"
+    assert demo_module.default_layout(demo_module.PRESETS["llama-3-8b"]) == "flash_attn"
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_rates_are_in_gb_per_second_as_in_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r"\d+\.\d\d MiB at \d+\.\d\d GB/s$", _field(out, "loaded"))
+    assert "MiB/s" not in out
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_a_run_that_loads_nothing_verified_nothing_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *SMALL, "--requests", "1"]) == 1
+    out = capsys.readouterr().out
+    assert _field(out, "verified") == "0 loaded blocks, 0 mismatched"
+    assert "NOTHING VERIFIED: no request found a stored chunk" in out and "OK" not in out
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_triton_on_a_cpu_says_it_runs_the_interpreter(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *SMALL, "--device", "cpu", "--backend", "triton", "--requests", "3"]) == 0
+    assert demo_module.INTERPRETER_NOTE in capsys.readouterr().err
+    assert main(["demo", *SMALL, "--device", "cpu", "--backend", "torch", "--requests", "3"]) == 0
+    assert "interpreter" not in capsys.readouterr().err

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from kvtriton.tools.geometry import (
@@ -11,7 +13,10 @@ from kvtriton.tools.geometry import (
     format_bytes,
     is_bare_number,
     parse_capacity,
+    parse_capacity_list,
     parse_dtype,
+    size_argument,
+    size_list_argument,
 )
 
 
@@ -117,3 +122,41 @@ def test_format_bytes_picks_the_largest_binary_unit() -> None:
     assert format_bytes(2 * 2**20) == "2.00 MiB"
     assert format_bytes(1536 * 2**30) == "1.50 TiB"
     assert format_bytes(512) == "512 B"
+
+
+def test_a_negative_size_is_refused_as_not_positive_not_as_not_a_number() -> None:
+    with pytest.raises(ValueError, match="capacity must be positive, got '-1'"):
+        parse_capacity("-1")
+
+
+def test_a_size_list_keeps_the_order_given() -> None:
+    assert parse_capacity_list("16,4GiB, 512MiB") == [16 * 2**30, 4 * 2**30, 2**29]
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("1,,2", "size 2 of '1,,2' is empty"),
+        ("1,2,", "size 3 of '1,2,' is empty"),
+        ("", "size 1 of '' is empty"),
+        ("16,16GiB", "'16' and '16GiB' in '16,16GiB' are the same size; give it once"),
+        ("4,-1", "capacity must be positive, got '-1'"),
+    ],
+)
+def test_a_size_list_refuses_what_it_would_otherwise_drop(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_capacity_list(text)
+
+
+def test_the_argparse_types_show_the_parsers_message_as_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.add_argument("--size", type=size_argument)
+    parser.add_argument("--sizes", type=size_list_argument)
+    assert parser.parse_args(["--size", "2", "--sizes", "1,2"]).sizes == [2**30, 2**31]
+    for argv in (["--size", "0"], ["--sizes", "1,,2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert "argument --size: capacity must be positive, got '0'" in err
+    assert "argument --sizes: size 2 of '1,,2' is empty" in err
+    assert "invalid" not in err

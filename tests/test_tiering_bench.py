@@ -26,11 +26,29 @@ def test_main_prints_the_ratio_and_writes_json(tmp_path: Path, monkeypatch: pyte
     assert tiers.main(["--chunk-mib", "0.0625", "--total-mib", "1", "--repeats", "1", "--threads", "1", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "kvtriton/vLLM ratio" in out and "primary-tier calls alone" in out
+    assert "goal >= 0.95 met" in out or "goal >= 0.95 NOT met" in out
     record = json.loads((tmp_path / "tiers.json").read_text())
+    assert record["smoke_run"] is False and isinstance(record["goal_met"], bool)
     assert [(row["chunk_bytes"], row["direction"]) for row in record["results"]] == [(65536, "cascade"), (65536, "promotion")]
     assert record["machine"] and record["command"].startswith("python -m bench.tiers")
     assert set(record["bookkeeping_us_per_chunk"]) == {"vllm", "kvtriton"}
     assert [path.name for path in tmp_path.iterdir()] == ["tiers.json"]  # the fs root it made is gone
+
+
+def test_a_quick_run_is_a_smoke_run_without_a_verdict_in_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    assert tiers.main(["--quick", "--chunk-mib", "0.25", "--threads", "1", "--root", str(tmp_path)]) == 0
+    captured = capfd.readouterr()
+    assert "smoke run (--quick, 16 MiB, 1 pass): no verdict" in captured.out
+    assert "met" not in captured.out
+    record = json.loads((tmp_path / "tiers-quick.json").read_text())
+    assert record["smoke_run"] is True and record["goal_met"] is None
+    assert not (tmp_path / "tiers.json").exists()  # the full-size result is never overwritten by a smoke run
+    # vLLM's expected warnings (python-only build, out-of-tree spec) are not part of the output.
+    output = captured.out + captured.err
+    assert "vllm._C" not in output and "out-of-tree" not in output
 
 
 def test_chunk_sizes_that_o_direct_cannot_use_are_refused() -> None:

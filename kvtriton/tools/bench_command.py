@@ -3,9 +3,12 @@
 Runs ``python -m bench.<name>`` for each chosen benchmark in the checkout,
 streaming its output. Each benchmark prints a table and writes JSON (with the
 machine it ran on) and PNG plots under ``bench/results/``, or under ``--out``.
-By default the benchmarks run in a quick mode, writing ``<name>-quick.*``, so
-that a pass takes well under a minute and never overwrites full-size results;
-``--full`` runs them at their full size under their own names.
+By default each benchmark runs as a smoke run (its ``--quick`` mode): small
+sizes, one repeat, no goal verdicts, results written as ``<name>-quick.*`` so
+that they never overwrite the full-size results; it shows that every benchmark
+runs here (``all`` takes about three minutes on a 2-core CPU machine), not how
+fast anything is. ``--full`` runs them at their full size under their own
+names: the figures and verdicts in docs/benchmarks.md come from such runs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +26,15 @@ from pathlib import Path
 __all__ = ["BENCHMARKS", "Benchmark", "add_arguments", "benchmark_command", "find_checkout", "run"]
 
 RESULTS_ENV = "KVTRITON_BENCH_OUT"  # read by bench/common.py's results_dir()
+
+SMOKE_RUN_NOTE = (
+    "smoke runs (--quick): small sizes and one repeat show that each benchmark runs here; their figures are"
+    " not measurements and carry no goal verdicts (--full runs produce those; see docs/benchmarks.md)"
+)
+"""Printed before quick runs, so that no figure of a smoke run is read as a result."""
+
+ALL_QUICK_DURATION = "about 3 minutes on a 2-core CPU machine"
+"""What ``kvtriton bench all`` takes in smoke runs (measured: 160-200 s on the 2-core development box)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +55,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     for benchmark in (
         Benchmark(
             "manager",
-            "manager blocks/s and hit rate per policy on the prefix-sharing workload, against vLLM's when installed",
+            "kvtriton's manager through its vLLM adapter against vLLM 0.33's, in vLLM's call order on four workloads"
+            " (blocks/s, hit rates), then kvtriton's direct calls",
             ("--quick", "--name", "manager-quick"),
         ),
         Benchmark(
@@ -94,7 +108,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--full",
         action="store_true",
-        help="run at full size, without the quick flags (minutes on a GPU, much longer on CPU)",
+        help="run at full size, without the quick flags, writing <name>.* (minutes on a GPU, much longer on"
+        " CPU); the default is a smoke run writing <name>-quick.*",
     )
     parser.add_argument(
         "--out",
@@ -114,7 +129,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton bench`: ")
-    parser.epilog = "benchmarks (all runs them in this order):\n" + "\n".join(
+    parser.epilog = textwrap.fill(f"{SMOKE_RUN_NOTE}; `all` takes {ALL_QUICK_DURATION}.", 79) + (
+        "\n\nbenchmarks (all runs them in this order):\n"
+    ) + "\n".join(
         f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags) or 'none'})"
         for benchmark in BENCHMARKS.values()
     ) + (
@@ -171,6 +188,19 @@ def _results_dir(checkout: Path, out: Path | None) -> Path:
     return Path(chosen).resolve() if chosen else checkout / "bench" / "results"
 
 
+def _out_problem(out: Path) -> str | None:
+    """Why ``--out`` cannot be the results folder (creating it when missing), or None."""
+    if out.exists() and not out.is_dir():
+        return "is a file, not a folder (name a folder, created when missing)"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot create the folder: {error.strerror or error}"
+    if not os.access(out, os.W_OK):
+        return "the folder is not writable"
+    return None
+
+
 def _written_since(folder: Path, started: float) -> list[Path]:
     if not folder.is_dir():
         return []
@@ -207,24 +237,30 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
     if invocation.out is not None:
-        try:
-            invocation.out.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            print(f"kvtriton bench: error: --out: cannot create {invocation.out}: {error}", file=sys.stderr)
+        problem = _out_problem(invocation.out)
+        if problem is not None:
+            print(f"kvtriton bench: error: --out {invocation.out}: {problem}", file=sys.stderr)
             return 2
         env[RESULTS_ENV] = str(invocation.out.resolve())
     results = _results_dir(checkout, invocation.out)
     failures: list[tuple[str, int]] = []
     started = time.time() - 1  # file times may be rounded down to the second
+    began_all = time.perf_counter()
+    kind = "full run" if invocation.full else "smoke run"
+    if not invocation.full:
+        duration = f"; all {len(invocation.benchmarks)} take {ALL_QUICK_DURATION}" if len(invocation.benchmarks) > 1 else ""
+        print(f"kvtriton bench: {SMOKE_RUN_NOTE}{duration}", flush=True)
     for benchmark in invocation.benchmarks:
         command = benchmark_command(benchmark, full=invocation.full, extra=invocation.extra)
         shown = " ".join(["python", *command[1:]])
-        print(f"== kvtriton bench {benchmark.name}: {shown}  (in {checkout})", flush=True)
+        print(f"== kvtriton bench {benchmark.name} ({kind}): {shown}  (in {checkout})", flush=True)
         began = time.perf_counter()
         returncode = subprocess.run(command, cwd=checkout, env=env, check=False).returncode
         print(f"== {benchmark.name}: exit {returncode} after {time.perf_counter() - began:.1f} s", flush=True)
         if returncode != 0:
             failures.append((benchmark.name, returncode))
+    if len(invocation.benchmarks) > 1:
+        print(f"== {len(invocation.benchmarks)} benchmarks in {time.perf_counter() - began_all:.0f} s", flush=True)
     written = _written_since(results, started)
     if written:
         print("results:")

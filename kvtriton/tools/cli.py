@@ -40,10 +40,19 @@ _SIGPIPE_EXIT = 128 + 13
 """Exit status of a process killed by SIGPIPE, which is what a shell expects after ``| head``."""
 
 _COMMANDS: tuple[_Command, ...] = (
-    _Command("info", "kvtriton.tools.info", "versions, CUDA, pinned memory and memlock limits"),
+    _Command(
+        "info",
+        "kvtriton.tools.info",
+        "versions, CUDA, pinned memory; with --slab-size, whether a host slab fits the memlock limit, RAM and /dev/shm",
+    ),
     _Command("demo", "kvtriton.tools.demo", "offload a model-shaped KV cache through manager and engine"),
     _Command("simulate", "kvtriton.tools.simulate", "capacity planning: cache hit rate per GiB of host memory for a trace"),
-    _Command("bench", "kvtriton.tools.bench_command", "run the manager and kernel benchmarks of a source checkout"),
+    _Command(
+        "bench",
+        "kvtriton.tools.bench_command",
+        "run the benchmarks of a source checkout (manager, kernels, engine, tiers, tiers_mooncake): smoke runs by"
+        " default, --full for figures",
+    ),
 )
 
 
@@ -55,7 +64,7 @@ def build_parser(load: Callable[[_Command], _CommandModule] = _load) -> argparse
     parser = argparse.ArgumentParser(
         prog="kvtriton",
         description="kvtriton: offload the paged KV cache of an LLM server to host memory.",
-        epilog=f"sizes (--capacity, --capacities): {SIZE_RULE}. `kvtriton COMMAND --help` lists each command's flags.",
+        epilog=f"sizes (--capacity, --capacities, --slab-size): {SIZE_RULE}. `kvtriton COMMAND --help` lists each command's flags.",
     )
     parser.add_argument("--version", action="version", version=f"kvtriton {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

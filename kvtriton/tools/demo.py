@@ -6,8 +6,8 @@ share a few system prompts (the ``shared-prompt`` workload) through
 ``CPUOffloadingManager`` + ``TransferEngine`` -- look up each prompt's
 chunks, load the hits into freshly allocated GPU blocks, "compute" the rest,
 store every new chunk, evicting under pressure -- and checks every loaded
-block bit for bit against what was stored. Exits 1 on
-any mismatch or failed job.
+block bit for bit against what was stored. Exits 1 on any mismatch or failed
+job, and when no load happened at all (nothing was checked).
 """
 
 from __future__ import annotations
@@ -50,9 +50,14 @@ DEFAULT_CAPACITY = "96MiB"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.epilog = (
+        "exit status: 0 when every loaded block matched what was stored; 1 on a mismatch, a failed job, or a run"
+        " that loaded nothing (so checked nothing); 2 on settings that cannot run"
+    )
     parser.add_argument("--model", choices=sorted(PRESETS), default="llama-3-8b",
                         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="flash_attn", help="engine KV cache layout to build")
+    parser.add_argument("--layout", choices=("auto", *LAYOUTS), default="auto",
+                        help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn")
     parser.add_argument("--policy", choices=policy_names(), default="lru", help="manager eviction policy")
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, metavar="SIZE",
                         help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})")
@@ -67,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
                         " instead of stopping")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
+
+
+def default_layout(geometry: ModelGeometry) -> str:
+    """The layout a server would use for ``geometry``: MLA's one latent per token, else FlashAttention's K and V."""
+    return "mla" if geometry.kv_factor == 1 else "flash_attn"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +101,7 @@ class DemoConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoConfig:
         geometry = PRESETS[str(args.model)]
-        layout = str(args.layout)
+        layout = default_layout(geometry) if args.layout == "auto" else str(args.layout)
         if layout in ("flash_attn", "flashinfer") and geometry.kv_factor != 2:
             raise ValueError(f"--layout {layout} splits K and V, but {geometry.name} caches one latent (use mla)")
         for name in ("gpu_blocks", "block_size_factor", "requests"):
@@ -218,7 +228,8 @@ class DemoStats:
 
     @property
     def ok(self) -> bool:
-        return self.mismatched_blocks == 0 and self.failed_jobs == 0
+        """Every loaded block matched, no job failed, and at least one load was checked."""
+        return self.mismatched_blocks == 0 and self.failed_jobs == 0 and self.loaded_blocks > 0
 
     def record(self, result: TransferResult) -> None:
         if not result.success:
@@ -232,7 +243,8 @@ class DemoStats:
 
 
 def _rate(size: int, seconds: float) -> str:
-    return f"{format_bytes(size / seconds)}/s" if seconds > 0 else "n/a"
+    """Bandwidth in GB/s (10^9 bytes per second), the unit of every benchmark in bench/."""
+    return f"{size / seconds / 1e9:.2f} GB/s" if seconds > 0 else "n/a"
 
 
 class DemoServer:
@@ -446,6 +458,8 @@ def run(args: argparse.Namespace) -> int:
                 f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "
                 f"({'pinned' if slab.pinned else 'pageable'}); policy {config.policy}; backend {engine.backend_name}"
             )
+            if "triton" in engine.backend_name and device.type == "cpu":
+                print(INTERPRETER_NOTE, file=sys.stderr)
             server = DemoServer(config, kv, manager, engine)
             started = time.perf_counter()
             for request in progress(requests, len(requests), "demo", enabled=config.progress):
@@ -455,6 +469,25 @@ def run(args: argparse.Namespace) -> int:
             server.stats.wall_seconds = time.perf_counter() - started
     _report(server.stats)
     return 0 if server.stats.ok else 1
+
+
+INTERPRETER_NOTE = (
+    "kvtriton demo: note: --backend triton without a GPU runs the kernels in Triton's interpreter, which executes"
+    " them in Python: it checks the kernels' results, but moves a few MB/s, so the rates below are not the"
+    " kernels' (use --backend torch for a fast CPU run, a GPU for the kernels' speed)"
+)
+"""Printed when the demo's Triton kernels run interpreted, so their rates are not read as the kernels' speed."""
+
+
+def _verdict(stats: DemoStats) -> str:
+    if stats.mismatched_blocks or stats.failed_jobs:
+        return "FAILED"
+    if stats.loaded_blocks == 0:
+        return (
+            "NOTHING VERIFIED: no request found a stored chunk, so no load was checked;"
+            " replay more requests (--requests) or give the host slab more room (--capacity)"
+        )
+    return "OK: every loaded block matched what was stored"
 
 
 def _report(stats: DemoStats) -> None:
@@ -475,4 +508,4 @@ def _report(stats: DemoStats) -> None:
         print(f"{name:<{width}}  {value}")
     for where in stats.mismatches[:10]:
         print(f"MISMATCH {where}", file=sys.stderr)
-    print("OK: every loaded block matched what was stored" if stats.ok else "FAILED", file=sys.stdout)
+    print(_verdict(stats))

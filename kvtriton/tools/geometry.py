@@ -10,6 +10,7 @@ stays scheduler-side and fast.
 
 from __future__ import annotations
 
+import argparse
 import enum
 import math
 import re
@@ -24,7 +25,10 @@ __all__ = [
     "format_bytes",
     "is_bare_number",
     "parse_capacity",
+    "parse_capacity_list",
     "parse_dtype",
+    "size_argument",
+    "size_list_argument",
 ]
 
 GIB = 2**30
@@ -152,7 +156,8 @@ _UNITS: dict[str, int] = {
     "g": 2**30, "gib": 2**30, "gb": 10**9,
     "t": 2**40, "tib": 2**40, "tb": 10**12,
 }  # fmt: skip
-_CAPACITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_CAPACITY = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+"""A number (a sign is read, so that ``-1`` is refused as not positive rather than as not a number) and a unit."""
 
 
 def parse_capacity(text: str) -> int:
@@ -177,6 +182,44 @@ def parse_capacity(text: str) -> int:
     if size < 1:
         raise ValueError(f"capacity less than one byte, got {text!r}")
     return size
+
+
+def parse_capacity_list(text: str) -> list[int]:
+    """Parse a comma-separated list of sizes (``4,8,16GiB``) into bytes, in the order given.
+
+    Every item must be a size (an empty item, as in ``1,,2``, is refused, not
+    skipped) and no two may be the same number of bytes (``16,16GiB`` is
+    refused, naming both), so that nothing the user wrote is silently dropped.
+    """
+    items = text.split(",")
+    sizes: list[int] = []
+    written: dict[int, str] = {}
+    for position, item in enumerate(items, start=1):
+        if not item.strip():
+            raise ValueError(f"size {position} of {text!r} is empty (sizes are separated by single commas)")
+        size = parse_capacity(item)
+        if size in written:
+            raise ValueError(f"{written[size].strip()!r} and {item.strip()!r} in {text!r} are the same size; give it once")
+        written[size] = item
+        sizes.append(size)
+    return sizes
+
+
+def size_argument(text: str) -> int:
+    """An argparse ``type`` for one size flag: :func:`parse_capacity`, its message shown as the error."""
+    try:
+        return parse_capacity(text)
+    except ValueError as error:
+        # A plain ValueError would print as "invalid size_argument value", naming nothing the user typed.
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def size_list_argument(text: str) -> list[int]:
+    """An argparse ``type`` for a comma-separated list of sizes: :func:`parse_capacity_list`."""
+    try:
+        return parse_capacity_list(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def is_bare_number(text: str) -> bool:

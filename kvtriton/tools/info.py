@@ -1,4 +1,11 @@
-"""`kvtriton info`: what this machine offers an offload backend."""
+"""`kvtriton info`: what this machine offers an offload backend, and whether a host slab of a given size can start.
+
+With ``--slab-size`` it checks the three limits that stop a server at start:
+RLIMIT_MEMLOCK (the slab is pinned on CUDA), the RAM available, and /dev/shm
+(only the tiering spec keeps its slab there); it exits 1 when the RAM, or on
+a CUDA machine the memlock limit, says TOO LOW, so a start-up script can run
+it as a check.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,19 @@ import platform
 import resource
 from dataclasses import dataclass
 
-__all__ = ["MachineInfo", "add_arguments", "collect_machine_info", "measure_warmup", "memlock_verdict", "run"]
+__all__ = [
+    "MachineInfo",
+    "add_arguments",
+    "collect_machine_info",
+    "measure_warmup",
+    "memlock_verdict",
+    "memory_verdict",
+    "run",
+    "shm_verdict",
+]
+
+TOO_LOW = "TOO LOW"
+"""How every verdict that stops a slab of ``--slab-size`` from starting begins; ``info`` then exits 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +115,55 @@ def memlock_verdict(limit_bytes: int | None, slab_bytes: int | None) -> str:
     if slab_bytes <= limit_bytes:
         return f"enough: a {size} slab fits under the {limit} limit"
     return (
-        f"TOO LOW to pin a {size} slab: the limit is {limit} and cudaHostRegister will fail "
+        f"{TOO_LOW} to pin a {size} slab: the limit is {limit} and cudaHostRegister will fail "
         f"(unless the process has CAP_IPC_LOCK); {MEMLOCK_ADVICE}"
     )
+
+
+def memory_verdict(available_bytes: int | None, slab_bytes: int | None) -> str:
+    """Whether ``MemAvailable`` (``None`` = unknown) holds a slab of ``slab_bytes`` besides what already runs."""
+    from kvtriton.tools.geometry import format_bytes
+
+    if available_bytes is None:
+        return "unknown (no MemAvailable in /proc/meminfo)"
+    available = format_bytes(available_bytes)
+    if slab_bytes is None:
+        return f"{available} available (pass --slab-size to check a size)"
+    size = format_bytes(slab_bytes)
+    if slab_bytes <= available_bytes:
+        return f"enough: a {size} slab fits in the {available} available"
+    return f"{TOO_LOW} for a {size} slab: only {available} is available (MemAvailable); lower cpu_bytes_to_use"
+
+
+def shm_verdict(free_bytes: int | None, slab_bytes: int | None) -> str:
+    """Whether /dev/shm (``None`` = absent) holds the tiering primary's region for a slab of ``slab_bytes``.
+
+    Only ``KVTritonTieringOffloadingSpec`` puts its slab in /dev/shm (plus a
+    4 KiB header page); the single-tier spec's slab is an anonymous mapping, so
+    a small /dev/shm is named here but never makes ``info`` fail.
+    """
+    from kvtriton.tools.geometry import format_bytes
+
+    if free_bytes is None:
+        return "absent (only the tiering spec needs it)"
+    free = format_bytes(free_bytes)
+    if slab_bytes is None:
+        return f"{free} free (the tiering spec's region lives here; pass --slab-size to check a size)"
+    needed = slab_bytes + 4096
+    if needed <= free_bytes:
+        return f"enough for the tiering spec: a {format_bytes(slab_bytes)} region fits in {free} free"
+    return (
+        f"too small for the tiering spec: a {format_bytes(slab_bytes)} region (plus its 4 KiB header) does not"
+        f" fit in {free} free (docker: --shm-size or --ipc=host); the single-tier spec does not use /dev/shm"
+    )
+
+
+def _shm_free_bytes() -> int | None:
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
 
 
 def measure_warmup() -> str:
@@ -121,28 +186,42 @@ def measure_warmup() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtriton.tools.geometry import SIZE_RULE, parse_capacity
+    from kvtriton.tools.geometry import SIZE_RULE, size_argument
 
+    parser.epilog = (
+        "exit status: 0, or 1 when a --slab-size slab cannot start here (a verdict reads TOO LOW: the RAM"
+        " available, or, on a machine with CUDA, the memlock limit)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
-        "--slab-size", type=parse_capacity, default=None, metavar="SIZE",
-        help=f"say whether the memlock limit allows pinning a host slab of this size, e.g. 96GiB ({SIZE_RULE})",
+        "--slab-size", type=size_argument, default=None, metavar="SIZE",
+        help="say whether this machine can pin and hold a host slab of this size (vLLM's cpu_bytes_to_use"
+        f" per rank), e.g. 96GiB ({SIZE_RULE})",
     )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from kvtriton.worker.slab import memlock_limit_bytes
+    from kvtriton.worker.slab import mem_available_bytes, memlock_limit_bytes
 
+    slab_bytes: int | None = args.slab_size
     info = collect_machine_info()
     rows = info.as_dict()
-    rows["memlock_verdict"] = memlock_verdict(memlock_limit_bytes(), args.slab_size)
+    rows["memlock_verdict"] = memlock_verdict(memlock_limit_bytes(), slab_bytes)
+    if not info.cuda_available and str(rows["memlock_verdict"]).startswith(TOO_LOW):
+        rows["memlock_verdict"] = f"{rows['memlock_verdict']} (no CUDA device here: slabs stay pageable, so this matters only on the GPU machine)"
+    rows["memory_verdict"] = memory_verdict(mem_available_bytes(), slab_bytes)
+    rows["shm_verdict"] = shm_verdict(_shm_free_bytes(), slab_bytes)
     rows["engine_warmup"] = measure_warmup()
+    # Pinning needs the memlock limit only where there is CUDA to pin for; RAM is needed everywhere.
+    blocking = str(rows["memory_verdict"]).startswith(TOO_LOW) or (
+        info.cuda_available and str(rows["memlock_verdict"]).startswith(TOO_LOW)
+    )
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    width = max(len(name) for name in rows)
-    for name, value in rows.items():
-        print(f"{name.replace('_', ' '):<{width}}  {value}")
-    return 0
+    else:
+        width = max(len(name) for name in rows)
+        for name, value in rows.items():
+            print(f"{name.replace('_', ' '):<{width}}  {value}")
+    return 1 if blocking else 0

@@ -1,0 +1,554 @@
+"""Write every benchmark figure in README.md and docs/ from bench/results/*.json: one source for each number.
+
+A figure in the docs sits between two markers, named after what renders it::
+
+    <!-- generated:manager-headline-range -->ARC 2.54x to 2.80x<!-- /generated:manager-headline-range -->
+
+A region whose text starts on a new line after its opening marker is a
+block (a table), else it is inline (a phrase inside a sentence). ``python -m
+bench.render_docs`` rewrites every region from the result files;
+``--check`` changes nothing and exits 1 naming each stale region, which is
+what ``make test`` runs (``tests/test_docs_figures.py``): after a benchmark
+rewrote its JSON, run this and commit both. Prose around the markers is the
+docs' own; only what the JSON says is generated, so no two places can
+disagree on a number.
+
+Units, everywhere: bandwidth in GB/s (10^9 bytes per second), hit rates in
+percent, speed-ups as ``2.54x``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+__all__ = ["MANAGER_SPEEDUP_GOAL", "RENDERERS", "Results", "render_text", "main", "stale_regions"]
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+
+MANAGER_SPEEDUP_GOAL = 2.5
+"""kvtriton through its vLLM adapter, in vLLM's call order, against vLLM 0.33's manager: blocks/s, each
+workload and policy. It supersedes the first goal (2x, kvtriton's direct calls), now a second table."""
+KERNEL_FALLBACK_GOAL = 0.7
+"""The CPU fallback's gather and scatter, as a fraction of one contiguous copy of the same bytes."""
+
+MARKER = re.compile(r"<!-- generated:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /generated:(?P=name) -->", re.DOTALL)
+
+JSONObject = dict[str, object]
+
+
+class RenderError(ValueError):
+    """A region that cannot be rendered: an unknown name, a missing result file, a field it lacks."""
+
+
+@dataclass
+class Results:
+    """The result files of ``folder``, each read once, by name without ``.json``."""
+
+    folder: Path = RESULTS
+    _cache: dict[str, JSONObject] = field(default_factory=lambda: {})
+
+    def __call__(self, name: str) -> JSONObject:
+        if name not in self._cache:
+            path = self.folder / f"{name}.json"
+            try:
+                self._cache[name] = cast(JSONObject, json.loads(path.read_text(encoding="utf-8")))
+            except FileNotFoundError:
+                raise RenderError(f"{path} is missing (run the benchmark that writes it)") from None
+        return self._cache[name]
+
+
+def _obj(value: object) -> JSONObject:
+    if not isinstance(value, dict):
+        raise RenderError(f"expected a JSON object, got {value!r:.60}")
+    return cast(JSONObject, value)
+
+
+def _list(value: object) -> list[JSONObject]:
+    if not isinstance(value, list):
+        raise RenderError(f"expected a JSON list, got {value!r:.60}")
+    return [_obj(item) for item in cast(list[object], value)]
+
+
+def _num(record: Mapping[str, object], key: str) -> float:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RenderError(f"expected a number at {key!r}, got {value!r:.60}")
+    return float(value)
+
+
+_BANDWIDTH_KEYS = ("gb_per_s", "bandwidth_gb_per_s", "gbytes_per_s", "gbps")
+"""Names a row's GB/s (10^9 bytes per second) may have, newest first; ``gbps`` is the old one."""
+
+
+def gb_per_s(row: Mapping[str, object]) -> float:
+    """A row's bandwidth in GB/s, whichever of :data:`_BANDWIDTH_KEYS` it is stored under."""
+    for key in _BANDWIDTH_KEYS:
+        if key in row:
+            return _num(row, key)
+    raise RenderError(f"no bandwidth field ({', '.join(_BANDWIDTH_KEYS)}) in {dict(row)!r:.80}")
+
+
+def run_date(record: JSONObject) -> str:
+    """``2026-12-01 01:23 UTC`` from the machine record of a result file."""
+    date = str(_obj(record.get("machine")).get("date", ""))
+    match = re.match(r"(\d{4}-\d\d-\d\d)T(\d\d:\d\d)", date)
+    if match is None:
+        raise RenderError(f"no machine.date in the result file, got {date!r}")
+    return f"{match.group(1)} {match.group(2)} UTC"
+
+
+def run_machine(record: JSONObject) -> str:
+    machine = _obj(record.get("machine"))
+    device = str(machine.get("device_name", "?"))
+    return "CPU only" if device in ("cpu", "cpu-interpreter") else device
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.2f}%"
+
+
+def _count(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> str:
+    """A Markdown table; ``align`` has one letter per column: ``l`` left, ``r`` right."""
+    rule = ["---:" if letter == "r" else "---" for letter in align]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- the scheduler-side manager (bench/manager.py) ---------------------------------------------------------
+
+
+def _headline_rows(results: Results, name: str = "manager") -> list[JSONObject]:
+    return _list(_obj(results(name).get("headline")).get("rows"))
+
+
+def _range(values: Sequence[float]) -> str:
+    low, high = min(values), max(values)
+    return _x(low) if f"{low:.2f}" == f"{high:.2f}" else f"{_x(low)} to {_x(high)}"
+
+
+def _speedups(results: Results, policy: str, name: str = "manager") -> list[float]:
+    return [_num(row, "speedup") for row in _headline_rows(results, name) if row.get("policy") == policy]
+
+
+def manager_headline_table(results: Results) -> str:
+    rows: list[list[str]] = []
+    for row in _headline_rows(results):
+        theirs, ours = _obj(row.get("vllm")), _obj(row.get("kvtriton_via_vllm_adapter"))
+        rows.append([
+            str(row.get("workload")), str(row.get("policy")).upper(), _count(_num(row, "capacity")),
+            f"{_count(_num(theirs, 'median'))} ({_count(_num(theirs, 'low'))}-{_count(_num(theirs, 'high'))})",
+            f"{_count(_num(ours, 'median'))} ({_count(_num(ours, 'low'))}-{_count(_num(ours, 'high'))})",
+            _x(_num(row, "speedup")),
+            f"{_pct(_num(theirs, 'hit_rate'))} / {_pct(_num(ours, 'hit_rate'))}",
+        ])  # fmt: skip
+    headers = ["workload", "policy", "slots", "vLLM blocks/s (range)", "kvtriton via adapter blocks/s (range)",
+               "speed-up", "hit rate (vLLM / kvtriton)"]  # fmt: skip
+    return _table(headers, rows, "llrrrrl")
+
+
+def manager_headline_range(results: Results) -> str:
+    return f"ARC {_range(_speedups(results, 'arc'))}, LRU {_range(_speedups(results, 'lru'))}"
+
+
+def manager_before_range(results: Results) -> str:
+    """The headline of the same command before commit fa74cda's changes, with LRU's hit-rate gap to vLLM's."""
+    name = "manager_before_fa74cda"
+    gaps = [
+        100 * (_num(_obj(row.get("vllm")), "hit_rate") - _num(_obj(row.get("kvtriton_via_vllm_adapter")), "hit_rate"))
+        for row in _headline_rows(results, name)
+        if row.get("policy") == "lru"
+    ]
+    return (
+        f"ARC {_range(_speedups(results, 'arc', name))}, LRU {_range(_speedups(results, 'lru', name))},"
+        f" LRU's hit rate {min(gaps):.1f} to {max(gaps):.1f} points below vLLM's"
+    )
+
+
+def manager_headline_verdict(results: Results) -> str:
+    rows = _headline_rows(results)
+    short = [f"{row.get('workload')} {str(row.get('policy')).upper()}" for row in rows if _num(row, "speedup") < MANAGER_SPEEDUP_GOAL]
+    lower = [
+        f"{row.get('workload')} {str(row.get('policy')).upper()}"
+        for row in rows
+        if _num(_obj(row.get("kvtriton_via_vllm_adapter")), "hit_rate") < _num(_obj(row.get("vllm")), "hit_rate")
+    ]
+    speed = "met on every workload for both policies" if not short else f"NOT met for {', '.join(short)}"
+    hits = "hit rates equal or higher on every row" if not lower else f"hit rate below vLLM's for {', '.join(lower)}"
+    return f"Goal {MANAGER_SPEEDUP_GOAL:g}x: {speed}; {hits}"
+
+
+def _direct_table(record: JSONObject) -> str:
+    rows: list[list[str]] = []
+    for row in _list(record.get("results")):
+        ours, theirs = _obj(row.get("kvtriton")), _obj(row.get("vllm"))
+        adapter = _obj(row.get("kvtriton_via_vllm_adapter"))
+        rows.append([
+            str(row.get("policy")).upper(), _count(_num(ours, "blocks_per_s")), _count(_num(theirs, "blocks_per_s")),
+            _x(_num(row, "speedup")), f"{_pct(_num(ours, 'hit_rate'))} / {_pct(_num(theirs, 'hit_rate'))}",
+            f"{_count(_num(adapter, 'blocks_per_s'))}, {_x(_num(row, 'adapter_speedup'))}, {_pct(_num(adapter, 'hit_rate'))}",
+        ])  # fmt: skip
+    headers = ["policy", "kvtriton blocks/s", "vLLM blocks/s", "speed-up", "hit rate (kvtriton / vLLM)",
+               "through the vLLM adapter: blocks/s, speed-up, hit rate"]  # fmt: skip
+    caption = f"{_count(_num(record, 'capacity'))} slots, `{record.get('command')}`, {run_date(record)}, {run_machine(record)}:"
+    return caption + "\n\n" + _table(headers, rows, "lrrrll")
+
+
+def manager_direct_table(results: Results) -> str:
+    return _direct_table(results("manager"))
+
+
+def manager_cap2048_table(results: Results) -> str:
+    return _direct_table(results("manager_cap2048"))
+
+
+def manager_direct_range(results: Results) -> str:
+    rows = {str(row.get("policy")): row for row in _list(results("manager").get("results"))}
+    return f"ARC {_x(_num(rows['arc'], 'speedup'))}, LRU {_x(_num(rows['lru'], 'speedup'))}"
+
+
+def manager_hit_rates_table(results: Results) -> str:
+    record = results("manager_hit_rates")
+    headers = [str(header) for header in cast(list[object], record.get("headers"))]
+    rows = [[str(cell) for cell in cast(list[object], row)] for row in cast(list[object], record.get("rows"))]
+    return _table(headers, rows, "l" + "r" * (len(headers) - 1))
+
+
+# -- kernels (bench/kernels.py) -------------------------------------------------------------------------
+
+
+_PATTERNS = {
+    ("random", "consecutive"): "**random GPU blocks, consecutive slab rows (headline)**",
+    ("random", "random"): "random blocks, random rows",
+    ("runs", "consecutive"): "runs of 16 blocks, consecutive rows",
+    ("runs", "random"): "runs of 16 blocks, random rows",
+}
+
+
+def _kernel_rows(results: Results, group: str) -> list[JSONObject]:
+    return [row for row in _list(results("kernels").get("results")) if row.get("group") == group]
+
+
+def _methods(rows: Sequence[JSONObject]) -> list[str]:
+    return list(dict.fromkeys(str(row["method"]) for row in rows if row.get("method") != "contiguous"))
+
+
+def kernels_headline_table(results: Results) -> str:
+    rows = _kernel_rows(results, "headline")
+    methods = _methods(rows)
+    columns = [(kernel, method) for kernel in ("gather", "scatter") for method in methods]
+    by_key = {(str(r["pattern"]), str(r["rows"]), str(r["kernel"]), str(r["method"])): r for r in rows}
+    table: list[list[str]] = []
+    for (pattern, slab_rows), label in _PATTERNS.items():
+        cells = [label]
+        for kernel, method in columns:
+            row = by_key.get((pattern, slab_rows, kernel, method))
+            if row is None:
+                cells.append("-")
+                continue
+            ratio = f"{_num(row, 'vs_contiguous'):.2f}"
+            if pattern == "random" and slab_rows == "consecutive" and method != "loop":
+                ratio = f"**{ratio}** ({gb_per_s(row):.1f} GB/s)"
+            cells.append(ratio)
+        table.append(cells)
+    headers = ["block pattern", *(f"{kernel} {'per-block loop' if method == 'loop' else method}" for kernel, method in columns)]
+    return _table(headers, table, "l" + "r" * len(columns))
+
+
+def _headline(results: Results, kernel: str, method: str) -> JSONObject:
+    for row in _kernel_rows(results, "headline"):
+        if (row.get("kernel"), row.get("method"), row.get("pattern"), row.get("rows")) == (kernel, method, "random", "consecutive"):
+            return row
+    raise RenderError(f"kernels.json has no headline {kernel} row for {method}")
+
+
+def kernels_fallback_ratio(results: Results) -> str:
+    return " / ".join(f"{_num(_headline(results, kernel, 'torch'), 'vs_contiguous'):.2f}" for kernel in ("gather", "scatter"))
+
+
+def kernels_contiguous_range(results: Results) -> str:
+    speeds = [gb_per_s(row) for row in _kernel_rows(results, "headline") if row.get("method") == "contiguous"]
+    return f"{min(speeds):.1f}-{max(speeds):.1f} GB/s"
+
+
+def _page(size: float) -> str:
+    return f"{size / 1024:g} KiB" if size >= 1024 else f"{size:g} B"
+
+
+def kernels_page_sizes(results: Results) -> str:
+    rows = [row for row in _kernel_rows(results, "sweep") if row.get("method") == "torch"]
+    by_size: dict[float, dict[str, float]] = {}
+    for row in rows:
+        by_size.setdefault(_num(row, "page_bytes"), {})[str(row["kernel"])] = _num(row, "vs_contiguous")
+    return ", ".join(
+        f"{by['gather']:.2f} / {by['scatter']:.2f} at {_page(size)}"
+        for size, by in sorted(by_size.items())
+        if "gather" in by and "scatter" in by
+    )
+
+
+def kernels_triton_summary(results: Results) -> str:
+    rows = [row for row in _list(results("kernels").get("results")) if row.get("method") == "triton"]
+    if not rows:
+        return f"**not measured yet**: `bench/results/kernels.json` holds no GPU run ({run_machine(results('kernels'))})"
+    ratios = [_num(row, "vs_contiguous") for row in rows if _num(row, "page_bytes") >= 16384]
+    return f"worst {min(ratios):.2f} of the contiguous copy for pages >= 16 KiB ({run_machine(results('kernels'))})"
+
+
+def kernels_ptx_table(results: Results) -> str:
+    def widths(counts: object) -> str:
+        sizes = sorted((int(width) for width in _obj(counts)), reverse=True)
+        return ", ".join(f"{size}-byte" for size in sizes)
+
+    table: list[list[str]] = []
+    for row in _list(results("kernels_ptx").get("ptx")):
+        multiplies = cast(list[object], row.get("narrow_multiplies") or [])
+        table.append([str(row.get("kernel")), widths(row.get("loads")), widths(row.get("stores")),
+                      "none" if not multiplies else f"{len(multiplies)}"])  # fmt: skip
+    return _table(["kernel, page size", "global loads", "global stores", "32-bit multiplies feeding an address"], table, "llll")
+
+
+def kernels_ptx_summary(results: Results) -> str:
+    rows = _list(results("kernels_ptx").get("ptx"))
+    aligned = [row for row in rows if re.fullmatch(r"(gather|scatter) \d+ B", str(row.get("kernel")))
+               and int(str(row["kernel"]).split()[1]) % 16 == 0]  # fmt: skip
+    wide = all(
+        max(int(width) for width in _obj(row.get(kind))) == 16 for row in aligned for kind in ("loads", "stores")
+    )
+    narrow = any(row.get("narrow_multiplies") for row in rows)
+    return (
+        f"{'16-byte' if wide else 'NOT all 16-byte'} loads and stores for every 16-byte-aligned page size;"
+        f" {'a' if narrow else 'no'} 32-bit address multiply"
+    )
+
+
+# -- the worker's host path (bench/engine.py) -----------------------------------------------------------
+
+
+def engine_table(results: Results) -> str:
+    table: list[list[str]] = []
+    for row in _list(results("engine").get("results")):
+        table.append([
+            _count(_num(row, "page_tensors")), _count(_num(row, "blocks")),
+            f"{_num(row, 'current_us'):.1f} ({_num(row, 'current_median_us'):.1f})",
+            f"{_num(row, 'baseline_us'):.0f} ({_num(row, 'baseline_median_us'):.0f})",
+            f"{_num(row, 'speedup'):.0f}x", f"{_num(row, 'goal_us'):g}",
+        ])  # fmt: skip
+    headers = ["page tensors", "blocks", "now (us/job)", "baseline (us/job)", "speed-up", "goal (us/job)"]
+    return _table(headers, table, "rrrrrr")
+
+
+def engine_summary(results: Results) -> str:
+    rows = _list(results("engine").get("results"))
+    worst = {int(_num(row, "page_tensors")): 0.0 for row in rows}
+    for row in rows:
+        count = int(_num(row, "page_tensors"))
+        worst[count] = max(worst[count], _num(row, "current_median_us"))
+    goals = {int(_num(row, "page_tensors")): _num(row, "goal_us") for row in rows}
+    return "; ".join(f"{worst[count]:.1f} us at {count} page tensors (goal {goals[count]:g})" for count in sorted(worst))
+
+
+# -- tiers (bench/tiers.py, bench/tiers_mooncake.py) ----------------------------------------------------
+
+
+def tiers_table(results: Results) -> str:
+    table: list[list[str]] = []
+    for row in _list(results("tiers").get("results")):
+        theirs, ours = _obj(row.get("vllm")), _obj(row.get("kvtriton"))
+        table.append([
+            f"{_num(row, 'chunk_bytes') / 2**20:g} MiB",
+            str(row.get("direction")), _count(_num(theirs, "chunks_per_s")), f"{gb_per_s(theirs):.2f}",
+            _count(_num(ours, "chunks_per_s")), f"{gb_per_s(ours):.2f}", f"{_num(row, 'ratio'):.2f}",
+            f"{_num(row, 'median_ratio'):.2f}", f"{_num(row, 'vllm_vs_vllm_median_ratio'):.2f}",
+        ])  # fmt: skip
+    headers = ["chunk", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s",
+               "ratio (best)", "ratio (median)", "vLLM/vLLM (A/A, median)"]  # fmt: skip
+    return _table(headers, table, "rlrrrrrrr")
+
+
+def tiers_bookkeeping_table(results: Results) -> str:
+    costs = _obj(results("tiers").get("bookkeeping_us_per_chunk"))
+    table = [
+        [name, f"{_num(_obj(costs[key]), 'write_us'):.2f}", f"{_num(_obj(costs[key]), 'read_us'):.2f}",
+         f"{_num(_obj(costs[key]), 'lookup_us'):.2f}"]
+        for key, name in (("vllm", "vLLM"), ("kvtriton", "kvtriton"))
+    ]  # fmt: skip
+    headers = ["primary", "promotion slot (`prepare_write` + `complete_write`)", "cascade pin (`prepare_read` + `complete_read`)", "`lookup`"]
+    return _table(headers, table, "lrrr")
+
+
+def tiers_summary(results: Results) -> str:
+    record = results("tiers")
+    return (
+        f"worst {_num(record, 'worst_ratio'):.2f} (best passes), {_num(record, 'worst_median_ratio'):.2f} by median;"
+        f" vLLM against itself moves by up to {_num(record, 'vllm_vs_vllm_noise'):.2f}"
+    )
+
+
+def mooncake_table(results: Results) -> str:
+    table: list[list[str]] = []
+    for row in _list(results("tiers_mooncake").get("results")):
+        table.append([
+            f"{_num(row, 'chunk_mib'):g} MiB",
+            *(f"{_num(row, key):.2f}" for key in ("mooncake_store_gbps", "raw_store_gbps", "fs_store_gbps",
+                                                   "mooncake_load_gbps", "raw_load_gbps", "fs_load_gbps",
+                                                   "store_overhead_ratio", "load_overhead_ratio")),
+            f"{_num(row, 'promotion_steps'):g} steps, {_num(row, 'promotion_ms'):.1f} ms",
+        ])  # fmt: skip
+    headers = ["chunk", "tier store GB/s", "raw store", "fs store", "tier load GB/s", "raw load", "fs load",
+               "store ratio", "load ratio", "promotion"]  # fmt: skip
+    return _table(headers, table, "rrrrrrrrrr")
+
+
+def mooncake_summary(results: Results) -> str:
+    rows = _list(results("tiers_mooncake").get("results"))
+    worst = min(min(_num(row, "store_overhead_ratio"), _num(row, "load_overhead_ratio")) for row in rows)
+    return f"worst ratio {worst:.2f}"
+
+
+# -- the summary --------------------------------------------------------------------------------------
+
+
+def summary_table(results: Results) -> str:
+    def when(name: str) -> str:
+        record = results(name)
+        return f"{run_date(record)}, {run_machine(record)}"
+
+    engine_goals = ", ".join(sorted({f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors" for r in _list(results("engine").get("results"))}))
+    rows = [
+        ["manager blocks/s vs vLLM 0.33's `CPUOffloadingManager`, kvtriton through its vLLM adapter, vLLM's call order, 4 workloads",
+         f">= {MANAGER_SPEEDUP_GOAL:g}x for both policies on every workload, hit rate no lower",
+         f"{manager_headline_range(results)}; {manager_headline_verdict(results).split(': ', 1)[1]}",
+         when("manager"), "[manager](#scheduler-side-manager)"],
+        ["the same, kvtriton's own API (direct calls, `prefix-sharing` trace)",
+         f"none of its own (the first goal, 2x, became the {MANAGER_SPEEDUP_GOAL:g}x above)",
+         manager_direct_range(results), when("manager"), "[direct calls](#direct-calls-kvtritons-own-api)"],
+        ["CPU fallback gather / scatter vs one contiguous copy, Llama-3-8B job", f">= {KERNEL_FALLBACK_GOAL:g}",
+         kernels_fallback_ratio(results), when("kernels"), "[kernels on CPU](#kernels-on-cpu-the-torch-fallback)"],
+        ["Triton kernels vs contiguous copy (pages >= 16 KiB), vs per-block loop (4-32 KiB), GPU", ">= 0.9, >= 5x",
+         kernels_triton_summary(results), when("kernels"), "[kernels on GPU](#kernels-on-a-gpu)"],
+        ["kernels' generated code for sm_90", "16-byte accesses, 64-bit address math", kernels_ptx_summary(results),
+         when("kernels_ptx"), "[PTX](#generated-code-no-gpu-needed)"],
+        ["engine host cost per job (kernel launch stubbed), median", engine_goals, engine_summary(results), when("engine"),
+         "[engine](#engine-host-cost-per-job)"],
+        ["tier traffic through kvtriton's primary vs vLLM's CPU primary, behind the `fs` tier", ">= 0.95",
+         tiers_summary(results), when("tiers"), "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary-benchtierspy)"],
+        ["Mooncake Store tier vs the raw Mooncake calls on the same chunks", f">= {_num(results('tiers_mooncake'), 'overhead_goal'):g}",
+         mooncake_summary(results), when("tiers_mooncake"), "[Mooncake](#mooncake-store-tier-cascade-promotion-and-overhead-benchtiers_mooncakepy)"],
+    ]  # fmt: skip
+    return _table(["what", "goal", "measured", "run", "where"], rows, "lllll")
+
+
+def _dated(name: str) -> Callable[[Results], str]:
+    def render(results: Results) -> str:
+        return f"{run_date(results(name))}, {run_machine(results(name))}"
+
+    return render
+
+
+RENDERERS: dict[str, Callable[[Results], str]] = {
+    "summary": summary_table,
+    "manager-headline-table": manager_headline_table,
+    "manager-headline-range": manager_headline_range,
+    "manager-headline-verdict": manager_headline_verdict,
+    "manager-before-range": manager_before_range,
+    "manager-direct-table": manager_direct_table,
+    "manager-direct-range": manager_direct_range,
+    "manager-cap2048-table": manager_cap2048_table,
+    "manager-hit-rates-table": manager_hit_rates_table,
+    "kernels-headline-table": kernels_headline_table,
+    "kernels-fallback-ratio": kernels_fallback_ratio,
+    "kernels-contiguous-range": kernels_contiguous_range,
+    "kernels-page-sizes": kernels_page_sizes,
+    "kernels-ptx-table": kernels_ptx_table,
+    "engine-table": engine_table,
+    "engine-summary": engine_summary,
+    "tiers-table": tiers_table,
+    "tiers-bookkeeping-table": tiers_bookkeeping_table,
+    "tiers-summary": tiers_summary,
+    "mooncake-table": mooncake_table,
+    "mooncake-summary": mooncake_summary,
+    **{f"run-{name}": _dated(name) for name in
+       ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake")},
+}  # fmt: skip
+"""Every region name the docs may use, and what renders it."""
+
+
+def render_text(text: str, results: Results, where: str = "") -> str:
+    """``text`` with every generated region rewritten; a RenderError names the region that failed."""
+
+    def replace(match: re.Match[str]) -> str:
+        name, body = match.group("name"), match.group("body")
+        renderer = RENDERERS.get(name)
+        if renderer is None:
+            raise RenderError(f"{where}: unknown generated region {name!r} (known: {', '.join(sorted(RENDERERS))})")
+        try:
+            rendered = renderer(results)
+        except (RenderError, KeyError, TypeError) as error:
+            raise RenderError(f"{where}: region {name!r}: {error}") from None
+        inner = f"\n{rendered}\n" if body.startswith("\n") else rendered
+        return f"<!-- generated:{name} -->{inner}<!-- /generated:{name} -->"
+
+    return MARKER.sub(replace, text)
+
+
+def documents(repo: Path = REPO) -> list[Path]:
+    """README.md and every Markdown file under docs/."""
+    return [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]
+
+
+def stale_regions(path: Path, results: Results) -> list[str]:
+    """The names of the regions of ``path`` whose text differs from what the results render."""
+    text = path.read_text(encoding="utf-8")
+    fresh = render_text(text, results, str(path))
+    old = {m.start(): (m.group("name"), m.group(0)) for m in MARKER.finditer(text)}
+    new = [m.group(0) for m in MARKER.finditer(fresh)]
+    return [name for (name, region), renewed in zip(old.values(), new) if region != renewed]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.render_docs", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every stale region")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the result files (default: bench/results)")
+    args = parser.parse_args(argv)
+    results = Results(args.results)
+    stale: list[str] = []
+    try:
+        for path in documents():
+            text = path.read_text(encoding="utf-8")
+            fresh = render_text(text, results, str(path.relative_to(REPO)))
+            if fresh == text:
+                continue
+            names = ", ".join(stale_regions(path, results))
+            if args.check:
+                stale.append(f"{path.relative_to(REPO)}: {names}")
+            else:
+                path.write_text(fresh, encoding="utf-8")
+                print(f"rewrote {path.relative_to(REPO)}: {names}")
+    except RenderError as error:
+        print(f"render_docs: error: {error}", file=sys.stderr)
+        return 2
+    if stale:
+        print("stale figures (run `python -m bench.render_docs` and commit):\n  " + "\n  ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
