@@ -437,7 +437,7 @@ def test_help_documents_the_vllm_order_knobs(capsys: pytest.CaptureFixture[str])
     for expected in [
         "--call-order", "(default: vllm when --gpu-blocks", "--arrivals", "(default: 4 when", "--decode-steps",
         "(default: 2)", "--sync-loads", "--gpu-blocks", "--max-num-seqs", "--sequential", "--load-steps",
-        "--store-steps", "--max-num-batched-tokens", "(default: 2048)", "--target-hit-rate", "(default: 0.5",
+        "--store-steps", "--max-num-batched-tokens", "(default: 2048)", "--target-hit-rate", "default: 0.5)",
         "--tensor-parallel-size", "prefix-tree:", "scan_fraction=0.15",
     ]:  # fmt: skip
         assert expected in text, expected
