@@ -523,7 +523,8 @@ def replay_vllm_engine(
                     if pool is not None:
                         pool.free(state.blocks)
                     finished_last_step.append(state)
-        for job_id in [job_id for job_id, job in jobs.items() if job.due <= step]:
+        done = [job_id for job_id, job in jobs.items() if job.due <= step]
+        for job_id in done:
             job = jobs.pop(job_id)
             state = job.state
             if job.is_store:
@@ -539,7 +540,7 @@ def replay_vllm_engine(
                             being_loaded[key] = left
                         else:
                             del being_loaded[key]
-        progressed = scheduled or admitted or jobs or finished_last_step or next_arrival > arrived_before
+        progressed = scheduled or admitted or done or jobs or finished_last_step or next_arrival > arrived_before
         if not progressed and (waiting or holding or running):
             raise RuntimeError(
                 f"step {step}: the engine model cannot make progress ({len(running)} running requests wait for GPU"
