@@ -894,7 +894,7 @@ def _plot(
     axes.set_ylim(0, 100)
     axes.set_title(title, fontsize=10)
     axes.grid(True, which="major", alpha=0.3)
-    axes.legend(loc="lower right")
+    axes.legend(loc="best")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(raw_figure)
