@@ -53,6 +53,7 @@ blocks, sliding windows and hybrid models, several blocks per offloaded chunk
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -426,10 +427,10 @@ def replay_vllm_engine(
                     break
                 reserved = 0
                 if asynchronous:
+                    # Every loading (or loaded, not yet running) request is in one of these two.
                     reserved = sum(
                         max(_cdiv(other.num_tokens, block_size) - len(other.blocks), 0)
-                        for other in states
-                        if other.state in ("loading", "loaded")
+                        for other in itertools.chain(holding, skipped_holding)
                     )
                 if _cdiv(cached_tokens + new, block_size) - local + evictable > pool.num_free - reserved:
                     break
