@@ -2,9 +2,10 @@
 
 vLLM's real ``Scheduler`` runs on CPU without a model: its OffloadingConnector
 (scheduler side) drives kvtriton's manager through kvtriton's spec, and this
-test plays the workers, reporting each load done ``LOAD_STEPS - 1`` steps
-after the step that scheduled it and each store ``STORE_STEPS`` steps after
-(a job vLLM flushes completes in its step). The same seeded workload, written
+test plays the workers, reporting each load done ``load_steps - 1`` steps
+after the step that scheduled it and each store ``store_steps`` steps after
+(a job vLLM flushes completes in its step), and the model, sampling a token
+for every request whose prompt is computed until it has ``output_tokens``. The same seeded workload, written
 as a trace by :mod:`kvtriton.tools.token_trace` and read back by the
 simulator's parser, is replayed by :func:`kvtriton.tools.vllm_engine.replay_vllm_engine`
 with the same settings, the engine's prefix cache on. Per request, the GPU
@@ -37,6 +38,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
 from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request  # noqa: E402
 
+
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager  # noqa: E402
 from kvtriton.manager import CPUOffloadingManager  # noqa: E402
 from kvtriton.specs import ReqContext  # noqa: E402
@@ -46,6 +48,8 @@ from kvtriton.tools.vllm_engine import EngineModel, replay_vllm_engine  # noqa: 
 from kvtriton.tools.vllm_order import positioned_contexts, vllm_order_calls  # noqa: E402
 from kvtriton.tools.workloads import parse_trace  # noqa: E402
 
+DECODED = EOS + 3
+"""The token every decode step samples: not the end-of-sequence token."""
 LAYERS = ["layer0", "layer1"]
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
 BYTES_PER_BLOCK = KV_SPEC.page_size_bytes * len(LAYERS)
@@ -68,6 +72,7 @@ class Setting:
     load_steps: int = 1
     store_steps: int = 2
     sequential: bool = False
+    output_tokens: int = 1
 
     def model(self) -> EngineModel:
         return EngineModel(
@@ -77,6 +82,7 @@ class Setting:
             sequential=self.sequential,
             load_steps=self.load_steps,
             store_steps=self.store_steps,
+            output_tokens=self.output_tokens,
         )
 
 
@@ -187,7 +193,9 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
     def send() -> None:
         nonlocal previous
         request = to_send.pop()
-        scheduler.add_request(make_request(request.req_id, list(request.prompt)))
+        engine_request = make_request(request.req_id, list(request.prompt))
+        engine_request.max_tokens = setting.output_tokens
+        scheduler.add_request(engine_request)
         previous = request.req_id
 
     if not setting.sequential:
@@ -217,8 +225,9 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
         for job_id in done:
             del due[job_id]
         scheduled = list(output.num_scheduled_tokens)
+        # A request whose prompt is all computed samples a token (not EOS: it runs to max_tokens).
         sampled = [
-            [EOS] if scheduler.requests[req_id].num_computed_tokens >= scheduler.requests[req_id].num_tokens else []
+            [DECODED] if scheduler.requests[req_id].num_computed_tokens >= scheduler.requests[req_id].num_tokens else []
             for req_id in scheduled
         ]
         engine_outputs = scheduler.update_from_output(
@@ -264,11 +273,12 @@ SETTINGS = [
     Setting(gpu_blocks=48, max_num_seqs=4, slots=100, policy="lru", sequential=True),
     Setting(gpu_blocks=64, max_num_seqs=6, slots=200, policy="arc", store_steps=1, load_steps=2),
     Setting(gpu_blocks=64, max_num_seqs=6, slots=200, policy="lru", store_steps=3),
+    Setting(gpu_blocks=64, max_num_seqs=4, slots=100, policy="arc", output_tokens=20),
 ]
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"{s.policy}-gpu{s.gpu_blocks}-seqs{s.max_num_seqs}-slots{s.slots}"
-                         + ("-sequential" if s.sequential else "") + f"-load{s.load_steps}-store{s.store_steps}")
+                         + ("-sequential" if s.sequential else "") + f"-load{s.load_steps}-store{s.store_steps}-out{s.output_tokens}")
 def test_the_engine_model_counts_the_external_hits_vllms_scheduler_counts(model_config: ModelConfig, setting: Setting) -> None:
     requests = token_workload(seed=3, params=WORKLOAD)
     vllm_counts, vllm_totals = run_vllm(model_config, setting, requests)

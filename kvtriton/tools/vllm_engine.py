@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -293,12 +293,18 @@ def replay_vllm_engine(
             waiting.append(state)
         next_arrival = min(next_arrival + count, len(states))
 
-    def key_of_block(state: _Request, index: int) -> OffloadKey | None:
+    def key_of_block(state: _Request, index: int) -> Hashable:
+        """The GPU cache's hash of block ``index``: the trace's, else one no other request has.
+
+        vLLM hashes every full block, the ones decoding fills too, and a hashed
+        block is freed to the back of the free queue: a block the trace does not
+        name still needs a hash for the eviction order to be vLLM's.
+        """
         request = requests[state.index]
         if index < len(request.prompt_keys):
             return request.prompt_keys[index]
-        index -= len(request.prompt_keys)
-        return request.output_keys[index] if index < len(request.output_keys) else None
+        output = index - len(request.prompt_keys)
+        return request.output_keys[output] if output < len(request.output_keys) else (state.index, index)
 
     def grow(state: _Request, num_tokens: int) -> bool:
         """Give ``state`` the blocks for ``num_tokens`` tokens; False when the pool has too few free."""
@@ -317,10 +323,7 @@ def replay_vllm_engine(
         if pool is None:
             return
         for index in range(min(num_tokens, state.num_tokens) // block_size):
-            key = key_of_block(state, index)
-            if key is None:
-                break
-            pool.cache(state.blocks[index], key)
+            pool.cache(state.blocks[index], key_of_block(state, index))
 
     if pool is not None and engine.gpu_blocks is not None:
         usable = engine.gpu_blocks - 1
