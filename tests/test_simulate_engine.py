@@ -156,6 +156,19 @@ def test_the_token_budget_splits_a_long_prompt_into_chunks() -> None:
     assert chunked.replay.blocks_stored == one_step.replay.blocks_stored == 8
 
 
+def test_a_request_that_runs_out_of_gpu_blocks_preempts_the_last_one_running() -> None:
+    # Four KV blocks; two requests of 17 prompt tokens each hold two, then decode into a third.
+    recorder = Recorder(64)
+    stats = run(trace("a", "b"), EngineModel(gpu_blocks=5, output_tokens=32), recorder)
+    assert stats.preemptions >= 1
+    # r1, the last one running, started over: its prompt block was still in the GPU cache (freed to
+    # the back of the queue), so it asked the offload tier nothing the second time. Only its first
+    # admission counts, as in vLLM's metrics.
+    assert [entry for entry in recorder.lookups if entry[0] == "r1"] == [("r1", "MISS")]
+    assert outcome(stats, "r1") == (0, 17, 0)
+    assert stats.external_query_tokens == 34
+
+
 # --------------------------------------------------------------------------
 # Refusals
 

@@ -10,7 +10,8 @@ as a trace by :mod:`kvtriton.tools.token_trace` and read back by the
 simulator's parser, is replayed by :func:`kvtriton.tools.vllm_engine.replay_vllm_engine`
 with the same settings, the engine's prefix cache on. Per request, the GPU
 prefix hit, the external queries and the external hits must be those vLLM
-counted, and so must the totals vLLM's metrics report.
+counted, and so must the totals vLLM's metrics report and the number of
+preemptions.
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ def make_scheduler(model_config: ModelConfig, setting: Setting) -> Scheduler:
     )
 
 
-def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int]]:
-    """Serve ``requests`` with vLLM's scheduler; per-request counts and vLLM's (external queries, hits)."""
+def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int, int]]:
+    """Serve ``requests`` with vLLM's scheduler; per-request counts and vLLM's (external queries, hits, preemptions)."""
     scheduler = make_scheduler(model_config, setting)
     connector = scheduler.connector
     assert isinstance(connector, OffloadingConnector) and connector.connector_scheduler is not None
@@ -173,9 +174,10 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
     record_local: Callable[..., Any] = scheduler.kv_cache_manager.record_prefix_cache_stats
     after_alloc: Callable[..., Any] = connector.update_state_after_alloc
 
+    # A request's first admission: vLLM's metrics leave out a preempted request's later ones.
     def on_record_local(request: Any, num_local: int) -> None:
-        local[request.request_id] = num_local
-        queries[request.request_id] = request.num_tokens - num_local
+        local.setdefault(request.request_id, num_local)
+        queries.setdefault(request.request_id, request.num_tokens - num_local)
         record_local(request, num_local)
 
     def on_after_alloc(request: Any, blocks: Any, num_external: int) -> None:
@@ -188,12 +190,14 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
     due: dict[int, int] = {}  # job id -> the step whose output reports it done
     load_of: dict[int, str] = {}  # load job id -> its request
     to_send = list(reversed(requests))
+    sent: list[Any] = []
     previous = ""
 
     def send() -> None:
         nonlocal previous
         request = to_send.pop()
         engine_request = make_request(request.req_id, list(request.prompt))
+        sent.append(engine_request)
         engine_request.max_tokens = setting.output_tokens
         scheduler.add_request(engine_request)
         previous = request.req_id
@@ -253,16 +257,16 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
     totals[0] += unreported.queries
     totals[1] += unreported.hits
     counts = {request.req_id: (local[request.req_id], queries[request.req_id], external[request.req_id]) for request in requests}
-    return counts, (totals[0], totals[1])
+    return counts, (totals[0], totals[1], sum(request.num_preemptions for request in sent))
 
 
-def replay_model(setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int]]:
+def replay_model(setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int, int]]:
     trace = prepare(list(parse_trace(trace_lines(requests, BLOCK_SIZE), block_size=BLOCK_SIZE)))
     manager = CPUOffloadingManager(setting.slots, setting.policy)
     contexts = positioned_contexts(trace, lambda req_id: ReqContext(req_id=req_id), block_size=BLOCK_SIZE)
     stats = replay_vllm_engine(vllm_order_calls(manager), trace, contexts, block_size=BLOCK_SIZE, model=setting.model())
     counts = {o.req_id: (o.engine_hit_tokens, o.external_query_tokens, o.external_hit_tokens) for o in stats.outcomes}
-    return counts, (stats.external_query_tokens, stats.external_hit_tokens)
+    return counts, (stats.external_query_tokens, stats.external_hit_tokens, stats.preemptions)
 
 
 SETTINGS = [
@@ -274,6 +278,7 @@ SETTINGS = [
     Setting(gpu_blocks=64, max_num_seqs=6, slots=200, policy="arc", store_steps=1, load_steps=2),
     Setting(gpu_blocks=64, max_num_seqs=6, slots=200, policy="lru", store_steps=3),
     Setting(gpu_blocks=64, max_num_seqs=4, slots=100, policy="arc", output_tokens=20),
+    Setting(gpu_blocks=40, max_num_seqs=6, slots=100, policy="lru", output_tokens=40),  # preempts
 ]
 
 
@@ -289,7 +294,9 @@ def test_the_engine_model_counts_the_external_hits_vllms_scheduler_counts(model_
         f" {vllm_counts[differing[0]]}, model {model_counts[differing[0]]}"
     )
     assert model_totals == vllm_totals
-    queries, hits = vllm_totals
+    queries, hits, preemptions = vllm_totals
     # The setting exercises every level: GPU hits, offload hits, and misses.
     assert 0 < hits < queries
     assert any(local for local, _, _ in vllm_counts.values())
+    # Decoding in a small GPU cache preempts; the model preempts the same requests as often.
+    assert (preemptions > 0) == (setting.output_tokens >= 40)

@@ -678,8 +678,8 @@ class PointReport:
     """vLLM order: requests admitted per step, over the steps that admitted any."""
     steps: int | None
     """vLLM order: engine steps the trace took."""
-    stalls: int | None
-    """vLLM order: times a running request waited a step for a free GPU block (vLLM would preempt)."""
+    preemptions: int | None
+    """vLLM order: running requests preempted for want of free GPU blocks."""
 
     @classmethod
     def of(cls, point: SweepPoint, geometry: ModelGeometry, bandwidth_gbps: float) -> PointReport:
@@ -715,7 +715,7 @@ class PointReport:
             max_admitted_per_step=engine.max_admitted_per_step if engine is not None else None,
             mean_admitted_per_step=engine.mean_admitted_per_step if engine is not None else None,
             steps=engine.steps if engine is not None else None,
-            stalls=engine.stalls if engine is not None else None,
+            preemptions=engine.preemptions if engine is not None else None,
         )
 
     def rate(self, order: str) -> float:
@@ -1019,10 +1019,9 @@ def run(args: argparse.Namespace) -> int:
               f" on average over the steps that admitted any ({first.steps} steps, {first.policy.upper()}"
               f" {format_bytes(first.capacity_bytes)}); deferred lookups (a block still being stored or loaded):"
               f" {first.pending_stops}; GPU cache evictions: {first.engine_evictions}")
-        stalled = sum(report.stalls or 0 for report in reports)
-        if stalled:
-            print(f"warning: running requests waited {stalled} times for a free GPU block, where vLLM would preempt;"
-                  " the prediction is less exact: give more --gpu-blocks or fewer --max-num-seqs")
+        if first.preemptions:
+            print(f"preemptions: {first.preemptions} running requests were preempted for want of GPU blocks and"
+                  " started over (vLLM's metrics, and these rates, count their first admission only)")
     print()
     for line in _recommendation_lines(found, order, geometry):
         print(line)

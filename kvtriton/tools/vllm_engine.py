@@ -45,10 +45,17 @@ generator sending everything at once produces), ``arrivals`` new ones per step,
 or ``sequential``: each request arrives once the previous one finished and
 every transfer is done (a client that waits for each answer).
 
-Not modelled: preemption (a running request that finds no free GPU block for
-its next tokens waits a step instead, counted in ``stalls``), partial-tail
-blocks, sliding windows and hybrid models, several blocks per offloaded chunk
-(GPU and offload blocks are the same size here), speculative decoding.
+**Preemption.** A running request that finds no free GPU block for its next
+tokens preempts the last running request (itself, if it is the last): the
+victim frees its blocks, returns to the head of the waiting queue and starts
+over from a fresh prefix lookup once its stores are done (they are flushed in
+that step); no other request is admitted in a step that preempted. As in
+vLLM's metrics, a preempted request's second admission is not counted in its
+outcome nor in the totals.
+
+Not modelled: partial-tail blocks, sliding windows and hybrid models, several
+blocks per offloaded chunk (GPU and offload blocks are the same size here),
+speculative decoding.
 """
 
 from __future__ import annotations
@@ -156,8 +163,8 @@ class EngineStats:
     """The largest number of requests admitted (scheduled for the first time) in one step."""
     admission_steps: int
     """Steps that admitted at least one request."""
-    stalls: int
-    """Times a running request found no free GPU block for its next tokens (vLLM would preempt)."""
+    preemptions: int
+    """Running requests preempted because a running request found no free GPU block for its next tokens."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -213,7 +220,7 @@ class _Request:
     def __init__(self, index: int, num_prompt: int) -> None:
         self.index = index
         self.num_prompt = num_prompt
-        self.state = "waiting"  # waiting -> (loading -> loaded ->) running -> finished
+        self.state = "waiting"  # waiting -> (loading -> loaded ->) running -> finished; preempted: waiting again
         self.computed = 0
         self.generated = 0
         self.blocks: list[int] = []
@@ -281,7 +288,7 @@ def replay_vllm_engine(
     outcomes: dict[int, RequestOutcome] = {}
     next_arrival = 0
     step = 0
-    blocks_stored = evictions = refused_stores = refused_blocks = pending_stops = stalls = 0
+    blocks_stored = evictions = refused_stores = refused_blocks = pending_stops = preemptions = 0
     max_admitted = admission_steps = 0
     max_seqs = engine.max_num_seqs
 
@@ -319,6 +326,20 @@ def replay_vllm_engine(
             allocated_this_step.update(taken)
         return True
 
+    def preempt(victim: _Request) -> None:
+        """vLLM's _preempt_request: free the blocks, start over from the head of the waiting queue."""
+        nonlocal preemptions
+        preemptions += 1
+        assert pool is not None  # only a bounded pool runs out of blocks
+        pool.free(victim.blocks)
+        victim.blocks = []
+        victim.computed = 0
+        victim.state = "waiting"
+        waiting.appendleft(victim)
+        for job in jobs.values():  # the connector flushes the victim's stores in this step
+            if job.state is victim:
+                job.due = step
+
     def cache_up_to(state: _Request, num_tokens: int) -> None:
         if pool is None:
             return
@@ -348,25 +369,32 @@ def replay_vllm_engine(
         elif step == 1:
             arrive(len(states))
 
-        # schedule(): running requests first.
+        # schedule(): running requests first; one that finds no free block preempts the last one running.
         budget = engine.max_num_batched_tokens
         scheduled: list[tuple[_Request, int]] = []
-        for state in running:
-            if budget <= 0:
-                break
+        preempted_now = False
+        index = 0
+        while index < len(running) and budget > 0:
+            state = running[index]
             new = min(state.num_tokens - state.computed, budget)
-            if not grow(state, state.computed + new):
-                stalls += 1
-                continue
+            while not grow(state, state.computed + new):
+                victim = running.pop()
+                preempt(victim)
+                preempted_now = True
+                if victim is state:
+                    break
+            if state.state != "running":
+                break
             cache_up_to(state, state.computed + new)
             scheduled.append((state, new))
             budget -= new
+            index += 1
 
         # Then waiting requests: those holding KV (loading) first, then new ones, in order.
         admitted = 0
         skipped_holding: list[_Request] = []
         skipped_waiting: list[_Request] = []
-        while budget > 0 and (holding or waiting):
+        while not preempted_now and budget > 0 and (holding or waiting):
             if max_seqs is not None and len(running) >= max_seqs:
                 break
             queue = holding if holding else waiting
@@ -397,7 +425,17 @@ def replay_vllm_engine(
             request = requests[state.index]
             context = contexts[state.index]
             prompt = request.prompt_keys
-            local_blocks = pool.cached_prefix(prompt, (state.num_tokens - 1) // block_size) if pool is not None else []
+            if any(job.state is state for job in jobs.values()):
+                # A preempted request whose stores are still in flight: the connector answers "not yet".
+                state.deferrals += 1
+                pending_stops += 1
+                skipped_waiting.append(queue.popleft())
+                continue
+            if pool is not None:
+                full_blocks = [key_of_block(state, index) for index in range(state.num_tokens // block_size)]
+                local_blocks = pool.cached_prefix(full_blocks, (state.num_tokens - 1) // block_size)
+            else:
+                local_blocks = []
             local = len(local_blocks)
             hits = 0
             wait = False
@@ -448,9 +486,10 @@ def replay_vllm_engine(
             admitted += 1
             state.local, state.external = local_tokens, external_tokens
             state.queries = state.num_tokens - local_tokens
-            outcomes[state.index] = RequestOutcome(
-                request.req_id, request.prompt_tokens, local_tokens, state.queries, external_tokens, step, state.deferrals
-            )
+            if state.index not in outcomes:  # vLLM's metrics leave a preempted request's second admission out
+                outcomes[state.index] = RequestOutcome(
+                    request.req_id, request.prompt_tokens, local_tokens, state.queries, external_tokens, step, state.deferrals
+                )
             state.next_store = 0
             if hits:
                 keys = prompt[local : local + hits]
@@ -544,13 +583,9 @@ def replay_vllm_engine(
                             being_loaded[key] = left
                         else:
                             del being_loaded[key]
-        progressed = scheduled or admitted or done or jobs or finished_last_step or next_arrival > arrived_before
-        if not progressed and (waiting or holding or running):
-            raise RuntimeError(
-                f"step {step}: the engine model cannot make progress ({len(running)} running requests wait for GPU"
-                f" blocks, {pool.num_free if pool is not None else 0} free): give more gpu_blocks, fewer"
-                " max_num_seqs or shorter requests (vLLM would preempt, which this model does not)"
-            )
+        progressed = scheduled or admitted or done or jobs or finished_last_step or preempted_now or next_arrival > arrived_before
+        if not progressed and (waiting or holding or running):  # a bug guard: every rule above makes progress
+            raise RuntimeError(f"step {step}: the engine model made no progress with {len(waiting) + len(holding) + len(running)} requests left")
 
     ordered = tuple(outcomes[index] for index in range(len(states)))
     external_blocks = sum(outcome.external_hit_tokens for outcome in ordered) // block_size
@@ -572,5 +607,5 @@ def replay_vllm_engine(
         engine_evictions=pool.evictions if pool is not None else 0,
         max_admitted_per_step=max_admitted,
         admission_steps=admission_steps,
-        stalls=stalls,
+        preemptions=preemptions,
     )
