@@ -41,12 +41,8 @@ from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request  # noqa: E402
 
 
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager  # noqa: E402
-from kvtriton.specs import ReqContext  # noqa: E402
-from kvtriton.tools.replay import prepare  # noqa: E402
 from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines  # noqa: E402
-from kvtriton.tools.vllm_engine import EngineModel, replay_vllm_engine  # noqa: E402
-from kvtriton.tools.vllm_order import positioned_contexts, vllm_order_calls  # noqa: E402
+from kvtriton.tools.vllm_engine import EngineModel, predict  # noqa: E402
 from kvtriton.tools.workloads import parse_trace  # noqa: E402
 
 DECODED = EOS + 3
@@ -261,10 +257,9 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
 
 
 def replay_model(setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int, int]]:
-    trace = prepare(list(parse_trace(trace_lines(requests, BLOCK_SIZE), block_size=BLOCK_SIZE)))
-    manager = CPUOffloadingManager(setting.slots, setting.policy)
-    contexts = positioned_contexts(trace, lambda req_id: ReqContext(req_id=req_id), block_size=BLOCK_SIZE)
-    stats = replay_vllm_engine(vllm_order_calls(manager), trace, contexts, block_size=BLOCK_SIZE, model=setting.model())
+    """The prediction, from the trace file's lines as a producer writes them."""
+    trace = list(parse_trace(trace_lines(requests, BLOCK_SIZE), block_size=BLOCK_SIZE))
+    stats = predict(trace, slots=setting.slots, block_size=BLOCK_SIZE, policy=setting.policy, model=setting.model())
     counts = {o.req_id: (o.engine_hit_tokens, o.external_query_tokens, o.external_hit_tokens) for o in stats.outcomes}
     return counts, (stats.external_query_tokens, stats.external_hit_tokens, stats.preemptions)
 

@@ -67,8 +67,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvtriton.keys import OffloadKey
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.specs import ReqContext
 from kvtriton.tools.engine_cache import EnginePrefixCache
-from kvtriton.tools.replay import ManagerCalls, PreparedRequest, ReplayStats
+from kvtriton.tools.replay import ManagerCalls, PreparedRequest, ReplayStats, prepare
+from kvtriton.tools.vllm_order import positioned_contexts, vllm_order_calls
+from kvtriton.tools.workloads import Request
 
 __all__ = [
     "DEFAULT_LOAD_STEPS",
@@ -78,6 +82,7 @@ __all__ = [
     "EngineModel",
     "EngineStats",
     "RequestOutcome",
+    "predict",
     "replay_vllm_engine",
 ]
 
@@ -609,3 +614,25 @@ def replay_vllm_engine(
         admission_steps=admission_steps,
         preemptions=preemptions,
     )
+
+
+def predict(
+    requests: Sequence[Request],
+    *,
+    slots: int,
+    block_size: int,
+    policy: str = "lru",
+    model: EngineModel | None = None,
+) -> EngineStats:
+    """What a vLLM server with kvtriton's manager of ``slots`` blocks and ``policy`` counts for ``requests``.
+
+    One point of ``kvtriton simulate --call-order vllm``, for a caller that
+    already has the trace (:func:`kvtriton.tools.workloads.read_trace`) and the
+    server's settings: compare ``external_hit_rate`` with vLLM's
+    ``external_prefix_cache_hits / external_prefix_cache_queries``, and
+    ``outcomes`` request by request.
+    """
+    prepared = prepare(requests)
+    manager = CPUOffloadingManager(slots, cache_policy=policy)
+    contexts = positioned_contexts(prepared, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
+    return replay_vllm_engine(vllm_order_calls(manager), prepared, contexts, block_size=block_size, model=model)
