@@ -264,3 +264,14 @@ def test_a_token_workload_trace_runs_through_simulate(tmp_path: Path, capsys: py
     assert record["trace"]["requests"] == 60
     assert record["trace"]["prompt_tokens"] == sum(len(request.prompt) for request in requests)
     assert all(0 <= point["external_hit_rate"] <= 1 for point in record["points"])
+
+
+def test_the_python_example_in_the_docs_runs_and_prints_what_it_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (REPO / "docs" / "simulate.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    exec(compile(block.replace("/tmp/fidelity.jsonl", str(tmp_path / "fidelity.jsonl")), "docs/simulate.md", "exec"), {})
+    printed = capsys.readouterr().out.strip()
+    claimed = re.search(r"# ([0-9.]+%)", block)
+    assert claimed is not None and printed == claimed.group(1)
