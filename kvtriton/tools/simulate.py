@@ -34,6 +34,7 @@ from typing import Protocol, TypeVar, cast
 from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
+from kvtriton.specs import ReqContext
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
 from kvtriton.tools.vllm_engine import (
@@ -45,7 +46,6 @@ from kvtriton.tools.vllm_engine import (
     replay_vllm_engine,
 )
 from kvtriton.tools.vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, positioned_contexts, vllm_order_calls
-from kvtriton.specs import ReqContext
 from kvtriton.tools.workloads import WORKLOADS, Request, generate, read_trace
 
 __all__ = [
