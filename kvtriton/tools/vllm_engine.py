@@ -38,7 +38,9 @@ stored blocks are the prompt's full blocks from the end of the loaded prefix
 (from block 0 when nothing was loaded: blocks the GPU cache served are offered
 again, and the manager skips those it holds); vLLM offloads prompts only, so
 output blocks are never stored. A ``prepare_store`` that returns ``None`` is
-tried again the next step, as the connector does.
+tried again the next step, as the connector does. A finished request's store
+is done at once (vLLM flushes it) when one of its GPU blocks goes to other
+tokens or into a new request's block table.
 
 Arrivals: all requests at step 1 (``arrivals=None``, a burst, what a load
 generator sending everything at once produces), ``arrivals`` new ones per step,
@@ -53,9 +55,12 @@ that step); no other request is admitted in a step that preempted. As in
 vLLM's metrics, a preempted request's second admission is not counted in its
 outcome nor in the totals.
 
-Not modelled: partial-tail blocks, sliding windows and hybrid models, several
-blocks per offloaded chunk (GPU and offload blocks are the same size here),
-speculative decoding.
+Not modelled: vLLM's asynchronous scheduling (the synchronous scheduler is
+modelled: vLLM's on CPU, or with ``--no-async-scheduling``), partial-tail
+blocks, sliding windows and hybrid models, several blocks per offloaded chunk
+(GPU and offload blocks are the same size here), speculative decoding.
+``tests/test_simulate_vllm_scheduler.py`` checks the model against vLLM's own
+scheduler request by request.
 """
 
 from __future__ import annotations
