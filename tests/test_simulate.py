@@ -379,7 +379,7 @@ def test_out_that_is_a_file_names_the_flag(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_policy_names_are_case_insensitive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", *TINY, "--policies", "LRU,Arc,lru", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    assert main(["simulate", *TINY, "--policies", "LRU,Arc", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     assert [p["policy"] for p in json.loads(capsys.readouterr().out)["points"]] == ["lru", "lru", "arc", "arc"]
 
 
@@ -405,26 +405,39 @@ def test_simulate_imports_neither_torch_nor_triton_nor_matplotlib() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_vllm_call_order_is_recorded_and_matches_the_vllm_order_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvtriton.tools.replay import prepare
-    from kvtriton.tools.vllm_order import vllm_order
-    from kvtriton.tools.workloads import generate
+def test_vllm_call_order_is_recorded_and_matches_the_engine_model_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtriton.tools.vllm_engine import EngineModel, replay_vllm_engine
+    from kvtriton.tools.vllm_order import positioned_contexts, vllm_order_calls
 
     args = ["simulate", "--workload", "scan", "--requests", "60", "--capacities", "0.25", "--policies", "lru"]
-    knobs = ["--call-order", "vllm", "--arrivals", "3", "--decode-steps", "2", "--sync-loads"]
+    knobs = ["--call-order", "vllm", "--arrivals", "3", "--decode-steps", "2", "--sync-loads", "--store-steps", "3"]
     assert main([*args, *knobs, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["call_order"] == {"name": "vllm", "in_flight": 1, "arrivals": 3, "decode_steps": 2, "sync_loads": True}
+    assert record["call_order"] == {
+        "name": "vllm", "in_flight": 1, "arrivals": 3, "sequential": False, "max_num_seqs": None,
+        "max_num_batched_tokens": 2048, "gpu_blocks": None, "decode_steps": 2, "load_steps": 1, "store_steps": 3,
+        "sync_loads": True,
+    }  # fmt: skip
     (point,) = record["points"]
     requests = prepare(generate("scan", seed=0, block_size=16, overrides={"requests": 60}))
-    expected = vllm_order(requests, CPUOffloadingManager(point["num_blocks"]), block_size=16, arrivals=3, decode_steps=2, sync_loads=True)
-    assert point["hit_blocks"] == expected.hit_blocks
-    assert point["evictions"] == expected.evictions
+    contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=16)
+    model = EngineModel(arrivals=3, output_tokens=2, sync_loads=True, store_steps=3)
+    expected = replay_vllm_engine(
+        vllm_order_calls(CPUOffloadingManager(point["num_blocks"])), requests, contexts, block_size=16, model=model
+    )
+    assert point["hit_blocks"] == expected.replay.hit_blocks
+    assert point["evictions"] == expected.replay.evictions
+    assert point["external_hit_rate"] == expected.external_hit_rate
 
 
 def test_help_documents_the_vllm_order_knobs(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for expected in ["--call-order", "(default: engine)", "--arrivals", "(default: 4)", "--decode-steps", "(default: 2)", "--sync-loads", "prefix-tree:", "scan_fraction=0.15"]:
+    for expected in [
+        "--call-order", "(default: vllm when --gpu-blocks", "--arrivals", "(default: 4 when", "--decode-steps",
+        "(default: 2)", "--sync-loads", "--gpu-blocks", "--max-num-seqs", "--sequential", "--load-steps",
+        "--store-steps", "--max-num-batched-tokens", "(default: 2048)", "--target-hit-rate", "default: 0.5)",
+        "--tensor-parallel-size", "prefix-tree:", "scan_fraction=0.15",
+    ]:  # fmt: skip
         assert expected in text, expected

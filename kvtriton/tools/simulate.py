@@ -3,15 +3,18 @@
 Replays a request trace (a built-in synthetic workload or a JSON-lines file)
 through ``CPUOffloadingManager`` for a sweep of capacities and each eviction
 policy, calling the manager the way a serving engine does, and reports hit
-rates, bytes moved, evictions and refused stores per point. Pure scheduler
-side: no tensors, no torch, so a sweep takes seconds. The replay loop
-(:mod:`kvtriton.tools.replay`) is also what ``bench/manager.py`` times, for
-kvtriton's manager and vLLM's.
+rates, bytes moved, evictions and refused stores per point, then the vLLM
+configuration of the smallest size that reaches ``--target-hit-rate``. Pure
+scheduler side: no tensors, no torch, so a sweep takes seconds. The replay
+loops (:mod:`kvtriton.tools.replay`, :mod:`kvtriton.tools.vllm_order`) are
+also what ``bench/manager.py`` times, for kvtriton's manager and vLLM's.
 
-The simulation models the host tier alone, as if the GPU prefix cache held
-nothing: every prompt block is looked up in host memory. A real engine serves
-its GPU prefix-cache hits first, so the host tier's own hit rate is lower,
-while the combined hit rate is at least what is reported here.
+With ``--call-order vllm`` (implied by ``--gpu-blocks``, ``--max-num-seqs``
+and ``--sequential``) the trace runs through a model of vLLM 0.33's engine
+(:mod:`kvtriton.tools.vllm_engine`): its admission, its own GPU prefix cache
+in front of the offload tier, and its asynchronous loads and stores, so the
+hit rate reported is the one vLLM's metrics show
+(``external_prefix_cache_hits / external_prefix_cache_queries``).
 """
 
 from __future__ import annotations
@@ -31,9 +34,18 @@ from typing import Protocol, TypeVar, cast
 from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
+from kvtriton.specs import ReqContext
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
-from kvtriton.tools.vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, vllm_order
+from kvtriton.tools.vllm_engine import (
+    DEFAULT_LOAD_STEPS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_STORE_STEPS,
+    EngineModel,
+    EngineStats,
+    replay_vllm_engine,
+)
+from kvtriton.tools.vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, positioned_contexts, vllm_order_calls
 from kvtriton.tools.workloads import WORKLOADS, Request, generate, read_trace
 
 __all__ = [
@@ -41,10 +53,12 @@ __all__ = [
     "DEFAULT_OUT",
     "CallOrder",
     "PointReport",
+    "Recommendation",
     "SweepPoint",
     "TraceSummary",
     "add_arguments",
     "default_capacities",
+    "recommend",
     "run",
     "summarize",
     "sweep",
@@ -56,6 +70,7 @@ DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_POLICIES = ("lru", "arc")
 DEFAULT_BANDWIDTH_GBPS = 25.0
 DEFAULT_SWEEP_POINTS = 8
+DEFAULT_TARGET_HIT_RATE = 0.5
 
 
 # --------------------------------------------------------------------------
@@ -70,6 +85,8 @@ class SweepPoint:
     capacity_bytes: int
     num_blocks: int
     stats: ReplayStats
+    engine: EngineStats | None = None
+    """The vLLM-order replay's engine-side counts (None in the engine order)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,33 +132,59 @@ CALL_ORDERS = ("engine", "vllm")
 
 @dataclass(frozen=True, slots=True)
 class CallOrder:
-    """How the manager is called: the order, and the knobs of vLLM's step model."""
+    """How the manager is called: the order, and the knobs of each order's step model."""
 
     name: str = "engine"
     in_flight: int = 1
     """``engine`` order: requests admitted before the oldest completes its loads and stores."""
-    arrivals: int = DEFAULT_ARRIVALS
-    """``vllm`` order: new requests scheduled per engine step."""
+    arrivals: int | None = None
+    """``vllm`` order: new requests arriving per engine step (None: all at once, or one at a time with ``sequential``)."""
+    sequential: bool = False
+    """``vllm`` order: each request arrives once the previous one finished and its transfers are done."""
+    max_num_seqs: int | None = None
+    """``vllm`` order: vLLM's ``--max-num-seqs`` (None: no limit)."""
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    """``vllm`` order: vLLM's ``--max-num-batched-tokens``."""
+    gpu_blocks: int | None = None
+    """``vllm`` order: the engine's KV cache in blocks, its prefix cache on (None: off)."""
     decode_steps: int = DEFAULT_DECODE_STEPS
-    """``vllm`` order: steps from a request's prompt computation to its end."""
+    """``vllm`` order: tokens each request generates (steps from its prompt to its end)."""
+    load_steps: int = DEFAULT_LOAD_STEPS
+    """``vllm`` order: a load is reported done at the end of step ``s + load_steps - 1``."""
+    store_steps: int = DEFAULT_STORE_STEPS
+    """``vllm`` order: a store prepared at step ``s`` completes at the end of step ``s + store_steps``."""
     sync_loads: bool = False
     """``vllm`` order: a loading request computes in the step of its load instead of the next."""
 
     def __post_init__(self) -> None:
         if self.name not in CALL_ORDERS:
             raise ValueError(f"call order must be one of {', '.join(CALL_ORDERS)}, got {self.name!r}")
-
-    def replay(self, requests: Sequence[PreparedRequest], manager: CPUOffloadingManager, block_size: int) -> ReplayStats:
         if self.name == "vllm":
-            return vllm_order(
-                requests,
-                manager,
-                block_size=block_size,
-                arrivals=self.arrivals,
-                decode_steps=self.decode_steps,
-                sync_loads=self.sync_loads,
+            self.engine_model()  # checks the step model's knobs
+
+    def engine_model(self) -> EngineModel:
+        return EngineModel(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            gpu_blocks=self.gpu_blocks,
+            arrivals=self.arrivals,
+            sequential=self.sequential,
+            output_tokens=self.decode_steps,
+            load_steps=self.load_steps,
+            store_steps=self.store_steps,
+            sync_loads=self.sync_loads,
+        )
+
+    def replay(
+        self, requests: Sequence[PreparedRequest], manager: CPUOffloadingManager, block_size: int
+    ) -> tuple[ReplayStats, EngineStats | None]:
+        if self.name == "vllm":
+            contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
+            engine = replay_vllm_engine(
+                vllm_order_calls(manager), requests, contexts, block_size=block_size, model=self.engine_model()
             )
-        return replay(requests, manager, block_size=block_size, in_flight=self.in_flight)
+            return engine.replay, engine
+        return replay(requests, manager, block_size=block_size, in_flight=self.in_flight), None
 
 
 def sweep(
@@ -169,8 +212,8 @@ def sweep(
     for policy, capacity in progress(grid, len(grid), "simulate", enabled=show_progress):
         num_blocks = geometry.blocks_for(capacity)
         manager = CPUOffloadingManager(num_blocks, cache_policy=policy)
-        stats = call_order.replay(requests, manager, geometry.block_size)
-        points.append(SweepPoint(policy, capacity, num_blocks, stats))
+        stats, engine = call_order.replay(requests, manager, geometry.block_size)
+        points.append(SweepPoint(policy, capacity, num_blocks, stats, engine))
     return points
 
 
@@ -202,28 +245,60 @@ _positive_float = _number(float, "a positive number", lambda value: math.isfinit
 
 
 def _listed(text: str, what: str) -> list[str]:
-    """The non-blank items of a comma-separated list, stripped; an error when there are none."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
+    """The items of a comma-separated list, stripped; an error for an empty list or an empty item."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
+    if not all(items):
+        position = items.index("") + 1
+        raise argparse.ArgumentTypeError(f"item {position} of {text!r} is empty: give a comma-separated list of {what}")
     return items
 
 
 def _capacities(text: str) -> list[int]:
-    try:
-        return sorted({parse_capacity(item) for item in _listed(text, "sizes")})
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    sizes: dict[int, str] = {}
+    for item in _listed(text, "sizes"):
+        if item.startswith("-"):
+            raise argparse.ArgumentTypeError(f"sizes must be positive, got {item!r}")
+        try:
+            size = parse_capacity(item)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if size in sizes:
+            raise argparse.ArgumentTypeError(
+                f"{sizes[size]!r} and {item!r} are the same size ({format_bytes(size)}): give each size once"
+            )
+        sizes[size] = item
+    return sorted(sizes)
 
 
 def _policies(text: str) -> list[str]:
-    names = [name.lower() for name in _listed(text, "policies")]
-    for name in names:
+    names: list[str] = []
+    for item in _listed(text, "policies"):
+        name = item.lower()
         try:
             CPUOffloadingManager(1, cache_policy=name)
         except ValueError as error:  # the manager's message lists the valid names
             raise argparse.ArgumentTypeError(str(error)) from None
-    return list(dict.fromkeys(names))
+        if name in names:
+            raise argparse.ArgumentTypeError(f"policy {item!r} is listed twice in {text!r}: give each policy once")
+        names.append(name)
+    return names
+
+
+def _target_rate(text: str) -> float:
+    """A hit rate: a fraction in (0, 1] (``0.5``) or a percentage (``50%``)."""
+    stripped = text.strip()
+    percent = stripped.endswith("%")
+    try:
+        value = float(stripped.removesuffix("%"))
+    except ValueError:
+        value = math.nan
+    if percent:
+        value /= 100
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a hit rate as a fraction in (0, 1] or a percentage, e.g. 0.5 or 50%, got {text!r}")
+    return value
 
 
 def _param(text: str) -> tuple[str, str]:
@@ -252,9 +327,10 @@ def _workloads_epilog() -> str:
     lines.append("")
     lines.append(
         "trace files: JSON lines, one request per line: "
-        '{"id": "r1", "blocks": ["h1", "h2", ...], "tokens": 40, "output_blocks": ["h3"]}; '
+        '{"id": "r1", "blocks": ["h1", "h2", "h3"], "tokens": 56, "output_blocks": ["h4"]}; '
         "only blocks is required (block hashes: strings or non-negative integers, chained like "
-        "vLLM's, so equal hashes mean equal prefixes)."
+        "vLLM's, so equal hashes mean equal prefixes); tokens, the prompt length, must fit the full "
+        "blocks (3 blocks of 16 tokens: 48..63)."
     )
     return "\n".join(lines)
 
@@ -321,38 +397,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"eviction policies to compare, comma-separated (default: {','.join(DEFAULT_POLICIES)})",
     )
     sim.add_argument(
-        "--in-flight",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="requests admitted before the oldest completes its loads and stores (default: 1)",
-    )
-    sim.add_argument(
         "--call-order",
         choices=list(CALL_ORDERS),
-        default="engine",
         help="how the manager is called: 'engine' request by request with touch (kvtriton's API),"
-        " 'vllm' step by step as vLLM 0.33's OffloadingConnector calls it, no touch (default: engine)",
+        " 'vllm' step by step through a model of vLLM 0.33's engine, as its OffloadingConnector calls it"
+        " (default: vllm when --gpu-blocks, --max-num-seqs or --sequential is given, else engine)",
     )
     sim.add_argument(
+        "--in-flight",
+        type=_positive_int,
+        metavar="N",
+        help="--call-order engine: requests admitted before the oldest completes its loads and stores (default: 1)",
+    )
+    engine = parser.add_argument_group(
+        "vLLM engine model (--call-order vllm)",
+        "What the vLLM server is started with. Arrivals: all requests at once (with --max-num-seqs),"
+        " --arrivals N per step, or --sequential.",
+    )
+    engine.add_argument(
+        "--gpu-blocks",
+        type=_number(int, "an integer >= 2", lambda value: value >= 2),
+        metavar="N",
+        help="the engine's own KV cache in blocks of --block-size tokens (vLLM's num_gpu_blocks), its prefix"
+        " cache on, in front of the offload tier (default: prefix caching off)",
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        metavar="N",
+        help="vLLM's --max-num-seqs: requests running at once; requests waiting for a load do not count,"
+        " so a burst of them is admitted (default: no limit)",
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        metavar="N",
+        help=f"vLLM's --max-num-batched-tokens: tokens computed per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    arrival = engine.add_mutually_exclusive_group()
+    arrival.add_argument(
         "--arrivals",
         type=_positive_int,
-        default=DEFAULT_ARRIVALS,
         metavar="N",
-        help=f"--call-order vllm: new requests scheduled per engine step (default: {DEFAULT_ARRIVALS})",
+        help=f"new requests arriving per engine step (default: {DEFAULT_ARRIVALS} when neither --max-num-seqs"
+        " nor --sequential is given, else all requests at once)",
     )
-    sim.add_argument(
+    arrival.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one request at a time: each arrives once the previous one finished and its transfers are done"
+        " (a client that waits for every answer)",
+    )
+    engine.add_argument(
         "--decode-steps",
         type=_positive_int,
         default=DEFAULT_DECODE_STEPS,
         metavar="N",
-        help=f"--call-order vllm: steps from a request's prompt to its end (default: {DEFAULT_DECODE_STEPS})",
+        help=f"tokens each request generates, vLLM's max_tokens (default: {DEFAULT_DECODE_STEPS})",
     )
-    sim.add_argument(
+    engine.add_argument(
+        "--load-steps",
+        type=_positive_int,
+        default=DEFAULT_LOAD_STEPS,
+        metavar="N",
+        help="a load is reported done at the end of the N-th step counted from the one that schedules it"
+        f" (default: {DEFAULT_LOAD_STEPS}: within its own step)",
+    )
+    engine.add_argument(
+        "--store-steps",
+        type=_positive_int,
+        default=DEFAULT_STORE_STEPS,
+        metavar="N",
+        help="a store prepared in one step completes at the end of the N-th step after it; until then its"
+        f" blocks look up as pending (default: {DEFAULT_STORE_STEPS}: submitted the next step, done the one after)",
+    )
+    engine.add_argument(
         "--sync-loads",
         action="store_true",
-        help="--call-order vllm: a request that loads computes in the step of its load"
+        help="a request that loads computes in the step of its load"
         " (vLLM with sync_load_budget_bytes) instead of the next step (vLLM's default)",
+    )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="vLLM's --tensor-parallel-size: the host memory is split over N worker processes, each pinning"
+        " its share (for the memlock advice; default: 1)",
     )
     sim.add_argument(
         "--bandwidth",
@@ -361,6 +493,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GB/S",
         help="host<->GPU copy bandwidth for the transfer-time estimate, in GB/s"
         f" (default: {DEFAULT_BANDWIDTH_GBPS:g}, PCIe 4.0 x16 in practice)",
+    )
+    sim.add_argument(
+        "--target-hit-rate",
+        type=_target_rate,
+        default=DEFAULT_TARGET_HIT_RATE,
+        metavar="RATE",
+        help="print the vLLM configuration of the smallest size whose hit rate reaches RATE, a fraction or a"
+        " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise;"
+        f" default: {DEFAULT_TARGET_HIT_RATE:g})",
     )
     out = parser.add_argument_group("output")
     out.add_argument(
@@ -382,15 +523,65 @@ class _Source:
 
 
 def _geometry(args: argparse.Namespace) -> ModelGeometry:
+    """The preset with the flags' overrides; named after the preset only while its shape is the preset's."""
     preset = PRESETS[args.model]
+    shape = {
+        "num_layers": args.layers or preset.num_layers,
+        "num_kv_heads": args.kv_heads or preset.num_kv_heads,
+        "head_dim": args.head_dim or preset.head_dim,
+    }
+    changed = [name for name, value in shape.items() if value != getattr(preset, name)]
+    if not changed:
+        name = preset.name
+    elif len(changed) == len(shape):
+        name = "custom"
+    else:
+        name = f"{preset.name} (modified)"
     return ModelGeometry(
-        name=preset.name,
-        num_layers=args.layers or preset.num_layers,
-        num_kv_heads=args.kv_heads or preset.num_kv_heads,
-        head_dim=args.head_dim or preset.head_dim,
+        name=name,
+        **shape,
         dtype=parse_dtype(args.dtype) if args.dtype else preset.dtype,
         block_size=args.block_size or preset.block_size,
         kv_factor=preset.kv_factor,
+    )
+
+
+def _call_order(args: argparse.Namespace) -> CallOrder:
+    """The call order the flags ask for; ValueError naming the flag that does not apply."""
+    engine_flags = [
+        flag
+        for flag, given in (
+            ("--gpu-blocks", args.gpu_blocks is not None),
+            ("--max-num-seqs", args.max_num_seqs is not None),
+            ("--sequential", args.sequential),
+        )
+        if given
+    ]
+    name: str = args.call_order or ("vllm" if engine_flags else "engine")
+    if name == "engine":
+        if engine_flags:
+            raise ValueError(f"{engine_flags[0]} models vLLM's engine: it applies to --call-order vllm, not engine")
+        if args.arrivals is not None:
+            raise ValueError("--arrivals applies to --call-order vllm; the engine order admits with --in-flight")
+        return CallOrder(name="engine", in_flight=args.in_flight or 1)
+    if args.in_flight is not None:
+        raise ValueError(
+            "--in-flight applies to --call-order engine; vLLM's order admits with --max-num-seqs, --arrivals or --sequential"
+        )
+    arrivals: int | None = args.arrivals
+    if arrivals is None and args.max_num_seqs is None and not args.sequential:
+        arrivals = DEFAULT_ARRIVALS
+    return CallOrder(
+        name="vllm",
+        arrivals=arrivals,
+        sequential=args.sequential,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_blocks=args.gpu_blocks,
+        decode_steps=args.decode_steps,
+        load_steps=args.load_steps,
+        store_steps=args.store_steps,
+        sync_loads=args.sync_loads,
     )
 
 
@@ -447,16 +638,29 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class PointReport:
-    """One sweep point as reported: the replay counts turned into rates, bytes and seconds."""
+    """One sweep point as reported: the replay counts turned into rates (fractions of 1), bytes and seconds."""
 
     policy: str
     capacity_gib: float
     capacity_bytes: int
     num_blocks: int
     block_hit_rate: float
+    """Prompt blocks loaded from host memory, over all prompt blocks."""
     token_hit_rate: float
+    """Prompt tokens loaded from host memory, over all prompt tokens (the offload tier's share)."""
+    external_hit_rate: float
+    """What vLLM reports: tokens loaded from host memory over the tokens the GPU prefix cache did not serve."""
+    engine_share: float
+    """Prompt tokens served by the engine's GPU prefix cache (0 without --gpu-blocks)."""
+    offload_share: float
+    """Prompt tokens loaded from host memory (equal to token_hit_rate)."""
+    computed_share: float
+    """Prompt tokens the engine computed."""
     hit_blocks: int
     hit_tokens: int
+    engine_hit_tokens: int
+    external_query_tokens: int
+    external_hit_tokens: int
     bytes_loaded: int
     bytes_stored: int
     blocks_stored: int
@@ -466,10 +670,20 @@ class PointReport:
     pending_stops: int
     load_seconds: float
     store_seconds: float
+    engine_evictions: int | None
+    """vLLM order: GPU-cached blocks reused for other tokens."""
+    max_admitted_per_step: int | None
+    """vLLM order: the most requests admitted in one engine step."""
+    mean_admitted_per_step: float | None
+    """vLLM order: requests admitted per step, over the steps that admitted any."""
+    steps: int | None
+    """vLLM order: engine steps the trace took."""
+    preemptions: int | None
+    """vLLM order: running requests preempted for want of free GPU blocks."""
 
     @classmethod
     def of(cls, point: SweepPoint, geometry: ModelGeometry, bandwidth_gbps: float) -> PointReport:
-        stats = point.stats
+        stats, engine = point.stats, point.engine
         bytes_loaded = stats.hit_blocks * geometry.bytes_per_block
         bytes_stored = stats.blocks_stored * geometry.bytes_per_block
         return cls(
@@ -479,8 +693,15 @@ class PointReport:
             num_blocks=point.num_blocks,
             block_hit_rate=stats.block_hit_rate,
             token_hit_rate=stats.token_hit_rate,
+            external_hit_rate=engine.external_hit_rate if engine is not None else stats.token_hit_rate,
+            engine_share=engine.engine_share if engine is not None else 0.0,
+            offload_share=stats.token_hit_rate,
+            computed_share=engine.computed_share if engine is not None else 1.0 - stats.token_hit_rate,
             hit_blocks=stats.hit_blocks,
             hit_tokens=stats.hit_tokens,
+            engine_hit_tokens=engine.engine_hit_tokens if engine is not None else 0,
+            external_query_tokens=engine.external_query_tokens if engine is not None else stats.prompt_tokens,
+            external_hit_tokens=stats.hit_tokens,
             bytes_loaded=bytes_loaded,
             bytes_stored=bytes_stored,
             blocks_stored=stats.blocks_stored,
@@ -490,13 +711,129 @@ class PointReport:
             pending_stops=stats.pending_stops,
             load_seconds=bytes_loaded / (bandwidth_gbps * 1e9),
             store_seconds=bytes_stored / (bandwidth_gbps * 1e9),
+            engine_evictions=engine.engine_evictions if engine is not None else None,
+            max_admitted_per_step=engine.max_admitted_per_step if engine is not None else None,
+            mean_admitted_per_step=engine.mean_admitted_per_step if engine is not None else None,
+            steps=engine.steps if engine is not None else None,
+            preemptions=engine.preemptions if engine is not None else None,
         )
+
+    def rate(self, order: str) -> float:
+        """The hit rate the target is checked against: vLLM's reported rate in its order, the token hit rate otherwise."""
+        return self.external_hit_rate if order == "vllm" else self.token_hit_rate
+
+
+# --------------------------------------------------------------------------
+# The answer: the configuration to start vLLM with
+
+
+SPEC_EXTRA_CONFIG: dict[str, object] = {"spec_name": "KVTritonOffloadingSpec", "spec_module_path": "kvtriton.integrations.vllm"}
+"""The keys that point vLLM's OffloadingConnector at kvtriton (docs/vllm.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    """The smallest sweep point that reaches the target hit rate, as vLLM configuration."""
+
+    target: float
+    rate_name: str
+    point: PointReport | None
+    """None when no size tried reaches the target."""
+    best: PointReport
+    """The point with the highest rate (the closest one when none reaches the target)."""
+    extra_config: dict[str, object] | None
+    """``kv_connector_extra_config`` for ``point``."""
+    kv_transfer_config: dict[str, object] | None
+    """vLLM's whole ``--kv-transfer-config`` value for ``point``."""
+    slab_bytes_per_rank: int | None
+    """What each worker process pins (RLIMIT_MEMLOCK must allow it)."""
+    tensor_parallel_size: int
+
+
+def recommend(
+    reports: Sequence[PointReport], target: float, order: str, geometry: ModelGeometry, *, tensor_parallel_size: int = 1
+) -> Recommendation:
+    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`)."""
+    if not reports:
+        raise ValueError("no sweep points to choose from")
+    rate_name = "the hit rate vLLM reports" if order == "vllm" else "the token hit rate"
+    best = max(reports, key=lambda report: (report.rate(order), -report.capacity_bytes))
+    reaching = [report for report in reports if report.rate(order) >= target - 1e-12]
+    if not reaching:
+        return Recommendation(target, rate_name, None, best, None, None, None, tensor_parallel_size)
+    point = min(reaching, key=lambda report: (report.capacity_bytes, -report.rate(order)))
+    extra: dict[str, object] = {
+        **SPEC_EXTRA_CONFIG,
+        "cpu_bytes_to_use": point.capacity_bytes,
+        "eviction_policy": point.policy,
+    }
+    transfer: dict[str, object] = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    # kvtriton's spec: each rank holds cpu_bytes_to_use // tp, in whole slots of its share of a block.
+    rank_block = max(geometry.bytes_per_block // tensor_parallel_size, 1)
+    slab = (point.capacity_bytes // tensor_parallel_size) // rank_block * rank_block
+    return Recommendation(target, rate_name, point, best, extra, transfer, slab, tensor_parallel_size)
+
+
+def _recommendation_lines(found: Recommendation, order: CallOrder, geometry: ModelGeometry) -> list[str]:
+    target = _percent(found.target)
+    point = found.point
+    if point is None or found.kv_transfer_config is None or found.slab_bytes_per_rank is None:
+        best = found.best
+        return [
+            f"NO SIZE TRIED REACHES THE TARGET: {found.rate_name} stays below {target} at every size tried;",
+            f"  the best is {_percent(best.rate(order.name))} ({best.policy.upper()}, {format_bytes(best.capacity_bytes)}).",
+            "  Try larger --capacities, a lower --target-hit-rate, or check the ceiling above"
+            " (beyond it no host memory helps).",
+        ]
+    flags = [f"--block-size {geometry.block_size}"]
+    if order.name == "vllm" and order.max_num_seqs is not None:
+        flags.append(f"--max-num-seqs {order.max_num_seqs}")
+    if order.name == "vllm" and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        flags.append(f"--max-num-batched-tokens {order.max_num_batched_tokens}")
+    if found.tensor_parallel_size > 1:
+        flags.append(f"--tensor-parallel-size {found.tensor_parallel_size}")
+    slab = found.slab_bytes_per_rank
+    workers = "the worker process pins" if found.tensor_parallel_size == 1 else f"each of the {found.tensor_parallel_size} worker processes pins"
+    lines = [
+        f"smallest size reaching {target} ({found.rate_name}): {format_bytes(point.capacity_bytes)} with"
+        f" {point.policy.upper()}, {_percent(point.rate(order.name))}",
+        "",
+        "kv_connector_extra_config:",
+        "  " + json.dumps(found.extra_config),
+        "",
+        "vllm serve <model> " + " ".join(flags) + " \\",
+        f"  --kv-transfer-config '{json.dumps(found.kv_transfer_config, separators=(',', ':'))}'",
+        "",
+        f"memlock:   {workers} its slab, {format_bytes(slab)} ({slab} bytes): RLIMIT_MEMLOCK must be unlimited or"
+        f" at least {-(-slab // 1024)} KiB (ulimit -l; docker run --ulimit memlock=-1);"
+        f" check with: kvtriton info --slab-size {slab}B",
+        f"/dev/shm:  not used by KVTritonOffloadingSpec (each rank's slab is its own memory); the tiering spec"
+        f" (KVTritonTieringOffloadingSpec) maps the slab from /dev/shm and needs about {format_bytes(point.capacity_bytes)} free there",
+        f"host RAM:  {format_bytes(slab * found.tensor_parallel_size)} for the slab(s), on top of vLLM's own",
+    ]
+    if order.name == "vllm" and order.gpu_blocks is None:
+        lines.append(
+            "note:      modelled with the engine's prefix cache off; give --gpu-blocks (vLLM's num_gpu_blocks) to"
+            " count only what the GPU cache does not serve, as vLLM does"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------
+# Plot
 
 
 class _Axes(Protocol):
     """The few matplotlib Axes methods the plot uses, typed (matplotlib's stubs leave ``**kwargs`` unknown)."""
 
-    def plot(self, x: Sequence[float], y: Sequence[float], *, marker: str, label: str) -> object: ...
+    def plot(
+        self, x: Sequence[float], y: Sequence[float], *, marker: str, linestyle: str, markersize: float,
+        markerfacecolor: str, label: str,
+    ) -> object: ...  # fmt: skip
     def axhline(self, y: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
     def axvline(self, x: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
     def set_xscale(self, value: str, *, base: int) -> None: ...
@@ -515,8 +852,15 @@ class _Figure(Protocol):
     def savefig(self, fname: Path, *, dpi: int) -> None: ...
 
 
-def _plot(path: Path, reports: Sequence[PointReport], title: str, ceiling: float, working_set_gib: float) -> None:
-    """Token hit rate against capacity, one line per policy, with the unlimited-memory ceiling."""
+_LINE_STYLES = (("o", "-", 8.0, "none"), ("s", "--", 5.0, "auto"), ("^", ":", 6.0, "none"), ("D", "-.", 4.0, "auto"))
+"""Per policy: marker, line style, marker size, face. Hollow big markers around small full ones keep
+policies that coincide (LRU and ARC at large sizes) visible on top of each other."""
+
+
+def _plot(
+    path: Path, reports: Sequence[PointReport], title: str, ceiling: float, working_set_gib: float, order: str
+) -> None:
+    """The hit rate against capacity (vLLM's reported rate in its order), one line per policy, with the ceiling."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -524,12 +868,16 @@ def _plot(path: Path, reports: Sequence[PointReport], title: str, ceiling: float
 
     raw_figure, raw_axes = plt.subplots(figsize=(7.5, 4.5))
     figure, axes = cast(_Figure, raw_figure), cast(_Axes, raw_axes)
-    for policy in dict.fromkeys(report.policy for report in reports):
+    for index, policy in enumerate(dict.fromkeys(report.policy for report in reports)):
         mine = [report for report in reports if report.policy == policy]
+        marker, linestyle, size, face = _LINE_STYLES[index % len(_LINE_STYLES)]
         axes.plot(
             [report.capacity_gib for report in mine],
-            [100 * report.token_hit_rate for report in mine],
-            marker="o",
+            [100 * report.rate(order) for report in mine],
+            marker=marker,
+            linestyle=linestyle,
+            markersize=size,
+            markerfacecolor=face,
             label=policy.upper(),
         )
     axes.axhline(100 * ceiling, color="grey", linestyle="--", linewidth=1, label="unlimited memory")
@@ -539,20 +887,28 @@ def _plot(path: Path, reports: Sequence[PointReport], title: str, ceiling: float
     axes.set_xticks(ticks, labels=[f"{tick:.3g}" for tick in ticks])
     axes.minorticks_off()
     axes.set_xlabel("host memory for the KV cache (GiB, log scale)")
-    axes.set_ylabel("prompt tokens served from host memory (%)")
+    if order == "vllm":
+        axes.set_ylabel("hit rate vLLM reports (%): external hits / queries")
+    else:
+        axes.set_ylabel("prompt tokens served from host memory (%)")
     axes.set_ylim(0, 100)
     axes.set_title(title, fontsize=10)
     axes.grid(True, which="major", alpha=0.3)
-    axes.legend(loc="lower right")
+    axes.legend(loc="best")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(raw_figure)
+
+
+# --------------------------------------------------------------------------
+# The command
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         geometry = _geometry(args)
+        order = _call_order(args)
         source, requests = _load_trace(args, geometry.block_size)
     except (ValueError, OSError) as error:
         print(f"kvtriton simulate: error: {error}", file=sys.stderr)
@@ -569,19 +925,18 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     show_progress = not args.no_progress
-    order = CallOrder(
-        name=args.call_order,
-        in_flight=args.in_flight,
-        arrivals=args.arrivals,
-        decode_steps=args.decode_steps,
-        sync_loads=args.sync_loads,
-    )
-    # The ceiling: capacity for every distinct block, so nothing is ever evicted.
-    unlimited = order.replay(
-        prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
-    )
-    points = sweep(prepared, geometry, capacities, args.policies, show_progress=show_progress, order=order)
+    try:
+        # The ceiling: capacity for every distinct block, so nothing is ever evicted.
+        unlimited, unlimited_engine = order.replay(
+            prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
+        )
+        points = sweep(prepared, geometry, capacities, args.policies, show_progress=show_progress, order=order)
+    except (ValueError, RuntimeError) as error:  # the engine model refuses a request the GPU cache cannot hold
+        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
+        return 2
     reports = [PointReport.of(point, geometry, args.bandwidth) for point in points]
+    unlimited_rate = unlimited_engine.external_hit_rate if unlimited_engine is not None else unlimited.token_hit_rate
+    found = recommend(reports, args.target_hit_rate, order.name, geometry, tensor_parallel_size=args.tensor_parallel_size)
     working_set = summary.distinct_blocks * geometry.bytes_per_block
     record: dict[str, object] = {
         "command": "kvtriton simulate",
@@ -589,6 +944,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "rates": "fractions of 1 (the printed table shows them as percentages)",
         "source": {"name": source.name, **source.description},
         "geometry": {
             "model": geometry.name,
@@ -606,11 +962,23 @@ def run(args: argparse.Namespace) -> int:
             "working_set_gib": working_set / GIB,
             "unlimited_block_hit_rate": unlimited.block_hit_rate,
             "unlimited_token_hit_rate": unlimited.token_hit_rate,
+            "unlimited_external_hit_rate": unlimited_rate,
+            "engine_share": unlimited_engine.engine_share if unlimited_engine is not None else 0.0,
         },
-        "in_flight": args.in_flight,
         "call_order": asdict(order),
         "bandwidth_gbps": args.bandwidth,
         "points": [asdict(report) for report in reports],
+        "recommendation": {
+            "target_hit_rate": found.target,
+            "rate": found.rate_name,
+            "reached": found.point is not None,
+            "policy": found.point.policy if found.point is not None else None,
+            "capacity_bytes": found.point.capacity_bytes if found.point is not None else None,
+            "kv_connector_extra_config": found.extra_config,
+            "kv_transfer_config": found.kv_transfer_config,
+            "slab_bytes_per_rank": found.slab_bytes_per_rank,
+            "tensor_parallel_size": found.tensor_parallel_size,
+        },
         "elapsed_seconds": time.perf_counter() - started,
     }
     out_dir: Path = args.out
@@ -621,38 +989,88 @@ def run(args: argparse.Namespace) -> int:
         png_path = out_dir / f"simulate-{source.name}.png"
         if not args.no_plot:
             title = f"{source.name} trace, {summary.requests} requests, {geometry.name} ({format_bytes(geometry.bytes_per_block)}/block)"
-            _plot(png_path, reports, title, unlimited.token_hit_rate, working_set / GIB)
+            if order.gpu_blocks is not None:
+                title += f", {order.gpu_blocks} GPU blocks"
+            _plot(png_path, reports, title, unlimited_rate, working_set / GIB, order.name)
     except OSError as error:
         print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(record, indent=2))
+        print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"), file=sys.stderr)
         return 0
     print(f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
           f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks")
     print(f"geometry  {geometry.describe()}")
-    print(f"working set {format_bytes(working_set)} ({summary.distinct_blocks} distinct blocks);"
-          f" with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
+    print(f"working set {format_bytes(working_set)} ({summary.distinct_blocks} distinct blocks)")
+    if unlimited_engine is not None:
+        print(f"engine    {_describe_engine(order)}")
+        print(f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
+              f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens")
+    else:
+        print(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
     print()
+    print(_table(*_rows(reports, order.name)))
+    shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
+    if shown.max_admitted_per_step is not None:
+        first = shown
+        print()
+        print(f"admission: up to {first.max_admitted_per_step} new requests in one step, {first.mean_admitted_per_step:.1f}"
+              f" on average over the steps that admitted any ({first.steps} steps, {first.policy.upper()}"
+              f" {format_bytes(first.capacity_bytes)}); deferred lookups (a block still being stored or loaded):"
+              f" {first.pending_stops}; GPU cache evictions: {first.engine_evictions}")
+        if first.preemptions:
+            print(f"preemptions: {first.preemptions} running requests were preempted for want of GPU blocks and"
+                  " started over (vLLM's metrics, and these rates, count their first admission only)")
+    print()
+    for line in _recommendation_lines(found, order, geometry):
+        print(line)
+    print()
+    print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"))
+    return 0
+
+
+def _describe_engine(order: CallOrder) -> str:
+    if order.sequential:
+        arrivals = "one request at a time"
+    elif order.arrivals is not None:
+        arrivals = f"{order.arrivals} arrivals per step"
+    else:
+        arrivals = "all requests at once"
+    parts = [
+        arrivals,
+        f"max_num_seqs {order.max_num_seqs}" if order.max_num_seqs is not None else "no max_num_seqs",
+        f"{order.max_num_batched_tokens} batched tokens",
+        f"{order.gpu_blocks} GPU blocks, prefix cache on" if order.gpu_blocks is not None else "prefix cache off",
+        f"{order.decode_steps} output tokens",
+        f"loads done after {order.load_steps} step(s), stores after {order.store_steps}",
+    ]
+    return ", ".join(parts)
+
+
+def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[list[str]]]:
+    """The table: in vLLM's order, its reported rate and where prompt tokens came from; else the host tier's rates."""
+    if order == "vllm":
+        headers = ["policy", "GiB", "blocks", "vLLM hit", "GPU", "host", "computed", "loaded GiB", "stored GiB",
+                   "evictions", "refused", "load s", "store s"]  # fmt: skip
+        rows = [
+            [
+                report.policy, _gib(report.capacity_bytes), str(report.num_blocks), _percent(report.external_hit_rate),
+                _percent(report.engine_share), _percent(report.offload_share), _percent(report.computed_share),
+                _gib(report.bytes_loaded), _gib(report.bytes_stored), str(report.evictions), str(report.refused_stores),
+                f"{report.load_seconds:.2f}", f"{report.store_seconds:.2f}",
+            ]  # fmt: skip
+            for report in reports
+        ]
+        return headers, rows
     headers = ["policy", "GiB", "blocks", "hit blk", "hit tok", "stored GiB", "loaded GiB",
                "evictions", "refused", "load s", "store s"]  # fmt: skip
     rows = [
         [
-            report.policy,
-            _gib(report.capacity_bytes),
-            str(report.num_blocks),
-            _percent(report.block_hit_rate),
-            _percent(report.token_hit_rate),
-            _gib(report.bytes_stored),
-            _gib(report.bytes_loaded),
-            str(report.evictions),
-            str(report.refused_stores),
-            f"{report.load_seconds:.2f}",
-            f"{report.store_seconds:.2f}",
-        ]
+            report.policy, _gib(report.capacity_bytes), str(report.num_blocks), _percent(report.block_hit_rate),
+            _percent(report.token_hit_rate), _gib(report.bytes_stored), _gib(report.bytes_loaded), str(report.evictions),
+            str(report.refused_stores), f"{report.load_seconds:.2f}", f"{report.store_seconds:.2f}",
+        ]  # fmt: skip
         for report in reports
     ]
-    print(_table(headers, rows))
-    print()
-    print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"))
-    return 0
+    return headers, rows

@@ -25,10 +25,14 @@ calls it step by step instead, and never calls ``touch``. Per engine step,
    that finish in this step, ``decode_steps`` steps after their prompt.
 
 The trace models the host tier alone: every prompt block is looked up in host
-memory, as if the GPU prefix cache held nothing. Tests drive vLLM's own
-manager and kvtriton's adapter with it (``tests/test_vllm_order_parity.py``),
-``bench/manager.py`` times it, and ``kvtriton simulate --call-order vllm``
-sweeps it over capacities.
+memory, as if the GPU prefix cache held nothing, and a fixed number of
+requests is admitted per step. Tests drive vLLM's own manager and kvtriton's
+adapter with it (``tests/test_vllm_order_parity.py``) and ``bench/manager.py``
+times it. ``kvtriton simulate --call-order vllm`` uses the fuller model of
+:mod:`kvtriton.tools.vllm_engine` instead (admission by ``max_num_seqs``, the
+engine's own prefix cache, stores completing a step later, flushes), checked
+request by request against vLLM's scheduler; this module's positioned
+contexts and hooked calls serve both.
 """
 
 from __future__ import annotations
