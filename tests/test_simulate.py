@@ -375,7 +375,7 @@ def test_out_that_is_a_file_names_the_flag(tmp_path: Path, capsys: pytest.Captur
     taken = tmp_path / "results"
     taken.write_text("")
     assert main(["simulate", *TINY, "--no-plot", "--out", str(taken)]) == 2
-    assert f"kvtriton simulate: error: --out {taken}: cannot write results" in capsys.readouterr().err
+    assert f"kvtriton simulate: error: --out {taken}: is a file, not a folder" in capsys.readouterr().err
 
 
 def test_policy_names_are_case_insensitive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -982,6 +982,10 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_seconds": time.perf_counter() - started,
     }
     out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
+              file=sys.stderr)
+        return 2
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path = out_dir / f"simulate-{source.name}.json"
