@@ -288,7 +288,7 @@ def _round_to_dtype(x: torch.Tensor, nan: torch.Tensor, dtype: torch.dtype) -> t
         rounded = x.to(torch.float16).view(torch.int16)
     else:
         rounded = x.view(torch.int32)
-    canonical = torch.tensor(_CANONICAL_NAN_BITS[dtype], dtype=rounded.dtype)
+    canonical = torch.tensor(_CANONICAL_NAN_BITS[dtype], dtype=rounded.dtype, device=x.device)
     return torch.where(nan, canonical, rounded)
 
 
@@ -334,7 +334,7 @@ def gather_compressed_unchecked(
     blocks, rows = _last_wins(blocks, rows)
     finite = True
     for page, entry in zip(pages, layout.pages):
-        picked = _elements(page, entry.elements).index_select(0, blocks.to(page.device)).cpu()
+        picked = _elements(page, entry.elements).index_select(0, blocks.to(page.device))
         target_rows = rows.to(slab.device)
         if not entry.compressed:
             raw = picked.contiguous().view(torch.uint8).reshape(len(blocks), entry.page_bytes)
@@ -363,9 +363,9 @@ def scatter_compressed_unchecked(
             values = raw.contiguous().view(page.dtype).reshape(len(rows), entry.elements)
             _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
             continue
-        codes = _region(slab, entry.row_offset, entry.elements).index_select(0, picked_rows).cpu()
+        codes = _region(slab, entry.row_offset, entry.elements).index_select(0, picked_rows).to(page.device)
         scale_bytes = _region(slab, entry.row_offset + entry.scales_offset, 4 * entry.num_groups).index_select(0, picked_rows)
-        scales = scale_bytes.cpu().contiguous().view(torch.float32)
+        scales = scale_bytes.to(page.device).contiguous().view(torch.float32)
         values = dequantize_groups(codes, scales, entry.group_size, entry.dtype)
         _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
 
