@@ -311,6 +311,13 @@ def _elements(page: torch.Tensor, elements: int) -> torch.Tensor:
     return page.as_strided((page.shape[0], elements), (page.stride(0), 1))
 
 
+def _raw_bytes(page: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """``page`` as an ``(N, page_bytes)`` uint8 view (pass-through pages: any dtype, no arithmetic)."""
+    element = page.element_size()
+    view = torch.empty(0, dtype=torch.uint8, device=page.device)
+    return view.set_(page.untyped_storage(), page.storage_offset() * element, (page.shape[0], page_bytes), (page.stride(0) * element, 1))
+
+
 def _last_wins(source: torch.Tensor, destination: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs that survive a sequential loop: one per destination, the last that names it."""
     source, destination = source.to(torch.int64).cpu(), destination.to(torch.int64).cpu()
@@ -334,12 +341,12 @@ def gather_compressed_unchecked(
     blocks, rows = _last_wins(blocks, rows)
     finite = True
     for page, entry in zip(pages, layout.pages):
-        picked = _elements(page, entry.elements).index_select(0, blocks.to(page.device))
         target_rows = rows.to(slab.device)
         if not entry.compressed:
-            raw = picked.contiguous().view(torch.uint8).reshape(len(blocks), entry.page_bytes)
+            raw = _raw_bytes(page, entry.page_bytes).index_select(0, blocks.to(page.device))
             _region(slab, entry.row_offset, entry.page_bytes).index_copy_(0, target_rows, raw.to(slab.device))
             continue
+        picked = _elements(page, entry.elements).index_select(0, blocks.to(page.device))
         codes, scales, bad = quantize_groups(picked, entry.group_size)
         finite = finite and not bool(bad.any())
         _region(slab, entry.row_offset, entry.elements).index_copy_(0, target_rows, codes.to(slab.device))
@@ -360,8 +367,7 @@ def scatter_compressed_unchecked(
         target = blocks.to(page.device)
         if not entry.compressed:
             raw = _region(slab, entry.row_offset, entry.page_bytes).index_select(0, picked_rows)
-            values = raw.contiguous().view(page.dtype).reshape(len(rows), entry.elements)
-            _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
+            _raw_bytes(page, entry.page_bytes).index_copy_(0, target, raw.to(page.device))
             continue
         codes = _region(slab, entry.row_offset, entry.elements).index_select(0, picked_rows).to(page.device)
         scale_bytes = _region(slab, entry.row_offset + entry.scales_offset, 4 * entry.num_groups).index_select(0, picked_rows)
