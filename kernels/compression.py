@@ -251,11 +251,6 @@ def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
     return (bits | sign).view(torch.float32)
 
 
-def _fp32_of_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The page values (raw bits of ``dtype``) in fp32, exactly."""
-    return bits.view(dtype).to(torch.float32)
-
-
 def quantize_groups(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``(n, E)`` bf16/fp16/fp32 values group by group: (codes ``(n, E)`` uint8, scales ``(n, groups)`` fp32, non-finite ``(n,)`` bool)."""
     count, elements = values.shape

@@ -21,13 +21,18 @@ strides; slab base and row stride; every region of a compressed row is
 words.
 """
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
+if TYPE_CHECKING:
+    from ..compressed_launch import CompressArguments
+
 _DO_NOT_SPECIALIZE = ("num_pairs",)
 
-TINY_GROUP: tl.constexpr = 7.888609052210118e-31  # 2^-100, kernels/compression.py's TINY_GROUP
-E4M3_MAX: tl.constexpr = 448.0
+TINY_GROUP = tl.constexpr(2.0**-100)  # kernels/compression.py's TINY_GROUP
+E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -136,8 +141,8 @@ def compress_pages_kernel(
             codes = tl.where(finite, codes, 0x7F) | ((bits >> 24) & 0x80)
             tl.store(codes_start + element, codes.to(tl.uint8), mask=live)
             tl.store(scales_start + group, scale, mask=live_group)
-            bad = tl.max(tl.where(live & (exponent_field == 0xFF), 1, 0))
-            tl.store(status_ptr, bad, mask=bad > 0)
+            bad = tl.sum(tl.where(live & (exponent_field == 0xFF), 1, 0))
+            tl.store(status_ptr, 1, mask=bad > 0)  # pyright: ignore[reportOperatorIssue] -- tl.sum is typed as maybe returning a tuple; here it is a scalar tensor
         else:
             codes = tl.load(codes_start + element, mask=live, other=0).to(tl.int32)
             scale = tl.load(scales_start + group, mask=live_group, other=0.0)
@@ -168,7 +173,7 @@ def _variant(interpret: bool):
     return _VARIANTS[interpret]
 
 
-def launch_compress_pages(arguments, *, interpret: bool, grid: int) -> None:
+def launch_compress_pages(arguments: "CompressArguments", *, interpret: bool, grid: int) -> None:
     """One launch of :func:`compress_pages_kernel` on ``grid`` programs (``arguments``: a ``CompressArguments``)."""
     kernel = _variant(interpret)
     kernel[(grid,)](
