@@ -35,36 +35,6 @@ TINY_GROUP = tl.constexpr(2.0**-100)  # kernels/compression.py's TINY_GROUP
 E4M3_MAX = tl.constexpr(448.0)
 
 
-@triton.jit
-def _encode_e4m3(magnitude):
-    """e4m3 codes (int32, 0..126) of fp32 magnitudes in [0, 448], round to nearest even (compression.encode_e4m3)."""
-    bits = magnitude.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 127
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
-    significand = (bits & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(14 - exponent, 31)
-    quotient = significand >> shift
-    remainder = significand - (quotient << shift)
-    half = tl.full(shift.shape, 1, tl.int32) << (shift - 1)
-    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
-    subnormal = quotient + round_up.to(tl.int32)
-    codes = tl.where(exponent >= -6, normal, subnormal)
-    return tl.where(bits == 0, 0, codes)
-
-
-@triton.jit
-def _decode_e4m3(codes):
-    """fp32 values of e4m3 codes (int32, 0..255); 0x7F / 0xFF decode to NaN (compression.decode_e4m3)."""
-    sign = (codes & 0x80) << 24
-    exponent = (codes >> 3) & 15
-    mantissa = codes & 7
-    normal = ((exponent + 120) << 23) | (mantissa << 20)
-    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
-    bits = tl.where(exponent == 0, subnormal, normal)
-    bits = tl.where((codes & 0x7F) == 0x7F, 0x7FC00000, bits)
-    return (bits | sign).to(tl.float32, bitcast=True)
-
-
 @triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
 def compress_pages_kernel(
     table_ptr,
@@ -136,7 +106,19 @@ def compress_pages_kernel(
             scale = tl.where(tiny, 0.0, tl.math.div_rn(absmax, tl.full(absmax.shape, E4M3_MAX, tl.float32)))
             divisor = tl.where(tiny, 1.0, scale)
             scaled = tl.math.div_rn(magnitude.to(tl.float32, bitcast=True), divisor[:, None])
-            codes = _encode_e4m3(tl.minimum(scaled, E4M3_MAX))
+            # e4m3 encoding, round to nearest even (compression.encode_e4m3; inlined: helper @jit
+            # functions would not compile for the codegen checks while TRITON_INTERPRET is set).
+            v = tl.minimum(scaled, E4M3_MAX).to(tl.int32, bitcast=True)
+            v_exponent = (v >> 23) - 127
+            normal = ((v + 0x7FFFF + ((v >> 20) & 1)) >> 20) - (120 << 3)
+            significand = (v & 0x7FFFFF) | 0x800000
+            shift = tl.minimum(14 - v_exponent, 31)
+            quotient = significand >> shift
+            remainder = significand - (quotient << shift)
+            half = tl.full(shift.shape, 1, tl.int32) << (shift - 1)
+            round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
+            codes = tl.where(v_exponent >= -6, normal, quotient + round_up.to(tl.int32))
+            codes = tl.where(v == 0, 0, codes)
             codes = tl.where(tiny[:, None], 0, codes)
             codes = tl.where(finite, codes, 0x7F) | ((bits >> 24) & 0x80)
             tl.store(codes_start + element, codes.to(tl.uint8), mask=live)
@@ -146,7 +128,15 @@ def compress_pages_kernel(
         else:
             codes = tl.load(codes_start + element, mask=live, other=0).to(tl.int32)
             scale = tl.load(scales_start + group, mask=live_group, other=0.0)
-            x = _decode_e4m3(codes) * scale[:, None]
+            # e4m3 decoding (compression.decode_e4m3), inlined as above.
+            sign = (codes & 0x80) << 24
+            c_exponent = (codes >> 3) & 15
+            mantissa = codes & 7
+            normal = ((c_exponent + 120) << 23) | (mantissa << 20)
+            subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+            value_bits = tl.where(c_exponent == 0, subnormal, normal)
+            value_bits = tl.where((codes & 0x7F) == 0x7F, 0x7FC00000, value_bits)
+            x = (value_bits | sign).to(tl.float32, bitcast=True) * scale[:, None]
             nan = (codes & 0x7F) == 0x7F
             if KIND == 0:
                 xbits = x.to(tl.int32, bitcast=True)
