@@ -251,27 +251,29 @@ def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
     return (bits | sign).view(torch.float32)
 
 
+def _grouped(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(n, E)`` as ``(n, groups, group_size)``, the last group padded with zeros."""
+    count, elements = values.shape
+    groups = -(-elements // group_size)
+    return torch.nn.functional.pad(values, (0, groups * group_size - elements)).view(count, groups, group_size)
+
+
 def quantize_groups(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``(n, E)`` bf16/fp16/fp32 values group by group: (codes ``(n, E)`` uint8, scales ``(n, groups)`` fp32, non-finite ``(n,)`` bool)."""
     count, elements = values.shape
-    groups = -(-elements // group_size)
-    x = values.to(torch.float32)
-    bits = x.view(torch.int32)
+    bits = _grouped(values.to(torch.float32).view(torch.int32), group_size)
     exponent_field = (bits >> 23) & 0xFF
     finite = exponent_field != 0xFF
-    magnitude_bits = torch.where(exponent_field >= _MIN_NORMAL_EXPONENT_FIELD, bits & 0x7FFFFFFF, 0)
-    magnitude_bits = torch.where(finite, magnitude_bits, 0)
-    padded = torch.nn.functional.pad(magnitude_bits, (0, groups * group_size - elements))
-    absmax = padded.view(count, groups, group_size).amax(dim=2).view(torch.float32)
+    magnitude_bits = torch.where(finite & (exponent_field >= _MIN_NORMAL_EXPONENT_FIELD), bits & 0x7FFFFFFF, 0)
+    absmax = magnitude_bits.amax(dim=2).view(torch.float32)
     tiny = absmax < TINY_GROUP
     scales = torch.where(tiny, 0.0, absmax / E4M3_MAX)
     divisor = torch.where(tiny, 1.0, scales)
-    per_element = divisor.repeat_interleave(group_size, dim=1)[:, :elements]
-    zero_group = tiny.repeat_interleave(group_size, dim=1)[:, :elements]
-    scaled = torch.clamp(magnitude_bits.view(torch.float32) / per_element, max=E4M3_MAX)
-    codes = torch.where(zero_group, 0, encode_e4m3(scaled))
+    scaled = torch.clamp(magnitude_bits.view(torch.float32) / divisor[:, :, None], max=E4M3_MAX)
+    codes = torch.where(tiny[:, :, None], 0, encode_e4m3(scaled))
     codes = torch.where(finite, codes, _NAN_CODE) | ((bits >> 24) & 0x80)
-    return codes.to(torch.uint8), scales, ~finite.all(dim=1)
+    flat = codes.view(count, -1)[:, :elements]
+    return flat.to(torch.uint8), scales, ~finite.view(count, -1).all(dim=1)
 
 
 def _round_to_dtype(x: torch.Tensor, nan: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -289,12 +291,11 @@ def _round_to_dtype(x: torch.Tensor, nan: torch.Tensor, dtype: torch.dtype) -> t
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """``(n, E)`` values of ``dtype`` decoded from codes ``(n, E)`` uint8 and scales ``(n, groups)`` fp32."""
-    elements = codes.shape[1]
-    integer = codes.to(torch.int32)
-    per_element = scales.repeat_interleave(group_size, dim=1)[:, :elements]
-    x = decode_e4m3(integer) * per_element
+    count, elements = codes.shape
+    integer = _grouped(codes.to(torch.int32), group_size)
+    x = decode_e4m3(integer) * scales[:, :, None]
     nan = (integer & 0x7F) == _NAN_CODE
-    return _round_to_dtype(x, nan, dtype).view(dtype)
+    return _round_to_dtype(x, nan, dtype).view(count, -1)[:, :elements].view(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
