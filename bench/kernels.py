@@ -433,6 +433,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-plot", action="store_true", help="write no PNG (the GPU check brings back few files)")
     parser.add_argument("--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)")
     parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
+    parser.add_argument("--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)")
     parser.add_argument(
         "--compression", choices=[member.value for member in KVCompression], default="none",
         help="also time the fused fp8 kernels against the plain ones in the same run (default: none)",
@@ -470,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Job(*llama, rows, pattern, "headline")
             for pattern, rows in (("random", "consecutive"), ("random", "random"), ("runs", "consecutive"), ("runs", "random"))
         ]
+    if args.no_headline:
+        headline = []
     if device.type == "cpu":
         print("CPU only: timing the torch paths; Triton timings need CUDA (interpreter timings are not performance).")
     jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
