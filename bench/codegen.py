@@ -199,7 +199,7 @@ def _compile_compress_here(config: CompressConfig, to_slab: bool, arch: int) -> 
         },
         constexprs={
             "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "ELEMENTS": config.elements, "GROUP": config.group,
-            "GROUP_COLUMNS": config.group_columns, "NUM_GROUPS": config.num_groups, "TILE_GROUPS": config.tile_groups,
+            "GROUP_COLUMNS": config.group_columns, "NUM_GROUPS": config.num_groups, "TILE_GROUPS": config.tile_groups, "PAIRS": config.pairs,
             "KIND": config.kind, "SCALES_OFFSET": config.scales_offset, "PAGE_WORD": config.page_word,
             "SLAB_WORD": config.slab_word,
         },

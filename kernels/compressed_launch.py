@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .compression import CompressedPage, CompressionLayout
-from .launch import MAX_NUM_WARPS, CopyLauncher, word_width
+from .launch import MAX_NUM_WARPS, MAX_PAIRS, CopyLauncher, word_width
 from .validation import PageGeometry
 
 __all__ = ["CompressArguments", "CompressedLauncher", "CompressConfig", "compress_config"]
@@ -40,6 +40,7 @@ class CompressConfig:
     group_columns: int
     num_groups: int
     tile_groups: int
+    pairs: int
     kind: int
     scales_offset: int
     page_word: int
@@ -49,11 +50,11 @@ class CompressConfig:
     @property
     def num_warps(self) -> int:
         """Enough warps that every thread holds at least one 16-byte word of the tile's page side."""
-        tile_bytes = self.tile_groups * self.group_columns * self.element_bytes
+        tile_bytes = self.pairs * self.tile_groups * self.group_columns * self.element_bytes
         return max(1, min(MAX_NUM_WARPS, tile_bytes // (32 * 16)))
 
     def units(self, num_pairs: int) -> int:
-        return num_pairs * self.num_pages * -(-self.num_groups // self.tile_groups)
+        return -(-num_pairs // self.pairs) * self.num_pages * -(-self.num_groups // self.tile_groups)
 
 
 def compress_config(
@@ -64,9 +65,13 @@ def compress_config(
     columns = _next_power_of_two(page.group_size)
     groups_wanted = max(1, bytes_per_iter // (columns * element_bytes))
     tile_groups = min(_next_power_of_two(page.num_groups), 1 << (groups_wanted.bit_length() - 1))
+    # A page smaller than the budget: stack pairs (a power of two, at most MAX_PAIRS) to fill it.
+    pairs_wanted = max(1, bytes_per_iter // (tile_groups * columns * element_bytes))
+    pairs = min(MAX_PAIRS, 1 << (pairs_wanted.bit_length() - 1))
     return CompressConfig(
         num_pages=num_pages, elements=page.elements, group=page.group_size, group_columns=columns,
-        num_groups=page.num_groups, tile_groups=tile_groups, kind=_KINDS[page.dtype], scales_offset=page.scales_offset,
+        num_groups=page.num_groups, tile_groups=tile_groups, pairs=pairs, kind=_KINDS[page.dtype],
+        scales_offset=page.scales_offset,
         page_word=page_word, slab_word=slab_word, element_bytes=element_bytes,
     )  # fmt: skip
 
@@ -88,6 +93,7 @@ class CompressArguments(NamedTuple):
     group_columns: int
     num_groups: int
     tile_groups: int
+    pairs: int
     kind: int
     scales_offset: int
     page_word: int
@@ -200,7 +206,7 @@ class CompressedLauncher:
         c = kind.config
         arguments = CompressArguments(
             kind.table, kind.slab, blocks, rows, self._unused_status if status is None else status, count, kind.row_stride,
-            to_slab, c.num_pages, c.elements, c.group, c.group_columns, c.num_groups, c.tile_groups, c.kind,
+            to_slab, c.num_pages, c.elements, c.group, c.group_columns, c.num_groups, c.tile_groups, c.pairs, c.kind,
             c.scales_offset, c.page_word, c.slab_word, c.num_warps,
         )  # fmt: skip
         compress_pages.launch_compress_pages(arguments, interpret=self.interpret, grid=grid)

@@ -257,3 +257,26 @@ def test_a_slab_sized_for_uncompressed_rows_is_accepted_but_one_too_narrow_is_re
     with pytest.raises(ValueError, match="dst row too narrow"):
         gather_pages_compressed(case.pages, narrow, indices([0], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), group_size=GROUP)
     assert not narrow.any()
+
+
+def test_tiles_of_several_pairs_with_a_partial_last_tile_match_the_reference() -> None:
+    # flash_attn bf16 pages of 64 elements in groups of 8: a 128-byte tile per pair, so a 512-byte budget
+    # stacks 4 pairs per tile; 6 pairs make one full tile and one half-masked one.
+    from kvtriton.kernels.compressed_launch import compress_config
+
+    case = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
+    layout = compression_layout(case.pages, GROUP)
+    assert compress_config(layout.pages[0], len(case.pages), 512).pairs == 4
+    blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
+    slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
+    expected = slab.clone()
+    gather_pages_compressed(case.pages, slab, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), group_size=GROUP, bytes_per_iter=512, num_programs=2)
+    gather_pages_compressed_reference(case.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), group_size=GROUP)
+    assert torch.equal(slab, expected)
+    decoded = [torch.zeros_like(owner) for owner in case.owners]
+    pages = [layer[kv] for layer in decoded for kv in range(2)]
+    oracle = [torch.zeros_like(owner) for owner in case.owners]
+    oracle_pages = [layer[kv] for layer in oracle for kv in range(2)]
+    scatter_pages_compressed(slab, pages, indices(rows, torch.int64, "cpu"), indices(blocks, torch.int64, "cpu"), group_size=GROUP, bytes_per_iter=512)
+    scatter_pages_compressed_reference(expected, oracle_pages, indices(rows, torch.int64, "cpu"), indices(blocks, torch.int64, "cpu"), group_size=GROUP)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(decoded, oracle))

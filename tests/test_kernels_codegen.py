@@ -211,7 +211,10 @@ def test_mixed_page_sizes_in_one_launch_fall_to_8_byte_accesses_so_the_launcher_
 
 
 # The fp8 kernels compile in one child process (see bench.codegen.compile_compress_pages): every variant the tests read, at once.
-COMPRESSED_VARIANTS = [(4096, "bf16", True), (32768, "bf16", True), (32768, "fp32", True), (4096, "fp16", False), (32768, "bf16", False)]
+COMPRESSED_VARIANTS = [
+    (1024, "bf16", True), (4096, "bf16", True), (32768, "bf16", True), (32768, "fp32", True),
+    (1024, "bf16", False), (4096, "fp16", False), (32768, "bf16", False),
+]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -254,3 +257,13 @@ def test_the_fp8_kernels_multiply_block_and_row_offsets_in_64_bits(to_slab: bool
     kernel = compiled_compressed(32768, to_slab, "bf16")
     assert kernel.narrow_multiplies() == []
     assert any("%block" in m and m.endswith(": i64") for m in kernel.multiplies()), kernel.multiplies()
+
+
+@pytest.mark.parametrize(("page_bytes", "to_slab"), [(1024, True), (4096, True), (32768, True), (1024, False), (32768, False)])
+def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_words(page_bytes: int, to_slab: bool) -> None:
+    # As in the copy kernel, small pages stack several index pairs per tile: every iteration of a
+    # program reads (gather) or writes (scatter) bytes_per_iter of page bytes, whatever the page size.
+    kernel = compiled_compressed(page_bytes, to_slab, "bf16")
+    loop = kernel.loop_accesses()
+    page_side = loop.loads if to_slab else loop.stores
+    assert page_side.get(16, 0) * 16 * kernel.threads >= DEFAULT_BYTES_PER_ITER, (kernel.threads, loop.describe())
