@@ -10,13 +10,32 @@ descriptor-per-copy baseline.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import torch
+
+from kvtriton.kernels.compressed_launch import CompressConfig, compress_config
+from kvtriton.kernels.compression import compression_layout
 from kvtriton.kernels.launch import MAX_NUM_WARPS, LaunchConfig, make_config, word_width
 from kvtriton.kernels.pages import DEFAULT_BYTES_PER_ITER
 
-__all__ = ["AccessSummary", "CompiledKernel", "compile_copy_pages", "compile_descriptor_copy", "production_config"]
+__all__ = [
+    "AccessSummary",
+    "CompiledKernel",
+    "compile_compress_pages",
+    "compile_copy_pages",
+    "compile_descriptor_copy",
+    "compressed_production_config",
+    "production_config",
+]
 
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s")
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.MULTILINE)
@@ -167,3 +186,82 @@ def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKer
         arch=arch,
     )
     return CompiledKernel(name="descriptor-per-copy", ptx=asm["ptx"], ttir=asm["ttir"])
+
+
+def _compile_compress_here(config: CompressConfig, to_slab: bool, arch: int) -> dict[str, str]:
+    from bench.compile_asm import compile_asm
+
+    return compile_asm(
+        "compress_pages",
+        signature={
+            "table_ptr": "*i64", "slab_ptr": "*u8", "blocks_ptr": "*i64", "rows_ptr": "*i64", "status_ptr": "*i32",
+            "num_pairs": "i32", "row_stride": "i64",
+        },
+        constexprs={
+            "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "ELEMENTS": config.elements, "GROUP": config.group,
+            "GROUP_COLUMNS": config.group_columns, "NUM_GROUPS": config.num_groups, "TILE_GROUPS": config.tile_groups, "PAIRS": config.pairs,
+            "KIND": config.kind, "SCALES_OFFSET": config.scales_offset, "PAGE_WORD": config.page_word,
+            "SLAB_WORD": config.slab_word,
+        },
+        divisible_by_16=["table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "status_ptr", "row_stride"],
+        num_warps=config.num_warps,
+        arch=arch,
+    )  # fmt: skip
+
+
+def compile_compress_pages(
+    requests: Sequence[tuple[CompressConfig, bool]], *, arch: int = 90
+) -> list[CompiledKernel]:
+    """Compile the fused fp8 gather (``to_slab`` True: quantize) or scatter kernel for each ``(config, to_slab)``.
+
+    The kernel reduces with ``tl.max`` / ``tl.sum``, which Triton defines as
+    ``@jit`` functions: with ``TRITON_INTERPRET`` set (the test suite) they
+    were created as interpreter functions and cannot be compiled in this
+    process, so the compile then runs in one child process with the
+    interpreter off (``python -m bench.codegen``, the requests as JSON).
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        asm = [_compile_compress_here(config, to_slab, arch) for config, to_slab in requests]
+    else:
+        payload = json.dumps({"arch": arch, "requests": [[dataclasses.asdict(config), to_slab] for config, to_slab in requests]})
+        environment = {**os.environ, "TRITON_INTERPRET": "0"}
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.codegen"], input=payload, capture_output=True, text=True, env=environment, check=False
+        )
+        if done.returncode != 0:
+            if "UnsupportedTriton" in done.stderr:
+                from bench.compile_asm import UnsupportedTriton
+
+                raise UnsupportedTriton(done.stderr.strip().splitlines()[-1])
+            raise RuntimeError(f"compiling the fp8 kernels in a child process failed:\n{done.stderr}")
+        asm = cast("list[dict[str, str]]", json.loads(done.stdout))
+    return [
+        CompiledKernel(
+            name=f"{'fp8 gather' if to_slab else 'fp8 scatter'} {config.elements * config.element_bytes} B",
+            ptx=result["ptx"], ttir=result["ttir"],
+        )  # fmt: skip
+        for (config, to_slab), result in zip(requests, asm)
+    ]
+
+
+def _serve_compile_requests() -> None:
+    """The child side of :func:`compile_compress_pages`: requests as JSON on stdin, assembly as JSON on stdout."""
+    request = cast("dict[str, object]", json.loads(sys.stdin.read()))
+    arch = cast(int, request["arch"])
+    pairs = cast("list[tuple[dict[str, int], bool]]", request["requests"])
+    results = [_compile_compress_here(CompressConfig(**config), to_slab, arch) for config, to_slab in pairs]
+    sys.stdout.write(json.dumps([{"ptx": r["ptx"], "ttir": r["ttir"]} for r in results]))
+
+
+def compressed_production_config(
+    page_bytes: int, num_pages: int, dtype: torch.dtype = torch.bfloat16, group_size: int = 128,
+    bytes_per_iter: int = DEFAULT_BYTES_PER_ITER,
+) -> CompressConfig:  # fmt: skip
+    """The compressed launch configuration for ``num_pages`` 16-byte aligned pages of ``page_bytes`` of ``dtype``."""
+    page = torch.empty((1, page_bytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype)
+    (entry,) = compression_layout([page], group_size).pages
+    return compress_config(entry, num_pages, bytes_per_iter, page_word=word_width(page_bytes), slab_word=16)
+
+
+if __name__ == "__main__":
+    _serve_compile_requests()

@@ -20,6 +20,7 @@ from typing import Protocol, cast
 _KERNELS = {
     "copy_pages": ("kvtriton.kernels.jit.copy_pages", "copy_pages_kernel"),
     "descriptor_copy": ("kvtriton.kernels.jit.descriptor_copy", "descriptor_copy_kernel"),
+    "compress_pages": ("kvtriton.kernels.jit.compress_pages", "compress_pages_kernel"),
 }
 
 

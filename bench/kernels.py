@@ -15,6 +15,14 @@ scatter: the inverse), page size and block count it times
 and prints GB/s (``bandwidth_GBps`` in the JSON: 10^9 bytes per second) and
 the ratio to ``contiguous`` measured in the same run.
 
+``--compression fp8-e4m3`` adds the fused fp8 kernels (``triton-fp8`` on
+CUDA: one prepared ``CompressedLauncher`` launch; ``torch-fp8``: the
+compressed reference) on bf16 pages holding finite values, into a slab of
+compressed rows, and reports each against its uncompressed counterpart in
+the same run (``fp8_vs_plain`` in the JSON). Their GB/s count the
+*uncompressed* page bytes, so the ratio is the source-bytes throughput the
+issue's 0.9x GPU goal speaks of.
+
 ``--gpu-check`` keeps what decides the goals and fits a minute on an H200:
 ``triton``, ``dma`` and ``contiguous`` at four page sizes (4, 16, 32 and 64
 KiB, 256 shuffled blocks, both directions), ``loop`` only at the smallest
@@ -44,7 +52,9 @@ import torch
 import numpy as np
 
 from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, gather_pages, scatter_pages
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout, gather_pages, scatter_pages
+from kvtriton.kernels.compressed_launch import CompressedLauncher
+from kvtriton.kernels.compression import gather_compressed_unchecked, scatter_compressed_unchecked
 from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
 from kvtriton.tools.progress import progress
 from kvtriton.worker.backends import DmaCopy
@@ -124,7 +134,7 @@ class Fixture:
     "copy" from it never leaves the cache) or pages merged for equal content.
     """
 
-    def __init__(self, job: Job, device: torch.device, pin: bool, seed: int = 0) -> None:
+    def __init__(self, job: Job, device: torch.device, pin: bool, seed: int = 0, compression: KVCompression = KVCompression.NONE) -> None:
         generator = torch.Generator().manual_seed(seed)
         spare = max(8, job.blocks // 8)
         cache_blocks = job.blocks + spare + RUN_BLOCKS
@@ -132,7 +142,13 @@ class Fixture:
         self.layers = [torch.empty((2, cache_blocks, words), dtype=torch.int64, device=device) for _ in range(job.layers)]
         start = 0
         for layer in self.layers:
-            start = fill_distinct(layer, start)
+            if compression is KVCompression.NONE:
+                start = fill_distinct(layer, start)
+            else:
+                # Compression refuses NaN and infinity (which distinct int64 words read as bf16 contain):
+                # finite KV-like values instead, every word still different.
+                values = torch.randn(layer.numel() * 4, generator=generator).to(torch.bfloat16)
+                layer.view(-1).view(torch.bfloat16).copy_(values.to(device))
         self.pages = [layer[kv] for layer in self.layers for kv in range(2)]
         row_bytes = job.page_bytes * len(self.pages)
         rows = job.blocks + spare
@@ -154,6 +170,16 @@ class Fixture:
         fill_distinct(self.flat, start)
         self.slab_flat = self.slab.view(-1)[: job.total_bytes]
         self.device = device
+        self.compressed_pages: list[torch.Tensor] = []
+        self.compressed_slab: torch.Tensor | None = None
+        if compression is not KVCompression.NONE:
+            self.compressed_pages = [page.view(torch.bfloat16) for page in self.pages]
+            self.layout = compression_layout(self.compressed_pages)
+            self.compressed_host_slab = HostSlab(rows, 1, self.layout.row_bytes, pin=True) if pin else None
+            self.compressed_slab = (
+                self.compressed_host_slab.rows if self.compressed_host_slab else torch.empty((rows, self.layout.row_bytes), dtype=torch.uint8)
+            )
+            fill_distinct(self.compressed_slab, start)
 
     def byte_pages(self) -> list[torch.Tensor]:
         return [page.view(torch.uint8) for page in self.pages]
@@ -233,8 +259,27 @@ def methods(
         found["contiguous"] = lambda: fixture.slab_flat.copy_(fixture.flat, non_blocking=non_blocking)
     else:
         found["contiguous"] = lambda: fixture.flat.copy_(fixture.slab_flat, non_blocking=non_blocking)
+    if fixture.compressed_slab is not None:
+        found.update(_compressed_methods(fixture, to_slab, num_programs, bytes_per_iter))
     if only is not None:
-        found = {name: method for name, method in found.items() if name in only}
+        found = {name: method for name, method in found.items() if name in only or name.removesuffix("-fp8") in only}
+    return found
+
+
+def _compressed_methods(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int) -> dict[str, Callable[[], object]]:
+    """``triton-fp8`` (CUDA: one prepared launch, no status read-back) and ``torch-fp8`` (the compressed reference)."""
+    slab, pages, layout = fixture.compressed_slab, fixture.compressed_pages, fixture.layout
+    assert slab is not None
+    found: dict[str, Callable[[], object]] = {}
+    if fixture.device.type == "cuda":
+        geometry = PagedKV(pages, [f"page{t}" for t in range(len(pages))]).geometry
+        launcher = CompressedLauncher(pages, slab, geometry, layout, interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter)
+        status = torch.zeros(1, dtype=torch.int32, device=fixture.device)
+        found["triton-fp8"] = lambda: launcher.launch(to_slab, fixture.blocks, fixture.rows, status)
+    if to_slab:
+        found["torch-fp8"] = lambda: gather_compressed_unchecked(pages, slab, fixture.blocks, fixture.rows, layout)
+    else:
+        found["torch-fp8"] = lambda: scatter_compressed_unchecked(slab, pages, fixture.rows, fixture.blocks, layout)
     return found
 
 
@@ -263,9 +308,9 @@ def time_round_robin(contenders: dict[str, Callable[[], object]], repeats: int, 
 
 def run_job(
     job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int,
-    only: Sequence[str] | None = None,
+    only: Sequence[str] | None = None, compression: KVCompression = KVCompression.NONE,
 ) -> list[Result]:  # fmt: skip
-    fixture = Fixture(job, device, pin)
+    fixture = Fixture(job, device, pin, compression=compression)
     results: list[Result] = []
     for to_slab in (True, False):
         kernel = "gather" if to_slab else "scatter"
@@ -388,6 +433,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-plot", action="store_true", help="write no PNG (the GPU check brings back few files)")
     parser.add_argument("--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)")
     parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
+    parser.add_argument("--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)")
+    parser.add_argument(
+        "--compression", choices=[member.value for member in KVCompression], default="none",
+        help="also time the fused fp8 kernels against the plain ones in the same run (default: none)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -404,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     pin = device.type == "cuda" and not args.no_pin
     name = quick_name(args.name) if args.quick else args.name
+    compression = KVCompression.parse(args.compression, "--compression")
     only: tuple[str, ...] | None = None
     if args.quick:
         print("SMOKE RUN (--quick): tiny sizes, few repeats; the figures below are no verdict on anything.")
@@ -420,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Job(*llama, rows, pattern, "headline")
             for pattern, rows in (("random", "consecutive"), ("random", "random"), ("runs", "consecutive"), ("runs", "random"))
         ]
+    if args.no_headline:
+        headline = []
     if device.type == "cpu":
         print("CPU only: timing the torch paths; Triton timings need CUDA (interpreter timings are not performance).")
     jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
@@ -433,8 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for index, job in enumerate(progress(jobs, len(jobs), "kernel bench", stream=sys.stderr)):
         # --gpu-check: the per-block loop only at the first (smallest) case, as a reference point.
         job_methods = (*only, "loop") if only is not None and index == 0 else only
-        results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods)
+        results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods, compression)
         payload["results"] = [asdict(r) for r in results]
+        if compression is not KVCompression.NONE:
+            payload["fp8_vs_plain"] = [asdict(ratio) for ratio in fp8_ratios(results)]
         write_json(name, payload)  # after every case: a run cut short keeps what finished
     table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.bandwidth_GBps, r.vs_contiguous] for r in results]
     print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"], table))
@@ -449,12 +504,46 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f" {mark}{r.kernel:7s} {r.method:10s} blocks={r.pattern:6s} rows={r.rows:11s} {r.bandwidth_GBps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
     if args.gpu_check:
         print_trimmed_summary(results)
+    if compression is not KVCompression.NONE:
+        print("\nfp8-e4m3 against plain, same run (uncompressed bytes per second; 1.0 = as fast as the plain copy):")
+        for ratio in fp8_ratios(results):
+            print(f"  {ratio.kernel:7s} {ratio.method:10s} {readable_bytes(ratio.page_bytes):>7s} blocks={ratio.blocks}: {ratio.ratio:.3f}")
     payload["complete"] = True
     png = None if args.no_plot else plot(results, name)
     if png:
         payload["plot"] = Path(png).name  # beside the JSON; no machine-specific absolute path
     print(f"wrote {write_json(name, payload)}" + (f" and {png}" if png else ""))
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Ratio:
+    """One case and kernel: plain seconds over ``<method>-fp8`` seconds (1.0: compression costs nothing)."""
+
+    kernel: str
+    method: str
+    page_bytes: int
+    blocks: int
+    layers: int
+    pattern: str
+    rows: str
+    ratio: float
+
+
+def fp8_ratios(results: Sequence[Result]) -> list[Fp8Ratio]:
+    """Per case and kernel: each ``*-fp8`` method against its plain counterpart in the same run."""
+    ratios: list[Fp8Ratio] = []
+    for r in results:
+        if not r.method.endswith("-fp8"):
+            continue
+        plain = r.method.removesuffix("-fp8")
+        for other in results:
+            same_case = (other.kernel, other.page_bytes, other.blocks, other.layers, other.rows, other.pattern, other.group) == (
+                r.kernel, r.page_bytes, r.blocks, r.layers, r.rows, r.pattern, r.group,
+            )  # fmt: skip
+            if same_case and other.method == plain:
+                ratios.append(Fp8Ratio(r.kernel, plain, r.page_bytes, r.blocks, r.layers, r.pattern, r.rows, other.seconds / r.seconds))
+    return ratios
 
 
 def print_trimmed_summary(results: Sequence[Result]) -> None:

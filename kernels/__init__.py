@@ -7,18 +7,34 @@ triton; the first Triton launch does.
 """
 
 from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, gather_pages, scatter_pages, select_path
+from .compression import (
+    KVCompression,
+    NonFiniteKVError,
+    compression_layout,
+    gather_pages_compressed,
+    gather_pages_compressed_reference,
+    scatter_pages_compressed,
+    scatter_pages_compressed_reference,
+)
 from .reference import gather_pages_reference, scatter_pages_reference
 from .validation import PageGeometry, describe_pages
 
 __all__ = [
     "DEFAULT_BYTES_PER_ITER",
     "DEFAULT_NUM_PROGRAMS",
+    "KVCompression",
     "KernelPath",
+    "NonFiniteKVError",
     "PageGeometry",
+    "compression_layout",
     "describe_pages",
     "gather_pages",
+    "gather_pages_compressed",
+    "gather_pages_compressed_reference",
     "gather_pages_reference",
     "scatter_pages",
+    "scatter_pages_compressed",
+    "scatter_pages_compressed_reference",
     "scatter_pages_reference",
     "select_path",
 ]

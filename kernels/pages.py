@@ -23,7 +23,16 @@ import torch
 from .reference import gather_unchecked, scatter_unchecked
 from .validation import PageGeometry, check_call
 
-__all__ = ["DEFAULT_BYTES_PER_ITER", "DEFAULT_NUM_PROGRAMS", "KernelPath", "gather_pages", "scatter_pages", "select_path"]
+__all__ = [
+    "DEFAULT_BYTES_PER_ITER",
+    "DEFAULT_NUM_PROGRAMS",
+    "KernelPath",
+    "check_knobs",
+    "gather_pages",
+    "interpreter_ready",
+    "scatter_pages",
+    "select_path",
+]
 
 # A persistent grid of at most this many programs: enough to saturate PCIe /
 # C2C host traffic on H100/H200 class GPUs while leaving the other SMs to the
@@ -57,11 +66,23 @@ def select_path(device: torch.device) -> KernelPath:
     raise ValueError(f"unsupported device {device}: page tensors must be on CUDA or CPU")
 
 
-def _check_knobs(num_programs: int, bytes_per_iter: int) -> None:
+def check_knobs(num_programs: int, bytes_per_iter: int) -> None:
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     if bytes_per_iter < 16 or bytes_per_iter & (bytes_per_iter - 1):
         raise ValueError(f"bytes_per_iter must be a power of two >= 16, got {bytes_per_iter}")
+
+
+def interpreter_ready() -> None:
+    """Raise ``RuntimeError`` in words when ``TRITON_INTERPRET`` is set but this Triton's interpreter cannot run the kernels."""
+    from .jit.interpreter_probe import interpreter_problem
+
+    problem = interpreter_problem()
+    if problem is not None:
+        raise RuntimeError(
+            f"TRITON_INTERPRET is set but {problem}; unset TRITON_INTERPRET to copy CPU tensors "
+            "with the torch path, or use a newer Triton (3.9 works)"
+        )
 
 
 def gather_pages(
@@ -83,7 +104,7 @@ def gather_pages(
     what one program moves per iteration; ``check_indices=False`` skips the
     range and uniqueness checks, which read the indices (a device sync on CUDA).
     """
-    _check_knobs(num_programs, bytes_per_iter)
+    check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
         src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows",
         to_slab=True, check_values=check_indices, allow_duplicate_destinations=False,
@@ -106,7 +127,7 @@ def scatter_pages(
     The inverse of :func:`gather_pages`; each destination block may be named
     once. Knobs as for :func:`gather_pages`.
     """
-    _check_knobs(num_programs, bytes_per_iter)
+    check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
         dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks",
         to_slab=False, check_values=check_indices, allow_duplicate_destinations=False,
@@ -136,14 +157,7 @@ def _run(
     from .launch import launch_copy  # triton is imported only when a Triton path runs
 
     if path is KernelPath.INTERPRETER:
-        from .jit.interpreter_probe import interpreter_problem
-
-        problem = interpreter_problem()
-        if problem is not None:
-            raise RuntimeError(
-                f"TRITON_INTERPRET is set but {problem}; unset TRITON_INTERPRET to copy CPU tensors "
-                "with the torch path, or use a newer Triton (3.9 works)"
-            )
+        interpreter_ready()
     launch_copy(
         to_slab, pages, slab, blocks, rows, geometry, interpret=path is KernelPath.INTERPRETER,
         num_programs=num_programs, bytes_per_iter=bytes_per_iter,

@@ -69,37 +69,62 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.G
     return raw.view(dtype).to(device)
 
 
-def _flash_attn(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    layers = [random_tensor((2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
+COMPRESSIBLE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Page dtypes that fp8 compression quantizes (every other dtype passes through)."""
+
+OUTLIER_EVERY = 8
+"""In :func:`kv_tensor`, every this-many-th channel of the last dim is an outlier channel (x16 magnitude)."""
+
+
+def kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator, device: str) -> torch.Tensor:
+    """Finite, KV-like values for the compression tests: normal values, outlier channels, a few exact zeros.
+
+    Integer and fp8 dtypes get random bytes (they pass through compression unchanged).
+    """
+    if dtype not in COMPRESSIBLE_DTYPES.values():
+        return random_tensor(shape, dtype, generator, device)
+    values = torch.randn(shape, generator=generator)
+    channel_scale = torch.ones(shape[-1])
+    channel_scale[::OUTLIER_EVERY] = 16.0
+    values = values * channel_scale
+    values[torch.rand(shape, generator=generator) < 0.02] = 0.0
+    return values.to(dtype).to(device)
+
+
+Maker = Callable[[tuple[int, ...], torch.dtype, torch.Generator, str], torch.Tensor]
+
+
+def _flash_attn(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = [make((2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
     return [layer[kv] for layer in layers for kv in range(2)], layers
 
 
-def _flashinfer(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    layers = [random_tensor((NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
+def _flashinfer(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = [make((NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
     return list(layers), layers
 
 
-def _mla(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    layers = [random_tensor((NUM_BLOCKS, BLOCK_SIZE, 2 * HEAD_DIM + 4), dtype, g, device) for _ in range(LAYERS)]
+def _mla(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    layers = [make((NUM_BLOCKS, BLOCK_SIZE, 2 * HEAD_DIM + 4), dtype, g, device) for _ in range(LAYERS)]
     return list(layers), layers
 
 
-def _cross_layer(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _cross_layer(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     # (N, L, 2, bs, h, d): one strided view per layer, block stride = L pages.
-    cache = random_tensor((NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device)
+    cache = make((NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device)
     return [cache[:, layer] for layer in range(LAYERS)], [cache]
 
 
-def _odd_pages(sizes: tuple[int, ...]) -> Callable[[torch.dtype, torch.Generator, str], tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    def build(dtype: torch.dtype, g: torch.Generator, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _odd_pages(sizes: tuple[int, ...]) -> Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    def build(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         item = torch.empty((), dtype=dtype).element_size()
-        owners = [random_tensor((NUM_BLOCKS, size // item), dtype, g, device) for size in sizes]
+        owners = [make((NUM_BLOCKS, size // item), dtype, g, device) for size in sizes]
         return list(owners), owners
 
     return build
 
 
-LAYOUTS: dict[str, Callable[[torch.dtype, torch.Generator, str], tuple[list[torch.Tensor], list[torch.Tensor]]]] = {
+LAYOUTS: dict[str, Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]]] = {
     "flash_attn": _flash_attn,
     "flashinfer": _flashinfer,
     "mla": _mla,
@@ -110,23 +135,30 @@ LAYOUTS: dict[str, Callable[[torch.dtype, torch.Generator, str], tuple[list[torc
 ODD_BYTE_LAYOUTS: dict[str, tuple[int, ...]] = {"odd_4097": (4097,), "odd_mixed_bytes": (4097, 33, 8)}
 
 
-def build_pages(layout: str, dtype: torch.dtype, device: str, seed: int = 0) -> PageCase:
-    """Page tensors of ``layout`` holding random bytes (same seed -> same bytes)."""
+def build_pages(layout: str, dtype: torch.dtype, device: str, seed: int = 0, *, kv_values: bool = False) -> PageCase:
+    """Page tensors of ``layout`` holding random bytes (same seed -> same bytes).
+
+    ``kv_values``: finite KV-like values instead (:func:`kv_tensor`), what compression needs.
+    """
     generator = torch.Generator().manual_seed(seed)
+    make: Maker = kv_tensor if kv_values else random_tensor
     if layout in ODD_BYTE_LAYOUTS:
-        pages, owners = _odd_pages(ODD_BYTE_LAYOUTS[layout])(torch.uint8, generator, device)
+        pages, owners = _odd_pages(ODD_BYTE_LAYOUTS[layout])(torch.uint8, generator, device, make)
     else:
-        pages, owners = LAYOUTS[layout](dtype, generator, device)
+        pages, owners = LAYOUTS[layout](dtype, generator, device, make)
     return PageCase(name=f"{layout}-{dtype}", pages=pages, owners=owners)
 
 
-def build_slab(case: PageCase, rows: int, device: str, *, extra_bytes: int = 5, seed: int = 1) -> torch.Tensor:
-    """A slab with ``rows`` rows a little wider than needed, filled with random bytes.
+def build_slab(
+    case: PageCase, rows: int, device: str, *, extra_bytes: int = 5, seed: int = 1, row_bytes: int | None = None
+) -> torch.Tensor:
+    """A slab with ``rows`` rows a little wider than needed (than ``row_bytes``, default the case's), filled with random bytes.
 
     On CUDA the slab is pinned host memory, as in production.
     """
     generator = torch.Generator().manual_seed(seed)
-    slab = torch.randint(0, 256, (rows, case.row_bytes + extra_bytes), dtype=torch.uint8, generator=generator)
+    width = case.row_bytes if row_bytes is None else row_bytes
+    slab = torch.randint(0, 256, (rows, width + extra_bytes), dtype=torch.uint8, generator=generator)
     return slab.pin_memory() if device == "cuda" else slab
 
 

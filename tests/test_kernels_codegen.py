@@ -208,3 +208,62 @@ def test_mixed_page_sizes_in_one_launch_fall_to_8_byte_accesses_so_the_launcher_
         config = make_config(16, [sizes[t] for t in group], DEFAULT_BYTES_PER_ITER)
         assert config.uniform
         assert set(compile_copy_pages(config, to_slab=to_slab).accesses().stores) == {16}
+
+
+# The fp8 kernels compile in one child process (see bench.codegen.compile_compress_pages): every variant the tests read, at once.
+COMPRESSED_VARIANTS = [
+    (1024, "bf16", True), (4096, "bf16", True), (32768, "bf16", True), (32768, "fp32", True),
+    (1024, "bf16", False), (4096, "fp16", False), (32768, "bf16", False),
+]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def compressed_kernels() -> dict[tuple[int, str, bool], CompiledKernel]:
+    import torch
+
+    from bench.codegen import compile_compress_pages, compressed_production_config
+    from bench.compile_asm import UnsupportedTriton
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    requests = [(compressed_production_config(size, NUM_PAGES, dtypes[name]), to_slab) for size, name, to_slab in COMPRESSED_VARIANTS]
+    try:
+        kernels = compile_compress_pages(requests)
+    except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
+        pytest.skip(str(error))
+    return dict(zip(COMPRESSED_VARIANTS, kernels))
+
+
+def compiled_compressed(page_bytes: int, to_slab: bool, dtype_name: str = "bf16") -> CompiledKernel:
+    return compressed_kernels()[(page_bytes, dtype_name, to_slab)]
+
+
+@pytest.mark.parametrize(("page_bytes", "dtype_name"), [(4096, "bf16"), (32768, "bf16"), (32768, "fp32")])
+def test_the_fp8_gather_reads_pages_and_writes_codes_in_16_byte_words(page_bytes: int, dtype_name: str) -> None:
+    # Quantizing while copying keeps the page side at 16-byte loads; the codes go out as 16-byte
+    # stores, only the fp32 scales (4 bytes per group) are narrower.
+    loop = compiled_compressed(page_bytes, True, dtype_name).loop_accesses()
+    assert loop.widest_load == 16 and loop.loads[16] >= 2, loop.describe()
+    assert set(loop.stores) <= {16, 4} and 16 in loop.stores, loop.describe()
+
+
+@pytest.mark.parametrize(("page_bytes", "dtype_name"), [(4096, "fp16"), (32768, "bf16")])
+def test_the_fp8_scatter_writes_pages_in_16_byte_words(page_bytes: int, dtype_name: str) -> None:
+    loop = compiled_compressed(page_bytes, False, dtype_name).loop_accesses()
+    assert set(loop.stores) == {16}, loop.describe()
+
+
+@KINDS
+def test_the_fp8_kernels_multiply_block_and_row_offsets_in_64_bits(to_slab: bool) -> None:
+    kernel = compiled_compressed(32768, to_slab, "bf16")
+    assert kernel.narrow_multiplies() == []
+    assert any("%block" in m and m.endswith(": i64") for m in kernel.multiplies()), kernel.multiplies()
+
+
+@pytest.mark.parametrize(("page_bytes", "to_slab"), [(1024, True), (4096, True), (32768, True), (1024, False), (32768, False)])
+def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_words(page_bytes: int, to_slab: bool) -> None:
+    # As in the copy kernel, small pages stack several index pairs per tile: every iteration of a
+    # program reads (gather) or writes (scatter) bytes_per_iter of page bytes, whatever the page size.
+    kernel = compiled_compressed(page_bytes, to_slab, "bf16")
+    loop = kernel.loop_accesses()
+    page_side = loop.loads if to_slab else loop.stores
+    assert page_side.get(16, 0) * 16 * kernel.threads >= DEFAULT_BYTES_PER_ITER, (kernel.threads, loop.describe())

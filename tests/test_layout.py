@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtriton.kernels import KVCompression
 from kvtriton.worker.layout import KVLayout, PagedKV, byte_view
 
 BLOCKS, BS, HEADS, DIM = 6, 4, 2, 8
@@ -129,3 +130,19 @@ def test_byte_view_shares_memory_and_covers_each_block_exactly() -> None:
     view[4].zero_()
     assert int(tensor[4, 1].abs().sum()) == 0
     assert int(tensor[4, 0].abs().sum()) != 0
+
+
+def test_with_compression_redescribes_the_same_pages_and_none_keeps_them_as_they_are() -> None:
+    tensors = [torch.zeros(2, 4, 16, 2, 64, dtype=torch.float16)]
+    plain = PagedKV.from_tensors(tensors)
+    assert plain.with_compression("none") is plain
+    compressed = plain.with_compression(KVCompression.FP8_E4M3, group_size=32)
+    assert compressed.pages is plain.pages and compressed.page_bytes == plain.page_bytes
+    assert compressed.compression_layout is not None
+    assert {page.group_size for page in compressed.compression_layout.pages} == {32}
+    assert compressed.with_compression("none").row_bytes == plain.row_bytes
+
+
+def test_group_sizes_without_compression_are_refused() -> None:
+    with pytest.raises(ValueError, match="group_sizes applies only with kv_compression='fp8-e4m3'"):
+        PagedKV(pages=[torch.zeros(4, 8)], names=["t"], group_sizes=(8,))

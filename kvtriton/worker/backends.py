@@ -36,6 +36,12 @@ asking for ``triton`` is an error.) The CUDA rows are where
 prints, per direction, the page size from which ``dma`` wins, and the
 ``AutoRule`` line to add for it (docs/worker.md, "Setting AUTO_TABLE").
 
+With fp8 compression (``PagedKV.compression``) ``triton`` runs the fused
+quantizing kernels (``kvtriton.kernels.compressed_launch``) and ``torch`` the
+compressed reference; ``dma`` cannot compress (a copy engine only moves
+bytes), so ``auto`` takes ``torch`` where it would take ``dma``, and asking for
+``dma`` is an error.
+
 A backend only copies: the engine plans, stages indices, orders and times jobs.
 """
 
@@ -51,6 +57,8 @@ from numpy.typing import NDArray
 
 from kvtriton.choices import parse_choice
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
+from kvtriton.kernels.compressed_launch import CompressedLauncher
+from kvtriton.kernels.compression import NonFiniteKVError, gather_compressed_unchecked, scatter_compressed_unchecked
 from kvtriton.kernels.launch import CopyLauncher
 from kvtriton.kernels.reference import gather_unchecked, scatter_unchecked
 from kvtriton.kernels.validation import PageGeometry
@@ -117,6 +125,7 @@ def choose_backend(
     slab_pinned: bool,
     page_bytes: int,
     slab_device_aliased: bool = True,
+    compressed: bool = False,
 ) -> TransferBackend:
     """The backend that will really copy ``direction`` jobs; raises ``ValueError`` when ``requested`` cannot run.
 
@@ -124,9 +133,16 @@ def choose_backend(
     overheads weigh most). ``slab_device_aliased`` is False when a pinned
     slab's registrations are reached on the device at other addresses than
     the host's: the kernel cannot address such a slab, ``dma`` can.
+    ``compressed``: the rows are fp8-compressed, which ``dma`` cannot do
+    (``auto`` then takes ``torch`` instead of ``dma``).
     """
+    if compressed and requested is TransferBackend.DMA:
+        raise ValueError(
+            "backend='dma' cannot compress (the copy engines only move bytes); with kv_compression='fp8-e4m3' "
+            "use backend='triton', 'torch' or 'auto'"
+        )
     if requested is TransferBackend.AUTO and device.type == "cuda" and slab_pinned and not slab_device_aliased:
-        requested = TransferBackend.DMA
+        requested = TransferBackend.TORCH if compressed else TransferBackend.DMA
     if requested is TransferBackend.AUTO:
         chosen: TransferBackend | None = None
         for rule in AUTO_TABLE:
@@ -139,7 +155,7 @@ def choose_backend(
                 chosen = rule.backend
         if chosen is None:
             raise ValueError(f"no backend for {direction.name.lower()} jobs on {device} in AUTO_TABLE")
-        requested = chosen
+        requested = TransferBackend.TORCH if compressed and chosen is TransferBackend.DMA else chosen
     if requested is TransferBackend.TRITON:
         if device.type == "cuda" and not slab_pinned:
             raise ValueError(
@@ -161,10 +177,16 @@ def choose_backend(
 
 @dataclass(frozen=True, slots=True)
 class DeviceIndices:
-    """A job's indices on the pages' device, each starting on a 16-byte boundary (the staging guarantees it)."""
+    """A job's indices on the pages' device, each starting on a 16-byte boundary (the staging guarantees it).
+
+    ``status``: one int32 (pinned host memory on CUDA) that a compressed
+    store sets to 1 when the pages hold NaN or infinity; the engine reads it
+    once the job has finished and fails the job.
+    """
 
     gpu_blocks: torch.Tensor
     slab_rows: torch.Tensor
+    status: torch.Tensor | None = None
 
 
 class CopyBackend(Protocol):
@@ -192,24 +214,40 @@ class CopyBackend(Protocol):
 
 
 class TritonCopy:
-    """One gather or scatter launch per job."""
+    """One gather or scatter launch per job (per page kind when the rows are compressed)."""
 
     kind = TransferBackend.TRITON
     wants_device_indices = True
 
     def __init__(self, kv: PagedKV, slab: torch.Tensor, num_programs: int) -> None:
-        self.launcher = CopyLauncher(
-            kv.pages, slab, kv.geometry, interpret=kv.device.type == "cpu",
-            num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
-        )  # fmt: skip
+        self.launcher: CopyLauncher | None = None
+        self.compressed: CompressedLauncher | None = None
+        interpret = kv.device.type == "cpu"
+        if kv.compression_layout is not None:
+            self.compressed = CompressedLauncher(
+                kv.pages, slab, kv.geometry, kv.compression_layout, interpret=interpret,
+                num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+            )  # fmt: skip
+        else:
+            self.launcher = CopyLauncher(
+                kv.pages, slab, kv.geometry, interpret=interpret,
+                num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+            )  # fmt: skip
 
     def warm_up(self) -> None:
-        self.launcher.warm_up(torch.int64)
+        if self.compressed is not None:
+            self.compressed.warm_up(torch.int64)
+        if self.launcher is not None:
+            self.launcher.warm_up(torch.int64)
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         assert device is not None
+        store = plan.direction is TransferDirection.STORE
         # The planner checked ranges and uniqueness on the host: the launch reads nothing back.
-        self.launcher.launch(plan.direction is TransferDirection.STORE, device.gpu_blocks, device.slab_rows)
+        if self.compressed is not None:
+            self.compressed.launch(store, device.gpu_blocks, device.slab_rows, device.status)
+        elif self.launcher is not None:
+            self.launcher.launch(store, device.gpu_blocks, device.slab_rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +335,8 @@ class DmaCopy:
         self.slab = slab
         self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
+        if kv.compression_layout is not None:
+            raise ValueError("the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'")
         if self._cuda:
             _require_cudart("dma")
         self._pitched = _PitchedPages.of(kv, slab)
@@ -359,22 +399,35 @@ class TorchCopy:
     def warm_up(self) -> None:
         return None
 
+    def _gather(self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+        layout = self.kv.compression_layout
+        if layout is None:
+            gather_unchecked(self.kv.pages, slab, blocks, rows, self.kv.geometry)
+        elif not gather_compressed_unchecked(self.kv.pages, slab, blocks, rows, layout):
+            raise NonFiniteKVError("the pages hold NaN or infinity: fp8-e4m3 compression refuses to store them")
+
+    def _scatter(self, slab: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor) -> None:
+        layout = self.kv.compression_layout
+        if layout is None:
+            scatter_unchecked(slab, self.kv.pages, rows, blocks, self.kv.geometry)
+        else:
+            scatter_compressed_unchecked(slab, self.kv.pages, rows, blocks, layout)
+
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         store = plan.direction is TransferDirection.STORE
-        geometry = self.kv.geometry
         if not self._cuda:
             blocks, rows = host_tensor(plan.gpu_blocks), host_tensor(plan.slab_rows)
             if store:
-                gather_unchecked(self.kv.pages, self.slab, blocks, rows, geometry)
+                self._gather(self.slab, blocks, rows)
             else:
-                scatter_unchecked(self.slab, self.kv.pages, rows, blocks, geometry)
+                self._scatter(self.slab, rows, blocks)
             return
         assert device is not None
         count, width = plan.num_rows, self.kv.row_bytes
         staging = torch.empty((count, width), dtype=torch.uint8, device=self.kv.device)
         local = torch.arange(count, dtype=torch.int64, device=self.kv.device)
         if store:
-            gather_unchecked(self.kv.pages, staging, device.gpu_blocks, local, geometry)
+            self._gather(staging, device.gpu_blocks, local)
         stream = torch.cuda.current_stream(self.kv.device).cuda_stream
         slab_stride = self._pitched.slab_stride
         starts, lengths = slab_row_runs(plan.slab_rows, self.registration_rows)
@@ -386,7 +439,7 @@ class TorchCopy:
             else:
                 memcpy_2d_async(staged_address, width, slab_address, slab_stride, width, length, stream)
         if not store:
-            scatter_unchecked(staging, self.kv.pages, local, device.gpu_blocks, geometry)
+            self._scatter(staging, local, device.gpu_blocks)
 
 
 def make_backend(

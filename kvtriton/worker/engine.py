@@ -44,6 +44,12 @@ copies to or from pageable memory block the calling thread until the
 stream is ready, so such jobs run on one worker thread per lane; ``submit_*``
 returns at once and never waits for the forward pass.
 
+Compression (``kv_compression="fp8-e4m3"``, lossy, off by default): rows
+hold fp8 codes and scales (``PagedKV.compression``), ``transfer_size``
+counts the compressed bytes, and a store whose pages hold NaN or infinity
+fails (reported with ``success=False``; the kernel flags it in the job's
+pinned status word, read once the job has finished, no sync).
+
 On CPU the copy runs inside ``submit_*`` and the job is reported by the next
 ``get_finished``. All paths share planning, validation, ordering and
 reporting; only the :class:`_Completion` differs.
@@ -65,6 +71,7 @@ import torch
 from numpy.typing import NDArray
 
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
+from kvtriton.kernels.compression import KVCompression, NonFiniteKVError
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtriton.worker.backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
 from kvtriton.worker.cudart import create_stream, destroy_stream, loaded_cudart, stream_priority_range
@@ -211,16 +218,24 @@ class _Staging:
         self.host = torch.empty(2 * capacity, dtype=torch.int64, pin_memory=cuda)
         self.host_numpy: NDArray[np.int64] = self.host.numpy()
         self.device = torch.empty(2 * capacity, dtype=torch.int64, device=device) if cuda else self.host
+        # A compressed store's "met NaN or infinity" flag: pinned host memory the kernel writes through its
+        # device mapping, read by the host once the job's event has fired (no sync, no copy back).
+        self.status = torch.zeros(4, dtype=torch.int32, pin_memory=cuda)
+
+    def refused_values(self) -> bool:
+        """Whether the job staged here last (finished) met NaN or infinity in a compressed store."""
+        return int(self.status[0]) != 0
 
     def stage(self, plan: TransferPlan) -> DeviceIndices:
         count = plan.num_rows
         rows_at = staged_rows_at(count)
         self.host_numpy[:count] = plan.gpu_blocks
         self.host_numpy[rows_at : rows_at + count] = plan.slab_rows
+        self.status.zero_()  # free staging: no kernel reads or writes it now
         if self.device is not self.host:
             used = rows_at + count
             self.device[:used].copy_(self.host[:used], non_blocking=True)
-        return DeviceIndices(self.device[:count], self.device[rows_at : rows_at + count])
+        return DeviceIndices(self.device[:count], self.device[rows_at : rows_at + count], self.status)
 
 
 def staged_rows_at(count: int) -> int:
@@ -277,6 +292,10 @@ class TransferEngine:
     The engine holds the slab and registers itself as its user, so closing
     the slab first drains this engine's streams; :meth:`close` (or
     :meth:`shutdown`) drains them too, and so does garbage collection.
+
+    ``kv_compression`` (``"none"`` or ``"fp8-e4m3"``; None: ``kv.compression``)
+    re-describes ``kv`` with that compression (:attr:`kv` is the result): the
+    slab's rows must then hold ``kv.with_compression(...).row_bytes``.
     """
 
     def __init__(
@@ -286,6 +305,7 @@ class TransferEngine:
         backend: str | TransferBackend = "auto",
         *,
         num_programs: int = DEFAULT_NUM_PROGRAMS,
+        kv_compression: str | KVCompression | None = None,
     ) -> None:
         if not isinstance(kv, PagedKV):  # pyright: ignore[reportUnnecessaryIsInstance] -- catch raw tensors passed by mistake
             raise TypeError(f"kv must be a PagedKV (see PagedKV.from_tensors), got {type(kv).__name__}")
@@ -296,12 +316,15 @@ class TransferEngine:
             raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
         if kv.device.type not in ("cpu", "cuda"):
             raise ValueError(f"kv must live on a CUDA device or the CPU, got {kv.device}")
+        if kv_compression is not None:
+            kv = kv.with_compression(KVCompression.parse(kv_compression, "kv_compression"))
         if slab.closed:
             raise ValueError("slab is closed")
         if slab.row_bytes < kv.row_bytes:
+            compressed = "" if kv.compression is KVCompression.NONE else f", compressed with {kv.compression.value}"
             raise ValueError(
                 f"slab rows hold {slab.row_bytes} bytes but one block of kv needs {kv.row_bytes} "
-                f"(page bytes {kv.page_bytes}); build the slab with row_bytes=kv.row_bytes"
+                f"(page bytes {kv.page_bytes}{compressed}); build the slab with row_bytes=kv.row_bytes"
             )
         self.kv = kv
         self.slab = slab
@@ -312,7 +335,7 @@ class TransferEngine:
         chosen = {
             direction: choose_backend(
                 parsed, direction, device=kv.device, slab_pinned=slab.pinned, page_bytes=min(kv.page_bytes),
-                slab_device_aliased=slab.device_aliased,
+                slab_device_aliased=slab.device_aliased, compressed=kv.compression_layout is not None,
             )  # fmt: skip
             for direction in TransferDirection
         }
@@ -344,9 +367,9 @@ class TransferEngine:
         self.warmup_seconds = self._warm_up(list(built.values()))
         slab.add_user(self)
         logger.info(
-            "transfer engine: %d page tensors, %d-byte rows, %d slots x %d rows, backend %s on %s, "
+            "transfer engine: %d page tensors, %d-byte rows (compression %s), %d slots x %d rows, backend %s on %s, "
             "warm-up %.3f s",
-            len(kv.pages), kv.row_bytes, slab.num_slots, slab.block_size_factor, self.backend_name,
+            len(kv.pages), kv.row_bytes, kv.compression.value, slab.num_slots, slab.block_size_factor, self.backend_name,
             kv.device, self.warmup_seconds,
         )  # fmt: skip
 
@@ -415,7 +438,7 @@ class TransferEngine:
             while queue and queue[0].completion.done():
                 job = queue.popleft()
                 self._unreported.discard(job.job_id)
-                success = job.completion.succeeded()
+                success = job.completion.succeeded() and not self._refused_values(job)
                 results.append(
                     TransferResult(
                         job_id=job.job_id,
@@ -427,6 +450,18 @@ class TransferEngine:
                 )
                 self._recycle(job)
         return results
+
+    def _refused_values(self, job: _Job) -> bool:
+        """A finished compressed store that met NaN or infinity: it fails (its rows hold NaN codes)."""
+        if job.staging is None or job.lane is not TransferLane.STORE or self.kv.compression_layout is None:
+            return False
+        if not job.staging.refused_values():
+            return False
+        logger.warning(
+            "store job %d failed: its GPU pages hold NaN or infinity, which kv_compression='%s' refuses to store",
+            job.job_id, self.kv.compression.value,
+        )  # fmt: skip
+        return True
 
     def _recycle(self, job: _Job) -> None:
         """Return a reported job's staging buffers and events to the pools (its copy has finished)."""
@@ -550,6 +585,9 @@ class TransferEngine:
         backend = self._backends[plan.direction]
         try:
             backend.copy(plan, device)
+        except NonFiniteKVError as error:
+            logger.warning("%s job %d failed: %s", lane.value, job_id, error)
+            return False
         except Exception:
             logger.exception("%s job %d failed in the %s backend", lane.value, job_id, backend.kind.value)
             return False
@@ -578,6 +616,7 @@ class TransferEngine:
         device = staging.stage(plan) if staging is not None else None
         success = self._copy(job_id, lane, plan, device)
         if staging is not None:
+            success = success and not self._refused_values(_Job(job_id, lane, 0, _Finished(True, 0.0), staging))
             self._free_staging[lane].append(staging)  # the copy already ran: reusable at once
         completion = _Finished(success, time.perf_counter() - started)
         return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, completion)

@@ -22,6 +22,14 @@ name            tensor shape            page tensors
 ``pages``       ``(N, ...)``            ``t`` as given, e.g. vLLM's int8
                                         ``(num_blocks, page_size_bytes)`` views
 ==============  ======================  =====================================
+
+Compression (``kv_compression="fp8-e4m3"``, off by default): the slab rows
+hold fp8 e4m3 codes plus one fp32 scale per group of ``group_size`` elements
+for every bf16/fp16/fp32 page tensor (docs/kernels.md, "Compressed rows").
+The group defaults to the head dimension (the page's last dim) for every
+layout but ``pages``, which does not know it (128 there). ``row_bytes`` is
+then the compressed row's size, so a slab sized with it holds about 1.9x the
+blocks per byte for bf16.
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtriton.choices import parse_choice
+from kvtriton.kernels.compression import DEFAULT_GROUP_SIZE, CompressionLayout, KVCompression, compression_layout
 from kvtriton.kernels.validation import PageGeometry, describe_pages
 
-__all__ = ["KVLayout", "PagedKV", "byte_view"]
+__all__ = ["KVCompression", "KVLayout", "PagedKV", "byte_view", "default_group_sizes"]
 
 
 class KVLayout(enum.Enum):
@@ -115,22 +124,37 @@ def byte_view(page: torch.Tensor) -> torch.Tensor:
     )
 
 
+def default_group_sizes(pages: Sequence[torch.Tensor], layout: KVLayout) -> tuple[int, ...]:
+    """Elements per fp8 scale of each page tensor: its head dimension (last dim), or 128 for the ``pages`` layout."""
+    if layout in (KVLayout.PAGES, KVLayout.AUTO):
+        return tuple(DEFAULT_GROUP_SIZE for _ in pages)
+    return tuple(int(page.shape[-1]) for page in pages)
+
+
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """The page tensors of one KV cache and the slab row layout they imply.
 
     Build it with :meth:`from_tensors`. ``page_offsets[t]`` is where page
-    tensor ``t``'s bytes start inside a slab row; ``row_bytes`` is their sum;
-    ``geometry`` is the kernels' view of the same facts, computed once.
+    tensor ``t``'s bytes start inside an uncompressed slab row;
+    ``raw_row_bytes`` is their sum; ``row_bytes`` is what one slab row holds:
+    ``raw_row_bytes`` without compression, the compressed row
+    (``compression_layout.row_bytes``) with it. ``geometry`` is the kernels'
+    view of the pages, computed once. ``group_sizes`` (None: the default,
+    see :func:`default_group_sizes`) applies only with compression.
     """
 
     pages: list[torch.Tensor]
     names: list[str]
     layout: KVLayout = KVLayout.PAGES
+    compression: KVCompression = KVCompression.NONE
+    group_sizes: tuple[int, ...] | None = None
     geometry: PageGeometry = field(init=False)
     page_bytes: list[int] = field(init=False)
     page_offsets: list[int] = field(init=False)
+    raw_row_bytes: int = field(init=False)
     row_bytes: int = field(init=False)
+    compression_layout: CompressionLayout | None = field(init=False)
     num_blocks: int = field(init=False)
     device: torch.device = field(init=False)
 
@@ -151,10 +175,20 @@ class PagedKV:
             other = seen_pointers.setdefault(page.data_ptr(), name)
             if other != name:
                 raise ValueError(f"{name} and {other} start at the same address; pass each tensor once")
+        compression = KVCompression.parse(self.compression)
+        compressed: CompressionLayout | None = None
+        if compression is KVCompression.FP8_E4M3:
+            sizes = self.group_sizes if self.group_sizes is not None else default_group_sizes(self.pages, self.layout)
+            compressed = compression_layout(self.pages, sizes, name="pages")
+        elif self.group_sizes is not None:
+            raise ValueError("group_sizes applies only with kv_compression='fp8-e4m3'; kv_compression is 'none'")
+        object.__setattr__(self, "compression", compression)
+        object.__setattr__(self, "compression_layout", compressed)
         object.__setattr__(self, "geometry", geometry)
         object.__setattr__(self, "page_bytes", list(geometry.page_bytes))
         object.__setattr__(self, "page_offsets", list(geometry.row_offsets))
-        object.__setattr__(self, "row_bytes", geometry.row_bytes)
+        object.__setattr__(self, "raw_row_bytes", geometry.row_bytes)
+        object.__setattr__(self, "row_bytes", geometry.row_bytes if compressed is None else compressed.row_bytes)
         object.__setattr__(self, "num_blocks", geometry.num_blocks)
         object.__setattr__(self, "device", geometry.device)
 
@@ -163,14 +197,20 @@ class PagedKV:
         cls,
         tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
         layout: str | KVLayout = "auto",
+        *,
+        kv_compression: str | KVCompression = KVCompression.NONE,
+        group_size: int | None = None,
     ) -> PagedKV:
         """Describe an engine's KV tensors (a list, or a name -> tensor mapping) as page tensors.
 
         ``layout="auto"`` reads it from the shapes and raises ``ValueError``
         when a shape fits no layout or more than one; every tensor must then
-        resolve to the same layout.
+        resolve to the same layout. ``kv_compression="fp8-e4m3"`` (lossy,
+        off by default) stores rows compressed; ``group_size`` overrides the
+        elements per scale (default: the head dimension, 128 for ``pages``).
         """
         parsed = KVLayout.parse(layout)
+        compression = KVCompression.parse(kv_compression, "kv_compression")
         named: list[tuple[str, torch.Tensor]]
         if isinstance(tensors, Mapping):
             named = [(str(name), tensor) for name, tensor in tensors.items()]
@@ -193,7 +233,19 @@ class PagedKV:
         pages: list[tuple[str, torch.Tensor]] = []
         for name, tensor in named:
             pages.extend(_split(name, tensor, parsed))
-        return cls(pages=[page for _, page in pages], names=[name for name, _ in pages], layout=parsed)
+        page_tensors = [page for _, page in pages]
+        sizes = None if group_size is None else tuple(group_size for _ in page_tensors)
+        return cls(
+            pages=page_tensors, names=[name for name, _ in pages], layout=parsed, compression=compression, group_sizes=sizes
+        )
+
+    def with_compression(self, kv_compression: str | KVCompression, group_size: int | None = None) -> PagedKV:
+        """The same pages described with ``kv_compression`` (and ``group_size``, default as in :meth:`from_tensors`)."""
+        compression = KVCompression.parse(kv_compression, "kv_compression")
+        sizes = None if group_size is None or compression is KVCompression.NONE else tuple(group_size for _ in self.pages)
+        if compression is self.compression and sizes is None:
+            return self
+        return PagedKV(pages=self.pages, names=self.names, layout=self.layout, compression=compression, group_sizes=sizes)
 
     def byte_pages(self) -> list[torch.Tensor]:
         """Every page tensor as a ``(num_blocks, page_bytes)`` uint8 view (see :func:`byte_view`)."""
