@@ -13,7 +13,8 @@
 #   preflight   20 s  imports (pytest, hypothesis, kvtriton.kernels.jit.copy_pages), GPU, memlock, /dev/shm
 #   cuda_tests 170 s  the CUDA tests alone, compiled kernels only (TRITON_INTERPRET=0), verbose
 #   crossover   45 s  dma vs triton per direction around 28 KiB pages, each store finished before its load
-#   kernels     60 s  triton vs dma vs one contiguous copy, 4 page sizes, both directions
+#   kernels     60 s  triton vs dma vs one contiguous copy, 4 page sizes, both directions, and the fused
+#                     fp8 kernels (triton-fp8) against plain triton in the same run
 #   host_cost   40 s  host microseconds per job with the real kernel launch
 #                     total 335 s, so a second run fits in a 15-minute GPU lease
 #
@@ -175,7 +176,8 @@ fi
 # Triton compiles) last, so a run out of budget has already reported the rest.
 TEST_FILES=(tests/test_engine_cuda.py)
 [[ $PF_SHM_OK == 1 ]] && TEST_FILES+=(tests/test_tiering_cuda.py)
-TEST_FILES+=(tests/test_kernels_large_offsets.py tests/test_slab.py tests/test_kernels_gather.py tests/test_kernels_scatter.py)
+TEST_FILES+=(tests/test_kernels_large_offsets.py tests/test_slab.py tests/test_compression_engine.py tests/test_compression.py
+    tests/test_kernels_gather.py tests/test_kernels_scatter.py)
 if [[ -n $gpu_missing ]]; then skip cuda_tests 170 "$gpu_missing"
 elif [[ $PF_PYTEST != 1 || $PF_HYPOTHESIS != 1 ]]; then skip cuda_tests 170 "pytest or hypothesis does not import"
 else
@@ -199,10 +201,10 @@ fi
 if [[ -n $bench_missing ]]; then skip kernels 60 "$bench_missing"
 elif [[ $DRY_RUN == 1 ]]; then
     run_step kernels 60 "$OUT/steps.log" "$PYTHON" -m bench.kernels --gpu-check --device cpu --page-kib 4 16 \
-        --blocks 8 --layers 2 --repeats 1 --no-plot --name kernels
+        --blocks 8 --layers 2 --repeats 1 --no-plot --compression fp8-e4m3 --name kernels
 else
     run_step kernels 60 "$OUT/steps.log" "$PYTHON" -m bench.kernels --gpu-check --device cuda --repeats 5 \
-        --no-plot --name kernels
+        --no-plot --compression fp8-e4m3 --name kernels
 fi
 
 # --- host cost per job with the real launch ------------------------------------------------------------------
