@@ -1,0 +1,131 @@
+"""The body of one engine process: build a vLLM ``LLM`` on CPU, run a script of steps, write what happened as JSON.
+
+Run by :func:`e2e.engine.run_engine` as ``python -m e2e.engine_process JOB_JSON RESULT_JSON``
+(tests/ on ``PYTHONPATH``); the job is an :class:`e2e.engine.EngineJob` as JSON.
+The engine core and its worker run in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a step can reach the worker's
+kvtriton host slab, and the process leaves no children behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
+
+os.environ.update(ENGINE_ENV)
+
+SETTLE_TIMEOUT_S = 30.0
+FILLER_PROMPT = [3, 4, 5]
+"""A prompt shorter than a block: generating it steps the engine (so finished transfers are reported) and stores nothing."""
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    """Every counter vLLM's Prometheus registry holds, summed over its label sets."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
+    return totals
+
+
+def _offloading_worker() -> Any:
+    """The worker side of the OffloadingConnector in this process (the spec's worker: kvtriton's)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().connector_worker  # pyright: ignore[reportAttributeAccessIssue] -- the OffloadingConnector's worker half; vLLM types the group as the connector base
+
+
+def _step_engine(llm: Any, sampling: Any) -> None:
+    llm.generate([{"prompt_token_ids": FILLER_PROMPT}], sampling, use_tqdm=False)
+
+
+def _settle(llm: Any, sampling: Any) -> None:
+    """Step the engine until the counters stop moving: every transfer in flight has finished and been reported."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    before = _counters(llm)
+    while True:
+        _step_engine(llm, sampling)
+        after = _counters(llm)
+        moved = {name for name in after if name.startswith("vllm:kv_offload") and after[name] != before.get(name)}
+        if not moved:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"offloading counters still moving after {SETTLE_TIMEOUT_S}s: {sorted(moved)}")
+        before = after
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    problem = cpu_kernels_problem()
+    if problem is not None:
+        raise RuntimeError(f"vLLM CPU kernels: {problem}")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv_config = job["kv_transfer_config"]
+    started = time.monotonic()
+    llm = LLM(
+        model=job["model"],
+        dtype="float32",
+        block_size=job["block_size"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=4,
+        max_num_batched_tokens=job["max_model_len"],
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        kv_transfer_config=None if kv_config is None else KVTransferConfig(**kv_config),
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+    )
+    result: dict[str, Any] = {"startup_s": time.monotonic() - started, "steps": []}
+    filler = SamplingParams(temperature=0.0, max_tokens=1)
+    if kv_config is not None:
+        spec = _offloading_worker().spec
+        result["kv_bytes_per_block"] = spec.config.worker_kv_bytes_per_block
+        result["blocks_per_chunk"] = spec.blocks_per_chunk
+    for step in job["steps"]:
+        op = step["op"]
+        record: dict[str, Any] = {"op": op, "name": step.get("name", op)}
+        if op == "generate":
+            sampling = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
+            (output,) = llm.generate([{"prompt_token_ids": step["prompt"]}], sampling, use_tqdm=False)
+            record["token_ids"] = list(output.outputs[0].token_ids)
+            record["num_cached_tokens"] = output.num_cached_tokens
+            _settle(llm, filler)
+        elif op == "reset_prefix_cache":
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while not llm.reset_prefix_cache():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("reset_prefix_cache() kept failing: GPU blocks still in use")
+                _step_engine(llm, filler)
+        elif op == "overwrite_host_slab":
+            # Replace every byte of kvtriton's host slab: what is loaded afterwards is no longer what was stored.
+            import torch
+
+            generator = torch.Generator().manual_seed(1)
+            for engine in _offloading_worker().worker.engines:
+                rows = engine.slab.rows
+                rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=generator).view(rows.dtype))
+        else:
+            raise ValueError(f"unknown step op {op!r} in {step}")
+        record["counters"] = _counters(llm)
+        result["steps"].append(record)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv
+    result = run(json.loads(Path(job_path).read_text()))
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

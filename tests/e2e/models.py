@@ -1,0 +1,79 @@
+"""Tiny random-weight Llama checkpoints and an offline tokenizer, written to a directory vLLM loads.
+
+No model hub: the weights are random (seeded, so every run writes the same
+model), float32, a few MB. The weights are drawn wider than transformers'
+default (``initializer_range``) so that the greedy tokens depend strongly on
+the context: a corrupted KV block changes them, which the negative controls
+rely on. The tokenizer is a word-level vocabulary ``w3 .. w1023`` built with
+``tokenizers``, so ``vllm serve`` can take text prompts and return text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZE = 1024
+HEAD_DIM = 32
+"""The smallest head size vLLM's CPU attention kernels are built for."""
+
+
+@dataclass(frozen=True, slots=True)
+class TinyLlama:
+    """The shape of one tiny model; ``layer_types`` mixes sliding-window and full attention when given."""
+
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+
+    def write(self, directory: Path, *, seed: int = 0) -> Path:
+        """Save the checkpoint and tokenizer under ``directory`` (created) and return it."""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        directory.mkdir(parents=True, exist_ok=True)
+        extra: dict[str, object] = {}
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            extra = {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+        config = LlamaConfig(
+            hidden_size=self.num_heads * HEAD_DIM,
+            intermediate_size=2 * self.num_heads * HEAD_DIM,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=HEAD_DIM,
+            num_hidden_layers=self.num_layers,
+            max_position_embeddings=1024,
+            vocab_size=VOCAB_SIZE,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.2,
+            torch_dtype="float32",
+            **extra,
+        )
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(directory)
+        write_tokenizer(directory)
+        return directory
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over ``w3 .. w{VOCAB_SIZE - 1}`` (ids 0-2 are unk, bos, eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{index}": index for index in range(3, VOCAB_SIZE)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # pyright: ignore[reportAttributeAccessIssue] -- tokenizers' stubs declare the property read-only; assigning it is its documented API
+    tokenizer.decoder = decoders.WordPiece()  # pyright: ignore[reportAttributeAccessIssue] -- same: documented setter; WordPiece joins words with spaces
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(directory)
+
+
+def prompt_text(token_ids: list[int]) -> str:
+    """The text the tokenizer turns into exactly ``token_ids`` (each >= 3), for ``vllm serve``'s text prompts."""
+    return " ".join(f"w{token}" for token in token_ids)
