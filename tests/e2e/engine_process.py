@@ -43,23 +43,40 @@ def _offloading_worker() -> Any:
     return get_kv_transfer_group().connector_worker  # pyright: ignore[reportAttributeAccessIssue] -- the OffloadingConnector's worker half; vLLM types the group as the connector base
 
 
+def _offloading_manager(llm: Any) -> Any:
+    """The scheduler side's offloading manager in this process (kvtriton's, or vLLM's tiering manager over kvtriton)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return scheduler.connector.connector_scheduler.manager
+
+
 def _step_engine(llm: Any, sampling: Any) -> None:
     llm.generate([{"prompt_token_ids": FILLER_PROMPT}], sampling, use_tqdm=False)
 
 
 def _settle(llm: Any, sampling: Any) -> None:
-    """Step the engine until the counters stop moving: every transfer in flight has finished and been reported."""
+    """Step the engine until every transfer in flight has finished and been reported.
+
+    That is: the offloading manager has no pending work (stores, and a tiered
+    manager's cascades to its secondary tiers) and vLLM's offloading counters
+    stopped moving.
+    """
+    manager = _offloading_manager(llm) if llm.llm_engine.vllm_config.kv_transfer_config is not None else None
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     before = _counters(llm)
     while True:
         _step_engine(llm, sampling)
         after = _counters(llm)
         moved = {name for name in after if name.startswith("vllm:kv_offload") and after[name] != before.get(name)}
-        if not moved:
+        pending = manager is not None and manager.has_pending_work()
+        if not moved and not pending:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"offloading counters still moving after {SETTLE_TIMEOUT_S}s: {sorted(moved)}")
+            raise TimeoutError(
+                f"offloading still busy after {SETTLE_TIMEOUT_S}s: counters moving {sorted(moved)}, manager pending {pending}"
+            )
         before = after
+        if pending:
+            time.sleep(0.05)
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
