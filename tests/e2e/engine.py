@@ -48,6 +48,8 @@ def generate(prompt: Sequence[int], max_tokens: int, name: str) -> dict[str, obj
 
 RESET_PREFIX_CACHE: dict[str, object] = {"op": "reset_prefix_cache"}
 """A step: drop the engine's own prefix cache (the connector's cache stays)."""
+WAIT_TIERS_UP: dict[str, object] = {"op": "wait_tiers_up"}
+"""A step: wait until every secondary tier that connects in the background (Mooncake) is up."""
 OVERWRITE_HOST_SLAB: dict[str, object] = {"op": "overwrite_host_slab"}
 """A step: overwrite every byte of kvtriton's host slab with random bytes (single-tier spec)."""
 

@@ -122,6 +122,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 if time.monotonic() > deadline:
                     raise TimeoutError("reset_prefix_cache() kept failing: GPU blocks still in use")
                 _step_engine(llm, filler)
+        elif op == "wait_tiers_up":
+            # A networked tier (Mooncake) connects in the background: a lookup before it is up misses.
+            for tier in _offloading_manager(llm).secondary_tiers:
+                wait_until_up = getattr(tier, "wait_until_up", None)
+                if wait_until_up is not None and not wait_until_up(SETTLE_TIMEOUT_S):
+                    raise TimeoutError(f"secondary tier {tier.tier_type} not up after {SETTLE_TIMEOUT_S}s")
         elif op == "overwrite_host_slab":
             # Replace every byte of kvtriton's host slab: what is loaded afterwards is no longer what was stored.
             import torch

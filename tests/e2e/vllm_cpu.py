@@ -46,6 +46,8 @@ ENGINE_ENV: dict[str, str] = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_HOST_IP": "127.0.0.1",
+    # Mooncake's store client would otherwise advertise (and be reached at) the machine's external address.
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
