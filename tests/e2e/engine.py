@@ -41,15 +41,23 @@ def spec_config(spec_name: str, **extra: object) -> dict[str, object]:
     }
 
 
-def generate(prompt: Sequence[int], max_tokens: int, name: str) -> dict[str, object]:
-    """A step: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids)."""
-    return {"op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name}
+def generate(prompt: Sequence[int], max_tokens: int, name: str, *, compare_to: str | None = None) -> dict[str, object]:
+    """A step: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids).
+
+    With ``compare_to`` (an earlier generate step's name), the step also
+    records, for each full prompt block, whether its bytes in the KV cache
+    (every layer, first KV cache group) equal that step's
+    (:attr:`StepResult.blocks_equal`).
+    """
+    return {"op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name, "compare_to": compare_to}
 
 
 RESET_PREFIX_CACHE: dict[str, object] = {"op": "reset_prefix_cache"}
 """A step: drop the engine's own prefix cache (the connector's cache stays)."""
 WAIT_TIERS_UP: dict[str, object] = {"op": "wait_tiers_up"}
 """A step: wait until every secondary tier that connects in the background (Mooncake) is up."""
+ZERO_KV_CACHE: dict[str, object] = {"op": "zero_kv_cache"}
+"""A step: zero every KV cache tensor (after a reset: what a later load writes is all that is there)."""
 OVERWRITE_HOST_SLAB: dict[str, object] = {"op": "overwrite_host_slab"}
 """A step: overwrite every byte of kvtriton's host slab with random bytes (single-tier spec)."""
 
@@ -64,6 +72,8 @@ class EngineJob:
     block_size: int = 32
     max_model_len: int = 512
     kv_cache_bytes: int = 16 << 20
+    attention_backend: str | None = None
+    """vLLM's attention backend by name (None: the platform's choice)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,8 @@ class StepResult:
     counters: dict[str, float]
     token_ids: list[int] = field(default_factory=list[int])
     num_cached_tokens: int = 0
+    blocks_equal: list[bool] | None = None
+    """Per full prompt block: equal to the ``compare_to`` step's bytes (None without ``compare_to``)."""
 
     def counter(self, name: str) -> float:
         """vLLM's counter ``name`` (e.g. ``vllm:external_prefix_cache_hits``) after this step, 0 when never set."""

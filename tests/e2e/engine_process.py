@@ -20,6 +20,8 @@ from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 
 os.environ.update(ENGINE_ENV)
 
+import torch  # noqa: E402 -- after the environment vLLM reads on import
+
 SETTLE_TIMEOUT_S = 30.0
 FILLER_PROMPT = [3, 4, 5]
 """A prompt shorter than a block: generating it steps the engine (so finished transfers are reported) and stores nothing."""
@@ -47,6 +49,34 @@ def _offloading_manager(llm: Any) -> Any:
     """The scheduler side's offloading manager in this process (kvtriton's, or vLLM's tiering manager over kvtriton)."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     return scheduler.connector.connector_scheduler.manager
+
+
+def _kv_caches(llm: Any) -> list[Any]:
+    """The model runner's KV cache tensors, one per attention layer, each indexed by block id first."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return list(runner.kv_caches)
+
+
+class BlockTables:
+    """The block ids vLLM's scheduler allocated to each request, recorded as it allocates them."""
+
+    def __init__(self, llm: Any) -> None:
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        allocate_slots = manager.allocate_slots
+        self.by_request: dict[str, list[int]] = {}
+
+        def recording_allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            allocated = allocate_slots(request, *args, **kwargs)
+            if allocated is not None:
+                self.by_request[request.request_id] = list(manager.get_block_ids(request.request_id)[0])
+            return allocated
+
+        manager.allocate_slots = recording_allocate_slots
+
+
+def _prompt_block_bytes(llm: Any, block_ids: list[int], full_blocks: int) -> list[list[bytes]]:
+    """The bytes of the prompt's first ``full_blocks`` blocks (first KV cache group) in every layer."""
+    return [[bytes(kv[block].contiguous().view(-1).view(torch.uint8).numpy()) for kv in _kv_caches(llm)] for block in block_ids[:full_blocks]]
 
 
 def _step_engine(llm: Any, sampling: Any) -> None:
@@ -100,7 +130,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=True,
         disable_log_stats=False,
         seed=0,
+        **({} if job["attention_backend"] is None else {"attention_backend": job["attention_backend"]}),
     )
+    tables = BlockTables(llm)
+    snapshots: dict[str, list[list[bytes]]] = {}
     result: dict[str, Any] = {"startup_s": time.monotonic() - started, "steps": []}
     filler = SamplingParams(temperature=0.0, max_tokens=1)
     if kv_config is not None:
@@ -112,9 +145,17 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         record: dict[str, Any] = {"op": op, "name": step.get("name", op)}
         if op == "generate":
             sampling = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
+            tables.by_request.clear()
             (output,) = llm.generate([{"prompt_token_ids": step["prompt"]}], sampling, use_tqdm=False)
             record["token_ids"] = list(output.outputs[0].token_ids)
             record["num_cached_tokens"] = output.num_cached_tokens
+            # Read the prompt's blocks before anything else runs (the request is finished; its blocks are free).
+            (block_ids,) = tables.by_request.values()
+            blocks = _prompt_block_bytes(llm, block_ids, len(step["prompt"]) // job["block_size"])
+            snapshots[record["name"]] = blocks
+            if step.get("compare_to") is not None:
+                earlier = snapshots[step["compare_to"]]
+                record["blocks_equal"] = [mine == theirs for mine, theirs in zip(blocks, earlier, strict=True)]
             _settle(llm, filler)
         elif op == "reset_prefix_cache":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
@@ -128,10 +169,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 wait_until_up = getattr(tier, "wait_until_up", None)
                 if wait_until_up is not None and not wait_until_up(SETTLE_TIMEOUT_S):
                     raise TimeoutError(f"secondary tier {tier.tier_type} not up after {SETTLE_TIMEOUT_S}s")
+        elif op == "zero_kv_cache":
+            # Nothing left in the KV cache: a block that is right afterwards was written by a load.
+            for kv in _kv_caches(llm):
+                kv.zero_()
         elif op == "overwrite_host_slab":
             # Replace every byte of kvtriton's host slab: what is loaded afterwards is no longer what was stored.
-            import torch
-
             generator = torch.Generator().manual_seed(1)
             for engine in _offloading_worker().worker.engines:
                 rows = engine.slab.rows

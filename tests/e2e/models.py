@@ -60,6 +60,47 @@ class TinyLlama:
         return directory
 
 
+@dataclass(frozen=True, slots=True)
+class TinyDeepseekV2:
+    """An MLA-shaped model: DeepSeek-V2's latent KV (512 + 64 rope dims, the only size vLLM's CPU MLA kernel takes)."""
+
+    num_layers: int = 2
+    num_heads: int = 2
+
+    def write(self, directory: Path, *, seed: int = 0) -> Path:
+        import torch
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        directory.mkdir(parents=True, exist_ok=True)
+        config = DeepseekV2Config(
+            hidden_size=self.num_heads * 64,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=self.num_layers,  # every layer dense: no MoE kernels needed
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            max_position_embeddings=1024,
+            vocab_size=VOCAB_SIZE,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.2,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(seed)
+        DeepseekV2ForCausalLM(config).save_pretrained(directory)
+        write_tokenizer(directory)
+        return directory
+
+
 def write_tokenizer(directory: Path) -> None:
     """A word-level tokenizer over ``w3 .. w{VOCAB_SIZE - 1}`` (ids 0-2 are unk, bos, eos)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
