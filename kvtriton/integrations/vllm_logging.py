@@ -21,6 +21,7 @@ the records.
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 from typing_extensions import override
@@ -42,7 +43,8 @@ class VLLMForwardingHandler(logging.Handler):
 def attach_to_vllm_logging() -> bool:
     """Route the ``kvtriton`` logger's records to vLLM's handlers, at vLLM's level; whether it did (see the module doc)."""
     import vllm.envs as vllm_envs
-    import vllm.logger  # noqa: F401 -- importing it is what configures vLLM's logging in this process
+
+    importlib.import_module("vllm.logger")  # defines vLLM's logging set-up (applied when an engine starts)
 
     kvtriton_logger = logging.getLogger(KVTRITON_LOGGER)
     if any(isinstance(handler, VLLMForwardingHandler) for handler in kvtriton_logger.handlers):

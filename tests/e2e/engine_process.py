@@ -42,7 +42,8 @@ def _offloading_worker() -> Any:
     """The worker side of the OffloadingConnector in this process (the spec's worker: kvtriton's)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group().connector_worker  # pyright: ignore[reportAttributeAccessIssue] -- the OffloadingConnector's worker half; vLLM types the group as the connector base
+    connector: Any = get_kv_transfer_group()  # the OffloadingConnector; vLLM types it as the connector base
+    return connector.connector_worker
 
 
 def _offloading_manager(llm: Any) -> Any:
@@ -118,7 +119,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
     kv_config = job["kv_transfer_config"]
     started = time.monotonic()
-    llm = LLM(
+    llm: Any = LLM(  # Any: the steps reach into engine internals vLLM does not type
         model=job["model"],
         dtype="float32",
         block_size=job["block_size"],

@@ -34,11 +34,8 @@ class TinyLlama:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         directory.mkdir(parents=True, exist_ok=True)
-        extra: dict[str, object] = {}
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.num_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-            extra = {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         config = LlamaConfig(
             hidden_size=self.num_heads * HEAD_DIM,
             intermediate_size=2 * self.num_heads * HEAD_DIM,
@@ -51,11 +48,14 @@ class TinyLlama:
             bos_token_id=1,
             eos_token_id=2,
             initializer_range=0.2,
-            torch_dtype="float32",
-            **extra,
+            dtype="float32",
         )
-        torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(directory)
+        if self.layer_types is not None:
+            # vLLM's Llama reads these per layer (sliding window where "sliding_attention"); saved in config.json.
+            setattr(config, "layer_types", list(self.layer_types))  # noqa: B010 -- not a LlamaConfig parameter
+            setattr(config, "sliding_window", self.sliding_window)  # noqa: B010 -- same
+        torch.manual_seed(seed)  # pyright: ignore[reportUnknownMemberType] -- torch's stub leaves the seed untyped
+        LlamaForCausalLM(config).save_pretrained(directory)  # pyright: ignore[reportUnknownMemberType] -- transformers leaves **kwargs untyped
         write_tokenizer(directory)
         return directory
 
@@ -93,10 +93,10 @@ class TinyDeepseekV2:
             bos_token_id=1,
             eos_token_id=2,
             initializer_range=0.2,
-            torch_dtype="float32",
+            dtype="float32",
         )
-        torch.manual_seed(seed)
-        DeepseekV2ForCausalLM(config).save_pretrained(directory)
+        torch.manual_seed(seed)  # pyright: ignore[reportUnknownMemberType] -- torch's stub leaves the seed untyped
+        DeepseekV2ForCausalLM(config).save_pretrained(directory)  # pyright: ignore[reportUnknownMemberType] -- transformers leaves **kwargs untyped
         write_tokenizer(directory)
         return directory
 
@@ -108,11 +108,10 @@ def write_tokenizer(directory: Path) -> None:
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{index}": index for index in range(3, VOCAB_SIZE)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # pyright: ignore[reportAttributeAccessIssue] -- tokenizers' stubs declare the property read-only; assigning it is its documented API
-    tokenizer.decoder = decoders.WordPiece()  # pyright: ignore[reportAttributeAccessIssue] -- same: documented setter; WordPiece joins words with spaces
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(directory)
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()  # joins the words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)  # pyright: ignore[reportUnknownMemberType] -- transformers leaves **kwargs untyped
 
 
 def prompt_text(token_ids: list[int]) -> str:

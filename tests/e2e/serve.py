@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +70,7 @@ def _healthy(url: str) -> bool:
 @contextlib.contextmanager
 def vllm_serve(
     model: Path, kv_transfer_config: dict[str, object], workdir: Path, *, block_size: int = 32
-) -> Iterator[Server]:
+) -> Generator[Server]:
     """Run ``vllm serve`` for ``model`` with ``kv_transfer_config`` on a free loopback port (dev endpoints on)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()

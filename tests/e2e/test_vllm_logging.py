@@ -29,14 +29,15 @@ def vllm_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
     handler.setLevel(logging.INFO)
     vllm_logger, kvtriton_logger, root = (logging.getLogger(name) for name in (VLLM_LOGGER, KVTRITON_LOGGER, None))
     monkeypatch.setattr(vllm_logger, "handlers", [handler])
-    monkeypatch.setattr(vllm_logger, "level", logging.INFO)
     monkeypatch.setattr(kvtriton_logger, "handlers", [])
-    monkeypatch.setattr(kvtriton_logger, "level", logging.NOTSET)
     monkeypatch.setattr(root, "handlers", [])
     monkeypatch.setattr(vllm_envs, "VLLM_CONFIGURE_LOGGING", True)
-    logging.getLogger().manager._clear_cache()  # pyright: ignore[reportAttributeAccessIssue] -- the levels were set behind the loggers' cache
+    levels = vllm_logger.level, kvtriton_logger.level
+    vllm_logger.setLevel(logging.INFO)
+    kvtriton_logger.setLevel(logging.NOTSET)
     yield stream
-    logging.getLogger().manager._clear_cache()  # pyright: ignore[reportAttributeAccessIssue] -- same, after monkeypatch restores them
+    vllm_logger.setLevel(levels[0])
+    kvtriton_logger.setLevel(levels[1])
 
 
 def attach() -> bool:
