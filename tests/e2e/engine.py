@@ -11,6 +11,7 @@ left running, so a test never leaves an orphan behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -118,14 +119,28 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def group_members(pgid: int) -> list[str]:
+    """The live (not zombie) processes of group ``pgid``, as ``"pid command"``; Linux's /proc, else a signal probe."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [f"group {pgid}"]
+    members: list[str] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (command) state ppid pgrp ...": the command may hold spaces and parentheses.
+        command, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(f"{entry.name} {command}")
+    return members
 
 
 def end_process_group(process: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> list[str]:
@@ -139,14 +154,18 @@ def end_process_group(process: subprocess.Popen[bytes], *, grace_s: float = 10.0
         except subprocess.TimeoutExpired:
             killed.append(f"process {process.pid} ignored SIGTERM")
     deadline = time.monotonic() + grace_s
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _group_alive(pgid):
-        killed.append(f"processes of group {pgid} outlived the engine")
-        os.killpg(pgid, signal.SIGKILL)
+    if left:
+        killed.append(f"processes of group {pgid} outlived the engine: {left}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
     if process.poll() is None:
         process.kill()
-        process.wait()
+    process.wait()
+    deadline = time.monotonic() + grace_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILL is asynchronous
     return killed
 
 
