@@ -26,6 +26,8 @@ CPU_PATH_OPS: tuple[str, ...] = (
     "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache",
     "get_scheduler_metadata",
+    # vllm/v1/attention/backends/mla/cpu_mla.py: MLA decode (the MLA model of test_layouts.py).
+    "mla_decode_kvcache",
     # vllm/model_executor/layers/utils.py: the oneDNN linear layers of the unquantized model.
     "create_onednn_mm_handler",
     "onednn_mm",
