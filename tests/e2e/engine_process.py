@@ -59,24 +59,24 @@ def _kv_caches(llm: Any) -> list[Any]:
 
 
 class BlockTables:
-    """The block ids vLLM's scheduler allocated to each request, recorded as it allocates them."""
+    """The block ids vLLM's scheduler allocated to each request (one list per KV cache group), recorded as it allocates."""
 
     def __init__(self, llm: Any) -> None:
         manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
         allocate_slots = manager.allocate_slots
-        self.by_request: dict[str, list[int]] = {}
+        self.by_request: dict[str, list[list[int]]] = {}
 
         def recording_allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
             allocated = allocate_slots(request, *args, **kwargs)
             if allocated is not None:
-                self.by_request[request.request_id] = list(manager.get_block_ids(request.request_id)[0])
+                self.by_request[request.request_id] = [list(group) for group in manager.get_block_ids(request.request_id)]
             return allocated
 
         manager.allocate_slots = recording_allocate_slots
 
 
 def _prompt_block_bytes(llm: Any, block_ids: list[int], full_blocks: int) -> list[list[bytes]]:
-    """The bytes of the prompt's first ``full_blocks`` blocks (first KV cache group) in every layer."""
+    """The bytes of the prompt's first ``full_blocks`` blocks in every layer (a model with one KV cache group)."""
     return [[bytes(kv[block].contiguous().view(-1).view(torch.uint8).numpy()) for kv in _kv_caches(llm)] for block in block_ids[:full_blocks]]
 
 
@@ -114,7 +114,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     problem = cpu_kernels_problem()
     if problem is not None:
         raise RuntimeError(f"vLLM CPU kernels: {problem}")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv_config = job["kv_transfer_config"]
@@ -133,9 +133,20 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         **({} if job["attention_backend"] is None else {"attention_backend": job["attention_backend"]}),
     )
+    try:
+        return _run_steps(llm, job, startup_s=time.monotonic() - started)
+    finally:
+        # The engine core's shutdown runs the connector's: kvtriton's spec closes its slab and secondary tiers.
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    kv_config = job["kv_transfer_config"]
     tables = BlockTables(llm)
     snapshots: dict[str, list[list[bytes]]] = {}
-    result: dict[str, Any] = {"startup_s": time.monotonic() - started, "steps": []}
+    result: dict[str, Any] = {"startup_s": startup_s, "steps": []}
     filler = SamplingParams(temperature=0.0, max_tokens=1)
     if kv_config is not None:
         spec = _offloading_worker().spec
@@ -151,12 +162,15 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             record["token_ids"] = list(output.outputs[0].token_ids)
             record["num_cached_tokens"] = output.num_cached_tokens
             # Read the prompt's blocks before anything else runs (the request is finished; its blocks are free).
-            (block_ids,) = tables.by_request.values()
-            blocks = _prompt_block_bytes(llm, block_ids, len(step["prompt"]) // job["block_size"])
-            snapshots[record["name"]] = blocks
-            if step.get("compare_to") is not None:
-                earlier = snapshots[step["compare_to"]]
-                record["blocks_equal"] = [mine == theirs for mine, theirs in zip(blocks, earlier, strict=True)]
+            (group_block_ids,) = tables.by_request.values()
+            if len(group_block_ids) == 1:
+                blocks = _prompt_block_bytes(llm, group_block_ids[0], len(step["prompt"]) // job["block_size"])
+                snapshots[record["name"]] = blocks
+                if step.get("compare_to") is not None:
+                    earlier = snapshots[step["compare_to"]]
+                    record["blocks_equal"] = [mine == theirs for mine, theirs in zip(blocks, earlier, strict=True)]
+            elif step.get("compare_to") is not None:
+                raise ValueError(f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}")
             _settle(llm, filler)
         elif op == "reset_prefix_cache":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
