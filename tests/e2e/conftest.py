@@ -10,14 +10,7 @@ import pytest
 
 from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run_engine
 from e2e.models import TinyLlama
-
-BLOCK_SIZE = 32
-"""vLLM's CPU attention takes block sizes that are multiples of 32."""
-PROMPT_A = list(range(10, 10 + 4 * BLOCK_SIZE + 5))
-"""4 full blocks of 32 (2 of 64) and a partial one."""
-PROMPT_B = list(range(300, 300 + 3 * BLOCK_SIZE + 7))
-"""Another prompt sharing nothing with A."""
-MAX_TOKENS = 6
+from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -43,6 +36,6 @@ def llama(e2e_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(llama: Path, e2e_dir: Path) -> EngineResult:
-    """The tokens of every test prompt from an engine without a connector."""
-    steps = [generate(PROMPT_A, MAX_TOKENS, "A"), generate(PROMPT_B, MAX_TOKENS, "B")]
+    """Prompt A's tokens from an engine without a connector (step "A")."""
+    steps = [generate(PROMPT_A, MAX_TOKENS, "A")]
     return run_engine(EngineJob(model=str(llama), steps=steps), e2e_dir / "reference")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.models import TinyDeepseekV2, TinyLlama
 

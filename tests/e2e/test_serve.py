@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.engine import spec_config
 from e2e.models import prompt_text
 from e2e.serve import Server, vllm_serve

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import MAX_TOKENS, PROMPT_A
+from e2e.prompts import MAX_TOKENS, PROMPT_A
 from e2e.engine import (
     OVERWRITE_HOST_SLAB,
     RESET_PREFIX_CACHE,
