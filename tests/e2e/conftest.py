@@ -1,0 +1,41 @@
+"""Shared engines and models of the end-to-end tests (one engine start is 10-40 s here: each is shared by its assertions)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run_engine
+from e2e.models import TinyLlama
+from e2e.prompts import MAX_TOKENS, PROMPT_A
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_cpu_kernels() -> None:
+    """Fail (never skip) every e2e test when vLLM's CPU kernels are missing or do not pair with vLLM's Python."""
+    check = subprocess.run(
+        [sys.executable, "-m", "e2e.vllm_cpu"], cwd=TESTS, env=engine_env(), capture_output=True, text=True, timeout=120
+    )
+    if check.returncode != 0:
+        pytest.fail(f"{check.stdout}{check.stderr}".strip()[-3000:], pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def llama(e2e_dir: Path) -> Path:
+    """The dense tiny Llama (2 layers, 4 heads of 32, 2 KV heads)."""
+    return TinyLlama().write(e2e_dir / "llama")
+
+
+@pytest.fixture(scope="session")
+def reference(llama: Path, e2e_dir: Path) -> EngineResult:
+    """Prompt A's tokens from an engine without a connector (step "A")."""
+    steps = [generate(PROMPT_A, MAX_TOKENS, "A")]
+    return run_engine(EngineJob(model=str(llama), steps=steps), e2e_dir / "reference")

@@ -1,0 +1,202 @@
+"""Start one vLLM engine process with a given KV-transfer config, run steps in it, return the results.
+
+The launcher the end-to-end tests share (and any later test that needs a real
+engine): :func:`run_engine` runs an :class:`EngineJob` in a fresh process
+(:mod:`e2e.engine_process`), bounded by ``timeout_s``, and returns an
+:class:`EngineResult` with each step's tokens and vLLM's counters after it.
+The process gets a session (process group) of its own; when it ends, or
+times out and is killed, the launcher checks that nothing of that group is
+left running, so a test never leaves an orphan behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+ENGINE_TIMEOUT_S = 240.0
+"""One engine process, start-up included (20-40 s on a loaded 2-core machine)."""
+
+
+def spec_config(spec_name: str, **extra: object) -> dict[str, object]:
+    """An OffloadingConnector ``kv_transfer_config`` for one of kvtriton's specs."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": spec_name,
+            "spec_module_path": "kvtriton.integrations.vllm",
+            **extra,
+        },
+    }
+
+
+def generate(prompt: Sequence[int], max_tokens: int, name: str, *, compare_to: str | None = None) -> dict[str, object]:
+    """A step: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids).
+
+    With ``compare_to`` (an earlier generate step's name), the step also
+    records, for each full prompt block, whether its bytes in the KV cache
+    (every layer, first KV cache group) equal that step's
+    (:attr:`StepResult.blocks_equal`).
+    """
+    return {"op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name, "compare_to": compare_to}
+
+
+RESET_PREFIX_CACHE: dict[str, object] = {"op": "reset_prefix_cache"}
+"""A step: drop the engine's own prefix cache (the connector's cache stays)."""
+WAIT_TIERS_UP: dict[str, object] = {"op": "wait_tiers_up"}
+"""A step: wait until every secondary tier that connects in the background (Mooncake) is up."""
+ZERO_KV_CACHE: dict[str, object] = {"op": "zero_kv_cache"}
+"""A step: zero every KV cache tensor (after a reset: what a later load writes is all that is there)."""
+OVERWRITE_HOST_SLAB: dict[str, object] = {"op": "overwrite_host_slab"}
+"""A step: overwrite every byte of kvtriton's host slab with random bytes (single-tier spec)."""
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One engine: its model, block size, KV-transfer config (None: no connector) and the steps to run."""
+
+    model: str
+    steps: list[dict[str, object]]
+    kv_transfer_config: dict[str, object] | None = None
+    block_size: int = 32
+    max_model_len: int = 512
+    kv_cache_bytes: int = 16 << 20
+    attention_backend: str | None = None
+    """vLLM's attention backend by name (None: the platform's choice)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    op: str
+    name: str
+    counters: dict[str, float]
+    token_ids: list[int] = field(default_factory=list[int])
+    num_cached_tokens: int = 0
+    blocks_equal: list[bool] | None = None
+    """Per full prompt block: equal to the ``compare_to`` step's bytes (None without ``compare_to``)."""
+
+    def counter(self, name: str) -> float:
+        """vLLM's counter ``name`` (e.g. ``vllm:external_prefix_cache_hits``) after this step, 0 when never set."""
+        return self.counters.get(name, 0.0)
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    steps: list[StepResult]
+    log: str
+    """The engine process's stdout and stderr."""
+    startup_s: float
+    kv_bytes_per_block: int = 0
+    blocks_per_chunk: int = 0
+
+    def step(self, name: str) -> StepResult:
+        (found,) = [step for step in self.steps if step.name == name]
+        return found
+
+    def delta(self, name: str, counter: str) -> float:
+        """How much ``counter`` grew during step ``name``."""
+        index = next(index for index, step in enumerate(self.steps) if step.name == name)
+        before = self.steps[index - 1].counter(counter) if index else 0.0
+        return self.steps[index].counter(counter) - before
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of a test's engine process: this one's, with the repository and tests/ importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def group_members(pgid: int) -> list[str]:
+    """The live (not zombie) processes of group ``pgid``, as ``"pid command"``; Linux's /proc, else a signal probe."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [f"group {pgid}"]
+    members: list[str] = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (command) state ppid pgrp ...": the command may hold spaces and parentheses.
+        command, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(f"{entry.name} {command}")
+    return members
+
+
+def end_process_group(process: subprocess.Popen[bytes], *, grace_s: float = 10.0) -> list[str]:
+    """Stop ``process`` and everything in its group (SIGTERM, then SIGKILL); returns what had to be killed."""
+    killed: list[str] = []
+    pgid = process.pid
+    if process.poll() is None:
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            killed.append(f"process {process.pid} ignored SIGTERM")
+    deadline = time.monotonic() + grace_s
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        killed.append(f"processes of group {pgid} outlived the engine: {left}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    deadline = time.monotonic() + grace_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)  # SIGKILL is asynchronous
+    return killed
+
+
+def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S) -> EngineResult:
+    """Run ``job`` in a new engine process (files under ``workdir``); raises with the process's log on any failure."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "engine.log"
+    job_path.write_text(json.dumps(asdict(job)))
+    result_path.unlink(missing_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "e2e.engine_process", str(job_path), str(result_path)],
+            cwd=workdir, env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            returncode: int | None = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        leftovers = end_process_group(process)
+    output = log_path.read_text(errors="replace")
+    if returncode is None:
+        raise AssertionError(f"the engine process ran past {timeout_s}s and was killed; its log ends:\n{output[-6000:]}")
+    if returncode != 0 or not result_path.exists():
+        raise AssertionError(f"the engine process exited with {returncode}; its log ends:\n{output[-6000:]}")
+    if leftovers:
+        raise AssertionError(f"the engine process left processes behind: {leftovers}")
+    raw: dict[str, Any] = json.loads(result_path.read_text())
+    return EngineResult(
+        steps=[StepResult(**step) for step in raw["steps"]],
+        log=output,
+        startup_s=raw["startup_s"],
+        kv_bytes_per_block=raw.get("kv_bytes_per_block", 0),
+        blocks_per_chunk=raw.get("blocks_per_chunk", 0),
+    )

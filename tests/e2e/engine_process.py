@@ -1,0 +1,212 @@
+"""The body of one engine process: build a vLLM ``LLM`` on CPU, run a script of steps, write what happened as JSON.
+
+Run by :func:`e2e.engine.run_engine` as ``python -m e2e.engine_process JOB_JSON RESULT_JSON``
+(tests/ on ``PYTHONPATH``); the job is an :class:`e2e.engine.EngineJob` as JSON.
+The engine core and its worker run in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a step can reach the worker's
+kvtriton host slab, and the process leaves no children behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
+
+os.environ.update(ENGINE_ENV)
+
+import torch  # noqa: E402 -- after the environment vLLM reads on import
+
+SETTLE_TIMEOUT_S = 30.0
+FILLER_PROMPT = [3, 4, 5]
+"""A prompt shorter than a block: generating it steps the engine (so finished transfers are reported) and stores nothing."""
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    """Every counter vLLM's Prometheus registry holds, summed over its label sets."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
+    return totals
+
+
+def _offloading_worker() -> Any:
+    """The worker side of the OffloadingConnector in this process (the spec's worker: kvtriton's)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector: Any = get_kv_transfer_group()  # the OffloadingConnector; vLLM types it as the connector base
+    return connector.connector_worker
+
+
+def _offloading_manager(llm: Any) -> Any:
+    """The scheduler side's offloading manager in this process (kvtriton's, or vLLM's tiering manager over kvtriton)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return scheduler.connector.connector_scheduler.manager
+
+
+def _kv_caches(llm: Any) -> list[Any]:
+    """The model runner's KV cache tensors, one per attention layer, each indexed by block id first."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return list(runner.kv_caches)
+
+
+class BlockTables:
+    """The block ids vLLM's scheduler allocated to each request (one list per KV cache group), recorded as it allocates."""
+
+    def __init__(self, llm: Any) -> None:
+        manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+        allocate_slots = manager.allocate_slots
+        self.by_request: dict[str, list[list[int]]] = {}
+
+        def recording_allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            allocated = allocate_slots(request, *args, **kwargs)
+            if allocated is not None:
+                self.by_request[request.request_id] = [list(group) for group in manager.get_block_ids(request.request_id)]
+            return allocated
+
+        manager.allocate_slots = recording_allocate_slots
+
+
+def _prompt_block_bytes(llm: Any, block_ids: list[int], full_blocks: int) -> list[list[bytes]]:
+    """The bytes of the prompt's first ``full_blocks`` blocks in every layer (a model with one KV cache group)."""
+    return [[bytes(kv[block].contiguous().view(-1).view(torch.uint8).numpy()) for kv in _kv_caches(llm)] for block in block_ids[:full_blocks]]
+
+
+def _step_engine(llm: Any, sampling: Any) -> None:
+    llm.generate([{"prompt_token_ids": FILLER_PROMPT}], sampling, use_tqdm=False)
+
+
+def _settle(llm: Any, sampling: Any) -> None:
+    """Step the engine until every transfer in flight has finished and been reported.
+
+    That is: the offloading manager has no pending work (stores, and a tiered
+    manager's cascades to its secondary tiers) and vLLM's offloading counters
+    stopped moving.
+    """
+    manager = _offloading_manager(llm) if llm.llm_engine.vllm_config.kv_transfer_config is not None else None
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    before = _counters(llm)
+    while True:
+        _step_engine(llm, sampling)
+        after = _counters(llm)
+        moved = {name for name in after if name.startswith("vllm:kv_offload") and after[name] != before.get(name)}
+        pending = manager is not None and manager.has_pending_work()
+        if not moved and not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"offloading still busy after {SETTLE_TIMEOUT_S}s: counters moving {sorted(moved)}, manager pending {pending}"
+            )
+        before = after
+        if pending:
+            time.sleep(0.05)
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    problem = cpu_kernels_problem()
+    if problem is not None:
+        raise RuntimeError(f"vLLM CPU kernels: {problem}")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv_config = job["kv_transfer_config"]
+    started = time.monotonic()
+    llm: Any = LLM(  # Any: the steps reach into engine internals vLLM does not type
+        model=job["model"],
+        dtype="float32",
+        block_size=job["block_size"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=4,
+        max_num_batched_tokens=job["max_model_len"],
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        kv_transfer_config=None if kv_config is None else KVTransferConfig(**kv_config),
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        **({} if job["attention_backend"] is None else {"attention_backend": job["attention_backend"]}),
+    )
+    try:
+        return _run_steps(llm, job, startup_s=time.monotonic() - started)
+    finally:
+        # The engine core's shutdown runs the connector's: kvtriton's spec closes its slab and secondary tiers.
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    kv_config = job["kv_transfer_config"]
+    tables = BlockTables(llm)
+    snapshots: dict[str, list[list[bytes]]] = {}
+    result: dict[str, Any] = {"startup_s": startup_s, "steps": []}
+    filler = SamplingParams(temperature=0.0, max_tokens=1)
+    if kv_config is not None:
+        spec = _offloading_worker().spec
+        result["kv_bytes_per_block"] = spec.config.worker_kv_bytes_per_block
+        result["blocks_per_chunk"] = spec.blocks_per_chunk
+    for step in job["steps"]:
+        op = step["op"]
+        record: dict[str, Any] = {"op": op, "name": step.get("name", op)}
+        if op == "generate":
+            sampling = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
+            tables.by_request.clear()
+            (output,) = llm.generate([{"prompt_token_ids": step["prompt"]}], sampling, use_tqdm=False)
+            record["token_ids"] = list(output.outputs[0].token_ids)
+            record["num_cached_tokens"] = output.num_cached_tokens
+            # Read the prompt's blocks before anything else runs (the request is finished; its blocks are free).
+            (group_block_ids,) = tables.by_request.values()
+            if len(group_block_ids) == 1:
+                blocks = _prompt_block_bytes(llm, group_block_ids[0], len(step["prompt"]) // job["block_size"])
+                snapshots[record["name"]] = blocks
+                if step.get("compare_to") is not None:
+                    earlier = snapshots[step["compare_to"]]
+                    record["blocks_equal"] = [mine == theirs for mine, theirs in zip(blocks, earlier, strict=True)]
+            elif step.get("compare_to") is not None:
+                raise ValueError(f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}")
+            _settle(llm, filler)
+        elif op == "reset_prefix_cache":
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while not llm.reset_prefix_cache():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("reset_prefix_cache() kept failing: GPU blocks still in use")
+                _step_engine(llm, filler)
+        elif op == "wait_tiers_up":
+            # A networked tier (Mooncake) connects in the background: a lookup before it is up misses.
+            for tier in _offloading_manager(llm).secondary_tiers:
+                wait_until_up = getattr(tier, "wait_until_up", None)
+                if wait_until_up is not None and not wait_until_up(SETTLE_TIMEOUT_S):
+                    raise TimeoutError(f"secondary tier {tier.tier_type} not up after {SETTLE_TIMEOUT_S}s")
+        elif op == "zero_kv_cache":
+            # Nothing left in the KV cache: a block that is right afterwards was written by a load.
+            for kv in _kv_caches(llm):
+                kv.zero_()
+        elif op == "overwrite_host_slab":
+            # Replace every byte of kvtriton's host slab: what is loaded afterwards is no longer what was stored.
+            generator = torch.Generator().manual_seed(1)
+            for engine in _offloading_worker().worker.engines:
+                rows = engine.slab.rows
+                rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=generator).view(rows.dtype))
+        else:
+            raise ValueError(f"unknown step op {op!r} in {step}")
+        record["counters"] = _counters(llm)
+        result["steps"].append(record)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv
+    result = run(json.loads(Path(job_path).read_text()))
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

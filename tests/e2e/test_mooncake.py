@@ -1,0 +1,69 @@
+"""KVTritonTieringOffloadingSpec with kvtriton's Mooncake Store tier: a prefix stored by one engine serves another."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
+
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
+from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+
+if MOONCAKE_MISSING is not None:
+    pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
+
+HITS = "vllm:external_prefix_cache_hits"
+FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def cluster(e2e_dir: Path) -> Iterator[MooncakeCluster]:
+    """A real Mooncake master and holder on the loopback."""
+    started = MooncakeCluster(e2e_dir / "mooncake").start()
+    yield started
+    started.stop()
+
+
+def mooncake_engine(model: Path, cluster: MooncakeCluster, namespace: str, workdir: Path) -> EngineResult:
+    tier = {
+        "type": "MooncakeStoreTier",
+        "module_path": "kvtriton.tiers.mooncake",
+        "master_server_address": cluster.master_address,
+        "namespace": namespace,
+        "timeout_s": 5.0,
+        "io_threads": 2,
+    }
+    config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
+    steps = [WAIT_TIERS_UP, generate(PROMPT_A, MAX_TOKENS, "A")]
+    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
+
+
+@pytest.fixture(scope="module")
+def writer(llama: Path, cluster: MooncakeCluster, e2e_dir: Path) -> EngineResult:
+    return mooncake_engine(llama, cluster, "shared", e2e_dir / "mooncake-writer")
+
+
+def test_first_process_stores_every_full_block_in_mooncake(writer: EngineResult, reference: EngineResult) -> None:
+    assert writer.step("A").token_ids == reference.step("A").token_ids
+    assert writer.delta("A", HITS) == 0
+    assert writer.delta("A", "vllm:kv_offload_tiering_write_bytes") == len(PROMPT_A) // BLOCK_SIZE * writer.kv_bytes_per_block
+
+
+def test_second_process_loads_the_prefix_from_mooncake(
+    writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
+) -> None:
+    reader = mooncake_engine(llama, cluster, "shared", e2e_dir / "mooncake-reader")
+    assert reader.delta("A", HITS) == FULL_TOKENS
+    assert reader.delta("A", "vllm:kv_offload_tiering_read_bytes") == writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
+    assert reader.step("A").token_ids == reference.step("A").token_ids
+
+
+def test_another_namespace_gives_no_hit(
+    writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
+) -> None:
+    del writer  # namespace "shared" holds A's chunks; this engine looks in another
+    other = mooncake_engine(llama, cluster, "other", e2e_dir / "mooncake-other")
+    assert other.delta("A", HITS) == 0
+    assert other.step("A").token_ids == reference.step("A").token_ids

@@ -1,0 +1,79 @@
+"""KVTritonOffloadingSpec in a real engine: a prompt's KV comes back from kvtriton's host slab and gives the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from e2e.prompts import MAX_TOKENS, PROMPT_A
+from e2e.engine import (
+    OVERWRITE_HOST_SLAB,
+    RESET_PREFIX_CACHE,
+    ZERO_KV_CACHE,
+    EngineJob,
+    EngineResult,
+    generate,
+    run_engine,
+    spec_config,
+)
+
+HITS = "vllm:external_prefix_cache_hits"
+LOADED = "vllm:kv_offload_load_bytes"
+STORED = "vllm:kv_offload_store_bytes"
+
+
+def single_tier_run(model: Path, block_size: int, workdir: Path) -> EngineResult:
+    """A cold, reset, warm (KV cache zeroed first), reset, slab overwritten, warm again: one engine for every assertion."""
+    steps = [
+        generate(PROMPT_A, MAX_TOKENS, "cold"),
+        RESET_PREFIX_CACHE,
+        ZERO_KV_CACHE,
+        generate(PROMPT_A, MAX_TOKENS, "warm", compare_to="cold"),
+        RESET_PREFIX_CACHE,
+        OVERWRITE_HOST_SLAB,
+        generate(PROMPT_A, MAX_TOKENS, "overwritten", compare_to="cold"),
+    ]
+    config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20)
+    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config, block_size=block_size), workdir)
+
+
+@pytest.fixture(scope="module", params=[32, 64], ids=lambda size: f"block{size}")
+def single_tier(request: pytest.FixtureRequest, llama: Path, e2e_dir: Path) -> tuple[int, EngineResult]:
+    block_size: int = request.param
+    return block_size, single_tier_run(llama, block_size, e2e_dir / f"single-tier-{block_size}")
+
+
+def test_cold_run_gives_reference_tokens_and_stores_every_full_block(
+    single_tier: tuple[int, EngineResult], reference: EngineResult
+) -> None:
+    block_size, run = single_tier
+    full_blocks = len(PROMPT_A) // block_size
+    cold = run.step("cold")
+    assert cold.token_ids == reference.step("A").token_ids
+    assert run.delta("cold", HITS) == 0
+    assert run.delta("cold", STORED) == full_blocks * run.kv_bytes_per_block > 0
+
+
+def test_warm_run_loads_every_full_block_and_gives_reference_tokens(
+    single_tier: tuple[int, EngineResult], reference: EngineResult
+) -> None:
+    block_size, run = single_tier
+    full_blocks = len(PROMPT_A) // block_size
+    warm = run.step("warm")
+    assert run.delta("warm", HITS) == full_blocks * block_size, "every full block is an external hit"
+    assert warm.num_cached_tokens == full_blocks * block_size
+    assert run.delta("warm", LOADED) == run.delta("cold", STORED), "the bytes loaded are the bytes stored"
+    assert run.delta("warm", STORED) == 0, "nothing new to store"
+    assert warm.blocks_equal == [True] * full_blocks, "each loaded block holds the bytes computed for it"
+    assert warm.token_ids == reference.step("A").token_ids
+
+
+def test_tokens_come_from_the_offloaded_bytes(single_tier: tuple[int, EngineResult], reference: EngineResult) -> None:
+    """Negative control: with the host slab overwritten, the loaded prefix is garbage and the tokens change."""
+    block_size, run = single_tier
+    full_blocks = len(PROMPT_A) // block_size
+    overwritten = run.step("overwritten")
+    assert run.delta("overwritten", HITS) == full_blocks * block_size
+    assert overwritten.blocks_equal == [False] * full_blocks
+    assert overwritten.token_ids != reference.step("A").token_ids
