@@ -85,8 +85,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-# vLLM's logging config gives handlers to its "vllm" logger only (propagate off): kvtriton's records reach them as its children.
-logging.getLogger("kvtriton").parent = logging.getLogger("vllm")
 
 
 def open_host_slab(
