@@ -14,7 +14,7 @@ MOONCAKE_PACKAGES := mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.
 MOONCAKE_SYSTEM_LIBS := libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcurl.so.4:libcurl4
 STAMP := $(VENV)/.kvtriton-installed
 
-.PHONY: venv test typecheck pytest demo clean
+.PHONY: venv test typecheck pytest demo clean compat
 
 venv: $(STAMP)
 
@@ -49,6 +49,12 @@ test: typecheck pytest
 
 demo: $(STAMP)
 	$(VENV)/bin/kvtriton demo
+
+# vLLM 0.33.0's own offloading tests, run as vLLM ships them and with kvtriton swapped in
+# (tests/vllm_compat; part of `make test` too). The release's tests are downloaded once,
+# sha256-checked, into ~/.cache/kvtriton (KVTRITON_CACHE_DIR overrides).
+compat: $(STAMP)
+	$(PY) -m pytest -q -rA tests/vllm_compat
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -24,8 +24,9 @@ imported (kvtriton is imported first, so it builds vLLM's classes where it
 means to).
 
 With or without the swap, ``--kvtriton-report=PATH`` writes every test's
-outcome as JSON ``{nodeid: "passed" | "failed" | "skipped"}`` (a failed setup
-or teardown counts as failed).
+outcome as JSON: ``outcomes`` maps each node id to "passed", "failed" or
+"skipped" (a failed setup or teardown counts as failed), ``messages`` each
+failure to its one-line cause.
 """
 
 from __future__ import annotations
@@ -203,10 +204,20 @@ def _swap() -> None:
 
 
 _outcomes: dict[str, str] = {}
+_messages: dict[str, str] = {}
+
+
+def _crash_message(report: pytest.TestReport | pytest.CollectReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = getattr(crash, "message", None)
+    text = message if isinstance(message, str) else str(report.longrepr)
+    return text.strip().splitlines()[0][:300] if text.strip() else ""
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed:
+        if _outcomes.get(report.nodeid) != "failed":
+            _messages[report.nodeid] = f"{report.when}: {_crash_message(report)}"
         _outcomes[report.nodeid] = "failed"
     elif report.when == "call" and report.nodeid not in _outcomes:
         _outcomes[report.nodeid] = report.outcome
@@ -217,13 +228,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_collectreport(report: pytest.CollectReport) -> None:
     if report.failed:
         _outcomes[report.nodeid] = "failed"
+        _messages[report.nodeid] = f"collect: {_crash_message(report)}"
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--kvtriton-report")
     if path:
         with open(path, "w", encoding="utf-8") as file:
-            json.dump(_outcomes, file, indent=1, sort_keys=True)
+            json.dump({"outcomes": _outcomes, "messages": _messages}, file, indent=1, sort_keys=True)
 
 
 if os.environ.get("KVTRITON_SWAP") == "1":

@@ -1,0 +1,135 @@
+"""kvtriton as a drop-in by vLLM's own measure: vLLM 0.33.0's offloading tests, unchanged, with kvtriton swapped in.
+
+The selected files of vLLM's test suite (from its source release, see
+:mod:`tests.vllm_compat.vllm_release`) run twice in a pytest process of their
+own: once as vLLM ships them (every test must pass: the baseline proves the
+environment), once with kvtriton's classes constructed wherever a test
+constructs vLLM's (:mod:`tests.vllm_compat.kvtriton_swap`). A kvtriton failure
+fails this suite unless :data:`~tests.vllm_compat.allow_list.ALLOWED_FAILURES`
+names the test with its reason, and an allow-list entry that no longer fails
+fails it too (the list stays short and true). ``make compat`` runs this file alone.
+
+Set ``KVTRITON_SKIP_VLLM_COMPAT=1`` to skip it (an offline machine without the
+cached release); the reason is printed in pytest's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_compat.allow_list import ALLOWED_FAILURES, allow_list_key
+from tests.vllm_compat.vllm_release import ensure_tests, run_env
+
+pytest.importorskip("vllm", reason="the vLLM compatibility suite needs vLLM 0.33 (make venv installs it)")
+
+SELECTED_FILES = (
+    "tests/v1/kv_offload/cpu/test_manager.py",
+    "tests/v1/kv_offload/cpu/policies/test_factory.py",
+    "tests/v1/kv_offload/tiering/test_tiering_offloading.py",
+    "tests/v1/kv_offload/tiering/test_backpressure.py",
+    "tests/v1/kv_offload/tiering/test_tier_poll_thread.py",
+    "tests/v1/kv_offload/tiering/test_fs_tier.py",
+    "tests/v1/kv_offload/tiering/test_obj_tier.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_events.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
+)
+"""vLLM's test files run in both passes (paths inside vLLM's repository)."""
+
+RUN_TIMEOUT_S = 600
+PLUGIN_DIR = Path(__file__).resolve().parent
+REPOSITORY = PLUGIN_DIR.parent.parent
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """One pytest run over :data:`SELECTED_FILES`."""
+
+    outcomes: dict[str, str]
+    messages: dict[str, str]
+    output_tail: str
+
+    def failed(self) -> list[str]:
+        return sorted(nodeid for nodeid, outcome in self.outcomes.items() if outcome == "failed")
+
+
+def run_pass(root: Path, *, swap: bool) -> PassResult:
+    """Run the selected files in ``root`` (vLLM's extracted tests), with or without kvtriton swapped in."""
+    env = run_env(root)
+    # vLLM's tests/ first: its `tests` package, not kvtriton's; then kvtriton and the plugin.
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPOSITORY), str(PLUGIN_DIR)])
+    env["KVTRITON_SWAP"] = "1" if swap else "0"
+    with tempfile.TemporaryDirectory(prefix="vllm-compat-") as scratch:
+        report = Path(scratch) / "report.json"
+        command = [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvtriton_swap",
+            f"--kvtriton-report={report}", "--rootdir", str(root), *SELECTED_FILES,
+        ]  # fmt: skip
+        completed = subprocess.run(
+            command, cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+        )
+        tail = (completed.stdout + completed.stderr)[-4000:]
+        if not report.exists():
+            raise AssertionError(f"vLLM's tests did not run (exit {completed.returncode}):\n{tail}")
+        data = json.loads(report.read_text())
+    return PassResult(data["outcomes"], data["messages"], tail)
+
+
+@pytest.fixture(scope="module")
+def vllm_tests() -> Path:
+    if os.environ.get("KVTRITON_SKIP_VLLM_COMPAT") == "1":
+        pytest.skip("KVTRITON_SKIP_VLLM_COMPAT=1")
+    return ensure_tests()
+
+
+@pytest.fixture(scope="module")
+def baseline(vllm_tests: Path) -> PassResult:
+    return run_pass(vllm_tests, swap=False)
+
+
+@pytest.fixture(scope="module")
+def swapped(vllm_tests: Path) -> PassResult:
+    return run_pass(vllm_tests, swap=True)
+
+
+def _describe(result: PassResult, nodeids: list[str]) -> str:
+    return "\n".join(f"  {nodeid}: {result.messages.get(nodeid, '?')}" for nodeid in nodeids)
+
+
+def test_baseline_passes_as_vllm_ships_it(baseline: PassResult) -> None:
+    """Every selected file collects tests and every test passes without kvtriton: the environment is vLLM's."""
+    for path in SELECTED_FILES:
+        assert any(nodeid.startswith(f"{path}::") for nodeid in baseline.outcomes), (
+            f"no test of {path} ran:\n{baseline.output_tail}"
+        )
+    failed = baseline.failed()
+    assert not failed, f"vLLM's own tests fail here without kvtriton:\n{_describe(baseline, failed)}"
+
+
+def test_kvtriton_fails_only_allow_listed_tests(baseline: PassResult, swapped: PassResult) -> None:
+    """With kvtriton constructed wherever vLLM's classes are, only allow-listed tests fail."""
+    assert set(swapped.outcomes) >= {n for n, outcome in baseline.outcomes.items() if outcome == "passed"}, (
+        "the swapped run collected fewer tests than the baseline"
+    )
+    unexpected = [nodeid for nodeid in swapped.failed() if allow_list_key(nodeid) not in ALLOWED_FAILURES]
+    assert not unexpected, (
+        f"{len(unexpected)} of vLLM's tests fail with kvtriton swapped in and are not allow-listed "
+        f"(tests/vllm_compat/allow_list.py):\n{_describe(swapped, unexpected)}"
+    )
+
+
+def test_allow_list_entries_still_fail(swapped: PassResult) -> None:
+    """Each allow-list entry names a test that exists and still fails: a fixed one leaves the list."""
+    failing = {allow_list_key(nodeid) for nodeid in swapped.failed()}
+    collected = {allow_list_key(nodeid) for nodeid in swapped.outcomes}
+    missing = sorted(key for key in ALLOWED_FAILURES if key not in collected)
+    assert not missing, f"allow-listed tests that vLLM 0.33.0 does not have: {missing}"
+    passing = sorted(key for key in ALLOWED_FAILURES if key not in failing)
+    assert not passing, f"allow-listed tests that pass now (remove them from the allow-list): {passing}"
