@@ -9,6 +9,7 @@ those expectations, through the spec vLLM builds.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,3 +167,29 @@ def test_the_secondary_tiers_namespace_is_tagged_exactly_when_the_chunk_bytes_di
     window = OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer1",), group_id=1, sliding_window_size_in_chunks=2)
     hybrid = KVTritonTieringOffloadingSpec(dataclasses.replace(config, groups=(*config.groups, window)))
     assert hybrid.layout_tag == LAYOUT_TAG
+
+
+def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
+    managers: list[TieringOffloadingManager], caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
+
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 4 * CHUNK,
+        "eviction_policy": "LRUCachePolicy",
+        "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
+    }
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm_tiering"):
+        manager = tiering(managers, extra)
+    assert "vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts the primary tier" in caplog.text
+    primary = manager.primary_tier
+    assert type(primary) is CPUPrimaryTierOffloadingManager
+    # The chunks vLLM's manager hands out index kvtriton's region: the view the secondary tiers copy.
+    view = primary.get_kv_memoryview()
+    assert (view.shape, view.nbytes) == ((4, CHUNK), 4 * CHUNK)
+    context = ReqContext(req_id="r")
+    output = primary.prepare_store([key(1), key(2)], context)
+    assert output is not None and isinstance(output.store_spec, VLLMCPULoadStoreSpec)
+    assert sorted(output.store_spec.chunk_ids.tolist()) == [0, 1]
+    primary.complete_store([key(1), key(2)], context)
+    assert primary.lookup(key(1), context) is LookupResult.HIT

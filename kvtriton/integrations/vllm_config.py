@@ -228,7 +228,7 @@ def warn_unread_keys(extra_config: Mapping[str, object], *, tiered: bool) -> lis
                 "ignoring %s: only the tiered spec (spec_name KVTritonTieringOffloadingSpec) reads it", _where(key)
             )
         elif key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else f"kvtriton reads {sorted(_KVTRITON_KEYS)} besides vLLM's keys"
             logger.warning("ignoring unknown key %s: %s", _where(key), hint)
         else:

@@ -342,13 +342,13 @@ def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]
         raise TypeError(f"{label}: {module_path}.{kind} is not a vLLM SecondaryTierManager subclass") from error
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from error
-    _check_tier_keys(label, config, tier_cls)
     package = _TIER_PACKAGES.get(str(kind))
     if package is not None and module_path is None and importlib.util.find_spec(package[0]) is None:
         raise ImportError(
             f"{label} needs the Python package {package[0]!r}, which is not installed: {package[1]}; "
             "or remove this tier from secondary_tiers"
         )
+    _check_tier_keys(label, config, tier_cls)
     return tier_cls
 
 
