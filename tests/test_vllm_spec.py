@@ -349,3 +349,18 @@ def test_a_typo_in_the_extra_config_is_warned_about_when_the_spec_is_built(caplo
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc", "secondary_tiers": []}))
     assert "ignoring unknown key kv_connector_extra_config['eviction_polcy']: did you mean 'eviction_policy'?" in caplog.text
     assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
+
+
+def test_vllms_own_offloading_flags_merge_the_budget_into_kvtritons_config() -> None:
+    """--kv-offloading-size 2.3 --kv-offloading-backend native (CacheConfig's two fields) beside a
+    --kv-transfer-config naming kvtriton: vLLM sets the connector and role and merges a fractional budget."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+
+    cache = CacheConfig(kv_offloading_size=2.3, kv_offloading_backend="native")
+    given = KVTransferConfig(kv_connector_extra_config=dict(SPEC_EXTRA_CONFIG))
+    transfer = VllmConfig(cache_config=cache, kv_transfer_config=given, device_config=DeviceConfig("cpu")).kv_transfer_config
+    assert transfer is not None
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.kv_connector_extra_config == {**SPEC_EXTRA_CONFIG, "cpu_bytes_to_use": 2.3 * (1 << 30)}
+    spec = KVTritonOffloadingSpec(offloading_config(transfer.kv_connector_extra_config, worker_kv_bytes_per_block=1 << 20))
+    assert spec.settings.cpu_bytes_to_use == int(2.3 * (1 << 30)) and spec.num_slots == 2355
