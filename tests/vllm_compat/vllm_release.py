@@ -20,8 +20,10 @@ files uses it.
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,17 +96,26 @@ def index_url() -> str:
 
 
 def sdist_url(index: str) -> str:
-    """The download URL of vLLM 0.33.0's sdist, from the index's JSON project page."""
+    """The download URL of vLLM 0.33.0's sdist, from the index's project page (PEP 691 JSON, or the HTML page)."""
+    page_url = f"{index}/vllm/"
     request = urllib.request.Request(
-        f"{index}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        page_url, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"}
     )
     with urllib.request.urlopen(request, timeout=120) as response:
-        page = cast("dict[str, object]", json.load(response))
-    for entry in cast("list[dict[str, object]]", page.get("files", [])):
-        if entry.get("filename") == SDIST_NAME:
-            url = str(entry["url"])
-            return url if "://" in url else urllib.parse.urljoin(f"{index}/vllm/", url)
-    raise RuntimeError(f"the package index {index} lists no {SDIST_NAME}")
+        body = cast("bytes", response.read())
+    try:
+        page = cast("dict[str, object]", json.loads(body))
+        urls = [
+            str(entry["url"])
+            for entry in cast("list[dict[str, object]]", page.get("files", []))
+            if entry.get("filename") == SDIST_NAME
+        ]
+    except ValueError:  # an HTML simple page (PEP 503)
+        urls = [html.unescape(href) for href in re.findall(r'href="([^"]+)"', body.decode("utf-8", "replace"))
+                if urllib.parse.urlsplit(html.unescape(href)).path.endswith("/" + SDIST_NAME)]  # fmt: skip
+    if not urls:
+        raise RuntimeError(f"the package index {index} lists no {SDIST_NAME}")
+    return urllib.parse.urljoin(page_url, urls[0])
 
 
 def _sha256(path: Path) -> str:
