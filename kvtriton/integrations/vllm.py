@@ -62,6 +62,8 @@ try:
         KVTritonOffloadConfig,
         check_budget,
         check_kv_geometry_known,
+        is_vllm_policy,
+        parse_policy,
         warn_unread_keys,
     )
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
@@ -112,14 +114,14 @@ def open_host_slab(
         ) from error
 
 
-def check_vllm_policy(settings: KVTritonOffloadConfig) -> None:
+def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> None:
     """Check that vLLM's ``CachePolicyFactory`` resolves a policy kvtriton leaves to vLLM; the error names the keys."""
     try:
-        CachePolicyFactory.get_cache_policy_cls(settings.eviction_policy, settings.cache_policy_module_path)
+        CachePolicyFactory.get_cache_policy_cls(eviction_policy, cache_policy_module_path)
     except (ValueError, ImportError, AttributeError) as error:
-        where = f"kv_connector_extra_config[{EVICTION_POLICY!r}]={settings.eviction_policy!r}"
-        if settings.cache_policy_module_path is not None:
-            where += f" with [{CACHE_POLICY_MODULE_PATH!r}]={settings.cache_policy_module_path!r}"
+        where = f"kv_connector_extra_config[{EVICTION_POLICY!r}]={eviction_policy!r}"
+        if cache_policy_module_path is not None:
+            where += f" with [{CACHE_POLICY_MODULE_PATH!r}]={cache_policy_module_path!r}"
         registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
         raise ValueError(
             f"{where}: neither kvtriton's policies (lru, arc) nor vLLM's CachePolicyFactory (registered: "
@@ -128,9 +130,9 @@ def check_vllm_policy(settings: KVTritonOffloadConfig) -> None:
 
 
 def _names_vllm_policy(extra_config: dict[str, Any]) -> bool:
-    """Whether ``extra_config`` leaves the eviction policy to vLLM's manager (see ``uses_vllm_policy``); never raises."""
+    """Whether ``extra_config`` leaves the eviction policy to vLLM's manager; False for a bad value (the spec names it)."""
     try:
-        return KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, **extra_config}).uses_vllm_policy
+        return is_vllm_policy(*parse_policy(extra_config))
     except ValueError:
         return False
 
@@ -180,7 +182,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             host_memory="the host slab",
         )
         if settings.uses_vllm_policy:
-            check_vllm_policy(settings)
+            check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path)
         world_size = config.parallel.world_size
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         check_budget(settings.cpu_bytes_to_use, slot_bytes=slot_bytes, world_size=world_size)

@@ -35,6 +35,8 @@ __all__ = [
     "check_budget",
     "check_kv_geometry_known",
     "host_ram_bytes",
+    "is_vllm_policy",
+    "parse_policy",
     "warn_unread_keys",
 ]
 
@@ -163,9 +165,8 @@ class KVTritonOffloadConfig:
 
     @property
     def uses_vllm_policy(self) -> bool:
-        """Whether vLLM's own manager runs the eviction policy: one kvtriton does not implement, or one loaded by
-        ``cache_policy_module_path`` (vLLM's ``CachePolicyFactory`` resolves both; kvtriton's worker moves the bytes)."""
-        return self.cache_policy_module_path is not None or self.eviction_policy not in policy_names()
+        """Whether vLLM's own manager runs the eviction policy (see :func:`is_vllm_policy`)."""
+        return is_vllm_policy(self.eviction_policy, self.cache_policy_module_path)
 
     def per_rank_bytes(self, world_size: int) -> int:
         """This rank's share of ``cpu_bytes_to_use``."""
@@ -178,21 +179,9 @@ class KVTritonOffloadConfig:
         """Parse vLLM's ``kv_connector_extra_config``; raises ``ValueError`` naming the bad key and value.
 
         Keys are only parsed here; which ones a spec leaves unread is
-        :func:`warn_unread_keys`'s to say. ``eviction_policy`` is kvtriton's
-        ``lru`` or ``arc`` in any case; any other name is kept as written, for
-        vLLM's ``CachePolicyFactory`` (the spec checks that it resolves).
+        :func:`warn_unread_keys`'s to say, the policy is :func:`parse_policy`'s.
         """
-        policy = _parse_str(extra_config, EVICTION_POLICY, "lru")
-        if policy not in policy_names():
-            policy = str(extra_config[EVICTION_POLICY]).strip()
-            if not policy:
-                raise ValueError(f"{_where(EVICTION_POLICY)} must name a policy, got {extra_config[EVICTION_POLICY]!r}")
-        module_path = extra_config.get(CACHE_POLICY_MODULE_PATH)
-        if module_path is not None and (not isinstance(module_path, str) or not module_path.strip()):
-            raise ValueError(
-                f"{_where(CACHE_POLICY_MODULE_PATH)} must be a Python module path, got "
-                f"{type(module_path).__name__} {module_path!r}"
-            )
+        policy, module_path = parse_policy(extra_config)
         backend_name = _parse_str(extra_config, KVTRITON_BACKEND, TransferBackend.AUTO.value)
         try:
             backend = TransferBackend.parse(backend_name)
@@ -202,7 +191,7 @@ class KVTritonOffloadConfig:
         return cls(
             cpu_bytes_to_use=_parse_int(extra_config, CPU_BYTES_TO_USE, None, 1, unit="bytes"),
             eviction_policy=policy,
-            cache_policy_module_path=module_path.strip() if isinstance(module_path, str) else None,
+            cache_policy_module_path=module_path,
             # vLLM's default is 0 ("store everything"); 1 means the same.
             store_threshold=_parse_int(extra_config, STORE_THRESHOLD, 0, 0),
             max_tracker_size=_parse_int(extra_config, MAX_TRACKER_SIZE, 64_000, 1),
@@ -210,6 +199,35 @@ class KVTritonOffloadConfig:
             num_programs=_parse_int(extra_config, KVTRITON_NUM_PROGRAMS, DEFAULT_NUM_PROGRAMS, 1),
             pageable_slab=_parse_bool(extra_config, KVTRITON_PAGEABLE_SLAB, False),
         )
+
+
+def is_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> bool:
+    """Whether vLLM's own manager runs this policy: one kvtriton does not implement, or one loaded by
+    ``cache_policy_module_path`` (vLLM's ``CachePolicyFactory`` resolves both; kvtriton's worker moves the bytes)."""
+    return cache_policy_module_path is not None or eviction_policy not in policy_names()
+
+
+def parse_policy(extra_config: Mapping[str, object]) -> tuple[str, str | None]:
+    """``eviction_policy`` and ``cache_policy_module_path``, checked for type.
+
+    kvtriton's own names (``lru``, ``arc``) in any case come back lower-cased;
+    any other name is kept as written, for vLLM's ``CachePolicyFactory`` (the
+    spec checks that it resolves).
+    """
+    policy = _parse_str(extra_config, EVICTION_POLICY, "lru")
+    if policy not in policy_names():
+        policy = str(extra_config[EVICTION_POLICY]).strip()
+        if not policy:
+            raise ValueError(f"{_where(EVICTION_POLICY)} must name a policy, got {extra_config[EVICTION_POLICY]!r}")
+    module_path = extra_config.get(CACHE_POLICY_MODULE_PATH)
+    if module_path is None:
+        return policy, None
+    if not isinstance(module_path, str) or not module_path.strip():
+        raise ValueError(
+            f"{_where(CACHE_POLICY_MODULE_PATH)} must be a Python module path, got "
+            f"{type(module_path).__name__} {module_path!r}"
+        )
+    return policy, module_path.strip()
 
 
 def warn_unread_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]:

@@ -57,10 +57,14 @@ from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, 
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtriton.integrations.vllm_config import (
+    CACHE_POLICY_MODULE_PATH,
+    EVICTION_POLICY,
     KVTRITON_PAGEABLE_SLAB,
     KVTritonOffloadConfig,
     check_budget,
     check_kv_geometry_known,
+    is_vllm_policy,
+    parse_policy,
     warn_unread_keys,
 )
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
@@ -244,22 +248,22 @@ def build_primary_tier(
     same region (kvtriton's workers then only write the chunks it assigns).
     On failure ``region`` is left open (the caller owns it).
     """
-    settings = KVTritonOffloadConfig.from_extra_config(
-        {"cpu_bytes_to_use": 1, "eviction_policy": eviction_policy, "cache_policy_module_path": cache_policy_module_path}
+    policy, module_path = parse_policy(
+        {EVICTION_POLICY: eviction_policy, CACHE_POLICY_MODULE_PATH: cache_policy_module_path}
     )
-    if settings.uses_vllm_policy:
+    if is_vllm_policy(policy, module_path):
         from kvtriton.integrations.vllm import check_vllm_policy  # the single-tier spec's module imports this one
 
-        check_vllm_policy(settings)
+        check_vllm_policy(policy, module_path)
         return CPUPrimaryTierOffloadingManager(
             num_chunks=num_chunks,
             mmap_region=_VLLMRegionView(region),  # pyright: ignore[reportArgumentType] -- vLLM reads only create_kv_memoryview and cleanup
-            cache_policy=settings.eviction_policy,
-            cache_policy_module_path=settings.cache_policy_module_path,
+            cache_policy=policy,
+            cache_policy_module_path=module_path,
             enable_events=enable_events,
             info=info,
         )
-    cpu = CPUOffloadingManager(num_chunks, cache_policy=settings.eviction_policy, enable_events=enable_events)
+    cpu = CPUOffloadingManager(num_chunks, cache_policy=policy, enable_events=enable_events)
     return KVTritonPrimaryTier(cpu, info, region)
 
 
@@ -397,7 +401,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         if settings.uses_vllm_policy:
             from kvtriton.integrations.vllm import check_vllm_policy  # the single-tier spec's module imports this one
 
-            check_vllm_policy(settings)
+            check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path)
         blocks_per_chunk = config.cache.blocks_per_chunk
         row_stride = RegionLayout.block_row_stride_for(
             blocks_per_chunk, config.parallel.world_size, config.worker_kv_bytes_per_block
