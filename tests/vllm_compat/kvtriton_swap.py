@@ -26,7 +26,9 @@ means to).
 With or without the swap, ``--kvtriton-report=PATH`` writes every test's
 outcome as JSON: ``outcomes`` maps each node id to "passed", "failed" or
 "skipped" (a failed setup or teardown counts as failed), ``messages`` each
-failure to its one-line cause.
+failure to its one-line cause, ``constructed`` each swapped manager class to
+how many kvtriton objects it built, and ``specs`` vLLM's two spec names to the
+class vLLM's factory loads for them.
 """
 
 from __future__ import annotations
@@ -147,6 +149,10 @@ def _kvtriton_primary_tier(original: type) -> Callable[..., object]:
     return build
 
 
+_constructed: dict[str, int] = {}
+"""How many kvtriton objects each swapped vLLM class name built (the report shows the swap took effect)."""
+
+
 class _SwapMeta(ABCMeta):
     """Constructing the swap class itself builds kvtriton's object; its subclasses are vLLM's classes as usual."""
 
@@ -154,6 +160,7 @@ class _SwapMeta(ABCMeta):
         build = cast("Callable[..., object] | None", cls.__dict__.get("_kvtriton_build"))
         if build is None:
             return super().__call__(*args, **kwargs)
+        _constructed[cls.__name__] = _constructed.get(cls.__name__, 0) + 1
         return build(*args, **kwargs)
 
     def __instancecheck__(cls, instance: object) -> bool:
@@ -231,11 +238,22 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
         _messages[report.nodeid] = f"collect: {_crash_message(report)}"
 
 
+def _spec_classes() -> dict[str, str]:
+    """The class vLLM's OffloadingSpecFactory loads for each of vLLM's two spec names."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    return {
+        name: OffloadingSpecFactory.get_spec_cls({"spec_name": name}).__qualname__
+        for name in ("CPUOffloadingSpec", "TieringOffloadingSpec")
+    }
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--kvtriton-report")
     if path:
+        report = {"outcomes": _outcomes, "messages": _messages, "constructed": _constructed, "specs": _spec_classes()}
         with open(path, "w", encoding="utf-8") as file:
-            json.dump({"outcomes": _outcomes, "messages": _messages}, file, indent=1, sort_keys=True)
+            json.dump(report, file, indent=1, sort_keys=True)
 
 
 if os.environ.get("KVTRITON_SWAP") == "1":

@@ -54,6 +54,10 @@ class PassResult:
 
     outcomes: dict[str, str]
     messages: dict[str, str]
+    constructed: dict[str, int]
+    """kvtriton objects built per swapped vLLM manager class (empty without the swap)."""
+    specs: dict[str, str]
+    """The class vLLM's spec factory loads for each of its two spec names."""
     output_tail: str
 
     def failed(self) -> list[str]:
@@ -79,7 +83,7 @@ def run_pass(root: Path, *, swap: bool) -> PassResult:
         if not report.exists():
             raise AssertionError(f"vLLM's tests did not run (exit {completed.returncode}):\n{tail}")
         data = json.loads(report.read_text())
-    return PassResult(data["outcomes"], data["messages"], tail)
+    return PassResult(data["outcomes"], data["messages"], data["constructed"], data["specs"], tail)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,19 @@ def test_baseline_passes_as_vllm_ships_it(baseline: PassResult) -> None:
         )
     failed = baseline.failed()
     assert not failed, f"vLLM's own tests fail here without kvtriton:\n{_describe(baseline, failed)}"
+
+
+def test_the_swap_builds_kvtritons_classes_and_the_baseline_vllms(baseline: PassResult, swapped: PassResult) -> None:
+    assert (baseline.constructed, baseline.specs) == (
+        {}, {"CPUOffloadingSpec": "CPUOffloadingSpec", "TieringOffloadingSpec": "TieringOffloadingSpec"},
+    )  # fmt: skip
+    assert swapped.specs == {
+        "CPUOffloadingSpec": "KVTritonOffloadingSpec",
+        "TieringOffloadingSpec": "KVTritonTieringOffloadingSpec",
+    }
+    # Every selected file builds managers; far more than a handful go through kvtriton.
+    assert swapped.constructed.get("CPUOffloadingManager", 0) >= 100, swapped.constructed
+    assert swapped.constructed.get("CPUPrimaryTierOffloadingManager", 0) >= 50, swapped.constructed
 
 
 def test_kvtriton_fails_only_allow_listed_tests(baseline: PassResult, swapped: PassResult) -> None:
