@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.config import OffloadingGroupConfig  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # noqa: E402
@@ -193,3 +193,40 @@ def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
     assert sorted(output.store_spec.chunk_ids.tolist()) == [0, 1]
     primary.complete_store([key(1), key(2)], context)
     assert primary.lookup(key(1), context) is LookupResult.HIT
+
+
+VLLM_LRU: dict[str, object] = {"eviction_policy": "LRUCachePolicy", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"}
+"""vLLM's own LRU by module path: the tiered spec then runs vLLM's CPUPrimaryTierOffloadingManager, the reference."""
+
+
+def _cascade_pins_trace(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[object]:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * CHUNK, "secondary_tiers": [{"type": "example"}, {"type": "example"}], **policy}
+    manager = tiering(managers, extra)
+    context = ReqContext(req_id="r")
+    manager.on_new_request(context)
+    trace: list[object] = []
+
+    def store(*indices: int) -> None:
+        keys = [key(index) for index in indices]
+        output = manager.prepare_store(keys, context)
+        # How many, not which: which chunk goes is the eviction policy's (tested in the manager's tests).
+        trace.append(None if output is None else (len(output.keys_to_store), len(output.evicted_keys)))
+        if output is not None:
+            manager.complete_store(output.keys_to_store, context, True)
+
+    store(1, 2, 3)
+    store(4, 5)  # same step: two tiers still cascading 1..3
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    store(6, 7, 8)
+    drain(manager)
+    store(9, 10, 11, 12)
+    return trace
+
+
+def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does(managers: list[TieringOffloadingManager]) -> None:
+    """vLLM's test_ref_cnt_protection_during_cascade, through what is stored and evicted instead of private pin counts:
+    kvtriton's primary and vLLM's own (same LRU rule) give the same answers step by step while two tiers cascade."""
+    ours = _cascade_pins_trace(managers, {})
+    theirs = _cascade_pins_trace(managers, VLLM_LRU)
+    assert ours == theirs
+    assert ours[-1] == (4, 4)  # after the cascades drained, four new chunks evict the four held ones
