@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.config import OffloadingGroupConfig  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # noqa: E402
@@ -230,3 +230,34 @@ def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does
     theirs = _cascade_pins_trace(managers, VLLM_LRU)
     assert ours == theirs
     assert ours[-1] == (4, 4)  # after the cascades drained, four new chunks evict the four held ones
+
+
+def _four_requests_evicted(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[OffloadKey]:
+    """r1 stores A,B; r2 stores C,D; r3 loads A,B; r4 stores E,F into four chunks: what r4's store evicts."""
+    manager = tiering(managers, {"cpu_bytes_to_use": 4 * CHUNK, **policy})
+    step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    evicted: list[OffloadKey] = []
+    for name, keys, load in (("r1", [1, 2], False), ("r2", [3, 4], False), ("r3", [1, 2], True), ("r4", [5, 6], False)):
+        context = ReqContext(req_id=name)
+        manager.on_new_request(context)  # the orchestrator's own bookkeeping: it does not pass this to its primary
+        for position, index in enumerate(keys, 1):
+            context.set_offload_key_position(key(index), position * 16)
+        chunks = [key(index) for index in keys]
+        if load:
+            manager.prepare_load(chunks, context)
+            manager.complete_load(chunks, context)
+        else:
+            output = manager.prepare_store(chunks, context)
+            assert output is not None
+            evicted += output.evicted_keys
+            manager.complete_store(chunks, context, True)
+        manager.on_request_finished(context)
+        manager.on_schedule_end(step_end)
+    return evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_tiered_spec_keeps_a_just_hit_prefix_over_untouched_chunks(managers: list[TieringOffloadingManager], policy: str) -> None:
+    """vLLM's tiered manager never announces a request to its primary: recency must not depend on it."""
+    assert sorted(_four_requests_evicted(managers, {"eviction_policy": policy})) == [key(3), key(4)]
+    assert sorted(_four_requests_evicted(managers, VLLM_LRU)) == [key(3), key(4)]  # vLLM's own primary
