@@ -89,10 +89,10 @@ def test_secondary_tiers_must_be_a_list() -> None:
         ({**BUDGET, "store_threshold": 2}, r"store_threshold'\]=2: the tiered spec stores every chunk"),
         (
             {**BUDGET, "eviction_policy": "fifo", "cache_policy_module_path": "my.policies"},
-            r"\['eviction_policy'\]='fifo' with \['cache_policy_module_path'\]='my.policies': neither kvtriton's "
-            r"policies \(lru, arc\) nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it",
+            r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's "
+            r"CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it from .*\['cache_policy_module_path'\]='my.policies'",
         ),
-        ({**BUDGET, "eviction_policy": "fifo"}, r"\['eviction_policy'\]='fifo': neither kvtriton's policies"),
+        ({**BUDGET, "eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither"),
         ({"cpu_bytes_to_use": 100}, r"\['cpu_bytes_to_use'\]=100: 100 bytes is less than one chunk of 4096 bytes; the value is in bytes"),
         ({"cpu_bytes_to_use": 1e30}, r"\['cpu_bytes_to_use'\]=1000000000000000019884624838656: .* exceed this host's \d+ bytes of RAM"),
     ],

@@ -118,12 +118,25 @@ def test_a_fractional_byte_size_rounds_down_as_vllms_spec_does() -> None:
 def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
     ours = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "eviction_policy": " ARC "})
     assert (ours.eviction_policy, ours.uses_vllm_policy) == ("arc", False)
-    theirs = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "eviction_policy": "MyPolicy"})
-    assert (theirs.eviction_policy, theirs.uses_vllm_policy) == ("MyPolicy", True)
-    loaded = KVTritonOffloadConfig.from_extra_config(
-        {"cpu_bytes_to_use": 1, "eviction_policy": "lru", "cache_policy_module_path": "my.policies"}
+    module = "vllm.v1.kv_offload.cpu.policies.lru"
+    theirs = KVTritonOffloadConfig.from_extra_config(
+        {"cpu_bytes_to_use": 1, "eviction_policy": "LRUCachePolicy", "cache_policy_module_path": f" {module} "}
     )
-    assert (loaded.cache_policy_module_path, loaded.uses_vllm_policy) == ("my.policies", True)
+    assert (theirs.eviction_policy, theirs.cache_policy_module_path, theirs.uses_vllm_policy) == ("LRUCachePolicy", module, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's "
+         r"policies nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it"),
+        ({"eviction_policy": "Fifo", "cache_policy_module_path": "no_such.policies"},
+         r"got 'Fifo': .* resolve it from kv_connector_extra_config\['cache_policy_module_path'\]='no_such.policies'"),
+    ],
+)  # fmt: skip
+def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, **extra})
 
 
 @pytest.mark.parametrize(

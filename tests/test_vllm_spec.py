@@ -330,7 +330,7 @@ def test_a_vllm_policy_keeps_vllms_reuse_filter_and_its_metrics() -> None:
 
 
 def test_a_policy_neither_kvtriton_nor_vllm_knows_is_refused_naming_the_key() -> None:
-    with pytest.raises(ValueError, match=r"\['eviction_policy'\]='fifo': neither kvtriton's policies \(lru, arc\) nor vLLM's CachePolicyFactory"):
+    with pytest.raises(ValueError, match=r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's CachePolicyFactory"):
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "fifo"}))
 
 

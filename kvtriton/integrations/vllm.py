@@ -49,15 +49,12 @@ try:
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
-    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     from kvtriton.worker.engine import TransferEngine
     import torch
 
     from kvtriton.integrations.vllm_config import (
-        CACHE_POLICY_MODULE_PATH,
-        EVICTION_POLICY,
         KVTRITON_PAGEABLE_SLAB,
         KVTritonOffloadConfig,
         check_budget,
@@ -85,7 +82,6 @@ __all__ = [
     "KVTritonOffloadingSpec",
     "VLLMOffloadingManager",
     "VLLMOffloadingWorker",
-    "check_vllm_policy",
     "open_host_slab",
 ]
 
@@ -111,21 +107,6 @@ def open_host_slab(
     except SlabPinningError as error:
         raise SlabPinningError(
             f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
-        ) from error
-
-
-def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> None:
-    """Check that vLLM's ``CachePolicyFactory`` resolves a policy kvtriton leaves to vLLM; the error names the keys."""
-    try:
-        CachePolicyFactory.get_cache_policy_cls(eviction_policy, cache_policy_module_path)
-    except (ValueError, ImportError, AttributeError) as error:
-        where = f"kv_connector_extra_config[{EVICTION_POLICY!r}]={eviction_policy!r}"
-        if cache_policy_module_path is not None:
-            where += f" with [{CACHE_POLICY_MODULE_PATH!r}]={cache_policy_module_path!r}"
-        registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
-        raise ValueError(
-            f"{where}: neither kvtriton's policies (lru, arc) nor vLLM's CachePolicyFactory (registered: "
-            f"{registered}) resolve it ({error})"
         ) from error
 
 
@@ -181,8 +162,6 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
             host_memory="the host slab",
         )
-        if settings.uses_vllm_policy:
-            check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path)
         world_size = config.parallel.world_size
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         check_budget(settings.cpu_bytes_to_use, slot_bytes=slot_bytes, world_size=world_size)

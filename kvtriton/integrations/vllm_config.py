@@ -34,6 +34,7 @@ __all__ = [
     "VLLM_KEYS",
     "check_budget",
     "check_kv_geometry_known",
+    "check_vllm_policy",
     "host_ram_bytes",
     "is_vllm_policy",
     "parse_policy",
@@ -182,6 +183,8 @@ class KVTritonOffloadConfig:
         :func:`warn_unread_keys`'s to say, the policy is :func:`parse_policy`'s.
         """
         policy, module_path = parse_policy(extra_config)
+        if is_vllm_policy(policy, module_path):
+            check_vllm_policy(policy, module_path)
         backend_name = _parse_str(extra_config, KVTRITON_BACKEND, TransferBackend.AUTO.value)
         try:
             backend = TransferBackend.parse(backend_name)
@@ -205,6 +208,27 @@ def is_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -
     """Whether vLLM's own manager runs this policy: one kvtriton does not implement, or one loaded by
     ``cache_policy_module_path`` (vLLM's ``CachePolicyFactory`` resolves both; kvtriton's worker moves the bytes)."""
     return cache_policy_module_path is not None or eviction_policy not in policy_names()
+
+
+def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> None:
+    """Refuse a policy kvtriton leaves to vLLM that vLLM's ``CachePolicyFactory`` cannot resolve, naming the keys.
+
+    vLLM is imported here, lazily, only for such a policy: the module stays
+    importable without vLLM, and without vLLM no spec is built anyway.
+    """
+    try:
+        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    except ImportError:
+        return
+    try:
+        CachePolicyFactory.get_cache_policy_cls(eviction_policy, cache_policy_module_path)
+    except (ValueError, ImportError, AttributeError) as error:
+        registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
+        loaded = f" from {_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}" if cache_policy_module_path else ""
+        raise ValueError(
+            f"{_where(EVICTION_POLICY)} must be one of {policy_names()}, got {eviction_policy!r}: neither kvtriton's "
+            f"policies nor vLLM's CachePolicyFactory (registered: {registered}) resolve it{loaded} ({error})"
+        ) from error
 
 
 def parse_policy(extra_config: Mapping[str, object]) -> tuple[str, str | None]:

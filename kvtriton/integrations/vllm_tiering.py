@@ -63,6 +63,7 @@ from kvtriton.integrations.vllm_config import (
     KVTritonOffloadConfig,
     check_budget,
     check_kv_geometry_known,
+    check_vllm_policy,
     is_vllm_policy,
     parse_policy,
     warn_unread_keys,
@@ -252,8 +253,6 @@ def build_primary_tier(
         {EVICTION_POLICY: eviction_policy, CACHE_POLICY_MODULE_PATH: cache_policy_module_path}
     )
     if is_vllm_policy(policy, module_path):
-        from kvtriton.integrations.vllm import check_vllm_policy  # the single-tier spec's module imports this one
-
         check_vllm_policy(policy, module_path)
         return CPUPrimaryTierOffloadingManager(
             num_chunks=num_chunks,
@@ -398,10 +397,6 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
             host_memory="the shared host region",
         )
-        if settings.uses_vllm_policy:
-            from kvtriton.integrations.vllm import check_vllm_policy  # the single-tier spec's module imports this one
-
-            check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path)
         blocks_per_chunk = config.cache.blocks_per_chunk
         row_stride = RegionLayout.block_row_stride_for(
             blocks_per_chunk, config.parallel.world_size, config.worker_kv_bytes_per_block
