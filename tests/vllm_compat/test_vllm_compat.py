@@ -22,6 +22,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,14 +59,15 @@ class PassResult:
     """kvtriton objects built per swapped vLLM manager class (empty without the swap)."""
     specs: dict[str, str]
     """The class vLLM's spec factory loads for each of its two spec names."""
+    retried: list[str]
+    """Tests that failed once and passed when run again on their own (timing-sensitive)."""
     output_tail: str
 
     def failed(self) -> list[str]:
         return sorted(nodeid for nodeid, outcome in self.outcomes.items() if outcome == "failed")
 
 
-def run_pass(root: Path, *, swap: bool) -> PassResult:
-    """Run the selected files in ``root`` (vLLM's extracted tests), with or without kvtriton swapped in."""
+def _run_pytest(root: Path, tests: list[str], *, swap: bool) -> tuple[dict[str, Any], str]:
     env = run_env(root)
     # vLLM's tests/ first: its `tests` package, not kvtriton's; then kvtriton and the plugin.
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPOSITORY), str(PLUGIN_DIR)])
@@ -74,7 +76,7 @@ def run_pass(root: Path, *, swap: bool) -> PassResult:
         report = Path(scratch) / "report.json"
         command = [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvtriton_swap",
-            f"--kvtriton-report={report}", "--rootdir", str(root), *SELECTED_FILES,
+            f"--kvtriton-report={report}", "--rootdir", str(root), *tests,
         ]  # fmt: skip
         completed = subprocess.run(
             command, cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
@@ -82,8 +84,30 @@ def run_pass(root: Path, *, swap: bool) -> PassResult:
         tail = (completed.stdout + completed.stderr)[-4000:]
         if not report.exists():
             raise AssertionError(f"vLLM's tests did not run (exit {completed.returncode}):\n{tail}")
-        data = json.loads(report.read_text())
-    return PassResult(data["outcomes"], data["messages"], data["constructed"], data["specs"], tail)
+        return json.loads(report.read_text()), tail
+
+
+def run_pass(root: Path, *, swap: bool) -> PassResult:
+    """Run the selected files in ``root`` (vLLM's extracted tests), with or without kvtriton swapped in.
+
+    A few of vLLM's tests time real intervals (the back-pressure EMA) and can
+    fail on a loaded machine: every failed test is run once more on its own,
+    and that second outcome counts (the tests that needed it are listed in
+    ``retried``).
+    """
+    data, tail = _run_pytest(root, list(SELECTED_FILES), swap=swap)
+    outcomes: dict[str, str] = data["outcomes"]
+    messages: dict[str, str] = data["messages"]
+    failed = sorted(nodeid for nodeid, outcome in outcomes.items() if outcome == "failed" and "::" in nodeid)
+    retried: list[str] = []
+    if failed:
+        again, _ = _run_pytest(root, failed, swap=swap)
+        for nodeid in failed:
+            if again["outcomes"].get(nodeid) == "passed":
+                outcomes[nodeid] = "passed"
+                retried.append(nodeid)
+                messages.pop(nodeid, None)
+    return PassResult(outcomes, messages, data["constructed"], data["specs"], retried, tail)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +138,9 @@ def test_baseline_passes_as_vllm_ships_it(baseline: PassResult) -> None:
             f"no test of {path} ran:\n{baseline.output_tail}"
         )
     failed = baseline.failed()
-    assert not failed, f"vLLM's own tests fail here without kvtriton:\n{_describe(baseline, failed)}"
+    assert not failed, f"vLLM's own tests fail here without kvtriton (twice):\n{_describe(baseline, failed)}"
+    if baseline.retried:
+        print(f"passed when run again (timing-sensitive): {baseline.retried}")
 
 
 def test_the_swap_builds_kvtritons_classes_and_the_baseline_vllms(baseline: PassResult, swapped: PassResult) -> None:
@@ -135,6 +161,8 @@ def test_kvtriton_fails_only_allow_listed_tests(baseline: PassResult, swapped: P
     assert set(swapped.outcomes) >= {n for n, outcome in baseline.outcomes.items() if outcome == "passed"}, (
         "the swapped run collected fewer tests than the baseline"
     )
+    if swapped.retried:
+        print(f"passed when run again (timing-sensitive): {swapped.retried}")
     unexpected = [nodeid for nodeid in swapped.failed() if allow_list_key(nodeid) not in ALLOWED_FAILURES]
     assert not unexpected, (
         f"{len(unexpected)} of vLLM's tests fail with kvtriton swapped in and are not allow-listed "
