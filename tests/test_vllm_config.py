@@ -8,7 +8,14 @@ import logging
 import pytest
 
 from kvtriton.worker.backends import TransferBackend
-from kvtriton.integrations.vllm_config import KVTritonOffloadConfig
+from kvtriton.integrations.vllm_config import (
+    TIERED_ONLY_KEYS,
+    VLLM_KEYS,
+    KVTritonOffloadConfig,
+    check_budget,
+    host_ram_bytes,
+    warn_unread_keys,
+)
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 
 GIB = 1 << 30
@@ -79,16 +86,18 @@ def test_missing_cpu_bytes_to_use_names_the_key() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("cpu_bytes_to_use", 0, r"'cpu_bytes_to_use'\] must be >= 1, got 0"),
-        ("cpu_bytes_to_use", -5, r"'cpu_bytes_to_use'\] must be >= 1, got -5"),
-        ("cpu_bytes_to_use", "64GiB", r"'cpu_bytes_to_use'\] must be an integer >= 1, got str '64GiB'"),
-        ("cpu_bytes_to_use", 1.5, r"'cpu_bytes_to_use'\] must be an integer >= 1, got float 1.5"),
-        ("cpu_bytes_to_use", True, r"'cpu_bytes_to_use'\] must be an integer >= 1, got bool True"),
+        ("cpu_bytes_to_use", 0, r"'cpu_bytes_to_use'\] must be >= 1 bytes, got 0"),
+        ("cpu_bytes_to_use", -5, r"'cpu_bytes_to_use'\] must be >= 1 bytes, got -5"),
+        ("cpu_bytes_to_use", "64GiB", r"'cpu_bytes_to_use'\] must be an integer >= 1 bytes, got str '64GiB'"),
+        ("cpu_bytes_to_use", float("inf"), r"'cpu_bytes_to_use'\] must be an integer >= 1 bytes, got float inf"),
+        ("cpu_bytes_to_use", True, r"'cpu_bytes_to_use'\] must be an integer >= 1 bytes, got bool True"),
+        ("store_threshold", 1.5, r"'store_threshold'\] must be an integer >= 0, got float 1.5"),
         ("store_threshold", -1, r"'store_threshold'\] must be >= 0, got -1"),
         ("max_tracker_size", 0, r"'max_tracker_size'\] must be >= 1, got 0"),
         ("kvtriton_num_programs", 0, r"'kvtriton_num_programs'\] must be >= 1, got 0"),
-        ("eviction_policy", "fifo", r"'eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo'"),
         ("eviction_policy", 3, r"'eviction_policy'\] must be a string, got int 3"),
+        ("eviction_policy", " ", r"'eviction_policy'\] must name a policy, got ' '"),
+        ("cache_policy_module_path", 7, r"'cache_policy_module_path'\] must be a Python module path, got int 7"),
         ("kvtriton_pageable_slab", "maybe", r"'kvtriton_pageable_slab'\] must be true or false, got str 'maybe'"),
         ("kvtriton_pageable_slab", 1, r"'kvtriton_pageable_slab'\] must be true or false, got int 1"),
         ("kvtriton_backend", "cuda", r"'kvtriton_backend'\] must be one of \['auto', 'triton', 'dma', 'torch'\], got 'cuda'"),
@@ -100,10 +109,91 @@ def test_an_invalid_value_raises_naming_the_key_and_the_value(key: str, value: o
         KVTritonOffloadConfig.from_extra_config(extra)
 
 
-def test_an_unknown_kvtriton_key_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_fractional_byte_size_rounds_down_as_vllms_spec_does() -> None:
+    # vLLM's own --kv-offloading-size 2.3 arrives as 2.3 * 2**30.
+    config = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2.3 * GIB})
+    assert config.cpu_bytes_to_use == int(2.3 * GIB)
+
+
+def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
+    ours = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "eviction_policy": " ARC "})
+    assert (ours.eviction_policy, ours.uses_vllm_policy) == ("arc", False)
+    module = "vllm.v1.kv_offload.cpu.policies.lru"
+    theirs = KVTritonOffloadConfig.from_extra_config(
+        {"cpu_bytes_to_use": 1, "eviction_policy": "LRUCachePolicy", "cache_policy_module_path": f" {module} "}
+    )
+    assert (theirs.eviction_policy, theirs.cache_policy_module_path, theirs.uses_vllm_policy) == ("LRUCachePolicy", module, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's "
+         r"policies nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it"),
+        ({"eviction_policy": "Fifo", "cache_policy_module_path": "no_such.policies"},
+         r"got 'Fifo': .* resolve it from kv_connector_extra_config\['cache_policy_module_path'\]='no_such.policies'"),
+    ],
+)  # fmt: skip
+def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, **extra})
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("kvtriton_num_program", "did you mean 'kvtriton_num_programs'?"),
+        ("eviction_polcy", "did you mean 'eviction_policy'?"),
+        ("cpu_bytes", "did you mean 'cpu_bytes_to_use'?"),
+        ("completely_else", "kvtriton reads ['kvtriton_backend', 'kvtriton_num_programs', 'kvtriton_pageable_slab']"),
+    ],
+)
+def test_an_unknown_key_is_warned_about_by_name(caplog: pytest.LogCaptureFixture, key: str, expected: str) -> None:
     with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
-        KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_num_program": 8})
-    assert "kvtriton_num_program" in caplog.text
+        assert warn_unread_keys({"cpu_bytes_to_use": 1, "spec_name": "KVTritonOffloadingSpec", key: 8}, tiered=False) == [key]
+    assert f"ignoring unknown key kv_connector_extra_config[{key!r}]: {expected}" in caplog.text
+
+
+def test_tiered_keys_in_the_single_tier_spec_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 1, "secondary_tiers": [], "tier_poll_interval_s": 0.1}
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
+        assert warn_unread_keys(extra, tiered=False) == ["secondary_tiers", "tier_poll_interval_s"]
+        assert warn_unread_keys(extra, tiered=True) == []
+    assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
+
+
+def test_every_key_vllm_or_kvtriton_reads_passes_silently(caplog: pytest.LogCaptureFixture) -> None:
+    extra: dict[str, object] = {key: 1 for key in VLLM_KEYS if key not in TIERED_ONLY_KEYS}
+    extra.update({"kvtriton_backend": "torch", "kvtriton_num_programs": 4, "kvtriton_pageable_slab": True})
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
+        assert warn_unread_keys(extra, tiered=False) == []
+    assert caplog.text == ""
+
+
+def test_a_budget_below_one_slot_says_the_unit_is_bytes() -> None:
+    with pytest.raises(ValueError, match=(
+        r"kv_connector_extra_config\['cpu_bytes_to_use'\]=64: 64 bytes is less than one slot of 4096 bytes; "
+        r"the value is in bytes \(vLLM's --kv-offloading-size is in GiB"
+    )):  # fmt: skip
+        check_budget(64, slot_bytes=4096, world_size=1)
+    with pytest.raises(ValueError, match=r"8192 bytes \(4096 bytes per rank over world_size=2\) is less than one chunk"):
+        check_budget(8192, slot_bytes=8192, world_size=2, slot="chunk")
+
+
+def test_a_budget_beyond_host_ram_is_refused_when_the_spec_is_built() -> None:
+    ram = host_ram_bytes()
+    assert ram is not None and ram > 0
+    with pytest.raises(ValueError, match=r"=1e\+30|exceed this host's \d+ bytes of RAM"):
+        check_budget(int(1e30), slot_bytes=4096, world_size=1)
+    check_budget(ram // 2, slot_bytes=4096, world_size=1)
+
+
+def test_a_total_beyond_host_ram_over_several_ranks_only_warns(caplog: pytest.LogCaptureFixture) -> None:
+    ram = host_ram_bytes()
+    assert ram is not None
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
+        check_budget(ram * 3 // 2, slot_bytes=4096, world_size=4)
+    assert "only fits if the 4 ranks are spread over several hosts" in caplog.text
 
 
 def test_the_per_rank_share_splits_the_total_evenly() -> None:

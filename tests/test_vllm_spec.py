@@ -67,7 +67,7 @@ def test_every_rank_and_the_scheduler_agree_on_the_slot_count() -> None:
 
 
 def test_a_budget_below_one_chunk_raises() -> None:
-    with pytest.raises(ValueError, match="cpu_bytes_to_use=1000"):
+    with pytest.raises(ValueError, match=r"\['cpu_bytes_to_use'\]=1000: 1000 bytes is less than one slot of 1024 bytes; the value is in bytes"):
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1000}, worker_kv_bytes_per_block=1024))
 
 
@@ -279,3 +279,88 @@ def test_the_spec_hands_kvtriton_pageable_slab_to_the_slab(monkeypatch: pytest.M
         )
         spec.get_worker(canonical_kv_caches([torch.zeros(4, 64, dtype=torch.int8)])).shutdown()
     assert asked == [True, False]
+
+
+VLLM_LRU_BY_PATH: dict[str, object] = {
+    "eviction_policy": "LRUCachePolicy",
+    "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
+}
+"""vLLM's own LRU loaded out of tree, as a user's policy would be (vLLM's CachePolicyFactory resolves it)."""
+
+
+def test_a_vllm_policy_runs_vllms_manager_and_kvtritons_worker_moves_the_bytes(caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMManager
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+    page = 64
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
+        spec = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 4 * page, **VLLM_LRU_BY_PATH}, worker_kv_bytes_per_block=page))
+    assert "eviction_policy 'LRUCachePolicy' from vllm.v1.kv_offload.cpu.policies.lru is not kvtriton's" in caplog.text
+    manager = spec.get_manager()
+    assert type(manager) is VLLMManager
+    assert isinstance(manager._policy, LRUCachePolicy)  # pyright: ignore[reportPrivateUsage] -- which policy vLLM resolved
+    layer = torch.arange(8 * page, dtype=torch.int64).to(torch.uint8).view(8, page).clone()
+    original = layer.clone()
+    worker = spec.get_worker(canonical_kv_caches([layer]))
+    context = ReqContext(req_id="r1")
+    keys = [make_offload_key(b"a", 0), make_offload_key(b"b", 0)]
+    stored = manager.prepare_store(keys, context)
+    assert stored is not None
+    assert worker.submit_store(0, GPULoadStoreSpec([1, 5], [2], [0]), stored.store_spec)
+    worker.wait({0})
+    manager.complete_store(keys, context)
+    layer.zero_()
+    assert worker.submit_load(1, manager.prepare_load(keys, context), GPULoadStoreSpec([2, 3], [2], [0]))
+    worker.wait({1})
+    manager.complete_load(keys, context)
+    assert torch.equal(layer[2], original[1]) and torch.equal(layer[3], original[5])
+    worker.shutdown()
+
+
+def test_a_vllm_policy_keeps_vllms_reuse_filter_and_its_metrics() -> None:
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    extra: dict[str, object] = {"cpu_bytes_to_use": 4096, "store_threshold": 2, **VLLM_LRU_BY_PATH}
+    assert KVTritonOffloadingSpec.build_metric_definitions(extra).keys() == CPUOffloadingSpec.build_metric_definitions(extra).keys()
+    assert CPUOffloadingMetrics.STORES_SKIPPED in KVTritonOffloadingSpec.build_metric_definitions(extra)
+    manager = KVTritonOffloadingSpec(offloading_config(extra)).get_manager()
+    assert getattr(manager, "store_threshold") == 2
+
+
+def test_a_policy_neither_kvtriton_nor_vllm_knows_is_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match=r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's CachePolicyFactory"):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "fifo"}))
+
+
+def test_a_fractional_budget_from_kv_offloading_size_rounds_down() -> None:
+    spec = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 2.5 * 1024 + 0.7}, worker_kv_bytes_per_block=1024))
+    assert spec.num_slots == 2
+
+
+def test_an_impossible_budget_is_refused_when_the_spec_is_built() -> None:
+    with pytest.raises(ValueError, match=r"\['cpu_bytes_to_use'\]=\d+: \d+ bytes per rank exceed this host's \d+ bytes of RAM"):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1e30}))
+
+
+def test_a_typo_in_the_extra_config_is_warned_about_when_the_spec_is_built(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc", "secondary_tiers": []}))
+    assert "ignoring unknown key kv_connector_extra_config['eviction_polcy']: did you mean 'eviction_policy'?" in caplog.text
+    assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
+
+
+def test_vllms_own_offloading_flags_merge_the_budget_into_kvtritons_config() -> None:
+    """--kv-offloading-size 2.3 --kv-offloading-backend native (CacheConfig's two fields) beside a
+    --kv-transfer-config naming kvtriton: vLLM sets the connector and role and merges a fractional budget."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+
+    cache = CacheConfig(kv_offloading_size=2.3, kv_offloading_backend="native")
+    given = KVTransferConfig(kv_connector_extra_config=dict(SPEC_EXTRA_CONFIG))
+    transfer = VllmConfig(cache_config=cache, kv_transfer_config=given, device_config=DeviceConfig("cpu")).kv_transfer_config
+    assert transfer is not None
+    assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
+    assert transfer.kv_connector_extra_config == {**SPEC_EXTRA_CONFIG, "cpu_bytes_to_use": 2.3 * (1 << 30)}
+    spec = KVTritonOffloadingSpec(offloading_config(transfer.kv_connector_extra_config, worker_kv_bytes_per_block=1 << 20))
+    assert spec.settings.cpu_bytes_to_use == int(2.3 * (1 << 30)) and spec.num_slots == 2355

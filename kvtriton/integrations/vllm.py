@@ -57,11 +57,21 @@ try:
     from vllm.v1.kv_offload import base as vllm_base
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     from kvtriton.worker.engine import TransferEngine
     import torch
 
-    from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig, check_kv_geometry_known
+    from kvtriton.integrations.vllm_config import (
+        KVTRITON_PAGEABLE_SLAB,
+        KVTritonOffloadConfig,
+        check_budget,
+        check_kv_geometry_known,
+        is_vllm_policy,
+        parse_policy,
+        warn_unread_keys,
+    )
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
@@ -109,6 +119,14 @@ def open_host_slab(
         ) from error
 
 
+def _names_vllm_policy(extra_config: dict[str, Any]) -> bool:
+    """Whether ``extra_config`` leaves the eviction policy to vLLM's manager; False for a bad value (the spec names it)."""
+    try:
+        return is_vllm_policy(*parse_policy(extra_config))
+    except ValueError:
+        return False
+
+
 class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     """vLLM ``OffloadingSpec`` whose manager and worker are kvtriton's.
 
@@ -124,11 +142,19 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     same limit. A worker refuses a slot beyond its slab, naming the cause.
     Unlike vLLM's own CPU spec, the worker runs on CPU tensors too (the torch
     backend; no pinned memory).
+
+    An ``eviction_policy`` kvtriton does not implement, or a
+    ``cache_policy_module_path``, runs vLLM's own ``CPUOffloadingManager``
+    with that policy (resolved by vLLM's ``CachePolicyFactory``, reuse filter
+    included) while kvtriton's worker moves the bytes: the worker needs only
+    the slot ids a manager hands out.
     """
 
     @classmethod
     @override
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+        if _names_vllm_policy(extra_config):
+            return CPUOffloadingSpec.build_metric_definitions(extra_config)
         return dict(gauge_definitions())
 
     @classmethod
@@ -139,6 +165,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         settings = KVTritonOffloadConfig.from_extra_config(config.extra_config)
+        warn_unread_keys(config.extra_config, tiered=False)
         check_kv_geometry_known(
             canonical_layout=config.canonical_layout,
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
@@ -146,6 +173,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
         )
         world_size = config.parallel.world_size
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        check_budget(settings.cpu_bytes_to_use, slot_bytes=slot_bytes, world_size=world_size)
         self.settings: KVTritonOffloadConfig = settings
         """The parsed ``kv_connector_extra_config``."""
         self.num_slots: int = HostSlab.slots_for_budget(
@@ -160,11 +188,29 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             self.num_slots, self.blocks_per_chunk, config.worker_kv_bytes_per_block,
             settings.eviction_policy, settings.store_threshold, settings.backend.value,
         )  # fmt: skip
-        self._manager: VLLMOffloadingManager | None = None
+        if settings.uses_vllm_policy:
+            logger.info(
+                "eviction_policy %r%s is not kvtriton's: vLLM's own CPUOffloadingManager ranks and evicts, kvtriton's "
+                "worker moves the bytes",
+                settings.eviction_policy,
+                f" from {settings.cache_policy_module_path}" if settings.cache_policy_module_path else "",
+            )
+        self._manager: vllm_base.OffloadingManager | None = None
         self._worker: VLLMOffloadingWorker | None = None
 
     @override
     def get_manager(self) -> vllm_base.OffloadingManager:
+        if self._manager is None and self.settings.uses_vllm_policy:
+            settings = self.settings
+            self._manager = VLLMCPUOffloadingManager(
+                num_chunks=self.num_slots,
+                cache_policy=settings.eviction_policy,
+                cache_policy_module_path=settings.cache_policy_module_path,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=settings.store_threshold,
+                max_tracker_size=settings.max_tracker_size,
+                info=self.cpu_info,
+            )
         if self._manager is None:
             settings = self.settings
             cpu = CPUOffloadingManager(

@@ -9,7 +9,10 @@ allocated. This module does not import vLLM, so it is testable without it.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.manager.policies import policy_names
 
 __all__ = [
+    "CACHE_POLICY_MODULE_PATH",
     "CPU_BYTES_TO_USE",
     "EVICTION_POLICY",
     "KVTRITON_BACKEND",
@@ -26,13 +30,22 @@ __all__ = [
     "KVTritonOffloadConfig",
     "MAX_TRACKER_SIZE",
     "STORE_THRESHOLD",
+    "TIERED_ONLY_KEYS",
+    "VLLM_KEYS",
+    "check_budget",
     "check_kv_geometry_known",
+    "check_vllm_policy",
+    "host_ram_bytes",
+    "is_vllm_policy",
+    "parse_policy",
+    "warn_unread_keys",
 ]
 
 logger = logging.getLogger(__name__)
 
 CPU_BYTES_TO_USE = "cpu_bytes_to_use"
 EVICTION_POLICY = "eviction_policy"
+CACHE_POLICY_MODULE_PATH = "cache_policy_module_path"
 STORE_THRESHOLD = "store_threshold"
 MAX_TRACKER_SIZE = "max_tracker_size"
 KVTRITON_BACKEND = "kvtriton_backend"
@@ -40,6 +53,22 @@ KVTRITON_NUM_PROGRAMS = "kvtriton_num_programs"
 KVTRITON_PAGEABLE_SLAB = "kvtriton_pageable_slab"
 
 _KVTRITON_KEYS = frozenset({KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB})
+
+TIERED_ONLY_KEYS = frozenset({"secondary_tiers", "tier_poll_interval_s", "backpressure"})
+"""vLLM's keys that only the tiered spec reads (``KVTritonTieringOffloadingSpec``, vLLM's ``TieringOffloadingSpec``)."""
+
+VLLM_KEYS = frozenset(
+    {
+        # the connector and its spec factory
+        "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
+        "sync_load_budget_bytes", "offload_prompt_only", "self_describing_kv_events", "connectors",
+        # vLLM's CPU spec, which kvtriton's specs take over
+        CPU_BYTES_TO_USE, EVICTION_POLICY, CACHE_POLICY_MODULE_PATH, STORE_THRESHOLD, MAX_TRACKER_SIZE,
+        # secondary tiers (kvcr's telemetry switch is read from the top level)
+        "enable_telemetry",
+    }
+) | TIERED_ONLY_KEYS  # fmt: skip
+"""Every ``kv_connector_extra_config`` key vLLM 0.33's OffloadingConnector, spec factory and specs read."""
 
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off"})
@@ -49,12 +78,16 @@ def _where(key: str) -> str:
     return f"kv_connector_extra_config[{key!r}]"
 
 
-def _parse_int(extra_config: Mapping[str, object], key: str, default: int | None, minimum: int) -> int:
+def _parse_int(
+    extra_config: Mapping[str, object], key: str, default: int | None, minimum: int, *, unit: str = ""
+) -> int:
     """Read ``key`` as an integer >= ``minimum``.
 
     JSON gives ints, but a shell user may write ``"68719476736"`` or
     ``6.8719476736e10``: integral strings and floats are accepted, anything
-    else (bools, fractions, words) is rejected.
+    else (bools, fractions, words) is rejected. A size in bytes (``unit``
+    "bytes") rounds a fractional number down, as vLLM's CPU spec does: vLLM's
+    own ``--kv-offloading-size 2.3`` arrives as ``2.3 * 2**30``.
     """
     if key not in extra_config:
         if default is None:
@@ -66,17 +99,18 @@ def _parse_int(extra_config: Mapping[str, object], key: str, default: int | None
         value = None
     elif isinstance(raw, int):
         value = raw
-    elif isinstance(raw, float) and raw.is_integer():
-        value = int(raw)
+    elif isinstance(raw, float) and math.isfinite(raw) and (raw.is_integer() or unit == "bytes"):
+        value = math.floor(raw)
     elif isinstance(raw, str):
         try:
             value = int(raw.strip())
         except ValueError:
             value = None
+    suffix = f" {unit}" if unit else ""
     if value is None:
-        raise ValueError(f"{_where(key)} must be an integer >= {minimum}, got {type(raw).__name__} {raw!r}")
+        raise ValueError(f"{_where(key)} must be an integer >= {minimum}{suffix}, got {type(raw).__name__} {raw!r}")
     if value < minimum:
-        raise ValueError(f"{_where(key)} must be >= {minimum}, got {raw!r}")
+        raise ValueError(f"{_where(key)} must be >= {minimum}{suffix}, got {raw!r}")
     return value
 
 
@@ -118,6 +152,7 @@ class KVTritonOffloadConfig:
 
     cpu_bytes_to_use: int
     eviction_policy: str = "lru"
+    cache_policy_module_path: str | None = None
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     backend: TransferBackend = TransferBackend.AUTO
@@ -129,6 +164,11 @@ class KVTritonOffloadConfig:
         """Whether the reuse filter wraps the manager (``store_threshold >= 2``)."""
         return self.store_threshold >= 2
 
+    @property
+    def uses_vllm_policy(self) -> bool:
+        """Whether vLLM's own manager runs the eviction policy (see :func:`is_vllm_policy`)."""
+        return is_vllm_policy(self.eviction_policy, self.cache_policy_module_path)
+
     def per_rank_bytes(self, world_size: int) -> int:
         """This rank's share of ``cpu_bytes_to_use``."""
         if world_size < 1:
@@ -139,26 +179,22 @@ class KVTritonOffloadConfig:
     def from_extra_config(cls, extra_config: Mapping[str, object]) -> KVTritonOffloadConfig:
         """Parse vLLM's ``kv_connector_extra_config``; raises ``ValueError`` naming the bad key and value.
 
-        Keys this class does not know are left alone (the connector itself
-        reads ``spec_name``, ``block_size``, ...), except unknown ``kvtriton_*``
-        keys, which are almost certainly typos and get a warning.
+        Keys are only parsed here; which ones a spec leaves unread is
+        :func:`warn_unread_keys`'s to say, the policy is :func:`parse_policy`'s.
         """
-        policy = _parse_str(extra_config, EVICTION_POLICY, "lru")
-        valid_policies = policy_names()
-        if policy not in valid_policies:
-            raise ValueError(f"{_where(EVICTION_POLICY)} must be one of {valid_policies}, got {extra_config[EVICTION_POLICY]!r}")
+        policy, module_path = parse_policy(extra_config)
+        if is_vllm_policy(policy, module_path):
+            check_vllm_policy(policy, module_path)
         backend_name = _parse_str(extra_config, KVTRITON_BACKEND, TransferBackend.AUTO.value)
         try:
             backend = TransferBackend.parse(backend_name)
         except ValueError:
             valid = [backend.value for backend in TransferBackend]
             raise ValueError(f"{_where(KVTRITON_BACKEND)} must be one of {valid}, got {extra_config[KVTRITON_BACKEND]!r}") from None
-        for key in extra_config:
-            if key.startswith("kvtriton_") and key not in _KVTRITON_KEYS:
-                logger.warning("ignoring unknown key %s; kvtriton reads %s", _where(key), sorted(_KVTRITON_KEYS))
         return cls(
-            cpu_bytes_to_use=_parse_int(extra_config, CPU_BYTES_TO_USE, None, 1),
+            cpu_bytes_to_use=_parse_int(extra_config, CPU_BYTES_TO_USE, None, 1, unit="bytes"),
             eviction_policy=policy,
+            cache_policy_module_path=module_path,
             # vLLM's default is 0 ("store everything"); 1 means the same.
             store_threshold=_parse_int(extra_config, STORE_THRESHOLD, 0, 0),
             max_tracker_size=_parse_int(extra_config, MAX_TRACKER_SIZE, 64_000, 1),
@@ -166,6 +202,122 @@ class KVTritonOffloadConfig:
             num_programs=_parse_int(extra_config, KVTRITON_NUM_PROGRAMS, DEFAULT_NUM_PROGRAMS, 1),
             pageable_slab=_parse_bool(extra_config, KVTRITON_PAGEABLE_SLAB, False),
         )
+
+
+def is_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> bool:
+    """Whether vLLM's own manager runs this policy: one kvtriton does not implement, or one loaded by
+    ``cache_policy_module_path`` (vLLM's ``CachePolicyFactory`` resolves both; kvtriton's worker moves the bytes)."""
+    return cache_policy_module_path is not None or eviction_policy not in policy_names()
+
+
+def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> None:
+    """Refuse a policy kvtriton leaves to vLLM that vLLM's ``CachePolicyFactory`` cannot resolve, naming the keys.
+
+    vLLM is imported here, lazily, only for such a policy: the module stays
+    importable without vLLM, and without vLLM no spec is built anyway.
+    """
+    try:
+        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    except ImportError:
+        return
+    try:
+        CachePolicyFactory.get_cache_policy_cls(eviction_policy, cache_policy_module_path)
+    except (ValueError, ImportError, AttributeError) as error:
+        registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
+        loaded = f" from {_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}" if cache_policy_module_path else ""
+        raise ValueError(
+            f"{_where(EVICTION_POLICY)} must be one of {policy_names()}, got {eviction_policy!r}: neither kvtriton's "
+            f"policies nor vLLM's CachePolicyFactory (registered: {registered}) resolve it{loaded} ({error})"
+        ) from error
+
+
+def parse_policy(extra_config: Mapping[str, object]) -> tuple[str, str | None]:
+    """``eviction_policy`` and ``cache_policy_module_path``, checked for type.
+
+    kvtriton's own names (``lru``, ``arc``) in any case come back lower-cased;
+    any other name is kept as written, for vLLM's ``CachePolicyFactory`` (the
+    spec checks that it resolves).
+    """
+    policy = _parse_str(extra_config, EVICTION_POLICY, "lru")
+    if policy not in policy_names():
+        policy = str(extra_config[EVICTION_POLICY]).strip()
+        if not policy:
+            raise ValueError(f"{_where(EVICTION_POLICY)} must name a policy, got {extra_config[EVICTION_POLICY]!r}")
+    module_path = extra_config.get(CACHE_POLICY_MODULE_PATH)
+    if module_path is None:
+        return policy, None
+    if not isinstance(module_path, str) or not module_path.strip():
+        raise ValueError(
+            f"{_where(CACHE_POLICY_MODULE_PATH)} must be a Python module path, got "
+            f"{type(module_path).__name__} {module_path!r}"
+        )
+    return policy, module_path.strip()
+
+
+def warn_unread_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]:
+    """Warn, by name, about every ``kv_connector_extra_config`` key the spec being built does not read.
+
+    A key neither vLLM nor kvtriton reads is almost certainly a typo
+    (``eviction_polcy``): the warning names the closest known key. vLLM's
+    tiered-only keys (``secondary_tiers``, ...) in the single-tier spec are
+    named too: they do nothing there. Returns the keys warned about.
+    """
+    known = VLLM_KEYS | _KVTRITON_KEYS
+    unread: list[str] = []
+    for key in extra_config:
+        if key in TIERED_ONLY_KEYS and not tiered:
+            logger.warning(
+                "ignoring %s: only the tiered spec (spec_name KVTritonTieringOffloadingSpec) reads it", _where(key)
+            )
+        elif key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else f"kvtriton reads {sorted(_KVTRITON_KEYS)} besides vLLM's keys"
+            logger.warning("ignoring unknown key %s: %s", _where(key), hint)
+        else:
+            continue
+        unread.append(key)
+    return unread
+
+
+def host_ram_bytes() -> int | None:
+    """This host's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_budget(cpu_bytes_to_use: int, *, slot_bytes: int, world_size: int, slot: str = "slot") -> None:
+    """Refuse, when the spec is built, a ``cpu_bytes_to_use`` that holds no slot or exceeds this host's RAM.
+
+    The value is in bytes (on kvtriton's command line a bare number is GiB,
+    in every JSON key it is bytes), so the message says so: ``64`` reads as
+    "64 bytes", not as 64 GiB. ``slot`` names the unit of storage ("slot",
+    "chunk"). A rank's share larger than the host's physical memory can never
+    be allocated and is refused here rather than later in the worker; a total
+    larger than the host's RAM only warns (the ranks may sit on several hosts).
+    """
+    where = _where(CPU_BYTES_TO_USE)
+    per_rank = cpu_bytes_to_use // world_size
+    if per_rank < slot_bytes:
+        over = f" ({per_rank} bytes per rank over world_size={world_size})" if world_size > 1 else ""
+        raise ValueError(
+            f"{where}={cpu_bytes_to_use}: {cpu_bytes_to_use} bytes{over} is less than one {slot} of {slot_bytes} "
+            f"bytes; the value is in bytes (vLLM's --kv-offloading-size is in GiB: 8 GiB is {8 << 30})"
+        )
+    ram = host_ram_bytes()
+    if ram is None:
+        return
+    if per_rank > ram:
+        raise ValueError(
+            f"{where}={cpu_bytes_to_use}: {per_rank} bytes per rank exceed this host's {ram} bytes of RAM "
+            f"({ram / 2**30:.1f} GiB); the value is the host memory of all ranks together, in bytes"
+        )
+    if cpu_bytes_to_use > ram:
+        logger.warning(
+            "%s=%d exceeds this host's %d bytes of RAM: it only fits if the %d ranks are spread over several hosts",
+            where, cpu_bytes_to_use, ram, world_size,
+        )  # fmt: skip
 
 
 def check_kv_geometry_known(*, canonical_layout: bool, worker_kv_bytes_per_block: int, host_memory: str) -> None:

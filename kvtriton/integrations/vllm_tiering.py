@@ -39,10 +39,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import inspect
 import logging
 import re
 from collections.abc import Collection
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from typing_extensions import override
@@ -52,10 +53,21 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSp
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton.integrations.vllm_config import KVTRITON_PAGEABLE_SLAB, KVTritonOffloadConfig, check_kv_geometry_known
+from kvtriton.integrations.vllm_config import (
+    CACHE_POLICY_MODULE_PATH,
+    EVICTION_POLICY,
+    KVTRITON_PAGEABLE_SLAB,
+    KVTritonOffloadConfig,
+    check_budget,
+    check_kv_geometry_known,
+    check_vllm_policy,
+    is_vllm_policy,
+    parse_policy,
+    warn_unread_keys,
+)
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
 from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.keys import OffloadKey
@@ -67,9 +79,11 @@ from kvtriton.worker.slab import HostSlab, SlabPinningError
 
 __all__ = [
     "LAYOUT_TAG",
+    "ChunkRegion",
     "KVTritonPrimaryTier",
     "KVTritonTieringOffloadingSpec",
     "KVTritonTieringWorker",
+    "build_primary_tier",
     "region_name",
 ]
 
@@ -120,6 +134,31 @@ def region_name(engine_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id) or "engine"
 
 
+class ChunkRegion(Protocol):
+    """The host memory a primary tier hands the secondary tiers: kvtriton's ``SharedRegion``, or any region alike."""
+
+    def chunk_memoryview(self) -> memoryview:
+        """The chunks as a ``(num_chunks, chunk_bytes)`` memoryview."""
+        ...
+
+    def close(self) -> None:
+        """Unmap (the last process to close removes it)."""
+        ...
+
+
+class _VLLMRegionView:
+    """A :class:`ChunkRegion` as vLLM's ``CPUPrimaryTierOffloadingManager`` reads its ``mmap_region``."""
+
+    def __init__(self, region: ChunkRegion) -> None:
+        self._region = region
+
+    def create_kv_memoryview(self) -> memoryview:
+        return self._region.chunk_memoryview()
+
+    def cleanup(self) -> None:
+        self._region.close()
+
+
 class KVTritonPrimaryTier(VLLMOffloadingManager):
     """The primary tier ``TieringOffloadingManager`` drives, answered by kvtriton's ``CPUOffloadingManager``.
 
@@ -138,14 +177,14 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     * ``_num_chunks``: read by the orchestrator for its occupancy metrics.
     """
 
-    def __init__(self, cpu: CPUOffloadingManager, info: CPUOffloadingInfo, region: SharedRegion) -> None:
+    def __init__(self, cpu: CPUOffloadingManager, info: CPUOffloadingInfo, region: ChunkRegion) -> None:
         super().__init__(cpu, cpu, info)
         self._region = region
         self._num_chunks: int = cpu.capacity
         self._kv_memoryview = region.chunk_memoryview()
 
     @property
-    def region(self) -> SharedRegion:
+    def region(self) -> ChunkRegion:
         """The shared host region the tiers copy from and to."""
         return self._region
 
@@ -193,6 +232,40 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
             self._region.close()
 
 
+def build_primary_tier(
+    num_chunks: int,
+    region: ChunkRegion,
+    *,
+    eviction_policy: str,
+    cache_policy_module_path: str | None,
+    enable_events: bool,
+    info: CPUOffloadingInfo,
+) -> vllm_base.OffloadingManager:
+    """The primary tier over ``region``'s ``num_chunks`` chunks, as :class:`KVTritonTieringOffloadingSpec` builds it.
+
+    kvtriton's :class:`KVTritonPrimaryTier` for kvtriton's policies; for any
+    other ``eviction_policy``, or one loaded by ``cache_policy_module_path``,
+    vLLM's own ``CPUPrimaryTierOffloadingManager`` with that policy over the
+    same region (kvtriton's workers then only write the chunks it assigns).
+    On failure ``region`` is left open (the caller owns it).
+    """
+    policy, module_path = parse_policy(
+        {EVICTION_POLICY: eviction_policy, CACHE_POLICY_MODULE_PATH: cache_policy_module_path}
+    )
+    if is_vllm_policy(policy, module_path):
+        check_vllm_policy(policy, module_path)
+        return CPUPrimaryTierOffloadingManager(
+            num_chunks=num_chunks,
+            mmap_region=_VLLMRegionView(region),  # pyright: ignore[reportArgumentType] -- vLLM reads only create_kv_memoryview and cleanup
+            cache_policy=policy,
+            cache_policy_module_path=module_path,
+            enable_events=enable_events,
+            info=info,
+        )
+    cpu = CPUOffloadingManager(num_chunks, cache_policy=policy, enable_events=enable_events)
+    return KVTritonPrimaryTier(cpu, info, region)
+
+
 class KVTritonTieringWorker(VLLMOffloadingWorker):
     """vLLM's worker interface over kvtriton's engines, writing this rank's part of the shared region."""
 
@@ -213,6 +286,38 @@ class KVTritonTieringWorker(VLLMOffloadingWorker):
 def _tier_label(index: int, tier_config: object) -> str:
     kind = cast("dict[str, object]", tier_config).get("type") if isinstance(tier_config, dict) else None
     return f"secondary_tiers[{index}] (type {kind!r})"
+
+
+_FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
+"""A tier constructor's parameters vLLM's SecondaryTierFactory fills itself (not keys of the tier's config)."""
+
+_FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
+"""Keys of a tier's config vLLM's SecondaryTierFactory consumes before calling the constructor."""
+
+
+def _check_tier_keys(label: str, config: dict[str, Any], tier_cls: type[SecondaryTierManager]) -> None:
+    """One line naming a missing or unknown key of a tier's config, instead of the constructor's raw TypeError."""
+    try:
+        parameters = inspect.signature(tier_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    missing = [
+        name
+        for name, parameter in parameters.items()
+        if name not in _FACTORY_ARGUMENTS
+        and parameter.default is inspect.Parameter.empty
+        and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and name not in config
+    ]
+    if missing:
+        raise ValueError(f"{label} is missing the required key {missing[0]!r} ({tier_cls.__name__} needs it)")
+    if takes_any:
+        return
+    accepted = set(parameters) - _FACTORY_ARGUMENTS
+    unknown = sorted(key for key in config if key not in accepted and key not in _FACTORY_KEYS)
+    if unknown:
+        raise ValueError(f"{label} has unknown key {unknown[0]!r}; {tier_cls.__name__} takes {sorted(accepted)}")
 
 
 def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]:
@@ -246,6 +351,7 @@ def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]
             f"{label} needs the Python package {package[0]!r}, which is not installed: {package[1]}; "
             "or remove this tier from secondary_tiers"
         )
+    _check_tier_keys(label, config, tier_cls)
     return tier_cls
 
 
@@ -280,21 +386,23 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         # Parsed first: a bad or missing key is reported as kvtriton reports it,
         # before vLLM's parent classes read the same keys.
         settings = KVTritonOffloadConfig.from_extra_config(extra)
+        warn_unread_keys(extra, tiered=True)
         if settings.filters_reuse:
             raise ValueError(
                 f"kv_connector_extra_config['store_threshold']={extra['store_threshold']!r}: the tiered spec stores "
                 "every chunk (vLLM's TieringOffloadingSpec does not support store_threshold either); remove it"
-            )
-        if extra.get("cache_policy_module_path") is not None:
-            raise ValueError(
-                f"kv_connector_extra_config['cache_policy_module_path']={extra['cache_policy_module_path']!r}: kvtriton's "
-                "primary tier uses its own eviction policies (eviction_policy); remove cache_policy_module_path"
             )
         check_kv_geometry_known(
             canonical_layout=config.canonical_layout,
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
             host_memory="the shared host region",
         )
+        blocks_per_chunk = config.cache.blocks_per_chunk
+        row_stride = RegionLayout.block_row_stride_for(
+            blocks_per_chunk, config.parallel.world_size, config.worker_kv_bytes_per_block
+        )
+        # One region on this host holds every rank's bytes: the whole budget must fit its RAM.
+        check_budget(settings.cpu_bytes_to_use, slot_bytes=blocks_per_chunk * row_stride, world_size=1, slot="chunk")
         self._get_secondary_tiers(dict(extra))
         super().__init__(config)
         # Every rank keeps its own copy of replicated (MLA) KV: the region has
@@ -325,6 +433,13 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             settings.eviction_policy, settings.backend.value,
             f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
         )  # fmt: skip
+        if settings.uses_vllm_policy:
+            logger.info(
+                "eviction_policy %r%s is not kvtriton's: vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts "
+                "the primary tier, kvtriton's workers move the bytes",
+                settings.eviction_policy,
+                f" from {settings.cache_policy_module_path}" if settings.cache_policy_module_path else "",
+            )
 
     @property
     def expected_mappers(self) -> int:
@@ -348,16 +463,18 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         if self._manager is not None:
             return self._manager
         region = self._open_region()
-        primary: KVTritonPrimaryTier | None = None
+        primary: vllm_base.OffloadingManager | None = None
         tiers: list[SecondaryTierManager] = []
         try:
-            cpu = CPUOffloadingManager(
+            primary = build_primary_tier(
                 self.num_chunks,
-                cache_policy=self.settings.eviction_policy,
+                region,
+                eviction_policy=self.settings.eviction_policy,
+                cache_policy_module_path=self.settings.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                info=self.cpu_info,
             )
-            primary = KVTritonPrimaryTier(cpu, self.cpu_info, region)
-            view = primary.get_kv_memoryview()
+            view = cast("KVTritonPrimaryTier | CPUPrimaryTierOffloadingManager", primary).get_kv_memoryview()
             tier_spec = self.tier_facing_spec()
             for index, tier_config in enumerate(self.secondary_tier_configs):
                 tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict

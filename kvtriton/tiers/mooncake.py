@@ -42,7 +42,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
@@ -188,13 +189,53 @@ def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str) -> Ch
 
 
 class MooncakeTierMetrics:
-    """The Prometheus metrics the tier adds to vLLM's offloading metrics (labelled by tier)."""
+    """The Prometheus metrics the tier adds to vLLM's offloading metrics, labelled by tier as vLLM labels it.
 
-    FAILED_OPS = "kvtriton:mooncake_tier_failed_ops"
-    FAILED_OP_SECONDS = "kvtriton:mooncake_tier_failed_op_seconds"
-    WRONG_SIZE_VALUES = "kvtriton:mooncake_tier_wrong_size_values"
-    RECONNECTS = "kvtriton:mooncake_tier_reconnects"
-    UP = "kvtriton:mooncake_tier_up"
+    They are in vLLM's ``vllm:kv_offload_`` namespace, so vLLM's Prometheus
+    logger exports them beside its own tier series and ``LLM.get_metrics()``
+    (which keeps only ``vllm:`` names) returns them; the ``tier`` label is
+    vLLM's own for the same tier (``"1:MooncakeStoreTier"``: position in
+    ``secondary_tiers`` plus one, and the type), as on vLLM's store, load and
+    config-info series.
+    """
+
+    FAILED_OPS = "vllm:kv_offload_mooncake_failed_ops"
+    FAILED_OP_SECONDS = "vllm:kv_offload_mooncake_failed_op_seconds"
+    WRONG_SIZE_VALUES = "vllm:kv_offload_mooncake_wrong_size_values"
+    RECONNECTS = "vllm:kv_offload_mooncake_reconnects"
+    UP = "vllm:kv_offload_mooncake_up"
+
+
+_FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
+"""Keys of a tier's configuration vLLM's SecondaryTierFactory consumes instead of passing them to the tier."""
+
+_claimed_positions: weakref.WeakKeyDictionary[object, set[int]] = weakref.WeakKeyDictionary()
+"""The ``secondary_tiers`` positions already taken by a Mooncake tier of each spec (two equal configs get two)."""
+
+
+def vllm_tier_label(offloading_spec: object, tier_type: str, arguments: Mapping[str, object]) -> str:
+    """The ``tier`` label vLLM's orchestrator gives this tier: ``f"{position + 1}:{tier_type}"``.
+
+    The tier is not told its position, so it finds itself in the spec's
+    ``secondary_tiers`` (vLLM builds the tiers in that order): the first
+    configuration of its type whose keys match its ``arguments`` and that no
+    earlier tier of the same spec took. Without a tiered spec (a tier built
+    directly), the label is the type alone.
+    """
+    configs = getattr(offloading_spec, "secondary_tier_configs", None)
+    if not isinstance(configs, list):
+        return tier_type
+    claimed = _claimed_positions.setdefault(offloading_spec, set())
+    for position, config in enumerate(cast("list[object]", configs)):
+        if not isinstance(config, dict) or position in claimed:
+            continue
+        entry = cast("dict[str, object]", config)
+        if entry.get("type") != tier_type:
+            continue
+        if all(arguments.get(key) == value for key, value in entry.items() if key not in _FACTORY_KEYS):
+            claimed.add(position)
+            return f"{position + 1}:{tier_type}"
+    return tier_type
 
 
 class TierState(enum.Enum):
@@ -313,6 +354,18 @@ class MooncakeStoreTier(SecondaryTierManager):
             reconnect_interval_s=reconnect_interval_s,
         )
         self.locality = Locality(locality) if locality is not None else None
+        self.tier_label: str = vllm_tier_label(
+            offloading_spec,
+            tier_type,
+            {
+                "master_server_address": master_server_address, "local_hostname": local_hostname,
+                "metadata_server": metadata_server, "protocol": protocol, "rdma_devices": rdma_devices,
+                "local_buffer_size": local_buffer_size, "global_segment_size": global_segment_size,
+                "namespace": namespace, "timeout_s": timeout_s, "io_threads": io_threads,
+                "reconnect_interval_s": reconnect_interval_s, "locality": locality,
+            },
+        )  # fmt: skip
+        """The ``tier`` label of this tier's metrics: vLLM's own for it (``"1:MooncakeStoreTier"``)."""
         if primary_kv_view.ndim != 2 or not primary_kv_view.c_contiguous:
             raise ValueError(
                 f"primary_kv_view must be a C-contiguous (num_chunks, chunk_bytes) view, got shape {primary_kv_view.shape}"
@@ -757,7 +810,7 @@ class MooncakeStoreTier(SecondaryTierManager):
         last = self._reported
         self._reported = now
         stats = OffloadingConnectorStats()
-        labels = (self.tier_type,)
+        labels = (self.tier_label,)
         for name, delta in (
             (MooncakeTierMetrics.FAILED_OPS, now.failed_ops - last.failed_ops),
             (MooncakeTierMetrics.FAILED_OP_SECONDS, now.failed_op_seconds - last.failed_op_seconds),
