@@ -15,6 +15,7 @@ frequency policy (ARC) counts one reuse per request and never a store.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from kvtriton.keys import OffloadKey
 
@@ -81,9 +82,10 @@ def head_to_tail(keys: Sequence[OffloadKey], position_of: Callable[[OffloadKey],
     if len(groups) <= 1:
         if None in positions or not keys:
             return list(keys)
-        if positions == sorted(positions):  # C speed; the usual case, head to tail already
+        known = cast("list[int]", positions)  # no None (checked above)
+        if known == sorted(known):  # C speed; the usual case, head to tail already
             return list(keys)
-        order = sorted(range(len(keys)), key=positions.__getitem__)
+        order = sorted(range(len(keys)), key=known.__getitem__)
         return [keys[index] for index in order]
     # Several groups (a hybrid model): group by group, then by position.
     ordered: list[OffloadKey] = []

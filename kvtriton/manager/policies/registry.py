@@ -35,7 +35,7 @@ def canonical_policy_name(name: str) -> str:
         raise TypeError(f"cache_policy must be a string, got {type(name).__name__}: {name!r}")
     canonical = name.strip().lower()
     if canonical not in POLICIES:
-        raise ValueError(f"cache_policy must be one of {policy_names()} (any case), got {name!r}")
+        raise ValueError(f"cache_policy must be one of {policy_names()}, got {name!r}")
     return canonical
 
 
