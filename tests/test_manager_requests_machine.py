@@ -23,15 +23,22 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 pytest.importorskip("vllm", reason="vLLM is the reference model (make test installs it from requirements-vllm.txt)")
 
 from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
 
 from kvtriton.keys import OffloadKey, make_offload_key  # noqa: E402
 from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy  # noqa: E402
-from kvtriton.specs import LookupResult, ReqContext  # noqa: E402
+from kvtriton.specs import CPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
 
 BLOCKS = [f"key-{i}".encode() for i in range(5)]
 UNIVERSE = [make_offload_key(block, group) for block in BLOCKS for group in (0, 1)]
 PENDING = -1
+
+def slot_ids(spec: object) -> list[int]:
+    """The slots of a kvtriton or a vLLM CPU spec."""
+    assert isinstance(spec, (CPULoadStoreSpec, VLLMCPULoadStoreSpec))
+    return [int(slot) for slot in spec.block_ids]
+
 
 prompts = st.lists(st.sampled_from(BLOCKS), min_size=1, max_size=5, unique=True)
 key_lists = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4)
@@ -88,7 +95,7 @@ class RequestMachine(RuleBasedStateMachine):
         ready = list(dict.fromkeys(key for key, answer in zip(keys, answers) if answer is LookupResult.HIT))
         if ready:
             spec = self.manager.prepare_load(ready, context)
-            assert spec.block_ids.tolist() == list(self.vllm.prepare_load(ready, reference).block_ids)  # pyright: ignore[reportArgumentType, reportAttributeAccessIssue] -- as above; vLLM answers its CPULoadStoreSpec
+            assert slot_ids(spec) == slot_ids(self.vllm.prepare_load(ready, reference))  # pyright: ignore[reportArgumentType] -- as above
             self.loads.append((context, reference, ready))
 
     @precondition(lambda self: bool(self.requests))
@@ -104,7 +111,7 @@ class RequestMachine(RuleBasedStateMachine):
             assert self.manager.slot_map().keys() == before.keys()
             return
         assert (out.keys_to_store, out.evicted_keys) == (expected.keys_to_store, expected.evicted_keys)
-        assert out.store_spec.block_ids.tolist() == list(expected.store_spec.block_ids)  # pyright: ignore[reportAttributeAccessIssue] -- vLLM answers its CPULoadStoreSpec
+        assert slot_ids(out.store_spec) == slot_ids(expected.store_spec)
         for key in out.evicted_keys:
             assert before.get(key) == 0, f"evicted {key!r} in state {before.get(key)}"
             assert key not in keys

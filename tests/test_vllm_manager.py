@@ -364,8 +364,9 @@ def test_metric_definitions_declare_what_get_stats_reports_with_vllms_names_and_
         for name, theirs in vllms.items():
             assert type(ours[name]) is type(theirs) and ours[name].labelnames == theirs.labelnames, name
             if isinstance(theirs, OffloadingHistogramMetadata):
-                assert isinstance(ours[name], OffloadingHistogramMetadata)
-                assert ours[name].buckets == theirs.buckets  # pyright: ignore[reportAttributeAccessIssue] -- checked just above
+                histogram = ours[name]
+                assert isinstance(histogram, OffloadingHistogramMetadata)
+                assert histogram.buckets == theirs.buckets
         assert isinstance(ours[CPU_CACHE_OCCUPANCY_PERC], OffloadingGaugeMetadata)
     assert isinstance(metric_definitions({"store_threshold": 2})[CPUOffloadingMetrics.STORES_SKIPPED], OffloadingCounterMetadata)
     # Every name get_stats reports is declared (vLLM's Prometheus logger asserts it).
