@@ -31,8 +31,10 @@ class NewestFirst:
     def get(self, key: OffloadKey) -> Block | None:
         return self.blocks.get(key)
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block], req_context: ReqContext) -> None:
-        del req_context
+    def insert(
+        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+    ) -> None:
+        del positions, req_context
         self.blocks.update(zip(keys, blocks))
 
     def remove(self, key: OffloadKey) -> None:

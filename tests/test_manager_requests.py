@@ -80,9 +80,12 @@ def test_finish_orders_keys_by_token_position_when_they_were_seen_out_of_order()
 
 
 def test_head_to_tail_keeps_the_seen_order_without_every_position() -> None:
-    positions = {k(0): 32, k(1): 16}
-    assert head_to_tail(ks(0, 1), positions.get) == ks(1, 0)
-    assert head_to_tail(ks(0, 1, 2), positions.get) == ks(0, 1, 2)
+    assert head_to_tail(ks(0, 1), [32, 16]) == ks(1, 0)
+    assert head_to_tail(ks(0, 1, 2), [32, 16, None]) == ks(0, 1, 2)
+    # Two groups: group by group, each by position when all of it has one; then all by position if all have one.
+    two = [k(0), make_offload_key(b"block-0", 1), k(1), make_offload_key(b"block-1", 1)]
+    assert head_to_tail(two, [32, 32, 16, 16]) == [two[2], two[3], two[0], two[1]]
+    assert head_to_tail(two, [32, None, 16, 16]) == [two[2], two[0], two[1], two[3]]
 
 
 def test_arc_counts_a_reuse_at_finish_and_never_a_store() -> None:
@@ -190,8 +193,10 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
         def get(self, key: OffloadKey) -> Block | None:
             return self.lru.get(key)
 
-        def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block], req_context: ReqContext) -> None:
-            self.lru.insert(keys, blocks, req_context)
+        def insert(
+            self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+        ) -> None:
+            self.lru.insert(keys, blocks, positions, req_context)
 
         def remove(self, key: OffloadKey) -> None:
             self.lru.remove(key)

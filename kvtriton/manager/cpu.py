@@ -47,9 +47,9 @@ class StoredSlots(NamedTuple):
 class _RequestHooks(NamedTuple):
     """The policy's request-scoped calls, or vLLM's defaults for a policy without them."""
 
-    on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], ReqContext], None]
+    on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None]
     on_store_miss: Callable[[Sequence[OffloadKey]], None]
-    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey]], None]
+    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], ReqContext], None]
 
 
 def _request_hooks(policy: CachePolicy) -> _RequestHooks:
@@ -58,11 +58,15 @@ def _request_hooks(policy: CachePolicy) -> _RequestHooks:
         return _RequestHooks(policy.on_request_access, policy.on_store_miss, policy.on_request_finished)
     touch = policy.touch
 
-    def access(keys: Sequence[OffloadKey], blocks: Sequence[Block | None], req_context: ReqContext) -> None:
-        del keys, blocks, req_context
+    def access(
+        keys: Sequence[OffloadKey], blocks: Sequence[Block | None], positions: Sequence[int | None], req_context: ReqContext
+    ) -> None:
+        del keys, blocks, positions, req_context
 
-    def finished(keys: Sequence[OffloadKey], insertion_only: Container[OffloadKey], reused: Container[OffloadKey]) -> None:
-        del insertion_only, reused
+    def finished(
+        keys: Sequence[OffloadKey], insertion_only: Container[OffloadKey], reused: Container[OffloadKey], req_context: ReqContext
+    ) -> None:
+        del insertion_only, reused, req_context
         touch(keys)
 
     return _RequestHooks(access, touch, finished)
@@ -225,9 +229,11 @@ class CPUOffloadingManager(OffloadingManager):
         """Record the keys the request sees for the first time and let the policy rank them."""
         if access.finished:
             return  # committed at the request's end; a later access is not the request's
-        new = access.observe(keys)
+        new, positions = access.observe(keys, req_context.get_offload_key_position)
         if new:
-            self._hooks.on_request_access(new, blocks if new is keys else list(map(self._blocks.get, new)), req_context)
+            if new is not keys:
+                blocks = list(map(self._blocks.get, new))
+            self._hooks.on_request_access(new, blocks, positions, req_context)
 
     @override
     def on_new_request(self, req_context: ReqContext) -> None:
@@ -239,11 +245,19 @@ class CPUOffloadingManager(OffloadingManager):
         if access is None or access.owner is not self or access.generation != self._generation or access.finished:
             return
         access.finished = True
-        if not access.keys:
+        if not access.positions:
             return
-        keys = head_to_tail(access.keys, req_context.get_offload_key_position)
+        recorded = access.positions
+        keys = list(recorded)
+        positions = list(recorded.values())
+        if None in positions:
+            # vLLM reads the positions at the end; a key without one when first seen may have one now.
+            position_of = req_context.get_offload_key_position
+            positions = [found if found is not None else position_of(key) for key, found in zip(keys, positions)]
         inserted, reused = access.inserted, access.reused
-        self._hooks.on_request_finished(keys, inserted - reused if reused else inserted, reused)
+        self._hooks.on_request_finished(
+            head_to_tail(keys, positions), inserted - reused if reused else inserted, reused, req_context
+        )
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -394,12 +408,27 @@ class CPUOffloadingManager(OffloadingManager):
         sizes = self.allocation_sizes
         if sizes is not None:
             sizes.append(len(new_keys))
-        output = self._store(new_keys, cached, req_context)
+        recorded_positions = access.positions
+        if access.finished:
+            positions = list(map(req_context.get_offload_key_position, new_keys))
+        else:
+            positions = list(map(recorded_positions.__getitem__, new_keys))  # every new key was just recorded
+            if None in positions:
+                # vLLM reads a position when it inserts; one unknown when first seen may be known now.
+                position_of = req_context.get_offload_key_position
+                positions = [found if found is not None else position_of(key) for key, found in zip(new_keys, positions)]
+        output = self._store(new_keys, positions, cached, req_context)
         if output is not None:
             access.inserted.update(new_keys)
         return output
 
-    def _store(self, new_keys: list[OffloadKey], cached: Container[OffloadKey], req_context: ReqContext) -> StoredSlots | None:
+    def _store(
+        self,
+        new_keys: list[OffloadKey],
+        positions: list[int | None],
+        cached: Container[OffloadKey],
+        req_context: ReqContext,
+    ) -> StoredSlots | None:
         """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed, but none of ``cached``.
 
         ``cached`` are the offer's keys that are cached: the only ones an
@@ -427,7 +456,7 @@ class CPUOffloadingManager(OffloadingManager):
         slots = pool.allocate(len(new_keys))
         made = list(map(Block, slots))
         blocks.update(zip(new_keys, made))
-        self._policy.insert(new_keys, made, req_context)
+        self._policy.insert(new_keys, made, positions, req_context)
         self._num_pending += len(new_keys)
         self._stores += len(new_keys)
         return StoredSlots(new_keys, slots, evicted)

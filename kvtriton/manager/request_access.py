@@ -14,7 +14,8 @@ frequency policy (ARC) counts one reuse per request and never a store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from operator import itemgetter
 from typing import cast
 
 from kvtriton.keys import OffloadKey
@@ -25,42 +26,47 @@ __all__ = ["RequestAccess", "head_to_tail"]
 class RequestAccess:
     """The keys one request accessed through one manager, kept in the request's context.
 
-    ``keys`` lists every key the request loaded or offered (its offered
-    keys that were not pending), in first-seen order, ``seen`` the same as a
-    set; ``inserted`` the keys its stores allocated; ``reused`` the ready
-    keys it loaded or offered again that it had not inserted itself;
-    ``store_missed`` the keys whose store miss the policy already learnt from
-    (once per request). ``owner`` and ``generation`` say which manager made
-    the record and at which reset count: any other manager's record, or one
-    from before ``reset_cache``, is replaced by a fresh one.
+    ``positions`` maps every key the request loaded or offered (its offered
+    keys that were not pending) to its token position in the request (None
+    when the context has none), in first-seen order: each position is read
+    from the context once, when the key is first seen. ``inserted`` are the
+    keys its stores allocated; ``reused`` the ready keys it loaded or offered
+    again that it had not inserted itself; ``store_missed`` the keys whose
+    store miss the policy already learnt from (once per request). ``owner``
+    and ``generation`` say which manager made the record and at which reset
+    count: any other manager's record, or one from before ``reset_cache``, is
+    replaced by a fresh one.
     """
 
-    __slots__ = ("owner", "generation", "keys", "seen", "inserted", "reused", "store_missed", "finished")
+    __slots__ = ("owner", "generation", "positions", "inserted", "reused", "store_missed", "finished")
 
     def __init__(self, owner: object, generation: int) -> None:
         self.owner = owner
         self.generation = generation
-        self.keys: list[OffloadKey] = []
-        self.seen: set[OffloadKey] = set()
+        self.positions: dict[OffloadKey, int | None] = {}
         self.inserted: set[OffloadKey] = set()
         self.reused: set[OffloadKey] = set()
         self.store_missed: set[OffloadKey] = set()
         self.finished = False
 
-    def observe(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """Add the keys of ``keys`` not seen before (first-seen order, once each) and return them."""
-        seen = self.seen
-        before = len(seen)
-        if not before or seen.isdisjoint(keys):  # a request's first keys skip the scan
-            seen.update(keys)
-            # The set grew by every key unless the offer named one twice.
-            new = keys if len(seen) - before == len(keys) else list(dict.fromkeys(keys))
+    def observe(
+        self, keys: list[OffloadKey], position_of: Callable[[OffloadKey], int | None]
+    ) -> tuple[list[OffloadKey], list[int | None]]:
+        """Record the keys of ``keys`` not seen before (once each, in order) with their positions; return both."""
+        positions = self.positions
+        before = len(positions)
+        if not before or positions.keys().isdisjoint(keys):  # a request's first keys skip the scan
+            new = keys
         else:
-            new = list(dict.fromkeys(key for key in keys if key not in seen))
-            seen.update(new)
-        if new:
-            self.keys.extend(new)
-        return new
+            new = [key for key in keys if key not in positions]
+        if not new:
+            return new, []
+        found = list(map(position_of, new))
+        positions.update(zip(new, found))
+        if len(positions) - before != len(new):  # the offer named a key twice
+            new = list(dict.fromkeys(new))
+            found = [positions[key] for key in new]
+        return new, found
 
 
 def _group(key: OffloadKey) -> bytes:
@@ -68,8 +74,11 @@ def _group(key: OffloadKey) -> bytes:
     return key[-4:]
 
 
-def head_to_tail(keys: Sequence[OffloadKey], position_of: Callable[[OffloadKey], int | None]) -> list[OffloadKey]:
-    """A finished request's ``keys`` (first-seen order) ordered as vLLM 0.33 orders them for its policy.
+_suffix = itemgetter(slice(-4, None))
+
+
+def head_to_tail(keys: list[OffloadKey], positions: list[int | None]) -> list[OffloadKey]:
+    """A finished request's ``keys`` (first-seen order, ``positions`` co-indexed) ordered as vLLM 0.33 orders them.
 
     KV cache group by group (group 0 first), each group by token position
     when every key of the group has one; then, when every key has a
@@ -77,14 +86,15 @@ def head_to_tail(keys: Sequence[OffloadKey], position_of: Callable[[OffloadKey],
     at one position stay group by group). Without positions the first-seen
     order stands.
     """
-    positions = list(map(position_of, keys))
-    groups = {_group(key) for key in keys} if len(keys) > 1 else set[bytes]()
-    if len(groups) <= 1:
-        if None in positions or not keys:
-            return list(keys)
+    if len(keys) < 2:
+        return keys
+    groups = set(map(_suffix, keys))  # C speed
+    if len(groups) == 1:
+        if None in positions:
+            return keys
         known = cast("list[int]", positions)  # no None (checked above)
         if known == sorted(known):  # C speed; the usual case, head to tail already
-            return list(keys)
+            return keys
         order = sorted(range(len(keys)), key=known.__getitem__)
         return [keys[index] for index in order]
     # Several groups (a hybrid model): group by group, then by position.

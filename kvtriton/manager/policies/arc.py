@@ -72,8 +72,10 @@ class ARCCachePolicy:
         block = self._t1.get(key)
         return block if block is not None else self._t2.get(key)
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block], req_context: ReqContext) -> None:
-        del req_context  # ARC ranks by arrival alone
+    def insert(
+        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+    ) -> None:
+        del positions, req_context  # ARC ranks by arrival alone
         t1 = self._t1
         # A loop of item assignments: OrderedDict.update goes through the
         # generic mapping update, which is slower for a batch this size.
@@ -121,9 +123,13 @@ class ARCCachePolicy:
             b2.move_to_end(key)
 
     def on_request_access(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block | None], req_context: ReqContext
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block | None],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
     ) -> None:
-        del keys, blocks, req_context  # a reuse counts when the request finishes
+        del keys, blocks, positions, req_context  # a reuse counts when the request finishes
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
@@ -136,8 +142,13 @@ class ARCCachePolicy:
             self._adapt_to_ghost(key)
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], insertion_only: Container[OffloadKey], reused: Container[OffloadKey]
+        self,
+        keys: Sequence[OffloadKey],
+        insertion_only: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        req_context: ReqContext,
     ) -> None:
+        del req_context
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):

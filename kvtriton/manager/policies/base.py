@@ -61,11 +61,18 @@ class CachePolicy(Protocol):
         """The block cached under ``key`` (pending or ready), else ``None``."""
         ...
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block], req_context: ReqContext) -> None:
+    def insert(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
+    ) -> None:
         """Start tracking newly allocated (pending) blocks, ``keys[i]`` -> ``blocks[i]``, stored for ``req_context``.
 
-        One call per ``prepare_store``, keys in offer order: without token
-        positions the first key is the least recent, as in vLLM 0.33.
+        One call per ``prepare_store``, keys in offer order; ``positions[i]``
+        is ``keys[i]``'s token position in the request (None when unknown).
+        Without positions the first key is the least recent, as in vLLM 0.33.
         """
         ...
 
@@ -103,13 +110,18 @@ class RequestAwarePolicy(CachePolicy, Protocol):
     """
 
     def on_request_access(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block | None], req_context: ReqContext
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block | None],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
     ) -> None:
         """``req_context``'s request sees ``keys`` for the first time; ``blocks[i]`` is ``keys[i]``'s block, or None.
 
         ``None`` marks a key not cached yet (a store offer about to insert
-        it). LRU ranks the cached ones at the request's rank by token
-        position; ARC waits for the request's end.
+        it); ``positions`` are the keys' token positions (None when unknown).
+        LRU ranks the cached ones at the request's rank by position; ARC
+        waits for the request's end.
         """
         ...
 
@@ -122,7 +134,11 @@ class RequestAwarePolicy(CachePolicy, Protocol):
         ...
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], insertion_only: Container[OffloadKey], reused: Container[OffloadKey]
+        self,
+        keys: Sequence[OffloadKey],
+        insertion_only: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        req_context: ReqContext,
     ) -> None:
         """Commit one finished request's access: ``keys`` head to tail (the head ends most recent).
 

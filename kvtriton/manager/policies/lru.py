@@ -76,28 +76,39 @@ class LRUCachePolicy:
             del self._requests[block.rank]
         block.position = None
 
-    def _join_request(self, key: OffloadKey, block: Block, tick: int, position: int) -> None:
+    def _request_keys(self, tick: int) -> dict[OffloadKey, Block]:
+        """The blocks the running request of ``tick`` ranks (made empty on first use)."""
         ranked = self._requests.get(tick)
         if ranked is None:
             ranked = self._requests[tick] = {}
-        ranked[key] = block
-        block.rank = tick
-        block.position = position
+        return ranked
 
     def get(self, key: OffloadKey) -> Block | None:
         return self._order.get(key)
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block], req_context: ReqContext) -> None:
+    def insert(
+        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+    ) -> None:
         order = self._order
-        position_of = req_context.get_offload_key_position
         for key, block in zip(keys, blocks):
             order[key] = block
-            position = position_of(key)
+        if None not in positions:
+            # The usual store: the request's blocks, ranked at its tick by position.
+            tick = self._request_tick(req_context)
+            self._request_keys(tick).update(zip(keys, blocks))
+            for block, position in zip(blocks, positions):
+                block.rank = tick
+                block.position = position
+            return
+        for key, block, position in zip(keys, blocks, positions):
             if position is None:
                 self._tick += 1
                 block.rank = self._tick
             else:
-                self._join_request(key, block, self._request_tick(req_context), position)
+                tick = self._request_tick(req_context)
+                self._request_keys(tick)[key] = block
+                block.rank = tick
+                block.position = position
 
     def remove(self, key: OffloadKey) -> None:
         block = self._order.pop(key, None)
@@ -125,15 +136,18 @@ class LRUCachePolicy:
         self._tick = tick
 
     def on_request_access(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block | None], req_context: ReqContext
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block | None],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
     ) -> None:
-        tick = self._request_tick(req_context)
-        position_of = req_context.get_offload_key_position
-        for key, block in zip(keys, blocks):
-            if block is None:
-                continue
-            position = position_of(key)
-            if position is None:
+        tick = self._request_tick(req_context)  # the request's rank starts here, whatever it accessed
+        if blocks.count(None) == len(blocks):
+            return  # a store offer of new keys: insert ranks them
+        ranked: dict[OffloadKey, Block] | None = None
+        for key, block, position in zip(keys, blocks, positions):
+            if block is None or position is None:
                 continue
             # Raise only: (tick, -position) against the block's rank.
             current = block.position
@@ -141,16 +155,48 @@ class LRUCachePolicy:
                 continue
             if current is not None:
                 self._leave_request(key, block)
-            self._join_request(key, block, tick, position)
+            if ranked is None:
+                ranked = self._request_keys(tick)
+            ranked[key] = block
+            block.rank = tick
+            block.position = position
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         del keys  # LRU keeps no history of evicted keys
 
     def on_request_finished(
-        self, keys: Sequence[OffloadKey], insertion_only: Container[OffloadKey], reused: Container[OffloadKey]
+        self,
+        keys: Sequence[OffloadKey],
+        insertion_only: Container[OffloadKey],
+        reused: Container[OffloadKey],
+        req_context: ReqContext,
     ) -> None:
         del insertion_only, reused  # every access counts the same in LRU
-        self._refresh(reversed(keys))
+        state = req_context.get_state(_RequestTick)
+        request_tick = state.tick if state is not None and state.owner is self and state.generation == self._generation else None
+        ranked = self._requests.pop(request_tick, None) if request_tick is not None else None
+        if not ranked:
+            self._refresh(reversed(keys))
+            return
+        # _refresh, with the request's own blocks released from its ranking in bulk.
+        order = self._order
+        get, move_to_end = order.get, order.move_to_end
+        tick = self._tick
+        for key in reversed(keys):
+            block = get(key)
+            if block is not None:
+                if block.position is not None:
+                    if key in ranked:
+                        block.position = None
+                    else:
+                        self._leave_request(key, block)  # ranked since by a later request
+                tick += 1
+                block.rank = tick
+                move_to_end(key)
+        self._tick = tick
+        left = {key: block for key, block in ranked.items() if block.position is not None}
+        if left and request_tick is not None:  # stored after the request's record was replaced: still ranked by it
+            self._requests[request_tick] = left
 
     def _in_rank_order(self) -> Iterator[tuple[OffloadKey, Block]]:
         """Every cached key with its block, lowest rank (the next to evict) first."""
@@ -174,13 +220,28 @@ class LRUCachePolicy:
         if n <= 0:
             return []
         victims: list[OffloadKey] = []
-        for key, block in self._order.items() if not self._requests else self._in_rank_order():
-            if block.ref_cnt == 0 and key not in protected:
+        requests = self._requests
+        # The blocks ranked by a tick alone, least recent first (a running request's blocks are skipped here).
+        last_rank = 0
+        for key, block in self._order.items():
+            if block.ref_cnt == 0 and key not in protected and block.position is None:
                 victims.append(key)
                 if len(victims) == n:
+                    last_rank = block.rank
                     break
         else:
-            return None
+            if not requests:
+                return None
+        if requests and (len(victims) < n or last_rank > min(requests)):
+            # A running request ranks below some of them: walk both in rank order.
+            victims = []
+            for key, block in self._in_rank_order():
+                if block.ref_cnt == 0 and key not in protected:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            else:
+                return None
         pop = self._order.pop
         for key in victims:
             block = pop(key)
