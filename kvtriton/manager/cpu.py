@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable, KeysView, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, KeysView, Mapping, Sequence
 from typing import NamedTuple, NoReturn, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
@@ -31,6 +31,7 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 _DISTINCT = (set, frozenset, KeysView)
 _R = TypeVar("_R")
 _NOTHING: frozenset[OffloadKey] = frozenset()
+_NO_POSITIONS: Mapping[OffloadKey, int | None] = {}
 
 
 class StoredSlots(NamedTuple):
@@ -64,9 +65,9 @@ def _request_hooks(policy: CachePolicy) -> _RequestHooks:
         del keys, blocks, positions, req_context
 
     def finished(
-        keys: Sequence[OffloadKey], insertion_only: Container[OffloadKey], reused: Container[OffloadKey], req_context: ReqContext
+        keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], req_context: ReqContext
     ) -> None:
-        del insertion_only, reused, req_context
+        del inserted, reused, req_context
         touch(keys)
 
     return _RequestHooks(access, touch, finished)
@@ -254,10 +255,7 @@ class CPUOffloadingManager(OffloadingManager):
             # vLLM reads the positions at the end; a key without one when first seen may have one now.
             position_of = req_context.get_offload_key_position
             positions = [found if found is not None else position_of(key) for key, found in zip(keys, positions)]
-        inserted, reused = access.inserted, access.reused
-        self._hooks.on_request_finished(
-            head_to_tail(keys, positions), inserted - reused if reused else inserted, reused, req_context
-        )
+        self._hooks.on_request_finished(head_to_tail(keys, positions), access.inserted, access.reused, req_context)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -408,15 +406,8 @@ class CPUOffloadingManager(OffloadingManager):
         sizes = self.allocation_sizes
         if sizes is not None:
             sizes.append(len(new_keys))
-        recorded_positions = access.positions
-        if access.finished:
-            positions = list(map(req_context.get_offload_key_position, new_keys))
-        else:
-            positions = list(map(recorded_positions.__getitem__, new_keys))  # every new key was just recorded
-            if None in positions:
-                # vLLM reads a position when it inserts; one unknown when first seen may be known now.
-                position_of = req_context.get_offload_key_position
-                positions = [found if found is not None else position_of(key) for key, found in zip(new_keys, positions)]
+        # Positions the record read (none after the request finished: the policy asks the context).
+        positions: Mapping[OffloadKey, int | None] = access.positions if not access.finished else _NO_POSITIONS
         output = self._store(new_keys, positions, cached, req_context)
         if output is not None:
             access.inserted.update(new_keys)
@@ -425,7 +416,7 @@ class CPUOffloadingManager(OffloadingManager):
     def _store(
         self,
         new_keys: list[OffloadKey],
-        positions: list[int | None],
+        positions: Mapping[OffloadKey, int | None],
         cached: Container[OffloadKey],
         req_context: ReqContext,
     ) -> StoredSlots | None:

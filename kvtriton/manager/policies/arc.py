@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtriton.keys import OffloadKey
@@ -73,7 +73,11 @@ class ARCCachePolicy:
         return block if block is not None else self._t2.get(key)
 
     def insert(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Mapping[OffloadKey, int | None],
+        req_context: ReqContext,
     ) -> None:
         del positions, req_context  # ARC ranks by arrival alone
         t1 = self._t1
@@ -144,7 +148,7 @@ class ARCCachePolicy:
     def on_request_finished(
         self,
         keys: Sequence[OffloadKey],
-        insertion_only: Container[OffloadKey],
+        inserted: Container[OffloadKey],
         reused: Container[OffloadKey],
         req_context: ReqContext,
     ) -> None:
@@ -152,17 +156,20 @@ class ARCCachePolicy:
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):
-            if key in insertion_only:
+            if key in reused:
+                # One reuse per request: refreshed in T2, or T1 -> T2. T2 is
+                # asked first: most reused keys were reused before, and T1
+                # and T2 never share a key.
+                if key in t2:
+                    t2_move(key)
+                else:
+                    block = t1_pop(key, None)
+                    if block is not None:
+                        t2[key] = block
+            elif key in inserted:
                 # A store is not a use: recency only, in whichever list holds it.
                 if key in t1:
                     t1_move(key)
-                elif key in t2:
-                    t2_move(key)
-            elif key in reused:
-                # One reuse per request: T1 -> T2, or refreshed in T2.
-                block = t1_pop(key, None)
-                if block is not None:
-                    t2[key] = block
                 elif key in t2:
                     t2_move(key)
 

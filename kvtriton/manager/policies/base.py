@@ -8,7 +8,7 @@ so a policy ranks blocks exactly as vLLM's does when given the same calls.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
@@ -25,21 +25,23 @@ class Block:
 
     ``ref_cnt`` is ``PENDING`` (-1) while the store is in flight, 0 when the
     block is ready and idle (the only evictable state), and ``n > 0`` while
-    ``n`` loads read it. ``rank`` and ``position`` are the LRU policy's
-    (``kvtriton.manager.policies.lru``): the tick of the block's last use and,
-    while a running request ranks it, its token position in that request.
-    A plain slotted class rather than a dataclass: the manager creates one
-    per stored block and reads ``ref_cnt`` in every hot loop, so it stays as
-    cheap as Python allows.
+    ``n`` loads read it. ``rank`` and ``position`` belong to the LRU policy
+    (``kvtriton.manager.policies.lru``), which sets them when it inserts the
+    block: the tick of the block's last use and, while a running request
+    ranks it, its token position in that request. A plain slotted class
+    rather than a dataclass: the manager creates one per stored block and
+    reads ``ref_cnt`` in every hot loop, so it stays as cheap as Python
+    allows (the constructor sets only what every policy reads).
     """
 
     __slots__ = ("slot", "ref_cnt", "rank", "position")
 
+    rank: int
+    position: int | None
+
     def __init__(self, slot: int, ref_cnt: int = PENDING) -> None:
         self.slot = slot
         self.ref_cnt = ref_cnt
-        self.rank = 0
-        self.position: int | None = None
 
     def __repr__(self) -> str:
         return f"Block(slot={self.slot}, ref_cnt={self.ref_cnt})"
@@ -65,14 +67,15 @@ class CachePolicy(Protocol):
         self,
         keys: Sequence[OffloadKey],
         blocks: Sequence[Block],
-        positions: Sequence[int | None],
+        positions: Mapping[OffloadKey, int | None],
         req_context: ReqContext,
     ) -> None:
         """Start tracking newly allocated (pending) blocks, ``keys[i]`` -> ``blocks[i]``, stored for ``req_context``.
 
-        One call per ``prepare_store``, keys in offer order; ``positions[i]``
-        is ``keys[i]``'s token position in the request (None when unknown).
-        Without positions the first key is the least recent, as in vLLM 0.33.
+        One call per ``prepare_store``, keys in offer order. ``positions``
+        holds the token positions the request's record read for its keys
+        (a key missing or None there: ask ``req_context``). Without positions
+        the first key is the least recent, as in vLLM 0.33.
         """
         ...
 
@@ -136,15 +139,16 @@ class RequestAwarePolicy(CachePolicy, Protocol):
     def on_request_finished(
         self,
         keys: Sequence[OffloadKey],
-        insertion_only: Container[OffloadKey],
+        inserted: Container[OffloadKey],
         reused: Container[OffloadKey],
         req_context: ReqContext,
     ) -> None:
         """Commit one finished request's access: ``keys`` head to tail (the head ends most recent).
 
         ``reused`` keys were ready before the request used them (one use
-        each, for a frequency policy); ``insertion_only`` keys were stored
-        by it and not reused (not a use); keys in neither (refused stores)
-        only move within their list.
+        each, for a frequency policy); ``inserted`` keys were stored by it,
+        which is not a use unless the key is also in ``reused`` (vLLM's
+        insertion-only keys are ``inserted - reused``); keys in neither
+        (refused stores) only move within their list.
         """
         ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtriton.keys import OffloadKey
@@ -87,27 +87,32 @@ class LRUCachePolicy:
         return self._order.get(key)
 
     def insert(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Mapping[OffloadKey, int | None],
+        req_context: ReqContext,
     ) -> None:
         order = self._order
+        ranked: dict[OffloadKey, Block] | None = None
+        request_tick = 0
+        get = positions.get
         for key, block in zip(keys, blocks):
             order[key] = block
-        if None not in positions:
-            # The usual store: the request's blocks, ranked at its tick by position.
-            tick = self._request_tick(req_context)
-            self._request_keys(tick).update(zip(keys, blocks))
-            for block, position in zip(blocks, positions):
-                block.rank = tick
-                block.position = position
-            return
-        for key, block, position in zip(keys, blocks, positions):
+            position = get(key)
+            if position is None:
+                # vLLM reads a position when it inserts: one unknown when first seen may be known now.
+                position = req_context.get_offload_key_position(key)
             if position is None:
                 self._tick += 1
                 block.rank = self._tick
+                block.position = None
             else:
-                tick = self._request_tick(req_context)
-                self._request_keys(tick)[key] = block
-                block.rank = tick
+                if ranked is None:
+                    request_tick = self._request_tick(req_context)
+                    ranked = self._request_keys(request_tick)
+                ranked[key] = block
+                block.rank = request_tick
                 block.position = position
 
     def remove(self, key: OffloadKey) -> None:
@@ -167,11 +172,11 @@ class LRUCachePolicy:
     def on_request_finished(
         self,
         keys: Sequence[OffloadKey],
-        insertion_only: Container[OffloadKey],
+        inserted: Container[OffloadKey],
         reused: Container[OffloadKey],
         req_context: ReqContext,
     ) -> None:
-        del insertion_only, reused  # every access counts the same in LRU
+        del inserted, reused  # every access counts the same in LRU
         state = req_context.get_state(_RequestTick)
         request_tick = state.tick if state is not None and state.owner is self and state.generation == self._generation else None
         ranked = self._requests.pop(request_tick, None) if request_tick is not None else None
