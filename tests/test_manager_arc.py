@@ -25,7 +25,7 @@ def arc_with(capacity: int, *ids: int, ref_cnt: int = 0) -> ARCCachePolicy:
     """An ARC whose T1 holds ``ids`` inserted one by one (the first least recent)."""
     policy = ARCCachePolicy(capacity)
     for slot, i in enumerate(ids):
-        policy.insert(ks(i), [Block(slot, ref_cnt)], [None], CTX)
+        policy.insert(ks(i), [Block(slot, ref_cnt)], {}, CTX)
     return policy
 
 
@@ -36,7 +36,7 @@ def state(t1: tuple[int, ...] = (), t2: tuple[int, ...] = (), b1: tuple[int, ...
 def test_arc_insert_goes_to_the_recent_end_of_t1_in_offer_order() -> None:
     # vLLM 0.33's ARC inserts a batch key by key: the first key is the least recent.
     policy = arc_with(8, 0)
-    policy.insert(ks(1, 2), [Block(1), Block(2)], [None, None], CTX)
+    policy.insert(ks(1, 2), [Block(1), Block(2)], {}, CTX)
     assert policy.state() == state(t1=(0, 1, 2))
 
 
@@ -45,7 +45,7 @@ def test_arc_insert_removes_the_key_from_the_ghost_lists() -> None:
     policy.touch(ks(1))  # k1 -> T2
     assert policy.evict(2, protected=NONE) == list(ks(0, 1))
     assert policy.state() == state(b1=(0,), b2=(1,))
-    policy.insert(ks(0, 1), [Block(0), Block(1)], [None, None], CTX)
+    policy.insert(ks(0, 1), [Block(0), Block(1)], {}, CTX)
     assert policy.state() == state(t1=(0, 1))
 
 
@@ -92,7 +92,7 @@ def test_arc_ghost_hit_in_b2_lowers_the_target_floored_at_zero() -> None:
     policy = arc_with(4, 0, 1, 2)
     policy.touch(ks(0, 1, 2))  # all in T2
     policy.evict(1, protected=NONE)  # T1 empty -> T2's oldest k2 -> B2
-    policy.insert(ks(7), [Block(7, 0)], [None], CTX)
+    policy.insert(ks(7), [Block(7, 0)], {}, CTX)
     policy.evict(1, protected=NONE)  # k7 from T1 -> B1
     assert policy.state() == state(t2=(1, 0), b1=(7,), b2=(2,))
     policy.touch(ks(7))  # target 1
@@ -148,7 +148,7 @@ def test_arc_evict_is_atomic_and_skips_busy_keys() -> None:
 def test_arc_ghost_lists_are_trimmed_to_capacity() -> None:
     policy = arc_with(2, 0, 1)
     policy.evict(2, protected=NONE)
-    policy.insert(ks(2, 3), [Block(2, 0), Block(3, 0)], [None, None], CTX)  # T1 = k2, k3
+    policy.insert(ks(2, 3), [Block(2, 0), Block(3, 0)], {}, CTX)  # T1 = k2, k3
     policy.evict(1, protected=NONE)
     assert policy.state() == state(t1=(3,), b1=(1, 2))
 

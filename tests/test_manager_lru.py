@@ -38,7 +38,7 @@ def lru_with(*ids: int) -> LRUCachePolicy:
     """An LRU holding ready blocks ``ids`` stored one by one without positions (the first least recent)."""
     policy = LRUCachePolicy(8)
     for slot, i in enumerate(ids):
-        policy.insert(ks(i), [Block(slot, 0)], [None], CTX)
+        policy.insert(ks(i), [Block(slot, 0)], {}, CTX)
     return policy
 
 
@@ -66,7 +66,7 @@ def load(manager: CPUOffloadingManager, context: ReqContext, keys: list[OffloadK
 
 def test_rule1_without_positions_a_batch_ranks_in_offer_order_the_first_least_recent() -> None:
     policy = lru_with(0)
-    policy.insert(ks(1, 2), [Block(1), Block(2)], [None, None], CTX)
+    policy.insert(ks(1, 2), [Block(1), Block(2)], {}, CTX)
     assert policy.ordered_keys() == ks(0, 1, 2)
 
 

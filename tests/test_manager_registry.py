@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 
 import pytest
 
@@ -32,7 +32,7 @@ class NewestFirst:
         return self.blocks.get(key)
 
     def insert(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Mapping[OffloadKey, int | None], req_context: ReqContext
     ) -> None:
         del positions, req_context
         self.blocks.update(zip(keys, blocks))

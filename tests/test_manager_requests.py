@@ -7,7 +7,7 @@ scenarios as vLLM 0.33's tests state them, and policies without the hooks.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import pytest
 
@@ -194,7 +194,7 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
             return self.lru.get(key)
 
         def insert(
-            self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Sequence[int | None], req_context: ReqContext
+            self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Mapping[OffloadKey, int | None], req_context: ReqContext
         ) -> None:
             self.lru.insert(keys, blocks, positions, req_context)
 
