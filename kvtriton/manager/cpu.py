@@ -48,7 +48,8 @@ class StoredSlots(NamedTuple):
 class _RequestHooks(NamedTuple):
     """The policy's request-scoped calls, or vLLM's defaults for a policy without them."""
 
-    on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None]
+    on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None] | None
+    """None when the policy ranks nothing while a request runs (ARC): the manager skips the call."""
     on_store_miss: Callable[[Sequence[OffloadKey]], None]
     on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], ReqContext], None]
 
@@ -56,13 +57,9 @@ class _RequestHooks(NamedTuple):
 def _request_hooks(policy: CachePolicy) -> _RequestHooks:
     """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
     if isinstance(policy, RequestAwarePolicy):
-        return _RequestHooks(policy.on_request_access, policy.on_store_miss, policy.on_request_finished)
+        access = None if getattr(policy, "ranks_at_finish_only", False) else policy.on_request_access
+        return _RequestHooks(access, policy.on_store_miss, policy.on_request_finished)
     touch = policy.touch
-
-    def access(
-        keys: Sequence[OffloadKey], blocks: Sequence[Block | None], positions: Sequence[int | None], req_context: ReqContext
-    ) -> None:
-        del keys, blocks, positions, req_context
 
     def finished(
         keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], req_context: ReqContext
@@ -70,7 +67,7 @@ def _request_hooks(policy: CachePolicy) -> _RequestHooks:
         del inserted, reused, req_context
         touch(keys)
 
-    return _RequestHooks(access, touch, finished)
+    return _RequestHooks(None, touch, finished)
 
 
 def _refuse_non_bytes(keys: Sequence[object]) -> NoReturn:
@@ -226,15 +223,20 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _observe(
         self, access: RequestAccess, keys: list[OffloadKey], blocks: list[Block | None], req_context: ReqContext
-    ) -> None:
-        """Record the keys the request sees for the first time and let the policy rank them."""
+    ) -> list[OffloadKey] | None:
+        """Record the keys the request sees for the first time and let the policy rank them; return them.
+
+        None when the request has finished (nothing is recorded then).
+        """
         if access.finished:
-            return  # committed at the request's end; a later access is not the request's
+            return None  # committed at the request's end; a later access is not the request's
         new, positions = access.observe(keys, req_context.get_offload_key_position)
-        if new:
+        on_access = self._hooks.on_request_access
+        if new and on_access is not None:
             if new is not keys:
                 blocks = list(map(self._blocks.get, new))
-            self._hooks.on_request_access(new, blocks, positions, req_context)
+            on_access(new, blocks, positions, req_context)
+        return new
 
     @override
     def on_new_request(self, req_context: ReqContext) -> None:
@@ -295,7 +297,9 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt = count + 1
         self._num_loading += newly_loading
         self._loads += len(got)
-        access = self._access(req_context)
+        access = req_context.get_state(RequestAccess)  # _access, inlined: one call per load
+        if access is None or access.owner is not self or access.generation != self._generation:
+            access = self._access(req_context)
         self._observe(access, loaded, got, req_context)
         # A key this request inserted is read back by the tiers (a cascade), not reused.
         inserted = access.inserted
@@ -365,15 +369,18 @@ class CPUOffloadingManager(OffloadingManager):
         """:meth:`prepare_store`, answering plain lists (an adapter builds its own output types from them)."""
         offered = keys if isinstance(keys, list) else list(keys)
         got = list(map(self._blocks.get, offered))
-        access = self._access(req_context)
+        access = req_context.get_state(RequestAccess)  # _access, inlined: one call per store
+        if access is None or access.owner is not self or access.generation != self._generation:
+            access = self._access(req_context)
         if got.count(None) == len(got):
             # The usual offer: chunks nobody stored yet, all recorded and all to store.
-            recorded, recorded_blocks = offered, got
+            recorded: list[OffloadKey] = []  # recorded here, first
+            recorded_blocks: list[Block | None] = []
             new_keys = offered
-            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-                distinct = dict.fromkeys(new_keys)
-                if len(distinct) != len(new_keys):
-                    new_keys = list(distinct)
+            if self._observe(access, offered, got, req_context) is not offered and len(offered) > 1:
+                # Not all new to the request, or named twice: the record cannot prove the offer distinct.
+                if not isinstance(keys, _DISTINCT):
+                    new_keys = list(dict.fromkeys(offered))
             ready: list[OffloadKey] = []
             cached: Container[OffloadKey] = _NOTHING
         else:
@@ -391,7 +398,11 @@ class CPUOffloadingManager(OffloadingManager):
             except TypeError:
                 _refuse_non_bytes(new_keys)
             store_missed = access.store_missed
-            misses = new_keys if not store_missed else [key for key in new_keys if key not in store_missed]
+            misses = (
+                new_keys
+                if not store_missed or store_missed.isdisjoint(new_keys)
+                else [key for key in new_keys if key not in store_missed]
+            )
             if misses:
                 # ARC learns from B1/B2 before insert removes the ghost entries; once per key and request.
                 self._hooks.on_store_miss(misses)

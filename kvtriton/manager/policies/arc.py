@@ -58,7 +58,10 @@ class ARCCachePolicy:
     recent). ``touch`` (kvtriton's and vLLM's direct API) counts a use at once.
     """
 
-    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2")
+    __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2", "_ghost_free")
+
+    ranks_at_finish_only = True
+    """A running request's accesses change nothing until it finishes: the manager skips ``on_request_access``."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -67,6 +70,10 @@ class ARCCachePolicy:
         self._t2: OrderedDict[OffloadKey, Block] = OrderedDict()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        # The keys on_store_miss last found in no ghost list: the insert that
+        # follows it (same list; the eviction between them only adds cached
+        # keys to the ghost lists) need not look again.
+        self._ghost_free: Sequence[OffloadKey] | None = None
 
     def get(self, key: OffloadKey) -> Block | None:
         block = self._t1.get(key)
@@ -85,6 +92,9 @@ class ARCCachePolicy:
         # generic mapping update, which is slower for a batch this size.
         for key, block in zip(keys, blocks):
             t1[key] = block
+        if keys is self._ghost_free:
+            self._ghost_free = None
+            return
         # A stored key is no longer a ghost. The view intersections run in C
         # and are almost always empty.
         for ghost in (self._b1, self._b2):
@@ -137,11 +147,11 @@ class ARCCachePolicy:
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
-        if not b1 and not b2:
-            return
         # Most stored keys were never evicted: find the ghosts at C speed first.
-        if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+        if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
+            self._ghost_free = keys
             return
+        self._ghost_free = None
         for key in reversed(keys):
             self._adapt_to_ghost(key)
 
@@ -216,6 +226,7 @@ class ARCCachePolicy:
         self._b1.clear()
         self._b2.clear()
         self._target = 0.0
+        self._ghost_free = None
 
     @property
     def target_t1(self) -> float:
