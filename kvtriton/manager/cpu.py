@@ -121,6 +121,11 @@ class CPUOffloadingManager(OffloadingManager):
         # Block objects in its own order; lookups and state changes go
         # through this plain dict and never call into the policy.
         self._blocks: dict[OffloadKey, Block] = {}
+        # One Block per slot, made when the slot is first handed out and
+        # reused for every key stored in it: a key leaves every structure
+        # (this index, the policy) before its slot is handed out again, and
+        # resetting a record is a third of the cost of making one.
+        self._slot_blocks: list[Block] = []
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._num_pending = 0
         self._num_loading = 0
@@ -456,7 +461,12 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(OffloadingEvent(keys=list(evicted), medium=_MEDIUM, removed=True))
 
         slots = pool.allocate(len(new_keys))
-        made = list(map(Block, slots))
+        slot_blocks = self._slot_blocks
+        if max(slots) >= len(slot_blocks):  # slots handed out for the first time (in increasing order)
+            slot_blocks.extend(map(Block, range(len(slot_blocks), max(slots) + 1)))
+        made = list(map(slot_blocks.__getitem__, slots))
+        for block in made:
+            block.ref_cnt = PENDING
         blocks.update(zip(new_keys, made))
         self._policy.insert(new_keys, made, positions, req_context)
         self._num_pending += len(new_keys)
