@@ -476,8 +476,8 @@ class _Row:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quick: bool = args.quick
-    # A smoke run never overwrites a measured result.
-    name: str = f"{args.name}-quick" if quick else args.name
+    # A smoke run never overwrites a measured result (`kvtriton bench` already names it <name>-quick).
+    name: str = f"{args.name}-quick" if quick and not args.name.endswith("-quick") else args.name
     repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
     capacity: int = args.slots
     inflight: int = args.inflight
