@@ -120,3 +120,26 @@ def test_a_running_requests_store_batches_evict_what_vllms_own_manager_evicts(
     assert ours == vllms
     if policy == "lru":
         assert ours == [[], [prompt[1]], [prompt[3], prompt[2]]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_pins_of_cascades_and_loads_stack_and_only_the_last_release_makes_a_chunk_evictable(
+    managers: list[OffloadingManager], policy: str
+) -> None:
+    # vLLM's pin-count-during-cascade scenario, through evictions: two secondary tiers read chunk A while
+    # the GPU loads it; A stays until every pin is released, and the reads never make it recent.
+    primary = kvtriton_tiered(managers, policy, slots=2).primary_tier
+    assert isinstance(primary, KVTritonPrimaryTier)
+    writer = request("writer", A, B)
+    assert store(primary, writer, [A, B]) == []
+    tiers = ReqContext(req_id="writer")
+    primary.prepare_read([A], tiers)
+    primary.prepare_read([A], tiers)
+    reader = request("reader", A)
+    primary.prepare_load([A], reader)
+    assert store(primary, request("c", C), [C]) == [B]  # A is pinned three times
+    primary.complete_read([A], tiers)
+    primary.complete_load([A], reader)
+    assert store(primary, request("d", D), [D]) == [C]  # one read still pins A
+    primary.complete_read([A], tiers)
+    assert store(primary, request("e", E), [E]) == [A]  # unpinned, and never made recent by the reads
