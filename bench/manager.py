@@ -1,8 +1,9 @@
-"""Scheduler-side throughput: kvtriton's manager against vLLM 0.33's, on the call pattern vLLM makes.
+"""Scheduler-side throughput: kvtriton's manager through its vLLM adapter against vLLM 0.33's, in vLLM's call order.
 
-Headline (needs vLLM): the four workloads of ``kvtriton.tools.workloads.VLLM_ORDER_WORKLOADS``,
-each replayed in vLLM's call order (``kvtriton.tools.vllm_order``: step by
-step, request hooks, token positions, no ``touch``) through vLLM's
+Headline (needs vLLM): the four workloads of ``kvtriton.tools.workloads.VLLM_ORDER_WORKLOADS``
+(system prompts, multi-turn chat, a few-shot prefix tree, a hot set with
+scans), each replayed in vLLM's call order (``kvtriton.tools.vllm_order``:
+step by step, request hooks, token positions, no ``touch``) through vLLM's
 ``CPUOffloadingManager`` and through kvtriton's manager behind its vLLM adapter
 (what a vLLM user runs), at ``--capacity-fraction`` of each trace's distinct
 prompt blocks. Each round builds fresh managers and contexts, collects and
@@ -10,34 +11,30 @@ freezes the GC heap (vLLM's engine freezes its heap at start), then times one
 replay per implementation, alternating which goes first; the table gives the
 median blocks/s over ``--rounds`` rounds with the range, and the ratio of the
 medians. The driver loop is the same code for both and counts in both.
+``--hit-rates`` prints the block hit rates of both, in the same call order, at
+5 %, 10 % and 20 % of each trace's distinct prompt blocks instead.
 
-Second table: the direct-call replay below (kvtriton's own API with ``touch``),
-the figures kept from before the headline existed.
+Second table: direct calls, kvtriton's own API with ``touch``, on the
+``prefix-sharing`` workload (``kvtriton.tools.workloads``: each request starts
+with part of a shared prefix chosen with Zipf popularity and ends with blocks
+no other request has), replayed by ``kvtriton.tools.replay.replay_calls`` in
+an engine's order: lookup until the first miss, prepare_load the hits, touch
+all keys, prepare_store the rest; ``complete_load`` / ``complete_store``
+arrive ``--inflight`` requests later. ``kvtriton simulate --workload
+prefix-sharing --in-flight 5`` replays the very trace and call order, at any
+capacity. The ``--requests`` ... ``--inflight`` options shape this table only.
+It prints blocks per second (best of ``--repeats``) and hit rate per policy,
+for kvtriton alone, vLLM's manager (with its request hooks; ``--vllm-touch``
+adds the ``touch`` its connector no longer makes) and kvtriton through the
+adapter.
 
-
-The trace is kvtriton's built-in ``prefix-sharing`` workload
-(``kvtriton.tools.workloads``): each request starts with part of a shared prefix
-(system prompts, few-shot examples, earlier turns) chosen with Zipf
-popularity, and ends with blocks no other request has. It is replayed by
-``kvtriton.tools.replay.replay_calls``, in the order a serving engine calls the
-manager: lookup until the first miss, prepare_load the hits, touch all keys,
-prepare_store the rest; ``complete_load`` / ``complete_store`` arrive
-``--inflight`` requests later, as transfer jobs finish. So
-``kvtriton simulate --workload prefix-sharing --in-flight 5`` replays the very
-trace and call order measured here, at any capacity.
-
-Prints blocks per second (trace blocks / replay seconds, best of
-``--repeats``) and hit rate (blocks loaded from the cache / trace blocks) per
-policy. When vLLM is importable, the same trace also runs through vLLM's
-``CPUOffloadingManager`` in the same process, and the ratio is printed. vLLM
-0.33 keeps its recency in per-request hooks (``on_new_request`` /
-``on_request_finished``, with token positions recorded in its ``ReqContext``
-by the scheduler), so its replay makes those calls too; ``--vllm-touch`` adds
-the ``touch`` call its connector no longer makes.
+``--quick`` is a smoke run: small traces, one round / replay, figures that
+only show the command works (no goal is judged on them), written to
+``<name>-quick.json``, never over the measured results.
 
     python -m bench.manager                         # both tables, a few minutes here
-    python -m bench.manager --quick                 # small traces, one round / replay
-    python -m bench.manager --requests 20000 --slots 16384
+    python -m bench.manager --hit-rates             # the hit-rate table
+    python -m bench.manager --quick                 # smoke run -> bench/results/manager-quick.json
 """
 
 from __future__ import annotations
@@ -427,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke run: {QUICK_REQUESTS} requests and one replay, unless --requests / --repeats say otherwise",
+        help=f"smoke run: {QUICK_REQUESTS} requests, {QUICK_HEADLINE_REQUESTS} per headline trace and one round / replay"
+        " unless told otherwise; its figures judge nothing and go to <name>-quick.json",
     )
     parser.add_argument(
         "--policies", nargs="+", default=policy_names(), choices=policy_names(), help="policies to run (default: all)"
@@ -478,6 +476,8 @@ class _Row:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quick: bool = args.quick
+    # A smoke run never overwrites a measured result (`kvtriton bench` already names it <name>-quick).
+    name: str = f"{args.name}-quick" if quick and not args.name.endswith("-quick") else args.name
     repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
     capacity: int = args.slots
     inflight: int = args.inflight
@@ -505,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         headers, table_rows = hit_rate_table(vllm, args.workloads, HIT_RATE_BLOCK_TOKENS)
         print(format_table(headers, table_rows))
         path = write_json(
-            f"{args.name}_hit_rates",
+            f"{name}_hit_rates",
             {
                 "benchmark": "manager hit rates",
                 "command": " ".join(["python -m bench.manager", *(argv if argv is not None else sys.argv[1:])]),
@@ -525,6 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if isinstance(vllm, str):
         print(f"vLLM not importable ({vllm}); measuring kvtriton alone")
+    if quick:
+        print("SMOKE RUN (--quick): small traces, one round; the figures only show that the benchmark runs, not its results")
 
     rounds: int = args.rounds if args.rounds is not None else 1 if quick else HEADLINE_ROUNDS
     fraction: float = args.capacity_fraction
@@ -591,9 +593,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return {**asdict(result), "blocks_per_s": result.blocks_per_s, "hit_rate": result.hit_rate}
 
     path = write_json(
-        args.name,
+        name,
         {
             "benchmark": "manager",
+            "smoke_run": quick,
             "command": " ".join(["python -m bench.manager", *(argv if argv is not None else sys.argv[1:])]),
             "trace": {"workload": WORKLOAD, "seed": seed, "block_size": BLOCK_TOKENS, **asdict(params)},
             "simulate": simulate,

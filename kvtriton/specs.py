@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Union
+from typing import Any, ClassVar, TypeVar, Union
 
 import numpy as np
 from numpy.typing import NDArray
 
 from kvtriton.keys import OffloadKey
-
-if TYPE_CHECKING:
-    from kvtriton.manager.request_access import RequestAccess
 
 __all__ = [
     "CPULoadStoreSpec",
@@ -31,6 +28,8 @@ __all__ = [
     "PrepareStoreOutput",
     "ReqContext",
 ]
+
+_T = TypeVar("_T")
 
 BlockIds = Union[Collection[int], NDArray[np.integer]]
 """Anything that holds block ids: a list, tuple, range, set view or numpy array."""
@@ -47,24 +46,24 @@ class LookupResult(enum.Enum):
 
 @dataclass
 class ReqContext:
-    """The request a manager call is made for (vLLM passes its own context).
+    """The request a manager call is made for (vLLM passes its own ``ReqContext``, which has the same methods).
 
     Besides the request's id and transfer parameters it carries the token
     position of each of the request's keys, as vLLM 0.33's scheduler records
-    them: the end token of the block (or chunk) a key names. A manager that
-    tracks the request (after ``on_new_request``) ranks the request's keys by
-    these positions when the request finishes, head first. ``position_of``,
-    when set, answers instead of the positions recorded here (the vLLM
-    adapter points it at vLLM's own context, so nothing is copied).
+    them: the end token of the block (or chunk) a key names. A manager ranks
+    the request's keys by these positions (``docs/manager.md``, "Recency").
+    ``get_state`` / ``set_state`` keep one value per type for whoever
+    handles the request (the manager keeps its record of the request there),
+    as vLLM's context does. A manager reads a context only through
+    ``get_offload_key_position``, ``get_state`` and ``set_state``, so vLLM's
+    own context can be passed in its place.
     """
 
     req_id: str = ""
     kv_transfer_params: Mapping[str, object] | None = None
-    position_of: Callable[[OffloadKey], int | None] | None = field(default=None, repr=False, compare=False)
     key_positions: dict[OffloadKey, int] = field(default_factory=lambda: {}, repr=False, compare=False)
     """End-token position per key, filled by :meth:`set_offload_key_position`."""
-    accesses: dict[object, RequestAccess] = field(default_factory=lambda: {}, repr=False, compare=False)
-    """What each manager tracking this request recorded about it, by manager (see ``on_new_request``)."""
+    _state: dict[type, Any] = field(default_factory=lambda: {}, repr=False, compare=False, init=False)
 
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
         """Record that ``key`` names the block ending at token ``end_token`` of this request."""
@@ -72,10 +71,15 @@ class ReqContext:
 
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         """The end-token position of ``key`` in this request, or ``None`` when unknown."""
-        position_of = self.position_of
-        if position_of is not None:
-            return position_of(key)
         return self.key_positions.get(key)
+
+    def set_state(self, value: object) -> None:
+        """Keep ``value`` for this request, replacing any earlier value of the same type."""
+        self._state[type(value)] = value
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        """The value of type ``cls`` kept by :meth:`set_state`, else ``None``."""
+        return self._state.get(cls)
 
 
 def _as_block_id_array(block_ids: BlockIds, name: str) -> NDArray[np.int64]:

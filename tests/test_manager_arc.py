@@ -25,7 +25,7 @@ def arc_with(capacity: int, *ids: int, ref_cnt: int = 0) -> ARCCachePolicy:
     """An ARC whose T1 holds ``ids`` inserted one by one (the first least recent)."""
     policy = ARCCachePolicy(capacity)
     for slot, i in enumerate(ids):
-        policy.insert(ks(i), [Block(slot, ref_cnt)])
+        policy.insert(ks(i), [Block(slot, ref_cnt)], {}, CTX)
     return policy
 
 
@@ -33,10 +33,11 @@ def state(t1: tuple[int, ...] = (), t2: tuple[int, ...] = (), b1: tuple[int, ...
     return ARCState(ks(*t1), ks(*t2), ks(*b1), ks(*b2), target)
 
 
-def test_arc_insert_goes_to_the_recent_end_of_t1_first_key_most_recent() -> None:
+def test_arc_insert_goes_to_the_recent_end_of_t1_in_offer_order() -> None:
+    # vLLM 0.33's ARC inserts a batch key by key: the first key is the least recent.
     policy = arc_with(8, 0)
-    policy.insert(ks(1, 2), [Block(1), Block(2)])
-    assert policy.state() == state(t1=(0, 2, 1))
+    policy.insert(ks(1, 2), [Block(1), Block(2)], {}, CTX)
+    assert policy.state() == state(t1=(0, 1, 2))
 
 
 def test_arc_insert_removes_the_key_from_the_ghost_lists() -> None:
@@ -44,8 +45,8 @@ def test_arc_insert_removes_the_key_from_the_ghost_lists() -> None:
     policy.touch(ks(1))  # k1 -> T2
     assert policy.evict(2, protected=NONE) == list(ks(0, 1))
     assert policy.state() == state(b1=(0,), b2=(1,))
-    policy.insert(ks(0, 1), [Block(0), Block(1)])
-    assert policy.state() == state(t1=(1, 0))
+    policy.insert(ks(0, 1), [Block(0), Block(1)], {}, CTX)
+    assert policy.state() == state(t1=(0, 1))
 
 
 def test_arc_touch_promotes_ready_t1_keys_and_refreshes_t2_keys() -> None:
@@ -91,7 +92,7 @@ def test_arc_ghost_hit_in_b2_lowers_the_target_floored_at_zero() -> None:
     policy = arc_with(4, 0, 1, 2)
     policy.touch(ks(0, 1, 2))  # all in T2
     policy.evict(1, protected=NONE)  # T1 empty -> T2's oldest k2 -> B2
-    policy.insert(ks(7), [Block(7, 0)])
+    policy.insert(ks(7), [Block(7, 0)], {}, CTX)
     policy.evict(1, protected=NONE)  # k7 from T1 -> B1
     assert policy.state() == state(t2=(1, 0), b1=(7,), b2=(2,))
     policy.touch(ks(7))  # target 1
@@ -147,9 +148,9 @@ def test_arc_evict_is_atomic_and_skips_busy_keys() -> None:
 def test_arc_ghost_lists_are_trimmed_to_capacity() -> None:
     policy = arc_with(2, 0, 1)
     policy.evict(2, protected=NONE)
-    policy.insert(ks(2, 3), [Block(2, 0), Block(3, 0)])  # T1 = k3, k2
+    policy.insert(ks(2, 3), [Block(2, 0), Block(3, 0)], {}, CTX)  # T1 = k2, k3
     policy.evict(1, protected=NONE)
-    assert policy.state() == state(t1=(2,), b1=(1, 3))
+    assert policy.state() == state(t1=(3,), b1=(1, 2))
 
 
 def test_arc_failed_store_is_removed_without_a_ghost() -> None:
@@ -186,3 +187,51 @@ def test_arc_manager_scenario_reuse_survives_a_scan() -> None:
     assert [manager.lookup(key, CTX).name for key in ks(0, 1, 14, 15)] == ["HIT"] * 4
     evicted = [event.keys for event in manager.take_events() if event.removed]
     assert evicted == [[key] for key in ks(10, 11, 12, 13)]
+
+
+def positioned(req_id: str, *ids: int) -> ReqContext:
+    context = ReqContext(req_id=req_id)
+    for index, i in enumerate(ids):
+        context.set_offload_key_position(k(i), 16 * (index + 1))
+    return context
+
+
+def test_arc_a_block_reused_by_a_finished_request_outlives_a_scan_as_vllms_t2() -> None:
+    # vLLM's T1 -> T2 scenario through its connector's calls (no touch), checked by evictions.
+    manager = CPUOffloadingManager(4, cache_policy="arc", enable_events=True)
+    writer = positioned("writer", 0, 1)
+    out = manager.prepare_store(list(ks(0, 1)), writer)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, writer)
+    manager.on_request_finished(writer)
+    reader = positioned("reader", 0)
+    manager.prepare_load([k(0)], reader)
+    manager.complete_load([k(0)], reader)
+    manager.on_request_finished(reader)  # k0's reuse counts here: T1 -> T2
+    for i in range(10, 15):
+        scan = positioned(f"scan{i}", i)
+        out = manager.prepare_store([k(i)], scan)
+        assert out is not None
+        manager.complete_store(out.keys_to_store, scan)
+        manager.on_request_finished(scan)
+    evicted = [key for event in manager.take_events() if event.removed for key in event.keys]
+    assert k(0) not in evicted and k(1) in evicted  # the block seen once went with the scan
+    assert manager.lookup(k(0), ReqContext()).name == "HIT"
+
+
+def test_arc_a_stored_block_is_not_a_reuse_and_a_retried_store_learns_from_its_ghost_once() -> None:
+    manager = CPUOffloadingManager(2, cache_policy="arc", enable_events=True)
+    first = positioned("first", 0, 1, 2)
+    for keys in ([k(0), k(1)], [k(2)]):
+        out = manager.prepare_store(keys, first)
+        assert out is not None
+        manager.complete_store(out.keys_to_store, first)
+    manager.on_request_finished(first)  # stores only: nothing moves to T2
+    policy = manager.policy
+    assert isinstance(policy, ARCCachePolicy)
+    assert policy.state().t2 == () and policy.state().b1 == ks(0)
+    again = positioned("again", 0)
+    out = manager.prepare_store([k(0)], again)  # a B1 ghost stored again: T1's target grows once
+    # The end of "first" ranked its keys head to tail in T1 (k1, its head, most recent): k2 goes.
+    assert out is not None and out.evicted_keys == [k(2)]
+    assert policy.target_t1 == 1.0

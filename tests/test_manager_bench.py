@@ -67,11 +67,23 @@ def test_quick_shortens_the_trace_and_replays_once_unless_told_otherwise(
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     small = ["--blocks-per-request", "4", "--prefix-blocks", "2", "--no-vllm", "--policies", "lru"]
     assert main([*small, "--quick", "--name", "q"]) == 0
-    record = json.loads((tmp_path / "q.json").read_text())
-    assert (record["trace"]["requests"], record["repeats"]) == (QUICK_REQUESTS, 1)
+    record = json.loads((tmp_path / "q-quick.json").read_text())
+    assert (record["trace"]["requests"], record["repeats"], record["smoke_run"]) == (QUICK_REQUESTS, 1, True)
     assert main([*small, "--quick", "--requests", "30", "--repeats", "2", "--name", "r"]) == 0
-    record = json.loads((tmp_path / "r.json").read_text())
+    record = json.loads((tmp_path / "r-quick.json").read_text())
     assert (record["trace"]["requests"], record["repeats"]) == (30, 2)
+    # A smoke run never writes the measured file.
+    assert not (tmp_path / "q.json").exists() and not (tmp_path / "r.json").exists()
+
+
+def test_a_quick_run_says_it_is_a_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    small = ["--blocks-per-request", "4", "--prefix-blocks", "2", "--no-vllm", "--policies", "lru", "--requests", "20"]
+    assert main([*small, "--quick", "--name", "s"]) == 0
+    assert "SMOKE RUN (--quick)" in capsys.readouterr().out
+    assert main([*small, "--name", "m"]) == 0
+    assert "SMOKE RUN" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "m.json").read_text())["smoke_run"] is False
 
 
 def test_bad_trace_shape_exits_naming_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

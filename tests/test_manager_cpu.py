@@ -283,10 +283,11 @@ def test_prepare_store_rule5_never_used_slots_go_before_freed_ones(policy: str) 
     manager.prepare_store(ks(3), CTX)
     manager.complete_store(ks(3), CTX, success=False)  # slot 3 freed, slot 4 never used
     assert slots(store(manager, ks(4, 5)).store_spec) == [4, 3]
-    # Full now. One call stores its keys first-key-most-recent, so the order
-    # is k2, k1, k0, k5, k4 (least recent first): k2 goes and slot 2 is reused.
+    # Full now. Without token positions a call's keys rank in offer order, the
+    # first least recent (vLLM 0.33's rule): k0, k1, k2, k4, k5, so k0 goes
+    # and slot 0 is reused.
     out = store(manager, ks(6))
-    assert (out.evicted_keys, slots(out.store_spec)) == (ks(2), [2])
+    assert (out.evicted_keys, slots(out.store_spec)) == (ks(0), [0])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -316,14 +317,40 @@ def test_complete_store_success_makes_pending_keys_ready_with_one_event(policy: 
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_complete_store_success_ignores_unknown_and_ready_keys(policy: str) -> None:
+@pytest.mark.parametrize("success", [True, False])
+@pytest.mark.parametrize(
+    ("named", "bad", "why"),
+    [
+        ((1, 9), 9, "is not cached"),  # never prepared
+        ((1, 0), 0, "is already stored"),  # completed before
+        ((1, 1), 1, "is named twice in one call"),
+    ],
+)
+def test_complete_store_of_a_key_without_a_store_in_flight_raises_naming_it_and_changes_nothing(
+    policy: str, success: bool, named: tuple[int, ...], bad: int, why: str
+) -> None:
+    # One rule with complete_load: the first bad key is named, nothing is completed.
     manager = make_manager(policy)
     store(manager, ks(0))
     manager.prepare_store(ks(1), CTX)
     manager.take_events()
-    manager.complete_store(ks(0, 1, 9), CTX)
+    before = manager.stats()
+    with pytest.raises(ValueError, match=re.escape(f"complete_store: key {k(bad)!r} {why}")):
+        manager.complete_store(ks(*named), CTX, success=success)
+    assert manager.stats() == before
+    assert lookups(manager, 0, 1) == [HIT, HIT_PENDING]
+    assert list(manager.take_events()) == []
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_complete_pending_stores_skips_keys_without_a_store_in_flight_as_vllm_does(policy: str) -> None:
+    manager = make_manager(policy)
+    store(manager, ks(0))
+    manager.prepare_store(ks(1), CTX)
+    manager.take_events()
+    manager.complete_pending_stores(ks(0, 1, 9), CTX)
     assert list(manager.take_events()) == [stored(1)]
-    manager.complete_store(ks(0, 1, 9), CTX)
+    manager.complete_pending_stores(ks(0, 1, 9), CTX)
     assert list(manager.take_events()) == []
     assert lookups(manager, 0, 1, 9) == [HIT, HIT, MISS]
 
@@ -334,7 +361,7 @@ def test_complete_store_failure_drops_pending_keys_and_frees_their_slots(policy:
     store(manager, ks(0))
     manager.prepare_store(ks(1, 2), CTX)
     manager.take_events()
-    manager.complete_store(ks(0, 1, 2), CTX, success=False)
+    manager.complete_store(ks(1, 2), CTX, success=False)
     assert lookups(manager, 0, 1, 2) == [HIT, MISS, MISS]
     assert list(manager.take_events()) == []
     assert manager.stats().used == 1
@@ -370,7 +397,8 @@ def test_prepare_load_of_a_key_not_ready_raises_naming_it_and_pins_nothing(polic
     assert manager.stats() == before
     assert before.loading == 0
     # Nothing was pinned: both ready blocks can still be evicted.
-    manager.complete_store(ks(2), CTX, success=False)
+    if bad == "pending":
+        manager.complete_store(ks(2), CTX, success=False)
     out = manager.prepare_store(ks(7, 8, 9), CTX)
     assert out is not None
     assert len(out.evicted_keys) == 2
@@ -450,8 +478,8 @@ def test_slot_list_answers_match_the_specs(policy: str) -> None:
         assert (stored.keys, stored.slots, stored.evicted) == (
             out.keys_to_store, out.store_spec.block_ids.tolist(), out.evicted_keys
         )
-        by_spec.complete_store(keys, CTX)
-        by_list.complete_store(keys, CTX)
+        by_spec.complete_store(out.keys_to_store, CTX)
+        by_list.complete_store(stored.keys, CTX)
     cached = [key for key in ks(0, 1, 2, 3, 4) if key in by_spec]
     assert cached == [key for key in ks(0, 1, 2, 3, 4) if key in by_list]
     spec = by_spec.prepare_load(cached, CTX)
@@ -490,7 +518,7 @@ def test_events_come_out_in_creation_order_and_the_queue_empties(policy: str) ->
     manager = make_manager(policy, num_blocks=2)
     store(manager, ks(0, 1))
     store(manager, ks(2))
-    assert list(manager.take_events()) == [stored(0, 1), removed(1), stored(2)]
+    assert list(manager.take_events()) == [stored(0, 1), removed(0), stored(2)]
     assert list(manager.take_events()) == []
 
 
@@ -536,8 +564,10 @@ def test_stats_snapshot_counts_occupancy_and_traffic(policy: str) -> None:
     lookups(manager, 0, 1, 2, 3)
     stats = manager.stats()
     assert stats == ManagerStats(
-        capacity=4, used=3, pending=1, loading=1, evictable=1, lookups=4, hits=2, pending_hits=1, evictions=0, stores=3
+        capacity=4, used=3, pending=1, loading=1, evictable=1, lookups=4, hits=2, pending_hits=1, evictions=0, stores=3,
+        loads=1,
     )
+    assert stats.occupancy == 0.75
     assert stats.free == 1
     assert stats.hit_rate == 0.5
     with pytest.raises(AttributeError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 
 import pytest
 
@@ -18,8 +18,8 @@ def test_registry_builds_each_policy_by_name() -> None:
 
 
 def test_registry_rejects_an_unknown_name_listing_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"cache_policy must be one of \['arc', 'lru'\], got 'LRU'"):
-        make_policy("LRU", 4)
+    with pytest.raises(ValueError, match=r"cache_policy must be one of \['arc', 'lru'\], got 'fifo'"):
+        make_policy("fifo", 4)
 
 
 class NewestFirst:
@@ -31,7 +31,10 @@ class NewestFirst:
     def get(self, key: OffloadKey) -> Block | None:
         return self.blocks.get(key)
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
+    def insert(
+        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Mapping[OffloadKey, int | None], req_context: ReqContext
+    ) -> None:
+        del positions, req_context
         self.blocks.update(zip(keys, blocks))
 
     def remove(self, key: OffloadKey) -> None:
@@ -63,3 +66,14 @@ def test_a_registered_policy_is_selectable_by_name(monkeypatch: pytest.MonkeyPat
         assert out is not None
         manager.complete_store(out.keys_to_store, ctx)
     assert manager.slot_map() == {keys[0]: 0, keys[2]: 1}
+
+
+@pytest.mark.parametrize("name", ["LRU", "Arc", " lru "])
+def test_policy_names_are_case_insensitive_as_in_vllms_config(name: str) -> None:
+    manager = CPUOffloadingManager(2, cache_policy=name)
+    assert manager.cache_policy == name.strip().lower()
+
+
+def test_a_policy_name_that_is_not_a_string_is_refused() -> None:
+    with pytest.raises(TypeError, match="cache_policy must be a string, got int: 3"):
+        CPUOffloadingManager(2, cache_policy=3)  # pyright: ignore[reportArgumentType] -- the wrong type is the point

@@ -1,15 +1,20 @@
-"""Recency from the request hooks (vLLM's signal): no touch, positions and on_request_finished."""
+"""Recency from the request's own calls (vLLM's signal): no touch, token positions and on_request_finished.
+
+The LRU ranking rule by rule is in tests/test_manager_lru.py; here: the
+request record (what counts as reused, inserted, learnt from), ARC's request
+scenarios as vLLM 0.33's tests state them, and policies without the hooks.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import pytest
 
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.manager.policies import ARCCachePolicy, LRUCachePolicy
-from kvtriton.manager.request_access import head_first
+from kvtriton.manager.request_access import head_to_tail
 from kvtriton.specs import OffloadingEvent, ReqContext
 
 
@@ -74,10 +79,13 @@ def test_finish_orders_keys_by_token_position_when_they_were_seen_out_of_order()
     assert lru_order(manager) == ks(2, 1, 0)
 
 
-def test_head_first_keeps_the_seen_order_without_every_position() -> None:
-    positions = {k(0): 32, k(1): 16}
-    assert head_first(ks(0, 1), positions.get) == ks(1, 0)
-    assert head_first(ks(0, 1, 2), positions.get) == ks(0, 1, 2)
+def test_head_to_tail_keeps_the_seen_order_without_every_position() -> None:
+    assert head_to_tail(ks(0, 1), [32, 16]) == ks(1, 0)
+    assert head_to_tail(ks(0, 1, 2), [32, 16, None]) == ks(0, 1, 2)
+    # Two groups: group by group, each by position when all of it has one; then all by position if all have one.
+    two = [k(0), make_offload_key(b"block-0", 1), k(1), make_offload_key(b"block-1", 1)]
+    assert head_to_tail(two, [32, 32, 16, 16]) == [two[2], two[3], two[0], two[1]]
+    assert head_to_tail(two, [32, None, 16, 16]) == [two[2], two[0], two[1], two[3]]
 
 
 def test_arc_counts_a_reuse_at_finish_and_never_a_store() -> None:
@@ -109,26 +117,15 @@ def test_arc_learns_from_a_stored_ghost_once_per_request() -> None:
     filler = request("filler", 0, 1, 2)
     manager.on_new_request(filler)
     store_for(manager, filler, 0, 1)
-    store_for(manager, filler, 2)  # evicts block 1 (the tail: the head entered most recent) into B1
-    assert policy.state().b1 == (k(1),)
-    again = request("again", 1)
-    manager.on_new_request(again)
-    out = manager.prepare_store(ks(1), again)
-    assert out is not None and out.keys_to_store == ks(1)
+    store_for(manager, filler, 2)  # evicts block 0 (T1 in offer order, as vLLM's ARC) into B1
+    assert policy.state().b1 == (k(0),)
+    again = request("again", 0)
+    out = manager.prepare_store(ks(0), again)
+    assert out is not None and out.keys_to_store == ks(0)
     assert policy.target_t1 == 1.0  # a ghost hit: T1 deserved more room
-    manager.complete_store(ks(1), again, success=False)
-    manager.prepare_store(ks(1), again)  # the same request retries the store: learnt once only
+    manager.complete_store(ks(0), again, success=False)
+    manager.prepare_store(ks(0), again)  # the same request retries the store: learnt once only
     assert policy.target_t1 == 1.0
-
-
-def test_untracked_requests_keep_the_touch_behaviour() -> None:
-    manager = CPUOffloadingManager(8)
-    context = ReqContext(req_id="plain")
-    store_for(manager, context, 0, 1)
-    manager.touch(ks(0), context)
-    store_for(manager, context, 2)
-    # The touched-run rule: the new block ranks just below the touched one.
-    assert lru_order(manager) == ks(1, 2, 0)
 
 
 def test_a_reset_makes_a_request_record_stale() -> None:
@@ -148,11 +145,17 @@ def test_a_reset_makes_a_request_record_stale() -> None:
 def test_the_reuse_filter_forwards_the_request_hooks() -> None:
     cpu = CPUOffloadingManager(8)
     manager = FilterReusedOffloadingManager(cpu)
+    first = request("first", 0, 1)
+    cpu.prepare_store(ks(0, 1), first)
+    cpu.complete_store(ks(0, 1), first)
     context = request("r", 0)
     manager.on_new_request(context)
-    assert cpu in context.accesses
+    manager.prepare_load(ks(0), context)
+    manager.complete_load(ks(0), context)
     manager.on_request_finished(context)
-    assert cpu not in context.accesses
+    policy = cpu.policy
+    assert isinstance(policy, LRUCachePolicy)
+    assert policy.ordered_keys() == ks(1, 0)
 
 
 @pytest.mark.parametrize("report", [False, True])
@@ -190,8 +193,10 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
         def get(self, key: OffloadKey) -> Block | None:
             return self.lru.get(key)
 
-        def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
-            self.lru.insert(keys, blocks)
+        def insert(
+            self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Mapping[OffloadKey, int | None], req_context: ReqContext
+        ) -> None:
+            self.lru.insert(keys, blocks, positions, req_context)
 
         def remove(self, key: OffloadKey) -> None:
             self.lru.remove(key)
@@ -218,8 +223,8 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
     manager.complete_load(ks(0, 1), second)
     store_for(manager, second, 2)
     manager.on_request_finished(second)
-    # refresh after the store and the end of each request became touches; loads and misses were skipped.
-    assert touched == [ks(0, 1), ks(0, 1), ks(0, 1, 2)]
+    # vLLM's defaults: each store miss and the end of each request become touches; loads change nothing.
+    assert touched == [ks(0, 1), ks(0, 1), ks(2), ks(0, 1, 2)]
 
 
 def test_a_loading_requests_new_blocks_rank_where_it_first_used_the_cache() -> None:

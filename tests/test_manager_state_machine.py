@@ -7,8 +7,12 @@ two keys, used + free = capacity, every count matches the model, and every
 lookup agrees with the model. Each prepare_store is checked against the
 model: the exact new keys and slots, evictions only of ready idle keys not
 named in the call, ``None`` exactly when no room can be made (and then
-nothing changed at all). For LRU the model also tracks the exact recency
-order, so the evicted keys themselves are checked.
+nothing changed at all). A completion of keys without a store or load in
+flight must raise and change nothing. For LRU the model also tracks the exact
+recency order (vLLM 0.33's rule without token positions: a store appends its
+keys in offer order, a touch moves its keys up in reverse), so the evicted
+keys themselves are checked; the ranking by positions is held to vLLM's own
+manager in tests/test_manager_requests_machine.py.
 """
 
 from __future__ import annotations
@@ -50,14 +54,10 @@ class Model:
     state: dict[OffloadKey, int] = field(default_factory=lambda: {})
     """PENDING, or the number of readers (0 = ready, idle)."""
     slot: dict[OffloadKey, int] = field(default_factory=lambda: {})
-    generation: dict[OffloadKey, int] = field(default_factory=lambda: {})
     next_fresh: int = 0
     free: list[int] = field(default_factory=lambda: [])
     order: list[OffloadKey] = field(default_factory=lambda: [])
     """LRU recency, least recent first."""
-    run: list[tuple[OffloadKey, int]] = field(default_factory=lambda: [])
-    """LRU's touched run: keys of the last touch (with their generation), least recent first."""
-    stores: int = 0
 
     def evictable(self, named: Collection[OffloadKey]) -> list[OffloadKey]:
         return [key for key in self.order if self.state[key] == 0 and key not in named]
@@ -83,24 +83,15 @@ class Model:
         self.order.append(key)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        run: list[tuple[OffloadKey, int]] = []
         for key in reversed(keys):
             if key in self.state:
                 self.move_to_end(key)
-                run.append((key, self.generation[key]))
-        self.run = run
 
     def insert(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         for key, slot in zip(keys, slots):
             self.state[key] = PENDING
             self.slot[key] = slot
-            self.stores += 1
-            self.generation[key] = self.stores
-        self.order.extend(reversed(keys))
-        # LRU: blocks stored after a touch rank just below the touched run.
-        for key, generation in self.run:
-            if self.generation.get(key) == generation and key in self.state:
-                self.move_to_end(key)
+        self.order.extend(keys)
 
     def reset(self) -> None:
         self.state.clear()
@@ -108,7 +99,6 @@ class Model:
         self.next_fresh = 0
         self.free.clear()
         self.order.clear()
-        self.run = []
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -184,12 +174,25 @@ class ManagerMachine(RuleBasedStateMachine):
         expected_events = [OffloadingEvent(keys=evicted, medium="CPU", removed=True)] if evicted else []
         assert list(self.manager.take_events()) == expected_events
 
-    @rule(keys=key_lists, success=st.booleans(), kind=containers)
-    def complete_store(self, keys: list[OffloadKey], success: bool, kind: str) -> None:
+    @rule(data=st.data(), success=st.booleans(), kind=containers)
+    def complete_store(self, data: st.DataObject, success: bool, kind: str) -> None:
+        pending_now = [key for key, state in self.model.state.items() if state == PENDING]
+        # Mostly valid calls (drawn from pending keys), sometimes anything.
+        pool = pending_now if pending_now and data.draw(st.booleans()) else UNIVERSE
+        keys = data.draw(st.lists(st.sampled_from(pool), max_size=4))
         container = as_container(keys, kind)
         model = self.model
-        pending = list(dict.fromkeys(key for key in container if model.state.get(key) == PENDING))
+        named = list(container)
+        pending = [key for key in named if model.state.get(key) == PENDING]
         self.manager.take_events()
+        if len(pending) != len(named) or len(set(named)) != len(named):
+            # A key without a store in flight (or named twice): refused, nothing completed.
+            before = self.snapshot()
+            with pytest.raises(ValueError, match="complete_store: key"):
+                self.manager.complete_store(container, CTX, success=success)
+            assert self.snapshot() == before
+            assert list(self.manager.take_events()) == []
+            return
         self.manager.complete_store(container, CTX, success=success)
         for key in pending:
             if success:

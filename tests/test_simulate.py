@@ -39,17 +39,17 @@ def key(name: str) -> OffloadKey:
 
 
 def test_replay_counts_hits_stores_and_evictions_of_a_small_lru_trace() -> None:
-    # LRU order, least recent first, after each request (docs/manager.md, LRU: a touched
-    # prefix ends most recent, blocks stored after it rank just below it).
+    # LRU order, least recent first, after each request (docs/manager.md, LRU: touch ranks
+    # the first key most recent; a store without positions ranks its keys in offer order).
     trace = prepare([
-        request("r0", "ab", "c"),  # miss a; store a b c                     -> c b a
-        request("r1", "abx"),      # hit a b; store x, evicting c            -> x b a
-        request("r2", "ac"),       # hit a; c is gone; store c, evicting x   -> b c a
-        request("r3", "ab"),       # hit a b; nothing to store               -> c b a
+        request("r0", "ab", "c"),  # miss a; store a b c                     -> a b c
+        request("r1", "abx"),      # hit a b; store x, evicting c            -> b a x
+        request("r2", "ac"),       # hit a; c is gone; store c, evicting b   -> x a c
+        request("r3", "ab"),       # hit a; b is gone; store b, evicting x   -> c a b
     ])  # fmt: skip
     manager = CPUOffloadingManager(3, cache_policy="lru")
     stats = replay(trace, manager, block_size=1)
-    assert (stats.prompt_blocks, stats.hit_blocks, stats.blocks_stored, stats.evictions) == (9, 5, 5, 2)
+    assert (stats.prompt_blocks, stats.hit_blocks, stats.blocks_stored, stats.evictions) == (9, 4, 6, 3)
     assert (stats.refused_stores, stats.pending_stops) == (0, 0)
     assert [manager.lookup(key(c), ReqContext()) for c in "abcx"] == [
         LookupResult.HIT, LookupResult.HIT, LookupResult.HIT, LookupResult.MISS,

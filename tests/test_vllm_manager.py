@@ -24,7 +24,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm_fixtures.builders import offloading_config  # noqa: E402
@@ -59,13 +60,16 @@ def lookups(manager: OffloadingManager, keys: list[OffloadKey], context: ReqCont
         return [manager.lookup(key, context) for key in keys]
 
 
-def test_a_new_request_is_offloaded_chunk_by_chunk_and_gets_a_kvtriton_context() -> None:
+def test_a_new_request_is_offloaded_chunk_by_chunk_and_its_record_lives_in_vllms_context() -> None:
+    from kvtriton.manager.request_access import RequestAccess
+
     manager = make_manager()
     context = ReqContext(req_id="r1", kv_transfer_params={"a": 1})
     answer = manager.on_new_request(context)
     assert answer.policy is OffloadPolicy.CHUNK_LEVEL
-    kvtriton_context = context.get_state(kvtriton.ReqContext)
-    assert kvtriton_context == kvtriton.ReqContext(req_id="r1", kv_transfer_params={"a": 1})
+    # vLLM's own context is passed through: no kvtriton context is made for it.
+    assert context.get_state(kvtriton.ReqContext) is None
+    assert isinstance(context.get_state(RequestAccess), RequestAccess)
 
 
 def test_store_then_load_follows_the_state_machine_the_connector_relies_on() -> None:
@@ -193,9 +197,12 @@ def test_stats_report_slab_occupancy_under_vllms_gauge_names() -> None:
     stats = manager.get_stats()
     assert stats is not None
     assert stats.reduce() == {
-        "vllm:kv_offload_cpu_cache_usage_perc": 0.5,  # k3 pending + k1 loading, of 4 slots
+        "vllm:kv_offload_cpu_cache_usage_perc": 0.5,  # k3 pending + k1 loading, of 4 slots (slots held by transfers)
         "vllm:kv_offload_cpu_cache_write_usage_perc": 0.25,
         "vllm:kv_offload_cpu_cache_read_usage_perc": 0.25,
+        "vllm:kv_offload_cpu_cache_occupancy_perc": 0.75,  # k1, k2, k3 hold slots
+        "vllm:kv_offload_cpu_allocation_size_count": 1,  # one prepare_store asked for slots ...
+        "vllm:kv_offload_cpu_allocation_size_sum": 3,  # ... three of them
     }
     (info,) = manager.config_info()
     assert info["cpu_num_chunks"] == 4 and info["cpu_blocks_per_chunk"] == 1
@@ -302,3 +309,119 @@ def test_a_failed_store_releases_the_payload_vllms_events_tracker_recorded() -> 
         published = list(tracker.take_events(manager.take_events()))
     assert published == []  # nothing was ever announced, so nothing is removed publicly
     assert payloads == {}
+
+
+def allocation_sizes(stats: object) -> object:
+    """The allocation-size observations in a stats payload (None when there are none)."""
+    assert isinstance(stats, OffloadingConnectorStats)
+    _, values = stats.metric_sections()
+    return values.get(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, {}).get(())
+
+
+def test_the_allocation_size_histogram_observes_each_store_that_asks_for_slots_as_vllm() -> None:
+    # vLLM 0.33 counts the slots a prepare_store asks for, before it tries: a refused store counts too.
+    ours, vllms = make_manager(num_slots=2), VLLMCPUOffloadingManager(num_chunks=2, cache_policy="lru")
+    for manager in (ours, vllms):
+        context = ReqContext(req_id="r1")
+        with manager.lock:
+            manager.prepare_store(to_keys([1]), context)
+            manager.prepare_store(to_keys([1]), context)  # nothing new: no observation
+            assert manager.prepare_store(to_keys([2, 3, 4]), context) is None  # k1 pending: no room
+        first, second = manager.get_stats(), manager.get_stats()
+        assert allocation_sizes(first) == [1, 3]
+        assert allocation_sizes(second) is None
+
+
+def test_the_stores_skipped_counter_counts_stores_below_the_reuse_threshold_as_vllm() -> None:
+    ours = make_manager(num_slots=4, store_threshold=2)
+    vllms = VLLMCPUOffloadingManager(num_chunks=4, cache_policy="lru", store_threshold=2)
+    for manager in (ours, vllms):
+        context = ReqContext(req_id="r1")
+        with manager.lock:
+            output = manager.prepare_store(to_keys([1, 2, 3]), context)
+            assert output is not None and output.keys_to_store == []
+        stats = manager.get_stats()
+        assert stats is not None and stats.reduce()[CPUOffloadingMetrics.STORES_SKIPPED] == 3
+        stats = manager.get_stats()
+        assert stats is not None and stats.reduce()[CPUOffloadingMetrics.STORES_SKIPPED] == 0
+        with manager.lock:
+            output = manager.prepare_store(to_keys([1, 2, 4]), context)  # k1, k2 offered twice now
+            assert output is not None and output.keys_to_store == to_keys([1, 2])
+        stats = manager.get_stats()
+        assert stats is not None and stats.reduce()[CPUOffloadingMetrics.STORES_SKIPPED] == 1
+
+
+def test_metric_definitions_declare_what_get_stats_reports_with_vllms_names_and_types() -> None:
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingHistogramMetadata
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from kvtriton.integrations.vllm_manager import CPU_CACHE_OCCUPANCY_PERC, metric_definitions
+
+    for extra in ({}, {"store_threshold": 2}):
+        ours, vllms = metric_definitions(extra), CPUOffloadingSpec.build_metric_definitions(dict(extra))
+        # vLLM's metrics, same names, types, labels and buckets; kvtriton adds its occupancy gauge.
+        assert set(ours) == set(vllms) | {CPU_CACHE_OCCUPANCY_PERC}
+        for name, theirs in vllms.items():
+            assert type(ours[name]) is type(theirs) and ours[name].labelnames == theirs.labelnames, name
+            if isinstance(theirs, OffloadingHistogramMetadata):
+                histogram = ours[name]
+                assert isinstance(histogram, OffloadingHistogramMetadata)
+                assert histogram.buckets == theirs.buckets
+        assert isinstance(ours[CPU_CACHE_OCCUPANCY_PERC], OffloadingGaugeMetadata)
+    assert isinstance(metric_definitions({"store_threshold": 2})[CPUOffloadingMetrics.STORES_SKIPPED], OffloadingCounterMetadata)
+    # Every name get_stats reports is declared (vLLM's Prometheus logger asserts it).
+    manager = make_manager(num_slots=4, store_threshold=2)
+    context = ReqContext(req_id="r1")
+    with manager.lock:
+        manager.prepare_store(to_keys([1]), context)
+        manager.prepare_store(to_keys([1]), context)
+    stats = manager.get_stats()
+    assert isinstance(stats, OffloadingConnectorStats)
+    types, _ = stats.metric_sections()
+    reported = set(types)
+    assert reported <= set(metric_definitions({"store_threshold": 2}))
+    assert CPUOffloadingMetrics.CPU_ALLOCATION_SIZE in reported and CPUOffloadingMetrics.STORES_SKIPPED in reported
+
+
+def test_the_cache_usage_gauge_documents_that_it_counts_slots_held_by_transfers() -> None:
+    from kvtriton.integrations.vllm_manager import CPU_CACHE_OCCUPANCY_PERC, metric_definitions
+
+    documentation = metric_definitions()[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC].documentation
+    assert "held by transfers" in documentation and CPU_CACHE_OCCUPANCY_PERC in documentation
+
+
+def test_a_summary_line_is_logged_after_each_interval_of_activity(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from kvtriton.integrations import vllm_manager
+
+    now = [1000.0]
+    monkeypatch.setattr(vllm_manager.time, "monotonic", lambda: now[0])
+    cpu = kvtriton.CPUOffloadingManager(4)
+    adapter = vllm_manager.VLLMOffloadingManager(cpu, cpu, summary_interval_s=60)
+    caplog.set_level(logging.INFO, logger="kvtriton.integrations.vllm_manager")
+    context = ReqContext(req_id="r1")
+    k1, k2 = to_keys([1, 2])
+    adapter.lookup(k1, context)
+    adapter.prepare_store([k1, k2], context)
+    adapter.complete_store([k1, k2], context)
+    adapter.on_request_finished(context)
+    assert not [r for r in caplog.records if "kvtriton summary:" in r.getMessage()]  # under a minute: nothing yet
+    now[0] += 61
+    reader = ReqContext(req_id="r2")
+    assert adapter.lookup(k1, reader) is LookupResult.HIT
+    adapter.prepare_load([k1], reader)
+    adapter.complete_load([k1], reader)
+    adapter.on_request_finished(reader)
+    (line,) = [r.getMessage() for r in caplog.records if "kvtriton summary:" in r.getMessage()]
+    assert line.startswith("kvtriton summary: last 61 s: 2 lookups, 1 hits (50.0%); loaded 1 chunks")
+    assert "stored 2 chunks" in line and "evicted 0" in line and "occupancy 50.0% of 4 slots" in line
+
+
+@pytest.mark.parametrize("interval", [-1.0, "60"])
+def test_a_bad_summary_interval_is_refused(interval: object) -> None:
+    from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+
+    cpu = kvtriton.CPUOffloadingManager(4)
+    with pytest.raises((TypeError, ValueError), match="summary_interval_s"):
+        VLLMOffloadingManager(cpu, cpu, summary_interval_s=interval)  # pyright: ignore[reportArgumentType] -- the wrong value is the point

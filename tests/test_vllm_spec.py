@@ -105,6 +105,8 @@ def test_the_metrics_and_info_labels_it_declares_are_vllms_cpu_tier_names() -> N
         "vllm:kv_offload_cpu_cache_usage_perc",
         "vllm:kv_offload_cpu_cache_write_usage_perc",
         "vllm:kv_offload_cpu_cache_read_usage_perc",
+        "vllm:kv_offload_cpu_allocation_size",  # vLLM's histogram
+        "vllm:kv_offload_cpu_cache_occupancy_perc",  # kvtriton's occupancy gauge
     }
     assert KVTritonOffloadingSpec.config_info_keys({}) == CPUOffloadingInfo.config_info_keys()
 

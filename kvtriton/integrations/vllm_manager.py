@@ -8,27 +8,35 @@ values converted at the boundary:
 
 * keys: both sides use the same bytes (block hash + 4-byte big-endian group
   index), so keys pass through unchanged;
-* request contexts: one kvtriton ``ReqContext`` per vLLM request, kept in the
-  vLLM context's per-request state;
+* request contexts: vLLM's ``ReqContext`` itself. kvtriton's manager reads a
+  context only through ``get_offload_key_position`` (the token positions
+  vLLM's scheduler records), ``get_state`` and ``set_state`` (where it keeps
+  its record of the request), which vLLM's context has, so nothing is
+  copied or wrapped;
+* recency: vLLM 0.33's connector never calls ``touch``; the manager ranks a
+  request's keys by their token positions from its first load or store and
+  commits them at ``on_request_finished``, exactly as vLLM's CPU manager
+  does, whether or not ``on_new_request`` came first (vLLM's tiering
+  orchestrator never passes it on to its primary tier);
 * lookup results, specs and events: mapped to vLLM's classes on the way out
   (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``);
-* recency: vLLM 0.33's connector never calls ``touch``; it records each
-  key's token position in its context and brackets a request's calls with
-  ``on_new_request`` / ``on_request_finished``. Both hooks are forwarded, and
-  the kvtriton context reads vLLM's positions, so the manager ranks a
-  request's keys head first when it stores and when it finishes, and ARC
-  counts one reuse per request (see ``kvtriton.manager.request_access``);
-* failed stores: reported as a ``metadata_only`` removal event, as vLLM 0.33
-  does, so its ``OffloadingEventsTracker`` drops the payload it recorded.
+* completions: ``complete_store`` follows vLLM's rule (keys without a store
+  in flight are skipped, ``CPUOffloadingManager.complete_pending_stores``);
+  a failed store is reported as a ``metadata_only`` removal event, as vLLM
+  0.33 does, so its ``OffloadingEventsTracker`` drops the payload it recorded;
+* metrics: vLLM's CPU tier metrics under vLLM's names (:func:`metric_definitions`
+  declares them for the spec, :meth:`VLLMOffloadingManager.get_stats`
+  reports them), a true occupancy gauge beside them, and every
+  ``summary_interval_s`` of activity one ``kvtriton summary:`` log line.
 
 Lookups are the hottest call (one per chunk of every scheduled prompt), so
 when no filter sits in between, the adapter's ``lookup`` is replaced, per
 instance, by the ``CPUOffloadingManager``'s own lookup answering vLLM's
 ``LookupResult`` (``CPUOffloadingManager.lookup_with``): one call, no
 translation. The other calls take the same shortcut there: the completions
-are the CPU manager's own (they never read a context), and the prepares
-build vLLM's spec and output straight from the slot lists the CPU manager
-answers (``load_slots`` / ``store_slots``), with no kvtriton object between.
+are the CPU manager's own, and the prepares build vLLM's spec and output
+straight from the slot lists the CPU manager answers (``load_slots`` /
+``store_slots``), with no kvtriton object between.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -36,7 +44,9 @@ is installed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+import logging
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol, cast
 
 from typing_extensions import override
@@ -47,10 +57,24 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetric
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtriton.keys import OffloadKey
-from kvtriton.manager import CPUOffloadingManager, OffloadingManager
-from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent, ReqContext
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
+from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
 
-__all__ = ["VLLMOffloadingManager", "gauge_definitions"]
+__all__ = [
+    "CPU_CACHE_OCCUPANCY_PERC",
+    "DEFAULT_SUMMARY_INTERVAL_S",
+    "VLLMOffloadingManager",
+    "gauge_definitions",
+    "metric_definitions",
+]
+
+logger = logging.getLogger(__name__)
+
+CPU_CACHE_OCCUPANCY_PERC = "vllm:kv_offload_cpu_cache_occupancy_perc"
+"""kvtriton's gauge of the slots holding a block; under ``vllm:`` so ``LLM.get_metrics()`` returns it too."""
+
+DEFAULT_SUMMARY_INTERVAL_S = 60.0
+"""Seconds of activity between two ``kvtriton summary:`` log lines."""
 
 _LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
     LookupResult.MISS: vllm_base.LookupResult.MISS,
@@ -59,14 +83,39 @@ _LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
 }
 _CHUNK_LEVEL = vllm_base.OffloadPolicy.CHUNK_LEVEL
 
+_ALLOCATION_SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+"""vLLM 0.33's buckets for ``kv_offload_cpu_allocation_size`` (its ``CPUOffloadingSpec``)."""
 
-def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
-    """The Prometheus gauges :meth:`VLLMOffloadingManager.get_stats` sets (vLLM's CPU tier names)."""
-    return {
+
+def _store_threshold(extra_config: Mapping[str, object]) -> int:
+    """``store_threshold`` as vLLM's CPU spec reads it for its metric declarations (0 when absent or unreadable).
+
+    The spec's own configuration check reports a bad value; the declarations only need to know whether the
+    reuse filter runs.
+    """
+    raw = extra_config.get("store_threshold", 0)
+    try:
+        return int(cast("int", raw))
+    except (TypeError, ValueError):
+        return 0
+
+
+def metric_definitions(extra_config: Mapping[str, object] | None = None) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+    """The metrics :meth:`VLLMOffloadingManager.get_stats` reports, for the spec's ``build_metric_definitions``.
+
+    vLLM 0.33's CPU tier metrics with its names, types, buckets and meaning,
+    the ``stores_skipped`` counter only when ``extra_config`` sets
+    ``store_threshold >= 2`` (as vLLM's ``CPUOffloadingSpec`` declares it),
+    plus kvtriton's occupancy gauge. vLLM's Prometheus logger refuses a
+    metric nobody declared, so the spec must declare exactly these.
+    """
+    definitions: dict[str, vllm_base.OffloadingMetricMetadata] = {
         CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC: vllm_base.OffloadingGaugeMetadata(
             documentation=(
-                "Fraction of kvtriton host-slab slots pinned by transfers in flight "
-                "(0.0 = idle, 1.0 = saturated: new stores are dropped)."
+                "Fraction of kvtriton host-slab slots pinned by transfers in flight, stores and loads "
+                "(0.0 = idle, 1.0 = saturated: new stores are dropped). Counts slots held by transfers, as "
+                "vLLM's CPU tier does, not slots holding data: see "
+                f"{CPU_CACHE_OCCUPANCY_PERC} for that."
             ),
         ),
         CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC: vllm_base.OffloadingGaugeMetadata(
@@ -75,7 +124,27 @@ def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
         CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC: vllm_base.OffloadingGaugeMetadata(
             documentation="Fraction of kvtriton host-slab slots held by loads that have not completed.",
         ),
+        CPU_CACHE_OCCUPANCY_PERC: vllm_base.OffloadingGaugeMetadata(
+            documentation=(
+                "Fraction of kvtriton host-slab slots holding a chunk (stored, or being stored): 1.0 once the "
+                "cache has filled up, after which every new store evicts."
+            ),
+        ),
+        CPUOffloadingMetrics.CPU_ALLOCATION_SIZE: vllm_base.OffloadingHistogramMetadata(
+            documentation="Histogram of the number of CPU chunks requested by each KV offload prepare_store call.",
+            buckets=_ALLOCATION_SIZE_BUCKETS,
+        ),
     }
+    if extra_config is not None and _store_threshold(extra_config) >= 2:
+        definitions[CPUOffloadingMetrics.STORES_SKIPPED] = vllm_base.OffloadingCounterMetadata(
+            documentation="Number of KV offload stores skipped because the reuse threshold was not reached.",
+        )
+    return definitions
+
+
+def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
+    """:func:`metric_definitions` without a configuration (no ``stores_skipped``): the spec's call until it passes its config."""
+    return metric_definitions()
 
 
 class _StoreAnswer(Protocol):
@@ -101,15 +170,33 @@ class _VLLMStoredSlots(Protocol):
 
 
 class _VLLMKeyedManager(Protocol):
-    """A kvtriton manager seen with vLLM's key type: one cast at construction instead of one per call."""
+    """A kvtriton manager seen with vLLM's key and context types: one cast at construction instead of one per call.
 
-    def lookup(self, key: vllm_base.OffloadKey, req_context: ReqContext, /) -> LookupResult: ...
-    def prepare_load(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> LoadStoreSpec: ...
-    def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> None: ...
-    def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> None: ...
-    def prepare_store(self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, /) -> _StoreAnswer | None: ...
-    def complete_store(
-        self, keys: Collection[vllm_base.OffloadKey], req_context: ReqContext, success: bool = True, /
+    Keys are the same bytes under two NewTypes; a kvtriton manager reads a
+    context only through the methods vLLM's ``ReqContext`` has (see the module
+    docstring).
+    """
+
+    def on_new_request(self, req_context: vllm_base.ReqContext, /) -> None: ...
+    def on_request_finished(self, req_context: vllm_base.ReqContext, /) -> None: ...
+    def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext, /) -> LookupResult: ...
+    def prepare_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> LoadStoreSpec: ...
+    def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> None: ...
+    def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> None: ...
+    def prepare_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /
+    ) -> _StoreAnswer | None: ...
+
+
+class _VLLMKeyedCPU(_VLLMKeyedManager, Protocol):
+    """``CPUOffloadingManager`` seen the same way, with the calls the adapter's shortcuts use."""
+
+    def load_slots(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> list[int]: ...
+    def store_slots(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /
+    ) -> _VLLMStoredSlots | None: ...
+    def complete_pending_stores(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True, /
     ) -> None: ...
 
 
@@ -124,28 +211,59 @@ def _slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
     return VLLMCPULoadStoreSpec(spec.slot_list())
 
 
+def _gib(blocks: int, bytes_per_block: float) -> str:
+    return f"{blocks * bytes_per_block / 2**30:.2f} GiB"
+
+
 class VLLMOffloadingManager(vllm_base.OffloadingManager):
     """vLLM's manager interface over a kvtriton manager (see the module docstring).
 
     ``backing`` answers every call; ``cpu`` is the ``CPUOffloadingManager`` at
     the bottom of it (``backing`` itself when no filter wraps it), read for
-    occupancy gauges. ``info`` fills vLLM's ``kv_offload_config_info`` metric.
+    occupancy gauges. ``info`` fills vLLM's ``kv_offload_config_info`` metric
+    and sizes the summary's bytes. Every ``summary_interval_s`` seconds of
+    activity (checked when a request finishes; 0 turns it off) one
+    ``kvtriton summary:`` line is logged at INFO: lookups and hits, chunks and
+    bytes loaded and stored, evictions and occupancy since the last line.
     """
+
+    reports_occupancy = True
+    """Whether :meth:`get_stats` sets the occupancy gauge (only a spec that declares it may: see :func:`metric_definitions`)."""
 
     def __init__(
         self,
         backing: OffloadingManager,
         cpu: CPUOffloadingManager,
         info: CPUOffloadingInfo | None = None,
+        *,
+        summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S,
     ) -> None:
+        if isinstance(summary_interval_s, bool) or not isinstance(summary_interval_s, (int, float)):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
+            raise TypeError(f"summary_interval_s must be a number of seconds, got {summary_interval_s!r}")
+        if summary_interval_s < 0:
+            raise ValueError(f"summary_interval_s must be >= 0 (0 turns the summary off), got {summary_interval_s}")
         self._backing = backing
         self._cpu = cpu
         self._info: vllm_base.ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self._bytes_per_chunk = (
+            info.cpu_kv_cache_size_bytes / info.cpu_num_chunks if info is not None and info.cpu_num_chunks else 0.0
+        )
+        self._filter = backing if isinstance(backing, FilterReusedOffloadingManager) else None
+        self._stores_skipped_reported = 0
+        self._summary_interval_s = float(summary_interval_s)
+        self._summary_since = time.monotonic()
+        self._summary_stats = cpu.stats()
         # vLLM's events tracker expects a metadata-only removal for every failed store.
         cpu.report_dropped_stores = True
-        # Both key types are NewTypes of the same bytes with the same encoding:
-        # the casts rename types once here, nothing is converted per call.
+        # vLLM's kv_offload_cpu_allocation_size histogram, drained by get_stats.
+        cpu.allocation_sizes = []
+        # Both key types are NewTypes of the same bytes with the same encoding,
+        # and vLLM's context has every method a kvtriton manager reads: the
+        # casts rename types once here, nothing is converted per call.
         self._calls = cast(_VLLMKeyedManager, backing)
+        cpu_calls = cast(_VLLMKeyedCPU, cpu)
+        # Every completion goes to the CPU manager under vLLM's rule (the filter only forwards it).
+        setattr(self, "complete_store", cpu_calls.complete_pending_stores)  # noqa: B010 -- an instance attribute shadowing the method is the point
         if backing is cpu:
             # The hottest call (one per chunk of every scheduled prompt): the
             # instance's lookup becomes the CPU manager's own, answering
@@ -153,46 +271,24 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
             direct = cpu.lookup_with(
                 vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
             )
-            setattr(self, "lookup", direct)  # noqa: B010 -- an instance attribute shadowing the method is the point
-            # The CPU manager's completions never read the context: vLLM's calls go straight to them.
-            setattr(self, "complete_load", cpu.complete_load)  # noqa: B010 -- as above
-            setattr(self, "complete_store", cpu.complete_store)  # noqa: B010 -- as above
-            load_slots = cast("Callable[[Collection[vllm_base.OffloadKey], ReqContext], list[int]]", cpu.load_slots)
-            store_slots = cast("Callable[[Collection[vllm_base.OffloadKey], ReqContext], _VLLMStoredSlots | None]", cpu.store_slots)
-            context_of = self._context
+            setattr(self, "lookup", direct)  # noqa: B010 -- as above
+            setattr(self, "complete_load", cpu_calls.complete_load)  # noqa: B010 -- as above
+            load_slots, store_slots = cpu_calls.load_slots, cpu_calls.store_slots
             output = vllm_base.PrepareStoreOutput
 
             def prepare_load(keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
-                context = req_context.get_state(ReqContext)
-                return VLLMCPULoadStoreSpec(load_slots(keys, context if context is not None else context_of(req_context)))
+                return VLLMCPULoadStoreSpec(load_slots(keys, req_context))
 
             def prepare_store(
                 keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
             ) -> vllm_base.PrepareStoreOutput | None:
-                context = req_context.get_state(ReqContext)
-                stored = store_slots(keys, context if context is not None else context_of(req_context))
+                stored = store_slots(keys, req_context)
                 if stored is None:
                     return None
                 return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
 
-            cpu_new, cpu_finished = cpu.on_new_request, cpu.on_request_finished
-            request_offloading_context = vllm_base.RequestOffloadingContext
-
-            def on_new_request(req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
-                context = req_context.get_state(ReqContext)
-                cpu_new(context if context is not None else context_of(req_context))
-                return request_offloading_context(policy=_CHUNK_LEVEL)
-
-            def on_request_finished(req_context: vllm_base.ReqContext) -> None:
-                # A request never announced has no kvtriton context and nothing to rank.
-                context = req_context.get_state(ReqContext)
-                if context is not None:
-                    cpu_finished(context)
-
             setattr(self, "prepare_load", prepare_load)  # noqa: B010 -- as above
             setattr(self, "prepare_store", prepare_store)  # noqa: B010 -- as above
-            setattr(self, "on_new_request", on_new_request)  # noqa: B010 -- as above
-            setattr(self, "on_request_finished", on_request_finished)  # noqa: B010 -- as above
 
     @property
     def backing(self) -> OffloadingManager:
@@ -204,33 +300,30 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         """The ``CPUOffloadingManager`` that owns the slots (below the reuse filter, if any)."""
         return self._cpu
 
-    @staticmethod
-    def _context(req_context: vllm_base.ReqContext) -> ReqContext:
-        """The kvtriton context of ``req_context``'s request, built on first use and kept in its state."""
-        context = req_context.get_state(ReqContext)
-        if context is None:
-            context = ReqContext(
-                req_id=req_context.req_id,
-                kv_transfer_params=req_context.kv_transfer_params,
-                position_of=_position_reader(req_context),
-            )
-            req_context.set_state(context)
-        return context
-
     @override
     def on_new_request(self, req_context: vllm_base.ReqContext) -> vllm_base.RequestOffloadingContext:
-        self._backing.on_new_request(self._context(req_context))
+        self._calls.on_new_request(req_context)
         # Chunk level: store newly computed chunks only (what vLLM's CPU tier does).
         return vllm_base.RequestOffloadingContext(policy=_CHUNK_LEVEL)
 
     @override
     def on_request_finished(self, req_context: vllm_base.ReqContext) -> None:
-        self._backing.on_request_finished(self._context(req_context))
+        self._calls.on_request_finished(req_context)
+        if self._summary_interval_s and time.monotonic() - self._summary_since >= self._summary_interval_s:
+            self.log_summary()
+
+    def log_summary(self) -> None:
+        """Log one ``kvtriton summary:`` line for the traffic since the last one (what the interval does)."""
+        now = time.monotonic()
+        current = self._cpu.stats()
+        last = self._summary_stats
+        logger.info("%s", summary_line(last, current, now - self._summary_since, self._bytes_per_chunk))
+        self._summary_since, self._summary_stats = now, current
 
     @override
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
         # Shadowed per instance when no filter wraps the CPU manager (see __init__).
-        return _LOOKUP_RESULTS[self._calls.lookup(key, self._context(req_context))]
+        return _LOOKUP_RESULTS[self._calls.lookup(key, req_context)]
 
     @override
     def get_load_source(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> CacheHitSource:
@@ -240,21 +333,21 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     def prepare_load(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.LoadStoreSpec:
-        return _slot_spec(self._calls.prepare_load(keys, self._context(req_context)))
+        return _slot_spec(self._calls.prepare_load(keys, req_context))
 
     @override
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._calls.touch(keys, self._context(req_context))
+        self._calls.touch(keys, req_context)
 
     @override
     def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._calls.complete_load(keys, self._context(req_context))
+        self._calls.complete_load(keys, req_context)
 
     @override
     def prepare_store(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> vllm_base.PrepareStoreOutput | None:
-        output = self._calls.prepare_store(keys, self._context(req_context))
+        output = self._calls.prepare_store(keys, req_context)
         if output is None:
             return None
         return vllm_base.PrepareStoreOutput(
@@ -270,7 +363,8 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         req_context: vllm_base.ReqContext,
         success: bool = True,
     ) -> None:
-        self._calls.complete_store(keys, self._context(req_context), success)
+        # Shadowed per instance by the CPU manager's complete_pending_stores (see __init__).
+        cast(_VLLMKeyedCPU, self._cpu).complete_pending_stores(keys, req_context, success)
 
     @override
     def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:
@@ -282,13 +376,24 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Occupancy gauges of the host slab, under vLLM's CPU tier metric names."""
+        """vLLM's CPU tier metrics since the last call, under vLLM's names (see :func:`metric_definitions`)."""
         snapshot = self._cpu.stats()
         capacity = snapshot.capacity
         stats = OffloadingConnectorStats()
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (snapshot.pending + snapshot.loading) / capacity)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, snapshot.pending / capacity)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, snapshot.loading / capacity)
+        if self.reports_occupancy:
+            stats.set_gauge(CPU_CACHE_OCCUPANCY_PERC, snapshot.occupancy)
+        sizes = self._cpu.allocation_sizes
+        if sizes:
+            for size in sizes:
+                stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+            sizes.clear()
+        if self._filter is not None:
+            skipped = self._filter.stores_skipped
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, skipped - self._stores_skipped_reported)
+            self._stores_skipped_reported = skipped
         return stats
 
     @override
@@ -300,18 +405,19 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._backing.shutdown()
 
 
-def _position_reader(req_context: vllm_base.ReqContext) -> Callable[[OffloadKey], int | None]:
-    """Read the token positions vLLM's scheduler records in ``req_context`` (its keys are ours).
-
-    vLLM 0.33 keeps them in a dict behind ``get_offload_key_position``;
-    reading the dict's ``get`` directly spares a Python call per key when a
-    finished request's keys are ordered. Any other layout goes through the
-    public getter.
-    """
-    positions: object = getattr(req_context, "_offload_key_positions", None)
-    if type(positions) is dict:
-        return cast("dict[OffloadKey, int]", positions).get
-    return cast("Callable[[OffloadKey], int | None]", req_context.get_offload_key_position)
+def summary_line(last: ManagerStats, current: ManagerStats, seconds: float, bytes_per_chunk: float) -> str:
+    """The ``kvtriton summary:`` log line for the traffic between two snapshots ``seconds`` apart."""
+    lookups = current.lookups - last.lookups
+    hits = current.hits - last.hits
+    loaded = current.loads - last.loads
+    stored = (current.stores - last.stores) - (current.failed_stores - last.failed_stores)
+    hit_rate = f"{100 * hits / lookups:.1f}%" if lookups else "-"
+    return (
+        f"kvtriton summary: last {seconds:.0f} s: {lookups} lookups, {hits} hits ({hit_rate}); "
+        f"loaded {loaded} chunks ({_gib(loaded, bytes_per_chunk)}), stored {stored} chunks "
+        f"({_gib(stored, bytes_per_chunk)}), evicted {current.evictions - last.evictions}; "
+        f"occupancy {100 * current.occupancy:.1f}% of {current.capacity} slots"
+    )
 
 
 def _vllm_event(event: OffloadingEvent) -> vllm_base.OffloadingEvent:

@@ -177,6 +177,8 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     * ``_num_chunks``: read by the orchestrator for its occupancy metrics.
     """
 
+    reports_occupancy = False  # vLLM's tiering spec does not declare kvtriton's occupancy gauge
+
     def __init__(self, cpu: CPUOffloadingManager, info: CPUOffloadingInfo, region: ChunkRegion) -> None:
         super().__init__(cpu, cpu, info)
         self._region = region
@@ -205,23 +207,15 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     ) -> vllm_base.PrepareStoreOutput | None:
         """Take slots for chunks promoted from a secondary tier (pending until ``complete_write``); None when full.
 
-        The promotion is not the request's access: its own ``prepare_load``
-        then counts the chunk as reused, a hit in a lower tier.
+        The promotion is the request's store, as in vLLM (its ``prepare_write`` is ``prepare_store``).
         """
-        output = self.backing.prepare_store(_keys(keys), _tier_context(req_context))
-        if output is None:
-            return None
-        return vllm_base.PrepareStoreOutput(
-            keys_to_store=cast("list[vllm_base.OffloadKey]", output.keys_to_store),
-            store_spec=_vllm_slot_spec(output.store_spec),
-            evicted_keys=cast("list[vllm_base.OffloadKey]", output.evicted_keys),
-        )
+        return self.prepare_store(keys, req_context)
 
     def complete_write(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True
     ) -> None:
         """Make promoted chunks loadable, or (``success=False``) free their slots."""
-        self.backing.complete_store(_keys(keys), _tier_context(req_context), success)
+        self.complete_store(keys, req_context, success)
 
     @override
     def shutdown(self) -> None:

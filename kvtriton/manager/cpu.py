@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable, KeysView, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, KeysView, Mapping, Sequence
 from typing import NamedTuple, NoReturn, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
 from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
-from kvtriton.manager.policies.registry import make_policy
-from kvtriton.manager.request_access import RequestAccess, head_first
+from kvtriton.manager.policies.registry import canonical_policy_name, make_policy
+from kvtriton.manager.request_access import RequestAccess, head_to_tail
 from kvtriton.manager.slot_pool import SlotPool
 from kvtriton.manager.stats import ManagerStats
 from kvtriton.specs import (
@@ -31,6 +31,7 @@ _HIT_PENDING = LookupResult.HIT_PENDING
 _DISTINCT = (set, frozenset, KeysView)
 _R = TypeVar("_R")
 _NOTHING: frozenset[OffloadKey] = frozenset()
+_NO_POSITIONS: Mapping[OffloadKey, int | None] = {}
 
 
 class StoredSlots(NamedTuple):
@@ -45,45 +46,39 @@ class StoredSlots(NamedTuple):
 
 
 class _RequestHooks(NamedTuple):
-    """The policy's request-scoped calls, or stand-ins for a policy without them."""
+    """The policy's request-scoped calls, or vLLM's defaults for a policy without them."""
 
-    on_request_load: Callable[[Sequence[OffloadKey], object | None], object | None]
-    on_request_store: Callable[[Sequence[OffloadKey], Sequence[OffloadKey], Sequence[OffloadKey], object | None], None]
-    on_store_miss: Callable[[Sequence[OffloadKey], set[OffloadKey]], None]
-    on_request_finished: Callable[
-        [Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], object | None], None
-    ]
+    on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None] | None
+    """None when the policy ranks nothing while a request runs (ARC): the manager skips the call."""
+    on_store_miss: Callable[[Sequence[OffloadKey]], None]
+    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], ReqContext], None]
 
 
 def _request_hooks(policy: CachePolicy) -> _RequestHooks:
     """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
     if isinstance(policy, RequestAwarePolicy):
-        return _RequestHooks(
-            policy.on_request_load, policy.on_request_store, policy.on_store_miss, policy.on_request_finished
-        )
+        access = None if getattr(policy, "ranks_at_finish_only", False) else policy.on_request_access
+        return _RequestHooks(access, policy.on_store_miss, policy.on_request_finished)
     touch = policy.touch
 
-    def load(keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
-        del keys
-        return anchor
-
-    def store(
-        head: Sequence[OffloadKey], stored: Sequence[OffloadKey], reoffered: Sequence[OffloadKey], anchor: object | None
-    ) -> None:
-        del stored, reoffered, anchor
-        if head:
-            touch(head)
-
-    def miss(keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
-        del keys, learnt
-
     def finished(
-        keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], anchor: object | None
+        keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], req_context: ReqContext
     ) -> None:
-        del inserted, reused, anchor
+        del inserted, reused, req_context
         touch(keys)
 
-    return _RequestHooks(load, store, miss, finished)
+    return _RequestHooks(None, touch, finished)
+
+
+def _refuse_non_bytes(keys: Sequence[object]) -> NoReturn:
+    bad = next(key for key in keys if not isinstance(key, bytes))
+    raise TypeError(
+        f"prepare_store: key {bad!r} is a {type(bad).__name__}; keys are bytes (OffloadKey: the block hash "
+        "followed by the 4-byte group index, see kvtriton.keys.make_offload_key)"
+    )
+
+
+_join_bytes = b"".join
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -92,16 +87,18 @@ class CPUOffloadingManager(OffloadingManager):
     A key is *pending* from ``prepare_store`` until ``complete_store``, then
     *ready*; ``prepare_load`` adds a reader and ``complete_load`` removes one.
     Only ready blocks without readers are evictable, chosen by the named
-    ``cache_policy`` (see ``kvtriton.manager.policies``). With
+    ``cache_policy`` (see ``kvtriton.manager.policies``; any case). With
     ``enable_events`` every store completion and every eviction is queued as
     an ``OffloadingEvent`` for ``take_events``; with ``report_dropped_stores``
     too, a failed store queues a ``metadata_only`` removal of its keys (what
     vLLM 0.33 emits, so its events tracker can drop what it recorded).
 
-    Recency comes from ``touch`` (kvtriton's own API) or, for a request
-    announced with ``on_new_request`` (vLLM's connector), from the request
-    itself: its stores rank its keys head first, and ``on_request_finished``
-    ranks them again and counts its reuses (``kvtriton.manager.request_access``).
+    Recency is vLLM 0.33's: every ``prepare_load`` and ``prepare_store``
+    records the keys of its request in the request's context
+    (``kvtriton.manager.request_access``), the policy ranks a running
+    request's keys by their token positions, and ``on_request_finished``
+    commits them head to tail; ``touch`` marks keys used at once. No call
+    has to announce a request first (``on_new_request`` is optional).
     """
 
     def __init__(
@@ -116,14 +113,19 @@ class CPUOffloadingManager(OffloadingManager):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}: {num_blocks!r}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self._policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self._policy_name = canonical_policy_name(cache_policy)
+        self._policy: CachePolicy = make_policy(self._policy_name, num_blocks)
         self._hooks = _request_hooks(self._policy)
-        self._policy_name = cache_policy
         self._pool = SlotPool(num_blocks)
         # The authoritative index of cached keys. The policy keeps the same
         # Block objects in its own order; lookups and state changes go
         # through this plain dict and never call into the policy.
         self._blocks: dict[OffloadKey, Block] = {}
+        # One Block per slot, made when the slot is first handed out and
+        # reused for every key stored in it: a key leaves every structure
+        # (this index, the policy) before its slot is handed out again, and
+        # resetting a record is a third of the cost of making one.
+        self._slot_blocks: list[Block] = []
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._num_pending = 0
         self._num_loading = 0
@@ -134,7 +136,16 @@ class CPUOffloadingManager(OffloadingManager):
         self._pending_hits = 0
         self._evictions = 0
         self._stores = 0
+        self._loads = 0
+        self._failed_stores = 0
         self.report_dropped_stores = report_dropped_stores
+        self.allocation_sizes: list[int] | None = None
+        """``None``, or a list each ``prepare_store`` that needs new slots appends its count to.
+
+        vLLM's ``kv_offload_cpu_allocation_size`` histogram: the count is
+        appended before the allocation is tried, so a store refused for lack
+        of room counts too. The vLLM adapter sets a list and drains it.
+        """
         # Bumped by reset_cache: a request's record from before a reset is stale.
         self._generation = 0
 
@@ -147,7 +158,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     @property
     def cache_policy(self) -> str:
-        """The name the policy was chosen by."""
+        """The policy's registry name (lower case)."""
         return self._policy_name
 
     @property
@@ -169,6 +180,8 @@ class CPUOffloadingManager(OffloadingManager):
             pending_hits=self._pending_hits,
             evictions=self._evictions,
             stores=self._stores,
+            loads=self._loads,
+            failed_stores=self._failed_stores,
         )
 
     def __contains__(self, key: object) -> bool:
@@ -203,34 +216,53 @@ class CPUOffloadingManager(OffloadingManager):
 
         return lookup
 
-    # --- request hooks ---------------------------------------------------
+    # --- request records -------------------------------------------------
 
-    def _access(self, req_context: ReqContext) -> RequestAccess | None:
-        """The record of a tracked request (renewed after a reset), else ``None``."""
-        accesses = req_context.accesses
-        if not accesses:
-            return None
-        access = accesses.get(self)
-        if access is not None and access.generation != self._generation:
-            access = accesses[self] = RequestAccess(self._generation)
+    def _access(self, req_context: ReqContext) -> RequestAccess:
+        """This manager's record of ``req_context``'s request, made on first use (and renewed after a reset)."""
+        access = req_context.get_state(RequestAccess)
+        if access is None or access.owner is not self or access.generation != self._generation:
+            access = RequestAccess(self, self._generation)
+            req_context.set_state(access)
         return access
+
+    def _observe(
+        self, access: RequestAccess, keys: list[OffloadKey], blocks: list[Block | None], req_context: ReqContext
+    ) -> list[OffloadKey] | None:
+        """Record the keys the request sees for the first time and let the policy rank them; return them.
+
+        None when the request has finished (nothing is recorded then).
+        """
+        if access.finished:
+            return None  # committed at the request's end; a later access is not the request's
+        new, positions = access.observe(keys, req_context.get_offload_key_position)
+        on_access = self._hooks.on_request_access
+        if new and on_access is not None:
+            if new is not keys:
+                blocks = list(map(self._blocks.get, new))
+            on_access(new, blocks, positions, req_context)
+        return new
 
     @override
     def on_new_request(self, req_context: ReqContext) -> None:
-        req_context.accesses[self] = RequestAccess(self._generation)
+        self._access(req_context)
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        access = req_context.accesses.pop(self, None)
-        if access is None or access.generation != self._generation or not access.keys:
+        access = req_context.get_state(RequestAccess)
+        if access is None or access.owner is not self or access.generation != self._generation or access.finished:
             return
-        keys = access.keys
-        position_of = req_context.position_of
-        if position_of is None and req_context.key_positions:
-            position_of = req_context.key_positions.get
-        if position_of is not None:
-            keys = head_first(keys, position_of)
-        self._hooks.on_request_finished(keys, access.inserted, access.reused, access.anchor)
+        access.finished = True
+        if not access.positions:
+            return
+        recorded = access.positions
+        keys = list(recorded)
+        positions = list(recorded.values())
+        if None in positions:
+            # vLLM reads the positions at the end; a key without one when first seen may have one now.
+            position_of = req_context.get_offload_key_position
+            positions = [found if found is not None else position_of(key) for key, found in zip(keys, positions)]
+        self._hooks.on_request_finished(head_to_tail(keys, positions), access.inserted, access.reused, req_context)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -252,9 +284,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     def load_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
         """:meth:`prepare_load`, answering the slots as a list (an adapter builds its own spec type from it)."""
-        got = list(map(self._blocks.get, keys))
+        loaded = keys if isinstance(keys, list) else list(keys)
+        got = list(map(self._blocks.get, loaded))
         if None in got:  # C speed; nothing is pinned yet
-            self._refuse_load(keys, got, 0)
+            self._refuse_load(loaded, got, 0)
         newly_loading = 0
         # One pass that pins as it validates; on a pending key the pins taken
         # so far are undone before raising, so a failed call changes nothing.
@@ -264,35 +297,30 @@ class CPUOffloadingManager(OffloadingManager):
             count = block.ref_cnt
             if count <= 0:
                 if count == PENDING:
-                    self._refuse_load(keys, got, got.index(block))
+                    self._refuse_load(loaded, got, got.index(block))
                 newly_loading += 1
             block.ref_cnt = count + 1
         self._num_loading += newly_loading
-        slots = [block.slot for block in cast("list[Block]", got)]
-        accesses = req_context.accesses
-        if accesses:
-            access = accesses.get(self)
-            if access is not None:
-                if access.generation != self._generation:
-                    access = accesses[self] = RequestAccess(self._generation)
-                loaded = keys if isinstance(keys, list) else list(keys)
-                access.observe(loaded)
-                inserted = access.inserted
-                access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
-                access.anchor = self._hooks.on_request_load(loaded, access.anchor)
-        return slots
+        self._loads += len(got)
+        access = req_context.get_state(RequestAccess)  # _access, inlined: one call per load
+        if access is None or access.owner is not self or access.generation != self._generation:
+            access = self._access(req_context)
+        self._observe(access, loaded, got, req_context)
+        # A key this request inserted is read back by the tiers (a cascade), not reused.
+        inserted = access.inserted
+        access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
+        return [block.slot for block in cast("list[Block]", got)]
 
     @staticmethod
-    def _refuse_load(keys: Collection[OffloadKey], got: list[Block | None], pinned: int) -> NoReturn:
+    def _refuse_load(keys: Sequence[OffloadKey], got: list[Block | None], pinned: int) -> NoReturn:
         """Undo the pins ``prepare_load`` took on ``got[:pinned]`` and raise for the first uncached or pending key."""
         for taken in got[:pinned]:
             if taken is not None:
                 taken.ref_cnt -= 1
         bad = next(i for i, block in enumerate(got) if block is None or block.ref_cnt == PENDING)
         block = got[bad]
-        key = list(keys)[bad]
         state = "not cached" if block is None else "still pending (its store has not completed)"
-        raise ValueError(f"prepare_load: key {key!r} is {state}")
+        raise ValueError(f"prepare_load: key {keys[bad]!r} is {state}")
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -344,109 +372,77 @@ class CPUOffloadingManager(OffloadingManager):
 
     def store_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> StoredSlots | None:
         """:meth:`prepare_store`, answering plain lists (an adapter builds its own output types from them)."""
-        accesses = req_context.accesses
-        if accesses:
-            # _access, inlined: one call per store of every tracked request.
-            access = accesses.get(self)
-            if access is not None:
-                if access.generation != self._generation:
-                    access = accesses[self] = RequestAccess(self._generation)
-                return self._prepare_tracked_store(access, keys)
-        blocks = self._blocks
-        new_keys = [key for key in keys if key not in blocks]
-        if not new_keys:
-            return StoredSlots([], [], [])
-        if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-            distinct = dict.fromkeys(new_keys)
-            if len(distinct) != len(new_keys):
-                new_keys = list(distinct)
-        return self._store(new_keys, keys)
-
-    def _prepare_tracked_store(self, access: RequestAccess, keys: Collection[OffloadKey]) -> StoredSlots | None:
-        """``prepare_store`` for a tracked request: record its keys, learn from misses, rank its keys head first."""
-        blocks = self._blocks
         offered = keys if isinstance(keys, list) else list(keys)
-        got = list(map(blocks.get, offered))
-        ready: list[OffloadKey] = []
-        skipped_pending = False
-        # The request's keys before this offer: its head, for on_request_store.
-        earlier = len(access.keys)
+        got = list(map(self._blocks.get, offered))
+        access = req_context.get_state(RequestAccess)  # _access, inlined: one call per store
+        if access is None or access.owner is not self or access.generation != self._generation:
+            access = self._access(req_context)
         if got.count(None) == len(got):
-            # The usual offer: chunks nobody stored yet. Record them (offer
-            # order, head to tail); when they were all new to the request
-            # too, its seen-set grew by the whole offer, which proves the offer
-            # distinct without building a dict of it.
-            seen = access.seen
-            before = len(seen)
-            access.observe(offered)
-            new_keys = offered[:]
-            if len(seen) - before != len(new_keys) and len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-                distinct = dict.fromkeys(new_keys)
-                if len(distinct) != len(new_keys):
-                    new_keys = list(distinct)
-            if new_keys:
-                self._hooks.on_store_miss(new_keys, access.store_missed)
+            # The usual offer: chunks nobody stored yet, all recorded and all to store.
+            recorded: list[OffloadKey] = []  # recorded here, first
+            recorded_blocks: list[Block | None] = []
+            new_keys = offered
+            if self._observe(access, offered, got, req_context) is not offered and len(offered) > 1:
+                # Not all new to the request, or named twice: the record cannot prove the offer distinct.
+                if not isinstance(keys, _DISTINCT):
+                    new_keys = list(dict.fromkeys(offered))
+            ready: list[OffloadKey] = []
+            cached: Container[OffloadKey] = _NOTHING
         else:
-            new_keys = [key for key, block in zip(offered, got) if block is None]
-            for key, block in zip(offered, got):
-                if block is not None:
-                    if block.ref_cnt != PENDING:
-                        ready.append(key)
-                    else:
-                        skipped_pending = True
-            if len(new_keys) > 1 and not isinstance(keys, _DISTINCT):
-                distinct = dict.fromkeys(new_keys)
-                if len(distinct) != len(new_keys):
-                    new_keys = list(distinct)
-            if new_keys:
-                self._hooks.on_store_miss(new_keys, access.store_missed)
-            # Record the new and ready keys, in the offer's (head-to-tail) order; a
-            # key some other request is still storing is not this request's yet.
-            if skipped_pending:
-                wanted = set(new_keys)
-                wanted.update(ready)
-                access.observe([key for key in offered if key in wanted])
-            else:
-                access.observe(offered)
+            new_keys = list(dict.fromkeys(key for key, block in zip(offered, got) if block is None))
+            ready = [key for key, block in zip(offered, got) if block is not None and block.ref_cnt != PENDING]
+            # A key some other request is still storing is not this request's yet.
+            pairs = [(key, block) for key, block in zip(offered, got) if block is None or block.ref_cnt != PENDING]
+            recorded = [key for key, _ in pairs]
+            recorded_blocks = [block for _, block in pairs]
+            # The offer's cached keys (ready, or pending for another request) are the only ones an eviction could take.
+            cached = {key for key, block in zip(offered, got) if block is not None}
+        if new_keys:
+            try:
+                _join_bytes(new_keys)  # C speed: refuses anything but bytes (str keys above all)
+            except TypeError:
+                _refuse_non_bytes(new_keys)
+            store_missed = access.store_missed
+            misses = (
+                new_keys
+                if not store_missed or store_missed.isdisjoint(new_keys)
+                else [key for key in new_keys if key not in store_missed]
+            )
+            if misses:
+                # ARC learns from B1/B2 before insert removes the ghost entries; once per key and request.
+                self._hooks.on_store_miss(misses)
+                store_missed.update(misses)
+        if recorded:
+            self._observe(access, recorded, recorded_blocks, req_context)
         if ready:
             inserted = access.inserted
             access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
         if not new_keys:
             return StoredSlots([], [], [])
-        # The offer's cached keys are its ready ones and the ones still pending
-        # (another request's store); only they could be evicted.
-        if skipped_pending:
-            cached: Container[OffloadKey] = {key for key, block in zip(offered, got) if block is not None}
-        else:
-            cached = set(ready) if ready else _NOTHING
-        output = self._store(new_keys, keys, cached)
-        if output is None:
-            return None
-        access.inserted.update(new_keys)
-        # The new keys entered head first at the recent end; the policy ranks
-        # them against the request's earlier keys (its loaded prefix).
-        head = access.keys[:earlier]
-        if ready:
-            stored = set(new_keys)
-            head.extend(key for key in access.keys[earlier:] if key not in stored)
-        if head or access.anchor is not None:
-            self._hooks.on_request_store(head, new_keys, ready, access.anchor)
+        sizes = self.allocation_sizes
+        if sizes is not None:
+            sizes.append(len(new_keys))
+        # Positions the record read (none after the request finished: the policy asks the context).
+        positions: Mapping[OffloadKey, int | None] = access.positions if not access.finished else _NO_POSITIONS
+        output = self._store(new_keys, positions, cached, req_context)
+        if output is not None:
+            access.inserted.update(new_keys)
         return output
 
     def _store(
         self,
         new_keys: list[OffloadKey],
-        keys: Collection[OffloadKey],
-        cached: Container[OffloadKey] | None = None,
+        positions: Mapping[OffloadKey, int | None],
+        cached: Container[OffloadKey],
+        req_context: ReqContext,
     ) -> StoredSlots | None:
-        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed; every key of ``keys`` is protected.
+        """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed, but none of ``cached``.
 
-        ``cached``, when the caller knows them, are the keys of ``keys`` that are
-        cached: the only ones an eviction could take, so protecting them alone
-        protects the whole offer without building a set of it.
+        ``cached`` are the offer's keys that are cached: the only ones an
+        eviction could take, so protecting them protects the whole offer
+        (the caller was just told they are cached, so they must stay).
         """
         blocks = self._blocks
-
         pool = self._pool
         shortfall = len(new_keys) - pool.num_free
         evicted: list[OffloadKey] = []
@@ -454,13 +450,7 @@ class CPUOffloadingManager(OffloadingManager):
             evictable = len(blocks) - self._num_pending - self._num_loading
             if shortfall > evictable:
                 return None
-            # Every key named in the call is protected: the caller was just
-            # told the already-stored ones are cached, so they must stay.
-            if cached is not None:
-                protected = cached
-            else:
-                protected = keys if isinstance(keys, (set, frozenset)) else set(keys)
-            victims = self._policy.evict(shortfall, protected)
+            victims = self._policy.evict(shortfall, cached)
             if victims is None:
                 return None
             evicted = victims
@@ -471,15 +461,57 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(OffloadingEvent(keys=list(evicted), medium=_MEDIUM, removed=True))
 
         slots = pool.allocate(len(new_keys))
-        made = list(map(Block, slots))
+        slot_blocks = self._slot_blocks
+        if max(slots) >= len(slot_blocks):  # slots handed out for the first time (in increasing order)
+            slot_blocks.extend(map(Block, range(len(slot_blocks), max(slots) + 1)))
+        made = list(map(slot_blocks.__getitem__, slots))
+        for block in made:
+            block.ref_cnt = PENDING
         blocks.update(zip(new_keys, made))
-        self._policy.insert(new_keys, made)
+        self._policy.insert(new_keys, made, positions, req_context)
         self._num_pending += len(new_keys)
         self._stores += len(new_keys)
         return StoredSlots(new_keys, slots, evicted)
 
     @override
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        """Make stored ``keys`` readable (``success=True``) or free their slots (``success=False``).
+
+        Every key must have a store in flight (``prepare_store`` returned it
+        and it was not completed since): otherwise ``ValueError`` names the
+        first key without one and nothing changes, as in ``complete_load``.
+        """
+        got = list(map(self._blocks.get, keys))
+        for index, block in enumerate(got):
+            if block is None or block.ref_cnt != PENDING:
+                self._refuse_store_completion(keys, got, index)
+        if len(got) > 1 and len(set(map(id, got))) != len(got):
+            seen: set[int] = set()
+            for index, block in enumerate(got):
+                if id(block) in seen:
+                    self._refuse_store_completion(keys, got, index)
+                seen.add(id(block))
+        self.complete_pending_stores(keys, req_context, success)
+
+    @staticmethod
+    def _refuse_store_completion(keys: Collection[OffloadKey], got: list[Block | None], bad: int) -> NoReturn:
+        key = list(keys)[bad]
+        block = got[bad]
+        if block is None:
+            why = "is not cached (never prepared, already failed, or evicted after a reset)"
+        elif block.ref_cnt == PENDING:
+            why = "is named twice in one call"
+        else:
+            why = "is already stored (its store was completed before)"
+        raise ValueError(f"complete_store: key {key!r} {why}: no store in flight (no matching prepare_store)")
+
+    def complete_pending_stores(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        """:meth:`complete_store` under vLLM 0.33's rule: keys without a store in flight are skipped.
+
+        vLLM's ``CPUOffloadingManager.complete_store`` ignores keys that are
+        not pending (vLLM's own tests complete a batch that names keys stored
+        earlier); the vLLM adapter answers with this method.
+        """
         blocks = self._blocks
         if success:
             stored: list[OffloadKey] = []
@@ -505,6 +537,7 @@ class CPUOffloadingManager(OffloadingManager):
                 release(block.slot)
                 self._num_pending -= 1
                 dropped.append(key)
+        self._failed_stores += len(dropped)
         if dropped and self.report_dropped_stores and self._events is not None:
             self._events.append(OffloadingEvent(keys=dropped, medium=_MEDIUM, removed=True, metadata_only=True))
 

@@ -1,87 +1,115 @@
-"""What a manager remembers about one request between its request hooks.
+"""What a manager remembers about one request: the keys it accessed, as vLLM 0.33's manager records them.
 
-vLLM 0.33's connector never calls ``touch``: the recency signal it gives is a
-request's key positions and its hooks, ``on_new_request`` and
-``on_request_finished``. A manager that is told about a request records here
-every key the request loaded or offered for storing, in the order it first saw
-them, and which of them were reused (ready before the request came) or only
-inserted by it. When the request finishes, the keys are ranked head first and
-handed to the policy with that split, so a frequency policy (ARC) counts one
-reuse per request and never counts a store as one.
+vLLM 0.33's connector never calls ``touch``: the recency signal it gives is
+each key's token position in the request's context and the end of the
+request (``on_request_finished``). A manager records here, for every request
+that loads or offers keys, the keys in the order it first saw them, which of
+them the request's stores inserted and which were reused (ready before the
+request used them). The record lives in the request's own context
+(``ReqContext.set_state``), so nothing has to announce the request and
+nothing outlives it; when the request finishes, its keys are ordered head to
+tail (:func:`head_to_tail`) and handed to the policy with that split, so a
+frequency policy (ARC) counts one reuse per request and never a store.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 from typing import cast
 
 from kvtriton.keys import OffloadKey
 
-__all__ = ["RequestAccess", "head_first"]
+__all__ = ["RequestAccess", "head_to_tail"]
 
 
 class RequestAccess:
-    """The keys one request touched, for one manager (kept in ``ReqContext.accesses``).
+    """The keys one request accessed through one manager, kept in the request's context.
 
-    ``keys`` lists every key the request loaded or offered, in first-seen
-    order (``seen`` is the same keys as a set); ``inserted`` the keys its
-    stores allocated; ``reused`` the ready keys it loaded or offered again;
-    ``store_missed`` the keys whose store miss the policy already learnt from
-    (once per request); ``anchor`` what the policy returned from the
-    request's first load (``RequestAwarePolicy.on_request_load``). ``generation`` is the manager's reset count when the
-    request started: after ``reset_cache`` the record is stale and ignored.
+    ``positions`` maps every key the request loaded or offered (its offered
+    keys that were not pending) to its token position in the request (None
+    when the context has none), in first-seen order: each position is read
+    from the context once, when the key is first seen. ``inserted`` are the
+    keys its stores allocated; ``reused`` the ready keys it loaded or offered
+    again that it had not inserted itself; ``store_missed`` the keys whose
+    store miss the policy already learnt from (once per request). ``owner``
+    and ``generation`` say which manager made the record and at which reset
+    count: any other manager's record, or one from before ``reset_cache``, is
+    replaced by a fresh one.
     """
 
-    __slots__ = ("generation", "keys", "seen", "inserted", "reused", "store_missed", "finished", "anchor")
+    __slots__ = ("owner", "generation", "positions", "inserted", "reused", "store_missed", "finished")
 
-    def __init__(self, generation: int) -> None:
+    def __init__(self, owner: object, generation: int) -> None:
+        self.owner = owner
         self.generation = generation
-        self.keys: list[OffloadKey] = []
-        self.seen: set[OffloadKey] = set()
+        self.positions: dict[OffloadKey, int | None] = {}
         self.inserted: set[OffloadKey] = set()
         self.reused: set[OffloadKey] = set()
         self.store_missed: set[OffloadKey] = set()
         self.finished = False
-        # The policy's mark of the moment the request first loaded (LRU ranks its stores there).
-        self.anchor: object | None = None
 
-    def observe(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """Add the keys not seen before to ``keys`` (first-seen order) and return them."""
-        seen = self.seen
-        if not seen or seen.isdisjoint(keys):  # a request's first keys skip the scan
+    def observe(
+        self, keys: list[OffloadKey], position_of: Callable[[OffloadKey], int | None]
+    ) -> tuple[list[OffloadKey], list[int | None]]:
+        """Record the keys of ``keys`` not seen before (once each, in order) with their positions; return both."""
+        positions = self.positions
+        before = len(positions)
+        if not before or positions.keys().isdisjoint(keys):  # a request's first keys skip the scan
             new = keys
         else:
-            new = [key for key in keys if key not in seen]
-        if new:
-            seen.update(new)
-            self.keys.extend(new)
-        return new
+            new = [key for key in keys if key not in positions]
+        if not new:
+            return new, []
+        found = list(map(position_of, new))
+        positions.update(zip(new, found))
+        if len(positions) - before != len(new):  # the offer named a key twice
+            new = list(dict.fromkeys(new))
+            found = [positions[key] for key in new]
+        return new, found
 
 
-def head_first(keys: list[OffloadKey], position_of: Callable[[OffloadKey], int | None]) -> list[OffloadKey]:
-    """``keys`` ordered by token position, head first, when every key has a position.
+def _group(key: OffloadKey) -> bytes:
+    # The group index's 4 big-endian bytes order the groups as their indices do.
+    return key[-4:]
 
-    The connector sees a request's keys head to tail, so the first-seen order
-    is almost always already right; positions fix the rare out-of-order store
-    (vLLM stores sliding-window groups' blocks late). Keys of several KV cache
-    groups at one position keep their first-seen order (the sort is stable).
-    Without a position for every key the first-seen order stands, as in vLLM.
+
+_suffix = itemgetter(slice(-4, None))
+
+
+def head_to_tail(keys: list[OffloadKey], positions: list[int | None]) -> list[OffloadKey]:
+    """A finished request's ``keys`` (first-seen order, ``positions`` co-indexed) ordered as vLLM 0.33 orders them.
+
+    KV cache group by group (group 0 first), each group by token position
+    when every key of the group has one; then, when every key has a
+    position, all of them by position (a stable sort: keys of several groups
+    at one position stay group by group). Without positions the first-seen
+    order stands.
     """
-    # A dict's ``get`` (what kvtriton's and vLLM's contexts hand out) is read
-    # through the dict's ``__getitem__`` instead: a missing key raises at once,
-    # and no scan for ``None`` is needed (about a third cheaper per key).
-    table: object = getattr(position_of, "__self__", None)
-    if type(table) is dict:
-        try:
-            positions = list(map(cast("dict[OffloadKey, int]", table).__getitem__, keys))
-        except KeyError:
+    if len(keys) < 2:
+        return keys
+    if None not in positions:
+        known = cast("list[int]", positions)  # no None (checked above)
+        if known == sorted(known) and len(set(known)) == len(known):
+            # Strictly head to tail already (the usual case): every rule below keeps this order.
             return keys
-    else:
-        found = list(map(position_of, keys))
-        if None in found:
+    groups = set(map(_suffix, keys))  # C speed
+    if len(groups) == 1:
+        if None in positions:
             return keys
-        positions = cast("list[int]", found)  # no None left
-    if positions == sorted(positions):  # C speed; linear on sorted input
-        return keys  # already head to tail
-    order = sorted(range(len(keys)), key=positions.__getitem__)
-    return [keys[index] for index in order]
+        known = cast("list[int]", positions)  # no None (checked above)
+        if known == sorted(known):  # C speed; the usual case, head to tail already
+            return keys
+        order = sorted(range(len(keys)), key=known.__getitem__)
+        return [keys[index] for index in order]
+    # Several groups (a hybrid model): group by group, then by position.
+    ordered: list[OffloadKey] = []
+    position_by_key = dict(zip(keys, positions))
+    for group in sorted(groups):
+        members = [key for key in keys if _group(key) == group]
+        if all(position_by_key[key] is not None for key in members):
+            members.sort(key=lambda key: position_by_key[key] or 0)
+        ordered.extend(members)
+    if None not in positions:
+        ordered.sort(key=lambda key: position_by_key[key] or 0)
+    return ordered

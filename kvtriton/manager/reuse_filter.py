@@ -76,6 +76,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._threshold = store_threshold
         self._max_tracked = max_tracker_size
         self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._stores_skipped = 0
         self._holds: Callable[[OffloadKey], bool] | None = (
             backing.__contains__ if isinstance(backing, _HoldsKeys) else None
         )
@@ -99,6 +100,15 @@ class FilterReusedOffloadingManager(OffloadingManager):
     def max_tracker_size(self) -> int:
         """Most keys the use counter remembers."""
         return self._max_tracked
+
+    @property
+    def stores_skipped(self) -> int:
+        """Keys withheld from ``prepare_store`` so far because their count was below the threshold.
+
+        vLLM 0.33's ``kv_offload_stores_skipped``: a key the backing manager
+        already caches is never counted (it would not be stored anyway).
+        """
+        return self._stores_skipped
 
     def use_count(self, key: OffloadKey) -> int:
         """How many uses of ``key`` the tracker remembers (0 if forgotten or never seen)."""
@@ -166,6 +176,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
             # through too: the backing never stores it again, and naming it
             # keeps this call from evicting it.
             eligible = [key for key in keys if counts.get(key, 0) >= threshold or holds(key)]
+        self._stores_skipped += len(keys) - len(eligible)
         return self._backing.prepare_store(eligible, req_context)
 
     @override

@@ -36,11 +36,20 @@ class ManagerStats:
     """Blocks evicted to make room."""
     stores: int = 0
     """Blocks that ``prepare_store`` allocated."""
+    loads: int = 0
+    """Blocks that ``prepare_load`` pinned for a load (each key of each call)."""
+    failed_stores: int = 0
+    """Blocks whose store failed (``complete_store(..., success=False)``), freed again."""
 
     @property
     def free(self) -> int:
         """Slots holding nothing."""
         return self.capacity - self.used
+
+    @property
+    def occupancy(self) -> float:
+        """``used / capacity``: the fraction of slots holding a block (stored or being stored)."""
+        return self.used / self.capacity if self.capacity else 0.0
 
     @property
     def hit_rate(self) -> float:

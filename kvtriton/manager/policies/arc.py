@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.policies.base import PENDING, Block
+from kvtriton.specs import ReqContext
 
 __all__ = ["ARCCachePolicy", "ARCState"]
 
@@ -41,24 +42,26 @@ def _take(
 
 
 class ARCCachePolicy:
-    """Balances recency (T1: seen once) against frequency (T2: seen again).
+    """Balances recency (T1: seen once) against frequency (T2: seen again), as vLLM 0.33's ARC does.
 
     B1 and B2 remember keys recently evicted from T1 and T2 (keys only, no
-    slots). A touch that hits B1 means T1 was too small, so the T1 target
-    grows; a B2 hit shrinks it. Eviction takes from T1 while T1 is at least
-    its target, else from T2, and falls back to the other list when the
-    preferred one holds nothing evictable, so a store fails only when no
-    evictable block exists at all.
+    slots). A store of a key still in B1 means T1 was too small, so the T1
+    target grows; a B2 hit shrinks it (``on_store_miss``, once per key and
+    request). Eviction takes from T1 while T1 is at least its target, else
+    from T2, and falls back to the other list when the preferred one holds
+    nothing evictable, so a store fails only when no evictable block exists
+    at all. New blocks enter T1's recent end in offer order.
 
-    Through the request hooks (vLLM's connector never touches), a request's
-    reuse of a ready block counts once, when the request finishes
-    (``on_request_finished``); its stores only rank its keys head first, and
-    a store of a key still in a ghost list adapts the target
-    (``on_store_miss``), as vLLM 0.33's ARC does. Loads change nothing until
-    the request ends (``on_request_load``).
+    A request's reuse of a ready block counts once, when the request
+    finishes (``on_request_finished``): T1 -> T2, or to T2's recent end; its
+    stores only move within their list, head to tail (the head ends most
+    recent). ``touch`` (kvtriton's and vLLM's direct API) counts a use at once.
     """
 
     __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2", "_ghost_free")
+
+    ranks_at_finish_only = True
+    """A running request's accesses change nothing until it finishes: the manager skips ``on_request_access``."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -76,11 +79,18 @@ class ARCCachePolicy:
         block = self._t1.get(key)
         return block if block is not None else self._t2.get(key)
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
+    def insert(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Mapping[OffloadKey, int | None],
+        req_context: ReqContext,
+    ) -> None:
+        del positions, req_context  # ARC ranks by arrival alone
         t1 = self._t1
         # A loop of item assignments: OrderedDict.update goes through the
         # generic mapping update, which is slower for a batch this size.
-        for key, block in zip(reversed(keys), reversed(blocks)):
+        for key, block in zip(keys, blocks):
             t1[key] = block
         if keys is self._ghost_free:
             self._ghost_free = None
@@ -126,68 +136,33 @@ class ARCCachePolicy:
             self._target = max(self._target - delta, 0.0)
             b2.move_to_end(key)
 
-    def refresh(self, keys: Sequence[OffloadKey]) -> None:
-        t1, t2 = self._t1, self._t2
-        t1_move, t2_move = t1.move_to_end, t2.move_to_end
-        for key in reversed(keys):
-            if key in t2:  # T2 first, as in on_request_store
-                t2_move(key)
-            elif key in t1:
-                t1_move(key)
-
-    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
-        del keys  # the loaded blocks are pinned until the load completes; their reuse counts at the end
-        return anchor
-
-    def on_request_store(
+    def on_request_access(
         self,
-        head: Sequence[OffloadKey],
-        stored: Sequence[OffloadKey],
-        reoffered: Sequence[OffloadKey],
-        anchor: object | None,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block | None],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
     ) -> None:
-        del stored, reoffered, anchor  # new blocks enter T1's recent end, as ARC always does; head lists reoffered
-        # refresh(head), inlined: one call per store of every request.
-        t1, t2 = self._t1, self._t2
-        t1_move, t2_move = t1.move_to_end, t2.move_to_end
-        for key in reversed(head):
-            # T2 first: a request's head was mostly reused before (T1 and T2 never share a key).
-            if key in t2:
-                t2_move(key)
-            elif key in t1:
-                t1_move(key)
+        del keys, blocks, positions, req_context  # a reuse counts when the request finishes
 
-    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2 = self._b1, self._b2
         # Most stored keys were never evicted: find the ghosts at C speed first.
-        in_b1 = b1.keys() & keys if b1 else set[OffloadKey]()
-        in_b2 = b2.keys() & keys if b2 else set[OffloadKey]()
-        if not in_b1 and not in_b2:
+        if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
             self._ghost_free = keys
             return
         self._ghost_free = None
-        if learnt:
-            in_b1 -= learnt
-            in_b2 -= learnt
-        learnt |= in_b1
-        learnt |= in_b2
-        capacity = float(self._capacity)
         for key in reversed(keys):
-            if key in in_b1:
-                self._target = min(self._target + max(1.0, len(b2) / len(b1)), capacity)
-                b1.move_to_end(key)
-            elif key in in_b2:
-                self._target = max(self._target - max(1.0, len(b1) / len(b2)), 0.0)
-                b2.move_to_end(key)
+            self._adapt_to_ghost(key)
 
     def on_request_finished(
         self,
         keys: Sequence[OffloadKey],
         inserted: Container[OffloadKey],
         reused: Container[OffloadKey],
-        anchor: object | None,
+        req_context: ReqContext,
     ) -> None:
-        del anchor  # ARC hands out none
+        del req_context
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
         for key in reversed(keys):

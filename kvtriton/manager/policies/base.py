@@ -1,16 +1,18 @@
 """The cache-policy protocol and the per-block record it orders.
 
 A policy decides *which* ready, idle block to evict; the manager owns
-everything else (slots, reader counts, events). Keeping the protocol this
-small means a new policy is one file plus one line in the registry.
+everything else (slots, reader counts, events, what each request accessed).
+The hooks and their order are vLLM 0.33's (``vllm/v1/kv_offload/cpu/policies``),
+so a policy ranks blocks exactly as vLLM's does when given the same calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
+from kvtriton.specs import ReqContext
 
 __all__ = ["PENDING", "Block", "CachePolicy", "RequestAwarePolicy"]
 
@@ -19,16 +21,23 @@ PENDING = -1
 
 
 class Block:
-    """One cached block: its slot in the host slab and its reference count.
+    """One cached block: its slot in the host slab, its reference count and its LRU rank.
 
     ``ref_cnt`` is ``PENDING`` (-1) while the store is in flight, 0 when the
     block is ready and idle (the only evictable state), and ``n > 0`` while
-    ``n`` loads read it. A plain slotted class rather than a dataclass: the
-    manager creates one per stored block and reads ``ref_cnt`` in every hot
-    loop, so it stays as cheap as Python allows.
+    ``n`` loads read it. ``rank`` and ``position`` belong to the LRU policy
+    (``kvtriton.manager.policies.lru``), which sets them when it inserts the
+    block: the tick of the block's last use and, while a running request
+    ranks it, its token position in that request. A plain slotted class
+    rather than a dataclass: the manager creates one per stored block and
+    reads ``ref_cnt`` in every hot loop, so it stays as cheap as Python
+    allows (the constructor sets only what every policy reads).
     """
 
-    __slots__ = ("slot", "ref_cnt")
+    __slots__ = ("slot", "ref_cnt", "rank", "position")
+
+    rank: int
+    position: int | None
 
     def __init__(self, slot: int, ref_cnt: int = PENDING) -> None:
         self.slot = slot
@@ -43,24 +52,30 @@ class CachePolicy(Protocol):
 
     The manager calls ``insert`` when ``prepare_store`` allocates blocks,
     ``remove`` when a store fails, ``touch`` on every ``touch`` call,
-    ``evict`` when it needs room and ``clear`` on ``reset_cache``. For a
-    request it tracks (``on_new_request``) it also calls ``on_store_miss``
-    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
-    ``refresh`` after it and ``on_request_finished`` at the
-    end (``kvtriton.manager.request_access``). A policy
+    ``evict`` when it needs room and ``clear`` on ``reset_cache``. A policy
     must never evict a block whose ``ref_cnt`` is not 0 or whose key is in
-    ``protected``.
+    ``protected``. A policy that also implements :class:`RequestAwarePolicy`
+    gets the request-scoped signal; one that does not gets ``touch`` in its
+    place (vLLM's defaults).
     """
 
     def get(self, key: OffloadKey) -> Block | None:
         """The block cached under ``key`` (pending or ready), else ``None``."""
         ...
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
-        """Start tracking newly allocated (pending) blocks, ``keys[i]`` -> ``blocks[i]``.
+    def insert(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Mapping[OffloadKey, int | None],
+        req_context: ReqContext,
+    ) -> None:
+        """Start tracking newly allocated (pending) blocks, ``keys[i]`` -> ``blocks[i]``, stored for ``req_context``.
 
-        One call per ``prepare_store``, so a policy can place the batch at
-        C speed. Like ``touch``, the first key ends up most recent.
+        One call per ``prepare_store``, keys in offer order. ``positions``
+        holds the token positions the request's record read for its keys
+        (a key missing or None there: ask ``req_context``). Without positions
+        the first key is the least recent, as in vLLM 0.33.
         """
         ...
 
@@ -87,61 +102,37 @@ class CachePolicy(Protocol):
 
 @runtime_checkable
 class RequestAwarePolicy(CachePolicy, Protocol):
-    """A policy that also takes the request-scoped signal (optional; LRU and ARC implement it).
+    """A policy that takes the request-scoped signal, vLLM 0.33's hooks (LRU and ARC implement it).
 
-    For a request it tracks (``on_new_request``) the manager calls
-    ``on_request_load`` on its loads, ``on_store_miss`` before a store,
-    ``on_request_store`` after it and ``on_request_finished`` at the end
-    (``kvtriton.manager.request_access``). A policy without these methods
-    still works: the manager then calls its ``touch`` with the head after a
-    store and with all the request's keys at its end, and skips the other two
-    (vLLM's defaults).
+    For every request the manager calls ``on_store_miss`` before a store
+    allocates, ``on_request_access`` with the keys the request sees for the
+    first time (loads and store offers), and ``on_request_finished`` once
+    when the request ends. A policy without these methods still works: the
+    manager calls its ``touch`` instead with the store misses and with the
+    finished request's keys (vLLM's defaults), and nothing on access.
     """
 
-    def refresh(self, keys: Sequence[OffloadKey]) -> None:
-        """Rank ``keys`` most recent, the first key most recent, without counting a use.
-
-        The request-scoped recency signal (a request's keys when it stores and
-        when it finishes): ARC moves each key within its own list and never
-        promotes. Unknown keys are ignored.
-        """
-        ...
-
-    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
-        """A tracked request loads ``keys`` (head first); return its anchor (``anchor`` if it has one).
-
-        The anchor marks the moment the request first used the cache: vLLM
-        0.33 ranks an active request's keys there. LRU keeps a mark at that
-        point of its order, ranks the loaded keys just above it and returns
-        the mark; ARC leaves its lists alone (a load counts as a reuse only
-        when the request finishes) and returns ``None``.
-        """
-        ...
-
-    def on_request_store(
+    def on_request_access(
         self,
-        head: Sequence[OffloadKey],
-        stored: Sequence[OffloadKey],
-        reoffered: Sequence[OffloadKey],
-        anchor: object | None,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block | None],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
     ) -> None:
-        """A tracked request just stored ``stored`` (inserted at the recent end) after using ``head``.
+        """``req_context``'s request sees ``keys`` for the first time; ``blocks[i]`` is ``keys[i]``'s block, or None.
 
-        ``reoffered`` are ready keys the same offer named (already cached;
-        ``head`` lists them too). LRU with an anchor moves ``stored`` and
-        ``reoffered`` down to it (below everything used since the request's
-        first load); otherwise ``head`` goes above ``stored``, head most recent.
+        ``None`` marks a key not cached yet (a store offer about to insert
+        it); ``positions`` are the keys' token positions (None when unknown).
+        LRU ranks the cached ones at the request's rank by position; ARC
+        waits for the request's end.
         """
         ...
 
-    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
-        """Learn from ``keys`` about to be stored because no request found them cached.
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """Learn from ``keys`` about to be stored because no request found them cached (once per key and request).
 
-        Called before the eviction that makes room for them. ``learnt`` is the
-        storing request's record of keys already learnt from: a policy learns
-        from a key once per request (a refused store may be offered again) and
-        adds the keys it learnt from. ARC adapts its T1 target to keys still
-        in a ghost list.
+        Called before the eviction that makes room for them. ARC adapts its
+        T1 target to keys still in a ghost list.
         """
         ...
 
@@ -150,13 +141,14 @@ class RequestAwarePolicy(CachePolicy, Protocol):
         keys: Sequence[OffloadKey],
         inserted: Container[OffloadKey],
         reused: Container[OffloadKey],
-        anchor: object | None,
+        req_context: ReqContext,
     ) -> None:
-        """Apply one finished request's access: ``keys`` head first (head most recent afterwards).
+        """Commit one finished request's access: ``keys`` head to tail (the head ends most recent).
 
-        ``reused`` keys were ready before the request used them (one use each,
-        for a frequency policy); ``inserted`` keys were stored by it (not a
-        use); keys in neither (a refused store) are left where they are.
-        ``anchor`` (from ``on_request_load``) is released.
+        ``reused`` keys were ready before the request used them (one use
+        each, for a frequency policy); ``inserted`` keys were stored by it,
+        which is not a use unless the key is also in ``reused`` (vLLM's
+        insertion-only keys are ``inserted - reused``); keys in neither
+        (refused stores) only move within their list.
         """
         ...

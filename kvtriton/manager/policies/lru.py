@@ -1,202 +1,265 @@
-"""Least-recently-used eviction over a single ordered dict."""
+"""Least-recently-used eviction, ranked as vLLM 0.33 ranks it."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Sequence
-from typing import cast
+from collections.abc import Collection, Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from kvtriton.keys import OffloadKey
-from kvtriton.manager.policies.base import PENDING, Block
+from kvtriton.manager.policies.base import Block
+from kvtriton.specs import ReqContext
 
 __all__ = ["LRUCachePolicy"]
 
 
-class _Anchor:
-    """A unique, hashable mark in the LRU order (never equal to a key)."""
+@dataclass(slots=True)
+class _RequestTick:
+    """The tick a request was first seen at, kept in its context (one per policy and reset)."""
 
-    __slots__ = ()
+    owner: object
+    generation: int
+    tick: int
 
 
-_ANCHOR_BLOCK = Block(-1, PENDING)
-"""The block every anchor maps to: pending, so eviction always skips it."""
+def _bucket_rank(item: tuple[OffloadKey, Block]) -> tuple[int, OffloadKey]:
+    # Tails first; keys at one position (the groups of a hybrid model) by
+    # their bytes, as vLLM's heap breaks the tie.
+    position = item[1].position
+    return (-position if position is not None else 0, item[0])
 
 
 class LRUCachePolicy:
-    """Evicts the least recently used ready, idle block.
+    """Evicts the ready, idle block of lowest rank: vLLM 0.33's LRU rule.
 
-    One ``OrderedDict`` from key to block, least recent first. ``touch``
-    moves keys to the recent end, the first key last (most recent), and
-    remembers them as the *touched run*. A block inserted afterwards ranks
-    just below that run **(kvtriton)**: an engine touches a request's cached
-    prefix and then stores the blocks that extend it, which are deeper in the
-    prefix tree and shared by fewer requests, so they should go first; vLLM
-    0.33 reaches the same order by ranking a request's blocks by position.
-    Without touches this is plain LRU. Eviction scans from the old end and
-    skips pending, loading and protected keys.
+    One counter hands out *ticks*. A block's rank is ``(tick, 0)`` after it
+    was stored without a token position, touched, or named by a request that
+    finished (head to tail, so the head ranks highest); while a running
+    request ranks it, its rank is ``(request's tick, -position)``, where the
+    request's tick is taken when the policy first sees the request. So a
+    running request's blocks rank together at the moment it started, tails
+    below heads, and its end raises them all to the top. A request's access
+    only ever raises a rank.
 
-    Through the request hooks (what vLLM's connector gives: no ``touch``), a
-    request's keys are ranked as vLLM 0.33 ranks them: its loaded head goes on
-    top at its first load, where an anchor marks the moment; the blocks it
-    then stores go just above the anchor, below everything used since; and
-    when it finishes all its keys go on top, head most recent.
+    Stored as one ``OrderedDict`` of every block, in which the blocks ranked
+    by a tick alone sit in tick order, and the running requests' blocks by
+    request tick. Eviction walks the two in rank order and skips pending,
+    loading and protected blocks.
     """
 
-    __slots__ = ("_anchors", "_blocks", "_run", "_unsettled")
+    __slots__ = ("_order", "_requests", "_tick", "_generation")
 
     def __init__(self, capacity: int) -> None:
         # capacity is unused: LRU keeps no ghost state; the uniform
         # constructor lets the registry build every policy the same way.
         del capacity
-        self._blocks: OrderedDict[OffloadKey, Block] = OrderedDict()
-        # The touched run, least recent first, with the block each key had
-        # when touched (a key evicted and stored again is a new block).
-        self._run: list[tuple[OffloadKey, Block]] = []
-        # Inserts since the run was last moved back on top. Settling is lazy:
-        # done once before the order is next read, not once per insert.
-        self._unsettled = False
-        # Marks of active requests' first loads (see on_request_load), kept in
-        # _blocks with a never-evictable block.
-        self._anchors: set[OffloadKey] = set()
+        self._order: OrderedDict[OffloadKey, Block] = OrderedDict()
+        """Every cached block; those with ``position is None`` in tick order, least recent first."""
+        self._requests: dict[int, dict[OffloadKey, Block]] = {}
+        """The blocks a running request ranks (``position`` set), by the request's tick."""
+        self._tick = 0
+        self._generation = 0
 
-    def _settle(self) -> None:
-        self._unsettled = False
-        blocks = self._blocks
-        move_to_end = blocks.move_to_end
-        for key, block in self._run:
-            if blocks.get(key) is block:
-                move_to_end(key)
+    def _request_tick(self, req_context: ReqContext) -> int:
+        state = req_context.get_state(_RequestTick)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            self._tick += 1
+            state = _RequestTick(self, self._generation, self._tick)
+            req_context.set_state(state)
+        return state.tick
+
+    def _leave_request(self, key: OffloadKey, block: Block) -> None:
+        """Take ``block`` out of the running request that ranks it."""
+        ranked = self._requests[block.rank]
+        del ranked[key]
+        if not ranked:
+            del self._requests[block.rank]
+        block.position = None
+
+    def _request_keys(self, tick: int) -> dict[OffloadKey, Block]:
+        """The blocks the running request of ``tick`` ranks (made empty on first use)."""
+        ranked = self._requests.get(tick)
+        if ranked is None:
+            ranked = self._requests[tick] = {}
+        return ranked
 
     def get(self, key: OffloadKey) -> Block | None:
-        return self._blocks.get(key)
+        return self._order.get(key)
 
-    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[Block]) -> None:
-        self._blocks.update(zip(reversed(keys), reversed(blocks)))
-        if self._run:
-            self._unsettled = True
+    def insert(
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Mapping[OffloadKey, int | None],
+        req_context: ReqContext,
+    ) -> None:
+        order = self._order
+        ranked: dict[OffloadKey, Block] | None = None
+        request_tick = 0
+        get = positions.get
+        for key, block in zip(keys, blocks):
+            order[key] = block
+            position = get(key)
+            if position is None:
+                # vLLM reads a position when it inserts: one unknown when first seen may be known now.
+                position = req_context.get_offload_key_position(key)
+            if position is None:
+                self._tick += 1
+                block.rank = self._tick
+                block.position = None
+            else:
+                if ranked is None:
+                    request_tick = self._request_tick(req_context)
+                    ranked = self._request_keys(request_tick)
+                ranked[key] = block
+                block.rank = request_tick
+                block.position = position
 
     def remove(self, key: OffloadKey) -> None:
-        self._blocks.pop(key, None)
+        block = self._order.pop(key, None)
+        if block is not None and block.position is not None:
+            self._leave_request(key, block)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
-        if self._unsettled:
-            self._settle()
-        blocks = self._blocks
-        move_to_end = blocks.move_to_end
-        run: list[tuple[OffloadKey, Block]] = []
-        # Visit in reverse so the first key (the earliest prefix block, shared
-        # by the most requests) ends up most recent and is evicted last.
-        for key in reversed(keys if isinstance(keys, list) else list(keys)):
-            block = blocks.get(key)
+        # Reverse order: the first key (the earliest prefix block, shared by
+        # the most requests) ends up most recent and is evicted last.
+        self._refresh(reversed(keys if isinstance(keys, list) else list(keys)))
+
+    def _refresh(self, keys: Iterator[OffloadKey]) -> None:
+        """Give each cached key of ``keys`` the next tick, in turn (the last one ends most recent)."""
+        order = self._order
+        get, move_to_end = order.get, order.move_to_end
+        tick = self._tick
+        for key in keys:
+            block = get(key)
             if block is not None:
+                if block.position is not None:
+                    self._leave_request(key, block)
+                tick += 1
+                block.rank = tick
                 move_to_end(key)
-                run.append((key, block))
-        self._run = run
+        self._tick = tick
 
-    def refresh(self, keys: Sequence[OffloadKey]) -> None:
-        if self._unsettled:
-            self._settle()
-        # The request-scoped order replaces any touched run.
-        self._run = []
-        blocks = self._blocks
-        move_to_end = blocks.move_to_end
-        for key in reversed(keys):
-            if key in blocks:
-                move_to_end(key)
-
-    def on_request_load(self, keys: Sequence[OffloadKey], anchor: object | None) -> object | None:
-        if anchor is None:
-            # A mark in the order where the request first used the cache: its
-            # stores are ranked there later. Its block is never evictable.
-            mark = cast("OffloadKey", _Anchor())
-            self._blocks[mark] = _ANCHOR_BLOCK
-            self._anchors.add(mark)
-            anchor = mark
-        self.refresh(keys)
-        return anchor
-
-    def on_request_store(
+    def on_request_access(
         self,
-        head: Sequence[OffloadKey],
-        stored: Sequence[OffloadKey],
-        reoffered: Sequence[OffloadKey],
-        anchor: object | None,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block | None],
+        positions: Sequence[int | None],
+        req_context: ReqContext,
     ) -> None:
-        blocks = self._blocks
-        if anchor is None or anchor not in blocks:
-            if head:
-                self.refresh(head)
-            return
-        if self._unsettled:
-            self._settle()
-        self._run = []
-        move_to_end = blocks.move_to_end
-        if reoffered:
-            # Ready keys named again rank with the request's new keys (vLLM
-            # raises them to the request's rank): on top of them first.
-            for key in reversed(reoffered):
-                if key in blocks:
-                    move_to_end(key)
-            stored = [*stored, *reoffered]
-        # ``stored`` sit at the recent end. Everything between the anchor and
-        # them was used after the request's first load (its own loaded head
-        # included): move it back on top, which leaves ``stored`` just above
-        # the anchor, where vLLM 0.33 ranks an active request's new keys. That
-        # is about one engine step of blocks.
-        newer = reversed(blocks)
-        for _ in range(len(stored)):
-            next(newer, None)
-        later: list[OffloadKey] = []
-        for key in newer:
-            if key is anchor:
-                break
-            later.append(key)
-        for key in reversed(later):
-            move_to_end(key)
+        tick = self._request_tick(req_context)  # the request's rank starts here, whatever it accessed
+        if blocks.count(None) == len(blocks):
+            return  # a store offer of new keys: insert ranks them
+        ranked: dict[OffloadKey, Block] | None = None
+        for key, block, position in zip(keys, blocks, positions):
+            if block is None or position is None:
+                continue
+            # Raise only: (tick, -position) against the block's rank.
+            current = block.position
+            if block.rank > tick or (block.rank == tick and current is not None and current <= position):
+                continue
+            if current is not None:
+                self._leave_request(key, block)
+            if ranked is None:
+                ranked = self._request_keys(tick)
+            ranked[key] = block
+            block.rank = tick
+            block.position = position
 
-    def on_store_miss(self, keys: Sequence[OffloadKey], learnt: set[OffloadKey]) -> None:
-        del keys, learnt  # LRU keeps no history of evicted keys
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        del keys  # LRU keeps no history of evicted keys
 
     def on_request_finished(
         self,
         keys: Sequence[OffloadKey],
         inserted: Container[OffloadKey],
         reused: Container[OffloadKey],
-        anchor: object | None,
+        req_context: ReqContext,
     ) -> None:
         del inserted, reused  # every access counts the same in LRU
-        if anchor is not None and anchor in self._anchors:
-            self._anchors.discard(cast("OffloadKey", anchor))
-            self._blocks.pop(cast("OffloadKey", anchor), None)
-        self.refresh(keys)
+        state = req_context.get_state(_RequestTick)
+        request_tick = state.tick if state is not None and state.owner is self and state.generation == self._generation else None
+        ranked = self._requests.pop(request_tick, None) if request_tick is not None else None
+        if not ranked:
+            self._refresh(reversed(keys))
+            return
+        # _refresh, with the request's own blocks released from its ranking in bulk.
+        order = self._order
+        get, move_to_end = order.get, order.move_to_end
+        tick = self._tick
+        for key in reversed(keys):
+            block = get(key)
+            if block is not None:
+                if block.position is not None:
+                    if key in ranked:
+                        block.position = None
+                    else:
+                        self._leave_request(key, block)  # ranked since by a later request
+                tick += 1
+                block.rank = tick
+                move_to_end(key)
+        self._tick = tick
+        left = {key: block for key, block in ranked.items() if block.position is not None}
+        if left and request_tick is not None:  # stored after the request's record was replaced: still ranked by it
+            self._requests[request_tick] = left
+
+    def _in_rank_order(self) -> Iterator[tuple[OffloadKey, Block]]:
+        """Every cached key with its block, lowest rank (the next to evict) first."""
+        requests = self._requests
+        if not requests:
+            yield from self._order.items()
+            return
+        ticks = sorted(requests)
+        waiting = 0
+        for key, block in self._order.items():
+            if block.position is not None:
+                continue  # ranked by its request, below
+            while waiting < len(ticks) and ticks[waiting] < block.rank:
+                yield from sorted(requests[ticks[waiting]].items(), key=_bucket_rank)
+                waiting += 1
+            yield key, block
+        for tick in ticks[waiting:]:
+            yield from sorted(requests[tick].items(), key=_bucket_rank)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
             return []
-        if self._unsettled:
-            self._settle()
         victims: list[OffloadKey] = []
-        for key, block in self._blocks.items():
-            if block.ref_cnt == 0 and key not in protected:
+        requests = self._requests
+        # The blocks ranked by a tick alone, least recent first (a running request's blocks are skipped here).
+        last_rank = 0
+        for key, block in self._order.items():
+            if block.ref_cnt == 0 and key not in protected and block.position is None:
                 victims.append(key)
                 if len(victims) == n:
+                    last_rank = block.rank
                     break
         else:
-            return None
-        blocks = self._blocks
+            if not requests:
+                return None
+        if requests and (len(victims) < n or last_rank > min(requests)):
+            # A running request ranks below some of them: walk both in rank order.
+            victims = []
+            for key, block in self._in_rank_order():
+                if block.ref_cnt == 0 and key not in protected:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            else:
+                return None
+        pop = self._order.pop
         for key in victims:
-            del blocks[key]
+            block = pop(key)
+            if block.position is not None:
+                self._leave_request(key, block)
         return victims
 
     def clear(self) -> None:
-        self._blocks.clear()
-        self._anchors.clear()
-        self._run = []
-        self._unsettled = False
+        self._order.clear()
+        self._requests.clear()
+        self._tick = 0
+        self._generation += 1
 
     def ordered_keys(self) -> list[OffloadKey]:
-        """Every tracked key, least recent first (for tests and debugging)."""
-        if self._unsettled:
-            self._settle()
-        anchors = self._anchors
-        return [key for key in self._blocks if key not in anchors] if anchors else list(self._blocks)
+        """Every tracked key, least recent (next to evict) first (for tests and debugging)."""
+        return [key for key, _ in self._in_rank_order()]
