@@ -72,7 +72,7 @@ try:
         parse_policy,
         warn_unread_keys,
     )
-    from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, gauge_definitions
+    from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, metric_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
     from kvtriton.worker.slab import HostSlab, SlabPinningError
@@ -155,7 +155,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, vllm_base.OffloadingMetricMetadata]:
         if _names_vllm_policy(extra_config):
             return CPUOffloadingSpec.build_metric_definitions(extra_config)
-        return dict(gauge_definitions())
+        return metric_definitions(extra_config)
 
     @classmethod
     @override

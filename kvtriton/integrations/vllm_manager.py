@@ -64,7 +64,6 @@ __all__ = [
     "CPU_CACHE_OCCUPANCY_PERC",
     "DEFAULT_SUMMARY_INTERVAL_S",
     "VLLMOffloadingManager",
-    "gauge_definitions",
     "metric_definitions",
 ]
 
@@ -140,11 +139,6 @@ def metric_definitions(extra_config: Mapping[str, object] | None = None) -> dict
             documentation="Number of KV offload stores skipped because the reuse threshold was not reached.",
         )
     return definitions
-
-
-def gauge_definitions() -> dict[str, vllm_base.OffloadingMetricMetadata]:
-    """:func:`metric_definitions` without a configuration (no ``stores_skipped``): the spec's call until it passes its config."""
-    return metric_definitions()
 
 
 class _StoreAnswer(Protocol):
