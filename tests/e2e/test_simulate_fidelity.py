@@ -13,9 +13,11 @@ per point, ``max_tokens=1``.
 
 The requests are sent one at a time, each once the previous one has finished
 (a client waiting for each answer), which the simulator models exactly as
-``--sequential``: all at once with ``max_num_seqs``, the order in which vLLM
-reports the requests that finished in one step to the manager is a Python
-``set``'s, which changes with every process. The prediction is
+``--sequential``. Sent all at once, the engine itself is not repeatable (one
+job run three times measured 10.5% to 13.4%; vLLM hands the requests that
+finished in one step to the connector in a Python ``set``'s order), so no
+model can be held to a point there; ``python -m e2e.fidelity_table
+--all-at-once`` shows that spread. The prediction is
 :func:`kvtriton.tools.vllm_engine.predict` with the engine's settings
 (``--gpu-blocks 40 --max-num-seqs 4 --sequential --store-steps 1``, block
 size 32, the slab's slots). The test asserts vLLM's reported offload hit rate,
