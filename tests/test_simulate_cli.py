@@ -63,8 +63,7 @@ def test_sequential_admits_one_request_at_a_time(tmp_path: Path, capsys: pytest.
     record = simulate_json(tmp_path, capsys, *SMALL, "--sequential", "--capacities", "1", "--policies", "lru")
     (point,) = record["points"]
     assert record["call_order"]["sequential"] is True
-    assert point["max_admitted_per_step"] == 1
-    assert point["pending_stops"] == 0
+    assert point["max_admitted_per_step"] == 1  # (the previous request's stores may still be in flight)
 
 
 @pytest.mark.parametrize(

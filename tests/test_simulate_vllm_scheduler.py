@@ -231,7 +231,7 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
             continue
         step += 1
         assert step < 20 * len(requests), "vLLM's scheduler made no progress"
-        if setting.sequential and to_send and previous not in scheduler.requests and not due:
+        if setting.sequential and to_send and previous not in scheduler.requests:  # its stores may be in flight
             send()
         output = scheduler.schedule()
         scheduler.finished_req_ids = FinishOrder()  # filled by update_from_output, handed to a later schedule()

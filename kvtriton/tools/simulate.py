@@ -140,7 +140,7 @@ class CallOrder:
     arrivals: int | None = None
     """``vllm`` order: new requests arriving per engine step (None: all at once, or one at a time with ``sequential``)."""
     sequential: bool = False
-    """``vllm`` order: each request arrives once the previous one finished and its transfers are done."""
+    """``vllm`` order: each request arrives the step after the previous one finished (its stores may be in flight)."""
     max_num_seqs: int | None = None
     """``vllm`` order: vLLM's ``--max-num-seqs`` (None: no limit)."""
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -446,8 +446,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arrival.add_argument(
         "--sequential",
         action="store_true",
-        help="one request at a time: each arrives once the previous one finished and its transfers are done"
-        " (a client that waits for every answer)",
+        help="one request at a time: each arrives the step after the previous one finished, whose stores may"
+        " still be in flight (a client that waits for every answer)",
     )
     engine.add_argument(
         "--decode-steps",

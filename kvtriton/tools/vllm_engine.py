@@ -44,8 +44,9 @@ tokens or into a new request's block table.
 
 Arrivals: all requests at step 1 (``arrivals=None``, a burst, what a load
 generator sending everything at once produces), ``arrivals`` new ones per step,
-or ``sequential``: each request arrives once the previous one finished and
-every transfer is done (a client that waits for each answer).
+or ``sequential``: each request arrives the step after the previous one
+finished (a client that waits for each answer); the previous request's stores
+may still be in flight, and a lookup that meets one waits for it.
 
 **Preemption.** A running request that finds no free GPU block for its next
 tokens preempts the last running request (itself, if it is the last): the
@@ -123,7 +124,7 @@ class EngineModel:
     arrivals: int | None = None
     """New requests per step (None: every request at step 1)."""
     sequential: bool = False
-    """Each request arrives once the previous one finished and its transfers are done."""
+    """Each request arrives the step after the previous one finished (its stores may still be in flight)."""
     output_tokens: int = DEFAULT_OUTPUT_TOKENS
     """Tokens each request generates (vLLM's ``max_tokens``)."""
     load_steps: int = DEFAULT_LOAD_STEPS
@@ -372,7 +373,7 @@ def replay_vllm_engine(
         arrived_before = next_arrival
         # Arrivals, before this step's schedule().
         if engine.sequential:
-            if next_arrival < len(states) and not (waiting or holding or running or jobs):
+            if next_arrival < len(states) and not (waiting or holding or running):
                 arrive(1)
         elif engine.arrivals is not None:
             arrive(engine.arrivals)

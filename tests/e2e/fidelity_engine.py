@@ -1,0 +1,100 @@
+"""The body of one fidelity engine process: a vLLM engine on CPU with kvtriton, a workload sent one request at a time.
+
+Run by :func:`e2e.fidelity_table.measure` as ``python -m e2e.fidelity_engine JOB_JSON RESULT_JSON``
+(tests/ on ``PYTHONPATH``). Unlike :mod:`e2e.engine_process`, this engine has
+a small GPU KV cache (``num_gpu_blocks_override``) with its prefix cache on,
+and nothing runs between two requests: no filler prompt steps the engine
+(a filler would take a free GPU block and evict a cached one, an eviction
+the simulator does not know of). Each request is sent once the previous one
+has finished; a store still in flight when the next request looks its blocks
+up answers "not yet" and the engine steps until it is done, which is what
+the simulator's ``--sequential`` mode counts. With ``all_at_once`` every
+request is added before the first step instead (what ``--max-num-seqs``
+without ``--arrivals`` models).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
+
+os.environ.update(ENGINE_ENV)
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    """Every counter vLLM's Prometheus registry holds, summed over its label sets."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
+    return totals
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    problem = cpu_kernels_problem()
+    if problem is not None:
+        raise RuntimeError(f"vLLM CPU kernels: {problem}")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    started = time.monotonic()
+    llm: Any = LLM(  # Any: the job reaches into engine internals vLLM does not type
+        model=job["model"],
+        dtype="float32",
+        block_size=job["block_size"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        num_gpu_blocks_override=job["gpu_blocks"],
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        kv_transfer_config=KVTransferConfig(**job["kv_transfer_config"]),
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+    )
+    startup_s = time.monotonic() - started
+    try:
+        connector: Any = get_kv_transfer_group()  # vLLM types it as the connector base
+        spec = connector.connector_worker.spec
+        sampling = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+        prompts: list[dict[str, list[int]]] = [{"prompt_token_ids": prompt} for prompt in job["prompts"]]
+        started = time.monotonic()
+        if job["all_at_once"]:  # every request added before the first step, in the workload's order
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        else:
+            outputs = [llm.generate([prompt], sampling, use_tqdm=False)[0] for prompt in prompts]
+        cached = [int(output.num_cached_tokens) for output in outputs]
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        return {
+            "startup_s": startup_s,
+            "run_s": time.monotonic() - started,
+            "num_slots": int(spec.num_slots),
+            "kv_bytes_per_block": int(spec.config.worker_kv_bytes_per_block),
+            "gpu_blocks": int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks),
+            "cached_tokens": cached,
+            "counters": _counters(llm),
+        }
+    finally:
+        # The engine core's shutdown runs the connector's: kvtriton's spec closes its slab.
+        llm.llm_engine.engine_core.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv
+    result = run(json.loads(Path(job_path).read_text()))
+    Path(result_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
