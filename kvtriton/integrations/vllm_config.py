@@ -31,6 +31,7 @@ from kvtriton.manager.policies import policy_names
 
 __all__ = [
     "CACHE_POLICY_MODULE_PATH",
+    "COMPRESSION_GROUP_SIZE",
     "CPU_BYTES_TO_USE",
     "EVICTION_POLICY",
     "KVTRITON_BACKEND",

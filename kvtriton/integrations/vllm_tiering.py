@@ -12,8 +12,9 @@ bytes between the GPU and host memory.
 
 Configuration: ``TieringOffloadingSpec``'s keys unchanged (``cpu_bytes_to_use``,
 ``block_size`` / ``blocks_per_chunk``, ``eviction_policy``, ``secondary_tiers``,
-``tier_poll_interval_s``, ``backpressure``) plus kvtriton's ``kvtriton_backend``
-and ``kvtriton_num_programs``; docs/tiers.md has a complete example.
+``tier_poll_interval_s``, ``backpressure``) plus kvtriton's ``kvtriton_backend``,
+``kvtriton_num_programs`` and ``kvtriton_kv_compression``; docs/tiers.md has a
+complete example.
 
 The pieces:
 
