@@ -140,3 +140,24 @@ def test_a_compressed_prompt_cascaded_to_fs_is_promoted_and_loaded_back_as_the_f
                 assert torch.equal(engine.kvs[0][name][block], want), (index, name)
     finally:
         engine.shutdown()
+
+
+def test_a_vllm_policy_in_front_of_the_tiers_carries_compression_in_the_same_compressed_region(
+    managers: list[OffloadingManager],
+) -> None:
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
+
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 64 * 65536,
+        "eviction_policy": "LRUCachePolicy",
+        "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
+        **COMPRESSED,
+    }
+    spec = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=65536))
+    assert isinstance(spec, KVTritonTieringOffloadingSpec)
+    assert spec.layout_tag == TAG and spec.region_layout.num_chunks == 113  # as with kvtriton's own policy
+    manager = spec.get_manager()
+    managers.append(manager)
+    assert isinstance(manager, TieringOffloadingManager)
+    assert isinstance(manager.primary_tier, CPUPrimaryTierOffloadingManager)  # vLLM's manager, kvtriton's rows
+    assert manager.primary_tier._num_chunks == 113  # pyright: ignore[reportPrivateUsage] -- vLLM's primary has no public count
