@@ -8,15 +8,22 @@ import logging
 import pytest
 
 from kvtriton.worker.backends import TransferBackend
+import torch
+
 from kvtriton.integrations.vllm_config import (
     TIERED_ONLY_KEYS,
     VLLM_KEYS,
     KVTritonOffloadConfig,
     check_budget,
+    compressed_row_bytes,
+    compression_tag,
     host_ram_bytes,
+    host_row_bytes,
+    kv_dtype,
     warn_unread_keys,
 )
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
+from kvtriton.kernels.compression import KVCompression, compression_layout
 
 GIB = 1 << 30
 
@@ -31,6 +38,7 @@ def test_only_cpu_bytes_to_use_is_required_and_the_rest_defaults_like_vllm() -> 
         backend=TransferBackend.AUTO,
         num_programs=DEFAULT_NUM_PROGRAMS,
         pageable_slab=False,
+        kv_compression=KVCompression.NONE,
     )
     assert not config.filters_reuse
 
@@ -145,7 +153,10 @@ def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(
         ("kvtriton_num_program", "did you mean 'kvtriton_num_programs'?"),
         ("eviction_polcy", "did you mean 'eviction_policy'?"),
         ("cpu_bytes", "did you mean 'cpu_bytes_to_use'?"),
-        ("completely_else", "kvtriton reads ['kvtriton_backend', 'kvtriton_num_programs', 'kvtriton_pageable_slab']"),
+        (
+            "completely_else",
+            "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab']",
+        ),
     ],
 )
 def test_an_unknown_key_is_warned_about_by_name(caplog: pytest.LogCaptureFixture, key: str, expected: str) -> None:
@@ -201,3 +212,51 @@ def test_the_per_rank_share_splits_the_total_evenly() -> None:
     assert config.per_rank_bytes(4) == 16 * GIB
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         config.per_rank_bytes(0)
+
+
+@pytest.mark.parametrize("value", ["fp8-e4m3", "FP8-E4M3", " fp8-e4m3 "])
+def test_kv_compression_is_read_in_any_case(value: str) -> None:
+    config = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_kv_compression": value})
+    assert config.kv_compression is KVCompression.FP8_E4M3
+    assert KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_kv_compression": "none"}).kv_compression is KVCompression.NONE
+
+
+@pytest.mark.parametrize("value", ["fp8", "int4", 8, True, ""])
+def test_a_bad_kv_compression_is_refused_naming_the_key_the_value_and_the_choices(value: object) -> None:
+    with pytest.raises(ValueError, match=r"\['kvtriton_kv_compression'\]") as raised:
+        KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_kv_compression": value})
+    assert repr(value) in str(raised.value)
+    if isinstance(value, str):
+        assert "['none', 'fp8-e4m3']" in str(raised.value)
+
+
+def test_compression_with_the_dma_backend_is_refused_naming_both_keys() -> None:
+    with pytest.raises(ValueError, match=r"\['kvtriton_kv_compression'\]='fp8-e4m3'.*\['kvtriton_backend'\]='dma'"):
+        KVTritonOffloadConfig.from_extra_config(
+            {"cpu_bytes_to_use": 1, "kvtriton_kv_compression": "fp8-e4m3", "kvtriton_backend": "dma"}
+        )
+
+
+def test_the_compression_tag_names_the_format_and_the_group_size() -> None:
+    assert compression_tag(KVCompression.NONE) is None
+    assert compression_tag(KVCompression.FP8_E4M3) == "fp8-e4m3-g128"
+
+
+def test_compression_needs_a_kv_cache_of_a_dtype_it_compresses() -> None:
+    assert kv_dtype("bfloat16", KVCompression.FP8_E4M3) is torch.bfloat16
+    assert kv_dtype("torch.float16", KVCompression.FP8_E4M3) is torch.float16
+    assert kv_dtype("fp8_e4m3", KVCompression.NONE) is None  # without compression the dtype does not matter
+    with pytest.raises(ValueError, match=r"\['kvtriton_kv_compression'\]='fp8-e4m3'.*dtype is 'fp8_e4m3'"):
+        kv_dtype("fp8_e4m3", KVCompression.FP8_E4M3)
+
+
+def test_the_scheduler_row_is_about_half_a_bf16_row_and_bounds_every_split_of_it_into_page_tensors() -> None:
+    raw = 2 * 16 * 8 * 128 * 2 * 4  # four layers of bf16 K and V pages
+    assert host_row_bytes(raw, None, [("a", "b", "c", "d")]) == raw
+    bound = host_row_bytes(raw, torch.bfloat16, [("a", "b", "c", "d")])
+    assert bound == compressed_row_bytes(raw, torch.bfloat16, 4)
+    assert 1.9 < raw / bound < 1.95
+    # However the worker's tensors split the row (odd sizes included), its real row fits in the bound.
+    for pages in ([raw // 2], [raw // 8] * 4, [raw // 16] * 8, [raw // 2 - 6, 6], [raw // 8 - 1, 1, raw // 8 * 3]):
+        tensors = [torch.empty((1, elements), dtype=torch.bfloat16, device="meta") for elements in pages]
+        assert compression_layout(tensors, 128).row_bytes <= bound, pages

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 import torch  # noqa: E402
@@ -21,7 +24,7 @@ from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offlo
 
 import kvtriton.integrations.vllm as vllm_module  # noqa: E402
 import kvtriton.worker.slab as slab_module  # noqa: E402
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, open_host_slab  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker, open_host_slab  # noqa: E402
 from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError  # noqa: E402
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal  # noqa: E402
 
@@ -366,3 +369,66 @@ def test_vllms_own_offloading_flags_merge_the_budget_into_kvtritons_config() -> 
     assert transfer.kv_connector_extra_config == {**SPEC_EXTRA_CONFIG, "cpu_bytes_to_use": 2.3 * (1 << 30)}
     spec = KVTritonOffloadingSpec(offloading_config(transfer.kv_connector_extra_config, worker_kv_bytes_per_block=1 << 20))
     assert spec.settings.cpu_bytes_to_use == int(2.3 * (1 << 30)) and spec.num_slots == 2355
+
+
+# A realistic layer's block: K and V of 16 tokens x 8 heads x 128 dims in bf16.
+BF16_BLOCK = 2 * 16 * 8 * 128 * 2
+
+
+def bf16_config(extra: dict[str, object], **kwargs: Any) -> OffloadingConfig:
+    config = offloading_config(extra, worker_kv_bytes_per_block=BF16_BLOCK, **kwargs)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+
+
+def test_compression_buys_about_1_9x_the_slots_in_the_same_budget_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    budget = 1000 * BF16_BLOCK
+    plain = KVTritonOffloadingSpec(bf16_config({"cpu_bytes_to_use": budget}))
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
+        compressed = KVTritonOffloadingSpec(bf16_config({"cpu_bytes_to_use": budget, "kvtriton_kv_compression": "fp8-e4m3"}))
+    assert plain.num_slots == 1000 and plain.row_bytes == BF16_BLOCK
+    assert 1.9 < compressed.num_slots / plain.num_slots < 1.95
+    assert compressed.num_slots == budget // compressed.row_bytes
+    assert compressed.cpu_info.cpu_kv_cache_size_bytes == compressed.num_slots * compressed.row_bytes
+    assert "kv_compression=fp8-e4m3" in caplog.text and "x the slots" in caplog.text
+    assert plain.kv_dtype is None and compressed.kv_dtype is torch.bfloat16
+
+
+def test_compression_on_a_kv_cache_it_cannot_compress_is_refused_when_the_spec_is_built() -> None:
+    config = offloading_config({"cpu_bytes_to_use": 1 << 20, "kvtriton_kv_compression": "fp8-e4m3"})
+    fp8 = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="fp8_e4m3"))
+    with pytest.raises(ValueError, match=r"\['kvtriton_kv_compression'\]='fp8-e4m3' compresses .* dtype is 'fp8_e4m3'"):
+        KVTritonOffloadingSpec(fp8)
+
+
+def test_a_vllm_policy_carries_compression_vllms_manager_hands_out_slots_kvtritons_worker_compresses() -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMManager
+
+    from kvtriton.kernels.compression import KVCompression
+
+    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * BF16_BLOCK, "kvtriton_kv_compression": "fp8-e4m3", **VLLM_LRU_BY_PATH}
+    spec = KVTritonOffloadingSpec(bf16_config(extra))
+    assert spec.num_slots == 7  # 4 raw blocks' bytes hold 7 compressed ones
+    manager = spec.get_manager()
+    assert type(manager) is VLLMManager
+    layer = (torch.randn((8, BF16_BLOCK // 2), generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    original = layer.clone()
+    worker = spec.get_worker(canonical_kv_caches([layer]))
+    assert isinstance(worker, VLLMOffloadingWorker)
+    (engine,) = worker.engines
+    assert engine.kv.compression is KVCompression.FP8_E4M3
+    context = ReqContext(req_id="r1")
+    keys = [make_offload_key(b"a", 0)]
+    stored = manager.prepare_store(keys, context)
+    assert stored is not None
+    assert worker.submit_store(0, GPULoadStoreSpec([5], [1], [0]), stored.store_spec)
+    worker.wait({0})
+    (result,) = worker.get_finished()
+    assert result.transfer_size == engine.kv.row_bytes < BF16_BLOCK // 1.9
+    manager.complete_store(keys, context)
+    layer.zero_()
+    assert worker.submit_load(1, manager.prepare_load(keys, context), GPULoadStoreSpec([2], [1], [0]))
+    worker.wait({1})
+    manager.complete_load(keys, context)
+    assert torch.allclose(layer[2].float(), original[5].float(), rtol=2**-4, atol=1e-2)
+    worker.shutdown()

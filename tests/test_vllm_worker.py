@@ -20,6 +20,7 @@ from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
 from kvtriton.integrations.vllm_worker import GroupPages  # noqa: E402
+from kvtriton.kernels.compression import KVCompression, compression_layout, dequantize_groups, quantize_groups  # noqa: E402
 from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
 
 NUM_BLOCKS = 16
@@ -421,3 +422,95 @@ def test_a_worker_needs_an_engine_for_every_group_it_names() -> None:
     with pytest.raises(ValueError, match="engines must hold at least one TransferEngine"):
         VLLMOffloadingWorker([], worker.engines[0].slab)
     worker.shutdown()
+
+
+# Compression: the same hybrid model with fp16 KV (vLLM still hands the worker
+# byte views). Group 0 references all of tensor 0 (128 elements a page) and the
+# first 64 of tensor 2's 80; group 1 all of tensor 1 (42 elements).
+COMPRESSED_ELEMENTS = (128, 42, 80)
+COMPRESSED_REFS: list[list[tuple[int, int]]] = [[(0, 256), (2, 128)], [(1, 84)]]
+COMPRESSED_PADDED_BYTES = 2 * sum(COMPRESSED_ELEMENTS)
+
+
+def compressed_layers(seed: int = 3) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn((NUM_BLOCKS, size), generator=generator) * 4).to(torch.float16) for size in COMPRESSED_ELEMENTS]
+
+
+def compressed_rows(layers: list[torch.Tensor]) -> tuple[int, int]:
+    """The compressed row of each group's unpadded pages, from the kernels' own layout."""
+    group0 = compression_layout([layers[0], layers[2][:, :64]], 128).row_bytes
+    group1 = compression_layout([layers[1]], 128).row_bytes
+    return group0, group1
+
+
+def fp8_round_trip(pages: torch.Tensor) -> torch.Tensor:
+    """What a compressed store and load gives back: the torch reference's quantize, then dequantize."""
+    group = min(128, pages.shape[1])
+    codes, scales, bad = quantize_groups(pages, group)
+    assert not bool(bad.any())
+    return dequantize_groups(codes, scales, group, pages.dtype)
+
+
+def test_with_compression_each_group_compresses_its_unpadded_pages_and_reports_the_compressed_bytes() -> None:
+    layers = compressed_layers()
+    original = [layer.clone() for layer in layers]
+    rows = compressed_rows(layers)
+    spec = KVTritonOffloadingSpec(
+        offloading_config(
+            {"cpu_bytes_to_use": 1 << 20, "kvtriton_kv_compression": "fp8-e4m3", "kvtriton_backend": "torch"},
+            worker_kv_bytes_per_block=COMPRESSED_PADDED_BYTES,
+            blocks_per_chunk=BLOCKS_PER_CHUNK,
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PageableSlabWarning)
+        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=COMPRESSED_REFS))
+    assert isinstance(worker, VLLMOffloadingWorker)
+    assert [engine.kv.compression for engine in worker.engines] == [KVCompression.FP8_E4M3] * 2
+    assert [engine.kv.row_bytes for engine in worker.engines] == list(rows)
+    assert [engine.kv.raw_row_bytes for engine in worker.engines] == [2 * (128 + 64), 2 * 42]
+    assert worker.engines[0].slab.row_bytes == max(rows) <= spec.row_bytes  # the scheduler's bound holds
+    # Group 0: blocks 1, 2 -> slot 0; group 1: block 3 -> slot 1.
+    assert worker.submit_store(0, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+    assert finished(worker)[0].transfer_size == 2 * rows[0] + rows[1]  # the bytes moved, compressed
+    for layer in layers:
+        layer.fill_(7.0)
+    assert worker.submit_load(1, CPULoadStoreSpec([0, 1]), gpu([9, 10, 11], group_sizes=[2, 1]))
+    result = finished(worker)[1]
+    assert result.success and result.transfer_size == 2 * rows[0] + rows[1]
+    for destination, source in ((9, 1), (10, 2)):
+        assert torch.equal(layers[0][destination], fp8_round_trip(original[0][source : source + 1])[0])
+        assert torch.equal(layers[2][destination, :64], fp8_round_trip(original[2][source : source + 1, :64])[0])
+        assert torch.equal(layers[2][destination, 64:], torch.full((16,), 7.0, dtype=torch.float16))  # padding untouched
+    assert torch.equal(layers[1][11], fp8_round_trip(original[1][3:4])[0])
+    assert not torch.equal(layers[0][9], original[0][1])  # lossy: these values do not survive exactly
+    worker.shutdown()
+
+
+def test_without_compression_the_same_pages_round_trip_bit_exact_in_raw_rows() -> None:
+    layers = compressed_layers()
+    original = [layer.clone() for layer in layers]
+    spec = KVTritonOffloadingSpec(
+        offloading_config({"cpu_bytes_to_use": 1 << 20}, worker_kv_bytes_per_block=COMPRESSED_PADDED_BYTES)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PageableSlabWarning)
+        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=COMPRESSED_REFS))
+    assert isinstance(worker, VLLMOffloadingWorker)
+    assert [engine.kv.row_bytes for engine in worker.engines] == [2 * (128 + 64), 2 * 42]
+    assert worker.submit_store(0, gpu([1, 3], group_sizes=[1, 1]), CPULoadStoreSpec([0, 1]))
+    assert finished(worker)[0].transfer_size == 2 * (128 + 64) + 2 * 42
+    for layer in layers:
+        layer.zero_()
+    assert worker.submit_load(1, CPULoadStoreSpec([0, 1]), gpu([5, 6], group_sizes=[1, 1]))
+    assert finished(worker)[1].success
+    assert torch.equal(layers[0][5], original[0][1]) and torch.equal(layers[2][5, :64], original[2][1, :64])
+    assert torch.equal(layers[1][6], original[1][3])
+    worker.shutdown()
+
+
+def test_compression_refuses_byte_pages_that_are_not_whole_elements() -> None:
+    odd = torch.zeros((NUM_BLOCKS, 5), dtype=torch.int8)  # 5 bytes a page cannot hold fp16 elements
+    with pytest.raises(ValueError, match=r"kv_caches.tensors\[0\].*cannot be read as torch.float16 pages"):
+        GroupPages.from_canonical(canonical_kv_caches([odd]), kv_compression=KVCompression.FP8_E4M3, dtype=torch.float16)

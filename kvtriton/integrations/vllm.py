@@ -68,7 +68,9 @@ try:
         KVTritonOffloadConfig,
         check_budget,
         check_kv_geometry_known,
+        host_row_bytes,
         is_vllm_policy,
+        kv_dtype,
         parse_policy,
         warn_unread_keys,
     )
@@ -117,6 +119,13 @@ def open_host_slab(
         raise SlabPinningError(
             f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
         ) from error
+
+
+def _compression_note(raw_row_bytes: int, row_bytes: int) -> str:
+    """The start-up line's note on what compression buys: rows compressed to this fraction (empty when off)."""
+    if row_bytes == raw_row_bytes:
+        return ""
+    return f" (rows of {raw_row_bytes} bytes stored in {row_bytes}: {raw_row_bytes / row_bytes:.2f}x the slots)"
 
 
 def _names_vllm_policy(extra_config: dict[str, Any]) -> bool:
@@ -172,21 +181,28 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             host_memory="the host slab",
         )
         world_size = config.parallel.world_size
-        slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.kv_dtype: torch.dtype | None = kv_dtype(config.model.dtype, settings.kv_compression)
+        """The KV cache's element dtype, which compression reads the byte pages as; None without compression."""
+        self.row_bytes: int = host_row_bytes(
+            config.worker_kv_bytes_per_block, self.kv_dtype, [group.layer_names for group in config.groups]
+        )
+        """Bytes of one slot row: vLLM's bytes per block, or (compressed) their bound as fp8 rows."""
+        slot_bytes = self.row_bytes * self.blocks_per_chunk
         check_budget(settings.cpu_bytes_to_use, slot_bytes=slot_bytes, world_size=world_size)
         self.settings: KVTritonOffloadConfig = settings
         """The parsed ``kv_connector_extra_config``."""
         self.num_slots: int = HostSlab.slots_for_budget(
-            settings.cpu_bytes_to_use, self.blocks_per_chunk, config.worker_kv_bytes_per_block, world_size=world_size
+            settings.cpu_bytes_to_use, self.blocks_per_chunk, self.row_bytes, world_size=world_size
         )
         """Slots in every rank's slab (and in the manager): one offloaded chunk each."""
         self.cpu_info: CPUOffloadingInfo = CPUOffloadingInfo.from_config(config, self.num_slots, slot_bytes * world_size)
         logger.info(
             "kvtriton offloading (rank %d of %d): cpu_bytes_to_use=%d in total, %d bytes for this rank -> "
-            "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s",
+            "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s kv_compression=%s%s",
             config.parallel.rank, world_size, settings.cpu_bytes_to_use, settings.per_rank_bytes(world_size),
-            self.num_slots, self.blocks_per_chunk, config.worker_kv_bytes_per_block,
-            settings.eviction_policy, settings.store_threshold, settings.backend.value,
+            self.num_slots, self.blocks_per_chunk, self.row_bytes,
+            settings.eviction_policy, settings.store_threshold, settings.backend.value, settings.kv_compression.value,
+            _compression_note(config.worker_kv_bytes_per_block, self.row_bytes),
         )  # fmt: skip
         if settings.uses_vllm_policy:
             logger.info(
@@ -232,10 +248,10 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     @override
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
         if self._worker is None:
-            groups = GroupPages.from_canonical(kv_caches)
+            groups = GroupPages.from_canonical(kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype)
             # A slot holds one group's chunk, so a row is one block of the largest group.
             row_bytes = groups.row_bytes
-            expected = self.config.worker_kv_bytes_per_block
+            expected = self.row_bytes
             if row_bytes > expected:
                 logger.warning(
                     "the largest KV cache group holds %d bytes per block but vLLM sized the budget for %d: the "
@@ -254,7 +270,12 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             engines: list[TransferEngine] = []
             try:
                 for kv in groups.kvs:
-                    engines.append(TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs))
+                    engines.append(
+                        TransferEngine(
+                            kv, slab, self.settings.backend,
+                            num_programs=self.settings.num_programs, kv_compression=self.settings.kv_compression,
+                        )  # fmt: skip
+                    )
             except BaseException:
                 for engine in engines:
                     engine.shutdown()

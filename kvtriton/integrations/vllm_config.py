@@ -13,18 +13,29 @@ import difflib
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from kvtriton.worker.backends import TransferBackend
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
+from kvtriton.kernels.compression import (
+    ALIGNMENT,
+    COMPRESSIBLE_DTYPES,
+    DEFAULT_GROUP_SIZE,
+    KVCompression,
+    compression_layout,
+)
 from kvtriton.manager.policies import policy_names
 
 __all__ = [
     "CACHE_POLICY_MODULE_PATH",
+    "COMPRESSION_GROUP_SIZE",
     "CPU_BYTES_TO_USE",
     "EVICTION_POLICY",
     "KVTRITON_BACKEND",
+    "KVTRITON_KV_COMPRESSION",
     "KVTRITON_NUM_PROGRAMS",
     "KVTRITON_PAGEABLE_SLAB",
     "KVTritonOffloadConfig",
@@ -34,8 +45,12 @@ __all__ = [
     "VLLM_KEYS",
     "check_budget",
     "check_kv_geometry_known",
+    "compressed_row_bytes",
+    "compression_tag",
+    "kv_dtype",
     "check_vllm_policy",
     "host_ram_bytes",
+    "host_row_bytes",
     "is_vllm_policy",
     "parse_policy",
     "warn_unread_keys",
@@ -51,8 +66,12 @@ MAX_TRACKER_SIZE = "max_tracker_size"
 KVTRITON_BACKEND = "kvtriton_backend"
 KVTRITON_NUM_PROGRAMS = "kvtriton_num_programs"
 KVTRITON_PAGEABLE_SLAB = "kvtriton_pageable_slab"
+KVTRITON_KV_COMPRESSION = "kvtriton_kv_compression"
 
-_KVTRITON_KEYS = frozenset({KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB})
+_KVTRITON_KEYS = frozenset({KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB, KVTRITON_KV_COMPRESSION})
+
+COMPRESSION_GROUP_SIZE = DEFAULT_GROUP_SIZE
+"""Elements per fp8 scale in vLLM's rows: vLLM hands the worker flat byte pages, so the head dimension is unknown."""
 
 TIERED_ONLY_KEYS = frozenset({"secondary_tiers", "tier_poll_interval_s", "backpressure"})
 """vLLM's keys that only the tiered spec reads (``KVTritonTieringOffloadingSpec``, vLLM's ``TieringOffloadingSpec``)."""
@@ -158,6 +177,7 @@ class KVTritonOffloadConfig:
     backend: TransferBackend = TransferBackend.AUTO
     num_programs: int = DEFAULT_NUM_PROGRAMS
     pageable_slab: bool = False
+    kv_compression: KVCompression = KVCompression.NONE
 
     @property
     def filters_reuse(self) -> bool:
@@ -191,6 +211,19 @@ class KVTritonOffloadConfig:
         except ValueError:
             valid = [backend.value for backend in TransferBackend]
             raise ValueError(f"{_where(KVTRITON_BACKEND)} must be one of {valid}, got {extra_config[KVTRITON_BACKEND]!r}") from None
+        compression_name = _parse_str(extra_config, KVTRITON_KV_COMPRESSION, KVCompression.NONE.value)
+        try:
+            kv_compression = KVCompression.parse(compression_name, _where(KVTRITON_KV_COMPRESSION))
+        except ValueError:
+            valid = [member.value for member in KVCompression]
+            raise ValueError(
+                f"{_where(KVTRITON_KV_COMPRESSION)} must be one of {valid}, got {extra_config[KVTRITON_KV_COMPRESSION]!r}"
+            ) from None
+        if kv_compression is not KVCompression.NONE and backend is TransferBackend.DMA:
+            raise ValueError(
+                f"{_where(KVTRITON_KV_COMPRESSION)}={kv_compression.value!r} needs a kernel that compresses, but "
+                f"{_where(KVTRITON_BACKEND)}='dma' copies bytes unchanged; use 'auto', 'triton' or 'torch'"
+            )
         return cls(
             cpu_bytes_to_use=_parse_int(extra_config, CPU_BYTES_TO_USE, None, 1, unit="bytes"),
             eviction_policy=policy,
@@ -201,6 +234,7 @@ class KVTritonOffloadConfig:
             backend=backend,
             num_programs=_parse_int(extra_config, KVTRITON_NUM_PROGRAMS, DEFAULT_NUM_PROGRAMS, 1),
             pageable_slab=_parse_bool(extra_config, KVTRITON_PAGEABLE_SLAB, False),
+            kv_compression=kv_compression,
         )
 
 
@@ -338,3 +372,65 @@ def check_kv_geometry_known(*, canonical_layout: bool, worker_kv_bytes_per_block
             f"vLLM reported worker_kv_bytes_per_block={worker_kv_bytes_per_block}: "
             f"the KV cache is not known yet, so {host_memory} cannot be sized"
         )
+
+
+def compression_tag(kv_compression: KVCompression) -> str | None:
+    """The compression and its scale group size as a namespace tag (``fp8-e4m3-g128``); None without compression.
+
+    Compressed rows are other bytes than uncompressed ones (and rows with
+    another group size other bytes again), so the secondary tiers file them
+    under a namespace of their own.
+    """
+    if kv_compression is KVCompression.NONE:
+        return None
+    return f"{kv_compression.value}-g{COMPRESSION_GROUP_SIZE}"
+
+
+def kv_dtype(dtype_name: str, kv_compression: KVCompression) -> torch.dtype | None:
+    """The KV cache's element dtype from vLLM's ``OffloadingModelConfig.dtype``; None without compression.
+
+    Compression needs it: vLLM hands the worker its pages as bytes. A KV
+    cache that is not bf16, fp16 or fp32 (an fp8 cache: already one byte per
+    element) is refused, naming the key: compression would only add scales.
+    """
+    if kv_compression is KVCompression.NONE:
+        return None
+    found = getattr(torch, dtype_name.strip().removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype) or found not in COMPRESSIBLE_DTYPES:
+        valid = [str(dtype).removeprefix("torch.") for dtype in COMPRESSIBLE_DTYPES]
+        raise ValueError(
+            f"{_where(KVTRITON_KV_COMPRESSION)}={kv_compression.value!r} compresses a KV cache of {valid}, but this "
+            f"engine's KV cache dtype is {dtype_name!r}; remove the key (or set it to 'none')"
+        )
+    return found
+
+
+def compressed_row_bytes(raw_row_bytes: int, dtype: torch.dtype, num_layers: int) -> int:
+    """An upper bound, computed without the KV tensors, on a compressed row of ``raw_row_bytes`` of ``dtype``.
+
+    The scheduler knows only the bytes per block and the layer names; the
+    worker compresses each page tensor on its own (a layer has one or two),
+    padding its codes and its scales to 16 bytes each, its last scale group
+    possibly short. The bound is the row of one page tensor holding every
+    element plus, for each of up to ``2 * num_layers`` page tensors, at most
+    two paddings and one scale (under ``2 * ALIGNMENT`` bytes), so every
+    rank's real row fits in it (a few dozen bytes per layer to spare).
+    """
+    elements = max(1, raw_row_bytes // dtype.itemsize)
+    page = torch.empty((1, elements), dtype=dtype, device="meta")
+    one_page = compression_layout([page], COMPRESSION_GROUP_SIZE).row_bytes
+    page_tensors = 2 * max(1, num_layers)
+    return one_page + page_tensors * 2 * ALIGNMENT
+
+
+def host_row_bytes(worker_kv_bytes_per_block: int, dtype: torch.dtype | None, layer_names: Sequence[Sequence[str]]) -> int:
+    """Bytes of one host row for vLLM's ``worker_kv_bytes_per_block``: unchanged, or compressed when ``dtype`` is set.
+
+    ``dtype`` is :func:`kv_dtype`'s answer (None: no compression);
+    ``layer_names`` are those of every KV cache group (vLLM's
+    ``OffloadingConfig.groups``), which bound the number of page tensors.
+    Scheduler and workers compute it alike, so they agree on the slot count.
+    """
+    if dtype is None:
+        return worker_kv_bytes_per_block
+    return compressed_row_bytes(worker_kv_bytes_per_block, dtype, sum(len(names) for names in layer_names))

@@ -12,8 +12,9 @@ bytes between the GPU and host memory.
 
 Configuration: ``TieringOffloadingSpec``'s keys unchanged (``cpu_bytes_to_use``,
 ``block_size`` / ``blocks_per_chunk``, ``eviction_policy``, ``secondary_tiers``,
-``tier_poll_interval_s``, ``backpressure``) plus kvtriton's ``kvtriton_backend``
-and ``kvtriton_num_programs``; docs/tiers.md has a complete example.
+``tier_poll_interval_s``, ``backpressure``) plus kvtriton's ``kvtriton_backend``,
+``kvtriton_num_programs`` and ``kvtriton_kv_compression``; docs/tiers.md has a
+complete example.
 
 The pieces:
 
@@ -29,6 +30,9 @@ The pieces:
   ordered differently from vLLM's, so the secondary tiers see the model name
   suffixed with :data:`LAYOUT_TAG` and file their chunks under a namespace of
   their own (a vLLM primary sharing the root only misses, never loads them).
+  With ``kvtriton_kv_compression`` the chunks hold compressed rows and the tag
+  names the compression and its scale group size too (``+fp8-e4m3-g128``),
+  so a compressed and an uncompressed engine never read each other's chunks.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -64,7 +68,10 @@ from kvtriton.integrations.vllm_config import (
     check_budget,
     check_kv_geometry_known,
     check_vllm_policy,
+    compression_tag,
+    host_row_bytes,
     is_vllm_policy,
+    kv_dtype,
     parse_policy,
     warn_unread_keys,
 )
@@ -84,6 +91,7 @@ __all__ = [
     "KVTritonTieringOffloadingSpec",
     "KVTritonTieringWorker",
     "build_primary_tier",
+    "layout_tag",
     "region_name",
 ]
 
@@ -97,7 +105,20 @@ and chunk size (``vllm.v1.kv_offload.file_mapper.FileMapper``), not after the
 byte order inside a chunk. kvtriton orders a multi-block chunk block by block
 (each block row holds every rank's bytes of one block); vLLM orders it rank by
 rank. The tag keeps the two apart; bump its version if the order ever changes.
+With compression :func:`layout_tag` appends the compression's tag.
 """
+
+
+def layout_tag(*, vllm_rows: bool, compression: str | None) -> str | None:
+    """The namespace tag of the chunks the secondary tiers store; None when they are vLLM's own bytes.
+
+    ``vllm_rows``: one block per chunk and one KV cache group, where
+    kvtriton's uncompressed chunk is byte for byte vLLM's; ``compression``:
+    :func:`~kvtriton.integrations.vllm_config.compression_tag` (None: off).
+    """
+    if compression is None:
+        return None if vllm_rows else LAYOUT_TAG
+    return f"{LAYOUT_TAG}+{compression}"
 
 _TIER_PACKAGES: dict[str, tuple[str, str]] = {
     "obj": ("nixl", "pip install nixl (NIXL with its OBJ plugin)"),
@@ -349,6 +370,11 @@ def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]
     return tier_cls
 
 
+def _compressed(settings: KVTritonOffloadConfig) -> str:
+    compression = settings.kv_compression.value
+    return "" if compression == "none" else f" compressed ({compression})"
+
+
 def _rows_are_vllms(groups: GroupPages, kv_caches: vllm_base.CanonicalKVCaches) -> bool:
     """Whether a block row holds exactly what vLLM's CPU worker copies: every tensor's whole page, in order."""
     if len(groups.kvs) != 1:
@@ -392,9 +418,9 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             host_memory="the shared host region",
         )
         blocks_per_chunk = config.cache.blocks_per_chunk
-        row_stride = RegionLayout.block_row_stride_for(
-            blocks_per_chunk, config.parallel.world_size, config.worker_kv_bytes_per_block
-        )
+        dtype = kv_dtype(config.model.dtype, settings.kv_compression)
+        row_bytes = host_row_bytes(config.worker_kv_bytes_per_block, dtype, [group.layer_names for group in config.groups])
+        row_stride = RegionLayout.block_row_stride_for(blocks_per_chunk, config.parallel.world_size, row_bytes)
         # One region on this host holds every rank's bytes: the whole budget must fit its RAM.
         check_budget(settings.cpu_bytes_to_use, slot_bytes=blocks_per_chunk * row_stride, world_size=1, slot="chunk")
         self._get_secondary_tiers(dict(extra))
@@ -405,8 +431,10 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         self._kvtriton_worker: KVTritonTieringWorker | None = None
         self.settings: KVTritonOffloadConfig = settings
         """The parsed ``kv_connector_extra_config`` (kvtriton's keys)."""
+        self.kv_dtype: torch.dtype | None = dtype
+        """The KV cache's element dtype, which compression reads the byte pages as; None without compression."""
         self.region_layout: RegionLayout = RegionLayout.for_budget(
-            settings.cpu_bytes_to_use, self.blocks_per_chunk, config.parallel.world_size, config.worker_kv_bytes_per_block
+            settings.cpu_bytes_to_use, self.blocks_per_chunk, config.parallel.world_size, row_bytes
         )
         """Where every rank's bytes of every chunk sit in the shared region."""
         layout = self.region_layout
@@ -419,12 +447,13 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         # kvtriton's row is vLLM's only for one block per chunk and one KV cache
         # group (with several groups a kvtriton slot holds one group's pages).
         vllm_rows = layout.block_size_factor == 1 and len(config.groups) == 1
-        self.layout_tag: str | None = None if vllm_rows else LAYOUT_TAG
+        self.layout_tag: str | None = layout_tag(vllm_rows=vllm_rows, compression=compression_tag(settings.kv_compression))
         """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
         logger.info(
-            "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s%s",
+            "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
+            "kv_compression=%s%s",
             config.parallel.rank, config.parallel.world_size, layout.describe(), len(self.secondary_tier_configs),
-            settings.eviction_policy, settings.backend.value,
+            settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
             f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
         )  # fmt: skip
         if settings.uses_vllm_policy:
@@ -499,13 +528,14 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
         if self._kvtriton_worker is not None:
             return self._kvtriton_worker
-        groups = GroupPages.from_canonical(kv_caches)
+        groups = GroupPages.from_canonical(kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype)
         layout = self.region_layout
         rank = self.config.parallel.rank
         if groups.row_bytes > layout.rank_row_bytes:
             raise ValueError(
-                f"rank {rank}'s KV tensors hold {groups.row_bytes} bytes per block, but the shared region gives each "
-                f"rank {layout.rank_row_bytes} (vLLM's worker_kv_bytes_per_block): pipeline stages must hold the same "
+                f"rank {rank}'s KV tensors hold {groups.row_bytes} bytes per block{_compressed(self.settings)}, but "
+                f"the shared region gives each rank {layout.rank_row_bytes} (from vLLM's worker_kv_bytes_per_block): "
+                "pipeline stages must hold the same "
                 "layers per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
             )
         if self.layout_tag is None and not _rows_are_vllms(groups, kv_caches):
@@ -523,7 +553,12 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         try:
             slab = self._rank_slab(region, rank, groups.device)
             for kv in groups.kvs:
-                engines.append(TransferEngine(kv, slab, self.settings.backend, num_programs=self.settings.num_programs))
+                engines.append(
+                    TransferEngine(
+                        kv, slab, self.settings.backend,
+                        num_programs=self.settings.num_programs, kv_compression=self.settings.kv_compression,
+                    )  # fmt: skip
+                )
         except BaseException:
             for engine in engines:
                 engine.shutdown()

@@ -19,6 +19,11 @@ common case (every group references every tensor in full, as in vLLM's
 hybrid allocator with shared tensors) there is one engine and a job is passed
 through unsplit.
 
+With ``kvtriton_kv_compression`` (lossy, off by default) every group's pages
+are read as the KV cache's dtype (vLLM's views are bytes) and each tensor is
+compressed at its unpadded size: a row holds that group's codes and scales,
+and a job's ``transfer_size`` counts the compressed bytes it moved.
+
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
 """
@@ -34,6 +39,7 @@ import torch
 from typing_extensions import override
 from vllm.v1.kv_offload import base as vllm_base
 
+from kvtriton.kernels.compression import KVCompression
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker.engine import TransferEngine
 from kvtriton.worker.layout import KVLayout, PagedKV
@@ -90,6 +96,22 @@ def _group_refs(
     return tuple(sizes.items())
 
 
+def _as_dtype(index: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A byte page tensor viewed as the KV cache's ``dtype`` (compression reads values, not bytes)."""
+    if tensor.dtype == dtype:
+        return tensor
+    problem = ValueError(
+        f"{_tensor_name(index)} ({tuple(tensor.shape)} {tensor.dtype}, strides {tensor.stride()}) cannot be read "
+        f"as {dtype} pages for kv_compression: expected byte pages of whole {dtype.itemsize}-byte elements"
+    )
+    if tensor.element_size() != 1 or tensor.shape[1] % dtype.itemsize:
+        raise problem
+    try:
+        return tensor.view(dtype)
+    except RuntimeError as error:  # a block stride or offset that is not a whole number of elements
+        raise problem from error
+
+
 @dataclass(frozen=True, slots=True)
 class GroupPages:
     """What every KV cache group moves: the page tensors it references, cut to their unpadded size.
@@ -97,7 +119,8 @@ class GroupPages:
     ``kvs`` holds one :class:`PagedKV` per distinct set of references;
     ``kv_of_group[g]`` is the index in ``kvs`` of group ``g``'s pages, or None
     when the group references no tensor (its blocks move nothing).
-    ``group_row_bytes[g]`` is what one block of group ``g`` moves.
+    ``group_row_bytes[g]`` is what one block of group ``g`` moves (its
+    compressed row with compression).
     """
 
     kvs: tuple[PagedKV, ...]
@@ -114,14 +137,27 @@ class GroupPages:
         return self.kvs[0].device
 
     @classmethod
-    def from_canonical(cls, kv_caches: vllm_base.CanonicalKVCaches) -> GroupPages:
+    def from_canonical(
+        cls,
+        kv_caches: vllm_base.CanonicalKVCaches,
+        *,
+        kv_compression: KVCompression = KVCompression.NONE,
+        dtype: torch.dtype | None = None,
+    ) -> GroupPages:
         """Read vLLM's canonical KV caches; raises ``ValueError`` naming the tensor or group that is inconsistent.
 
         Refused: no tensors or no groups, a tensor view that contradicts its
         declared page size, a reference to a tensor that does not exist or to
         more bytes than its pages hold, and no group referencing any tensor.
+        With ``kv_compression`` the byte pages are read as ``dtype`` (the KV
+        cache's, required then) and every group's pages compress at their
+        unpadded size.
         """
         tensors = _checked_tensors(kv_caches)
+        if kv_compression is not KVCompression.NONE:
+            if dtype is None:
+                raise ValueError(f"kv_compression={kv_compression.value!r} needs the KV cache dtype, got dtype=None")
+            tensors = [_as_dtype(index, tensor, dtype) for index, tensor in enumerate(tensors)]
         if not kv_caches.group_data_refs:
             raise ValueError("kv_caches.group_data_refs is empty: vLLM offloads no KV cache group")
         kv_index_of_refs: dict[tuple[tuple[int, int], ...], int] = {}
@@ -137,9 +173,9 @@ class GroupPages:
             if refs not in kv_index_of_refs:
                 pages = {_tensor_name(index): tensors[index][:, : size // tensors[index].element_size()] for index, size in refs}
                 kv_index_of_refs[refs] = len(kvs)
-                kvs.append(PagedKV.from_tensors(pages, layout=KVLayout.PAGES))
+                kvs.append(PagedKV.from_tensors(pages, layout=KVLayout.PAGES, kv_compression=kv_compression))
             kv_of_group.append(kv_index_of_refs[refs])
-            group_row_bytes.append(sum(size for _, size in refs))
+            group_row_bytes.append(kvs[kv_index_of_refs[refs]].row_bytes)
         if not kvs:
             raise ValueError("no group in kv_caches.group_data_refs references a tensor: there is nothing to offload")
         return cls(kvs=tuple(kvs), kv_of_group=tuple(kv_of_group), group_row_bytes=tuple(group_row_bytes))

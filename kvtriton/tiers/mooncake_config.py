@@ -129,7 +129,11 @@ class ChunkIdentity:
     kv_groups: tuple[tuple[str, ...], ...]
     """Layer names of each KV cache group."""
     layout_tag: str
-    """The primary tier's byte layout (``vllm-cpu`` or kvtriton's tag): a chunk of one is no chunk of the other."""
+    """The primary tier's byte layout (``vllm-cpu`` or kvtriton's tag): a chunk of one is no chunk of the other.
+
+    kvtriton's tag names the row compression and its scale group size too
+    (``kvtriton-block-rows-v1+fp8-e4m3-g128``), so compressed and uncompressed
+    chunks live under different digests."""
     canonical_format: str
     namespace: str
 

@@ -1,0 +1,106 @@
+"""The Mooncake tier behind kvtriton's tiered spec with compressed rows: the digest names the compression.
+
+A compressed engine's chunks are fp8 codes and scales, an uncompressed
+engine's are the KV bytes; the two have chunks of the same size here (rows
+pad to a page), so only the namespace digest keeps them apart. An engine of
+the same compression promotes the chunks bit-exact; one without misses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
+
+if MOONCAKE_MISSING is not None:
+    pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+import numpy as np  # noqa: E402
+from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
+from test_tier_mooncake_vllm import promote, serve_and_cascade  # noqa: E402 -- the manager-level store and promotion
+from tiering_fixtures.configs import tiering_config  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store  # noqa: E402
+from kvtriton.tiers.mooncake_config import MooncakeTierConfig  # noqa: E402
+
+TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-compression")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def managers() -> Iterator[list[TieringOffloadingManager]]:
+    made: list[TieringOffloadingManager] = []
+    yield made
+    for manager in made:
+        manager.shutdown()
+
+
+def kvtriton_manager(
+    cluster: MooncakeCluster, made: list[TieringOffloadingManager], *, compressed: bool
+) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
+    tier_config = {
+        "type": "MooncakeStoreTier",
+        "module_path": "kvtriton.tiers.mooncake",
+        "master_server_address": cluster.master_address,
+        "namespace": "compression",
+        "timeout_s": 5.0,
+    }
+    extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_config]}
+    if compressed:
+        extra["kvtriton_kv_compression"] = "fp8-e4m3"
+    manager = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    made.append(manager)
+    (tier,) = manager.secondary_tiers
+    assert isinstance(tier, MooncakeStoreTier)
+    assert tier.wait_until_up(10.0)
+    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
+    return manager, tier, rows
+
+
+def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(
+    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+) -> None:
+    writer, writer_tier, writer_rows = kvtriton_manager(cluster, managers, compressed=True)
+    assert writer_tier.keyspace.identity.layout_tag == TAG
+    assert writer_tier.keyspace.identity.chunk_bytes == 4096
+    keys = chunk_keys(3, salt=77)
+    written = serve_and_cascade(writer, writer_rows, keys, seed=77)
+    assert writer_tier.stats().stored_keys == 3
+
+    plain, plain_tier, plain_rows = kvtriton_manager(cluster, managers, compressed=False)
+    assert plain_tier.keyspace.identity.chunk_bytes == 4096  # same size: only the digest tells them apart
+    assert plain_tier.keyspace.digest != writer_tier.keyspace.digest
+    assert promote(plain, plain_rows, keys) is None
+    assert plain_tier.stats().loaded_keys == 0
+
+    reader, reader_tier, reader_rows = kvtriton_manager(cluster, managers, compressed=True)
+    assert reader_tier.keyspace.digest == writer_tier.keyspace.digest
+    assert promote(reader, reader_rows, keys) == written
+    assert reader_tier.stats().loaded_keys == 3
+
+
+def test_the_manifest_behind_a_compressed_digest_names_the_compression_and_its_group_size(
+    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+) -> None:
+    _, tier, _ = kvtriton_manager(cluster, managers, compressed=True)
+    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
+    assert store is not None
+    try:
+        manifest = json.loads(store.get(tier.keyspace.manifest_key))
+    finally:
+        store.close()
+    assert manifest["layout_tag"] == TAG
+    assert manifest["model"] == f"tiny-tiering@{TAG}"
