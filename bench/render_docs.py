@@ -422,6 +422,33 @@ def mooncake_summary(results: Results) -> str:
     return f"worst ratio {worst:.2f}"
 
 
+# -- fp8-e4m3 compression (bench/compression.py) -------------------------------------------------------
+
+
+def compression_table(results: Results) -> str:
+    """Per scheme: K and V relative RMS error, the largest K error over its RMS, the attention output's error."""
+    accuracy = _obj(results("compression").get("accuracy"))
+    table = [
+        [f"`{name}`", *(f"{_pct(_num(figures, key))}" for key in ("k_relative_rms_error", "v_relative_rms_error")),
+         f"{_num(figures, 'k_max_error_over_rms'):.2f}",
+         *(f"{_pct(_num(figures, key))}" for key in ("attention_relative_error", "attention_relative_error_k_only")),
+         f"{_pct(max(_num(figures, 'k_share_over_bound'), _num(figures, 'v_share_over_bound')))}"]
+        for name, figures in ((name, _obj(value)) for name, value in accuracy.items())
+    ]  # fmt: skip
+    headers = ["scheme", "K rel. RMS error", "V rel. RMS error", "K max error / RMS", "attention rel. error",
+               "attention, K only", "elements over the bound"]  # fmt: skip
+    return _table(headers, table, "lrrrrrr")
+
+
+def compression_bytes(results: Results) -> str:
+    """Bytes per block and blocks per GiB against uncompressed rows, per page dtype."""
+    parts = [
+        f"{row.get('dtype')} {_num(row, 'engine_bytes_moved_ratio'):.3f}x the bytes moved, {_x(_num(row, 'blocks_per_gib_gain'))} the blocks per GiB"
+        for row in _list(results("compression").get("bytes"))
+    ]
+    return "; ".join(parts)
+
+
 # -- the summary --------------------------------------------------------------------------------------
 
 
@@ -484,8 +511,11 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "tiers-summary": tiers_summary,
     "mooncake-table": mooncake_table,
     "mooncake-summary": mooncake_summary,
+    "compression-table": compression_table,
+    "compression-bytes": compression_bytes,
     **{f"run-{name}": _dated(name) for name in
-       ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake")},
+       ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake",
+        "compression")},
 }  # fmt: skip
 """Every region name the docs may use, and what renders it."""
 

@@ -96,8 +96,8 @@ def test_bench_names_a_missing_benchmark_module(tmp_path: Path, capfd: pytest.Ca
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "which benchmark? name one of manager, kernels, engine, tiers, tiers_mooncake, all"),
-        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, all)"),
+        ([], "which benchmark? name one of manager, kernels, engine, tiers, tiers_mooncake, compression, all"),
+        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, compression, all)"),
         (["manager", "--requests", "5"], "unrecognized arguments: --requests 5 (arguments for the benchmark go after `--`)"),
         (["manager", "kernels"], "unrecognized arguments: kernels"),
     ],
@@ -139,12 +139,12 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     text = capsys.readouterr().out
     for name, benchmark in BENCHMARKS.items():
         assert f"{name}: " in text and " ".join(benchmark.quick_flags) in text
-    assert "--full" in text and "--out" in text and "{manager,kernels,engine,tiers,tiers_mooncake,all} [-- ARGS]" in text
+    assert "--full" in text and "--out" in text and "{manager,kernels,engine,tiers,tiers_mooncake,compression,all} [-- ARGS]" in text
 
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", []), ("engine", [])],
+    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", []), ("engine", []), ("compression", [])],
 )
 def test_real_benchmark_accepts_its_quick_flags_and_records_the_machine(
     name: str, extra: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]

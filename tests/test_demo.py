@@ -11,6 +11,7 @@ import kvtriton.worker.engine as engine_module
 import kvtriton.tools.demo as demo_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.tools.cli import main
+from kvtriton.worker.layout import PagedKV
 
 SMALL = ["--model", "qwen2.5-7b", "--gpu-blocks", "16", "--capacity", "24MiB", "--requests", "8", "--no-progress"]
 
@@ -66,6 +67,65 @@ def test_demo_exits_nonzero_when_a_loaded_block_differs(
     captured = capsys.readouterr()
     assert "FAILED" in captured.out
     assert "MISMATCH" in captured.err
+
+
+COMPRESSED_SMALL = [*SMALL[:-3], "--requests", "4", "--no-progress", "--device", "cpu", "--backend", "torch", "--compression", "fp8-e4m3"]
+"""Four requests (three system prompts: one repeats), on the CPU torch path: the compressed torch path is slow."""
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_compressed_demo_checks_loads_against_the_reference_and_reports_bytes_slots_and_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", *COMPRESSED_SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "compression fp8-e4m3: 462.00 KiB per slab row (0.516x); LOSSY" in out
+    verified = re.match(r"(\d+) loaded blocks, 0 mismatched", _field(out, "verified"))
+    assert verified is not None and int(verified.group(1)) > 0
+    moved = re.match(r".* = (\d\.\d+)x the .* uncompressed rows", _field(out, "bytes moved"))
+    assert moved is not None and moved.group(1) == "0.516"  # 462 KiB of 896 KiB per block, loads and stores alike
+    slots = re.match(r"(\d+) for --capacity, (\d\.\d+)x the (\d+) uncompressed", _field(out, "slots"))
+    assert slots is not None and (int(slots.group(1)), int(slots.group(3))) == (24 * 1024 // 462, 24 * 1024 // 896)
+    error = re.match(r"max \|x - x'\| ([\d.e+-]+), mean ([\d.e+-]+) ", _field(out, "element error"))
+    assert error is not None and 0 < float(error.group(2)) < float(error.group(1)) < 1  # N(0, 1) values, 3 mantissa bits
+    assert "note: LOSSY" in out
+    assert "OK: every loaded block matched the torch reference's dequantized bytes (fp8-e4m3, lossy)" in out
+
+
+@pytest.mark.filterwarnings("ignore::kvtriton.worker.slab.PageableSlabWarning")
+def test_compressed_demo_fails_when_a_load_writes_other_values_than_the_reference(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def decode_nothing(*args: object, **kwargs: object) -> None:
+        """A compressed load that silently writes nothing."""
+
+    monkeypatch.setattr(backends_module, "scatter_compressed_unchecked", decode_nothing)
+    assert main(["demo", *COMPRESSED_SMALL]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out and "MISMATCH" in captured.err
+
+
+def test_compressed_content_differs_block_by_block_after_quantization() -> None:
+    """Blocks whose pool slices coincide (serials 64 apart) still differ once dequantized: the stamp survives."""
+    tensors = demo_module.build_cache(demo_module.PRESETS["qwen2.5-7b"], "flash_attn", 2, torch.device("cpu"))
+    kv = PagedKV.from_tensors(tensors, layout="flash_attn", kv_compression="fp8-e4m3")
+    content = demo_module.BlockContent(kv, seed=0)
+    hashes = [bytes([index]) for index in range(65)]
+    for block_hash in hashes:  # serials 0..64 in order
+        content.row(block_hash)
+    differ = (content.row(hashes[0]) != content.row(hashes[64])).nonzero().flatten()
+    stamps = torch.tensor([byte for offset in kv.page_offsets for byte in range(offset, offset + 64)])
+    assert differ.numel() > 0 and bool(torch.isin(differ, stamps).all())  # same pool slice: only the stamps tell the originals apart
+    first, later = content.expected(hashes[0]), content.expected(hashes[64])
+    assert not torch.equal(first, later)
+    assert not torch.equal(first, content.row(hashes[0]))  # lossy: the round trip changed values
+    assert all(bool(torch.isfinite(page.float()).all()) for page in kv.pages)
+
+
+def test_compression_refuses_the_byte_view_layout_by_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *SMALL, "--layout", "pages", "--compression", "fp8-e4m3"]) == 2
+    err = capsys.readouterr().err
+    assert "kvtriton demo: error: --compression fp8-e4m3" in err and "--layout pages" in err
 
 
 def test_demo_rejects_impossible_settings_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:

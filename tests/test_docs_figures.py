@@ -27,6 +27,7 @@ def test_the_headline_figures_are_generated_in_the_readme_benchmarks_and_manager
     }
     assert "manager-headline-range" in names["README.md"]
     assert {"summary", "manager-headline-table", "kernels-headline-table", "tiers-table", "mooncake-table"} <= names["benchmarks.md"]
+    assert {"compression-table", "compression-bytes", "run-compression"} <= names["benchmarks.md"]
     assert {"manager-headline-table", "manager-headline-range"} <= names["manager.md"]
 
 
@@ -73,3 +74,13 @@ def test_bandwidth_is_read_under_its_old_or_an_unambiguous_gb_per_s_name(tmp_pat
         row["gb_per_s"] = row.pop("gbps")
     (tmp_path / "kernels.json").write_text(json.dumps(record))
     assert RENDERERS["kernels-headline-table"](Results(tmp_path)) == RENDERERS["kernels-headline-table"](Results())
+
+
+def test_the_compression_figures_come_from_its_result_file(tmp_path: Path) -> None:
+    record = json.loads((REPO / "bench" / "results" / "compression.json").read_text())
+    record["accuracy"]["per-tensor fp8"]["attention_relative_error"] = 0.5
+    record["bytes"][0]["blocks_per_gib_gain"] = 1.5
+    (tmp_path / "compression.json").write_text(json.dumps(record))
+    assert "| `per-tensor fp8` |" in RENDERERS["compression-table"](Results(tmp_path))
+    assert "| 50.00% |" in RENDERERS["compression-table"](Results(tmp_path))
+    assert RENDERERS["compression-bytes"](Results(tmp_path)).startswith("bfloat16 0.516x the bytes moved, 1.50x the blocks per GiB")

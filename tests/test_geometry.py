@@ -52,7 +52,7 @@ def test_blocks_for_counts_only_whole_blocks() -> None:
 def test_non_positive_geometry_field_is_rejected_by_name(field: str) -> None:
     values: dict[str, int] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1, field: 0}
     with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
-        ModelGeometry("bad", dtype=KVDtype.BFLOAT16, **values)
+        ModelGeometry("bad", values["num_layers"], values["num_kv_heads"], values["head_dim"], KVDtype.BFLOAT16, values["block_size"])
 
 
 def test_kv_factor_other_than_one_or_two_is_rejected() -> None:

@@ -274,3 +274,133 @@ def test_the_python_example_in_the_docs_runs_and_prints_what_it_says(
     printed = capsys.readouterr().out.strip()
     claimed = re.search(r"# ([0-9.]+%)", block)
     assert claimed is not None and printed == claimed.group(1)
+
+
+# --------------------------------------------------------------------------
+# --compression: both curves, the compressed recommendation
+
+
+def test_compression_sweeps_every_size_with_and_without_compressed_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from kvtriton.kernels.compression import compression_layout
+
+    record = simulate_json(
+        tmp_path, capsys, *SMALL, "--capacities", "1,4", "--compression", "fp8-e4m3", "--target-hit-rate", "0.01"
+    )
+    # llama-3-8b, 32-token blocks: one layer's K and V pages of 32 x 8 x 128 bf16, G = 128.
+    pages = [torch.empty((1, 32, 8, 128), dtype=torch.bfloat16, device="meta") for _ in range(2)]
+    layer = compression_layout(pages, 128)
+    raw = record["geometry"]["bytes_per_block"]
+    assert raw == 32 * layer.raw_row_bytes == 4 * 2**20
+    compression = record["compression"]
+    assert compression["kv_compression"] == "fp8-e4m3" and compression["group_size"] == 128 and compression["lossy"]
+    assert compression["stored_bytes_per_block"] == 32 * layer.row_bytes
+    assert compression["ratio"] == pytest.approx(layer.ratio) and 0.51 < compression["ratio"] < 0.52
+    assert compression["curves"] == ["none", "fp8-e4m3"]
+    points = {(point["compression"], point["policy"], point["capacity_bytes"]): point for point in record["points"]}
+    assert len(points) == len(record["points"]) == 2 * 2 * 2  # compressions x policies x sizes
+    for (kind, policy, size), point in points.items():
+        bytes_per_block = raw if kind == "none" else compression["stored_bytes_per_block"]
+        assert point["num_blocks"] == size // bytes_per_block
+        assert point["bytes_loaded"] == point["hit_blocks"] * bytes_per_block
+        assert point["bytes_stored"] == point["blocks_stored"] * bytes_per_block
+        if kind == "fp8-e4m3":
+            plain = points[("none", policy, size)]
+            assert point["num_blocks"] >= int(1.9 * plain["num_blocks"])
+            if policy == "lru":  # LRU's stack property: more slots, no fewer hits
+                assert point["token_hit_rate"] >= plain["token_hit_rate"]
+    found = record["recommendation"]
+    assert found["kv_compression"] == "fp8-e4m3"
+    assert found["kv_connector_extra_config"]["kvtriton_kv_compression"] == "fp8-e4m3"
+    assert found["kv_transfer_config"]["kv_connector_extra_config"]["kvtriton_kv_compression"] == "fp8-e4m3"
+    plain_found = record["recommendation_uncompressed"]
+    assert plain_found["kv_compression"] == "none"
+    assert plain_found["kv_connector_extra_config"] is None or "kvtriton_kv_compression" not in plain_found["kv_connector_extra_config"]
+
+
+def test_compression_prints_both_tables_the_lossy_note_and_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = [*SMALL, "--capacities", "1,4", "--target-hit-rate", "0.01", "--compression", "fp8-e4m3"]
+    assert main(["simulate", *flags, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stored fp8-e4m3 (G = 128) as 2.06 MiB per block (0.516x)" in out
+    assert "none: uncompressed rows, 4.00 MiB per block" in out
+    assert "fp8-e4m3: lossy fp8-e4m3 rows, 2.06 MiB per block (0.516x the bytes moved, 1.94x the blocks per GiB)" in out
+    assert len([line for line in out.splitlines() if line.startswith("policy ")]) == 2
+    assert '"kvtriton_kv_compression": "fp8-e4m3"' in out
+    assert "lossy:     kvtriton_kv_compression=fp8-e4m3" in out
+    assert re.search(r"^without compression: \d", out, re.MULTILINE)
+
+
+def test_without_compression_nothing_changes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record = simulate_json(tmp_path, capsys, *SMALL, "--capacities", "1,4", "--target-hit-rate", "0.01")
+    assert record["compression"]["curves"] == ["none"] and record["compression"]["ratio"] == 1.0
+    assert {point["compression"] for point in record["points"]} == {"none"}
+    assert "kvtriton_kv_compression" not in record["recommendation"]["kv_connector_extra_config"]
+    assert "recommendation_uncompressed" not in record
+
+
+def test_group_size_sets_the_scales_per_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record = simulate_json(tmp_path, capsys, *SMALL, "--capacities", "4", "--compression", "fp8-e4m3", "--group-size", "32")
+    # 32 layers x K, V: 32 x 8 x 128 codes, then one fp32 scale per 32 of them.
+    assert record["compression"]["stored_bytes_per_block"] == 32 * 2 * (32 * 8 * 128 + 4 * 32 * 8 * 128 // 32)
+
+
+def test_an_fp8_cache_passes_through_compression_unchanged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--capacities", "4", "--dtype", "fp8", "--compression", "fp8-e4m3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(1.000x the bytes moved, 1.00x the blocks per GiB) (an fp8 cache passes through unchanged)" in out
+
+
+def test_a_group_size_without_compression_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *SMALL, "--group-size", "32"]) == 2
+    assert "--group-size 32 applies only with --compression fp8-e4m3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--compression", "zstd"], "argument --compression: invalid choice: 'zstd'"),
+        (["--compression", "fp8-e4m3", "--group-size", "0"], "argument --group-size"),
+    ],
+)
+def test_bad_compression_flags_are_refused_by_name(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", *SMALL, *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_the_plot_draws_both_curves_per_policy_with_compression(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import matplotlib.pyplot as plt
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert main(["simulate", *SMALL[:-1], "--capacities", "1,4", "--compression", "fp8-e4m3", "--out", str(tmp_path)]) == 0
+    (figure,) = figures
+    labels = [line.get_label() for line in figure.axes[0].get_lines()]
+    for label in ("LRU", "ARC", "LRU, fp8-e4m3", "ARC, fp8-e4m3", "whole trace fits", "whole trace fits, compressed"):
+        assert label in labels
+    assert (tmp_path / "simulate-system-prompts.png").is_file()
+
+
+def test_the_compressed_geometry_is_the_engines_row() -> None:
+    """with_compression() sizes a block as PagedKV does for the same cache (flash_attn; MLA's one latent page)."""
+    import torch
+
+    from kvtriton.tools.demo import build_cache
+    from kvtriton.tools.geometry import PRESETS
+    from kvtriton.worker.layout import PagedKV
+
+    for name, layout in (("qwen2.5-7b", "flash_attn"), ("deepseek-v3", "mla")):
+        plain = PRESETS[name]
+        compressed = plain.with_compression("fp8-e4m3")
+        kv = PagedKV.from_tensors(build_cache(plain, layout, 1, torch.device("cpu")), layout=layout, kv_compression="fp8-e4m3")
+        assert (compressed.bytes_per_block, compressed.stored_bytes_per_block) == (kv.raw_row_bytes, kv.row_bytes)
+        assert compressed.blocks_for(2**30) == 2**30 // kv.row_bytes and plain.blocks_for(2**30) == 2**30 // kv.raw_row_bytes
+        assert compressed.with_compression("none") == plain
+    with pytest.raises(ValueError, match="compression must be one of"):
+        PRESETS["llama-3-8b"].with_compression("zstd")
+    with pytest.raises(ValueError, match="group_size applies only with compression 'fp8-e4m3'"):
+        PRESETS["llama-3-8b"].with_compression("none", 64)

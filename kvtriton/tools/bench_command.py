@@ -79,6 +79,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier",
             ("--quick", "--name", "tiers_mooncake-quick"),
         ),
+        Benchmark(
+            "compression",
+            "fp8-e4m3 compression's accuracy (K/V element and attention error, group against per-tensor scales)"
+            " and the bytes a block moves and holds",
+            ("--quick", "--name", "compression-quick"),
+        ),
     )
 }
 """The benchmarks ``all`` runs, in order. Quick runs write ``<name>-quick.*`` so that they never

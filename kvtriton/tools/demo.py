@@ -8,6 +8,13 @@ chunks, load the hits into freshly allocated GPU blocks, "compute" the rest,
 store every new chunk, evicting under pressure -- and checks every loaded
 block bit for bit against what was stored. Exits 1 on any mismatch or failed
 job, and when no load happened at all (nothing was checked).
+
+``--compression fp8-e4m3`` (lossy) stores the slab rows compressed: a loaded
+block then holds the dequantized values, so each one is checked bit for bit
+against what the torch reference (``gather_pages_compressed_reference`` then
+``scatter_pages_compressed_reference``) makes of the stored block, and the
+report adds the bytes moved against uncompressed rows, the slots the same
+``--capacity`` buys, and the element error against the original values.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from kvtriton.manager.policies import policy_names
 if TYPE_CHECKING:
     import torch
 
+    from kvtriton.kernels.compression import KVCompression
     from kvtriton.worker.engine import TransferEngine, TransferResult
     from kvtriton.keys import OffloadKey
     from kvtriton.worker.layout import PagedKV
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run"]
 
 LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
+COMPRESSIONS = ("none", "fp8-e4m3")
 BACKENDS = ("auto", "triton", "dma", "torch")
 DEFAULT_CAPACITY = "96MiB"
 """The host slab of ``make demo``: 48 Llama-3-8B blocks, small enough for any CPU machine."""
@@ -58,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
     parser.add_argument("--layout", choices=("auto", *LAYOUTS), default="auto",
                         help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="none",
+                        help="slab row format: none (bit-exact copies) or fp8-e4m3 (lossy: fp8 codes plus one fp32"
+                        " scale per head-dim group, about half the bytes; loads are checked against the torch reference)")
     parser.add_argument("--policy", choices=policy_names(), default="lru", help="manager eviction policy")
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, metavar="SIZE",
                         help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})")
@@ -85,6 +97,7 @@ class DemoConfig:
 
     geometry: ModelGeometry
     layout: str
+    compression: KVCompression
     policy: str
     capacity_bytes: int
     capacity_text: str
@@ -100,6 +113,8 @@ class DemoConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoConfig:
+        from kvtriton.kernels.compression import KVCompression
+
         geometry = PRESETS[str(args.model)]
         layout = default_layout(geometry) if args.layout == "auto" else str(args.layout)
         if layout in ("flash_attn", "flashinfer") and geometry.kv_factor != 2:
@@ -108,6 +123,12 @@ class DemoConfig:
             value = int(getattr(args, name))
             if value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        compression = KVCompression.parse(str(args.compression), "--compression")
+        if compression is KVCompression.FP8_E4M3 and layout == "pages":
+            raise ValueError(
+                "--compression fp8-e4m3 compresses bf16/fp16/fp32 pages, but --layout pages hands the engine int8 byte"
+                " views, which pass through uncompressed (pick another --layout)"
+            )
         device = str(args.device)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
@@ -119,6 +140,7 @@ class DemoConfig:
         return cls(
             geometry=geometry,
             layout=layout,
+            compression=compression,
             policy=str(args.policy),
             capacity_bytes=capacity_bytes,
             capacity_text=capacity_text,
@@ -156,38 +178,111 @@ def build_cache(geometry: ModelGeometry, layout: str, num_blocks: int, device: t
     return [torch.zeros((num_blocks, page_bytes), dtype=torch.int8, device=device) for _ in range(layers)]
 
 
+@dataclass(slots=True)
+class ElementError:
+    """The element error of compressed loads against the original values, over every checked block."""
+
+    elements: int = 0
+    max_abs: float = 0.0
+    sum_abs: float = 0.0
+    sum_abs_value: float = 0.0
+    """Sum of ``|x|`` over the same elements, to put the mean error in proportion."""
+
+    def add(self, original: torch.Tensor, decoded: torch.Tensor) -> None:
+        error = (original.float() - decoded.float()).abs()
+        self.elements += error.numel()
+        self.max_abs = max(self.max_abs, float(error.max()))
+        self.sum_abs += float(error.double().sum())
+        self.sum_abs_value += float(original.float().abs().double().sum())
+
+
 class BlockContent:
     """Deterministic bytes for every block hash: a slice of one random pool plus a unique stamp per page.
 
     Slicing a pool costs a memcpy instead of generating random bytes per
-    block; the stamp (the block's serial number in the first 8 bytes of each
-    page) makes any two blocks differ, so a load from the wrong slot cannot
-    pass the check.
+    block; the stamp (the block's serial number in each page) makes any two
+    blocks differ, so a load from the wrong slot cannot pass the check.
+
+    Uncompressed, the pool is random bytes (any bit pattern must survive) and
+    the stamp is the serial's 8 bytes. Compressed, both must be values the
+    format takes: the pool is normal-distributed elements of the page dtype
+    (fp8-e4m3 refuses NaN and infinity), and the stamp is the serial's 32 bits
+    as +1 / -1 in the first elements of each page, signs that survive
+    quantization, so two blocks still differ after it.
     """
 
     _SPREAD = 4096
+    _STAMP_BITS = 32
 
     def __init__(self, kv: PagedKV, seed: int) -> None:
         import torch
 
+        from kvtriton.kernels.compression import KVCompression
+
         generator = torch.Generator().manual_seed(seed)
         self.kv = kv
         self.pages = kv.byte_pages()
-        self.pool = torch.randint(0, 256, (kv.row_bytes + self._SPREAD,), dtype=torch.uint8, generator=generator)
+        self.compressed = kv.compression is KVCompression.FP8_E4M3
+        size = kv.raw_row_bytes + self._SPREAD
+        if self.compressed:
+            dtype = kv.pages[0].dtype  # the demo builds every page tensor in one dtype
+            elements = -(-size // dtype.itemsize)
+            values = torch.randn(elements, generator=generator).to(dtype)
+            self.pool = values.view(torch.uint8)[:size]
+        else:
+            self.pool = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
         self.pool = self.pool.to(kv.device)
         self.serials: dict[bytes, int] = {}
+        self.error = ElementError()
 
-    def row(self, block_hash: bytes) -> torch.Tensor:
+    def _stamp(self, serial: int, page: torch.Tensor) -> torch.Tensor:
         import torch
 
+        if not self.compressed:
+            return torch.tensor(list(serial.to_bytes(8, "little")), dtype=torch.uint8, device=page.device)
+        bits = torch.tensor([(serial >> bit) & 1 for bit in range(self._STAMP_BITS)], device=page.device)
+        return (bits.to(page.dtype) * 2 - 1).view(torch.uint8)
+
+    def row(self, block_hash: bytes) -> torch.Tensor:
+        """The block's original bytes, one uncompressed row (``kv.raw_row_bytes``)."""
         serial = self.serials.setdefault(block_hash, len(self.serials))
         start = (serial * 64) % self._SPREAD
-        row = self.pool[start : start + self.kv.row_bytes].clone()
-        stamp = torch.tensor(list(serial.to_bytes(8, "little")), dtype=torch.uint8, device=row.device)
-        for offset, size in zip(self.kv.page_offsets, self.kv.page_bytes):
-            width = min(8, size)
+        row = self.pool[start : start + self.kv.raw_row_bytes].clone()
+        for page, offset, size in zip(self.kv.pages, self.kv.page_offsets, self.kv.page_bytes):
+            stamp = self._stamp(serial, page)
+            width = min(stamp.numel(), size)
             row[offset : offset + width] = stamp[:width]
         return row
+
+    def expected(self, block_hash: bytes) -> torch.Tensor:
+        """What a load of the block must write: its bytes, or with compression the torch reference's round trip.
+
+        The reference quantizes one block into a compressed row and
+        dequantizes it back, the arithmetic the engine's kernels match bit for
+        bit; the element error against the original is recorded on the way.
+        """
+        import torch
+
+        from kvtriton.kernels.compression import gather_pages_compressed_reference, scatter_pages_compressed_reference
+        from kvtriton.worker.layout import byte_view
+
+        row = self.row(block_hash)
+        layout = self.kv.compression_layout
+        if layout is None:
+            return row
+        device = self.kv.device
+        original = [torch.empty((1, *page.shape[1:]), dtype=page.dtype, device=device) for page in self.kv.pages]
+        for page, offset, size in zip(original, self.kv.page_offsets, self.kv.page_bytes):
+            byte_view(page)[0].copy_(row[offset : offset + size])
+        compressed = torch.empty((1, self.kv.row_bytes), dtype=torch.uint8, device=device)
+        decoded = [torch.empty_like(page) for page in original]
+        index = torch.zeros(1, dtype=torch.int64, device=device)
+        groups = [page.group_size for page in layout.pages]
+        gather_pages_compressed_reference(original, compressed, index, index, group_size=groups)
+        scatter_pages_compressed_reference(compressed, decoded, index, index, group_size=groups)
+        for before, after in zip(original, decoded):
+            self.error.add(before, after)
+        return torch.cat([byte_view(page)[0] for page in decoded])
 
     def write(self, block: int, block_hash: bytes) -> None:
         row = self.row(block_hash)
@@ -197,7 +292,7 @@ class BlockContent:
     def matches(self, block: int, block_hash: bytes) -> bool:
         import torch
 
-        row = self.row(block_hash)
+        row = self.expected(block_hash)
         return all(
             torch.equal(page[block], row[offset : offset + size])
             for page, offset, size in zip(self.pages, self.kv.page_offsets, self.kv.page_bytes)
@@ -217,6 +312,7 @@ class DemoStats:
     failed_jobs: int = 0
     evicted: int = 0
     loaded_blocks: int = 0
+    stored_blocks: int = 0
     mismatched_blocks: int = 0
     truncated_requests: int = 0
     bytes_loaded: int = 0
@@ -344,6 +440,8 @@ class DemoServer:
         if self.engine.submit_store(job, GPULoadStoreSpec(blocks), output.store_spec):
             self.stats.store_jobs += 1
             result = self._finish(job)
+            if result.success:
+                self.stats.stored_blocks += len(blocks)
             self.manager.complete_store(output.keys_to_store, ctx, success=result.success)
         else:
             self.stats.failed_jobs += 1
@@ -424,8 +522,9 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device(device_name)
         _check_memory(config, device)
         tensors = build_cache(config.geometry, config.layout, config.gpu_blocks, device)
-        kv = PagedKV.from_tensors(tensors, layout=config.layout)
+        kv = PagedKV.from_tensors(tensors, layout=config.layout, kv_compression=config.compression)
         slots = _slots(config, kv.row_bytes)
+        uncompressed_slots = _slots(config, kv.raw_row_bytes)
         requests = _workload(config)
         # Last in this block: once the slab exists, nothing may fail before `with slab` owns it.
         slab = HostSlab(slots, config.block_size_factor, kv.row_bytes, allow_pageable=config.allow_pageable)
@@ -443,9 +542,14 @@ def run(args: argparse.Namespace) -> int:
 
     print(config.geometry.describe())
     print(
-        f"layout {config.layout}: {len(kv.pages)} page tensors, {format_bytes(kv.row_bytes)} per block; "
-        f"GPU cache {config.gpu_blocks} blocks ({format_bytes(config.gpu_blocks * kv.row_bytes)}) on {device}"
+        f"layout {config.layout}: {len(kv.pages)} page tensors, {format_bytes(kv.raw_row_bytes)} per block; "
+        f"GPU cache {config.gpu_blocks} blocks ({format_bytes(config.gpu_blocks * kv.raw_row_bytes)}) on {device}"
     )
+    if kv.compression_layout is not None:
+        print(
+            f"compression {config.compression.value}: {format_bytes(kv.row_bytes)} per slab row"
+            f" ({kv.row_bytes / kv.raw_row_bytes:.3f}x); {LOSSY_NOTE}"
+        )
     with slab:
         manager = CPUOffloadingManager(slots, cache_policy=config.policy)
         try:
@@ -468,6 +572,9 @@ def run(args: argparse.Namespace) -> int:
                 torch.cuda.synchronize(device)
             server.stats.wall_seconds = time.perf_counter() - started
     _report(server.stats)
+    if kv.compression_layout is not None:
+        _report_compression(server.stats, server.content.error, kv, slots, uncompressed_slots)
+    print(_verdict(server.stats, compressed=kv.compression_layout is not None))
     return 0 if server.stats.ok else 1
 
 
@@ -479,7 +586,14 @@ INTERPRETER_NOTE = (
 """Printed when the demo's Triton kernels run interpreted, so their rates are not read as the kernels' speed."""
 
 
-def _verdict(stats: DemoStats) -> str:
+LOSSY_NOTE = (
+    "LOSSY: loaded blocks hold the dequantized values, not what was stored; each is checked bit for bit against"
+    " the torch reference's dequantized bytes"
+)
+"""Printed with ``--compression fp8-e4m3``, so that nobody reads its OK as a bit-exact round trip."""
+
+
+def _verdict(stats: DemoStats, *, compressed: bool = False) -> str:
     if stats.mismatched_blocks or stats.failed_jobs:
         return "FAILED"
     if stats.loaded_blocks == 0:
@@ -487,6 +601,8 @@ def _verdict(stats: DemoStats) -> str:
             "NOTHING VERIFIED: no request found a stored chunk, so no load was checked;"
             " replay more requests (--requests) or give the host slab more room (--capacity)"
         )
+    if compressed:
+        return "OK: every loaded block matched the torch reference's dequantized bytes (fp8-e4m3, lossy)"
     return "OK: every loaded block matched what was stored"
 
 
@@ -508,4 +624,23 @@ def _report(stats: DemoStats) -> None:
         print(f"{name:<{width}}  {value}")
     for where in stats.mismatches[:10]:
         print(f"MISMATCH {where}", file=sys.stderr)
-    print(_verdict(stats))
+
+
+def _report_compression(stats: DemoStats, error: ElementError, kv: PagedKV, slots: int, uncompressed_slots: int) -> None:
+    """Bytes moved and slots against uncompressed rows, and the element error of the checked loads."""
+    moved = stats.bytes_loaded + stats.bytes_stored
+    raw = (stats.loaded_blocks + stats.stored_blocks) * kv.raw_row_bytes
+    moved_text = f"{format_bytes(moved)} = {moved / raw:.3f}x the {format_bytes(raw)} uncompressed rows" if raw else "none"
+    mean = error.sum_abs / error.elements if error.elements else 0.0
+    mean_value = error.sum_abs_value / error.elements if error.elements else 0.0
+    relative = f" ({mean / mean_value:.2%} of the mean |x| {mean_value:.4g})" if mean_value else ""
+    lines = [
+        ("bytes moved", f"{moved_text} (loads + stores)"),
+        ("slots", f"{slots} for --capacity, {slots / uncompressed_slots:.2f}x the {uncompressed_slots} uncompressed"),
+        ("element error", f"max |x - x'| {error.max_abs:.4g}, mean {mean:.4g}{relative} over {error.elements} elements"
+                          " of the checked blocks, against the original values"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in lines)
+    for name, value in lines:
+        print(f"{name:<{width}}  {value}")
+    print(f"note: {LOSSY_NOTE}")

@@ -5,12 +5,15 @@ manager counts slots; the geometry of the model's KV cache (layers, KV heads,
 head dim, dtype, tokens per block) converts one into the other. The command
 line's sizes are parsed here too, by one rule for every command
 (:data:`SIZE_RULE`). Pure arithmetic: no torch, so ``kvtriton simulate``
-stays scheduler-side and fast.
+stays scheduler-side and fast -- except :meth:`ModelGeometry.with_compression`,
+which asks the compression format itself (``compression_layout``) what a
+compressed block takes, and imports torch only then.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import math
 import re
@@ -80,6 +83,13 @@ class ModelGeometry:
     ``kv_factor`` is 2 for attention that caches K and V separately and 1 for
     MLA, whose latent vector (``head_dim`` wide, one "head") holds both.
     ``block_size`` is the number of tokens in one offloaded block.
+
+    ``compression`` is how host memory stores a block (``"none"``, or the
+    lossy ``"fp8-e4m3"`` with ``compressed_bytes_per_block`` its compressed
+    row; build it with :meth:`with_compression`). ``bytes_per_block`` stays
+    the KV cache's own bytes; :attr:`stored_bytes_per_block` is what a block
+    takes in host memory and moves per copy, so :meth:`blocks_for` counts the
+    slots a size buys in it.
     """
 
     name: str
@@ -89,6 +99,10 @@ class ModelGeometry:
     dtype: KVDtype
     block_size: int = 16
     kv_factor: int = 2
+    compression: str = "none"
+    compressed_bytes_per_block: int | None = None
+    compression_group_size: int | None = None
+    """Elements per fp8 scale (None without compression)."""
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -97,6 +111,11 @@ class ModelGeometry:
                 raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
         if self.kv_factor not in (1, 2):
             raise ValueError(f"kv_factor must be 1 (MLA) or 2 (K and V), got {self.kv_factor!r}")
+        if (self.compression == "none") != (self.compressed_bytes_per_block is None):
+            raise ValueError(
+                f"compressed_bytes_per_block ({self.compressed_bytes_per_block!r}) is set exactly when compression is"
+                f" not 'none', got compression {self.compression!r}; build it with with_compression()"
+            )
 
     @property
     def bytes_per_token(self) -> int:
@@ -104,20 +123,73 @@ class ModelGeometry:
 
     @property
     def bytes_per_block(self) -> int:
+        """The KV cache's own bytes of one block (uncompressed)."""
         return self.bytes_per_token * self.block_size
 
+    @property
+    def stored_bytes_per_block(self) -> int:
+        """Bytes one block takes in host memory and moves per copy: the compressed row with compression."""
+        return self.bytes_per_block if self.compressed_bytes_per_block is None else self.compressed_bytes_per_block
+
+    @property
+    def compression_ratio(self) -> float:
+        """Stored over raw bytes per block: 1.0 uncompressed, about 0.52 for bf16 with fp8-e4m3."""
+        return self.stored_bytes_per_block / self.bytes_per_block
+
     def blocks_for(self, capacity_bytes: int) -> int:
-        """How many whole blocks fit in ``capacity_bytes`` of host memory."""
+        """How many whole blocks fit in ``capacity_bytes`` of host memory (stored as :attr:`stored_bytes_per_block`)."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        return capacity_bytes // self.bytes_per_block
+        return capacity_bytes // self.stored_bytes_per_block
+
+    def with_compression(self, compression: str, group_size: int | None = None) -> ModelGeometry:
+        """This geometry with host memory storing blocks as ``compression`` (``"none"`` or ``"fp8-e4m3"``).
+
+        The compressed row is the engine's own: ``compression_layout`` of one
+        layer's page tensors as the flash_attn layout hands them to the engine
+        (K and V pages of ``block_size x num_kv_heads x head_dim``; MLA's one
+        latent page), times the layers. ``group_size`` is the elements per
+        fp8 scale (default: the head dimension, as ``PagedKV`` uses). fp8
+        caches pass through unchanged (ratio 1). Imports torch.
+        """
+        from kvtriton.kernels.compression import KVCompression
+
+        parsed = KVCompression.parse(compression, "compression")
+        if parsed is KVCompression.NONE:
+            if group_size is not None:
+                raise ValueError(f"group_size applies only with compression 'fp8-e4m3', got group_size {group_size}")
+            return dataclasses.replace(self, compression="none", compressed_bytes_per_block=None, compression_group_size=None)
+        if group_size is not None and (isinstance(group_size, bool) or group_size < 1):
+            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        import torch
+
+        from kvtriton.kernels.compression import compression_layout
+
+        dtype = {
+            KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT16: torch.float16,
+            KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FP8: torch.float8_e4m3fn,
+        }[self.dtype]  # fmt: skip
+        shape = (1, self.block_size, self.num_kv_heads, self.head_dim)
+        pages = [torch.empty(shape, dtype=dtype, device="meta") for _ in range(self.kv_factor)]
+        size = self.head_dim if group_size is None else group_size
+        layer = compression_layout(pages, size)
+        return dataclasses.replace(
+            self, compression=parsed.value, compressed_bytes_per_block=self.num_layers * layer.row_bytes,
+            compression_group_size=size,
+        )  # fmt: skip
 
     def describe(self) -> str:
-        return (
+        text = (
             f"{self.name}: {self.num_layers} layers x {self.kv_factor} x {self.num_kv_heads} KV heads"
             f" x {self.head_dim} head dim x {self.dtype.value}, {self.block_size} tokens/block"
             f" = {format_bytes(self.bytes_per_block)} per block"
         )
+        if self.compression != "none":
+            text += (
+                f"; stored {self.compression} (G = {self.compression_group_size}) as"
+                f" {format_bytes(self.stored_bytes_per_block)} per block ({self.compression_ratio:.3f}x)"
+            )
+        return text
 
 
 def _preset(name: str, layers: int, kv_heads: int, head_dim: int, kv_factor: int = 2) -> ModelGeometry:

@@ -15,6 +15,14 @@ and ``--sequential``) the trace runs through a model of vLLM 0.33's engine
 in front of the offload tier, and its asynchronous loads and stores, so the
 hit rate reported is the one vLLM's metrics show
 (``external_prefix_cache_hits / external_prefix_cache_queries``).
+
+With ``--compression fp8-e4m3`` (lossy) every size is swept twice: with
+uncompressed rows and with fp8-e4m3 rows, whose bytes per block come from the
+compression format itself (:meth:`ModelGeometry.with_compression`, the only
+step that imports torch), so a size holds about 1.9x the blocks and every
+copy moves about 0.52x the bytes (bf16). The table, the JSON and the plot
+show both; the recommendation is the compressed one, its
+``kv_connector_extra_config`` carrying ``kvtriton_kv_compression``.
 """
 
 from __future__ import annotations
@@ -71,6 +79,8 @@ DEFAULT_POLICIES = ("lru", "arc")
 DEFAULT_BANDWIDTH_GBPS = 25.0
 DEFAULT_SWEEP_POINTS = 8
 DEFAULT_TARGET_HIT_RATE = 0.5
+COMPRESSIONS = ("none", "fp8-e4m3")
+"""``--compression`` values: kvtriton's slab row formats (kvtriton.kernels.compression.KVCompression)."""
 
 
 # --------------------------------------------------------------------------
@@ -205,7 +215,7 @@ def sweep(
     for capacity in capacities:
         if geometry.blocks_for(capacity) < 1:
             raise ValueError(
-                f"capacity {format_bytes(capacity)} holds no block of {format_bytes(geometry.bytes_per_block)}"
+                f"capacity {format_bytes(capacity)} holds no block of {format_bytes(geometry.stored_bytes_per_block)}"
             )
     grid = [(policy, capacity) for policy in policies for capacity in capacities]
     points: list[SweepPoint] = []
@@ -380,6 +390,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="tokens per offloaded block (default: the preset's, 16)",
     )
+    model.add_argument(
+        "--compression",
+        choices=list(COMPRESSIONS),
+        default="none",
+        help="host memory row format: with fp8-e4m3 (lossy: fp8 codes plus one fp32 scale per group) every size is"
+        " swept with and without it, the compressed rows holding ~1.9x the blocks and moving ~0.52x the bytes"
+        " (bf16); the recommendation is then the compressed one (default: none)",
+    )
+    model.add_argument(
+        "--group-size",
+        type=_positive_int,
+        metavar="N",
+        help="--compression fp8-e4m3: elements per fp8 scale (default: the head dimension)",
+    )
     sim = parser.add_argument_group("sweep")
     sim.add_argument(
         "--capacities",
@@ -525,7 +549,7 @@ class _Source:
 def _geometry(args: argparse.Namespace) -> ModelGeometry:
     """The preset with the flags' overrides; named after the preset only while its shape is the preset's."""
     preset = PRESETS[args.model]
-    shape = {
+    shape: dict[str, int] = {
         "num_layers": args.layers or preset.num_layers,
         "num_kv_heads": args.kv_heads or preset.num_kv_heads,
         "head_dim": args.head_dim or preset.head_dim,
@@ -539,7 +563,9 @@ def _geometry(args: argparse.Namespace) -> ModelGeometry:
         name = f"{preset.name} (modified)"
     return ModelGeometry(
         name=name,
-        **shape,
+        num_layers=shape["num_layers"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
         dtype=parse_dtype(args.dtype) if args.dtype else preset.dtype,
         block_size=args.block_size or preset.block_size,
         kv_factor=preset.kv_factor,
@@ -680,12 +706,14 @@ class PointReport:
     """vLLM order: engine steps the trace took."""
     preemptions: int | None
     """vLLM order: running requests preempted for want of free GPU blocks."""
+    compression: str = "none"
+    """How host memory stored the blocks at this point: ``none`` or ``fp8-e4m3`` (bytes moved are its rows)."""
 
     @classmethod
     def of(cls, point: SweepPoint, geometry: ModelGeometry, bandwidth_gbps: float) -> PointReport:
         stats, engine = point.stats, point.engine
-        bytes_loaded = stats.hit_blocks * geometry.bytes_per_block
-        bytes_stored = stats.blocks_stored * geometry.bytes_per_block
+        bytes_loaded = stats.hit_blocks * geometry.stored_bytes_per_block
+        bytes_stored = stats.blocks_stored * geometry.stored_bytes_per_block
         return cls(
             policy=point.policy,
             capacity_gib=point.capacity_bytes / GIB,
@@ -716,6 +744,7 @@ class PointReport:
             mean_admitted_per_step=engine.mean_admitted_per_step if engine is not None else None,
             steps=engine.steps if engine is not None else None,
             preemptions=engine.preemptions if engine is not None else None,
+            compression=geometry.compression,
         )
 
     def rate(self, order: str) -> float:
@@ -729,6 +758,9 @@ class PointReport:
 
 SPEC_EXTRA_CONFIG: dict[str, object] = {"spec_name": "KVTritonOffloadingSpec", "spec_module_path": "kvtriton.integrations.vllm"}
 """The keys that point vLLM's OffloadingConnector at kvtriton (docs/vllm.md)."""
+
+COMPRESSION_EXTRA_CONFIG_KEY = "kvtriton_kv_compression"
+"""The ``kv_connector_extra_config`` key of kvtriton's slab row compression (``none`` or ``fp8-e4m3``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -767,13 +799,15 @@ def recommend(
         "cpu_bytes_to_use": point.capacity_bytes,
         "eviction_policy": point.policy,
     }
+    if geometry.compression != "none":
+        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
     transfer: dict[str, object] = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
-    # kvtriton's spec: each rank holds cpu_bytes_to_use // tp, in whole slots of its share of a block.
-    rank_block = max(geometry.bytes_per_block // tensor_parallel_size, 1)
+    # kvtriton's spec: each rank holds cpu_bytes_to_use // tp, in whole slots of its share of a (stored) block.
+    rank_block = max(geometry.stored_bytes_per_block // tensor_parallel_size, 1)
     slab = (point.capacity_bytes // tensor_parallel_size) // rank_block * rank_block
     return Recommendation(target, rate_name, point, best, extra, transfer, slab, tensor_parallel_size)
 
@@ -815,6 +849,12 @@ def _recommendation_lines(found: Recommendation, order: CallOrder, geometry: Mod
         f" (KVTritonTieringOffloadingSpec) maps the slab from /dev/shm and needs about {format_bytes(point.capacity_bytes)} free there",
         f"host RAM:  {format_bytes(slab * found.tensor_parallel_size)} for the slab(s), on top of vLLM's own",
     ]
+    if geometry.compression != "none":
+        lines.append(
+            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression} stores fp8 codes plus one scale per"
+            f" {geometry.compression_group_size} elements: loaded KV differs from what was computed (docs/kernels.md,"
+            " \"Compressed rows\"); leave it out for bit-exact offload"
+        )
     if order.name == "vllm" and order.gpu_blocks is None:
         lines.append(
             "note:      modelled with the engine's prefix cache off; give --gpu-blocks (vLLM's num_gpu_blocks) to"
@@ -858,9 +898,19 @@ policies that coincide (LRU and ARC at large sizes) visible on top of each other
 
 
 def _plot(
-    path: Path, reports: Sequence[PointReport], title: str, ceiling: float, working_set_gib: float, order: str
+    path: Path,
+    reports: Sequence[PointReport],
+    title: str,
+    ceiling: float,
+    working_set_gib: float,
+    order: str,
+    compressed_working_set_gib: float | None = None,
 ) -> None:
-    """The hit rate against capacity (vLLM's reported rate in its order), one line per policy, with the ceiling."""
+    """The hit rate against capacity (vLLM's reported rate in its order), one line per policy and compression.
+
+    With compression, each policy has two lines (``LRU`` and ``LRU, fp8-e4m3``)
+    and a second "whole trace fits" mark where the compressed trace fits.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -868,9 +918,11 @@ def _plot(
 
     raw_figure, raw_axes = plt.subplots(figsize=(7.5, 4.5))
     figure, axes = cast(_Figure, raw_figure), cast(_Axes, raw_axes)
-    for index, policy in enumerate(dict.fromkeys(report.policy for report in reports)):
-        mine = [report for report in reports if report.policy == policy]
+    curves = dict.fromkeys((report.compression, report.policy) for report in reports)
+    for index, (compression, policy) in enumerate(curves):
+        mine = [report for report in reports if (report.compression, report.policy) == (compression, policy)]
         marker, linestyle, size, face = _LINE_STYLES[index % len(_LINE_STYLES)]
+        label = policy.upper() if not compression or compression == "none" else f"{policy.upper()}, {compression}"
         axes.plot(
             [report.capacity_gib for report in mine],
             [100 * report.rate(order) for report in mine],
@@ -878,10 +930,12 @@ def _plot(
             linestyle=linestyle,
             markersize=size,
             markerfacecolor=face,
-            label=policy.upper(),
+            label=label,
         )
     axes.axhline(100 * ceiling, color="grey", linestyle="--", linewidth=1, label="unlimited memory")
     axes.axvline(working_set_gib, color="grey", linestyle=":", linewidth=1, label="whole trace fits")
+    if compressed_working_set_gib is not None:
+        axes.axvline(compressed_working_set_gib, color="grey", linestyle="-.", linewidth=1, label="whole trace fits, compressed")
     axes.set_xscale("log", base=2)
     ticks = sorted({report.capacity_gib for report in reports})
     axes.set_xticks(ticks, labels=[f"{tick:.3g}" for tick in ticks])
@@ -908,11 +962,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         geometry = _geometry(args)
+        geometries = [geometry, *_compressed(args, geometry)]
         order = _call_order(args)
         source, requests = _load_trace(args, geometry.block_size)
     except (ValueError, OSError) as error:
         print(f"kvtriton simulate: error: {error}", file=sys.stderr)
         return 2
+    stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
     prepared = prepare(requests)
     summary = summarize(prepared)
     capacities: list[int] = args.capacities or default_capacities(geometry, summary.distinct_blocks)
@@ -930,14 +986,23 @@ def run(args: argparse.Namespace) -> int:
         unlimited, unlimited_engine = order.replay(
             prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
         )
-        points = sweep(prepared, geometry, capacities, args.policies, show_progress=show_progress, order=order)
+        curves = {
+            each.compression: [
+                PointReport.of(point, each, args.bandwidth)
+                for point in sweep(prepared, each, capacities, args.policies, show_progress=show_progress, order=order)
+            ]
+            for each in geometries
+        }
     except (ValueError, RuntimeError) as error:  # the engine model refuses a request the GPU cache cannot hold
         print(f"kvtriton simulate: error: {error}", file=sys.stderr)
         return 2
-    reports = [PointReport.of(point, geometry, args.bandwidth) for point in points]
+    reports = [report for curve in curves.values() for report in curve]
     unlimited_rate = unlimited_engine.external_hit_rate if unlimited_engine is not None else unlimited.token_hit_rate
-    found = recommend(reports, args.target_hit_rate, order.name, geometry, tensor_parallel_size=args.tensor_parallel_size)
+    tp = args.tensor_parallel_size
+    found = recommend(curves[stored.compression], args.target_hit_rate, order.name, stored, tensor_parallel_size=tp)
+    uncompressed = recommend(curves["none"], args.target_hit_rate, order.name, geometry, tensor_parallel_size=tp)
     working_set = summary.distinct_blocks * geometry.bytes_per_block
+    stored_working_set = summary.distinct_blocks * stored.stored_bytes_per_block
     record: dict[str, object] = {
         "command": "kvtriton simulate",
         "argv": sys.argv[1:],
@@ -956,6 +1021,14 @@ def run(args: argparse.Namespace) -> int:
             "block_size": geometry.block_size,
             "bytes_per_block": geometry.bytes_per_block,
         },
+        "compression": {
+            "kv_compression": stored.compression,
+            "group_size": stored.compression_group_size,
+            "stored_bytes_per_block": stored.stored_bytes_per_block,
+            "ratio": stored.compression_ratio,
+            "curves": list(curves),
+            "lossy": stored.compression != "none",
+        },
         "trace": {
             **asdict(summary),
             "working_set_bytes": working_set,
@@ -968,17 +1041,8 @@ def run(args: argparse.Namespace) -> int:
         "call_order": asdict(order),
         "bandwidth_gbps": args.bandwidth,
         "points": [asdict(report) for report in reports],
-        "recommendation": {
-            "target_hit_rate": found.target,
-            "rate": found.rate_name,
-            "reached": found.point is not None,
-            "policy": found.point.policy if found.point is not None else None,
-            "capacity_bytes": found.point.capacity_bytes if found.point is not None else None,
-            "kv_connector_extra_config": found.extra_config,
-            "kv_transfer_config": found.kv_transfer_config,
-            "slab_bytes_per_rank": found.slab_bytes_per_rank,
-            "tensor_parallel_size": found.tensor_parallel_size,
-        },
+        "recommendation": _recommendation_record(found, stored),
+        **({"recommendation_uncompressed": _recommendation_record(uncompressed, geometry)} if stored is not geometry else {}),
         "elapsed_seconds": time.perf_counter() - started,
     }
     out_dir: Path = args.out
@@ -995,7 +1059,10 @@ def run(args: argparse.Namespace) -> int:
             title = f"{source.name} trace, {summary.requests} requests, {geometry.name} ({format_bytes(geometry.bytes_per_block)}/block)"
             if order.gpu_blocks is not None:
                 title += f", {order.gpu_blocks} GPU blocks"
-            _plot(png_path, reports, title, unlimited_rate, working_set / GIB, order.name)
+            if stored is not geometry:
+                title += f"; with and without {stored.compression}"
+            compressed_fits = stored_working_set / GIB if stored is not geometry else None
+            _plot(png_path, reports, title, unlimited_rate, working_set / GIB, order.name, compressed_fits)
     except OSError as error:
         print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
         return 2
@@ -1005,16 +1072,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
           f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks")
-    print(f"geometry  {geometry.describe()}")
-    print(f"working set {format_bytes(working_set)} ({summary.distinct_blocks} distinct blocks)")
+    print(f"geometry  {stored.describe()}")
+    compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}" if stored is not geometry else ""
+    print(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
     if unlimited_engine is not None:
         print(f"engine    {_describe_engine(order)}")
         print(f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
               f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens")
     else:
         print(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
-    print()
-    print(_table(*_rows(reports, order.name)))
+    for compression, curve in curves.items():
+        print()
+        if stored is not geometry:
+            print(f"{compression}: {_curve_heading(compression, stored)}")
+        print(_table(*_rows(curve, order.name)))
     shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
     if shown.max_admitted_per_step is not None:
         first = shown
@@ -1027,11 +1098,59 @@ def run(args: argparse.Namespace) -> int:
             print(f"preemptions: {first.preemptions} running requests were preempted for want of GPU blocks and"
                   " started over (vLLM's metrics, and these rates, count their first admission only)")
     print()
-    for line in _recommendation_lines(found, order, geometry):
+    for line in _recommendation_lines(found, order, stored):
         print(line)
+    if stored is not geometry:
+        print(_uncompressed_line(uncompressed, found, order.name))
     print()
     print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"))
     return 0
+
+
+def _compressed(args: argparse.Namespace, geometry: ModelGeometry) -> list[ModelGeometry]:
+    """The compressed geometry ``--compression`` asks for (none: no second curve); ValueError naming the flag."""
+    compression: str = args.compression
+    if compression == "none":
+        if args.group_size is not None:
+            raise ValueError(f"--group-size {args.group_size} applies only with --compression fp8-e4m3")
+        return []
+    return [geometry.with_compression(compression, args.group_size)]
+
+
+def _curve_heading(compression: str, stored: ModelGeometry) -> str:
+    if compression == "none":
+        return f"uncompressed rows, {format_bytes(stored.bytes_per_block)} per block"
+    passthrough = " (an fp8 cache passes through unchanged)" if stored.compressed_bytes_per_block == stored.bytes_per_block else ""
+    return (
+        f"lossy {compression} rows, {format_bytes(stored.stored_bytes_per_block)} per block"
+        f" ({stored.compression_ratio:.3f}x the bytes moved, {1 / stored.compression_ratio:.2f}x the blocks per GiB){passthrough}"
+    )
+
+
+def _uncompressed_line(uncompressed: Recommendation, found: Recommendation, order: str) -> str:
+    """How the recommendation compares with the sweep without compression."""
+    if uncompressed.point is None:
+        return f"without compression: no size tried reaches {_percent(uncompressed.target)}"
+    size = format_bytes(uncompressed.point.capacity_bytes)
+    rate = _percent(uncompressed.point.rate(order))
+    if found.point is None:
+        return f"without compression: {size} with {uncompressed.point.policy.upper()}, {rate}"
+    return f"without compression: {size} with {uncompressed.point.policy.upper()}, {rate} (compressed: {format_bytes(found.point.capacity_bytes)})"
+
+
+def _recommendation_record(found: Recommendation, geometry: ModelGeometry) -> dict[str, object]:
+    return {
+        "kv_compression": geometry.compression,
+        "target_hit_rate": found.target,
+        "rate": found.rate_name,
+        "reached": found.point is not None,
+        "policy": found.point.policy if found.point is not None else None,
+        "capacity_bytes": found.point.capacity_bytes if found.point is not None else None,
+        "kv_connector_extra_config": found.extra_config,
+        "kv_transfer_config": found.kv_transfer_config,
+        "slab_bytes_per_rank": found.slab_bytes_per_rank,
+        "tensor_parallel_size": found.tensor_parallel_size,
+    }
 
 
 def _describe_engine(order: CallOrder) -> str:
