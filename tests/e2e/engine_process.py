@@ -27,7 +27,7 @@ FILLER_PROMPT = [3, 4, 5]
 """A prompt shorter than a block: generating it steps the engine (so finished transfers are reported) and stores nothing."""
 
 
-def _counters(llm: Any) -> dict[str, float]:
+def vllm_counters(llm: Any) -> dict[str, float]:
     """Every counter vLLM's Prometheus registry holds, summed over its label sets."""
     from vllm.v1.metrics.reader import Counter
 
@@ -93,10 +93,10 @@ def _settle(llm: Any, sampling: Any) -> None:
     """
     manager = _offloading_manager(llm) if llm.llm_engine.vllm_config.kv_transfer_config is not None else None
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    before = _counters(llm)
+    before = vllm_counters(llm)
     while True:
         _step_engine(llm, sampling)
-        after = _counters(llm)
+        after = vllm_counters(llm)
         moved = {name for name in after if name.startswith("vllm:kv_offload") and after[name] != before.get(name)}
         pending = manager is not None and manager.has_pending_work()
         if not moved and not pending:
@@ -196,7 +196,7 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=generator).view(rows.dtype))
         else:
             raise ValueError(f"unknown step op {op!r} in {step}")
-        record["counters"] = _counters(llm)
+        record["counters"] = vllm_counters(llm)
         result["steps"].append(record)
     return result
 

@@ -22,20 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from e2e.engine_process import vllm_counters  # sets vLLM's CPU environment on import, as this process needs
 from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 
 os.environ.update(ENGINE_ENV)
-
-
-def _counters(llm: Any) -> dict[str, float]:
-    """Every counter vLLM's Prometheus registry holds, summed over its label sets."""
-    from vllm.v1.metrics.reader import Counter
-
-    totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if isinstance(metric, Counter):
-            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
-    return totals
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +72,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             "kv_bytes_per_block": int(spec.config.worker_kv_bytes_per_block),
             "gpu_blocks": int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks),
             "cached_tokens": cached,
-            "counters": _counters(llm),
+            "counters": vllm_counters(llm),
         }
     finally:
         # The engine core's shutdown runs the connector's: kvtriton's spec closes its slab.
