@@ -155,7 +155,7 @@ def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(
         ("cpu_bytes", "did you mean 'cpu_bytes_to_use'?"),
         (
             "completely_else",
-            "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab']",
+            "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', 'kvtriton_summary_interval_s']",
         ),
     ],
 )
@@ -260,3 +260,10 @@ def test_the_scheduler_row_is_about_half_a_bf16_row_and_bounds_every_split_of_it
     for pages in ([raw // 2], [raw // 8] * 4, [raw // 16] * 8, [raw // 2 - 6, 6], [raw // 8 - 1, 1, raw // 8 * 3]):
         tensors = [torch.empty((1, elements), dtype=torch.bfloat16, device="meta") for elements in pages]
         assert compression_layout(tensors, 128).row_bytes <= bound, pages
+
+
+def test_kvtriton_summary_interval_s_defaults_to_a_minute_and_zero_turns_it_off() -> None:
+    assert KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20}).summary_interval_s == 60
+    assert KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20, "kvtriton_summary_interval_s": 0}).summary_interval_s == 0
+    with pytest.raises(ValueError, match=r"kvtriton_summary_interval_s.*must be >= 0 seconds, got -5"):
+        KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20, "kvtriton_summary_interval_s": -5})

@@ -84,6 +84,12 @@ def test_the_canonical_host_layout_is_refused() -> None:
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20}, canonical_layout=True))
 
 
+def test_the_summary_interval_reaches_the_adapter() -> None:
+    manager = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "kvtriton_summary_interval_s": 5})).get_manager()
+    assert isinstance(manager, VLLMOffloadingManager)
+    assert manager.summary_interval_s == 5
+
+
 def test_store_threshold_below_two_stores_everything_and_two_or_more_filters() -> None:
     plain = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "store_threshold": 1}))
     plain_manager = plain.get_manager()

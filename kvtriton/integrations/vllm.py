@@ -242,7 +242,9 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 backing = FilterReusedOffloadingManager(
                     cpu, settings.store_threshold, settings.max_tracker_size, count_on=ReuseSignal.STORE_OFFER
                 )
-            self._manager = VLLMOffloadingManager(backing, cpu, self.cpu_info)
+            self._manager = VLLMOffloadingManager(
+                backing, cpu, self.cpu_info, summary_interval_s=settings.summary_interval_s
+            )
         return self._manager
 
     @override

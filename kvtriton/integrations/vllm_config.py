@@ -37,6 +37,7 @@ __all__ = [
     "KVTRITON_BACKEND",
     "KVTRITON_KV_COMPRESSION",
     "KVTRITON_NUM_PROGRAMS",
+    "KVTRITON_SUMMARY_INTERVAL_S",
     "KVTRITON_PAGEABLE_SLAB",
     "KVTritonOffloadConfig",
     "MAX_TRACKER_SIZE",
@@ -67,8 +68,13 @@ KVTRITON_BACKEND = "kvtriton_backend"
 KVTRITON_NUM_PROGRAMS = "kvtriton_num_programs"
 KVTRITON_PAGEABLE_SLAB = "kvtriton_pageable_slab"
 KVTRITON_KV_COMPRESSION = "kvtriton_kv_compression"
+KVTRITON_SUMMARY_INTERVAL_S = "kvtriton_summary_interval_s"
+DEFAULT_SUMMARY_INTERVAL_S = 60
+"""Seconds of activity between two ``kvtriton summary:`` log lines (the adapter's own default too)."""
 
-_KVTRITON_KEYS = frozenset({KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB, KVTRITON_KV_COMPRESSION})
+_KVTRITON_KEYS = frozenset(
+    {KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB, KVTRITON_KV_COMPRESSION, KVTRITON_SUMMARY_INTERVAL_S}
+)
 
 COMPRESSION_GROUP_SIZE = DEFAULT_GROUP_SIZE
 """Elements per fp8 scale in vLLM's rows: vLLM hands the worker flat byte pages, so the head dimension is unknown."""
@@ -167,6 +173,9 @@ class KVTritonOffloadConfig:
     ``pageable_slab`` lets a CUDA worker run with a pageable host slab when
     it cannot be pinned; by default it refuses to start instead (a pageable
     slab copies through the CPU, several times slower).
+    ``summary_interval_s`` is how many seconds of activity pass between two
+    ``kvtriton summary:`` log lines (hits, blocks and bytes in and out,
+    evictions); 0 turns them off.
     """
 
     cpu_bytes_to_use: int
@@ -178,6 +187,7 @@ class KVTritonOffloadConfig:
     num_programs: int = DEFAULT_NUM_PROGRAMS
     pageable_slab: bool = False
     kv_compression: KVCompression = KVCompression.NONE
+    summary_interval_s: int = DEFAULT_SUMMARY_INTERVAL_S
 
     @property
     def filters_reuse(self) -> bool:
@@ -235,6 +245,9 @@ class KVTritonOffloadConfig:
             num_programs=_parse_int(extra_config, KVTRITON_NUM_PROGRAMS, DEFAULT_NUM_PROGRAMS, 1),
             pageable_slab=_parse_bool(extra_config, KVTRITON_PAGEABLE_SLAB, False),
             kv_compression=kv_compression,
+            summary_interval_s=_parse_int(
+                extra_config, KVTRITON_SUMMARY_INTERVAL_S, DEFAULT_SUMMARY_INTERVAL_S, 0, unit="seconds"
+            ),
         )
 
 

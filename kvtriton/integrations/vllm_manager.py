@@ -290,6 +290,11 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         return self._backing
 
     @property
+    def summary_interval_s(self) -> float:
+        """Seconds of activity between two ``kvtriton summary:`` log lines (0: none)."""
+        return self._summary_interval_s
+
+    @property
     def cpu(self) -> CPUOffloadingManager:
         """The ``CPUOffloadingManager`` that owns the slots (below the reuse filter, if any)."""
         return self._cpu
