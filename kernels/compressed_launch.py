@@ -77,7 +77,7 @@ def compress_config(
 
 
 class CompressArguments(NamedTuple):
-    """The arguments of one compressed launch, by kernel parameter."""
+    """The arguments of one compressed launch: the run-time ones by kernel parameter, then the direction and the shape."""
 
     table: torch.Tensor
     slab: torch.Tensor
@@ -87,18 +87,7 @@ class CompressArguments(NamedTuple):
     num_pairs: int
     row_stride: int
     to_slab: bool
-    num_pages: int
-    elements: int
-    group: int
-    group_columns: int
-    num_groups: int
-    tile_groups: int
-    pairs: int
-    kind: int
-    scales_offset: int
-    page_word: int
-    slab_word: int
-    num_warps: int
+    config: CompressConfig
 
 
 class _KindLaunch:
@@ -203,10 +192,8 @@ class CompressedLauncher:
     ) -> None:  # fmt: skip
         from .jit import compress_pages  # imports triton
 
-        c = kind.config
         arguments = CompressArguments(
             kind.table, kind.slab, blocks, rows, self._unused_status if status is None else status, count, kind.row_stride,
-            to_slab, c.num_pages, c.elements, c.group, c.group_columns, c.num_groups, c.tile_groups, c.pairs, c.kind,
-            c.scales_offset, c.page_word, c.slab_word, c.num_warps,
+            to_slab, kind.config,
         )  # fmt: skip
         compress_pages.launch_compress_pages(arguments, interpret=self.interpret, grid=grid)

@@ -51,7 +51,7 @@ import torch
 
 from kvtriton.choices import parse_choice
 
-from .validation import PageGeometry, check_index_pair, check_slab, describe_pages, IndexBounds
+from .validation import PageGeometry, check_index_pair, check_slab, describe_pages
 
 __all__ = [
     "COMPRESSIBLE_DTYPES",
@@ -398,12 +398,9 @@ def _check_compressed_call(
     layout = compression_layout(pages, group_size, name=pages_name)
     # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
     check_slab(slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages)))
-    blocks, rows = (geometry.num_blocks, "blocks"), (int(slab.shape[0]), "slab rows")
-    (source_bound, source_what), (destination_bound, destination_what) = (blocks, rows) if to_slab else (rows, blocks)
     check_index_pair(
-        source, source_name, destination, destination_name,
-        bounds=IndexBounds(source_bound, source_what, destination_bound, destination_what),
-        device=geometry.device, check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
+        source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
+        check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
     )  # fmt: skip
     return geometry, layout
 

@@ -16,7 +16,6 @@ import torch
 from numpy.typing import NDArray
 
 __all__ = [
-    "IndexBounds",
     "PageGeometry",
     "block_is_contiguous",
     "check_call",
@@ -230,32 +229,26 @@ def check_unique(index: torch.Tensor | NDArray[np.int64], name: str) -> None:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class IndexBounds:
-    """Exclusive upper bounds for the two index tensors of one call."""
-
-    source: int
-    source_what: str
-    destination: int
-    destination_what: str
-
-
 def check_index_pair(
     source: torch.Tensor,
     source_name: str,
     destination: torch.Tensor,
     destination_name: str,
     *,
-    bounds: IndexBounds,
-    device: torch.device,
+    geometry: PageGeometry,
+    slab: torch.Tensor,
+    to_slab: bool,
     check_values: bool,
     allow_duplicate_destinations: bool,
 ) -> None:
-    """Check dtypes, shapes, devices, ranges and destination uniqueness of one index pair.
+    """Check dtypes, shapes, devices, ranges and destination uniqueness of one call's index pair.
 
-    Index tensors live on the device of the data (the kernel reads them there).
-    Checking values reads them, which costs a device sync on CUDA; callers that
-    built the indices themselves may skip that with ``check_values=False``.
+    ``source`` / ``destination`` are the index tensors in copy direction:
+    blocks of the pages then rows of the slab for a gather (``to_slab``),
+    rows then blocks for a scatter. Index tensors live on the device of the
+    data (the kernel reads them there). Checking values reads them, which
+    costs a device sync on CUDA; callers that built the indices themselves may
+    skip that with ``check_values=False``.
     """
     _check_index(source, source_name)
     _check_index(destination, destination_name)
@@ -264,12 +257,16 @@ def check_index_pair(
             f"{source_name} and {destination_name} must have equal lengths, got {source.shape[0]} and {destination.shape[0]}"
         )
     for index, name in ((source, source_name), (destination, destination_name)):
-        if index.device != device:
-            raise ValueError(f"{name} is on {index.device} but the data is on {device}; index tensors must be on the same device")
+        if index.device != geometry.device:
+            raise ValueError(
+                f"{name} is on {index.device} but the data is on {geometry.device}; index tensors must be on the same device"
+            )
     if not check_values:
         return
-    check_index_range(source, source_name, bounds.source, bounds.source_what)
-    check_index_range(destination, destination_name, bounds.destination, bounds.destination_what)
+    blocks, rows = (geometry.num_blocks, "blocks"), (int(slab.shape[0]), "slab rows")
+    (source_bound, source_what), (destination_bound, destination_what) = (blocks, rows) if to_slab else (rows, blocks)
+    check_index_range(source, source_name, source_bound, source_what)
+    check_index_range(destination, destination_name, destination_bound, destination_what)
     if not allow_duplicate_destinations:
         check_unique(destination, destination_name)
 
@@ -290,16 +287,13 @@ def check_call(
 ) -> PageGeometry:
     """Every check of one gather (``to_slab``: blocks -> rows) or scatter (rows -> blocks) call; the page geometry.
 
-    ``source`` / ``destination`` are the index tensors in copy direction:
-    blocks then rows for a gather, rows then blocks for a scatter.
+    ``source`` / ``destination`` are the index tensors in copy direction
+    (see :func:`check_index_pair`).
     """
     geometry = describe_pages(pages, pages_name)
     check_slab(slab, slab_name, geometry)
-    blocks, rows = (geometry.num_blocks, "blocks"), (int(slab.shape[0]), "slab rows")
-    (source_bound, source_what), (destination_bound, destination_what) = (blocks, rows) if to_slab else (rows, blocks)
     check_index_pair(
-        source, source_name, destination, destination_name,
-        bounds=IndexBounds(source_bound, source_what, destination_bound, destination_what),
-        device=geometry.device, check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
+        source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
+        check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
     )  # fmt: skip
     return geometry

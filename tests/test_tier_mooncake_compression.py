@@ -9,7 +9,6 @@ the same compression promotes the chunks bit-exact; one without misses.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
@@ -19,8 +18,9 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np  # noqa: E402
+# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade  # noqa: E402
 from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
-from test_tier_mooncake_vllm import promote, serve_and_cascade  # noqa: E402 -- the manager-level store and promotion
 from tiering_fixtures.configs import tiering_config  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
@@ -30,21 +30,6 @@ from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store  # noqa: E402
 from kvtriton.tiers.mooncake_config import MooncakeTierConfig  # noqa: E402
 
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-compression")).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def managers() -> Iterator[list[TieringOffloadingManager]]:
-    made: list[TieringOffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
 
 
 def kvtriton_manager(

@@ -11,8 +11,6 @@ primary's memory; every primary<->Mooncake move is the tiering manager's.
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,9 +22,9 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np  # noqa: E402
-from mooncake_fixtures.tiers import END_OF_STEP, chunk_keys  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade  # noqa: E402
+from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from vllm_fixtures.builders import offloading_config  # noqa: E402
@@ -34,21 +32,6 @@ from vllm_fixtures.builders import offloading_config  # noqa: E402
 from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics  # noqa: E402
 
 BLOCK_BYTES = 64 * 1024
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-vllm")).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture
-def managers() -> Iterator[list[TieringOffloadingManager]]:
-    made: list[TieringOffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
 
 
 def tiered_manager(
@@ -74,66 +57,6 @@ def tiered_manager(
     assert tier.wait_until_up(10.0)
     rows = np.asarray(manager.primary_tier.get_kv_memoryview())
     return manager, tier, rows
-
-
-def settle(manager: TieringOffloadingManager) -> None:
-    """Step the manager until no primary<->secondary transfer is in flight."""
-    deadline = time.monotonic() + 15.0
-    while True:
-        with manager.lock:
-            manager.on_schedule_end(END_OF_STEP)
-            if not manager.has_pending_work():
-                return
-        assert time.monotonic() < deadline, "transfers still in flight"
-        time.sleep(0.005)
-
-
-def serve_and_cascade(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int) -> list[bytes]:
-    """The GPU->primary half of a prompt's store (done by vLLM's worker on a GPU), then the manager's cascade."""
-    context = ReqContext(req_id=f"store-{seed}")
-    with manager.lock:
-        manager.on_new_request(context)
-        prepared = manager.prepare_store(keys, context)
-    assert prepared is not None and isinstance(prepared.store_spec, CPULoadStoreSpec)
-    generator = np.random.default_rng(seed)
-    written: list[bytes] = []
-    for chunk in prepared.store_spec.chunk_ids:
-        rows[int(chunk)] = generator.integers(-128, 128, rows.shape[1], dtype=np.int8)
-        written.append(rows[int(chunk)].tobytes())
-    with manager.lock:
-        manager.complete_store(keys, context)
-        manager.on_request_finished(context)
-    settle(manager)
-    return written
-
-
-def promote(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey]) -> list[bytes] | None:
-    """Look ``keys`` up step after step as vLLM's scheduler does; the promoted chunks' bytes, or None on a miss."""
-    context = ReqContext(req_id="promote")
-    with manager.lock:
-        manager.on_new_request(context)
-    deadline = time.monotonic() + 15.0
-    try:
-        while True:
-            with manager.lock:
-                answers = [manager.lookup(key, context) for key in keys]
-                manager.on_schedule_end(END_OF_STEP)
-            if all(answer is LookupResult.HIT for answer in answers):
-                break
-            if LookupResult.MISS in answers:
-                return None
-            assert time.monotonic() < deadline, f"lookups never resolved: {answers}"
-            time.sleep(0.005)
-        with manager.lock:
-            spec = manager.prepare_load(keys, context)
-        assert isinstance(spec, CPULoadStoreSpec)
-        loaded = [rows[int(chunk)].tobytes() for chunk in spec.chunk_ids]
-        with manager.lock:
-            manager.complete_load(keys, context)
-        return loaded
-    finally:
-        with manager.lock:
-            manager.on_request_finished(context)
 
 
 def test_chunks_cascaded_by_one_vllm_manager_are_promoted_bit_exact_by_another_and_missed_by_another_layout(

@@ -175,6 +175,7 @@ def _variant(interpret: bool):
 def launch_compress_pages(arguments: "CompressArguments", *, interpret: bool, grid: int) -> None:
     """One launch of :func:`compress_pages_kernel` on ``grid`` programs (``arguments``: a ``CompressArguments``)."""
     kernel = _variant(interpret)
+    config = arguments.config
     kernel[(grid,)](
         arguments.table,
         arguments.slab,
@@ -184,16 +185,16 @@ def launch_compress_pages(arguments: "CompressArguments", *, interpret: bool, gr
         arguments.num_pairs,
         arguments.row_stride,
         TO_SLAB=arguments.to_slab,
-        NUM_PAGES=arguments.num_pages,
-        ELEMENTS=arguments.elements,
-        GROUP=arguments.group,
-        GROUP_COLUMNS=arguments.group_columns,
-        NUM_GROUPS=arguments.num_groups,
-        TILE_GROUPS=arguments.tile_groups,
-        PAIRS=arguments.pairs,
-        KIND=arguments.kind,
-        SCALES_OFFSET=arguments.scales_offset,
-        PAGE_WORD=arguments.page_word,
-        SLAB_WORD=arguments.slab_word,
-        num_warps=arguments.num_warps,
+        NUM_PAGES=config.num_pages,
+        ELEMENTS=config.elements,
+        GROUP=config.group,
+        GROUP_COLUMNS=config.group_columns,
+        NUM_GROUPS=config.num_groups,
+        TILE_GROUPS=config.tile_groups,
+        PAIRS=config.pairs,
+        KIND=config.kind,
+        SCALES_OFFSET=config.scales_offset,
+        PAGE_WORD=config.page_word,
+        SLAB_WORD=config.slab_word,
+        num_warps=config.num_warps,
     )

@@ -1,0 +1,101 @@
+"""vLLM tiering managers over one Mooncake cluster: the fixtures and the store / promotion steps they share.
+
+A test module takes the fixtures by importing them under their own names
+(``from mooncake_fixtures.managers import cluster as cluster, managers as managers``),
+so each module still gets its own cluster. vLLM's CPU worker needs a GPU, so
+the GPU<->primary copies are the test's own writes into and reads from the
+primary's memory; every primary<->Mooncake move is the tiering manager's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from mooncake_fixtures.tiers import END_OF_STEP
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+from kvtriton.tiers.mooncake_local import MooncakeCluster
+
+__all__ = ["cluster", "managers", "promote", "serve_and_cascade", "settle"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    """One master and storage holder on the loopback for the whole test module."""
+    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def managers() -> Iterator[list[TieringOffloadingManager]]:
+    """The managers a test builds (it appends them); each is shut down after the test."""
+    made: list[TieringOffloadingManager] = []
+    yield made
+    for manager in made:
+        manager.shutdown()
+
+
+def settle(manager: TieringOffloadingManager) -> None:
+    """Step the manager until no primary<->secondary transfer is in flight."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        with manager.lock:
+            manager.on_schedule_end(END_OF_STEP)
+            if not manager.has_pending_work():
+                return
+        assert time.monotonic() < deadline, "transfers still in flight"
+        time.sleep(0.005)
+
+
+def serve_and_cascade(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int) -> list[bytes]:
+    """The GPU->primary half of a prompt's store (done by vLLM's worker on a GPU), then the manager's cascade."""
+    context = ReqContext(req_id=f"store-{seed}")
+    with manager.lock:
+        manager.on_new_request(context)
+        prepared = manager.prepare_store(keys, context)
+    assert prepared is not None and isinstance(prepared.store_spec, CPULoadStoreSpec)
+    generator = np.random.default_rng(seed)
+    written: list[bytes] = []
+    for chunk in prepared.store_spec.chunk_ids:
+        rows[int(chunk)] = generator.integers(-128, 128, rows.shape[1], dtype=np.int8)
+        written.append(rows[int(chunk)].tobytes())
+    with manager.lock:
+        manager.complete_store(keys, context)
+        manager.on_request_finished(context)
+    settle(manager)
+    return written
+
+
+def promote(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey]) -> list[bytes] | None:
+    """Look ``keys`` up step after step as vLLM's scheduler does; the promoted chunks' bytes, or None on a miss."""
+    context = ReqContext(req_id="promote")
+    with manager.lock:
+        manager.on_new_request(context)
+    deadline = time.monotonic() + 15.0
+    try:
+        while True:
+            with manager.lock:
+                answers = [manager.lookup(key, context) for key in keys]
+                manager.on_schedule_end(END_OF_STEP)
+            if all(answer is LookupResult.HIT for answer in answers):
+                break
+            if LookupResult.MISS in answers:
+                return None
+            assert time.monotonic() < deadline, f"lookups never resolved: {answers}"
+            time.sleep(0.005)
+        with manager.lock:
+            spec = manager.prepare_load(keys, context)
+        assert isinstance(spec, CPULoadStoreSpec)
+        loaded = [rows[int(chunk)].tobytes() for chunk in spec.chunk_ids]
+        with manager.lock:
+            manager.complete_load(keys, context)
+        return loaded
+    finally:
+        with manager.lock:
+            manager.on_request_finished(context)
