@@ -21,9 +21,25 @@ deviation of 2) against the uncompressed cache. It also reports the bytes
 one block moves and holds, from the format (bf16, fp16, fp32 pages) and from
 a real store job of the CPU transfer engine (its ``transfer_size``).
 
+It then runs the end-to-end tests' tiny Llama (``bench/tiny_models.py``:
+random weights, 2 layers, 2 KV heads of 32, run in bf16 as the compressed
+end-to-end test runs it) through transformers on random prompts: a prefix of
+4 blocks of 32 tokens is cached, its K and V replaced by each scheme's
+decoded values (what a load from a compressed slab writes back), then the
+rest of the prompt and 6 greedy tokens of the exact run are fed
+(teacher-forced, so every position sees the same context). Per scheme: the K
+and V errors over the cached prefix, the relative error of every layer's
+attention output over the fed positions, and of the next-token
+distributions: top-1 agreement (all positions, and the first generated token
+alone) and the drift of the exact run's token's log-probability (mean and
+largest) and the mean KL divergence. The tiny model's weights are drawn
+wide, so its greedy tokens swing on small changes (the end-to-end negative
+controls need that): read its figures as a stress test, the synthetic layer
+as the realistic one. The same measurement through the real vLLM engine is
+``tests/e2e/test_compression.py`` (it prints its figures).
+
 Writes ``bench/results/compression.json`` (``compression-quick.json`` for
-``--quick``). The real-model figures (the end-to-end tests' tiny model
-through vLLM) are not measured here.
+``--quick``).
 """
 
 from __future__ import annotations
@@ -31,11 +47,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from bench.common import format_table, machine_record, quick_name, write_json
+from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
+from bench.tiny_models import VOCAB_SIZE, TinyLlama
 from kvtriton.kernels.compression import E4M3_MAX, compression_layout, dequantize_groups, quantize_groups
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.tools.progress import progress
@@ -130,21 +149,148 @@ def bytes_per_block() -> list[dict[str, object]]:
     return rows
 
 
+Scheme = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Values -> (decoded values, the scale each element was coded with)."""
+
+TINY_BLOCK_TOKENS = 32
+"""The end-to-end tests' block size."""
+TINY_PREFIX_TOKENS = 4 * TINY_BLOCK_TOKENS
+"""The cached prefix: 4 blocks (what the end-to-end test's warm request loads)."""
+TINY_SUFFIX_TOKENS = 5
+"""Prompt tokens after the prefix (the end-to-end prompt's partial block), computed over the loaded prefix."""
+TINY_DECODE_TOKENS = 6
+
+
+def group_fp8_any(group_size: int) -> Scheme:
+    """kvtriton's format over a tensor's memory order: one scale per ``group_size`` contiguous elements."""
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(1, -1)
+        codes, scales, bad = quantize_groups(flat, group_size)
+        assert not bool(bad.any())
+        decoded = dequantize_groups(codes, scales, group_size, x.dtype).reshape(x.shape)
+        return decoded, scales.repeat_interleave(group_size, dim=1)[:, : flat.shape[1]].reshape(x.shape)
+
+    return run
+
+
+def in_page_order(scheme: Scheme, block_tokens: int, *, channel_major: bool) -> Scheme:
+    """``scheme`` over a ``(1, heads, tokens, dim)`` cache laid out as vLLM's CPU pages: per block of ``block_tokens``,
+    head by head, ``(dim, token)`` when ``channel_major`` (its K pages) else ``(token, dim)`` (its V pages)."""
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, heads, tokens, dim = x.shape
+        blocks = x.reshape(heads, tokens // block_tokens, block_tokens, dim).transpose(0, 1)  # (block, head, token, dim)
+        pages = (blocks.transpose(2, 3) if channel_major else blocks).contiguous()
+        decoded, scale = scheme(pages)
+
+        def back(page_values: torch.Tensor) -> torch.Tensor:
+            ordered = page_values.transpose(2, 3) if channel_major else page_values
+            return ordered.transpose(0, 1).reshape(x.shape)
+
+        return back(decoded), back(scale)
+
+    return run
+
+
+def _next_token_figures(exact: torch.Tensor, approx: torch.Tensor, chosen: torch.Tensor) -> dict[str, float]:
+    """Top-1 agreement, drift of the chosen tokens' log-probabilities and KL(exact || approx) over positions."""
+    log_p, log_q = torch.log_softmax(exact.double(), dim=-1), torch.log_softmax(approx.double(), dim=-1)
+    drift = (log_q.gather(-1, chosen[:, None]) - log_p.gather(-1, chosen[:, None])).abs().squeeze(-1)
+    agree = (log_q.argmax(-1) == log_p.argmax(-1)).double()
+    return {
+        "top1_agreement": float(agree.mean()),
+        "first_token_top1_agreement": float(agree[0]),
+        "mean_abs_logprob_drift": float(drift.mean()),
+        "max_abs_logprob_drift": float(drift.max()),
+        "mean_kl_nats": float((log_p.exp() * (log_p - log_q)).sum(-1).mean()),
+    }
+
+
+def tiny_model_figures(
+    schemes: Mapping[str, tuple[Scheme, Scheme]], prompts: int, generator: torch.Generator
+) -> dict[str, dict[str, float]] | str:
+    """The tiny Llama's figures per scheme (its K and its V scheme), averaged over ``prompts`` random prompts; or why not."""
+    try:
+        from transformers import DynamicCache
+    except ImportError as error:  # the GPU machine has torch and triton only
+        return f"transformers is not installed ({error})"
+    model: Any = TinyLlama().build().to(torch.bfloat16).eval()
+    attention_outputs: list[torch.Tensor] = []
+
+    def record(_module: object, _inputs: object, output: tuple[torch.Tensor, ...]) -> None:
+        attention_outputs.append(output[0].detach().double())
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(record)
+
+    def continue_from(cache: Any, fed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the fed tokens over ``cache`` and every layer's attention output for them, concatenated."""
+        attention_outputs.clear()
+        logits = model(fed, past_key_values=cache, use_cache=True).logits[0]
+        return logits, torch.cat([output.flatten() for output in attention_outputs])
+
+    sums: dict[str, dict[str, float]] = {name: {} for name in schemes}
+    with torch.no_grad():
+        for _ in progress(range(prompts), prompts, "tiny model", stream=sys.stderr):
+            ids = torch.randint(3, VOCAB_SIZE, (1, TINY_PREFIX_TOKENS + TINY_SUFFIX_TOKENS), generator=generator)
+            prefix = model(ids[:, :TINY_PREFIX_TOKENS], use_cache=True).past_key_values
+            layers = [(layer.keys.clone(), layer.values.clone()) for layer in prefix.layers]
+
+            def cache_of(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+                cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
+                for index, (k, v) in enumerate(kv):
+                    cache.update(k.clone(), v.clone(), index)
+                return cache
+
+            # The exact run's greedy tokens, fed to every scheme (teacher forcing: the same context everywhere).
+            fed = ids[:, TINY_PREFIX_TOKENS:]
+            cache = cache_of(layers)
+            step_input = fed
+            for _ in range(TINY_DECODE_TOKENS - 1):
+                next_token = model(step_input, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                fed, step_input = torch.cat([fed, next_token], dim=1), next_token
+            exact_logits, exact_attention = continue_from(cache_of(layers), fed)
+            positions = slice(TINY_SUFFIX_TOKENS - 1, None)  # the logits that predict the generated tokens
+            chosen = exact_logits[positions].argmax(-1)
+            for name, (k_scheme, v_scheme) in schemes.items():
+                keys = [k_scheme(k) for k, _ in layers]
+                values = [v_scheme(v) for _, v in layers]
+                figures = {f"k_{key}": value for key, value in element_errors(
+                    torch.cat([k.flatten() for k, _ in layers]), torch.cat([d.flatten() for d, _ in keys]),
+                    torch.cat([s.flatten() for _, s in keys])).items()}  # fmt: skip
+                figures |= {f"v_{key}": value for key, value in element_errors(
+                    torch.cat([v.flatten() for _, v in layers]), torch.cat([d.flatten() for d, _ in values]),
+                    torch.cat([s.flatten() for _, s in values])).items()}  # fmt: skip
+                logits, attention = continue_from(cache_of([(k, v) for (k, _), (v, _) in zip(keys, values)]), fed)
+                figures["attention_relative_error"] = relative_error(exact_attention, attention)
+                figures |= _next_token_figures(exact_logits[positions], logits[positions], chosen)
+                for key, value in figures.items():
+                    sums[name][key] = sums[name].get(key, 0.0) + value / prompts
+    return sums
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compression", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=4096, help="cached tokens of the synthetic layer (default: 4096)")
     parser.add_argument("--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)")
     parser.add_argument("--seeds", type=int, default=3, help="independent synthetic layers, figures averaged (default: 3)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 512 tokens, 1 seed; writes compression-quick.json")
+    parser.add_argument("--prompts", type=int, default=32, help="random prompts through the tiny model (default: 32; 0 skips it)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 512 tokens, 1 seed, 4 prompts; writes compression-quick.json")
     parser.add_argument("--name", default="compression", help="result file stem (default: compression)")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    tokens, seeds = (512, 1) if args.quick else (args.tokens, args.seeds)
+    for flag, value in (("--tokens", args.tokens), ("--queries", args.queries), ("--seeds", args.seeds)):
+        if value < 1:
+            raise SystemExit(f"{flag} must be >= 1, got {value}")
+    if args.prompts < 0:
+        raise SystemExit(f"--prompts must be >= 0 (0 skips the tiny model), got {args.prompts}")
+    tokens, seeds, prompts = (512, 1, min(args.prompts, 4)) if args.quick else (args.tokens, args.seeds, args.prompts)
     if args.quick:
-        print("SMOKE RUN (--quick): 512 tokens, one seed; the figures are no verdict.")
+        print("SMOKE RUN (--quick): 512 tokens, one seed, at most 4 prompts; the figures are no verdict.")
     tokens = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
     schemes: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
         f"group fp8 (G={HEAD_DIM})": group_fp8(HEAD_DIM),
@@ -185,10 +331,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         [[row["dtype"], row["raw_row_bytes"], row["compressed_row_bytes"], f"{row['format_ratio']:.4f}",
           f"{row['engine_bytes_moved_ratio']:.4f}", f"{row['blocks_per_gib_gain']:.3f}x"] for row in sizes],
     ))  # fmt: skip
+    tiny: dict[str, dict[str, float]] | str = "skipped (--prompts 0)"
+    if prompts:
+        cpu_pages = {
+            "channel_major": in_page_order(group_fp8_any(128), TINY_BLOCK_TOKENS, channel_major=True),
+            "token_major": in_page_order(group_fp8_any(128), TINY_BLOCK_TOKENS, channel_major=False),
+        }
+        tiny = tiny_model_figures(
+            {
+                f"group fp8 (G={TINY_HEAD_DIM}, head vectors)": (group_fp8_any(TINY_HEAD_DIM), group_fp8_any(TINY_HEAD_DIM)),
+                "group fp8 (G=128, vLLM CPU pages)": (cpu_pages["channel_major"], cpu_pages["token_major"]),
+                "per-tensor fp8": (per_tensor_fp8, per_tensor_fp8),
+            },
+            prompts, torch.Generator().manual_seed(0),
+        )  # fmt: skip
+    if isinstance(tiny, str):
+        print(f"\ntiny model: {tiny}")
+    else:
+        print(f"\nthe end-to-end tests' tiny Llama, bf16, {prompts} random prompts; a cached prefix of "
+              f"{TINY_PREFIX_TOKENS} tokens, {TINY_SUFFIX_TOKENS} more prompt tokens, {TINY_DECODE_TOKENS} teacher-forced greedy tokens:")  # fmt: skip
+        print(format_table(
+            ["scheme", "K rel. RMS err", "V rel. RMS err", "attention rel. err", "top-1 agree", "first token agree",
+             "mean |d logprob|", "max |d logprob|", "mean KL (nats)"],
+            [[name, f"{f['k_relative_rms_error']:.4f}", f"{f['v_relative_rms_error']:.4f}", f"{f['attention_relative_error']:.4f}",
+              f"{f['top1_agreement']:.3f}", f"{f['first_token_top1_agreement']:.3f}", f"{f['mean_abs_logprob_drift']:.4f}",
+              f"{f['max_abs_logprob_drift']:.4f}", f"{f['mean_kl_nats']:.5f}"] for name, f in tiny.items()],
+        ))  # fmt: skip
     payload: dict[str, object] = {
         "machine": machine_record(), "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
         "queries": args.queries, "seeds": seeds, "k_outlier_channels_per_head": K_OUTLIER_CHANNELS,
         "v_outlier_channels_per_head": V_OUTLIER_CHANNELS, "accuracy": sums, "bytes": sizes,
+        "tiny_model": tiny, "tiny_model_prompts": prompts,
         "note": "errors are averaged over seeds; attention error is ||o' - o|| / ||o|| over every query and head, in float64",
     }  # fmt: skip
     print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")

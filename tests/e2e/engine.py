@@ -42,15 +42,22 @@ def spec_config(spec_name: str, **extra: object) -> dict[str, object]:
     }
 
 
-def generate(prompt: Sequence[int], max_tokens: int, name: str, *, compare_to: str | None = None) -> dict[str, object]:
+def generate(
+    prompt: Sequence[int], max_tokens: int, name: str, *, compare_to: str | None = None, logprobs: int = 0
+) -> dict[str, object]:
     """A step: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids).
 
     With ``compare_to`` (an earlier generate step's name), the step also
     records, for each full prompt block, whether its bytes in the KV cache
     (every layer, first KV cache group) equal that step's
-    (:attr:`StepResult.blocks_equal`).
+    (:attr:`StepResult.blocks_equal`). With ``logprobs`` > 0, it records the
+    log-probabilities of the ``logprobs`` most likely tokens at every
+    generated position (:attr:`StepResult.logprobs`).
     """
-    return {"op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name, "compare_to": compare_to}
+    return {
+        "op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name, "compare_to": compare_to,
+        "logprobs": logprobs,
+    }  # fmt: skip
 
 
 RESET_PREFIX_CACHE: dict[str, object] = {"op": "reset_prefix_cache"}
@@ -75,6 +82,8 @@ class EngineJob:
     kv_cache_bytes: int = 16 << 20
     attention_backend: str | None = None
     """vLLM's attention backend by name (None: the platform's choice)."""
+    dtype: str = "float32"
+    """The model's and KV cache's dtype, as vLLM's ``dtype`` argument takes it."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,10 @@ class StepResult:
     num_cached_tokens: int = 0
     blocks_equal: list[bool] | None = None
     """Per full prompt block: equal to the ``compare_to`` step's bytes (None without ``compare_to``)."""
+    blocks_relative_error: list[float] | None = None
+    """Per full prompt block: ``||x - x_ref|| / ||x_ref||`` against the ``compare_to`` step's values (every layer)."""
+    logprobs: list[dict[int, float]] = field(default_factory=list[dict[int, float]])
+    """Per generated position: token id -> log-probability of the most likely tokens (empty without ``logprobs``)."""
 
     def counter(self, name: str) -> float:
         """vLLM's counter ``name`` (e.g. ``vllm:external_prefix_cache_hits``) after this step, 0 when never set."""
@@ -169,6 +182,12 @@ def end_process_group(process: subprocess.Popen[bytes], *, grace_s: float = 10.0
     return killed
 
 
+def _step_result(raw: dict[str, Any]) -> StepResult:
+    """One step of the engine process's JSON (logprobs travel as [token, logprob] pairs: JSON keys are strings)."""
+    pairs: list[list[list[float]]] = raw.pop("logprobs", [])
+    return StepResult(**raw, logprobs=[{int(token): logprob for token, logprob in position} for position in pairs])
+
+
 def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S) -> EngineResult:
     """Run ``job`` in a new engine process (files under ``workdir``); raises with the process's log on any failure."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +213,7 @@ def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEO
         raise AssertionError(f"the engine process left processes behind: {leftovers}")
     raw: dict[str, Any] = json.loads(result_path.read_text())
     return EngineResult(
-        steps=[StepResult(**step) for step in raw["steps"]],
+        steps=[_step_result(step) for step in raw["steps"]],
         log=output,
         startup_s=raw["startup_s"],
         kv_bytes_per_block=raw.get("kv_bytes_per_block", 0),

@@ -80,6 +80,13 @@ def _prompt_block_bytes(llm: Any, block_ids: list[int], full_blocks: int) -> lis
     return [[bytes(kv[block].contiguous().view(-1).view(torch.uint8).numpy()) for kv in _kv_caches(llm)] for block in block_ids[:full_blocks]]
 
 
+def _relative_error(block: list[bytes], reference: list[bytes], dtype: torch.dtype) -> float:
+    """``||x - r|| / ||r||`` over one block's elements in every layer (``dtype``: the KV cache's)."""
+    values = torch.cat([torch.frombuffer(bytearray(layer), dtype=dtype).double() for layer in block])
+    exact = torch.cat([torch.frombuffer(bytearray(layer), dtype=dtype).double() for layer in reference])
+    return float((values - exact).pow(2).sum().sqrt() / exact.pow(2).sum().sqrt())
+
+
 def _step_engine(llm: Any, sampling: Any) -> None:
     llm.generate([{"prompt_token_ids": FILLER_PROMPT}], sampling, use_tqdm=False)
 
@@ -121,7 +128,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     llm: Any = LLM(  # Any: the steps reach into engine internals vLLM does not type
         model=job["model"],
-        dtype="float32",
+        dtype=job["dtype"],
         block_size=job["block_size"],
         max_model_len=job["max_model_len"],
         max_num_seqs=4,
@@ -156,11 +163,18 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
         op = step["op"]
         record: dict[str, Any] = {"op": op, "name": step.get("name", op)}
         if op == "generate":
-            sampling = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
+            sampling = SamplingParams(
+                temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True, logprobs=step["logprobs"] or None
+            )
             tables.by_request.clear()
             (output,) = llm.generate([{"prompt_token_ids": step["prompt"]}], sampling, use_tqdm=False)
             record["token_ids"] = list(output.outputs[0].token_ids)
             record["num_cached_tokens"] = output.num_cached_tokens
+            if step["logprobs"]:
+                # JSON keys are strings: the pairs travel as lists and become dicts again in StepResult.
+                record["logprobs"] = [
+                    [[token, entry.logprob] for token, entry in position.items()] for position in output.outputs[0].logprobs
+                ]
             # Read the prompt's blocks before anything else runs (the request is finished; its blocks are free).
             (group_block_ids,) = tables.by_request.values()
             if len(group_block_ids) == 1:
@@ -169,6 +183,10 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 if step.get("compare_to") is not None:
                     earlier = snapshots[step["compare_to"]]
                     record["blocks_equal"] = [mine == theirs for mine, theirs in zip(blocks, earlier, strict=True)]
+                    dtype = _kv_caches(llm)[0].dtype
+                    record["blocks_relative_error"] = [
+                        _relative_error(mine, theirs, dtype) for mine, theirs in zip(blocks, earlier, strict=True)
+                    ]
             elif step.get("compare_to") is not None:
                 raise ValueError(f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}")
             _settle(llm, filler)

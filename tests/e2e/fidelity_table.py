@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.engine import ENGINE_TIMEOUT_S, end_process_group, engine_env, spec_config
-from e2e.models import HEAD_DIM, TinyLlama
+from bench.tiny_models import HEAD_DIM, TinyLlama
 from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
 from kvtriton.tools.vllm_engine import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
 from kvtriton.tools.workloads import read_trace

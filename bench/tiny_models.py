@@ -1,6 +1,8 @@
 """Tiny random-weight Llama checkpoints and an offline tokenizer, written to a directory vLLM loads.
 
-No model hub: the weights are random (seeded, so every run writes the same
+The end-to-end tests run them through vLLM; the compression benchmark
+(``bench/compression.py``) runs the same weights through transformers. No
+model hub: the weights are random (seeded, so every run writes the same
 model), float32, a few MB. The weights are drawn wider than transformers'
 default (``initializer_range``) so that the greedy tokens depend strongly on
 the context: a corrupted KV block changes them, which the negative controls
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 1024
 HEAD_DIM = 32
@@ -28,12 +31,11 @@ class TinyLlama:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
 
-    def write(self, directory: Path, *, seed: int = 0) -> Path:
-        """Save the checkpoint and tokenizer under ``directory`` (created) and return it."""
+    def build(self, *, seed: int = 0) -> Any:
+        """The model as a transformers ``LlamaForCausalLM`` (the same weights :meth:`write` saves for ``seed``)."""
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        directory.mkdir(parents=True, exist_ok=True)
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         config = LlamaConfig(
@@ -55,7 +57,12 @@ class TinyLlama:
             setattr(config, "layer_types", list(self.layer_types))  # noqa: B010 -- not a LlamaConfig parameter
             setattr(config, "sliding_window", self.sliding_window)  # noqa: B010 -- same
         torch.manual_seed(seed)  # pyright: ignore[reportUnknownMemberType] -- torch's stub leaves the seed untyped
-        LlamaForCausalLM(config).save_pretrained(directory)  # pyright: ignore[reportUnknownMemberType] -- transformers leaves **kwargs untyped
+        return LlamaForCausalLM(config)
+
+    def write(self, directory: Path, *, seed: int = 0) -> Path:
+        """Save the checkpoint and tokenizer under ``directory`` (created) and return it."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.build(seed=seed).save_pretrained(directory)
         write_tokenizer(directory)
         return directory
 
