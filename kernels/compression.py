@@ -464,32 +464,12 @@ def gather_pages_compressed(
     :class:`NonFiniteKVError` when a value is NaN or infinite (after the
     launch: on CUDA this reads a flag back, a device sync).
     """
-    from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, check_knobs, interpreter_ready, select_path
-
-    programs = DEFAULT_NUM_PROGRAMS if num_programs is None else num_programs
-    per_iter = DEFAULT_BYTES_PER_ITER if bytes_per_iter is None else bytes_per_iter
-    check_knobs(programs, per_iter)
+    knobs = _checked_knobs(num_programs, bytes_per_iter)
     geometry, layout = _check_compressed_call(
         src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows", to_slab=True,
         group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
     )  # fmt: skip
-    if src_blocks.numel() == 0:
-        return
-    path = select_path(geometry.device)
-    if path is KernelPath.TORCH:
-        finite = gather_compressed_unchecked(src, dst, src_blocks, dst_rows, layout)
-    else:
-        from .compressed_launch import CompressedLauncher
-
-        if path is KernelPath.INTERPRETER:
-            interpreter_ready()
-        launcher = CompressedLauncher(
-            list(src), dst, geometry, layout, interpret=path is KernelPath.INTERPRETER, num_programs=programs, bytes_per_iter=per_iter
-        )
-        status = torch.zeros(1, dtype=torch.int32, device=geometry.device)
-        launcher.launch(True, src_blocks, dst_rows, status)
-        finite = int(status.item()) == 0
-    if not finite:
+    if not _run_compressed(True, list(src), dst, src_blocks, dst_rows, geometry, layout, knobs):
         raise _non_finite("src")
 
 
@@ -505,26 +485,59 @@ def scatter_pages_compressed(
     check_indices: bool = True,
 ) -> None:
     """Dequantize compressed slab row ``src_rows[i]`` into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
-    from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, check_knobs, interpreter_ready, select_path
-
-    programs = DEFAULT_NUM_PROGRAMS if num_programs is None else num_programs
-    per_iter = DEFAULT_BYTES_PER_ITER if bytes_per_iter is None else bytes_per_iter
-    check_knobs(programs, per_iter)
+    knobs = _checked_knobs(num_programs, bytes_per_iter)
     geometry, layout = _check_compressed_call(
         dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks", to_slab=False,
         group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
     )  # fmt: skip
-    if src_rows.numel() == 0:
-        return
+    _run_compressed(False, list(dst), src, dst_blocks, src_rows, geometry, layout, knobs)
+
+
+def _checked_knobs(num_programs: int | None, bytes_per_iter: int | None) -> tuple[int, int]:
+    """The launch knobs with their defaults filled in, refused (naming the knob) when out of range."""
+    from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, check_knobs
+
+    programs = DEFAULT_NUM_PROGRAMS if num_programs is None else num_programs
+    per_iter = DEFAULT_BYTES_PER_ITER if bytes_per_iter is None else bytes_per_iter
+    check_knobs(programs, per_iter)
+    return programs, per_iter
+
+
+def _run_compressed(
+    to_slab: bool,
+    pages: list[torch.Tensor],
+    slab: torch.Tensor,
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    geometry: PageGeometry,
+    layout: CompressionLayout,
+    knobs: tuple[int, int],
+) -> bool:
+    """One compressed copy on the path the device takes (``kernels.pages._run``'s dispatch); whether all was finite.
+
+    ``knobs`` are ``(num_programs, bytes_per_iter)``. A scatter decodes codes, which are finite by
+    construction: it always answers True.
+    """
+    from .pages import KernelPath, interpreter_ready, select_path
+
+    if blocks.numel() == 0:
+        return True
     path = select_path(geometry.device)
     if path is KernelPath.TORCH:
-        scatter_compressed_unchecked(src, dst, src_rows, dst_blocks, layout)
-        return
+        if to_slab:
+            return gather_compressed_unchecked(pages, slab, blocks, rows, layout)
+        scatter_compressed_unchecked(slab, pages, rows, blocks, layout)
+        return True
     from .compressed_launch import CompressedLauncher
 
     if path is KernelPath.INTERPRETER:
         interpreter_ready()
     launcher = CompressedLauncher(
-        list(dst), src, geometry, layout, interpret=path is KernelPath.INTERPRETER, num_programs=programs, bytes_per_iter=per_iter
+        pages, slab, geometry, layout, interpret=path is KernelPath.INTERPRETER, num_programs=knobs[0], bytes_per_iter=knobs[1]
     )
-    launcher.launch(False, dst_blocks, src_rows, None)
+    if not to_slab:
+        launcher.launch(False, blocks, rows, None)
+        return True
+    status = torch.zeros(1, dtype=torch.int32, device=geometry.device)
+    launcher.launch(True, blocks, rows, status)
+    return int(status.item()) == 0
