@@ -10,7 +10,6 @@ still over every layer at once (every layer of a model is one kind).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .compression import CompressedPage, CompressionLayout
-from .launch import MAX_NUM_WARPS, MAX_PAIRS, CopyLauncher, word_width
+from .launch import MAX_NUM_WARPS, MAX_PAIRS, CopyLauncher, on_device, word_width
 from .validation import PageGeometry
 
 __all__ = ["CompressArguments", "CompressedLauncher", "CompressConfig", "compress_config"]
@@ -131,12 +130,12 @@ class CompressedLauncher:
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs
-        self._cuda_index = geometry.device.index if geometry.device.type == "cuda" else None
+        self._device = geometry.device
         kinds: dict[tuple[torch.dtype, int, int], list[int]] = {}
         for t, page in enumerate(layout.pages):
             if page.compressed:
                 kinds.setdefault((page.dtype, page.elements, page.group_size), []).append(t)
-        with self._on_device():
+        with on_device(self._device):
             self._launches = [_KindLaunch(members, pages, slab, geometry, layout, bytes_per_iter) for members in kinds.values()]
             passthrough = layout.passthrough_geometry(geometry)
             self._copy: CopyLauncher | None = None
@@ -154,11 +153,6 @@ class CompressedLauncher:
         """One configuration per page kind, in launch order."""
         return [launch.config for launch in self._launches]
 
-    def _on_device(self) -> contextlib.AbstractContextManager[object]:
-        if self._cuda_index is None or torch.cuda.current_device() == self._cuda_index:
-            return contextlib.nullcontext()
-        return torch.cuda.device(self._cuda_index)
-
     def launch(self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, status: torch.Tensor | None) -> None:
         """Quantize (``to_slab``) or dequantize every (``blocks[i]``, ``rows[i]``) pair (indices checked, on the pages' device).
 
@@ -170,7 +164,7 @@ class CompressedLauncher:
             return
         if to_slab and status is None:
             raise ValueError("a compressed gather needs a status tensor to report non-finite values")
-        with self._on_device():
+        with on_device(self._device):
             for kind in self._launches:
                 self._launch(kind, to_slab, blocks, rows, count, min(self.num_programs, kind.config.units(count)), status)
             if self._copy is not None:
@@ -178,7 +172,7 @@ class CompressedLauncher:
 
     def warm_up(self, index_dtype: torch.dtype = torch.int64) -> None:
         """Compile (or trace) both directions of every kind with zero pairs: nothing is read or written."""
-        with self._on_device():
+        with on_device(self._device):
             indices = torch.zeros(64, dtype=index_dtype, device=self.device)
             for kind in self._launches:
                 for to_slab in (True, False):

@@ -37,6 +37,7 @@ __all__ = [
     "launch_config",
     "launch_copy",
     "make_config",
+    "on_device",
     "record_variants",
     "word_width",
 ]
@@ -165,6 +166,13 @@ def slab_elements(slab: torch.Tensor, element_bytes: int) -> torch.Tensor:
     return view.set_(slab.untyped_storage(), start, (length,), (1,))
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """A device guard when ``device`` is a GPU that is not the current one (Triton launches on the current device)."""
+    if device.type != "cuda" or torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 _variant_log: set[tuple[object, ...]] | None = None
 
 
@@ -249,8 +257,8 @@ class CopyLauncher:
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs
-        self._cuda_index = geometry.device.index if geometry.device.type == "cuda" else None
-        with self._on_device():
+        self._device = geometry.device
+        with on_device(self._device):
             self._launches = [
                 _SizedLaunch([pages[t] for t in members], slab, _subset(geometry, members), bytes_per_iter)
                 for members in page_size_groups(geometry.page_bytes)
@@ -261,18 +269,12 @@ class CopyLauncher:
         """One launch configuration per distinct page size, in the order the launches run."""
         return [launch.config for launch in self._launches]
 
-    def _on_device(self) -> contextlib.AbstractContextManager[object]:
-        """A device guard when the pages' GPU is not the current one (Triton launches on the current device)."""
-        if self._cuda_index is None or torch.cuda.current_device() == self._cuda_index:
-            return contextlib.nullcontext()
-        return torch.cuda.device(self._cuda_index)
-
     def launch(self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy every (``blocks[i]``, ``rows[i]``) pair; the indices are checked and on the pages' device."""
         count = int(blocks.shape[0])
         if count == 0:
             return
-        with self._on_device():
+        with on_device(self._device):
             for sized in self._launches:
                 self._launch(sized, to_slab, blocks, rows, count, min(self.num_programs, sized.config.units(count)))
 
@@ -283,7 +285,7 @@ class CopyLauncher:
         indices, the alignment the engine's staging guarantees: nothing is read
         or written, and the variant is cached before the first real job.
         """
-        with self._on_device():
+        with on_device(self._device):
             indices = torch.zeros(64, dtype=index_dtype, device=self.device)
             for sized in self._launches:
                 for to_slab in (True, False):
