@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import numpy as np  # noqa: E402
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade  # noqa: E402
+from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
 from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
 from tiering_fixtures.configs import tiering_config  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
@@ -45,14 +45,7 @@ def kvtriton_manager(
     extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_config]}
     if compressed:
         extra["kvtriton_kv_compression"] = "fp8-e4m3"
-    manager = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    made.append(manager)
-    (tier,) = manager.secondary_tiers
-    assert isinstance(tier, MooncakeStoreTier)
-    assert tier.wait_until_up(10.0)
-    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
-    return manager, tier, rows
+    return started(OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager(), made)
 
 
 def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import numpy as np  # noqa: E402
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade  # noqa: E402
+from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
 from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
@@ -49,14 +49,7 @@ def tiered_manager(
         {"cpu_bytes_to_use": 16 * block_bytes, "secondary_tiers": [tier_config]}, worker_kv_bytes_per_block=block_bytes
     )
     spec = TieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
-    manager = spec.get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    made.append(manager)
-    (tier,) = manager.secondary_tiers
-    assert isinstance(tier, MooncakeStoreTier)
-    assert tier.wait_until_up(10.0)
-    rows = np.asarray(manager.primary_tier.get_kv_memoryview())
-    return manager, tier, rows
+    return started(spec.get_manager(), made)
 
 
 def test_chunks_cascaded_by_one_vllm_manager_are_promoted_bit_exact_by_another_and_missed_by_another_layout(

@@ -19,9 +19,10 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from kvtriton.tiers.mooncake import MooncakeStoreTier
 from kvtriton.tiers.mooncake_local import MooncakeCluster
 
-__all__ = ["cluster", "managers", "promote", "serve_and_cascade", "settle"]
+__all__ = ["cluster", "managers", "promote", "serve_and_cascade", "settle", "started"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,18 @@ def managers() -> Iterator[list[TieringOffloadingManager]]:
     yield made
     for manager in made:
         manager.shutdown()
+
+
+def started(
+    manager: object, made: list[TieringOffloadingManager]
+) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
+    """A spec's tiering manager (kept in ``made``), its one Mooncake tier once up, and its primary's rows."""
+    assert isinstance(manager, TieringOffloadingManager)
+    made.append(manager)
+    (tier,) = manager.secondary_tiers
+    assert isinstance(tier, MooncakeStoreTier)
+    assert tier.wait_until_up(10.0)
+    return manager, tier, np.asarray(manager.primary_tier.get_kv_memoryview())
 
 
 def settle(manager: TieringOffloadingManager) -> None:
