@@ -130,12 +130,11 @@ class CompressedLauncher:
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs
-        self._device = geometry.device
         kinds: dict[tuple[torch.dtype, int, int], list[int]] = {}
         for t, page in enumerate(layout.pages):
             if page.compressed:
                 kinds.setdefault((page.dtype, page.elements, page.group_size), []).append(t)
-        with on_device(self._device):
+        with on_device(self.device):
             self._launches = [_KindLaunch(members, pages, slab, geometry, layout, bytes_per_iter) for members in kinds.values()]
             passthrough = layout.passthrough_geometry(geometry)
             self._copy: CopyLauncher | None = None
@@ -164,7 +163,7 @@ class CompressedLauncher:
             return
         if to_slab and status is None:
             raise ValueError("a compressed gather needs a status tensor to report non-finite values")
-        with on_device(self._device):
+        with on_device(self.device):
             for kind in self._launches:
                 self._launch(kind, to_slab, blocks, rows, count, min(self.num_programs, kind.config.units(count)), status)
             if self._copy is not None:
@@ -172,7 +171,7 @@ class CompressedLauncher:
 
     def warm_up(self, index_dtype: torch.dtype = torch.int64) -> None:
         """Compile (or trace) both directions of every kind with zero pairs: nothing is read or written."""
-        with on_device(self._device):
+        with on_device(self.device):
             indices = torch.zeros(64, dtype=index_dtype, device=self.device)
             for kind in self._launches:
                 for to_slab in (True, False):

@@ -257,8 +257,7 @@ class CopyLauncher:
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs
-        self._device = geometry.device
-        with on_device(self._device):
+        with on_device(self.device):
             self._launches = [
                 _SizedLaunch([pages[t] for t in members], slab, _subset(geometry, members), bytes_per_iter)
                 for members in page_size_groups(geometry.page_bytes)
@@ -274,7 +273,7 @@ class CopyLauncher:
         count = int(blocks.shape[0])
         if count == 0:
             return
-        with on_device(self._device):
+        with on_device(self.device):
             for sized in self._launches:
                 self._launch(sized, to_slab, blocks, rows, count, min(self.num_programs, sized.config.units(count)))
 
@@ -285,7 +284,7 @@ class CopyLauncher:
         indices, the alignment the engine's staging guarantees: nothing is read
         or written, and the variant is cached before the first real job.
         """
-        with on_device(self._device):
+        with on_device(self.device):
             indices = torch.zeros(64, dtype=index_dtype, device=self.device)
             for sized in self._launches:
                 for to_slab in (True, False):
