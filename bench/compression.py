@@ -207,6 +207,14 @@ def _next_token_figures(exact: torch.Tensor, approx: torch.Tensor, chosen: torch
     }
 
 
+def _cache_errors(
+    prefix: str, exact: Sequence[torch.Tensor], coded: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, float]:
+    """:func:`element_errors` over every layer's tensor at once, keys prefixed ``k_`` or ``v_``."""
+    flat = [torch.cat([tensor.flatten() for tensor in tensors]) for tensors in (exact, [d for d, _ in coded], [s for _, s in coded])]
+    return {f"{prefix}_{key}": value for key, value in element_errors(*flat).items()}
+
+
 def tiny_model_figures(
     schemes: Mapping[str, tuple[Scheme, Scheme]], prompts: int, generator: torch.Generator
 ) -> dict[str, dict[str, float]] | str:
@@ -230,18 +238,19 @@ def tiny_model_figures(
         logits = model(fed, past_key_values=cache, use_cache=True).logits[0]
         return logits, torch.cat([output.flatten() for output in attention_outputs])
 
+    def cache_of(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """A fresh transformers cache holding copies of ``kv`` (a forward pass appends to the cache it is given)."""
+        cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
+        for index, (k, v) in enumerate(kv):
+            cache.update(k.clone(), v.clone(), index)
+        return cache
+
     sums: dict[str, dict[str, float]] = {name: {} for name in schemes}
     with torch.no_grad():
         for _ in progress(range(prompts), prompts, "tiny model", stream=sys.stderr):
             ids = torch.randint(3, VOCAB_SIZE, (1, TINY_PREFIX_TOKENS + TINY_SUFFIX_TOKENS), generator=generator)
             prefix = model(ids[:, :TINY_PREFIX_TOKENS], use_cache=True).past_key_values
             layers = [(layer.keys.clone(), layer.values.clone()) for layer in prefix.layers]
-
-            def cache_of(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-                cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
-                for index, (k, v) in enumerate(kv):
-                    cache.update(k.clone(), v.clone(), index)
-                return cache
 
             # The exact run's greedy tokens, fed to every scheme (teacher forcing: the same context everywhere).
             fed = ids[:, TINY_PREFIX_TOKENS:]
@@ -253,15 +262,10 @@ def tiny_model_figures(
             exact_logits, exact_attention = continue_from(cache_of(layers), fed)
             positions = slice(TINY_SUFFIX_TOKENS - 1, None)  # the logits that predict the generated tokens
             chosen = exact_logits[positions].argmax(-1)
+            exact_k, exact_v = [k for k, _ in layers], [v for _, v in layers]
             for name, (k_scheme, v_scheme) in schemes.items():
-                keys = [k_scheme(k) for k, _ in layers]
-                values = [v_scheme(v) for _, v in layers]
-                figures = {f"k_{key}": value for key, value in element_errors(
-                    torch.cat([k.flatten() for k, _ in layers]), torch.cat([d.flatten() for d, _ in keys]),
-                    torch.cat([s.flatten() for _, s in keys])).items()}  # fmt: skip
-                figures |= {f"v_{key}": value for key, value in element_errors(
-                    torch.cat([v.flatten() for _, v in layers]), torch.cat([d.flatten() for d, _ in values]),
-                    torch.cat([s.flatten() for _, s in values])).items()}  # fmt: skip
+                keys, values = list(map(k_scheme, exact_k)), list(map(v_scheme, exact_v))
+                figures = _cache_errors("k", exact_k, keys) | _cache_errors("v", exact_v, values)
                 logits, attention = continue_from(cache_of([(k, v) for (k, _), (v, _) in zip(keys, values)]), fed)
                 figures["attention_relative_error"] = relative_error(exact_attention, attention)
                 figures |= _next_token_figures(exact_logits[positions], logits[positions], chosen)
