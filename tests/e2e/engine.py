@@ -188,15 +188,22 @@ def _step_result(raw: dict[str, Any]) -> StepResult:
     return StepResult(**raw, logprobs=[{int(token): logprob for token, logprob in position} for position in pairs])
 
 
-def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S) -> EngineResult:
-    """Run ``job`` in a new engine process (files under ``workdir``); raises with the process's log on any failure."""
+def run_process(
+    module: str, job: dict[str, Any], workdir: Path, *, label: str, timeout_s: float = ENGINE_TIMEOUT_S
+) -> tuple[dict[str, Any], str]:
+    """Run ``python -m module JOB_JSON RESULT_JSON`` in a session of its own under ``workdir``; its result and log.
+
+    Raises, naming ``label`` and with the end of the process's log, when it
+    runs past ``timeout_s`` (then it is killed), fails, writes no result, or
+    leaves a process of its group behind.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "engine.log"
-    job_path.write_text(json.dumps(asdict(job)))
+    job_path.write_text(json.dumps(job))
     result_path.unlink(missing_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "e2e.engine_process", str(job_path), str(result_path)],
+            [sys.executable, "-m", module, str(job_path), str(result_path)],
             cwd=workdir, env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
@@ -206,12 +213,18 @@ def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEO
         leftovers = end_process_group(process)
     output = log_path.read_text(errors="replace")
     if returncode is None:
-        raise AssertionError(f"the engine process ran past {timeout_s}s and was killed; its log ends:\n{output[-6000:]}")
+        raise AssertionError(f"{label} ran past {timeout_s}s and was killed; its log ends:\n{output[-6000:]}")
     if returncode != 0 or not result_path.exists():
-        raise AssertionError(f"the engine process exited with {returncode}; its log ends:\n{output[-6000:]}")
+        raise AssertionError(f"{label} exited with {returncode}; its log ends:\n{output[-6000:]}")
     if leftovers:
-        raise AssertionError(f"the engine process left processes behind: {leftovers}")
+        raise AssertionError(f"{label} left processes behind: {leftovers}")
     raw: dict[str, Any] = json.loads(result_path.read_text())
+    return raw, output
+
+
+def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S) -> EngineResult:
+    """Run ``job`` in a new engine process (files under ``workdir``); raises with the process's log on any failure."""
+    raw, output = run_process("e2e.engine_process", asdict(job), workdir, label="the engine process", timeout_s=timeout_s)
     return EngineResult(
         steps=[_step_result(step) for step in raw["steps"]],
         log=output,

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -219,12 +220,13 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
     return result
 
 
-def main(argv: list[str]) -> int:
+def job_main(run_job: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str]) -> int:
+    """``JOB_JSON RESULT_JSON``: the job ``e2e.engine.run_process`` wrote, run, and its result written back."""
     job_path, result_path = argv
-    result = run(json.loads(Path(job_path).read_text()))
+    result = run_job(json.loads(Path(job_path).read_text()))
     Path(result_path).write_text(json.dumps(result))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(job_main(run, sys.argv[1:]))

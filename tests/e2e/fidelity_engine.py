@@ -15,14 +15,12 @@ without ``--arrivals`` models).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from e2e.engine_process import vllm_counters  # sets vLLM's CPU environment on import, as this process needs
+from e2e.engine_process import job_main, vllm_counters  # sets vLLM's CPU environment on import, as this process needs
 from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 
 os.environ.update(ENGINE_ENV)
@@ -79,12 +77,5 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         llm.llm_engine.engine_core.shutdown()
 
 
-def main(argv: list[str]) -> int:
-    job_path, result_path = argv
-    result = run(json.loads(Path(job_path).read_text()))
-    Path(result_path).write_text(json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(job_main(run, sys.argv[1:]))

@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from e2e.engine import ENGINE_TIMEOUT_S, end_process_group, engine_env, spec_config
+from e2e.engine import run_process, spec_config
 from bench.tiny_models import HEAD_DIM, TinyLlama
 from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
 from kvtriton.tools.vllm_engine import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
@@ -146,7 +143,6 @@ def measure(
     model_dir: Path, requests: Sequence[TokenRequest], setup: FidelitySetup, *, slots: int, policy: str, workdir: Path
 ) -> Measured:
     """Run ``requests`` through a real engine whose kvtriton slab holds ``slots`` blocks under ``policy``."""
-    workdir.mkdir(parents=True, exist_ok=True)
     slot_bytes = kv_bytes_per_block(TinyLlama(), setup.block_size)
     job = {
         "model": str(model_dir),
@@ -163,26 +159,7 @@ def measure(
         ),
         "prompts": [list(request.prompt) for request in requests],
     }
-    job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "engine.log"
-    job_path.write_text(json.dumps(job))
-    result_path.unlink(missing_ok=True)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "e2e.fidelity_engine", str(job_path), str(result_path)],
-            cwd=workdir, env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        try:
-            returncode: int | None = process.wait(timeout=ENGINE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        leftovers = end_process_group(process)
-    output = log_path.read_text(errors="replace")
-    if returncode != 0 or not result_path.exists():
-        ended = "ran past its time and was killed" if returncode is None else f"exited with {returncode}"
-        raise AssertionError(f"the fidelity engine ({policy}, {slots} slots) {ended}; its log ends:\n{output[-6000:]}")
-    if leftovers:
-        raise AssertionError(f"the fidelity engine left processes behind: {leftovers}")
-    raw: dict[str, Any] = json.loads(result_path.read_text())
+    raw, _ = run_process("e2e.fidelity_engine", job, workdir, label=f"the fidelity engine ({policy}, {slots} slots)")
     if raw["num_slots"] != slots or raw["kv_bytes_per_block"] != slot_bytes or raw["gpu_blocks"] != setup.gpu_blocks:
         raise AssertionError(
             f"the engine is not the one simulated: {raw['num_slots']} slots of {raw['kv_bytes_per_block']} bytes and"
