@@ -7,7 +7,7 @@ from typing import NamedTuple, NoReturn, TypeVar, cast
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.base import OffloadingManager, override
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, run_keys
 from kvtriton.manager.policies.registry import canonical_policy_name, make_policy
 from kvtriton.manager.request_access import RequestAccess, head_to_tail
 from kvtriton.manager.slot_pool import SlotPool
@@ -51,7 +51,7 @@ class _RequestHooks(NamedTuple):
     on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None] | None
     """None when the policy ranks nothing while a request runs (ARC): the manager skips the call."""
     on_store_miss: Callable[[Sequence[OffloadKey]], None]
-    on_request_finished: Callable[[Sequence[OffloadKey], Container[OffloadKey], Container[OffloadKey], ReqContext], None]
+    on_request_finished: Callable[[Sequence[KeyRun], ReqContext], None]
 
 
 def _request_hooks(policy: CachePolicy) -> _RequestHooks:
@@ -61,11 +61,9 @@ def _request_hooks(policy: CachePolicy) -> _RequestHooks:
         return _RequestHooks(access, policy.on_store_miss, policy.on_request_finished)
     touch = policy.touch
 
-    def finished(
-        keys: Sequence[OffloadKey], inserted: Container[OffloadKey], reused: Container[OffloadKey], req_context: ReqContext
-    ) -> None:
-        del inserted, reused, req_context
-        touch(keys)
+    def finished(runs: Sequence[KeyRun], req_context: ReqContext) -> None:
+        del req_context
+        touch(run_keys(runs))
 
     return _RequestHooks(None, touch, finished)
 
@@ -262,7 +260,8 @@ class CPUOffloadingManager(OffloadingManager):
             # vLLM reads the positions at the end; a key without one when first seen may have one now.
             position_of = req_context.get_offload_key_position
             positions = [found if found is not None else position_of(key) for key, found in zip(keys, positions)]
-        self._hooks.on_request_finished(head_to_tail(keys, positions), access.inserted, access.reused, req_context)
+        ordered = head_to_tail(keys, positions)
+        self._hooks.on_request_finished(access.head_to_tail_runs(ordered, ordered is keys), req_context)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -305,10 +304,7 @@ class CPUOffloadingManager(OffloadingManager):
         access = req_context.get_state(RequestAccess)  # _access, inlined: one call per load
         if access is None or access.owner is not self or access.generation != self._generation:
             access = self._access(req_context)
-        self._observe(access, loaded, got, req_context)
-        # A key this request inserted is read back by the tiers (a cascade), not reused.
-        inserted = access.inserted
-        access.reused.update([key for key in loaded if key not in inserted] if inserted else loaded)
+        access.reuse(loaded, self._observe(access, loaded, got, req_context) is loaded)
         return [block.slot for block in cast("list[Block]", got)]
 
     @staticmethod
@@ -374,59 +370,45 @@ class CPUOffloadingManager(OffloadingManager):
         """:meth:`prepare_store`, answering plain lists (an adapter builds its own output types from them)."""
         offered = keys if isinstance(keys, list) else list(keys)
         got = list(map(self._blocks.get, offered))
+        try:
+            _join_bytes(offered)  # C speed: refuses anything but bytes (str keys above all), before anything is recorded
+        except TypeError:
+            _refuse_non_bytes(offered)
         access = req_context.get_state(RequestAccess)  # _access, inlined: one call per store
         if access is None or access.owner is not self or access.generation != self._generation:
             access = self._access(req_context)
         if got.count(None) == len(got):
             # The usual offer: chunks nobody stored yet, all recorded and all to store.
-            recorded: list[OffloadKey] = []  # recorded here, first
-            recorded_blocks: list[Block | None] = []
+            recorded, recorded_blocks = offered, got
+            fresh = self._observe(access, offered, got, req_context) is offered
             new_keys = offered
-            if self._observe(access, offered, got, req_context) is not offered and len(offered) > 1:
+            if not fresh and len(offered) > 1 and not isinstance(keys, _DISTINCT):
                 # Not all new to the request, or named twice: the record cannot prove the offer distinct.
-                if not isinstance(keys, _DISTINCT):
-                    new_keys = list(dict.fromkeys(offered))
-            ready: list[OffloadKey] = []
+                new_keys = list(dict.fromkeys(offered))
             cached: Container[OffloadKey] = _NOTHING
         else:
             new_keys = list(dict.fromkeys(key for key, block in zip(offered, got) if block is None))
-            ready = [key for key, block in zip(offered, got) if block is not None and block.ref_cnt != PENDING]
             # A key some other request is still storing is not this request's yet.
             pairs = [(key, block) for key, block in zip(offered, got) if block is None or block.ref_cnt != PENDING]
             recorded = [key for key, _ in pairs]
             recorded_blocks = [block for _, block in pairs]
+            fresh = self._observe(access, recorded, recorded_blocks, req_context) is recorded
             # The offer's cached keys (ready, or pending for another request) are the only ones an eviction could take.
             cached = {key for key, block in zip(offered, got) if block is not None}
-        if new_keys:
-            try:
-                _join_bytes(new_keys)  # C speed: refuses anything but bytes (str keys above all)
-            except TypeError:
-                _refuse_non_bytes(new_keys)
-            store_missed = access.store_missed
-            misses = (
-                new_keys
-                if not store_missed or store_missed.isdisjoint(new_keys)
-                else [key for key in new_keys if key not in store_missed]
-            )
-            if misses:
-                # ARC learns from B1/B2 before insert removes the ghost entries; once per key and request.
-                self._hooks.on_store_miss(misses)
-                store_missed.update(misses)
-        if recorded:
-            self._observe(access, recorded, recorded_blocks, req_context)
-        if ready:
-            inserted = access.inserted
-            access.reused.update([key for key in ready if key not in inserted] if inserted else ready)
         if not new_keys:
+            access.offer(recorded, recorded_blocks, fresh, stored=False)
             return StoredSlots([], [], [])
+        misses = access.store_misses(new_keys, fresh)
+        if misses:
+            # ARC learns from B1/B2 before insert removes the ghost entries; once per key and request.
+            self._hooks.on_store_miss(misses)
         sizes = self.allocation_sizes
         if sizes is not None:
             sizes.append(len(new_keys))
         # Positions the record read (none after the request finished: the policy asks the context).
         positions: Mapping[OffloadKey, int | None] = access.positions if not access.finished else _NO_POSITIONS
         output = self._store(new_keys, positions, cached, req_context)
-        if output is not None:
-            access.inserted.update(new_keys)
+        access.offer(recorded, recorded_blocks, fresh, stored=output is not None)
         return output
 
     def _store(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtriton.manager.policies.arc import ARCCachePolicy, ARCState
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, RequestAwarePolicy
+from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, Use, run_keys
 from kvtriton.manager.policies.lru import LRUCachePolicy
 from kvtriton.manager.policies.registry import POLICIES, make_policy, policy_names
 
@@ -12,10 +12,13 @@ __all__ = [
     "ARCState",
     "Block",
     "CachePolicy",
+    "KeyRun",
     "LRUCachePolicy",
     "PENDING",
     "POLICIES",
     "RequestAwarePolicy",
+    "Use",
     "make_policy",
     "policy_names",
+    "run_keys",
 ]

@@ -7,10 +7,12 @@ from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtriton.keys import OffloadKey
-from kvtriton.manager.policies.base import PENDING, Block
+from kvtriton.manager.policies.base import PENDING, Block, KeyRun, Use
 from kvtriton.specs import ReqContext
 
 __all__ = ["ARCCachePolicy", "ARCState"]
+
+_REUSED, _INSERTED = Use.REUSED, Use.INSERTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,33 +157,29 @@ class ARCCachePolicy:
         for key in reversed(keys):
             self._adapt_to_ghost(key)
 
-    def on_request_finished(
-        self,
-        keys: Sequence[OffloadKey],
-        inserted: Container[OffloadKey],
-        reused: Container[OffloadKey],
-        req_context: ReqContext,
-    ) -> None:
+    def on_request_finished(self, runs: Sequence[KeyRun], req_context: ReqContext) -> None:
         del req_context
         t1, t2 = self._t1, self._t2
         t1_pop, t1_move, t2_move = t1.pop, t1.move_to_end, t2.move_to_end
-        for key in reversed(keys):
-            if key in reused:
+        for keys, use in reversed(runs):
+            if use is _REUSED:
                 # One reuse per request: refreshed in T2, or T1 -> T2. T2 is
                 # asked first: most reused keys were reused before, and T1
                 # and T2 never share a key.
-                if key in t2:
-                    t2_move(key)
-                else:
-                    block = t1_pop(key, None)
-                    if block is not None:
-                        t2[key] = block
-            elif key in inserted:
+                for key in reversed(keys):
+                    if key in t2:
+                        t2_move(key)
+                    else:
+                        block = t1_pop(key, None)
+                        if block is not None:
+                            t2[key] = block
+            elif use is _INSERTED:
                 # A store is not a use: recency only, in whichever list holds it.
-                if key in t1:
-                    t1_move(key)
-                elif key in t2:
-                    t2_move(key)
+                for key in reversed(keys):
+                    if key in t1:
+                        t1_move(key)
+                    elif key in t2:
+                        t2_move(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:

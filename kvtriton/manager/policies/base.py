@@ -9,12 +9,13 @@ so a policy ranks blocks exactly as vLLM's does when given the same calls.
 from __future__ import annotations
 
 from collections.abc import Collection, Container, Mapping, Sequence
+from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from kvtriton.keys import OffloadKey
 from kvtriton.specs import ReqContext
 
-__all__ = ["PENDING", "Block", "CachePolicy", "RequestAwarePolicy"]
+__all__ = ["PENDING", "Block", "CachePolicy", "KeyRun", "RequestAwarePolicy", "Use", "run_keys"]
 
 PENDING = -1
 """``Block.ref_cnt`` of a block whose store has not completed yet."""
@@ -45,6 +46,28 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block(slot={self.slot}, ref_cnt={self.ref_cnt})"
+
+
+class Use(Enum):
+    """How a finished request used a run of its keys (what ``on_request_finished`` hands a policy)."""
+
+    REUSED = "reused"
+    """Ready before the request used them: one use each (a frequency policy counts it)."""
+    INSERTED = "inserted"
+    """Stored by the request and not reused: not a use, recency only (vLLM's insertion-only keys)."""
+    SEEN = "seen"
+    """Neither: offered for a store that was refused."""
+
+
+KeyRun = tuple[Sequence[OffloadKey], Use]
+"""Consecutive keys of a finished request, head to tail, with the one way the request used all of them."""
+
+
+def run_keys(runs: Sequence[KeyRun]) -> Sequence[OffloadKey]:
+    """The keys of ``runs``, in order (a policy that ranks every use alike needs no more)."""
+    if len(runs) == 1:
+        return runs[0][0]
+    return [key for keys, _ in runs for key in keys]
 
 
 class CachePolicy(Protocol):
@@ -136,19 +159,12 @@ class RequestAwarePolicy(CachePolicy, Protocol):
         """
         ...
 
-    def on_request_finished(
-        self,
-        keys: Sequence[OffloadKey],
-        inserted: Container[OffloadKey],
-        reused: Container[OffloadKey],
-        req_context: ReqContext,
-    ) -> None:
-        """Commit one finished request's access: ``keys`` head to tail (the head ends most recent).
+    def on_request_finished(self, runs: Sequence[KeyRun], req_context: ReqContext) -> None:
+        """Commit one finished request's access: its keys head to tail (the head ends most recent), in runs of one use.
 
-        ``reused`` keys were ready before the request used them (one use
-        each, for a frequency policy); ``inserted`` keys were stored by it,
-        which is not a use unless the key is also in ``reused`` (vLLM's
-        insertion-only keys are ``inserted - reused``); keys in neither
-        (refused stores) only move within their list.
+        ``Use.REUSED`` keys count one use each, for a frequency policy;
+        ``Use.INSERTED`` keys were stored by the request, which is not a use;
+        ``Use.SEEN`` keys (refused stores) only move within their list, if at
+        all. A key appears once.
         """
         ...

@@ -7,7 +7,7 @@ from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtriton.keys import OffloadKey
-from kvtriton.manager.policies.base import Block
+from kvtriton.manager.policies.base import Block, KeyRun, run_keys
 from kvtriton.specs import ReqContext
 
 __all__ = ["LRUCachePolicy"]
@@ -169,14 +169,8 @@ class LRUCachePolicy:
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         del keys  # LRU keeps no history of evicted keys
 
-    def on_request_finished(
-        self,
-        keys: Sequence[OffloadKey],
-        inserted: Container[OffloadKey],
-        reused: Container[OffloadKey],
-        req_context: ReqContext,
-    ) -> None:
-        del inserted, reused  # every access counts the same in LRU
+    def on_request_finished(self, runs: Sequence[KeyRun], req_context: ReqContext) -> None:
+        keys = run_keys(runs)  # every access counts the same in LRU
         state = req_context.get_state(_RequestTick)
         request_tick = state.tick if state is not None and state.owner is self and state.generation == self._generation else None
         ranked = self._requests.pop(request_tick, None) if request_tick is not None else None
