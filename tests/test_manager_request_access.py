@@ -64,8 +64,8 @@ def test_the_runs_and_the_sets_give_the_policy_the_same_uses(script: list[Access
     as_sets = RequestAccess(owner=None, generation=0)
     replay(as_sets, script)
     as_sets.to_sets()
-    assert as_runs.runs is not None  # only fresh accesses: still runs
-    assert as_sets.runs is None
+    assert as_runs.run_ends is not None and as_runs.uses is None  # only fresh accesses: still runs
+    assert as_sets.run_ends is None
     from_runs = as_runs.head_to_tail_runs(keys, first_seen=True)
     from_sets = as_sets.head_to_tail_runs(keys, first_seen=False)
     assert flat(from_runs) == flat(from_sets)
@@ -80,14 +80,15 @@ def test_an_access_that_names_a_key_again_turns_the_runs_into_sets() -> None:
     keys = [a, b]
     new, _ = access.observe(keys, no_position)
     access.reuse(keys, new is keys)
-    assert access.runs == [([a, b], Use.REUSED)]
+    assert access.head_to_tail_runs([a, b], first_seen=True) == [([a, b], Use.REUSED)]
     new, _ = access.observe([b, c], no_position)  # b again
     assert new == [c]
     assert access.store_misses([b, c], fresh=False) == [b, c]
-    assert access.runs is None
-    assert access.reused == {a, b}
+    assert access.run_ends is None
+    uses = access.to_sets()
+    assert uses.reused == {a, b}
     access.offer([b, c], [None, None], False, stored=True)
-    assert access.inserted == {b, c}
+    assert uses.inserted == {b, c}
     assert access.store_misses([c], fresh=False) == []  # learnt from once per request
     assert flat(access.head_to_tail_runs([a, b, c], first_seen=True)) == [
         (a, Use.REUSED),

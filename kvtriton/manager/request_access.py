@@ -21,9 +21,23 @@ from typing import cast
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.policies.base import Block, KeyRun, Use
 
-__all__ = ["RequestAccess", "head_to_tail"]
+__all__ = ["KeyUses", "RequestAccess", "head_to_tail"]
 
 _REUSED, _INSERTED, _SEEN = Use.REUSED, Use.INSERTED, Use.SEEN
+
+
+class KeyUses:
+    """A request's keys by use, once its record keeps them as sets (see :class:`RequestAccess`)."""
+
+    __slots__ = ("inserted", "reused", "store_missed")
+
+    def __init__(self) -> None:
+        self.inserted: set[OffloadKey] = set()
+        """The keys its stores allocated."""
+        self.reused: set[OffloadKey] = set()
+        """The ready keys it loaded or offered that it had not inserted itself."""
+        self.store_missed: set[OffloadKey] = set()
+        """The keys whose store miss the policy already learnt from (once per request)."""
 
 
 class RequestAccess:
@@ -39,26 +53,23 @@ class RequestAccess:
 
     How the request used its keys is kept in one of two forms. While every
     access names only keys the request has not seen (a load of its prefix, a
-    store of its tail: the usual request), ``runs`` lists the accesses in
-    order, each with its one use, and nothing is hashed a second time; their
-    keys together are exactly ``positions``' keys, in order. The first
-    access that names a key again turns ``runs`` into the sets and ``runs``
-    to None: ``inserted`` are the keys its stores allocated, ``reused`` the
-    ready keys it loaded or offered that it had not inserted itself,
-    ``store_missed`` the keys whose store miss the policy already learnt from
-    (once per request).
+    store of its tail: the usual request), the keys of ``positions`` are cut
+    into runs of one use: run ``i`` ends at index ``run_ends[i]`` and its keys
+    were used as ``run_uses[i]``. Nothing is hashed a second time and the
+    record holds four objects, which keeps the garbage collector's work as
+    small as vLLM's. The first access that names a key again moves the uses
+    into :class:`KeyUses` sets (``uses``) and sets ``run_ends`` to None.
     """
 
-    __slots__ = ("owner", "generation", "positions", "runs", "inserted", "reused", "store_missed", "finished")
+    __slots__ = ("owner", "generation", "positions", "run_ends", "run_uses", "uses", "finished")
 
     def __init__(self, owner: object, generation: int) -> None:
         self.owner = owner
         self.generation = generation
         self.positions: dict[OffloadKey, int | None] = {}
-        self.runs: list[KeyRun] | None = []
-        self.inserted: set[OffloadKey] = set()
-        self.reused: set[OffloadKey] = set()
-        self.store_missed: set[OffloadKey] = set()
+        self.run_ends: list[int] | None = []
+        self.run_uses: list[Use] = []
+        self.uses: KeyUses | None = None
         self.finished = False
 
     def observe(
@@ -83,40 +94,58 @@ class RequestAccess:
             found = [positions[key] for key in new]
         return new, found
 
-    def to_sets(self) -> None:
-        """Keep the uses in the sets from now on (an access is about to name a key again)."""
-        runs = self.runs
-        if runs is None:
-            return
-        self.runs = None
-        for keys, use in runs:
-            if use is _REUSED:
-                self.reused.update(keys)
-            else:  # a store's keys: all were store misses
-                self.store_missed.update(keys)
-                if use is _INSERTED:
-                    self.inserted.update(keys)
+    def _runs(self, keys: list[OffloadKey]) -> list[KeyRun]:
+        """The record's runs, cut from its first-seen ``keys`` (``list(self.positions)``; keys past the last run,
+        seen by the access in progress, belong to no run yet)."""
+        ends, uses = self.run_ends, self.run_uses
+        assert ends is not None  # the callers check the form
+        if len(uses) == 1:  # the usual finished request: one use (its keys may go on past the run mid-access)
+            return [(keys if ends[0] == len(keys) else keys[: ends[0]], uses[0])]
+        runs: list[KeyRun] = []
+        start = 0
+        for end, use in zip(ends, uses):
+            runs.append((keys[start:end], use))
+            start = end
+        return runs
+
+    def to_sets(self) -> KeyUses:
+        """The uses as sets, kept in that form from now on (an access is about to name a key again)."""
+        uses = self.uses
+        if uses is not None:
+            return uses
+        uses = self.uses = KeyUses()
+        if self.run_ends:
+            for keys, use in self._runs(list(self.positions)):
+                if use is _REUSED:
+                    uses.reused.update(keys)
+                else:  # a store's keys: all were store misses
+                    uses.store_missed.update(keys)
+                    if use is _INSERTED:
+                        uses.inserted.update(keys)
+        self.run_ends = None
+        return uses
 
     def reuse(self, keys: list[OffloadKey], fresh: bool) -> None:
         """``keys`` were ready when the request loaded or offered them; ``fresh``: all first seen in this access."""
-        runs = self.runs
-        if fresh and runs is not None:
-            runs.append((keys, _REUSED))
+        ends = self.run_ends
+        if fresh and ends is not None:
+            if keys:
+                ends.append(len(self.positions))
+                self.run_uses.append(_REUSED)
             return
-        self.to_sets()
-        inserted = self.inserted
+        uses = self.to_sets()
+        inserted = uses.inserted
         # A key this request inserted is read back by the tiers (a cascade), not reused.
-        self.reused.update([key for key in keys if key not in inserted] if inserted else keys)
+        uses.reused.update([key for key in keys if key not in inserted] if inserted else keys)
 
     def store_misses(self, keys: list[OffloadKey], fresh: bool) -> list[OffloadKey]:
         """Of the uncached keys an offer is about to store, the ones the policy has not learnt from in this request.
 
         ``fresh``: the offer's recorded keys were all first seen in it.
         """
-        if fresh and self.runs is not None:
+        if fresh and self.run_ends is not None:
             return keys  # first seen in this offer: none learnt from yet (offer records them)
-        self.to_sets()
-        missed = self.store_missed
+        missed = self.to_sets().store_missed
         misses = keys if not missed or missed.isdisjoint(keys) else [key for key in keys if key not in missed]
         missed.update(misses)
         return misses
@@ -130,36 +159,41 @@ class RequestAccess:
         if not keys:
             return
         new_use = _INSERTED if stored else _SEEN
-        runs = self.runs
-        if fresh and runs is not None:
+        ends = self.run_ends
+        if fresh and ends is not None:
+            run_uses = self.run_uses
             if blocks.count(None) == len(blocks):  # the usual offer: new keys only
-                runs.append((keys, new_use))
+                ends.append(len(self.positions))
+                run_uses.append(new_use)
                 return
-            run: list[OffloadKey] = []
+            # New and ready keys mixed: one run per stretch of one use.
+            end = len(self.positions) - len(keys)
             last: Use | None = None
-            for key, block in zip(keys, blocks):
+            for block in blocks:
                 use = new_use if block is None else _REUSED
                 if use is not last:
-                    run = []
-                    runs.append((run, use))
+                    if last is not None:
+                        ends.append(end)
+                        run_uses.append(last)
                     last = use
-                run.append(key)
+                end += 1
+            ends.append(end)
+            run_uses.append(new_use if blocks[-1] is None else _REUSED)
             return
         self.reuse([key for key, block in zip(keys, blocks) if block is not None], False)
         if stored:
-            self.inserted.update([key for key, block in zip(keys, blocks) if block is None])
+            self.to_sets().inserted.update([key for key, block in zip(keys, blocks) if block is None])
 
     def head_to_tail_runs(self, ordered: list[OffloadKey], first_seen: bool) -> list[KeyRun]:
         """The finished request's ``ordered`` keys (:func:`head_to_tail`) in runs of one use.
 
-        ``first_seen``: ``ordered`` is the first-seen order, so the record's
-        own runs already are the answer.
+        ``first_seen``: ``ordered`` is the first-seen order (``list(self.positions)``),
+        so the record's own runs cut it.
         """
-        runs = self.runs
-        if first_seen and runs is not None:
-            return runs
-        self.to_sets()
-        inserted, reused = self.inserted, self.reused
+        if first_seen and self.run_ends is not None:
+            return self._runs(ordered) if self.run_ends else []
+        uses = self.to_sets()
+        inserted, reused = uses.inserted, uses.reused
         classified: list[KeyRun] = []
         run: list[OffloadKey] = []
         last: Use | None = None

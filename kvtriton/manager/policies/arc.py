@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from kvtriton.keys import OffloadKey
 from kvtriton.manager.policies.base import PENDING, Block, KeyRun, Use
@@ -34,6 +35,14 @@ def _take(
     if n <= 0:
         return taken
     append = taken.append
+    if not protected:  # the usual store: none of its keys is cached
+        for key, block in entries:
+            if block.ref_cnt == 0:
+                append(key)
+                n -= 1
+                if not n:
+                    break
+        return taken
     for key, block in entries:
         if block.ref_cnt == 0 and key not in protected:
             append(key)
@@ -174,12 +183,14 @@ class ARCCachePolicy:
                         if block is not None:
                             t2[key] = block
             elif use is _INSERTED:
-                # A store is not a use: recency only, in whichever list holds it.
+                # A store is not a use: recency only, in whichever list holds it
+                # (T1, unless evicted or reused since: asked without a lookup first).
                 for key in reversed(keys):
-                    if key in t1:
+                    try:
                         t1_move(key)
-                    elif key in t2:
-                        t2_move(key)
+                    except KeyError:
+                        if key in t2:
+                            t2_move(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
         if n <= 0:
@@ -213,9 +224,8 @@ class ARCCachePolicy:
         for ghost in (b1, b2):
             excess = len(ghost) - capacity
             if excess > 0:
-                popitem = ghost.popitem
-                for _ in range(excess):
-                    popitem(False)  # the oldest ghost; positional: a keyword call costs more
+                for key in list(islice(ghost, excess)):  # the oldest ghosts (measured faster than popitem)
+                    del ghost[key]
         return from_t1 + from_t2 + fallback
 
     def clear(self) -> None:
