@@ -295,7 +295,7 @@ class CPUOffloadingManager(OffloadingManager):
         for block in cast("list[Block]", got):  # no None (checked above)
             count = block.ref_cnt
             if count <= 0:
-                if count == PENDING:
+                if count:  # PENDING, the only negative count
                     self._refuse_load(loaded, got, got.index(block))
                 newly_loading += 1
             block.ref_cnt = count + 1

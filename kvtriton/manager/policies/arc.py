@@ -164,7 +164,8 @@ class ARCCachePolicy:
             return
         self._ghost_free = None
         for key in reversed(keys):
-            self._adapt_to_ghost(key)
+            if key in b1 or key in b2:  # most keys of the offer are not ghosts: no call for them
+                self._adapt_to_ghost(key)
 
     def on_request_finished(self, runs: Sequence[KeyRun], req_context: ReqContext) -> None:
         del req_context
