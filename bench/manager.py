@@ -253,7 +253,10 @@ def _vllm_calls(vllm: _Vllm, manager: _VllmManager, with_touch: bool) -> Manager
 
 HEADLINE_FRACTION = 0.1
 """Default capacity of the headline, as a fraction of each trace's distinct prompt blocks."""
-HEADLINE_ROUNDS = 5
+HEADLINE_ROUNDS = 9
+"""Alternating rounds per point: kvtriton's replay takes about 0.15 s, so one hiccup of a shared machine moves a round
+by tens of percent; the median of 9 stays put where 5 did not (two 5-round runs the same hour read 2.30x and 2.74x
+for one row)."""
 QUICK_HEADLINE_REQUESTS = 300
 
 
