@@ -8,8 +8,9 @@ them the request's stores inserted and which were reused (ready before the
 request used them). The record lives in the request's own context
 (``ReqContext.set_state``), so nothing has to announce the request and
 nothing outlives it; when the request finishes, its keys are ordered head to
-tail (:func:`head_to_tail`) and handed to the policy with that split, so a
-frequency policy (ARC) counts one reuse per request and never a store.
+tail (:func:`head_to_tail`) and handed to the policy in runs of one use
+(reused, inserted, neither), so a frequency policy (ARC) counts one reuse per
+request and never a store.
 """
 
 from __future__ import annotations
@@ -96,11 +97,13 @@ class RequestAccess:
         return new, found
 
     def _runs(self, keys: list[OffloadKey]) -> list[KeyRun]:
-        """The record's runs, cut from its first-seen ``keys`` (``list(self.positions)``; keys past the last run,
-        seen by the access in progress, belong to no run yet)."""
+        """The record's runs, cut from its first-seen ``keys`` (``list(self.positions)``).
+
+        Keys past the last run end, seen by an access still in progress, belong to no run yet.
+        """
         ends, uses = self.run_ends, self.run_uses
         assert ends is not None  # the callers check the form
-        if len(uses) == 1:  # the usual finished request: one use (its keys may go on past the run mid-access)
+        if len(uses) == 1:  # a request that only loaded or only stored: no slicing unless an access is in progress
             return [(keys if ends[0] == len(keys) else keys[: ends[0]], uses[0])]
         runs: list[KeyRun] = []
         start = 0
