@@ -15,7 +15,7 @@ request and never a store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from operator import itemgetter, lt
 from typing import cast
@@ -58,8 +58,8 @@ class RequestAccess:
     store of its tail: the usual request), the keys of ``positions`` are cut
     into runs of one use: run ``i`` ends at index ``run_ends[i]`` and its keys
     were used as ``run_uses[i]``. Nothing is hashed a second time and the
-    record holds four objects, which keeps the garbage collector's work as
-    small as vLLM's. The first access that names a key again moves the uses
+    record holds four objects for the garbage collector (vLLM's holds about
+    ten). The first access that names a key again moves the uses
     into :class:`KeyUses` sets (``uses``) and sets ``run_ends`` to None.
     """
 
@@ -105,12 +105,7 @@ class RequestAccess:
         assert ends is not None  # the callers check the form
         if len(uses) == 1:  # a request that only loaded or only stored: no slicing unless an access is in progress
             return [(keys if ends[0] == len(keys) else keys[: ends[0]], uses[0])]
-        runs: list[KeyRun] = []
-        start = 0
-        for end, use in zip(ends, uses):
-            runs.append((keys[start:end], use))
-            start = end
-        return runs
+        return _cut(keys, zip(ends, uses))
 
     def to_sets(self) -> KeyUses:
         """The uses as sets, kept in that form from now on (an access is about to name a key again)."""
@@ -171,18 +166,10 @@ class RequestAccess:
                 run_uses.append(new_use)
                 return
             # New and ready keys mixed: one run per stretch of one use.
-            end = len(self.positions) - len(keys)
-            last: Use | None = None
-            for block in blocks:
-                use = new_use if block is None else _REUSED
-                if use is not last:
-                    if last is not None:
-                        ends.append(end)
-                        run_uses.append(last)
-                    last = use
-                end += 1
-            ends.append(end)
-            run_uses.append(new_use if blocks[-1] is None else _REUSED)
+            start = len(self.positions) - len(keys)
+            for end, use in _stretches([new_use if block is None else _REUSED for block in blocks]):
+                ends.append(start + end)
+                run_uses.append(use)
             return
         self.reuse([key for key, block in zip(keys, blocks) if block is not None], False)
         if stored:
@@ -198,17 +185,24 @@ class RequestAccess:
             return self._runs(ordered) if self.run_ends else []
         uses = self.to_sets()
         inserted, reused = uses.inserted, uses.reused
-        classified: list[KeyRun] = []
-        run: list[OffloadKey] = []
-        last: Use | None = None
-        for key in ordered:
-            use = _REUSED if key in reused else _INSERTED if key in inserted else _SEEN
-            if use is not last:
-                run = []
-                classified.append((run, use))
-                last = use
-            run.append(key)
-        return classified
+        kinds = [_REUSED if key in reused else _INSERTED if key in inserted else _SEEN for key in ordered]
+        return _cut(ordered, _stretches(kinds))
+
+
+def _stretches(uses: list[Use]) -> list[tuple[int, Use]]:
+    """Each stretch of one use in ``uses``: the index just past its end, and the use."""
+    last = len(uses) - 1
+    return [(index + 1, use) for index, use in enumerate(uses) if index == last or uses[index + 1] is not use]
+
+
+def _cut(keys: list[OffloadKey], stretches: Iterable[tuple[int, Use]]) -> list[KeyRun]:
+    """``keys`` cut into runs at the ends of ``stretches`` (consecutive, the first starting at index 0)."""
+    runs: list[KeyRun] = []
+    start = 0
+    for end, use in stretches:
+        runs.append((keys[start:end], use))
+        start = end
+    return runs
 
 
 def _group(key: OffloadKey) -> bytes:

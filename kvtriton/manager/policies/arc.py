@@ -35,14 +35,6 @@ def _take(
     if n <= 0:
         return taken
     append = taken.append
-    if not protected:  # the usual store: none of its keys is cached
-        for key, block in entries:
-            if block.ref_cnt == 0:
-                append(key)
-                n -= 1
-                if not n:
-                    break
-        return taken
     for key, block in entries:
         if block.ref_cnt == 0 and key not in protected:
             append(key)
