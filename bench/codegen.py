@@ -10,15 +10,9 @@ descriptor-per-copy baseline.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
@@ -188,7 +182,7 @@ def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKer
     return CompiledKernel(name="descriptor-per-copy", ptx=asm["ptx"], ttir=asm["ttir"])
 
 
-def _compile_compress_here(config: CompressConfig, to_slab: bool, arch: int) -> dict[str, str]:
+def _compile_compress(config: CompressConfig, to_slab: bool, arch: int) -> dict[str, str]:
     from bench.compile_asm import compile_asm
 
     return compile_asm(
@@ -212,45 +206,15 @@ def _compile_compress_here(config: CompressConfig, to_slab: bool, arch: int) -> 
 def compile_compress_pages(
     requests: Sequence[tuple[CompressConfig, bool]], *, arch: int = 90
 ) -> list[CompiledKernel]:
-    """Compile the fused fp8 gather (``to_slab`` True: quantize) or scatter kernel for each ``(config, to_slab)``.
-
-    The kernel reduces with ``tl.max`` / ``tl.sum``, which Triton defines as
-    ``@jit`` functions: with ``TRITON_INTERPRET`` set (the test suite) they
-    were created as interpreter functions and cannot be compiled in this
-    process, so the compile then runs in one child process with the
-    interpreter off (``python -m bench.codegen``, the requests as JSON).
-    """
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        asm = [_compile_compress_here(config, to_slab, arch) for config, to_slab in requests]
-    else:
-        payload = json.dumps({"arch": arch, "requests": [[dataclasses.asdict(config), to_slab] for config, to_slab in requests]})
-        environment = {**os.environ, "TRITON_INTERPRET": "0"}
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.codegen"], input=payload, capture_output=True, text=True, env=environment, check=False
-        )
-        if done.returncode != 0:
-            if "UnsupportedTriton" in done.stderr:
-                from bench.compile_asm import UnsupportedTriton
-
-                raise UnsupportedTriton(done.stderr.strip().splitlines()[-1])
-            raise RuntimeError(f"compiling the fp8 kernels in a child process failed:\n{done.stderr}")
-        asm = cast("list[dict[str, str]]", json.loads(done.stdout))
+    """Compile the fused fp8 gather (``to_slab`` True: quantize) or scatter kernel for each ``(config, to_slab)``."""
     return [
         CompiledKernel(
             name=f"{'fp8 gather' if to_slab else 'fp8 scatter'} {config.elements * config.element_bytes} B",
-            ptx=result["ptx"], ttir=result["ttir"],
+            ptx=asm["ptx"], ttir=asm["ttir"],
         )  # fmt: skip
-        for (config, to_slab), result in zip(requests, asm)
+        for config, to_slab in requests
+        for asm in [_compile_compress(config, to_slab, arch)]
     ]
-
-
-def _serve_compile_requests() -> None:
-    """The child side of :func:`compile_compress_pages`: requests as JSON on stdin, assembly as JSON on stdout."""
-    request = cast("dict[str, object]", json.loads(sys.stdin.read()))
-    arch = cast(int, request["arch"])
-    pairs = cast("list[tuple[dict[str, int], bool]]", request["requests"])
-    results = [_compile_compress_here(CompressConfig(**config), to_slab, arch) for config, to_slab in pairs]
-    sys.stdout.write(json.dumps([{"ptx": r["ptx"], "ttir": r["ttir"]} for r in results]))
 
 
 def compressed_production_config(
@@ -262,6 +226,3 @@ def compressed_production_config(
     (entry,) = compression_layout([page], group_size).pages
     return compress_config(entry, num_pages, bytes_per_iter, page_word=word_width(page_bytes), slab_word=16)
 
-
-if __name__ == "__main__":
-    _serve_compile_requests()

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import cast
 
 import pytest
 
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
 from bench.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 # A Llama-3-8B-shaped job: 32 layers x (K, V) page tensors.
 NUM_PAGES = 64
@@ -210,7 +216,7 @@ def test_mixed_page_sizes_in_one_launch_fall_to_8_byte_accesses_so_the_launcher_
         assert set(compile_copy_pages(config, to_slab=to_slab).accesses().stores) == {16}
 
 
-# The fp8 kernels compile in one child process (see bench.codegen.compile_compress_pages): every variant the tests read, at once.
+# Every fp8 variant the tests read, compiled once.
 COMPRESSED_VARIANTS = [
     (1024, "bf16", True), (4096, "bf16", True), (32768, "bf16", True), (32768, "fp32", True),
     (1024, "bf16", False), (4096, "fp16", False), (32768, "bf16", False),
@@ -267,3 +273,29 @@ def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_wo
     loop = kernel.loop_accesses()
     page_side = loop.loads if to_slab else loop.stores
     assert page_side.get(16, 0) * 16 * kernel.threads >= DEFAULT_BYTES_PER_ITER, (kernel.threads, loop.describe())
+
+
+_AFTER_AN_INTERPRETED_FP8_KERNEL = """
+import torch
+from kvtriton.kernels import compression_layout, gather_pages_compressed
+from tests.kernel_cases import build_pages, build_slab, indices
+from bench.codegen import compile_copy_pages, production_config
+
+case = build_pages("mla", torch.bfloat16, "cpu", kv_values=True)
+slab = build_slab(case, 4, "cpu", row_bytes=compression_layout(case.pages, 8).row_bytes)
+rows = indices([0, 1], torch.int64, "cpu")
+gather_pages_compressed(case.pages, slab, rows, rows, group_size=8)  # tl.max / tl.sum, interpreted
+print(len(compile_copy_pages(production_config(4096, 2), to_slab=True).ptx))
+"""
+
+
+def test_a_compile_after_an_interpreted_fp8_kernel_works_on_an_empty_triton_cache(tmp_path: Path) -> None:
+    # A new machine: nothing in Triton's cache, and the interpreter has already run a kernel that calls a
+    # @triton.jit helper (which leaves triton.language.core patched in that process).
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    done = subprocess.run(
+        [sys.executable, "-c", _AFTER_AN_INTERPRETED_FP8_KERNEL],
+        cwd=REPO, env=environment, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 1000  # the PTX of the gather
