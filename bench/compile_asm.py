@@ -134,8 +134,10 @@ class _CompileProcess:
         return self._process.poll() is None
 
     def close(self) -> None:
-        if self._process.stdin is not None and not self._process.stdin.closed:
-            self._process.stdin.close()
+        """End of input ends the child; then both pipes are closed."""
+        for pipe in (self._process.stdin, self._process.stdout):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
         self._process.wait(timeout=30)
 
 
