@@ -86,9 +86,13 @@ def time_backend(kv: PagedKV, slab: HostSlab, backend: str, blocks: list[int], j
 
 
 def crossover(timings: Sequence[Timing], fast: str, direction: str, pattern: str) -> int | None:
-    """The smallest page size from which ``dma`` is faster than ``fast`` at every larger size in the sweep."""
-    sizes = sorted({t.page_bytes for t in timings})
+    """The smallest page size from which ``dma`` is faster than ``fast`` at every larger size measured so far.
+
+    Only sizes with both backends timed for this direction and pattern count,
+    so a sweep cut off part-way still gives the verdict of what it measured.
+    """
     by = {(t.backend, t.page_bytes): t.seconds for t in timings if t.direction == direction and t.pattern == pattern}
+    sizes = sorted({size for _, size in by if ("dma", size) in by and (fast, size) in by})
     winning = [size for size in sizes if by[("dma", size)] < by[(fast, size)]]
     for size in sizes:
         if all(larger in winning for larger in sizes if larger >= size):
@@ -102,12 +106,57 @@ def auto_rule_line(direction: str, page_bytes: int) -> str:
 
 
 def suggested_rules(crossings: dict[str, int | None], patterns: Sequence[str]) -> dict[str, int | None]:
-    """Per direction, the page size from which dma wins with every block pattern (the larger crossover), else None."""
+    """Per direction, the page size from which dma wins with every block pattern (the larger crossover), else None.
+
+    A direction with a pattern not measured yet (absent from ``crossings``) gets no entry: its verdict is unknown.
+    """
     rules: dict[str, int | None] = {}
     for direction in ("store", "load"):
-        sizes = [crossings[f"{direction}/{pattern}"] for pattern in patterns]
+        keys = [f"{direction}/{pattern}" for pattern in patterns]
+        if any(key not in crossings for key in keys):
+            continue
+        sizes = [crossings[key] for key in keys]
         rules[direction] = None if any(size is None for size in sizes) else max(size for size in sizes if size is not None)
     return rules
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What the cases measured so far say: the crossover per direction and pattern, and the ``AUTO_TABLE`` rows."""
+
+    crossings: dict[str, int | None]
+    """``"store/random"`` ->  the page size from which dma wins (None: it never does); measured keys only."""
+    rules: dict[str, int | None]
+    """Per direction whose every pattern is measured: the ``min_page_bytes`` of its dma row (None: no dma row)."""
+    rows: dict[str, str]
+    """Per direction in ``rules``: the line to paste into ``AUTO_TABLE``, or why there is none."""
+    page_sizes: list[int]
+    """The page sizes the verdict rests on (fewer than swept when the run was cut off)."""
+
+    def payload(self) -> dict[str, object]:
+        return {
+            "crossover_page_bytes": self.crossings, "auto_table_min_page_bytes": self.rules,
+            "auto_table_rows": self.rows, "verdict_page_bytes": self.page_sizes,
+        }  # fmt: skip
+
+
+def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Verdict:
+    """The verdict of every direction and pattern measured so far.
+
+    Recomputed after every case, so a run cut off keeps the verdict of the cases that finished.
+    """
+    crossings: dict[str, int | None] = {}
+    for direction in ("store", "load"):
+        for pattern in patterns:
+            if any(t.direction == direction and t.pattern == pattern for t in timings):
+                crossings[f"{direction}/{pattern}"] = crossover(timings, fast, direction, pattern)
+    rules = suggested_rules(crossings, patterns)
+    rows = {
+        direction: auto_rule_line(direction, size)
+        if size is not None else f"no dma row for {direction} ({fast} wins at some size with some pattern)"
+        for direction, size in rules.items()
+    }  # fmt: skip
+    return Verdict(crossings, rules, rows, sorted({t.page_bytes for t in timings}))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -157,26 +206,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ]
         del tensors, kv
         payload["results"] = [asdict(t) for t in timings]
-        write_json(name, payload)  # after every case: a run cut short keeps what finished
+        if not args.quick:  # smoke runs carry no verdict
+            payload |= verdict(timings, fast, list(patterns)).payload()
+        write_json(name, payload)  # after every case: a run cut short keeps what finished, verdict included
     table = [[t.direction, t.pattern, readable_bytes(t.page_bytes), t.backend, t.seconds * 1e3, t.bandwidth_GBps] for t in timings]
     print(format_table(["direction", "gpu blocks", "page", "backend", "ms/job", "GB/s"], table))
-    crossings: dict[str, int | None] = {}
-    for direction in ("store", "load"):
-        for pattern in patterns:
-            crossings[f"{direction}/{pattern}"] = crossover(timings, fast, direction, pattern)
-    payload["crossover_page_bytes"] = crossings
     if args.quick:
         print("smoke run: no crossover verdict")
     else:
-        for key, size in crossings.items():
-            verdict = f"dma from {readable_bytes(size)} pages on" if size is not None else f"{fast} at every page size swept"
-            print(f"crossover {key:12s}: {verdict}")
-        rules = suggested_rules(crossings, list(patterns))
-        payload["auto_table_min_page_bytes"] = rules
+        final = verdict(timings, fast, list(patterns))
+        for key, size in final.crossings.items():
+            text = f"{fast} at every page size swept" if size is None else f"dma from {readable_bytes(size)} pages on"
+            print(f"crossover {key:12s}: {text}")
         if device == "cuda":
             print("AUTO_TABLE (kvtriton/worker/backends.py; docs/worker.md, 'Setting AUTO_TABLE'):")
-            for direction, size in rules.items():
-                line = auto_rule_line(direction, size) if size is not None else f"no dma row for {direction} (triton wins at some size with some pattern)"
+            for line in final.rows.values():
                 print(f"  {line}")
     payload["complete"] = True
     print(f"wrote {write_json(name, payload)}")

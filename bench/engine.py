@@ -25,7 +25,9 @@ pays per job, which ``bench/gpu_check.sh`` measures on the GPU. The launch is
 part of the figure then, so it has no baseline (``--no-baseline`` is implied).
 
 Goals: at most 40 us per job at 64 page tensors and 60 us at 160.
-JSON goes to ``bench/results/engine.json`` (``$KVTRITON_BENCH_OUT``).
+JSON goes to ``bench/results/engine.json`` (``$KVTRITON_BENCH_OUT``),
+rewritten after every measured tree and page-tensor count (``"complete":
+false`` until the end), so a run cut off keeps what it measured.
 ``--quick`` is a smoke run: ``engine-quick.json``, no goals beside its figures.
 """
 
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 BASELINE_COMMIT = "fa74cdaf86b93282005aaa3dde83ab972f9adb78"
@@ -130,6 +132,33 @@ def _run_child(
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def result_rows(
+    measured: Mapping[tuple[str, int], Sequence[Mapping[str, float]]],
+    page_tensors: Sequence[int],
+    block_counts: Sequence[int],
+    goals: Mapping[int, float] | None,
+) -> list[dict[str, object]]:
+    """A row per block count of each page-tensor count measured on the current tree, beside its baseline if measured."""
+    rows: list[dict[str, object]] = []
+    for count in page_tensors:
+        if ("current", count) not in measured:
+            continue
+        for index, blocks in enumerate(block_counts):
+            now = measured["current", count][index]
+            row: dict[str, object] = {
+                "page_tensors": count, "blocks": blocks, "current_us": now["us_per_job"],
+                "current_median_us": now["median_us_per_job"], "goal_us": None if goals is None else goals.get(count),
+            }  # fmt: skip
+            if ("baseline", count) in measured:
+                before = measured["baseline", count][index]
+                row |= {
+                    "baseline_us": before["us_per_job"], "baseline_median_us": before["median_us_per_job"],
+                    "speedup": before["us_per_job"] / now["us_per_job"],
+                }  # fmt: skip
+            rows.append(row)
+    return rows
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--page-tensors", type=int, nargs="+", default=[64, 160], help="page tensors per engine (default: 64 160)")
@@ -167,28 +196,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("SMOKE RUN (--quick): few jobs and passes; the figures below are no verdict on the goals.")
         args.page_tensors, args.blocks, args.jobs, args.repeats = [64], [1, 16], 20, 2
     trees = {"current": ROOT}
-    rows: list[dict[str, object]] = []
+    measured: dict[tuple[str, int], list[dict[str, float]]] = {}
+
+    def payload(complete: bool) -> dict[str, object]:
+        return {
+            "device": device, "backend": "triton", "jobs_per_pass": 2 * args.jobs, "repeats": args.repeats,
+            "real_launch": args.real_launch, "smoke_run": args.quick, "complete": complete,
+            "baseline_commit": None if args.no_baseline else BASELINE_COMMIT,
+            "results": result_rows(measured, args.page_tensors, args.blocks, None if args.quick else GOALS_US),
+            "note": ("host microseconds per submitted job, the real kernel launch included" if args.real_launch
+                     else "host microseconds per submitted job with the kernel launch replaced by a no-op")
+                    + "; baseline and current (when both) measured in the same run, each in its own child process",
+        }  # fmt: skip
+
     with tempfile.TemporaryDirectory(prefix="kvtriton-baseline-") as scratch:
         if not args.no_baseline:
             trees["baseline"] = _extract_baseline(Path(scratch))
         cases = [(tree_name, tree, count) for count in args.page_tensors for tree_name, tree in trees.items()]
-        measured: dict[tuple[str, int], list[dict[str, float]]] = {}
         for tree_name, tree, count in progress(cases, len(cases), "engine host-cost bench", stream=sys.stderr):
             measured[tree_name, count] = _run_child(tree, count, args.blocks, args.jobs, args.repeats, device, args.real_launch)
-    for count in args.page_tensors:
-        for index, blocks in enumerate(args.blocks):
-            now = measured["current", count][index]
-            row: dict[str, object] = {
-                "page_tensors": count, "blocks": blocks, "current_us": now["us_per_job"],
-                "current_median_us": now["median_us_per_job"], "goal_us": None if args.quick else GOALS_US.get(count),
-            }  # fmt: skip
-            if ("baseline", count) in measured:
-                before = measured["baseline", count][index]
-                row |= {
-                    "baseline_us": before["us_per_job"], "baseline_median_us": before["median_us_per_job"],
-                    "speedup": before["us_per_job"] / now["us_per_job"],
-                }  # fmt: skip
-            rows.append(row)
+            write_json(name, payload(complete=False))  # after every case: a run cut short keeps what finished
+    rows = result_rows(measured, args.page_tensors, args.blocks, None if args.quick else GOALS_US)
     headers = ["page tensors", "blocks", "current us/job", "(median)", "baseline us/job", "(median)", "speedup", "goal us/job"]
     table = [
         [r["page_tensors"], r["blocks"], r["current_us"], r["current_median_us"], r.get("baseline_us", "-"),
@@ -196,15 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows
     ]  # fmt: skip
     print(format_table(headers, table))
-    payload: dict[str, object] = {
-        "device": device, "backend": "triton", "jobs_per_pass": 2 * args.jobs, "repeats": args.repeats,
-        "real_launch": args.real_launch, "smoke_run": args.quick,
-        "baseline_commit": None if args.no_baseline else BASELINE_COMMIT, "results": rows,
-        "note": ("host microseconds per submitted job, the real kernel launch included"
-                 if args.real_launch else "host microseconds per submitted job with the kernel launch replaced by a no-op")
-                + "; baseline and current (when both) measured in the same run, each in its own child process",
-    }  # fmt: skip
-    print(f"wrote {write_json(name, payload)}")
+    print(f"wrote {write_json(name, payload(complete=True))}")
     return 0
 
 

@@ -5,7 +5,8 @@ for the trimmed run of ``bench/gpu_check.sh``, ``--ptx`` for the code-quality
 summary that needs no GPU). For each kernel (gather: GPU pages -> slab rows;
 scatter: the inverse), page size and block count it times
 
-* ``triton``     one launch of ``kvtriton.kernels`` (CUDA only; interpreter timings are not performance),
+* ``triton``     one launch of a prepared ``CopyLauncher``, as the engine launches (CUDA only; interpreter
+                 timings are not performance),
 * ``descriptor`` a descriptor-per-copy Triton kernel in the style of vLLM's ``swap_blocks_triton.py`` (CUDA only),
 * ``dma``        the engine's ``dma`` backend: one ``cudaMemcpy2DAsync`` per run of consecutive blocks and page tensor,
 * ``torch``      the torch reference (``kernels/reference.py``, the CPU fallback),
@@ -23,11 +24,15 @@ the same run (``fp8_vs_plain`` in the JSON). Their GB/s count the
 *uncompressed* page bytes, so the ratio is the source-bytes throughput the
 issue's 0.9x GPU goal speaks of.
 
-``--gpu-check`` keeps what decides the goals and fits a minute on an H200:
-``triton``, ``dma`` and ``contiguous`` at four page sizes (4, 16, 32 and 64
-KiB, 256 shuffled blocks, both directions), ``loop`` only at the smallest
-case (a reference point: one copy per block is the slow baseline), and the
-JSON rewritten after every case, so a run cut short keeps what finished.
+``--gpu-check`` keeps what decides the goals and fits 90 s on an H200:
+``triton``, ``dma`` and ``contiguous`` at four page sizes (32 KiB, the
+headline size, first, then 4, 16 and 64 KiB; 256 shuffled blocks, both
+directions), ``loop`` only at the first case (a reference point: one copy
+per block is the slow baseline), with ``--compression`` the fp8 gather at
+16, 32 and 64 programs (``--fp8-programs``), and the JSON rewritten after
+every case, so a run cut short keeps what finished. On CUDA the JSON also
+lists every kernel variant compiled so far with the registers and spills
+``ptxas`` gave it (``compiled_variants``, ``bench/triton_variants.py``).
 ``--quick`` runs are smoke runs: labelled so, they write ``<name>-quick``
 files and their figures are no verdict on anything. The
 headline case is a Llama-3-8B-shaped job: 32 layers x (K, V) pages of 32 KiB,
@@ -40,21 +45,25 @@ JSON and a PNG go to ``bench/results/`` (``$KVTRITON_BENCH_OUT``).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 import numpy as np
 
 from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout, gather_pages, scatter_pages
+from bench.triton_variants import compiled_variants, format_variant
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
 from kvtriton.kernels.compressed_launch import CompressedLauncher
 from kvtriton.kernels.compression import gather_compressed_unchecked, scatter_compressed_unchecked
+from kvtriton.kernels.launch import CopyLauncher
 from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
 from kvtriton.tools.progress import progress
 from kvtriton.worker.backends import DmaCopy
@@ -99,6 +108,8 @@ class Result:
     bandwidth_GBps: float
     """Bytes moved per second, in GB/s (10^9 bytes)."""
     vs_contiguous: float
+    programs: int | None = None
+    """The Triton grid cap the method ran with (None: not a Triton kernel)."""
 
 
 def gpu_blocks(pattern: str, count: int, cache_blocks: int, generator: torch.Generator) -> torch.Tensor:
@@ -136,6 +147,7 @@ class Fixture:
 
     def __init__(self, job: Job, device: torch.device, pin: bool, seed: int = 0, compression: KVCompression = KVCompression.NONE) -> None:
         generator = torch.Generator().manual_seed(seed)
+        value_generator = torch.Generator(device).manual_seed(seed)
         spare = max(8, job.blocks // 8)
         cache_blocks = job.blocks + spare + RUN_BLOCKS
         words = job.page_bytes // 8
@@ -147,8 +159,9 @@ class Fixture:
             else:
                 # Compression refuses NaN and infinity (which distinct int64 words read as bf16 contain):
                 # finite KV-like values instead, every word still different.
-                values = torch.randn(layer.numel() * 4, generator=generator).to(torch.bfloat16)
-                layer.view(-1).view(torch.bfloat16).copy_(values.to(device))
+                # Drawn on the pages' device: on a GPU a CPU draw of 10^8 values would dominate the case.
+                values = layer.view(-1).view(torch.bfloat16)
+                values.copy_(torch.randn(values.numel(), generator=value_generator, device=device, dtype=torch.float32))
         self.pages = [layer[kv] for layer in self.layers for kv in range(2)]
         row_bytes = job.page_bytes * len(self.pages)
         rows = job.blocks + spare
@@ -230,56 +243,93 @@ def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
 TRIMMED_METHODS = ("triton", "dma", "contiguous")
 """What ``--gpu-check`` times (plus ``loop`` at one reference point)."""
 
+FP8_PROGRAM_COUNTS = (16, 32, 64)
+"""``--gpu-check``: the program counts the fused fp8 gather is timed at (the copy kernel's default is 16)."""
+
+
+class Contender(NamedTuple):
+    """One timed method: the call, and the Triton grid cap it launches with (None: not a Triton kernel)."""
+
+    run: Callable[[], object]
+    programs: int | None = None
+
+
+def base_method(name: str) -> str:
+    """``triton-fp8-p32`` -> ``triton``, ``torch-fp8`` -> ``torch``, ``dma`` -> ``dma``: the plain counterpart."""
+    return name.split("-fp8")[0]
+
 
 def methods(
-    fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int, only: Sequence[str] | None = None
-) -> dict[str, Callable[[], object]]:
-    """The contenders for one fixture and direction (CUDA-only ones where there is a GPU); ``only`` keeps those named."""
-    found: dict[str, Callable[[], object]] = {}
+    fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int, only: Sequence[str] | None = None,
+    fp8_programs: Sequence[int] = (),
+) -> dict[str, Contender]:  # fmt: skip
+    """The contenders for one fixture and direction (CUDA-only ones where there is a GPU); ``only`` keeps those named.
+
+    ``triton`` is a prepared :class:`~kvtriton.kernels.launch.CopyLauncher`,
+    as the engine launches: the page table, the launch configuration and the
+    launcher are built here, outside the timed call, so it is timed on the
+    same footing as ``triton-fp8`` (a prepared launcher) and ``dma`` (a
+    prepared backend). ``fp8_programs``: further program counts the fp8
+    gather is timed at, as ``triton-fp8-p<N>``.
+    """
+    found: dict[str, Contender] = {}
     if fixture.device.type == "cuda":
-        if to_slab:
-            found["triton"] = lambda: gather_pages(
-                fixture.pages, fixture.slab, fixture.blocks, fixture.rows,
-                num_programs=num_programs, bytes_per_iter=bytes_per_iter, check_indices=False,
-            )  # fmt: skip
-        else:
-            found["triton"] = lambda: scatter_pages(
-                fixture.slab, fixture.pages, fixture.rows, fixture.blocks,
-                num_programs=num_programs, bytes_per_iter=bytes_per_iter, check_indices=False,
-            )  # fmt: skip
-        found["descriptor"] = _descriptor(fixture, to_slab, num_programs)
-    found["dma"] = _dma(fixture, to_slab)
+        geometry = PagedKV(fixture.pages, [f"page{t}" for t in range(len(fixture.pages))]).geometry
+        launcher = CopyLauncher(
+            fixture.pages, fixture.slab, geometry,
+            interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter,
+        )  # fmt: skip
+        found["triton"] = Contender(lambda: launcher.launch(to_slab, fixture.blocks, fixture.rows), num_programs)
+        found["descriptor"] = Contender(_descriptor(fixture, to_slab, num_programs), num_programs)
+    found["dma"] = Contender(_dma(fixture, to_slab))
+    pages, slab, blocks, rows = fixture.pages, fixture.slab, fixture.blocks, fixture.rows
     if to_slab:
-        found["torch"] = lambda: gather_pages_reference(fixture.pages, fixture.slab, fixture.blocks, fixture.rows)
+        found["torch"] = Contender(lambda: gather_pages_reference(pages, slab, blocks, rows))
     else:
-        found["torch"] = lambda: scatter_pages_reference(fixture.slab, fixture.pages, fixture.rows, fixture.blocks)
-    found["loop"] = _loop(fixture, to_slab)
+        found["torch"] = Contender(lambda: scatter_pages_reference(slab, pages, rows, blocks))
+    found["loop"] = Contender(_loop(fixture, to_slab))
     non_blocking = fixture.device.type == "cuda"
     if to_slab:
-        found["contiguous"] = lambda: fixture.slab_flat.copy_(fixture.flat, non_blocking=non_blocking)
+        found["contiguous"] = Contender(lambda: fixture.slab_flat.copy_(fixture.flat, non_blocking=non_blocking))
     else:
-        found["contiguous"] = lambda: fixture.flat.copy_(fixture.slab_flat, non_blocking=non_blocking)
+        found["contiguous"] = Contender(lambda: fixture.flat.copy_(fixture.slab_flat, non_blocking=non_blocking))
     if fixture.compressed_slab is not None:
-        found.update(_compressed_methods(fixture, to_slab, num_programs, bytes_per_iter))
+        extra_programs = fp8_programs if to_slab else ()  # the gather quantizes: its program count is what may matter
+        found.update(_compressed_methods(fixture, to_slab, num_programs, bytes_per_iter, extra_programs))
     if only is not None:
-        found = {name: method for name, method in found.items() if name in only or name.removesuffix("-fp8") in only}
+        found = {name: method for name, method in found.items() if base_method(name) in only}
     return found
 
 
-def _compressed_methods(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int) -> dict[str, Callable[[], object]]:
-    """``triton-fp8`` (CUDA: one prepared launch, no status read-back) and ``torch-fp8`` (the compressed reference)."""
+def _compressed_methods(
+    fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int, extra_programs: Sequence[int]
+) -> dict[str, Contender]:
+    """``triton-fp8`` (CUDA: one prepared launch, no status read-back), ``triton-fp8-p<N>`` and ``torch-fp8``.
+
+    ``triton-fp8`` launches on ``num_programs`` programs, as ``triton`` does;
+    ``triton-fp8-p<N>`` is the same kernel prepared with ``num_programs=N`` for
+    each other N of ``extra_programs`` (the launcher caps the grid at it, so
+    the kernels need no knob of their own). ``torch-fp8`` is the compressed
+    reference.
+    """
     slab, pages, layout = fixture.compressed_slab, fixture.compressed_pages, fixture.layout
     assert slab is not None
-    found: dict[str, Callable[[], object]] = {}
+    found: dict[str, Contender] = {}
     if fixture.device.type == "cuda":
         geometry = PagedKV(pages, [f"page{t}" for t in range(len(pages))]).geometry
-        launcher = CompressedLauncher(pages, slab, geometry, layout, interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter)
         status = torch.zeros(1, dtype=torch.int32, device=fixture.device)
-        found["triton-fp8"] = lambda: launcher.launch(to_slab, fixture.blocks, fixture.rows, status)
+        for programs in (num_programs, *(count for count in extra_programs if count != num_programs)):
+            launcher = CompressedLauncher(
+                pages, slab, geometry, layout, interpret=False, num_programs=programs, bytes_per_iter=bytes_per_iter
+            )
+            name = "triton-fp8" if programs == num_programs else f"triton-fp8-p{programs}"
+            launch = functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows, status)
+            found[name] = Contender(launch, programs)
+    blocks, rows = fixture.blocks, fixture.rows
     if to_slab:
-        found["torch-fp8"] = lambda: gather_compressed_unchecked(pages, slab, fixture.blocks, fixture.rows, layout)
+        found["torch-fp8"] = Contender(lambda: gather_compressed_unchecked(pages, slab, blocks, rows, layout))
     else:
-        found["torch-fp8"] = lambda: scatter_compressed_unchecked(slab, pages, fixture.rows, fixture.blocks, layout)
+        found["torch-fp8"] = Contender(lambda: scatter_compressed_unchecked(slab, pages, rows, blocks, layout))
     return found
 
 
@@ -309,17 +359,19 @@ def time_round_robin(contenders: dict[str, Callable[[], object]], repeats: int, 
 def run_job(
     job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int,
     only: Sequence[str] | None = None, compression: KVCompression = KVCompression.NONE,
+    fp8_programs: Sequence[int] = (),
 ) -> list[Result]:  # fmt: skip
     fixture = Fixture(job, device, pin, compression=compression)
     results: list[Result] = []
     for to_slab in (True, False):
         kernel = "gather" if to_slab else "scatter"
-        timings = time_round_robin(methods(fixture, to_slab, num_programs, bytes_per_iter, only), repeats, device)
+        contenders = methods(fixture, to_slab, num_programs, bytes_per_iter, only, fp8_programs)
+        timings = time_round_robin({name: contender.run for name, contender in contenders.items()}, repeats, device)
         ceiling = timings["contiguous"]
         for method, seconds in timings.items():
             results.append(
                 Result(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, job.pattern, job.group, seconds,
-                       job.total_bytes / seconds / 1e9, ceiling / seconds)
+                       job.total_bytes / seconds / 1e9, ceiling / seconds, contenders[method].programs)
             )  # fmt: skip
     return results
 
@@ -427,13 +479,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats; writes <name>-quick, no verdicts")
     parser.add_argument(
         "--gpu-check", action="store_true",
-        help="the trimmed run of bench/gpu_check.sh: triton, dma and contiguous at 4/16/32/64 KiB pages (or --page-kib), "
-        "--blocks 256, one loop reference point, JSON after every case",
+        help="the trimmed run of bench/gpu_check.sh: triton, dma and contiguous at 32/4/16/64 KiB pages "
+        "(or --page-kib; 32 KiB first), --blocks 256, one loop reference point, the fp8 gather at 16/32/64 programs, "
+        "JSON after every case",
     )  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="write no PNG (the GPU check brings back few files)")
     parser.add_argument("--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)")
     parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
     parser.add_argument("--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)")
+    parser.add_argument(
+        "--fp8-programs", type=int, nargs="+", default=None,
+        help="with --compression: program counts to time the fp8 gather at besides --num-programs, as triton-fp8-p<N> "
+        f"(default: none; --gpu-check: {' '.join(map(str, FP8_PROGRAM_COUNTS))})",
+    )  # fmt: skip
     parser.add_argument(
         "--compression", choices=[member.value for member in KVCompression], default="none",
         help="also time the fused fp8 kernels against the plain ones in the same run (default: none)",
@@ -445,8 +503,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.quick and args.gpu_check:
         raise SystemExit("--quick and --gpu-check are different runs; pick one")
-    default_kib = [4, 16, 32, 64] if args.gpu_check else [1, 4, 16, 64, 256]
+    default_kib = [32, 4, 16, 64] if args.gpu_check else [1, 4, 16, 64, 256]
     page_sizes = [kib * KiB for kib in (args.page_kib or default_kib)]
+    if args.gpu_check:  # the headline page size first: a run cut off has measured it
+        page_sizes.sort(key=lambda size: size != LLAMA3_8B["page_bytes"])
+    if any(count < 1 for count in args.fp8_programs or ()):
+        raise SystemExit(f"--fp8-programs must be >= 1, got {args.fp8_programs}")
+    default_fp8_programs: list[int] = list(FP8_PROGRAM_COUNTS) if args.gpu_check else []
+    fp8_programs: list[int] = args.fp8_programs if args.fp8_programs is not None else default_fp8_programs
     if args.ptx:
         records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
@@ -484,12 +548,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     results: list[Result] = []
     for index, job in enumerate(progress(jobs, len(jobs), "kernel bench", stream=sys.stderr)):
-        # --gpu-check: the per-block loop only at the first (smallest) case, as a reference point.
+        # --gpu-check: the per-block loop only at the first (headline) case, as a reference point.
         job_methods = (*only, "loop") if only is not None and index == 0 else only
-        results += run_job(job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods, compression)
+        results += run_job(
+            job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods, compression, fp8_programs
+        )
         payload["results"] = [asdict(r) for r in results]
         if compression is not KVCompression.NONE:
             payload["fp8_vs_plain"] = [asdict(ratio) for ratio in fp8_ratios(results)]
+        if device.type == "cuda":  # what ptxas made of each variant under this machine's Triton
+            payload["compiled_variants"] = compiled_variants()
         write_json(name, payload)  # after every case: a run cut short keeps what finished
     table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.bandwidth_GBps, r.vs_contiguous] for r in results]
     print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"], table))
@@ -507,7 +575,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if compression is not KVCompression.NONE:
         print("\nfp8-e4m3 against plain, same run (uncompressed bytes per second; 1.0 = as fast as the plain copy):")
         for ratio in fp8_ratios(results):
-            print(f"  {ratio.kernel:7s} {ratio.method:10s} {readable_bytes(ratio.page_bytes):>7s} blocks={ratio.blocks}: {ratio.ratio:.3f}")
+            print(
+                f"  {ratio.kernel:7s} {ratio.fp8_method:15s} vs {ratio.method:7s} "
+                f"{readable_bytes(ratio.page_bytes):>7s} blocks={ratio.blocks}: {ratio.ratio:.3f}"
+            )
+    variants = compiled_variants() if device.type == "cuda" else []
+    if variants:
+        print(f"\ncompiled Triton variants ({len(variants)}): registers and spills per thread, as ptxas reported them")
+        for record in variants:
+            shown = ("TO_SLAB", "PAGE_ELEMS", "CHUNK", "PAIRS", "WORD", "ELEMENTS", "TILE_GROUPS")
+            print("  " + format_variant(record, shown))
     payload["complete"] = True
     png = None if args.no_plot else plot(results, name)
     if png:
@@ -518,7 +595,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Fp8Ratio:
-    """One case and kernel: plain seconds over ``<method>-fp8`` seconds (1.0: compression costs nothing)."""
+    """One case and kernel: plain seconds over the fp8 method's seconds (1.0: compression costs nothing).
+
+    ``method`` is the plain counterpart (``triton``), ``fp8_method`` the fp8
+    one (``triton-fp8``, or ``triton-fp8-p32`` for another program count),
+    ``programs`` the fp8 method's grid cap (None for the torch reference).
+    """
 
     kernel: str
     method: str
@@ -528,21 +610,26 @@ class Fp8Ratio:
     pattern: str
     rows: str
     ratio: float
+    fp8_method: str
+    programs: int | None
 
 
 def fp8_ratios(results: Sequence[Result]) -> list[Fp8Ratio]:
-    """Per case and kernel: each ``*-fp8`` method against its plain counterpart in the same run."""
+    """Per case and kernel: each fp8 method against its plain counterpart (at its own program count) in the same run."""
     ratios: list[Fp8Ratio] = []
     for r in results:
-        if not r.method.endswith("-fp8"):
+        if "-fp8" not in r.method:
             continue
-        plain = r.method.removesuffix("-fp8")
+        plain = base_method(r.method)
         for other in results:
             same_case = (other.kernel, other.page_bytes, other.blocks, other.layers, other.rows, other.pattern, other.group) == (
                 r.kernel, r.page_bytes, r.blocks, r.layers, r.rows, r.pattern, r.group,
             )  # fmt: skip
             if same_case and other.method == plain:
-                ratios.append(Fp8Ratio(r.kernel, plain, r.page_bytes, r.blocks, r.layers, r.pattern, r.rows, other.seconds / r.seconds))
+                ratios.append(
+                    Fp8Ratio(r.kernel, plain, r.page_bytes, r.blocks, r.layers, r.pattern, r.rows,
+                             other.seconds / r.seconds, r.method, r.programs)
+                )  # fmt: skip
     return ratios
 
 

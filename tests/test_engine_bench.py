@@ -47,3 +47,26 @@ def test_bad_arguments_are_refused_naming_the_value() -> None:
         main(["--blocks", "0"])
     with pytest.raises(SystemExit, match="--page-tensors must be even numbers >= 2"):
         main(["--page-tensors", "3"])
+
+
+def test_the_json_is_rewritten_after_every_case_so_a_cut_off_run_keeps_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import bench.engine as module
+
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+
+    def child(tree: Path, page_tensors: int, block_counts: list[int], *rest: object) -> list[dict[str, float]]:
+        del tree, rest
+        if page_tensors == 160:
+            raise SystemExit("bench/engine.py: measuring ... failed")  # the second case cut off
+        return [{"us_per_job": 30.0 + blocks, "median_us_per_job": 31.0 + blocks} for blocks in block_counts]
+
+    monkeypatch.setattr(module, "_run_child", child)
+    with pytest.raises(SystemExit, match="measuring"):
+        main(["--page-tensors", "64", "160", "--blocks", "1", "16", "--real-launch", "--name", "cut"])
+    record = json.loads((tmp_path / "cut.json").read_text())
+    assert record["complete"] is False and record["real_launch"] is True
+    assert [(row["page_tensors"], row["blocks"], row["current_us"], row["goal_us"]) for row in record["results"]] == [
+        (64, 1, 31.0, 40.0), (64, 16, 46.0, 40.0),
+    ]  # fmt: skip

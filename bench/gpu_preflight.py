@@ -1,0 +1,326 @@
+"""The pre-flight of ``bench/gpu_check.sh``: what its GPU steps need, each found or missing, written as it goes.
+
+``python -m bench.gpu_preflight ENV_FILE [--dry-run]`` prints one line per
+check (``gpu_check.sh`` keeps them in ``preflight.txt``) and appends
+``PF_<KEY>=1`` (found, worked) or ``PF_<KEY>=0`` (missing, failed) to
+``ENV_FILE`` the moment each check ends. A pre-flight cut off at its budget
+therefore keeps what it learnt, and ``gpu_check.sh`` reads a key that was
+never written as "not known to be missing": it tries the step.
+
+In this order, cheapest first: the imports (``PF_TORCH``, ``PF_PYTEST``,
+``PF_HYPOTHESIS``, ``PF_NUMPY``, ``PF_TRITON``, and ``PF_KERNELS`` for
+``kvtriton.kernels.jit.copy_pages`` through the ``kvtriton/kernels`` link),
+the GPU (``PF_CUDA``) and its NUMA node, the toolchain Triton's launcher
+builds with (a C compiler, ``Python.h``, ``ptxas``: information), free
+``/dev/shm`` (``PF_SHM_OK``: the shared-region test needs under 1 MiB),
+``RLIMIT_MEMLOCK`` (information only: ``cudaHostRegister`` pins through the
+driver, which does not charge the limit, so only a real pin can tell), then
+two real pins of a :class:`~kvtriton.worker.slab.HostSlab`, 64 MiB
+(``PF_PIN_SMALL``, what the tests need) and 1 GiB (``PF_PIN_LARGE``, the
+benchmarks' slabs), with the rate each pinned at (the slab's first touch and
+registration: what a server pays per GiB at start-up), and last one tiny
+launch of the copy kernel (``PF_TRITON_LAUNCH``), whose compile proves the C
+compiler, ``Python.h`` and ``ptxas`` are really there.
+
+``--dry-run`` (a CPU machine) runs the same code: the slabs are left
+pageable and the launch goes through Triton's interpreter, both labelled so.
+Exit status 1 when torch does not import or a pin or the launch that was
+tried failed; a missing GPU alone is no failure (the steps say why they skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import resource
+import shutil
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "PIN_PROBE_BYTES",
+    "SHM_NEEDED_BYTES",
+    "PinProbe",
+    "Preflight",
+    "launch_tiny_copy",
+    "main",
+    "memlock_text",
+    "probe_pin",
+]
+
+LABEL_WIDTH = 20
+SHM_NEEDED_BYTES = 1 << 20
+"""Free /dev/shm the shared-region CUDA test needs, rounded up (its region holds 128 KiB)."""
+PIN_PROBE_BYTES = {"PIN_SMALL": 64 << 20, "PIN_LARGE": 1 << 30}
+"""The two pins tried: 64 MiB gates every step that pins (the tests), 1 GiB the benchmarks' slabs."""
+PIN_ROW_BYTES = 1 << 20
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+SlabFactory = Callable[[int, int, int, bool], _Closable]
+"""``(num_slots, block_size_factor, row_bytes, pin) -> slab``: :class:`~kvtriton.worker.slab.HostSlab`'s signature."""
+
+
+@dataclass(frozen=True, slots=True)
+class PinProbe:
+    """One pin tried: its size, how long the slab took to allocate, place and pin, and the error if it failed."""
+
+    nbytes: int
+    seconds: float
+    error: str | None
+
+    @property
+    def bandwidth_GBps(self) -> float:
+        """Bytes pinned per second, in GB/s (10^9 bytes): the start-up cost of a slab per byte."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def probe_pin(nbytes: int, pin: bool, make_slab: SlabFactory | None = None) -> PinProbe:
+    """Allocate (and, with ``pin``, pin) a slab of ``nbytes`` in rows of 1 MiB, timed, then free it.
+
+    ``make_slab`` defaults to :class:`~kvtriton.worker.slab.HostSlab`; any failure is returned, never raised.
+    """
+    if nbytes < PIN_ROW_BYTES or nbytes % PIN_ROW_BYTES:
+        raise ValueError(f"nbytes must be a positive multiple of {PIN_ROW_BYTES}, got {nbytes}")
+    if make_slab is None:
+        from kvtriton.worker.slab import HostSlab
+
+        make_slab = HostSlab
+    started = time.perf_counter()
+    try:
+        slab = make_slab(nbytes // PIN_ROW_BYTES, 1, PIN_ROW_BYTES, pin)
+    except Exception as error:  # noqa: BLE001 -- a failed pin is the finding, reported in words
+        return PinProbe(nbytes, time.perf_counter() - started, f"{type(error).__name__}: {error}")
+    seconds = time.perf_counter() - started
+    slab.close()
+    return PinProbe(nbytes, seconds, None)
+
+
+def memlock_text(soft_limit: int) -> str:
+    """``RLIMIT_MEMLOCK`` in words, as information: the pins below decide, not the limit."""
+    limit = "unlimited" if soft_limit == resource.RLIM_INFINITY else f"{soft_limit} bytes"
+    return f"{limit} (information only: cudaHostRegister is not charged to it; the pins below decide)"
+
+
+def launch_tiny_copy(device: torch.device) -> str:
+    """One launch of the copy kernel over 2 page tensors x 4 blocks on ``device``; what it proved, or raise.
+
+    On CUDA the kernel is compiled (Triton builds its launcher with the C
+    compiler and ``Python.h``, and assembles with ``ptxas``); on CPU it runs
+    through Triton's interpreter. The slab lives on ``device`` too, so the
+    launch does not depend on pinning. Raises ``RuntimeError`` when the bytes
+    copied are wrong.
+    """
+    import torch
+
+    from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
+    from kvtriton.kernels.launch import CopyLauncher
+    from kvtriton.worker.layout import PagedKV
+
+    blocks, words = 4, 8  # 64-byte pages
+    pages = [
+        torch.arange(t * 100, t * 100 + blocks * words, dtype=torch.int64, device=device).view(blocks, words)
+        for t in range(2)
+    ]
+    slab = torch.zeros((blocks, 2 * words * 8), dtype=torch.uint8, device=device)
+    started = time.perf_counter()
+    launcher = CopyLauncher(
+        pages, slab, PagedKV(pages, ["k", "v"]).geometry,
+        interpret=device.type == "cpu", num_programs=1, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+    )  # fmt: skip
+    order = torch.tensor([2, 0, 3, 1], dtype=torch.int64, device=device)
+    launcher.launch(True, order, torch.arange(blocks, dtype=torch.int64, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    expected = torch.cat([page[order].view(torch.uint8) for page in pages], dim=1)
+    if not torch.equal(slab, expected):
+        raise RuntimeError("the copy kernel ran but wrote the wrong bytes")
+    how = "compiled and launched" if device.type == "cuda" else "interpreted (dry run: nothing compiled)"
+    return f"{how} in {seconds:.1f} s; 2 pages x 4 blocks copied exactly"
+
+
+class Preflight:
+    """Prints each check's line and appends its ``PF_<KEY>`` to the env file as soon as it is known."""
+
+    def __init__(self, env_path: Path, dry_run: bool) -> None:
+        self.env_path = env_path
+        self.dry_run = dry_run
+        self.found: dict[str, bool] = {}
+        self.failed: list[str] = []
+        env_path.write_text("", encoding="ascii")
+
+    def line(self, label: str, text: str) -> None:
+        print(f"{label:{LABEL_WIDTH}s} {text}", flush=True)
+
+    def record(self, key: str, ok: bool) -> None:
+        """Remember ``key`` and append ``PF_<KEY>=0|1`` to the env file now (a cut-off run keeps it)."""
+        self.found[key] = ok
+        with self.env_path.open("a", encoding="ascii") as env:
+            env.write(f"PF_{key}={int(ok)}\n")
+
+    def check(self, key: str, label: str, load: Callable[[], str]) -> bool:
+        """Run ``load``; its text on success, MISSING and the error otherwise."""
+        try:
+            detail = load()
+        except Exception as error:  # noqa: BLE001 -- a missing piece is reported, not raised
+            self.line(label, f"MISSING: {type(error).__name__}: {error}")
+            self.record(key, False)
+            return False
+        self.line(label, detail)
+        self.record(key, True)
+        return True
+
+    def run(self) -> int:
+        self.line("python", sys.version.split()[0])
+        for module in ("torch", "pytest", "hypothesis", "numpy", "triton"):
+            self.check(module.upper(), module, _version_of(module))
+        self.check("KERNELS", "kernels (link)", _kernels_link)
+        if not self.found["TORCH"]:
+            return 1
+        import torch
+
+        cuda = torch.cuda.is_available()
+        no_gpu = "none" + (" (dry run: CUDA steps run with CUDA skipped)" if self.dry_run else "")
+        self.line("gpu", _gpu_text() if cuda else no_gpu)
+        self.record("CUDA", cuda)
+        if cuda:
+            self.line("numa", _numa_text())
+        self.line("toolchain", _toolchain_text())
+        shm = _shm_free_bytes()
+        shm_ok = shm >= SHM_NEEDED_BYTES
+        too_small = f"  TOO SMALL (under {SHM_NEEDED_BYTES}): the shared-region test is left out"
+        self.line("/dev/shm free", f"{shm} bytes" + ("" if shm_ok else too_small))
+        self.record("SHM_OK", shm_ok)
+        self.line("memlock (ulimit -l)", memlock_text(resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]))
+        if cuda or self.dry_run:
+            self._pins(pin=cuda)
+        if self.found["KERNELS"] and (cuda or self.dry_run):
+            self._launch(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+        return 1 if self.failed else 0
+
+    def _pins(self, pin: bool) -> None:
+        for key, nbytes in PIN_PROBE_BYTES.items():
+            label = f"pin {nbytes >> 20} MiB" if nbytes < 1 << 30 else f"pin {nbytes >> 30} GiB"
+            probe = probe_pin(nbytes, pin)
+            if probe.error is not None:
+                self.line(label, f"FAILED after {probe.seconds:.2f} s: {probe.error}")
+                self.failed.append(label)
+            else:
+                note = "" if pin else "  (dry run: pageable, not pinned)"
+                per_gib = (1 << 30) / probe.nbytes * probe.seconds
+                rate = f"{probe.bandwidth_GBps:.1f} GB/s ({probe.seconds:.2f} s; start-up: {per_gib:.2f} s per GiB"
+                rate += " of slab)"
+                self.line(label, rate + note)
+            self.record(key, probe.error is None)
+
+    def _launch(self, device: torch.device) -> None:
+        label = "triton launch"
+        if device.type == "cpu":
+            from kvtriton.kernels.jit.interpreter_probe import interpreter_problem
+
+            problem = interpreter_problem()
+            if problem is not None:  # the dry run cannot interpret here; that says nothing about a GPU
+                self.line(label, f"skipped (dry run: {problem})")
+                return
+        try:
+            detail = launch_tiny_copy(device)
+        except Exception as error:  # noqa: BLE001 -- the toolchain's failure is the finding
+            last = str(error).strip().splitlines()[-1:] or [""]
+            why = f"{type(error).__name__}: {last[0][:300]}"
+            self.line(label, f"FAILED: {why} (the Triton steps will fail the same way)")
+            self.failed.append(label)
+            self.record("TRITON_LAUNCH", False)
+            return
+        if device.type == "cuda":
+            from bench.triton_variants import compiled_variants
+
+            regs = ", ".join(f"regs {v['n_regs']} spills {v['n_spills']}" for v in compiled_variants())
+            detail += f"; {regs}" if regs else ""
+        self.line(label, detail)
+        self.record("TRITON_LAUNCH", True)
+
+
+def _version_of(module: str) -> Callable[[], str]:
+    def load() -> str:
+        return str(getattr(importlib.import_module(module), "__version__", "present"))
+
+    return load
+
+
+def _kernels_link() -> str:
+    return str(importlib.import_module("kvtriton.kernels.jit.copy_pages").__file__)
+
+
+def _gpu_text() -> str:
+    import torch
+
+    index = torch.cuda.current_device()
+    return f"{torch.cuda.get_device_name(index)} (CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s))"
+
+
+def _numa_text() -> str:
+    import torch
+
+    from kvtriton.worker.numa import (
+        _cuda_pci_bus_id,  # pyright: ignore[reportPrivateUsage] -- the slab's own bus-id lookup; numa exports none
+        gpu_numa_node,
+        node_count,
+    )
+
+    bus = _cuda_pci_bus_id(torch.cuda.current_device())
+    node = gpu_numa_node(bus) if bus else None
+    return f"{node_count()} node(s); GPU {bus} on node {node if node is not None else 'unknown'}"
+
+
+def _toolchain_text() -> str:
+    """What Triton's launcher build needs, as found on PATH and disk (the launch below is the proof)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    header = Path(sysconfig.get_paths()["include"], "Python.h")
+    ptxas = os.environ.get("TRITON_PTXAS_PATH") or _bundled_ptxas() or shutil.which("ptxas")
+    return (
+        f"cc {compiler or 'MISSING'}; Python.h {'found' if header.is_file() else 'MISSING (' + str(header) + ')'}; "
+        f"ptxas {ptxas or 'MISSING'}"
+    )
+
+
+def _bundled_ptxas() -> str | None:
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return str(path) if path.is_file() else None
+
+
+def _shm_free_bytes() -> int:
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    description = __doc__.split("\n\n")[0] if __doc__ else None
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_preflight", description=description)
+    parser.add_argument("env_file", type=Path, help="where the PF_<KEY>=0|1 lines go (appended as each check ends)")
+    parser.add_argument("--dry-run", action="store_true", help="a CPU rehearsal: pageable slabs, an interpreted launch")
+    args = parser.parse_args(argv)
+    return Preflight(args.env_file, args.dry_run).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
