@@ -72,7 +72,8 @@ def test_a_request_id_for_req_context_is_refused_naming_the_argument_and_nothing
     manager = make_manager("lru")
     store(manager, ks(0))
     before = (manager.stats(), manager.slot_map())
-    with pytest.raises(TypeError, match=rf"^{call}: req_context must be a request context .*got str 'r1', which has no get_state\(\)$"):
+    message = rf"^{call}: req_context must be a request context .*got str 'r1', which has no get_state\(\)$"
+    with pytest.raises(TypeError, match=message):
         if call == "prepare_store":
             manager.prepare_store(ks(1), "r1")  # pyright: ignore[reportArgumentType] -- the wrong type is the point
         elif call == "prepare_load":

@@ -1,4 +1,4 @@
-"""The Mooncake install is stated once (docs/mooncake.md#install), as the Makefile installs it; no page gives another."""
+"""The Mooncake install is stated once (docs/mooncake.md#install), as the Makefile installs it; no page has another."""
 
 from __future__ import annotations
 

@@ -30,6 +30,10 @@ from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compression import KVCompression, compression_layout
 
 GIB = 1 << 30
+KVTRITON_KEYS_HINT = (
+    "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', "
+    "'kvtriton_summary_interval_s'] besides vLLM's keys"
+)
 
 
 def test_only_cpu_bytes_to_use_is_required_and_the_rest_defaults_like_vllm() -> None:
@@ -129,9 +133,11 @@ def test_a_fractional_byte_size_rounds_down_as_vllms_spec_does() -> None:
 
 def test_names_are_case_insensitive_at_every_kvtriton_key() -> None:
     config = KVTritonOffloadConfig.from_extra_config(
-        {"cpu_bytes_to_use": 1, "eviction_policy": "ARC", "kvtriton_backend": "TRITON", "kvtriton_kv_compression": "FP8-E4M3"}
+        {"cpu_bytes_to_use": 1, "eviction_policy": "ARC", "kvtriton_backend": "TRITON"}
+        | {"kvtriton_kv_compression": "FP8-E4M3"}
     )
-    assert (config.eviction_policy, config.backend, config.kv_compression) == ("arc", TransferBackend.TRITON, KVCompression.FP8_E4M3)
+    parsed = (config.eviction_policy, config.backend, config.kv_compression)
+    assert parsed == ("arc", TransferBackend.TRITON, KVCompression.FP8_E4M3)
 
 
 def test_a_policy_named_with_a_module_path_keeps_its_case_it_names_a_class() -> None:
@@ -164,11 +170,13 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
         ({"eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's "
          r"policies nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it"),
         ({"eviction_policy": "Fifo", "cache_policy_module_path": "no_such.policies"},
-         r"\['cache_policy_module_path'\]='no_such.policies' cannot be imported \(ModuleNotFoundError: No module named 'no_such'\)"),
+         r"\['cache_policy_module_path'\]='no_such.policies' cannot be imported "
+         r"\(ModuleNotFoundError: No module named 'no_such'\)"),
         ({"eviction_policy": "arc", "cache_policy_module_path": "my_policies_typo"},
          r"\['cache_policy_module_path'\]='my_policies_typo' cannot be imported"),
         ({"eviction_policy": "ARC", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc"},
-         r"\['eviction_policy'\]='ARC' is not a vLLM CachePolicy class of module 'vllm.v1.kv_offload.cpu.policies.arc'"),
+         r"\['eviction_policy'\]='ARC' is not a vLLM CachePolicy class of module "
+         r"'vllm.v1.kv_offload.cpu.policies.arc'"),
         ({"eviction_policy": "arc", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc"},
          r"\['eviction_policy'\]='arc' is a policy vLLM's CachePolicyFactory has registered, which vLLM loads without "
          r"ever reading kv_connector_extra_config\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.arc'"),
@@ -185,14 +193,15 @@ def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(
         ("kvtriton_num_program", "did you mean 'kvtriton_num_programs'?"),
         ("eviction_polcy", "did you mean 'eviction_policy'?"),
         ("cpu_bytes", "did you mean 'cpu_bytes_to_use'?"),
-        ("cache_policy", "did you mean 'eviction_policy'? 'cache_policy' is the manager's argument; the configuration key is 'eviction_policy'"),
+        (
+            "cache_policy",
+            "did you mean 'eviction_policy'? 'cache_policy' is the manager's argument; the configuration key is "
+            "'eviction_policy'",
+        ),
         ("backend", "did you mean 'kvtriton_backend'?"),
         ("kv_compression", "did you mean 'kvtriton_kv_compression'?"),
-        ("connectors", "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', 'kvtriton_summary_interval_s'] besides vLLM's keys"),
-        (
-            "completely_else",
-            "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', 'kvtriton_summary_interval_s'] besides vLLM's keys",
-        ),
+        ("connectors", KVTRITON_KEYS_HINT),  # MultiConnector's key, never in a child connector's extra config
+        ("completely_else", KVTRITON_KEYS_HINT),
     ],
 )
 def test_an_unknown_key_is_refused_naming_it_and_the_closest_valid_key(key: str, expected: str) -> None:
@@ -207,7 +216,8 @@ def test_an_unknown_key_is_refused_naming_it_and_the_closest_valid_key(key: str,
 
 
 def test_every_unknown_key_is_named_in_one_error() -> None:
-    with pytest.raises(ValueError, match=r"has keys neither kvtriton nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\); 'cpu_bytes' \("):
+    message = r"has keys neither kvtriton nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\); 'cpu_"
+    with pytest.raises(ValueError, match=message):
         check_keys({"eviction_polcy": "arc", "cpu_bytes": 1}, tiered=False)
 
 

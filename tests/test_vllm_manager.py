@@ -431,7 +431,9 @@ def test_a_bad_summary_interval_is_refused(interval: object) -> None:
     ("bytes_per_chunk", "loaded", "stored"),
     [(288 << 10, "288.00 KiB", "576.00 KiB"), (3 << 29, "1.50 GiB", "3.00 GiB"), (100, "100 B", "200 B")],
 )
-def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(bytes_per_chunk: int, loaded: str, stored: str) -> None:
+def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(
+    bytes_per_chunk: int, loaded: str, stored: str
+) -> None:
     from kvtriton.integrations.vllm_manager import summary_line
     from kvtriton.manager import ManagerStats
 

@@ -104,7 +104,9 @@ and each child connector (this one) gets only its own ``kv_connector_extra_confi
 """
 
 _MISTAKEN_KEYS = {
-    "cache_policy": (EVICTION_POLICY, "'cache_policy' is the manager's argument; the configuration key is 'eviction_policy'"),
+    "cache_policy": (
+        EVICTION_POLICY, "'cache_policy' is the manager's argument; the configuration key is 'eviction_policy'"
+    ),
 }
 """Keys written for another one (with why), answered before the closest spelling: ``cache_policy`` looks most like
 ``cache_policy_module_path``, which would take the policy's name as a module path."""
@@ -293,9 +295,9 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     if cache_policy_module_path is None:
         if eviction_policy not in registered:
             raise ValueError(
-                f"{_where(EVICTION_POLICY)} must be one of {policy_names()}, got {eviction_policy!r}: neither kvtriton's "
-                f"policies nor vLLM's CachePolicyFactory (registered: {registered}) resolve it; for a policy class of "
-                f"your own, name its module in {_where(CACHE_POLICY_MODULE_PATH)}"
+                f"{_where(EVICTION_POLICY)} must be one of {policy_names()}, got {eviction_policy!r}: "
+                f"neither kvtriton's policies nor vLLM's CachePolicyFactory (registered: {registered}) resolve it; "
+                f"for a policy class of your own, name its module in {_where(CACHE_POLICY_MODULE_PATH)}"
             )
         return _class_name(CachePolicyFactory.get_cache_policy_cls(eviction_policy))
     module_key = f"{_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}"
