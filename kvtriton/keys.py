@@ -33,11 +33,17 @@ _concat = cast("Callable[[bytes, bytes], OffloadKey]", bytes.__add__)
 
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
-    """Return the key of block ``block_hash`` in KV cache group ``group_idx``."""
-    if type(block_hash) is bytes and type(group_idx) is int and 0 <= group_idx < _CACHED_GROUPS:
+    """Return the key of block ``block_hash`` in KV cache group ``group_idx``.
+
+    An empty ``block_hash`` is refused: its key would be the bare group index,
+    which names no block (vLLM's block hashes are never empty).
+    """
+    if type(block_hash) is bytes and block_hash and type(group_idx) is int and 0 <= group_idx < _CACHED_GROUPS:
         return _concat(block_hash, _SUFFIXES[group_idx])
     if not isinstance(block_hash, (bytes, bytearray, memoryview)):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside the typed world pass str or int
         raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}: {block_hash!r}")
+    if not len(block_hash):
+        raise ValueError(f"block_hash must not be empty (it names the block), got {bytes(block_hash)!r}")
     if isinstance(group_idx, bool) or not isinstance(group_idx, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- same: reject floats and bools at runtime
         raise TypeError(f"group_idx must be an int, got {type(group_idx).__name__}: {group_idx!r}")
     if not 0 <= group_idx <= _MAX_GROUP_INDEX:

@@ -67,6 +67,22 @@ MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_P
 # --- construction ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("call", ["prepare_store", "prepare_load", "on_new_request", "on_request_finished"])
+def test_a_request_id_for_req_context_is_refused_naming_the_argument_and_nothing_changes(call: str) -> None:
+    manager = make_manager("lru")
+    store(manager, ks(0))
+    before = (manager.stats(), manager.slot_map())
+    message = rf"^{call}: req_context must be a request context .*got str 'r1', which has no get_state\(\)$"
+    with pytest.raises(TypeError, match=message):
+        if call == "prepare_store":
+            manager.prepare_store(ks(1), "r1")  # pyright: ignore[reportArgumentType] -- the wrong type is the point
+        elif call == "prepare_load":
+            manager.prepare_load(ks(0), "r1")  # pyright: ignore[reportArgumentType] -- as above
+        else:
+            getattr(manager, call)("r1")
+    assert (manager.stats(), manager.slot_map()) == before  # nothing pinned, stored or counted
+
+
 @pytest.mark.parametrize("num_blocks", [0, -3])
 def test_num_blocks_below_one_is_rejected(num_blocks: int) -> None:
     with pytest.raises(ValueError, match=f"num_blocks must be >= 1, got {num_blocks}"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import uuid
 import warnings
 from pathlib import Path
@@ -77,6 +78,39 @@ def test_a_built_in_tier_whose_module_imports_a_missing_package_names_it() -> No
         KVTritonTieringOffloadingSpec.config_info_keys({**BUDGET, "secondary_tiers": [{"type": "kvcr"}]})
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [("n_read_threads", "4", "an integer"), ("n_write_threads", True, "an integer"), ("root_dir", 7, "a string"),
+     ("enable_kv_events", "yes", "true or false"), ("locality", 3, "a string or null")],
+)  # fmt: skip
+def test_a_tier_value_of_the_wrong_type_names_the_tier_and_the_key_before_anything_is_built(
+    key: str, value: object, expected: str
+) -> None:
+    tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", key: value}]
+    got = f"{type(value).__name__} {re.escape(repr(value))}"
+    message = rf"^secondary_tiers\[0\] \(type 'fs'\) key '{key}' must be {expected}, got {got}$"
+    with pytest.raises(TypeError, match=message):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_a_root_dir_the_fs_tier_cannot_create_names_the_tier_and_the_key_and_frees_the_region(tmp_path: Path) -> None:
+    before = region_files()
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}, {"type": "fs", "root_dir": "/proc/kvtriton"}]
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    message = r"^secondary_tiers\[1\] \(type 'fs'\) key 'root_dir'='/proc/kvtriton': the tier cannot use it \("
+    with pytest.raises(ValueError, match=message):
+        spec.get_manager()
+    assert region_files() == before
+
+
+def test_an_error_vllm_raises_while_building_a_tier_names_the_tier(tmp_path: Path) -> None:
+    tiers = [{"type": "fs", "root_dir": str(tmp_path), "backpressure": {"high_water_s": 1.0}}]
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    message = r"^secondary_tiers\[0\] \(type 'fs'\): backpressure config must include 'backpressure_cls'"
+    with pytest.raises(ValueError, match=message):
+        spec.get_manager()
+
+
 def test_secondary_tiers_must_be_a_list() -> None:
     with pytest.raises(ValueError, match=r"secondary_tiers must be a list of tier configurations, got \{'type': 'fs'\}"):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": {"type": "fs"}}))
@@ -89,8 +123,17 @@ def test_secondary_tiers_must_be_a_list() -> None:
         ({**BUDGET, "store_threshold": 2}, r"store_threshold'\]=2: the tiered spec stores every chunk"),
         (
             {**BUDGET, "eviction_policy": "fifo", "cache_policy_module_path": "my.policies"},
-            r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's "
-            r"CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it from .*\['cache_policy_module_path'\]='my.policies'",
+            r"\['cache_policy_module_path'\]='my.policies' cannot be imported "
+            r"\(ModuleNotFoundError: No module named 'my'\)",
+        ),
+        ({**BUDGET, "eviction_polcy": "arc"}, r"nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\)"),
+        ({**BUDGET, "tier_poll_interval_s": -1},
+         r"\['tier_poll_interval_s'\] must be a number of seconds >= 0 .*got int -1$"),
+        ({**BUDGET, "tier_poll_interval_s": "fast"}, r"\['tier_poll_interval_s'\] must be a number .*got str 'fast'$"),
+        ({**BUDGET, "backpressure": "yes"}, r"^kv_connector_extra_config\['backpressure'\] must be a mapping of"),
+        (
+            {**BUDGET, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", "backpressure": "yes"}]},
+            r"^secondary_tiers\[0\] \(type 'fs'\) key 'backpressure' must be a mapping of .*got str 'yes'",
         ),
         ({**BUDGET, "eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither"),
         ({"cpu_bytes_to_use": 100}, r"\['cpu_bytes_to_use'\]=100: 100 bytes is less than one chunk of 4096 bytes; the value is in bytes"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+from pathlib import Path
 
 import pytest
 
@@ -15,17 +17,23 @@ from kvtriton.integrations.vllm_config import (
     VLLM_KEYS,
     KVTritonOffloadConfig,
     check_budget,
+    check_keys,
+    check_vllm_policy,
     compressed_row_bytes,
     compression_tag,
     host_ram_bytes,
     host_row_bytes,
     kv_dtype,
-    warn_unread_keys,
+    parse_policy,
 )
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compression import KVCompression, compression_layout
 
 GIB = 1 << 30
+KVTRITON_KEYS_HINT = (
+    "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', "
+    "'kvtriton_summary_interval_s'] besides vLLM's keys"
+)
 
 
 def test_only_cpu_bytes_to_use_is_required_and_the_rest_defaults_like_vllm() -> None:
@@ -123,6 +131,29 @@ def test_a_fractional_byte_size_rounds_down_as_vllms_spec_does() -> None:
     assert config.cpu_bytes_to_use == int(2.3 * GIB)
 
 
+def test_names_are_case_insensitive_at_every_kvtriton_key() -> None:
+    config = KVTritonOffloadConfig.from_extra_config(
+        {"cpu_bytes_to_use": 1, "eviction_policy": "ARC", "kvtriton_backend": "TRITON"}
+        | {"kvtriton_kv_compression": "FP8-E4M3"}
+    )
+    parsed = (config.eviction_policy, config.backend, config.kv_compression)
+    assert parsed == ("arc", TransferBackend.TRITON, KVCompression.FP8_E4M3)
+
+
+def test_a_policy_named_with_a_module_path_keeps_its_case_it_names_a_class() -> None:
+    assert parse_policy({"eviction_policy": "ARC", "cache_policy_module_path": "my.policies"}) == ("ARC", "my.policies")
+    assert parse_policy({"eviction_policy": "ARC"}) == ("arc", None)
+
+
+def test_vllms_policy_check_names_the_class_vllm_loads() -> None:
+    pytest.importorskip("vllm")
+    assert check_vllm_policy("lru", None) == "vllm.v1.kv_offload.cpu.policies.lru.LRUCachePolicy"
+    assert (
+        check_vllm_policy("ARCCachePolicy", "vllm.v1.kv_offload.cpu.policies.arc")
+        == "vllm.v1.kv_offload.cpu.policies.arc.ARCCachePolicy"
+    )
+
+
 def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
     ours = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "eviction_policy": " ARC "})
     assert (ours.eviction_policy, ours.uses_vllm_policy) == ("arc", False)
@@ -139,7 +170,16 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
         ({"eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's "
          r"policies nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it"),
         ({"eviction_policy": "Fifo", "cache_policy_module_path": "no_such.policies"},
-         r"got 'Fifo': .* resolve it from kv_connector_extra_config\['cache_policy_module_path'\]='no_such.policies'"),
+         r"\['cache_policy_module_path'\]='no_such.policies' cannot be imported "
+         r"\(ModuleNotFoundError: No module named 'no_such'\)"),
+        ({"eviction_policy": "arc", "cache_policy_module_path": "my_policies_typo"},
+         r"\['cache_policy_module_path'\]='my_policies_typo' cannot be imported"),
+        ({"eviction_policy": "ARC", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc"},
+         r"\['eviction_policy'\]='ARC' is not a vLLM CachePolicy class of module "
+         r"'vllm.v1.kv_offload.cpu.policies.arc'"),
+        ({"eviction_policy": "arc", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc"},
+         r"\['eviction_policy'\]='arc' is a policy vLLM's CachePolicyFactory has registered, which vLLM loads without "
+         r"ever reading kv_connector_extra_config\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.arc'"),
     ],
 )  # fmt: skip
 def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(extra: dict[str, object], message: str) -> None:
@@ -154,31 +194,66 @@ def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(
         ("eviction_polcy", "did you mean 'eviction_policy'?"),
         ("cpu_bytes", "did you mean 'cpu_bytes_to_use'?"),
         (
-            "completely_else",
-            "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', 'kvtriton_summary_interval_s']",
+            "cache_policy",
+            "did you mean 'eviction_policy'? 'cache_policy' is the manager's argument; the configuration key is "
+            "'eviction_policy'",
         ),
+        ("backend", "did you mean 'kvtriton_backend'?"),
+        ("kv_compression", "did you mean 'kvtriton_kv_compression'?"),
+        ("connectors", KVTRITON_KEYS_HINT),  # MultiConnector's key, never in a child connector's extra config
+        ("completely_else", KVTRITON_KEYS_HINT),
     ],
 )
-def test_an_unknown_key_is_warned_about_by_name(caplog: pytest.LogCaptureFixture, key: str, expected: str) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
-        assert warn_unread_keys({"cpu_bytes_to_use": 1, "spec_name": "KVTritonOffloadingSpec", key: 8}, tiered=False) == [key]
-    assert f"ignoring unknown key kv_connector_extra_config[{key!r}]: {expected}" in caplog.text
+def test_an_unknown_key_is_refused_naming_it_and_the_closest_valid_key(key: str, expected: str) -> None:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 1, "spec_name": "KVTritonOffloadingSpec", key: 8}
+    for tiered in (False, True):
+        with pytest.raises(ValueError) as raised:
+            check_keys(extra, tiered=tiered)
+        assert str(raised.value) == (
+            f"kv_connector_extra_config has a key neither kvtriton nor vLLM reads: {key!r} ({expected}). "
+            "The keys are listed in docs/vllm.md"
+        )
+
+
+def test_every_unknown_key_is_named_in_one_error() -> None:
+    message = r"has keys neither kvtriton nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\); 'cpu_"
+    with pytest.raises(ValueError, match=message):
+        check_keys({"eviction_polcy": "arc", "cpu_bytes": 1}, tiered=False)
 
 
 def test_tiered_keys_in_the_single_tier_spec_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 1, "secondary_tiers": [], "tier_poll_interval_s": 0.1}
     with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
-        assert warn_unread_keys(extra, tiered=False) == ["secondary_tiers", "tier_poll_interval_s"]
-        assert warn_unread_keys(extra, tiered=True) == []
+        assert check_keys(extra, tiered=False) == ["secondary_tiers", "tier_poll_interval_s"]
+        assert check_keys(extra, tiered=True) == []
     assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
 
 
 def test_every_key_vllm_or_kvtriton_reads_passes_silently(caplog: pytest.LogCaptureFixture) -> None:
     extra: dict[str, object] = {key: 1 for key in VLLM_KEYS if key not in TIERED_ONLY_KEYS}
     extra.update({"kvtriton_backend": "torch", "kvtriton_num_programs": 4, "kvtriton_pageable_slab": True})
+    extra.update({"kvtriton_kv_compression": "none", "kvtriton_summary_interval_s": 0})
     with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
-        assert warn_unread_keys(extra, tiered=False) == []
+        assert check_keys(extra, tiered=False) == []
+        assert check_keys({**extra, **{key: 1 for key in TIERED_ONLY_KEYS}}, tiered=True) == []
     assert caplog.text == ""
+
+
+def test_every_key_vllms_offloading_code_reads_from_the_extra_config_is_accepted() -> None:
+    """Read from the installed vLLM's connector and kv_offload sources, so a vLLM upgrade that adds a key fails here."""
+    vllm = pytest.importorskip("vllm")
+    root = Path(vllm.__file__).parent
+    sources = [root / "distributed/kv_transfer/kv_connector/v1/offloading_connector.py"]
+    sources += sorted((root / "distributed/kv_transfer/kv_connector/v1/offloading").rglob("*.py"))
+    sources += sorted((root / "v1/kv_offload").rglob("*.py"))
+    read = {
+        key
+        for source in sources
+        for key in re.findall(r'extra_config(?:\.get\(|\[)\s*"([a-z_]+)"', source.read_text(encoding="utf-8"))
+    }
+    assert {"cpu_bytes_to_use", "cache_policy_module_path", "sync_load_budget_bytes", "secondary_tiers"} <= read
+    assert read <= VLLM_KEYS
+    assert check_keys(dict.fromkeys(read, 1), tiered=True) == []
 
 
 def test_a_budget_below_one_slot_says_the_unit_is_bytes() -> None:

@@ -425,3 +425,44 @@ def test_a_bad_summary_interval_is_refused(interval: object) -> None:
     cpu = kvtriton.CPUOffloadingManager(4)
     with pytest.raises((TypeError, ValueError), match="summary_interval_s"):
         VLLMOffloadingManager(cpu, cpu, summary_interval_s=interval)  # pyright: ignore[reportArgumentType] -- the wrong value is the point
+
+
+@pytest.mark.parametrize(
+    ("bytes_per_chunk", "loaded", "stored"),
+    [(288 << 10, "288.00 KiB", "576.00 KiB"), (3 << 29, "1.50 GiB", "3.00 GiB"), (100, "100 B", "200 B")],
+)
+def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(
+    bytes_per_chunk: int, loaded: str, stored: str
+) -> None:
+    from kvtriton.integrations.vllm_manager import summary_line
+    from kvtriton.manager import ManagerStats
+
+    def snapshot(loads: int, stores: int) -> ManagerStats:
+        return ManagerStats(
+            capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=0, hits=0, pending_hits=0,
+            evictions=0, stores=stores, loads=loads, failed_stores=0,
+        )  # fmt: skip
+
+    line = summary_line(snapshot(0, 0), snapshot(1, 2), 61, bytes_per_chunk)
+    assert f"loaded 1 chunks ({loaded}), stored 2 chunks ({stored})" in line
+
+
+def test_the_summary_line_in_docs_operations_is_the_one_logged() -> None:
+    from pathlib import Path
+
+    from kvtriton.integrations.vllm_manager import summary_line
+    from kvtriton.manager import ManagerStats
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text(encoding="utf-8")
+    (documented,) = [line for line in page.splitlines() if line.startswith("kvtriton summary:")]
+    before = ManagerStats(capacity=4, used=0, pending=0, loading=0, evictable=0, lookups=0, hits=0)
+    after = ManagerStats(capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=2, hits=1, stores=2, loads=1)
+    assert summary_line(before, after, 61, 288 << 10) == documented
+
+
+def test_the_log_formats_bytes_by_the_rule_the_command_line_uses() -> None:
+    from kvtriton.integrations.byte_units import format_bytes
+    from kvtriton.tools.geometry import format_bytes as command_line_format_bytes
+
+    for size in (0, 1, 1023, 1024, 288 << 10, (1 << 20) - 1, 3 << 29, 5 << 40, 2.5 * 2**30):
+        assert format_bytes(size) == command_line_format_bytes(size), size

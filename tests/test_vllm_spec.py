@@ -307,7 +307,10 @@ def test_a_vllm_policy_runs_vllms_manager_and_kvtritons_worker_moves_the_bytes(c
     page = 64
     with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
         spec = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 4 * page, **VLLM_LRU_BY_PATH}, worker_kv_bytes_per_block=page))
-    assert "eviction_policy 'LRUCachePolicy' from vllm.v1.kv_offload.cpu.policies.lru is not kvtriton's" in caplog.text
+    assert (
+        "eviction_policy 'LRUCachePolicy' is not kvtriton's: vLLM's own CPUOffloadingManager ranks and evicts with "
+        "vllm.v1.kv_offload.cpu.policies.lru.LRUCachePolicy"
+    ) in caplog.text
     manager = spec.get_manager()
     assert type(manager) is VLLMManager
     assert isinstance(manager._policy, LRUCachePolicy)  # pyright: ignore[reportPrivateUsage] -- which policy vLLM resolved
@@ -355,11 +358,44 @@ def test_an_impossible_budget_is_refused_when_the_spec_is_built() -> None:
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1e30}))
 
 
-def test_a_typo_in_the_extra_config_is_warned_about_when_the_spec_is_built(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_typo_in_the_extra_config_stops_the_spec_naming_the_key_and_the_closest_valid_one() -> None:
+    with pytest.raises(ValueError, match=r"nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\)"):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc"}))
+
+
+def test_a_tiered_only_key_in_the_single_tier_spec_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm_config"):
-        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc", "secondary_tiers": []}))
-    assert "ignoring unknown key kv_connector_extra_config['eviction_polcy']: did you mean 'eviction_policy'?" in caplog.text
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": []}))
     assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # vLLM's registered ARC would run and the module would never be imported.
+        ({"eviction_policy": "arc", "cache_policy_module_path": "my_policies_typo"},
+         r"\['cache_policy_module_path'\]='my_policies_typo' cannot be imported \(ModuleNotFoundError"),
+        ({"cache_policy_module_path": "arc"}, r"\['cache_policy_module_path'\]='arc' cannot be imported"),
+        ({"eviction_policy": "lru", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"},
+         r"\['eviction_policy'\]='lru' is a policy vLLM's CachePolicyFactory has registered, which vLLM loads "
+         r"without ever reading .*\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.lru'"),
+        ({"eviction_policy": "LRUPolicy", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"},
+         r"\['eviction_policy'\]='LRUPolicy' is not a vLLM CachePolicy class of module "
+         r"'vllm.v1.kv_offload.cpu.policies.lru' .*the CachePolicy classes it defines: \['LRUCachePolicy'\]"),
+    ],
+)  # fmt: skip
+def test_a_cache_policy_module_path_vllm_would_not_use_is_refused_naming_the_keys(
+    extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, **extra}))
+
+
+def test_the_old_cache_policy_key_is_refused_pointing_at_eviction_policy() -> None:
+    # Following a hint to cache_policy_module_path would have run vLLM's LRU instead of kvtriton's ARC.
+    message = r"'cache_policy' \(did you mean 'eviction_policy'\? 'cache_policy' is the manager's argument"
+    with pytest.raises(ValueError, match=message):
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "cache_policy": "arc"}))
 
 
 def test_vllms_own_offloading_flags_merge_the_budget_into_kvtritons_config() -> None:

@@ -67,12 +67,13 @@ try:
         KVTRITON_PAGEABLE_SLAB,
         KVTritonOffloadConfig,
         check_budget,
+        check_keys,
         check_kv_geometry_known,
+        check_vllm_policy,
         host_row_bytes,
         is_vllm_policy,
         kv_dtype,
         parse_policy,
-        warn_unread_keys,
     )
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, metric_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
@@ -106,8 +107,8 @@ def open_host_slab(
 
     A pageable slab still works but copies through the CPU, several times
     slower, so a CUDA server refuses to start with one (the slab's
-    :class:`~kvtriton.worker.slab.SlabPinningError`, naming RLIMIT_MEMLOCK,
-    the bytes asked for and how to raise the limit) unless
+    :class:`~kvtriton.worker.slab.SlabPinningError`, naming the bytes asked
+    for and why pinning failed) unless
     ``kvtriton_pageable_slab`` allows it (then it warns and runs). Off CUDA
     (tests, CPU runs) there is no copy engine to pin for: the slab is pageable.
     """
@@ -173,8 +174,8 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        check_keys(config.extra_config, tiered=False)
         settings = KVTritonOffloadConfig.from_extra_config(config.extra_config)
-        warn_unread_keys(config.extra_config, tiered=False)
         check_kv_geometry_known(
             canonical_layout=config.canonical_layout,
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
@@ -206,10 +207,10 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
         )  # fmt: skip
         if settings.uses_vllm_policy:
             logger.info(
-                "eviction_policy %r%s is not kvtriton's: vLLM's own CPUOffloadingManager ranks and evicts, kvtriton's "
-                "worker moves the bytes",
+                "eviction_policy %r is not kvtriton's: vLLM's own CPUOffloadingManager ranks and evicts with %s, "
+                "kvtriton's worker moves the bytes",
                 settings.eviction_policy,
-                f" from {settings.cache_policy_module_path}" if settings.cache_policy_module_path else "",
+                check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path),
             )
         self._manager: vllm_base.OffloadingManager | None = None
         self._worker: VLLMOffloadingWorker | None = None

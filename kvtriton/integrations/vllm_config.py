@@ -10,6 +10,7 @@ allocated. This module does not import vLLM, so it is testable without it.
 from __future__ import annotations
 
 import difflib
+import importlib
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "TIERED_ONLY_KEYS",
     "VLLM_KEYS",
     "check_budget",
+    "check_keys",
     "check_kv_geometry_known",
     "compressed_row_bytes",
     "compression_tag",
@@ -54,7 +56,6 @@ __all__ = [
     "host_row_bytes",
     "is_vllm_policy",
     "parse_policy",
-    "warn_unread_keys",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,21 +80,36 @@ _KVTRITON_KEYS = frozenset(
 COMPRESSION_GROUP_SIZE = DEFAULT_GROUP_SIZE
 """Elements per fp8 scale in vLLM's rows: vLLM hands the worker flat byte pages, so the head dimension is unknown."""
 
-TIERED_ONLY_KEYS = frozenset({"secondary_tiers", "tier_poll_interval_s", "backpressure"})
-"""vLLM's keys that only the tiered spec reads (``KVTritonTieringOffloadingSpec``, vLLM's ``TieringOffloadingSpec``)."""
+TIERED_ONLY_KEYS = frozenset({"secondary_tiers", "tier_poll_interval_s", "backpressure", "enable_telemetry"})
+"""vLLM's keys that only the tiered spec reads (``KVTritonTieringOffloadingSpec``, vLLM's ``TieringOffloadingSpec``;
+``enable_telemetry`` is the kvcr tier's switch, read from the top level)."""
 
 VLLM_KEYS = frozenset(
     {
         # the connector and its spec factory
         "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
-        "sync_load_budget_bytes", "offload_prompt_only", "self_describing_kv_events", "connectors",
+        "sync_load_budget_bytes", "offload_prompt_only", "self_describing_kv_events",
         # vLLM's CPU spec, which kvtriton's specs take over
         CPU_BYTES_TO_USE, EVICTION_POLICY, CACHE_POLICY_MODULE_PATH, STORE_THRESHOLD, MAX_TRACKER_SIZE,
-        # secondary tiers (kvcr's telemetry switch is read from the top level)
-        "enable_telemetry",
     }
 ) | TIERED_ONLY_KEYS  # fmt: skip
-"""Every ``kv_connector_extra_config`` key vLLM 0.33's OffloadingConnector, spec factory and specs read."""
+"""Every ``kv_connector_extra_config`` key vLLM 0.33's OffloadingConnector, spec factory and specs read.
+
+Read from vLLM 0.33's ``offloading_connector.py``, ``offloading/`` (its config
+builder, scheduler and events) and ``v1/kv_offload/`` (the spec factory, the
+CPU and tiering specs and kvcr's telemetry switch); ``cpu_bytes_to_use`` is
+also the key vLLM itself writes for ``--kv-offloading-size``. MultiConnector's
+``connectors`` is not among them: it sits in MultiConnector's own extra config,
+and each child connector (this one) gets only its own ``kv_connector_extra_config``.
+"""
+
+_MISTAKEN_KEYS = {
+    "cache_policy": (
+        EVICTION_POLICY, "'cache_policy' is the manager's argument; the configuration key is 'eviction_policy'"
+    ),
+}
+"""Keys written for another one (with why), answered before the closest spelling: ``cache_policy`` looks most like
+``cache_policy_module_path``, which would take the policy's name as a module path."""
 
 _TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "off"})
@@ -209,8 +225,8 @@ class KVTritonOffloadConfig:
     def from_extra_config(cls, extra_config: Mapping[str, object]) -> KVTritonOffloadConfig:
         """Parse vLLM's ``kv_connector_extra_config``; raises ``ValueError`` naming the bad key and value.
 
-        Keys are only parsed here; which ones a spec leaves unread is
-        :func:`warn_unread_keys`'s to say, the policy is :func:`parse_policy`'s.
+        Keys are only parsed here; an unknown key is :func:`check_keys`'s to
+        refuse, the policy is :func:`parse_policy`'s.
         """
         policy, module_path = parse_policy(extra_config)
         if is_vllm_policy(policy, module_path):
@@ -257,25 +273,63 @@ def is_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -
     return cache_policy_module_path is not None or eviction_policy not in policy_names()
 
 
-def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> None:
-    """Refuse a policy kvtriton leaves to vLLM that vLLM's ``CachePolicyFactory`` cannot resolve, naming the keys.
+def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> str | None:
+    """Refuse a policy kvtriton leaves to vLLM that vLLM would not load as configured; the class it loads.
 
-    vLLM is imported here, lazily, only for such a policy: the module stays
-    importable without vLLM, and without vLLM no spec is built anyway.
+    Returns the dotted name of the class vLLM's ``CachePolicyFactory``
+    resolves (what the start-up log names), or None when vLLM is not
+    installed (then no spec is built anyway; vLLM is imported here, lazily,
+    so the module stays importable without it). Without
+    ``cache_policy_module_path`` the name must be one vLLM registered. With it,
+    the module must import and define ``eviction_policy`` as a vLLM
+    ``CachePolicy`` class, and the name must not be a registered one: vLLM
+    resolves a registered name first and never imports the module, so a
+    mistyped or misplaced module path would silently run a built-in policy.
     """
     try:
+        from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
         from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     except ImportError:
-        return
+        return None
+    registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
+    if cache_policy_module_path is None:
+        if eviction_policy not in registered:
+            raise ValueError(
+                f"{_where(EVICTION_POLICY)} must be one of {policy_names()}, got {eviction_policy!r}: "
+                f"neither kvtriton's policies nor vLLM's CachePolicyFactory (registered: {registered}) resolve it; "
+                f"for a policy class of your own, name its module in {_where(CACHE_POLICY_MODULE_PATH)}"
+            )
+        return _class_name(CachePolicyFactory.get_cache_policy_cls(eviction_policy))
+    module_key = f"{_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}"
     try:
-        CachePolicyFactory.get_cache_policy_cls(eviction_policy, cache_policy_module_path)
-    except (ValueError, ImportError, AttributeError) as error:
-        registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
-        loaded = f" from {_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}" if cache_policy_module_path else ""
+        module = importlib.import_module(cache_policy_module_path)
+    except Exception as error:  # noqa: BLE001 -- any failure to import the user's module is reported, naming the key
         raise ValueError(
-            f"{_where(EVICTION_POLICY)} must be one of {policy_names()}, got {eviction_policy!r}: neither kvtriton's "
-            f"policies nor vLLM's CachePolicyFactory (registered: {registered}) resolve it{loaded} ({error})"
+            f"{module_key} cannot be imported ({type(error).__name__}: {error}); it names the Python module that "
+            f"defines the policy class {_where(EVICTION_POLICY)} names. kvtriton's own policies {policy_names()} "
+            f"need no module path: remove the key"
         ) from error
+    if eviction_policy in registered:
+        raise ValueError(
+            f"{_where(EVICTION_POLICY)}={eviction_policy!r} is a policy vLLM's CachePolicyFactory has registered, "
+            f"which vLLM loads without ever reading {module_key}: remove {_where(CACHE_POLICY_MODULE_PATH)}, or set "
+            f"{_where(EVICTION_POLICY)} to the name of the policy class that module defines"
+        )
+    found: object = getattr(module, eviction_policy, None)
+    if not (isinstance(found, type) and issubclass(found, CachePolicy)):
+        defined = sorted(
+            name for name, value in vars(module).items()
+            if isinstance(value, type) and issubclass(value, CachePolicy) and value is not CachePolicy
+        )  # fmt: skip
+        raise ValueError(
+            f"{_where(EVICTION_POLICY)}={eviction_policy!r} is not a vLLM CachePolicy class of module "
+            f"{cache_policy_module_path!r} ({module_key}); the CachePolicy classes it defines: {defined}"
+        )
+    return _class_name(found)
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def parse_policy(extra_config: Mapping[str, object]) -> tuple[str, str | None]:
@@ -283,47 +337,62 @@ def parse_policy(extra_config: Mapping[str, object]) -> tuple[str, str | None]:
 
     kvtriton's own names (``lru``, ``arc``) in any case come back lower-cased;
     any other name is kept as written, for vLLM's ``CachePolicyFactory`` (the
-    spec checks that it resolves).
+    spec checks that it resolves), and so is every name that comes with a
+    ``cache_policy_module_path``: it names a class in that module.
     """
-    policy = _parse_str(extra_config, EVICTION_POLICY, "lru")
-    if policy not in policy_names():
-        policy = str(extra_config[EVICTION_POLICY]).strip()
-        if not policy:
-            raise ValueError(f"{_where(EVICTION_POLICY)} must name a policy, got {extra_config[EVICTION_POLICY]!r}")
     module_path = extra_config.get(CACHE_POLICY_MODULE_PATH)
-    if module_path is None:
-        return policy, None
-    if not isinstance(module_path, str) or not module_path.strip():
+    if module_path is not None and (not isinstance(module_path, str) or not module_path.strip()):
         raise ValueError(
             f"{_where(CACHE_POLICY_MODULE_PATH)} must be a Python module path, got "
             f"{type(module_path).__name__} {module_path!r}"
         )
-    return policy, module_path.strip()
+    module_path = module_path.strip() if module_path is not None else None
+    policy = _parse_str(extra_config, EVICTION_POLICY, "lru")
+    if module_path is not None or policy not in policy_names():
+        policy = str(extra_config.get(EVICTION_POLICY, "lru")).strip()
+        if not policy:
+            raise ValueError(f"{_where(EVICTION_POLICY)} must name a policy, got {extra_config[EVICTION_POLICY]!r}")
+    return policy, module_path
 
 
-def warn_unread_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]:
-    """Warn, by name, about every ``kv_connector_extra_config`` key the spec being built does not read.
+def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]:
+    """Refuse every ``kv_connector_extra_config`` key neither vLLM nor kvtriton reads; warn about the ones left unread.
 
-    A key neither vLLM nor kvtriton reads is almost certainly a typo
-    (``eviction_polcy``): the warning names the closest known key. vLLM's
-    tiered-only keys (``secondary_tiers``, ...) in the single-tier spec are
-    named too: they do nothing there. Returns the keys warned about.
+    An unknown key is almost certainly a mistake (``eviction_polcy``, or
+    ``cache_policy`` for ``eviction_policy``) that would leave a default in
+    force, so the spec stops with one ``ValueError`` naming each such key
+    and the closest valid one. Every key vLLM reads or passes through
+    (:data:`VLLM_KEYS`) is accepted; vLLM's tiered-only keys
+    (``secondary_tiers``, ...) in the single-tier spec are only warned
+    about: they are vLLM's, and do nothing there. Returns the keys warned about.
     """
     known = VLLM_KEYS | _KVTRITON_KEYS
-    unread: list[str] = []
-    for key in extra_config:
-        if key in TIERED_ONLY_KEYS and not tiered:
-            logger.warning(
-                "ignoring %s: only the tiered spec (spec_name KVTritonTieringOffloadingSpec) reads it", _where(key)
-            )
-        elif key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]!r}?" if close else f"kvtriton reads {sorted(_KVTRITON_KEYS)} besides vLLM's keys"
-            logger.warning("ignoring unknown key %s: %s", _where(key), hint)
-        else:
-            continue
-        unread.append(key)
-    return unread
+    unknown = [key for key in extra_config if key not in known]
+    if unknown:
+        named = "; ".join(f"{key!r} ({_closest_key(key, known)})" for key in unknown)
+        raise ValueError(
+            f"kv_connector_extra_config has {'a key' if len(unknown) == 1 else 'keys'} neither kvtriton nor vLLM "
+            f"reads: {named}. The keys are listed in docs/vllm.md"
+        )
+    ignored = [key for key in extra_config if key in TIERED_ONLY_KEYS and not tiered]
+    for key in ignored:
+        logger.warning(
+            "ignoring %s: only the tiered spec (spec_name KVTritonTieringOffloadingSpec) reads it", _where(key)
+        )
+    return ignored
+
+
+def _closest_key(key: str, known: frozenset[str]) -> str:
+    """The hint for an unknown key: a known confusion, kvtriton's prefix forgotten, or the closest spelling."""
+    if key in _MISTAKEN_KEYS:
+        meant, why = _MISTAKEN_KEYS[key]
+        return f"did you mean {meant!r}? {why}"
+    if f"kvtriton_{key}" in known:
+        return f"did you mean 'kvtriton_{key}'?"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return f"kvtriton reads {sorted(_KVTRITON_KEYS)} besides vLLM's keys"
 
 
 def host_ram_bytes() -> int | None:

@@ -56,6 +56,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSp
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtriton.integrations.byte_units import format_bytes
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
 from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
@@ -203,10 +204,6 @@ def _slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
     if type(spec) is not CPULoadStoreSpec and not isinstance(spec, CPULoadStoreSpec):
         raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
     return VLLMCPULoadStoreSpec(spec.slot_list())
-
-
-def _gib(blocks: int, bytes_per_block: float) -> str:
-    return f"{blocks * bytes_per_block / 2**30:.2f} GiB"
 
 
 class VLLMOffloadingManager(vllm_base.OffloadingManager):
@@ -405,7 +402,11 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
 
 
 def summary_line(last: ManagerStats, current: ManagerStats, seconds: float, bytes_per_chunk: float) -> str:
-    """The ``kvtriton summary:`` log line for the traffic between two snapshots ``seconds`` apart."""
+    """The ``kvtriton summary:`` log line for the traffic between two snapshots ``seconds`` apart.
+
+    Bytes are given in the binary unit that fits them (``288.00 KiB``, ``1.50 GiB``,
+    :func:`~kvtriton.integrations.byte_units.format_bytes`).
+    """
     lookups = current.lookups - last.lookups
     hits = current.hits - last.hits
     loaded = current.loads - last.loads
@@ -413,8 +414,8 @@ def summary_line(last: ManagerStats, current: ManagerStats, seconds: float, byte
     hit_rate = f"{100 * hits / lookups:.1f}%" if lookups else "-"
     return (
         f"kvtriton summary: last {seconds:.0f} s: {lookups} lookups, {hits} hits ({hit_rate}); "
-        f"loaded {loaded} chunks ({_gib(loaded, bytes_per_chunk)}), stored {stored} chunks "
-        f"({_gib(stored, bytes_per_chunk)}), evicted {current.evictions - last.evictions}; "
+        f"loaded {loaded} chunks ({format_bytes(loaded * bytes_per_chunk)}), stored {stored} chunks "
+        f"({format_bytes(stored * bytes_per_chunk)}), evicted {current.evictions - last.evictions}; "
         f"occupancy {100 * current.occupancy:.1f}% of {current.capacity} slots"
     )
 

@@ -45,8 +45,10 @@ import dataclasses
 import importlib.util
 import inspect
 import logging
+import math
+import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol, cast
 
 import torch
@@ -66,6 +68,7 @@ from kvtriton.integrations.vllm_config import (
     KVTRITON_PAGEABLE_SLAB,
     KVTritonOffloadConfig,
     check_budget,
+    check_keys,
     check_kv_geometry_known,
     check_vllm_policy,
     compression_tag,
@@ -73,7 +76,6 @@ from kvtriton.integrations.vllm_config import (
     is_vllm_policy,
     kv_dtype,
     parse_policy,
-    warn_unread_keys,
 )
 from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
 from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
@@ -303,6 +305,96 @@ def _tier_label(index: int, tier_config: object) -> str:
     return f"secondary_tiers[{index}] (type {kind!r})"
 
 
+_SIMPLE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "None": ((type(None),), "null"),
+}
+"""The JSON value types a tier parameter annotated with these names takes (``int`` excludes ``bool``), and in words."""
+
+
+def _json_types(annotation: object) -> tuple[tuple[type, ...], str] | None:
+    """The value types a tier parameter's annotation allows, and their description, for ``int``, ``float``,
+    ``bool``, ``str`` and their ``X | None``; None for any other annotation (not checked: the constructor judges it).
+
+    Annotations are often strings (``from __future__ import annotations``), so their text is read rather than
+    evaluated: evaluating would import the names a tier module keeps under ``TYPE_CHECKING``.
+    """
+    if annotation is inspect.Parameter.empty:
+        return None
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or str(annotation)
+    accepted: tuple[type, ...] = ()
+    words: list[str] = []
+    for part in text.split("|"):
+        simple = _SIMPLE_TYPES.get(part.strip())
+        if simple is None:
+            return None
+        accepted += simple[0]
+        words.append(simple[1])
+    return accepted, " or ".join(words)
+
+
+def _check_tier_values(label: str, config: dict[str, Any], parameters: Mapping[str, inspect.Parameter]) -> None:
+    """One line naming a tier key whose JSON value has the wrong type (``"n_read_threads": "4"``), before the tier
+    is built: the constructor would fail later, in the scheduler, with a bare TypeError naming neither."""
+    for name, parameter in parameters.items():
+        if name not in config:
+            continue
+        expected = _json_types(parameter.annotation)
+        value: object = config[name]
+        if expected is not None and type(value) not in expected[0]:
+            raise TypeError(f"{label} key {name!r} must be {expected[1]}, got {type(value).__name__} {value!r}")
+
+
+def _check_backpressure(where: str, value: object) -> None:
+    """vLLM merges ``backpressure`` into a dict field by field: anything but a mapping fails with a bare error."""
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(
+            f"{where} must be a mapping of back-pressure settings (with 'backpressure_cls', see vLLM's "
+            f"tiering/backpressure.py), got {type(value).__name__} {value!r}"
+        )
+
+
+def _check_poll_interval(extra_config: Mapping[str, object]) -> None:
+    """``tier_poll_interval_s``: seconds >= 0 (0 turns vLLM's tier-poll thread off); vLLM itself takes any float."""
+    if "tier_poll_interval_s" not in extra_config:
+        return
+    raw = extra_config["tier_poll_interval_s"]
+    value = float("nan")
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            pass
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            "kv_connector_extra_config['tier_poll_interval_s'] must be a number of seconds >= 0 (0 turns vLLM's "
+            f"tier-poll thread off), got {type(raw).__name__} {raw!r}"
+        )
+
+
+def _tier_failure(label: str, config: Mapping[str, Any], error: Exception) -> Exception:
+    """``error``, raised while vLLM built a tier, restated with the tier and (for a path) the key it came from."""
+    if isinstance(error, OSError):
+        failed = os.fsdecode(error.filename) if isinstance(error.filename, (str, bytes)) else None
+        keys = [
+            key for key, value in config.items()
+            if isinstance(value, str) and value and failed is not None
+            and (failed == value or failed.startswith(value.rstrip("/") + "/"))
+        ]  # fmt: skip
+        where = f"{label} key {keys[0]!r}={config[keys[0]]!r}" if keys else label
+        return ValueError(f"{where}: the tier cannot use it ({error.strerror or error}: {failed or '?'})")
+    if isinstance(error, ImportError):
+        return ImportError(f"{label}: {error}")
+    if isinstance(error, TypeError):
+        return TypeError(f"{label}: {error}")
+    return ValueError(f"{label}: {error}")
+
+
 _FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
 """A tier constructor's parameters vLLM's SecondaryTierFactory fills itself (not keys of the tier's config)."""
 
@@ -327,6 +419,8 @@ def _check_tier_keys(label: str, config: dict[str, Any], tier_cls: type[Secondar
     ]
     if missing:
         raise ValueError(f"{label} is missing the required key {missing[0]!r} ({tier_cls.__name__} needs it)")
+    _check_backpressure(f"{label} key 'backpressure'", config.get("backpressure"))
+    _check_tier_values(label, config, {name: p for name, p in parameters.items() if name not in _FACTORY_ARGUMENTS})
     if takes_any:
         return
     accepted = set(parameters) - _FACTORY_ARGUMENTS
@@ -405,8 +499,10 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         extra = config.extra_config
         # Parsed first: a bad or missing key is reported as kvtriton reports it,
         # before vLLM's parent classes read the same keys.
+        check_keys(extra, tiered=True)
         settings = KVTritonOffloadConfig.from_extra_config(extra)
-        warn_unread_keys(extra, tiered=True)
+        _check_poll_interval(extra)
+        _check_backpressure("kv_connector_extra_config['backpressure']", extra.get("backpressure"))
         if settings.filters_reuse:
             raise ValueError(
                 f"kv_connector_extra_config['store_threshold']={extra['store_threshold']!r}: the tiered spec stores "
@@ -458,10 +554,10 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         )  # fmt: skip
         if settings.uses_vllm_policy:
             logger.info(
-                "eviction_policy %r%s is not kvtriton's: vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts "
-                "the primary tier, kvtriton's workers move the bytes",
+                "eviction_policy %r is not kvtriton's: vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts "
+                "the primary tier with %s, kvtriton's workers move the bytes",
                 settings.eviction_policy,
-                f" from {settings.cache_policy_module_path}" if settings.cache_policy_module_path else "",
+                check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path),
             )
 
     @property
@@ -500,7 +596,11 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             view = cast("KVTritonPrimaryTier | CPUPrimaryTierOffloadingManager", primary).get_kv_memoryview()
             tier_spec = self.tier_facing_spec()
             for index, tier_config in enumerate(self.secondary_tier_configs):
-                tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+                try:
+                    tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+                except (OSError, ImportError, TypeError, ValueError) as error:
+                    label = _tier_label(index, tier_config)
+                    raise _tier_failure(label, cast("dict[str, Any]", tier_config), error) from error
                 tiers.append(tier)
                 logger.info("created secondary tier #%d (%s)", index, tier.tier_type)
             manager = TieringOffloadingManager(

@@ -78,6 +78,22 @@ def _refuse_non_bytes(keys: Sequence[object]) -> NoReturn:
 
 _join_bytes = b"".join
 
+_CONTEXT_METHODS = ("get_state", "set_state", "get_offload_key_position")
+"""What the manager reads a request context through (kvtriton's ``ReqContext`` and vLLM's both have them)."""
+
+
+def _check_context(call: str, req_context: object) -> None:
+    """Raise ``TypeError`` naming ``req_context`` when it is no request context (a request id passed instead).
+
+    Called only once reading the context failed, so a real context costs nothing.
+    """
+    missing = [name for name in _CONTEXT_METHODS if not callable(getattr(req_context, name, None))]
+    if missing:
+        raise TypeError(
+            f"{call}: req_context must be a request context (kvtriton.specs.ReqContext, or vLLM's ReqContext), "
+            f"got {type(req_context).__name__} {req_context!r}, which has no {missing[0]}()"
+        )
+
 
 class CPUOffloadingManager(OffloadingManager):
     """Tracks which blocks sit in which slot of a host slab of ``num_blocks`` slots.
@@ -243,11 +259,19 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> None:
-        self._access(req_context)
+        try:
+            self._access(req_context)
+        except AttributeError:
+            _check_context("on_new_request", req_context)
+            raise
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        access = req_context.get_state(RequestAccess)
+        try:
+            access = req_context.get_state(RequestAccess)
+        except AttributeError:
+            _check_context("on_request_finished", req_context)
+            raise
         if access is None or access.owner is not self or access.generation != self._generation or access.finished:
             return
         access.finished = True
@@ -287,6 +311,11 @@ class CPUOffloadingManager(OffloadingManager):
         got = list(map(self._blocks.get, loaded))
         if None in got:  # C speed; nothing is pinned yet
             self._refuse_load(loaded, got, 0)
+        try:
+            access = req_context.get_state(RequestAccess)  # _access, inlined: one call per load; read before pinning
+        except AttributeError:
+            _check_context("prepare_load", req_context)
+            raise
         newly_loading = 0
         # One pass that pins as it validates; on a pending key the pins taken
         # so far are undone before raising, so a failed call changes nothing.
@@ -301,7 +330,6 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt = count + 1
         self._num_loading += newly_loading
         self._loads += len(got)
-        access = req_context.get_state(RequestAccess)  # _access, inlined: one call per load
         if access is None or access.owner is not self or access.generation != self._generation:
             access = self._access(req_context)
         access.reuse(loaded, self._observe(access, loaded, got, req_context) is loaded)
@@ -374,7 +402,11 @@ class CPUOffloadingManager(OffloadingManager):
             _join_bytes(offered)  # C speed: refuses anything but bytes (str keys above all), before anything is recorded
         except TypeError:
             _refuse_non_bytes(offered)
-        access = req_context.get_state(RequestAccess)  # _access, inlined: one call per store
+        try:
+            access = req_context.get_state(RequestAccess)  # _access, inlined: one call per store
+        except AttributeError:
+            _check_context("prepare_store", req_context)
+            raise
         if access is None or access.owner is not self or access.generation != self._generation:
             access = self._access(req_context)
         if got.count(None) == len(got):

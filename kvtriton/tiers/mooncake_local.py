@@ -18,9 +18,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LOOPBACK", "MooncakeCluster", "free_port", "mooncake_binary", "mooncake_missing"]
+__all__ = ["LOOPBACK", "MOONCAKE_PACKAGES", "MooncakeCluster", "free_port", "mooncake_binary", "mooncake_missing"]
 
 LOOPBACK = "127.0.0.1"
+
+MOONCAKE_PACKAGES = "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4"
+"""The Mooncake tier's packages, as the Makefile's ``MOONCAKE_PACKAGES`` and docs/mooncake.md give them."""
 
 
 
@@ -28,7 +31,10 @@ def mooncake_missing() -> str | None:
     """Why the Mooncake tier cannot be tried here (the package is absent), or None."""
     if importlib.util.find_spec("mooncake") is not None:
         return None
-    return "the mooncake package is not installed (pip install 'kvtriton[mooncake]'; make test installs it)"
+    return (
+        "the mooncake package is not installed (the install line is in docs/mooncake.md#install: "
+        f"pip install --no-deps {MOONCAKE_PACKAGES}; make test installs it)"
+    )
 
 START_TIMEOUT_S = 20.0
 
