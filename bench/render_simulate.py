@@ -53,7 +53,7 @@ PREFIX_SHARING_FROM = "manager"
 
 @dataclass(frozen=True, slots=True)
 class SimulateRun:
-    """One documented ``kvtriton simulate`` run: ``bench/results/<name>.json`` and, with ``plot``, ``docs/img/<name>.png``."""
+    """One documented ``kvtriton simulate`` run: ``bench/results/<name>.json`` (and ``docs/img/<name>.png``)."""
 
     name: str
     flags: tuple[str, ...]
@@ -214,8 +214,8 @@ def few_shot_knee(results: Results) -> str:
     at16 = sorted(_rate(record, _at(record, policy, 16)) for policy in ("lru", "arc"))
     at32 = min(_rate(record, _at(record, policy, 32)) for policy in ("lru", "arc"))
     return (
-        f"16 GiB serves {100 * at16[0]:.1f}-{_pct(at16[1])} of prompt tokens against a {_pct(_ceiling(record))} ceiling,"
-        f" and doubling to 32 GiB adds {100 * (at32 - at16[0]):.1f} points more"
+        f"16 GiB serves {100 * at16[0]:.1f}-{_pct(at16[1])} of prompt tokens against a {_pct(_ceiling(record))}"
+        f" ceiling, and doubling to 32 GiB adds {100 * (at32 - at16[0]):.1f} points more"
     )
 
 
@@ -245,11 +245,15 @@ def vllm_gpu_share(results: Results) -> str:
     flat = max(_first_at_ceiling(record, policy, 0.0005) for policy in ("lru", "arc"))
     found = cast(JSONObject, record["recommendation"])
     target = _pct(float(cast(float, found["target_hit_rate"])))
-    answer = f"no size reaches {target}" if not found["reached"] else f"{target} is reached at {_gib(float(cast(int, found['capacity_bytes'])) / 2**30)}"
+    if found["reached"]:
+        answer = f"{target} is reached at {_gib(float(cast(int, found['capacity_bytes'])) / 2**30)}"
+    else:
+        answer = f"no size reaches {target}"
     return (
         f"a {cast(JSONObject, record['call_order'])['gpu_blocks']}-block GPU cache already serves"
         f" {_pct(float(cast(float, trace['engine_share'])))} of prompt tokens, so host memory adds at most"
-        f" {100 * host:.1f} points: vLLM would report {_pct(_ceiling(record))} at any size from {_gib(flat)}, and {answer}"
+        f" {100 * host:.1f} points: vLLM would report {_pct(_ceiling(record))} at any size from {_gib(flat)},"
+        f" and {answer}"
     )
 
 
@@ -311,8 +315,10 @@ SIMULATE_RENDERERS: dict[str, Callable[[Results], str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.render_simulate", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for the JSON records (default: bench/results)")
+    description = (__doc__ or "").splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m bench.render_simulate", description=description)
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="folder for the JSON records (default: bench/results)")  # fmt: skip
     parser.add_argument("--images", type=Path, default=IMAGES, help="folder for the plots (default: docs/img)")
     parser.add_argument("--only", choices=[run.name for run in RUNS], action="append",
                         help="make only this run (repeatable; default: every run)")  # fmt: skip

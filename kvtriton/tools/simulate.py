@@ -871,8 +871,8 @@ def _recommendation_lines(
             )
         else:
             lines.append(
-                f"  The sizes tried hold the whole trace ({format_bytes(working_set)}): the ceiling, {_percent(ceiling)},"
-                " is all the offload tier gives; lower --target-hit-rate."
+                f"  The sizes tried hold the whole trace ({format_bytes(working_set)}): the ceiling,"
+                f" {_percent(ceiling)}, is all the offload tier gives; lower --target-hit-rate."
             )
         return lines
     flags = [f"--block-size {geometry.block_size}"]
@@ -1119,7 +1119,9 @@ def run(args: argparse.Namespace) -> int:
         f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks",
         f"geometry  {stored.describe()}",
     ]
-    compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}" if stored is not geometry else ""
+    compressed_set = ""
+    if stored is not geometry:
+        compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}"
     lines.append(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
     if unlimited_engine is not None:
         lines.append(f"engine    {_describe_engine(order)}")
@@ -1131,15 +1133,15 @@ def run(args: argparse.Namespace) -> int:
         lines.append("")
         if stored is not geometry:
             lines.append(f"{compression}: {_curve_heading(compression, stored)}")
-        lines.append(_table(*_rows(curve, order.name)))
+        lines += _table(*_rows(curve, order.name)).split("\n")
     shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
     if shown.max_admitted_per_step is not None:
         lines.append("")
         lines.append(
-            f"admission: up to {shown.max_admitted_per_step} new requests in one step, {shown.mean_admitted_per_step:.1f}"
-            f" on average over the steps that admitted any ({shown.steps} steps, {shown.policy.upper()}"
-            f" {format_bytes(shown.capacity_bytes)}); deferred lookups (a block still being stored or loaded):"
-            f" {shown.pending_stops}; GPU cache evictions: {shown.engine_evictions}"
+            f"admission: up to {shown.max_admitted_per_step} new requests in one step,"
+            f" {shown.mean_admitted_per_step:.1f} on average over the steps that admitted any ({shown.steps} steps,"
+            f" {shown.policy.upper()} {format_bytes(shown.capacity_bytes)}); deferred lookups (a block still being"
+            f" stored or loaded): {shown.pending_stops}; GPU cache evictions: {shown.engine_evictions}"
         )
         if shown.preemptions:
             lines.append(f"preemptions: {shown.preemptions} running requests were preempted for want of GPU blocks and"
@@ -1166,7 +1168,8 @@ def run(args: argparse.Namespace) -> int:
     written = [json_path]
     if not args.no_plot:
         png_path = out_dir / f"simulate-{source.name}.png"
-        title = f"{source.name} trace, {summary.requests} requests, {geometry.name} ({format_bytes(geometry.bytes_per_block)}/block)"
+        title = (f"{source.name} trace, {summary.requests} requests, {geometry.name}"
+                 f" ({format_bytes(geometry.bytes_per_block)}/block)")
         if order.gpu_blocks is not None:
             title += f", {order.gpu_blocks} GPU blocks"
         if stored is not geometry:
