@@ -33,6 +33,36 @@ def test_unknown_command_exits_with_usage() -> None:
     assert raised.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "kvtriton: error: a command is required, one of info, demo, simulate, bench"),
+        (["--bogus"], "kvtriton: error: unknown option --bogus: give a command first, one of info, demo, simulate"),
+        (["simulate", "--capacity", "4"], "error: unrecognized arguments: --capacity 4 (did you mean --capacities?)"),
+        (["demo", "--polcy=arc"], "kvtriton demo: error: unrecognized arguments: --polcy=arc (did you mean --policy?)"),
+        (["simulate", "--zzzzzz"], "kvtriton simulate: error: unrecognized arguments: --zzzzzz\n"),
+    ],
+)
+def test_an_unknown_option_or_a_missing_command_is_named(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_choice_argument_takes_any_case_and_names_the_valid_values() -> None:
+    import argparse
+
+    from kvtriton.tools.cli import choice_argument
+
+    convert = choice_argument(["lru", "arc"])
+    assert (convert("ARC"), convert(" Lru ")) == ("arc", "lru")
+    with pytest.raises(argparse.ArgumentTypeError, match="^expected one of lru, arc, got 'FIFO'$"):
+        convert("FIFO")
+
+
 def test_warnings_print_as_one_line_naming_kvtriton() -> None:
     import warnings
 

@@ -131,6 +131,11 @@ def test_compression_refuses_the_byte_view_layout_by_flag(capsys: pytest.Capture
 def test_demo_rejects_impossible_settings_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--model", "deepseek-v3", "--layout", "flash_attn"]) == 2
     assert "caches one latent" in capsys.readouterr().err
+    assert main(["demo", "--model", "llama-3-8b", "--layout", "mla"]) == 2
+    assert capsys.readouterr().err == (
+        "kvtriton demo: error: --layout mla caches one latent per token, but --model llama-3-8b caches K and V"
+        " (use flash_attn, flashinfer, cross_layer or pages, or an MLA model: deepseek-v3)\n"
+    )
     assert main(["demo", *SMALL, "--capacity", "1KiB"]) == 2
     assert "less than one slot" in capsys.readouterr().err
 
@@ -278,6 +283,36 @@ def test_an_engine_the_slab_cannot_serve_is_refused_by_flag_and_the_slab_is_clos
     assert err.startswith("kvtriton demo: error: --backend triton: backend='triton' needs a pinned slab")
     assert "Traceback" not in err
     assert len(slabs) == 1 and slabs[0].closed
+
+
+def test_every_choice_flag_takes_its_names_in_any_case() -> None:
+    from kvtriton.tools.cli import build_parser
+
+    args = build_parser().parse_args([
+        "demo", "--model", "Qwen2.5-7B", "--layout", "FLASH_ATTN", "--compression", "NONE", "--policy", "ARC",
+        "--backend", "Torch", "--device", "CPU",
+    ])  # fmt: skip
+    config = demo_module.DemoConfig.from_args(args)
+    assert (config.geometry.name, config.layout, config.policy, config.backend, config.device) == (
+        "qwen2.5-7b", "flash_attn", "arc", "torch", "cpu",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--policy", "FIFO"], "argument --policy: expected one of arc, lru, got 'FIFO'"),
+        (["--layout", "paged"], "expected one of auto, flash_attn, flashinfer, mla, cross_layer, pages, got 'paged'"),
+        (["--device", "gpu"], "argument --device: expected one of auto, cpu, cuda, got 'gpu'"),
+    ],
+)
+def test_a_bad_choice_names_the_flag_and_lists_the_names(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["demo", *flags])
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_the_default_layout_follows_the_model() -> None:

@@ -273,6 +273,34 @@ def test_simulate_command_prints_a_table_and_writes_json_and_png(
     assert (tmp_path / "simulate-few-shot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_without_matplotlib_the_answer_is_printed_and_the_plot_is_a_one_line_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pip install --no-deps` into vLLM's environment leaves matplotlib out: the table and the answer still come."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert main(["simulate", *TINY, "--target-hit-rate", "0.01", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "hit tok" in captured.out and "smallest size reaching 1.0%" in captured.out and "vllm serve" in captured.out
+    assert captured.err.splitlines() == [
+        "kvtriton simulate: no plot: matplotlib is not installed"
+        " (pip install matplotlib to draw it, --no-plot to skip it)"
+    ]
+    assert captured.out.rstrip().endswith(f"wrote {tmp_path / 'simulate-chat.json'}")  # and no PNG named
+    assert json.loads((tmp_path / "simulate-chat.json").read_text())["recommendation"]["reached"] is True
+    assert not (tmp_path / "simulate-chat.png").exists()
+
+
+def test_the_record_keeps_the_command_line_and_the_printed_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", *TINY, "--policies", "lru", "--no-plot", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((tmp_path / "simulate-chat.json").read_text())
+    assert record["argv"] == argv  # what main() was given, not the test runner's sys.argv
+    assert printed == "\n".join(record["printed"]) + f"\n\nwrote {tmp_path / 'simulate-chat.json'}\n"
+
+
 def test_simulate_json_flag_prints_the_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *TINY, "--policies", "lru", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     record = json.loads(capsys.readouterr().out)
@@ -303,10 +331,12 @@ def test_malformed_trace_file_fails_naming_the_line(tmp_path: Path, capsys: pyte
     ("flags", "message"),
     [
         (["--capacities", "4x"], "argument --capacities: capacity unit must be one of .* got '4x'"),
-        (["--policies", "lru,fifo"], "argument --policies: .*'fifo'"),
+        (["--policies", "lru,fifo"], "argument --policies: unknown policy 'fifo' in 'lru,fifo': expected arc, lru"),
         (["--requests", "0"], "argument --requests: expected a positive integer, got '0'"),
         (["--dtype", "int3"], "argument --dtype: dtype must be one of .*got 'int3'"),
-        (["--workload", "web"], "argument --workload: invalid choice: 'web'"),
+        (["--workload", "web"], "argument --workload: expected one of shared-prompt, chat, .*, got 'web'"),
+        (["--model", "Llama-4"], "argument --model: expected one of llama-3-8b, .*, got 'Llama-4'"),
+        (["--call-order", "server"], "argument --call-order: expected one of engine, vllm, got 'server'"),
         (["--param", "requests"], "argument --param: expected NAME=VALUE, got 'requests'"),
         (["--bandwidth", "-3"], "argument --bandwidth: expected a positive number, got '-3'"),
     ],
@@ -381,6 +411,14 @@ def test_out_that_is_a_file_names_the_flag(tmp_path: Path, capsys: pytest.Captur
 def test_policy_names_are_case_insensitive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *TINY, "--policies", "LRU,Arc", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     assert [p["policy"] for p in json.loads(capsys.readouterr().out)["points"]] == ["lru", "lru", "arc", "arc"]
+
+
+def test_every_choice_flag_takes_its_names_in_any_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--workload", "Few-Shot", "--model", "QWEN3-8B", "--call-order", "VLLM", "--compression", "NONE"]
+    assert main(["simulate", *TINY, *flags, "--policies", "LRU", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["source"]["workload"], record["geometry"]["model"]) == ("few-shot", "qwen3-8b")
+    assert (record["call_order"]["name"], record["compression"]["kv_compression"]) == ("vllm", "none")
 
 
 def test_help_documents_every_knob_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:

@@ -73,7 +73,8 @@ def test_sequential_admits_one_request_at_a_time(tmp_path: Path, capsys: pytest.
         (["--gpu-blocks", "64", "--in-flight", "2"], "--in-flight applies to --call-order engine"),
         (["--call-order", "engine", "--gpu-blocks", "64"], "--gpu-blocks models vLLM's engine: it applies to --call-order vllm"),
         (["--call-order", "engine", "--max-num-seqs", "4"], "--max-num-seqs models vLLM's engine"),
-        (["--call-order", "engine", "--arrivals", "4"], "--arrivals applies to --call-order vllm"),
+        (["--call-order", "engine", "--arrivals", "4"], "--arrivals models vLLM's engine: it applies to --call-order"),
+        (["--call-order", "engine", "--decode-steps", "2"], "--decode-steps models vLLM's engine: it applies to"),
         (["--gpu-blocks", "8"], "needs"),  # a prompt longer than the whole GPU cache
     ],
 )
@@ -87,6 +88,32 @@ def test_flags_of_the_other_call_order_are_refused(
 
 # --------------------------------------------------------------------------
 # The answer: vLLM's configuration for the smallest size reaching the target
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--sync-loads"], ["--max-num-batched-tokens", "1"], ["--decode-steps", "7"], ["--load-steps", "3"],
+     ["--store-steps", "4"], ["--arrivals", "2"]],  # fmt: skip
+)
+def test_an_engine_model_knob_without_the_vllm_order_is_refused_not_ignored(
+    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --gpu-blocks, --max-num-seqs, --sequential or --call-order vllm the order is engine: no such knob."""
+    assert main(["simulate", *SMALL, *flags, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtriton simulate: error: {flags[0]} models vLLM's engine")
+    assert "add --call-order vllm" in err
+    assert not list(tmp_path.iterdir())  # refused before anything ran or was written
+
+
+def test_an_engine_model_knob_with_the_vllm_order_changes_the_result(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [*SMALL, "--call-order", "vllm", "--capacities", "1", "--policies", "lru"]
+    default = simulate_json(tmp_path, capsys, *base)
+    knob = simulate_json(tmp_path, capsys, *base, "--decode-steps", "7")
+    assert (default["call_order"]["decode_steps"], knob["call_order"]["decode_steps"]) == (2, 7)
+    assert knob["points"][0]["steps"] > default["points"][0]["steps"]
 
 
 def test_the_smallest_size_reaching_the_target_is_printed_as_vllm_configuration(
@@ -149,9 +176,43 @@ def test_no_size_reaching_the_target_is_said_plainly(tmp_path: Path, capsys: pyt
     out = capsys.readouterr().out
     assert "NO SIZE TRIED REACHES THE TARGET" in out and "below 99.0% at every size tried" in out
     assert "--kv-transfer-config" not in out
+    assert "unreachable: the ceiling" in out  # 99% is above what unlimited memory gives: larger sizes do not help
+    assert "Try larger --capacities" not in out
     record = simulate_json(tmp_path, capsys, *flags)
     assert record["recommendation"]["reached"] is False
     assert record["recommendation"]["kv_transfer_config"] is None
+
+
+def test_a_target_above_the_ceiling_is_called_unreachable_and_drawn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.pyplot as plt
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    flags = [*SMALL[:-1], "--capacities", "1,64", "--target-hit-rate", "0.95"]
+    assert main(["simulate", *flags, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "simulate-system-prompts.json").read_text())
+    ceiling = record["trace"]["unlimited_token_hit_rate"]
+    assert ceiling < 0.95
+    assert f"unreachable: the ceiling, {100 * ceiling:.1f}%, is below the target" in out
+    assert "Try larger --capacities" not in out and "GPU cache" not in out  # the engine order has no GPU cache
+    (figure,) = figures
+    target = next(line for line in figure.axes[0].get_lines() if line.get_label() == "target 95.0%")
+    assert list(target.get_ydata()) == [95.0, 95.0]
+
+
+def test_a_target_larger_sizes_would_reach_asks_for_larger_capacities(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = [*SMALL, "--capacities", "0.125", "--target-hit-rate", "0.2"]
+    record = simulate_json(tmp_path, capsys, *flags)
+    assert record["trace"]["unlimited_token_hit_rate"] >= 0.2 > record["points"][0]["token_hit_rate"]
+    assert main(["simulate", *flags, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Try larger --capacities: the largest tried, 128.00 MiB, holds less than the whole trace" in out
+    assert "unreachable" not in out
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "150%", "-0.2", "half", "nan"])
@@ -238,7 +299,8 @@ def test_the_plot_keeps_coinciding_policies_visible(tmp_path: Path, monkeypatch:
             {"policy": "arc", "capacity_gib": 2.0, "token_hit_rate": 0.6},
         )
     ]
-    simulate._plot(tmp_path / "plot.png", reports, "t", 0.7, 2.0, "engine")  # pyright: ignore[reportPrivateUsage] -- the plot is what is tested
+    plot = simulate._plot  # pyright: ignore[reportPrivateUsage] -- the plot is what is tested
+    plot(tmp_path / "plot.png", reports, "t", 0.7, 2.0, "engine", 0.5, stamp="s")
     (figure,) = figures
     lines = [line for line in figure.axes[0].get_lines() if line.get_label() in ("LRU", "ARC")]
     assert len(lines) == 2
@@ -269,7 +331,7 @@ def test_the_python_example_in_the_docs_runs_and_prints_what_it_says(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     text = (REPO / "docs" / "simulate.md").read_text()
-    (block,) = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    (block,) = [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "fidelity.jsonl" in block]
     exec(compile(block.replace("/tmp/fidelity.jsonl", str(tmp_path / "fidelity.jsonl")), "docs/simulate.md", "exec"), {})
     printed = capsys.readouterr().out.strip()
     claimed = re.search(r"# ([0-9.]+%)", block)
@@ -362,7 +424,7 @@ def test_a_group_size_without_compression_is_refused(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--compression", "zstd"], "argument --compression: invalid choice: 'zstd'"),
+        (["--compression", "zstd"], "argument --compression: expected one of none, fp8-e4m3, got 'zstd'"),
         (["--compression", "fp8-e4m3", "--group-size", "0"], "argument --group-size"),
     ],
 )

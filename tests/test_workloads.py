@@ -203,12 +203,57 @@ def test_comment_lines_are_skipped_and_keep_the_line_numbers() -> None:
         ('{"blocks": ["a"], "id": [1]}', "id must be a string or an integer"),
         ('{"blocks": [' + "9" * 5000 + "]}", "not valid JSON.*digits"),
         ("[" * 100_000, "not valid JSON.*nested too deeply"),
+        ('{"blocks": []}', "blocks is empty and tokens is 0: a request has at least one prompt token"),
+        ('{"blocks": [], "tokens": 0}', "blocks is empty and tokens is 0"),
+        ('{"blocks": ["a", "b", "a"]}', r"blocks\[2\] repeats blocks\[0\] \('a'\): a request's block hashes are"),
+        ('{"blocks": [7, 7]}', r"blocks\[1\] repeats blocks\[0\] \(7\)"),
+        ('{"blocks": ["a"], "output_blocks": ["b", "a"]}', r"output_blocks\[1\] repeats blocks\[0\]"),
+        ('{"blocks": ["a"], "timestamp": [1]}', r"timestamp must be a number or a string, got \[1\]"),
+        ('{"blocks": ["a"], "timestamp": true}', "timestamp must be a number or a string, got True"),
     ],
 )
 def test_malformed_trace_line_names_the_line_and_why(line: str, why: str) -> None:
     good = json.dumps({"blocks": ["a", "b"]})
     with pytest.raises(ValueError, match=f"^t.jsonl line 3: .*{why}"):
         list(parse_trace([good, "", line, good], block_size=16, source="t.jsonl"))
+
+
+def test_a_prompt_shorter_than_one_block_lists_no_blocks_and_counts_its_tokens() -> None:
+    (short,) = parse_trace(['{"blocks": [], "tokens": 5}'], block_size=16)
+    assert (short.prompt_blocks, short.prompt_tokens) == ((), 5)
+
+
+def test_the_same_block_in_two_requests_is_sharing_not_a_repeat() -> None:
+    first, second = parse_trace(['{"blocks": ["a", "b"]}', '{"blocks": ["a", "c"], "output_blocks": ["d"]}'])
+    assert first.prompt_blocks[0] == second.prompt_blocks[0]
+
+
+def test_a_timestamp_is_accepted_and_changes_nothing() -> None:
+    plain = list(parse_trace(['{"id": "r", "blocks": ["a"]}', '{"id": "s", "blocks": ["a", "b"]}']))
+    stamped = list(parse_trace([
+        '{"id": "r", "blocks": ["a"], "timestamp": 1733011200.25}',
+        '{"id": "s", "blocks": ["a", "b"], "timestamp": "2026-12-01T00:00:01Z"}',
+    ]))  # fmt: skip
+    assert stamped == plain
+
+
+def test_read_trace_reads_a_gzip_compressed_trace_whatever_its_name(tmp_path: Path) -> None:
+    import gzip
+
+    text = '{"blocks": ["a"]}\n{"blocks": ["a", "b"]}\n'
+    for name in ("trace.jsonl.gz", "trace.jsonl"):
+        path = tmp_path / name
+        path.write_bytes(gzip.compress(text.encode()))
+        assert [len(r.prompt_blocks) for r in read_trace(path)] == [1, 2]
+
+
+def test_a_truncated_gzip_trace_says_it_does_not_decompress(tmp_path: Path) -> None:
+    import gzip
+
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"blocks": ["a"]}\n' * 100)[:20])
+    with pytest.raises(ValueError, match=f"^{path}: gzip-compressed, but it does not decompress"):
+        read_trace(path)
 
 
 def test_read_trace_names_the_file_and_line(tmp_path: Path) -> None:

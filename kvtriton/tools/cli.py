@@ -3,12 +3,16 @@
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) ->
 int``. Command modules keep torch and triton imports inside ``run`` so that
 building the parser stays fast and the scheduler-only commands never import
-torch. Every size flag follows one unit rule (``geometry.SIZE_RULE``).
+torch. Every size flag follows one unit rule (``geometry.SIZE_RULE``), and
+every choice flag takes its names in any case (:func:`choice_argument`). An
+option no command knows is named, with the closest known one when there is
+one, and a missing command lists the commands.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -20,7 +24,7 @@ from typing import Protocol, cast
 from kvtriton import __version__
 from kvtriton.tools.geometry import SIZE_RULE
 
-__all__ = ["main"]
+__all__ = ["build_parser", "choice_argument", "main"]
 
 
 class _CommandModule(Protocol):
@@ -56,6 +60,22 @@ _COMMANDS: tuple[_Command, ...] = (
 )
 
 
+def choice_argument(names: Sequence[str]) -> Callable[[str], str]:
+    """An argparse ``type`` for a choice flag: its value in any case, as the lower-case name in ``names``.
+
+    Set ``choices=names`` next to it so that ``--help`` lists them; a value
+    that is no name fails here first, with the valid names and the text as typed.
+    """
+
+    def convert(text: str) -> str:
+        name = text.strip().lower()
+        if name not in names:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
+        return name
+
+    return convert
+
+
 def _load(command: _Command) -> _CommandModule:
     return cast(_CommandModule, importlib.import_module(command.module))
 
@@ -67,12 +87,44 @@ def build_parser(load: Callable[[_Command], _CommandModule] = _load) -> argparse
         epilog=f"sizes (--capacity, --capacities, --slab-size): {SIZE_RULE}. `kvtriton COMMAND --help` lists each command's flags.",
     )
     parser.add_argument("--version", action="version", version=f"kvtriton {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Not required=True: main() names a missing command itself, with the list of commands, and an unknown
+    # option before it (`kvtriton --bogus`) as what it is rather than as a missing command.
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in _COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
         load(command).add_arguments(sub)
-        sub.set_defaults(_command=command)
+        sub.set_defaults(_command=command, _parser=sub)
     return parser
+
+
+def _unknown_options_message(unknown: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """``unrecognized arguments: ...``, with the closest option ``parser`` knows for the first unknown option."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    option = next((item.partition("=")[0] for item in unknown if item.startswith("-")), None)
+    if option is None:
+        return message
+    # argparse lists a parser's options nowhere public: its _actions are what it matches against.
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    close = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+    return message + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The parsed command line; an unknown option or a missing command exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    commands = ", ".join(command.name for command in _COMMANDS)
+    if getattr(args, "_command", None) is None:
+        if unknown:
+            parser.error(f"unknown option {unknown[0]}: give a command first, one of {commands}"
+                         " (`kvtriton COMMAND --help` lists its options)")
+        parser.error(f"a command is required, one of {commands} (`kvtriton COMMAND --help` lists its options)")
+    if unknown:
+        sub = cast(argparse.ArgumentParser, args._parser)
+        sub.error(_unknown_options_message(unknown, sub))
+    # What the command's JSON records as its command line: the arguments given to main(), not the test's sys.argv.
+    args.command_line = list(sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def _format_warning(
@@ -84,7 +136,7 @@ def _format_warning(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     command = cast(_Command, args._command)
     previous = warnings.formatwarning
     warnings.formatwarning = _format_warning

@@ -36,6 +36,7 @@ from kvtriton.tools.geometry import (
     parse_capacity,
 )
 from kvtriton.manager.policies import policy_names
+from kvtriton.tools.cli import choice_argument
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,7 @@ __all__ = ["add_arguments", "run"]
 LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
 COMPRESSIONS = ("none", "fp8-e4m3")
 BACKENDS = ("auto", "triton", "dma", "torch")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CAPACITY = "96MiB"
 """The host slab of ``make demo``: 48 Llama-3-8B blocks, small enough for any CPU machine."""
 
@@ -63,23 +65,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exit status: 0 when every loaded block matched what was stored; 1 on a mismatch, a failed job, or a run"
         " that loaded nothing (so checked nothing); 2 on settings that cannot run"
     )
-    parser.add_argument("--model", choices=sorted(PRESETS), default="llama-3-8b",
+    parser.add_argument("--model", type=choice_argument(sorted(PRESETS)), choices=sorted(PRESETS), default="llama-3-8b",
                         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
-    parser.add_argument("--layout", choices=("auto", *LAYOUTS), default="auto",
+    layouts = ("auto", *LAYOUTS)
+    parser.add_argument("--layout", type=choice_argument(layouts), choices=layouts, default="auto",
                         help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn")
-    parser.add_argument("--compression", choices=COMPRESSIONS, default="none",
+    parser.add_argument("--compression", type=choice_argument(COMPRESSIONS), choices=COMPRESSIONS, default="none",
                         help="slab row format: none (bit-exact copies) or fp8-e4m3 (lossy: fp8 codes plus one fp32"
                         " scale per head-dim group, about half the bytes; loads are checked against the torch reference)")
-    parser.add_argument("--policy", choices=policy_names(), default="lru", help="manager eviction policy")
+    parser.add_argument("--policy", type=choice_argument(policy_names()), choices=policy_names(), default="lru",
+                        help="manager eviction policy")
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, metavar="SIZE",
                         help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})")
     parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU KV cache size in blocks (scaled down for CPU)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+    parser.add_argument("--backend", type=choice_argument(BACKENDS), choices=BACKENDS, default="auto",
                         help="copy backend; auto = triton on CUDA, torch on CPU")
     parser.add_argument("--block-size-factor", type=int, default=1, help="GPU blocks per offloaded block (slot)")
     parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
     parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
-    parser.add_argument("--device", default="auto", help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
+    parser.add_argument("--device", type=choice_argument(DEVICES), choices=DEVICES, default="auto",
+                        help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
     parser.add_argument("--allow-pageable", action="store_true",
                         help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
                         " instead of stopping")
@@ -119,6 +124,12 @@ class DemoConfig:
         layout = default_layout(geometry) if args.layout == "auto" else str(args.layout)
         if layout in ("flash_attn", "flashinfer") and geometry.kv_factor != 2:
             raise ValueError(f"--layout {layout} splits K and V, but {geometry.name} caches one latent (use mla)")
+        if layout == "mla" and geometry.kv_factor != 1:
+            mla_models = ", ".join(name for name, preset in PRESETS.items() if preset.kv_factor == 1)
+            raise ValueError(
+                f"--layout mla caches one latent per token, but --model {geometry.name} caches K and V"
+                f" (use flash_attn, flashinfer, cross_layer or pages, or an MLA model: {mla_models})"
+            )
         for name in ("gpu_blocks", "block_size_factor", "requests"):
             value = int(getattr(args, name))
             if value < 1:
@@ -130,8 +141,8 @@ class DemoConfig:
                 " views, which pass through uncompressed (pick another --layout)"
             )
         device = str(args.device)
-        if device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+        if device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
         capacity_text = str(args.capacity)
         try:
             capacity_bytes = parse_capacity(capacity_text)

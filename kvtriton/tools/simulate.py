@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
@@ -42,7 +43,9 @@ from typing import Protocol, TypeVar, cast
 from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
+from kvtriton.manager.policies import policy_names
 from kvtriton.specs import ReqContext
+from kvtriton.tools.cli import choice_argument
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
 from kvtriton.tools.vllm_engine import (
@@ -66,6 +69,7 @@ __all__ = [
     "TraceSummary",
     "add_arguments",
     "default_capacities",
+    "plot_stamp",
     "recommend",
     "run",
     "summarize",
@@ -283,13 +287,13 @@ def _capacities(text: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
+    """Eviction policy names, in any case, each once."""
     names: list[str] = []
+    valid = policy_names()
     for item in _listed(text, "policies"):
         name = item.lower()
-        try:
-            CPUOffloadingManager(1, cache_policy=name)
-        except ValueError as error:  # the manager's message lists the valid names
-            raise argparse.ArgumentTypeError(str(error)) from None
+        if name not in valid:
+            raise argparse.ArgumentTypeError(f"unknown policy {item!r} in {text!r}: expected {', '.join(valid)}")
         if name in names:
             raise argparse.ArgumentTypeError(f"policy {item!r} is listed twice in {text!r}: give each policy once")
         names.append(name)
@@ -340,7 +344,8 @@ def _workloads_epilog() -> str:
         '{"id": "r1", "blocks": ["h1", "h2", "h3"], "tokens": 56, "output_blocks": ["h4"]}; '
         "only blocks is required (block hashes: strings or non-negative integers, chained like "
         "vLLM's, so equal hashes mean equal prefixes); tokens, the prompt length, must fit the full "
-        "blocks (3 blocks of 16 tokens: 48..63)."
+        "blocks (3 blocks of 16 tokens: 48..63); a timestamp field is accepted and ignored (requests arrive in "
+        "line order); a gzip-compressed file is read as such."
     )
     return "\n".join(lines)
 
@@ -353,6 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     choice = source.add_mutually_exclusive_group()
     choice.add_argument(
         "--workload",
+        type=choice_argument(list(WORKLOADS)),
         choices=list(WORKLOADS),
         default=DEFAULT_WORKLOAD,
         help=f"built-in synthetic workload to replay (default: {DEFAULT_WORKLOAD})",
@@ -376,6 +382,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model geometry (turns blocks into bytes)")
     model.add_argument(
         "--model",
+        type=choice_argument(list(PRESETS)),
         choices=list(PRESETS),
         default=DEFAULT_MODEL,
         help=f"preset KV shape; the flags below override its fields (default: {DEFAULT_MODEL})",
@@ -392,6 +399,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--compression",
+        type=choice_argument(COMPRESSIONS),
         choices=list(COMPRESSIONS),
         default="none",
         help="host memory row format: with fp8-e4m3 (lossy: fp8 codes plus one fp32 scale per group) every size is"
@@ -422,6 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--call-order",
+        type=choice_argument(CALL_ORDERS),
         choices=list(CALL_ORDERS),
         help="how the manager is called: 'engine' request by request with touch (kvtriton's API),"
         " 'vllm' step by step through a model of vLLM 0.33's engine, as its OffloadingConnector calls it"
@@ -455,7 +464,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         metavar="N",
         help=f"vLLM's --max-num-batched-tokens: tokens computed per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
@@ -476,14 +484,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--decode-steps",
         type=_positive_int,
-        default=DEFAULT_DECODE_STEPS,
         metavar="N",
         help=f"tokens each request generates, vLLM's max_tokens (default: {DEFAULT_DECODE_STEPS})",
     )
     engine.add_argument(
         "--load-steps",
         type=_positive_int,
-        default=DEFAULT_LOAD_STEPS,
         metavar="N",
         help="a load is reported done at the end of the N-th step counted from the one that schedules it"
         f" (default: {DEFAULT_LOAD_STEPS}: within its own step)",
@@ -491,7 +497,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--store-steps",
         type=_positive_int,
-        default=DEFAULT_STORE_STEPS,
         metavar="N",
         help="a store prepared in one step completes at the end of the N-th step after it; until then its"
         f" blocks look up as pending (default: {DEFAULT_STORE_STEPS}: submitted the next step, done the one after)",
@@ -583,12 +588,30 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
         )
         if given
     ]
+    # The engine model's other knobs: given alone they do not select vLLM's order (each has a default there).
+    model_flags = [
+        flag
+        for flag, given in (
+            ("--arrivals", args.arrivals is not None),
+            ("--max-num-batched-tokens", args.max_num_batched_tokens is not None),
+            ("--decode-steps", args.decode_steps is not None),
+            ("--load-steps", args.load_steps is not None),
+            ("--store-steps", args.store_steps is not None),
+            ("--sync-loads", args.sync_loads),
+        )
+        if given
+    ]
     name: str = args.call_order or ("vllm" if engine_flags else "engine")
     if name == "engine":
-        if engine_flags:
-            raise ValueError(f"{engine_flags[0]} models vLLM's engine: it applies to --call-order vllm, not engine")
-        if args.arrivals is not None:
-            raise ValueError("--arrivals applies to --call-order vllm; the engine order admits with --in-flight")
+        misplaced = engine_flags + model_flags
+        if misplaced and args.call_order is None:
+            raise ValueError(
+                f"{misplaced[0]} models vLLM's engine: it applies to --call-order vllm, and without --gpu-blocks,"
+                " --max-num-seqs or --sequential the order is engine; add --call-order vllm (or the server's"
+                " --gpu-blocks and --max-num-seqs)"
+            )
+        if misplaced:
+            raise ValueError(f"{misplaced[0]} models vLLM's engine: it applies to --call-order vllm, not engine")
         return CallOrder(name="engine", in_flight=args.in_flight or 1)
     if args.in_flight is not None:
         raise ValueError(
@@ -602,13 +625,18 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
         arrivals=arrivals,
         sequential=args.sequential,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=_given(args.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS),
         gpu_blocks=args.gpu_blocks,
-        decode_steps=args.decode_steps,
-        load_steps=args.load_steps,
-        store_steps=args.store_steps,
+        decode_steps=_given(args.decode_steps, DEFAULT_DECODE_STEPS),
+        load_steps=_given(args.load_steps, DEFAULT_LOAD_STEPS),
+        store_steps=_given(args.store_steps, DEFAULT_STORE_STEPS),
         sync_loads=args.sync_loads,
     )
+
+
+def _given(value: int | None, default: int) -> int:
+    """A flag's value, or its default when it was not given (None: the flag's own default, so "given" is known)."""
+    return default if value is None else value
 
 
 def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, list[Request]]:
@@ -620,12 +648,13 @@ def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, lis
             raise ValueError(f"--trace: {path} is a directory, not a JSON-lines trace file")
         if args.requests is not None or args.param:
             raise ValueError("--requests and --param shape built-in workloads; they do not apply to --trace")
-        # Not is_file(): a pipe (`--trace <(zcat trace.jsonl.gz)`) is a fine trace too.
+        # Not is_file(): a pipe (`--trace <(ssh host cat trace.jsonl)`) is a fine trace too.
         try:
             requests = read_trace(path, block_size=block_size)
         except OSError as error:
             raise ValueError(f"--trace: cannot read {path}: {error.strerror or error}") from None
-        return _Source(path.stem, {"trace": str(path)}), requests
+        stem = Path(path.name.removesuffix(".gz")).stem  # my-trace.jsonl.gz writes simulate-my-trace.json
+        return _Source(stem, {"trace": str(path)}), requests
     overrides: dict[str, str] = dict(args.param)
     if args.requests is not None:
         if "requests" in overrides:
@@ -812,17 +841,40 @@ def recommend(
     return Recommendation(target, rate_name, point, best, extra, transfer, slab, tensor_parallel_size)
 
 
-def _recommendation_lines(found: Recommendation, order: CallOrder, geometry: ModelGeometry) -> list[str]:
+def _recommendation_lines(
+    found: Recommendation, order: CallOrder, geometry: ModelGeometry, ceiling: float, largest: int, working_set: int
+) -> list[str]:
+    """The answer: the configuration of ``found``, or why no size reached the target.
+
+    ``ceiling`` is the rate with room for the whole trace, ``largest`` the
+    largest capacity tried and ``working_set`` the bytes the whole trace takes:
+    they tell a target no host memory reaches from one that larger sizes would.
+    """
     target = _percent(found.target)
     point = found.point
     if point is None or found.kv_transfer_config is None or found.slab_bytes_per_rank is None:
         best = found.best
-        return [
+        lines = [
             f"NO SIZE TRIED REACHES THE TARGET: {found.rate_name} stays below {target} at every size tried;",
             f"  the best is {_percent(best.rate(order.name))} ({best.policy.upper()}, {format_bytes(best.capacity_bytes)}).",
-            "  Try larger --capacities, a lower --target-hit-rate, or check the ceiling above"
-            " (beyond it no host memory helps).",
         ]
+        rest = "first-time blocks, or blocks the GPU cache serves" if order.name == "vllm" else "first-time blocks"
+        if ceiling < found.target - 1e-12:
+            lines.append(
+                f"  unreachable: the ceiling, {_percent(ceiling)}, is below the target: no amount of host memory"
+                f" reaches it (the rest are {rest}); lower --target-hit-rate"
+            )
+        elif largest < working_set:
+            lines.append(
+                f"  Try larger --capacities: the largest tried, {format_bytes(largest)}, holds less than the whole"
+                f" trace ({format_bytes(working_set)}), with which the rate reaches {_percent(ceiling)}."
+            )
+        else:
+            lines.append(
+                f"  The sizes tried hold the whole trace ({format_bytes(working_set)}): the ceiling,"
+                f" {_percent(ceiling)}, is all the offload tier gives; lower --target-hit-rate."
+            )
+        return lines
     flags = [f"--block-size {geometry.block_size}"]
     if order.name == "vllm" and order.max_num_seqs is not None:
         flags.append(f"--max-num-seqs {order.max_num_seqs}")
@@ -889,12 +941,23 @@ class _Axes(Protocol):
 
 class _Figure(Protocol):
     def tight_layout(self) -> None: ...
-    def savefig(self, fname: Path, *, dpi: int) -> None: ...
+    def savefig(self, fname: Path, *, dpi: int, metadata: dict[str, str]) -> None: ...
 
 
 _LINE_STYLES = (("o", "-", 8.0, "none"), ("s", "--", 5.0, "auto"), ("^", ":", 6.0, "none"), ("D", "-.", 4.0, "auto"))
 """Per policy: marker, line style, marker size, face. Hollow big markers around small full ones keep
 policies that coincide (LRU and ARC at large sizes) visible on top of each other."""
+
+
+def plot_stamp(record: Mapping[str, object]) -> str:
+    """What a plot says about the run it was drawn from: the command line and a digest of the points plotted.
+
+    ``kvtriton simulate`` writes it into the PNG's ``Source`` text, so a figure
+    can be checked against the JSON record of the same run (the docs' figures are).
+    """
+    points = json.dumps(record["points"], sort_keys=True).encode()
+    argv = cast("Sequence[str]", record["argv"])
+    return f"kvtriton simulate {' '.join(argv)}; points sha256 {hashlib.sha256(points).hexdigest()}"
 
 
 def _plot(
@@ -904,12 +967,17 @@ def _plot(
     ceiling: float,
     working_set_gib: float,
     order: str,
+    target: float,
     compressed_working_set_gib: float | None = None,
+    *,
+    stamp: str,
 ) -> None:
     """The hit rate against capacity (vLLM's reported rate in its order), one line per policy and compression.
 
-    With compression, each policy has two lines (``LRU`` and ``LRU, fp8-e4m3``)
-    and a second "whole trace fits" mark where the compressed trace fits.
+    The dashed line is the ceiling, the red one ``target``. With compression,
+    each policy has two lines (``LRU`` and ``LRU, fp8-e4m3``) and a second
+    "whole trace fits" mark where the compressed trace fits. ``stamp`` goes into
+    the PNG's ``Source`` text (see :func:`plot_stamp`).
     """
     import matplotlib
 
@@ -933,6 +1001,7 @@ def _plot(
             label=label,
         )
     axes.axhline(100 * ceiling, color="grey", linestyle="--", linewidth=1, label="unlimited memory")
+    axes.axhline(100 * target, color="tab:red", linestyle="-", linewidth=1, label=f"target {_percent(target)}")
     axes.axvline(working_set_gib, color="grey", linestyle=":", linewidth=1, label="whole trace fits")
     if compressed_working_set_gib is not None:
         axes.axvline(compressed_working_set_gib, color="grey", linestyle="-.", linewidth=1, label="whole trace fits, compressed")
@@ -950,7 +1019,7 @@ def _plot(
     axes.grid(True, which="major", alpha=0.3)
     axes.legend(loc="best")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, metadata={"Source": stamp})
     plt.close(raw_figure)
 
 
@@ -1005,7 +1074,7 @@ def run(args: argparse.Namespace) -> int:
     stored_working_set = summary.distinct_blocks * stored.stored_bytes_per_block
     record: dict[str, object] = {
         "command": "kvtriton simulate",
-        "argv": sys.argv[1:],
+        "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -1045,65 +1114,83 @@ def run(args: argparse.Namespace) -> int:
         **({"recommendation_uncompressed": _recommendation_record(uncompressed, geometry)} if stored is not geometry else {}),
         "elapsed_seconds": time.perf_counter() - started,
     }
+    lines = [
+        f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
+        f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks",
+        f"geometry  {stored.describe()}",
+    ]
+    compressed_set = ""
+    if stored is not geometry:
+        compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}"
+    lines.append(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
+    if unlimited_engine is not None:
+        lines.append(f"engine    {_describe_engine(order)}")
+        lines.append(f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
+                     f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens")
+    else:
+        lines.append(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
+    for compression, curve in curves.items():
+        lines.append("")
+        if stored is not geometry:
+            lines.append(f"{compression}: {_curve_heading(compression, stored)}")
+        lines += _table(*_rows(curve, order.name)).split("\n")
+    shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
+    if shown.max_admitted_per_step is not None:
+        lines.append("")
+        lines.append(
+            f"admission: up to {shown.max_admitted_per_step} new requests in one step,"
+            f" {shown.mean_admitted_per_step:.1f} on average over the steps that admitted any ({shown.steps} steps,"
+            f" {shown.policy.upper()} {format_bytes(shown.capacity_bytes)}); deferred lookups (a block still being"
+            f" stored or loaded): {shown.pending_stops}; GPU cache evictions: {shown.engine_evictions}"
+        )
+        if shown.preemptions:
+            lines.append(f"preemptions: {shown.preemptions} running requests were preempted for want of GPU blocks and"
+                         " started over (vLLM's metrics, and these rates, count their first admission only)")
+    lines.append("")
+    lines += _recommendation_lines(found, order, stored, unlimited_rate, max(capacities), working_set)
+    if stored is not geometry:
+        lines.append(_uncompressed_line(uncompressed, found, order.name))
+    record["printed"] = lines
     out_dir: Path = args.out
     if out_dir.exists() and not out_dir.is_dir():
         print(f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
               file=sys.stderr)
         return 2
+    json_path = out_dir / f"simulate-{source.name}.json"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        json_path = out_dir / f"simulate-{source.name}.json"
         json_path.write_text(json.dumps(record, indent=2) + "\n")
-        png_path = out_dir / f"simulate-{source.name}.png"
-        if not args.no_plot:
-            title = f"{source.name} trace, {summary.requests} requests, {geometry.name} ({format_bytes(geometry.bytes_per_block)}/block)"
-            if order.gpu_blocks is not None:
-                title += f", {order.gpu_blocks} GPU blocks"
-            if stored is not geometry:
-                title += f"; with and without {stored.compression}"
-            compressed_fits = stored_working_set / GIB if stored is not geometry else None
-            _plot(png_path, reports, title, unlimited_rate, working_set / GIB, order.name, compressed_fits)
     except OSError as error:
         print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(record, indent=2))
-        print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"), file=sys.stderr)
-        return 0
-    print(f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
-          f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks")
-    print(f"geometry  {stored.describe()}")
-    compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}" if stored is not geometry else ""
-    print(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
-    if unlimited_engine is not None:
-        print(f"engine    {_describe_engine(order)}")
-        print(f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
-              f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens")
-    else:
-        print(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
-    for compression, curve in curves.items():
-        print()
+    # The answer first: the plot comes after it, so a missing or failing plot costs only the picture.
+    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
+    written = [json_path]
+    if not args.no_plot:
+        png_path = out_dir / f"simulate-{source.name}.png"
+        title = (f"{source.name} trace, {summary.requests} requests, {geometry.name}"
+                 f" ({format_bytes(geometry.bytes_per_block)}/block)")
+        if order.gpu_blocks is not None:
+            title += f", {order.gpu_blocks} GPU blocks"
         if stored is not geometry:
-            print(f"{compression}: {_curve_heading(compression, stored)}")
-        print(_table(*_rows(curve, order.name)))
-    shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
-    if shown.max_admitted_per_step is not None:
-        first = shown
+            title += f"; with and without {stored.compression}"
+        compressed_fits = stored_working_set / GIB if stored is not geometry else None
+        try:
+            _plot(png_path, reports, title, unlimited_rate, working_set / GIB, order.name, args.target_hit_rate,
+                  compressed_fits, stamp=plot_stamp(record))
+            written.append(png_path)
+        except ImportError as error:  # matplotlib is optional: vLLM's own environment may not have it
+            print(f"kvtriton simulate: no plot: {error.name or 'matplotlib'} is not installed"
+                  " (pip install matplotlib to draw it, --no-plot to skip it)", file=sys.stderr)
+        except OSError as error:
+            print(f"kvtriton simulate: error: --out {out_dir}: cannot write the plot: {error}", file=sys.stderr)
+            return 2
+    wrote = "wrote " + " and ".join(str(path) for path in written)
+    if args.json:
+        print(wrote, file=sys.stderr)
+    else:
         print()
-        print(f"admission: up to {first.max_admitted_per_step} new requests in one step, {first.mean_admitted_per_step:.1f}"
-              f" on average over the steps that admitted any ({first.steps} steps, {first.policy.upper()}"
-              f" {format_bytes(first.capacity_bytes)}); deferred lookups (a block still being stored or loaded):"
-              f" {first.pending_stops}; GPU cache evictions: {first.engine_evictions}")
-        if first.preemptions:
-            print(f"preemptions: {first.preemptions} running requests were preempted for want of GPU blocks and"
-                  " started over (vLLM's metrics, and these rates, count their first admission only)")
-    print()
-    for line in _recommendation_lines(found, order, stored):
-        print(line)
-    if stored is not geometry:
-        print(_uncompressed_line(uncompressed, found, order.name))
-    print()
-    print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"))
+        print(wrote)
     return 0
 
 

@@ -13,12 +13,15 @@ seed and block size always give the same trace.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
+import io
 import itertools
 import json
 import math
 import random
 import struct
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,7 @@ __all__ = [
     "Request",
     "SharedPromptParams",
     "SystemPromptsParams",
+    "TRACE_FIELDS",
     "VLLM_ORDER_WORKLOADS",
     "Workload",
     "generate",
@@ -665,6 +669,10 @@ def generate(
 # User traces (JSON lines)
 
 
+TRACE_FIELDS = ("id", "blocks", "tokens", "output_blocks", "timestamp")
+"""The fields of a trace line; ``timestamp`` (a number or a string) is accepted and ignored: requests arrive in
+line order, as the call order's knobs space them (``--arrivals``, ``--sequential``)."""
+
 _INT_HASH_TAG = b"\xff"
 """Leads every integer hash's bytes: 0xFF never occurs in UTF-8, so no string hash can equal an integer one."""
 
@@ -690,10 +698,11 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
     if not isinstance(record, dict):
         raise ValueError(f"{line}: expected a JSON object, got {type(record).__name__}")
     fields = cast("dict[str, object]", record)  # JSON object keys are always strings
-    unknown = set(fields) - {"id", "blocks", "tokens", "output_blocks"}
+    unknown = set(fields) - set(TRACE_FIELDS)
     if unknown:
-        raise ValueError(f"{line}: unknown field(s) {', '.join(sorted(unknown))}; expected id, blocks, tokens, output_blocks")
+        raise ValueError(f"{line}: unknown field(s) {', '.join(sorted(unknown))}; expected {', '.join(TRACE_FIELDS)}")
     lists: dict[str, tuple[bytes, ...]] = {}
+    seen: dict[bytes, str] = {}
     for name in ("blocks", "output_blocks"):
         value = fields.get(name, [] if name == "output_blocks" else None)
         if value is None:
@@ -701,7 +710,20 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
         if not isinstance(value, list):
             raise ValueError(f"{line}: {name} must be a list of block hashes, got {type(value).__name__}")
         items: list[object] = list(value)  # pyright: ignore[reportUnknownArgumentType] -- untyped JSON list
-        lists[name] = tuple(_block_hash(item, line, name, index) for index, item in enumerate(items))
+        hashes = tuple(_block_hash(item, line, name, index) for index, item in enumerate(items))
+        for index, (item, block_hash) in enumerate(zip(items, hashes)):
+            # Chained hashes cover the whole prefix, so one request never holds a block twice: a repeat is a
+            # hash of the block's tokens alone, which would make unrelated prompts share blocks.
+            if block_hash in seen:
+                raise ValueError(
+                    f"{line}: {name}[{index}] repeats {seen[block_hash]} ({item!r}): a request's block hashes are"
+                    " chained over the prefix, so none repeats (hash each block together with the ones before it)"
+                )
+            seen[block_hash] = f"{name}[{index}]"
+        lists[name] = hashes
+    timestamp: object = fields.get("timestamp", 0)
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float, str)):
+        raise ValueError(f"{line}: timestamp must be a number or a string, got {timestamp!r}")
     blocks = lists["blocks"]
     full_tokens = len(blocks) * block_size
     tokens: object = fields.get("tokens", full_tokens)
@@ -711,6 +733,11 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
         raise ValueError(
             f"{line}: tokens = {tokens} does not fit {len(blocks)} full blocks of {block_size} tokens"
             f" (expected {full_tokens}..{full_tokens + block_size - 1})"
+        )
+    if tokens == 0:
+        raise ValueError(
+            f"{line}: blocks is empty and tokens is 0: a request has at least one prompt token (a prompt shorter"
+            f" than one block lists no blocks and gives tokens, 1..{block_size - 1})"
         )
     req_id: object = fields.get("id", line)
     if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
@@ -734,14 +761,28 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 16, source: str = "tr
             yield _parse_line(text, f"{source} line {number}", block_size)
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def read_trace(path: str | Path, *, block_size: int = 16) -> list[Request]:
-    """Read a JSON-lines trace file (see :func:`parse_trace`); an empty trace is an error."""
+    """Read a JSON-lines trace file (see :func:`parse_trace`), gzip-compressed or not; an empty trace is an error.
+
+    A gzip file is recognised by its first bytes, not its name, so a pipe of
+    one works too.
+    """
     trace_path = Path(path)
+    compressed = False
     try:
-        with trace_path.open(encoding="utf-8-sig") as handle:  # -sig: drop a byte order mark
-            requests = list(parse_trace(handle, block_size=block_size, source=str(trace_path)))
+        with trace_path.open("rb") as raw:
+            compressed = raw.peek(2)[:2] == _GZIP_MAGIC  # peek, not read: a pipe cannot seek back
+            binary: gzip.GzipFile | io.BufferedReader = gzip.GzipFile(fileobj=raw) if compressed else raw
+            with io.TextIOWrapper(binary, encoding="utf-8-sig") as handle:  # -sig: drop a byte order mark
+                requests = list(parse_trace(handle, block_size=block_size, source=str(trace_path)))
     except UnicodeDecodeError as error:
-        raise ValueError(f"{trace_path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        what = "its decompressed bytes are" if compressed else "it is"
+        raise ValueError(f"{trace_path}: {what} not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise ValueError(f"{trace_path}: gzip-compressed, but it does not decompress: {error}") from None
     if not requests:
         raise ValueError(f"{trace_path}: the trace holds no requests")
     return requests
