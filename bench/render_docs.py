@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from bench.render_simulate import SIMULATE_RENDERERS
+
 __all__ = ["MANAGER_SPEEDUP_GOAL", "RENDERERS", "Results", "render_text", "main", "stale_regions"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -530,6 +532,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "compression-table": compression_table,
     "compression-bytes": compression_bytes,
     "compression-tiny-table": compression_tiny_table,
+    **SIMULATE_RENDERERS,
     **{f"run-{name}": _dated(name) for name in
        ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake",
         "compression")},

@@ -553,7 +553,7 @@ def test_shell_commands_join_continuations_and_quotes_and_split_chains() -> None
     ("block", "problem"),
     [
         (_block("kvtriton info --slab-size 0"), "argument --slab-size: capacity must be positive, got '0'"),
-        (_block("kvtriton demo --model no-such-model"), "invalid choice: 'no-such-model'"),
+        (_block("kvtriton demo --model no-such-model"), "got 'no-such-model'"),
         (_block("kvtriton bench disk"), "invalid benchmark 'disk'"),
         (_block("python -m bench.tiers --no-such-flag"), "unrecognized arguments: --no-such-flag"),
         (_block("python -m bench.kernels --no-such-flag"), "unrecognized arguments: --no-such-flag"),

@@ -459,10 +459,3 @@ def test_the_summary_line_in_docs_operations_is_the_one_logged() -> None:
     after = ManagerStats(capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=2, hits=1, stores=2, loads=1)
     assert summary_line(before, after, 61, 288 << 10) == documented
 
-
-def test_the_log_formats_bytes_by_the_rule_the_command_line_uses() -> None:
-    from kvtriton.integrations.byte_units import format_bytes
-    from kvtriton.tools.geometry import format_bytes as command_line_format_bytes
-
-    for size in (0, 1, 1023, 1024, 288 << 10, (1 << 20) - 1, 3 << 29, 5 << 40, 2.5 * 2**30):
-        assert format_bytes(size) == command_line_format_bytes(size), size

@@ -56,7 +56,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSp
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtriton.integrations.byte_units import format_bytes
+from kvtriton.byte_units import format_bytes
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
 from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
@@ -405,7 +405,7 @@ def summary_line(last: ManagerStats, current: ManagerStats, seconds: float, byte
     """The ``kvtriton summary:`` log line for the traffic between two snapshots ``seconds`` apart.
 
     Bytes are given in the binary unit that fits them (``288.00 KiB``, ``1.50 GiB``,
-    :func:`~kvtriton.integrations.byte_units.format_bytes`).
+    :func:`~kvtriton.byte_units.format_bytes`).
     """
     lookups = current.lookups - last.lookups
     hits = current.hits - last.hits

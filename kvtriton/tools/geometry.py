@@ -19,6 +19,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvtriton.byte_units import format_bytes  # one size rule for the command line and the serving logs
+
 __all__ = [
     "BARE_NUMBER_UNIT",
     "PRESETS",
@@ -300,9 +302,3 @@ def is_bare_number(text: str) -> bool:
     return match is not None and not match.group(2)
 
 
-def format_bytes(size: float) -> str:
-    """``size`` in the largest binary unit that keeps it >= 1, e.g. ``2.00 MiB``."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size:.0f} B"

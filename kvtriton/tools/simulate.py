@@ -513,7 +513,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="vLLM's --tensor-parallel-size: the host memory is split over N worker processes, each pinning"
-        " its share (for the memlock advice; default: 1)",
+        " its share (for the pinned-memory advice; default: 1)",
     )
     sim.add_argument(
         "--bandwidth",
@@ -807,7 +807,7 @@ class Recommendation:
     kv_transfer_config: dict[str, object] | None
     """vLLM's whole ``--kv-transfer-config`` value for ``point``."""
     slab_bytes_per_rank: int | None
-    """What each worker process pins (RLIMIT_MEMLOCK must allow it)."""
+    """What each worker process pins (host RAM must hold it; RLIMIT_MEMLOCK does not limit it)."""
     tensor_parallel_size: int
 
 
@@ -894,9 +894,8 @@ def _recommendation_lines(
         "vllm serve <model> " + " ".join(flags) + " \\",
         f"  --kv-transfer-config '{json.dumps(found.kv_transfer_config, separators=(',', ':'))}'",
         "",
-        f"memlock:   {workers} its slab, {format_bytes(slab)} ({slab} bytes): RLIMIT_MEMLOCK must be unlimited or"
-        f" at least {-(-slab // 1024)} KiB (ulimit -l; docker run --ulimit memlock=-1);"
-        f" check with: kvtriton info --slab-size {slab}B",
+        f"pinned:    {workers} its slab, {format_bytes(slab)} ({slab} bytes), in host RAM (RLIMIT_MEMLOCK does"
+        f" not limit it); check with: kvtriton info --slab-size {slab}B",
         f"/dev/shm:  not used by KVTritonOffloadingSpec (each rank's slab is its own memory); the tiering spec"
         f" (KVTritonTieringOffloadingSpec) maps the slab from /dev/shm and needs about {format_bytes(point.capacity_bytes)} free there",
         f"host RAM:  {format_bytes(slab * found.tensor_parallel_size)} for the slab(s), on top of vLLM's own",

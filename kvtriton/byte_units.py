@@ -1,9 +1,9 @@
-"""Byte counts in the binary unit that fits them, for the lines the serving side logs.
+"""Byte counts in the binary unit that fits them: one rule for every size kvtriton prints or logs.
 
-The serving side (``kvtriton.integrations``) never imports the operator tools,
-so the rule lives here: the largest of TiB, GiB, MiB and KiB that keeps the
-number at least 1, with two decimals, or whole bytes below 1 KiB. It is the
-rule ``kvtriton simulate`` prints sizes by (``kvtriton.tools.geometry``).
+The largest of TiB, GiB, MiB and KiB that keeps the number at least 1, with
+two decimals, or whole bytes below 1 KiB. It lives in the core so that the
+serving side (the vLLM summary line) and the command line (``kvtriton
+simulate``, ``kvtriton info``) share it without one importing the other.
 """
 
 from __future__ import annotations
