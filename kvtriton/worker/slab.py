@@ -36,9 +36,12 @@ copy-on-write, after which the process's writes would go to fresh pages the
 GPU never sees.
 
 When pinning fails the slab raises :class:`SlabPinningError`, one line naming
-the CUDA error, the bytes asked for, ``RLIMIT_MEMLOCK`` and how to raise it,
-unless the caller opted into a pageable slab with ``allow_pageable=True``
-(then a :class:`PageableSlabWarning` says so).
+the CUDA error, the bytes asked for and the RAM available, unless the caller
+opted into a pageable slab with ``allow_pageable=True`` (then a
+:class:`PageableSlabWarning` says so). ``RLIMIT_MEMLOCK`` is named for
+information only: the NVIDIA driver pins registered memory with
+``pin_user_pages`` and never charges it to the locked-memory limit, so the
+limit neither allows nor refuses a pin, and nothing here skips pinning for it.
 
 Lifetime: transfer engines register themselves as users of the slab
 (:meth:`HostSlab.add_user`); :meth:`HostSlab.close` drains every live user's
@@ -76,10 +79,10 @@ Rounded to whole slots that end on a host page boundary, see :func:`pin_ranges`.
 HOST_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 """The host page size: the slab starts on a page boundary."""
 
-MEMLOCK_ADVICE = (
-    "raise it with `ulimit -l unlimited`, `docker run --ulimit memlock=-1`, or LimitMEMLOCK=infinity in a "
-    "systemd unit"
+MEMLOCK_NOTE = (
+    "for information: the NVIDIA driver does not charge cudaHostRegister to it, so it neither allows nor stops a pin"
 )
+"""What every mention of RLIMIT_MEMLOCK adds (the slab's failure message, ``kvtriton info``)."""
 
 
 class PageableSlabWarning(UserWarning):
@@ -240,12 +243,16 @@ def pin_ranges(nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int) 
 
 
 def _pin_failure(nbytes: int, detail: str) -> str:
+    available = mem_available_bytes()
+    available_text = "MemAvailable is unknown" if available is None else f"MemAvailable is {available} bytes"
     limit = memlock_limit_bytes()
-    if limit is None:
-        limit_text = "RLIMIT_MEMLOCK is unlimited, so the limit is not the cause"
-    else:
-        limit_text = f"RLIMIT_MEMLOCK is {limit} bytes: {MEMLOCK_ADVICE}"
-    return f"cannot pin the {nbytes}-byte host slab ({detail}); {limit_text}; or opt into a slower pageable slab (allow_pageable=True)"
+    limit_text = "unlimited" if limit is None else f"{limit} bytes"
+    return (
+        f"cannot pin the {nbytes}-byte host slab ({detail}); {available_text}: pinning needs that much free RAM "
+        f"in this process's memory limit (a container's cgroup memory.max counts), so free RAM or use a smaller "
+        f"slab; RLIMIT_MEMLOCK is {limit_text} ({MEMLOCK_NOTE}); or opt into a slower pageable slab "
+        f"(allow_pageable=True)"
+    )
 
 
 class HostSlab:
