@@ -446,3 +446,15 @@ def test_a_failing_device_address_query_keeps_the_slab_pinned_but_not_for_triton
     with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES) as slab:
         assert slab.pinned and not slab.device_aliased
     assert fake_cuda.unregistered  # closed normally: nothing leaked
+
+
+def test_a_strided_view_registers_its_own_pages_per_row_only_where_that_pins_fewer_pages() -> None:
+    page = 4096
+    # Rows of four pages, this view's bytes one and a half pages from 100 bytes in: pages 0-1 of every row.
+    assert slab_module.own_row_ranges(3, 4 * page, 100, page + page // 2, page) == [
+        (0, 2 * page), (4 * page, 2 * page), (8 * page, 2 * page),
+    ]  # fmt: skip
+    assert slab_module.own_row_ranges(3, 1000, 0, 1000, page) is None  # packed: nothing to leave out
+    assert slab_module.own_row_ranges(3, 2 * page, 0, page + 1, page) is None  # rows' pages touch: none left out
+    assert slab_module.own_row_ranges(3, 3000, 0, 1000, page) is None  # rows share a page: it would be registered twice
+    assert slab_module.own_row_ranges(1, 4 * page, 0, page, page) is None  # one row: one whole-row registration
