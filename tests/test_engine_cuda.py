@@ -9,13 +9,16 @@ the compute stream, and that submitting never synchronises the device.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
+import kvtriton.worker.backends as backends_module
 import kvtriton.worker.engine as engine_module
 import kvtriton.worker.slab as slab_module
+from kvtriton.kernels import gather_pages_compressed_reference, scatter_pages_compressed_reference
 from kvtriton.worker.backends import TransferBackend
 from kvtriton.worker.engine import TransferEngine, TransferLane
 from kvtriton.worker.layout import PagedKV
@@ -241,10 +244,14 @@ def test_a_pageable_slab_job_returns_before_the_forward_pass_ends(tensors: list[
         expected = block_bytes(transfer, 4)
         spin_compute_stream()  # the "forward pass"
         store(transfer, 0, [4], [3])
-        load(transfer, 1, [3], [7])
         # submit_* returned while the compute stream is still busy: it did not wait for it.
         assert not torch.cuda.current_stream().query()
+        # Lanes are unordered, and a pageable host-to-device copy reads host memory when it is issued: the load
+        # must not be submitted before the store it reads has finished.
         finish(transfer, 0)
+        spin_compute_stream()
+        load(transfer, 1, [3], [7])
+        assert not torch.cuda.current_stream().query()
         finish(transfer, 1)
         assert row_bytes(transfer, 3) == expected and block_bytes(transfer, 7) == expected
 
@@ -387,3 +394,115 @@ def test_a_staging_failure_refuses_the_job_and_leaks_no_events(tensors: list[tor
         monkeypatch.setattr(engine_module, "_Staging", real)
         store(transfer, 1, [2, 3], [2, 3])
         finish(transfer, 1)
+
+
+# --- the copy engines' submission path ------------------------------------------------
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batch", "per-run"])
+@pytest.mark.parametrize("backend", [TransferBackend.DMA, TransferBackend.TORCH], ids=lambda b: b.value)
+def test_dma_and_torch_round_trip_with_cudaMemcpyBatchAsync_and_with_the_per_run_fallback(  # noqa: N802 -- the CUDA name
+    tensors: list[torch.Tensor], backend: TransferBackend, batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not batched:
+        monkeypatch.setattr(backends_module, "memcpy_batch", lambda: None)  # a runtime before CUDA 12.8
+    elif backends_module.memcpy_batch() is None:
+        pytest.skip("this libcudart has no cudaMemcpyBatchAsync (CUDA before 12.8)")
+    slab, transfer = make_engine(tensors, backend)
+    with slab, transfer:
+        path = "cudaMemcpyBatchAsync per job" if batched else "cudaMemcpy2DAsync per run"
+        assert transfer.backend_name == f"{backend.value} [{path}]"
+        blocks, slots = [9, 10, 11, 2, 30], [4, 5, 6, 0, 15]  # a run of three and two single pairs
+        before = [block_bytes(transfer, block) for block in blocks]
+        store(transfer, 0, blocks, slots)
+        finish(transfer, 0)
+        assert [row_bytes(transfer, slot) for slot in slots] == before
+        for layer in transfer.kv.byte_pages():
+            layer[blocks] = 0
+        load(transfer, 1, slots, blocks)
+        finish(transfer, 1)
+        assert [block_bytes(transfer, block) for block in blocks] == before
+
+
+# --- compression on the GPU -------------------------------------------------------------
+
+
+def finite_tensors(seed: int = 1) -> list[torch.Tensor]:
+    """bf16 layers of normal values (random bits would hold NaN, which the reference refuses)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn((2, BLOCKS, 16, 2, 64), generator=generator).to(torch.bfloat16).cuda() for _ in range(LAYERS)]
+
+
+def _group_sizes(kv: PagedKV) -> list[int]:
+    assert kv.compression_layout is not None
+    return [page.group_size for page in kv.compression_layout.pages]
+
+
+def test_a_compressed_store_and_load_through_the_engine_are_bit_exact_to_the_torch_reference() -> None:
+    source = finite_tensors()
+    kv = PagedKV.from_tensors(source, kv_compression="fp8-e4m3")
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=True) as slab, TransferEngine(kv, slab) as transfer:
+        assert transfer.backend is TransferBackend.TRITON  # auto on a pinned slab: the fused kernels
+        blocks, slots = [5, 9, 3, 30, 31], [7, 0, 15, 8, 9]
+        store(transfer, 0, blocks, slots)
+        finish(transfer, 0)
+        cpu_pages = [page.cpu() for page in kv.pages]
+        expected = torch.zeros_like(slab.rows)
+        gather_pages_compressed_reference(
+            cpu_pages, expected, torch.tensor(blocks), torch.tensor(slots), group_size=_group_sizes(kv)
+        )
+        assert torch.equal(slab.rows[slots], expected[slots])
+        targets = [torch.zeros_like(layer) for layer in source]
+        with TransferEngine(PagedKV.from_tensors(targets, kv_compression="fp8-e4m3"), slab) as loader:
+            load(loader, 1, slots, [0, 1, 2, 3, 4])
+            finish(loader, 1)
+        decoded = [torch.zeros_like(layer).cpu() for layer in source]
+        scatter_pages_compressed_reference(
+            expected, PagedKV.from_tensors(decoded).pages, torch.tensor(slots), torch.tensor([0, 1, 2, 3, 4]),
+            group_size=_group_sizes(kv),
+        )  # fmt: skip
+        for got, want in zip(targets, decoded):
+            assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+        assert transfer.stats.non_finite_stores == 0
+
+
+def test_a_compressed_store_of_nan_succeeds_and_is_counted_on_the_gpu() -> None:
+    source = finite_tensors()
+    source[1][0, 6, 3, 1, 7] = float("nan")
+    kv = PagedKV.from_tensors(source, kv_compression="fp8-e4m3")
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=True) as slab, TransferEngine(kv, slab, "triton") as transfer:
+        store(transfer, 0, [6, 7], [2, 3])  # finish() checks the job reported success
+        finish(transfer, 0)
+        assert transfer.stats.non_finite_stores == 1
+        store(transfer, 1, [7], [4])  # the same pooled status word, judged on its own values
+        finish(transfer, 1)
+        assert transfer.stats.non_finite_stores == 1
+        load(transfer, 2, [2], [20])
+        finish(transfer, 2)
+        assert bool(source[1][0, 20, 3, 1, 7].isnan()) and int(source[1][:, 20].isnan().sum()) == 1
+
+
+def _compress_variants() -> int:
+    """How many variants Triton's launcher holds for the fused compression kernel on the current device."""
+    from kvtriton.kernels.jit import compress_pages
+
+    kernel = cast(object, compress_pages._variant(False))  # pyright: ignore[reportPrivateUsage] -- the compiled kernel whose cache is counted
+    caches = cast(dict[int, tuple[dict[object, object], ...]], getattr(kernel, "device_caches"))
+    return len(caches[torch.cuda.current_device()][0])
+
+
+def test_compressed_jobs_after_warm_up_compile_no_variant() -> None:
+    kv = PagedKV.from_tensors(finite_tensors(), kv_compression="fp8-e4m3")
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=True) as slab, TransferEngine(kv, slab, "triton") as transfer:
+        warmed = _compress_variants()
+        assert warmed >= 2  # both directions compiled by the engine's warm-up
+        job = 0
+        for size in (1, 2, 3, 7, 16):
+            blocks = list(range(size))
+            store(transfer, job, blocks, blocks)
+            finish(transfer, job)
+            load(transfer, job + 1, blocks, [block + 16 for block in blocks])
+            assert transfer.submit_load(job + 2, CPULoadStoreSpec(blocks), GPULoadStoreSpec(blocks), expedited=True)
+            finish(transfer, job + 1, job + 2)
+            job += 3
+        assert _compress_variants() == warmed

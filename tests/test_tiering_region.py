@@ -13,12 +13,14 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import kvtriton.worker.slab as slab_module
 from kvtriton.worker import shared_region
 from kvtriton.worker.shared_region import ROW_ALIGNMENT, RegionLayout, SharedRegion
 from kvtriton.worker.slab import HostSlab
@@ -224,3 +226,103 @@ def test_page_spans_cover_a_ranks_bytes_with_whole_pages_merged() -> None:
     layout = RegionLayout(2, 1, 2, 4096)
     assert shared_region.rank_row_starts(layout, 1).tolist() == [HEADER + 4096, HEADER + 3 * 4096]
     assert shared_region.page_spans(shared_region.rank_row_starts(layout, 0), 4096, page=4096) == [(HEADER, 4096), (HEADER + 8192, 4096)]
+
+
+# --- pinning waits for every rank, and each rank pins its own pages ------------------
+
+
+@dataclass
+class CountingRegistrar:
+    """Stands in for CUDA's host registration: records each call with the populated count the region held then."""
+
+    region: SharedRegion
+    registered: list[tuple[int, int, int]] = field(default_factory=lambda: [])
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 -- the CUDA name
+        with self.lock:
+            self.registered.append((ptr, size, self.region.populated_count))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 -- the CUDA name
+        return 0
+
+    def cudaGetLastError(self) -> int:  # noqa: N802 -- the CUDA name
+        return 0
+
+
+def same_address(host: int) -> int:
+    return host  # x86 with a recent driver: the device reaches registered memory at its host address
+
+
+def as_if_on_cuda(monkeypatch: pytest.MonkeyPatch, region: SharedRegion) -> CountingRegistrar:
+    registrar = CountingRegistrar(region)
+    monkeypatch.setattr(slab_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
+    monkeypatch.setattr(slab_module, "_device_pointer", same_address)
+    monkeypatch.setattr(slab_module, "_current_cuda_device", lambda: None)
+    return registrar
+
+
+PAGE = slab_module.HOST_PAGE_BYTES
+# Two ranks of two pages per block row: four-page rows, each rank's two pages apart from the other's.
+TWO_PAGE_RANKS = RegionLayout(3, 1, 2, 2 * PAGE)
+
+
+def test_each_rank_pins_only_after_every_rank_populated_and_only_its_own_pages(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regions = [SharedRegion(name, TWO_PAGE_RANKS, 2) for _ in range(2)]
+    registrar = as_if_on_cuda(monkeypatch, regions[0])
+    slabs: list[HostSlab] = []
+    try:
+        # Rank 0 arrives first and waits on its thread; rank 1 arrives later, here.
+        first = threading.Thread(target=lambda: slabs.append(regions[0].rank_slab(0)))
+        first.start()
+        slabs.append(regions[1].rank_slab(1))
+        first.join(timeout=30)
+        assert not first.is_alive() and len(slabs) == 2
+        assert regions[0].populated_count == 2
+        assert {populated for _, _, populated in registrar.registered} == {2}  # nobody pinned before both populated
+        stride = TWO_PAGE_RANKS.block_row_stride
+        assert stride == 4 * PAGE
+        for rank, region in enumerate(regions):
+            rows = region.region_tensor().data_ptr()
+            mine = sorted((ptr - rows, size) for ptr, size, _ in registrar.registered if rows <= ptr < rows + stride * 3)
+            # One registration per block row, over this rank's two pages only: half the region, not all of it.
+            assert mine == [(row * stride + rank * 2 * PAGE, 2 * PAGE) for row in range(3)]
+        assert all(made.pinned and made.registration_rows == 1 for made in slabs)
+    finally:
+        for made in slabs:
+            made.close()
+        for region in regions:
+            region.close()
+
+
+def test_a_rank_that_never_arrives_times_out_naming_the_count_and_nothing_is_pinned(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regions = [SharedRegion(name, TWO_PAGE_RANKS, 2) for _ in range(2)]
+    registrar = as_if_on_cuda(monkeypatch, regions[0])
+    try:
+        with pytest.raises(TimeoutError, match=r"rank 0 waited 0.05 s for every rank .* only 1 of 2 did"):
+            regions[0].rank_slab(0, populate_timeout_s=0.05)
+        assert registrar.registered == []
+        # Rank 1 takes a pageable slab: it counts itself in without waiting (a wait would time out at once).
+        regions[1].rank_slab(1, pin=False, populate_timeout_s=0).close()
+        with regions[0].rank_slab(0, populate_timeout_s=0) as pinned:  # rank 0 again: counted once, not twice
+            assert pinned.pinned and regions[0].populated_count == 2
+    finally:
+        for region in regions:
+            region.close()
+
+
+def test_a_bad_populate_timeout_is_refused_before_any_work(name: str) -> None:
+    region = SharedRegion(name, TWO_PAGE_RANKS, 1)
+    try:
+        for bad in (-1.0, float("nan"), "10", True):
+            with pytest.raises(ValueError, match="populate_timeout_s must be a number of seconds >= 0"):
+                region.rank_slab(0, pin=False, populate_timeout_s=bad)  # pyright: ignore[reportArgumentType] -- bad on purpose
+        assert region.populated_count == 0
+    finally:
+        region.close()

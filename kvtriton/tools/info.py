@@ -1,10 +1,12 @@
 """`kvtriton info`: what this machine offers an offload backend, and whether a host slab of a given size can start.
 
-With ``--slab-size`` it checks the three limits that stop a server at start:
-RLIMIT_MEMLOCK (the slab is pinned on CUDA), the RAM available, and /dev/shm
-(only the tiering spec keeps its slab there); it exits 1 when the RAM, or on
-a CUDA machine the memlock limit, says TOO LOW, so a start-up script can run
-it as a check.
+With ``--slab-size`` it checks what can stop a server at start: the RAM
+available (pinning the slab on CUDA needs it free) and /dev/shm (only the
+tiering spec keeps its slab there); it exits 1 when the RAM says TOO LOW, so
+a start-up script can run it as a check. RLIMIT_MEMLOCK is reported for
+information only: ``cudaHostRegister``, which pins the slab, is not charged
+to it (the NVIDIA driver pins with ``pin_user_pages`` and never accounts the
+pages as locked memory), so it neither allows nor stops a slab.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import resource
 from dataclasses import dataclass
 
 __all__ = [
+    "MAX_SLAB_BYTES",
     "MachineInfo",
     "add_arguments",
     "collect_machine_info",
@@ -29,6 +32,12 @@ __all__ = [
 
 TOO_LOW = "TOO LOW"
 """How every verdict that stops a slab of ``--slab-size`` from starting begins; ``info`` then exits 1."""
+
+MAX_SLAB_BYTES = 2**57
+"""The largest ``--slab-size`` taken: 128 PiB, the 57-bit virtual address space of x86-64 and arm64 Linux.
+
+No process can map more, so a larger size is a typo (an exponent, say), refused rather than printed.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,22 +111,18 @@ def collect_machine_info() -> MachineInfo:
 
 
 def memlock_verdict(limit_bytes: int | None, slab_bytes: int | None) -> str:
-    """Say plainly whether RLIMIT_MEMLOCK (``None`` = unlimited) lets this process pin a slab of ``slab_bytes``."""
-    from kvtriton.tools.geometry import format_bytes
-    from kvtriton.worker.slab import MEMLOCK_ADVICE
+    """RLIMIT_MEMLOCK (``None`` = unlimited), for information: it never decides whether a slab can be pinned.
 
-    if limit_bytes is None:
-        return "unlimited: a slab of any size can be pinned"
-    limit = format_bytes(limit_bytes)
-    if slab_bytes is None:
-        return f"slabs up to {limit} can be pinned (pass --slab-size to check a size)"
-    size = format_bytes(slab_bytes)
-    if slab_bytes <= limit_bytes:
-        return f"enough: a {size} slab fits under the {limit} limit"
-    return (
-        f"{TOO_LOW} to pin a {size} slab: the limit is {limit} and cudaHostRegister will fail "
-        f"(unless the process has CAP_IPC_LOCK); {MEMLOCK_ADVICE}"
-    )
+    Never starts with :data:`TOO_LOW`: ``cudaHostRegister`` is not charged to
+    the limit, so a slab larger than it pins all the same.
+    """
+    from kvtriton.tools.geometry import format_bytes
+    from kvtriton.worker.slab import MEMLOCK_NOTE
+
+    limit = "unlimited" if limit_bytes is None else format_bytes(limit_bytes)
+    if slab_bytes is None or limit_bytes is None or slab_bytes <= limit_bytes:
+        return f"{limit} ({MEMLOCK_NOTE})"
+    return f"{limit}, below the {format_bytes(slab_bytes)} slab ({MEMLOCK_NOTE})"
 
 
 def memory_verdict(available_bytes: int | None, slab_bytes: int | None) -> str:
@@ -189,14 +194,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvtriton.tools.geometry import SIZE_RULE, size_argument
 
     parser.epilog = (
-        "exit status: 0, or 1 when a --slab-size slab cannot start here (a verdict reads TOO LOW: the RAM"
-        " available, or, on a machine with CUDA, the memlock limit)"
+        "exit status: 0, or 1 when a --slab-size slab cannot start here (the memory verdict reads TOO LOW: the"
+        " RAM available); the memlock line is information only (cudaHostRegister is not charged to RLIMIT_MEMLOCK)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    def slab_size(text: str) -> int:
+        size = size_argument(text)
+        if size > MAX_SLAB_BYTES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is {float(size):.3g} bytes, more than any process can map (128 PiB, the 57-bit address space of "
+                "x86-64 and arm64 Linux); pass the per-rank slab size, e.g. 96GiB"
+            )
+        return size
+
     parser.add_argument(
-        "--slab-size", type=size_argument, default=None, metavar="SIZE",
+        "--slab-size", type=slab_size, default=None, metavar="SIZE",
         help="say whether this machine can pin and hold a host slab of this size (vLLM's cpu_bytes_to_use"
-        f" per rank), e.g. 96GiB ({SIZE_RULE})",
+        f" per rank), e.g. 96GiB ({SIZE_RULE}; at most 128 PiB)",
     )  # fmt: skip
 
 
@@ -209,15 +223,11 @@ def run(args: argparse.Namespace) -> int:
     info = collect_machine_info()
     rows = info.as_dict()
     rows["memlock_verdict"] = memlock_verdict(memlock_limit_bytes(), slab_bytes)
-    if not info.cuda_available and str(rows["memlock_verdict"]).startswith(TOO_LOW):
-        rows["memlock_verdict"] = f"{rows['memlock_verdict']} (no CUDA device here: slabs stay pageable, so this matters only on the GPU machine)"
     rows["memory_verdict"] = memory_verdict(mem_available_bytes(), slab_bytes)
     rows["shm_verdict"] = shm_verdict(_shm_free_bytes(), slab_bytes)
     rows["engine_warmup"] = measure_warmup()
-    # Pinning needs the memlock limit only where there is CUDA to pin for; RAM is needed everywhere.
-    blocking = str(rows["memory_verdict"]).startswith(TOO_LOW) or (
-        info.cuda_available and str(rows["memlock_verdict"]).startswith(TOO_LOW)
-    )
+    # Only the RAM stops a slab: the memlock line informs, and /dev/shm matters to the tiering spec alone.
+    blocking = str(rows["memory_verdict"]).startswith(TOO_LOW)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

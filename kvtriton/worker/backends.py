@@ -10,8 +10,12 @@
   registration of the slab (a copy spanning two registrations is rejected or
   staged as pageable by CUDA), and each run moves with one
   ``cudaMemcpy2DAsync`` per page tensor (a strided copy: block stride on one
-  side, slab row stride on the other). On CPU the same runs move with one
-  strided ``copy_`` each. Never one call per (row, page tensor).
+  side, slab row stride on the other). Where the runtime has
+  ``cudaMemcpyBatchAsync`` (CUDA 12.8 and later) and the slab is pinned, the
+  whole job is instead one call: one copy per (row, page tensor), all queued
+  at once (thousands of ctypes calls per shuffled job cost milliseconds of
+  host time; one costs microseconds). :attr:`DmaCopy.submission` says which
+  path a job takes. On CPU the runs move with one strided ``copy_`` each.
 * ``torch``: the torch reference (``kvtriton.kernels.reference``), the oracle
   of the tests; on CUDA it gathers into a device staging buffer, then moves
   runs of slab rows with the DMA backend's strided copy.
@@ -39,8 +43,12 @@ prints, per direction, the page size from which ``dma`` wins, and the
 With fp8 compression (``PagedKV.compression``) ``triton`` runs the fused
 quantizing kernels (``kvtriton.kernels.compressed_launch``) and ``torch`` the
 compressed reference; ``dma`` cannot compress (a copy engine only moves
-bytes), so ``auto`` takes ``torch`` where it would take ``dma``, and asking for
-``dma`` is an error.
+bytes), so where ``auto`` would take ``dma`` it takes ``triton`` for a pinned
+slab the kernel reaches and ``torch`` otherwise (a pageable slab, or a pinned
+one reached at other addresses), and asking for ``dma`` is an error. The
+compressed torch reference reads the device back twice per job (deduplication
+and the NaN flag): on a pageable slab's worker thread that costs nothing the
+blocking copy did not already cost, on vLLM's scheduler thread it would.
 
 A backend only copies: the engine plans, stages indices, orders and times jobs.
 """
@@ -58,11 +66,11 @@ from numpy.typing import NDArray
 from kvtriton.choices import parse_choice
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compressed_launch import CompressedLauncher
-from kvtriton.kernels.compression import NonFiniteKVError, gather_compressed_unchecked, scatter_compressed_unchecked
+from kvtriton.kernels.compression import gather_compressed_unchecked, scatter_compressed_unchecked
 from kvtriton.kernels.launch import CopyLauncher
 from kvtriton.kernels.reference import gather_unchecked, scatter_unchecked
 from kvtriton.kernels.validation import PageGeometry
-from kvtriton.worker.cudart import loaded_cudart, memcpy_2d_async
+from kvtriton.worker.cudart import MemcpyBatch, loaded_cudart, memcpy_2d_async, memcpy_batch
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan, host_tensor
 
@@ -134,7 +142,8 @@ def choose_backend(
     slab's registrations are reached on the device at other addresses than
     the host's: the kernel cannot address such a slab, ``dma`` can.
     ``compressed``: the rows are fp8-compressed, which ``dma`` cannot do
-    (``auto`` then takes ``torch`` instead of ``dma``).
+    (``auto`` then takes ``triton`` instead of ``dma`` where the kernel can
+    reach the slab, ``torch`` where it cannot).
     """
     if compressed and requested is TransferBackend.DMA:
         raise ValueError(
@@ -155,7 +164,11 @@ def choose_backend(
                 chosen = rule.backend
         if chosen is None:
             raise ValueError(f"no backend for {direction.name.lower()} jobs on {device} in AUTO_TABLE")
-        requested = TransferBackend.TORCH if compressed and chosen is TransferBackend.DMA else chosen
+        if compressed and chosen is TransferBackend.DMA:
+            # The copy engines cannot quantize: a pinned slab the kernel reaches takes the fused kernels (no sync,
+            # no staging); a pageable one the torch reference, whose syncs its worker thread absorbs.
+            chosen = TransferBackend.TRITON if slab_pinned and slab_device_aliased else TransferBackend.TORCH
+        requested = chosen
     if requested is TransferBackend.TRITON:
         if device.type == "cuda" and not slab_pinned:
             raise ValueError(
@@ -180,8 +193,9 @@ class DeviceIndices:
     """A job's indices on the pages' device, each starting on a 16-byte boundary (the staging guarantees it).
 
     ``status``: one int32 (pinned host memory on CUDA) that a compressed
-    store sets to 1 when the pages hold NaN or infinity; the engine reads it
-    once the job has finished and fails the job.
+    store sets to 1 when the pages hold NaN or infinity (the rows then hold
+    NaN codes there); the engine reads it once the job has finished and
+    counts the event (the job still succeeds: see ``TransferEngine.stats``).
     """
 
     gpu_blocks: torch.Tensor
@@ -198,6 +212,11 @@ class CopyBackend(Protocol):
     @property
     def wants_device_indices(self) -> bool:
         """True when :meth:`copy` reads ``device`` (index tensors on the pages' device)."""
+        ...
+
+    @property
+    def submission(self) -> str:
+        """How a job's copies reach CUDA, for people (``""`` where nothing is submitted to the copy engines)."""
         ...
 
     def warm_up(self) -> None:
@@ -218,6 +237,7 @@ class TritonCopy:
 
     kind = TransferBackend.TRITON
     wants_device_indices = True
+    submission = ""
 
     def __init__(self, kv: PagedKV, slab: torch.Tensor, num_programs: int) -> None:
         self.launcher: CopyLauncher | None = None
@@ -273,6 +293,29 @@ class _PitchedPages:
             slab_stride=slab.stride(0) if slab.shape[0] > 1 else slab.shape[1],
         )
 
+    def pair_copies(
+        self, blocks: NDArray[np.int64], rows: NDArray[np.int64], store: bool
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """Destination, source and size of one copy per (page tensor, pair), for :class:`MemcpyBatch`."""
+        pages = (self.page_bases[:, None] + blocks[None, :] * self.block_strides[:, None]).ravel()
+        slab = (self.slab_base + rows[None, :] * self.slab_stride + self.row_offsets[:, None]).ravel()
+        sizes = np.repeat(self.page_bytes, blocks.shape[0])
+        return (slab, pages, sizes) if store else (pages, slab, sizes)
+
+
+def _batch_for(slab: torch.Tensor, slab_pinned: bool | None) -> MemcpyBatch | None:
+    """The runtime's batch call for copies to and from a pinned slab; None for a pageable one or an old runtime.
+
+    A pageable slab's copies are staged by the driver on the lane's worker
+    thread whatever the call; they keep the per-run path, the one measured.
+    """
+    pinned = slab.is_pinned() if slab_pinned is None else slab_pinned
+    return memcpy_batch() if pinned else None
+
+
+def _submission(batch: MemcpyBatch | None) -> str:
+    return "cudaMemcpyBatchAsync per job" if batch is not None else "cudaMemcpy2DAsync per run"
+
 
 def _require_cudart(backend: str) -> None:
     """Refuse at engine build, not at the first job, when the strided copy cannot be issued."""
@@ -325,22 +368,34 @@ def slab_row_runs(rows: NDArray[np.int64], registration_rows: int | None = None)
 
 
 class DmaCopy:
-    """One strided copy per (run of consecutive blocks and rows, page tensor)."""
+    """One batched call per job, or one strided copy per (run of consecutive blocks and rows, page tensor).
+
+    ``slab_pinned`` (None: ``slab.is_pinned()``, which asks about the first
+    byte of the slab's storage) picks the batch call for a pinned slab.
+    """
 
     kind = TransferBackend.DMA
     wants_device_indices = False
 
-    def __init__(self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None) -> None:
+    def __init__(
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
+    ) -> None:
         self.kv = kv
         self.slab = slab
         self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
         if kv.compression_layout is not None:
             raise ValueError("the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'")
+        self._batch: MemcpyBatch | None = None
         if self._cuda:
             _require_cudart("dma")
+            self._batch = _batch_for(slab, slab_pinned)
         self._pitched = _PitchedPages.of(kv, slab)
         self._byte_pages = kv.byte_pages()
+
+    @property
+    def submission(self) -> str:
+        return _submission(self._batch) if self._cuda else ""
 
     def warm_up(self) -> None:
         return None
@@ -348,6 +403,11 @@ class DmaCopy:
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         del device
         store = plan.direction is TransferDirection.STORE
+        if self._batch is not None:
+            # Each copy is one page of one row: none spans two registrations, no runs needed.
+            stream = torch.cuda.current_stream(self.kv.device).cuda_stream
+            self._batch(*self._pitched.pair_copies(plan.gpu_blocks, plan.slab_rows, store), stream)
+            return
         blocks, rows, lengths = dma_runs(plan, self.registration_rows)
         if not self._cuda:
             self._copy_on_host(store, blocks, rows, lengths)
@@ -383,28 +443,40 @@ class TorchCopy:
 
     kind = TransferBackend.TORCH
 
-    def __init__(self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None) -> None:
+    def __init__(
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
+    ) -> None:
         self.kv = kv
         self.slab = slab
         self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
+        self._batch: MemcpyBatch | None = None
         if self._cuda:
             _require_cudart("torch")
+            self._batch = _batch_for(slab, slab_pinned)
         self._pitched = _PitchedPages.of(kv, slab)
 
     @property
     def wants_device_indices(self) -> bool:
-        return self._cuda
+        # A compressed store reports NaN through the status word staged with the indices, on CPU too.
+        return self._cuda or self.kv.compression_layout is not None
+
+    @property
+    def submission(self) -> str:
+        return _submission(self._batch) if self._cuda else ""
 
     def warm_up(self) -> None:
         return None
 
-    def _gather(self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+    def _gather(self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, status: torch.Tensor | None) -> None:
         layout = self.kv.compression_layout
         if layout is None:
             gather_unchecked(self.kv.pages, slab, blocks, rows, self.kv.geometry)
-        elif not gather_compressed_unchecked(self.kv.pages, slab, blocks, rows, layout):
-            raise NonFiniteKVError("the pages hold NaN or infinity: fp8-e4m3 compression refuses to store them")
+            return
+        if status is None:
+            raise ValueError("a compressed store needs the job's status word to report NaN or infinity")
+        if not gather_compressed_unchecked(self.kv.pages, slab, blocks, rows, layout):
+            status[0] = 1  # the kernel's contract: the NaN codes are written, the flag says so
 
     def _scatter(self, slab: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor) -> None:
         layout = self.kv.compression_layout
@@ -415,10 +487,11 @@ class TorchCopy:
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         store = plan.direction is TransferDirection.STORE
+        status = None if device is None else device.status
         if not self._cuda:
             blocks, rows = host_tensor(plan.gpu_blocks), host_tensor(plan.slab_rows)
             if store:
-                self._gather(self.slab, blocks, rows)
+                self._gather(self.slab, blocks, rows, status)
             else:
                 self._scatter(self.slab, rows, blocks)
             return
@@ -427,9 +500,17 @@ class TorchCopy:
         staging = torch.empty((count, width), dtype=torch.uint8, device=self.kv.device)
         local = torch.arange(count, dtype=torch.int64, device=self.kv.device)
         if store:
-            self._gather(staging, device.gpu_blocks, local)
+            self._gather(staging, device.gpu_blocks, local, status)
         stream = torch.cuda.current_stream(self.kv.device).cuda_stream
         slab_stride = self._pitched.slab_stride
+        if self._batch is not None:
+            staged = staging.data_ptr() + np.arange(count, dtype=np.int64) * width
+            slab_rows = self._pitched.slab_base + plan.slab_rows * slab_stride
+            sizes = np.full(count, width, dtype=np.int64)
+            self._batch(*((slab_rows, staged) if store else (staged, slab_rows)), sizes, stream)
+            if not store:
+                self._scatter(staging, local, device.gpu_blocks)
+            return
         starts, lengths = slab_row_runs(plan.slab_rows, self.registration_rows)
         for start, length in zip(starts.tolist(), lengths.tolist()):
             slab_address = self._pitched.slab_base + int(plan.slab_rows[start]) * slab_stride
@@ -449,17 +530,20 @@ def make_backend(
     *,
     num_programs: int = DEFAULT_NUM_PROGRAMS,
     registration_rows: int | None = None,
+    slab_pinned: bool | None = None,
 ) -> CopyBackend:
     """Build a concrete (already chosen) backend for ``kv`` and ``slab``.
 
     ``registration_rows``: the slab's rows per CUDA registration, where the
     ``dma`` and ``torch`` backends cut their runs (None: one registration or
-    a pageable slab).
+    a pageable slab). ``slab_pinned``: whether the slab is registered
+    (``HostSlab.pinned``; None: ask ``slab.is_pinned()``), which lets those
+    two backends batch a job's copies into one call.
     """
     if backend is TransferBackend.TRITON:
         return TritonCopy(kv, slab, num_programs)
     if backend is TransferBackend.DMA:
-        return DmaCopy(kv, slab, registration_rows)
+        return DmaCopy(kv, slab, registration_rows, slab_pinned=slab_pinned)
     if backend is TransferBackend.TORCH:
-        return TorchCopy(kv, slab, registration_rows)
+        return TorchCopy(kv, slab, registration_rows, slab_pinned=slab_pinned)
     raise ValueError(f"make_backend needs a concrete backend, got {backend.value!r}; resolve it with choose_backend")

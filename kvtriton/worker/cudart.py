@@ -4,7 +4,12 @@
   which torch would otherwise report at its next launch, far from the cause)
   and ``cudaGetErrorName`` (so that messages name the error, not a number);
 * ``cudaMemcpy2DAsync`` (one call copies a run of blocks between two strided
-  layouts: the DMA backend's unit of work);
+  layouts: the DMA backend's unit of work where the runtime has no batch call);
+* ``cudaMemcpyBatchAsync`` (CUDA 12.8 and later: one call queues every copy of
+  a job, :class:`MemcpyBatch`; resolved by name, so an older runtime reads as
+  "not available" and the per-run path above is used instead) and
+  ``cudaRuntimeGetVersion`` (the batch call lost its ``failIdx`` argument in
+  CUDA 13, so its argument list depends on the version);
 * ``cudaHostGetDevicePointer`` (the slab checks that every registration is
   reached on the device at its host address, which the Triton path relies on);
 * ``cudaStreamCreateWithPriority`` / ``cudaStreamDestroy`` /
@@ -19,10 +24,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from typing import cast
+
+import numpy as np
+from numpy.typing import NDArray
 
 __all__ = [
     "CudaRuntimeError",
+    "MemcpyAttributes",
+    "MemcpyBatch",
+    "MemLocation",
     "create_stream",
     "destroy_stream",
     "error_name",
@@ -30,6 +42,7 @@ __all__ = [
     "last_error",
     "loaded_cudart",
     "memcpy_2d_async",
+    "memcpy_batch",
     "stream_priority_range",
 ]
 
@@ -38,6 +51,18 @@ CUDA_MEMCPY_DEFAULT = 4
 
 CUDA_STREAM_NON_BLOCKING = 1
 """``cudaStreamNonBlocking``: the stream does not synchronise with the legacy default stream (as torch's streams)."""
+
+CUDA_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+"""``cudaMemcpySrcAccessOrderStream``: a batched copy reads its source in stream order (after the work queued before it)."""
+
+CUDA_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+"""``cudaMemcpyFlagPreferOverlapWithCompute``: the copies run on the copy engines, beside the model's kernels."""
+
+BATCH_MIN_RUNTIME = 12080
+"""The first runtime (CUDA 12.8) with ``cudaMemcpyBatchAsync``."""
+
+BATCH_WITHOUT_FAIL_INDEX_RUNTIME = 13000
+"""From CUDA 13.0 ``cudaMemcpyBatchAsync`` takes no ``failIdx`` pointer (12.8 and 12.9 do, before the stream)."""
 
 _ERROR_NAMES = {
     1: "cudaErrorInvalidValue",
@@ -174,3 +199,100 @@ def memcpy_2d_async(
             f"cudaMemcpy2DAsync({width} x {height} bytes, pitches {destination_pitch}/{source_pitch}) failed with "
             f"{error_name(code)}"
         )
+
+
+class MemLocation(ctypes.Structure):
+    """``cudaMemLocation``: a location hint (``type`` 0, invalid, leaves the choice to the driver)."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes`` (CUDA 12.8): how the copies of a batch read their sources."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_loc_hint", MemLocation),
+        ("dst_loc_hint", MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class MemcpyBatch:
+    """``cudaMemcpyBatchAsync``: queue ``count`` one-dimensional copies on a stream with one runtime call.
+
+    ``call`` is the C function (or a stand-in with its argument list);
+    ``with_fail_index``: the runtime is 12.8 or 12.9, whose call takes a
+    ``size_t* failIdx`` before the stream (CUDA 13 dropped it). Every copy
+    reads its source in stream order (after the work queued before it, as
+    ``cudaMemcpy2DAsync`` does) and prefers the copy engines, beside compute.
+    """
+
+    def __init__(self, call: Callable[..., int], *, with_fail_index: bool) -> None:
+        self._call = call
+        self.with_fail_index = with_fail_index
+        self._attributes = MemcpyAttributes(
+            CUDA_MEMCPY_SRC_ACCESS_ORDER_STREAM, MemLocation(0, 0), MemLocation(0, 0),
+            CUDA_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+        )  # fmt: skip
+        self._attribute_index = (ctypes.c_size_t * 1)(0)  # copy 0 onwards use attribute 0: all of them
+
+    def __call__(
+        self, destinations: NDArray[np.int64], sources: NDArray[np.int64], sizes: NDArray[np.int64], stream: int
+    ) -> None:
+        """Copy ``sizes[i]`` bytes from ``sources[i]`` to ``destinations[i]`` for every ``i``, queued on ``stream``."""
+        count = destinations.shape[0]
+        if sources.shape[0] != count or sizes.shape[0] != count:
+            raise ValueError(
+                f"a copy batch needs as many sources and sizes as destinations, got {count} destinations, "
+                f"{sources.shape[0]} sources and {sizes.shape[0]} sizes"
+            )
+        if count == 0:
+            return
+        # void* and size_t are 64-bit here: the int64 addresses and sizes are passed as the arrays C reads.
+        packed = [np.ascontiguousarray(column, dtype=np.uint64) for column in (destinations, sources, sizes)]
+        arguments: list[object] = [
+            *(column.ctypes.data for column in packed), count,
+            ctypes.addressof(self._attributes), ctypes.addressof(self._attribute_index), 1,
+        ]  # fmt: skip
+        fail_index = ctypes.c_size_t(0)
+        if self.with_fail_index:
+            arguments.append(ctypes.addressof(fail_index))
+        arguments.append(stream)
+        code = self._call(*arguments)
+        if code != 0:
+            last_error()
+            failed = f" at copy {fail_index.value}" if self.with_fail_index else ""
+            raise CudaRuntimeError(f"cudaMemcpyBatchAsync({count} copies) failed{failed} with {error_name(code)}")
+
+
+def batch_from(library: object) -> MemcpyBatch | None:
+    """``library``'s ``cudaMemcpyBatchAsync`` with the argument list of its runtime version; None where it has none.
+
+    ``library`` is a loaded libcudart (or a stand-in exposing the two calls).
+    A runtime older than 12.8 has no such symbol; one that reports an older
+    version than the symbol needs is not trusted with it either.
+    """
+    call = cast(Callable[..., int] | None, getattr(library, "cudaMemcpyBatchAsync", None))
+    get_version = cast(Callable[..., int] | None, getattr(library, "cudaRuntimeGetVersion", None))
+    if call is None or get_version is None:
+        return None
+    version = ctypes.c_int(0)
+    if isinstance(library, ctypes.CDLL):
+        library.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        library.cudaRuntimeGetVersion.restype = ctypes.c_int
+    if get_version(ctypes.pointer(version)) != 0 or version.value < BATCH_MIN_RUNTIME:
+        return None
+    with_fail_index = version.value < BATCH_WITHOUT_FAIL_INDEX_RUNTIME
+    if isinstance(library, ctypes.CDLL):
+        pointers = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        library.cudaMemcpyBatchAsync.argtypes = pointers + ([ctypes.c_void_p] if with_fail_index else []) + [ctypes.c_void_p]
+        library.cudaMemcpyBatchAsync.restype = ctypes.c_int
+    return MemcpyBatch(call, with_fail_index=with_fail_index)
+
+
+@functools.cache
+def memcpy_batch() -> MemcpyBatch | None:
+    """The loaded libcudart's :class:`MemcpyBatch`, or None (no libcudart, or a runtime before CUDA 12.8)."""
+    library = loaded_cudart()
+    return None if library is None else batch_from(library)

@@ -46,9 +46,13 @@ returns at once and never waits for the forward pass.
 
 Compression (``kv_compression="fp8-e4m3"``, lossy, off by default): rows
 hold fp8 codes and scales (``PagedKV.compression``), ``transfer_size``
-counts the compressed bytes, and a store whose pages hold NaN or infinity
-fails (reported with ``success=False``; the kernel flags it in the job's
-pinned status word, read once the job has finished, no sync).
+counts the compressed bytes. A store whose pages hold NaN or infinity writes
+the NaN code there (a row loaded back reads NaN, never a finite number),
+succeeds, and is counted: :attr:`TransferEngine.stats` (``non_finite_stores``)
+and a WARNING at most every :data:`NON_FINITE_WARNING_INTERVAL_S` seconds.
+Failing the job instead would stop a vLLM server (its worker asserts that
+every store succeeds). The kernel flags the event in the job's pinned status
+word, read once the job has finished (no sync).
 
 On CPU the copy runs inside ``submit_*`` and the job is reported by the next
 ``get_finished``. All paths share planning, validation, ordering and
@@ -71,7 +75,7 @@ import torch
 from numpy.typing import NDArray
 
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels.compression import KVCompression, NonFiniteKVError
+from kvtriton.kernels.compression import KVCompression
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtriton.worker.backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
 from kvtriton.worker.cudart import create_stream, destroy_stream, loaded_cudart, stream_priority_range
@@ -79,9 +83,12 @@ from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan, plan_transfer
 from kvtriton.worker.slab import HostSlab
 
-__all__ = ["TransferEngine", "TransferLane", "TransferResult"]
+__all__ = ["EngineStats", "NON_FINITE_WARNING_INTERVAL_S", "TransferEngine", "TransferLane", "TransferResult"]
 
 logger = logging.getLogger(__name__)
+
+NON_FINITE_WARNING_INTERVAL_S = 60.0
+"""At most one WARNING per this many seconds about stores that met NaN or infinity (each one is counted)."""
 
 
 class TransferLane(enum.Enum):
@@ -115,6 +122,14 @@ class TransferResult:
     transfer_size: int
     transfer_time: float
     transfer_type: tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters of one engine since it was built (:attr:`TransferEngine.stats` takes a snapshot)."""
+
+    non_finite_stores: int = 0
+    """Compressed stores whose pages held NaN or infinity: they succeeded, and their rows hold NaN codes there."""
 
 
 class _Completion(Protocol):
@@ -222,7 +237,7 @@ class _Staging:
         # device mapping, read by the host once the job's event has fired (no sync, no copy back).
         self.status = torch.zeros(4, dtype=torch.int32, pin_memory=cuda)
 
-    def refused_values(self) -> bool:
+    def met_non_finite(self) -> bool:
         """Whether the job staged here last (finished) met NaN or infinity in a compressed store."""
         return int(self.status[0]) != 0
 
@@ -343,8 +358,9 @@ class TransferEngine:
         for kind in chosen.values():
             if kind not in built:
                 built[kind] = make_backend(
-                    kind, kv, slab.rows, num_programs=num_programs, registration_rows=slab.registration_rows
-                )
+                    kind, kv, slab.rows, num_programs=num_programs, registration_rows=slab.registration_rows,
+                    slab_pinned=slab.pinned,
+                )  # fmt: skip
         self._backends: dict[TransferDirection, CopyBackend] = {direction: built[kind] for direction, kind in chosen.items()}
         self._streams: dict[TransferLane, torch.cuda.Stream] = {}
         self._stream_handles: list[int] = []
@@ -364,6 +380,9 @@ class TransferEngine:
         self._free_events: list[_EventPair] = []
         self._unreported: set[int] = set()
         self._closed = False
+        self._non_finite_stores = 0
+        self._non_finite_unwarned = 0
+        self._non_finite_warned_at: float | None = None
         self.warmup_seconds = self._warm_up(list(built.values()))
         slab.add_user(self)
         logger.info(
@@ -384,9 +403,23 @@ class TransferEngine:
 
     @property
     def backend_name(self) -> str:
-        """What runs, for people: ``"triton"``, or ``"triton (store) / dma (load)"`` when the directions differ."""
-        store, load = (self._backends[direction].kind.value for direction in TransferDirection)
+        """What runs, for people: ``"triton"``, or ``"triton (store) / dma (load)"`` when the directions differ.
+
+        On CUDA the ``dma`` and ``torch`` backends add how a job reaches the
+        copy engines: ``"dma [cudaMemcpyBatchAsync per job]"`` (CUDA 12.8 and
+        later, pinned slab) or ``"dma [cudaMemcpy2DAsync per run]"``.
+        """
+        store, load = (self._describe(self._backends[direction]) for direction in TransferDirection)
         return store if store == load else f"{store} (store) / {load} (load)"
+
+    @staticmethod
+    def _describe(backend: CopyBackend) -> str:
+        return backend.kind.value + (f" [{backend.submission}]" if backend.submission else "")
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (``non_finite_stores``: see the module docstring)."""
+        return EngineStats(non_finite_stores=self._non_finite_stores)
 
     @property
     def backends(self) -> dict[TransferDirection, TransferBackend]:
@@ -438,7 +471,9 @@ class TransferEngine:
             while queue and queue[0].completion.done():
                 job = queue.popleft()
                 self._unreported.discard(job.job_id)
-                success = job.completion.succeeded() and not self._refused_values(job)
+                success = job.completion.succeeded()
+                if success:
+                    self._count_non_finite(job)
                 results.append(
                     TransferResult(
                         job_id=job.job_id,
@@ -451,17 +486,26 @@ class TransferEngine:
                 self._recycle(job)
         return results
 
-    def _refused_values(self, job: _Job) -> bool:
-        """A finished compressed store that met NaN or infinity: it fails (its rows hold NaN codes)."""
+    def _count_non_finite(self, job: _Job) -> None:
+        """Count a finished compressed store that met NaN or infinity; warn at most once per interval."""
         if job.staging is None or job.lane is not TransferLane.STORE or self.kv.compression_layout is None:
-            return False
-        if not job.staging.refused_values():
-            return False
+            return
+        if not job.staging.met_non_finite():
+            return
+        self._non_finite_stores += 1
+        self._non_finite_unwarned += 1
+        now = time.monotonic()
+        if self._non_finite_warned_at is not None and now - self._non_finite_warned_at < NON_FINITE_WARNING_INTERVAL_S:
+            return
         logger.warning(
-            "store job %d failed: its GPU pages hold NaN or infinity, which kv_compression='%s' refuses to store",
-            job.job_id, self.kv.compression.value,
+            "%d store job(s) (the last: job %d) met NaN or infinity in the GPU pages; kv_compression='%s' stored "
+            "the NaN code there, so those blocks load back as NaN (%d such stores since the engine started; "
+            "next warning in %.0f s at the earliest)",
+            self._non_finite_unwarned, job.job_id, self.kv.compression.value, self._non_finite_stores,
+            NON_FINITE_WARNING_INTERVAL_S,
         )  # fmt: skip
-        return True
+        self._non_finite_unwarned = 0
+        self._non_finite_warned_at = now
 
     def _recycle(self, job: _Job) -> None:
         """Return a reported job's staging buffers and events to the pools (its copy has finished)."""
@@ -585,9 +629,6 @@ class TransferEngine:
         backend = self._backends[plan.direction]
         try:
             backend.copy(plan, device)
-        except NonFiniteKVError as error:
-            logger.warning("%s job %d failed: %s", lane.value, job_id, error)
-            return False
         except Exception:
             logger.exception("%s job %d failed in the %s backend", lane.value, job_id, backend.kind.value)
             return False
@@ -616,7 +657,8 @@ class TransferEngine:
         device = staging.stage(plan) if staging is not None else None
         success = self._copy(job_id, lane, plan, device)
         if staging is not None:
-            success = success and not self._refused_values(_Job(job_id, lane, 0, _Finished(True, 0.0), staging))
+            if success:
+                self._count_non_finite(_Job(job_id, lane, 0, _Finished(True, 0.0), staging))
             self._free_staging[lane].append(staging)  # the copy already ran: reusable at once
         completion = _Finished(success, time.perf_counter() - started)
         return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, completion)

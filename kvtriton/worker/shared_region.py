@@ -31,8 +31,14 @@ join: at ~10 GiB/s a region of hundreds of GB would take longer than any
 join timeout. Instead each worker rank populates its own bytes of every row
 when it takes its slab (:meth:`SharedRegion.rank_slab`), on the CPUs of its
 GPU's NUMA node, so that each rank's bytes sit next to the GPU that copies
-them; pages no rank populated are faulted in by the first process that
-touches them (the pinning, or a secondary tier's copy). Every process that has
+them, then counts itself in the header (``populated_count``). A rank pins
+only once every rank has populated (it waits for the count to reach
+``world_size``, at most ``populate_timeout_s``): pinning earlier would fault
+the pages it shares with a rank still populating onto its own node. And each
+rank pins its own part only, where the layout allows it (see
+:func:`~kvtriton.worker.slab.own_row_ranges`), not world-size copies of the
+whole region's pinning work. Pages no rank populated (padding) are faulted in
+by the first process that touches them. Every process that has
 mapped it adds one to a count in the region's header page; the process that
 brings the count to ``expected_mappers`` unlinks the file. A file whose creator
 no longer runs (an engine with the same id that died before every process had
@@ -67,7 +73,7 @@ def _current_cuda_device() -> int | None:
     """The GPU whose NUMA node a rank's bytes are placed on by default (None without CUDA)."""
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
-__all__ = ["REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "SharedRegion", "shm_free_bytes"]
+__all__ = ["POPULATE_TIMEOUT_S", "REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "SharedRegion", "shm_free_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +84,23 @@ ROW_ALIGNMENT = max(4096, mmap.PAGESIZE)
 """Chunks are padded to this: O_DIRECT needs 4096-byte buffers and lengths; vLLM pads to the page."""
 
 HEADER_BYTES = ROW_ALIGNMENT
-"""The region starts with one header page (magic, mapper count, layout); rows follow, still aligned."""
+"""The region starts with one header page (magic, mapper and populated counts, layout); rows follow, still aligned."""
 
-_MAGIC = b"KVTRREG2"
+_MAGIC = b"KVTRREG3"  # 3: the populated count joined the header
 _COUNT = struct.Struct("<Q")  # processes that have mapped the region
 _LENGTH = struct.Struct("<I")  # bytes of the layout JSON that follows
 _PID = struct.Struct("<Q")  # the creator's process id: a region whose creator is gone is stale
+_POPULATED = struct.Struct("<Q")  # worker ranks that have populated their bytes
 _COUNT_AT = len(_MAGIC)
 _PID_AT = _COUNT_AT + _COUNT.size
-_LENGTH_AT = _PID_AT + _PID.size
+_POPULATED_AT = _PID_AT + _PID.size
+_LENGTH_AT = _POPULATED_AT + _POPULATED.size
 _JSON_AT = _LENGTH_AT + _LENGTH.size
 JOIN_TIMEOUT_S = 30.0
 """How long a joining process waits for the creator to write the header (one page: no size makes it slow)."""
+POPULATE_TIMEOUT_S = 600.0
+"""How long a rank about to pin waits for every rank to populate its bytes (ranks load their model first, unevenly)."""
+_POLL_S = 0.005
 
 
 def _check_count(name: str, value: int, minimum: int = 1) -> None:
@@ -282,6 +293,7 @@ class SharedRegion:
         self._tensors: list[torch.Tensor] = []
         self._views: list[memoryview] = []
         self._fd = -1
+        self._populated_ranks: set[int] = set()
         for attempt in range(2):
             try:
                 self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -337,7 +349,7 @@ class SharedRegion:
                     raise RuntimeError(f"the process creating {self.path} failed before finishing it; see its log")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.path} was not initialised within {timeout_s} s by the process creating it")
-                time.sleep(0.005)
+                time.sleep(_POLL_S)
             (creator,) = _PID.unpack(os.pread(self._fd, _PID.size, _PID_AT))
             if not _process_alive(int(creator)):
                 # Left by an engine with the same id that died before every
@@ -382,21 +394,25 @@ class SharedRegion:
 
     def _register_mapping(self) -> None:
         """Count this process in; the one that completes the count unlinks the file."""
-        region = self._require_mapping()
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                (count,) = _COUNT.unpack_from(region, _COUNT_AT)
-                count += 1
-                _COUNT.pack_into(region, _COUNT_AT, count)
-                if count >= self._expected:
-                    self._unlink()
-                    logger.info("all %d processes mapped %s: unlinked it", count, self.path)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            count = self._add_one(_COUNT, _COUNT_AT)
+            if count >= self._expected:
+                self._unlink()
+                logger.info("all %d processes mapped %s: unlinked it", count, self.path)
         except BaseException:
             self._close_mapping()
             raise
+
+    def _add_one(self, counter: struct.Struct, at: int) -> int:
+        """Add one to a header counter under the file lock (every mapper may write it at once); the new value."""
+        region = self._require_mapping()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            (count,) = counter.unpack_from(region, at)
+            counter.pack_into(region, at, count + 1)
+            return int(count) + 1
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _unlink(self) -> None:
         if not self._unlinked:
@@ -421,6 +437,28 @@ class SharedRegion:
         """How many processes have mapped the region so far."""
         (count,) = _COUNT.unpack_from(self._require_mapping(), _COUNT_AT)
         return int(count)
+
+    @property
+    def populated_count(self) -> int:
+        """How many worker ranks have populated their bytes so far (:meth:`rank_slab`); pinning waits for all."""
+        (count,) = _POPULATED.unpack_from(self._require_mapping(), _POPULATED_AT)
+        return int(count)
+
+    def _wait_for_every_rank(self, rank: int, timeout_s: float) -> None:
+        """Block until every rank has populated its bytes; ``TimeoutError`` naming how many did, after ``timeout_s``."""
+        world = self.layout.world_size
+        deadline = time.monotonic() + timeout_s
+        started = time.perf_counter()
+        while (populated := self.populated_count) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {rank} waited {timeout_s} s for every rank to populate its bytes of {self.path} before "
+                    f"pinning, but only {populated} of {world} did: a rank that never takes its slab (it failed or "
+                    f"never started: see its log) holds the others here; raise populate_timeout_s if ranks are "
+                    f"only slow to start"
+                )
+            time.sleep(_POLL_S)
+        logger.info("rank %d: all %d ranks populated %s after %.3f s", rank, world, self.path, time.perf_counter() - started)
 
     def _bytes(self) -> torch.Tensor:
         """The whole file as a uint8 tensor sharing the mapping."""
@@ -448,20 +486,37 @@ class SharedRegion:
         )
 
     def rank_slab(
-        self, rank: int, *, pin: bool | None = None, allow_pageable: bool = False, gpu: int | None = None
+        self,
+        rank: int,
+        *,
+        pin: bool | None = None,
+        allow_pageable: bool = False,
+        gpu: int | None = None,
+        populate_timeout_s: float = POPULATE_TIMEOUT_S,
     ) -> HostSlab:
         """``rank``'s :class:`HostSlab` over the region: the rows of :meth:`rank_rows`, one slot per chunk.
 
         First populates the pages holding ``rank``'s bytes (on the CPUs of
         ``gpu``'s NUMA node when the slab is pinned: default the current CUDA
-        device, see :mod:`kvtriton.worker.numa`). ``pin``, ``allow_pageable``
-        and ``gpu`` work as for :meth:`HostSlab.from_buffer`, which registers
-        whole chunks with CUDA (the rows start on a page boundary, after the
-        header page). Closing the slab unpins it and leaves the mapping to
-        this region.
+        device, see :mod:`kvtriton.worker.numa`) and counts the rank in the
+        header. A slab that will be pinned then waits until every rank has
+        done so (at most ``populate_timeout_s`` seconds, then ``TimeoutError``
+        naming how many ranks arrived; nothing is pinned). ``pin``,
+        ``allow_pageable`` and ``gpu`` work as for
+        :meth:`HostSlab.from_buffer`, which registers this rank's own pages
+        where the layout allows it (the rows start on a page boundary, after
+        the header page). Closing the slab unpins it and leaves the mapping
+        to this region.
         """
         layout = self.layout
         layout.rank_offset(rank)  # validates rank before any work
+        if (
+            isinstance(populate_timeout_s, bool)
+            or not isinstance(populate_timeout_s, (int, float))  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
+            or not populate_timeout_s >= 0
+        ):
+            raise ValueError(f"populate_timeout_s must be a number of seconds >= 0, got {populate_timeout_s!r}")
+        pinning = HostSlab.will_pin(pin, allow_pageable, gpu)  # bad arguments raise here, before any work
         region = self._require_mapping()
         placed_on = gpu if gpu is not None else (_current_cuda_device() if pin is not False else None)
         started = time.perf_counter()
@@ -471,6 +526,11 @@ class SharedRegion:
             "populated rank %d's bytes of %s in %.3f s%s", rank, self.path, time.perf_counter() - started,
             "" if node is None else f" on NUMA node {node}",
         )  # fmt: skip
+        if rank not in self._populated_ranks:  # a second slab of the same rank counts once
+            self._add_one(_POPULATED, _POPULATED_AT)
+            self._populated_ranks.add(rank)
+        if pinning:
+            self._wait_for_every_rank(rank, populate_timeout_s)
         return HostSlab.from_buffer(
             self.region_tensor().reshape(-1),
             layout.num_chunks,

@@ -15,7 +15,10 @@ Where the memory comes from:
   of a ``/dev/shm`` file shared by several ranks, say). It never unmaps it.
   With ``row_stride`` and ``row_offset`` the slab is one rank's strided view:
   every shared row is ``row_stride`` bytes and this rank's ``row_bytes`` start
-  ``row_offset`` bytes into it.
+  ``row_offset`` bytes into it. Such a view pins only its own part where it
+  can (:func:`own_row_ranges`): one registration per row, over the pages that
+  hold this rank's bytes, when the other ranks' bytes between two rows fill
+  at least one whole page; otherwise every whole shared row, as a packed slab.
 
 Pinning: with CUDA the memory is registered with ``cudaHostRegister`` chunk
 by chunk (one huge registration is slow or fails on some systems), and every
@@ -36,9 +39,12 @@ copy-on-write, after which the process's writes would go to fresh pages the
 GPU never sees.
 
 When pinning fails the slab raises :class:`SlabPinningError`, one line naming
-the CUDA error, the bytes asked for, ``RLIMIT_MEMLOCK`` and how to raise it,
-unless the caller opted into a pageable slab with ``allow_pageable=True``
-(then a :class:`PageableSlabWarning` says so).
+the CUDA error, the bytes asked for and the RAM available, unless the caller
+opted into a pageable slab with ``allow_pageable=True`` (then a
+:class:`PageableSlabWarning` says so). ``RLIMIT_MEMLOCK`` is named for
+information only: the NVIDIA driver pins registered memory with
+``pin_user_pages`` and never charges it to the locked-memory limit, so the
+limit neither allows nor refuses a pin, and nothing here skips pinning for it.
 
 Lifetime: transfer engines register themselves as users of the slab
 (:meth:`HostSlab.add_user`); :meth:`HostSlab.close` drains every live user's
@@ -58,12 +64,13 @@ import weakref
 from types import TracebackType
 from typing import Protocol, SupportsInt, cast
 
+import numpy as np
 import torch
 
 from kvtriton.worker.cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
 from kvtriton.worker.numa import on_gpu_node
 
-__all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "pin_ranges"]
+__all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "own_row_ranges", "pin_ranges"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +83,10 @@ Rounded to whole slots that end on a host page boundary, see :func:`pin_ranges`.
 HOST_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 """The host page size: the slab starts on a page boundary."""
 
-MEMLOCK_ADVICE = (
-    "raise it with `ulimit -l unlimited`, `docker run --ulimit memlock=-1`, or LimitMEMLOCK=infinity in a "
-    "systemd unit"
+MEMLOCK_NOTE = (
+    "for information: the NVIDIA driver does not charge cudaHostRegister to it, so it neither allows nor stops a pin"
 )
+"""What every mention of RLIMIT_MEMLOCK adds (the slab's failure message, ``kvtriton info``)."""
 
 
 class PageableSlabWarning(UserWarning):
@@ -239,13 +246,38 @@ def pin_ranges(nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int) 
     return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
 
 
+def own_row_ranges(
+    num_rows: int, row_stride: int, row_offset: int, row_bytes: int, page_bytes: int
+) -> list[tuple[int, int]] | None:
+    """``(offset, size)`` registrations of the whole pages holding each row's bytes, one per row; or None.
+
+    Row ``r``'s bytes are ``[r*row_stride + row_offset, ... + row_bytes)`` from
+    a page-aligned base. None where registering rows one by one would pin no
+    fewer pages than whole shared rows (no whole page of other bytes lies
+    between two rows) or would register a page twice (two rows share one).
+    """
+    if num_rows < 2 or row_stride == row_bytes:
+        return None
+    starts = np.arange(num_rows, dtype=np.int64) * row_stride + row_offset
+    firsts = starts - starts % page_bytes
+    ends = -(-(starts + row_bytes) // page_bytes) * page_bytes
+    gaps = firsts[1:] - ends[:-1]
+    if bool((gaps < 0).any()) or not bool((gaps > 0).any()):
+        return None
+    return [(int(first), int(end - first)) for first, end in zip(firsts.tolist(), ends.tolist())]
+
+
 def _pin_failure(nbytes: int, detail: str) -> str:
+    available = mem_available_bytes()
+    available_text = "MemAvailable is unknown" if available is None else f"MemAvailable is {available} bytes"
     limit = memlock_limit_bytes()
-    if limit is None:
-        limit_text = "RLIMIT_MEMLOCK is unlimited, so the limit is not the cause"
-    else:
-        limit_text = f"RLIMIT_MEMLOCK is {limit} bytes: {MEMLOCK_ADVICE}"
-    return f"cannot pin the {nbytes}-byte host slab ({detail}); {limit_text}; or opt into a slower pageable slab (allow_pageable=True)"
+    limit_text = "unlimited" if limit is None else f"{limit} bytes"
+    return (
+        f"cannot pin the {nbytes}-byte host slab ({detail}); {available_text}: pinning needs that much free RAM "
+        f"in this process's memory limit (a container's cgroup memory.max counts), so free RAM or use a smaller "
+        f"slab; RLIMIT_MEMLOCK is {limit_text} ({MEMLOCK_NOTE}); or opt into a slower pageable slab "
+        f"(allow_pageable=True)"
+    )
 
 
 class HostSlab:
@@ -302,9 +334,11 @@ class HostSlab:
         ... + row_bytes]``: with the defaults (``row_stride = row_bytes``,
         ``row_offset = 0``) the rows are packed; a per-rank view of a shared
         buffer passes the shared row stride and this rank's offset in a row.
-        Pinning registers every whole shared row the slab spans (in this
-        process's address space), so the buffer must start on a host page
-        boundary when it is pinned.
+        Pinning registers the pages holding this view's bytes, one
+        registration per row, where a whole page of other bytes lies between
+        two rows (:func:`own_row_ranges`), and every whole shared row the slab
+        spans otherwise (in this process's address space); either way the
+        buffer must start on a host page boundary when it is pinned.
         """
         _check_sizes(num_slots, block_size_factor, row_bytes)
         stride = row_bytes if row_stride is None else row_stride
@@ -361,7 +395,14 @@ class HostSlab:
             (self.num_rows, row_bytes), (row_stride, 1), flat.storage_offset() + row_offset
         )
 
-    def _pin_if_wanted(self, pin: bool | None, allow_pageable: bool, gpu: int | None) -> None:
+    @staticmethod
+    def will_pin(pin: bool | None, allow_pageable: bool = False, gpu: int | None = None) -> bool:
+        """Whether a slab built with these arguments tries to pin (``ValueError``/``TypeError`` for bad ones).
+
+        ``pin=None`` pins where CUDA is available. Raises what the constructor
+        would, before anything is done: a caller that must prepare before a
+        pin (a shared region waits for every rank) checks here first.
+        """
         if pin is not None and not isinstance(pin, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- reject "yes" and 1
             raise TypeError(f"pin must be True, False or None, got {pin!r}")
         if not isinstance(allow_pageable, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
@@ -370,14 +411,16 @@ class HostSlab:
             raise ValueError(f"gpu must be a CUDA device index >= 0 or None, got {gpu!r}")
         if pin is True and not _cuda_available():
             raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
-        if pin is False:
-            return
-        if not _cuda_available():
-            warnings.warn(
-                f"CUDA is not available: the {self.nbytes}-byte host slab stays pageable (not pinned)",
-                PageableSlabWarning,
-                stacklevel=3,
-            )
+        return pin is True or (pin is None and _cuda_available())
+
+    def _pin_if_wanted(self, pin: bool | None, allow_pageable: bool, gpu: int | None) -> None:
+        if not self.will_pin(pin, allow_pageable, gpu):
+            if pin is None:
+                warnings.warn(
+                    f"CUDA is not available: the {self.nbytes}-byte host slab stays pageable (not pinned)",
+                    PageableSlabWarning,
+                    stacklevel=3,
+                )
             return
         with on_gpu_node(gpu if gpu is not None else _current_cuda_device()) as node:
             self._pin(allow_pageable)
@@ -435,8 +478,16 @@ class HostSlab:
                 "pinning it would share a page with other registrations (map it with mmap, or pass pin=False)"
             )
         registrar = _registrar()
-        slot_bytes = self.block_size_factor * self.row_stride
-        ranges = pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES)
+        own = own_row_ranges(self.num_rows, self.row_stride, self.row_offset, self.row_bytes, HOST_PAGE_BYTES)
+        if own is not None:
+            # Only this view's pages: the other ranks' bytes between the rows are theirs to pin.
+            ranges, rows_per_registration = own, 1
+        else:
+            slot_bytes = self.block_size_factor * self.row_stride
+            ranges = pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES)
+            # Every registration but the last holds the same whole slots (pin_ranges' step).
+            rows_per_registration = self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride
+        pinned_bytes = sum(size for _, size in ranges)
         aliased = True
         for offset, size in ranges:
             code = int(registrar.cudaHostRegister(base + offset, size, 0))
@@ -444,7 +495,7 @@ class HostSlab:
                 registrar.cudaGetLastError()  # consumed here, not by torch's next launch check
                 self._unpin()
                 message = _pin_failure(
-                    self._span_bytes, f"cudaHostRegister failed with {error_name(code)} on bytes {offset}..{offset + size}"
+                    pinned_bytes, f"cudaHostRegister failed with {error_name(code)} on bytes {offset}..{offset + size}"
                 )
                 if not allow_pageable:
                     raise SlabPinningError(message)
@@ -460,9 +511,11 @@ class HostSlab:
                     base + offset, device,
                 )  # fmt: skip
         self.device_aliased = aliased
-        # Every registration but the last holds the same whole slots (pin_ranges' step).
-        self.registration_rows = self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride
-        logger.info("pinned a %d-byte host slab in %d chunk(s)", self._span_bytes, len(self._registered))
+        self.registration_rows = rows_per_registration
+        logger.info(
+            "pinned %d bytes of host slab in %d registration(s)%s", pinned_bytes, len(self._registered),
+            " (this view's own pages of each shared row)" if own is not None else "",
+        )  # fmt: skip
 
     def _unpin(self) -> None:
         if not self._registered:
