@@ -275,13 +275,9 @@ def _gpu_text() -> str:
 def _numa_text() -> str:
     import torch
 
-    from kvtriton.worker.numa import (
-        _cuda_pci_bus_id,  # pyright: ignore[reportPrivateUsage] -- the slab's own bus-id lookup; numa exports none
-        gpu_numa_node,
-        node_count,
-    )
+    from kvtriton.worker.numa import cuda_pci_bus_id, gpu_numa_node, node_count
 
-    bus = _cuda_pci_bus_id(torch.cuda.current_device())
+    bus = cuda_pci_bus_id(torch.cuda.current_device())
     node = gpu_numa_node(bus) if bus else None
     return f"{node_count()} node(s); GPU {bus} on node {node if node is not None else 'unknown'}"
 

@@ -234,7 +234,8 @@ def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
     """The engine's dma backend over the fixture's pages and slab: runs of consecutive blocks, one 2-D copy each."""
     kv = PagedKV(fixture.pages, [f"page{t}" for t in range(len(fixture.pages))])
     registration_rows = fixture.host_slab.registration_rows if fixture.host_slab else None
-    backend = DmaCopy(kv, fixture.slab, registration_rows)
+    pinned = fixture.host_slab.pinned if fixture.host_slab else False  # the engine's batch/per-run choice
+    backend = DmaCopy(kv, fixture.slab, registration_rows, slab_pinned=pinned)
     direction = TransferDirection.STORE if to_slab else TransferDirection.LOAD
     plan = TransferPlan(direction, np.array(fixture.block_list, dtype=np.int64), np.array(fixture.row_list, dtype=np.int64))
     return lambda: backend.copy(plan, None)

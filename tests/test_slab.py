@@ -410,7 +410,7 @@ def test_pinning_runs_on_the_cpus_of_the_gpus_numa_node_and_moves_back(
     gpu_cpu = allowed[-1]
     _fake_two_node_host(tmp_path, 1, {0: "0" if gpu_cpu else "1", 1: str(gpu_cpu)})
     monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
-    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", gpu_bus_id)
+    monkeypatch.setattr(numa_module, "cuda_pci_bus_id", gpu_bus_id)
     before = os.sched_getaffinity(0)
     with HostSlab(4, 1, slab_module.HOST_PAGE_BYTES, gpu=0):
         pass
@@ -421,7 +421,7 @@ def test_pinning_runs_on_the_cpus_of_the_gpus_numa_node_and_moves_back(
 def test_a_host_with_one_numa_node_pins_where_it_runs(fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _fake_two_node_host(tmp_path, 0, {0: "0"})
     monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
-    monkeypatch.setattr(numa_module, "_cuda_pci_bus_id", gpu_bus_id)
+    monkeypatch.setattr(numa_module, "cuda_pci_bus_id", gpu_bus_id)
     before = os.sched_getaffinity(0)
     with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES, gpu=0):
         pass

@@ -9,6 +9,7 @@ region from the same pages.
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker.engine import TransferEngine
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.shared_region import RegionLayout, SharedRegion
+from kvtriton.worker.slab import HostSlab
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,8 +38,13 @@ def fill(layout: RegionLayout, device: str, backend: str) -> tuple[bytes, list[l
     kept: list[list[torch.Tensor]] = []
     slots = CPULoadStoreSpec(list(range(8 // layout.block_size_factor)))
     try:
-        for rank, region in enumerate(regions):
-            slab = region.rank_slab(rank, pin=device == "cuda")
+        # A rank pins only once every rank has populated, so the ranks take their slabs together.
+        def take(rank: int) -> HostSlab:
+            return regions[rank].rank_slab(rank, pin=device == "cuda")
+
+        with ThreadPoolExecutor(layout.world_size) as pool:
+            slabs = list(pool.map(take, range(layout.world_size)))
+        for rank, slab in enumerate(slabs):
             assert slab.pinned is (device == "cuda")
             rank_pages = pages(rank, device)
             engine = TransferEngine(PagedKV(rank_pages, ["k", "v"]), slab, backend)

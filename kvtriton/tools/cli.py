@@ -47,7 +47,7 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command(
         "info",
         "kvtriton.tools.info",
-        "versions, CUDA, pinned memory; with --slab-size, whether a host slab fits the memlock limit, RAM and /dev/shm",
+        "versions, CUDA, pinned memory; with --slab-size, whether RAM and /dev/shm hold a host slab (memlock: information only)",
     ),
     _Command("demo", "kvtriton.tools.demo", "offload a model-shaped KV cache through manager and engine"),
     _Command("simulate", "kvtriton.tools.simulate", "capacity planning: cache hit rate per GiB of host memory for a trace"),

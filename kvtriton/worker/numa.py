@@ -22,7 +22,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import cast
 
-__all__ = ["SYSFS_ROOT", "gpu_numa_node", "node_count", "node_cpus", "on_gpu_node", "on_node", "parse_cpu_list"]
+__all__ = ["SYSFS_ROOT", "cuda_pci_bus_id", "gpu_numa_node", "node_count", "node_cpus", "on_gpu_node", "on_node", "parse_cpu_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def gpu_numa_node(pci_bus_id: str, sysfs_root: str | None = None) -> int | None:
     return node if node >= 0 else None
 
 
-def _cuda_pci_bus_id(device_index: int) -> str | None:
+def cuda_pci_bus_id(device_index: int) -> str | None:
     """``domain:bus:device.function`` of CUDA device ``device_index``, from torch's device properties."""
     import torch
 
@@ -119,7 +119,7 @@ def on_gpu_node(device_index: int | None, sysfs_root: str | None = None) -> Gene
     """:func:`on_node` for the NUMA node of CUDA device ``device_index`` (None: nothing moves)."""
     node = None
     if device_index is not None:
-        bus_id = _cuda_pci_bus_id(device_index)
+        bus_id = cuda_pci_bus_id(device_index)
         node = gpu_numa_node(bus_id, sysfs_root) if bus_id is not None else None
     with on_node(node, sysfs_root) as used:
         yield used
