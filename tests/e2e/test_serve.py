@@ -27,8 +27,8 @@ def metric(metrics: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def served(llama: Path, e2e_dir: Path) -> Iterator[tuple[Server, list[str], str, str]]:
     """One server: A completed, the prefix cache reset, A completed again; the two texts, /metrics and the log."""
-    # An unknown kvtriton_* key: kvtriton warns about it at start-up (the log must show the warning).
-    config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20, kvtriton_typo_knob=True)
+    # A tiered-only key in the single-tier spec: kvtriton warns about it at start-up (the log must show the warning).
+    config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20, tier_poll_interval_s=0.01)
     with vllm_serve(llama, config, e2e_dir / "serve") as server:
         texts = [server.complete(prompt_text(PROMPT_A), MAX_TOKENS)]
         server.post("/reset_prefix_cache")
@@ -61,5 +61,5 @@ def test_kvtriton_log_lines_appear_in_the_default_vllm_log(served: tuple[Server,
     assert startup, "kvtriton's start-up line is missing from vllm serve's log"
     assert all(" INFO " in line for line in startup), startup
     assert any("kvtriton worker:" in line for line in log.splitlines())
-    warnings = [line for line in log.splitlines() if "ignoring unknown key" in line and "kvtriton_typo_knob" in line]
+    warnings = [line for line in log.splitlines() if "ignoring kv_connector_extra_config['tier_poll_interval_s']" in line]
     assert warnings and all(" WARNING " in line for line in warnings), "kvtriton's warning is missing from the log"
