@@ -58,7 +58,7 @@ typecheck: $(STAMP)
 	$(PY) -m pyright
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test: typecheck pytest
 
