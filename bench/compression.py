@@ -48,6 +48,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -272,6 +273,65 @@ def tiny_model_figures(
                 for key, value in figures.items():
                     sums[name][key] = sums[name].get(key, 0.0) + value / prompts
     return sums
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyAgreement:
+    """How far a run's greedy tokens follow a reference run's, over the same prompts."""
+
+    prompts: int
+    first_token_agreement: int
+    """Prompts whose first generated token is the reference's."""
+    sequence_agreement: int
+    """Prompts whose every generated token is the reference's."""
+    mean_first_divergence: float
+    """The mean position (from 0) of the first token that differs; a sequence that never differs counts its length."""
+    mean_abs_logprob_drift: float
+    """``|log p(t) - log p_ref(t)|`` of the token ``t`` both chose, over every position before the first divergence."""
+    max_abs_logprob_drift: float
+
+    def summary(self) -> str:
+        """One line: ``first token 8/8, whole sequence 3/8, first divergence at token 17.8, |d logprob| mean ... max ...``."""
+        return (
+            f"first token {self.first_token_agreement}/{self.prompts}, whole sequence {self.sequence_agreement}/{self.prompts}, "
+            f"first divergence at token {self.mean_first_divergence:.1f}, "
+            f"|d logprob| mean {self.mean_abs_logprob_drift:.4f} max {self.max_abs_logprob_drift:.4f}"
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in self.__slots__}
+
+
+def greedy_agreement(
+    reference: Sequence[Sequence[int]],
+    candidate: Sequence[Sequence[int]],
+    reference_logprobs: Sequence[Sequence[Mapping[int, float]]],
+    candidate_logprobs: Sequence[Sequence[Mapping[int, float]]],
+) -> GreedyAgreement:
+    """The agreement of ``candidate``'s tokens (and log-probabilities, per position: token -> log p) with ``reference``'s.
+
+    Before the first divergence both runs saw the same context and chose the
+    same token, which vLLM always returns among a position's log-probabilities,
+    so the drift is defined at every such position.
+    """
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError(f"reference and candidate must hold the same prompts, got {len(reference)} and {len(candidate)}")
+    divergences: list[int] = []
+    drifts: list[float] = []
+    for ref_tokens, tokens, ref_logprobs, logprobs in zip(reference, candidate, reference_logprobs, candidate_logprobs):
+        if len(ref_tokens) != len(tokens):
+            raise ValueError(f"sequences of {len(ref_tokens)} and {len(tokens)} tokens: generate the same number")
+        divergence = next((index for index, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
+        divergences.append(divergence)
+        drifts += [abs(logprobs[index][token] - ref_logprobs[index][token]) for index, token in enumerate(ref_tokens[:divergence])]
+    return GreedyAgreement(
+        prompts=len(reference),
+        first_token_agreement=sum(divergence > 0 for divergence in divergences),
+        sequence_agreement=sum(divergence == len(tokens) for divergence, tokens in zip(divergences, candidate)),
+        mean_first_divergence=sum(divergences) / len(divergences),
+        mean_abs_logprob_drift=sum(drifts) / len(drifts) if drifts else math.nan,
+        max_abs_logprob_drift=max(drifts, default=math.nan),
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

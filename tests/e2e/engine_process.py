@@ -135,6 +135,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=4,
         max_num_batched_tokens=job["max_model_len"],
         kv_cache_memory_bytes=job["kv_cache_bytes"],
+        kv_cache_dtype=job["kv_cache_dtype"],
         kv_transfer_config=None if kv_config is None else KVTransferConfig(**kv_config),
         enforce_eager=True,
         disable_log_stats=False,
@@ -190,6 +191,25 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                     ]
             elif step.get("compare_to") is not None:
                 raise ValueError(f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}")
+            _settle(llm, filler)
+        elif op == "generate_batch":
+            # Every prompt in one generate call: vLLM schedules them together, as a server batches requests.
+            sampling = SamplingParams(
+                temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True, logprobs=step["logprobs"] or None
+            )
+            prompts = [{"prompt_token_ids": prompt} for prompt in step["prompts"]]
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            record["completions"] = [
+                {
+                    "token_ids": list(output.outputs[0].token_ids),
+                    "num_cached_tokens": output.num_cached_tokens,
+                    "logprobs": [
+                        [[token, entry.logprob] for token, entry in position.items()]
+                        for position in (output.outputs[0].logprobs or [])
+                    ],
+                }
+                for output in outputs
+            ]
             _settle(llm, filler)
         elif op == "reset_prefix_cache":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
