@@ -165,16 +165,17 @@ def _prepare(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer: Any = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # Any: untyped factory
-    quantized: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Any: transformers' auto factories and GGUF loading are untyped.
+    tokenizer: Any = cast(Any, AutoTokenizer).from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized: Any = cast(Any, AutoModelForCausalLM).from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = cast(dict[str, Any], quantized.config.to_dict())
     config.pop("quantization_config", None)  # vLLM would look for a GGUF file otherwise
     config["dtype"] = "bfloat16"
-    plain = LlamaForCausalLM(LlamaConfig(**config))
+    plain: Any = LlamaForCausalLM(LlamaConfig(**config))  # Any: its to() and save_pretrained() are untyped
     plain.load_state_dict(quantized.state_dict(), strict=True)
-    plain.to(torch.bfloat16).save_pretrained(target)  # pyright: ignore[reportUnknownMemberType] -- untyped **kwargs
+    plain.to(torch.bfloat16).save_pretrained(target)
     tokenizer.save_pretrained(target)
-    chats = [
+    chats: list[list[int]] = [
         list(tokenizer.apply_chat_template(
             [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
             add_generation_prompt=True, tokenize=True, return_dict=False,
@@ -184,7 +185,7 @@ def _prepare(gguf: Path, target: Path) -> None:
     shared = 0
     while all(len(chat) > shared and chat[shared] == chats[0][shared] for chat in chats):
         shared += 1
-    text = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False)["input_ids"])
+    text: list[int] = list(tokenizer(REFERENCE_TEXT, add_special_tokens=False)["input_ids"])
     prompts = {"chat_prompts": chats, "reference_text": text, "system_prompt_tokens": shared}
     (target / "prompts.json").write_text(json.dumps(prompts))
 

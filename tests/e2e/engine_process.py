@@ -88,6 +88,12 @@ def _relative_error(block: list[bytes], reference: list[bytes], dtype: torch.dty
     return float((values - exact).pow(2).sum().sqrt() / exact.pow(2).sum().sqrt())
 
 
+def _logprob_pairs(positions: Any) -> list[list[list[float]]]:
+    """vLLM's per-position logprobs (None without ``logprobs``) as [token, logprob] pairs (JSON keys are strings)."""
+    listed: list[Any] = [] if positions is None else list(positions)
+    return [[[token, entry.logprob] for token, entry in position.items()] for position in listed]
+
+
 def _step_engine(llm: Any, sampling: Any) -> None:
     llm.generate([{"prompt_token_ids": FILLER_PROMPT}], sampling, use_tqdm=False)
 
@@ -203,10 +209,7 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 {
                     "token_ids": list(output.outputs[0].token_ids),
                     "num_cached_tokens": output.num_cached_tokens,
-                    "logprobs": [
-                        [[token, entry.logprob] for token, entry in position.items()]
-                        for position in (output.outputs[0].logprobs or [])
-                    ],
+                    "logprobs": _logprob_pairs(output.outputs[0].logprobs),
                 }
                 for output in outputs
             ]
