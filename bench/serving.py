@@ -70,6 +70,8 @@ ENGINE_KV_BYTES = 64 << 20
 """The engine's own KV cache: about 43 blocks of 32 tokens of SmolLM2-135M in fp32 (1.4 MiB per block)."""
 HOST_BYTES = 1 << 30
 """kvtriton's host slab (and vLLM's CPU offloading size): room for every prefix of the runs."""
+PREFIXES = 8
+"""Distinct prefixes of the prefix-heavy dataset: 8 of 256 tokens are 64 blocks, more than the engine's cache holds."""
 START_TIMEOUT_S = 300.0
 PROMETHEUS_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{[^}]*\})? (?P<value>\S+)$", re.MULTILINE)
 
@@ -113,11 +115,11 @@ class Dataset:
 
 def datasets(*, quick: bool) -> list[Dataset]:
     """The prefix-heavy and the no-reuse workload (shorter prompts in a smoke run)."""
-    prefix, suffix, output = (64, 32, 4) if quick else (256, 32, 16)
+    prefix, suffix, output, prefixes = (64, 32, 4, 2) if quick else (256, 32, 16, PREFIXES)
     return [
         Dataset("prefix-heavy", (
             "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix),
-            "--prefix-repetition-suffix-len", str(suffix), "--prefix-repetition-num-prefixes", "4",
+            "--prefix-repetition-suffix-len", str(suffix), "--prefix-repetition-num-prefixes", str(prefixes),
             "--prefix-repetition-output-len", str(output),
         )),
         Dataset("no-reuse", (
