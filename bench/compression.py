@@ -47,8 +47,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -274,13 +277,195 @@ def tiny_model_figures(
     return sums
 
 
+@dataclass(frozen=True, slots=True)
+class GreedyAgreement:
+    """How far a run's greedy tokens follow a reference run's, over the same prompts."""
+
+    prompts: int
+    first_token_agreement: int
+    """Prompts whose first generated token is the reference's."""
+    sequence_agreement: int
+    """Prompts whose every generated token is the reference's."""
+    mean_first_divergence: float
+    """The mean position (from 0) of the first token that differs; a sequence that never differs counts its length."""
+    mean_abs_logprob_drift: float
+    """``|log p(t) - log p_ref(t)|`` of the token ``t`` both chose, over every position before the first divergence."""
+    max_abs_logprob_drift: float
+
+    def summary(self) -> str:
+        """One line: ``first token 8/8, whole sequence 3/8, first divergence at token 17.8, |d logprob| mean ... max ...``."""
+        return (
+            f"first token {self.first_token_agreement}/{self.prompts}, whole sequence {self.sequence_agreement}/{self.prompts}, "
+            f"first divergence at token {self.mean_first_divergence:.1f}, "
+            f"|d logprob| mean {self.mean_abs_logprob_drift:.4f} max {self.max_abs_logprob_drift:.4f}"
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in self.__slots__}
+
+
+def greedy_agreement(
+    reference: Sequence[Sequence[int]],
+    candidate: Sequence[Sequence[int]],
+    reference_logprobs: Sequence[Sequence[Mapping[int, float]]],
+    candidate_logprobs: Sequence[Sequence[Mapping[int, float]]],
+) -> GreedyAgreement:
+    """The agreement of ``candidate``'s tokens (and log-probabilities, per position: token -> log p) with ``reference``'s.
+
+    Before the first divergence both runs saw the same context and chose the
+    same token, which vLLM always returns among a position's log-probabilities,
+    so the drift is defined at every such position.
+    """
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError(f"reference and candidate must hold the same prompts, got {len(reference)} and {len(candidate)}")
+    divergences: list[int] = []
+    drifts: list[float] = []
+    for ref_tokens, tokens, ref_logprobs, logprobs in zip(reference, candidate, reference_logprobs, candidate_logprobs):
+        if len(ref_tokens) != len(tokens):
+            raise ValueError(f"sequences of {len(ref_tokens)} and {len(tokens)} tokens: generate the same number")
+        divergence = next((index for index, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
+        divergences.append(divergence)
+        drifts += [abs(logprobs[index][token] - ref_logprobs[index][token]) for index, token in enumerate(ref_tokens[:divergence])]
+    return GreedyAgreement(
+        prompts=len(reference),
+        first_token_agreement=sum(divergence > 0 for divergence in divergences),
+        sequence_agreement=sum(divergence == len(tokens) for divergence, tokens in zip(divergences, candidate)),
+        mean_first_divergence=sum(divergences) / len(divergences),
+        mean_abs_logprob_drift=sum(drifts) / len(drifts) if drifts else math.nan,
+        max_abs_logprob_drift=max(drifts, default=math.nan),
+    )
+
+
+REAL_BLOCK_TOKENS = 32
+"""The block size of the real-model runs (vLLM's CPU attention takes multiples of 32)."""
+REAL_PREFIX_BLOCKS = 5
+"""Blocks of the reference text cached (and decoded through each scheme) before the teacher-forced part."""
+REAL_TOP_LOGPROBS = 5
+
+
+def scale_one_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``kv_cache_dtype="fp8"`` without calibrated scales: every element cast to e4m3 with a scale of 1.0."""
+    return x.to(torch.float8_e4m3fn).to(x.dtype), torch.ones_like(x)
+
+
+def teacher_forced_figures(model: Any, text: Sequence[int], schemes: Mapping[str, tuple[Scheme, Scheme]]) -> dict[str, dict[str, float]]:
+    """Per scheme, over ``text`` (token ids): its first :data:`REAL_PREFIX_BLOCKS` blocks cached and decoded through
+    the scheme, the rest fed as it is (every position's context is the text's, whatever the model would say), and the
+    next-token figures of :func:`_next_token_figures` for the text's own tokens against the exact cache."""
+    from transformers import DynamicCache
+
+    prefix = REAL_PREFIX_BLOCKS * REAL_BLOCK_TOKENS
+    if len(text) < prefix + 2:
+        raise ValueError(f"text has {len(text)} tokens, the teacher-forced measurement needs more than {prefix + 1}")
+    ids = torch.tensor([list(text)])
+    with torch.no_grad():
+        cached = model(ids[:, :prefix], use_cache=True).past_key_values
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in cached.layers]
+
+        def logits_over(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+            cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
+            for index, (k, v) in enumerate(kv):
+                cache.update(k.clone(), v.clone(), index)
+            return model(ids[:, prefix:-1], past_key_values=cache, use_cache=True).logits[0]
+
+        exact = logits_over(layers)
+        following = ids[0, prefix + 1 :]
+        figures: dict[str, dict[str, float]] = {}
+        for name, (k_scheme, v_scheme) in schemes.items():
+            decoded = [(k_scheme(k)[0], v_scheme(v)[0]) for k, v in layers]
+            figures[name] = _next_token_figures(exact, logits_over(decoded), following)
+            figures[name]["positions"] = float(len(following))
+    return figures
+
+
+def real_model_figures(prompts: int, tokens: int) -> dict[str, object] | str:
+    """SmolLM2-135M-Instruct's figures (:mod:`bench.real_model`): real engines and teacher-forced text; or why not."""
+    from bench.real_model import MODEL_NAME, ModelUnavailable, prepared_model
+
+    try:
+        model = prepared_model()
+    except ModelUnavailable as error:
+        return f"{MODEL_NAME} is unavailable: {error}"
+    # The end-to-end tests' engine launcher (tests/e2e/engine.py, imported as ``e2e``) runs the engines here too.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tests.e2e.real_text import offload_steps, real_text_job, run_engines, single_tier_config
+
+    chats = model.chat_prompts[:prompts]
+    steps = offload_steps(chats, tokens, logprobs=REAL_TOP_LOGPROBS)
+    cold_and_local = steps[:2]
+    jobs = {
+        "none": real_text_job(model.path, cold_and_local, None),
+        "kvtriton": real_text_job(model.path, steps, single_tier_config()),
+        "kvtriton fp8-e4m3": real_text_job(model.path, [s for s in steps if s.get("name") != "local"],
+                                           single_tier_config(kv_compression="fp8-e4m3")),
+        "vLLM fp8 KV cache": real_text_job(model.path, cold_and_local, None, kv_cache_dtype="fp8"),
+    }  # fmt: skip
+    print(f"real model: {len(jobs)} vLLM engines at once, {len(chats)} chat prompts, {tokens} greedy tokens each", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="compression-real-") as scratch:
+        runs = run_engines({name: (job, Path(scratch) / name.replace(" ", "-")) for name, job in jobs.items()})
+
+    def completions(engine: str, step: str) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
+        chosen = runs[engine].step(step).completions
+        return [c.token_ids for c in chosen], [c.logprobs for c in chosen]
+
+    reference_tokens, reference_logprobs = completions("none", "local")
+    engine: dict[str, dict[str, float]] = {}
+    for name, step in (("kvtriton", "warm"), ("kvtriton fp8-e4m3", "warm"), ("vLLM fp8 KV cache", "local")):
+        candidate_tokens, candidate_logprobs = completions(name, step)
+        engine[name] = greedy_agreement(reference_tokens, candidate_tokens, reference_logprobs, candidate_logprobs).as_dict()
+    engine["kvtriton"]["cold_equals_no_connector"] = float(completions("kvtriton", "cold")[0] == completions("none", "cold")[0])
+    stored = runs["kvtriton fp8-e4m3"].delta("cold", "vllm:kv_offload_store_bytes")
+    raw = runs["kvtriton"].delta("cold", "vllm:kv_offload_store_bytes")
+
+    from transformers import AutoModelForCausalLM
+
+    hf_model: Any = cast(Any, AutoModelForCausalLM).from_pretrained(model.path, dtype=torch.float32).eval()  # untyped factory
+    pages = {major: in_page_order(group_fp8_any(128), REAL_BLOCK_TOKENS, channel_major=major) for major in (True, False)}
+    teacher_forced = teacher_forced_figures(hf_model, model.reference_text, {
+        "kvtriton fp8-e4m3": (pages[True], pages[False]),
+        "vLLM fp8 KV cache (emulated: e4m3, scale 1.0)": (scale_one_fp8, scale_one_fp8),
+    })  # fmt: skip
+    lengths = [len(chat) for chat in chats]
+    return {
+        "model": MODEL_NAME, "dtype": "float32", "block_size": REAL_BLOCK_TOKENS, "prompts": len(chats),
+        "prompt_tokens": [min(lengths), max(lengths)], "shared_prompt_tokens": model.system_prompt_tokens,
+        "generated_tokens": tokens, "engine": engine, "fp8_stored_bytes_ratio": stored / raw,
+        "teacher_forced": teacher_forced, "teacher_forced_prefix_tokens": REAL_PREFIX_BLOCKS * REAL_BLOCK_TOKENS,
+        "teacher_forced_text_tokens": len(model.reference_text),
+    }  # fmt: skip
+
+
+def print_real_model(real: Mapping[str, Any]) -> None:
+    """The real model's two tables: greedy agreement through real engines, and teacher-forced drift."""
+    print(f"\n{real['model']} ({real['dtype']}), {real['prompts']} chat prompts of {real['prompt_tokens'][0]}-"
+          f"{real['prompt_tokens'][1]} tokens ({real['shared_prompt_tokens']} shared), {real['generated_tokens']} greedy "
+          "tokens, the prefix loaded after a prefix-cache reset, against the same prefix from vLLM's own cache:")  # fmt: skip
+    print(format_table(
+        ["run", "first token agrees", "whole sequence agrees", "mean first divergence", "mean |d logprob|", "max |d logprob|"],
+        [[name, f"{f['first_token_agreement']:.0f}/{f['prompts']:.0f}", f"{f['sequence_agreement']:.0f}/{f['prompts']:.0f}",
+          f"{f['mean_first_divergence']:.1f}", f"{f['mean_abs_logprob_drift']:.4f}", f"{f['max_abs_logprob_drift']:.4f}"]
+         for name, f in real["engine"].items()],
+    ))  # fmt: skip
+    print(f"\nteacher-forced over a {real['teacher_forced_text_tokens']}-token text, the first "
+          f"{real['teacher_forced_prefix_tokens']} tokens cached through each scheme:")
+    print(format_table(
+        ["scheme", "top-1 agreement", "mean |d logprob|", "max |d logprob|", "mean KL (nats)"],
+        [[name, f"{f['top1_agreement']:.3f}", f"{f['mean_abs_logprob_drift']:.4f}", f"{f['max_abs_logprob_drift']:.4f}",
+          f"{f['mean_kl_nats']:.5f}"] for name, f in real["teacher_forced"].items()],
+    ))  # fmt: skip
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compression", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--tokens", type=int, default=4096, help="cached tokens of the synthetic layer (default: 4096)")
     parser.add_argument("--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)")
     parser.add_argument("--seeds", type=int, default=3, help="independent synthetic layers, figures averaged (default: 3)")
     parser.add_argument("--prompts", type=int, default=32, help="random prompts through the tiny model (default: 32; 0 skips it)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 512 tokens, 1 seed, 4 prompts; writes compression-quick.json")
+    parser.add_argument("--real-prompts", type=int, default=8,
+                        help="SmolLM2-135M chat prompts through real vLLM engines (default: 8, at most 8; 0 skips the real model)")
+    parser.add_argument("--real-tokens", type=int, default=32, help="greedy tokens per real-model prompt (default: 32)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 512 tokens, 1 seed, 4 prompts, no real model; writes compression-quick.json")
     parser.add_argument("--name", default="compression", help="result file stem (default: compression)")
     return parser.parse_args(argv)
 
@@ -292,6 +477,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"{flag} must be >= 1, got {value}")
     if args.prompts < 0:
         raise SystemExit(f"--prompts must be >= 0 (0 skips the tiny model), got {args.prompts}")
+    if not 0 <= args.real_prompts <= 8:
+        raise SystemExit(f"--real-prompts must be 0 to 8 (the model's chat prompts; 0 skips it), got {args.real_prompts}")
+    if args.real_tokens < 1:
+        raise SystemExit(f"--real-tokens must be >= 1, got {args.real_tokens}")
+    real_prompts = 0 if args.quick else args.real_prompts
     tokens, seeds, prompts = (512, 1, min(args.prompts, 4)) if args.quick else (args.tokens, args.seeds, args.prompts)
     if args.quick:
         print("SMOKE RUN (--quick): 512 tokens, one seed, at most 4 prompts; the figures are no verdict.")
@@ -361,11 +551,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{f['top1_agreement']:.3f}", f"{f['first_token_top1_agreement']:.3f}", f"{f['mean_abs_logprob_drift']:.4f}",
               f"{f['max_abs_logprob_drift']:.4f}", f"{f['mean_kl_nats']:.5f}"] for name, f in tiny.items()],
         ))  # fmt: skip
+    real: dict[str, object] | str = "skipped (--real-prompts 0 or --quick)"
+    if real_prompts:
+        real = real_model_figures(real_prompts, args.real_tokens)
+    if isinstance(real, str):
+        print(f"\nreal model: {real}")
+    else:
+        print_real_model(real)
     payload: dict[str, object] = {
         "machine": machine_record(), "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
         "queries": args.queries, "seeds": seeds, "k_outlier_channels_per_head": K_OUTLIER_CHANNELS,
         "v_outlier_channels_per_head": V_OUTLIER_CHANNELS, "accuracy": sums, "bytes": sizes,
-        "tiny_model": tiny, "tiny_model_prompts": prompts,
+        "tiny_model": tiny, "tiny_model_prompts": prompts, "real_model": real,
         "note": "errors are averaged over seeds; attention error is ||o' - o|| / ||o|| over every query and head, in float64",
     }  # fmt: skip
     print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")

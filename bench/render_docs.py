@@ -467,6 +467,79 @@ def compression_tiny_table(results: Results) -> str:
     return _table(headers, table, "lrrrrrrrr")
 
 
+def _real_model(results: Results) -> JSONObject:
+    real = results("compression").get("real_model")
+    if isinstance(real, str):  # why the run measured no real model (skipped, offline)
+        raise RenderError(f"bench/results/compression.json has no real-model figures ({real}): rerun python -m bench.compression")
+    return _obj(real)
+
+
+def compression_real_engine_table(results: Results) -> str:
+    """SmolLM2-135M through real vLLM engines: greedy agreement with the exact prefix, per run."""
+    rows = [
+        [f"`{name}`", f"{_num(f, 'first_token_agreement'):.0f}/{_num(f, 'prompts'):.0f}",
+         f"{_num(f, 'sequence_agreement'):.0f}/{_num(f, 'prompts'):.0f}", f"{_num(f, 'mean_first_divergence'):.1f}",
+         f"{_num(f, 'mean_abs_logprob_drift'):.4f}", f"{_num(f, 'max_abs_logprob_drift'):.4f}"]
+        for name, f in ((name, _obj(value)) for name, value in _obj(_real_model(results).get("engine")).items())
+    ]  # fmt: skip
+    headers = ["run", "first token agrees", "whole sequence agrees", "mean position of the first divergence",
+               "mean abs. logprob drift", "largest"]  # fmt: skip
+    return _table(headers, rows, "lrrrrr")
+
+
+def compression_real_teacher_table(results: Results) -> str:
+    """SmolLM2-135M teacher-forced over a real text: per-token log-probability drift per scheme."""
+    rows = [
+        [f"`{name}`", _pct(_num(f, "top1_agreement")), f"{_num(f, 'mean_abs_logprob_drift'):.4f}",
+         f"{_num(f, 'max_abs_logprob_drift'):.4f}", f"{_num(f, 'mean_kl_nats'):.5f}"]
+        for name, f in ((name, _obj(value)) for name, value in _obj(_real_model(results).get("teacher_forced")).items())
+    ]  # fmt: skip
+    return _table(["scheme", "top-1 agreement", "mean abs. logprob drift", "largest", "mean KL (nats)"], rows, "lrrrr")
+
+
+def compression_real_setup(results: Results) -> str:
+    real = _real_model(results)
+    tokens = cast(list[object], real.get("prompt_tokens"))
+    return (f"{_num(real, 'prompts'):.0f} chat prompts of {tokens[0]}-{tokens[1]} tokens "
+            f"({_num(real, 'shared_prompt_tokens'):.0f} shared), {_num(real, 'generated_tokens'):.0f} greedy tokens each; "
+            f"fp8 stored {_num(real, 'fp8_stored_bytes_ratio'):.3f}x the fp32 bytes")  # fmt: skip
+
+
+# -- serving (bench/serving.py) ---------------------------------------------------------------------------
+
+
+def serving_table(results: Results) -> str:
+    """Per configuration and dataset: TTFT (mean, p99), throughput, and the prompt tokens by source."""
+    record = results("serving")
+    rows: list[list[str]] = []
+    for name, figures in _obj(record.get("results")).items():
+        if isinstance(figures, str):
+            rows.append([f"`{name}`", "all", figures, "", "", "", "", "", ""])
+            continue
+        for workload, value in _obj(figures).items():
+            f = _obj(value)
+            rows.append([
+                f"`{name}`", workload, f"{_num(f, 'mean_ttft_ms'):.0f}", f"{_num(f, 'p99_ttft_ms'):.0f}",
+                f"{_num(f, 'output_throughput'):.1f}", f"{_num(f, 'total_token_throughput'):.0f}",
+                f"{_num(f, 'computed_tokens'):.0f}", f"{_num(f, 'engine_cache_hit_tokens'):.0f}", f"{_num(f, 'connector_hit_tokens'):.0f}",
+            ])  # fmt: skip
+    headers = ["server", "dataset", "mean TTFT (ms)", "p99 TTFT (ms)", "output tok/s", "total tok/s", "prompt tokens computed",
+               "from the engine's cache", "from the connector"]  # fmt: skip
+    return _table(headers, rows, "llrrrrrrr")
+
+
+def serving_ratios(results: Results) -> str:
+    """kvtriton against no connector on each dataset: mean TTFT and output throughput ratios."""
+    runs = _obj(results("serving").get("results"))
+    base, kvtriton = _obj(runs.get("none")), _obj(runs.get("kvtriton"))
+    parts: list[str] = []
+    for workload in base:
+        b, k = _obj(base[workload]), _obj(kvtriton.get(workload))
+        parts.append(f"{workload}: mean TTFT {_x(_num(k, 'mean_ttft_ms') / _num(b, 'mean_ttft_ms'))}, output throughput "
+                     f"{_x(_num(k, 'output_throughput') / _num(b, 'output_throughput'))}")  # fmt: skip
+    return "; ".join(parts)
+
+
 # -- the summary --------------------------------------------------------------------------------------
 
 
@@ -532,10 +605,15 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "compression-table": compression_table,
     "compression-bytes": compression_bytes,
     "compression-tiny-table": compression_tiny_table,
+    "compression-real-engine-table": compression_real_engine_table,
+    "compression-real-teacher-table": compression_real_teacher_table,
+    "compression-real-setup": compression_real_setup,
+    "serving-table": serving_table,
+    "serving-ratios": serving_ratios,
     **SIMULATE_RENDERERS,
     **{f"run-{name}": _dated(name) for name in
        ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake",
-        "compression")},
+        "compression", "serving")},
 }  # fmt: skip
 """Every region name the docs may use, and what renders it."""
 

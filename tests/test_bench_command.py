@@ -96,8 +96,8 @@ def test_bench_names_a_missing_benchmark_module(tmp_path: Path, capfd: pytest.Ca
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "which benchmark? name one of manager, kernels, engine, tiers, tiers_mooncake, compression, all"),
-        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, compression, all)"),
+        ([], "which benchmark? name one of manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all"),
+        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all)"),
         (["manager", "--requests", "5"], "unrecognized arguments: --requests 5 (arguments for the benchmark go after `--`)"),
         (["manager", "kernels"], "unrecognized arguments: kernels"),
     ],
@@ -139,7 +139,7 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     text = capsys.readouterr().out
     for name, benchmark in BENCHMARKS.items():
         assert f"{name}: " in text and " ".join(benchmark.quick_flags) in text
-    assert "--full" in text and "--out" in text and "{manager,kernels,engine,tiers,tiers_mooncake,compression,all} [-- ARGS]" in text
+    assert "--full" in text and "--out" in text and "{manager,kernels,engine,tiers,tiers_mooncake,compression,serving,all} [-- ARGS]" in text
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run_engine
+from e2e.real_text import RealTextRuns, run_real_text_engines
+from bench.real_model import MODEL_NAME, ModelUnavailable, PreparedModel, prepared_model
 from bench.tiny_models import TinyLlama
 from e2e.prompts import MAX_TOKENS, PROMPT_A
 
@@ -56,3 +58,18 @@ def reference(llama: Path, e2e_dir: Path) -> EngineResult:
     """Prompt A's tokens from an engine without a connector (step "A")."""
     steps = [generate(PROMPT_A, MAX_TOKENS, "A")]
     return run_engine(EngineJob(model=str(llama), steps=steps), e2e_dir / "reference")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> PreparedModel:
+    """SmolLM2-135M-Instruct, prepared once per machine (:mod:`bench.real_model`); skips, saying why, when unavailable."""
+    try:
+        return prepared_model()
+    except ModelUnavailable as error:
+        pytest.skip(f"{MODEL_NAME} is unavailable: {error}")
+
+
+@pytest.fixture(scope="session")
+def real_text(smollm2: PreparedModel, e2e_dir: Path) -> RealTextRuns:
+    """The real model's engines, all at once (one start-up's wait for all); each test file asserts on its own."""
+    return run_real_text_engines(smollm2, e2e_dir)

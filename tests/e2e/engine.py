@@ -60,6 +60,19 @@ def generate(
     }  # fmt: skip
 
 
+def generate_batch(
+    prompts: Sequence[Sequence[int]], max_tokens: int, name: str, *, logprobs: int = 0
+) -> dict[str, object]:
+    """A step: greedy generation of ``max_tokens`` tokens after each of ``prompts``, all in one generate call.
+
+    vLLM schedules the prompts together, as a server batches concurrent
+    requests; each one's result is a :class:`Completion` of
+    :attr:`StepResult.completions`, in the order of ``prompts``.
+    """
+    return {"op": "generate_batch", "prompts": [list(prompt) for prompt in prompts], "max_tokens": max_tokens, "name": name,
+            "logprobs": logprobs}  # fmt: skip
+
+
 RESET_PREFIX_CACHE: dict[str, object] = {"op": "reset_prefix_cache"}
 """A step: drop the engine's own prefix cache (the connector's cache stays)."""
 WAIT_TIERS_UP: dict[str, object] = {"op": "wait_tiers_up"}
@@ -84,6 +97,19 @@ class EngineJob:
     """vLLM's attention backend by name (None: the platform's choice)."""
     dtype: str = "float32"
     """The model's and KV cache's dtype, as vLLM's ``dtype`` argument takes it."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``kv_cache_dtype``: ``auto`` (the model's dtype) or one of its quantized caches (``fp8``)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result in a :func:`generate_batch` step."""
+
+    token_ids: list[int]
+    num_cached_tokens: int
+    """The prompt tokens vLLM did not compute (its own prefix cache's hits and the connector's)."""
+    logprobs: list[dict[int, float]] = field(default_factory=list[dict[int, float]])
+    """Per generated position: token id -> log-probability of the most likely tokens (empty without ``logprobs``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +125,8 @@ class StepResult:
     """Per full prompt block: ``||x - x_ref|| / ||x_ref||`` against the ``compare_to`` step's values (every layer)."""
     logprobs: list[dict[int, float]] = field(default_factory=list[dict[int, float]])
     """Per generated position: token id -> log-probability of the most likely tokens (empty without ``logprobs``)."""
+    completions: list[Completion] = field(default_factory=list[Completion])
+    """A :func:`generate_batch` step's results, one per prompt (empty for other steps)."""
 
     def counter(self, name: str) -> float:
         """vLLM's counter ``name`` (e.g. ``vllm:external_prefix_cache_hits``) after this step, 0 when never set."""
@@ -185,7 +213,19 @@ def end_process_group(process: subprocess.Popen[bytes], *, grace_s: float = 10.0
 def _step_result(raw: dict[str, Any]) -> StepResult:
     """One step of the engine process's JSON (logprobs travel as [token, logprob] pairs: JSON keys are strings)."""
     pairs: list[list[list[float]]] = raw.pop("logprobs", [])
-    return StepResult(**raw, logprobs=[{int(token): logprob for token, logprob in position} for position in pairs])
+    completions: list[dict[str, Any]] = raw.pop("completions", [])
+    return StepResult(
+        **raw,
+        logprobs=_logprobs(pairs),
+        completions=[
+            Completion(token_ids=c["token_ids"], num_cached_tokens=c["num_cached_tokens"], logprobs=_logprobs(c["logprobs"]))
+            for c in completions
+        ],
+    )
+
+
+def _logprobs(pairs: list[list[list[float]]]) -> list[dict[int, float]]:
+    return [{int(token): logprob for token, logprob in position} for position in pairs]
 
 
 def run_process(

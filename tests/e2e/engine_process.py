@@ -88,6 +88,12 @@ def _relative_error(block: list[bytes], reference: list[bytes], dtype: torch.dty
     return float((values - exact).pow(2).sum().sqrt() / exact.pow(2).sum().sqrt())
 
 
+def _logprob_pairs(positions: Any) -> list[list[list[float]]]:
+    """vLLM's per-position logprobs (None without ``logprobs``) as [token, logprob] pairs (JSON keys are strings)."""
+    listed: list[Any] = [] if positions is None else list(positions)
+    return [[[token, entry.logprob] for token, entry in position.items()] for position in listed]
+
+
 def _step_engine(llm: Any, sampling: Any) -> None:
     llm.generate([{"prompt_token_ids": FILLER_PROMPT}], sampling, use_tqdm=False)
 
@@ -135,6 +141,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=4,
         max_num_batched_tokens=job["max_model_len"],
         kv_cache_memory_bytes=job["kv_cache_bytes"],
+        kv_cache_dtype=job["kv_cache_dtype"],
         kv_transfer_config=None if kv_config is None else KVTransferConfig(**kv_config),
         enforce_eager=True,
         disable_log_stats=False,
@@ -190,6 +197,22 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                     ]
             elif step.get("compare_to") is not None:
                 raise ValueError(f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}")
+            _settle(llm, filler)
+        elif op == "generate_batch":
+            # Every prompt in one generate call: vLLM schedules them together, as a server batches requests.
+            sampling = SamplingParams(
+                temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True, logprobs=step["logprobs"] or None
+            )
+            prompts = [{"prompt_token_ids": prompt} for prompt in step["prompts"]]
+            outputs = llm.generate(prompts, sampling, use_tqdm=False)
+            record["completions"] = [
+                {
+                    "token_ids": list(output.outputs[0].token_ids),
+                    "num_cached_tokens": output.num_cached_tokens,
+                    "logprobs": _logprob_pairs(output.outputs[0].logprobs),
+                }
+                for output in outputs
+            ]
             _settle(llm, filler)
         elif op == "reset_prefix_cache":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S

@@ -1,14 +1,15 @@
-"""``kvtriton_kv_compression: "fp8-e4m3"`` in a real engine: external hits as without it, half the bytes, drift measured.
+"""``kvtriton_kv_compression: "fp8-e4m3"`` in a real engine: external hits as without it, fewer bytes, accuracy asserted.
 
-The tiny Llama runs in bf16 here, the dtype the "about half the bytes" figure
-is for (its fp32 KV cache would compress to about a quarter). The warm run's
-prefix comes only from the compressed slab (the engine's KV cache is zeroed
-first), so each loaded block must be within fp8's precision of the cold
-run's block and not equal to it. Compression is lossy, so the warm run's
-tokens may drift from the cold run's: the top-1 agreement and the drift of
-the log-probabilities are reported (the run's "end-to-end figures"), not asserted. An uncompressed warm run
-equals the cold run bit for bit (``test_single_tier.py``), so the cold run
-stands for "uncompressed offload" here.
+Two models. The tiny random Llama runs in bf16, the dtype the "about half
+the bytes" figure is for; its warm run's prefix comes only from the
+compressed slab (the engine's KV cache is zeroed first), so each loaded
+block must be within fp8's precision of the cold run's block and not equal
+to it. Its greedy tokens swing on any change (random weights), so its token
+figures are reported, not asserted. SmolLM2-135M-Instruct (a real model,
+``real_text`` in conftest.py, fp32) is where the accuracy is asserted: the
+first generated token agrees on most chat prompts, and kvtriton's fp8
+offload of the prefix keeps the greedy tokens closer to the exact run than
+vLLM's own ``kv_cache_dtype="fp8"`` does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import pytest
 
 from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, StepResult, generate, run_engine, spec_config
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
+from e2e.real_text import REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
+from bench.compression import GreedyAgreement, greedy_agreement
+from bench.real_model import PreparedModel
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"
@@ -90,3 +94,44 @@ def test_with_compression_every_full_block_is_an_external_hit_and_the_bytes_move
         f"|d logprob| of the cold run's token over the {positions} position(s) of equal context: "
         + ", ".join(f"{value:.3f}" for value in drifts)
     )
+
+
+def test_real_model_fp8_offload_stores_a_quarter_of_the_fp32_bytes_and_loads_them_back(
+    real_text: RealTextRuns, smollm2: PreparedModel
+) -> None:
+    run = real_text.fp8
+    blocks = distinct_full_blocks(smollm2.chat_prompts[:REAL_TEXT_PROMPTS])
+    assert run.delta("warm", HITS) == blocks * BLOCK_SIZE, "every full block is an external hit"
+    assert run.delta("warm", LOADED) == run.delta("cold", STORED), "the bytes loaded are the (compressed) bytes stored"
+    ratio = run.delta("cold", STORED) / (blocks * run.kv_bytes_per_block)
+    assert 0.24 < ratio < 0.3, f"fp32 KV compressed to {ratio:.3f} of its bytes (expected about 0.26)"
+
+
+def test_real_model_fp8_offload_keeps_the_greedy_tokens_closer_than_vllms_fp8_kv_cache(
+    real_text: RealTextRuns, report_figure: Callable[[str], None]
+) -> None:
+    """kvtriton quantizes the loaded prefix only, vLLM's fp8 cache every token: the first must drift less.
+
+    Measured on these 6 prompts (10 tokens): kvtriton's first token agrees on
+    5 of 6, its first divergence comes at token 5.8 on average and the drift
+    of the chosen tokens' log-probabilities before it is 0.025 (mean); vLLM's
+    fp8 KV cache agrees on 4 of 6, at token 3.5, drift 0.090. The margins
+    (first token on 4 of 6, an ordering rather than a figure) leave room for
+    another CPU's rounding; bench/compression.py has the figures over 8
+    prompts and 32 tokens.
+    """
+    runs = real_text
+    kvtriton = _agreement(runs.tiered.step("local"), runs.fp8.step("warm"))
+    vllm_fp8 = _agreement(runs.fp8.step("cold"), runs.vllm_fp8.step("cold"))
+    report_figure(f"real model, {kvtriton.prompts} prompts: kvtriton fp8-e4m3 {kvtriton.summary()}")
+    report_figure(f"real model, {vllm_fp8.prompts} prompts: vLLM's fp8 KV cache {vllm_fp8.summary()}")
+    assert kvtriton.first_token_agreement >= kvtriton.prompts - 2, "the first token agrees on most prompts"
+    assert kvtriton.mean_first_divergence > vllm_fp8.mean_first_divergence
+    assert kvtriton.mean_abs_logprob_drift < vllm_fp8.mean_abs_logprob_drift
+
+
+def _agreement(reference: StepResult, candidate: StepResult) -> GreedyAgreement:
+    return greedy_agreement(
+        [c.token_ids for c in reference.completions], [c.token_ids for c in candidate.completions],
+        [c.logprobs for c in reference.completions], [c.logprobs for c in candidate.completions],
+    )  # fmt: skip
