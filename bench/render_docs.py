@@ -487,6 +487,19 @@ def compression_real_engine_table(results: Results) -> str:
     return _table(headers, rows, "lrrrrr")
 
 
+def compression_real_summary(results: Results) -> str:
+    """One sentence for the README: kvtriton fp8 against vLLM's fp8 KV cache on the real model."""
+    engine = _obj(_real_model(results).get("engine"))
+
+    def agreement(name: str) -> str:
+        f = _obj(engine.get(name))
+        return (f"agreed with the exact run on {_num(f, 'first_token_agreement'):.0f} of {_num(f, 'prompts'):.0f} prompts"
+                f" and first diverged at token {_num(f, 'mean_first_divergence'):.1f} on average")  # fmt: skip
+
+    return (f"with kvtriton fp8 the first generated token {agreement('kvtriton fp8-e4m3')}; with vLLM's own"
+            f' `kv_cache_dtype="fp8"` on the same prompts it {agreement("vLLM fp8 KV cache")}')
+
+
 def compression_real_teacher_table(results: Results) -> str:
     """SmolLM2-135M teacher-forced over a real text: per-token log-probability drift per scheme."""
     rows = [
@@ -608,6 +621,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "compression-real-engine-table": compression_real_engine_table,
     "compression-real-teacher-table": compression_real_teacher_table,
     "compression-real-setup": compression_real_setup,
+    "compression-real-summary": compression_real_summary,
     "serving-table": serving_table,
     "serving-ratios": serving_ratios,
     **SIMULATE_RENDERERS,
