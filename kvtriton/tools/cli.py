@@ -54,7 +54,7 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command(
         "bench",
         "kvtriton.tools.bench_command",
-        "run the benchmarks of a source checkout (manager, kernels, engine, tiers, tiers_mooncake, compression): smoke runs by"
+        "run the benchmarks of a source checkout (manager, kernels, engine, tiers, tiers_mooncake, compression, serving): smoke runs by"
         " default, --full for figures",
     ),
 )
