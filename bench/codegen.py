@@ -78,7 +78,15 @@ class CompiledKernel:
         return _count_accesses(self.ptx)
 
     def loop_accesses(self) -> AccessSummary:
-        """The global accesses inside the copy loop: what one thread issues per iteration.
+        """The global accesses inside the copy loop: what one thread issues per iteration."""
+        return _count_accesses(self.loop_body())
+
+    def loop_instructions(self, opcode: str) -> int:
+        """How many ``opcode`` instructions (``div.rn.f32``, say) one thread runs per copy-loop iteration."""
+        return len(re.findall(rf"^\s*{re.escape(opcode)}\s", self.loop_body(), re.MULTILINE))
+
+    def loop_body(self) -> str:
+        """The PTX of the copy loop.
 
         A candidate body is the PTX between the label that a backward branch
         jumps to and that branch; the copy loop is the shortest one that
@@ -92,10 +100,9 @@ class CompiledKernel:
             for branch in _BRANCH.finditer(self.ptx)
             if labels.get(branch.group(1), branch.start()) < branch.start()
         ]
-        copying = [_count_accesses(body) for body in sorted(bodies, key=len)]
-        for accesses in copying:
-            if accesses.stores:
-                return accesses
+        for body in sorted(bodies, key=len):
+            if _count_accesses(body).stores:
+                return body
         raise ValueError(f"{self.name}: no loop (backward branch) with a global store in the PTX")
 
     @property

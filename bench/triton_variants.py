@@ -58,7 +58,7 @@ def variant_records(kernel: str, jit_function: object) -> list[dict[str, object]
     """Every variant compiled for ``jit_function`` (a ``JITFunction``) on any device, in compile order.
 
     Triton >= 3.3 keeps them in ``device_caches[device][0]`` (key -> compiled kernel), as
-    ``kvtriton.kernels.jit.copy_pages.compiled_variant_count`` reads them.
+    ``KernelVariants.compiled_count`` (``kvtriton/kernels/jit/variants.py``) reads them.
     """
     records: list[dict[str, object]] = []
     for entry in _mapping(getattr(jit_function, "device_caches", None)).values():
@@ -72,9 +72,9 @@ def compiled_variants() -> list[dict[str, object]]:
     """The copy kernel's and the fp8 kernel's variants compiled in this process so far (imports triton)."""
     from kvtriton.kernels.jit import compress_pages, copy_pages
 
-    # _variant(False) is the compiled JITFunction each launcher uses; kernels/ exports no public handle to it.
-    copy_kernel = cast(object, copy_pages._variant(False))  # pyright: ignore[reportPrivateUsage] -- the only handle
-    fp8_kernel = cast(object, compress_pages._variant(False))  # pyright: ignore[reportPrivateUsage] -- the only handle
+    # The compiled JITFunctions each launcher uses.
+    copy_kernel = cast(object, copy_pages.VARIANTS.kernel(False))
+    fp8_kernel = cast(object, compress_pages.VARIANTS.kernel(False))
     return variant_records("copy_pages", copy_kernel) + variant_records("compress_pages", fp8_kernel)
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .compression import CompressedPage, CompressionLayout
+from .compression import CompressedPage, CompressionLayout, check_scales_alignment
 from .launch import MAX_NUM_WARPS, MAX_PAIRS, CopyLauncher, on_device, word_width
 from .validation import PageGeometry
 
@@ -103,7 +103,7 @@ class _KindLaunch:
             if pages[t].shape[0] > 1:
                 alignment.append(geometry.block_strides[t])
         slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
-        slab_word = min(16, word_width(slab.data_ptr(), slab_stride))
+        slab_word = min(16, word_width(slab.data_ptr(), slab_stride))  # >= 4: check_scales_alignment
         self.config = compress_config(
             first, len(members), bytes_per_iter, page_word=word_width(*alignment), slab_word=slab_word
         )
@@ -127,6 +127,7 @@ class CompressedLauncher:
         num_programs: int,
         bytes_per_iter: int,
     ) -> None:
+        check_scales_alignment(slab, "slab")
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs

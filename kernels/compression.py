@@ -20,20 +20,26 @@ fp32 -> bf16). Per group, in fp32:
 1. ``x`` in fp32 (exact). Values below the smallest normal fp32 (2^-126:
    bf16 and fp32 subnormals) count as signed zero, as a GPU's flush-to-zero
    arithmetic would read them.
-2. ``absmax`` = the largest ``|x|``; ``scale = absmax / 448`` (IEEE division).
+2. ``absmax`` = the largest ``|x|``; ``scale = absmax / 448`` and
+   ``inverse = 1 / scale`` (IEEE divisions, once per group).
    A group whose ``absmax`` is below ``2^-100`` (``TINY_GROUP``) is a zero
    group: scale 0, every element a signed zero. This keeps every later
    product out of the subnormal range, where flush-to-zero hardware and the
    CPU would disagree.
-3. ``code = sign | e4m3_rne(min(|x| / scale, 448))``: round to nearest even,
+3. ``code = sign | e4m3_rne(min(|x| * inverse, 448))``: round to nearest even,
    e4m3 subnormals (multiples of 2^-9) included.
 4. Decoding: ``x' = e4m3_value(code) * scale`` in fp32, then rounded to the
    page dtype (round to nearest even; bf16 by integer arithmetic).
 
-NaN and infinity are refused, never turned into finite garbage: a gather that
-meets one raises :class:`NonFiniteKVError` (the engine fails the store job),
-after writing the NaN code ``0x7F`` (with the element's sign) in its place. A
+NaN and infinity are never turned into finite garbage: a gather writes the NaN
+code ``0x7F`` (with the element's sign) in its place and reports it. The
+public gathers then raise :class:`NonFiniteKVError`; the engine stores the
+block anyway (vLLM cannot survive a failed store), counts it and warns. A
 code ``0x7F`` / ``0xFF`` read back decodes to NaN.
+
+Slab rows hold fp32 scales, so a compressed slab's base address and row
+stride must be multiples of 4 bytes (:func:`check_scales_alignment`; an
+engine's slab always is).
 
 Accuracy: every element of a non-zero group satisfies
 ``|x - x'| <= 2^-4 |x| + scale * 2^-9`` (tested in ``tests/test_compression.py``).
@@ -62,6 +68,7 @@ __all__ = [
     "CompressionLayout",
     "KVCompression",
     "NonFiniteKVError",
+    "check_scales_alignment",
     "compression_layout",
     "decode_e4m3",
     "dequantize_groups",
@@ -90,6 +97,7 @@ COMPRESSIBLE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, t
 
 _MIN_NORMAL_EXPONENT_FIELD = 1
 _NAN_CODE = 0x7F
+_SMALLEST_NORMAL_E4M3_BITS = 0x3C800000  # 2^-6 as fp32 bits
 _CANONICAL_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
 _BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -222,21 +230,15 @@ def encode_e4m3(magnitude: torch.Tensor) -> torch.Tensor:
     """e4m3 codes (int32, 0..126) of fp32 magnitudes in ``[0, 448]``, rounded to nearest even.
 
     Normal results (>= 2^-6) round the fp32 bits at bit 20 and rebias the
-    exponent; subnormal results are ``round(|v| * 2^9)`` from the integer
-    significand. Zero and fp32 subnormals encode as 0.
+    exponent. Below 2^-6 the code is ``|v| * 2^9`` rounded to an integer:
+    adding 2^23 to a float in ``[0, 8]`` rounds it to an integer, to nearest
+    even (exact: the product is a power-of-two scaling). Zero and fp32
+    subnormals encode as 0.
     """
     bits = magnitude.view(torch.int32)
-    exponent = (bits >> 23) - 127
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
-    significand = (bits & 0x7FFFFF) | 0x800000
-    shift = torch.clamp(14 - exponent, max=31)
-    quotient = significand >> shift
-    remainder = significand - (quotient << shift)
-    half = torch.bitwise_left_shift(torch.ones_like(shift), shift - 1)
-    round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
-    subnormal = quotient + round_up.to(torch.int32)
-    codes = torch.where(exponent >= -6, normal, subnormal)
-    return torch.where(bits == 0, torch.zeros_like(codes), codes)
+    subnormal = (magnitude * 512.0 + 8388608.0).view(torch.int32) - 0x4B000000
+    return torch.where(bits >= _SMALLEST_NORMAL_E4M3_BITS, normal, subnormal)
 
 
 def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -267,9 +269,11 @@ def quantize_groups(values: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     magnitude_bits = torch.where(finite & (exponent_field >= _MIN_NORMAL_EXPONENT_FIELD), bits & 0x7FFFFFFF, 0)
     absmax = magnitude_bits.amax(dim=2).view(torch.float32)
     tiny = absmax < TINY_GROUP
-    scales = torch.where(tiny, 0.0, absmax / E4M3_MAX)
-    divisor = torch.where(tiny, 1.0, scales)
-    scaled = torch.clamp(magnitude_bits.view(torch.float32) / divisor[:, :, None], max=E4M3_MAX)
+    # Divide by tensors, as the kernel does: CUDA turns a division by a Python scalar into a multiply by its
+    # reciprocal, one ulp off. One reciprocal per group, then a multiply per element (the kernel's arithmetic).
+    scales = torch.where(tiny, 0.0, absmax / torch.full_like(absmax, E4M3_MAX))
+    inverse = torch.ones_like(scales) / torch.where(tiny, 1.0, scales)
+    scaled = torch.clamp(magnitude_bits.view(torch.float32) * inverse[:, :, None], max=E4M3_MAX)
     # torch's fp8 cast rounds to nearest even, as encode_e4m3 does (the tests check them against each other);
     # one op instead of twenty on the host.
     magnitude_codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -379,6 +383,21 @@ def scatter_compressed_unchecked(
 # Public entry points (validate, then the torch path or one Triton launch per page kind).
 
 
+def check_scales_alignment(slab: torch.Tensor, name: str) -> None:
+    """Refuse a compressed slab whose base address or row stride is not a multiple of 4 bytes.
+
+    Rows hold fp32 scales 16-byte aligned within the row; a misaligned row
+    would make a GPU's 4-byte accesses fault (``cudaErrorMisalignedAddress``,
+    which kills the CUDA context for the rest of the process).
+    """
+    stride = slab.stride(0) if slab.shape[0] > 1 else 0
+    if slab.data_ptr() % 4 or stride % 4:
+        raise ValueError(
+            f"{name} must start on a 4-byte boundary and have a row stride that is a multiple of 4 for fp8-e4m3 rows "
+            f"(their fp32 scales), got address {slab.data_ptr():#x} mod 4 = {slab.data_ptr() % 4} and row stride {stride}"
+        )
+
+
 def _check_compressed_call(
     pages: Sequence[torch.Tensor],
     pages_name: str,
@@ -398,6 +417,7 @@ def _check_compressed_call(
     layout = compression_layout(pages, group_size, name=pages_name)
     # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
     check_slab(slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages)))
+    check_scales_alignment(slab, slab_name)
     check_index_pair(
         source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
         check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,

@@ -149,10 +149,15 @@ def build_pages(layout: str, dtype: torch.dtype, device: str, seed: int = 0, *, 
     return PageCase(name=f"{layout}-{dtype}", pages=pages, owners=owners)
 
 
+SLAB_PADDINGS = (5, 16)
+"""Bytes a test slab's rows exceed the pages by: 5 makes every row stride odd (the byte-wide kernel variants), 16
+keeps the 16-byte alignment production slabs have (the 16-byte variants)."""
+
+
 def build_slab(
-    case: PageCase, rows: int, device: str, *, extra_bytes: int = 5, seed: int = 1, row_bytes: int | None = None
+    case: PageCase, rows: int, device: str, *, extra_bytes: int = 16, seed: int = 1, row_bytes: int | None = None
 ) -> torch.Tensor:
-    """A slab with ``rows`` rows a little wider than needed (than ``row_bytes``, default the case's), filled with random bytes.
+    """A slab with ``rows`` rows ``extra_bytes`` wider than needed (than ``row_bytes``, default the case's), filled with random bytes.
 
     On CUDA the slab is pinned host memory, as in production.
     """

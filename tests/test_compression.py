@@ -95,7 +95,7 @@ def test_integer_e4m3_encoding_rounds_exactly_as_torchs_float8_cast() -> None:
     values = torch.cat([
         torch.rand(20000, generator=generator) * 448,
         torch.exp2(torch.rand(20000, generator=generator) * -24),
-        grid, midpoints.float(), torch.nextafter(midpoints.float(), torch.tensor(0.0)), torch.tensor([0.0, 448.0, 2.0**-10, 2.0**-11]),
+        grid, midpoints.float(), torch.nextafter(midpoints.float(), torch.tensor(0.0)), torch.tensor([0.0, 448.0, 2.0**-10, 2.0**-11, 1e-40, 2.0**-149]),
     ])  # fmt: skip
     assert torch.equal(encode_e4m3(values).to(torch.uint8), values.to(torch.float8_e4m3fn).view(torch.uint8))
 
@@ -160,13 +160,38 @@ def test_nan_and_infinity_are_refused_by_the_reference(bad: float) -> None:
 
 
 @pytest.mark.requires_interpreter
-def test_nan_is_refused_by_the_triton_gather_too() -> None:
+@pytest.mark.parametrize("bytes_per_iter", [None, 16], ids=["one-tile", "first-of-many-tiles"])
+def test_nan_is_refused_by_the_triton_gather_too(bytes_per_iter: int | None) -> None:
+    # The kernel reports non-finite values once per program, after its loop: with 16-byte tiles on one
+    # program, the NaN's tile (block 4 comes first) is followed by dozens of clean ones.
     case = build_pages("mla", torch.float16, "cpu", kv_values=True)
-    case.pages[0][5, 1, 2] = float("nan")
+    case.pages[0][4, 0, 0] = float("nan")
     layout = compression_layout(case.pages, GROUP)
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     with pytest.raises(NonFiniteKVError):
-        gather_pages_compressed(case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=GROUP)
+        gather_pages_compressed(
+            case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=GROUP,
+            bytes_per_iter=bytes_per_iter, num_programs=1,
+        )  # fmt: skip
+    assert int(slab[2, layout.pages[0].row_offset]) & 0x7F == 0x7F
+
+
+@pytest.mark.parametrize("misalignment", ["base", "row_stride"])
+def test_a_compressed_slab_off_a_4_byte_boundary_is_refused_naming_it(misalignment: str) -> None:
+    # fp32 scales at a misaligned address would fault on a GPU and kill its CUDA context.
+    case = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
+    row_bytes = compression_layout(case.pages, GROUP).row_bytes
+    owner = build_slab(case, 9, "cpu", row_bytes=row_bytes, extra_bytes=5 if misalignment == "row_stride" else 17)
+    slab = owner if misalignment == "row_stride" else owner[:, 1:]
+    before = owner.clone()
+    blocks, rows = indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu")
+    with pytest.raises(ValueError, match="dst must start on a 4-byte boundary and have a row stride that is a multiple of 4"):
+        gather_pages_compressed(case.pages, slab, blocks, rows, group_size=GROUP)
+    with pytest.raises(ValueError, match="dst must start on a 4-byte boundary"):
+        gather_pages_compressed_reference(case.pages, slab, blocks, rows, group_size=GROUP)
+    with pytest.raises(ValueError, match="src must start on a 4-byte boundary"):
+        scatter_pages_compressed(slab, case.pages, rows, blocks, group_size=GROUP)
+    assert torch.equal(owner, before)
 
 
 # --- the fused kernels against the reference ---------------------------------------------------------------

@@ -9,7 +9,6 @@ the compute stream, and that submitting never synchronises the device.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import cast
 
 import numpy as np
 import pytest
@@ -258,9 +257,9 @@ def test_a_pageable_slab_job_returns_before_the_forward_pass_ends(tensors: list[
 
 def _compiled_variants() -> int:
     """How many variants Triton's launcher holds for the copy kernel on the current device."""
-    from kvtriton.kernels.jit.copy_pages import compiled_variant_count
+    from kvtriton.kernels.jit.copy_pages import VARIANTS
 
-    return compiled_variant_count(torch.cuda.current_device())
+    return VARIANTS.compiled_count(torch.cuda.current_device())
 
 
 def test_jobs_after_warm_up_compile_nothing(tensors: list[torch.Tensor]) -> None:
@@ -486,9 +485,7 @@ def _compress_variants() -> int:
     """How many variants Triton's launcher holds for the fused compression kernel on the current device."""
     from kvtriton.kernels.jit import compress_pages
 
-    kernel = cast(object, compress_pages._variant(False))  # pyright: ignore[reportPrivateUsage] -- the compiled kernel whose cache is counted
-    caches = cast(dict[int, tuple[dict[object, object], ...]], getattr(kernel, "device_caches"))
-    return len(caches[torch.cuda.current_device()][0])
+    return compress_pages.VARIANTS.compiled_count(torch.cuda.current_device())
 
 
 def test_compressed_jobs_after_warm_up_compile_no_variant() -> None:

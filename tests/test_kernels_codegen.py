@@ -188,10 +188,10 @@ def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compi
 
 def test_the_compiled_kernel_never_specialises_the_pair_count() -> None:
     # One compiled variant serves every job size (no recompile for 1 pair or a multiple of 16 pairs).
-    from kvtriton.kernels.jit.copy_pages import _variant  # pyright: ignore[reportPrivateUsage] -- the launch-time kernel object
+    from kvtriton.kernels.jit.copy_pages import VARIANTS
 
     # A JITFunction; its parameter records (KernelParam) are Triton internals, read untyped.
-    kernel = cast(object, _variant(False))
+    kernel = cast(object, VARIANTS.kernel(False))
     params = cast("list[object]", getattr(kernel, "params"))
     skipped = {cast(str, getattr(param, "name")) for param in params if getattr(param, "do_not_specialize")}
     assert skipped == {"num_pairs"}
@@ -250,6 +250,16 @@ def test_the_fp8_gather_reads_pages_and_writes_codes_in_16_byte_words(page_bytes
     loop = compiled_compressed(page_bytes, True, dtype_name).loop_accesses()
     assert loop.widest_load == 16 and loop.loads[16] >= 2, loop.describe()
     assert set(loop.stores) <= {16, 4} and 16 in loop.stores, loop.describe()
+
+
+@pytest.mark.parametrize(("page_bytes", "dtype_name"), [(4096, "bf16"), (32768, "bf16"), (32768, "fp32")])
+def test_the_fp8_gather_divides_once_per_group_not_once_per_element(page_bytes: int, dtype_name: str) -> None:
+    # An IEEE division is a dozen instructions; per element it would make the gather compute-bound.
+    # Per group there are two (the scale and its reciprocal), the elements multiply.
+    kernel = compiled_compressed(page_bytes, True, dtype_name)
+    elements = kernel.loop_accesses().loads[16] * 16 // (4 if dtype_name == "fp32" else 2)
+    divisions = kernel.loop_instructions("div.rn.f32")
+    assert 0 < divisions and 4 * divisions <= elements, (divisions, elements)
 
 
 @pytest.mark.parametrize(("page_bytes", "dtype_name"), [(4096, "fp16"), (32768, "bf16")])

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from kvtriton.kernels import KernelPath, gather_pages, gather_pages_reference, select_path
-from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, block_bytes, build_pages, build_slab, devices, indices, synchronize
+from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, SLAB_PADDINGS, block_bytes, build_pages, build_slab, devices, indices, synchronize
 
 BLOCKS = [4, 0, 5]
 ROWS = [2, 7, 3]
 
 
-def run_both(layout: str, dtype: torch.dtype, device: str, blocks: list[int], rows: list[int], index_dtype: torch.dtype) -> None:
+def run_both(layout: str, dtype: torch.dtype, device: str, blocks: list[int], rows: list[int], index_dtype: torch.dtype, padding: int = 16) -> None:
     """Gather with the kernel on ``device`` and with the reference on CPU; every byte must agree."""
     case = build_pages(layout, dtype, device)
     oracle = build_pages(layout, dtype, "cpu")
-    slab = build_slab(case, 9, device)
-    expected = build_slab(oracle, 9, "cpu")
+    slab = build_slab(case, 9, device, extra_bytes=padding)
+    expected = build_slab(oracle, 9, "cpu", extra_bytes=padding)
     gather_pages(case.pages, slab, indices(blocks, index_dtype, device), indices(rows, index_dtype, device))
     synchronize(device)
     gather_pages_reference(oracle.pages, expected, indices(blocks, index_dtype, "cpu"), indices(rows, index_dtype, "cpu"))
@@ -28,17 +28,19 @@ def run_both(layout: str, dtype: torch.dtype, device: str, blocks: list[int], ro
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gather_matches_reference_bit_for_bit(layout: str, dtype: str, device: str) -> None:
+def test_gather_matches_reference_bit_for_bit(layout: str, dtype: str, padding: int, device: str) -> None:
     index_dtype = torch.int32 if list(LAYOUTS).index(layout) % 2 else torch.int64
-    run_both(layout, DTYPES[dtype], device, BLOCKS, ROWS, index_dtype)
+    run_both(layout, DTYPES[dtype], device, BLOCKS, ROWS, index_dtype, padding)
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS])
 @pytest.mark.parametrize("layout", list(ODD_BYTE_LAYOUTS))
-def test_gather_handles_odd_page_sizes_byte_by_byte(layout: str, device: str) -> None:
-    run_both(layout, torch.uint8, device, BLOCKS, ROWS, torch.int64)
+def test_gather_handles_odd_page_sizes_byte_by_byte(layout: str, padding: int, device: str) -> None:
+    run_both(layout, torch.uint8, device, BLOCKS, ROWS, torch.int64, padding)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from kvtriton.kernels import gather_pages, scatter_pages, scatter_pages_reference
-from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, block_bytes, build_pages, build_slab, devices, indices
+from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, SLAB_PADDINGS, block_bytes, build_pages, build_slab, devices, indices
 
 ROWS = [2, 7, 3]
 BLOCKS = [4, 0, 5]
 
 
-def run_both(layout: str, dtype: torch.dtype, device: str, rows: list[int], blocks: list[int], index_dtype: torch.dtype) -> None:
+def run_both(layout: str, dtype: torch.dtype, device: str, rows: list[int], blocks: list[int], index_dtype: torch.dtype, padding: int = 16) -> None:
     """Scatter with the kernel on ``device`` and with the reference on CPU; every byte must agree."""
     case = build_pages(layout, dtype, device)
     oracle = build_pages(layout, dtype, "cpu")
-    slab = build_slab(case, 9, device)
-    source = build_slab(oracle, 9, "cpu")
+    slab = build_slab(case, 9, device, extra_bytes=padding)
+    source = build_slab(oracle, 9, "cpu", extra_bytes=padding)
     slab_before = slab.clone()
     scatter_pages(slab, case.pages, indices(rows, index_dtype, device), indices(blocks, index_dtype, device))
     scatter_pages_reference(source, oracle.pages, indices(rows, index_dtype, "cpu"), indices(blocks, index_dtype, "cpu"))
@@ -28,17 +28,19 @@ def run_both(layout: str, dtype: torch.dtype, device: str, rows: list[int], bloc
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_scatter_matches_reference_bit_for_bit(layout: str, dtype: str, device: str) -> None:
+def test_scatter_matches_reference_bit_for_bit(layout: str, dtype: str, padding: int, device: str) -> None:
     index_dtype = torch.int64 if list(LAYOUTS).index(layout) % 2 else torch.int32
-    run_both(layout, DTYPES[dtype], device, ROWS, BLOCKS, index_dtype)
+    run_both(layout, DTYPES[dtype], device, ROWS, BLOCKS, index_dtype, padding)
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS])
 @pytest.mark.parametrize("layout", list(ODD_BYTE_LAYOUTS))
-def test_scatter_handles_odd_page_sizes_byte_by_byte(layout: str, device: str) -> None:
-    run_both(layout, torch.uint8, device, ROWS, BLOCKS, torch.int32)
+def test_scatter_handles_odd_page_sizes_byte_by_byte(layout: str, padding: int, device: str) -> None:
+    run_both(layout, torch.uint8, device, ROWS, BLOCKS, torch.int32, padding)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.language as tl
 
+from .variants import KernelVariants
+
 if TYPE_CHECKING:
     from ..compressed_launch import CompressArguments
 
@@ -63,13 +65,15 @@ def compress_pages_kernel(
     """Gather (``TO_SLAB``: quantize) or scatter (dequantize) every (block, row) pair for every page tensor.
 
     ``KIND``: 0 bf16, 1 fp16, 2 fp32 pages. Gather writes 1 to ``status_ptr``
-    when a value is NaN or infinite (the job is then refused by the caller).
+    when a value is NaN or infinite (stored as the NaN code; the caller counts or refuses it).
     """
     CHUNKS: tl.constexpr = (NUM_GROUPS + TILE_GROUPS - 1) // TILE_GROUPS
     total = tl.cast(num_pairs, tl.int64)
     units = ((total + (PAIRS - 1)) // PAIRS) * (NUM_PAGES * CHUNKS)
     first = tl.program_id(0).to(tl.int64)
     step = tl.num_programs(0).to(tl.int64)
+    # Non-finite groups seen so far: reduced and reported once, after the loop, not once per tile.
+    flagged = tl.zeros((PAIRS, TILE_GROUPS), tl.int32)
     for unit in range(first, units, step):
         chunk = unit % CHUNKS  # pyright: ignore[reportOperatorIssue] -- unit is a Triton tensor
         rest = unit // CHUNKS
@@ -113,27 +117,22 @@ def compress_pages_kernel(
             absmax = tl.max(magnitude, axis=2).to(tl.float32, bitcast=True)
             tiny = absmax < TINY_GROUP
             scale = tl.where(tiny, 0.0, tl.math.div_rn(absmax, tl.full(absmax.shape, E4M3_MAX, tl.float32)))
-            divisor = tl.where(tiny, 1.0, scale)
-            scaled = tl.math.div_rn(magnitude.to(tl.float32, bitcast=True), divisor[:, :, None])
+            # One IEEE reciprocal per group, then a multiply per element: a division per element would
+            # cost more than the copy.
+            inverse = tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(tiny, 1.0, scale))
+            scaled = tl.minimum(magnitude.to(tl.float32, bitcast=True) * inverse[:, :, None], E4M3_MAX)
             # e4m3 encoding, round to nearest even (compression.encode_e4m3; inlined: helper @jit
             # functions would not compile for the codegen checks while TRITON_INTERPRET is set).
-            v = tl.minimum(scaled, E4M3_MAX).to(tl.int32, bitcast=True)
-            v_exponent = (v >> 23) - 127
+            v = scaled.to(tl.int32, bitcast=True)
             normal = ((v + 0x7FFFF + ((v >> 20) & 1)) >> 20) - (120 << 3)
-            significand = (v & 0x7FFFFF) | 0x800000
-            shift = tl.minimum(14 - v_exponent, 31)
-            quotient = significand >> shift
-            remainder = significand - (quotient << shift)
-            half = tl.full(shift.shape, 1, tl.int32) << (shift - 1)
-            round_up = (remainder > half) | ((remainder == half) & ((quotient & 1) == 1))
-            codes = tl.where(v_exponent >= -6, normal, quotient + round_up.to(tl.int32))
-            codes = tl.where(v == 0, 0, codes)
+            # Below 2^-6 the code is |v| * 2^9 rounded to an integer: adding 2^23 does it, to nearest even.
+            subnormal = (scaled * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+            codes = tl.where(v >= 0x3C800000, normal, subnormal)
             codes = tl.where(tiny[:, :, None], 0, codes)
             codes = tl.where(finite, codes, 0x7F) | ((bits >> 24) & 0x80)
             tl.store(codes_start + element, codes.to(tl.uint8), mask=live)
             tl.store(scales_start + group[None, :], scale, mask=live_group)
-            bad = tl.sum(tl.where(live & (exponent_field == 0xFF), 1, 0))
-            tl.store(status_ptr, 1, mask=bad > 0)  # pyright: ignore[reportOperatorIssue] -- tl.sum is typed as maybe returning a tuple; here it is a scalar tensor
+            flagged = flagged | tl.max(tl.where(live & (exponent_field == 0xFF), 1, 0), axis=2)
         else:
             codes = tl.load(codes_start + element, mask=live, other=0).to(tl.int32)
             scale = tl.load(scales_start + group[None, :], mask=live_group, other=0.0)
@@ -156,25 +155,16 @@ def compress_pages_kernel(
             else:
                 out = tl.where(nan, 0x7FC00000, x.to(tl.int32, bitcast=True))
             tl.store(page_start + element, out, mask=live)
+    if TO_SLAB:
+        tl.store(status_ptr, 1, mask=tl.max(tl.max(flagged, axis=1), axis=0) > 0)  # pyright: ignore[reportOperatorIssue] -- tl.max is typed as maybe returning a tuple; here it is a scalar tensor
 
 
-_VARIANTS = {}
-
-
-def _variant(interpret: bool):
-    """The kernel compiled for the GPU, or run by the interpreter, chosen per call (as ``copy_pages._variant``)."""
-    if interpret not in _VARIANTS:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-
-        raw = compress_pages_kernel.fn
-        _VARIANTS[interpret] = InterpretedFunction(raw) if interpret else JITFunction(raw, do_not_specialize=_DO_NOT_SPECIALIZE)
-    return _VARIANTS[interpret]
+VARIANTS = KernelVariants(compress_pages_kernel, _DO_NOT_SPECIALIZE)
 
 
 def launch_compress_pages(arguments: "CompressArguments", *, interpret: bool, grid: int) -> None:
     """One launch of :func:`compress_pages_kernel` on ``grid`` programs (``arguments``: a ``CompressArguments``)."""
-    kernel = _variant(interpret)
+    kernel = VARIANTS.kernel(interpret)
     config = arguments.config
     kernel[(grid,)](
         arguments.table,

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .variants import KernelVariants
+
 if TYPE_CHECKING:
     from ..launch import CopyArguments
 
@@ -130,35 +132,7 @@ def copy_pages_kernel(
             tl.store(page_start + offsets, tl.load(slab_start + offsets, mask=mask), mask=mask)
 
 
-_VARIANTS = {}
-
-
-def _variant(interpret: bool):
-    """The kernel compiled for the GPU, or run by the interpreter, chosen per call.
-
-    ``@triton.jit`` picks one mode from ``TRITON_INTERPRET`` when this module is
-    imported; CUDA tensors must always take the compiled kernel and CPU tensors
-    the interpreter, whatever the environment said at import time.
-    """
-    if interpret not in _VARIANTS:
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-
-        raw = copy_pages_kernel.fn
-        _VARIANTS[interpret] = InterpretedFunction(raw) if interpret else JITFunction(raw, do_not_specialize=_DO_NOT_SPECIALIZE)
-    return _VARIANTS[interpret]
-
-
-def compiled_variant_count(device_index: int) -> int:
-    """How many variants Triton's launcher has compiled for the copy kernel on this device so far.
-
-    Triton >= 3.3 keeps them in ``device_caches[device][0]``, older releases in ``cache[device]``.
-    """
-    kernel = _variant(False)
-    caches = getattr(kernel, "device_caches", None)
-    if caches is not None:
-        return len(caches[device_index][0])
-    return len(kernel.cache[device_index])
+VARIANTS = KernelVariants(copy_pages_kernel, _DO_NOT_SPECIALIZE)
 
 
 _RUNTIME_PARAMETERS = ("table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "num_pairs", "row_stride")
@@ -205,7 +179,7 @@ def specialization_key(arguments: "CopyArguments") -> tuple[object, ...]:
 
 def launch_copy_pages(arguments: "CopyArguments", *, interpret: bool, grid: int) -> None:
     """One launch of :func:`copy_pages_kernel` on ``grid`` programs (arguments already checked)."""
-    kernel = _variant(interpret)
+    kernel = VARIANTS.kernel(interpret)
     kernel[(grid,)](
         *_runtime_values(arguments),
         TO_SLAB=arguments.to_slab,
