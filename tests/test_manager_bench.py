@@ -120,7 +120,8 @@ def test_vllm_replays_the_same_trace_when_installed(tmp_path: Path, monkeypatch:
     pytest.importorskip("vllm.v1.kv_offload.cpu.manager", reason="vLLM is not installed")
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     shape = ["--requests", "60", "--blocks-per-request", "8", "--prefixes", "4", "--prefix-blocks", "6"]
-    assert main([*shape, "--slots", "40", "--repeats", "1", "--policies", "lru", "--name", "v"]) == 0
+    small_headline = ["--workloads", "scan", "--headline-requests", "40", "--rounds", "1"]  # the second table is checked
+    assert main([*shape, *small_headline, "--slots", "40", "--repeats", "1", "--policies", "lru", "--name", "v"]) == 0
     record = json.loads((tmp_path / "v.json").read_text())
     assert record["vllm"].startswith("vLLM ")
     (row,) = record["results"]
