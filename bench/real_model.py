@@ -167,7 +167,9 @@ def _prepare(gguf: Path, target: Path) -> None:
 
     # Any: transformers' auto factories and GGUF loading are untyped.
     tokenizer: Any = cast(Any, AutoTokenizer).from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized: Any = cast(Any, AutoModelForCausalLM).from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    quantized: Any = cast(Any, AutoModelForCausalLM).from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     config = cast(dict[str, Any], quantized.config.to_dict())
     config.pop("quantization_config", None)  # vLLM would look for a GGUF file otherwise
     config["dtype"] = "bfloat16"

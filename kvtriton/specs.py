@@ -184,13 +184,9 @@ class GPULoadStoreSpec(LoadStoreSpec):
         if any(index < 0 for index in indices):
             raise ValueError(f"block_indices must not be negative, got {indices}")
         if sum(sizes) != len(ids):
-            raise ValueError(
-                f"sum(group_sizes) = {sum(sizes)} does not match len(block_ids) = {len(ids)}"
-            )
+            raise ValueError(f"sum(group_sizes) = {sum(sizes)} does not match len(block_ids) = {len(ids)}")
         if len(indices) != len(sizes):
-            raise ValueError(
-                f"len(block_indices) = {len(indices)} does not match len(group_sizes) = {len(sizes)}"
-            )
+            raise ValueError(f"len(block_indices) = {len(indices)} does not match len(group_sizes) = {len(sizes)}")
         self.block_ids: NDArray[np.int64] = ids
         self.group_sizes: tuple[int, ...] = tuple(sizes)
         self.block_indices: tuple[int, ...] = tuple(indices)

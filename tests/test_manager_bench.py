@@ -76,7 +76,9 @@ def test_quick_shortens_the_trace_and_replays_once_unless_told_otherwise(
     assert not (tmp_path / "q.json").exists() and not (tmp_path / "r.json").exists()
 
 
-def test_a_quick_run_says_it_is_a_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_quick_run_says_it_is_a_smoke_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     small = ["--blocks-per-request", "4", "--prefix-blocks", "2", "--no-vllm", "--policies", "lru", "--requests", "20"]
     assert main([*small, "--quick", "--name", "s"]) == 0
@@ -97,7 +99,18 @@ def test_simulate_command_reproduces_the_benchmark_hit_counts(
     inflight: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
-    shape = ["--requests", "120", "--blocks-per-request", "10", "--prefixes", "6", "--prefix-blocks", "8", "--seed", "5"]
+    shape = [
+        "--requests",
+        "120",
+        "--blocks-per-request",
+        "10",
+        "--prefixes",
+        "6",
+        "--prefix-blocks",
+        "8",
+        "--seed",
+        "5",
+    ]
     flags = ["--slots", "60", "--inflight", str(inflight), "--repeats", "1", "--no-vllm", "--name", "b"]
     assert main([*shape, *flags]) == 0
     bench = json.loads((tmp_path / "b.json").read_text())

@@ -34,6 +34,7 @@ BLOCKS = [f"key-{i}".encode() for i in range(5)]
 UNIVERSE = [make_offload_key(block, group) for block in BLOCKS for group in (0, 1)]
 PENDING = -1
 
+
 def slot_ids(spec: object) -> list[int]:
     """The slots of a kvtriton or a vLLM CPU spec."""
     assert isinstance(spec, (CPULoadStoreSpec, VLLMCPULoadStoreSpec))
@@ -49,7 +50,9 @@ class RequestMachine(RuleBasedStateMachine):
 
     @initialize(capacity=st.integers(min_value=1, max_value=5))
     def start(self, capacity: int) -> None:
-        self.manager = CPUOffloadingManager(capacity, cache_policy=self.policy, enable_events=True, report_dropped_stores=True)
+        self.manager = CPUOffloadingManager(
+            capacity, cache_policy=self.policy, enable_events=True, report_dropped_stores=True
+        )
         self.vllm = VLLMCPUOffloadingManager(capacity, cache_policy=self.policy, enable_events=True)
         self.capacity = capacity
         self.requests: list[tuple[ReqContext, VLLMReqContext]] = []

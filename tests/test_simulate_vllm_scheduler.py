@@ -56,7 +56,12 @@ LAYERS = ["layer0", "layer1"]
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
 BYTES_PER_BLOCK = KV_SPEC.page_size_bytes * len(LAYERS)
 WORKLOAD = TokenWorkloadParams(
-    requests=160, system_prompts=16, zipf_s=0.8, system_tokens=(32, 160), user_tokens=(4, 40), answer_tokens=(8, 32),
+    requests=160,
+    system_prompts=16,
+    zipf_s=0.8,
+    system_tokens=(32, 160),
+    user_tokens=(4, 40),
+    answer_tokens=(8, 32),
     turns=(2, 4),
 )
 """354 distinct blocks of 16 tokens, prompts of 36..282 tokens."""
@@ -162,7 +167,9 @@ def make_scheduler(model_config: ModelConfig, setting: Setting) -> Scheduler:
     )
 
 
-def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int, int]]:
+def run_vllm(
+    model_config: ModelConfig, setting: Setting, requests: list[TokenRequest]
+) -> tuple[Counts, tuple[int, int, int]]:
     """Serve ``requests`` with vLLM's scheduler; per-request counts and vLLM's (external queries, hits, preemptions)."""
     scheduler = make_scheduler(model_config, setting)
     connector = scheduler.connector
@@ -255,26 +262,33 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
             [DECODED] if scheduler.requests[req_id].num_computed_tokens >= scheduler.requests[req_id].num_tokens else []
             for req_id in scheduled
         ]
-        in_flight.append((
-            output,
-            ModelRunnerOutput(
-                req_ids=scheduled,
-                req_id_to_index={req_id: index for index, req_id in enumerate(scheduled)},
-                sampled_token_ids=sampled,
-                kv_connector_output=KVConnectorOutput(
-                    finished_sending=set(),
-                    finished_recving={load_of.pop(job_id) for job_id in done if job_id in load_of},
-                    kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1)) if done else None,
+        in_flight.append(
+            (
+                output,
+                ModelRunnerOutput(
+                    req_ids=scheduled,
+                    req_id_to_index={req_id: index for index, req_id in enumerate(scheduled)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=set(),
+                        finished_recving={load_of.pop(job_id) for job_id in done if job_id in load_of},
+                        kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1))
+                        if done
+                        else None,
+                    ),
                 ),
-            ),
-        ))
+            )
+        )
         if len(in_flight) == queue_size or not work_left():
             process_oldest()
     unreported = scheduler.connector_prefix_cache_stats
     assert unreported is not None
     totals[0] += unreported.queries
     totals[1] += unreported.hits
-    counts = {request.req_id: (local[request.req_id], queries[request.req_id], external[request.req_id]) for request in requests}
+    counts = {
+        request.req_id: (local[request.req_id], queries[request.req_id], external[request.req_id])
+        for request in requests
+    }
     return counts, (totals[0], totals[1], sum(request.num_preemptions for request in sent))
 
 
@@ -308,7 +322,9 @@ def setting_id(setting: Setting) -> str:
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=setting_id)
-def test_the_engine_model_counts_the_external_hits_vllms_scheduler_counts(model_config: ModelConfig, setting: Setting) -> None:
+def test_the_engine_model_counts_the_external_hits_vllms_scheduler_counts(
+    model_config: ModelConfig, setting: Setting
+) -> None:
     requests = token_workload(seed=3, params=WORKLOAD)
     vllm_counts, vllm_totals = run_vllm(model_config, setting, requests)
     model_counts, model_totals = replay_model(setting, requests)

@@ -18,6 +18,7 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np  # noqa: E402
+
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
 from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
 from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
@@ -45,7 +46,9 @@ def kvtriton_manager(
     extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_config]}
     if compressed:
         extra["kvtriton_kv_compression"] = "fp8-e4m3"
-    return started(OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager(), made)
+    return started(
+        OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager(), made
+    )
 
 
 def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(

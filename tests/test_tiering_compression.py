@@ -41,7 +41,9 @@ def test_the_layout_tag_names_the_compression_whatever_the_row_order() -> None:
 def test_the_compressed_spec_sizes_the_region_in_compressed_rows_and_tags_the_tiers_namespace() -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 64 * 65536}
     plain = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=65536))
-    compressed = OffloadingSpecFactory.create_spec(tiering_config({**extra, **COMPRESSED}, worker_kv_bytes_per_block=65536))
+    compressed = OffloadingSpecFactory.create_spec(
+        tiering_config({**extra, **COMPRESSED}, worker_kv_bytes_per_block=65536)
+    )
     assert isinstance(plain, KVTritonTieringOffloadingSpec) and isinstance(compressed, KVTritonTieringOffloadingSpec)
     assert plain.layout_tag is None and compressed.layout_tag == TAG
     assert compressed.tier_facing_spec().config.model.name == f"tiny-tiering@{TAG}"

@@ -39,7 +39,9 @@ def managers() -> Iterator[list[OffloadingManager]]:
 
 
 def kvtriton_tiered(managers: list[OffloadingManager], policy: str, slots: int = 4) -> TieringOffloadingManager:
-    spec = OffloadingSpecFactory.create_spec(tiering_config({"cpu_bytes_to_use": slots * CHUNK, "eviction_policy": policy}))
+    spec = OffloadingSpecFactory.create_spec(
+        tiering_config({"cpu_bytes_to_use": slots * CHUNK, "eviction_policy": policy})
+    )
     assert isinstance(spec, KVTritonTieringOffloadingSpec)
     manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager) and isinstance(manager.primary_tier, KVTritonPrimaryTier)
@@ -111,7 +113,10 @@ def test_a_running_requests_store_batches_evict_what_vllms_own_manager_evicts(
     # T1 in arrival order. Either way, as vLLM's own manager does.
     prompt = [key(index) for index in range(10, 16)]
     evictions: list[list[list[OffloadKey]]] = []
-    for offloading in (kvtriton_tiered(managers, policy, slots=3), VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy)):
+    for offloading in (
+        kvtriton_tiered(managers, policy, slots=3),
+        VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy),
+    ):
         context = request("long", *prompt)
         with offloading.lock:
             offloading.on_new_request(context)

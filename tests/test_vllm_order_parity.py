@@ -52,7 +52,9 @@ def hit_rate_pp(manager: VLLMCPUOffloadingManager | VLLMOffloadingManager, reque
 @pytest.mark.parametrize("fraction", CAPACITY_FRACTIONS)
 @pytest.mark.parametrize("workload", VLLM_ORDER_WORKLOADS)
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(policy: str, workload: str, fraction: float) -> None:
+def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(
+    policy: str, workload: str, fraction: float
+) -> None:
     requests, distinct = trace(workload)
     capacity = max(1, int(distinct * fraction))
     vllm = hit_rate_pp(VLLMCPUOffloadingManager(capacity, cache_policy=policy), requests)
@@ -60,4 +62,6 @@ def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(policy: str
     ours = hit_rate_pp(VLLMOffloadingManager(cpu, cpu), requests)
     # The capacities are small against the working set: hits are neither 0 nor everything.
     assert 0.0 < vllm < 100.0
-    assert ours >= vllm - TOLERANCE_PP, f"{workload} at {capacity} slots, {policy}: kvtriton {ours:.2f} % < vLLM {vllm:.2f} %"
+    assert ours >= vllm - TOLERANCE_PP, (
+        f"{workload} at {capacity} slots, {policy}: kvtriton {ours:.2f} % < vLLM {vllm:.2f} %"
+    )

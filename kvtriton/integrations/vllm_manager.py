@@ -100,7 +100,9 @@ def _store_threshold(extra_config: Mapping[str, object]) -> int:
         return 0
 
 
-def metric_definitions(extra_config: Mapping[str, object] | None = None) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+def metric_definitions(
+    extra_config: Mapping[str, object] | None = None,
+) -> dict[str, vllm_base.OffloadingMetricMetadata]:
     """The metrics :meth:`VLLMOffloadingManager.get_stats` reports, for the spec's ``build_metric_definitions``.
 
     vLLM 0.33's CPU tier metrics with its names, types, buckets and meaning,
@@ -175,7 +177,9 @@ class _VLLMKeyedManager(Protocol):
     def on_new_request(self, req_context: vllm_base.ReqContext, /) -> None: ...
     def on_request_finished(self, req_context: vllm_base.ReqContext, /) -> None: ...
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext, /) -> LookupResult: ...
-    def prepare_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> LoadStoreSpec: ...
+    def prepare_load(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /
+    ) -> LoadStoreSpec: ...
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> None: ...
     def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> None: ...
     def prepare_store(
@@ -267,7 +271,9 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
             load_slots, store_slots = cpu_calls.load_slots, cpu_calls.store_slots
             output = vllm_base.PrepareStoreOutput
 
-            def prepare_load(keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
+            def prepare_load(
+                keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+            ) -> VLLMCPULoadStoreSpec:
                 return VLLMCPULoadStoreSpec(load_slots(keys, req_context))
 
             def prepare_store(

@@ -75,9 +75,7 @@ class OffloadingManager(ABC):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Allocate room for the ``keys`` not yet stored, evicting if needed; ``None`` if no room can be made."""
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Make stored ``keys`` readable (``success=True``) or drop them (``success=False``)."""
         del keys, req_context, success
 

@@ -200,10 +200,14 @@ def compare(
         slots = max(1, round(share * distinct))
         for policy in setup.policies:
             started = time.monotonic()
-            predicted = predict(trace, slots=slots, block_size=setup.block_size, policy=policy, model=setup.engine_model())
+            predicted = predict(
+                trace, slots=slots, block_size=setup.block_size, policy=policy, model=setup.engine_model()
+            )
             run_key = (setup.all_at_once, slots, policy)
             if run_key not in done:
-                done[run_key] = measure(model_dir, requests, setup, slots=slots, policy=policy, workdir=workdir / f"{policy}-{slots}")
+                done[run_key] = measure(
+                    model_dir, requests, setup, slots=slots, policy=policy, workdir=workdir / f"{policy}-{slots}"
+                )
             point = Point(slots, share, policy, predicted, done[run_key])
             points.append(point)
             if progress:
@@ -252,7 +256,8 @@ def _row(setup: FidelitySetup, point: Point) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m e2e.fidelity_table", description="simulate's prediction against a real vLLM engine, as a markdown table"
+        prog="python -m e2e.fidelity_table",
+        description="simulate's prediction against a real vLLM engine, as a markdown table",
     )
     default = FidelitySetup()
     parser.add_argument("--requests", type=int, default=default.requests, help="requests in the workload")

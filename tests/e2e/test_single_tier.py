@@ -35,7 +35,9 @@ def single_tier_run(model: Path, block_size: int, workdir: Path) -> EngineResult
         generate(PROMPT_A, MAX_TOKENS, "overwritten", compare_to="cold"),
     ]
     config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20)
-    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config, block_size=block_size), workdir)
+    return run_engine(
+        EngineJob(model=str(model), steps=steps, kv_transfer_config=config, block_size=block_size), workdir
+    )
 
 
 @pytest.fixture(scope="module", params=[32, 64], ids=lambda size: f"block{size}")

@@ -66,7 +66,9 @@ def settle(manager: TieringOffloadingManager) -> None:
         time.sleep(0.005)
 
 
-def serve_and_cascade(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int) -> list[bytes]:
+def serve_and_cascade(
+    manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int
+) -> list[bytes]:
     """The GPU->primary half of a prompt's store (done by vLLM's worker on a GPU), then the manager's cascade."""
     context = ReqContext(req_id=f"store-{seed}")
     with manager.lock:
