@@ -54,9 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
 import numpy as np
+import torch
 
 from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
 from bench.triton_variants import compiled_variants, format_variant

@@ -50,9 +50,10 @@ from dataclasses import asdict, dataclass
 from typing import Protocol, TypeVar, cast
 
 from bench.common import format_table, write_json
-from kvtriton.tools.geometry import PRESETS
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, policy_names
+from kvtriton.specs import ReqContext
+from kvtriton.tools.geometry import PRESETS
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import (
     ManagerCalls,
@@ -63,7 +64,6 @@ from kvtriton.tools.replay import (
     prepare,
     replay_calls,
 )
-from kvtriton.specs import ReqContext
 from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
 from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
 
@@ -210,7 +210,7 @@ def _load_vllm() -> _Vllm | str:
         manager_module = importlib.import_module(VLLM_MANAGER_MODULE)
         base_module = importlib.import_module(VLLM_BASE_MODULE)
         version = str(getattr(importlib.import_module("vllm"), "__version__", "unknown"))
-    except Exception as error:  # vLLM missing, or present but broken (missing optional deps)
+    except Exception as error:  # noqa: BLE001 -- vLLM missing, or present but broken (missing optional deps)
         return f"{type(error).__name__}: {error}"
     manager_cls = cast(Callable[..., _VllmManager], manager_module.CPUOffloadingManager)
     context_cls = cast(Callable[..., _VllmContext], base_module.ReqContext)
@@ -349,8 +349,8 @@ def headline(
         hit_rates: dict[str, float] = {}
         blocks = 0
         makers: dict[str, Callable[[], _VllmManager]] = {
-            "vllm": lambda: vllm.make_manager(capacity, policy),
-            "adapter": lambda: vllm.make_adapter(capacity, policy),
+            "vllm": lambda: vllm.make_manager(capacity, policy),  # noqa: B023 -- called within this iteration only
+            "adapter": lambda: vllm.make_adapter(capacity, policy),  # noqa: B023 -- called within this iteration only
         }
         for round_index in range(rounds):
             # Alternate which implementation goes first, so drift hits both alike.

@@ -209,7 +209,7 @@ def prepared_model() -> PreparedModel:
     if marker.exists() and marker.read_text() == _marker():
         return _load(target)
     try:
-        import gguf  # noqa: F401  # pyright: ignore[reportUnusedImport] -- transformers reads GGUF files with it
+        import gguf  # noqa: F401 -- transformers reads GGUF files with it  # pyright: ignore[reportUnusedImport] -- the same reason
     except ImportError as error:
         raise ModelUnavailable(f"the gguf package is not installed (requirements-e2e.txt lists it): {error}") from None
     root = cache_root()

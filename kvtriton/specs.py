@@ -12,7 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -31,7 +31,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-BlockIds = Union[Collection[int], NDArray[np.integer]]
+BlockIds = Collection[int] | NDArray[np.integer]
 """Anything that holds block ids: a list, tuple, range, set view or numpy array."""
 
 

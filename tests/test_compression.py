@@ -16,8 +16,8 @@ from kvtriton.kernels import (
     scatter_pages_compressed_reference,
 )
 from kvtriton.kernels.compression import TINY_GROUP, decode_e4m3, dequantize_groups, encode_e4m3, quantize_groups
-from kvtriton.worker.layout import PagedKV
 from kvtriton.kernels.reference import int_list
+from kvtriton.worker.layout import PagedKV
 from tests.kernel_cases import COMPRESSIBLE_DTYPES, build_pages, build_slab, devices, indices, kv_tensor, synchronize
 
 BLOCKS = [4, 0, 5]

@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 
+import kvtriton.worker.backends as backends_module
+import kvtriton.worker.engine as engine_module
 from kvtriton.kernels import (
     KVCompression,
     compression_layout,
@@ -15,9 +17,7 @@ from kvtriton.kernels import (
     scatter_pages_compressed_reference,
 )
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
-import kvtriton.worker.backends as backends_module
 from kvtriton.worker.backends import AutoRule, TransferBackend, choose_backend
-import kvtriton.worker.engine as engine_module
 from kvtriton.worker.engine import NON_FINITE_WARNING_INTERVAL_S, EngineStats, TransferEngine
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection

@@ -3,12 +3,11 @@ from __future__ import annotations
 import re
 
 import pytest
-
 import torch
 
+import kvtriton.tools.demo as demo_module
 import kvtriton.worker.backends as backends_module
 import kvtriton.worker.engine as engine_module
-import kvtriton.tools.demo as demo_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.tools.cli import main
 from kvtriton.worker.layout import PagedKV

@@ -7,14 +7,14 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-import kvtriton.worker.backends as backends_module
 import kvtriton.kernels.launch as launch_module
+import kvtriton.worker.backends as backends_module
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker.backends import TransferBackend, choose_backend
-from kvtriton.worker.plan import TransferDirection, plan_transfer
 from kvtriton.worker.engine import TransferEngine, TransferLane, TransferResult
 from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.plan import TransferDirection, plan_transfer
 from kvtriton.worker.slab import HostSlab
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 BLOCKS, SLOTS = 8, 6
 STORE_TYPE, LOAD_TYPE = ("GPU", "CPU"), ("CPU", "GPU")

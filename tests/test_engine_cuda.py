@@ -18,12 +18,12 @@ import kvtriton.worker.backends as backends_module
 import kvtriton.worker.engine as engine_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.kernels import gather_pages_compressed_reference, scatter_pages_compressed_reference
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker.backends import TransferBackend
 from kvtriton.worker.engine import TransferEngine, TransferLane
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan
 from kvtriton.worker.slab import HostSlab
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -180,9 +180,8 @@ def test_a_job_stages_blocks_then_rows_in_one_16_byte_aligned_prefix(count: int)
     blocks = np.arange(100, 100 + count, dtype=np.int64)
     rows = np.arange(200, 200 + count, dtype=np.int64)
     device = staging.stage(engine_module.TransferPlan(STORE, blocks, rows))
-    assert torch.equal(device.gpu_blocks, torch.from_numpy(blocks)) and torch.equal(
-        device.slab_rows, torch.from_numpy(rows)
-    )  # pyright: ignore[reportUnknownMemberType] -- torch types from_numpy's argument as Unknown
+    assert torch.equal(device.gpu_blocks, torch.from_numpy(blocks))  # pyright: ignore[reportUnknownMemberType] -- torch types from_numpy's argument as Unknown
+    assert torch.equal(device.slab_rows, torch.from_numpy(rows))  # pyright: ignore[reportUnknownMemberType] -- as above
     rows_at = engine_module.staged_rows_at(count)
     assert device.slab_rows.data_ptr() - device.gpu_blocks.data_ptr() == 8 * rows_at
     assert device.gpu_blocks.data_ptr() % 16 == 0 and device.slab_rows.data_ptr() % 16 == 0

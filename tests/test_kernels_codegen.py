@@ -11,8 +11,8 @@ from typing import cast
 
 import pytest
 
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
 from bench.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 NUM_PAGES = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(page_bytes: int, to_slab: bool, index_type: str = "i64") -> CompiledKernel:
     from bench.compile_asm import UnsupportedTriton
 
@@ -227,7 +227,7 @@ COMPRESSED_VARIANTS = [
 ]  # fmt: skip
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compressed_kernels() -> dict[tuple[int, str, bool], CompiledKernel]:
     import torch
 

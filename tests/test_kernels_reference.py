@@ -16,9 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtriton.kernels import describe_pages, gather_pages_reference, scatter_pages_reference
-from kvtriton.kernels import reference
-from tests.kernel_cases import LAYOUTS, ODD_BYTE_LAYOUTS, NUM_BLOCKS, build_pages, build_slab, random_tensor
+from kvtriton.kernels import describe_pages, gather_pages_reference, reference, scatter_pages_reference
+from tests.kernel_cases import LAYOUTS, NUM_BLOCKS, ODD_BYTE_LAYOUTS, build_pages, build_slab, random_tensor
 
 ROWS = 9
 ALL_LAYOUTS = [*LAYOUTS, *ODD_BYTE_LAYOUTS]

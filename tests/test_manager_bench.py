@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench.manager import QUICK_REQUESTS, main, replay, simulate_command, trace
-from kvtriton.tools.cli import main as kvtriton_main
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.tools.replay import manager_calls, prepare
 from kvtriton.specs import ReqContext
+from kvtriton.tools.cli import main as kvtriton_main
+from kvtriton.tools.replay import manager_calls, prepare
 from kvtriton.tools.workloads import PrefixSharingParams, generate
 
 SMALL = PrefixSharingParams(requests=50, blocks_per_request=8, prefixes=5, prefix_blocks=6, zipf_s=1.0)

@@ -4,12 +4,12 @@ import re
 
 import numpy as np
 import pytest
-from numpy.typing import NDArray
 from hypothesis import given
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
-from kvtriton.worker.plan import TransferDirection, plan_transfer, slots_needed
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.worker.plan import TransferDirection, plan_transfer, slots_needed
 
 STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.tools.cli import main
-from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager
+from kvtriton.specs import LookupResult, ReqContext
+from kvtriton.tools.cli import main
+from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.tools.replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
 from kvtriton.tools.simulate import default_capacities, summarize, sweep
-from kvtriton.specs import LookupResult, ReqContext
 from kvtriton.tools.workloads import Request, generate
 
 # One byte per block: capacities in bytes are capacities in blocks.

@@ -28,27 +28,26 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
-from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
+from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
-
-from kvtriton.integrations.vllm_manager import VLLMOffloadingManager  # noqa: E402
-from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines  # noqa: E402
-from kvtriton.tools.vllm_engine import EngineModel, predict  # noqa: E402
-from kvtriton.tools.workloads import parse_trace  # noqa: E402
+from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines
+from kvtriton.tools.vllm_engine import EngineModel, predict
+from kvtriton.tools.workloads import parse_trace
 
 DECODED = EOS + 3
 """The token every decode step samples: not the end-of-sequence token."""

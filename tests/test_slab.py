@@ -24,7 +24,7 @@ class FakeRegistrar:
     pending_error: int = 0
     cpus_while_registering: list[set[int]] = field(default_factory=lambda: [])
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 -- the CUDA name
         if self.fail_at is not None and len(self.registered) == self.fail_at:
             self.pending_error = 2
             return 2  # cudaErrorMemoryAllocation
@@ -32,11 +32,11 @@ class FakeRegistrar:
         self.cpus_while_registering.append(os.sched_getaffinity(0))
         return 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 -- the CUDA name
         self.unregistered.append(ptr)
         return 0
 
-    def cudaGetLastError(self) -> int:
+    def cudaGetLastError(self) -> int:  # noqa: N802 -- the CUDA name
         error, self.pending_error = self.pending_error, 0
         return error
 

@@ -22,12 +22,12 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
-from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+import numpy as np
+from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, TierState, open_store  # noqa: E402
-from kvtriton.tiers.mooncake_config import MooncakeTierConfig  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, TierState, open_store
+from kvtriton.tiers.mooncake_config import MooncakeTierConfig
 
 CHUNK = 64 * 1024
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

@@ -17,18 +17,20 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
-from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
-from tiering_fixtures.configs import tiering_config  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from mooncake_fixtures.managers import cluster as cluster
+from mooncake_fixtures.managers import managers as managers
+from mooncake_fixtures.managers import promote, serve_and_cascade, started
+from mooncake_fixtures.tiers import chunk_keys
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG  # noqa: E402
-from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store  # noqa: E402
-from kvtriton.tiers.mooncake_config import MooncakeTierConfig  # noqa: E402
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG
+from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store
+from kvtriton.tiers.mooncake_config import MooncakeTierConfig
 
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 

@@ -18,12 +18,12 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
-from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+import numpy as np
+from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics, TierState  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics, TierState
 
 CHUNK = 64 * 1024
 SLACK_S = 2.0

@@ -21,16 +21,18 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
-from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_fixtures.builders import offloading_config  # noqa: E402
+from mooncake_fixtures.managers import cluster as cluster
+from mooncake_fixtures.managers import managers as managers
+from mooncake_fixtures.managers import promote, serve_and_cascade, started
+from mooncake_fixtures.tiers import chunk_keys
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm_fixtures.builders import offloading_config
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics
 
 BLOCK_BYTES = 64 * 1024
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from bench import tiers  # noqa: E402
+from bench import tiers
 
 
 @pytest.mark.parametrize("primary", tiers.PRIMARIES)

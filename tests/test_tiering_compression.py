@@ -15,17 +15,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from tiering_fixtures.configs import key, settle_lookup, tiering_config  # noqa: E402
-from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, fs_tier, make_engine, model_config  # noqa: E402
-from vllm.config import ModelConfig  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm_fixtures.requests import make_request  # noqa: E402
+import torch
+from tiering_fixtures.configs import key, settle_lookup, tiering_config
+from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, fs_tier, make_engine, model_config
+from vllm.config import ModelConfig
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm_fixtures.requests import make_request
 
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag  # noqa: E402
-from kvtriton.kernels.compression import dequantize_groups, quantize_groups  # noqa: E402
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag
+from kvtriton.kernels.compression import dequantize_groups, quantize_groups
 
 COMPRESSED: dict[str, object] = {"kvtriton_kv_compression": "fp8-e4m3"}
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"

@@ -17,18 +17,18 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.config import OffloadingGroupConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.config import OffloadingGroupConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 BUDGET_1M: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from tiering_fixtures.configs import tiering_config  # noqa: E402
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor  # noqa: E402
+import torch
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
-from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.worker import shared_region  # noqa: E402
-from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.worker import shared_region
+from kvtriton.worker.slab import PageableSlabWarning
 
 BUDGET: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
 

@@ -17,19 +17,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+import torch
+from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier  # noqa: E402
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
-from kvtriton.worker.engine import TransferEngine  # noqa: E402
-from kvtriton.worker.layout import PagedKV  # noqa: E402
-from kvtriton.worker.shared_region import RegionLayout, SharedRegion  # noqa: E402
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.worker.engine import TransferEngine
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.shared_region import RegionLayout, SharedRegion
 
 PAGE_BYTES = (1536, 512)  # two KV tensors per rank, of unequal page sizes
 RANK_ROW_BYTES = sum(PAGE_BYTES)

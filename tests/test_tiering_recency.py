@@ -17,14 +17,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import key, tiering_config  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from tiering_fixtures.configs import key, tiering_config
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 A, B, C, D, E, F = (key(index) for index in range(1, 7))

@@ -19,8 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.config import ModelConfig  # noqa: E402
-from tiering_fixtures.engine import (  # noqa: E402
+from tiering_fixtures.engine import (
     BLOCK_SIZE,
     LAYERS,
     TieredEngine,
@@ -29,11 +28,12 @@ from tiering_fixtures.engine import (  # noqa: E402
     make_engine,
     model_config,
 )
-from vllm_fixtures.requests import make_request  # noqa: E402
+from vllm.config import ModelConfig
+from vllm_fixtures.requests import make_request
 
-from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker  # noqa: E402
-from kvtriton.keys import OffloadKey  # noqa: E402
-from kvtriton.worker.shared_region import SharedRegion  # noqa: E402
+from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker
+from kvtriton.keys import OffloadKey
+from kvtriton.worker.shared_region import SharedRegion
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-
-from kvtriton.worker.backends import TransferBackend
 import torch
 
 from kvtriton.integrations.vllm_config import (
@@ -28,6 +26,7 @@ from kvtriton.integrations.vllm_config import (
 )
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compression import KVCompression, compression_layout
+from kvtriton.worker.backends import TransferBackend
 
 GIB = 1 << 30
 KVTRITON_KEYS_HINT = (

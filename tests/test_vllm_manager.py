@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -24,14 +25,13 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
-from vllm_fixtures.builders import offloading_config  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm_fixtures.builders import offloading_config
 
-import kvtriton  # noqa: E402
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec  # noqa: E402
+import kvtriton
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec
 
 BLOCK_BYTES = 1024
 

@@ -19,15 +19,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult  # noqa: E402
-from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
+from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 
-from kvtriton.integrations.vllm_manager import VLLMOffloadingManager  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager  # noqa: E402
-from kvtriton.tools.replay import PreparedRequest, prepare  # noqa: E402
-from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order  # noqa: E402
-from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, generate  # noqa: E402
+from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.tools.replay import PreparedRequest, prepare
+from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
+from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, generate
 
 BLOCK_SIZE = 64
 CAPACITY_FRACTIONS = (0.05, 0.10, 0.20)

@@ -15,23 +15,23 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: E402
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-import torch  # noqa: E402
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config  # noqa: E402
+import torch
+from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config
 
-import kvtriton.integrations.vllm as vllm_module  # noqa: E402
-import kvtriton.worker.slab as slab_module  # noqa: E402
+import kvtriton.integrations.vllm as vllm_module
+import kvtriton.worker.slab as slab_module
 from kvtriton.integrations.vllm import (
     KVTritonOffloadingSpec,
     VLLMOffloadingManager,
     VLLMOffloadingWorker,
     open_host_slab,
-)  # noqa: E402
-from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal  # noqa: E402
+)
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal
+from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations").glob("vllm*.py"))
@@ -232,16 +232,16 @@ class RegistrarStub:
         self.error = error
         self.registered: list[int] = []
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 -- the CUDA name
         if not self.error:
             self.registered.append(ptr)
         return self.error
 
-    def cudaHostUnregister(self, ptr: int) -> int:
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 -- the CUDA name
         self.registered.remove(ptr)
         return 0
 
-    def cudaGetLastError(self) -> int:
+    def cudaGetLastError(self) -> int:  # noqa: N802 -- the CUDA name
         return 0
 
 

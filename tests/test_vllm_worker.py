@@ -12,16 +12,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
-from vllm_fixtures.builders import canonical_kv_caches, offloading_config  # noqa: E402
-from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm_fixtures.builders import canonical_kv_caches, offloading_config
+from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
-from kvtriton.integrations.vllm_worker import GroupPages  # noqa: E402
-from kvtriton.kernels.compression import KVCompression, compression_layout, dequantize_groups, quantize_groups  # noqa: E402
-from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker
+from kvtriton.integrations.vllm_worker import GroupPages
+from kvtriton.kernels.compression import KVCompression, compression_layout, dequantize_groups, quantize_groups
+from kvtriton.worker.slab import PageableSlabWarning
 
 NUM_BLOCKS = 16
 BLOCKS_PER_CHUNK = 2

@@ -53,15 +53,13 @@ attach_to_vllm_logging()
 try:
     from typing import Any
 
+    import torch
     from typing_extensions import override
     from vllm.v1.kv_offload import base as vllm_base
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-    from kvtriton.worker.engine import TransferEngine
-    import torch
 
     from kvtriton.integrations.vllm_config import (
         KVTRITON_PAGEABLE_SLAB,
@@ -78,6 +76,7 @@ try:
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, metric_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
+    from kvtriton.worker.engine import TransferEngine
     from kvtriton.worker.slab import HostSlab, SlabPinningError
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written

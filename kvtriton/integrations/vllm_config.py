@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtriton.worker.backends import TransferBackend
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compression import (
     ALIGNMENT,
@@ -29,6 +28,7 @@ from kvtriton.kernels.compression import (
     compression_layout,
 )
 from kvtriton.manager.policies import policy_names
+from kvtriton.worker.backends import TransferBackend
 
 __all__ = [
     "CACHE_POLICY_MODULE_PATH",
@@ -312,7 +312,7 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     module_key = f"{_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}"
     try:
         module = importlib.import_module(cache_policy_module_path)
-    except Exception as error:  # noqa: BLE001 -- any failure to import the user's module is reported, naming the key
+    except Exception as error:
         raise ValueError(
             f"{module_key} cannot be imported ({type(error).__name__}: {error}); it names the Python module that "
             f"defines the policy class {_where(EVICTION_POLICY)} names. kvtriton's own policies {policy_names()} "

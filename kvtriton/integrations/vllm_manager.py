@@ -258,7 +258,9 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._calls = cast(_VLLMKeyedManager, backing)
         cpu_calls = cast(_VLLMKeyedCPU, cpu)
         # Every completion goes to the CPU manager under vLLM's rule (the filter only forwards it).
-        setattr(self, "complete_store", cpu_calls.complete_pending_stores)  # noqa: B010 -- an instance attribute shadowing the method is the point
+        setattr(
+            self, "complete_store", cpu_calls.complete_pending_stores
+        )  # an instance attribute shadowing the method is the point
         if backing is cpu:
             # The hottest call (one per chunk of every scheduled prompt): the
             # instance's lookup becomes the CPU manager's own, answering
@@ -266,8 +268,8 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
             direct = cpu.lookup_with(
                 vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
             )
-            setattr(self, "lookup", direct)  # noqa: B010 -- as above
-            setattr(self, "complete_load", cpu_calls.complete_load)  # noqa: B010 -- as above
+            setattr(self, "lookup", direct)  # as above
+            setattr(self, "complete_load", cpu_calls.complete_load)  # as above
             load_slots, store_slots = cpu_calls.load_slots, cpu_calls.store_slots
             output = vllm_base.PrepareStoreOutput
 
@@ -284,8 +286,8 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
                     return None
                 return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
 
-            setattr(self, "prepare_load", prepare_load)  # noqa: B010 -- as above
-            setattr(self, "prepare_store", prepare_store)  # noqa: B010 -- as above
+            setattr(self, "prepare_load", prepare_load)  # as above
+            setattr(self, "prepare_store", prepare_store)  # as above
 
     @property
     def backing(self) -> OffloadingManager:

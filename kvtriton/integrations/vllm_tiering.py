@@ -623,7 +623,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             for tier in reversed(tiers):
                 try:
                     tier.shutdown()
-                except Exception:  # noqa: BLE001 -- keep cleaning up; the original error is re-raised
+                except Exception:
                     logger.exception("failed to shut down a secondary tier while cleaning up")
             if primary is not None:
                 primary.shutdown()

@@ -83,8 +83,8 @@ class OffloadingManager(ABC):
         """Return the queued stored / evicted events in creation order and empty the queue."""
         return ()
 
-    def reset_cache(self) -> None:
+    def reset_cache(self) -> None:  # noqa: B027 -- an optional hook: a no-op unless a manager overrides it
         """Forget every block (the engine reset its prefix cache)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 -- an optional hook: a no-op unless a manager overrides it
         """Release resources; the manager is not used afterwards."""

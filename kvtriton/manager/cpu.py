@@ -377,7 +377,7 @@ class CPUOffloadingManager(OffloadingManager):
         # the same block earlier in the call (a key may be named twice).
         left: dict[int, int] = {}
         bad = 0
-        for bad, block in enumerate(got):
+        for bad, block in enumerate(got):  # noqa: B007 -- read after the loop: the index where the walk stopped
             if block is None:
                 break
             count = left.get(id(block), block.ref_cnt) - 1

@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtriton.manager.policies import policy_names
+from kvtriton.tools.cli import choice_argument
 from kvtriton.tools.geometry import (
     BARE_NUMBER_UNIT,
     PRESETS,
@@ -35,19 +37,17 @@ from kvtriton.tools.geometry import (
     is_bare_number,
     parse_capacity,
 )
-from kvtriton.manager.policies import policy_names
-from kvtriton.tools.cli import choice_argument
 
 if TYPE_CHECKING:
     import torch
 
     from kvtriton.kernels.compression import KVCompression
-    from kvtriton.worker.engine import TransferEngine, TransferResult
     from kvtriton.keys import OffloadKey
-    from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.specs import ReqContext
     from kvtriton.tools.workloads import Request
+    from kvtriton.worker.engine import TransferEngine, TransferResult
+    from kvtriton.worker.layout import PagedKV
 
 __all__ = ["add_arguments", "run"]
 
@@ -555,10 +555,10 @@ def _bare_number_hint(capacity_text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtriton.worker.engine import TransferEngine
-    from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.tools.progress import progress
+    from kvtriton.worker.engine import TransferEngine
+    from kvtriton.worker.layout import PagedKV
     from kvtriton.worker.slab import HostSlab, SlabPinningError
 
     config: DemoConfig | None = None

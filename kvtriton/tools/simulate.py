@@ -40,12 +40,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
 from kvtriton.specs import ReqContext
 from kvtriton.tools.cli import choice_argument
+from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
 from kvtriton.tools.vllm_engine import (

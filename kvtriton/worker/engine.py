@@ -626,7 +626,7 @@ class TransferEngine:
                     job = self._launch_cuda(job_id, lane, plan)
                 else:
                     job = self._run_now(job_id, lane, plan)
-            except Exception as error:  # staging: out of (pinned or device) memory, say; nothing was queued
+            except Exception as error:  # noqa: BLE001 -- staging: out of (pinned or device) memory, say; nothing was queued
                 logger.warning("%s job %d refused: its indices could not be staged: %s", name, job_id, error)
                 return False
         self._queues[lane].append(job)

@@ -108,11 +108,11 @@ class SlabUser(Protocol):
 class _HostRegistrar(Protocol):
     """The CUDA runtime calls the slab needs."""
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...  # noqa: N802 -- the CUDA name
 
-    def cudaHostUnregister(self, ptr: int) -> SupportsInt: ...
+    def cudaHostUnregister(self, ptr: int) -> SupportsInt: ...  # noqa: N802 -- the CUDA name
 
-    def cudaGetLastError(self) -> SupportsInt: ...
+    def cudaGetLastError(self) -> SupportsInt: ...  # noqa: N802 -- the CUDA name
 
 
 class _CudaRuntime:
@@ -127,13 +127,13 @@ class _CudaRuntime:
     def __init__(self) -> None:
         self._torch = cast(_HostRegistrar, torch.cuda.cudart())
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt:
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt:  # noqa: N802 -- the CUDA name
         return self._torch.cudaHostRegister(ptr, size, flags)
 
-    def cudaHostUnregister(self, ptr: int) -> SupportsInt:
+    def cudaHostUnregister(self, ptr: int) -> SupportsInt:  # noqa: N802 -- the CUDA name
         return self._torch.cudaHostUnregister(ptr)
 
-    def cudaGetLastError(self) -> SupportsInt:
+    def cudaGetLastError(self) -> SupportsInt:  # noqa: N802 -- the CUDA name
         if loaded_cudart() is None:
             logger.warning("libcudart is not loaded in this process; a failed CUDA call may surface at a later launch")
         return last_error()

@@ -21,7 +21,7 @@ from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 
 os.environ.update(ENGINE_ENV)
 
-import torch  # noqa: E402 -- after the environment vLLM reads on import
+import torch
 
 SETTLE_TIMEOUT_S = 30.0
 FILLER_PROMPT = [3, 4, 5]

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.engine import run_process, spec_config
 from bench.tiny_models import HEAD_DIM, TinyLlama
+from e2e.engine import run_process, spec_config
 from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
 from kvtriton.tools.vllm_engine import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
 from kvtriton.tools.workloads import read_trace

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.real_model import PreparedModel
-
 from e2e.engine import (
     RESET_PREFIX_CACHE,
     ZERO_KV_CACHE,

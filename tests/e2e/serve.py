@@ -38,7 +38,7 @@ class Server:
 
     def post(self, path: str, body: dict[str, object] | None = None) -> str:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
+        request = urllib.request.Request(  # noqa: S310 -- loopback URL built here
             f"{self.url}{path}", data=data, method="POST", headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 -- loopback URL built here

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.compression import GreedyAgreement, greedy_agreement
+from bench.real_model import PreparedModel
 from e2e.engine import (
     RESET_PREFIX_CACHE,
     ZERO_KV_CACHE,
@@ -32,8 +34,6 @@ from e2e.engine import (
 )
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.real_text import REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
-from bench.compression import GreedyAgreement, greedy_agreement
-from bench.real_model import PreparedModel
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
-from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
 from bench.tiny_models import TinyDeepseekV2, TinyLlama
+from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 HITS = "vllm:external_prefix_cache_hits"
 SLIDING_WINDOW = 2 * BLOCK_SIZE

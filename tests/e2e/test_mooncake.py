@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)

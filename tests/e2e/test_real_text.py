@@ -9,8 +9,8 @@ be equal to the last one.
 
 from __future__ import annotations
 
-from e2e.real_text import BLOCK_SIZE, REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 from bench.real_model import PreparedModel
+from e2e.real_text import BLOCK_SIZE, REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"

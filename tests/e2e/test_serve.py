@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
-from e2e.engine import spec_config
 from bench.tiny_models import prompt_text
+from e2e.engine import spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.serve import Server, vllm_serve
 
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE

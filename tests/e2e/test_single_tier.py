@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import MAX_TOKENS, PROMPT_A
 from e2e.engine import (
     OVERWRITE_HOST_SLAB,
     RESET_PREFIX_CACHE,
@@ -17,6 +16,7 @@ from e2e.engine import (
     run_engine,
     spec_config,
 )
+from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"

@@ -46,7 +46,6 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
-
 from vllm_fixtures.requests import EOS, make_request
 
 from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier
