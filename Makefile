@@ -22,7 +22,7 @@ VLLM_CPU_KERNELS := vllm/_C.abi3.so vllm/_C_AVX512.abi3.so vllm/_C_AVX2.abi3.so
 CORE_STAMP := $(VENV)/.kvtriton-core-installed
 STAMP := $(VENV)/.kvtriton-installed
 
-.PHONY: venv test typecheck pytest e2e compat demo clean
+.PHONY: venv test typecheck lint pytest e2e compat demo clean
 
 venv: $(STAMP)
 
@@ -57,10 +57,16 @@ $(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt
 typecheck: $(STAMP)
 	$(PY) -m pyright
 
+# ruff's lint rules and its formatter, as [tool.ruff] in pyproject.toml sets them
+# (`ruff format .` rewrites the tree when the second step fails).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
 pytest: $(STAMP)
 	$(PY) -m pytest -q --durations=25
 
-test: typecheck pytest
+test: typecheck lint pytest
 
 # The end-to-end tests alone (pytest above runs them too): real vLLM engines on CPU through kvtriton.
 e2e: $(STAMP)

@@ -149,7 +149,9 @@ def production_config(page_bytes: int, num_pages: int, bytes_per_iter: int = DEF
 _ELEMENT_TYPES = {8: "i64", 4: "i32", 2: "i16", 1: "i8"}
 
 
-def compile_copy_pages(config: LaunchConfig, *, to_slab: bool, index_type: str = "i64", arch: int = 90) -> CompiledKernel:
+def compile_copy_pages(
+    config: LaunchConfig, *, to_slab: bool, index_type: str = "i64", arch: int = 90
+) -> CompiledKernel:
     """Compile the gather (``to_slab``) or scatter kernel for ``config`` on ``sm_<arch>``."""
     from bench.compile_asm import compile_asm
 
@@ -210,14 +212,13 @@ def _compile_compress(config: CompressConfig, to_slab: bool, arch: int) -> dict[
     )  # fmt: skip
 
 
-def compile_compress_pages(
-    requests: Sequence[tuple[CompressConfig, bool]], *, arch: int = 90
-) -> list[CompiledKernel]:
+def compile_compress_pages(requests: Sequence[tuple[CompressConfig, bool]], *, arch: int = 90) -> list[CompiledKernel]:
     """Compile the fused fp8 gather (``to_slab`` True: quantize) or scatter kernel for each ``(config, to_slab)``."""
     return [
         CompiledKernel(
             name=f"{'fp8 gather' if to_slab else 'fp8 scatter'} {config.elements * config.element_bytes} B",
-            ptx=asm["ptx"], ttir=asm["ttir"],
+            ptx=asm["ptx"],
+            ttir=asm["ttir"],
         )  # fmt: skip
         for config, to_slab in requests
         for asm in [_compile_compress(config, to_slab, arch)]
@@ -232,4 +233,3 @@ def compressed_production_config(
     page = torch.empty((1, page_bytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype)
     (entry,) = compression_layout([page], group_size).pages
     return compress_config(entry, num_pages, bytes_per_iter, page_word=word_width(page_bytes), slab_word=16)
-

@@ -182,7 +182,7 @@ def _serve() -> None:
     for line in sys.stdin:
         try:
             answer = _compile_here(cast("dict[str, object]", json.loads(line)))
-        except Exception:  # noqa: BLE001  (any failure is the caller's answer, not the end of the process)
+        except Exception:  # noqa: BLE001 -- any failure is the caller's answer, not the end of the process
             answer = {"error": traceback.format_exc()}
         answers.write(json.dumps(answer) + "\n")
         answers.flush()

@@ -183,7 +183,9 @@ def in_page_order(scheme: Scheme, block_tokens: int, *, channel_major: bool) -> 
 
     def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, heads, tokens, dim = x.shape
-        blocks = x.reshape(heads, tokens // block_tokens, block_tokens, dim).transpose(0, 1)  # (block, head, token, dim)
+        blocks = x.reshape(heads, tokens // block_tokens, block_tokens, dim).transpose(
+            0, 1
+        )  # (block, head, token, dim)
         pages = (blocks.transpose(2, 3) if channel_major else blocks).contiguous()
         decoded, scale = scheme(pages)
 
@@ -214,7 +216,10 @@ def _cache_errors(
     prefix: str, exact: Sequence[torch.Tensor], coded: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> dict[str, float]:
     """:func:`element_errors` over every layer's tensor at once, keys prefixed ``k_`` or ``v_``."""
-    flat = [torch.cat([tensor.flatten() for tensor in tensors]) for tensors in (exact, [d for d, _ in coded], [s for _, s in coded])]
+    flat = [
+        torch.cat([tensor.flatten() for tensor in tensors])
+        for tensors in (exact, [d for d, _ in coded], [s for _, s in coded])
+    ]
     return {f"{prefix}_{key}": value for key, value in element_errors(*flat).items()}
 
 
@@ -317,7 +322,9 @@ def greedy_agreement(
     so the drift is defined at every such position.
     """
     if len(reference) != len(candidate) or not reference:
-        raise ValueError(f"reference and candidate must hold the same prompts, got {len(reference)} and {len(candidate)}")
+        raise ValueError(
+            f"reference and candidate must hold the same prompts, got {len(reference)} and {len(candidate)}"
+        )
     divergences: list[int] = []
     drifts: list[float] = []
     for ref_tokens, tokens, ref_logprobs, logprobs in zip(reference, candidate, reference_logprobs, candidate_logprobs):
@@ -325,7 +332,10 @@ def greedy_agreement(
             raise ValueError(f"sequences of {len(ref_tokens)} and {len(tokens)} tokens: generate the same number")
         divergence = next((index for index, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
         divergences.append(divergence)
-        drifts += [abs(logprobs[index][token] - ref_logprobs[index][token]) for index, token in enumerate(ref_tokens[:divergence])]
+        drifts += [
+            abs(logprobs[index][token] - ref_logprobs[index][token])
+            for index, token in enumerate(ref_tokens[:divergence])
+        ]
     return GreedyAgreement(
         prompts=len(reference),
         first_token_agreement=sum(divergence > 0 for divergence in divergences),
@@ -348,7 +358,9 @@ def scale_one_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(torch.float8_e4m3fn).to(x.dtype), torch.ones_like(x)
 
 
-def teacher_forced_figures(model: Any, text: Sequence[int], schemes: Mapping[str, tuple[Scheme, Scheme]]) -> dict[str, dict[str, float]]:
+def teacher_forced_figures(
+    model: Any, text: Sequence[int], schemes: Mapping[str, tuple[Scheme, Scheme]]
+) -> dict[str, dict[str, float]]:
     """Per scheme, over ``text`` (token ids): its first :data:`REAL_PREFIX_BLOCKS` blocks cached and decoded through
     the scheme, the rest fed as it is (every position's context is the text's, whatever the model would say), and the
     next-token figures of :func:`_next_token_figures` for the text's own tokens against the exact cache."""
@@ -400,7 +412,10 @@ def real_model_figures(prompts: int, tokens: int) -> dict[str, object] | str:
                                            single_tier_config(kv_compression="fp8-e4m3")),
         "vLLM fp8 KV cache": real_text_job(model.path, cold_and_local, None, kv_cache_dtype="fp8"),
     }  # fmt: skip
-    print(f"real model: {len(jobs)} vLLM engines at once, {len(chats)} chat prompts, {tokens} greedy tokens each", file=sys.stderr)
+    print(
+        f"real model: {len(jobs)} vLLM engines at once, {len(chats)} chat prompts, {tokens} greedy tokens each",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(prefix="compression-real-") as scratch:
         runs = run_engines({name: (job, Path(scratch) / name.replace(" ", "-")) for name, job in jobs.items()})
 
@@ -412,15 +427,23 @@ def real_model_figures(prompts: int, tokens: int) -> dict[str, object] | str:
     engine: dict[str, dict[str, float]] = {}
     for name, step in (("kvtriton", "warm"), ("kvtriton fp8-e4m3", "warm"), ("vLLM fp8 KV cache", "local")):
         candidate_tokens, candidate_logprobs = completions(name, step)
-        engine[name] = greedy_agreement(reference_tokens, candidate_tokens, reference_logprobs, candidate_logprobs).as_dict()
-    engine["kvtriton"]["cold_equals_no_connector"] = float(completions("kvtriton", "cold")[0] == completions("none", "cold")[0])
+        engine[name] = greedy_agreement(
+            reference_tokens, candidate_tokens, reference_logprobs, candidate_logprobs
+        ).as_dict()
+    engine["kvtriton"]["cold_equals_no_connector"] = float(
+        completions("kvtriton", "cold")[0] == completions("none", "cold")[0]
+    )
     stored = runs["kvtriton fp8-e4m3"].delta("cold", "vllm:kv_offload_store_bytes")
     raw = runs["kvtriton"].delta("cold", "vllm:kv_offload_store_bytes")
 
     from transformers import AutoModelForCausalLM
 
-    hf_model: Any = cast(Any, AutoModelForCausalLM).from_pretrained(model.path, dtype=torch.float32).eval()  # untyped factory
-    pages = {major: in_page_order(group_fp8_any(128), REAL_BLOCK_TOKENS, channel_major=major) for major in (True, False)}
+    hf_model: Any = (
+        cast(Any, AutoModelForCausalLM).from_pretrained(model.path, dtype=torch.float32).eval()
+    )  # untyped factory
+    pages = {
+        major: in_page_order(group_fp8_any(128), REAL_BLOCK_TOKENS, channel_major=major) for major in (True, False)
+    }
     teacher_forced = teacher_forced_figures(hf_model, model.reference_text, {
         "kvtriton fp8-e4m3": (pages[True], pages[False]),
         "vLLM fp8 KV cache (emulated: e4m3, scale 1.0)": (scale_one_fp8, scale_one_fp8),
@@ -446,8 +469,10 @@ def print_real_model(real: Mapping[str, Any]) -> None:
           f"{f['mean_first_divergence']:.1f}", f"{f['mean_abs_logprob_drift']:.4f}", f"{f['max_abs_logprob_drift']:.4f}"]
          for name, f in real["engine"].items()],
     ))  # fmt: skip
-    print(f"\nteacher-forced over a {real['teacher_forced_text_tokens']}-token text, the first "
-          f"{real['teacher_forced_prefix_tokens']} tokens cached through each scheme:")
+    print(
+        f"\nteacher-forced over a {real['teacher_forced_text_tokens']}-token text, the first "
+        f"{real['teacher_forced_prefix_tokens']} tokens cached through each scheme:"
+    )
     print(format_table(
         ["scheme", "top-1 agreement", "mean |d logprob|", "max |d logprob|", "mean KL (nats)"],
         [[name, f"{f['top1_agreement']:.3f}", f"{f['mean_abs_logprob_drift']:.4f}", f"{f['max_abs_logprob_drift']:.4f}",
@@ -456,16 +481,31 @@ def print_real_model(real: Mapping[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.compression", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.compression", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="cached tokens of the synthetic layer (default: 4096)")
-    parser.add_argument("--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)")
-    parser.add_argument("--seeds", type=int, default=3, help="independent synthetic layers, figures averaged (default: 3)")
-    parser.add_argument("--prompts", type=int, default=32, help="random prompts through the tiny model (default: 32; 0 skips it)")
-    parser.add_argument("--real-prompts", type=int, default=8,
-                        help="SmolLM2-135M chat prompts through real vLLM engines (default: 8, at most 8; 0 skips the real model)")
+    parser.add_argument(
+        "--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)"
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="independent synthetic layers, figures averaged (default: 3)"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=32, help="random prompts through the tiny model (default: 32; 0 skips it)"
+    )
+    parser.add_argument(
+        "--real-prompts",
+        type=int,
+        default=8,
+        help="SmolLM2-135M chat prompts through real vLLM engines (default: 8, at most 8; 0 skips the real model)",
+    )
     parser.add_argument("--real-tokens", type=int, default=32, help="greedy tokens per real-model prompt (default: 32)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 512 tokens, 1 seed, 4 prompts, no real model; writes compression-quick.json")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 512 tokens, 1 seed, 4 prompts, no real model; writes compression-quick.json",
+    )
     parser.add_argument("--name", default="compression", help="result file stem (default: compression)")
     return parser.parse_args(argv)
 
@@ -478,7 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompts < 0:
         raise SystemExit(f"--prompts must be >= 0 (0 skips the tiny model), got {args.prompts}")
     if not 0 <= args.real_prompts <= 8:
-        raise SystemExit(f"--real-prompts must be 0 to 8 (the model's chat prompts; 0 skips it), got {args.real_prompts}")
+        raise SystemExit(
+            f"--real-prompts must be 0 to 8 (the model's chat prompts; 0 skips it), got {args.real_prompts}"
+        )
     if args.real_tokens < 1:
         raise SystemExit(f"--real-tokens must be >= 1, got {args.real_tokens}")
     real_prompts = 0 if args.quick else args.real_prompts
@@ -510,7 +552,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures["attention_relative_error_k_only"] = relative_error(reference, attention(q, k2, v))
             for key, value in figures.items():
                 sums[name][key] = sums[name].get(key, 0.0) + value / seeds
-    headers = ["scheme", "K rel. RMS err", "K max err / RMS", "K over bound", "V rel. RMS err", "V over bound", "attention rel. err"]
+    headers = [
+        "scheme",
+        "K rel. RMS err",
+        "K max err / RMS",
+        "K over bound",
+        "V rel. RMS err",
+        "V over bound",
+        "attention rel. err",
+    ]
     table = [
         [name, f"{f['k_relative_rms_error']:.4f}", f"{f['k_max_error_over_rms']:.3f}", f"{f['k_share_over_bound']:.4f}",
          f"{f['v_relative_rms_error']:.4f}", f"{f['v_share_over_bound']:.4f}", f"{f['attention_relative_error']:.4f}"]

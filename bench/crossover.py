@@ -81,7 +81,9 @@ def time_backend(kv: PagedKV, slab: HostSlab, backend: str, blocks: list[int], j
                     if not result.success:
                         raise RuntimeError(f"{backend}: job {result.job_id} failed (see the log above)")
                     if job:
-                        times["store" if result.transfer_type == ("GPU", "CPU") else "load"].append(result.transfer_time)
+                        times["store" if result.transfer_type == ("GPU", "CPU") else "load"].append(
+                            result.transfer_time
+                        )
     return {direction: statistics.median(values) for direction, values in times.items()}
 
 
@@ -102,7 +104,7 @@ def crossover(timings: Sequence[Timing], fast: str, direction: str, pattern: str
 
 def auto_rule_line(direction: str, page_bytes: int) -> str:
     """The ``AutoRule`` to add to ``AUTO_TABLE`` for a crossover (docs/worker.md, "Setting AUTO_TABLE")."""
-    return f"AutoRule(\"cuda\", True, TransferDirection.{direction.upper()}, {page_bytes}, TransferBackend.DMA),"
+    return f'AutoRule("cuda", True, TransferDirection.{direction.upper()}, {page_bytes}, TransferBackend.DMA),'
 
 
 def suggested_rules(crossings: dict[str, int | None], patterns: Sequence[str]) -> dict[str, int | None]:
@@ -116,7 +118,9 @@ def suggested_rules(crossings: dict[str, int | None], patterns: Sequence[str]) -
         if any(key not in crossings for key in keys):
             continue
         sizes = [crossings[key] for key in keys]
-        rules[direction] = None if any(size is None for size in sizes) else max(size for size in sizes if size is not None)
+        rules[direction] = (
+            None if any(size is None for size in sizes) else max(size for size in sizes if size is not None)
+        )
     return rules
 
 
@@ -160,13 +164,27 @@ def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Ve
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.crossover", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--page-kib", type=float, nargs="+", default=[8, 16, 32, 64], help="page sizes in KiB (default: 8 16 32 64, around vLLM's 28 KiB)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.crossover", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--page-kib",
+        type=float,
+        nargs="+",
+        default=[8, 16, 32, 64],
+        help="page sizes in KiB (default: 8 16 32 64, around vLLM's 28 KiB)",
+    )
     parser.add_argument("--layers", type=int, default=16, help="layers, two page tensors (K, V) each (default: 16)")
     parser.add_argument("--blocks", type=int, default=128, help="blocks per job, a multiple of 16 (default: 128)")
     parser.add_argument("--jobs", type=int, default=5, help="timed jobs per direction, median reported (default: 5)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 and 4 KiB pages, 2 layers, 16 blocks, 1 job; writes <name>-quick, no verdicts")
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 and 4 KiB pages, 2 layers, 16 blocks, 1 job; writes <name>-quick, no verdicts",
+    )
     parser.add_argument("--name", default="crossover", help="result file stem (default: crossover)")
     return parser.parse_args(argv)
 
@@ -194,7 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [(size, pattern) for size in page_sizes for pattern in patterns]
     for page_bytes, pattern in progress(cases, len(cases), "dma vs triton", stream=sys.stderr):
         elements = page_bytes // 2  # bf16 pages of (elements,) each
-        tensors = [torch.randn((2, 2 * args.blocks, elements), device=device).to(torch.bfloat16) for _ in range(args.layers)]
+        tensors = [
+            torch.randn((2, 2 * args.blocks, elements), device=device).to(torch.bfloat16) for _ in range(args.layers)
+        ]
         kv = PagedKV.from_tensors(tensors, layout="flash_attn")
         with HostSlab(args.blocks, 1, kv.row_bytes, pin=device == "cuda") as slab:
             for backend in (fast, "dma"):
@@ -209,7 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quick:  # smoke runs carry no verdict
             payload |= verdict(timings, fast, list(patterns)).payload()
         write_json(name, payload)  # after every case: a run cut short keeps what finished, verdict included
-    table = [[t.direction, t.pattern, readable_bytes(t.page_bytes), t.backend, t.seconds * 1e3, t.bandwidth_GBps] for t in timings]
+    table = [
+        [t.direction, t.pattern, readable_bytes(t.page_bytes), t.backend, t.seconds * 1e3, t.bandwidth_GBps]
+        for t in timings
+    ]
     print(format_table(["direction", "gpu blocks", "page", "backend", "ms/job", "GB/s"], table))
     if args.quick:
         print("smoke run: no crossover verdict")

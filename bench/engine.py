@@ -160,15 +160,31 @@ def result_rows(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--page-tensors", type=int, nargs="+", default=[64, 160], help="page tensors per engine (default: 64 160)")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 256], help="blocks per job (default: 1 16 256)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engine", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--page-tensors", type=int, nargs="+", default=[64, 160], help="page tensors per engine (default: 64 160)"
+    )
+    parser.add_argument(
+        "--blocks", type=int, nargs="+", default=[1, 16, 256], help="blocks per job (default: 1 16 256)"
+    )
     parser.add_argument("--jobs", type=int, default=200, help="store+load pairs per timed pass (default: 200)")
     parser.add_argument("--repeats", type=int, default=7, help="timed passes; best and median reported (default: 7)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)"
+    )
     parser.add_argument("--no-baseline", action="store_true", help=f"skip the baseline (commit {BASELINE_COMMIT[:12]})")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 64 page tensors, 1 and 16 blocks, 20 jobs, 2 passes; writes <name>-quick, no goals")
-    parser.add_argument("--real-launch", action="store_true", help="keep the real kernel launch in the timed loop (implies --no-baseline)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 64 page tensors, 1 and 16 blocks, 20 jobs, 2 passes; writes <name>-quick, no goals",
+    )
+    parser.add_argument(
+        "--real-launch",
+        action="store_true",
+        help="keep the real kernel launch in the timed loop (implies --no-baseline)",
+    )
     parser.add_argument("--name", default="engine", help="result file stem (default: engine)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child mode: print one JSON line
     return parser.parse_args(argv)
@@ -181,7 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(count < 2 or count % 2 for count in args.page_tensors):
         raise SystemExit(f"--page-tensors must be even numbers >= 2 (K and V per layer), got {args.page_tensors}")
     if args.measure:
-        print(json.dumps(measure(args.page_tensors[0], args.blocks, args.jobs, args.repeats, args.device, args.real_launch)))
+        print(
+            json.dumps(
+                measure(args.page_tensors[0], args.blocks, args.jobs, args.repeats, args.device, args.real_launch)
+            )
+        )
         return 0
     import torch
 
@@ -214,10 +234,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             trees["baseline"] = _extract_baseline(Path(scratch))
         cases = [(tree_name, tree, count) for count in args.page_tensors for tree_name, tree in trees.items()]
         for tree_name, tree, count in progress(cases, len(cases), "engine host-cost bench", stream=sys.stderr):
-            measured[tree_name, count] = _run_child(tree, count, args.blocks, args.jobs, args.repeats, device, args.real_launch)
+            measured[tree_name, count] = _run_child(
+                tree, count, args.blocks, args.jobs, args.repeats, device, args.real_launch
+            )
             write_json(name, payload(complete=False))  # after every case: a run cut short keeps what finished
     rows = result_rows(measured, args.page_tensors, args.blocks, None if args.quick else GOALS_US)
-    headers = ["page tensors", "blocks", "current us/job", "(median)", "baseline us/job", "(median)", "speedup", "goal us/job"]
+    headers = [
+        "page tensors",
+        "blocks",
+        "current us/job",
+        "(median)",
+        "baseline us/job",
+        "(median)",
+        "speedup",
+        "goal us/job",
+    ]
     table = [
         [r["page_tensors"], r["blocks"], r["current_us"], r["current_median_us"], r.get("baseline_us", "-"),
          r.get("baseline_median_us", "-"), r.get("speedup", "-"), r["goal_us"] or "-"]

@@ -83,7 +83,7 @@ class PinProbe:
     error: str | None
 
     @property
-    def bandwidth_GBps(self) -> float:
+    def bandwidth_GBps(self) -> float:  # noqa: N802 -- GB/s in the name, as the report prints it
         """Bytes pinned per second, in GB/s (10^9 bytes): the start-up cost of a slab per byte."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 

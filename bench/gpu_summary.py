@@ -128,8 +128,9 @@ def kernel_lines(kernels: JSON) -> list[str]:
         spilling = [count for count in (v.get("n_spills") for v in variants) if isinstance(count, int) and count > 0]
         spill_text = f"SPILLS in {len(spilling)}" if spilling else "no spills"
         reg_text = f"regs {regs[0]}-{regs[-1]}" if regs else "regs -"
-        lines.append(f"    {len(variants)} compiled variants: {reg_text}, {spill_text} "
-                     "(compiled_variants in kernels.json)")
+        lines.append(
+            f"    {len(variants)} compiled variants: {reg_text}, {spill_text} (compiled_variants in kernels.json)"
+        )
     return lines
 
 

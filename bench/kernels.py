@@ -54,9 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
 import numpy as np
+import torch
 
 from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
 from bench.triton_variants import compiled_variants, format_variant
@@ -145,13 +144,17 @@ class Fixture:
     "copy" from it never leaves the cache) or pages merged for equal content.
     """
 
-    def __init__(self, job: Job, device: torch.device, pin: bool, seed: int = 0, compression: KVCompression = KVCompression.NONE) -> None:
+    def __init__(
+        self, job: Job, device: torch.device, pin: bool, seed: int = 0, compression: KVCompression = KVCompression.NONE
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         value_generator = torch.Generator(device).manual_seed(seed)
         spare = max(8, job.blocks // 8)
         cache_blocks = job.blocks + spare + RUN_BLOCKS
         words = job.page_bytes // 8
-        self.layers = [torch.empty((2, cache_blocks, words), dtype=torch.int64, device=device) for _ in range(job.layers)]
+        self.layers = [
+            torch.empty((2, cache_blocks, words), dtype=torch.int64, device=device) for _ in range(job.layers)
+        ]
         start = 0
         for layer in self.layers:
             if compression is KVCompression.NONE:
@@ -172,7 +175,11 @@ class Fixture:
         self.slab = self.host_slab.rows if self.host_slab else torch.empty((rows, row_bytes), dtype=torch.uint8)
         start = fill_distinct(self.slab, start)
         blocks = gpu_blocks(job.pattern, job.blocks, cache_blocks, generator)
-        row_ids = torch.arange(3, 3 + job.blocks) if job.rows == "consecutive" else torch.randperm(rows, generator=generator)[: job.blocks]
+        row_ids = (
+            torch.arange(3, 3 + job.blocks)
+            if job.rows == "consecutive"
+            else torch.randperm(rows, generator=generator)[: job.blocks]
+        )
         self.blocks = blocks.to(device)
         self.rows = row_ids.to(device)
         self.block_list = [int(b) for b in blocks]
@@ -190,7 +197,9 @@ class Fixture:
             self.layout = compression_layout(self.compressed_pages)
             self.compressed_host_slab = HostSlab(rows, 1, self.layout.row_bytes, pin=True) if pin else None
             self.compressed_slab = (
-                self.compressed_host_slab.rows if self.compressed_host_slab else torch.empty((rows, self.layout.row_bytes), dtype=torch.uint8)
+                self.compressed_host_slab.rows
+                if self.compressed_host_slab
+                else torch.empty((rows, self.layout.row_bytes), dtype=torch.uint8)
             )
             fill_distinct(self.compressed_slab, start)
 
@@ -237,7 +246,9 @@ def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
     pinned = fixture.host_slab.pinned if fixture.host_slab else False  # the engine's batch/per-run choice
     backend = DmaCopy(kv, fixture.slab, registration_rows, slab_pinned=pinned)
     direction = TransferDirection.STORE if to_slab else TransferDirection.LOAD
-    plan = TransferPlan(direction, np.array(fixture.block_list, dtype=np.int64), np.array(fixture.row_list, dtype=np.int64))
+    plan = TransferPlan(
+        direction, np.array(fixture.block_list, dtype=np.int64), np.array(fixture.row_list, dtype=np.int64)
+    )
     return lambda: backend.copy(plan, None)
 
 
@@ -334,7 +345,9 @@ def _compressed_methods(
     return found
 
 
-def time_round_robin(contenders: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
+def time_round_robin(
+    contenders: dict[str, Callable[[], object]], repeats: int, device: torch.device
+) -> dict[str, float]:
     """Median seconds per method; methods alternate within each repeat so drift hits all alike."""
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for fn in contenders.values():  # warm-up: compile, fault pages in
@@ -387,7 +400,9 @@ def sweep_jobs(page_sizes: Sequence[int], block_counts: Sequence[int], layers: i
     return jobs
 
 
-def print_ptx_summary(page_sizes: Sequence[int], num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER) -> list[dict[str, object]]:
+def print_ptx_summary(
+    page_sizes: Sequence[int], num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER
+) -> list[dict[str, object]]:
     """Access widths of the production kernels per page size, next to the descriptor-per-copy baseline.
 
     Also what one program issues per loop iteration (the loop body's global
@@ -421,8 +436,27 @@ def print_ptx_summary(page_sizes: Sequence[int], num_pages: int, bytes_per_iter:
     accesses = baseline.accesses()
     loop = baseline.loop_accesses()
     wide_loads = loop.loads.get(16, 0) * baseline.threads
-    rows.append([baseline.name, "-", baseline.threads, accesses.widest_load, accesses.widest_store, loop.describe(), wide_loads, "0", "-"])
-    records.append({"kernel": baseline.name, "loads": accesses.loads, "stores": accesses.stores, "loop_loads_per_thread": loop.loads})
+    rows.append(
+        [
+            baseline.name,
+            "-",
+            baseline.threads,
+            accesses.widest_load,
+            accesses.widest_store,
+            loop.describe(),
+            wide_loads,
+            "0",
+            "-",
+        ]
+    )
+    records.append(
+        {
+            "kernel": baseline.name,
+            "loads": accesses.loads,
+            "stores": accesses.stores,
+            "loop_loads_per_thread": loop.loads,
+        }
+    )
     print("PTX for sm_90 (compiled on this machine, no GPU needed): global access width in bytes per thread;")
     print(f"'per iteration' = the persistent loop's body, per thread; bytes_per_iter = {bytes_per_iter}")
     headers = ["kernel", "tile (pairs x chunk)", "threads", "widest ld", "widest st", "per iteration, per thread",
@@ -447,7 +481,11 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for axis, kernel in zip(axes, ("gather", "scatter")):
         for method in sorted({r.method for r in sweep}):
-            points = sorted((r.page_bytes, r.bandwidth_GBps) for r in sweep if r.kernel == kernel and r.method == method and r.blocks == blocks)
+            points = sorted(
+                (r.page_bytes, r.bandwidth_GBps)
+                for r in sweep
+                if r.kernel == kernel and r.method == method and r.blocks == blocks
+            )
             if points:
                 axis.plot([p / KiB for p, _ in points], [g for _, g in points], marker="o", label=method)
         sizes = sorted({r.page_bytes for r in sweep})
@@ -467,17 +505,52 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--page-kib", type=int, nargs="+", default=None, help="page sizes in KiB (default: 1 4 16 64 256; --gpu-check: 4 16 32 64)")
-    parser.add_argument("--blocks", type=int, nargs="+", default=None, help="block counts per job (default: 32 256; --gpu-check: 256)")
-    parser.add_argument("--layers", type=int, default=32, help="layers per sweep job, 2 page tensors each (default: 32)")
-    parser.add_argument("--max-mib", type=int, default=512, help="cap on bytes moved per sweep job; fewer layers above it (default: 512)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernels", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--page-kib",
+        type=int,
+        nargs="+",
+        default=None,
+        help="page sizes in KiB (default: 1 4 16 64 256; --gpu-check: 4 16 32 64)",
+    )
+    parser.add_argument(
+        "--blocks", type=int, nargs="+", default=None, help="block counts per job (default: 32 256; --gpu-check: 256)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=32, help="layers per sweep job, 2 page tensors each (default: 32)"
+    )
+    parser.add_argument(
+        "--max-mib",
+        type=int,
+        default=512,
+        help="cap on bytes moved per sweep job; fewer layers above it (default: 512)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per method, median reported (default: 7)")
-    parser.add_argument("--num-programs", type=int, default=DEFAULT_NUM_PROGRAMS, help=f"Triton programs (default: {DEFAULT_NUM_PROGRAMS})")
-    parser.add_argument("--bytes-per-iter", type=int, default=DEFAULT_BYTES_PER_ITER, help=f"bytes per program iteration (default: {DEFAULT_BYTES_PER_ITER})")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)")
-    parser.add_argument("--no-pin", action="store_true", help="use a pageable slab on CUDA (the Triton path then refuses it)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats; writes <name>-quick, no verdicts")
+    parser.add_argument(
+        "--num-programs",
+        type=int,
+        default=DEFAULT_NUM_PROGRAMS,
+        help=f"Triton programs (default: {DEFAULT_NUM_PROGRAMS})",
+    )
+    parser.add_argument(
+        "--bytes-per-iter",
+        type=int,
+        default=DEFAULT_BYTES_PER_ITER,
+        help=f"bytes per program iteration (default: {DEFAULT_BYTES_PER_ITER})",
+    )
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)"
+    )
+    parser.add_argument(
+        "--no-pin", action="store_true", help="use a pageable slab on CUDA (the Triton path then refuses it)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats; writes <name>-quick, no verdicts",
+    )
     parser.add_argument(
         "--gpu-check", action="store_true",
         help="the trimmed run of bench/gpu_check.sh: triton, dma and contiguous at 32/4/16/64 KiB pages "
@@ -485,9 +558,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "JSON after every case",
     )  # fmt: skip
     parser.add_argument("--no-plot", action="store_true", help="write no PNG (the GPU check brings back few files)")
-    parser.add_argument("--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)")
+    parser.add_argument(
+        "--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)"
+    )
     parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
-    parser.add_argument("--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)")
+    parser.add_argument(
+        "--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)"
+    )
     parser.add_argument(
         "--fp8-programs", type=int, nargs="+", default=None,
         help="with --compression: program counts to time the fp8 gather at besides --num-programs, as triton-fp8-p<N> "
@@ -516,7 +593,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
         return 0
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     pin = device.type == "cuda" and not args.no_pin
     name = quick_name(args.name) if args.quick else args.name
     compression = KVCompression.parse(args.compression, "--compression")
@@ -534,7 +615,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The headline first: shuffled GPU blocks (no help from block runs) into fresh, consecutive slab slots.
         headline = [
             Job(*llama, rows, pattern, "headline")
-            for pattern, rows in (("random", "consecutive"), ("random", "random"), ("runs", "consecutive"), ("runs", "random"))
+            for pattern, rows in (
+                ("random", "consecutive"),
+                ("random", "random"),
+                ("runs", "consecutive"),
+                ("runs", "random"),
+            )
         ]
     if args.no_headline:
         headline = []
@@ -560,8 +646,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if device.type == "cuda":  # what ptxas made of each variant under this machine's Triton
             payload["compiled_variants"] = compiled_variants()
         write_json(name, payload)  # after every case: a run cut short keeps what finished
-    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.bandwidth_GBps, r.vs_contiguous] for r in results]
-    print(format_table(["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"], table))
+    table = [
+        [
+            r.kernel,
+            r.method,
+            r.page_bytes // KiB,
+            r.blocks,
+            r.layers,
+            r.pattern,
+            r.rows,
+            r.bandwidth_GBps,
+            r.vs_contiguous,
+        ]
+        for r in results
+    ]
+    print(
+        format_table(
+            ["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"],
+            table,
+        )
+    )
     head = [r for r in results if r.group == "headline"]
     if headline:
         title = "Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks" if not args.quick else "smoke run"
@@ -570,7 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kernel in ("gather", "scatter"):
             for r in (r for r in head if r.kernel == kernel):
                 mark = "*" if (r.pattern, r.rows) == first else " "
-                print(f" {mark}{r.kernel:7s} {r.method:10s} blocks={r.pattern:6s} rows={r.rows:11s} {r.bandwidth_GBps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous")
+                print(
+                    f" {mark}{r.kernel:7s} {r.method:10s} blocks={r.pattern:6s} rows={r.rows:11s} {r.bandwidth_GBps:8.2f} GB/s  {r.vs_contiguous:.3f} x contiguous"
+                )
     if args.gpu_check:
         print_trimmed_summary(results)
     if compression is not KVCompression.NONE:
@@ -645,7 +751,9 @@ def print_trimmed_summary(results: Sequence[Result]) -> None:
             triton = by.get("triton")
             faster = "dma" if triton is None or by["dma"].seconds < triton.seconds else "triton"
             triton_text = f"triton {triton.vs_contiguous:.2f}" if triton else "triton -"
-            print(f"  {kernel:7s} {readable_bytes(size):>7s}: {triton_text}  dma {by['dma'].vs_contiguous:.2f}  -> {faster}")
+            print(
+                f"  {kernel:7s} {readable_bytes(size):>7s}: {triton_text}  dma {by['dma'].vs_contiguous:.2f}  -> {faster}"
+            )
 
 
 if __name__ == "__main__":

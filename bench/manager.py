@@ -50,9 +50,10 @@ from dataclasses import asdict, dataclass
 from typing import Protocol, TypeVar, cast
 
 from bench.common import format_table, write_json
-from kvtriton.tools.geometry import PRESETS
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager, policy_names
+from kvtriton.specs import ReqContext
+from kvtriton.tools.geometry import PRESETS
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import (
     ManagerCalls,
@@ -63,11 +64,21 @@ from kvtriton.tools.replay import (
     prepare,
     replay_calls,
 )
-from kvtriton.specs import ReqContext
 from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
 from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
 
-__all__ = ["HeadlineRow", "ReplayResult", "Timing", "build_parser", "format_headline", "headline", "main", "replay", "simulate_command", "trace"]
+__all__ = [
+    "HeadlineRow",
+    "ReplayResult",
+    "Timing",
+    "build_parser",
+    "format_headline",
+    "headline",
+    "main",
+    "replay",
+    "simulate_command",
+    "trace",
+]
 
 VLLM_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 VLLM_BASE_MODULE = "vllm.v1.kv_offload.base"
@@ -81,7 +92,9 @@ QUICK_REQUESTS = 1_000
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-def simulate_command(params: PrefixSharingParams, seed: int, capacity: int, inflight: int, policies: Sequence[str]) -> str:
+def simulate_command(
+    params: PrefixSharingParams, seed: int, capacity: int, inflight: int, policies: Sequence[str]
+) -> str:
     """The ``kvtriton simulate`` command that replays this benchmark's trace, window and capacity.
 
     Its hit counts equal the benchmark's: same workload, seed and block size,
@@ -197,7 +210,7 @@ def _load_vllm() -> _Vllm | str:
         manager_module = importlib.import_module(VLLM_MANAGER_MODULE)
         base_module = importlib.import_module(VLLM_BASE_MODULE)
         version = str(getattr(importlib.import_module("vllm"), "__version__", "unknown"))
-    except Exception as error:  # vLLM missing, or present but broken (missing optional deps)
+    except Exception as error:  # noqa: BLE001 -- vLLM missing, or present but broken (missing optional deps)
         return f"{type(error).__name__}: {error}"
     manager_cls = cast(Callable[..., _VllmManager], manager_module.CPUOffloadingManager)
     context_cls = cast(Callable[..., _VllmContext], base_module.ReqContext)
@@ -217,7 +230,12 @@ def _load_vllm() -> _Vllm | str:
         return context_cls(req_id=req_id)
 
     return _Vllm(
-        version, make_manager, make_adapter, make_context, getattr(lookup_result, "HIT"), getattr(lookup_result, "HIT_PENDING")
+        version,
+        make_manager,
+        make_adapter,
+        make_context,
+        getattr(lookup_result, "HIT"),
+        getattr(lookup_result, "HIT_PENDING"),
     )
 
 
@@ -289,7 +307,9 @@ class HeadlineRow:
         return self.adapter.median / self.vllm.median
 
 
-def _timed_vllm_order(make: Callable[[], _VllmManager], vllm: _Vllm, requests: Sequence[PreparedRequest]) -> tuple[float, ReplayStats]:
+def _timed_vllm_order(
+    make: Callable[[], _VllmManager], vllm: _Vllm, requests: Sequence[PreparedRequest]
+) -> tuple[float, ReplayStats]:
     """Set up a fresh manager and contexts, freeze the GC heap, and time one vLLM-order replay."""
     manager = make()
     contexts = positioned_contexts(requests, vllm.make_context, block_size=BLOCK_TOKENS)
@@ -329,8 +349,8 @@ def headline(
         hit_rates: dict[str, float] = {}
         blocks = 0
         makers: dict[str, Callable[[], _VllmManager]] = {
-            "vllm": lambda: vllm.make_manager(capacity, policy),
-            "adapter": lambda: vllm.make_adapter(capacity, policy),
+            "vllm": lambda: vllm.make_manager(capacity, policy),  # noqa: B023 -- called within this iteration only
+            "adapter": lambda: vllm.make_adapter(capacity, policy),  # noqa: B023 -- called within this iteration only
         }
         for round_index in range(rounds):
             # Alternate which implementation goes first, so drift hits both alike.
@@ -361,7 +381,13 @@ HIT_RATE_BLOCK_TOKENS = 64
 
 def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> tuple[list[str], list[list[object]]]:
     """Block hit rates (%) of vLLM's manager and of kvtriton through its adapter, vLLM's call order, per workload and capacity."""
-    headers = ["workload / slots", "vLLM 0.33 LRU", "kvtriton LRU via the adapter", "vLLM ARC", "kvtriton ARC via the adapter"]
+    headers = [
+        "workload / slots",
+        "vLLM 0.33 LRU",
+        "kvtriton LRU via the adapter",
+        "vLLM ARC",
+        "kvtriton ARC via the adapter",
+    ]
     rows: list[list[object]] = []
     for workload in progress(workloads, total=len(workloads), label="hit rates"):
         requests = prepare(generate(workload, seed=0, block_size=block_tokens))
@@ -391,8 +417,14 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
     ]  # fmt: skip
     table: list[list[object]] = [
         [
-            row.workload, row.policy, row.capacity, _rate(row.vllm), _rate(row.adapter),
-            f"{row.speedup:.2f}x", f"{100 * row.vllm.hit_rate:.2f}", f"{100 * row.adapter.hit_rate:.2f}",
+            row.workload,
+            row.policy,
+            row.capacity,
+            _rate(row.vllm),
+            _rate(row.adapter),
+            f"{row.speedup:.2f}x",
+            f"{100 * row.vllm.hit_rate:.2f}",
+            f"{100 * row.adapter.hit_rate:.2f}",
         ]  # fmt: skip
         for row in rows
     ]
@@ -404,26 +436,45 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = PrefixSharingParams()
-    parser = argparse.ArgumentParser(prog="python -m bench.manager", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.manager", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument(
         "--requests",
         type=int,
         help=f"requests in the trace (default {defaults.requests}; {QUICK_REQUESTS} with --quick)",
     )
     parser.add_argument(
-        "--blocks-per-request", type=int, default=defaults.blocks_per_request, help="keys per request (default %(default)s)"
+        "--blocks-per-request",
+        type=int,
+        default=defaults.blocks_per_request,
+        help="keys per request (default %(default)s)",
     )
-    parser.add_argument("--prefixes", type=int, default=defaults.prefixes, help="distinct shared prefixes (default %(default)s)")
     parser.add_argument(
-        "--prefix-blocks", type=int, default=defaults.prefix_blocks, help="blocks per shared prefix (default %(default)s)"
+        "--prefixes", type=int, default=defaults.prefixes, help="distinct shared prefixes (default %(default)s)"
     )
-    parser.add_argument("--zipf-s", type=float, default=defaults.zipf_s, help="Zipf exponent of prefix popularity (default %(default)s)")
+    parser.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=defaults.prefix_blocks,
+        help="blocks per shared prefix (default %(default)s)",
+    )
+    parser.add_argument(
+        "--zipf-s", type=float, default=defaults.zipf_s, help="Zipf exponent of prefix popularity (default %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
-    parser.add_argument("--slots", type=int, default=8_192, help="cache slots of the direct-call table, a count, not a size (default %(default)s)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=8_192,
+        help="cache slots of the direct-call table, a count, not a size (default %(default)s)",
+    )
     parser.add_argument(
         "--inflight", type=int, default=4, help="requests whose transfers are still running (default %(default)s)"
     )
-    parser.add_argument("--repeats", type=int, help="replays per manager; the fastest counts (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--repeats", type=int, help="replays per manager; the fastest counts (default 3; 1 with --quick)"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -434,7 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies", nargs="+", default=policy_names(), choices=policy_names(), help="policies to run (default: all)"
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is importable")
-    parser.add_argument("--vllm-touch", action="store_true", help="also call touch() on vLLM (its 0.33 connector does not)")
+    parser.add_argument(
+        "--vllm-touch", action="store_true", help="also call touch() on vLLM (its 0.33 connector does not)"
+    )
     parser.add_argument("--name", default="manager", help="result file name under bench/results/ (default %(default)s)")
     head = parser.add_argument_group("headline (vLLM's call order; needs vLLM)")
     head.add_argument(
@@ -455,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=HEADLINE_FRACTION,
         help="headline capacity as a fraction of the trace's distinct prompt blocks (default %(default)s)",
     )
-    head.add_argument("--rounds", type=int, help=f"alternating timed rounds per point (default {HEADLINE_ROUNDS}; 1 with --quick)")
+    head.add_argument(
+        "--rounds", type=int, help=f"alternating timed rounds per point (default {HEADLINE_ROUNDS}; 1 with --quick)"
+    )
     head.add_argument("--no-headline", action="store_true", help="skip the headline, run only the direct-call table")
     head.add_argument(
         "--hit-rates",
@@ -529,12 +584,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(vllm, str):
         print(f"vLLM not importable ({vllm}); measuring kvtriton alone")
     if quick:
-        print("SMOKE RUN (--quick): small traces, one round; the figures only show that the benchmark runs, not its results")
+        print(
+            "SMOKE RUN (--quick): small traces, one round; the figures only show that the benchmark runs, not its results"
+        )
 
     rounds: int = args.rounds if args.rounds is not None else 1 if quick else HEADLINE_ROUNDS
     fraction: float = args.capacity_fraction
-    headline_requests: int | None = args.headline_requests if args.headline_requests is not None else (
-        QUICK_HEADLINE_REQUESTS if quick else None
+    headline_requests: int | None = (
+        args.headline_requests if args.headline_requests is not None else (QUICK_HEADLINE_REQUESTS if quick else None)
     )
     if rounds < 1 or not 0.0 < fraction <= 1.0 or (headline_requests is not None and headline_requests < 1):
         raise SystemExit(
@@ -547,7 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             vllm, args.workloads, args.policies, rounds=rounds, fraction=fraction, requests=headline_requests
         )
         print("headline: kvtriton through its vLLM adapter vs vLLM's manager, both in vLLM's call order, GC frozen;")
-        print(f"median blocks/s (range) over {rounds} alternating round(s), capacity {fraction:g} of the distinct prompt blocks")
+        print(
+            f"median blocks/s (range) over {rounds} alternating round(s), capacity {fraction:g} of the distinct prompt blocks"
+        )
         print(format_headline(head_rows))
         print()
         print("second table: direct calls (kvtriton's own API with touch), the prefix-sharing trace")
@@ -565,7 +624,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for policy, _ in progress(steps, total=len(steps), label="replaying"):
         # Alternate the implementations so machine noise hits both alike.
-        keep("kvtriton", policy, replay(manager_calls(CPUOffloadingManager(capacity, policy)), requests, ours_ctx, inflight))
+        keep(
+            "kvtriton",
+            policy,
+            replay(manager_calls(CPUOffloadingManager(capacity, policy)), requests, ours_ctx, inflight),
+        )
         if isinstance(vllm, _Vllm):
             contexts = _vllm_contexts(vllm, requests)
             manager = vllm.make_manager(capacity, policy)
@@ -578,7 +641,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
-        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up", "via adapter blocks/s", "via adapter hit rate", "adapter speed-up"]
+        headers += [
+            "vLLM blocks/s",
+            "vLLM hit rate",
+            "speed-up",
+            "via adapter blocks/s",
+            "via adapter hit rate",
+            "adapter speed-up",
+        ]
     table: list[list[object]] = []
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]
@@ -635,7 +705,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "speedup": None if row.vllm is None else row.kvtriton.blocks_per_s / row.vllm.blocks_per_s,
                     "kvtriton_via_vllm_adapter": record(row.adapter),
                     "adapter_speedup": (
-                        None if row.vllm is None or row.adapter is None else row.adapter.blocks_per_s / row.vllm.blocks_per_s
+                        None
+                        if row.vllm is None or row.adapter is None
+                        else row.adapter.blocks_per_s / row.vllm.blocks_per_s
                     ),
                 }
                 for row in rows

@@ -167,7 +167,9 @@ def _prepare(gguf: Path, target: Path) -> None:
 
     # Any: transformers' auto factories and GGUF loading are untyped.
     tokenizer: Any = cast(Any, AutoTokenizer).from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized: Any = cast(Any, AutoModelForCausalLM).from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    quantized: Any = cast(Any, AutoModelForCausalLM).from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     config = cast(dict[str, Any], quantized.config.to_dict())
     config.pop("quantization_config", None)  # vLLM would look for a GGUF file otherwise
     config["dtype"] = "bfloat16"
@@ -207,7 +209,7 @@ def prepared_model() -> PreparedModel:
     if marker.exists() and marker.read_text() == _marker():
         return _load(target)
     try:
-        import gguf  # noqa: F401  # pyright: ignore[reportUnusedImport] -- transformers reads GGUF files with it
+        import gguf  # noqa: F401 -- transformers reads GGUF files with it  # pyright: ignore[reportUnusedImport] -- the same reason
     except ImportError as error:
         raise ModelUnavailable(f"the gguf package is not installed (requirements-e2e.txt lists it): {error}") from None
     root = cache_root()

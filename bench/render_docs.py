@@ -185,7 +185,11 @@ def manager_before_range(results: Results) -> str:
 
 def manager_headline_verdict(results: Results) -> str:
     rows = _headline_rows(results)
-    short = [f"{row.get('workload')} {str(row.get('policy')).upper()}" for row in rows if _num(row, "speedup") < MANAGER_SPEEDUP_GOAL]
+    short = [
+        f"{row.get('workload')} {str(row.get('policy')).upper()}"
+        for row in rows
+        if _num(row, "speedup") < MANAGER_SPEEDUP_GOAL
+    ]
     lower = [
         f"{row.get('workload')} {str(row.get('policy')).upper()}"
         for row in rows
@@ -269,19 +273,29 @@ def kernels_headline_table(results: Results) -> str:
                 ratio = f"**{ratio}** ({gb_per_s(row):.1f} GB/s)"
             cells.append(ratio)
         table.append(cells)
-    headers = ["block pattern", *(f"{kernel} {'per-block loop' if method == 'loop' else method}" for kernel, method in columns)]
+    headers = [
+        "block pattern",
+        *(f"{kernel} {'per-block loop' if method == 'loop' else method}" for kernel, method in columns),
+    ]
     return _table(headers, table, "l" + "r" * len(columns))
 
 
 def _headline(results: Results, kernel: str, method: str) -> JSONObject:
     for row in _kernel_rows(results, "headline"):
-        if (row.get("kernel"), row.get("method"), row.get("pattern"), row.get("rows")) == (kernel, method, "random", "consecutive"):
+        if (row.get("kernel"), row.get("method"), row.get("pattern"), row.get("rows")) == (
+            kernel,
+            method,
+            "random",
+            "consecutive",
+        ):
             return row
     raise RenderError(f"kernels.json has no headline {kernel} row for {method}")
 
 
 def kernels_fallback_ratio(results: Results) -> str:
-    return " / ".join(f"{_num(_headline(results, kernel, 'torch'), 'vs_contiguous'):.2f}" for kernel in ("gather", "scatter"))
+    return " / ".join(
+        f"{_num(_headline(results, kernel, 'torch'), 'vs_contiguous'):.2f}" for kernel in ("gather", "scatter")
+    )
 
 
 def kernels_contiguous_range(results: Results) -> str:
@@ -308,7 +322,9 @@ def kernels_page_sizes(results: Results) -> str:
 def kernels_triton_summary(results: Results) -> str:
     rows = [row for row in _list(results("kernels").get("results")) if row.get("method") == "triton"]
     if not rows:
-        return f"**not measured yet**: `bench/results/kernels.json` holds no GPU run ({run_machine(results('kernels'))})"
+        return (
+            f"**not measured yet**: `bench/results/kernels.json` holds no GPU run ({run_machine(results('kernels'))})"
+        )
     ratios = [_num(row, "vs_contiguous") for row in rows if _num(row, "page_bytes") >= 16384]
     return f"worst {min(ratios):.2f} of the contiguous copy for pages >= 16 KiB ({run_machine(results('kernels'))})"
 
@@ -323,7 +339,9 @@ def kernels_ptx_table(results: Results) -> str:
         multiplies = cast(list[object], row.get("narrow_multiplies") or [])
         table.append([str(row.get("kernel")), widths(row.get("loads")), widths(row.get("stores")),
                       "none" if not multiplies else f"{len(multiplies)}"])  # fmt: skip
-    return _table(["kernel, page size", "global loads", "global stores", "32-bit multiplies feeding an address"], table, "llll")
+    return _table(
+        ["kernel, page size", "global loads", "global stores", "32-bit multiplies feeding an address"], table, "llll"
+    )
 
 
 def kernels_ptx_summary(results: Results) -> str:
@@ -363,7 +381,9 @@ def engine_summary(results: Results) -> str:
         count = int(_num(row, "page_tensors"))
         worst[count] = max(worst[count], _num(row, "current_median_us"))
     goals = {int(_num(row, "page_tensors")): _num(row, "goal_us") for row in rows}
-    return "; ".join(f"{worst[count]:.1f} us at {count} page tensors (goal {goals[count]:g})" for count in sorted(worst))
+    return "; ".join(
+        f"{worst[count]:.1f} us at {count} page tensors (goal {goals[count]:g})" for count in sorted(worst)
+    )
 
 
 # -- tiers (bench/tiers.py, bench/tiers_mooncake.py) ----------------------------------------------------
@@ -391,7 +411,12 @@ def tiers_bookkeeping_table(results: Results) -> str:
          f"{_num(_obj(costs[key]), 'lookup_us'):.2f}"]
         for key, name in (("vllm", "vLLM"), ("kvtriton", "kvtriton"))
     ]  # fmt: skip
-    headers = ["primary", "promotion slot (`prepare_write` + `complete_write`)", "cascade pin (`prepare_read` + `complete_read`)", "`lookup`"]
+    headers = [
+        "primary",
+        "promotion slot (`prepare_write` + `complete_write`)",
+        "cascade pin (`prepare_read` + `complete_read`)",
+        "`lookup`",
+    ]
     return _table(headers, table, "lrrr")
 
 
@@ -455,7 +480,9 @@ def compression_tiny_table(results: Results) -> str:
     """The end-to-end tests' tiny model per scheme: K and V error, attention error, next-token agreement and drift."""
     tiny = results("compression").get("tiny_model")
     if isinstance(tiny, str):  # why the run measured no tiny model ("skipped (--prompts 0)", transformers missing)
-        raise RenderError(f"bench/results/compression.json has no tiny-model figures ({tiny}): rerun python -m bench.compression")
+        raise RenderError(
+            f"bench/results/compression.json has no tiny-model figures ({tiny}): rerun python -m bench.compression"
+        )
     table = [
         [f"`{name}`", *(f"{_pct(_num(figures, key))}" for key in ("k_relative_rms_error", "v_relative_rms_error", "attention_relative_error",
                                                                     "top1_agreement", "first_token_top1_agreement")),
@@ -470,7 +497,9 @@ def compression_tiny_table(results: Results) -> str:
 def _real_model(results: Results) -> JSONObject:
     real = results("compression").get("real_model")
     if isinstance(real, str):  # why the run measured no real model (skipped, offline)
-        raise RenderError(f"bench/results/compression.json has no real-model figures ({real}): rerun python -m bench.compression")
+        raise RenderError(
+            f"bench/results/compression.json has no real-model figures ({real}): rerun python -m bench.compression"
+        )
     return _obj(real)
 
 
@@ -496,8 +525,10 @@ def compression_real_summary(results: Results) -> str:
         return (f"agreed with the exact run on {_num(f, 'first_token_agreement'):.0f} of {_num(f, 'prompts'):.0f} prompts"
                 f" and first diverged at token {_num(f, 'mean_first_divergence'):.1f} on average")  # fmt: skip
 
-    return (f"with kvtriton fp8 the first generated token {agreement('kvtriton fp8-e4m3')}; with vLLM's own"
-            f' `kv_cache_dtype="fp8"` on the same prompts it {agreement("vLLM fp8 KV cache")}')
+    return (
+        f"with kvtriton fp8 the first generated token {agreement('kvtriton fp8-e4m3')}; with vLLM's own"
+        f' `kv_cache_dtype="fp8"` on the same prompts it {agreement("vLLM fp8 KV cache")}'
+    )
 
 
 def compression_real_teacher_table(results: Results) -> str:
@@ -561,7 +592,14 @@ def summary_table(results: Results) -> str:
         record = results(name)
         return f"{run_date(record)}, {run_machine(record)}"
 
-    engine_goals = ", ".join(sorted({f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors" for r in _list(results("engine").get("results"))}))
+    engine_goals = ", ".join(
+        sorted(
+            {
+                f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
+                for r in _list(results("engine").get("results"))
+            }
+        )
+    )
     rows = [
         ["manager blocks/s vs vLLM 0.33's `CPUOffloadingManager`, kvtriton through its vLLM adapter, vLLM's call order, 4 workloads",
          f">= {MANAGER_SPEEDUP_GOAL:g}x for both policies on every workload, hit rate no lower",
@@ -667,7 +705,9 @@ def stale_regions(path: Path, results: Results) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.render_docs", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every stale region")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the result files (default: bench/results)")
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="folder of the result files (default: bench/results)"
+    )
     args = parser.parse_args(argv)
     results = Results(args.results)
     stale: list[str] = []

@@ -47,6 +47,7 @@ def _fail(message: str) -> NoReturn:
 
     raise RenderError(message)
 
+
 PREFIX_SHARING_FROM = "manager"
 """The result file whose ``simulate`` field is the prefix-sharing run's command (bench/manager.py writes it)."""
 

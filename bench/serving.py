@@ -99,7 +99,10 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("none", ()),
         Configuration("kvtriton", _kvtriton()),
         Configuration("kvtriton fp8-e4m3", _kvtriton(kvtriton_kv_compression="fp8-e4m3")),
-        Configuration("vLLM CPU offload", ("--kv-offloading-size", f"{HOST_BYTES / (1 << 30):g}", "--kv-offloading-backend", "native")),
+        Configuration(
+            "vLLM CPU offload",
+            ("--kv-offloading-size", f"{HOST_BYTES / (1 << 30):g}", "--kv-offloading-backend", "native"),
+        ),
     )
 }
 """The servers compared, in order."""
@@ -202,7 +205,9 @@ def vllm_offload_problem(env: Mapping[str, str]) -> str | None:
     platform = answer.stdout.strip().splitlines()[-1] if answer.stdout.strip() else f"unknown ({answer.stderr[-200:]})"
     if platform == "yes":
         return None
-    return f"not available on this platform ({platform}): vLLM's CPU offloading runs on CUDA-alike and XPU platforms only"
+    return (
+        f"not available on this platform ({platform}): vLLM's CPU offloading runs on CUDA-alike and XPU platforms only"
+    )
 
 
 def _free_port() -> int:
@@ -254,8 +259,14 @@ def server_env(device: str) -> dict[str, str]:
 
 
 def run_configuration(
-    configuration: Configuration, model: Path, workloads: Sequence[Dataset], *, num_prompts: int, engine_kv_bytes: int,
-    env: Mapping[str, str], scratch: Path,
+    configuration: Configuration,
+    model: Path,
+    workloads: Sequence[Dataset],
+    *,
+    num_prompts: int,
+    engine_kv_bytes: int,
+    env: Mapping[str, str],
+    scratch: Path,
 ) -> dict[str, dict[str, float]]:
     """One server for ``configuration``, every workload through it in turn; figures by workload."""
     folder = scratch / configuration.name.replace(" ", "-")
@@ -267,10 +278,16 @@ def run_configuration(
             before = prometheus_totals(_get(f"{url}/metrics") or "")
             client = bench_serve_command(model, url, workload, num_prompts=num_prompts, result_dir=folder,
                                          result_name=f"{workload.name}.json")  # fmt: skip
-            print(f"== {configuration.name}, {workload.name}: vllm bench serve ({num_prompts} prompts)", file=sys.stderr, flush=True)
+            print(
+                f"== {configuration.name}, {workload.name}: vllm bench serve ({num_prompts} prompts)",
+                file=sys.stderr,
+                flush=True,
+            )
             done = subprocess.run(client, env=dict(env), capture_output=True, text=True, timeout=3600, check=False)
             if done.returncode != 0:
-                raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+                raise RuntimeError(
+                    f"vllm bench serve failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}"
+                )
             after = prometheus_totals(_get(f"{url}/metrics") or "")
             result = json.loads((folder / f"{workload.name}.json").read_text())
             figures[workload.name] = summarize(result, prompt_token_sources(before, after))
@@ -279,15 +296,22 @@ def run_configuration(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests per dataset and configuration (default: 32)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=32, help="requests per dataset and configuration (default: 32)"
+    )
     parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
                         help=f"comma-separated, from: {', '.join(CONFIGURATIONS)} (default: all)")  # fmt: skip
-    parser.add_argument("--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct, prepared and cached)")
+    parser.add_argument(
+        "--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct, prepared and cached)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="vLLM's platform (default: cpu)")
     parser.add_argument("--engine-kv-bytes", type=int, default=ENGINE_KV_BYTES,
                         help=f"the engine's own KV cache (default: {ENGINE_KV_BYTES >> 20} MiB)")  # fmt: skip
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 8 prompts, shorter prompts, no connector and kvtriton only; writes serving-quick.json")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 8 prompts, shorter prompts, no connector and kvtriton only; writes serving-quick.json",
+    )
     parser.add_argument("--name", default="serving", help="result file stem (default: serving)")
     return parser.parse_args(argv)
 

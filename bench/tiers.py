@@ -115,7 +115,9 @@ def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: i
     extra: dict[str, object] = {
         "spec_name": spec_name,
         "cpu_bytes_to_use": chunks * chunk_bytes,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}],
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}
+        ],
     }
     if module is not None:
         extra["spec_module_path"] = module
@@ -128,14 +130,24 @@ def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: i
         model=OffloadingModelConfig(name="bench/tiers", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
         ),  # fmt: skip
     )
     return OffloadingSpecFactory.create_spec(config).get_manager()
 
 
-def run_pass(primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path, threads: int, first_key: int) -> PassResult:
+def run_pass(
+    primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path, threads: int, first_key: int
+) -> PassResult:
     """Cascade ``chunks`` fresh chunks to fs through ``primary``, then promote them all back; time both."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
@@ -242,16 +254,29 @@ def measure_bookkeeping(primary: str, chunks: int, batch: int) -> Bookkeeping:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.tiers", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--chunk-mib", type=float, nargs="+", default=[0.5, 2.0, 4.0], help="chunk sizes in MiB (default: 0.5 2 4)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tiers", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--chunk-mib", type=float, nargs="+", default=[0.5, 2.0, 4.0], help="chunk sizes in MiB (default: 0.5 2 4)"
+    )
     parser.add_argument("--total-mib", type=int, default=128, help="MiB moved per pass and direction (default: 128)")
     parser.add_argument("--batch", type=int, default=8, help="chunks per store, as one step stores them (default: 8)")
-    parser.add_argument("--repeats", type=int, default=None, help="passes per size and primary, best kept (default: 7, 1 with --quick)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="passes per size and primary, best kept (default: 7, 1 with --quick)"
+    )
     parser.add_argument("--threads", type=int, default=4, help="fs tier read and write threads each (default: 4)")
-    parser.add_argument("--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 16 MiB per pass, one repeat, no goal verdict; writes tiers-quick.json")
-    parser.add_argument("--name", default=None, help="result file name without .json (default: tiers, tiers-quick with --quick)")
+    parser.add_argument(
+        "--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 16 MiB per pass, one repeat, no goal verdict; writes tiers-quick.json",
+    )
+    parser.add_argument(
+        "--name", default=None, help="result file name without .json (default: tiers, tiers-quick with --quick)"
+    )
     return parser
 
 
@@ -272,7 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     total_mib: int = 16 if args.quick else args.total_mib
     sizes = [int(mib * (1 << 20)) for mib in args.chunk_mib]
     if repeats < 1 or args.batch < 1 or args.threads < 1 or total_mib < 1:
-        raise SystemExit(f"need --repeats, --batch, --threads and --total-mib >= 1; got {repeats}, {args.batch}, {args.threads}, {total_mib}")
+        raise SystemExit(
+            f"need --repeats, --batch, --threads and --total-mib >= 1; got {repeats}, {args.batch}, {args.threads}, {total_mib}"
+        )
     bad = [mib for mib, size in zip(args.chunk_mib, sizes) if size < 4096 or size % 4096]
     if bad:
         raise SystemExit(f"--chunk-mib must be multiples of 4 KiB (the fs tier reads with O_DIRECT), got {bad}")
@@ -282,21 +309,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"bench.tiers compares against vLLM's own primary and needs vLLM 0.33: {error}") from None
 
     base = Path(tempfile.mkdtemp(prefix="kvtriton-bench-tiers-", dir=args.root))
-    print(f"fs root: {base}; {total_mib} MiB per pass; batches of {args.batch}; {args.threads}+{args.threads} fs threads")
-    steps = [(size, repeat, primary) for size in sizes for repeat in range(repeats) for primary in (PASS_ORDER if repeat % 2 == 0 else PASS_ORDER[::-1])]
+    print(
+        f"fs root: {base}; {total_mib} MiB per pass; batches of {args.batch}; {args.threads}+{args.threads} fs threads"
+    )
+    steps = [
+        (size, repeat, primary)
+        for size in sizes
+        for repeat in range(repeats)
+        for primary in (PASS_ORDER if repeat % 2 == 0 else PASS_ORDER[::-1])
+    ]
     results: dict[tuple[int, str], list[PassResult]] = {}
     first_key = 0
     try:
         for size, _, primary in progress(steps, total=len(steps), label="tier passes"):
             chunks = max(1, (total_mib << 20) // size)
             root = base / "fs"  # one root for both primaries; distinct keys keep their files apart
-            results.setdefault((size, primary), []).append(run_pass(primary, size, chunks, args.batch, root, args.threads, first_key))
+            results.setdefault((size, primary), []).append(
+                run_pass(primary, size, chunks, args.batch, root, args.threads, first_key)
+            )
             first_key += chunks
             shutil.rmtree(root, ignore_errors=True)  # the next pass writes fresh files, not over old ones
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    headers = ["chunk MiB", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s", "ratio", "median ratio", "vLLM/vLLM (A/A)"]
+    headers = [
+        "chunk MiB",
+        "direction",
+        "vLLM chunks/s",
+        "vLLM GB/s",
+        "kvtriton chunks/s",
+        "kvtriton GB/s",
+        "ratio",
+        "median ratio",
+        "vLLM/vLLM (A/A)",
+    ]
     table: list[list[object]] = []
     records: list[dict[str, object]] = []
     worst = float("inf")
@@ -336,10 +382,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for primary in PRIMARIES:
         runs = bookkeeping[primary]
         costs[primary] = {
-            field: statistics.median(float(getattr(run, field)) for run in runs) for field in ("write_us", "read_us", "lookup_us")
+            field: statistics.median(float(getattr(run, field)) for run in runs)
+            for field in ("write_us", "read_us", "lookup_us")
         }
         cost_rows.append([primary, costs[primary]["write_us"], costs[primary]["read_us"], costs[primary]["lookup_us"]])
-    print(f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):")
+    print(
+        f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):"
+    )
     print(format_table(["primary", "promotion slot (write)", "cascade pin (read)", "lookup"], cost_rows))
     if args.quick:
         verdict = f"smoke run (--quick, {total_mib} MiB, {repeats} pass): no verdict on the goal >= {GOAL_RATIO}"
@@ -348,7 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"worst kvtriton/vLLM ratio {worst:.3f} (best passes), {worst_median:.3f} (medians): {verdict}")
     # Only the primary's calls differ between the two runs; if kvtriton's are cheaper than vLLM's, its primary
     # cannot slow the tier traffic down, whatever the disk's noise does to the end-to-end ratio.
-    extra_us = costs["kvtriton"]["write_us"] + costs["kvtriton"]["read_us"] - costs["vllm"]["write_us"] - costs["vllm"]["read_us"]
+    extra_us = (
+        costs["kvtriton"]["write_us"]
+        + costs["kvtriton"]["read_us"]
+        - costs["vllm"]["write_us"]
+        - costs["vllm"]["read_us"]
+    )
     print(
         f"noise floor: vLLM against itself moves the median ratio by up to {noise:.3f}; kvtriton's primary calls cost"
         f" {extra_us:+.2f} us per chunk against vLLM's (cascade pin + promotion slot)"

@@ -97,20 +97,51 @@ def gbps(total_bytes: int, seconds: float) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.tiers_mooncake", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--chunk-mib", type=float, nargs="+", default=list(DEFAULT_CHUNK_MIB), help="chunk sizes in MiB (default 0.5 2 4)")
-    parser.add_argument("--total-mib", type=int, help="bytes moved per size and direction, in MiB (default 256; 16 with --quick)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tiers_mooncake", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--chunk-mib",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_CHUNK_MIB),
+        help="chunk sizes in MiB (default 0.5 2 4)",
+    )
+    parser.add_argument(
+        "--total-mib", type=int, help="bytes moved per size and direction, in MiB (default 256; 16 with --quick)"
+    )
     parser.add_argument("--chunks-per-job", type=int, default=8, help="chunks per store/load job (default %(default)s)")
-    parser.add_argument("--io-threads", type=int, default=4, help="the tier's io_threads and the raw path's threads (default %(default)s)")
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=4,
+        help="the tier's io_threads and the raw path's threads (default %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, help="runs per path; the fastest counts (default 3; 1 with --quick)")
-    parser.add_argument("--promotions", type=int, default=5, help="single-chunk promotions timed per size (default %(default)s)")
-    parser.add_argument("--step-ms", type=float, default=5.0, help="scheduler step period for the promotion latency (default %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 16 MiB per size and one repeat, no goal verdict; writes tiers_mooncake-quick.json")
-    parser.add_argument("--name", default=None,
-                        help="result file name under bench/results/ (default tiers_mooncake, tiers_mooncake-quick with --quick)")
-    parser.add_argument("--mooncake-log", action="store_true",
-                        help="show the Mooncake client library's own log on stderr instead of summarising it in one line")
+    parser.add_argument(
+        "--promotions", type=int, default=5, help="single-chunk promotions timed per size (default %(default)s)"
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=5.0,
+        help="scheduler step period for the promotion latency (default %(default)s)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 16 MiB per size and one repeat, no goal verdict; writes tiers_mooncake-quick.json",
+    )
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="result file name under bench/results/ (default tiers_mooncake, tiers_mooncake-quick with --quick)",
+    )
+    parser.add_argument(
+        "--mooncake-log",
+        action="store_true",
+        help="show the Mooncake client library's own log on stderr instead of summarising it in one line",
+    )
     return parser
 
 
@@ -147,7 +178,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"chunk {size} MiB ...", flush=True)
                 results.append(
                     measure_size(
-                        cluster.master_address, workdir, size, total_mib, per_job, threads, repeats, args.promotions, args.step_ms
+                        cluster.master_address,
+                        workdir,
+                        size,
+                        total_mib,
+                        per_job,
+                        threads,
+                        repeats,
+                        args.promotions,
+                        args.step_ms,
                     )
                 )
     finally:
@@ -168,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if quick:
         print(f"smoke run (--quick, {total_mib} MiB, {repeats} repeat): no verdict on the goal >= {OVERHEAD_GOAL}")
     else:
-        print(f"worst tier/raw ratio {worst:.3f}: goal >= {OVERHEAD_GOAL} {'met' if worst >= OVERHEAD_GOAL else 'NOT met'}")
+        print(
+            f"worst tier/raw ratio {worst:.3f}: goal >= {OVERHEAD_GOAL} {'met' if worst >= OVERHEAD_GOAL else 'NOT met'}"
+        )
     path = write_json(
         name,
         {
@@ -223,7 +264,13 @@ def measure_size(
         for start in range(0, chunks, per_job):
             job_id = next(job_ids)
             jobs.add(job_id)
-            job = TransferJob(job_id, keys[start : start + per_job], np.arange(first_row + start, first_row + start + per_job), load, context)
+            job = TransferJob(
+                job_id,
+                keys[start : start + per_job],
+                np.arange(first_row + start, first_row + start + per_job),
+                load,
+                context,
+            )
             (tier.submit_load if load else tier.submit_store)(job)
         failed: list[int] = []
         while jobs:
@@ -243,7 +290,15 @@ def measure_size(
         rows[chunks:] = 0
 
     total = chunks * chunk_bytes
-    tier = MooncakeStoreTier(spec, view, "MooncakeStoreTier", master_server_address=master, namespace="bench", io_threads=threads, timeout_s=30.0)
+    tier = MooncakeStoreTier(
+        spec,
+        view,
+        "MooncakeStoreTier",
+        master_server_address=master,
+        namespace="bench",
+        io_threads=threads,
+        timeout_s=30.0,
+    )
     store = open_store(MooncakeTierConfig(master_server_address=master, timeout_s=30.0))
     if store is None or not tier.wait_until_up(30.0):
         raise RuntimeError(f"could not reach the Mooncake master at {master}")
@@ -252,7 +307,9 @@ def measure_size(
         raise RuntimeError("registering the benchmark's memory with the raw client failed")
     pool = ThreadPoolExecutor(threads)
     fs_root = workdir / f"fs-{chunk_mib}"
-    fs_tier = FileSystemTierManager(spec, view, "fs", root_dir=str(fs_root), n_read_threads=threads, n_write_threads=threads)
+    fs_tier = FileSystemTierManager(
+        spec, view, "fs", root_dir=str(fs_root), n_read_threads=threads, n_write_threads=threads
+    )
     try:
 
         def tier_run() -> tuple[float, float]:
@@ -272,7 +329,9 @@ def measure_size(
                 return store.batch_put_from([names[i] for i in batch], [base + i * chunk_bytes for i in batch], sizes)
 
             def get(batch: range) -> list[int]:
-                return store.batch_get_into([names[i] for i in batch], [base + (chunks + i) * chunk_bytes for i in batch], sizes)
+                return store.batch_get_into(
+                    [names[i] for i in batch], [base + (chunks + i) * chunk_bytes for i in batch], sizes
+                )
 
             started = time.perf_counter()
             put_codes = [code for codes in pool.map(put, batches) for code in codes]
@@ -336,7 +395,12 @@ def measure_size(
 
 
 def promotion_latency(
-    tier: MooncakeStoreTier, promotions: int, step_ms: float, keys: list[OffloadKey], chunks: int, job_ids: Iterator[int]
+    tier: MooncakeStoreTier,
+    promotions: int,
+    step_ms: float,
+    keys: list[OffloadKey],
+    chunks: int,
+    job_ids: Iterator[int],
 ) -> tuple[float, float]:
     """Median steps and ms from a chunk's first lookup to its loaded chunk, one scheduler step every ``step_ms``."""
     end_of_step = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -393,8 +457,16 @@ def _offloading_config(chunk_bytes: int) -> OffloadingConfig:
         model=OffloadingModelConfig(name="bench", dtype="float16", max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
         ),  # fmt: skip
         canonical_layout=False,
     )

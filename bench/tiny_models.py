@@ -54,8 +54,8 @@ class TinyLlama:
         )
         if self.layer_types is not None:
             # vLLM's Llama reads these per layer (sliding window where "sliding_attention"); saved in config.json.
-            setattr(config, "layer_types", list(self.layer_types))  # noqa: B010 -- not a LlamaConfig parameter
-            setattr(config, "sliding_window", self.sliding_window)  # noqa: B010 -- same
+            setattr(config, "layer_types", list(self.layer_types))  # not a LlamaConfig parameter
+            setattr(config, "sliding_window", self.sliding_window)  # same
         torch.manual_seed(seed)  # pyright: ignore[reportUnknownMemberType] -- torch's stub leaves the seed untyped
         return LlamaForCausalLM(config)
 

@@ -6,7 +6,6 @@ exported from here is fully annotated. Importing this package does not import
 triton; the first Triton launch does.
 """
 
-from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, gather_pages, scatter_pages, select_path
 from .compression import (
     KVCompression,
     NonFiniteKVError,
@@ -16,6 +15,7 @@ from .compression import (
     scatter_pages_compressed,
     scatter_pages_compressed_reference,
 )
+from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, gather_pages, scatter_pages, select_path
 from .reference import gather_pages_reference, scatter_pages_reference
 from .validation import PageGeometry, describe_pages
 

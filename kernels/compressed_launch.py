@@ -136,7 +136,9 @@ class CompressedLauncher:
             if page.compressed:
                 kinds.setdefault((page.dtype, page.elements, page.group_size), []).append(t)
         with on_device(self.device):
-            self._launches = [_KindLaunch(members, pages, slab, geometry, layout, bytes_per_iter) for members in kinds.values()]
+            self._launches = [
+                _KindLaunch(members, pages, slab, geometry, layout, bytes_per_iter) for members in kinds.values()
+            ]
             passthrough = layout.passthrough_geometry(geometry)
             self._copy: CopyLauncher | None = None
             if passthrough is not None:
@@ -166,7 +168,9 @@ class CompressedLauncher:
             raise ValueError("a compressed gather needs a status tensor to report non-finite values")
         with on_device(self.device):
             for kind in self._launches:
-                self._launch(kind, to_slab, blocks, rows, count, min(self.num_programs, kind.config.units(count)), status)
+                self._launch(
+                    kind, to_slab, blocks, rows, count, min(self.num_programs, kind.config.units(count)), status
+                )
             if self._copy is not None:
                 self._copy.launch(to_slab, blocks, rows)
 

@@ -318,7 +318,12 @@ def _raw_bytes(page: torch.Tensor, page_bytes: int) -> torch.Tensor:
     """``page`` as an ``(N, page_bytes)`` uint8 view (pass-through pages: any dtype, no arithmetic)."""
     element = page.element_size()
     view = torch.empty(0, dtype=torch.uint8, device=page.device)
-    return view.set_(page.untyped_storage(), page.storage_offset() * element, (page.shape[0], page_bytes), (page.stride(0) * element, 1))
+    return view.set_(
+        page.untyped_storage(),
+        page.storage_offset() * element,
+        (page.shape[0], page_bytes),
+        (page.stride(0) * element, 1),
+    )
 
 
 def _last_wins(source: torch.Tensor, destination: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +341,11 @@ def _region(slab: torch.Tensor, start: int, length: int) -> torch.Tensor:
 
 
 def gather_compressed_unchecked(
-    pages: Sequence[torch.Tensor], slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, layout: CompressionLayout
+    pages: Sequence[torch.Tensor],
+    slab: torch.Tensor,
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    layout: CompressionLayout,
 ) -> bool:
     """Compress blocks ``blocks[i]`` into slab rows ``rows[i]`` (validated arguments); True when every value was finite."""
     if blocks.numel() == 0:
@@ -354,12 +363,18 @@ def gather_compressed_unchecked(
         finite = finite and not bool(bad.any())
         _region(slab, entry.row_offset, entry.elements).index_copy_(0, target_rows, codes.to(slab.device))
         scale_bytes = scales.contiguous().view(torch.uint8)
-        _region(slab, entry.row_offset + entry.scales_offset, scale_bytes.shape[1]).index_copy_(0, target_rows, scale_bytes.to(slab.device))
+        _region(slab, entry.row_offset + entry.scales_offset, scale_bytes.shape[1]).index_copy_(
+            0, target_rows, scale_bytes.to(slab.device)
+        )
     return finite
 
 
 def scatter_compressed_unchecked(
-    slab: torch.Tensor, pages: Sequence[torch.Tensor], rows: torch.Tensor, blocks: torch.Tensor, layout: CompressionLayout
+    slab: torch.Tensor,
+    pages: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    blocks: torch.Tensor,
+    layout: CompressionLayout,
 ) -> None:
     """Decompress slab rows ``rows[i]`` into blocks ``blocks[i]`` (validated arguments)."""
     if rows.numel() == 0:
@@ -373,7 +388,9 @@ def scatter_compressed_unchecked(
             _raw_bytes(page, entry.page_bytes).index_copy_(0, target, raw.to(page.device))
             continue
         codes = _region(slab, entry.row_offset, entry.elements).index_select(0, picked_rows).to(page.device)
-        scale_bytes = _region(slab, entry.row_offset + entry.scales_offset, 4 * entry.num_groups).index_select(0, picked_rows)
+        scale_bytes = _region(slab, entry.row_offset + entry.scales_offset, 4 * entry.num_groups).index_select(
+            0, picked_rows
+        )
         scales = scale_bytes.to(page.device).contiguous().view(torch.float32)
         values = dequantize_groups(codes, scales, entry.group_size, entry.dtype)
         _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
@@ -416,7 +433,9 @@ def _check_compressed_call(
     geometry = describe_pages(pages, pages_name)
     layout = compression_layout(pages, group_size, name=pages_name)
     # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
-    check_slab(slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages)))
+    check_slab(
+        slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages))
+    )
     check_scales_alignment(slab, slab_name)
     check_index_pair(
         source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
@@ -553,7 +572,13 @@ def _run_compressed(
     if path is KernelPath.INTERPRETER:
         interpreter_ready()
     launcher = CompressedLauncher(
-        pages, slab, geometry, layout, interpret=path is KernelPath.INTERPRETER, num_programs=knobs[0], bytes_per_iter=knobs[1]
+        pages,
+        slab,
+        geometry,
+        layout,
+        interpret=path is KernelPath.INTERPRETER,
+        num_programs=knobs[0],
+        bytes_per_iter=knobs[1],
     )
     if not to_slab:
         launcher.launch(False, blocks, rows, None)

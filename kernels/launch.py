@@ -110,7 +110,9 @@ def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
 
-def launch_config(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int) -> LaunchConfig:
+def launch_config(
+    pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int
+) -> LaunchConfig:
     """Word width, element size and chunking for these pages and this slab."""
     slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
     values = [slab.data_ptr(), slab_stride, *geometry.page_bytes, *geometry.row_offsets]
@@ -152,7 +154,12 @@ def page_table(pages: Sequence[torch.Tensor], geometry: PageGeometry, element_by
     reused under that kernel. :class:`CopyLauncher` holds its own for its lifetime.
     """
     entries = [
-        (page.data_ptr(), geometry.block_strides[t], geometry.row_offsets[t] // element_bytes, geometry.page_bytes[t] // element_bytes)
+        (
+            page.data_ptr(),
+            geometry.block_strides[t],
+            geometry.row_offsets[t] // element_bytes,
+            geometry.page_bytes[t] // element_bytes,
+        )
         for t, page in enumerate(pages)
     ]
     return torch.tensor(entries, dtype=torch.int64, device=geometry.device)
@@ -206,7 +213,9 @@ def page_size_groups(page_bytes: Sequence[int]) -> list[list[int]]:
 class _SizedLaunch:
     """The prepared launch of the page tensors of one page size (a subset of the launcher's pages)."""
 
-    def __init__(self, pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int) -> None:
+    def __init__(
+        self, pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int
+    ) -> None:
         self.config = launch_config(pages, slab, geometry, bytes_per_iter)
         self.table = page_table(pages, geometry, self.config.element_bytes)
         self.slab = slab_elements(slab, self.config.element_bytes)
@@ -215,8 +224,21 @@ class _SizedLaunch:
         config, empty = self.config, self.table[:0]
         self.templates = {
             to_slab: CopyArguments(
-                self.table, self.slab, empty, empty, 0, self.row_stride, to_slab, config.num_pages,
-                config.page_elems, config.chunk, config.pairs, config.uniform, config.even, config.word, config.num_warps,
+                self.table,
+                self.slab,
+                empty,
+                empty,
+                0,
+                self.row_stride,
+                to_slab,
+                config.num_pages,
+                config.page_elems,
+                config.chunk,
+                config.pairs,
+                config.uniform,
+                config.even,
+                config.word,
+                config.num_warps,
             )  # fmt: skip
             for to_slab in (True, False)
         }
@@ -290,7 +312,9 @@ class CopyLauncher:
                 for to_slab in (True, False):
                     self._launch(sized, to_slab, indices[:32], indices[32:], 0, 1)
 
-    def _launch(self, sized: _SizedLaunch, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int) -> None:
+    def _launch(
+        self, sized: _SizedLaunch, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int
+    ) -> None:
         from .jit import copy_pages  # imports triton; a dictionary lookup after the first call
 
         arguments = sized.templates[to_slab]._replace(blocks=blocks, rows=rows, num_pairs=count)
@@ -332,5 +356,7 @@ def launch_copy(
     bytes_per_iter: int,
 ) -> None:
     """One launch moving every validated (block, row) pair of every page tensor (prepared for this call only)."""
-    launcher = CopyLauncher(pages, slab, geometry, interpret=interpret, num_programs=num_programs, bytes_per_iter=bytes_per_iter)
+    launcher = CopyLauncher(
+        pages, slab, geometry, interpret=interpret, num_programs=num_programs, bytes_per_iter=bytes_per_iter
+    )
     launcher.launch(to_slab, blocks, rows)

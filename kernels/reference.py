@@ -81,7 +81,9 @@ class _Strided:
         """The ``(items, pages, page_bytes // width)`` word view (no copy)."""
         words = torch.empty(0, dtype=_WORD_DTYPES[width], device=device)
         shape = (self.items, self.pages, self.page_bytes // width)
-        return words.set_(self.storage, self.offset // width, shape, (self.item_stride // width, self.page_stride // width, 1))
+        return words.set_(
+            self.storage, self.offset // width, shape, (self.item_stride // width, self.page_stride // width, 1)
+        )
 
 
 def _injective(sizes_and_strides: Sequence[tuple[int, int]]) -> bool:
@@ -119,13 +121,17 @@ def _join(group: _Strided, page: _Strided) -> _Strided | None:
         return None
     if word_width(pitch) < word_width(*group.alignment_values()):
         return None  # joining would narrow the words: not worth it
-    joined = _Strided(group.storage, group.offset, group.items, group.item_stride, group.pages + 1, pitch, group.page_bytes)
+    joined = _Strided(
+        group.storage, group.offset, group.items, group.item_stride, group.pages + 1, pitch, group.page_bytes
+    )
     # Written through, a view whose elements overlap would lose the "later page tensor wins" order.
     dims = ((joined.items, joined.item_stride), (joined.pages, pitch), (joined.page_bytes, 1))
     return joined if _injective(dims) else None
 
 
-def page_groups(pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def page_groups(
+    pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per group of page tensors: (its blocks as ``(N, G, words)``, the slab columns it maps to as ``(rows, G, words)``).
 
     Consecutive page tensors join a group when one strided view of their
@@ -311,7 +317,11 @@ def scatter_pages_reference(
 
 
 def gather_unchecked(
-    src: Sequence[torch.Tensor], dst: torch.Tensor, src_blocks: torch.Tensor, dst_rows: torch.Tensor, geometry: PageGeometry
+    src: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_rows: torch.Tensor,
+    geometry: PageGeometry,
 ) -> None:
     """The gather copy on already validated arguments."""
     if src_blocks.numel() == 0:
@@ -322,7 +332,11 @@ def gather_unchecked(
 
 
 def scatter_unchecked(
-    src: torch.Tensor, dst: Sequence[torch.Tensor], src_rows: torch.Tensor, dst_blocks: torch.Tensor, geometry: PageGeometry
+    src: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    geometry: PageGeometry,
 ) -> None:
     """The scatter copy on already validated arguments."""
     if src_rows.numel() == 0:

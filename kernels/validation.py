@@ -94,7 +94,9 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str, labels: Sequence[st
             raise ValueError(f"{label} must have a block dimension (dim 0), got a 0-d tensor")
         device = page.device if device is None else device
         if page.device != device:
-            raise ValueError(f"{label} is on {page.device} but {first_label} is on {device}; all page tensors must share one device")
+            raise ValueError(
+                f"{label} is on {page.device} but {first_label} is on {device}; all page tensors must share one device"
+            )
         if not block_is_contiguous(page):
             raise ValueError(
                 f"{label} has non-contiguous blocks: shape {tuple(page.shape)}, stride {page.stride()}; "

@@ -53,9 +53,7 @@ def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
 
 def _check_key(key: OffloadKey) -> None:
     if len(key) < GROUP_INDEX_BYTES:
-        raise ValueError(
-            f"key must hold at least {GROUP_INDEX_BYTES} bytes (the group index), got {len(key)}: {key!r}"
-        )
+        raise ValueError(f"key must hold at least {GROUP_INDEX_BYTES} bytes (the group index), got {len(key)}: {key!r}")
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:

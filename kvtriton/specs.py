@@ -12,7 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -31,7 +31,7 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-BlockIds = Union[Collection[int], NDArray[np.integer]]
+BlockIds = Collection[int] | NDArray[np.integer]
 """Anything that holds block ids: a list, tuple, range, set view or numpy array."""
 
 
@@ -184,13 +184,9 @@ class GPULoadStoreSpec(LoadStoreSpec):
         if any(index < 0 for index in indices):
             raise ValueError(f"block_indices must not be negative, got {indices}")
         if sum(sizes) != len(ids):
-            raise ValueError(
-                f"sum(group_sizes) = {sum(sizes)} does not match len(block_ids) = {len(ids)}"
-            )
+            raise ValueError(f"sum(group_sizes) = {sum(sizes)} does not match len(block_ids) = {len(ids)}")
         if len(indices) != len(sizes):
-            raise ValueError(
-                f"len(block_indices) = {len(indices)} does not match len(group_sizes) = {len(sizes)}"
-            )
+            raise ValueError(f"len(block_indices) = {len(indices)} does not match len(group_sizes) = {len(sizes)}")
         self.block_ids: NDArray[np.int64] = ids
         self.group_sizes: tuple[int, ...] = tuple(sizes)
         self.block_indices: tuple[int, ...] = tuple(indices)

@@ -16,9 +16,9 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hypothesis import HealthCheck, settings  # noqa: E402  (must follow the environment set-up)
+from hypothesis import HealthCheck, settings
 
-from kvtriton.kernels.jit.interpreter_probe import interpreter_problem  # noqa: E402
+from kvtriton.kernels.jit.interpreter_probe import interpreter_problem
 
 settings.register_profile(
     "ci",

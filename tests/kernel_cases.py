@@ -94,29 +94,39 @@ def kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Gener
 Maker = Callable[[tuple[int, ...], torch.dtype, torch.Generator, str], torch.Tensor]
 
 
-def _flash_attn(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _flash_attn(
+    dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     layers = [make((2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
     return [layer[kv] for layer in layers for kv in range(2)], layers
 
 
-def _flashinfer(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _flashinfer(
+    dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     layers = [make((NUM_BLOCKS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device) for _ in range(LAYERS)]
     return list(layers), layers
 
 
-def _mla(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _mla(
+    dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     layers = [make((NUM_BLOCKS, BLOCK_SIZE, 2 * HEAD_DIM + 4), dtype, g, device) for _ in range(LAYERS)]
     return list(layers), layers
 
 
-def _cross_layer(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _cross_layer(
+    dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     # (N, L, 2, bs, h, d): one strided view per layer, block stride = L pages.
     cache = make((NUM_BLOCKS, LAYERS, 2, BLOCK_SIZE, HEADS, HEAD_DIM), dtype, g, device)
     return [cache[:, layer] for layer in range(LAYERS)], [cache]
 
 
 def _odd_pages(sizes: tuple[int, ...]) -> Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    def build(dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def build(
+        dtype: torch.dtype, g: torch.Generator, device: str, make: Maker = random_tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         item = torch.empty((), dtype=dtype).element_size()
         owners = [make((NUM_BLOCKS, size // item), dtype, g, device) for size in sizes]
         return list(owners), owners
@@ -188,7 +198,9 @@ def block_bytes(page: torch.Tensor, blocks: list[int]) -> torch.Tensor:
     return picked.reshape(len(blocks), -1).view(torch.uint8)
 
 
-def build_sized_pages(sizes: tuple[int, ...], num_blocks: int, device: str, *, strided: bool = False, seed: int = 0) -> PageCase:
+def build_sized_pages(
+    sizes: tuple[int, ...], num_blocks: int, device: str, *, strided: bool = False, seed: int = 0
+) -> PageCase:
     """uint8 page tensors of these page sizes in bytes, ``num_blocks`` blocks each, holding random bytes.
 
     ``strided``: every page tensor is a column slice of one ``(num_blocks, sum + 16)``

@@ -9,7 +9,7 @@ from kvtriton.tools.bench_command import ALL_QUICK_DURATION, BENCHMARKS, SMOKE_R
 from kvtriton.tools.cli import main
 
 # A stand-in benchmark: records its argv and where it was told to write, like bench/common.py does.
-FAKE_BENCHMARK = '''
+FAKE_BENCHMARK = """
 import json, os, sys
 from pathlib import Path
 out = Path(os.environ.get("KVTRITON_BENCH_OUT") or Path(__file__).resolve().parent / "results")
@@ -17,7 +17,7 @@ out.mkdir(parents=True, exist_ok=True)
 (out / "{name}.json").write_text(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd()}}))
 print("{name} table row")
 sys.exit({code})
-'''
+"""
 
 
 def fake_checkout(root: Path, codes: dict[str, int] | None = None) -> Path:
@@ -79,9 +79,7 @@ def test_failing_benchmark_is_named_and_its_exit_code_returned(
     assert "failed: manager (exit 3)" in captured.err
 
 
-def test_bench_without_a_source_checkout_says_so_and_exits_2(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_without_a_source_checkout_says_so_and_exits_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "all", "--checkout", str(tmp_path)]) == 2
     err = capfd.readouterr().err
     assert "bench/ is not importable" in err and "source checkout" in err and str(tmp_path) in err
@@ -97,8 +95,14 @@ def test_bench_names_a_missing_benchmark_module(tmp_path: Path, capfd: pytest.Ca
     ("argv", "message"),
     [
         ([], "which benchmark? name one of manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all"),
-        (["disk"], "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all)"),
-        (["manager", "--requests", "5"], "unrecognized arguments: --requests 5 (arguments for the benchmark go after `--`)"),
+        (
+            ["disk"],
+            "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all)",
+        ),
+        (
+            ["manager", "--requests", "5"],
+            "unrecognized arguments: --requests 5 (arguments for the benchmark go after `--`)",
+        ),
         (["manager", "kernels"], "unrecognized arguments: kernels"),
     ],
 )
@@ -139,7 +143,11 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     text = capsys.readouterr().out
     for name, benchmark in BENCHMARKS.items():
         assert f"{name}: " in text and " ".join(benchmark.quick_flags) in text
-    assert "--full" in text and "--out" in text and "{manager,kernels,engine,tiers,tiers_mooncake,compression,serving,all} [-- ARGS]" in text
+    assert (
+        "--full" in text
+        and "--out" in text
+        and "{manager,kernels,engine,tiers,tiers_mooncake,compression,serving,all} [-- ARGS]" in text
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,17 @@ def test_info_reports_versions_and_machine_facts(capsys: pytest.CaptureFixture[s
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {
-        "python", "torch", "triton", "cuda_available", "device_name",
-        "pinned_memory", "memlock_limit", "triton_interpret", "memlock_verdict", "memory_verdict", "shm_verdict",
+        "python",
+        "torch",
+        "triton",
+        "cuda_available",
+        "device_name",
+        "pinned_memory",
+        "memlock_limit",
+        "triton_interpret",
+        "memlock_verdict",
+        "memory_verdict",
+        "shm_verdict",
         "engine_warmup",
     }
     assert report["torch"].startswith("2.")

@@ -16,8 +16,8 @@ from kvtriton.kernels import (
     scatter_pages_compressed_reference,
 )
 from kvtriton.kernels.compression import TINY_GROUP, decode_e4m3, dequantize_groups, encode_e4m3, quantize_groups
-from kvtriton.worker.layout import PagedKV
 from kvtriton.kernels.reference import int_list
+from kvtriton.worker.layout import PagedKV
 from tests.kernel_cases import COMPRESSIBLE_DTYPES, build_pages, build_slab, devices, indices, kv_tensor, synchronize
 
 BLOCKS = [4, 0, 5]
@@ -71,7 +71,9 @@ def test_paged_kv_groups_by_the_head_dimension_unless_the_layout_does_not_know_i
     flash = PagedKV.from_tensors([torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)], kv_compression="fp8-e4m3")
     assert flash.compression_layout is not None
     assert {page.group_size for page in flash.compression_layout.pages} == {64}
-    pages = PagedKV.from_tensors([torch.zeros(4, 4096, dtype=torch.bfloat16)], layout="pages", kv_compression="fp8-e4m3")
+    pages = PagedKV.from_tensors(
+        [torch.zeros(4, 4096, dtype=torch.bfloat16)], layout="pages", kv_compression="fp8-e4m3"
+    )
     assert pages.compression_layout is not None and pages.compression_layout.pages[0].group_size == 128
     assert pages.row_bytes == pages.compression_layout.row_bytes and pages.raw_row_bytes == 8192
 
@@ -153,7 +155,9 @@ def test_nan_and_infinity_are_refused_by_the_reference(bad: float) -> None:
     layout = compression_layout(case.pages, GROUP)
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     with pytest.raises(NonFiniteKVError, match="NaN or infinity"):
-        gather_pages_compressed_reference(case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=GROUP)
+        gather_pages_compressed_reference(
+            case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=GROUP
+        )
     # The offending element is written as the NaN code (with its sign), so a row used by mistake reads as NaN.
     code = int(slab[2, layout.pages[1].row_offset + 3])
     assert code & 0x7F == 0x7F
@@ -185,7 +189,9 @@ def test_a_compressed_slab_off_a_4_byte_boundary_is_refused_naming_it(misalignme
     slab = owner if misalignment == "row_stride" else owner[:, 1:]
     before = owner.clone()
     blocks, rows = indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu")
-    with pytest.raises(ValueError, match="dst must start on a 4-byte boundary and have a row stride that is a multiple of 4"):
+    with pytest.raises(
+        ValueError, match="dst must start on a 4-byte boundary and have a row stride that is a multiple of 4"
+    ):
         gather_pages_compressed(case.pages, slab, blocks, rows, group_size=GROUP)
     with pytest.raises(ValueError, match="dst must start on a 4-byte boundary"):
         gather_pages_compressed_reference(case.pages, slab, blocks, rows, group_size=GROUP)
@@ -204,16 +210,28 @@ def run_both(layout: str, dtype: torch.dtype, device: str, group: int, blocks: l
     row_bytes = compression_layout(oracle.pages, group).row_bytes
     slab = build_slab(case, 9, device, row_bytes=row_bytes)
     expected = build_slab(oracle, 9, "cpu", row_bytes=row_bytes)
-    gather_pages_compressed(case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int32, device), group_size=group)
+    gather_pages_compressed(
+        case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int32, device), group_size=group
+    )
     synchronize(device)
-    gather_pages_compressed_reference(oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int32, "cpu"), group_size=group)
+    gather_pages_compressed_reference(
+        oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int32, "cpu"), group_size=group
+    )
     assert torch.equal(slab.cpu(), expected)
     for owner in [*case.owners, *oracle.owners]:
         owner.view(torch.uint8).fill_(0xA5)
     targets = [1, 3, 5][: len(blocks)]  # other blocks than the gathered ones, each once
-    scatter_pages_compressed(slab, case.pages, indices(rows, torch.int64, device), indices(targets, torch.int64, device), group_size=group)
+    scatter_pages_compressed(
+        slab, case.pages, indices(rows, torch.int64, device), indices(targets, torch.int64, device), group_size=group
+    )
     synchronize(device)
-    scatter_pages_compressed_reference(expected, oracle.pages, indices(rows, torch.int64, "cpu"), indices(targets, torch.int64, "cpu"), group_size=group)
+    scatter_pages_compressed_reference(
+        expected,
+        oracle.pages,
+        indices(rows, torch.int64, "cpu"),
+        indices(targets, torch.int64, "cpu"),
+        group_size=group,
+    )
     for got, want in zip(case.memory(), oracle.memory()):
         assert torch.equal(got, want)
 
@@ -246,9 +264,23 @@ def test_a_small_tile_budget_walks_several_chunks_per_page_and_still_matches(dev
     layout = compression_layout(case.pages, 4)
     slab = build_slab(case, 9, device, row_bytes=layout.row_bytes)
     expected = slab.clone().cpu()
-    gather_pages_compressed(case.pages, slab, indices(BLOCKS, torch.int64, device), indices(ROWS, torch.int64, device), group_size=4, bytes_per_iter=16, num_programs=3)
+    gather_pages_compressed(
+        case.pages,
+        slab,
+        indices(BLOCKS, torch.int64, device),
+        indices(ROWS, torch.int64, device),
+        group_size=4,
+        bytes_per_iter=16,
+        num_programs=3,
+    )
     synchronize(device)
-    gather_pages_compressed_reference([page.cpu() for page in case.pages], expected, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=4)
+    gather_pages_compressed_reference(
+        [page.cpu() for page in case.pages],
+        expected,
+        indices(BLOCKS, torch.int64, "cpu"),
+        indices(ROWS, torch.int64, "cpu"),
+        group_size=4,
+    )
     assert torch.equal(slab.cpu(), expected)
 
 
@@ -268,10 +300,16 @@ def test_a_destination_named_twice_is_refused_but_the_reference_keeps_the_last()
     layout = compression_layout(case.pages, GROUP)
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     with pytest.raises(ValueError, match="dst_rows names destination 2 more than once"):
-        gather_pages_compressed(case.pages, slab, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), group_size=GROUP)
+        gather_pages_compressed(
+            case.pages, slab, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), group_size=GROUP
+        )
     twice, once = slab.clone(), slab.clone()
-    gather_pages_compressed_reference(case.pages, twice, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), group_size=GROUP)
-    gather_pages_compressed_reference(case.pages, once, indices([4], torch.int64, "cpu"), indices([2], torch.int64, "cpu"), group_size=GROUP)
+    gather_pages_compressed_reference(
+        case.pages, twice, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), group_size=GROUP
+    )
+    gather_pages_compressed_reference(
+        case.pages, once, indices([4], torch.int64, "cpu"), indices([2], torch.int64, "cpu"), group_size=GROUP
+    )
     assert torch.equal(twice, once)
 
 
@@ -280,7 +318,9 @@ def test_a_slab_sized_for_uncompressed_rows_is_accepted_but_one_too_narrow_is_re
     layout = compression_layout(case.pages, GROUP)
     narrow = torch.zeros(4, layout.row_bytes - 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="dst row too narrow"):
-        gather_pages_compressed(case.pages, narrow, indices([0], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), group_size=GROUP)
+        gather_pages_compressed(
+            case.pages, narrow, indices([0], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), group_size=GROUP
+        )
     assert not narrow.any()
 
 
@@ -295,13 +335,32 @@ def test_tiles_of_several_pairs_with_a_partial_last_tile_match_the_reference() -
     blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     expected = slab.clone()
-    gather_pages_compressed(case.pages, slab, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), group_size=GROUP, bytes_per_iter=512, num_programs=2)
-    gather_pages_compressed_reference(case.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), group_size=GROUP)
+    gather_pages_compressed(
+        case.pages,
+        slab,
+        indices(blocks, torch.int64, "cpu"),
+        indices(rows, torch.int64, "cpu"),
+        group_size=GROUP,
+        bytes_per_iter=512,
+        num_programs=2,
+    )
+    gather_pages_compressed_reference(
+        case.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), group_size=GROUP
+    )
     assert torch.equal(slab, expected)
     decoded = [torch.zeros_like(owner) for owner in case.owners]
     pages = [layer[kv] for layer in decoded for kv in range(2)]
     oracle = [torch.zeros_like(owner) for owner in case.owners]
     oracle_pages = [layer[kv] for layer in oracle for kv in range(2)]
-    scatter_pages_compressed(slab, pages, indices(rows, torch.int64, "cpu"), indices(blocks, torch.int64, "cpu"), group_size=GROUP, bytes_per_iter=512)
-    scatter_pages_compressed_reference(expected, oracle_pages, indices(rows, torch.int64, "cpu"), indices(blocks, torch.int64, "cpu"), group_size=GROUP)
+    scatter_pages_compressed(
+        slab,
+        pages,
+        indices(rows, torch.int64, "cpu"),
+        indices(blocks, torch.int64, "cpu"),
+        group_size=GROUP,
+        bytes_per_iter=512,
+    )
+    scatter_pages_compressed_reference(
+        expected, oracle_pages, indices(rows, torch.int64, "cpu"), indices(blocks, torch.int64, "cpu"), group_size=GROUP
+    )
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(decoded, oracle))

@@ -8,11 +8,16 @@ import logging
 import pytest
 import torch
 
-from kvtriton.kernels import KVCompression, compression_layout, gather_pages_compressed_reference, scatter_pages_compressed_reference
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 import kvtriton.worker.backends as backends_module
-from kvtriton.worker.backends import AutoRule, TransferBackend, choose_backend
 import kvtriton.worker.engine as engine_module
+from kvtriton.kernels import (
+    KVCompression,
+    compression_layout,
+    gather_pages_compressed_reference,
+    scatter_pages_compressed_reference,
+)
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.worker.backends import AutoRule, TransferBackend, choose_backend
 from kvtriton.worker.engine import NON_FINITE_WARNING_INTERVAL_S, EngineStats, TransferEngine
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection
@@ -61,7 +66,9 @@ def test_a_store_writes_the_reference_rows_and_a_load_decodes_them(backend: str)
         assert torch.equal(slab.rows[[9, 2, 3]], expected[[9, 2, 3]])
         target = [torch.zeros_like(tensor) for tensor in source]
         with TransferEngine(PagedKV.from_tensors(target, kv_compression="fp8-e4m3"), slab, backend) as engine:
-            assert engine.submit_load(2, CPULoadStoreSpec([4, 1]), GPULoadStoreSpec([0, 1, 5], group_sizes=[3], block_indices=[1]))
+            assert engine.submit_load(
+                2, CPULoadStoreSpec([4, 1]), GPULoadStoreSpec([0, 1, 5], group_sizes=[3], block_indices=[1])
+            )
             assert [result.success for result in engine.get_finished()] == [True]
         decoded = [torch.zeros_like(tensor) for tensor in source]
         scatter_pages_compressed_reference(
@@ -144,7 +151,10 @@ def test_nan_warnings_are_rate_limited_but_every_store_is_counted(
 
 def test_a_slab_sized_for_uncompressed_rows_still_works_but_one_too_narrow_names_the_compression() -> None:
     kv = PagedKV.from_tensors(kv_tensors())
-    with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as roomy, TransferEngine(kv, roomy, kv_compression="fp8-e4m3") as engine:
+    with (
+        HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as roomy,
+        TransferEngine(kv, roomy, kv_compression="fp8-e4m3") as engine,
+    ):
         assert engine.kv.row_bytes < roomy.row_bytes
     narrow_bytes = kv.with_compression("fp8-e4m3").row_bytes - 16
     with HostSlab(SLOTS, 1, narrow_bytes, pin=False) as narrow:
@@ -164,9 +174,13 @@ def test_a_bad_kv_compression_names_the_argument_and_dma_is_refused() -> None:
 def test_auto_takes_torch_where_it_would_take_dma_when_rows_are_compressed() -> None:
     cuda = torch.device("cuda", 0)
     for direction in TransferDirection:
-        chosen = choose_backend(TransferBackend.AUTO, direction, device=cuda, slab_pinned=False, page_bytes=4096, compressed=True)
+        chosen = choose_backend(
+            TransferBackend.AUTO, direction, device=cuda, slab_pinned=False, page_bytes=4096, compressed=True
+        )
         assert chosen is TransferBackend.TORCH
-        pinned = choose_backend(TransferBackend.AUTO, direction, device=cuda, slab_pinned=True, page_bytes=4096, compressed=True)
+        pinned = choose_backend(
+            TransferBackend.AUTO, direction, device=cuda, slab_pinned=True, page_bytes=4096, compressed=True
+        )
         assert pinned is TransferBackend.TRITON
 
 
@@ -198,6 +212,8 @@ def test_the_same_budget_buys_about_1_9x_the_slots_for_bf16_with_groups_of_128()
     plain = PagedKV.from_tensors(tensors)
     compressed = plain.with_compression("fp8-e4m3")
     budget = 1 << 30
-    ratio = HostSlab.slots_for_budget(budget, 2, compressed.row_bytes) / HostSlab.slots_for_budget(budget, 2, plain.row_bytes)
+    ratio = HostSlab.slots_for_budget(budget, 2, compressed.row_bytes) / HostSlab.slots_for_budget(
+        budget, 2, plain.row_bytes
+    )
     assert 1.9 < ratio < 1.95
     assert compressed.row_bytes == compression_layout(plain.pages, 128).row_bytes

@@ -3,12 +3,11 @@ from __future__ import annotations
 import re
 
 import pytest
-
 import torch
 
+import kvtriton.tools.demo as demo_module
 import kvtriton.worker.backends as backends_module
 import kvtriton.worker.engine as engine_module
-import kvtriton.tools.demo as demo_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.tools.cli import main
 from kvtriton.worker.layout import PagedKV
@@ -69,7 +68,18 @@ def test_demo_exits_nonzero_when_a_loaded_block_differs(
     assert "MISMATCH" in captured.err
 
 
-COMPRESSED_SMALL = [*SMALL[:-3], "--requests", "4", "--no-progress", "--device", "cpu", "--backend", "torch", "--compression", "fp8-e4m3"]
+COMPRESSED_SMALL = [
+    *SMALL[:-3],
+    "--requests",
+    "4",
+    "--no-progress",
+    "--device",
+    "cpu",
+    "--backend",
+    "torch",
+    "--compression",
+    "fp8-e4m3",
+]
 """Four requests (three system prompts: one repeats), on the CPU torch path: the compressed torch path is slow."""
 
 
@@ -87,7 +97,9 @@ def test_compressed_demo_checks_loads_against_the_reference_and_reports_bytes_sl
     slots = re.match(r"(\d+) for --capacity, (\d\.\d+)x the (\d+) uncompressed", _field(out, "slots"))
     assert slots is not None and (int(slots.group(1)), int(slots.group(3))) == (24 * 1024 // 462, 24 * 1024 // 896)
     error = re.match(r"max \|x - x'\| ([\d.e+-]+), mean ([\d.e+-]+) ", _field(out, "element error"))
-    assert error is not None and 0 < float(error.group(2)) < float(error.group(1)) < 1  # N(0, 1) values, 3 mantissa bits
+    assert (
+        error is not None and 0 < float(error.group(2)) < float(error.group(1)) < 1
+    )  # N(0, 1) values, 3 mantissa bits
     assert "note: LOSSY" in out
     assert "OK: every loaded block matched the torch reference's dequantized bytes (fp8-e4m3, lossy)" in out
 
@@ -115,7 +127,9 @@ def test_compressed_content_differs_block_by_block_after_quantization() -> None:
         content.row(block_hash)
     differ = (content.row(hashes[0]) != content.row(hashes[64])).nonzero().flatten()
     stamps = torch.tensor([byte for offset in kv.page_offsets for byte in range(offset, offset + 64)])
-    assert differ.numel() > 0 and bool(torch.isin(differ, stamps).all())  # same pool slice: only the stamps tell the originals apart
+    assert differ.numel() > 0 and bool(
+        torch.isin(differ, stamps).all()
+    )  # same pool slice: only the stamps tell the originals apart
     first, later = content.expected(hashes[0]), content.expected(hashes[64])
     assert not torch.equal(first, later)
     assert not torch.equal(first, content.row(hashes[0]))  # lossy: the round trip changed values
@@ -249,7 +263,9 @@ def test_a_slab_that_cannot_be_pinned_stops_the_demo_with_one_line_naming_the_fl
 ) -> None:
     class UnpinnableSlab(slab_module.HostSlab):
         def __init__(self, *args: int, allow_pageable: bool = False) -> None:
-            raise slab_module.SlabPinningError("cannot pin the 25165824-byte host slab; RLIMIT_MEMLOCK is 8388608 bytes")
+            raise slab_module.SlabPinningError(
+                "cannot pin the 25165824-byte host slab; RLIMIT_MEMLOCK is 8388608 bytes"
+            )
 
     monkeypatch.setattr(slab_module, "HostSlab", UnpinnableSlab)
     assert main(["demo", *SMALL]) == 2

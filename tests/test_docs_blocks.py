@@ -55,7 +55,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
 
-_FENCE = re.compile(r"^(?P<fence>```+|~~~+)[ \t]*(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.MULTILINE | re.DOTALL)
+_FENCE = re.compile(
+    r"^(?P<fence>```+|~~~+)[ \t]*(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.MULTILINE | re.DOTALL
+)
 _SKIP = re.compile(r"^<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->\s*$")
 _SHELL = {"sh", "bash", "shell", "console", "zsh"}
 _PLACEHOLDER = re.compile(r"<(?=[A-Za-z])[\w .:/@-]*>")
@@ -85,7 +87,9 @@ def blocks_in(source: Path) -> list[Block]:
         before = [previous for previous in text[: match.start()].splitlines() if previous.strip()]
         marker = _SKIP.match(before[-1].strip()) if before else None
         language = match.group("info").strip().split(" ")[0].lower() if match.group("info").strip() else ""
-        found.append(Block(source, line, language, match.group("body"), marker.group("reason").strip() if marker else None))
+        found.append(
+            Block(source, line, language, match.group("body"), marker.group("reason").strip() if marker else None)
+        )
     return found
 
 
@@ -280,7 +284,9 @@ def check_pip(argv: list[str]) -> None:
         if named:
             unknown = set(named.split(",")) - extras
             if unknown:
-                raise DocsProblem(f"pip install {word}: pyproject.toml has no extra {sorted(unknown)} (it has {sorted(extras)})")
+                raise DocsProblem(
+                    f"pip install {word}: pyproject.toml has no extra {sorted(unknown)} (it has {sorted(extras)})"
+                )
         if where == "kvtriton":
             raise DocsProblem(
                 f"pip install {word}: kvtriton is not published on a package index; install it from a clone"
@@ -469,7 +475,11 @@ def check_json(block: Block, tmp_path: Path) -> None:
     text = block.text.strip()
     lines = [line for line in text.splitlines() if line.strip()]
     try:
-        values = [json.loads(line) for line in lines] if all(line.lstrip().startswith("{") and line.rstrip().endswith("}") for line in lines) else [json.loads(text)]
+        values = (
+            [json.loads(line) for line in lines]
+            if all(line.lstrip().startswith("{") and line.rstrip().endswith("}") for line in lines)
+            else [json.loads(text)]
+        )
     except json.JSONDecodeError:
         try:
             values = [json.loads("{" + text + "}")]  # a fragment: "key": value
@@ -546,7 +556,9 @@ def test_shell_commands_join_continuations_and_quotes_and_split_chains() -> None
         ["kvtriton", "simulate", "--trace", "/dev/fd/63"],
         ["make", "test"],
     ]
-    assert list(shell_commands("output line\n$ kvtriton info\nmore output", prompts_only=True)) == [["kvtriton", "info"]]
+    assert list(shell_commands("output line\n$ kvtriton info\nmore output", prompts_only=True)) == [
+        ["kvtriton", "info"]
+    ]
 
 
 @pytest.mark.parametrize(
@@ -561,19 +573,36 @@ def test_shell_commands_join_continuations_and_quotes_and_split_chains() -> None
         (_block("pip install 'kvtriton[vllm]'"), "kvtriton is not published on a package index"),
         (_block("pip install './kvtriton[gpu]'"), "no extra ['gpu']"),
         (_block("mooncake_master --port=1"), "no check here knows `mooncake_master`"),
-        (_block("vllm serve m --kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\","
-                " \"kv_connector_extra_config\": {\"spec_name\": \"KVTritonOffloadingSpec\","
-                " \"spec_module_path\": \"kvtriton.integrations.vllm\", \"cpu_bytes_to_use\": 1,"
-                " \"eviction_policy\": \"fifo\"}}'"), "must be one of ['arc', 'lru'], got 'fifo'"),
-        (_block("vllm serve m --kv-transfer-config '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\","
-                " \"kv_connector_extra_config\": {\"spec_name\": \"TieringOffloadingSpec\", \"cpu_bytes_to_use\": 1,"
-                " \"secondary_tiers\": [{\"type\": \"fs\"}]}}'", skip="needs a GPU"), "missing a required argument: 'root_dir'"),
+        (
+            _block(
+                'vllm serve m --kv-transfer-config \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",'
+                ' "kv_connector_extra_config": {"spec_name": "KVTritonOffloadingSpec",'
+                ' "spec_module_path": "kvtriton.integrations.vllm", "cpu_bytes_to_use": 1,'
+                ' "eviction_policy": "fifo"}}\''
+            ),
+            "must be one of ['arc', 'lru'], got 'fifo'",
+        ),
+        (
+            _block(
+                'vllm serve m --kv-transfer-config \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",'
+                ' "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1,'
+                ' "secondary_tiers": [{"type": "fs"}]}}\'',
+                skip="needs a GPU",
+            ),
+            "missing a required argument: 'root_dir'",
+        ),
         (_block("if then", skip="needs a GPU"), "bash -n"),
         (_block("x = (", "python", skip="needs a GPU"), "not valid Python"),
         (_block("raise RuntimeError('stale example')", "python"), "raises RuntimeError: stale example"),
         (_block('{"id": "r1", "blocks": ["a", "b", "c"], "tokens": 40}', "json"), "trace reader refuses it"),
-        (_block('"secondary_tiers": [{"type": "MooncakeStoreTier", "module_path": "kvtriton.tiers.mooncake",'
-                ' "master_server_address": "nowhere"}]', "json"), "master_server_address must be 'host:port'"),
+        (
+            _block(
+                '"secondary_tiers": [{"type": "MooncakeStoreTier", "module_path": "kvtriton.tiers.mooncake",'
+                ' "master_server_address": "nowhere"}]',
+                "json",
+            ),
+            "master_server_address must be 'host:port'",
+        ),
     ],
     ids=lambda value: value.text[:40] if isinstance(value, Block) else "",
 )

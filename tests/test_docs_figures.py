@@ -26,7 +26,9 @@ def test_the_headline_figures_are_generated_in_the_readme_benchmarks_and_manager
         for path in render_docs.documents()
     }
     assert "manager-headline-range" in names["README.md"]
-    assert {"summary", "manager-headline-table", "kernels-headline-table", "tiers-table", "mooncake-table"} <= names["benchmarks.md"]
+    assert {"summary", "manager-headline-table", "kernels-headline-table", "tiers-table", "mooncake-table"} <= names[
+        "benchmarks.md"
+    ]
     assert {"compression-table", "compression-bytes", "run-compression"} <= names["benchmarks.md"]
     assert {"manager-headline-table", "manager-headline-range"} <= names["manager.md"]
 
@@ -40,7 +42,9 @@ def test_check_mode_names_a_figure_edited_by_hand_and_render_fixes_it(
     (tmp_path / "README.md").write_text(fresh.replace("ARC", "ARC 9.99x, was"))
     (tmp_path / "docs" / "index.md").write_text("no figures\n")
     monkeypatch.setattr(render_docs, "REPO", tmp_path)
-    monkeypatch.setattr(render_docs, "documents", lambda repo=tmp_path: [tmp_path / "README.md", tmp_path / "docs" / "index.md"])
+    monkeypatch.setattr(
+        render_docs, "documents", lambda repo=tmp_path: [tmp_path / "README.md", tmp_path / "docs" / "index.md"]
+    )
     assert render_docs.main(["--check"]) == 1
     assert "README.md: manager-headline-range" in capsys.readouterr().err
     assert render_docs.main([]) == 0
@@ -52,14 +56,19 @@ def test_a_block_region_stays_a_block_and_an_inline_one_inline() -> None:
     text = "<!-- generated:run-engine -->\nold\n<!-- /generated:run-engine --> and <!-- generated:run-engine -->old<!-- /generated:run-engine -->"
     rendered = render_text(text, Results())
     date = RENDERERS["run-engine"](Results())
-    assert rendered == f"<!-- generated:run-engine -->\n{date}\n<!-- /generated:run-engine --> and <!-- generated:run-engine -->{date}<!-- /generated:run-engine -->"
+    assert (
+        rendered
+        == f"<!-- generated:run-engine -->\n{date}\n<!-- /generated:run-engine --> and <!-- generated:run-engine -->{date}<!-- /generated:run-engine -->"
+    )
 
 
 def test_an_unknown_region_or_a_missing_result_file_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(RenderError, match="unknown generated region 'no-such-figure'"):
         render_text("<!-- generated:no-such-figure -->x<!-- /generated:no-such-figure -->", Results())
     with pytest.raises(RenderError, match="manager.json is missing"):
-        render_text("<!-- generated:manager-headline-range -->x<!-- /generated:manager-headline-range -->", Results(tmp_path))
+        render_text(
+            "<!-- generated:manager-headline-range -->x<!-- /generated:manager-headline-range -->", Results(tmp_path)
+        )
 
 
 def test_bandwidth_is_read_under_its_old_or_an_unambiguous_gb_per_s_name(tmp_path: Path) -> None:
@@ -83,4 +92,6 @@ def test_the_compression_figures_come_from_its_result_file(tmp_path: Path) -> No
     (tmp_path / "compression.json").write_text(json.dumps(record))
     assert "| `per-tensor fp8` |" in RENDERERS["compression-table"](Results(tmp_path))
     assert "| 50.00% |" in RENDERERS["compression-table"](Results(tmp_path))
-    assert RENDERERS["compression-bytes"](Results(tmp_path)).startswith("bfloat16 0.516x the bytes moved, 1.50x the blocks per GiB")
+    assert RENDERERS["compression-bytes"](Results(tmp_path)).startswith(
+        "bfloat16 0.516x the bytes moved, 1.50x the blocks per GiB"
+    )

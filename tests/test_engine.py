@@ -7,14 +7,14 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-import kvtriton.worker.backends as backends_module
 import kvtriton.kernels.launch as launch_module
+import kvtriton.worker.backends as backends_module
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker.backends import TransferBackend, choose_backend
-from kvtriton.worker.plan import TransferDirection, plan_transfer
 from kvtriton.worker.engine import TransferEngine, TransferLane, TransferResult
 from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.plan import TransferDirection, plan_transfer
 from kvtriton.worker.slab import HostSlab
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 BLOCKS, SLOTS = 8, 6
 STORE_TYPE, LOAD_TYPE = ("GPU", "CPU"), ("CPU", "GPU")
@@ -50,7 +50,9 @@ def test_auto_runs_the_torch_backend_on_cpu(engine: TransferEngine) -> None:
     assert engine.backend is TransferBackend.TORCH
 
 
-def choose(requested: TransferBackend, device: str, pinned: bool, direction: TransferDirection = STORE) -> TransferBackend:
+def choose(
+    requested: TransferBackend, device: str, pinned: bool, direction: TransferDirection = STORE
+) -> TransferBackend:
     return choose_backend(requested, direction, device=torch.device(device), slab_pinned=pinned, page_bytes=4096)
 
 
@@ -66,9 +68,18 @@ def test_a_table_row_with_a_page_size_threshold_switches_one_direction(monkeypat
     rule = backends_module.AutoRule("cuda", True, LOAD, 8192, TransferBackend.DMA)
     monkeypatch.setattr(backends_module, "AUTO_TABLE", (*backends_module.AUTO_TABLE, rule))
     cuda = torch.device("cuda", 0)
-    assert choose_backend(TransferBackend.AUTO, LOAD, device=cuda, slab_pinned=True, page_bytes=8192) is TransferBackend.DMA
-    assert choose_backend(TransferBackend.AUTO, LOAD, device=cuda, slab_pinned=True, page_bytes=4096) is TransferBackend.TRITON
-    assert choose_backend(TransferBackend.AUTO, STORE, device=cuda, slab_pinned=True, page_bytes=8192) is TransferBackend.TRITON
+    assert (
+        choose_backend(TransferBackend.AUTO, LOAD, device=cuda, slab_pinned=True, page_bytes=8192)
+        is TransferBackend.DMA
+    )
+    assert (
+        choose_backend(TransferBackend.AUTO, LOAD, device=cuda, slab_pinned=True, page_bytes=4096)
+        is TransferBackend.TRITON
+    )
+    assert (
+        choose_backend(TransferBackend.AUTO, STORE, device=cuda, slab_pinned=True, page_bytes=8192)
+        is TransferBackend.TRITON
+    )
 
 
 def test_triton_refuses_a_pageable_slab_on_cuda() -> None:
@@ -82,7 +93,9 @@ def test_triton_on_cpu_without_a_working_interpreter_is_an_error_not_a_silent_to
     monkeypatch.setattr(backends_module, "_interpreter_problem", lambda: "the interpreter is broken here")
     kv = make_kv()
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab:
-        with pytest.raises(ValueError, match="backend='triton' on CPU runs Triton's interpreter, but the interpreter is broken"):
+        with pytest.raises(
+            ValueError, match="backend='triton' on CPU runs Triton's interpreter, but the interpreter is broken"
+        ):
             TransferEngine(kv, slab, "triton")
 
 
@@ -230,12 +243,15 @@ def test_shutdown_keeps_results_and_refuses_new_jobs(engine: TransferEngine) -> 
     engine.shutdown()
 
 
-@pytest.mark.parametrize("backend", [TransferBackend.TORCH, TransferBackend.DMA, TransferBackend.TRITON], ids=lambda b: b.value)
+@pytest.mark.parametrize(
+    "backend", [TransferBackend.TORCH, TransferBackend.DMA, TransferBackend.TRITON], ids=lambda b: b.value
+)
 def test_an_empty_job_succeeds_at_once_without_touching_the_backend(
     backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kv = make_kv()
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, backend) as engine:
+
         def refuse(*args: object) -> None:
             raise AssertionError("an empty job reached the backend")
 

@@ -14,7 +14,11 @@ from bench.engine import BASELINE_COMMIT, ROOT, main, measure
 def _baseline_in_history() -> bool:
     """False in a shallow clone or an unpacked archive: the baseline commit cannot be read there."""
     try:
-        found = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BASELINE_COMMIT}^{{commit}}"], capture_output=True, check=False)
+        found = subprocess.run(
+            ["git", "-C", str(ROOT), "cat-file", "-e", f"{BASELINE_COMMIT}^{{commit}}"],
+            capture_output=True,
+            check=False,
+        )
     except OSError:
         return False
     return found.returncode == 0
@@ -31,10 +35,17 @@ def test_measure_times_submits_of_every_block_count_without_copying(monkeypatch:
 
 
 @pytest.mark.requires_interpreter
-@pytest.mark.skipif(not _baseline_in_history(), reason=f"commit {BASELINE_COMMIT[:12]} is not in this checkout's history")
+@pytest.mark.skipif(
+    not _baseline_in_history(), reason=f"commit {BASELINE_COMMIT[:12]} is not in this checkout's history"
+)
 def test_one_run_measures_current_and_baseline_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
-    assert main(["--page-tensors", "2", "--blocks", "1", "--jobs", "2", "--repeats", "1", "--device", "cpu", "--name", "t"]) == 0
+    assert (
+        main(
+            ["--page-tensors", "2", "--blocks", "1", "--jobs", "2", "--repeats", "1", "--device", "cpu", "--name", "t"]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "t.json").read_text())
     assert record["baseline_commit"] == BASELINE_COMMIT
     (row,) = record["results"]

@@ -18,19 +18,21 @@ import kvtriton.worker.backends as backends_module
 import kvtriton.worker.engine as engine_module
 import kvtriton.worker.slab as slab_module
 from kvtriton.kernels import gather_pages_compressed_reference, scatter_pages_compressed_reference
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker.backends import TransferBackend
 from kvtriton.worker.engine import TransferEngine, TransferLane
 from kvtriton.worker.layout import PagedKV
 from kvtriton.worker.plan import TransferDirection, TransferPlan
 from kvtriton.worker.slab import HostSlab
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BLOCKS, SLOTS, LAYERS = 32, 16, 3
 # A long kernel queued on the compute stream before the write the engine must wait for.
 SPIN_CYCLES = 200_000_000
-BACKENDS = pytest.mark.parametrize("backend", [TransferBackend.TRITON, TransferBackend.DMA, TransferBackend.TORCH], ids=lambda b: b.value)
+BACKENDS = pytest.mark.parametrize(
+    "backend", [TransferBackend.TRITON, TransferBackend.DMA, TransferBackend.TORCH], ids=lambda b: b.value
+)
 
 
 def make_tensors() -> list[torch.Tensor]:
@@ -46,7 +48,9 @@ def tensors() -> list[torch.Tensor]:
     return make_tensors()
 
 
-def make_engine(tensors: list[torch.Tensor], backend: TransferBackend, block_size_factor: int = 1) -> tuple[HostSlab, TransferEngine]:
+def make_engine(
+    tensors: list[torch.Tensor], backend: TransferBackend, block_size_factor: int = 1
+) -> tuple[HostSlab, TransferEngine]:
     kv = PagedKV.from_tensors(tensors)
     slab = HostSlab(SLOTS, block_size_factor, kv.row_bytes, pin=True)
     return slab, TransferEngine(kv, slab, backend)
@@ -127,7 +131,9 @@ def test_a_one_block_job_runs(engine: TransferEngine) -> None:
 
 
 @BACKENDS
-def test_blocks_spanning_slots_round_trip_with_a_block_size_factor(tensors: list[torch.Tensor], backend: TransferBackend) -> None:
+def test_blocks_spanning_slots_round_trip_with_a_block_size_factor(
+    tensors: list[torch.Tensor], backend: TransferBackend
+) -> None:
     slab, transfer = make_engine(tensors, backend, block_size_factor=4)
     with slab, transfer:
         # Group starts at block index 2 of its request: it enters slot 3 two rows in.
@@ -142,7 +148,9 @@ def test_blocks_spanning_slots_round_trip_with_a_block_size_factor(tensors: list
         assert [block_bytes(transfer, block) for block in (1, 2, 3, 4, 5)] == before
 
 
-def test_a_store_reads_what_the_compute_stream_wrote_before_it(engine: TransferEngine, tensors: list[torch.Tensor]) -> None:
+def test_a_store_reads_what_the_compute_stream_wrote_before_it(
+    engine: TransferEngine, tensors: list[torch.Tensor]
+) -> None:
     spin_compute_stream()
     for layer in tensors:
         layer[:, 6] = 1.5  # queued behind the spin
@@ -152,7 +160,9 @@ def test_a_store_reads_what_the_compute_stream_wrote_before_it(engine: TransferE
     assert torch.all(engine.slab.rows[1, : engine.kv.row_bytes].view(torch.bfloat16) == 1.5)
 
 
-def test_a_load_lands_after_compute_stream_writes_to_its_blocks(engine: TransferEngine, tensors: list[torch.Tensor]) -> None:
+def test_a_load_lands_after_compute_stream_writes_to_its_blocks(
+    engine: TransferEngine, tensors: list[torch.Tensor]
+) -> None:
     expected = block_bytes(engine, 6)
     store(engine, 0, [6], [1])
     finish(engine, 0)
@@ -211,7 +221,9 @@ def test_an_expedited_load_overtakes_an_ordinary_load_submitted_before_it(tensor
         finish(transfer, 2)
 
 
-def test_closing_the_slab_with_jobs_in_flight_drains_them_first_and_twice_is_a_no_op(tensors: list[torch.Tensor]) -> None:
+def test_closing_the_slab_with_jobs_in_flight_drains_them_first_and_twice_is_a_no_op(
+    tensors: list[torch.Tensor],
+) -> None:
     slab, transfer = make_engine(tensors, TransferBackend.TRITON)
     expected = block_bytes(transfer, 3)
     spin_compute_stream()  # the store below is queued behind this
@@ -284,7 +296,11 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 def test_an_engine_on_the_second_gpu_copies_there_whichever_gpu_is_current() -> None:
     tensors = [layer.to("cuda:1") for layer in make_tensors()]
     kv = PagedKV.from_tensors(tensors)
-    with torch.cuda.device(0), HostSlab(SLOTS, 1, kv.row_bytes, pin=True) as slab, TransferEngine(kv, slab, "triton") as transfer:
+    with (
+        torch.cuda.device(0),
+        HostSlab(SLOTS, 1, kv.row_bytes, pin=True) as slab,
+        TransferEngine(kv, slab, "triton") as transfer,
+    ):
         expected = block_bytes(transfer, 5)
         store(transfer, 0, [5], [2])
         load(transfer, 1, [2], [9])
@@ -296,7 +312,10 @@ def test_an_engine_on_the_second_gpu_copies_there_whichever_gpu_is_current() -> 
 def test_a_call_with_tensors_on_two_gpus_is_refused_before_anything_is_written() -> None:
     from kvtriton.kernels import gather_pages
 
-    pages = [torch.ones(4, 64, dtype=torch.uint8, device="cuda:0"), torch.ones(4, 64, dtype=torch.uint8, device="cuda:1")]
+    pages = [
+        torch.ones(4, 64, dtype=torch.uint8, device="cuda:0"),
+        torch.ones(4, 64, dtype=torch.uint8, device="cuda:1"),
+    ]
     slab = torch.zeros(4, 128, dtype=torch.uint8, device="cuda:0")
     index = torch.arange(2, device="cuda:0")
     with pytest.raises(ValueError, match="is on cuda:1 but"):
@@ -304,7 +323,9 @@ def test_a_call_with_tensors_on_two_gpus_is_refused_before_anything_is_written()
     assert int(slab.sum()) == 0
 
 
-@pytest.mark.parametrize("backend", [TransferBackend.TRITON, TransferBackend.DMA, TransferBackend.TORCH], ids=lambda b: b.value)
+@pytest.mark.parametrize(
+    "backend", [TransferBackend.TRITON, TransferBackend.DMA, TransferBackend.TORCH], ids=lambda b: b.value
+)
 def test_a_slab_pinned_in_many_registrations_round_trips_runs_that_cross_them(
     tensors: list[torch.Tensor], backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,15 +388,23 @@ def test_a_job_submitted_while_a_cuda_graph_is_captured_is_refused(tensors: list
 def test_a_job_copies_only_the_used_part_of_its_staging_buffer() -> None:
     staging = engine_module._Staging(64, torch.device("cuda"))  # pyright: ignore[reportPrivateUsage] -- the copy under test
     staging.device.fill_(-1)
-    plan = TransferPlan(TransferDirection.STORE, np.array([5, 6, 7], dtype=np.int64), np.array([1, 2, 3], dtype=np.int64))
+    plan = TransferPlan(
+        TransferDirection.STORE, np.array([5, 6, 7], dtype=np.int64), np.array([1, 2, 3], dtype=np.int64)
+    )
     device = staging.stage(plan)
     torch.cuda.synchronize()
-    assert [int(block) for block in device.gpu_blocks] == [5, 6, 7] and [int(row) for row in device.slab_rows] == [1, 2, 3]
+    assert [int(block) for block in device.gpu_blocks] == [5, 6, 7] and [int(row) for row in device.slab_rows] == [
+        1,
+        2,
+        3,
+    ]
     used = engine_module.staged_rows_at(3) + 3
     assert bool(staging.device[used:].eq(-1).all())  # the rest of the buffer was not copied
 
 
-def test_a_staging_failure_refuses_the_job_and_leaks_no_events(tensors: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_staging_failure_refuses_the_job_and_leaks_no_events(
+    tensors: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
     slab, transfer = make_engine(tensors, TransferBackend.TRITON)
     with slab, transfer:
         store(transfer, 0, [1], [1])

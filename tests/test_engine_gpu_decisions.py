@@ -100,7 +100,9 @@ def test_an_engine_cuts_its_dma_runs_at_the_slabs_registrations(
 
 def test_triton_is_refused_for_a_slab_the_device_reaches_at_other_addresses_and_auto_takes_dma() -> None:
     def choose(requested: TransferBackend, aliased: bool) -> TransferBackend:
-        return choose_backend(requested, STORE, device=CUDA, slab_pinned=True, page_bytes=4096, slab_device_aliased=aliased)
+        return choose_backend(
+            requested, STORE, device=CUDA, slab_pinned=True, page_bytes=4096, slab_device_aliased=aliased
+        )
 
     with pytest.raises(ValueError, match="backend='triton' needs every registration .* use backend='dma'"):
         choose(TransferBackend.TRITON, False)
@@ -178,7 +180,8 @@ def test_a_job_stages_blocks_then_rows_in_one_16_byte_aligned_prefix(count: int)
     blocks = np.arange(100, 100 + count, dtype=np.int64)
     rows = np.arange(200, 200 + count, dtype=np.int64)
     device = staging.stage(engine_module.TransferPlan(STORE, blocks, rows))
-    assert torch.equal(device.gpu_blocks, torch.from_numpy(blocks)) and torch.equal(device.slab_rows, torch.from_numpy(rows))  # pyright: ignore[reportUnknownMemberType] -- torch types from_numpy's argument as Unknown
+    assert torch.equal(device.gpu_blocks, torch.from_numpy(blocks))  # pyright: ignore[reportUnknownMemberType] -- torch types from_numpy's argument as Unknown
+    assert torch.equal(device.slab_rows, torch.from_numpy(rows))  # pyright: ignore[reportUnknownMemberType] -- as above
     rows_at = engine_module.staged_rows_at(count)
     assert device.slab_rows.data_ptr() - device.gpu_blocks.data_ptr() == 8 * rows_at
     assert device.gpu_blocks.data_ptr() % 16 == 0 and device.slab_rows.data_ptr() % 16 == 0

@@ -26,7 +26,9 @@ JOB_SIZES = (1, 2, 3, 7, 16, 33, 64, 129, 257)
 
 def make_kv() -> PagedKV:
     generator = torch.Generator().manual_seed(3)
-    tensors = [torch.randint(-(2**15), 2**15, (2, BLOCKS, 2, 8), dtype=torch.int16, generator=generator) for _ in range(2)]
+    tensors = [
+        torch.randint(-(2**15), 2**15, (2, BLOCKS, 2, 8), dtype=torch.int16, generator=generator) for _ in range(2)
+    ]
     return PagedKV.from_tensors(tensors, layout="flash_attn")
 
 
@@ -42,7 +44,9 @@ def test_jobs_of_every_size_request_only_the_variants_warm_up_compiled() -> None
                 blocks = list(range(size))
                 slots = list(range(BLOCKS - size, BLOCKS))
                 assert engine.submit_store(job, GPULoadStoreSpec(blocks), CPULoadStoreSpec(slots))
-                assert engine.submit_load(job + 1, CPULoadStoreSpec(slots), GPULoadStoreSpec(blocks), expedited=size % 2 == 1)
+                assert engine.submit_load(
+                    job + 1, CPULoadStoreSpec(slots), GPULoadStoreSpec(blocks), expedited=size % 2 == 1
+                )
                 job += 2
             results = engine.get_finished()
         assert len(results) == 2 * len(JOB_SIZES) and all(result.success for result in results)
@@ -55,7 +59,9 @@ def test_the_key_sees_a_misaligned_index_pointer_so_the_check_above_has_teeth() 
     # bytes off a 16-byte boundary: a second variant on a GPU.
     kv = make_kv()
     with HostSlab(4, 1, kv.row_bytes, pin=False) as slab:
-        launcher = CopyLauncher(kv.pages, slab.rows, kv.geometry, interpret=True, num_programs=4, bytes_per_iter=16 * 1024)
+        launcher = CopyLauncher(
+            kv.pages, slab.rows, kv.geometry, interpret=True, num_programs=4, bytes_per_iter=16 * 1024
+        )
         shared = torch.zeros(6, dtype=torch.int64)
         with record_variants() as aligned:
             launcher.launch(True, shared[0:2], shared[2:4])

@@ -52,7 +52,14 @@ def test_blocks_for_counts_only_whole_blocks() -> None:
 def test_non_positive_geometry_field_is_rejected_by_name(field: str) -> None:
     values: dict[str, int] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1, field: 0}
     with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
-        ModelGeometry("bad", values["num_layers"], values["num_kv_heads"], values["head_dim"], KVDtype.BFLOAT16, values["block_size"])
+        ModelGeometry(
+            "bad",
+            values["num_layers"],
+            values["num_kv_heads"],
+            values["head_dim"],
+            KVDtype.BFLOAT16,
+            values["block_size"],
+        )
 
 
 def test_kv_factor_other_than_one_or_two_is_rejected() -> None:
@@ -84,7 +91,9 @@ def test_a_bare_number_is_gib_the_one_unit_rule_of_every_command() -> None:
     assert SIZE_RULE.startswith("a bare number is GiB")
 
 
-@pytest.mark.parametrize(("text", "bare"), [("96", True), (" 1.5 ", True), ("96MiB", False), ("8G", False), ("x", False)])
+@pytest.mark.parametrize(
+    ("text", "bare"), [("96", True), (" 1.5 ", True), ("96MiB", False), ("8G", False), ("x", False)]
+)
 def test_is_bare_number_tells_a_size_without_a_unit(text: str, bare: bool) -> None:
     assert is_bare_number(text) is bare
 
@@ -98,7 +107,12 @@ def test_bad_capacity_is_rejected_naming_the_text(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "why"),
-    [("1e400", "must be finite"), ("1e400GiB", "must be finite"), ("1e-20", "less than one byte"), ("0.5B", "less than one byte")],
+    [
+        ("1e400", "must be finite"),
+        ("1e400GiB", "must be finite"),
+        ("1e-20", "less than one byte"),
+        ("0.5B", "less than one byte"),
+    ],
 )
 def test_capacity_that_is_not_a_whole_positive_byte_count_says_why(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=f"capacity {why}, got '{text}'"):

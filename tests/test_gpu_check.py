@@ -66,11 +66,15 @@ def test_the_dry_run_runs_every_step_and_writes_the_files_the_gpu_run_brings_bac
 
 
 def test_an_unknown_argument_is_refused_naming_it() -> None:
-    run = subprocess.run(["bash", str(SCRIPT), "--dryrun"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "--dryrun"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=False
+    )
     assert run.returncode == 2 and "unknown argument --dryrun" in run.stderr
 
 
-def test_a_step_past_its_budget_a_failing_one_and_a_skipped_one_are_each_recorded_and_the_next_runs(tmp_path: Path) -> None:
+def test_a_step_past_its_budget_a_failing_one_and_a_skipped_one_are_each_recorded_and_the_next_runs(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "out"
     script = (
         f"GPU_CHECK_FUNCTIONS_ONLY=1 source {SCRIPT} --dry-run\n"
@@ -80,7 +84,9 @@ def test_a_step_past_its_budget_a_failing_one_and_a_skipped_one_are_each_recorde
         'run_step fine 5 "$OUT/steps.log" echo still running\n'
     )
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
-    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    run = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     assert run.returncode == 0, run.stderr
     steps = json.loads((out / "summary.json").read_text())["steps"]
     assert [(step["name"], step["status"], step["budget"]) for step in steps] == [
@@ -94,10 +100,14 @@ def test_a_step_past_its_budget_a_failing_one_and_a_skipped_one_are_each_recorde
 def test_without_a_gpu_the_real_run_skips_every_gpu_step_naming_why_and_fails(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    run = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert run.returncode == 1, run.stdout[-3000:]
     steps = json.loads((out / "summary.json").read_text())["steps"]
-    assert [(step["name"], step["status"]) for step in steps] == [("preflight", "ok")] + [(name, "skipped") for name in STEPS[1:]]
+    assert [(step["name"], step["status"]) for step in steps] == [("preflight", "ok")] + [
+        (name, "skipped") for name in STEPS[1:]
+    ]
     assert all("no CUDA device" in step["detail"] for step in steps[1:])
     assert "verdict: INCOMPLETE; skipped: cuda_tests, fp8_tests, crossover, kernels, host_cost" in run.stdout
 

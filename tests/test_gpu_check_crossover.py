@@ -31,7 +31,8 @@ def test_the_crossover_is_where_dma_wins_at_every_larger_size() -> None:
     assert crossover(timings, "triton", "store", "random") == 32 * KiB
     # dma winning at 8 KiB but not at 16 KiB does not make 8 KiB the crossover.
     flipped = [
-        Timing("dma", t.direction, t.pattern, t.page_bytes, 1.0, 1.0) if (t.page_bytes, t.backend) == (8 * KiB, "dma")
+        Timing("dma", t.direction, t.pattern, t.page_bytes, 1.0, 1.0)
+        if (t.page_bytes, t.backend) == (8 * KiB, "dma")
         else t
         for t in timings
     ]

@@ -96,8 +96,10 @@ def _full_run(out: Path, statuses: dict[str, str]) -> None:
     )
     failures = "".join(f"FAILED tests/test_kernels_gather.py::test_{n}[cuda] - boom\n" for n in range(5))
     (out / "tests.log").write_text(
-        "== cuda_tests (budget 90 s)\n" + failures
-        + "============ 5 failed, 90 passed in 80.00s ============\n" + CUT_OFF_RUN
+        "== cuda_tests (budget 90 s)\n"
+        + failures
+        + "============ 5 failed, 90 passed in 80.00s ============\n"
+        + CUT_OFF_RUN
     )
     _write(out, "crossover.json", {
         "complete": False, "crossover_page_bytes": {"store/random": 16 * KiB, "store/runs": None},

@@ -96,7 +96,9 @@ def test_an_absurd_slab_size_is_refused_naming_the_flag_not_printed_in_27_digits
     assert "TiB" not in err
 
 
-def test_the_largest_mappable_slab_size_is_taken(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_largest_mappable_slab_size_is_taken(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
     assert main(["info", "--json", "--slab-size", f"{MAX_SLAB_BYTES}B"]) == 1  # taken, then too large for the RAM
     assert json.loads(capsys.readouterr().out)["memory_verdict"].startswith(TOO_LOW)

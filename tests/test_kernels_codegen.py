@@ -11,8 +11,8 @@ from typing import cast
 
 import pytest
 
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
 from bench.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 NUM_PAGES = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(page_bytes: int, to_slab: bool, index_type: str = "i64") -> CompiledKernel:
     from bench.compile_asm import UnsupportedTriton
 
@@ -164,7 +164,9 @@ def test_the_descriptor_per_copy_baseline_compiles_to_8_byte_scalar_accesses() -
 @KINDS
 @pytest.mark.parametrize("page_bytes", [8, 32768], ids=["tile-of-pairs", "one-pair-per-unit"])
 @pytest.mark.parametrize("constant", ["num_pairs", "row_stride"])
-def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compiles(to_slab: bool, constant: str, page_bytes: int) -> None:
+def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compiles(
+    to_slab: bool, constant: str, page_bytes: int
+) -> None:
     # Triton's launcher turns an int argument equal to 1 into a compile-time
     # constant (a plain int in the body): a one-pair job, or a one-element row
     # stride, must compile as well as the general case, in both code paths.
@@ -180,7 +182,9 @@ def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compi
         "CHUNK": config.chunk, "PAIRS": config.pairs, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
     }  # fmt: skip
     try:
-        asm = compile_asm("copy_pages", signature=signature, constexprs=constexprs, divisible_by_16=[], num_warps=config.num_warps)
+        asm = compile_asm(
+            "copy_pages", signature=signature, constexprs=constexprs, divisible_by_16=[], num_warps=config.num_warps
+        )
     except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
         pytest.skip(str(error))
     assert "st.global" in asm["ptx"]
@@ -223,7 +227,7 @@ COMPRESSED_VARIANTS = [
 ]  # fmt: skip
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compressed_kernels() -> dict[tuple[int, str, bool], CompiledKernel]:
     import torch
 
@@ -231,7 +235,10 @@ def compressed_kernels() -> dict[tuple[int, str, bool], CompiledKernel]:
     from bench.compile_asm import UnsupportedTriton
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    requests = [(compressed_production_config(size, NUM_PAGES, dtypes[name]), to_slab) for size, name, to_slab in COMPRESSED_VARIANTS]
+    requests = [
+        (compressed_production_config(size, NUM_PAGES, dtypes[name]), to_slab)
+        for size, name, to_slab in COMPRESSED_VARIANTS
+    ]
     try:
         kernels = compile_compress_pages(requests)
     except UnsupportedTriton as error:  # pragma: no cover - depends on the installed Triton
@@ -275,8 +282,12 @@ def test_the_fp8_kernels_multiply_block_and_row_offsets_in_64_bits(to_slab: bool
     assert any("%block" in m and m.endswith(": i64") for m in kernel.multiplies()), kernel.multiplies()
 
 
-@pytest.mark.parametrize(("page_bytes", "to_slab"), [(1024, True), (4096, True), (32768, True), (1024, False), (32768, False)])
-def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_words(page_bytes: int, to_slab: bool) -> None:
+@pytest.mark.parametrize(
+    ("page_bytes", "to_slab"), [(1024, True), (4096, True), (32768, True), (1024, False), (32768, False)]
+)
+def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_words(
+    page_bytes: int, to_slab: bool
+) -> None:
     # As in the copy kernel, small pages stack several index pairs per tile: every iteration of a
     # program reads (gather) or writes (scatter) bytes_per_iter of page bytes, whatever the page size.
     kernel = compiled_compressed(page_bytes, to_slab, "bf16")

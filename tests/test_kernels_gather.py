@@ -6,13 +6,32 @@ import pytest
 import torch
 
 from kvtriton.kernels import KernelPath, gather_pages, gather_pages_reference, select_path
-from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, SLAB_PADDINGS, block_bytes, build_pages, build_slab, devices, indices, synchronize
+from tests.kernel_cases import (
+    DTYPES,
+    LAYOUTS,
+    ODD_BYTE_LAYOUTS,
+    SLAB_PADDINGS,
+    block_bytes,
+    build_pages,
+    build_slab,
+    devices,
+    indices,
+    synchronize,
+)
 
 BLOCKS = [4, 0, 5]
 ROWS = [2, 7, 3]
 
 
-def run_both(layout: str, dtype: torch.dtype, device: str, blocks: list[int], rows: list[int], index_dtype: torch.dtype, padding: int = 16) -> None:
+def run_both(
+    layout: str,
+    dtype: torch.dtype,
+    device: str,
+    blocks: list[int],
+    rows: list[int],
+    index_dtype: torch.dtype,
+    padding: int = 16,
+) -> None:
     """Gather with the kernel on ``device`` and with the reference on CPU; every byte must agree."""
     case = build_pages(layout, dtype, device)
     oracle = build_pages(layout, dtype, "cpu")
@@ -20,7 +39,9 @@ def run_both(layout: str, dtype: torch.dtype, device: str, blocks: list[int], ro
     expected = build_slab(oracle, 9, "cpu", extra_bytes=padding)
     gather_pages(case.pages, slab, indices(blocks, index_dtype, device), indices(rows, index_dtype, device))
     synchronize(device)
-    gather_pages_reference(oracle.pages, expected, indices(blocks, index_dtype, "cpu"), indices(rows, index_dtype, "cpu"))
+    gather_pages_reference(
+        oracle.pages, expected, indices(blocks, index_dtype, "cpu"), indices(rows, index_dtype, "cpu")
+    )
     assert torch.equal(slab.cpu(), expected)
     # The source is only read.
     for got, want in zip(case.memory(), oracle.memory()):
@@ -86,9 +107,13 @@ def test_gather_with_more_pairs_than_programs_covers_every_pair(device: str) -> 
     oracle = build_pages("flash_attn", torch.int8, "cpu")
     blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
     slab, expected = build_slab(case, 9, device), build_slab(oracle, 9, "cpu")
-    gather_pages(case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int64, device), num_programs=3)
+    gather_pages(
+        case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int64, device), num_programs=3
+    )
     synchronize(device)
-    gather_pages_reference(oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"))
+    gather_pages_reference(
+        oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu")
+    )
     assert torch.equal(slab.cpu(), expected)
 
 
@@ -97,8 +122,16 @@ def test_gather_result_does_not_depend_on_bytes_per_iter(bytes_per_iter: int) ->
     case = build_pages("odd_656", torch.bfloat16, "cpu")
     oracle = build_pages("odd_656", torch.bfloat16, "cpu")
     slab, expected = build_slab(case, 9, "cpu"), build_slab(oracle, 9, "cpu")
-    gather_pages(case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
-    gather_pages_reference(oracle.pages, expected, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"))
+    gather_pages(
+        case.pages,
+        slab,
+        indices(BLOCKS, torch.int64, "cpu"),
+        indices(ROWS, torch.int64, "cpu"),
+        bytes_per_iter=bytes_per_iter,
+    )
+    gather_pages_reference(
+        oracle.pages, expected, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu")
+    )
     assert torch.equal(slab, expected)
 
 
@@ -142,13 +175,17 @@ def test_the_interpreter_probe_finds_no_problem_where_the_interpreter_works() ->
     assert interpreter_problem() is None
 
 
-def test_an_unusable_interpreter_is_reported_in_words_before_anything_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unusable_interpreter_is_reported_in_words_before_anything_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import kvtriton.kernels.jit.interpreter_probe as probe
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(probe, "interpreter_problem", lambda: "the Triton 3.6.0 interpreter cannot run a loop")
     case = build_pages("mla", torch.float16, "cpu")
     slab = torch.zeros(16, sum(case.page_bytes), dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET is set but the Triton 3.6.0 interpreter cannot run a loop"):
+    with pytest.raises(
+        RuntimeError, match="TRITON_INTERPRET is set but the Triton 3.6.0 interpreter cannot run a loop"
+    ):
         gather_pages(case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"))
     assert not slab.any()

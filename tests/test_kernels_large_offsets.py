@@ -20,7 +20,9 @@ PAGE = 1024
 FAR = 2**22 + 3  # index whose byte offset is past 2**32 for 1 KiB+ rows and blocks
 # Both kernel paths: 1 KiB per iteration is one pair per unit; the default
 # stacks 16 pairs of 1 KiB pages into a tile (block and row ids as vectors).
-PATHS = pytest.mark.parametrize("bytes_per_iter", [PAGE, DEFAULT_BYTES_PER_ITER], ids=["one-pair-per-unit", "tile-of-pairs"])
+PATHS = pytest.mark.parametrize(
+    "bytes_per_iter", [PAGE, DEFAULT_BYTES_PER_ITER], ids=["one-pair-per-unit", "tile-of-pairs"]
+)
 
 
 def sparse_bytes(path: Path, size: int) -> torch.Tensor:
@@ -50,7 +52,13 @@ def test_a_slab_row_beyond_4_gib_is_gathered_and_scattered(tmp_path: Path, bytes
     slab = sparse_bytes(tmp_path / "slab.bin", rows * row_bytes).view(rows, row_bytes)
     assert FAR * row_bytes > 2**32
     pages = [torch.randint(-128, 127, (4, PAGE), dtype=torch.int8) for _ in range(2)]
-    gather_pages(pages, slab, indices([3, 1], torch.int32, "cpu"), indices([FAR, 5], torch.int32, "cpu"), bytes_per_iter=bytes_per_iter)
+    gather_pages(
+        pages,
+        slab,
+        indices([3, 1], torch.int32, "cpu"),
+        indices([FAR, 5], torch.int32, "cpu"),
+        bytes_per_iter=bytes_per_iter,
+    )
     assert torch.equal(slab[FAR, :PAGE], pages[0][3].view(torch.uint8))
     assert torch.equal(slab[FAR, PAGE : 2 * PAGE], pages[1][3].view(torch.uint8))
     assert torch.equal(slab[5, PAGE : 2 * PAGE], pages[1][1].view(torch.uint8))
@@ -58,7 +66,13 @@ def test_a_slab_row_beyond_4_gib_is_gathered_and_scattered(tmp_path: Path, bytes
     wrapped = (FAR * row_bytes) % 2**32
     assert int(slab.view(-1)[wrapped : wrapped + PAGE].count_nonzero()) == 0
     targets = [torch.zeros(4, PAGE, dtype=torch.int8) for _ in range(2)]
-    scatter_pages(slab, targets, indices([FAR], torch.int32, "cpu"), indices([2], torch.int32, "cpu"), bytes_per_iter=bytes_per_iter)
+    scatter_pages(
+        slab,
+        targets,
+        indices([FAR], torch.int32, "cpu"),
+        indices([2], torch.int32, "cpu"),
+        bytes_per_iter=bytes_per_iter,
+    )
     assert torch.equal(targets[0][2], pages[0][3]) and torch.equal(targets[1][2], pages[1][3])
 
 
@@ -69,10 +83,14 @@ def test_a_block_beyond_4_gib_in_a_page_tensor_is_gathered_and_scattered(tmp_pat
     cache = sparse_bytes(tmp_path / "cache.bin", blocks * 2 * PAGE).view(blocks, 2, PAGE)
     pages = [cache[:, 0], cache[:, 1]]  # strided views: block stride 2 KiB
     slab = torch.randint(0, 256, (3, 2 * PAGE), dtype=torch.uint8)
-    scatter_pages(slab, pages, indices([2], torch.int64, "cpu"), indices([FAR], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
+    scatter_pages(
+        slab, pages, indices([2], torch.int64, "cpu"), indices([FAR], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter
+    )
     assert torch.equal(cache[FAR].reshape(-1), slab[2])
     out = torch.zeros(3, 2 * PAGE, dtype=torch.uint8)
-    gather_pages(pages, out, indices([FAR], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
+    gather_pages(
+        pages, out, indices([FAR], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter
+    )
     assert torch.equal(out[0], slab[2])
 
 
@@ -95,11 +113,23 @@ def test_cuda_a_block_beyond_4_gib_of_a_device_page_tensor_is_gathered_and_scatt
     cache[wrapped].zero_()
     cache[far + 1].zero_()
     with HostSlab(4, 1, DEVICE_PAGE, pin=True) as slab:
-        gather_pages([cache], slab.rows, indices([far, 3], torch.int32, "cuda"), indices([0, 1], torch.int32, "cuda"), bytes_per_iter=bytes_per_iter)
+        gather_pages(
+            [cache],
+            slab.rows,
+            indices([far, 3], torch.int32, "cuda"),
+            indices([0, 1], torch.int32, "cuda"),
+            bytes_per_iter=bytes_per_iter,
+        )
         torch.cuda.synchronize()
         assert torch.equal(slab.rows[0], cache[far].cpu()) and torch.equal(slab.rows[1], cache[3].cpu())
         slab.rows[2] = torch.randint(1, 256, (DEVICE_PAGE,), dtype=torch.uint8, generator=generator)
-        scatter_pages(slab.rows, [cache], indices([2], torch.int32, "cuda"), indices([far + 1], torch.int32, "cuda"), bytes_per_iter=bytes_per_iter)
+        scatter_pages(
+            slab.rows,
+            [cache],
+            indices([2], torch.int32, "cuda"),
+            indices([far + 1], torch.int32, "cuda"),
+            bytes_per_iter=bytes_per_iter,
+        )
         assert torch.equal(cache[far + 1].cpu(), slab.rows[2])
     assert int(cache[wrapped].count_nonzero()) == 0  # nothing landed at the wrapped offset
     del cache

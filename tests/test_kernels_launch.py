@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, gather_pages, gather_pages_reference, scatter_pages, scatter_pages_reference
+from kvtriton.kernels import (
+    DEFAULT_BYTES_PER_ITER,
+    gather_pages,
+    gather_pages_reference,
+    scatter_pages,
+    scatter_pages_reference,
+)
 from kvtriton.kernels.launch import MAX_NUM_WARPS, MAX_PAIRS, make_config, word_width
 from tests.kernel_cases import build_sized_pages, build_slab, indices
 
@@ -35,7 +41,9 @@ TILES: dict[str, tuple[tuple[int, ...], int, int]] = {
     ("page_bytes", "chunk_bytes", "pairs"),
     [(1024, 1024, 16), (4096, 4096, 4), (656, 1024, 16), (16384, 16384, 1), (32768, 16384, 1), (262144, 16384, 1)],
 )
-def test_pages_smaller_than_bytes_per_iter_stack_pairs_into_one_tile(page_bytes: int, chunk_bytes: int, pairs: int) -> None:
+def test_pages_smaller_than_bytes_per_iter_stack_pairs_into_one_tile(
+    page_bytes: int, chunk_bytes: int, pairs: int
+) -> None:
     config = make_config(word_width(page_bytes), [page_bytes] * 64, DEFAULT_BYTES_PER_ITER)
     assert config.chunk * config.element_bytes == chunk_bytes
     assert config.pairs == pairs
@@ -45,7 +53,9 @@ def test_pages_smaller_than_bytes_per_iter_stack_pairs_into_one_tile(page_bytes:
 
 @pytest.mark.parametrize("bytes_per_iter", [16, 64, 1024, 16384, 65536])
 @pytest.mark.parametrize("page_bytes", [1, 8, 33, 48, 104, 656, 1000, 1024, 4097, 65536])
-def test_pairs_per_tile_is_a_power_of_two_and_the_tile_fills_bytes_per_iter(page_bytes: int, bytes_per_iter: int) -> None:
+def test_pairs_per_tile_is_a_power_of_two_and_the_tile_fills_bytes_per_iter(
+    page_bytes: int, bytes_per_iter: int
+) -> None:
     config = make_config(word_width(page_bytes), [page_bytes], bytes_per_iter)
     assert 1 <= config.pairs <= MAX_PAIRS and config.pairs & (config.pairs - 1) == 0
     # Pairs stack only when a whole page is one chunk.
@@ -68,7 +78,9 @@ def _pairs(sizes: tuple[int, ...], bytes_per_iter: int) -> int:
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("tile", list(TILES.values()), ids=list(TILES))
-def test_tiled_gather_matches_the_reference_with_a_partial_last_tile(tile: tuple[tuple[int, ...], int, int], strided: bool) -> None:
+def test_tiled_gather_matches_the_reference_with_a_partial_last_tile(
+    tile: tuple[tuple[int, ...], int, int], strided: bool
+) -> None:
     sizes, bytes_per_iter, pairs = tile
     assert _pairs(sizes, bytes_per_iter) == pairs and len(GATHER_BLOCKS) % pairs != 0
     case = build_sized_pages(sizes, NUM_BLOCKS, "cpu", strided=strided)
@@ -85,7 +97,9 @@ def test_tiled_gather_matches_the_reference_with_a_partial_last_tile(tile: tuple
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("tile", list(TILES.values()), ids=list(TILES))
-def test_tiled_scatter_matches_the_reference_with_a_partial_last_tile(tile: tuple[tuple[int, ...], int, int], strided: bool) -> None:
+def test_tiled_scatter_matches_the_reference_with_a_partial_last_tile(
+    tile: tuple[tuple[int, ...], int, int], strided: bool
+) -> None:
     sizes, bytes_per_iter, pairs = tile
     assert _pairs(sizes, bytes_per_iter) == pairs and len(GATHER_BLOCKS) % pairs != 0
     case = build_sized_pages(sizes, NUM_BLOCKS, "cpu", strided=strided)
@@ -107,12 +121,24 @@ def test_a_one_pair_job_copies_one_block_both_ways(bytes_per_iter: int) -> None:
     assert _pairs((1024, 1024), bytes_per_iter) == bytes_per_iter // 1024
     slab = build_slab(case, 3, "cpu")
     before = slab.clone()
-    gather_pages(case.pages, slab, indices([9], torch.int64, "cpu"), indices([1], torch.int64, "cpu"), bytes_per_iter=bytes_per_iter)
+    gather_pages(
+        case.pages,
+        slab,
+        indices([9], torch.int64, "cpu"),
+        indices([1], torch.int64, "cpu"),
+        bytes_per_iter=bytes_per_iter,
+    )
     assert torch.equal(slab[1, :2048], torch.cat([page[9] for page in case.pages]))
     assert torch.equal(slab[[0, 2]], before[[0, 2]]) and torch.equal(slab[1, 2048:], before[1, 2048:])
     targets = build_sized_pages((1024, 1024), NUM_BLOCKS, "cpu", seed=7)
     untouched = build_sized_pages((1024, 1024), NUM_BLOCKS, "cpu", seed=7)
-    scatter_pages(slab, targets.pages, indices([1], torch.int32, "cpu"), indices([4], torch.int32, "cpu"), bytes_per_iter=bytes_per_iter)
+    scatter_pages(
+        slab,
+        targets.pages,
+        indices([1], torch.int32, "cpu"),
+        indices([4], torch.int32, "cpu"),
+        bytes_per_iter=bytes_per_iter,
+    )
     for target, kept, source in zip(targets.pages, untouched.pages, case.pages):
         assert torch.equal(target[4], source[9])
         others = [b for b in range(NUM_BLOCKS) if b != 4]

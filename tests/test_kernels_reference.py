@@ -16,9 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtriton.kernels import describe_pages, gather_pages_reference, scatter_pages_reference
-from kvtriton.kernels import reference
-from tests.kernel_cases import LAYOUTS, ODD_BYTE_LAYOUTS, NUM_BLOCKS, build_pages, build_slab, random_tensor
+from kvtriton.kernels import describe_pages, gather_pages_reference, reference, scatter_pages_reference
+from tests.kernel_cases import LAYOUTS, NUM_BLOCKS, ODD_BYTE_LAYOUTS, build_pages, build_slab, random_tensor
 
 ROWS = 9
 ALL_LAYOUTS = [*LAYOUTS, *ODD_BYTE_LAYOUTS]
@@ -65,7 +64,9 @@ pairs = st.integers(1, 8).flatmap(
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @given(layout=st.sampled_from(ALL_LAYOUTS), index=pairs)
-def test_gather_reference_equals_the_per_block_loop(strategy: str, layout: str, index: tuple[list[int], list[int]]) -> None:
+def test_gather_reference_equals_the_per_block_loop(
+    strategy: str, layout: str, index: tuple[list[int], list[int]]
+) -> None:
     blocks, rows = index
     case = build_pages(layout, torch.bfloat16, "cpu")
     slab, expected = build_slab(case, ROWS, "cpu"), build_slab(case, ROWS, "cpu")
@@ -78,7 +79,9 @@ def test_gather_reference_equals_the_per_block_loop(strategy: str, layout: str, 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @given(layout=st.sampled_from(ALL_LAYOUTS), index=pairs)
-def test_scatter_reference_equals_the_per_block_loop(strategy: str, layout: str, index: tuple[list[int], list[int]]) -> None:
+def test_scatter_reference_equals_the_per_block_loop(
+    strategy: str, layout: str, index: tuple[list[int], list[int]]
+) -> None:
     blocks, rows = index
     case, oracle = build_pages(layout, torch.float16, "cpu"), build_pages(layout, torch.float16, "cpu")
     slab = build_slab(case, ROWS, "cpu")
@@ -123,11 +126,20 @@ def test_a_slab_at_an_odd_byte_offset_narrows_the_words_and_stays_exact() -> Non
 
 
 # float64 patterns an arithmetic path would change: signalling and payload NaNs, subnormals, -0.
-SPECIAL_FLOAT64 = [0x7FF0000000000001, 0x7FF4000000000000, 0xFFF8DEADBEEF0001, 0x0000000000000001, 0x800FFFFFFFFFFFFF, 1 << 63]
+SPECIAL_FLOAT64 = [
+    0x7FF0000000000001,
+    0x7FF4000000000000,
+    0xFFF8DEADBEEF0001,
+    0x0000000000000001,
+    0x800FFFFFFFFFFFFF,
+    1 << 63,
+]
 
 
 def test_16_byte_words_keep_every_float_bit_pattern_even_with_denormals_flushed() -> None:
-    words = torch.tensor([struct.unpack("<q", struct.pack("<Q", bits))[0] for bits in SPECIAL_FLOAT64], dtype=torch.int64)
+    words = torch.tensor(
+        [struct.unpack("<q", struct.pack("<Q", bits))[0] for bits in SPECIAL_FLOAT64], dtype=torch.int64
+    )
     layer = words.repeat(2 * NUM_BLOCKS * 16).view(torch.float64).reshape(2, NUM_BLOCKS, 96)
     pages = [layer[0], layer[1]]
     original = layer.clone()

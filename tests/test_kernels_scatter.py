@@ -6,13 +6,31 @@ import pytest
 import torch
 
 from kvtriton.kernels import gather_pages, scatter_pages, scatter_pages_reference
-from tests.kernel_cases import DTYPES, LAYOUTS, ODD_BYTE_LAYOUTS, SLAB_PADDINGS, block_bytes, build_pages, build_slab, devices, indices
+from tests.kernel_cases import (
+    DTYPES,
+    LAYOUTS,
+    ODD_BYTE_LAYOUTS,
+    SLAB_PADDINGS,
+    block_bytes,
+    build_pages,
+    build_slab,
+    devices,
+    indices,
+)
 
 ROWS = [2, 7, 3]
 BLOCKS = [4, 0, 5]
 
 
-def run_both(layout: str, dtype: torch.dtype, device: str, rows: list[int], blocks: list[int], index_dtype: torch.dtype, padding: int = 16) -> None:
+def run_both(
+    layout: str,
+    dtype: torch.dtype,
+    device: str,
+    rows: list[int],
+    blocks: list[int],
+    index_dtype: torch.dtype,
+    padding: int = 16,
+) -> None:
     """Scatter with the kernel on ``device`` and with the reference on CPU; every byte must agree."""
     case = build_pages(layout, dtype, device)
     oracle = build_pages(layout, dtype, "cpu")
@@ -20,7 +38,9 @@ def run_both(layout: str, dtype: torch.dtype, device: str, rows: list[int], bloc
     source = build_slab(oracle, 9, "cpu", extra_bytes=padding)
     slab_before = slab.clone()
     scatter_pages(slab, case.pages, indices(rows, index_dtype, device), indices(blocks, index_dtype, device))
-    scatter_pages_reference(source, oracle.pages, indices(rows, index_dtype, "cpu"), indices(blocks, index_dtype, "cpu"))
+    scatter_pages_reference(
+        source, oracle.pages, indices(rows, index_dtype, "cpu"), indices(blocks, index_dtype, "cpu")
+    )
     for got, want in zip(case.memory(), oracle.memory()):
         assert torch.equal(got, want)
     # The slab is only read.
@@ -60,7 +80,9 @@ def test_scatter_writes_only_the_named_blocks(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla", "cross_layer", "odd_656", "mixed_sizes", "odd_4097"])
+@pytest.mark.parametrize(
+    "layout", ["flash_attn", "flashinfer", "mla", "cross_layer", "odd_656", "mixed_sizes", "odd_4097"]
+)
 def test_gather_then_scatter_restores_the_original(layout: str, device: str) -> None:
     case = build_pages(layout, torch.float8_e4m3fn, device)
     slab = build_slab(case, 9, device)

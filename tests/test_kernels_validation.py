@@ -21,7 +21,9 @@ def i64(*values: int) -> torch.Tensor:
     return indices(list(values), torch.int64, "cpu")
 
 
-def assert_nothing_written(case: PageCase, slab: torch.Tensor, call: Callable[[], None], error: type[Exception], match: str) -> None:
+def assert_nothing_written(
+    case: PageCase, slab: torch.Tensor, call: Callable[[], None], error: type[Exception], match: str
+) -> None:
     pages_before, slab_before = case.memory(), slab.clone()
     with pytest.raises(error, match=match):
         call()
@@ -34,14 +36,18 @@ def assert_nothing_written(case: PageCase, slab: torch.Tensor, call: Callable[[]
 def test_gather_rejects_a_row_out_of_range_before_writing(gather: Callable[..., None]) -> None:
     case, slab = make_case()
     call: Callable[[], None] = lambda: gather(case.pages, slab, i64(0, 1, 2), i64(0, 3, 4))
-    assert_nothing_written(case, slab, call, ValueError, re.escape("dst_rows[2] = 4 is out of range: there are 4 slab rows"))
+    assert_nothing_written(
+        case, slab, call, ValueError, re.escape("dst_rows[2] = 4 is out of range: there are 4 slab rows")
+    )
 
 
 @pytest.mark.parametrize("scatter", [scatter_pages, scatter_pages_reference], ids=["kernel", "reference"])
 def test_scatter_rejects_a_block_out_of_range_before_writing(scatter: Callable[..., None]) -> None:
     case, slab = make_case()
     call: Callable[[], None] = lambda: scatter(slab, case.pages, i64(0, 1), i64(2, 6))
-    assert_nothing_written(case, slab, call, ValueError, re.escape("dst_blocks[1] = 6 is out of range: there are 6 blocks"))
+    assert_nothing_written(
+        case, slab, call, ValueError, re.escape("dst_blocks[1] = 6 is out of range: there are 6 blocks")
+    )
 
 
 def test_negative_indices_are_out_of_range() -> None:
@@ -89,14 +95,24 @@ def test_a_slab_row_too_narrow_for_the_pages_is_rejected() -> None:
     case, _ = make_case()
     narrow = torch.zeros(4, case.row_bytes - 1, dtype=torch.uint8)
     call: Callable[[], None] = lambda: gather_pages(case.pages, narrow, i64(0), i64(0))
-    assert_nothing_written(case, narrow, call, ValueError, f"dst row too narrow: {case.row_bytes - 1} bytes per row, the pages need {case.row_bytes}")
+    assert_nothing_written(
+        case,
+        narrow,
+        call,
+        ValueError,
+        f"dst row too narrow: {case.row_bytes - 1} bytes per row, the pages need {case.row_bytes}",
+    )
 
 
 @pytest.mark.parametrize(
     ("slab", "error", "match"),
     [
         (torch.zeros(4, 2048, dtype=torch.int8), TypeError, "dst must have dtype torch.uint8, got torch.int8"),
-        (torch.zeros(4, 2, 1024, dtype=torch.uint8), ValueError, re.escape("dst must be 2-D (rows, row_bytes), got shape (4, 2, 1024)")),
+        (
+            torch.zeros(4, 2, 1024, dtype=torch.uint8),
+            ValueError,
+            re.escape("dst must be 2-D (rows, row_bytes), got shape (4, 2, 1024)"),
+        ),
         (torch.zeros(2048, 4, dtype=torch.uint8).t(), ValueError, "dst rows must be contiguous"),
     ],
     ids=["dtype", "ndim", "column-major"],

@@ -29,7 +29,13 @@ def arc_with(capacity: int, *ids: int, ref_cnt: int = 0) -> ARCCachePolicy:
     return policy
 
 
-def state(t1: tuple[int, ...] = (), t2: tuple[int, ...] = (), b1: tuple[int, ...] = (), b2: tuple[int, ...] = (), target: float = 0.0) -> ARCState:
+def state(
+    t1: tuple[int, ...] = (),
+    t2: tuple[int, ...] = (),
+    b1: tuple[int, ...] = (),
+    b2: tuple[int, ...] = (),
+    target: float = 0.0,
+) -> ARCState:
     return ARCState(ks(*t1), ks(*t2), ks(*b1), ks(*b2), target)
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench.manager import QUICK_REQUESTS, main, replay, simulate_command, trace
-from kvtriton.tools.cli import main as kvtriton_main
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.tools.replay import manager_calls, prepare
 from kvtriton.specs import ReqContext
+from kvtriton.tools.cli import main as kvtriton_main
+from kvtriton.tools.replay import manager_calls, prepare
 from kvtriton.tools.workloads import PrefixSharingParams, generate
 
 SMALL = PrefixSharingParams(requests=50, blocks_per_request=8, prefixes=5, prefix_blocks=6, zipf_s=1.0)
@@ -76,7 +76,9 @@ def test_quick_shortens_the_trace_and_replays_once_unless_told_otherwise(
     assert not (tmp_path / "q.json").exists() and not (tmp_path / "r.json").exists()
 
 
-def test_a_quick_run_says_it_is_a_smoke_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_quick_run_says_it_is_a_smoke_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     small = ["--blocks-per-request", "4", "--prefix-blocks", "2", "--no-vllm", "--policies", "lru", "--requests", "20"]
     assert main([*small, "--quick", "--name", "s"]) == 0
@@ -97,7 +99,18 @@ def test_simulate_command_reproduces_the_benchmark_hit_counts(
     inflight: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
-    shape = ["--requests", "120", "--blocks-per-request", "10", "--prefixes", "6", "--prefix-blocks", "8", "--seed", "5"]
+    shape = [
+        "--requests",
+        "120",
+        "--blocks-per-request",
+        "10",
+        "--prefixes",
+        "6",
+        "--prefix-blocks",
+        "8",
+        "--seed",
+        "5",
+    ]
     flags = ["--slots", "60", "--inflight", str(inflight), "--repeats", "1", "--no-vllm", "--name", "b"]
     assert main([*shape, *flags]) == 0
     bench = json.loads((tmp_path / "b.json").read_text())
@@ -120,7 +133,14 @@ def test_vllm_replays_the_same_trace_when_installed(tmp_path: Path, monkeypatch:
     pytest.importorskip("vllm.v1.kv_offload.cpu.manager", reason="vLLM is not installed")
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
     shape = ["--requests", "60", "--blocks-per-request", "8", "--prefixes", "4", "--prefix-blocks", "6"]
-    small_headline = ["--workloads", "scan", "--headline-requests", "40", "--rounds", "1"]  # the second table is checked
+    small_headline = [
+        "--workloads",
+        "scan",
+        "--headline-requests",
+        "40",
+        "--rounds",
+        "1",
+    ]  # the second table is checked
     assert main([*shape, *small_headline, "--slots", "40", "--repeats", "1", "--policies", "lru", "--name", "v"]) == 0
     record = json.loads((tmp_path / "v.json").read_text())
     assert record["vllm"].startswith("vLLM ")

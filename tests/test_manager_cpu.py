@@ -105,10 +105,7 @@ def test_policy_names_are_lru_and_arc() -> None:
 
 
 def test_manager_package_imports_without_torch_or_triton() -> None:
-    code = (
-        "import sys, kvtriton.manager;"
-        "print(','.join(m for m in ('torch', 'triton') if m in sys.modules))"
-    )
+    code = "import sys, kvtriton.manager;print(','.join(m for m in ('torch', 'triton') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
 
@@ -492,7 +489,9 @@ def test_slot_list_answers_match_the_specs(policy: str) -> None:
         assert out is not None and stored is not None
         assert isinstance(out.store_spec, CPULoadStoreSpec)
         assert (stored.keys, stored.slots, stored.evicted) == (
-            out.keys_to_store, out.store_spec.block_ids.tolist(), out.evicted_keys
+            out.keys_to_store,
+            out.store_spec.block_ids.tolist(),
+            out.evicted_keys,
         )
         by_spec.complete_store(out.keys_to_store, CTX)
         by_list.complete_store(stored.keys, CTX)
@@ -580,7 +579,16 @@ def test_stats_snapshot_counts_occupancy_and_traffic(policy: str) -> None:
     lookups(manager, 0, 1, 2, 3)
     stats = manager.stats()
     assert stats == ManagerStats(
-        capacity=4, used=3, pending=1, loading=1, evictable=1, lookups=4, hits=2, pending_hits=1, evictions=0, stores=3,
+        capacity=4,
+        used=3,
+        pending=1,
+        loading=1,
+        evictable=1,
+        lookups=4,
+        hits=2,
+        pending_hits=1,
+        evictions=0,
+        stores=3,
         loads=1,
     )
     assert stats.occupancy == 0.75

@@ -32,7 +32,11 @@ class NewestFirst:
         return self.blocks.get(key)
 
     def insert(
-        self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Mapping[OffloadKey, int | None], req_context: ReqContext
+        self,
+        keys: Sequence[OffloadKey],
+        blocks: Sequence[Block],
+        positions: Mapping[OffloadKey, int | None],
+        req_context: ReqContext,
     ) -> None:
         del positions, req_context
         self.blocks.update(zip(keys, blocks))

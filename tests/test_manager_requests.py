@@ -194,7 +194,11 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
             return self.lru.get(key)
 
         def insert(
-            self, keys: Sequence[OffloadKey], blocks: Sequence[Block], positions: Mapping[OffloadKey, int | None], req_context: ReqContext
+            self,
+            keys: Sequence[OffloadKey],
+            blocks: Sequence[Block],
+            positions: Mapping[OffloadKey, int | None],
+            req_context: ReqContext,
         ) -> None:
             self.lru.insert(keys, blocks, positions, req_context)
 

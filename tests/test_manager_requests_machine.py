@@ -22,17 +22,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 pytest.importorskip("vllm", reason="vLLM is the reference model (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 
-from kvtriton.keys import OffloadKey, make_offload_key  # noqa: E402
-from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy  # noqa: E402
-from kvtriton.specs import CPULoadStoreSpec, LookupResult, ReqContext  # noqa: E402
+from kvtriton.keys import OffloadKey, make_offload_key
+from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy
+from kvtriton.specs import CPULoadStoreSpec, LookupResult, ReqContext
 
 BLOCKS = [f"key-{i}".encode() for i in range(5)]
 UNIVERSE = [make_offload_key(block, group) for block in BLOCKS for group in (0, 1)]
 PENDING = -1
+
 
 def slot_ids(spec: object) -> list[int]:
     """The slots of a kvtriton or a vLLM CPU spec."""
@@ -49,7 +50,9 @@ class RequestMachine(RuleBasedStateMachine):
 
     @initialize(capacity=st.integers(min_value=1, max_value=5))
     def start(self, capacity: int) -> None:
-        self.manager = CPUOffloadingManager(capacity, cache_policy=self.policy, enable_events=True, report_dropped_stores=True)
+        self.manager = CPUOffloadingManager(
+            capacity, cache_policy=self.policy, enable_events=True, report_dropped_stores=True
+        )
         self.vllm = VLLMCPUOffloadingManager(capacity, cache_policy=self.policy, enable_events=True)
         self.capacity = capacity
         self.requests: list[tuple[ReqContext, VLLMReqContext]] = []

@@ -8,7 +8,14 @@ import pytest
 
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
-from kvtriton.specs import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
+from kvtriton.specs import (
+    CPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReqContext,
+)
 
 CTX = ReqContext(req_id="test")
 

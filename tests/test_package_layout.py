@@ -41,7 +41,9 @@ def test_serving_code_never_imports_the_operator_tools(side: str) -> None:
 
 def test_manager_never_imports_the_worker() -> None:
     offenders = {
-        str(source.relative_to(PACKAGE)): sorted(m for m in _imported_modules(source) if m.startswith("kvtriton.worker"))
+        str(source.relative_to(PACKAGE)): sorted(
+            m for m in _imported_modules(source) if m.startswith("kvtriton.worker")
+        )
         for source in sorted((PACKAGE / "manager").rglob("*.py"))
     }
     assert {path: mods for path, mods in offenders.items() if mods} == {}

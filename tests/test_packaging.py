@@ -12,9 +12,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_wheel_holds_kvtriton_kernels_and_no_top_level_kernels(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
     )
     (wheel,) = tmp_path.glob("kvtriton-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -4,12 +4,12 @@ import re
 
 import numpy as np
 import pytest
-from numpy.typing import NDArray
 from hypothesis import given
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
-from kvtriton.worker.plan import TransferDirection, plan_transfer, slots_needed
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.worker.plan import TransferDirection, plan_transfer, slots_needed
 
 STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD
 
@@ -82,7 +82,9 @@ def test_a_slot_count_mismatch_reports_both_numbers() -> None:
 
 
 def test_out_of_range_ids_are_refused() -> None:
-    with pytest.raises(ValueError, match=re.escape("GPU block_ids[0] = 8 is out of range: there are 8 GPU blocks (valid 0..7)")):
+    with pytest.raises(
+        ValueError, match=re.escape("GPU block_ids[0] = 8 is out of range: there are 8 GPU blocks (valid 0..7)")
+    ):
         plan_transfer(STORE, GPULoadStoreSpec([8]), CPULoadStoreSpec([0]), 1, num_gpu_blocks=8, num_slots=4)
     with pytest.raises(ValueError, match=re.escape("CPU block_ids[0] = 4 is out of range: there are 4 slots")):
         plan_transfer(STORE, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), 1, num_gpu_blocks=8, num_slots=4)
@@ -132,13 +134,17 @@ def test_plan_matches_a_block_by_block_walk(
 ) -> None:
     f, sizes, indices, blocks, slots = case
     gpu = GPULoadStoreSpec(blocks, group_sizes=sizes, block_indices=indices)
-    plan = plan_transfer(direction, gpu, CPULoadStoreSpec(slots), f, num_gpu_blocks=max(blocks, default=0) + 1, num_slots=41)
+    plan = plan_transfer(
+        direction, gpu, CPULoadStoreSpec(slots), f, num_gpu_blocks=max(blocks, default=0) + 1, num_slots=41
+    )
     assert ids(plan.gpu_blocks) == blocks
     assert ids(plan.slab_rows) == brute_force_rows(slots, sizes, indices, f)
 
 
 @given(job(), st.integers(1, 3))
-def test_any_other_slot_count_is_refused(case: tuple[int, list[int], list[int], list[int], list[int]], extra: int) -> None:
+def test_any_other_slot_count_is_refused(
+    case: tuple[int, list[int], list[int], list[int], list[int]], extra: int
+) -> None:
     f, sizes, indices, blocks, slots = case
     gpu = GPULoadStoreSpec(blocks, group_sizes=sizes, block_indices=indices)
     wrong = slots + list(range(100, 100 + extra))

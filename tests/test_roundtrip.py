@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import kvtriton.worker.backends as backends_module
-from kvtriton.worker.engine import TransferEngine, TransferResult
 from kvtriton.keys import OffloadKey, make_offload_key
-from kvtriton.worker.layout import PagedKV
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.worker.slab import HostSlab
 from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec, LookupResult, ReqContext
+from kvtriton.worker.engine import TransferEngine, TransferResult
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.slab import HostSlab
 
 NUM_BLOCKS = 16
 CTX = ReqContext(req_id="test")

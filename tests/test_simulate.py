@@ -12,22 +12,26 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.tools.cli import main
-from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.keys import OffloadKey, make_offload_key
 from kvtriton.manager import CPUOffloadingManager
+from kvtriton.specs import LookupResult, ReqContext
+from kvtriton.tools.cli import main
+from kvtriton.tools.geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.tools.replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
 from kvtriton.tools.simulate import default_capacities, summarize, sweep
-from kvtriton.specs import LookupResult, ReqContext
 from kvtriton.tools.workloads import Request, generate
 
 # One byte per block: capacities in bytes are capacities in blocks.
-ONE_BYTE_BLOCKS = ModelGeometry("unit", num_layers=1, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP8, block_size=1, kv_factor=1)
+ONE_BYTE_BLOCKS = ModelGeometry(
+    "unit", num_layers=1, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP8, block_size=1, kv_factor=1
+)
 
 
 def request(req_id: str, prompt: str, output: str = "", *, block_size: int = 1) -> Request:
     """A request whose blocks are named by letters: ``request("r", "abc", "d")``."""
-    return Request(req_id, tuple(c.encode() for c in prompt), len(prompt) * block_size, tuple(c.encode() for c in output))
+    return Request(
+        req_id, tuple(c.encode() for c in prompt), len(prompt) * block_size, tuple(c.encode() for c in output)
+    )
 
 
 def key(name: str) -> OffloadKey:
@@ -56,7 +60,9 @@ def test_replay_counts_hits_stores_and_evictions_of_a_small_lru_trace() -> None:
     ]  # fmt: skip
 
 
-def _drive_by_hand(trace: list[PreparedRequest], manager: CPUOffloadingManager) -> tuple[list[int], list[list[OffloadKey]]]:
+def _drive_by_hand(
+    trace: list[PreparedRequest], manager: CPUOffloadingManager
+) -> tuple[list[int], list[list[OffloadKey]]]:
     """The engine's calls written out, request by request, recording hits and evictions."""
     hits: list[int] = []
     evictions: list[list[OffloadKey]] = []
@@ -161,7 +167,12 @@ def test_blocks_loading_for_an_in_flight_request_are_never_evicted() -> None:
     # "reader" loads all four cached blocks and is still in flight when "writer" needs two slots.
     trace = prepare([request("seed", "abcd"), request("pad", ""), request("reader", "abcd"), request("writer", "ef")])
     overlapped = replay(trace, CPUOffloadingManager(4), block_size=1, in_flight=2)
-    assert (overlapped.hit_blocks, overlapped.evictions, overlapped.refused_stores, overlapped.refused_blocks) == (4, 0, 1, 2)
+    assert (overlapped.hit_blocks, overlapped.evictions, overlapped.refused_stores, overlapped.refused_blocks) == (
+        4,
+        0,
+        1,
+        2,
+    )
     sequential = replay(trace, CPUOffloadingManager(4), block_size=1, in_flight=1)
     assert (sequential.hit_blocks, sequential.evictions, sequential.refused_stores) == (4, 2, 0)
 
@@ -312,7 +323,19 @@ def test_simulate_json_flag_prints_the_record(tmp_path: Path, capsys: pytest.Cap
 def test_simulate_replays_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "mine.jsonl"
     trace.write_text("".join(json.dumps({"blocks": ["p", f"u{i}"]}) + "\n" for i in range(5)))
-    args = ["simulate", "--trace", str(trace), "--model", "qwen2.5-7b", "--block-size", "32", "--capacities", "64MiB", "--policies", "lru"]
+    args = [
+        "simulate",
+        "--trace",
+        str(trace),
+        "--model",
+        "qwen2.5-7b",
+        "--block-size",
+        "32",
+        "--capacities",
+        "64MiB",
+        "--policies",
+        "lru",
+    ]
     assert main([*args, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     record = json.loads(capsys.readouterr().out)
     (point,) = record["points"]
@@ -359,7 +382,10 @@ def test_bad_flags_exit_with_a_message_naming_the_value(
         (["--param", "requests=0"], "--param: workload 'chat': requests must be positive, got 0"),
         (["--workload", "few-shot", "--param", "zipf_s=nan"], "--param: workload 'few-shot': zipf_s must be a finite"),
         (["--param", "turns=3"], "--param: workload 'chat' has no parameter 'turns'"),
-        (["--requests", "7", "--param", "requests=5"], "--requests 7 and --param requests=5 both set the request count"),
+        (
+            ["--requests", "7", "--param", "requests=5"],
+            "--requests 7 and --param requests=5 both set the request count",
+        ),
     ],
 )
 def test_bad_settings_exit_2_with_a_message(
@@ -443,7 +469,9 @@ def test_simulate_imports_neither_torch_nor_triton_nor_matplotlib() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_vllm_call_order_is_recorded_and_matches_the_engine_model_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_vllm_call_order_is_recorded_and_matches_the_engine_model_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvtriton.tools.vllm_engine import EngineModel, replay_vllm_engine
     from kvtriton.tools.vllm_order import positioned_contexts, vllm_order_calls
 

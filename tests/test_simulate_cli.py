@@ -30,7 +30,9 @@ def simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: st
 def test_gpu_blocks_and_max_num_seqs_select_vllms_order_and_report_its_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    record = simulate_json(tmp_path, capsys, *SMALL, "--gpu-blocks", "120", "--max-num-seqs", "4", "--capacities", "1,4")
+    record = simulate_json(
+        tmp_path, capsys, *SMALL, "--gpu-blocks", "120", "--max-num-seqs", "4", "--capacities", "1,4"
+    )
     order = record["call_order"]
     assert (order["name"], order["gpu_blocks"], order["max_num_seqs"], order["arrivals"]) == ("vllm", 120, 4, None)
     for point in record["points"]:
@@ -71,7 +73,10 @@ def test_sequential_admits_one_request_at_a_time(tmp_path: Path, capsys: pytest.
     [
         (["--call-order", "vllm", "--in-flight", "3"], "--in-flight applies to --call-order engine"),
         (["--gpu-blocks", "64", "--in-flight", "2"], "--in-flight applies to --call-order engine"),
-        (["--call-order", "engine", "--gpu-blocks", "64"], "--gpu-blocks models vLLM's engine: it applies to --call-order vllm"),
+        (
+            ["--call-order", "engine", "--gpu-blocks", "64"],
+            "--gpu-blocks models vLLM's engine: it applies to --call-order vllm",
+        ),
         (["--call-order", "engine", "--max-num-seqs", "4"], "--max-num-seqs models vLLM's engine"),
         (["--call-order", "engine", "--arrivals", "4"], "--arrivals models vLLM's engine: it applies to --call-order"),
         (["--call-order", "engine", "--decode-steps", "2"], "--decode-steps models vLLM's engine: it applies to"),
@@ -92,8 +97,14 @@ def test_flags_of_the_other_call_order_are_refused(
 
 @pytest.mark.parametrize(
     "flags",
-    [["--sync-loads"], ["--max-num-batched-tokens", "1"], ["--decode-steps", "7"], ["--load-steps", "3"],
-     ["--store-steps", "4"], ["--arrivals", "2"]],  # fmt: skip
+    [
+        ["--sync-loads"],
+        ["--max-num-batched-tokens", "1"],
+        ["--decode-steps", "7"],
+        ["--load-steps", "3"],
+        ["--store-steps", "4"],
+        ["--arrivals", "2"],
+    ],  # fmt: skip
 )
 def test_an_engine_model_knob_without_the_vllm_order_is_refused_not_ignored(
     flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -119,7 +130,17 @@ def test_an_engine_model_knob_with_the_vllm_order_changes_the_result(
 def test_the_smallest_size_reaching_the_target_is_printed_as_vllm_configuration(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    flags = [*SMALL, "--gpu-blocks", "120", "--max-num-seqs", "4", "--capacities", "0.25,1,4,16", "--policies", "lru,arc"]
+    flags = [
+        *SMALL,
+        "--gpu-blocks",
+        "120",
+        "--max-num-seqs",
+        "4",
+        "--capacities",
+        "0.25,1,4,16",
+        "--policies",
+        "lru,arc",
+    ]
     record = simulate_json(tmp_path, capsys, *flags, "--target-hit-rate", "0.05")
     found = record["recommendation"]
     assert found["reached"] is True
@@ -145,7 +166,9 @@ def test_the_smallest_size_reaching_the_target_is_printed_as_vllm_configuration(
     assert "/dev/shm:  not used by KVTritonOffloadingSpec" in out
 
 
-def test_the_recommended_config_passes_kvtritons_and_vllms_parsers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_recommended_config_passes_kvtritons_and_vllms_parsers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
     from vllm.config import KVTransferConfig
 
@@ -161,7 +184,9 @@ def test_the_recommended_config_passes_kvtritons_and_vllms_parsers(tmp_path: Pat
 
 
 def test_memlock_is_per_worker_with_tensor_parallelism(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    record = simulate_json(tmp_path, capsys, *SMALL, "--capacities", "4", "--target-hit-rate", "0.01", "--tensor-parallel-size", "2")
+    record = simulate_json(
+        tmp_path, capsys, *SMALL, "--capacities", "4", "--target-hit-rate", "0.01", "--tensor-parallel-size", "2"
+    )
     assert record["recommendation"]["slab_bytes_per_rank"] == 2 * 2**30
     assert main(["simulate", *SMALL, "--capacities", "4", "--target-hit-rate", "0.01", "--tensor-parallel-size", "2",
                  "--out", str(tmp_path)]) == 0  # fmt: skip
@@ -220,7 +245,10 @@ def test_a_bad_target_hit_rate_is_refused(value: str, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit) as raised:
         main(["simulate", "--target-hit-rate", value])
     assert raised.value.code == 2
-    assert "argument --target-hit-rate: expected a hit rate as a fraction in (0, 1] or a percentage" in capsys.readouterr().err
+    assert (
+        "argument --target-hit-rate: expected a hit rate as a fraction in (0, 1] or a percentage"
+        in capsys.readouterr().err
+    )
 
 
 # --------------------------------------------------------------------------
@@ -234,13 +262,18 @@ def test_a_bad_target_hit_rate_is_refused(value: str, capsys: pytest.CaptureFixt
         (["--capacities", "1,-2GiB"], "argument --capacities: sizes must be positive, got '-2GiB'"),
         (["--capacities", "1,,2"], "argument --capacities: item 2 of '1,,2' is empty"),
         (["--capacities", "1,"], "argument --capacities: item 2 of '1,' is empty"),
-        (["--capacities", "1,1GiB"], "argument --capacities: '1' and '1GiB' are the same size (1.00 GiB): give each size once"),
+        (
+            ["--capacities", "1,1GiB"],
+            "argument --capacities: '1' and '1GiB' are the same size (1.00 GiB): give each size once",
+        ),
         (["--policies", "lru,LRU"], "argument --policies: policy 'LRU' is listed twice in 'lru,LRU'"),
         (["--policies", "lru,,arc"], "argument --policies: item 2 of 'lru,,arc' is empty"),
         (["--arrivals", "2", "--sequential"], "argument --sequential: not allowed with argument --arrivals"),
     ],
 )
-def test_bad_lists_are_refused_with_the_reason(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_lists_are_refused_with_the_reason(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as raised:
         main(["simulate", *flags])
     assert raised.value.code == 2
@@ -332,7 +365,9 @@ def test_the_python_example_in_the_docs_runs_and_prints_what_it_says(
 ) -> None:
     text = (REPO / "docs" / "simulate.md").read_text()
     (block,) = [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "fidelity.jsonl" in block]
-    exec(compile(block.replace("/tmp/fidelity.jsonl", str(tmp_path / "fidelity.jsonl")), "docs/simulate.md", "exec"), {})
+    exec(  # noqa: S102 -- the repository's own docs
+        compile(block.replace("/tmp/fidelity.jsonl", str(tmp_path / "fidelity.jsonl")), "docs/simulate.md", "exec"), {}
+    )
     printed = capsys.readouterr().out.strip()
     claimed = re.search(r"# ([0-9.]+%)", block)
     assert claimed is not None and printed == claimed.group(1)
@@ -380,10 +415,15 @@ def test_compression_sweeps_every_size_with_and_without_compressed_rows(
     assert found["kv_transfer_config"]["kv_connector_extra_config"]["kvtriton_kv_compression"] == "fp8-e4m3"
     plain_found = record["recommendation_uncompressed"]
     assert plain_found["kv_compression"] == "none"
-    assert plain_found["kv_connector_extra_config"] is None or "kvtriton_kv_compression" not in plain_found["kv_connector_extra_config"]
+    assert (
+        plain_found["kv_connector_extra_config"] is None
+        or "kvtriton_kv_compression" not in plain_found["kv_connector_extra_config"]
+    )
 
 
-def test_compression_prints_both_tables_the_lossy_note_and_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compression_prints_both_tables_the_lossy_note_and_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     flags = [*SMALL, "--capacities", "1,4", "--target-hit-rate", "0.01", "--compression", "fp8-e4m3"]
     assert main(["simulate", *flags, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -405,13 +445,31 @@ def test_without_compression_nothing_changes(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_group_size_sets_the_scales_per_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    record = simulate_json(tmp_path, capsys, *SMALL, "--capacities", "4", "--compression", "fp8-e4m3", "--group-size", "32")
+    record = simulate_json(
+        tmp_path, capsys, *SMALL, "--capacities", "4", "--compression", "fp8-e4m3", "--group-size", "32"
+    )
     # 32 layers x K, V: 32 x 8 x 128 codes, then one fp32 scale per 32 of them.
     assert record["compression"]["stored_bytes_per_block"] == 32 * 2 * (32 * 8 * 128 + 4 * 32 * 8 * 128 // 32)
 
 
 def test_an_fp8_cache_passes_through_compression_unchanged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", *SMALL, "--capacities", "4", "--dtype", "fp8", "--compression", "fp8-e4m3", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                *SMALL,
+                "--capacities",
+                "4",
+                "--dtype",
+                "fp8",
+                "--compression",
+                "fp8-e4m3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "(1.000x the bytes moved, 1.00x the blocks per GiB) (an fp8 cache passes through unchanged)" in out
 
@@ -428,18 +486,24 @@ def test_a_group_size_without_compression_is_refused(capsys: pytest.CaptureFixtu
         (["--compression", "fp8-e4m3", "--group-size", "0"], "argument --group-size"),
     ],
 )
-def test_bad_compression_flags_are_refused_by_name(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_compression_flags_are_refused_by_name(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", *SMALL, *flags])
     assert message in capsys.readouterr().err
 
 
-def test_the_plot_draws_both_curves_per_policy_with_compression(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plot_draws_both_curves_per_policy_with_compression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import matplotlib.pyplot as plt
 
     figures: list[Any] = []
     monkeypatch.setattr(plt, "close", figures.append)
-    assert main(["simulate", *SMALL[:-1], "--capacities", "1,4", "--compression", "fp8-e4m3", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["simulate", *SMALL[:-1], "--capacities", "1,4", "--compression", "fp8-e4m3", "--out", str(tmp_path)]) == 0
+    )
     (figure,) = figures
     labels = [line.get_label() for line in figure.axes[0].get_lines()]
     for label in ("LRU", "ARC", "LRU, fp8-e4m3", "ARC, fp8-e4m3", "whole trace fits", "whole trace fits, compressed"):
@@ -458,9 +522,14 @@ def test_the_compressed_geometry_is_the_engines_row() -> None:
     for name, layout in (("qwen2.5-7b", "flash_attn"), ("deepseek-v3", "mla")):
         plain = PRESETS[name]
         compressed = plain.with_compression("fp8-e4m3")
-        kv = PagedKV.from_tensors(build_cache(plain, layout, 1, torch.device("cpu")), layout=layout, kv_compression="fp8-e4m3")
+        kv = PagedKV.from_tensors(
+            build_cache(plain, layout, 1, torch.device("cpu")), layout=layout, kv_compression="fp8-e4m3"
+        )
         assert (compressed.bytes_per_block, compressed.stored_bytes_per_block) == (kv.raw_row_bytes, kv.row_bytes)
-        assert compressed.blocks_for(2**30) == 2**30 // kv.row_bytes and plain.blocks_for(2**30) == 2**30 // kv.raw_row_bytes
+        assert (
+            compressed.blocks_for(2**30) == 2**30 // kv.row_bytes
+            and plain.blocks_for(2**30) == 2**30 // kv.raw_row_bytes
+        )
         assert compressed.with_compression("none") == plain
     with pytest.raises(ValueError, match="compression must be one of"):
         PRESETS["llama-3-8b"].with_compression("zstd")

@@ -25,7 +25,12 @@ BLOCK = 16
 
 def trace(*prompts: str, tail: int = 1) -> list[PreparedRequest]:
     """One request per string, a block per letter, plus ``tail`` tokens of a partial last block."""
-    return prepare([Request(f"r{i}", tuple(c.encode() for c in blocks), BLOCK * len(blocks) + tail) for i, blocks in enumerate(prompts)])
+    return prepare(
+        [
+            Request(f"r{i}", tuple(c.encode() for c in blocks), BLOCK * len(blocks) + tail)
+            for i, blocks in enumerate(prompts)
+        ]
+    )
 
 
 class Recorder:

@@ -28,27 +28,26 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
-from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
+from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
-
-from kvtriton.integrations.vllm_manager import VLLMOffloadingManager  # noqa: E402
-from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines  # noqa: E402
-from kvtriton.tools.vllm_engine import EngineModel, predict  # noqa: E402
-from kvtriton.tools.workloads import parse_trace  # noqa: E402
+from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines
+from kvtriton.tools.vllm_engine import EngineModel, predict
+from kvtriton.tools.workloads import parse_trace
 
 DECODED = EOS + 3
 """The token every decode step samples: not the end-of-sequence token."""
@@ -56,7 +55,12 @@ LAYERS = ["layer0", "layer1"]
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
 BYTES_PER_BLOCK = KV_SPEC.page_size_bytes * len(LAYERS)
 WORKLOAD = TokenWorkloadParams(
-    requests=160, system_prompts=16, zipf_s=0.8, system_tokens=(32, 160), user_tokens=(4, 40), answer_tokens=(8, 32),
+    requests=160,
+    system_prompts=16,
+    zipf_s=0.8,
+    system_tokens=(32, 160),
+    user_tokens=(4, 40),
+    answer_tokens=(8, 32),
     turns=(2, 4),
 )
 """354 distinct blocks of 16 tokens, prompts of 36..282 tokens."""
@@ -162,7 +166,9 @@ def make_scheduler(model_config: ModelConfig, setting: Setting) -> Scheduler:
     )
 
 
-def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRequest]) -> tuple[Counts, tuple[int, int, int]]:
+def run_vllm(
+    model_config: ModelConfig, setting: Setting, requests: list[TokenRequest]
+) -> tuple[Counts, tuple[int, int, int]]:
     """Serve ``requests`` with vLLM's scheduler; per-request counts and vLLM's (external queries, hits, preemptions)."""
     scheduler = make_scheduler(model_config, setting)
     connector = scheduler.connector
@@ -255,26 +261,33 @@ def run_vllm(model_config: ModelConfig, setting: Setting, requests: list[TokenRe
             [DECODED] if scheduler.requests[req_id].num_computed_tokens >= scheduler.requests[req_id].num_tokens else []
             for req_id in scheduled
         ]
-        in_flight.append((
-            output,
-            ModelRunnerOutput(
-                req_ids=scheduled,
-                req_id_to_index={req_id: index for index, req_id in enumerate(scheduled)},
-                sampled_token_ids=sampled,
-                kv_connector_output=KVConnectorOutput(
-                    finished_sending=set(),
-                    finished_recving={load_of.pop(job_id) for job_id in done if job_id in load_of},
-                    kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1)) if done else None,
+        in_flight.append(
+            (
+                output,
+                ModelRunnerOutput(
+                    req_ids=scheduled,
+                    req_id_to_index={req_id: index for index, req_id in enumerate(scheduled)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=set(),
+                        finished_recving={load_of.pop(job_id) for job_id in done if job_id in load_of},
+                        kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(done, 1))
+                        if done
+                        else None,
+                    ),
                 ),
-            ),
-        ))
+            )
+        )
         if len(in_flight) == queue_size or not work_left():
             process_oldest()
     unreported = scheduler.connector_prefix_cache_stats
     assert unreported is not None
     totals[0] += unreported.queries
     totals[1] += unreported.hits
-    counts = {request.req_id: (local[request.req_id], queries[request.req_id], external[request.req_id]) for request in requests}
+    counts = {
+        request.req_id: (local[request.req_id], queries[request.req_id], external[request.req_id])
+        for request in requests
+    }
     return counts, (totals[0], totals[1], sum(request.num_preemptions for request in sent))
 
 
@@ -308,7 +321,9 @@ def setting_id(setting: Setting) -> str:
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=setting_id)
-def test_the_engine_model_counts_the_external_hits_vllms_scheduler_counts(model_config: ModelConfig, setting: Setting) -> None:
+def test_the_engine_model_counts_the_external_hits_vllms_scheduler_counts(
+    model_config: ModelConfig, setting: Setting
+) -> None:
     requests = token_workload(seed=3, params=WORKLOAD)
     vllm_counts, vllm_totals = run_vllm(model_config, setting, requests)
     model_counts, model_totals = replay_model(setting, requests)

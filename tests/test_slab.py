@@ -24,7 +24,7 @@ class FakeRegistrar:
     pending_error: int = 0
     cpus_while_registering: list[set[int]] = field(default_factory=lambda: [])
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 -- the CUDA name
         if self.fail_at is not None and len(self.registered) == self.fail_at:
             self.pending_error = 2
             return 2  # cudaErrorMemoryAllocation
@@ -32,11 +32,11 @@ class FakeRegistrar:
         self.cpus_while_registering.append(os.sched_getaffinity(0))
         return 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 -- the CUDA name
         self.unregistered.append(ptr)
         return 0
 
-    def cudaGetLastError(self) -> int:
+    def cudaGetLastError(self) -> int:  # noqa: N802 -- the CUDA name
         error, self.pending_error = self.pending_error, 0
         return error
 
@@ -256,7 +256,9 @@ def test_per_rank_strided_views_of_one_buffer_write_disjoint_bytes(tmp_path: Pat
     stride = ranks * row_bytes
     mapping = _shared_file(tmp_path, num_slots * stride)
     views = [
-        HostSlab.from_buffer(mapping, num_slots, 1, row_bytes, row_stride=stride, row_offset=rank * row_bytes, pin=False)
+        HostSlab.from_buffer(
+            mapping, num_slots, 1, row_bytes, row_stride=stride, row_offset=rank * row_bytes, pin=False
+        )
         for rank in range(ranks)
     ]
     for rank, view in enumerate(views):
@@ -277,7 +279,12 @@ def test_a_pinned_per_rank_view_registers_whole_shared_rows_in_slot_chunks(fake_
     with HostSlab.from_buffer(buffer, 8, 1, page // 2, row_stride=page, row_offset=page // 2) as slab:
         assert slab.pinned
         base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
-        assert fake_cuda.registered == [(base, 2 * page), (base + 2 * page, 2 * page), (base + 4 * page, 2 * page), (base + 6 * page, 2 * page)]
+        assert fake_cuda.registered == [
+            (base, 2 * page),
+            (base + 2 * page, 2 * page),
+            (base + 4 * page, 2 * page),
+            (base + 6 * page, 2 * page),
+        ]
         assert slab.rows.data_ptr() == base + page // 2
 
 
@@ -418,7 +425,9 @@ def test_pinning_runs_on_the_cpus_of_the_gpus_numa_node_and_moves_back(
     assert os.sched_getaffinity(0) == before
 
 
-def test_a_host_with_one_numa_node_pins_where_it_runs(fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_host_with_one_numa_node_pins_where_it_runs(
+    fake_cuda: FakeRegistrar, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     _fake_two_node_host(tmp_path, 0, {0: "0"})
     monkeypatch.setattr(numa_module, "SYSFS_ROOT", str(tmp_path))
     monkeypatch.setattr(numa_module, "cuda_pci_bus_id", gpu_bus_id)
@@ -442,7 +451,9 @@ def test_a_failing_device_address_query_keeps_the_slab_pinned_but_not_for_triton
         raise CudaRuntimeError(f"cudaHostGetDevicePointer({host:#x}) failed with cudaErrorInvalidValue (1)")
 
     monkeypatch.setattr(slab_module, "host_device_pointer", failing)
-    monkeypatch.setattr(slab_module, "_device_pointer", ORIGINAL_DEVICE_POINTER)  # the real query, over the failing call
+    monkeypatch.setattr(
+        slab_module, "_device_pointer", ORIGINAL_DEVICE_POINTER
+    )  # the real query, over the failing call
     with HostSlab(2, 1, slab_module.HOST_PAGE_BYTES) as slab:
         assert slab.pinned and not slab.device_aliased
     assert fake_cuda.unregistered  # closed normally: nothing leaked

@@ -22,12 +22,12 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
-from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+import numpy as np
+from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, TierState, open_store  # noqa: E402
-from kvtriton.tiers.mooncake_config import MooncakeTierConfig  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, TierState, open_store
+from kvtriton.tiers.mooncake_config import MooncakeTierConfig
 
 CHUNK = 64 * 1024
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -120,7 +120,9 @@ def test_another_layout_or_namespace_sees_only_misses(
 ) -> None:
     writer_memory = Primary(4, CHUNK)
     writer = make_tier(cluster.master_address, writer_memory, namespace="layout")
-    reader = make_tier(cluster.master_address, Primary(4, reader_chunk), namespace=reader_namespace, dtype_override=reader_dtype)
+    reader = make_tier(
+        cluster.master_address, Primary(4, reader_chunk), namespace=reader_namespace, dtype_override=reader_dtype
+    )
     tiers += [writer, reader]
     keys = chunk_keys(3, salt=3)
     writer_memory.fill([0, 1, 2], seed=3)
@@ -146,7 +148,9 @@ def test_the_manifest_key_holds_the_configuration_behind_the_digest(
     assert tier.keyspace.manifest_key == f"kvt/{tier.keyspace.digest}/manifest"
 
 
-def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
     memory = Primary(8, CHUNK)
     tier = make_tier(cluster.master_address, memory, namespace="wrong-size")
     tiers.append(tier)
@@ -164,7 +168,10 @@ def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(cluster: Mooncake
     assert resolve_lookups(tier, keys) == [HIT] * 3  # it exists, so the lookup says so ...
     result = run_job(tier, keys, [5, 6, 7], load=True)
     assert not result.success
-    assert result.successful_keys is not None and set(result.successful_keys) == {keys[0], keys[2]}  # ... the load does not
+    assert result.successful_keys is not None and set(result.successful_keys) == {
+        keys[0],
+        keys[2],
+    }  # ... the load does not
     assert (memory.chunk(5), memory.chunk(7)) == (written[0], written[2])
     stats = tier.stats()
     assert (stats.loaded_keys, stats.load_failed_keys, stats.wrong_size_keys) == (2, 1, 1)
@@ -200,7 +207,9 @@ def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(
     assert [memory.chunk(2), memory.chunk(3)] == written
 
 
-def test_groups_of_one_block_hash_are_separate_objects(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+def test_groups_of_one_block_hash_are_separate_objects(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
     memory = Primary(4, CHUNK)
     tier = make_tier(cluster.master_address, memory, namespace="groups")
     tiers.append(tier)
@@ -228,7 +237,9 @@ def test_bad_configuration_names_the_key_and_value(config: dict[str, object], me
         MooncakeTierConfig(**arguments)  # pyright: ignore[reportArgumentType] -- deliberately bad values
 
 
-def test_stores_and_loads_move_through_registered_memory_not_python_bytes(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
     # Zero copy: the tier hands Mooncake addresses inside the primary (registered once), never a bytes object.
     memory = Primary(4, CHUNK)
     tier = make_tier(cluster.master_address, memory, namespace="zero-copy")
@@ -265,7 +276,9 @@ def test_log_files_of_the_cluster_exist(cluster: MooncakeCluster) -> None:
     assert Path(cluster.log_dir / "holder.log").stat().st_size > 0
 
 
-def test_the_tier_master_and_holder_talk_only_to_the_loopback(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+def test_the_tier_master_and_holder_talk_only_to_the_loopback(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
     psutil = pytest.importorskip("psutil")
     memory = Primary(4, CHUNK)
     tier = make_tier(cluster.master_address, memory, namespace="loopback")

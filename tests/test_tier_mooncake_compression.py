@@ -17,17 +17,20 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
-# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
-from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
-from tiering_fixtures.configs import tiering_config  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+import numpy as np
 
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG  # noqa: E402
-from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store  # noqa: E402
-from kvtriton.tiers.mooncake_config import MooncakeTierConfig  # noqa: E402
+# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster
+from mooncake_fixtures.managers import managers as managers
+from mooncake_fixtures.managers import promote, serve_and_cascade, started
+from mooncake_fixtures.tiers import chunk_keys
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG
+from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store
+from kvtriton.tiers.mooncake_config import MooncakeTierConfig
 
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 
@@ -45,7 +48,9 @@ def kvtriton_manager(
     extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_config]}
     if compressed:
         extra["kvtriton_kv_compression"] = "fp8-e4m3"
-    return started(OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager(), made)
+    return started(
+        OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager(), made
+    )
 
 
 def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(

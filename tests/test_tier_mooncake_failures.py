@@ -18,12 +18,12 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
-from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
+import numpy as np
+from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics, TierState  # noqa: E402
+from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics, TierState
 
 CHUNK = 64 * 1024
 SLACK_S = 2.0
@@ -96,7 +96,9 @@ def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects
     assert stats.reconnects >= 1 and stats.failed_ops >= 2 and stats.failed_op_seconds > 0
     assert stats.load_failed_keys >= 2
     metrics = tier.get_stats().reduce()
-    assert metrics[f"{MooncakeTierMetrics.UP}:{label}"] == 1 and metrics[f"{MooncakeTierMetrics.RECONNECTS}:{label}"] >= 1
+    assert (
+        metrics[f"{MooncakeTierMetrics.UP}:{label}"] == 1 and metrics[f"{MooncakeTierMetrics.RECONNECTS}:{label}"] >= 1
+    )
 
 
 def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(
@@ -116,7 +118,10 @@ def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(
         assert time.monotonic() - started < timeout_s + SLACK_S
 
         # Three loads on one I/O thread: the first waits out the RPC timeout, the rest fail without waiting again.
-        jobs = [TransferJob(100 + index, [key], np.array([4 + index]), True, ReqContext(req_id="h")) for index, key in enumerate(keys)]
+        jobs = [
+            TransferJob(100 + index, [key], np.array([4 + index]), True, ReqContext(req_id="h"))
+            for index, key in enumerate(keys)
+        ]
         started = time.monotonic()
         for job in jobs:
             tier.submit_load(job)
@@ -166,7 +171,9 @@ def test_a_full_store_evicts_or_refuses_and_every_load_is_exact_or_a_miss(
         tiers.append(tier)
         keys = chunk_keys(24, salt=14)
         written = memory.fill(range(24), seed=14)
-        outcomes = [run_job(tier, keys[first : first + 4], range(first, first + 4), load=False) for first in range(0, 24, 4)]
+        outcomes = [
+            run_job(tier, keys[first : first + 4], range(first, first + 4), load=False) for first in range(0, 24, 4)
+        ]
         stats = tier.stats()
         assert stats.stored_keys + stats.store_failed_keys == 24
         assert all(result.success for result in outcomes[:3])  # the first 12 MiB fit
@@ -191,7 +198,9 @@ def test_a_tier_started_before_its_master_misses_until_the_master_appears(
     cluster = MooncakeCluster(tmp_path_factory.mktemp("mooncake-late"))
     try:
         memory = Primary(4, CHUNK)
-        tier = make_tier(cluster.master_address, memory, namespace="late", wait_up=False, timeout_s=5.0, reconnect_interval_s=0.2)
+        tier = make_tier(
+            cluster.master_address, memory, namespace="late", wait_up=False, timeout_s=5.0, reconnect_interval_s=0.2
+        )
         tiers.append(tier)
         assert tier.state is TierState.CONNECTING
         keys = chunk_keys(1, salt=15)

@@ -26,9 +26,9 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from mooncake_fixtures.instance import FULL_BLOCKS  # noqa: E402
-import torch  # noqa: E402
-from tiering_fixtures.engine import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredEngine, kv_spec  # noqa: E402
+import torch
+from mooncake_fixtures.instance import FULL_BLOCKS
+from tiering_fixtures.engine import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredEngine, kv_spec
 
 TESTS_DIR = Path(__file__).resolve().parent
 INSTANCE_TIMEOUT_S = 120

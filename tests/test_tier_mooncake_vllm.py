@@ -21,15 +21,18 @@ if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import numpy as np  # noqa: E402
-# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster, managers as managers, promote, serve_and_cascade, started  # noqa: E402
-from mooncake_fixtures.tiers import chunk_keys  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
-from vllm_fixtures.builders import offloading_config  # noqa: E402
+import numpy as np
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics  # noqa: E402
+# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster
+from mooncake_fixtures.managers import managers as managers
+from mooncake_fixtures.managers import promote, serve_and_cascade, started
+from mooncake_fixtures.tiers import chunk_keys
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm_fixtures.builders import offloading_config
+
+from kvtriton.tiers.mooncake import MooncakeStoreTier, MooncakeTierMetrics
 
 BLOCK_BYTES = 64 * 1024
 
@@ -77,20 +80,34 @@ def test_vllm_builds_the_tier_from_its_documented_defaults(
 ) -> None:
     _, tier, _ = tiered_manager(cluster, "mooncake-defaults", managers)
     config = tier.config
-    assert (config.metadata_server, config.protocol, config.global_segment_size, config.io_threads) == ("P2PHANDSHAKE", "tcp", 0, 4)
+    assert (config.metadata_server, config.protocol, config.global_segment_size, config.io_threads) == (
+        "P2PHANDSHAKE",
+        "tcp",
+        0,
+        4,
+    )
     assert config.local_hostname == "127.0.0.1"  # MC_TCP_BIND_ADDRESS, set by the fixtures
-    assert tier.config_info() == {"mooncake_master": cluster.master_address, "mooncake_namespace_digest": tier.keyspace.digest}
+    assert tier.config_info() == {
+        "mooncake_master": cluster.master_address,
+        "mooncake_namespace_digest": tier.keyspace.digest,
+    }
 
 
 def test_vllm_declares_the_tiers_metrics_and_info_labels() -> None:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": 1 << 20,
         "secondary_tiers": [
-            {"type": "MooncakeStoreTier", "module_path": "kvtriton.tiers.mooncake", "master_server_address": "127.0.0.1:1"}
+            {
+                "type": "MooncakeStoreTier",
+                "module_path": "kvtriton.tiers.mooncake",
+                "master_server_address": "127.0.0.1:1",
+            }
         ],
     }
     metrics = TieringOffloadingSpec.build_metric_definitions(extra)
-    assert {MooncakeTierMetrics.FAILED_OPS, MooncakeTierMetrics.FAILED_OP_SECONDS, MooncakeTierMetrics.UP} <= set(metrics)
+    assert {MooncakeTierMetrics.FAILED_OPS, MooncakeTierMetrics.FAILED_OP_SECONDS, MooncakeTierMetrics.UP} <= set(
+        metrics
+    )
     assert {"mooncake_master", "mooncake_namespace_digest"} <= set(TieringOffloadingSpec.config_info_keys(extra))
 
 
@@ -129,7 +146,9 @@ def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier
     unregister_vllm_metrics()
     try:
         vllm_config = SimpleNamespace(
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            )
         )
         prometheus = OffloadPromMetrics(
             vllm_config,  # pyright: ignore[reportArgumentType] -- OffloadPromMetrics reads only kv_transfer_config

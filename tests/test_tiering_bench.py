@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from bench import tiers  # noqa: E402
+from bench import tiers
 
 
 @pytest.mark.parametrize("primary", tiers.PRIMARIES)
@@ -21,15 +21,25 @@ def test_a_pass_cascades_every_chunk_and_promotes_every_chunk_back(primary: str,
     assert len(files) == 6 and all(path.stat().st_size == 64 << 10 for path in files)
 
 
-def test_main_prints_the_ratio_and_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_prints_the_ratio_and_writes_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
-    assert tiers.main(["--chunk-mib", "0.0625", "--total-mib", "1", "--repeats", "1", "--threads", "1", "--root", str(tmp_path)]) == 0
+    assert (
+        tiers.main(
+            ["--chunk-mib", "0.0625", "--total-mib", "1", "--repeats", "1", "--threads", "1", "--root", str(tmp_path)]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "kvtriton/vLLM ratio" in out and "primary-tier calls alone" in out
     assert "goal >= 0.95 met" in out or "goal >= 0.95 NOT met" in out
     record = json.loads((tmp_path / "tiers.json").read_text())
     assert record["smoke_run"] is False and isinstance(record["goal_met"], bool)
-    assert [(row["chunk_bytes"], row["direction"]) for row in record["results"]] == [(65536, "cascade"), (65536, "promotion")]
+    assert [(row["chunk_bytes"], row["direction"]) for row in record["results"]] == [
+        (65536, "cascade"),
+        (65536, "promotion"),
+    ]
     assert record["machine"] and record["command"].startswith("python -m bench.tiers")
     assert set(record["bookkeeping_us_per_chunk"]) == {"vllm", "kvtriton"}
     assert [path.name for path in tmp_path.iterdir()] == ["tiers.json"]  # the fs root it made is gone

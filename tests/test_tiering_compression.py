@@ -15,17 +15,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from tiering_fixtures.configs import key, settle_lookup, tiering_config  # noqa: E402
-from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, fs_tier, make_engine, model_config  # noqa: E402
-from vllm.config import ModelConfig  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm_fixtures.requests import make_request  # noqa: E402
+import torch
+from tiering_fixtures.configs import key, settle_lookup, tiering_config
+from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, fs_tier, make_engine, model_config
+from vllm.config import ModelConfig
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm_fixtures.requests import make_request
 
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag  # noqa: E402
-from kvtriton.kernels.compression import dequantize_groups, quantize_groups  # noqa: E402
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag
+from kvtriton.kernels.compression import dequantize_groups, quantize_groups
 
 COMPRESSED: dict[str, object] = {"kvtriton_kv_compression": "fp8-e4m3"}
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
@@ -41,7 +41,9 @@ def test_the_layout_tag_names_the_compression_whatever_the_row_order() -> None:
 def test_the_compressed_spec_sizes_the_region_in_compressed_rows_and_tags_the_tiers_namespace() -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 64 * 65536}
     plain = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=65536))
-    compressed = OffloadingSpecFactory.create_spec(tiering_config({**extra, **COMPRESSED}, worker_kv_bytes_per_block=65536))
+    compressed = OffloadingSpecFactory.create_spec(
+        tiering_config({**extra, **COMPRESSED}, worker_kv_bytes_per_block=65536)
+    )
     assert isinstance(plain, KVTritonTieringOffloadingSpec) and isinstance(compressed, KVTritonTieringOffloadingSpec)
     assert plain.layout_tag is None and compressed.layout_tag == TAG
     assert compressed.tier_facing_spec().config.model.name == f"tiny-tiering@{TAG}"

@@ -17,18 +17,18 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.config import OffloadingGroupConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.config import OffloadingGroupConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 BUDGET_1M: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
@@ -42,7 +42,9 @@ def managers() -> Iterator[list[TieringOffloadingManager]]:
         manager.shutdown()
 
 
-def tiering(managers: list[TieringOffloadingManager], extra: dict[str, object], **config: object) -> TieringOffloadingManager:
+def tiering(
+    managers: list[TieringOffloadingManager], extra: dict[str, object], **config: object
+) -> TieringOffloadingManager:
     spec = OffloadingSpecFactory.create_spec(tiering_config(extra, **config))  # pyright: ignore[reportArgumentType] -- keyword pass-through
     assert isinstance(spec, KVTritonTieringOffloadingSpec)
     manager = spec.get_manager()
@@ -58,7 +60,9 @@ def primary_of(manager: TieringOffloadingManager) -> KVTritonPrimaryTier:
 
 
 def test_vllms_factory_loads_the_tiered_spec_by_name_from_the_integration_module() -> None:
-    spec_cls = OffloadingSpecFactory.get_spec_cls({"spec_name": "KVTritonTieringOffloadingSpec", "spec_module_path": "kvtriton.integrations.vllm"})
+    spec_cls = OffloadingSpecFactory.get_spec_cls(
+        {"spec_name": "KVTritonTieringOffloadingSpec", "spec_module_path": "kvtriton.integrations.vllm"}
+    )
     assert spec_cls is KVTritonTieringOffloadingSpec
     assert issubclass(spec_cls, TieringOffloadingSpec)
 
@@ -67,7 +71,11 @@ def test_vllms_factory_loads_the_tiered_spec_by_name_from_the_integration_module
 def test_with_one_block_per_chunk_the_geometry_is_vllms_own(world_size: int) -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
     ours = KVTritonTieringOffloadingSpec(tiering_config(extra, worker_kv_bytes_per_block=1000, world_size=world_size))
-    theirs = TieringOffloadingSpec(tiering_config({**extra, "spec_name": "TieringOffloadingSpec"}, worker_kv_bytes_per_block=1000, world_size=world_size))
+    theirs = TieringOffloadingSpec(
+        tiering_config(
+            {**extra, "spec_name": "TieringOffloadingSpec"}, worker_kv_bytes_per_block=1000, world_size=world_size
+        )
+    )
     assert (ours.num_chunks, ours.kv_bytes_per_chunk, ours.cpu_page_size_per_worker) == (
         theirs.num_chunks, theirs.kv_bytes_per_chunk, theirs.cpu_page_size_per_worker,
     )  # fmt: skip
@@ -86,11 +94,15 @@ def test_a_promotion_slot_stays_pending_until_written_and_is_freed_when_the_writ
     primary.complete_write([key(1)], context, True)
     primary.complete_write([key(2)], context, False)
     assert primary.lookup(key(1), context) is LookupResult.HIT
-    assert primary.lookup(key(2), context) is LookupResult.MISS  # never RETRY: the orchestrator asks the tiers only on MISS
+    assert (
+        primary.lookup(key(2), context) is LookupResult.MISS
+    )  # never RETRY: the orchestrator asks the tiers only on MISS
     assert primary.cpu.stats().used == 1
 
 
-def test_a_cascade_read_pins_without_counting_an_access_and_reads_stack(managers: list[TieringOffloadingManager]) -> None:
+def test_a_cascade_read_pins_without_counting_an_access_and_reads_stack(
+    managers: list[TieringOffloadingManager],
+) -> None:
     primary = primary_of(tiering(managers, {"cpu_bytes_to_use": 2 * CHUNK, "eviction_policy": "lru"}))
     context = ReqContext(req_id="r")
     for index in (1, 2):
@@ -110,8 +122,16 @@ def test_a_cascade_read_pins_without_counting_an_access_and_reads_stack(managers
     assert output is not None and output.evicted_keys == [key(2)]
 
 
-def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(managers: list[TieringOffloadingManager], tmp_path: Path) -> None:
-    manager = tiering(managers, {"cpu_bytes_to_use": 5 * CHUNK, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 1, "n_write_threads": 1}]})
+def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(
+    managers: list[TieringOffloadingManager], tmp_path: Path
+) -> None:
+    manager = tiering(
+        managers,
+        {
+            "cpu_bytes_to_use": 5 * CHUNK,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 1, "n_write_threads": 1}],
+        },
+    )
     primary = primary_of(manager)
     view = primary.get_kv_memoryview()
     assert (view.shape, view.strides) == ((5, CHUNK), (CHUNK, 1))
@@ -127,7 +147,9 @@ def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(man
     assert output is not None
     stats = manager.get_stats()
     assert stats is not None
-    assert stats.reduce()[CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC] == pytest.approx(2 / 5)  # occupancy, under vLLM's names
+    assert stats.reduce()[CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC] == pytest.approx(
+        2 / 5
+    )  # occupancy, under vLLM's names
     slots = output.store_spec
     assert isinstance(slots, VLLMCPULoadStoreSpec)
     flat = view.cast("B")
@@ -164,7 +186,9 @@ def test_the_secondary_tiers_namespace_is_tagged_exactly_when_the_chunk_bytes_di
     assert two_blocks.config.model.name == "tiny-tiering"  # only the tiers' copy is renamed
     assert tagged.blocks_per_chunk == 2 and tagged.config.parallel == two_blocks.config.parallel
     config = tiering_config(BUDGET_1M)
-    window = OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer1",), group_id=1, sliding_window_size_in_chunks=2)
+    window = OffloadingGroupConfig(
+        tokens_per_block=16, layer_names=("layer1",), group_id=1, sliding_window_size_in_chunks=2
+    )
     hybrid = KVTritonTieringOffloadingSpec(dataclasses.replace(config, groups=(*config.groups, window)))
     assert hybrid.layout_tag == LAYOUT_TAG
 
@@ -195,12 +219,19 @@ def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
     assert primary.lookup(key(1), context) is LookupResult.HIT
 
 
-VLLM_LRU: dict[str, object] = {"eviction_policy": "LRUCachePolicy", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"}
+VLLM_LRU: dict[str, object] = {
+    "eviction_policy": "LRUCachePolicy",
+    "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
+}
 """vLLM's own LRU by module path: the tiered spec then runs vLLM's CPUPrimaryTierOffloadingManager, the reference."""
 
 
 def _cascade_pins_trace(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[object]:
-    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * CHUNK, "secondary_tiers": [{"type": "example"}, {"type": "example"}], **policy}
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 4 * CHUNK,
+        "secondary_tiers": [{"type": "example"}, {"type": "example"}],
+        **policy,
+    }
     manager = tiering(managers, extra)
     context = ReqContext(req_id="r")
     manager.on_new_request(context)
@@ -223,7 +254,9 @@ def _cascade_pins_trace(managers: list[TieringOffloadingManager], policy: dict[s
     return trace
 
 
-def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does(managers: list[TieringOffloadingManager]) -> None:
+def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does(
+    managers: list[TieringOffloadingManager],
+) -> None:
     """vLLM's test_ref_cnt_protection_during_cascade, through what is stored and evicted instead of private pin counts:
     kvtriton's primary and vLLM's own (same LRU rule) give the same answers step by step while two tiers cascade."""
     ours = _cascade_pins_trace(managers, {})
@@ -257,7 +290,9 @@ def _four_requests_evicted(managers: list[TieringOffloadingManager], policy: dic
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_the_tiered_spec_keeps_a_just_hit_prefix_over_untouched_chunks(managers: list[TieringOffloadingManager], policy: str) -> None:
+def test_the_tiered_spec_keeps_a_just_hit_prefix_over_untouched_chunks(
+    managers: list[TieringOffloadingManager], policy: str
+) -> None:
     """vLLM's tiered manager never announces a request to its primary: recency must not depend on it."""
     assert sorted(_four_requests_evicted(managers, {"eviction_policy": policy})) == [key(3), key(4)]
     assert sorted(_four_requests_evicted(managers, VLLM_LRU)) == [key(3), key(4)]  # vLLM's own primary

@@ -28,7 +28,10 @@ NUM_GPU_BLOCKS = 16
 
 def pages(rank: int, device: str) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(rank)
-    return [torch.randint(0, 256, (NUM_GPU_BLOCKS, size), generator=generator, dtype=torch.uint8).to(device) for size in PAGE_BYTES]
+    return [
+        torch.randint(0, 256, (NUM_GPU_BLOCKS, size), generator=generator, dtype=torch.uint8).to(device)
+        for size in PAGE_BYTES
+    ]
 
 
 def fill(layout: RegionLayout, device: str, backend: str) -> tuple[bytes, list[list[torch.Tensor]]]:
@@ -63,7 +66,9 @@ def fill(layout: RegionLayout, device: str, backend: str) -> tuple[bytes, list[l
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_two_ranks_store_into_one_pinned_region_with_the_kernels_as_the_cpu_reference_does(blocks_per_chunk: int) -> None:
+def test_two_ranks_store_into_one_pinned_region_with_the_kernels_as_the_cpu_reference_does(
+    blocks_per_chunk: int,
+) -> None:
     layout = RegionLayout(16 // blocks_per_chunk, blocks_per_chunk, 2, sum(PAGE_BYTES))
     on_gpu, gpu_pages = fill(layout, "cuda", "triton")
     on_cpu, cpu_pages = fill(layout, "cpu", "torch")

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from tiering_fixtures.configs import tiering_config  # noqa: E402
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor  # noqa: E402
+import torch
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
-from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.worker import shared_region  # noqa: E402
-from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.worker import shared_region
+from kvtriton.worker.slab import PageableSlabWarning
 
 BUDGET: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
 
@@ -37,25 +37,39 @@ def kv_caches(page_bytes: int) -> CanonicalKVCaches:
 
 
 def test_an_unknown_tier_type_names_the_tier_and_the_registered_types() -> None:
-    with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(type 'disk'\).*Unknown secondary tier type: 'disk'.*'fs'"):
+    with pytest.raises(
+        ValueError, match=r"secondary_tiers\[0\] \(type 'disk'\).*Unknown secondary tier type: 'disk'.*'fs'"
+    ):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": [{"type": "disk"}]}))
 
 
 def test_a_tier_module_path_that_cannot_be_imported_is_named() -> None:
-    tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused"}, {"type": "MyTier", "module_path": "no_such_package.tiers"}]
-    with pytest.raises(ImportError, match=r"secondary_tiers\[1\] \(type 'MyTier'\): module_path 'no_such_package.tiers' cannot be imported"):
+    tiers = [
+        {"type": "fs", "root_dir": "/tmp/kvtriton-unused"},
+        {"type": "MyTier", "module_path": "no_such_package.tiers"},
+    ]
+    with pytest.raises(
+        ImportError,
+        match=r"secondary_tiers\[1\] \(type 'MyTier'\): module_path 'no_such_package.tiers' cannot be imported",
+    ):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
 
 
 def test_an_fs_tier_without_root_dir_names_the_tier_and_the_key() -> None:
     tiers = [{"type": "fs"}]
-    with pytest.raises(ValueError, match=r"^secondary_tiers\[0\] \(type 'fs'\) is missing the required key 'root_dir' \(FileSystemTierManager needs it\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^secondary_tiers\[0\] \(type 'fs'\) is missing the required key 'root_dir' \(FileSystemTierManager needs it\)$",
+    ):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
 
 
 def test_an_unknown_tier_key_names_the_tier_the_key_and_what_it_takes() -> None:
     tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", "rootdir": "/tmp"}]
-    with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(type 'fs'\) has unknown key 'rootdir'; FileSystemTierManager takes \[.*'root_dir'"):
+    with pytest.raises(
+        ValueError,
+        match=r"secondary_tiers\[0\] \(type 'fs'\) has unknown key 'rootdir'; FileSystemTierManager takes \[.*'root_dir'",
+    ):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
 
 
@@ -68,7 +82,9 @@ def test_a_tier_class_missing_from_its_module_is_named() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is not None, reason="NIXL is installed here")
 @pytest.mark.parametrize("kind", ["obj", "p2p"])
 def test_a_tier_that_needs_nixl_says_how_to_install_it(kind: str) -> None:
-    with pytest.raises(ImportError, match=rf"secondary_tiers\[0\] \(type '{kind}'\) needs the Python package 'nixl'.*pip install nixl"):
+    with pytest.raises(
+        ImportError, match=rf"secondary_tiers\[0\] \(type '{kind}'\) needs the Python package 'nixl'.*pip install nixl"
+    ):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": [{"type": kind}]}))
 
 
@@ -112,7 +128,9 @@ def test_an_error_vllm_raises_while_building_a_tier_names_the_tier(tmp_path: Pat
 
 
 def test_secondary_tiers_must_be_a_list() -> None:
-    with pytest.raises(ValueError, match=r"secondary_tiers must be a list of tier configurations, got \{'type': 'fs'\}"):
+    with pytest.raises(
+        ValueError, match=r"secondary_tiers must be a list of tier configurations, got \{'type': 'fs'\}"
+    ):
         KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": {"type": "fs"}}))
 
 
@@ -127,17 +145,28 @@ def test_secondary_tiers_must_be_a_list() -> None:
             r"\(ModuleNotFoundError: No module named 'my'\)",
         ),
         ({**BUDGET, "eviction_polcy": "arc"}, r"nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\)"),
-        ({**BUDGET, "tier_poll_interval_s": -1},
-         r"\['tier_poll_interval_s'\] must be a number of seconds >= 0 .*got int -1$"),
+        (
+            {**BUDGET, "tier_poll_interval_s": -1},
+            r"\['tier_poll_interval_s'\] must be a number of seconds >= 0 .*got int -1$",
+        ),
         ({**BUDGET, "tier_poll_interval_s": "fast"}, r"\['tier_poll_interval_s'\] must be a number .*got str 'fast'$"),
         ({**BUDGET, "backpressure": "yes"}, r"^kv_connector_extra_config\['backpressure'\] must be a mapping of"),
         (
             {**BUDGET, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", "backpressure": "yes"}]},
             r"^secondary_tiers\[0\] \(type 'fs'\) key 'backpressure' must be a mapping of .*got str 'yes'",
         ),
-        ({**BUDGET, "eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither"),
-        ({"cpu_bytes_to_use": 100}, r"\['cpu_bytes_to_use'\]=100: 100 bytes is less than one chunk of 4096 bytes; the value is in bytes"),
-        ({"cpu_bytes_to_use": 1e30}, r"\['cpu_bytes_to_use'\]=1000000000000000019884624838656: .* exceed this host's \d+ bytes of RAM"),
+        (
+            {**BUDGET, "eviction_policy": "fifo"},
+            r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither",
+        ),
+        (
+            {"cpu_bytes_to_use": 100},
+            r"\['cpu_bytes_to_use'\]=100: 100 bytes is less than one chunk of 4096 bytes; the value is in bytes",
+        ),
+        (
+            {"cpu_bytes_to_use": 1e30},
+            r"\['cpu_bytes_to_use'\]=1000000000000000019884624838656: .* exceed this host's \d+ bytes of RAM",
+        ),
     ],
 )
 def test_bad_keys_are_refused_naming_key_and_value(extra: dict[str, object], message: str) -> None:
@@ -149,7 +178,9 @@ def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(monkey
     before = region_files()
     monkeypatch.setattr(shared_region, "shm_free_bytes", lambda directory=shared_region.REGION_DIRECTORY: 4096)
     spec = KVTritonTieringOffloadingSpec(tiering_config(BUDGET))
-    with pytest.raises(ValueError, match=r"/dev/shm has 4096 bytes free but the shared host region needs 1052672 bytes"):
+    with pytest.raises(
+        ValueError, match=r"/dev/shm has 4096 bytes free but the shared host region needs 1052672 bytes"
+    ):
         spec.get_manager()
     assert region_files() == before
 
@@ -163,12 +194,17 @@ def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) 
     stage = KVTritonTieringOffloadingSpec(
         tiering_config(BUDGET, world_size=2, rank=1, engine_id=engine_id, worker_kv_bytes_per_block=4096)
     )
-    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"laid out as .*x 2048 bytes.*expects .*x 4096 bytes.*VLLM_PP_LAYER_PARTITION"):
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(ValueError, match=r"laid out as .*x 2048 bytes.*expects .*x 4096 bytes.*VLLM_PP_LAYER_PARTITION"),
+    ):
         warnings.simplefilter("ignore", PageableSlabWarning)
         stage.get_worker(kv_caches(4096))
     # A worker whose tensors outgrow the size vLLM reported is refused before mapping anything.
     wide = KVTritonTieringOffloadingSpec(tiering_config(BUDGET, world_size=2, rank=1, engine_id=engine_id))
-    with pytest.raises(ValueError, match=r"rank 1's KV tensors hold 3072 bytes per block, but the shared region gives each rank 2048"):
+    with pytest.raises(
+        ValueError, match=r"rank 1's KV tensors hold 3072 bytes per block, but the shared region gives each rank 2048"
+    ):
         wide.get_worker(kv_caches(3072))
     manager.shutdown()
     assert region_files() == before

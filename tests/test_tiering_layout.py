@@ -17,19 +17,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec  # noqa: E402
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+import torch
+from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier  # noqa: E402
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
-from kvtriton.worker.engine import TransferEngine  # noqa: E402
-from kvtriton.worker.layout import PagedKV  # noqa: E402
-from kvtriton.worker.shared_region import RegionLayout, SharedRegion  # noqa: E402
+from kvtriton.integrations.vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
+from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.worker.engine import TransferEngine
+from kvtriton.worker.layout import PagedKV
+from kvtriton.worker.shared_region import RegionLayout, SharedRegion
 
 PAGE_BYTES = (1536, 512)  # two KV tensors per rank, of unequal page sizes
 RANK_ROW_BYTES = sum(PAGE_BYTES)
@@ -39,7 +39,9 @@ NUM_CHUNKS = 4
 
 def gpu_pages(rank: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(rank)
-    return [torch.randint(0, 256, (NUM_GPU_BLOCKS, size), generator=generator, dtype=torch.uint8) for size in PAGE_BYTES]
+    return [
+        torch.randint(0, 256, (NUM_GPU_BLOCKS, size), generator=generator, dtype=torch.uint8) for size in PAGE_BYTES
+    ]
 
 
 def vllm_region_bytes(world_size: int, blocks_per_chunk: int, chunk_blocks: dict[int, list[int]]) -> bytes:
@@ -52,7 +54,8 @@ def vllm_region_bytes(world_size: int, blocks_per_chunk: int, chunk_blocks: dict
     row = -(-world_size * RANK_ROW_BYTES * blocks_per_chunk // 4096) * 4096
     engine_id = f"layout-{uuid.uuid4().hex[:12]}"
     regions = [
-        SharedOffloadRegion(engine_id, NUM_CHUNKS, rank, row, RANK_ROW_BYTES * blocks_per_chunk) for rank in range(world_size)
+        SharedOffloadRegion(engine_id, NUM_CHUNKS, rank, row, RANK_ROW_BYTES * blocks_per_chunk)
+        for rank in range(world_size)
     ]
     try:
         for rank, region in enumerate(regions):
@@ -74,7 +77,9 @@ def kvtriton_region_bytes(world_size: int, blocks_per_chunk: int, chunk_blocks: 
     try:
         for rank, region in enumerate(regions):
             slab = region.rank_slab(rank, pin=False)
-            engine = TransferEngine(PagedKV(gpu_pages(rank), [f"t{index}" for index in range(len(PAGE_BYTES))]), slab, "torch")
+            engine = TransferEngine(
+                PagedKV(gpu_pages(rank), [f"t{index}" for index in range(len(PAGE_BYTES))]), slab, "torch"
+            )
             blocks = [block for chunk in sorted(chunk_blocks) for block in chunk_blocks[chunk]]
             assert engine.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(sorted(chunk_blocks)))
             (result,) = engine.get_finished()
@@ -114,14 +119,18 @@ def managers() -> Iterator[list[OffloadingManager]]:
 CHUNK_BLOCK_BYTES = 2048
 
 
-def build(managers: list[OffloadingManager], spec_name: str, root: Path, blocks_per_chunk: int) -> TieringOffloadingManager:
+def build(
+    managers: list[OffloadingManager], spec_name: str, root: Path, blocks_per_chunk: int
+) -> TieringOffloadingManager:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": 8 * 4096,
         "secondary_tiers": [{"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}],
     }
     if spec_name == "TieringOffloadingSpec":
         extra.update(spec_name=spec_name, spec_module_path=None)
-    config = tiering_config(extra, worker_kv_bytes_per_block=CHUNK_BLOCK_BYTES, blocks_per_chunk=blocks_per_chunk, model_name="shared/model")
+    config = tiering_config(
+        extra, worker_kv_bytes_per_block=CHUNK_BLOCK_BYTES, blocks_per_chunk=blocks_per_chunk, model_name="shared/model"
+    )
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
     assert isinstance(manager, TieringOffloadingManager)
     managers.append(manager)

@@ -17,14 +17,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import key, tiering_config  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from tiering_fixtures.configs import key, tiering_config
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec  # noqa: E402
-from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 A, B, C, D, E, F = (key(index) for index in range(1, 7))
@@ -39,7 +39,9 @@ def managers() -> Iterator[list[OffloadingManager]]:
 
 
 def kvtriton_tiered(managers: list[OffloadingManager], policy: str, slots: int = 4) -> TieringOffloadingManager:
-    spec = OffloadingSpecFactory.create_spec(tiering_config({"cpu_bytes_to_use": slots * CHUNK, "eviction_policy": policy}))
+    spec = OffloadingSpecFactory.create_spec(
+        tiering_config({"cpu_bytes_to_use": slots * CHUNK, "eviction_policy": policy})
+    )
     assert isinstance(spec, KVTritonTieringOffloadingSpec)
     manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager) and isinstance(manager.primary_tier, KVTritonPrimaryTier)
@@ -111,7 +113,10 @@ def test_a_running_requests_store_batches_evict_what_vllms_own_manager_evicts(
     # T1 in arrival order. Either way, as vLLM's own manager does.
     prompt = [key(index) for index in range(10, 16)]
     evictions: list[list[list[OffloadKey]]] = []
-    for offloading in (kvtriton_tiered(managers, policy, slots=3), VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy)):
+    for offloading in (
+        kvtriton_tiered(managers, policy, slots=3),
+        VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy),
+    ):
         context = request("long", *prompt)
         with offloading.lock:
             offloading.on_new_request(context)

@@ -43,7 +43,9 @@ def slab(region: SharedRegion, rank: int) -> HostSlab:
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3, 8])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_every_chunk_is_a_multiple_of_the_direct_io_alignment_and_holds_every_rank(blocks_per_chunk: int, world_size: int) -> None:
+def test_every_chunk_is_a_multiple_of_the_direct_io_alignment_and_holds_every_rank(
+    blocks_per_chunk: int, world_size: int
+) -> None:
     layout = RegionLayout(5, blocks_per_chunk, world_size, 1000)
     assert layout.chunk_bytes % ROW_ALIGNMENT == 0
     assert layout.block_row_stride >= world_size * 1000
@@ -107,16 +109,23 @@ def test_a_process_that_crashes_after_mapping_leaks_nothing(name: str) -> None:
     scheduler.close()
 
 
-def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout = RegionLayout(1000, 1, 1, 4096)
     monkeypatch.setattr(shared_region, "shm_free_bytes", lambda directory=shared_region.REGION_DIRECTORY: 1 << 20)
-    with pytest.raises(ValueError, match=r"/dev/shm has 1048576 bytes free but the shared host region needs 4100096 bytes"):
+    with pytest.raises(
+        ValueError, match=r"/dev/shm has 1048576 bytes free but the shared host region needs 4100096 bytes"
+    ):
         SharedRegion(name, layout, 2)
 
 
 def test_a_rank_with_another_layout_is_refused_naming_both(name: str) -> None:
     first = SharedRegion(name, RegionLayout(4, 1, 2, 2048), 3)
-    with pytest.raises(ValueError, match=r"laid out as 4 chunks x 1 block\(s\) x 2 rank\(s\) x 2048 bytes.*expects .*x 1024 bytes.*VLLM_PP_LAYER_PARTITION"):
+    with pytest.raises(
+        ValueError,
+        match=r"laid out as 4 chunks x 1 block\(s\) x 2 rank\(s\) x 2048 bytes.*expects .*x 1024 bytes.*VLLM_PP_LAYER_PARTITION",
+    ):
         SharedRegion(name, RegionLayout(8, 1, 2, 1024), 3)
     first.close()
 
@@ -225,7 +234,10 @@ def test_page_spans_cover_a_ranks_bytes_with_whole_pages_merged() -> None:
     assert shared_region.page_spans(starts, 1000, page=4096) == [(4096, 8192), (20480, 8192)]
     layout = RegionLayout(2, 1, 2, 4096)
     assert shared_region.rank_row_starts(layout, 1).tolist() == [HEADER + 4096, HEADER + 3 * 4096]
-    assert shared_region.page_spans(shared_region.rank_row_starts(layout, 0), 4096, page=4096) == [(HEADER, 4096), (HEADER + 8192, 4096)]
+    assert shared_region.page_spans(shared_region.rank_row_starts(layout, 0), 4096, page=4096) == [
+        (HEADER, 4096),
+        (HEADER + 8192, 4096),
+    ]
 
 
 # --- pinning waits for every rank, and each rank pins its own pages ------------------
@@ -288,7 +300,9 @@ def test_each_rank_pins_only_after_every_rank_populated_and_only_its_own_pages(
         assert stride == 4 * PAGE
         for rank, region in enumerate(regions):
             rows = region.region_tensor().data_ptr()
-            mine = sorted((ptr - rows, size) for ptr, size, _ in registrar.registered if rows <= ptr < rows + stride * 3)
+            mine = sorted(
+                (ptr - rows, size) for ptr, size, _ in registrar.registered if rows <= ptr < rows + stride * 3
+            )
             # One registration per block row, over this rank's two pages only: half the region, not all of it.
             assert mine == [(row * stride + rank * 2 * PAGE, 2 * PAGE) for row in range(3)]
         assert all(made.pinned and made.registration_rows == 1 for made in slabs)

@@ -19,8 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.config import ModelConfig  # noqa: E402
-from tiering_fixtures.engine import (  # noqa: E402
+from tiering_fixtures.engine import (
     BLOCK_SIZE,
     LAYERS,
     TieredEngine,
@@ -29,11 +28,12 @@ from tiering_fixtures.engine import (  # noqa: E402
     make_engine,
     model_config,
 )
-from vllm_fixtures.requests import make_request  # noqa: E402
+from vllm.config import ModelConfig
+from vllm_fixtures.requests import make_request
 
-from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker  # noqa: E402
-from kvtriton.keys import OffloadKey  # noqa: E402
-from kvtriton.worker.shared_region import SharedRegion  # noqa: E402
+from kvtriton.integrations.vllm_tiering import KVTritonTieringWorker
+from kvtriton.keys import OffloadKey
+from kvtriton.worker.shared_region import SharedRegion
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,9 @@ PROMPT = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a parti
 
 
 @pytest.mark.parametrize(
-    ("blocks_per_chunk", "world_size"), [(1, 1), (2, 1), (1, 2), (2, 2)], ids=["1block", "2blocks", "2ranks", "2ranks-2blocks"]
+    ("blocks_per_chunk", "world_size"),
+    [(1, 1), (2, 1), (1, 2), (2, 2)],
+    ids=["1block", "2blocks", "2ranks", "2ranks-2blocks"],
 )
 def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
     config: ModelConfig, engines: list[TieredEngine], tmp_path: Path, blocks_per_chunk: int, world_size: int
@@ -75,7 +77,11 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
     }
     engine = make_engine(config, extra, world_size=world_size)
     engines.append(engine)
-    assert all(isinstance(worker.connector_worker.worker, KVTritonTieringWorker) for worker in engine.workers if worker.connector_worker)
+    assert all(
+        isinstance(worker.connector_worker.worker, KVTritonTieringWorker)
+        for worker in engine.workers
+        if worker.connector_worker
+    )
     region = engine.primary.region
     assert isinstance(region, SharedRegion)
     assert not os.path.exists(region.path)  # scheduler + every rank mapped it: no name left in /dev/shm
@@ -141,7 +147,9 @@ def test_a_promotion_that_fails_halfway_keeps_the_chunks_that_arrived_and_recomp
     recomputed = [index for request, index in engine.computed if request == "second"]
     assert recomputed == [2, 3]  # blocks 0 and 1 came from the fs tier, the rest was computed again
     blocks = engine.gpu_blocks_seen["second"]
-    assert [engine.block_bytes(0, block) for block in blocks[:4]] == [engine.expected_bytes(0, index) for index in range(4)]
+    assert [engine.block_bytes(0, block) for block in blocks[:4]] == [
+        engine.expected_bytes(0, index) for index in range(4)
+    ]
     # The recomputed chunks are stored (and cascaded) again; the failed promotion left no slot behind.
     engine.step_until(lambda: engine.cpu.stats().pending == 0 and not engine.tiering.has_pending_work(), "drained")
     stats = engine.cpu.stats()

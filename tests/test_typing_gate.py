@@ -27,7 +27,9 @@ def jit_parameters_with_annotations(source: str, filename: str) -> list[str]:
         arguments = node.args
         for parameter in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]:
             if parameter.annotation is not None and not _is_constexpr(parameter.annotation):
-                offenders.append(f"{filename}:{node.lineno} {node.name}({parameter.arg}: {ast.unparse(parameter.annotation)})")
+                offenders.append(
+                    f"{filename}:{node.lineno} {node.name}({parameter.arg}: {ast.unparse(parameter.annotation)})"
+                )
     return offenders
 
 

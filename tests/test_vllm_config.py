@@ -8,8 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-
-from kvtriton.worker.backends import TransferBackend
 import torch
 
 from kvtriton.integrations.vllm_config import (
@@ -28,6 +26,7 @@ from kvtriton.integrations.vllm_config import (
 )
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compression import KVCompression, compression_layout
+from kvtriton.worker.backends import TransferBackend
 
 GIB = 1 << 30
 KVTRITON_KEYS_HINT = (
@@ -81,7 +80,9 @@ def test_integral_strings_and_floats_from_a_shell_are_accepted() -> None:
     assert (config.cpu_bytes_to_use, config.store_threshold) == (64 * GIB, 2)
 
 
-@pytest.mark.parametrize(("raw", "expected"), [(True, True), (False, False), ("true", True), (" Yes ", True), ("0", False), ("off", False)])
+@pytest.mark.parametrize(
+    ("raw", "expected"), [(True, True), (False, False), ("true", True), (" Yes ", True), ("0", False), ("off", False)]
+)
 def test_kvtriton_pageable_slab_reads_json_booleans_and_shell_words(raw: object, expected: bool) -> None:
     config = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_pageable_slab": raw})
     assert config.pageable_slab is expected
@@ -116,7 +117,11 @@ def test_missing_cpu_bytes_to_use_names_the_key() -> None:
         ("cache_policy_module_path", 7, r"'cache_policy_module_path'\] must be a Python module path, got int 7"),
         ("kvtriton_pageable_slab", "maybe", r"'kvtriton_pageable_slab'\] must be true or false, got str 'maybe'"),
         ("kvtriton_pageable_slab", 1, r"'kvtriton_pageable_slab'\] must be true or false, got int 1"),
-        ("kvtriton_backend", "cuda", r"'kvtriton_backend'\] must be one of \['auto', 'triton', 'dma', 'torch'\], got 'cuda'"),
+        (
+            "kvtriton_backend",
+            "cuda",
+            r"'kvtriton_backend'\] must be one of \['auto', 'triton', 'dma', 'torch'\], got 'cuda'",
+        ),
     ],
 )
 def test_an_invalid_value_raises_naming_the_key_and_the_value(key: str, value: object, message: str) -> None:
@@ -161,7 +166,11 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
     theirs = KVTritonOffloadConfig.from_extra_config(
         {"cpu_bytes_to_use": 1, "eviction_policy": "LRUCachePolicy", "cache_policy_module_path": f" {module} "}
     )
-    assert (theirs.eviction_policy, theirs.cache_policy_module_path, theirs.uses_vllm_policy) == ("LRUCachePolicy", module, True)
+    assert (theirs.eviction_policy, theirs.cache_policy_module_path, theirs.uses_vllm_policy) == (
+        "LRUCachePolicy",
+        module,
+        True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -182,7 +191,9 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
          r"ever reading kv_connector_extra_config\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.arc'"),
     ],
 )  # fmt: skip
-def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(extra: dict[str, object], message: str) -> None:
+def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(
+    extra: dict[str, object], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, **extra})
 
@@ -262,7 +273,9 @@ def test_a_budget_below_one_slot_says_the_unit_is_bytes() -> None:
         r"the value is in bytes \(vLLM's --kv-offloading-size is in GiB"
     )):  # fmt: skip
         check_budget(64, slot_bytes=4096, world_size=1)
-    with pytest.raises(ValueError, match=r"8192 bytes \(4096 bytes per rank over world_size=2\) is less than one chunk"):
+    with pytest.raises(
+        ValueError, match=r"8192 bytes \(4096 bytes per rank over world_size=2\) is less than one chunk"
+    ):
         check_budget(8192, slot_bytes=8192, world_size=2, slot="chunk")
 
 
@@ -293,7 +306,12 @@ def test_the_per_rank_share_splits_the_total_evenly() -> None:
 def test_kv_compression_is_read_in_any_case(value: str) -> None:
     config = KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_kv_compression": value})
     assert config.kv_compression is KVCompression.FP8_E4M3
-    assert KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, "kvtriton_kv_compression": "none"}).kv_compression is KVCompression.NONE
+    assert (
+        KVTritonOffloadConfig.from_extra_config(
+            {"cpu_bytes_to_use": 1, "kvtriton_kv_compression": "none"}
+        ).kv_compression
+        is KVCompression.NONE
+    )
 
 
 @pytest.mark.parametrize("value", ["fp8", "int4", 8, True, ""])
@@ -339,6 +357,11 @@ def test_the_scheduler_row_is_about_half_a_bf16_row_and_bounds_every_split_of_it
 
 def test_kvtriton_summary_interval_s_defaults_to_a_minute_and_zero_turns_it_off() -> None:
     assert KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20}).summary_interval_s == 60
-    assert KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20, "kvtriton_summary_interval_s": 0}).summary_interval_s == 0
+    assert (
+        KVTritonOffloadConfig.from_extra_config(
+            {"cpu_bytes_to_use": 2**20, "kvtriton_summary_interval_s": 0}
+        ).summary_interval_s
+        == 0
+    )
     with pytest.raises(ValueError, match=r"kvtriton_summary_interval_s.*must be >= 0 seconds, got -5"):
         KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20, "kvtriton_summary_interval_s": -5})

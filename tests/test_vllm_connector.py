@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -31,40 +31,42 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_offload.base import (  # noqa: E402
-    CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
-    TransferResult,
-)
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR  # noqa: E402
-from vllm_fixtures.requests import EOS, make_request  # noqa: E402
-from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
+from vllm_fixtures.requests import EOS, make_request
+from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager  # noqa: E402
-from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.worker.slab import PageableSlabWarning
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 32
 LAYERS = ("layer0", "layer1")
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
-WINDOW_SPEC = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=32)
+WINDOW_SPEC = SlidingWindowSpec(
+    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=32
+)
 PADDING_BYTES = 64
 PADDED_SPEC = FullAttentionSpec(
     block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16,
@@ -101,7 +103,9 @@ class RecordingWorker(OffloadingWorker):
         self.jobs.append(SubmittedJob("store", job_id, src_spec, dst_spec))
         return self.inner.submit_store(job_id, src_spec, dst_spec)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
         self.jobs.append(SubmittedJob("load", job_id, dst_spec, src_spec, expedited))
         return self.inner.submit_load(job_id, src_spec, dst_spec, expedited)
 
@@ -179,7 +183,9 @@ class Engine:
                     continue
                 for name in names:
                     generator = torch.Generator().manual_seed(1000 * index + LAYERS.index(name))
-                    pattern = torch.randint(-(2**15), 2**15, self.kv[name][block].shape, generator=generator, dtype=torch.int32)
+                    pattern = torch.randint(
+                        -(2**15), 2**15, self.kv[name][block].shape, generator=generator, dtype=torch.int32
+                    )
                     self.kv[name][block].copy_(pattern.to(torch.int16).view(torch.float16))
                 self.written[group, index] = self.block_bytes(block, group)
 
@@ -231,7 +237,11 @@ def make_engine(
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
@@ -352,10 +362,14 @@ def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
     assert (stats.hits, stats.loading) == (4 // blocks_per_chunk, 0)
 
 
-def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(model_config: ModelConfig, engines: list[Engine]) -> None:
+def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(
+    model_config: ModelConfig, engines: list[Engine]
+) -> None:
     # With a sync-load budget vLLM loads a hit within the step that schedules
     # it and waits for it there: kvtriton must not queue it behind other loads.
-    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "sync_load_budget_bytes": 1 << 30})
+    engine = make_engine(
+        model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "sync_load_budget_bytes": 1 << 30}
+    )
     engines.append(engine)
     prompt = list(range(1100, 1100 + 4 * BLOCK_SIZE + 5))
     engine.scheduler.add_request(make_request("first", prompt))
@@ -378,7 +392,9 @@ def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(model_co
     engine.run()
 
 
-def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(model_config: ModelConfig, engines: list[Engine]) -> None:
+def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(
+    model_config: ModelConfig, engines: list[Engine]
+) -> None:
     engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
     engines.append(engine)
     engine.scheduler.add_request(make_request("once", list(range(3 * BLOCK_SIZE))))
@@ -416,7 +432,9 @@ def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
     # load starts at its block 4 (blocks_per_chunk=1) or half-way into its
     # first chunk (blocks_per_chunk=4, block_indices=[0, 2]).
     engine = make_engine(
-        model_config, {"cpu_bytes_to_use": 64 * blocks_per_chunk * PAGE_BYTES, "blocks_per_chunk": blocks_per_chunk}, HYBRID
+        model_config,
+        {"cpu_bytes_to_use": 64 * blocks_per_chunk * PAGE_BYTES, "blocks_per_chunk": blocks_per_chunk},
+        HYBRID,
     )
     engines.append(engine)
     prompt = list(range(500, 500 + 6 * BLOCK_SIZE + 5))
@@ -451,7 +469,9 @@ def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
         assert not engine.kv[name][untouched].any(), f"{name}: a block of the other group was written"
     # A block of either group is one page of one layer.
     loads = [job for job in engine.recorder.jobs if job.kind == "load"]
-    assert [engine.recorder.sizes[job.job_id] for job in loads] == [len(job.gpu.block_ids) * PAGE_BYTES for job in loads]
+    assert [engine.recorder.sizes[job.job_id] for job in loads] == [
+        len(job.gpu.block_ids) * PAGE_BYTES for job in loads
+    ]
     assert engine.recorder.sizes == replay_on_vllms_cpu_worker(engine)
 
 
@@ -461,7 +481,10 @@ def test_padded_pages_move_only_their_real_bytes_bit_exact(
 ) -> None:
     engine = make_engine(
         model_config,
-        {"cpu_bytes_to_use": 8 * blocks_per_chunk * PADDED_SPEC.page_size_bytes * len(LAYERS), "blocks_per_chunk": blocks_per_chunk},
+        {
+            "cpu_bytes_to_use": 8 * blocks_per_chunk * PADDED_SPEC.page_size_bytes * len(LAYERS),
+            "blocks_per_chunk": blocks_per_chunk,
+        },
         PADDED,
     )
     engines.append(engine)
@@ -471,7 +494,9 @@ def test_padded_pages_move_only_their_real_bytes_bit_exact(
     engine.scheduler.add_request(make_request("first", prompt))
     engine.run(model_request="first")
     stores = [job for job in engine.recorder.jobs if job.kind == "store"]
-    assert stores and [engine.recorder.sizes[job.job_id] for job in stores] == [len(job.gpu.block_ids) * real_row for job in stores]
+    assert stores and [engine.recorder.sizes[job.job_id] for job in stores] == [
+        len(job.gpu.block_ids) * real_row for job in stores
+    ]
 
     assert engine.scheduler.reset_prefix_cache()
     other_marker = 0x33

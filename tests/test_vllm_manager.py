@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -24,14 +25,13 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ReqContext,
     make_offload_key,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
-from vllm_fixtures.builders import offloading_config  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm_fixtures.builders import offloading_config
 
-import kvtriton  # noqa: E402
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec  # noqa: E402
+import kvtriton
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec
 
 BLOCK_BYTES = 1024
 
@@ -85,7 +85,11 @@ def test_store_then_load_follows_the_state_machine_the_connector_relies_on() -> 
     assert isinstance(stored.store_spec, CPULoadStoreSpec)
     assert str(stored.store_spec.block_ids.dtype) == "int32"  # what vLLM's own CPU spec carries
     # Stored but not written yet: the connector defers the request.
-    assert lookups(manager, [k1, k2, k3], context) == [LookupResult.HIT_PENDING, LookupResult.HIT_PENDING, LookupResult.MISS]
+    assert lookups(manager, [k1, k2, k3], context) == [
+        LookupResult.HIT_PENDING,
+        LookupResult.HIT_PENDING,
+        LookupResult.MISS,
+    ]
 
     manager.complete_store({k1, k2}, context)  # vLLM passes a set, no success flag
     assert lookups(manager, [k1, k2, k3], context) == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
@@ -107,7 +111,11 @@ def test_events_report_stores_and_evictions_in_vllm_types() -> None:
     manager.complete_store({k1, k2}, context)
     stored_events = list(manager.take_events())
     assert len(stored_events) == 1
-    assert (set(stored_events[0].keys), stored_events[0].medium, stored_events[0].removed) == ({k1, k2}, Medium.CPU, False)
+    assert (set(stored_events[0].keys), stored_events[0].medium, stored_events[0].removed) == (
+        {k1, k2},
+        Medium.CPU,
+        False,
+    )
     assert list(manager.take_events()) == []  # drained
 
     # The cache is full: storing k3 evicts one of the ready keys (which one
@@ -221,7 +229,6 @@ def test_reset_cache_forgets_every_key() -> None:
     manager.shutdown()
 
 
-
 SCENARIOS = ["load", "offer", "reload_own"]
 
 
@@ -283,7 +290,9 @@ def test_a_failed_store_releases_the_payload_vllms_events_tracker_recorded() -> 
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 
     manager = make_manager(num_slots=4)
-    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=True))
+    tracker = OffloadingEventsTracker(
+        OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=True)
+    )
     context = ReqContext(req_id="r1")
     manager.on_new_request(context)
     k1, k2 = to_keys([1, 2])
@@ -368,7 +377,9 @@ def test_metric_definitions_declare_what_get_stats_reports_with_vllms_names_and_
                 assert isinstance(histogram, OffloadingHistogramMetadata)
                 assert histogram.buckets == theirs.buckets
         assert isinstance(ours[CPU_CACHE_OCCUPANCY_PERC], OffloadingGaugeMetadata)
-    assert isinstance(metric_definitions({"store_threshold": 2})[CPUOffloadingMetrics.STORES_SKIPPED], OffloadingCounterMetadata)
+    assert isinstance(
+        metric_definitions({"store_threshold": 2})[CPUOffloadingMetrics.STORES_SKIPPED], OffloadingCounterMetadata
+    )
     # Every name get_stats reports is declared (vLLM's Prometheus logger asserts it).
     manager = make_manager(num_slots=4, store_threshold=2)
     context = ReqContext(req_id="r1")
@@ -390,7 +401,9 @@ def test_the_cache_usage_gauge_documents_that_it_counts_slots_held_by_transfers(
     assert "held by transfers" in documentation and CPU_CACHE_OCCUPANCY_PERC in documentation
 
 
-def test_a_summary_line_is_logged_after_each_interval_of_activity(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_summary_line_is_logged_after_each_interval_of_activity(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import logging
 
     from kvtriton.integrations import vllm_manager
@@ -458,4 +471,3 @@ def test_the_summary_line_in_docs_operations_is_the_one_logged() -> None:
     before = ManagerStats(capacity=4, used=0, pending=0, loading=0, evictable=0, lookups=0, hits=0)
     after = ManagerStats(capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=2, hits=1, stores=2, loads=1)
     assert summary_line(before, after, 61, 288 << 10) == documented
-

@@ -55,7 +55,9 @@ class Recorder:
 
 
 def requests_of(*prompts: Sequence[str]) -> list[PreparedRequest]:
-    return prepare([Request(f"r{i}", tuple(b.encode() for b in blocks), 16 * len(blocks)) for i, blocks in enumerate(prompts)])
+    return prepare(
+        [Request(f"r{i}", tuple(b.encode() for b in blocks), 16 * len(blocks)) for i, blocks in enumerate(prompts)]
+    )
 
 
 def run(recorder: Recorder, requests: list[PreparedRequest], *, sync_loads: bool = False) -> list[tuple[str, str, int]]:

@@ -19,15 +19,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult  # noqa: E402
-from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext  # noqa: E402
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
+from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 
-from kvtriton.integrations.vllm_manager import VLLMOffloadingManager  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager  # noqa: E402
-from kvtriton.tools.replay import PreparedRequest, prepare  # noqa: E402
-from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order  # noqa: E402
-from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, generate  # noqa: E402
+from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.tools.replay import PreparedRequest, prepare
+from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
+from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, generate
 
 BLOCK_SIZE = 64
 CAPACITY_FRACTIONS = (0.05, 0.10, 0.20)
@@ -52,7 +52,9 @@ def hit_rate_pp(manager: VLLMCPUOffloadingManager | VLLMOffloadingManager, reque
 @pytest.mark.parametrize("fraction", CAPACITY_FRACTIONS)
 @pytest.mark.parametrize("workload", VLLM_ORDER_WORKLOADS)
 @pytest.mark.parametrize("policy", ["lru", "arc"])
-def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(policy: str, workload: str, fraction: float) -> None:
+def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(
+    policy: str, workload: str, fraction: float
+) -> None:
     requests, distinct = trace(workload)
     capacity = max(1, int(distinct * fraction))
     vllm = hit_rate_pp(VLLMCPUOffloadingManager(capacity, cache_policy=policy), requests)
@@ -60,4 +62,6 @@ def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(policy: str
     ours = hit_rate_pp(VLLMOffloadingManager(cpu, cpu), requests)
     # The capacities are small against the working set: hits are neither 0 nor everything.
     assert 0.0 < vllm < 100.0
-    assert ours >= vllm - TOLERANCE_PP, f"{workload} at {capacity} slots, {policy}: kvtriton {ours:.2f} % < vLLM {vllm:.2f} %"
+    assert ours >= vllm - TOLERANCE_PP, (
+        f"{workload} at {capacity} slots, {policy}: kvtriton {ours:.2f} % < vLLM {vllm:.2f} %"
+    )

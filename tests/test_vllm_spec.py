@@ -15,18 +15,23 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: E402
-from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-import torch  # noqa: E402
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config  # noqa: E402
+import torch
+from vllm.v1.kv_offload.base import OffloadingSpec
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config
 
-import kvtriton.integrations.vllm as vllm_module  # noqa: E402
-import kvtriton.worker.slab as slab_module  # noqa: E402
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker, open_host_slab  # noqa: E402
-from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError  # noqa: E402
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal  # noqa: E402
+import kvtriton.integrations.vllm as vllm_module
+import kvtriton.worker.slab as slab_module
+from kvtriton.integrations.vllm import (
+    KVTritonOffloadingSpec,
+    VLLMOffloadingManager,
+    VLLMOffloadingWorker,
+    open_host_slab,
+)
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal
+from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations").glob("vllm*.py"))
@@ -70,7 +75,10 @@ def test_every_rank_and_the_scheduler_agree_on_the_slot_count() -> None:
 
 
 def test_a_budget_below_one_chunk_raises() -> None:
-    with pytest.raises(ValueError, match=r"\['cpu_bytes_to_use'\]=1000: 1000 bytes is less than one slot of 1024 bytes; the value is in bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['cpu_bytes_to_use'\]=1000: 1000 bytes is less than one slot of 1024 bytes; the value is in bytes",
+    ):
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1000}, worker_kv_bytes_per_block=1024))
 
 
@@ -85,7 +93,9 @@ def test_the_canonical_host_layout_is_refused() -> None:
 
 
 def test_the_summary_interval_reaches_the_adapter() -> None:
-    manager = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "kvtriton_summary_interval_s": 5})).get_manager()
+    manager = KVTritonOffloadingSpec(
+        offloading_config({"cpu_bytes_to_use": 1 << 20, "kvtriton_summary_interval_s": 5})
+    ).get_manager()
     assert isinstance(manager, VLLMOffloadingManager)
     assert manager.summary_interval_s == 5
 
@@ -121,7 +131,9 @@ def test_the_metrics_and_info_labels_it_declares_are_vllms_cpu_tier_names() -> N
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_import_kvtriton_never_imports_vllm() -> None:
@@ -220,16 +232,16 @@ class RegistrarStub:
         self.error = error
         self.registered: list[int] = []
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 -- the CUDA name
         if not self.error:
             self.registered.append(ptr)
         return self.error
 
-    def cudaHostUnregister(self, ptr: int) -> int:
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 -- the CUDA name
         self.registered.remove(ptr)
         return 0
 
-    def cudaGetLastError(self) -> int:
+    def cudaGetLastError(self) -> int:  # noqa: N802 -- the CUDA name
         return 0
 
 
@@ -258,7 +270,9 @@ def test_a_cuda_worker_whose_slab_cannot_be_pinned_fails_with_one_line_saying_ho
     assert "kv_connector_extra_config['kvtriton_pageable_slab']=true" in message
 
 
-def test_with_kvtriton_pageable_slab_a_slab_that_cannot_be_pinned_stays_pageable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_kvtriton_pageable_slab_a_slab_that_cannot_be_pinned_stays_pageable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     as_if_on_cuda(monkeypatch, error=2)
     with pytest.warns(PageableSlabWarning, match="stays pageable"):
         slab = open_host_slab(4, 2, 1000, device=CUDA, pageable_allowed=True)
@@ -286,7 +300,9 @@ def test_the_spec_hands_kvtriton_pageable_slab_to_the_slab(monkeypatch: pytest.M
     monkeypatch.setattr(vllm_module, "open_host_slab", recording_open_host_slab)
     for value in (True, False):
         spec = KVTritonOffloadingSpec(
-            offloading_config({"cpu_bytes_to_use": 1 << 16, "kvtriton_pageable_slab": value}, worker_kv_bytes_per_block=64)
+            offloading_config(
+                {"cpu_bytes_to_use": 1 << 16, "kvtriton_pageable_slab": value}, worker_kv_bytes_per_block=64
+            )
         )
         spec.get_worker(canonical_kv_caches([torch.zeros(4, 64, dtype=torch.int8)])).shutdown()
     assert asked == [True, False]
@@ -299,14 +315,18 @@ VLLM_LRU_BY_PATH: dict[str, object] = {
 """vLLM's own LRU loaded out of tree, as a user's policy would be (vLLM's CachePolicyFactory resolves it)."""
 
 
-def test_a_vllm_policy_runs_vllms_manager_and_kvtritons_worker_moves_the_bytes(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_vllm_policy_runs_vllms_manager_and_kvtritons_worker_moves_the_bytes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMManager
     from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
     page = 64
     with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
-        spec = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 4 * page, **VLLM_LRU_BY_PATH}, worker_kv_bytes_per_block=page))
+        spec = KVTritonOffloadingSpec(
+            offloading_config({"cpu_bytes_to_use": 4 * page, **VLLM_LRU_BY_PATH}, worker_kv_bytes_per_block=page)
+        )
     assert (
         "eviction_policy 'LRUCachePolicy' is not kvtriton's: vLLM's own CPUOffloadingManager ranks and evicts with "
         "vllm.v1.kv_offload.cpu.policies.lru.LRUCachePolicy"
@@ -337,24 +357,34 @@ def test_a_vllm_policy_keeps_vllms_reuse_filter_and_its_metrics() -> None:
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     extra: dict[str, object] = {"cpu_bytes_to_use": 4096, "store_threshold": 2, **VLLM_LRU_BY_PATH}
-    assert KVTritonOffloadingSpec.build_metric_definitions(extra).keys() == CPUOffloadingSpec.build_metric_definitions(extra).keys()
+    assert (
+        KVTritonOffloadingSpec.build_metric_definitions(extra).keys()
+        == CPUOffloadingSpec.build_metric_definitions(extra).keys()
+    )
     assert CPUOffloadingMetrics.STORES_SKIPPED in KVTritonOffloadingSpec.build_metric_definitions(extra)
     manager = KVTritonOffloadingSpec(offloading_config(extra)).get_manager()
     assert getattr(manager, "store_threshold") == 2
 
 
 def test_a_policy_neither_kvtriton_nor_vllm_knows_is_refused_naming_the_key() -> None:
-    with pytest.raises(ValueError, match=r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's CachePolicyFactory"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's CachePolicyFactory",
+    ):
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "fifo"}))
 
 
 def test_a_fractional_budget_from_kv_offloading_size_rounds_down() -> None:
-    spec = KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 2.5 * 1024 + 0.7}, worker_kv_bytes_per_block=1024))
+    spec = KVTritonOffloadingSpec(
+        offloading_config({"cpu_bytes_to_use": 2.5 * 1024 + 0.7}, worker_kv_bytes_per_block=1024)
+    )
     assert spec.num_slots == 2
 
 
 def test_an_impossible_budget_is_refused_when_the_spec_is_built() -> None:
-    with pytest.raises(ValueError, match=r"\['cpu_bytes_to_use'\]=\d+: \d+ bytes per rank exceed this host's \d+ bytes of RAM"):
+    with pytest.raises(
+        ValueError, match=r"\['cpu_bytes_to_use'\]=\d+: \d+ bytes per rank exceed this host's \d+ bytes of RAM"
+    ):
         KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1e30}))
 
 
@@ -405,11 +435,15 @@ def test_vllms_own_offloading_flags_merge_the_budget_into_kvtritons_config() -> 
 
     cache = CacheConfig(kv_offloading_size=2.3, kv_offloading_backend="native")
     given = KVTransferConfig(kv_connector_extra_config=dict(SPEC_EXTRA_CONFIG))
-    transfer = VllmConfig(cache_config=cache, kv_transfer_config=given, device_config=DeviceConfig("cpu")).kv_transfer_config
+    transfer = VllmConfig(
+        cache_config=cache, kv_transfer_config=given, device_config=DeviceConfig("cpu")
+    ).kv_transfer_config
     assert transfer is not None
     assert (transfer.kv_connector, transfer.kv_role) == ("OffloadingConnector", "kv_both")
     assert transfer.kv_connector_extra_config == {**SPEC_EXTRA_CONFIG, "cpu_bytes_to_use": 2.3 * (1 << 30)}
-    spec = KVTritonOffloadingSpec(offloading_config(transfer.kv_connector_extra_config, worker_kv_bytes_per_block=1 << 20))
+    spec = KVTritonOffloadingSpec(
+        offloading_config(transfer.kv_connector_extra_config, worker_kv_bytes_per_block=1 << 20)
+    )
     assert spec.settings.cpu_bytes_to_use == int(2.3 * (1 << 30)) and spec.num_slots == 2355
 
 
@@ -426,7 +460,9 @@ def test_compression_buys_about_1_9x_the_slots_in_the_same_budget_and_says_so(ca
     budget = 1000 * BF16_BLOCK
     plain = KVTritonOffloadingSpec(bf16_config({"cpu_bytes_to_use": budget}))
     with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
-        compressed = KVTritonOffloadingSpec(bf16_config({"cpu_bytes_to_use": budget, "kvtriton_kv_compression": "fp8-e4m3"}))
+        compressed = KVTritonOffloadingSpec(
+            bf16_config({"cpu_bytes_to_use": budget, "kvtriton_kv_compression": "fp8-e4m3"})
+        )
     assert plain.num_slots == 1000 and plain.row_bytes == BF16_BLOCK
     assert 1.9 < compressed.num_slots / plain.num_slots < 1.95
     assert compressed.num_slots == budget // compressed.row_bytes
@@ -448,7 +484,11 @@ def test_a_vllm_policy_carries_compression_vllms_manager_hands_out_slots_kvtrito
 
     from kvtriton.kernels.compression import KVCompression
 
-    extra: dict[str, object] = {"cpu_bytes_to_use": 4 * BF16_BLOCK, "kvtriton_kv_compression": "fp8-e4m3", **VLLM_LRU_BY_PATH}
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 4 * BF16_BLOCK,
+        "kvtriton_kv_compression": "fp8-e4m3",
+        **VLLM_LRU_BY_PATH,
+    }
     spec = KVTritonOffloadingSpec(bf16_config(extra))
     assert spec.num_slots == 7  # 4 raw blocks' bytes hold 7 compressed ones
     manager = spec.get_manager()

@@ -12,23 +12,26 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-import torch  # noqa: E402
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult  # noqa: E402
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
-from vllm_fixtures.builders import canonical_kv_caches, offloading_config  # noqa: E402
-from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker  # noqa: E402
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm_fixtures.builders import canonical_kv_caches, offloading_config
+from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
-from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker  # noqa: E402
-from kvtriton.integrations.vllm_worker import GroupPages  # noqa: E402
-from kvtriton.kernels.compression import KVCompression, compression_layout, dequantize_groups, quantize_groups  # noqa: E402
-from kvtriton.worker.slab import PageableSlabWarning  # noqa: E402
+from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker
+from kvtriton.integrations.vllm_worker import GroupPages
+from kvtriton.kernels.compression import KVCompression, compression_layout, dequantize_groups, quantize_groups
+from kvtriton.worker.slab import PageableSlabWarning
 
 NUM_BLOCKS = 16
 BLOCKS_PER_CHUNK = 2
 NUM_SLOTS = 6
 # Two layers with different page sizes: a fp16 flash-attn style page of 2 x 4
 # tokens x 2 heads x 8 dims (256 bytes) and an odd 3 x 7 x 4-byte page (84 bytes).
-LAYER_SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [((NUM_BLOCKS, 2, 4, 2, 8), torch.float16), ((NUM_BLOCKS, 3, 7), torch.float32)]
+LAYER_SHAPES: list[tuple[tuple[int, ...], torch.dtype]] = [
+    ((NUM_BLOCKS, 2, 4, 2, 8), torch.float16),
+    ((NUM_BLOCKS, 3, 7), torch.float32),
+]
 ROW_BYTES = 256 + 84
 
 
@@ -61,7 +64,11 @@ def make_rig(backend: str = "auto", num_groups: int = 1) -> Rig:
     ]
     spec = KVTritonOffloadingSpec(
         offloading_config(
-            {"cpu_bytes_to_use": NUM_SLOTS * BLOCKS_PER_CHUNK * ROW_BYTES, "kvtriton_backend": backend, "kvtriton_num_programs": 2},
+            {
+                "cpu_bytes_to_use": NUM_SLOTS * BLOCKS_PER_CHUNK * ROW_BYTES,
+                "kvtriton_backend": backend,
+                "kvtriton_num_programs": 2,
+            },
             worker_kv_bytes_per_block=ROW_BYTES,
             blocks_per_chunk=BLOCKS_PER_CHUNK,
         )
@@ -81,7 +88,9 @@ def rig() -> Iterator[Rig]:
     made.worker.shutdown()
 
 
-def gpu(block_ids: list[int], group_sizes: list[int] | None = None, block_indices: list[int] | None = None) -> GPULoadStoreSpec:
+def gpu(
+    block_ids: list[int], group_sizes: list[int] | None = None, block_indices: list[int] | None = None
+) -> GPULoadStoreSpec:
     sizes = [len(block_ids)] if group_sizes is None else group_sizes
     return GPULoadStoreSpec(block_ids, sizes, [0] * len(sizes) if block_indices is None else block_indices)
 
@@ -159,7 +168,9 @@ def test_a_job_the_engine_cannot_run_is_refused_not_half_done(rig: Rig) -> None:
     assert finished(rig.worker) == {}
 
 
-def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     # The scheduler sizes the cache from rank 0's KV bytes per block; a
     # pipeline stage holding more layers than rank 0 fits fewer slots.
     with caplog.at_level(logging.ERROR, logger="kvtriton.integrations.vllm_worker"):
@@ -190,7 +201,10 @@ def test_an_empty_job_succeeds_at_once_with_zero_bytes(rig: Rig) -> None:
     assert rig.worker.submit_store(20, gpu([]), CPULoadStoreSpec([]))
     assert rig.worker.submit_load(21, CPULoadStoreSpec([]), gpu([]), expedited=True)
     results = finished(rig.worker)
-    assert {job: (result.success, result.transfer_size) for job, result in results.items()} == {20: (True, 0), 21: (True, 0)}
+    assert {job: (result.success, result.transfer_size) for job, result in results.items()} == {
+        20: (True, 0),
+        21: (True, 0),
+    }
     assert finished(rig.worker) == {}
     assert all(rig.block(layer, b) == rig.original_block(layer, b) for layer in range(2) for b in range(NUM_BLOCKS))
 
@@ -344,7 +358,10 @@ def test_every_part_of_an_expedited_load_takes_its_engines_expedited_lane(expedi
         mock.patch.object(worker.engines[1], "submit_load", wraps=worker.engines[1].submit_load) as second,
     ):
         assert worker.submit_load(61, CPULoadStoreSpec([0, 1]), gpu([4, 5, 6], group_sizes=[2, 1]), expedited=expedited)
-    assert [call.kwargs["expedited"] for call in (*first.call_args_list, *second.call_args_list)] == [expedited, expedited]
+    assert [call.kwargs["expedited"] for call in (*first.call_args_list, *second.call_args_list)] == [
+        expedited,
+        expedited,
+    ]
     assert finished(worker)[61].success
     worker.shutdown()
 
@@ -363,7 +380,10 @@ def test_group_pages_cut_each_referenced_tensor_to_its_unpadded_size_and_share_e
 NO_REFS: list[tuple[int, int]] = []
 BAD_REFS: list[tuple[list[list[tuple[int, int]]], str]] = [
     ([[(2, 8)]], r"kv_caches.group_data_refs\[0\] references tensor 2, but there are 2 tensors"),
-    ([[(0, 8)], [(1, 48)]], r"group_data_refs\[1\] uses 48 bytes of each page of kv_caches.tensors\[1\], whose pages hold 40"),
+    (
+        [[(0, 8)], [(1, 48)]],
+        r"group_data_refs\[1\] uses 48 bytes of each page of kv_caches.tensors\[1\], whose pages hold 40",
+    ),
     ([[(0, 0)]], r"uses 0 bytes"),
     ([NO_REFS], r"no group in kv_caches.group_data_refs references a tensor"),
     ([], r"kv_caches.group_data_refs is empty"),
@@ -393,7 +413,10 @@ def test_on_cuda_a_hybrid_model_round_trips_through_a_pinned_slab_with_expedited
     )
     worker = spec.get_worker(canonical_kv_caches(layers, group_refs=HYBRID_REFS))
     assert isinstance(worker, VLLMOffloadingWorker)
-    assert all(engine.slab.pinned and {kind.value for kind in engine.backends.values()} == {backend} for engine in worker.engines)
+    assert all(
+        engine.slab.pinned and {kind.value for kind in engine.backends.values()} == {backend}
+        for engine in worker.engines
+    )
     assert worker.submit_store(0, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
     worker.wait({0})
     assert finished(worker)[0].success
@@ -434,7 +457,9 @@ COMPRESSED_PADDED_BYTES = 2 * sum(COMPRESSED_ELEMENTS)
 
 def compressed_layers(seed: int = 3) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn((NUM_BLOCKS, size), generator=generator) * 4).to(torch.float16) for size in COMPRESSED_ELEMENTS]
+    return [
+        (torch.randn((NUM_BLOCKS, size), generator=generator) * 4).to(torch.float16) for size in COMPRESSED_ELEMENTS
+    ]
 
 
 def compressed_rows(layers: list[torch.Tensor]) -> tuple[int, int]:
@@ -482,7 +507,9 @@ def test_with_compression_each_group_compresses_its_unpadded_pages_and_reports_t
     for destination, source in ((9, 1), (10, 2)):
         assert torch.equal(layers[0][destination], fp8_round_trip(original[0][source : source + 1])[0])
         assert torch.equal(layers[2][destination, :64], fp8_round_trip(original[2][source : source + 1, :64])[0])
-        assert torch.equal(layers[2][destination, 64:], torch.full((16,), 7.0, dtype=torch.float16))  # padding untouched
+        assert torch.equal(
+            layers[2][destination, 64:], torch.full((16,), 7.0, dtype=torch.float16)
+        )  # padding untouched
     assert torch.equal(layers[1][11], fp8_round_trip(original[1][3:4])[0])
     assert not torch.equal(layers[0][9], original[0][1])  # lossy: these values do not survive exactly
     worker.shutdown()
@@ -513,4 +540,6 @@ def test_without_compression_the_same_pages_round_trip_bit_exact_in_raw_rows() -
 def test_compression_refuses_byte_pages_that_are_not_whole_elements() -> None:
     odd = torch.zeros((NUM_BLOCKS, 5), dtype=torch.int8)  # 5 bytes a page cannot hold fp16 elements
     with pytest.raises(ValueError, match=r"kv_caches.tensors\[0\].*cannot be read as torch.float16 pages"):
-        GroupPages.from_canonical(canonical_kv_caches([odd]), kv_compression=KVCompression.FP8_E4M3, dtype=torch.float16)
+        GroupPages.from_canonical(
+            canonical_kv_caches([odd]), kv_compression=KVCompression.FP8_E4M3, dtype=torch.float16
+        )

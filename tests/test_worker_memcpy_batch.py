@@ -100,7 +100,9 @@ def test_a_failed_batch_names_the_copy_and_the_error_and_an_empty_one_calls_noth
     fake = FakeCudart(12080, error=1)
     batch = MemcpyBatch(fake.cudaMemcpyBatchAsync, with_fail_index=True)
     ones = np.ones(2, dtype=np.int64)
-    with pytest.raises(CudaRuntimeError, match=r"cudaMemcpyBatchAsync\(2 copies\) failed at copy 1 with cudaErrorInvalidValue"):
+    with pytest.raises(
+        CudaRuntimeError, match=r"cudaMemcpyBatchAsync\(2 copies\) failed at copy 1 with cudaErrorInvalidValue"
+    ):
         batch(ones, ones, ones, STREAM)
     empty = np.empty(0, dtype=np.int64)
     batch(empty, empty, empty, STREAM)
@@ -126,7 +128,10 @@ def test_the_dma_backends_batched_copies_move_every_page_of_every_pair(store: bo
     slab_before, pages_before = slab.clone(), [page.clone() for page in kv.byte_pages()]
     MemcpyBatch(FakeCudart(13000).cudaMemcpyBatchAsync, with_fail_index=False)(*copies, STREAM)
     for block, slot in zip(blocks, slots):
-        row = b"".join((pages_before if store else [page for page in kv.byte_pages()])[t][block].numpy().tobytes() for t in range(2))
+        row = b"".join(
+            (pages_before if store else [page for page in kv.byte_pages()])[t][block].numpy().tobytes()
+            for t in range(2)
+        )
         target = slab[slot] if store else slab_before[slot]
         assert target.numpy().tobytes() == row
     untouched_rows = [row for row in range(8) if row not in slots]

@@ -124,7 +124,10 @@ def test_requests_override_and_block_size_change_the_trace_shape() -> None:
 
 
 def test_unknown_workload_lists_the_valid_names() -> None:
-    with pytest.raises(ValueError, match="workload must be one of shared-prompt, chat, few-shot, prefix-sharing, system-prompts, multi-turn, prefix-tree, scan, got 'web'"):
+    with pytest.raises(
+        ValueError,
+        match="workload must be one of shared-prompt, chat, few-shot, prefix-sharing, system-prompts, multi-turn, prefix-tree, scan, got 'web'",
+    ):
         generate("web")
 
 
@@ -331,7 +334,9 @@ def test_multi_turn_resends_the_history_and_the_last_answer() -> None:
 
 
 def test_prefix_tree_prompts_are_a_header_then_the_first_k_examples() -> None:
-    requests = small("prefix-tree", tasks=1, examples_per_task=4, header_tokens=64, example_tokens_min=32, example_tokens_max=32)
+    requests = small(
+        "prefix-tree", tasks=1, examples_per_task=4, header_tokens=64, example_tokens_min=32, example_tokens_max=32
+    )
     # One task: every prompt starts with the 4 header blocks, then k of the 8 example blocks.
     header = requests[0].prompt_blocks[:4]
     longest = max(requests, key=lambda request: len(request.prompt_blocks)).prompt_blocks

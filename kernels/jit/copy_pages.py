@@ -139,13 +139,26 @@ _RUNTIME_PARAMETERS = ("table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "num_p
 
 
 def _runtime_values(arguments: "CopyArguments") -> tuple[object, ...]:
-    return (arguments.table, arguments.slab, arguments.blocks, arguments.rows, arguments.num_pairs, arguments.row_stride)
+    return (
+        arguments.table,
+        arguments.slab,
+        arguments.blocks,
+        arguments.rows,
+        arguments.num_pairs,
+        arguments.row_stride,
+    )
 
 
 def _constexprs(arguments: "CopyArguments") -> tuple[object, ...]:
     return (
-        arguments.to_slab, arguments.num_pages, arguments.page_elems, arguments.chunk,
-        arguments.pairs, arguments.uniform, arguments.even, arguments.word,
+        arguments.to_slab,
+        arguments.num_pages,
+        arguments.page_elems,
+        arguments.chunk,
+        arguments.pairs,
+        arguments.uniform,
+        arguments.even,
+        arguments.word,
     )
 
 

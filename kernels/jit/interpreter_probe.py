@@ -32,7 +32,7 @@ def interpreter_problem() -> str | None:
     out = torch.zeros(3, dtype=torch.int32)
     try:
         InterpretedFunction(_dynamic_loop_probe_kernel.fn)[(1,)](out, 3)
-    except Exception as error:  # any failure means the kernels cannot run here
+    except Exception as error:  # noqa: BLE001 -- any failure means the kernels cannot run here
         return (
             f"the Triton {triton.__version__} interpreter cannot run a loop with a runtime bound "
             f"under NumPy {numpy.__version__} ({type(error).__name__}: {error})"

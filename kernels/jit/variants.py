@@ -23,7 +23,9 @@ class KernelVariants:
             from triton.runtime.jit import JITFunction
 
             self._forms[interpret] = (
-                InterpretedFunction(self._raw) if interpret else JITFunction(self._raw, do_not_specialize=self._do_not_specialize)
+                InterpretedFunction(self._raw)
+                if interpret
+                else JITFunction(self._raw, do_not_specialize=self._do_not_specialize)
             )
         return self._forms[interpret]
 

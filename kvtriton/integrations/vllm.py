@@ -53,15 +53,13 @@ attach_to_vllm_logging()
 try:
     from typing import Any
 
+    import torch
     from typing_extensions import override
     from vllm.v1.kv_offload import base as vllm_base
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-
-    from kvtriton.worker.engine import TransferEngine
-    import torch
 
     from kvtriton.integrations.vllm_config import (
         KVTRITON_PAGEABLE_SLAB,
@@ -78,6 +76,7 @@ try:
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, metric_definitions
     from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
+    from kvtriton.worker.engine import TransferEngine
     from kvtriton.worker.slab import HostSlab, SlabPinningError
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
@@ -196,7 +195,9 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             settings.cpu_bytes_to_use, self.blocks_per_chunk, self.row_bytes, world_size=world_size
         )
         """Slots in every rank's slab (and in the manager): one offloaded chunk each."""
-        self.cpu_info: CPUOffloadingInfo = CPUOffloadingInfo.from_config(config, self.num_slots, slot_bytes * world_size)
+        self.cpu_info: CPUOffloadingInfo = CPUOffloadingInfo.from_config(
+            config, self.num_slots, slot_bytes * world_size
+        )
         logger.info(
             "kvtriton offloading (rank %d of %d): cpu_bytes_to_use=%d in total, %d bytes for this rank -> "
             "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s kv_compression=%s%s",
@@ -251,7 +252,9 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     @override
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
         if self._worker is None:
-            groups = GroupPages.from_canonical(kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype)
+            groups = GroupPages.from_canonical(
+                kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype
+            )
             # A slot holds one group's chunk, so a row is one block of the largest group.
             row_bytes = groups.row_bytes
             expected = self.row_bytes
@@ -275,8 +278,11 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 for kv in groups.kvs:
                     engines.append(
                         TransferEngine(
-                            kv, slab, self.settings.backend,
-                            num_programs=self.settings.num_programs, kv_compression=self.settings.kv_compression,
+                            kv,
+                            slab,
+                            self.settings.backend,
+                            num_programs=self.settings.num_programs,
+                            kv_compression=self.settings.kv_compression,
                         )  # fmt: skip
                     )
             except BaseException:
@@ -286,5 +292,6 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 raise
             self._worker = VLLMOffloadingWorker(engines, slab, groups.kv_of_group)
         return self._worker
+
 
 from kvtriton.integrations.vllm_tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtriton.worker.backends import TransferBackend
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels.compression import (
     ALIGNMENT,
@@ -29,6 +28,7 @@ from kvtriton.kernels.compression import (
     compression_layout,
 )
 from kvtriton.manager.policies import policy_names
+from kvtriton.worker.backends import TransferBackend
 
 __all__ = [
     "CACHE_POLICY_MODULE_PATH",
@@ -74,7 +74,13 @@ DEFAULT_SUMMARY_INTERVAL_S = 60
 """Seconds of activity between two ``kvtriton summary:`` log lines (the adapter's own default too)."""
 
 _KVTRITON_KEYS = frozenset(
-    {KVTRITON_BACKEND, KVTRITON_NUM_PROGRAMS, KVTRITON_PAGEABLE_SLAB, KVTRITON_KV_COMPRESSION, KVTRITON_SUMMARY_INTERVAL_S}
+    {
+        KVTRITON_BACKEND,
+        KVTRITON_NUM_PROGRAMS,
+        KVTRITON_PAGEABLE_SLAB,
+        KVTRITON_KV_COMPRESSION,
+        KVTRITON_SUMMARY_INTERVAL_S,
+    }
 )
 
 COMPRESSION_GROUP_SIZE = DEFAULT_GROUP_SIZE
@@ -105,7 +111,8 @@ and each child connector (this one) gets only its own ``kv_connector_extra_confi
 
 _MISTAKEN_KEYS = {
     "cache_policy": (
-        EVICTION_POLICY, "'cache_policy' is the manager's argument; the configuration key is 'eviction_policy'"
+        EVICTION_POLICY,
+        "'cache_policy' is the manager's argument; the configuration key is 'eviction_policy'",
     ),
 }
 """Keys written for another one (with why), answered before the closest spelling: ``cache_policy`` looks most like
@@ -236,7 +243,9 @@ class KVTritonOffloadConfig:
             backend = TransferBackend.parse(backend_name)
         except ValueError:
             valid = [backend.value for backend in TransferBackend]
-            raise ValueError(f"{_where(KVTRITON_BACKEND)} must be one of {valid}, got {extra_config[KVTRITON_BACKEND]!r}") from None
+            raise ValueError(
+                f"{_where(KVTRITON_BACKEND)} must be one of {valid}, got {extra_config[KVTRITON_BACKEND]!r}"
+            ) from None
         compression_name = _parse_str(extra_config, KVTRITON_KV_COMPRESSION, KVCompression.NONE.value)
         try:
             kv_compression = KVCompression.parse(compression_name, _where(KVTRITON_KV_COMPRESSION))
@@ -303,7 +312,7 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     module_key = f"{_where(CACHE_POLICY_MODULE_PATH)}={cache_policy_module_path!r}"
     try:
         module = importlib.import_module(cache_policy_module_path)
-    except Exception as error:  # noqa: BLE001 -- any failure to import the user's module is reported, naming the key
+    except Exception as error:
         raise ValueError(
             f"{module_key} cannot be imported ({type(error).__name__}: {error}); it names the Python module that "
             f"defines the policy class {_where(EVICTION_POLICY)} names. kvtriton's own policies {policy_names()} "
@@ -505,7 +514,9 @@ def compressed_row_bytes(raw_row_bytes: int, dtype: torch.dtype, num_layers: int
     return one_page + page_tensors * 2 * ALIGNMENT
 
 
-def host_row_bytes(worker_kv_bytes_per_block: int, dtype: torch.dtype | None, layer_names: Sequence[Sequence[str]]) -> int:
+def host_row_bytes(
+    worker_kv_bytes_per_block: int, dtype: torch.dtype | None, layer_names: Sequence[Sequence[str]]
+) -> int:
     """Bytes of one host row for vLLM's ``worker_kv_bytes_per_block``: unchanged, or compressed when ``dtype`` is set.
 
     ``dtype`` is :func:`kv_dtype`'s answer (None: no compression);

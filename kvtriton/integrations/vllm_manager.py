@@ -100,7 +100,9 @@ def _store_threshold(extra_config: Mapping[str, object]) -> int:
         return 0
 
 
-def metric_definitions(extra_config: Mapping[str, object] | None = None) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+def metric_definitions(
+    extra_config: Mapping[str, object] | None = None,
+) -> dict[str, vllm_base.OffloadingMetricMetadata]:
     """The metrics :meth:`VLLMOffloadingManager.get_stats` reports, for the spec's ``build_metric_definitions``.
 
     vLLM 0.33's CPU tier metrics with its names, types, buckets and meaning,
@@ -175,7 +177,9 @@ class _VLLMKeyedManager(Protocol):
     def on_new_request(self, req_context: vllm_base.ReqContext, /) -> None: ...
     def on_request_finished(self, req_context: vllm_base.ReqContext, /) -> None: ...
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext, /) -> LookupResult: ...
-    def prepare_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> LoadStoreSpec: ...
+    def prepare_load(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /
+    ) -> LoadStoreSpec: ...
     def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> None: ...
     def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> None: ...
     def prepare_store(
@@ -254,7 +258,9 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         self._calls = cast(_VLLMKeyedManager, backing)
         cpu_calls = cast(_VLLMKeyedCPU, cpu)
         # Every completion goes to the CPU manager under vLLM's rule (the filter only forwards it).
-        setattr(self, "complete_store", cpu_calls.complete_pending_stores)  # noqa: B010 -- an instance attribute shadowing the method is the point
+        setattr(
+            self, "complete_store", cpu_calls.complete_pending_stores
+        )  # an instance attribute shadowing the method is the point
         if backing is cpu:
             # The hottest call (one per chunk of every scheduled prompt): the
             # instance's lookup becomes the CPU manager's own, answering
@@ -262,12 +268,14 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
             direct = cpu.lookup_with(
                 vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
             )
-            setattr(self, "lookup", direct)  # noqa: B010 -- as above
-            setattr(self, "complete_load", cpu_calls.complete_load)  # noqa: B010 -- as above
+            setattr(self, "lookup", direct)  # as above
+            setattr(self, "complete_load", cpu_calls.complete_load)  # as above
             load_slots, store_slots = cpu_calls.load_slots, cpu_calls.store_slots
             output = vllm_base.PrepareStoreOutput
 
-            def prepare_load(keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
+            def prepare_load(
+                keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+            ) -> VLLMCPULoadStoreSpec:
                 return VLLMCPULoadStoreSpec(load_slots(keys, req_context))
 
             def prepare_store(
@@ -278,8 +286,8 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
                     return None
                 return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
 
-            setattr(self, "prepare_load", prepare_load)  # noqa: B010 -- as above
-            setattr(self, "prepare_store", prepare_store)  # noqa: B010 -- as above
+            setattr(self, "prepare_load", prepare_load)  # as above
+            setattr(self, "prepare_store", prepare_store)  # as above
 
     @property
     def backing(self) -> OffloadingManager:

@@ -122,6 +122,7 @@ def layout_tag(*, vllm_rows: bool, compression: str | None) -> str | None:
         return None if vllm_rows else LAYOUT_TAG
     return f"{LAYOUT_TAG}+{compression}"
 
+
 _TIER_PACKAGES: dict[str, tuple[str, str]] = {
     "obj": ("nixl", "pip install nixl (NIXL with its OBJ plugin)"),
     "p2p": ("nixl", "pip install nixl"),
@@ -217,7 +218,9 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
         """The region's chunks as a ``(num_chunks, chunk_bytes)`` memoryview; chunk ``c`` starts at ``c * chunk_bytes``."""
         return self._kv_memoryview
 
-    def prepare_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> VLLMCPULoadStoreSpec:
+    def prepare_read(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> VLLMCPULoadStoreSpec:
         """Pin ready chunks for a copy to a secondary tier; no access is recorded (recency stays the request's)."""
         return _vllm_slot_spec(self.backing.prepare_load(_keys(keys), _tier_context(req_context)))
 
@@ -488,7 +491,9 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
 
     @classmethod
     @override
-    def _get_secondary_tiers(cls, extra_config: dict[str, Any]) -> list[tuple[dict[str, Any], type[SecondaryTierManager]]]:
+    def _get_secondary_tiers(
+        cls, extra_config: dict[str, Any]
+    ) -> list[tuple[dict[str, Any], type[SecondaryTierManager]]]:
         tier_configs = extra_config.get("secondary_tiers", [])
         if not isinstance(tier_configs, list):
             raise ValueError(f"secondary_tiers must be a list of tier configurations, got {tier_configs!r}")
@@ -515,7 +520,9 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         )
         blocks_per_chunk = config.cache.blocks_per_chunk
         dtype = kv_dtype(config.model.dtype, settings.kv_compression)
-        row_bytes = host_row_bytes(config.worker_kv_bytes_per_block, dtype, [group.layer_names for group in config.groups])
+        row_bytes = host_row_bytes(
+            config.worker_kv_bytes_per_block, dtype, [group.layer_names for group in config.groups]
+        )
         row_stride = RegionLayout.block_row_stride_for(blocks_per_chunk, config.parallel.world_size, row_bytes)
         # One region on this host holds every rank's bytes: the whole budget must fit its RAM.
         check_budget(settings.cpu_bytes_to_use, slot_bytes=blocks_per_chunk * row_stride, world_size=1, slot="chunk")
@@ -543,7 +550,9 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         # kvtriton's row is vLLM's only for one block per chunk and one KV cache
         # group (with several groups a kvtriton slot holds one group's pages).
         vllm_rows = layout.block_size_factor == 1 and len(config.groups) == 1
-        self.layout_tag: str | None = layout_tag(vllm_rows=vllm_rows, compression=compression_tag(settings.kv_compression))
+        self.layout_tag: str | None = layout_tag(
+            vllm_rows=vllm_rows, compression=compression_tag(settings.kv_compression)
+        )
         """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
         logger.info(
             "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
@@ -614,7 +623,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             for tier in reversed(tiers):
                 try:
                     tier.shutdown()
-                except Exception:  # noqa: BLE001 -- keep cleaning up; the original error is re-raised
+                except Exception:
                     logger.exception("failed to shut down a secondary tier while cleaning up")
             if primary is not None:
                 primary.shutdown()
@@ -655,8 +664,11 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             for kv in groups.kvs:
                 engines.append(
                     TransferEngine(
-                        kv, slab, self.settings.backend,
-                        num_programs=self.settings.num_programs, kv_compression=self.settings.kv_compression,
+                        kv,
+                        slab,
+                        self.settings.backend,
+                        num_programs=self.settings.num_programs,
+                        kv_compression=self.settings.kv_compression,
                     )  # fmt: skip
                 )
         except BaseException:

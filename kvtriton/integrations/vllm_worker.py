@@ -171,7 +171,10 @@ class GroupPages:
                 group_row_bytes.append(0)
                 continue
             if refs not in kv_index_of_refs:
-                pages = {_tensor_name(index): tensors[index][:, : size // tensors[index].element_size()] for index, size in refs}
+                pages = {
+                    _tensor_name(index): tensors[index][:, : size // tensors[index].element_size()]
+                    for index, size in refs
+                }
                 kv_index_of_refs[refs] = len(kvs)
                 kvs.append(PagedKV.from_tensors(pages, layout=KVLayout.PAGES, kv_compression=kv_compression))
             kv_of_group.append(kv_index_of_refs[refs])
@@ -189,7 +192,9 @@ def _slot_spec(spec: vllm_base.LoadStoreSpec) -> CPULoadStoreSpec | None:
 
 
 def _vllm_result(job_id: int, success: bool, size: int, seconds: float) -> vllm_base.TransferResult:
-    return vllm_base.TransferResult(job_id=job_id, success=success, transfer_size=size if success else 0, transfer_time=seconds)
+    return vllm_base.TransferResult(
+        job_id=job_id, success=success, transfer_size=size if success else 0, transfer_time=seconds
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +285,10 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             )  # fmt: skip
             return None
         factor = self._block_size_factor
-        slot_counts = [-(-(size + index % factor) // factor) if size else 0 for size, index in zip(gpu.group_sizes, gpu.block_indices)]
+        slot_counts = [
+            -(-(size + index % factor) // factor) if size else 0
+            for size, index in zip(gpu.group_sizes, gpu.block_indices)
+        ]
         if sum(slot_counts) != slots.block_ids.size:
             logger.error(
                 "%s job %d refused: the CPU spec holds %d slots but the GPU spec spans %d (group_sizes=%s, "
@@ -296,7 +304,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             )  # fmt: skip
             return None
         if slots.block_ids.size and int(slots.block_ids.min()) < 0:
-            logger.error("%s job %d refused: slot ids must not be negative, got %d", name, job_id, int(slots.block_ids.min()))
+            logger.error(
+                "%s job %d refused: slot ids must not be negative, got %d", name, job_id, int(slots.block_ids.min())
+            )
             return None
         # Each engine checks that its part writes no row or block twice; two parts
         # writing the same slot would mix two groups' bytes in one row.
@@ -328,7 +338,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
     def _no_parts(self, name: str, job_id: int, slots: CPULoadStoreSpec) -> list[_Part] | None:
         """A job with no block to move: empty when its CPU spec is empty too, else a mismatch."""
         if slots.block_ids.size:
-            logger.error("%s job %d refused: it moves no GPU block but names %d slots", name, job_id, slots.block_ids.size)
+            logger.error(
+                "%s job %d refused: it moves no GPU block but names %d slots", name, job_id, slots.block_ids.size
+            )
             return None
         return []
 
@@ -343,7 +355,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         slots = _slot_spec(slot_spec)
         if slots is None:
             side = "destination" if name == "store" else "source"
-            logger.error("%s job %d refused: %s is a %s, not a CPU slot spec", name, job_id, side, type(slot_spec).__name__)
+            logger.error(
+                "%s job %d refused: %s is a %s, not a CPU slot spec", name, job_id, side, type(slot_spec).__name__
+            )
             return False
         if job_id in self._unreported:
             logger.error("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
@@ -374,13 +388,17 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             return engine.submit_store(job_id, part.gpu, part.slots)
         return engine.submit_load(job_id, part.slots, part.gpu, expedited=expedited)
 
-    def _submit_parts(self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec, expedited: bool) -> bool:
+    def _submit_parts(
+        self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec, expedited: bool
+    ) -> bool:
         parts = self._parts(name, job_id, gpu, slots)
         if parts is None:
             return False
         if not parts:
             # Nothing to copy: done at once, without touching an engine (vLLM treats failure as fatal).
-            self._finished_empty.append(vllm_base.TransferResult(job_id=job_id, success=True, transfer_size=0, transfer_time=0.0))
+            self._finished_empty.append(
+                vllm_base.TransferResult(job_id=job_id, success=True, transfer_size=0, transfer_time=0.0)
+            )
             return True
         pending = _Pending(parts_left=0)
         for part in parts:

@@ -75,9 +75,7 @@ class OffloadingManager(ABC):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """Allocate room for the ``keys`` not yet stored, evicting if needed; ``None`` if no room can be made."""
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         """Make stored ``keys`` readable (``success=True``) or drop them (``success=False``)."""
         del keys, req_context, success
 
@@ -85,8 +83,8 @@ class OffloadingManager(ABC):
         """Return the queued stored / evicted events in creation order and empty the queue."""
         return ()
 
-    def reset_cache(self) -> None:
+    def reset_cache(self) -> None:  # noqa: B027 -- an optional hook: a no-op unless a manager overrides it
         """Forget every block (the engine reset its prefix cache)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 -- an optional hook: a no-op unless a manager overrides it
         """Release resources; the manager is not used afterwards."""

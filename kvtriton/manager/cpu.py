@@ -48,7 +48,9 @@ class StoredSlots(NamedTuple):
 class _RequestHooks(NamedTuple):
     """The policy's request-scoped calls, or vLLM's defaults for a policy without them."""
 
-    on_request_access: Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None] | None
+    on_request_access: (
+        Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None] | None
+    )
     """None when the policy ranks nothing while a request runs (ARC): the manager skips the call."""
     on_store_miss: Callable[[Sequence[OffloadKey]], None]
     on_request_finished: Callable[[Sequence[KeyRun], ReqContext], None]
@@ -375,7 +377,7 @@ class CPUOffloadingManager(OffloadingManager):
         # the same block earlier in the call (a key may be named twice).
         left: dict[int, int] = {}
         bad = 0
-        for bad, block in enumerate(got):
+        for bad, block in enumerate(got):  # noqa: B007 -- read after the loop: the index where the walk stopped
             if block is None:
                 break
             count = left.get(id(block), block.ref_cnt) - 1
@@ -399,7 +401,9 @@ class CPUOffloadingManager(OffloadingManager):
         offered = keys if isinstance(keys, list) else list(keys)
         got = list(map(self._blocks.get, offered))
         try:
-            _join_bytes(offered)  # C speed: refuses anything but bytes (str keys above all), before anything is recorded
+            _join_bytes(
+                offered
+            )  # C speed: refuses anything but bytes (str keys above all), before anything is recorded
         except TypeError:
             _refuse_non_bytes(offered)
         try:
@@ -519,7 +523,9 @@ class CPUOffloadingManager(OffloadingManager):
             why = "is already stored (its store was completed before)"
         raise ValueError(f"complete_store: key {key!r} {why}: no store in flight (no matching prepare_store)")
 
-    def complete_pending_stores(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+    def complete_pending_stores(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
         """:meth:`complete_store` under vLLM 0.33's rule: keys without a store in flight are skipped.
 
         vLLM's ``CPUOffloadingManager.complete_store`` ignores keys that are

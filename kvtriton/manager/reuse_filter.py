@@ -60,7 +60,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
         count_on: ReuseSignal = ReuseSignal.LOOKUP,
     ) -> None:
         if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
-            raise TypeError(f"store_threshold must be an int, got {type(store_threshold).__name__}: {store_threshold!r}")
+            raise TypeError(
+                f"store_threshold must be an int, got {type(store_threshold).__name__}: {store_threshold!r}"
+            )
         if isinstance(max_tracker_size, bool) or not isinstance(max_tracker_size, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
             raise TypeError(
                 f"max_tracker_size must be an int, got {type(max_tracker_size).__name__}: {max_tracker_size!r}"

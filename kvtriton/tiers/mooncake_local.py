@@ -26,7 +26,6 @@ MOONCAKE_PACKAGES = "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.
 """The Mooncake tier's packages, as the Makefile's ``MOONCAKE_PACKAGES`` and docs/mooncake.md give them."""
 
 
-
 def mooncake_missing() -> str | None:
     """Why the Mooncake tier cannot be tried here (the package is absent), or None."""
     if importlib.util.find_spec("mooncake") is not None:
@@ -35,6 +34,7 @@ def mooncake_missing() -> str | None:
         "the mooncake package is not installed (the install line is in docs/mooncake.md#install: "
         f"pip install --no-deps {MOONCAKE_PACKAGES}; make test installs it)"
     )
+
 
 START_TIMEOUT_S = 20.0
 

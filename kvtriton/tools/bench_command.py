@@ -142,14 +142,17 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton bench`: ")
-    parser.epilog = textwrap.fill(f"{SMOKE_RUN_NOTE}; `all` takes {ALL_QUICK_DURATION}.", 79) + (
-        "\n\nbenchmarks (all runs them in this order):\n"
-    ) + "\n".join(
-        f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags) or 'none'})"
-        for benchmark in BENCHMARKS.values()
-    ) + (
-        "\n\nexamples:\n  kvtriton bench all\n  kvtriton bench kernels --out /tmp/results"
-        "\n  kvtriton bench manager -- --help      # the benchmark's own options"
+    parser.epilog = (
+        textwrap.fill(f"{SMOKE_RUN_NOTE}; `all` takes {ALL_QUICK_DURATION}.", 79)
+        + ("\n\nbenchmarks (all runs them in this order):\n")
+        + "\n".join(
+            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags) or 'none'})"
+            for benchmark in BENCHMARKS.values()
+        )
+        + (
+            "\n\nexamples:\n  kvtriton bench all\n  kvtriton bench kernels --out /tmp/results"
+            "\n  kvtriton bench manager -- --help      # the benchmark's own options"
+        )
     )
     _add_options(parser)
     # One REMAINDER positional rather than a name plus nargs="*": argparse
@@ -261,7 +264,9 @@ def run(args: argparse.Namespace) -> int:
     began_all = time.perf_counter()
     kind = "full run" if invocation.full else "smoke run"
     if not invocation.full:
-        duration = f"; all {len(invocation.benchmarks)} take {ALL_QUICK_DURATION}" if len(invocation.benchmarks) > 1 else ""
+        duration = (
+            f"; all {len(invocation.benchmarks)} take {ALL_QUICK_DURATION}" if len(invocation.benchmarks) > 1 else ""
+        )
         print(f"kvtriton bench: {SMOKE_RUN_NOTE}{duration}", flush=True)
     for benchmark in invocation.benchmarks:
         command = benchmark_command(benchmark, full=invocation.full, extra=invocation.extra)

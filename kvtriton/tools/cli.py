@@ -50,7 +50,9 @@ _COMMANDS: tuple[_Command, ...] = (
         "versions, CUDA, pinned memory; with --slab-size, whether RAM and /dev/shm hold a host slab (memlock: information only)",
     ),
     _Command("demo", "kvtriton.tools.demo", "offload a model-shaped KV cache through manager and engine"),
-    _Command("simulate", "kvtriton.tools.simulate", "capacity planning: cache hit rate per GiB of host memory for a trace"),
+    _Command(
+        "simulate", "kvtriton.tools.simulate", "capacity planning: cache hit rate per GiB of host memory for a trace"
+    ),
     _Command(
         "bench",
         "kvtriton.tools.bench_command",
@@ -116,8 +118,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     commands = ", ".join(command.name for command in _COMMANDS)
     if getattr(args, "_command", None) is None:
         if unknown:
-            parser.error(f"unknown option {unknown[0]}: give a command first, one of {commands}"
-                         " (`kvtriton COMMAND --help` lists its options)")
+            parser.error(
+                f"unknown option {unknown[0]}: give a command first, one of {commands}"
+                " (`kvtriton COMMAND --help` lists its options)"
+            )
         parser.error(f"a command is required, one of {commands} (`kvtriton COMMAND --help` lists its options)")
     if unknown:
         sub = cast(argparse.ArgumentParser, args._parser)

@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtriton.manager.policies import policy_names
+from kvtriton.tools.cli import choice_argument
 from kvtriton.tools.geometry import (
     BARE_NUMBER_UNIT,
     PRESETS,
@@ -35,19 +37,17 @@ from kvtriton.tools.geometry import (
     is_bare_number,
     parse_capacity,
 )
-from kvtriton.manager.policies import policy_names
-from kvtriton.tools.cli import choice_argument
 
 if TYPE_CHECKING:
     import torch
 
     from kvtriton.kernels.compression import KVCompression
-    from kvtriton.worker.engine import TransferEngine, TransferResult
     from kvtriton.keys import OffloadKey
-    from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.specs import ReqContext
     from kvtriton.tools.workloads import Request
+    from kvtriton.worker.engine import TransferEngine, TransferResult
+    from kvtriton.worker.layout import PagedKV
 
 __all__ = ["add_arguments", "run"]
 
@@ -65,29 +65,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exit status: 0 when every loaded block matched what was stored; 1 on a mismatch, a failed job, or a run"
         " that loaded nothing (so checked nothing); 2 on settings that cannot run"
     )
-    parser.add_argument("--model", type=choice_argument(sorted(PRESETS)), choices=sorted(PRESETS), default="llama-3-8b",
-                        help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)")
+    parser.add_argument(
+        "--model",
+        type=choice_argument(sorted(PRESETS)),
+        choices=sorted(PRESETS),
+        default="llama-3-8b",
+        help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)",
+    )
     layouts = ("auto", *LAYOUTS)
-    parser.add_argument("--layout", type=choice_argument(layouts), choices=layouts, default="auto",
-                        help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn")
-    parser.add_argument("--compression", type=choice_argument(COMPRESSIONS), choices=COMPRESSIONS, default="none",
-                        help="slab row format: none (bit-exact copies) or fp8-e4m3 (lossy: fp8 codes plus one fp32"
-                        " scale per head-dim group, about half the bytes; loads are checked against the torch reference)")
-    parser.add_argument("--policy", type=choice_argument(policy_names()), choices=policy_names(), default="lru",
-                        help="manager eviction policy")
-    parser.add_argument("--capacity", default=DEFAULT_CAPACITY, metavar="SIZE",
-                        help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})")
+    parser.add_argument(
+        "--layout",
+        type=choice_argument(layouts),
+        choices=layouts,
+        default="auto",
+        help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn",
+    )
+    parser.add_argument(
+        "--compression",
+        type=choice_argument(COMPRESSIONS),
+        choices=COMPRESSIONS,
+        default="none",
+        help="slab row format: none (bit-exact copies) or fp8-e4m3 (lossy: fp8 codes plus one fp32"
+        " scale per head-dim group, about half the bytes; loads are checked against the torch reference)",
+    )
+    parser.add_argument(
+        "--policy",
+        type=choice_argument(policy_names()),
+        choices=policy_names(),
+        default="lru",
+        help="manager eviction policy",
+    )
+    parser.add_argument(
+        "--capacity",
+        default=DEFAULT_CAPACITY,
+        metavar="SIZE",
+        help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})",
+    )
     parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU KV cache size in blocks (scaled down for CPU)")
-    parser.add_argument("--backend", type=choice_argument(BACKENDS), choices=BACKENDS, default="auto",
-                        help="copy backend; auto = triton on CUDA, torch on CPU")
+    parser.add_argument(
+        "--backend",
+        type=choice_argument(BACKENDS),
+        choices=BACKENDS,
+        default="auto",
+        help="copy backend; auto = triton on CUDA, torch on CPU",
+    )
     parser.add_argument("--block-size-factor", type=int, default=1, help="GPU blocks per offloaded block (slot)")
     parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
     parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
-    parser.add_argument("--device", type=choice_argument(DEVICES), choices=DEVICES, default="auto",
-                        help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu")
-    parser.add_argument("--allow-pageable", action="store_true",
-                        help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
-                        " instead of stopping")
+    parser.add_argument(
+        "--device",
+        type=choice_argument(DEVICES),
+        choices=DEVICES,
+        default="auto",
+        help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu",
+    )
+    parser.add_argument(
+        "--allow-pageable",
+        action="store_true",
+        help="when the slab cannot be pinned (RLIMIT_MEMLOCK too low), run on a slower pageable slab"
+        " instead of stopping",
+    )
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
 
 
@@ -518,10 +555,10 @@ def _bare_number_hint(capacity_text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtriton.worker.engine import TransferEngine
-    from kvtriton.worker.layout import PagedKV
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.tools.progress import progress
+    from kvtriton.worker.engine import TransferEngine
+    from kvtriton.worker.layout import PagedKV
     from kvtriton.worker.slab import HostSlab, SlabPinningError
 
     config: DemoConfig | None = None
@@ -637,11 +674,15 @@ def _report(stats: DemoStats) -> None:
         print(f"MISMATCH {where}", file=sys.stderr)
 
 
-def _report_compression(stats: DemoStats, error: ElementError, kv: PagedKV, slots: int, uncompressed_slots: int) -> None:
+def _report_compression(
+    stats: DemoStats, error: ElementError, kv: PagedKV, slots: int, uncompressed_slots: int
+) -> None:
     """Bytes moved and slots against uncompressed rows, and the element error of the checked loads."""
     moved = stats.bytes_loaded + stats.bytes_stored
     raw = (stats.loaded_blocks + stats.stored_blocks) * kv.raw_row_bytes
-    moved_text = f"{format_bytes(moved)} = {moved / raw:.3f}x the {format_bytes(raw)} uncompressed rows" if raw else "none"
+    moved_text = (
+        f"{format_bytes(moved)} = {moved / raw:.3f}x the {format_bytes(raw)} uncompressed rows" if raw else "none"
+    )
     mean = error.sum_abs / error.elements if error.elements else 0.0
     mean_value = error.sum_abs_value / error.elements if error.elements else 0.0
     relative = f" ({mean / mean_value:.2%} of the mean |x| {mean_value:.4g})" if mean_value else ""

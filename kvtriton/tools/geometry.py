@@ -160,7 +160,9 @@ class ModelGeometry:
         if parsed is KVCompression.NONE:
             if group_size is not None:
                 raise ValueError(f"group_size applies only with compression 'fp8-e4m3', got group_size {group_size}")
-            return dataclasses.replace(self, compression="none", compressed_bytes_per_block=None, compression_group_size=None)
+            return dataclasses.replace(
+                self, compression="none", compressed_bytes_per_block=None, compression_group_size=None
+            )
         if group_size is not None and (isinstance(group_size, bool) or group_size < 1):
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         import torch
@@ -273,7 +275,9 @@ def parse_capacity_list(text: str) -> list[int]:
             raise ValueError(f"size {position} of {text!r} is empty (sizes are separated by single commas)")
         size = parse_capacity(item)
         if size in written:
-            raise ValueError(f"{written[size].strip()!r} and {item.strip()!r} in {text!r} are the same size; give it once")
+            raise ValueError(
+                f"{written[size].strip()!r} and {item.strip()!r} in {text!r} are the same size; give it once"
+            )
         written[size] = item
         sizes.append(size)
     return sizes
@@ -300,5 +304,3 @@ def is_bare_number(text: str) -> bool:
     """Whether ``text`` is a size without a unit (so it was read as :data:`BARE_NUMBER_UNIT`)."""
     match = _CAPACITY.match(text)
     return match is not None and not match.group(2)
-
-

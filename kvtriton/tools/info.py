@@ -198,6 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " RAM available); the memlock line is information only (cudaHostRegister is not charged to RLIMIT_MEMLOCK)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
     def slab_size(text: str) -> int:
         size = size_argument(text)
         if size > MAX_SLAB_BYTES:

@@ -40,12 +40,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.keys import OffloadKey
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
 from kvtriton.specs import ReqContext
 from kvtriton.tools.cli import choice_argument
+from kvtriton.tools.geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
 from kvtriton.tools.progress import progress
 from kvtriton.tools.replay import PreparedRequest, ReplayStats, prepare, replay
 from kvtriton.tools.vllm_engine import (
@@ -311,7 +311,9 @@ def _target_rate(text: str) -> float:
     if percent:
         value /= 100
     if not (math.isfinite(value) and 0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"expected a hit rate as a fraction in (0, 1] or a percentage, e.g. 0.5 or 50%, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a hit rate as a fraction in (0, 1] or a percentage, e.g. 0.5 or 50%, got {text!r}"
+        )
     return value
 
 
@@ -390,7 +392,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=_positive_int, metavar="N", help="number of layers (default: the preset's)")
     model.add_argument("--kv-heads", type=_positive_int, metavar="N", help="KV heads per layer (default: the preset's)")
     model.add_argument("--head-dim", type=_positive_int, metavar="N", help="head dimension (default: the preset's)")
-    model.add_argument("--dtype", type=_dtype, help="KV cache dtype: bf16, fp16, fp32, fp8 (default: the preset's, bf16)")
+    model.add_argument(
+        "--dtype", type=_dtype, help="KV cache dtype: bf16, fp16, fp32, fp8 (default: the preset's, bf16)"
+    )
     model.add_argument(
         "--block-size",
         type=_positive_int,
@@ -785,7 +789,10 @@ class PointReport:
 # The answer: the configuration to start vLLM with
 
 
-SPEC_EXTRA_CONFIG: dict[str, object] = {"spec_name": "KVTritonOffloadingSpec", "spec_module_path": "kvtriton.integrations.vllm"}
+SPEC_EXTRA_CONFIG: dict[str, object] = {
+    "spec_name": "KVTritonOffloadingSpec",
+    "spec_module_path": "kvtriton.integrations.vllm",
+}
 """The keys that point vLLM's OffloadingConnector at kvtriton (docs/vllm.md)."""
 
 COMPRESSION_EXTRA_CONFIG_KEY = "kvtriton_kv_compression"
@@ -883,7 +890,11 @@ def _recommendation_lines(
     if found.tensor_parallel_size > 1:
         flags.append(f"--tensor-parallel-size {found.tensor_parallel_size}")
     slab = found.slab_bytes_per_rank
-    workers = "the worker process pins" if found.tensor_parallel_size == 1 else f"each of the {found.tensor_parallel_size} worker processes pins"
+    workers = (
+        "the worker process pins"
+        if found.tensor_parallel_size == 1
+        else f"each of the {found.tensor_parallel_size} worker processes pins"
+    )
     lines = [
         f"smallest size reaching {target} ({found.rate_name}): {format_bytes(point.capacity_bytes)} with"
         f" {point.policy.upper()}, {_percent(point.rate(order.name))}",
@@ -904,7 +915,7 @@ def _recommendation_lines(
         lines.append(
             f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression} stores fp8 codes plus one scale per"
             f" {geometry.compression_group_size} elements: loaded KV differs from what was computed (docs/kernels.md,"
-            " \"Compressed rows\"); leave it out for bit-exact offload"
+            ' "Compressed rows"); leave it out for bit-exact offload'
         )
     if order.name == "vllm" and order.gpu_blocks is None:
         lines.append(
@@ -1003,7 +1014,9 @@ def _plot(
     axes.axhline(100 * target, color="tab:red", linestyle="-", linewidth=1, label=f"target {_percent(target)}")
     axes.axvline(working_set_gib, color="grey", linestyle=":", linewidth=1, label="whole trace fits")
     if compressed_working_set_gib is not None:
-        axes.axvline(compressed_working_set_gib, color="grey", linestyle="-.", linewidth=1, label="whole trace fits, compressed")
+        axes.axvline(
+            compressed_working_set_gib, color="grey", linestyle="-.", linewidth=1, label="whole trace fits, compressed"
+        )
     axes.set_xscale("log", base=2)
     ticks = sorted({report.capacity_gib for report in reports})
     axes.set_xticks(ticks, labels=[f"{tick:.3g}" for tick in ticks])
@@ -1110,7 +1123,11 @@ def run(args: argparse.Namespace) -> int:
         "bandwidth_gbps": args.bandwidth,
         "points": [asdict(report) for report in reports],
         "recommendation": _recommendation_record(found, stored),
-        **({"recommendation_uncompressed": _recommendation_record(uncompressed, geometry)} if stored is not geometry else {}),
+        **(
+            {"recommendation_uncompressed": _recommendation_record(uncompressed, geometry)}
+            if stored is not geometry
+            else {}
+        ),
         "elapsed_seconds": time.perf_counter() - started,
     }
     lines = [
@@ -1124,8 +1141,10 @@ def run(args: argparse.Namespace) -> int:
     lines.append(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
     if unlimited_engine is not None:
         lines.append(f"engine    {_describe_engine(order)}")
-        lines.append(f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
-                     f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens")
+        lines.append(
+            f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
+            f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens"
+        )
     else:
         lines.append(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
     for compression, curve in curves.items():
@@ -1143,8 +1162,10 @@ def run(args: argparse.Namespace) -> int:
             f" stored or loaded): {shown.pending_stops}; GPU cache evictions: {shown.engine_evictions}"
         )
         if shown.preemptions:
-            lines.append(f"preemptions: {shown.preemptions} running requests were preempted for want of GPU blocks and"
-                         " started over (vLLM's metrics, and these rates, count their first admission only)")
+            lines.append(
+                f"preemptions: {shown.preemptions} running requests were preempted for want of GPU blocks and"
+                " started over (vLLM's metrics, and these rates, count their first admission only)"
+            )
     lines.append("")
     lines += _recommendation_lines(found, order, stored, unlimited_rate, max(capacities), working_set)
     if stored is not geometry:
@@ -1152,8 +1173,10 @@ def run(args: argparse.Namespace) -> int:
     record["printed"] = lines
     out_dir: Path = args.out
     if out_dir.exists() and not out_dir.is_dir():
-        print(f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
-              file=sys.stderr)
+        print(
+            f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
+            file=sys.stderr,
+        )
         return 2
     json_path = out_dir / f"simulate-{source.name}.json"
     try:
@@ -1167,20 +1190,34 @@ def run(args: argparse.Namespace) -> int:
     written = [json_path]
     if not args.no_plot:
         png_path = out_dir / f"simulate-{source.name}.png"
-        title = (f"{source.name} trace, {summary.requests} requests, {geometry.name}"
-                 f" ({format_bytes(geometry.bytes_per_block)}/block)")
+        title = (
+            f"{source.name} trace, {summary.requests} requests, {geometry.name}"
+            f" ({format_bytes(geometry.bytes_per_block)}/block)"
+        )
         if order.gpu_blocks is not None:
             title += f", {order.gpu_blocks} GPU blocks"
         if stored is not geometry:
             title += f"; with and without {stored.compression}"
         compressed_fits = stored_working_set / GIB if stored is not geometry else None
         try:
-            _plot(png_path, reports, title, unlimited_rate, working_set / GIB, order.name, args.target_hit_rate,
-                  compressed_fits, stamp=plot_stamp(record))
+            _plot(
+                png_path,
+                reports,
+                title,
+                unlimited_rate,
+                working_set / GIB,
+                order.name,
+                args.target_hit_rate,
+                compressed_fits,
+                stamp=plot_stamp(record),
+            )
             written.append(png_path)
         except ImportError as error:  # matplotlib is optional: vLLM's own environment may not have it
-            print(f"kvtriton simulate: no plot: {error.name or 'matplotlib'} is not installed"
-                  " (pip install matplotlib to draw it, --no-plot to skip it)", file=sys.stderr)
+            print(
+                f"kvtriton simulate: no plot: {error.name or 'matplotlib'} is not installed"
+                " (pip install matplotlib to draw it, --no-plot to skip it)",
+                file=sys.stderr,
+            )
         except OSError as error:
             print(f"kvtriton simulate: error: --out {out_dir}: cannot write the plot: {error}", file=sys.stderr)
             return 2
@@ -1206,7 +1243,11 @@ def _compressed(args: argparse.Namespace, geometry: ModelGeometry) -> list[Model
 def _curve_heading(compression: str, stored: ModelGeometry) -> str:
     if compression == "none":
         return f"uncompressed rows, {format_bytes(stored.bytes_per_block)} per block"
-    passthrough = " (an fp8 cache passes through unchanged)" if stored.compressed_bytes_per_block == stored.bytes_per_block else ""
+    passthrough = (
+        " (an fp8 cache passes through unchanged)"
+        if stored.compressed_bytes_per_block == stored.bytes_per_block
+        else ""
+    )
     return (
         f"lossy {compression} rows, {format_bytes(stored.stored_bytes_per_block)} per block"
         f" ({stored.compression_ratio:.3f}x the bytes moved, {1 / stored.compression_ratio:.2f}x the blocks per GiB){passthrough}"
@@ -1264,10 +1305,19 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
                    "evictions", "refused", "load s", "store s"]  # fmt: skip
         rows = [
             [
-                report.policy, _gib(report.capacity_bytes), str(report.num_blocks), _percent(report.external_hit_rate),
-                _percent(report.engine_share), _percent(report.offload_share), _percent(report.computed_share),
-                _gib(report.bytes_loaded), _gib(report.bytes_stored), str(report.evictions), str(report.refused_stores),
-                f"{report.load_seconds:.2f}", f"{report.store_seconds:.2f}",
+                report.policy,
+                _gib(report.capacity_bytes),
+                str(report.num_blocks),
+                _percent(report.external_hit_rate),
+                _percent(report.engine_share),
+                _percent(report.offload_share),
+                _percent(report.computed_share),
+                _gib(report.bytes_loaded),
+                _gib(report.bytes_stored),
+                str(report.evictions),
+                str(report.refused_stores),
+                f"{report.load_seconds:.2f}",
+                f"{report.store_seconds:.2f}",
             ]  # fmt: skip
             for report in reports
         ]
@@ -1276,9 +1326,17 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
                "evictions", "refused", "load s", "store s"]  # fmt: skip
     rows = [
         [
-            report.policy, _gib(report.capacity_bytes), str(report.num_blocks), _percent(report.block_hit_rate),
-            _percent(report.token_hit_rate), _gib(report.bytes_stored), _gib(report.bytes_loaded), str(report.evictions),
-            str(report.refused_stores), f"{report.load_seconds:.2f}", f"{report.store_seconds:.2f}",
+            report.policy,
+            _gib(report.capacity_bytes),
+            str(report.num_blocks),
+            _percent(report.block_hit_rate),
+            _percent(report.token_hit_rate),
+            _gib(report.bytes_stored),
+            _gib(report.bytes_loaded),
+            str(report.evictions),
+            str(report.refused_stores),
+            f"{report.load_seconds:.2f}",
+            f"{report.store_seconds:.2f}",
         ]  # fmt: skip
         for report in reports
     ]

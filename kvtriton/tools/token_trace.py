@@ -123,7 +123,11 @@ def block_hashes(prompt: Sequence[int], block_size: int) -> list[str]:
 def trace_lines(requests: Sequence[TokenRequest], block_size: int) -> Iterator[str]:
     """``requests`` as ``kvtriton simulate`` trace lines: ``{"id", "blocks", "tokens"}``, one JSON object each."""
     for request in requests:
-        record = {"id": request.req_id, "blocks": block_hashes(request.prompt, block_size), "tokens": len(request.prompt)}
+        record = {
+            "id": request.req_id,
+            "blocks": block_hashes(request.prompt, block_size),
+            "tokens": len(request.prompt),
+        }
         yield json.dumps(record, separators=(",", ":"))
 
 
@@ -131,7 +135,9 @@ def write_trace(path: str | Path, requests: Sequence[TokenRequest], block_size: 
     """Write ``requests`` as a JSON-lines trace file for ``kvtriton simulate --trace`` (see :func:`trace_lines`)."""
     trace_path = Path(path)
     with trace_path.open("w", encoding="utf-8") as handle:
-        handle.write(f"# {len(requests)} requests, {block_size} tokens per block, written by kvtriton.tools.token_trace\n")
+        handle.write(
+            f"# {len(requests)} requests, {block_size} tokens per block, written by kvtriton.tools.token_trace\n"
+        )
         for line in trace_lines(requests, block_size):
             handle.write(line + "\n")
     return trace_path

@@ -499,7 +499,13 @@ def replay_vllm_engine(
             state.queries = state.num_tokens - local_tokens
             if state.index not in outcomes:  # vLLM's metrics leave a preempted request's second admission out
                 outcomes[state.index] = RequestOutcome(
-                    request.req_id, request.prompt_tokens, local_tokens, state.queries, external_tokens, step, state.deferrals
+                    request.req_id,
+                    request.prompt_tokens,
+                    local_tokens,
+                    state.queries,
+                    external_tokens,
+                    step,
+                    state.deferrals,
                 )
             state.next_store = 0
             if hits:
@@ -558,7 +564,11 @@ def replay_vllm_engine(
             # A finished request's blocks given to other tokens while its store is in flight: vLLM
             # flushes the store (the worker waits for it in this step).
             for job in jobs.values():
-                if job.is_store and job.state.state == "finished" and not allocated_this_step.isdisjoint(job.gpu_blocks):
+                if (
+                    job.is_store
+                    and job.state.state == "finished"
+                    and not allocated_this_step.isdisjoint(job.gpu_blocks)
+                ):
                     job.due = step
             allocated_this_step.clear()
         if on_finished is not None:
@@ -594,9 +604,19 @@ def replay_vllm_engine(
                             being_loaded[key] = left
                         else:
                             del being_loaded[key]
-        progressed = scheduled or admitted or done or jobs or finished_last_step or preempted_now or next_arrival > arrived_before
+        progressed = (
+            scheduled
+            or admitted
+            or done
+            or jobs
+            or finished_last_step
+            or preempted_now
+            or next_arrival > arrived_before
+        )
         if not progressed and (waiting or holding or running):  # a bug guard: every rule above makes progress
-            raise RuntimeError(f"step {step}: the engine model made no progress with {len(waiting) + len(holding) + len(running)} requests left")
+            raise RuntimeError(
+                f"step {step}: the engine model made no progress with {len(waiting) + len(holding) + len(running)} requests left"
+            )
 
     ordered = tuple(outcomes[index] for index in range(len(states)))
     external_blocks = sum(outcome.external_hit_tokens for outcome in ordered) // block_size

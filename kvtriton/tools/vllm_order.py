@@ -66,7 +66,9 @@ DEFAULT_DECODE_STEPS = 2
 class PositionedContext(Protocol):
     """A request context that records each key's end-token position (kvtriton's and vLLM's ``ReqContext``)."""
 
-    def set_offload_key_position(self, key: Any, end_token: int, /) -> None: ...  # vLLM types its key with its own NewType
+    def set_offload_key_position(
+        self, key: Any, end_token: int, /
+    ) -> None: ...  # vLLM types its key with its own NewType
 
 
 CtxT = TypeVar("CtxT")
@@ -284,6 +286,11 @@ def vllm_order(
     """Replay ``requests`` through a kvtriton ``manager`` in vLLM's call order, with positioned contexts."""
     contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
     return replay_vllm_order(
-        vllm_order_calls(manager), requests, contexts, block_size=block_size, arrivals=arrivals, decode_steps=decode_steps,
+        vllm_order_calls(manager),
+        requests,
+        contexts,
+        block_size=block_size,
+        arrivals=arrivals,
+        decode_steps=decode_steps,
         sync_loads=sync_loads,
     )

@@ -369,7 +369,9 @@ def _interleaved_conversations(
         conversation = active[slot]
         conversation.sequence.append(ids.new(), rng.randint(*user_tokens))
         answer = rng.randint(*answer_tokens)
-        generated.append(_request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new()))
+        generated.append(
+            _request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new())
+        )
         conversation.turn += 1
         conversation.turns_left -= 1
         if conversation.turns_left == 0:
@@ -579,7 +581,9 @@ class Workload(Generic[P]):
         except ValueError as error:  # a value out of range, or values that contradict each other
             raise ValueError(f"workload {self.name!r}: {error}") from None
 
-    def generate(self, *, seed: int, block_size: int, overrides: Mapping[str, str | int | float] | None = None) -> list[Request]:
+    def generate(
+        self, *, seed: int, block_size: int, overrides: Mapping[str, str | int | float] | None = None
+    ) -> list[Request]:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         return self.build(self.params(overrides or {}), random.Random(seed), block_size)

@@ -184,7 +184,9 @@ def choose_backend(
         if device.type == "cpu":
             problem = _interpreter_problem()
             if problem is not None:
-                raise ValueError(f"backend='triton' on CPU runs Triton's interpreter, but {problem}; use backend='torch'")
+                raise ValueError(
+                    f"backend='triton' on CPU runs Triton's interpreter, but {problem}; use backend='torch'"
+                )
     return requested
 
 
@@ -352,12 +354,16 @@ def dma_runs(
         empty = np.empty(0, dtype=np.int64)
         return empty, empty, empty
     breaks = np.ones(rows.shape[0], dtype=np.bool_)
-    breaks[1:] = (blocks[1:] != blocks[:-1] + 1) | (rows[1:] != rows[:-1] + 1) | _registration_breaks(rows, registration_rows)
+    breaks[1:] = (
+        (blocks[1:] != blocks[:-1] + 1) | (rows[1:] != rows[:-1] + 1) | _registration_breaks(rows, registration_rows)
+    )
     starts, lengths = _runs(breaks)
     return blocks[starts], rows[starts], lengths
 
 
-def slab_row_runs(rows: NDArray[np.int64], registration_rows: int | None = None) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+def slab_row_runs(
+    rows: NDArray[np.int64], registration_rows: int | None = None
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """Start (position in ``rows``) and length of each run of consecutive slab rows inside one registration."""
     if rows.shape[0] == 0:
         empty = np.empty(0, dtype=np.int64)
@@ -385,7 +391,9 @@ class DmaCopy:
         self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
         if kv.compression_layout is not None:
-            raise ValueError("the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'")
+            raise ValueError(
+                "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"
+            )
         self._batch: MemcpyBatch | None = None
         if self._cuda:
             _require_cudart("dma")
@@ -419,7 +427,9 @@ class DmaCopy:
         stream = torch.cuda.current_stream(self.kv.device).cuda_stream
         for t in range(len(p.page_bases)):
             width, page_pitch = int(p.page_bytes[t]), int(p.block_strides[t])
-            for page_address, slab_address, height in zip(page_addresses[t].tolist(), slab_addresses[t].tolist(), lengths.tolist()):
+            for page_address, slab_address, height in zip(
+                page_addresses[t].tolist(), slab_addresses[t].tolist(), lengths.tolist()
+            ):
                 if store:
                     memcpy_2d_async(slab_address, p.slab_stride, page_address, page_pitch, width, height, stream)
                 else:
@@ -468,7 +478,9 @@ class TorchCopy:
     def warm_up(self) -> None:
         return None
 
-    def _gather(self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, status: torch.Tensor | None) -> None:
+    def _gather(
+        self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, status: torch.Tensor | None
+    ) -> None:
         layout = self.kv.compression_layout
         if layout is None:
             gather_unchecked(self.kv.pages, slab, blocks, rows, self.kv.geometry)

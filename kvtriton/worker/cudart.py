@@ -151,7 +151,10 @@ def host_device_pointer(host: int) -> int | None:
     if library is None:
         return None
     device = ctypes.c_void_p()
-    _check(f"cudaHostGetDevicePointer({host:#x})", cast(int, library.cudaHostGetDevicePointer(ctypes.byref(device), host, 0)))
+    _check(
+        f"cudaHostGetDevicePointer({host:#x})",
+        cast(int, library.cudaHostGetDevicePointer(ctypes.byref(device), host, 0)),
+    )
     return int(device.value or 0)
 
 
@@ -159,7 +162,10 @@ def stream_priority_range() -> tuple[int, int]:
     """``(least, greatest)`` stream priorities of the current device (greatest is the most urgent, a lower number)."""
     library = _require_library("cudaDeviceGetStreamPriorityRange")
     least, greatest = ctypes.c_int(), ctypes.c_int()
-    _check("cudaDeviceGetStreamPriorityRange", cast(int, library.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))))
+    _check(
+        "cudaDeviceGetStreamPriorityRange",
+        cast(int, library.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))),
+    )
     return least.value, greatest.value
 
 
@@ -286,7 +292,9 @@ def batch_from(library: object) -> MemcpyBatch | None:
     with_fail_index = version.value < BATCH_WITHOUT_FAIL_INDEX_RUNTIME
     if isinstance(library, ctypes.CDLL):
         pointers = [ctypes.c_void_p] * 3 + [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        library.cudaMemcpyBatchAsync.argtypes = pointers + ([ctypes.c_void_p] if with_fail_index else []) + [ctypes.c_void_p]
+        library.cudaMemcpyBatchAsync.argtypes = (
+            pointers + ([ctypes.c_void_p] if with_fail_index else []) + [ctypes.c_void_p]
+        )
         library.cudaMemcpyBatchAsync.restype = ctypes.c_int
     return MemcpyBatch(call, with_fail_index=with_fail_index)
 

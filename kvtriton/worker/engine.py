@@ -349,8 +349,13 @@ class TransferEngine:
         self._threaded = self._cuda and not slab.pinned
         chosen = {
             direction: choose_backend(
-                parsed, direction, device=kv.device, slab_pinned=slab.pinned, page_bytes=min(kv.page_bytes),
-                slab_device_aliased=slab.device_aliased, compressed=kv.compression_layout is not None,
+                parsed,
+                direction,
+                device=kv.device,
+                slab_pinned=slab.pinned,
+                page_bytes=min(kv.page_bytes),
+                slab_device_aliased=slab.device_aliased,
+                compressed=kv.compression_layout is not None,
             )  # fmt: skip
             for direction in TransferDirection
         }
@@ -361,7 +366,9 @@ class TransferEngine:
                     kind, kv, slab.rows, num_programs=num_programs, registration_rows=slab.registration_rows,
                     slab_pinned=slab.pinned,
                 )  # fmt: skip
-        self._backends: dict[TransferDirection, CopyBackend] = {direction: built[kind] for direction, kind in chosen.items()}
+        self._backends: dict[TransferDirection, CopyBackend] = {
+            direction: built[kind] for direction, kind in chosen.items()
+        }
         self._streams: dict[TransferLane, torch.cuda.Stream] = {}
         self._stream_handles: list[int] = []
         self._workers: dict[TransferLane, ThreadPoolExecutor] = {}
@@ -596,7 +603,9 @@ class TransferEngine:
             logger.warning("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
             return False
         if not isinstance(cpu, CPULoadStoreSpec):
-            logger.warning("%s job %d refused: the slot spec is a %s, not a CPULoadStoreSpec", name, job_id, type(cpu).__name__)
+            logger.warning(
+                "%s job %d refused: the slot spec is a %s, not a CPULoadStoreSpec", name, job_id, type(cpu).__name__
+            )
             return False
         try:
             plan = plan_transfer(
@@ -617,7 +626,7 @@ class TransferEngine:
                     job = self._launch_cuda(job_id, lane, plan)
                 else:
                     job = self._run_now(job_id, lane, plan)
-            except Exception as error:  # staging: out of (pinned or device) memory, say; nothing was queued
+            except Exception as error:  # noqa: BLE001 -- staging: out of (pinned or device) memory, say; nothing was queued
                 logger.warning("%s job %d refused: its indices could not be staged: %s", name, job_id, error)
                 return False
         self._queues[lane].append(job)

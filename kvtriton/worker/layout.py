@@ -236,16 +236,24 @@ class PagedKV:
         page_tensors = [page for _, page in pages]
         sizes = None if group_size is None else tuple(group_size for _ in page_tensors)
         return cls(
-            pages=page_tensors, names=[name for name, _ in pages], layout=parsed, compression=compression, group_sizes=sizes
+            pages=page_tensors,
+            names=[name for name, _ in pages],
+            layout=parsed,
+            compression=compression,
+            group_sizes=sizes,
         )
 
     def with_compression(self, kv_compression: str | KVCompression, group_size: int | None = None) -> PagedKV:
         """The same pages described with ``kv_compression`` (and ``group_size``, default as in :meth:`from_tensors`)."""
         compression = KVCompression.parse(kv_compression, "kv_compression")
-        sizes = None if group_size is None or compression is KVCompression.NONE else tuple(group_size for _ in self.pages)
+        sizes = (
+            None if group_size is None or compression is KVCompression.NONE else tuple(group_size for _ in self.pages)
+        )
         if compression is self.compression and sizes is None:
             return self
-        return PagedKV(pages=self.pages, names=self.names, layout=self.layout, compression=compression, group_sizes=sizes)
+        return PagedKV(
+            pages=self.pages, names=self.names, layout=self.layout, compression=compression, group_sizes=sizes
+        )
 
     def byte_pages(self) -> list[torch.Tensor]:
         """Every page tensor as a ``(num_blocks, page_bytes)`` uint8 view (see :func:`byte_view`)."""

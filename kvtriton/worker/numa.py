@@ -22,7 +22,16 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import cast
 
-__all__ = ["SYSFS_ROOT", "cuda_pci_bus_id", "gpu_numa_node", "node_count", "node_cpus", "on_gpu_node", "on_node", "parse_cpu_list"]
+__all__ = [
+    "SYSFS_ROOT",
+    "cuda_pci_bus_id",
+    "gpu_numa_node",
+    "node_count",
+    "node_cpus",
+    "on_gpu_node",
+    "on_node",
+    "parse_cpu_list",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +63,9 @@ def node_count(sysfs_root: str | None = None) -> int:
 def node_cpus(node: int, sysfs_root: str | None = None) -> set[int]:
     """The CPUs of NUMA node ``node`` (empty when sysfs does not list them)."""
     try:
-        return parse_cpu_list(Path(sysfs_root or SYSFS_ROOT, "devices", "system", "node", f"node{node}", "cpulist").read_text())
+        return parse_cpu_list(
+            Path(sysfs_root or SYSFS_ROOT, "devices", "system", "node", f"node{node}", "cpulist").read_text()
+        )
     except (OSError, ValueError):
         return set()
 

@@ -73,6 +73,7 @@ def _current_cuda_device() -> int | None:
     """The GPU whose NUMA node a rank's bytes are placed on by default (None without CUDA)."""
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
+
 __all__ = ["POPULATE_TIMEOUT_S", "REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "SharedRegion", "shm_free_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,9 @@ class RegionLayout:
         return -(-world_size * rank_row_bytes // step) * step
 
     @classmethod
-    def for_budget(cls, cpu_bytes_to_use: int, block_size_factor: int, world_size: int, rank_row_bytes: int) -> RegionLayout:
+    def for_budget(
+        cls, cpu_bytes_to_use: int, block_size_factor: int, world_size: int, rank_row_bytes: int
+    ) -> RegionLayout:
         """As many chunks as ``cpu_bytes_to_use`` (all ranks together, as vLLM counts it) holds.
 
         Raises ``ValueError`` naming both sizes when not even one chunk fits.
@@ -283,7 +286,9 @@ class SharedRegion:
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
         _check_count("expected_mappers", expected_mappers)
         if not os.path.isdir(directory):
-            raise ValueError(f"directory {directory!r} does not exist; the shared host region needs a tmpfs such as /dev/shm")
+            raise ValueError(
+                f"directory {directory!r} does not exist; the shared host region needs a tmpfs such as /dev/shm"
+            )
         self.layout = layout
         self.path = os.path.join(directory, f"kvtriton_{name}.region")
         self.file_bytes = HEADER_BYTES + layout.region_bytes
@@ -325,7 +330,9 @@ class SharedRegion:
             # No pre-faulting here: joiners wait for the header only; ranks populate their own bytes (rank_slab).
             layout_json = json.dumps(asdict(self.layout), sort_keys=True).encode()
             if _JSON_AT + len(layout_json) > HEADER_BYTES:
-                raise ValueError(f"the region layout description ({len(layout_json)} bytes) does not fit the header page")
+                raise ValueError(
+                    f"the region layout description ({len(layout_json)} bytes) does not fit the header page"
+                )
             _PID.pack_into(self._mmap, _PID_AT, os.getpid())
             self._mmap[_LENGTH_AT:_JSON_AT] = _LENGTH.pack(len(layout_json))
             self._mmap[_JSON_AT : _JSON_AT + len(layout_json)] = layout_json
@@ -348,7 +355,9 @@ class SharedRegion:
                 if stat.st_nlink == 0:
                     raise RuntimeError(f"the process creating {self.path} failed before finishing it; see its log")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.path} was not initialised within {timeout_s} s by the process creating it")
+                    raise TimeoutError(
+                        f"{self.path} was not initialised within {timeout_s} s by the process creating it"
+                    )
                 time.sleep(_POLL_S)
             (creator,) = _PID.unpack(os.pread(self._fd, _PID.size, _PID_AT))
             if not _process_alive(int(creator)):
@@ -359,7 +368,9 @@ class SharedRegion:
                         os.unlink(self.path)
                 except FileNotFoundError:
                     pass
-                logger.warning("removed the stale shared host region %s (its creator, pid %d, is gone)", self.path, creator)
+                logger.warning(
+                    "removed the stale shared host region %s (its creator, pid %d, is gone)", self.path, creator
+                )
                 raise _StaleRegion(self.path)
             if stat.st_size != self.file_bytes:
                 theirs = self._read_layout()
@@ -458,7 +469,9 @@ class SharedRegion:
                     f"only slow to start"
                 )
             time.sleep(_POLL_S)
-        logger.info("rank %d: all %d ranks populated %s after %.3f s", rank, world, self.path, time.perf_counter() - started)
+        logger.info(
+            "rank %d: all %d ranks populated %s after %.3f s", rank, world, self.path, time.perf_counter() - started
+        )
 
     def _bytes(self) -> torch.Tensor:
         """The whole file as a uint8 tensor sharing the mapping."""
@@ -584,4 +597,3 @@ class SharedRegion:
     def __repr__(self) -> str:
         state = "closed" if self._mmap is None else ("unlinked" if self._unlinked else "linked")
         return f"SharedRegion({self.path!r}, {self.layout.describe()}, {state})"
-

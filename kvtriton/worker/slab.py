@@ -108,11 +108,11 @@ class SlabUser(Protocol):
 class _HostRegistrar(Protocol):
     """The CUDA runtime calls the slab needs."""
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt: ...  # noqa: N802 -- the CUDA name
 
-    def cudaHostUnregister(self, ptr: int) -> SupportsInt: ...
+    def cudaHostUnregister(self, ptr: int) -> SupportsInt: ...  # noqa: N802 -- the CUDA name
 
-    def cudaGetLastError(self) -> SupportsInt: ...
+    def cudaGetLastError(self) -> SupportsInt: ...  # noqa: N802 -- the CUDA name
 
 
 class _CudaRuntime:
@@ -127,13 +127,13 @@ class _CudaRuntime:
     def __init__(self) -> None:
         self._torch = cast(_HostRegistrar, torch.cuda.cudart())
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt:
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> SupportsInt:  # noqa: N802 -- the CUDA name
         return self._torch.cudaHostRegister(ptr, size, flags)
 
-    def cudaHostUnregister(self, ptr: int) -> SupportsInt:
+    def cudaHostUnregister(self, ptr: int) -> SupportsInt:  # noqa: N802 -- the CUDA name
         return self._torch.cudaHostUnregister(ptr)
 
-    def cudaGetLastError(self) -> SupportsInt:
+    def cudaGetLastError(self) -> SupportsInt:  # noqa: N802 -- the CUDA name
         if loaded_cudart() is None:
             logger.warning("libcudart is not loaded in this process; a failed CUDA call may surface at a later launch")
         return last_error()
@@ -217,7 +217,12 @@ def _check_sizes(num_slots: int, block_size_factor: int, row_bytes: int) -> None
 def _flat_bytes(buffer: torch.Tensor | mmap.mmap | bytearray | memoryview) -> torch.Tensor:
     """``buffer`` as a 1-D uint8 CPU tensor sharing its memory."""
     if isinstance(buffer, torch.Tensor):
-        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        if (
+            buffer.device.type != "cpu"
+            or buffer.dtype != torch.uint8
+            or buffer.dim() != 1
+            or not buffer.is_contiguous()
+        ):
             raise ValueError(
                 f"buffer must be a contiguous 1-D uint8 CPU tensor, got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
             )
@@ -499,7 +504,9 @@ class HostSlab:
                 )
                 if not allow_pageable:
                     raise SlabPinningError(message)
-                warnings.warn(message + "; allow_pageable=True: the slab stays pageable", PageableSlabWarning, stacklevel=4)
+                warnings.warn(
+                    message + "; allow_pageable=True: the slab stays pageable", PageableSlabWarning, stacklevel=4
+                )
                 return
             self._registered.append(base + offset)
             device = _device_pointer(base + offset)
@@ -592,7 +599,9 @@ class HostSlab:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("pinned" if self.pinned else "pageable")
-        layout = "" if self.row_stride == self.row_bytes else f", row_stride={self.row_stride}, row_offset={self.row_offset}"
+        layout = (
+            "" if self.row_stride == self.row_bytes else f", row_stride={self.row_stride}, row_offset={self.row_offset}"
+        )
         return (
             f"HostSlab(num_slots={self.num_slots}, block_size_factor={self.block_size_factor}, "
             f"row_bytes={self.row_bytes}{layout}, {state})"

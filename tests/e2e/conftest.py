@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run_engine
-from e2e.real_text import RealTextRuns, run_real_text_engines
 from bench.real_model import MODEL_NAME, ModelUnavailable, PreparedModel, prepared_model
 from bench.tiny_models import TinyLlama
+from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run_engine
 from e2e.prompts import MAX_TOKENS, PROMPT_A
-
+from e2e.real_text import RealTextRuns, run_real_text_engines
 
 _FIGURES: list[str] = []
 

@@ -218,7 +218,9 @@ def _step_result(raw: dict[str, Any]) -> StepResult:
         **raw,
         logprobs=_logprobs(pairs),
         completions=[
-            Completion(token_ids=c["token_ids"], num_cached_tokens=c["num_cached_tokens"], logprobs=_logprobs(c["logprobs"]))
+            Completion(
+                token_ids=c["token_ids"], num_cached_tokens=c["num_cached_tokens"], logprobs=_logprobs(c["logprobs"])
+            )
             for c in completions
         ],
     )
@@ -264,7 +266,9 @@ def run_process(
 
 def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S) -> EngineResult:
     """Run ``job`` in a new engine process (files under ``workdir``); raises with the process's log on any failure."""
-    raw, output = run_process("e2e.engine_process", asdict(job), workdir, label="the engine process", timeout_s=timeout_s)
+    raw, output = run_process(
+        "e2e.engine_process", asdict(job), workdir, label="the engine process", timeout_s=timeout_s
+    )
     return EngineResult(
         steps=[_step_result(step) for step in raw["steps"]],
         log=output,

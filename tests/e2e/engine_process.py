@@ -21,7 +21,7 @@ from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 
 os.environ.update(ENGINE_ENV)
 
-import torch  # noqa: E402 -- after the environment vLLM reads on import
+import torch
 
 SETTLE_TIMEOUT_S = 30.0
 FILLER_PROMPT = [3, 4, 5]
@@ -70,7 +70,9 @@ class BlockTables:
         def recording_allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
             allocated = allocate_slots(request, *args, **kwargs)
             if allocated is not None:
-                self.by_request[request.request_id] = [list(group) for group in manager.get_block_ids(request.request_id)]
+                self.by_request[request.request_id] = [
+                    list(group) for group in manager.get_block_ids(request.request_id)
+                ]
             return allocated
 
         manager.allocate_slots = recording_allocate_slots
@@ -78,7 +80,10 @@ class BlockTables:
 
 def _prompt_block_bytes(llm: Any, block_ids: list[int], full_blocks: int) -> list[list[bytes]]:
     """The bytes of the prompt's first ``full_blocks`` blocks in every layer (a model with one KV cache group)."""
-    return [[bytes(kv[block].contiguous().view(-1).view(torch.uint8).numpy()) for kv in _kv_caches(llm)] for block in block_ids[:full_blocks]]
+    return [
+        [bytes(kv[block].contiguous().view(-1).view(torch.uint8).numpy()) for kv in _kv_caches(llm)]
+        for block in block_ids[:full_blocks]
+    ]
 
 
 def _relative_error(block: list[bytes], reference: list[bytes], dtype: torch.dtype) -> float:
@@ -181,7 +186,8 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
             if step["logprobs"]:
                 # JSON keys are strings: the pairs travel as lists and become dicts again in StepResult.
                 record["logprobs"] = [
-                    [[token, entry.logprob] for token, entry in position.items()] for position in output.outputs[0].logprobs
+                    [[token, entry.logprob] for token, entry in position.items()]
+                    for position in output.outputs[0].logprobs
                 ]
             # Read the prompt's blocks before anything else runs (the request is finished; its blocks are free).
             (group_block_ids,) = tables.by_request.values()
@@ -196,7 +202,9 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                         _relative_error(mine, theirs, dtype) for mine, theirs in zip(blocks, earlier, strict=True)
                     ]
             elif step.get("compare_to") is not None:
-                raise ValueError(f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}")
+                raise ValueError(
+                    f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}"
+                )
             _settle(llm, filler)
         elif op == "generate_batch":
             # Every prompt in one generate call: vLLM schedules them together, as a server batches requests.

@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.engine import run_process, spec_config
 from bench.tiny_models import HEAD_DIM, TinyLlama
+from e2e.engine import run_process, spec_config
 from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
 from kvtriton.tools.vllm_engine import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
 from kvtriton.tools.workloads import read_trace
@@ -199,13 +199,17 @@ def compare(
     trace_path = write_trace(workdir / "trace.jsonl", requests, setup.block_size)
     trace = read_trace(trace_path, block_size=setup.block_size)
     distinct = distinct_blocks(requests, setup.block_size)
-    grid = [(share, max(1, round(share * distinct)), policy) for share in setup.host_shares for policy in setup.policies]
+    grid = [
+        (share, max(1, round(share * distinct)), policy) for share in setup.host_shares for policy in setup.policies
+    ]
     started = time.monotonic()
     missing = {(setup.all_at_once, slots, policy) for _, slots, policy in grid} - done.keys()
     # Two engine processes at a time: an engine's start-up is mostly one core's work, and this machine has two.
     with ThreadPoolExecutor(max_workers=ENGINES_AT_ONCE) as pool:
         runs = {
-            key: pool.submit(measure, model_dir, requests, setup, slots=key[1], policy=key[2], workdir=workdir / f"{key[2]}-{key[1]}")
+            key: pool.submit(
+                measure, model_dir, requests, setup, slots=key[1], policy=key[2], workdir=workdir / f"{key[2]}-{key[1]}"
+            )
             for key in sorted(missing)
         }
         done.update({key: run.result() for key, run in runs.items()})
@@ -260,7 +264,8 @@ def _row(setup: FidelitySetup, point: Point) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m e2e.fidelity_table", description="simulate's prediction against a real vLLM engine, as a markdown table"
+        prog="python -m e2e.fidelity_table",
+        description="simulate's prediction against a real vLLM engine, as a markdown table",
     )
     default = FidelitySetup()
     parser.add_argument("--requests", type=int, default=default.requests, help="requests in the workload")

@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.real_model import PreparedModel
-
-from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, generate_batch, run_engine, spec_config
+from e2e.engine import (
+    RESET_PREFIX_CACHE,
+    ZERO_KV_CACHE,
+    EngineJob,
+    EngineResult,
+    generate_batch,
+    run_engine,
+    spec_config,
+)
 
 BLOCK_SIZE = 32
 DTYPE = "float32"
@@ -44,7 +51,11 @@ def offload_steps(prompts: Sequence[Sequence[int]], max_tokens: int, *, logprobs
 
 
 def real_text_job(
-    model: Path, steps: list[dict[str, object]], kv_transfer_config: dict[str, object] | None, *, kv_cache_dtype: str = "auto"
+    model: Path,
+    steps: list[dict[str, object]],
+    kv_transfer_config: dict[str, object] | None,
+    *,
+    kv_cache_dtype: str = "auto",
 ) -> EngineJob:
     """One engine of the real model (fp32, block size 32) with ``kv_transfer_config`` (None: no connector)."""
     return EngineJob(
@@ -61,7 +72,9 @@ def single_tier_config(*, kv_compression: str = "none") -> dict[str, object]:
 def tiered_config(fs_root: Path, host_bytes: int = HOST_BYTES) -> dict[str, object]:
     """kvtriton's host slab of ``host_bytes`` in front of vLLM's ``fs`` tier rooted at ``fs_root``."""
     return spec_config(
-        "KVTritonTieringOffloadingSpec", cpu_bytes_to_use=host_bytes, secondary_tiers=[{"type": "fs", "root_dir": str(fs_root)}]
+        "KVTritonTieringOffloadingSpec",
+        cpu_bytes_to_use=host_bytes,
+        secondary_tiers=[{"type": "fs", "root_dir": str(fs_root)}],
     )
 
 
@@ -74,7 +87,9 @@ def run_engines(jobs: Mapping[str, tuple[EngineJob, Path]]) -> dict[str, EngineR
 
 def distinct_full_blocks(prompts: Sequence[Sequence[int]]) -> int:
     """How many different full blocks the prompts hold (a block is its whole prefix: shared prefixes count once)."""
-    return len({tuple(prompt[: BLOCK_SIZE * (index + 1)]) for prompt in prompts for index in range(len(prompt) // BLOCK_SIZE)})
+    return len(
+        {tuple(prompt[: BLOCK_SIZE * (index + 1)]) for prompt in prompts for index in range(len(prompt) // BLOCK_SIZE)}
+    )
 
 
 REAL_TEXT_PROMPTS = 6

@@ -38,7 +38,7 @@ class Server:
 
     def post(self, path: str, body: dict[str, object] | None = None) -> str:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
+        request = urllib.request.Request(  # noqa: S310 -- loopback URL built here
             f"{self.url}{path}", data=data, method="POST", headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 -- loopback URL built here
@@ -46,7 +46,11 @@ class Server:
 
     def complete(self, prompt: str, max_tokens: int) -> str:
         """Greedy ``/v1/completions`` text for ``prompt``."""
-        answer = json.loads(self.post("/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}))
+        answer = json.loads(
+            self.post(
+                "/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+            )
+        )
         return str(answer["choices"][0]["text"])
 
     def log(self) -> str:
@@ -87,17 +91,25 @@ def vllm_serve(
     log_path = workdir / "serve.log"
     server = Server(url=f"http://{LOOPBACK}:{port}", log_path=log_path, model=str(model))
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + ENGINE_TIMEOUT_S
         while not _healthy(server.url):
             if process.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {process.returncode}; its log ends:\n{server.log()[-6000:]}")
+                raise AssertionError(
+                    f"vllm serve exited with {process.returncode}; its log ends:\n{server.log()[-6000:]}"
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"vllm serve not healthy after {ENGINE_TIMEOUT_S}s; its log ends:\n{server.log()[-6000:]}")
+                raise AssertionError(
+                    f"vllm serve not healthy after {ENGINE_TIMEOUT_S}s; its log ends:\n{server.log()[-6000:]}"
+                )
             time.sleep(0.5)
         yield server
     finally:
         leftovers = end_process_group(process, grace_s=30.0)
     if leftovers:
-        raise AssertionError(f"vllm serve did not shut down cleanly: {leftovers}; its log ends:\n{server.log()[-3000:]}")
+        raise AssertionError(
+            f"vllm serve did not shut down cleanly: {leftovers}; its log ends:\n{server.log()[-3000:]}"
+        )

@@ -20,11 +20,20 @@ from pathlib import Path
 
 import pytest
 
-from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, StepResult, generate, run_engine, spec_config
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
-from e2e.real_text import REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 from bench.compression import GreedyAgreement, greedy_agreement
 from bench.real_model import PreparedModel
+from e2e.engine import (
+    RESET_PREFIX_CACHE,
+    ZERO_KV_CACHE,
+    EngineJob,
+    EngineResult,
+    StepResult,
+    generate,
+    run_engine,
+    spec_config,
+)
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
+from e2e.real_text import REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"
@@ -54,7 +63,9 @@ def drift(cold: StepResult, warm: StepResult) -> tuple[int, list[float]]:
     """Positions while both runs saw the same context (up to the first differing token, inclusive) and, at each,
     ``|log p_warm(t) - log p_cold(t)|`` for the cold run's token ``t`` (``inf`` when ``t`` fell out of warm's top list).
     """
-    positions = next((index + 1 for index, (a, b) in enumerate(zip(cold.token_ids, warm.token_ids)) if a != b), len(cold.token_ids))
+    positions = next(
+        (index + 1 for index, (a, b) in enumerate(zip(cold.token_ids, warm.token_ids)) if a != b), len(cold.token_ids)
+    )
     drifts = [
         abs(warm.logprobs[index].get(token, -math.inf) - cold.logprobs[index][token])
         for index, token in enumerate(cold.token_ids[:positions])
@@ -67,7 +78,9 @@ def test_with_compression_every_full_block_is_an_external_hit_and_the_bytes_move
 ) -> None:
     run = compressed
     assert "kv_compression=fp8-e4m3" in run.log
-    raw_bytes = FULL_BLOCKS * run.kv_bytes_per_block  # what the uncompressed spec stores (tests/e2e/test_single_tier.py)
+    raw_bytes = (
+        FULL_BLOCKS * run.kv_bytes_per_block
+    )  # what the uncompressed spec stores (tests/e2e/test_single_tier.py)
     stored = run.delta("cold", STORED)
     assert run.delta("cold", HITS) == 0
     assert run.delta("warm", HITS) == FULL_BLOCKS * BLOCK_SIZE, "every full block is an external hit"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.engine import EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
@@ -16,9 +16,13 @@ FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 def fs_engine(model: Path, root: Path, workdir: Path) -> EngineResult:
     """A fresh engine (empty host memory) on the fs root ``root``, generating A once."""
     config = spec_config(
-        "KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[{"type": "fs", "root_dir": str(root)}]
+        "KVTritonTieringOffloadingSpec",
+        cpu_bytes_to_use=8 << 20,
+        secondary_tiers=[{"type": "fs", "root_dir": str(root)}],
     )
-    return run_engine(EngineJob(model=str(model), steps=[generate(PROMPT_A, MAX_TOKENS, "A")], kv_transfer_config=config), workdir)
+    return run_engine(
+        EngineJob(model=str(model), steps=[generate(PROMPT_A, MAX_TOKENS, "A")], kv_transfer_config=config), workdir
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,9 @@ def writer(llama: Path, fs_root: Path, e2e_dir: Path) -> EngineResult:
     return fs_engine(llama, fs_root, e2e_dir / "fs-writer")
 
 
-def test_first_process_writes_every_full_block_to_disk(writer: EngineResult, fs_root: Path, reference: EngineResult) -> None:
+def test_first_process_writes_every_full_block_to_disk(
+    writer: EngineResult, fs_root: Path, reference: EngineResult
+) -> None:
     assert writer.step("A").token_ids == reference.step("A").token_ids
     assert writer.delta("A", HITS) == 0
     written = writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
@@ -44,12 +50,16 @@ def test_second_process_serves_the_prefix_from_disk(
 ) -> None:
     reader = fs_engine(llama, fs_root, e2e_dir / "fs-reader")
     assert reader.delta("A", HITS) == FULL_TOKENS
-    assert reader.delta("A", "vllm:kv_offload_tiering_read_bytes") == writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
+    assert reader.delta("A", "vllm:kv_offload_tiering_read_bytes") == writer.delta(
+        "A", "vllm:kv_offload_tiering_write_bytes"
+    )
     assert reader.delta("A", "vllm:kv_offload_load_bytes") == writer.delta("A", "vllm:kv_offload_store_bytes")
     assert reader.step("A").token_ids == reference.step("A").token_ids
 
 
-def test_another_fs_root_gives_no_hit(writer: EngineResult, llama: Path, e2e_dir: Path, reference: EngineResult) -> None:
+def test_another_fs_root_gives_no_hit(
+    writer: EngineResult, llama: Path, e2e_dir: Path, reference: EngineResult
+) -> None:
     del writer  # the shared root holds A's blocks; this engine looks in another
     other = fs_engine(llama, e2e_dir / "fs-other-root", e2e_dir / "fs-other")
     assert other.delta("A", HITS) == 0

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
-from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
 from bench.tiny_models import TinyDeepseekV2, TinyLlama
+from e2e.engine import RESET_PREFIX_CACHE, ZERO_KV_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 HITS = "vllm:external_prefix_cache_hits"
 SLIDING_WINDOW = 2 * BLOCK_SIZE
@@ -28,7 +28,9 @@ def hybrid_runs(hybrid_llama: Path, e2e_dir: Path) -> tuple[EngineResult, Engine
     )
     steps = [generate(PROMPT_A, MAX_TOKENS, "cold"), RESET_PREFIX_CACHE, generate(PROMPT_A, MAX_TOKENS, "warm")]
     config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20)
-    offloaded = run_engine(EngineJob(model=str(hybrid_llama), steps=steps, kv_transfer_config=config), e2e_dir / "hybrid")
+    offloaded = run_engine(
+        EngineJob(model=str(hybrid_llama), steps=steps, kv_transfer_config=config), e2e_dir / "hybrid"
+    )
     return reference, offloaded
 
 
@@ -37,7 +39,9 @@ def test_hybrid_model_has_two_kv_cache_groups(hybrid_runs: tuple[EngineResult, E
     assert "kvtriton worker: 2 KV cache group(s)" in offloaded.log
 
 
-def test_hybrid_prefix_comes_back_from_kvtriton_with_reference_tokens(hybrid_runs: tuple[EngineResult, EngineResult]) -> None:
+def test_hybrid_prefix_comes_back_from_kvtriton_with_reference_tokens(
+    hybrid_runs: tuple[EngineResult, EngineResult],
+) -> None:
     reference, offloaded = hybrid_runs
     full_blocks = len(PROMPT_A) // BLOCK_SIZE
     assert offloaded.step("cold").token_ids == reference.step("A").token_ids
@@ -74,7 +78,9 @@ def test_mla_blocks_come_back_bit_exact(e2e_dir: Path) -> None:
     ]
     config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20)
     # The reference CPU MLA backend on every CPU (an AMX CPU would otherwise pick AMX_MLA).
-    job = EngineJob(model=str(model), steps=steps, kv_transfer_config=config, block_size=MLA_BLOCK_SIZE, attention_backend="CPU_MLA")
+    job = EngineJob(
+        model=str(model), steps=steps, kv_transfer_config=config, block_size=MLA_BLOCK_SIZE, attention_backend="CPU_MLA"
+    )
     run = run_engine(job, e2e_dir / "mla-run")
     full_blocks = len(MLA_PROMPT) // MLA_BLOCK_SIZE
     assert "Using CPU_MLA backend" in run.log

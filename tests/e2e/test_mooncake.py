@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
@@ -48,7 +48,10 @@ def writer(llama: Path, cluster: MooncakeCluster, e2e_dir: Path) -> EngineResult
 def test_first_process_stores_every_full_block_in_mooncake(writer: EngineResult, reference: EngineResult) -> None:
     assert writer.step("A").token_ids == reference.step("A").token_ids
     assert writer.delta("A", HITS) == 0
-    assert writer.delta("A", "vllm:kv_offload_tiering_write_bytes") == len(PROMPT_A) // BLOCK_SIZE * writer.kv_bytes_per_block
+    assert (
+        writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
+        == len(PROMPT_A) // BLOCK_SIZE * writer.kv_bytes_per_block
+    )
 
 
 def test_second_process_loads_the_prefix_from_mooncake(
@@ -56,7 +59,9 @@ def test_second_process_loads_the_prefix_from_mooncake(
 ) -> None:
     reader = mooncake_engine(llama, cluster, "shared", e2e_dir / "mooncake-reader")
     assert reader.delta("A", HITS) == FULL_TOKENS
-    assert reader.delta("A", "vllm:kv_offload_tiering_read_bytes") == writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
+    assert reader.delta("A", "vllm:kv_offload_tiering_read_bytes") == writer.delta(
+        "A", "vllm:kv_offload_tiering_write_bytes"
+    )
     assert reader.step("A").token_ids == reference.step("A").token_ids
 
 

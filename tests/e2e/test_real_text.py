@@ -9,8 +9,8 @@ be equal to the last one.
 
 from __future__ import annotations
 
-from e2e.real_text import BLOCK_SIZE, REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 from bench.real_model import PreparedModel
+from e2e.real_text import BLOCK_SIZE, REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"
@@ -32,13 +32,17 @@ def test_prefix_from_kvtritons_slab_gives_the_tokens_of_vllms_own_prefix_cache(
     assert run.delta("cold", HITS) == 0
     assert run.delta("cold", STORED) == blocks * run.kv_bytes_per_block > 0, "a block the prompts share is stored once"
     assert run.delta("warm", HITS) == blocks * BLOCK_SIZE, "every full block is an external hit"
-    assert [c.num_cached_tokens for c in run.step("warm").completions] == [len(p) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    assert [c.num_cached_tokens for c in run.step("warm").completions] == [
+        len(p) // BLOCK_SIZE * BLOCK_SIZE for p in prompts
+    ]
     assert run.delta("warm", LOADED) == run.delta("cold", STORED), "the bytes loaded are the bytes stored"
     assert run.delta("warm", STORED) == 0, "nothing new to store"
     assert _tokens(real_text, "tiered", "warm") == _tokens(real_text, "tiered", "local")
 
 
-def test_a_fresh_engine_gets_the_prefix_from_disk_and_the_same_tokens(real_text: RealTextRuns, smollm2: PreparedModel) -> None:
+def test_a_fresh_engine_gets_the_prefix_from_disk_and_the_same_tokens(
+    real_text: RealTextRuns, smollm2: PreparedModel
+) -> None:
     writer, reader = real_text.tiered, real_text.disk
     blocks = distinct_full_blocks(smollm2.chat_prompts[:REAL_TEXT_PROMPTS])
     assert writer.delta("cold", WRITTEN) == writer.delta("cold", STORED), "every block stored went to disk too"

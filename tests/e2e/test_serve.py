@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
-from e2e.engine import spec_config
 from bench.tiny_models import prompt_text
+from e2e.engine import spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.serve import Server, vllm_serve
 
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
@@ -61,5 +61,7 @@ def test_kvtriton_log_lines_appear_in_the_default_vllm_log(served: tuple[Server,
     assert startup, "kvtriton's start-up line is missing from vllm serve's log"
     assert all(" INFO " in line for line in startup), startup
     assert any("kvtriton worker:" in line for line in log.splitlines())
-    warnings = [line for line in log.splitlines() if "ignoring kv_connector_extra_config['tier_poll_interval_s']" in line]
+    warnings = [
+        line for line in log.splitlines() if "ignoring kv_connector_extra_config['tier_poll_interval_s']" in line
+    ]
     assert warnings and all(" WARNING " in line for line in warnings), "kvtriton's warning is missing from the log"

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import MAX_TOKENS, PROMPT_A
 from e2e.engine import (
     OVERWRITE_HOST_SLAB,
     RESET_PREFIX_CACHE,
@@ -17,6 +16,7 @@ from e2e.engine import (
     run_engine,
     spec_config,
 )
+from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"
@@ -35,7 +35,9 @@ def single_tier_run(model: Path, block_size: int, workdir: Path) -> EngineResult
         generate(PROMPT_A, MAX_TOKENS, "overwritten", compare_to="cold"),
     ]
     config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20)
-    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config, block_size=block_size), workdir)
+    return run_engine(
+        EngineJob(model=str(model), steps=steps, kv_transfer_config=config, block_size=block_size), workdir
+    )
 
 
 @pytest.fixture(scope="module", params=[32, 64], ids=lambda size: f"block{size}")

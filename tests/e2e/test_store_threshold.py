@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.engine import RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 FULL_BLOCKS = len(PROMPT_A) // BLOCK_SIZE
 STORED = "vllm:kv_offload_store_bytes"

@@ -15,7 +15,9 @@ PROBE = (
 
 
 def test_a_missing_op_fails_the_check_naming_it() -> None:
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=TESTS, env=engine_env(), capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=TESTS, env=engine_env(), capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "do not register ['no_such_cpu_op']" in done.stderr
     assert "make venv" in done.stderr

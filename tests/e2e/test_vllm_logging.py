@@ -13,7 +13,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtriton.integrations.vllm_logging import KVTRITON_LOGGER, VLLM_LOGGER, VLLMForwardingHandler, attach_to_vllm_logging
+from kvtriton.integrations.vllm_logging import (
+    KVTRITON_LOGGER,
+    VLLM_LOGGER,
+    VLLMForwardingHandler,
+    attach_to_vllm_logging,
+)
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
@@ -73,7 +78,9 @@ def test_follows_vllms_handlers_when_vllm_reconfigures(vllm_stream: io.StringIO)
     assert "probe-warning" in replacement.getvalue() and not vllm_stream.getvalue()
 
 
-def test_stands_back_when_vllm_does_not_configure_logging(vllm_stream: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stands_back_when_vllm_does_not_configure_logging(
+    vllm_stream: io.StringIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import vllm.envs as vllm_envs
 
     monkeypatch.setattr(vllm_envs, "VLLM_CONFIGURE_LOGGING", False)
@@ -86,7 +93,9 @@ def test_stands_back_when_the_application_configured_logging(vllm_stream: io.Str
     assert not attach_to_vllm_logging()
     logging.getLogger(KVTRITON_LOGGER).handlers = [logging.NullHandler()]
     assert not attach()
-    assert not any(isinstance(handler, VLLMForwardingHandler) for handler in logging.getLogger(KVTRITON_LOGGER).handlers)
+    assert not any(
+        isinstance(handler, VLLMForwardingHandler) for handler in logging.getLogger(KVTRITON_LOGGER).handlers
+    )
 
 
 def test_stands_back_before_vllm_configured_its_logging(vllm_stream: io.StringIO) -> None:

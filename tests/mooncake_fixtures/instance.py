@@ -72,7 +72,9 @@ def serve(master: str, namespace: str, blocks_per_chunk: int, go_file: Path | No
             return "prompt" not in engine.scheduler.requests
 
         engine.step_until(finished, "the prompt was served")
-        engine.step_until(lambda: not engine.tiering.has_pending_work() and engine.cpu.stats().pending == 0, "cascades done")
+        engine.step_until(
+            lambda: not engine.tiering.has_pending_work() and engine.cpu.stats().pending == 0, "cascades done"
+        )
         deadline = time.monotonic() + 15.0
         while tier.stats().stored_keys < FULL_BLOCKS // blocks_per_chunk and tier.stats().loaded_keys == 0:
             assert time.monotonic() < deadline, f"chunks never reached Mooncake: {tier.stats()}"

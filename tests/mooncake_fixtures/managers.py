@@ -14,13 +14,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from mooncake_fixtures.tiers import END_OF_STEP
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtriton.tiers.mooncake import MooncakeStoreTier
 from kvtriton.tiers.mooncake_local import MooncakeCluster
+from mooncake_fixtures.tiers import END_OF_STEP
 
 __all__ = ["cluster", "managers", "promote", "serve_and_cascade", "settle", "started"]
 
@@ -66,7 +66,9 @@ def settle(manager: TieringOffloadingManager) -> None:
         time.sleep(0.005)
 
 
-def serve_and_cascade(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int) -> list[bytes]:
+def serve_and_cascade(
+    manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int
+) -> list[bytes]:
     """The GPU->primary half of a prompt's store (done by vLLM's worker on a GPU), then the manager's cascade."""
     context = ReqContext(req_id=f"store-{seed}")
     with manager.lock:

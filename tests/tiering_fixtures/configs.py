@@ -68,7 +68,9 @@ def key(index: int) -> OffloadKey:
     return make_offload_key(index.to_bytes(32, "big"), 0)
 
 
-def settle_lookup(manager: OffloadingManager, offload_key: OffloadKey, context: ReqContext, timeout_s: float = 10.0) -> LookupResult:
+def settle_lookup(
+    manager: OffloadingManager, offload_key: OffloadKey, context: ReqContext, timeout_s: float = 10.0
+) -> LookupResult:
     """Look ``offload_key`` up until the answer is not RETRY, ending each round as a scheduler step does."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -95,7 +97,9 @@ def drain(manager: OffloadingManager, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def wait_for_hit(manager: OffloadingManager, offload_key: OffloadKey, context: ReqContext, timeout_s: float = 10.0) -> None:
+def wait_for_hit(
+    manager: OffloadingManager, offload_key: OffloadKey, context: ReqContext, timeout_s: float = 10.0
+) -> None:
     """Step until ``offload_key`` is readable in the primary tier (a promotion has landed)."""
     deadline = time.monotonic() + timeout_s
     while (result := settle_lookup(manager, offload_key, context, timeout_s)) is not LookupResult.HIT:

@@ -46,7 +46,6 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
-
 from vllm_fixtures.requests import EOS, make_request
 
 from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier
@@ -89,7 +88,9 @@ def parallel_as(rank: int, world_size: int) -> Generator[None]:
 
     def build(*args: Any, **kwargs: Any) -> Any:
         config = real(*args, **kwargs)
-        return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank, world_size=world_size))
+        return dataclasses.replace(
+            config, parallel=dataclasses.replace(config.parallel, rank=rank, world_size=world_size)
+        )
 
     setattr(connector_module, "build_offloading_config", build)
     try:
@@ -222,7 +223,9 @@ class TieredEngine:
         """Add a request and step until it finished and every transfer it caused (stores, cascades) completed."""
         self.scheduler.add_request(make_request(request_id, prompt))
         self.step_until(lambda: request_id not in self.scheduler.requests, f"{request_id} finished")
-        self.step_until(lambda: self.cpu.stats().pending == 0 and not self.tiering.has_pending_work(), "transfers drained")
+        self.step_until(
+            lambda: self.cpu.stats().pending == 0 and not self.tiering.has_pending_work(), "transfers drained"
+        )
 
     def shutdown(self) -> None:
         for worker in self.workers:
@@ -238,7 +241,11 @@ def make_engine(
     vllm_config = VllmConfig(
         model_config=config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(

@@ -184,13 +184,14 @@ def _swap_class(original: type, build: Callable[..., object], kvtriton_types: tu
 
 def _swap() -> None:
     # kvtriton and every vLLM module it uses first: they keep vLLM's classes.
-    import kvtriton.integrations.vllm as kvtriton_vllm
-    import kvtriton.integrations.vllm_tiering as kvtriton_tiering
     import vllm.v1.kv_offload.cpu.manager as cpu_manager
     import vllm.v1.kv_offload.cpu.spec as cpu_spec
     import vllm.v1.kv_offload.factory as spec_factory
     import vllm.v1.kv_offload.tiering.manager as tiering_manager
     import vllm.v1.kv_offload.tiering.spec as tiering_spec
+
+    import kvtriton.integrations.vllm as kvtriton_vllm
+    import kvtriton.integrations.vllm_tiering as kvtriton_tiering
     from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
 
     assert "TieringOffloadingSpec" in spec_factory.OffloadingSpecFactory._registry  # pyright: ignore[reportPrivateUsage] -- the names are registered (lazily loaded) before the swap

@@ -87,5 +87,7 @@ def canonical_kv_caches(
         tensors.append(CanonicalKVCacheTensor(tensor=view, page_size_bytes=page))
     if group_refs is None:
         group_refs = [[(index, canonical.page_size_bytes) for index, canonical in enumerate(tensors)]] * num_groups
-    refs = [[CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=size) for index, size in group] for group in group_refs]
+    refs = [
+        [CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=size) for index, size in group] for group in group_refs
+    ]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)

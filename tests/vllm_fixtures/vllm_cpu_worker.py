@@ -90,11 +90,15 @@ class _HostPlatform:
 
 
 @contextlib.contextmanager
-def vllm_cpu_worker(kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int) -> Generator[gpu_worker.CPUOffloadingWorker]:
+def vllm_cpu_worker(
+    kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int
+) -> Generator[gpu_worker.CPUOffloadingWorker]:
     """vLLM's ``CPUOffloadingWorker`` over ``kv_caches`` (CPU tensors), usable inside the ``with`` block."""
     claimed = CanonicalKVCaches(
         tensors=[
-            CanonicalKVCacheTensor(tensor=canonical.tensor.as_subclass(_ClaimsCuda), page_size_bytes=canonical.page_size_bytes)
+            CanonicalKVCacheTensor(
+                tensor=canonical.tensor.as_subclass(_ClaimsCuda), page_size_bytes=canonical.page_size_bytes
+            )
             for canonical in kv_caches.tensors
         ],
         group_data_refs=kv_caches.group_data_refs,

@@ -27,9 +27,7 @@ class ARCState:
     target_t1: float
 
 
-def _take(
-    entries: Iterator[tuple[OffloadKey, Block]], n: int, protected: Container[OffloadKey]
-) -> list[OffloadKey]:
+def _take(entries: Iterator[tuple[OffloadKey, Block]], n: int, protected: Container[OffloadKey]) -> list[OffloadKey]:
     """Advance ``entries`` to collect up to ``n`` ready, idle, unprotected keys."""
     taken: list[OffloadKey] = []
     if n <= 0:

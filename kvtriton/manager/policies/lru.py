@@ -172,7 +172,9 @@ class LRUCachePolicy:
     def on_request_finished(self, runs: Sequence[KeyRun], req_context: ReqContext) -> None:
         keys = run_keys(runs)  # every access counts the same in LRU
         state = req_context.get_state(_RequestTick)
-        request_tick = state.tick if state is not None and state.owner is self and state.generation == self._generation else None
+        request_tick = (
+            state.tick if state is not None and state.owner is self and state.generation == self._generation else None
+        )
         ranked = self._requests.pop(request_tick, None) if request_tick is not None else None
         if not ranked:
             self._refresh(reversed(keys))
