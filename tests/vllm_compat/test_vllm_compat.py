@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,13 +119,21 @@ def vllm_tests() -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(vllm_tests: Path) -> PassResult:
-    return run_pass(vllm_tests, swap=False)
+def passes(vllm_tests: Path) -> dict[bool, PassResult]:
+    """Both passes (by ``swap``) side by side, each pytest in a process of its own: half the wait on two cores."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {swap: pool.submit(run_pass, vllm_tests, swap=swap) for swap in (False, True)}
+        return {swap: run.result() for swap, run in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def swapped(vllm_tests: Path) -> PassResult:
-    return run_pass(vllm_tests, swap=True)
+def baseline(passes: dict[bool, PassResult]) -> PassResult:
+    return passes[False]
+
+
+@pytest.fixture(scope="module")
+def swapped(passes: dict[bool, PassResult]) -> PassResult:
+    return passes[True]
 
 
 def _describe(result: PassResult, nodeids: list[str]) -> str:
