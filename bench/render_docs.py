@@ -20,20 +20,17 @@ percent, speed-ups as ``2.54x``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 from bench.render_simulate import SIMULATE_RENDERERS
 
-__all__ = ["MANAGER_SPEEDUP_GOAL", "RENDERERS", "Results", "render_text", "main", "stale_regions"]
+__all__ = ["MANAGER_SPEEDUP_GOAL", "RENDERERS", "RenderError", "Results", "render_text", "main", "stale_regions"]
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
 
 MANAGER_SPEEDUP_GOAL = 2.5
 """kvtriton through its vLLM adapter, in vLLM's call order, against vLLM 0.33's manager: blocks/s, each
@@ -42,29 +39,6 @@ KERNEL_FALLBACK_GOAL = 0.7
 """The CPU fallback's gather and scatter, as a fraction of one contiguous copy of the same bytes."""
 
 MARKER = re.compile(r"<!-- generated:(?P<name>[\w-]+) -->(?P<body>.*?)<!-- /generated:(?P=name) -->", re.DOTALL)
-
-JSONObject = dict[str, object]
-
-
-class RenderError(ValueError):
-    """A region that cannot be rendered: an unknown name, a missing result file, a field it lacks."""
-
-
-@dataclass
-class Results:
-    """The result files of ``folder``, each read once, by name without ``.json``."""
-
-    folder: Path = RESULTS
-    _cache: dict[str, JSONObject] = field(default_factory=lambda: {})
-
-    def __call__(self, name: str) -> JSONObject:
-        if name not in self._cache:
-            path = self.folder / f"{name}.json"
-            try:
-                self._cache[name] = cast(JSONObject, json.loads(path.read_text(encoding="utf-8")))
-            except FileNotFoundError:
-                raise RenderError(f"{path} is missing (run the benchmark that writes it)") from None
-        return self._cache[name]
 
 
 def _obj(value: object) -> JSONObject:

@@ -27,24 +27,17 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import NoReturn, cast
 
-if TYPE_CHECKING:  # render_docs imports this module for its RENDERERS: import it back only when needed
-    from bench.render_docs import Results
+from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 
 __all__ = ["IMAGES", "RUNS", "SIMULATE_RENDERERS", "SimulateRun", "build_parser", "main", "run_flags"]
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
 IMAGES = REPO / "docs" / "img"
-
-JSONObject = dict[str, object]
 
 
 def _fail(message: str) -> NoReturn:
-    """Raise render_docs' RenderError, which names the region that failed (imported here: see the imports)."""
-    from bench.render_docs import RenderError
-
+    """Raise RenderError, which render_docs reports naming the region that failed."""
     raise RenderError(message)
 
 
@@ -327,7 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.render_docs import Results
     from kvtriton.tools.cli import main as kvtriton
 
     args = build_parser().parse_args(argv)
