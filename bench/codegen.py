@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtriton.kernels.compressed_launch import CompressConfig, compress_config
+from kvtriton.kernels.compressed_launch import compress_config
 from kvtriton.kernels.compression import compression_layout
-from kvtriton.kernels.launch import MAX_NUM_WARPS, LaunchConfig, make_config, word_width
+from kvtriton.kernels.launch import LaunchConfig, make_config, word_width
+from kvtriton.kernels.launch_arguments import MAX_NUM_WARPS, CompressConfig
 from kvtriton.kernels.pages import DEFAULT_BYTES_PER_ITER
 
 __all__ = [

@@ -11,49 +11,17 @@ still over every layer at once (every layer of a model is one kind).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from .compression import CompressedPage, CompressionLayout, check_scales_alignment
-from .launch import MAX_NUM_WARPS, MAX_PAIRS, CopyLauncher, on_device, word_width
+from .compressed_format import CompressedPage, CompressionLayout, check_scales_alignment
+from .launch import CopyLauncher, on_device, word_width
+from .launch_arguments import MAX_PAIRS, CompressArguments, CompressConfig, next_power_of_two
 from .validation import PageGeometry
 
-__all__ = ["CompressArguments", "CompressedLauncher", "CompressConfig", "compress_config"]
+__all__ = ["CompressedLauncher", "compress_config"]
 
 _KINDS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
-@dataclass(frozen=True, slots=True)
-class CompressConfig:
-    """Compile-time shape of one compressed launch (the kernel's constexprs, but the direction)."""
-
-    num_pages: int
-    elements: int
-    group: int
-    group_columns: int
-    num_groups: int
-    tile_groups: int
-    pairs: int
-    kind: int
-    scales_offset: int
-    page_word: int
-    slab_word: int
-    element_bytes: int
-
-    @property
-    def num_warps(self) -> int:
-        """Enough warps that every thread holds at least one 16-byte word of the tile's page side."""
-        tile_bytes = self.pairs * self.tile_groups * self.group_columns * self.element_bytes
-        return max(1, min(MAX_NUM_WARPS, tile_bytes // (32 * 16)))
-
-    def units(self, num_pairs: int) -> int:
-        return -(-num_pairs // self.pairs) * self.num_pages * -(-self.num_groups // self.tile_groups)
 
 
 def compress_config(
@@ -61,9 +29,9 @@ def compress_config(
 ) -> CompressConfig:
     """Tiling for ``num_pages`` page tensors like ``page``: about ``bytes_per_iter`` source bytes per tile."""
     element_bytes = page.page_bytes // page.elements
-    columns = _next_power_of_two(page.group_size)
+    columns = next_power_of_two(page.group_size)
     groups_wanted = max(1, bytes_per_iter // (columns * element_bytes))
-    tile_groups = min(_next_power_of_two(page.num_groups), 1 << (groups_wanted.bit_length() - 1))
+    tile_groups = min(next_power_of_two(page.num_groups), 1 << (groups_wanted.bit_length() - 1))
     # A page smaller than the budget: stack pairs (a power of two, at most MAX_PAIRS) to fill it.
     pairs_wanted = max(1, bytes_per_iter // (tile_groups * columns * element_bytes))
     pairs = min(MAX_PAIRS, 1 << (pairs_wanted.bit_length() - 1))
@@ -73,20 +41,6 @@ def compress_config(
         scales_offset=page.scales_offset,
         page_word=page_word, slab_word=slab_word, element_bytes=element_bytes,
     )  # fmt: skip
-
-
-class CompressArguments(NamedTuple):
-    """The arguments of one compressed launch: the run-time ones by kernel parameter, then the direction and the shape."""
-
-    table: torch.Tensor
-    slab: torch.Tensor
-    blocks: torch.Tensor
-    rows: torch.Tensor
-    status: torch.Tensor
-    num_pairs: int
-    row_stride: int
-    to_slab: bool
-    config: CompressConfig
 
 
 class _KindLaunch:

@@ -22,16 +22,13 @@ import contextlib
 import dataclasses
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from .launch_arguments import MAX_NUM_WARPS, MAX_PAIRS, CopyArguments, next_power_of_two
 from .validation import PageGeometry
 
 __all__ = [
-    "MAX_NUM_WARPS",
-    "MAX_PAIRS",
-    "CopyArguments",
     "CopyLauncher",
     "LaunchConfig",
     "launch_config",
@@ -41,16 +38,6 @@ __all__ = [
     "record_variants",
     "word_width",
 ]
-
-# Warps per program, at most: 4 warps x 32 threads x 16 B = 2 KiB per access
-# wave, so a 16 KiB tile keeps eight 16-byte loads per thread in flight.
-# Smaller tiles get fewer warps so that each thread still moves whole words.
-MAX_NUM_WARPS = 4
-
-# Index pairs per tile, at most: each pair costs a thread registers for its
-# block and row ids, so pages under 128 B (no KV layout has them) get smaller
-# tiles rather than hundreds of pairs per program.
-MAX_PAIRS = 128
 
 _ELEMENT_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -106,10 +93,6 @@ class LaunchConfig:
         return -(-num_pairs // self.pairs) * self.num_pages * self.chunks_per_page
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
 def launch_config(
     pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int
 ) -> LaunchConfig:
@@ -134,7 +117,7 @@ def make_config(word: int, page_bytes: Sequence[int], bytes_per_iter: int) -> La
     """
     element = min(word, 8)
     page_elems = max(page_bytes) // element
-    chunk = min(max(bytes_per_iter // element, 1), _next_power_of_two(page_elems))
+    chunk = min(max(bytes_per_iter // element, 1), next_power_of_two(page_elems))
     return LaunchConfig(
         word=word,
         element_bytes=element,
@@ -321,26 +304,6 @@ class CopyLauncher:
         if _variant_log is not None:
             _variant_log.add(copy_pages.specialization_key(arguments))
         copy_pages.launch_copy_pages(arguments, interpret=self.interpret, grid=grid)
-
-
-class CopyArguments(NamedTuple):
-    """The arguments of one copy-kernel launch, by kernel parameter (a tuple: cheap to build per job)."""
-
-    table: torch.Tensor
-    slab: torch.Tensor
-    blocks: torch.Tensor
-    rows: torch.Tensor
-    num_pairs: int
-    row_stride: int
-    to_slab: bool
-    num_pages: int
-    page_elems: int
-    chunk: int
-    pairs: int
-    uniform: bool
-    even: bool
-    word: int
-    num_warps: int
 
 
 def launch_copy(

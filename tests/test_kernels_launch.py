@@ -12,7 +12,8 @@ from kvtriton.kernels import (
     scatter_pages,
     scatter_pages_reference,
 )
-from kvtriton.kernels.launch import MAX_NUM_WARPS, MAX_PAIRS, make_config, word_width
+from kvtriton.kernels.launch import make_config, word_width
+from kvtriton.kernels.launch_arguments import MAX_NUM_WARPS, MAX_PAIRS
 from tests.kernel_cases import build_sized_pages, build_slab, indices
 
 # 11 pairs: several tiles with a partial last one (4 + 4 + 3, 2 x 5 + 1, ...).

@@ -32,7 +32,7 @@ import triton.language as tl
 from .variants import KernelVariants
 
 if TYPE_CHECKING:
-    from ..compressed_launch import CompressArguments
+    from ..launch_arguments import CompressArguments
 
 _DO_NOT_SPECIALIZE = ("num_pairs",)
 

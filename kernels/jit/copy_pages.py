@@ -38,7 +38,7 @@ import triton.language as tl
 from .variants import KernelVariants
 
 if TYPE_CHECKING:
-    from ..launch import CopyArguments
+    from ..launch_arguments import CopyArguments
 
 TABLE_COLUMNS = 4
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
+from kvtriton.kernels.compressed_format import ALIGNMENT
 from kvtriton.kernels.compression import (
-    ALIGNMENT,
     COMPRESSIBLE_DTYPES,
     DEFAULT_GROUP_SIZE,
     KVCompression,
