@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
@@ -162,6 +163,10 @@ def build_pages(layout: str, dtype: torch.dtype, device: str, seed: int = 0, *, 
 SLAB_PADDINGS = (5, 16)
 """Bytes a test slab's rows exceed the pages by: 5 makes every row stride odd (the byte-wide kernel variants), 16
 keeps the 16-byte alignment production slabs have (the 16-byte variants)."""
+over_slab_paddings = pytest.mark.parametrize(
+    "padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS]
+)
+"""Runs a kernel test once per :data:`SLAB_PADDINGS` (its ``padding`` argument: ``build_slab``'s ``extra_bytes``)."""
 
 
 def build_slab(

@@ -10,12 +10,12 @@ from tests.kernel_cases import (
     DTYPES,
     LAYOUTS,
     ODD_BYTE_LAYOUTS,
-    SLAB_PADDINGS,
     block_bytes,
     build_pages,
     build_slab,
     devices,
     indices,
+    over_slab_paddings,
 )
 
 ROWS = [2, 7, 3]
@@ -48,7 +48,7 @@ def run_both(
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS])
+@over_slab_paddings
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_scatter_matches_reference_bit_for_bit(layout: str, dtype: str, padding: int, device: str) -> None:
@@ -57,7 +57,7 @@ def test_scatter_matches_reference_bit_for_bit(layout: str, dtype: str, padding:
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("padding", SLAB_PADDINGS, ids=[f"pad{padding}" for padding in SLAB_PADDINGS])
+@over_slab_paddings
 @pytest.mark.parametrize("layout", list(ODD_BYTE_LAYOUTS))
 def test_scatter_handles_odd_page_sizes_byte_by_byte(layout: str, padding: int, device: str) -> None:
     run_both(layout, torch.uint8, device, ROWS, BLOCKS, torch.int32, padding)
