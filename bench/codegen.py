@@ -220,7 +220,7 @@ def compile_compress_pages(requests: Sequence[tuple[CompressConfig, bool]], *, a
             name=f"{'fp8 gather' if to_slab else 'fp8 scatter'} {config.elements * config.element_bytes} B",
             ptx=asm["ptx"],
             ttir=asm["ttir"],
-        )  # fmt: skip
+        )
         for config, to_slab in requests
         for asm in [_compile_compress(config, to_slab, arch)]
     ]

@@ -425,7 +425,7 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
             f"{row.speedup:.2f}x",
             f"{100 * row.vllm.hit_rate:.2f}",
             f"{100 * row.adapter.hit_rate:.2f}",
-        ]  # fmt: skip
+        ]
         for row in rows
     ]
     return format_table(headers, table)

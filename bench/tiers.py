@@ -140,7 +140,7 @@ def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: i
             data_parallel_size=1,
             data_parallel_rank_local=None,
             is_parallelism_agnostic=False,
-        ),  # fmt: skip
+        ),
     )
     return OffloadingSpecFactory.create_spec(config).get_manager()
 

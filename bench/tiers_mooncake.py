@@ -467,7 +467,7 @@ def _offloading_config(chunk_bytes: int) -> OffloadingConfig:
             data_parallel_size=1,
             data_parallel_rank_local=None,
             is_parallelism_agnostic=False,
-        ),  # fmt: skip
+        ),
         canonical_layout=False,
     )
 

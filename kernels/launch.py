@@ -222,7 +222,7 @@ class _SizedLaunch:
                 config.even,
                 config.word,
                 config.num_warps,
-            )  # fmt: skip
+            )
             for to_slab in (True, False)
         }
 

@@ -104,7 +104,7 @@ def test_flags_of_the_other_call_order_are_refused(
         ["--load-steps", "3"],
         ["--store-steps", "4"],
         ["--arrivals", "2"],
-    ],  # fmt: skip
+    ],
 )
 def test_an_engine_model_knob_without_the_vllm_order_is_refused_not_ignored(
     flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -283,7 +283,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                             self.settings.backend,
                             num_programs=self.settings.num_programs,
                             kv_compression=self.settings.kv_compression,
-                        )  # fmt: skip
+                        )
                     )
             except BaseException:
                 for engine in engines:

@@ -669,7 +669,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                         self.settings.backend,
                         num_programs=self.settings.num_programs,
                         kv_compression=self.settings.kv_compression,
-                    )  # fmt: skip
+                    )
                 )
         except BaseException:
             for engine in engines:

@@ -1318,7 +1318,7 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
                 str(report.refused_stores),
                 f"{report.load_seconds:.2f}",
                 f"{report.store_seconds:.2f}",
-            ]  # fmt: skip
+            ]
             for report in reports
         ]
         return headers, rows
@@ -1337,7 +1337,7 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
             str(report.refused_stores),
             f"{report.load_seconds:.2f}",
             f"{report.store_seconds:.2f}",
-        ]  # fmt: skip
+        ]
         for report in reports
     ]
     return headers, rows

@@ -356,7 +356,7 @@ class TransferEngine:
                 page_bytes=min(kv.page_bytes),
                 slab_device_aliased=slab.device_aliased,
                 compressed=kv.compression_layout is not None,
-            )  # fmt: skip
+            )
             for direction in TransferDirection
         }
         built: dict[TransferBackend, CopyBackend] = {}
