@@ -1,7 +1,7 @@
 """What the production kernel compiles to, without a GPU: access widths and index arithmetic.
 
 Compiles :func:`copy_pages_kernel` for ``sm_90`` with the configuration that a
-real launch would use for a page size (see :func:`kvtriton.kernels.launch.launch_config`), then reads the
+real launch would use for a page size (see :func:`kvtriton.kernels._launch.launch_config`), then reads the
 PTX (global load/store widths) and the TTIR (integer multiplies). The tests use
 this as a quality gate; ``bench/kernels.py --ptx`` prints it next to the
 descriptor-per-copy baseline.
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtriton.kernels.compressed_launch import compress_config
-from kvtriton.kernels.compression import compression_layout
-from kvtriton.kernels.launch import LaunchConfig, make_config, word_width
-from kvtriton.kernels.launch_arguments import MAX_NUM_WARPS, CompressConfig
-from kvtriton.kernels.pages import DEFAULT_BYTES_PER_ITER
+from kvtriton.kernels._compressed_launch import compress_config
+from kvtriton.kernels._compression import compression_layout
+from kvtriton.kernels._launch import LaunchConfig, make_config, word_width
+from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, CompressConfig
+from kvtriton.kernels._pages import DEFAULT_BYTES_PER_ITER
 
 __all__ = [
     "AccessSummary",
@@ -141,7 +141,7 @@ def _count_accesses(ptx: str) -> AccessSummary:
 def production_config(page_bytes: int, num_pages: int, bytes_per_iter: int = DEFAULT_BYTES_PER_ITER) -> LaunchConfig:
     """The launch configuration for uniform pages of ``page_bytes`` with 16-byte aligned bases and slab.
 
-    What :func:`kvtriton.kernels.launch.launch_config` picks in the usual case, in which
+    What :func:`kvtriton.kernels._launch.launch_config` picks in the usual case, in which
     the word width is set by the page size alone.
     """
     return make_config(word_width(page_bytes), [page_bytes] * num_pages, bytes_per_iter)
@@ -178,7 +178,7 @@ def compile_copy_pages(
 
 
 def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKernel:
-    """Compile the vLLM-style descriptor-per-copy baseline (``kernels/jit/descriptor_copy.py``)."""
+    """Compile the vLLM-style descriptor-per-copy baseline (``kernels/_jit/descriptor_copy.py``)."""
     from bench.compile_asm import compile_asm
 
     asm = compile_asm(

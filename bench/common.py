@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvtriton.tools.info import collect_machine_info
+from kvtriton.cli._info import collect_machine_info
 
 __all__ = ["format_table", "machine_record", "quick_name", "readable_bytes", "results_dir", "write_json"]
 

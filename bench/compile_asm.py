@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Protocol, cast
 
 _KERNELS = {
-    "copy_pages": ("kvtriton.kernels.jit.copy_pages", "copy_pages_kernel"),
-    "descriptor_copy": ("kvtriton.kernels.jit.descriptor_copy", "descriptor_copy_kernel"),
-    "compress_pages": ("kvtriton.kernels.jit.compress_pages", "compress_pages_kernel"),
+    "copy_pages": ("kvtriton.kernels._jit.copy_pages", "copy_pages_kernel"),
+    "descriptor_copy": ("kvtriton.kernels._jit.descriptor_copy", "descriptor_copy_kernel"),
+    "compress_pages": ("kvtriton.kernels._jit.compress_pages", "compress_pages_kernel"),
 }
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def compile_asm(
     num_warps: int,
     arch: int = 90,
 ) -> dict[str, str]:
-    """Compile the named kernel of ``kvtriton.kernels.jit`` for ``sm_<arch>``; returns ``{"ttir": ..., "ptx": ...}``.
+    """Compile the named kernel of ``kvtriton.kernels._jit`` for ``sm_<arch>``; returns ``{"ttir": ..., "ptx": ...}``.
 
     ``divisible_by_16`` names the pointer and integer arguments that Triton's
     launcher would specialise as 16-divisible at a real launch. The compile runs

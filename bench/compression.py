@@ -58,12 +58,12 @@ import torch
 from bench.common import format_table, machine_record, quick_name, write_json
 from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
-from kvtriton.kernels.compression import E4M3_MAX, compression_layout, dequantize_groups, quantize_groups
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.tools.progress import progress
-from kvtriton.worker.engine import TransferEngine
-from kvtriton.worker.layout import PagedKV
-from kvtriton.worker.slab import HostSlab
+from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.cli._progress import progress
+from kvtriton.kernels._compression import E4M3_MAX, compression_layout, dequantize_groups, quantize_groups
+from kvtriton.worker._engine import TransferEngine
+from kvtriton.worker._layout import PagedKV
+from kvtriton.worker._slab import HostSlab
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 K_OUTLIER_CHANNELS = 6

@@ -11,7 +11,7 @@ itself measures (CUDA events around each job, ``TransferResult.transfer_time``).
 
 It prints, per direction and pattern, the smallest page size from which
 ``dma`` is faster at every larger size swept, and the ``AutoRule`` line to
-add to ``kvtriton.worker.backends.AUTO_TABLE`` where both patterns agree
+add to ``kvtriton.worker._backends.AUTO_TABLE`` where both patterns agree
 (docs/worker.md, "Setting AUTO_TABLE"). ``--device cpu`` rehearses the same
 code on CPU with ``torch`` in place of ``triton`` (no timing meaning).
 JSON goes to ``bench/results/crossover.json`` (``$KVTRITON_BENCH_OUT``),
@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.common import format_table, quick_name, readable_bytes, write_json
-from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.tools.progress import progress
-from kvtriton.worker.engine import TransferEngine
-from kvtriton.worker.layout import PagedKV
-from kvtriton.worker.slab import HostSlab
+from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.cli._progress import progress
+from kvtriton.worker._engine import TransferEngine
+from kvtriton.worker._layout import PagedKV
+from kvtriton.worker._slab import HostSlab
 
 KiB = 1024
 RUN_BLOCKS = 16
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = f"{fast} at every page size swept" if size is None else f"dma from {readable_bytes(size)} pages on"
             print(f"crossover {key:12s}: {text}")
         if device == "cuda":
-            print("AUTO_TABLE (kvtriton/worker/backends.py; docs/worker.md, 'Setting AUTO_TABLE'):")
+            print("AUTO_TABLE (kvtriton/worker/_backends.py; docs/worker.md, 'Setting AUTO_TABLE'):")
             for line in final.rows.values():
                 print(f"  {line}")
     payload["complete"] = True

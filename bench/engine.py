@@ -4,7 +4,7 @@ Run ``python -m bench.engine`` (``--quick`` for a smoke test). For 64 and 160
 page tensors (32 and 80 FlashAttention layers, K and V) and jobs of 1, 16 and
 256 blocks it times a loop of ``submit_store``, ``submit_load`` and
 ``get_finished`` on a ``backend="triton"`` engine whose kernel launch
-(``kvtriton.kernels.jit.copy_pages.launch_copy_pages``) is replaced by a no-op,
+(``kvtriton.kernels._jit.copy_pages.launch_copy_pages``) is replaced by a no-op,
 so only the host path is timed: planning, validation, staging, launch
 preparation, events. It reports microseconds per job (two jobs per loop)
 for the best pass, the usual figure for a host-overhead microbenchmark on a
@@ -56,19 +56,24 @@ def measure(
     page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int, device: str, real_launch: bool = False
 ) -> list[dict[str, float]]:
     """Microseconds per job (best and median pass) per block count, on whatever ``kvtriton`` is importable."""
+    import importlib
+
     import torch
 
-    import kvtriton.kernels.jit.copy_pages as jit_module
-    from kvtriton.specs import CPULoadStoreSpec, GPULoadStoreSpec
-    from kvtriton.worker.engine import TransferEngine
-    from kvtriton.worker.layout import PagedKV
-    from kvtriton.worker.slab import HostSlab
+    # The package's public names, which the baseline commit exports too; only the jit module moved
+    # (kernels/jit/ before the layout by rooms, kernels/_jit/ after it).
+    from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec, HostSlab, PagedKV, TransferEngine
+
+    try:
+        jit_module = importlib.import_module("kvtriton.kernels._jit.copy_pages")
+    except ModuleNotFoundError:
+        jit_module = importlib.import_module("kvtriton.kernels.jit.copy_pages")
 
     def no_launch(*args: object, **kwargs: object) -> None:
         del args, kwargs
 
     if not real_launch:
-        jit_module.launch_copy_pages = no_launch  # the copy itself is what is left out
+        setattr(jit_module, "launch_copy_pages", no_launch)  # the copy itself is what is left out
     layers = page_tensors // 2
     # Small pages: with the copy a no-op, the host path does not depend on the page size.
     tensors = [torch.zeros((2, NUM_BLOCKS, 4, 2, 16), dtype=torch.bfloat16, device=device) for _ in range(layers)]
@@ -206,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from bench.common import format_table, quick_name, write_json
-    from kvtriton.tools.progress import progress
+    from kvtriton.cli._progress import progress
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     name = quick_name(args.name) if args.quick else args.name

@@ -133,7 +133,7 @@ decide_skips() {  # sets gpu_missing, bench_missing, tests_missing: why a step i
     gpu_missing="" bench_missing="" tests_missing=""
     if missing TORCH; then gpu_missing="torch does not import"
     elif missing KERNELS; then
-        gpu_missing="kvtriton.kernels.jit.copy_pages does not import (triton missing, or the kvtriton/kernels link)"
+        gpu_missing="kvtriton.kernels._jit.copy_pages does not import (triton missing, or the kvtriton/kernels link)"
     elif [[ $DRY_RUN == 0 ]] && missing CUDA; then gpu_missing="no CUDA device (use --dry-run on a CPU machine)"
     elif [[ $DRY_RUN == 0 ]] && missing PIN_SMALL; then
         gpu_missing="pinning a 64 MiB slab failed (preflight.txt says why)"
@@ -148,7 +148,7 @@ decide_skips() {  # sets gpu_missing, bench_missing, tests_missing: why a step i
     fi
 }
 
-# tests/test_gpu_check.py sources the script this far to drive the step runner and the skip decisions.
+# tests/bench/test_gpu_check.py sources the script this far to drive the step runner and the skip decisions.
 [[ ${GPU_CHECK_FUNCTIONS_ONLY:-0} == 1 ]] && return 0
 
 # --- preflight ----------------------------------------------------------------------------------------
@@ -167,17 +167,17 @@ decide_skips
 # kernel files (their CPU cases run the interpreter: CI's job) and all of the slab tests (CPU fakes that
 # must also hold where CUDA is present). --tb=short keeps tests.log small.
 PYTEST=("$PYTHON" -m pytest -v -rfEs --tb=short -p no:cacheprovider --durations=10 -k "cuda or slab")
-TEST_FILES=(tests/test_engine_cuda.py)
-missing SHM_OK || TEST_FILES+=(tests/test_tiering_cuda.py)
-TEST_FILES+=(tests/test_kernels_large_offsets.py tests/test_slab.py tests/test_compression_engine.py
-    tests/test_kernels_gather.py tests/test_kernels_scatter.py)
+TEST_FILES=(tests/worker/test_engine_cuda.py)
+missing SHM_OK || TEST_FILES+=(tests/integrations/test_tiering_cuda.py)
+TEST_FILES+=(tests/kernels/test_kernels_large_offsets.py tests/worker/test_slab.py tests/worker/test_compression_engine.py
+    tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_scatter.py)
 if [[ -n $tests_missing ]]; then skip cuda_tests "$BUDGET_CUDA_TESTS" "$tests_missing"
 else run_step cuda_tests "$BUDGET_CUDA_TESTS" "$OUT/tests.log" "${PYTEST[@]}" "${TEST_FILES[@]}"
 fi
 # The fused fp8 kernels' cases in a process of their own: a sticky CUDA error there (a misaligned
 # address kills the context) would otherwise fail every CUDA case after it.
 if [[ -n $tests_missing ]]; then skip fp8_tests "$BUDGET_FP8_TESTS" "$tests_missing"
-else run_step fp8_tests "$BUDGET_FP8_TESTS" "$OUT/tests.log" "${PYTEST[@]}" tests/test_compression.py
+else run_step fp8_tests "$BUDGET_FP8_TESTS" "$OUT/tests.log" "${PYTEST[@]}" tests/kernels/test_compression.py
 fi
 
 # --- crossover: dma against triton, both directions, around vLLM's 28 KiB --------------------------------

@@ -9,13 +9,13 @@ never written as "not known to be missing": it tries the step.
 
 In this order, cheapest first: the imports (``PF_TORCH``, ``PF_PYTEST``,
 ``PF_HYPOTHESIS``, ``PF_NUMPY``, ``PF_TRITON``, and ``PF_KERNELS`` for
-``kvtriton.kernels.jit.copy_pages`` through the ``kvtriton/kernels`` link),
+``kvtriton.kernels._jit.copy_pages`` through the ``kvtriton/kernels`` link),
 the GPU (``PF_CUDA``) and its NUMA node, the toolchain Triton's launcher
 builds with (a C compiler, ``Python.h``, ``ptxas``: information), free
 ``/dev/shm`` (``PF_SHM_OK``: the shared-region test needs under 1 MiB),
 ``RLIMIT_MEMLOCK`` (information only: ``cudaHostRegister`` pins through the
 driver, which does not charge the limit, so only a real pin can tell), then
-two real pins of a :class:`~kvtriton.worker.slab.HostSlab`, 64 MiB
+two real pins of a :class:`~kvtriton.worker._slab.HostSlab`, 64 MiB
 (``PF_PIN_SMALL``, what the tests need) and 1 GiB (``PF_PIN_LARGE``, the
 benchmarks' slabs), with the rate each pinned at (the slab's first touch and
 registration: what a server pays per GiB at start-up), and last one tiny
@@ -71,7 +71,7 @@ class _Closable(Protocol):
 
 
 SlabFactory = Callable[[int, int, int, bool], _Closable]
-"""``(num_slots, block_size_factor, row_bytes, pin) -> slab``: :class:`~kvtriton.worker.slab.HostSlab`'s signature."""
+"""``(num_slots, block_size_factor, row_bytes, pin) -> slab``: :class:`~kvtriton.worker._slab.HostSlab`'s signature."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +91,12 @@ class PinProbe:
 def probe_pin(nbytes: int, pin: bool, make_slab: SlabFactory | None = None) -> PinProbe:
     """Allocate (and, with ``pin``, pin) a slab of ``nbytes`` in rows of 1 MiB, timed, then free it.
 
-    ``make_slab`` defaults to :class:`~kvtriton.worker.slab.HostSlab`; any failure is returned, never raised.
+    ``make_slab`` defaults to :class:`~kvtriton.worker._slab.HostSlab`; any failure is returned, never raised.
     """
     if nbytes < PIN_ROW_BYTES or nbytes % PIN_ROW_BYTES:
         raise ValueError(f"nbytes must be a positive multiple of {PIN_ROW_BYTES}, got {nbytes}")
     if make_slab is None:
-        from kvtriton.worker.slab import HostSlab
+        from kvtriton.worker._slab import HostSlab
 
         make_slab = HostSlab
     started = time.perf_counter()
@@ -127,8 +127,8 @@ def launch_tiny_copy(device: torch.device) -> str:
     import torch
 
     from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
-    from kvtriton.kernels.launch import CopyLauncher
-    from kvtriton.worker.layout import PagedKV
+    from kvtriton.kernels._launch import CopyLauncher
+    from kvtriton.worker._layout import PagedKV
 
     blocks, words = 4, 8  # 64-byte pages
     pages = [
@@ -230,7 +230,7 @@ class Preflight:
     def _launch(self, device: torch.device) -> None:
         label = "triton launch"
         if device.type == "cpu":
-            from kvtriton.kernels.jit.interpreter_probe import interpreter_problem
+            from kvtriton.kernels._jit.interpreter_probe import interpreter_problem
 
             problem = interpreter_problem()
             if problem is not None:  # the dry run cannot interpret here; that says nothing about a GPU
@@ -262,7 +262,7 @@ def _version_of(module: str) -> Callable[[], str]:
 
 
 def _kernels_link() -> str:
-    return str(importlib.import_module("kvtriton.kernels.jit.copy_pages").__file__)
+    return str(importlib.import_module("kvtriton.kernels._jit.copy_pages").__file__)
 
 
 def _gpu_text() -> str:
@@ -275,7 +275,7 @@ def _gpu_text() -> str:
 def _numa_text() -> str:
     import torch
 
-    from kvtriton.worker.numa import cuda_pci_bus_id, gpu_numa_node, node_count
+    from kvtriton.worker._numa import cuda_pci_bus_id, gpu_numa_node, node_count
 
     bus = cuda_pci_bus_id(torch.cuda.current_device())
     node = gpu_numa_node(bus) if bus else None

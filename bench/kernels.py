@@ -9,7 +9,7 @@ scatter: the inverse), page size and block count it times
                  timings are not performance),
 * ``descriptor`` a descriptor-per-copy Triton kernel in the style of vLLM's ``swap_blocks_triton.py`` (CUDA only),
 * ``dma``        the engine's ``dma`` backend: one ``cudaMemcpy2DAsync`` per run of consecutive blocks and page tensor,
-* ``torch``      the torch reference (``kernels/reference.py``, the CPU fallback),
+* ``torch``      the torch reference (``kernels/_reference.py``, the CPU fallback),
 * ``loop``       one ``copy_`` per block per page tensor (what engines do today: one DMA each),
 * ``contiguous`` one copy of the same number of bytes between two contiguous buffers (the ceiling),
 
@@ -59,16 +59,16 @@ import torch
 
 from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
 from bench.triton_variants import compiled_variants, format_variant
+from kvtriton.cli._progress import progress
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
-from kvtriton.kernels.compressed_launch import CompressedLauncher
-from kvtriton.kernels.compression import gather_compressed_unchecked, scatter_compressed_unchecked
-from kvtriton.kernels.launch import CopyLauncher
-from kvtriton.kernels.reference import gather_pages_reference, scatter_pages_reference
-from kvtriton.tools.progress import progress
-from kvtriton.worker.backends import DmaCopy
-from kvtriton.worker.layout import PagedKV
-from kvtriton.worker.plan import TransferDirection, TransferPlan
-from kvtriton.worker.slab import HostSlab
+from kvtriton.kernels._compressed_launch import CompressedLauncher
+from kvtriton.kernels._compression import gather_compressed_unchecked, scatter_compressed_unchecked
+from kvtriton.kernels._launch import CopyLauncher
+from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
+from kvtriton.worker._backends import DmaCopy
+from kvtriton.worker._layout import PagedKV
+from kvtriton.worker._plan import TransferDirection, TransferPlan
+from kvtriton.worker._slab import HostSlab
 
 KiB = 1024
 LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}
@@ -225,7 +225,7 @@ def _loop(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
 
 
 def _descriptor(fixture: Fixture, to_slab: bool, num_programs: int) -> Callable[[], object]:
-    from kvtriton.kernels.jit.descriptor_copy import launch_descriptor_copy
+    from kvtriton.kernels._jit.descriptor_copy import launch_descriptor_copy
 
     size = fixture.page_bytes
     stride = fixture.slab.stride(0)
@@ -277,7 +277,7 @@ def methods(
 ) -> dict[str, Contender]:  # fmt: skip
     """The contenders for one fixture and direction (CUDA-only ones where there is a GPU); ``only`` keeps those named.
 
-    ``triton`` is a prepared :class:`~kvtriton.kernels.launch.CopyLauncher`,
+    ``triton`` is a prepared :class:`~kvtriton.kernels._launch.CopyLauncher`,
     as the engine launches: the page table, the launch configuration and the
     launcher are built here, outside the timed call, so it is timed on the
     same footing as ``triton-fp8`` (a prepared launcher) and ``dma`` (a

@@ -1,8 +1,8 @@
 """Scheduler-side throughput: kvtriton's manager through its vLLM adapter against vLLM 0.33's, in vLLM's call order.
 
-Headline (needs vLLM): the four workloads of ``kvtriton.tools.workloads.VLLM_ORDER_WORKLOADS``
+Headline (needs vLLM): the four workloads of ``kvtriton.sim._workloads.VLLM_ORDER_WORKLOADS``
 (system prompts, multi-turn chat, a few-shot prefix tree, a hot set with
-scans), each replayed in vLLM's call order (``kvtriton.tools.vllm_order``:
+scans), each replayed in vLLM's call order (``kvtriton.sim._vllm_order``:
 step by step, request hooks, token positions, no ``touch``) through vLLM's
 ``CPUOffloadingManager`` and through kvtriton's manager behind its vLLM adapter
 (what a vLLM user runs), at ``--capacity-fraction`` of each trace's distinct
@@ -15,9 +15,9 @@ medians. The driver loop is the same code for both and counts in both.
 5 %, 10 % and 20 % of each trace's distinct prompt blocks instead.
 
 Second table: direct calls, kvtriton's own API with ``touch``, on the
-``prefix-sharing`` workload (``kvtriton.tools.workloads``: each request starts
+``prefix-sharing`` workload (``kvtriton.sim._workloads``: each request starts
 with part of a shared prefix chosen with Zipf popularity and ends with blocks
-no other request has), replayed by ``kvtriton.tools.replay.replay_calls`` in
+no other request has), replayed by ``kvtriton.sim._replay.replay_calls`` in
 an engine's order: lookup until the first miss, prepare_load the hits, touch
 all keys, prepare_store the rest; ``complete_load`` / ``complete_store``
 arrive ``--inflight`` requests later. ``kvtriton simulate --workload
@@ -50,12 +50,12 @@ from dataclasses import asdict, dataclass
 from typing import Protocol, TypeVar, cast
 
 from bench.common import format_table, write_json
-from kvtriton.keys import OffloadKey
+from kvtriton._keys import OffloadKey
+from kvtriton._offload_types import ReqContext
+from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager, policy_names
-from kvtriton.specs import ReqContext
-from kvtriton.tools.geometry import PRESETS
-from kvtriton.tools.progress import progress
-from kvtriton.tools.replay import (
+from kvtriton.sim._geometry import PRESETS
+from kvtriton.sim._replay import (
     ManagerCalls,
     PreparedRequest,
     ReplayStats,
@@ -64,8 +64,8 @@ from kvtriton.tools.replay import (
     prepare,
     replay_calls,
 )
-from kvtriton.tools.vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
-from kvtriton.tools.workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
+from kvtriton.sim._vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
+from kvtriton.sim._workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
 
 __all__ = [
     "HeadlineRow",
@@ -220,7 +220,7 @@ def _load_vllm() -> _Vllm | str:
         return manager_cls(capacity, cache_policy=policy, enable_events=False)
 
     def make_adapter(capacity: int, policy: str) -> _VllmManager:
-        from kvtriton.integrations.vllm_manager import VLLMOffloadingManager
+        from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
 
         cpu = CPUOffloadingManager(capacity, policy)
         # The adapter takes vLLM's ReqContext; the protocol names only the part the replay uses.
@@ -374,7 +374,7 @@ def headline(
 
 
 HIT_RATE_FRACTIONS = (0.05, 0.10, 0.20)
-"""Capacities of the hit-rate table (and of tests/test_vllm_order_parity.py), as fractions of the distinct prompt blocks."""
+"""Capacities of the hit-rate table (and of tests/sim/test_vllm_order_parity.py), as fractions of the distinct prompt blocks."""
 HIT_RATE_BLOCK_TOKENS = 64
 """Tokens per block of the hit-rate table: the parity test's, which keeps the default traces at a few thousand blocks."""
 
@@ -517,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print only the hit-rate table (vLLM's manager vs kvtriton via the adapter, vLLM's call order,"
         f" capacities {', '.join(f'{f * 100:.0f}%%' for f in HIT_RATE_FRACTIONS)} of each trace's distinct prompt blocks,"  # %% for argparse
-        f" {HIT_RATE_BLOCK_TOKENS}-token blocks, as tests/test_vllm_order_parity.py) and write it to <name>_hit_rates.json",
+        f" {HIT_RATE_BLOCK_TOKENS}-token blocks, as tests/sim/test_vllm_order_parity.py) and write it to <name>_hit_rates.json",
     )
     return parser
 
@@ -680,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "vllm": vllm_status,
             "vllm_touch": bool(args.vllm_touch),
             "headline": {
-                "call_order": "vllm (kvtriton.tools.vllm_order, async loads, 4 arrivals and 2 decode steps per request)",
+                "call_order": "vllm (kvtriton.sim._vllm_order, async loads, 4 arrivals and 2 decode steps per request)",
                 "rounds": rounds,
                 "capacity_fraction": fraction,
                 "requests": headline_requests,

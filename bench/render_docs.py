@@ -8,7 +8,7 @@ A region whose text starts on a new line after its opening marker is a
 block (a table), else it is inline (a phrase inside a sentence). ``python -m
 bench.render_docs`` rewrites every region from the result files;
 ``--check`` changes nothing and exits 1 naming each stale region, which is
-what ``make test`` runs (``tests/test_docs_figures.py``): after a benchmark
+what ``make test`` runs (``tests/project/test_docs_figures.py``): after a benchmark
 rewrote its JSON, run this and commit both. Prose around the markers is the
 docs' own; only what the JSON says is generated, so no two places can
 disagree on a number.

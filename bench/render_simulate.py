@@ -6,7 +6,7 @@ each record to ``bench/results/<run>.json`` and each plot to
 ``docs/img/<run>.png``; ``python -m bench.render_docs`` then rewrites the
 generated regions of docs/simulate.md from those records with
 :data:`SIMULATE_RENDERERS` (merged into its ``RENDERERS``). Each plot carries
-the stamp of the record it was drawn from (``kvtriton.tools.simulate.plot_stamp``),
+the stamp of the record it was drawn from (``kvtriton.cli._simulate.plot_stamp``),
 so a test can tell a stale picture from a fresh one without comparing pixels.
 
 A renderer whose figure backs a claim of the prose around it (ARC ahead of
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtriton.tools.cli import main as kvtriton
+    from kvtriton.cli._main import main as kvtriton
 
     args = build_parser().parse_args(argv)
     results_dir, images_dir = cast(Path, args.results).resolve(), cast(Path, args.images).resolve()

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from bench.common import format_table, write_json
 from bench.third_party_logs import quiet_vllm
-from kvtriton.tools.progress import progress
+from kvtriton.cli._progress import progress
 
 __all__ = ["Bookkeeping", "PassResult", "build_parser", "main", "measure_bookkeeping", "run_pass"]
 

@@ -3,7 +3,7 @@
 For each chunk size (0.5, 2 and 4 MiB by default) the same primary memory is
 cascaded (stored) and promoted (loaded) through three paths in one run:
 
-* ``mooncake``: :class:`kvtriton.tiers.mooncake.MooncakeStoreTier`'s own calls
+* ``mooncake``: :class:`kvtriton.integrations.mooncake.MooncakeStoreTier`'s own calls
   (submit_store / submit_load / get_finished_jobs), jobs of ``--chunks-per-job``
   chunks all submitted at once, as vLLM's tiering manager does;
 * ``raw``: the same ``batch_put_from`` / ``batch_get_into`` calls on the same
@@ -16,7 +16,7 @@ lookup of a chunk, one scheduler step every ``--step-ms`` (a lookup, then the
 step's end), until the chunk's load job has finished; in steps and ms.
 
 A master and a storage holder are started on 127.0.0.1 for the run
-(kvtriton/tiers/mooncake_local.py) and stopped after it. Every promoted chunk
+(kvtriton/integrations/_mooncake_local.py) and stopped after it. Every promoted chunk
 is compared with the bytes cascaded. JSON under bench/results/.
 
 Mooncake's client library logs about a hundred lines per run to stderr; they
@@ -55,9 +55,9 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from bench.common import format_table, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
-from kvtriton.tiers.mooncake import MooncakeStoreTier, open_store
-from kvtriton.tiers.mooncake_config import MooncakeTierConfig
-from kvtriton.tiers.mooncake_local import MooncakeCluster, mooncake_missing
+from kvtriton.integrations._mooncake_config import MooncakeTierConfig
+from kvtriton.integrations._mooncake_local import MooncakeCluster, mooncake_missing
+from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
 
 MIB = 1024 * 1024
 DEFAULT_CHUNK_MIB = (0.5, 2.0, 4.0)

@@ -58,7 +58,7 @@ def variant_records(kernel: str, jit_function: object) -> list[dict[str, object]
     """Every variant compiled for ``jit_function`` (a ``JITFunction``) on any device, in compile order.
 
     Triton >= 3.3 keeps them in ``device_caches[device][0]`` (key -> compiled kernel), as
-    ``KernelVariants.compiled_count`` (``kvtriton/kernels/jit/variants.py``) reads them.
+    ``KernelVariants.compiled_count`` (``kvtriton/kernels/_jit/variants.py``) reads them.
     """
     records: list[dict[str, object]] = []
     for entry in _mapping(getattr(jit_function, "device_caches", None)).values():
@@ -70,7 +70,7 @@ def variant_records(kernel: str, jit_function: object) -> list[dict[str, object]
 
 def compiled_variants() -> list[dict[str, object]]:
     """The copy kernel's and the fp8 kernel's variants compiled in this process so far (imports triton)."""
-    from kvtriton.kernels.jit import compress_pages, copy_pages
+    from kvtriton.kernels._jit import compress_pages, copy_pages
 
     # The compiled JITFunctions each launcher uses.
     copy_kernel = cast(object, copy_pages.VARIANTS.kernel(False))

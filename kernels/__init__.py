@@ -6,7 +6,7 @@ exported from here is fully annotated. Importing this package does not import
 triton; the first Triton launch does.
 """
 
-from .compression import (
+from ._compression import (
     KVCompression,
     NonFiniteKVError,
     compression_layout,
@@ -15,9 +15,9 @@ from .compression import (
     scatter_pages_compressed,
     scatter_pages_compressed_reference,
 )
-from .pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, gather_pages, scatter_pages, select_path
-from .reference import gather_pages_reference, scatter_pages_reference
-from .validation import PageGeometry, describe_pages
+from ._pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KernelPath, gather_pages, scatter_pages, select_path
+from ._reference import gather_pages_reference, scatter_pages_reference
+from ._validation import PageGeometry, describe_pages
 
 __all__ = [
     "DEFAULT_BYTES_PER_ITER",

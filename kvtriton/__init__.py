@@ -11,14 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvtriton.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
-from kvtriton.manager import (
-    CPUOffloadingManager,
-    FilterReusedOffloadingManager,
-    ManagerStats,
-    OffloadingManager,
-)
-from kvtriton.specs import (
+from kvtriton._keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
+from kvtriton._offload_types import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -27,26 +21,32 @@ from kvtriton.specs import (
     PrepareStoreOutput,
     ReqContext,
 )
+from kvtriton.manager import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    ManagerStats,
+    OffloadingManager,
+)
 
 if TYPE_CHECKING:
-    from kvtriton.worker.backends import TransferBackend
-    from kvtriton.worker.engine import TransferEngine, TransferLane, TransferResult
-    from kvtriton.worker.layout import KVLayout, PagedKV
-    from kvtriton.worker.slab import HostSlab, PageableSlabWarning, SlabPinningError
+    from kvtriton.worker._backends import TransferBackend
+    from kvtriton.worker._engine import TransferEngine, TransferLane, TransferResult
+    from kvtriton.worker._layout import KVLayout, PagedKV
+    from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 __version__ = "0.1.0"
 
 # Worker-side names and the module that defines each; they import torch.
 _WORKER_NAMES: dict[str, str] = {
-    "HostSlab": "kvtriton.worker.slab",
-    "KVLayout": "kvtriton.worker.layout",
-    "PageableSlabWarning": "kvtriton.worker.slab",
-    "PagedKV": "kvtriton.worker.layout",
-    "SlabPinningError": "kvtriton.worker.slab",
-    "TransferBackend": "kvtriton.worker.backends",
-    "TransferEngine": "kvtriton.worker.engine",
-    "TransferLane": "kvtriton.worker.engine",
-    "TransferResult": "kvtriton.worker.engine",
+    "HostSlab": "kvtriton.worker._slab",
+    "KVLayout": "kvtriton.worker._layout",
+    "PageableSlabWarning": "kvtriton.worker._slab",
+    "PagedKV": "kvtriton.worker._layout",
+    "SlabPinningError": "kvtriton.worker._slab",
+    "TransferBackend": "kvtriton.worker._backends",
+    "TransferEngine": "kvtriton.worker._engine",
+    "TransferLane": "kvtriton.worker._engine",
+    "TransferResult": "kvtriton.worker._engine",
 }
 
 

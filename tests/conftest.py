@@ -18,7 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 
-from kvtriton.kernels.jit.interpreter_probe import interpreter_problem
+from kvtriton.kernels._jit.interpreter_probe import interpreter_problem
 
 settings.register_profile(
     "ci",

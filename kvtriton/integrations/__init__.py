@@ -1,1 +1,7 @@
-"""Adapters that plug kvtriton into serving engines (optional extras)."""
+"""kvtriton inside vLLM 0.33 and in front of Mooncake Store (optional extras).
+
+``kvtriton.integrations.vllm`` is the ``spec_module_path`` vLLM's
+OffloadingConnector loads; ``kvtriton.integrations.mooncake`` is the
+``module_path`` of the Mooncake Store secondary tier. Importing this package
+imports neither vLLM nor Mooncake.
+"""

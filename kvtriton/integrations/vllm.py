@@ -8,7 +8,7 @@ Switch vLLM's CPU offloading to kvtriton by configuration alone::
 
 vLLM builds :class:`KVTritonOffloadingSpec` once in the scheduler process
 (which asks it for the manager) and once per worker (which asks it for the
-worker). The keys it reads are listed in :mod:`kvtriton.integrations.vllm_config`
+worker). The keys it reads are listed in :mod:`kvtriton.integrations._vllm_config`
 and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'``.
 """
 
@@ -46,7 +46,7 @@ except ImportError as _error:
         f"install it with its dependencies: {_EXTRA}"
     ) from _error
 
-from kvtriton.integrations.vllm_logging import attach_to_vllm_logging  # noqa: E402 -- needs vLLM, checked above
+from kvtriton.integrations._vllm_logging import attach_to_vllm_logging  # noqa: E402 -- needs vLLM, checked above
 
 attach_to_vllm_logging()
 
@@ -61,7 +61,7 @@ try:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    from kvtriton.integrations.vllm_config import (
+    from kvtriton.integrations._vllm_config import (
         KVTRITON_PAGEABLE_SLAB,
         KVTritonOffloadConfig,
         check_budget,
@@ -73,11 +73,11 @@ try:
         kv_dtype,
         parse_policy,
     )
-    from kvtriton.integrations.vllm_manager import VLLMOffloadingManager, metric_definitions
-    from kvtriton.integrations.vllm_worker import GroupPages, VLLMOffloadingWorker
+    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, metric_definitions
+    from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
-    from kvtriton.worker.engine import TransferEngine
-    from kvtriton.worker.slab import HostSlab, SlabPinningError
+    from kvtriton.worker._engine import TransferEngine
+    from kvtriton.worker._slab import HostSlab, SlabPinningError
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
     # against (vLLM 0.33): say so instead of naming one missing module.
@@ -106,7 +106,7 @@ def open_host_slab(
 
     A pageable slab still works but copies through the CPU, several times
     slower, so a CUDA server refuses to start with one (the slab's
-    :class:`~kvtriton.worker.slab.SlabPinningError`, naming the bytes asked
+    :class:`~kvtriton.worker._slab.SlabPinningError`, naming the bytes asked
     for and why pinning failed) unless
     ``kvtriton_pageable_slab`` allows it (then it warns and runs). Off CUDA
     (tests, CPU runs) there is no copy engine to pin for: the slab is pageable.
@@ -142,7 +142,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     One slot of the host slab holds one offloaded chunk (``blocks_per_chunk``
     GPU blocks) of one KV cache group's bytes on this rank: the pages the
     group references, without padding (see
-    :mod:`kvtriton.integrations.vllm_worker`). The slot count is derived from
+    :mod:`kvtriton.integrations._vllm_worker`). The slot count is derived from
     ``cpu_bytes_to_use`` (the total over all ranks) and the KV bytes per block
     by the same formula in the scheduler (which sees rank 0's bytes) and in
     every worker (its own), so the slot ids the manager hands out are valid in
@@ -294,4 +294,4 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
         return self._worker
 
 
-from kvtriton.integrations.vllm_tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)
+from kvtriton.integrations._vllm_tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)

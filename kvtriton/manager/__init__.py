@@ -1,13 +1,16 @@
 """Scheduler side: which blocks live in the host slab, and in which slot.
 
 Imports neither torch nor triton; slot ids leave as numpy int64 arrays inside
-``kvtriton.specs.CPULoadStoreSpec``.
+``kvtriton._offload_types.CPULoadStoreSpec``.
 """
 
 from __future__ import annotations
 
-from kvtriton.manager.base import OffloadingManager
-from kvtriton.manager.cpu import CPUOffloadingManager
+from kvtriton.manager._base import OffloadingManager
+from kvtriton.manager._cpu import CPUOffloadingManager
+from kvtriton.manager._reuse_filter import FilterReusedOffloadingManager, ReuseSignal
+from kvtriton.manager._slot_pool import SlotPool
+from kvtriton.manager._stats import ManagerStats
 from kvtriton.manager.policies import (
     POLICIES,
     ARCCachePolicy,
@@ -17,9 +20,6 @@ from kvtriton.manager.policies import (
     make_policy,
     policy_names,
 )
-from kvtriton.manager.reuse_filter import FilterReusedOffloadingManager, ReuseSignal
-from kvtriton.manager.slot_pool import SlotPool
-from kvtriton.manager.stats import ManagerStats
 
 __all__ = [
     "ARCCachePolicy",

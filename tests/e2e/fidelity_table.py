@@ -1,6 +1,6 @@
 """`kvtriton simulate`'s prediction against what a real vLLM engine with kvtriton reports, for the same trace.
 
-One seeded workload (:func:`kvtriton.tools.token_trace.token_workload`: Zipf-popular
+One seeded workload (:func:`kvtriton.sim._token_trace.token_workload`: Zipf-popular
 system prompts with unique tails, and multi-turn conversations resending their
 history) is written as a trace in simulate's format and read back by the
 simulator's parser; the same prompts go through a real vLLM 0.33 engine on CPU
@@ -9,7 +9,7 @@ simulator's parser; the same prompts go through a real vLLM 0.33 engine on CPU
 cache, one request at a time. Each point (host size, policy) compares vLLM's
 offload hit rate, ``external_prefix_cache_hits / external_prefix_cache_queries``
 from the engine's own counters, with
-:func:`kvtriton.tools.vllm_engine.predict` under the same settings
+:func:`kvtriton.sim._vllm_server.predict` under the same settings
 (``--gpu-blocks``, ``--max-num-seqs``, ``--sequential``, block size, slots).
 
 Run as a command it prints the table docs/simulate.md shows::
@@ -32,9 +32,9 @@ from pathlib import Path
 
 from bench.tiny_models import HEAD_DIM, TinyLlama
 from e2e.engine import run_process, spec_config
-from kvtriton.tools.token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
-from kvtriton.tools.vllm_engine import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
-from kvtriton.tools.workloads import read_trace
+from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
+from kvtriton.sim._vllm_server import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
+from kvtriton.sim._workloads import read_trace
 
 ENGINES_AT_ONCE = 2
 """Fidelity engines run side by side (each in a process of its own)."""

@@ -29,7 +29,7 @@ def cluster(e2e_dir: Path) -> Iterator[MooncakeCluster]:
 def mooncake_engine(model: Path, cluster: MooncakeCluster, namespace: str, workdir: Path) -> EngineResult:
     tier = {
         "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.tiers.mooncake",
+        "module_path": "kvtriton.integrations.mooncake",
         "master_server_address": cluster.master_address,
         "namespace": namespace,
         "timeout_s": 5.0,

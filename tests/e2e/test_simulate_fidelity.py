@@ -2,7 +2,7 @@
 
 A seeded workload of 300 short requests (Zipf-popular system prompts with
 unique tails, and multi-turn conversations resending their history;
-:func:`kvtriton.tools.token_trace.token_workload`) writes its own trace in
+:func:`kvtriton.sim._token_trace.token_workload`) writes its own trace in
 simulate's format, which the simulator's parser reads back. The same prompts
 go through a real vLLM 0.33 engine on CPU (:mod:`e2e.fidelity_engine`) with
 ``KVTritonOffloadingSpec``, the engine's prefix cache on and a GPU KV cache of
@@ -18,7 +18,7 @@ job run three times measured 10.5% to 13.4%; vLLM hands the requests that
 finished in one step to the connector in a Python ``set``'s order), so no
 model can be held to a point there; ``python -m e2e.fidelity_table
 --all-at-once`` shows that spread. The prediction is
-:func:`kvtriton.tools.vllm_engine.predict` with the engine's settings
+:func:`kvtriton.sim._vllm_server.predict` with the engine's settings
 (``--gpu-blocks 40 --max-num-seqs 4 --sequential --store-steps 1``, block
 size 32, the slab's slots). The test asserts vLLM's reported offload hit rate,
 ``external_prefix_cache_hits / external_prefix_cache_queries`` from the

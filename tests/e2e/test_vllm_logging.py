@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtriton.integrations.vllm_logging import (
+from kvtriton.integrations._vllm_logging import (
     KVTRITON_LOGGER,
     VLLM_LOGGER,
     VLLMForwardingHandler,
@@ -52,9 +52,9 @@ def attach() -> bool:
 
 
 def emit() -> None:
-    logging.getLogger("kvtriton.integrations.vllm_config").warning("probe-warning")
-    logging.getLogger("kvtriton.worker.slab").info("probe-info")
-    logging.getLogger("kvtriton.worker.slab").debug("probe-debug")
+    logging.getLogger("kvtriton.integrations._vllm_config").warning("probe-warning")
+    logging.getLogger("kvtriton.worker._slab").info("probe-info")
+    logging.getLogger("kvtriton.worker._slab").debug("probe-debug")
 
 
 def test_kvtriton_lines_go_through_vllms_handler_at_vllms_level(vllm_stream: io.StringIO) -> None:

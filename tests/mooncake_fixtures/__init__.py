@@ -1,4 +1,4 @@
-"""A real Mooncake Store on the loopback for the tier's tests (kvtriton/tiers/mooncake_local.py starts it).
+"""A real Mooncake Store on the loopback for the tier's tests (kvtriton/integrations/_mooncake_local.py starts it).
 
 Tests that break the store (kill, hang or restart the master, kill the holder)
 get their own :class:`MooncakeCluster`. :data:`MOONCAKE_MISSING` is the reason
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from kvtriton.tiers.mooncake_local import LOOPBACK, MooncakeCluster, mooncake_missing
+from kvtriton.integrations._mooncake_local import LOOPBACK, MooncakeCluster, mooncake_missing
 
 __all__ = ["LOOPBACK", "MOONCAKE_MISSING", "MooncakeCluster"]
 

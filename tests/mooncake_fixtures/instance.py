@@ -23,7 +23,7 @@ from pathlib import Path
 from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, kv_spec, make_engine, model_config
 from vllm_fixtures.requests import make_request
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier
+from kvtriton.integrations.mooncake import MooncakeStoreTier
 
 PROMPT = list(range(900, 900 + 4 * BLOCK_SIZE + 5))
 """4 full blocks and a partial one."""
@@ -45,7 +45,7 @@ def serve(master: str, namespace: str, blocks_per_chunk: int, go_file: Path | No
         "secondary_tiers": [
             {
                 "type": "MooncakeStoreTier",
-                "module_path": "kvtriton.tiers.mooncake",
+                "module_path": "kvtriton.integrations.mooncake",
                 "master_server_address": master,
                 "namespace": namespace,
                 "timeout_s": 5.0,

@@ -18,8 +18,8 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier
-from kvtriton.tiers.mooncake_local import MooncakeCluster
+from kvtriton.integrations._mooncake_local import MooncakeCluster
+from kvtriton.integrations.mooncake import MooncakeStoreTier
 from mooncake_fixtures.tiers import END_OF_STEP
 
 __all__ = ["cluster", "managers", "promote", "serve_and_cascade", "settle", "started"]

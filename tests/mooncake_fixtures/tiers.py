@@ -12,7 +12,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm_fixtures.builders import offloading_config
 
-from kvtriton.tiers.mooncake import MooncakeStoreTier
+from kvtriton.integrations.mooncake import MooncakeStoreTier
 
 __all__ = ["Primary", "chunk_keys", "make_tier", "poll", "resolve_lookups", "run_job"]
 

@@ -48,9 +48,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm_fixtures.requests import EOS, make_request
 
-from kvtriton.integrations.vllm_tiering import KVTritonPrimaryTier
+from kvtriton.integrations._vllm_tiering import KVTritonPrimaryTier
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.worker.slab import PageableSlabWarning
+from kvtriton.worker._slab import PageableSlabWarning
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "vllm_fixtures" / "tiny_llama"
 BLOCK_SIZE = 16

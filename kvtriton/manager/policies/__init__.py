@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvtriton.manager.policies.arc import ARCCachePolicy, ARCState
-from kvtriton.manager.policies.base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, Use, run_keys
-from kvtriton.manager.policies.lru import LRUCachePolicy
-from kvtriton.manager.policies.registry import POLICIES, make_policy, policy_names
+from kvtriton.manager.policies._arc import ARCCachePolicy, ARCState
+from kvtriton.manager.policies._base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, Use, run_keys
+from kvtriton.manager.policies._lru import LRUCachePolicy
+from kvtriton.manager.policies._registry import POLICIES, make_policy, policy_names
 
 __all__ = [
     "ARCCachePolicy",

@@ -1,0 +1,154 @@
+"""The compressed slab row: where each page tensor's codes, scales or raw bytes sit, and what a slab must satisfy.
+
+Format only (kernels/_compression.py has the arithmetic, the reference and
+the entry points; docs/kernels.md, "Compressed rows", draws the row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import PageGeometry
+
+__all__ = [
+    "ALIGNMENT",
+    "COMPRESSIBLE_DTYPES",
+    "DEFAULT_GROUP_SIZE",
+    "CompressedPage",
+    "CompressionLayout",
+    "check_scales_alignment",
+    "compression_layout",
+]
+
+DEFAULT_GROUP_SIZE = 128
+"""Elements per scale when the layout does not know the head dimension."""
+
+ALIGNMENT = 16
+"""Every region of a compressed row starts and ends on this many bytes."""
+
+COMPRESSIBLE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+"""Page dtypes that compress; every other dtype passes through unchanged."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedPage:
+    """Where one page tensor's block lives in a compressed slab row.
+
+    ``compressed`` False: the page's ``page_bytes`` raw bytes at ``row_offset``.
+    True: ``elements`` e4m3 codes at ``row_offset``, then ``num_groups`` fp32
+    scales at ``row_offset + scales_offset``.
+    """
+
+    dtype: torch.dtype
+    elements: int
+    page_bytes: int
+    compressed: bool
+    group_size: int
+    row_offset: int
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.elements // self.group_size) if self.compressed else 0
+
+    @property
+    def scales_offset(self) -> int:
+        """Offset of the scales from the region's start (the codes, padded to 16 bytes)."""
+        return _round_up(self.elements, ALIGNMENT)
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes this page tensor takes in a row, padding included (a multiple of 16)."""
+        if not self.compressed:
+            return _round_up(self.page_bytes, ALIGNMENT)
+        return self.scales_offset + _round_up(4 * self.num_groups, ALIGNMENT)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionLayout:
+    """The compressed row of one set of page tensors: one :class:`CompressedPage` each, back to back."""
+
+    pages: tuple[CompressedPage, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes a compressed slab row needs (a multiple of 16)."""
+        last = self.pages[-1]
+        return last.row_offset + last.region_bytes
+
+    @property
+    def raw_row_bytes(self) -> int:
+        """Bytes the same block takes uncompressed (``PagedKV.row_bytes``)."""
+        return sum(page.page_bytes for page in self.pages)
+
+    @property
+    def ratio(self) -> float:
+        """Compressed over uncompressed bytes per block (about 0.52 for bf16 with G = 128)."""
+        return self.row_bytes / self.raw_row_bytes
+
+    def passthrough_geometry(self, geometry: PageGeometry) -> tuple[list[int], PageGeometry] | None:
+        """The page tensors copied unchanged and their geometry with compressed row offsets (None: there are none)."""
+        members = [t for t, page in enumerate(self.pages) if not page.compressed]
+        if not members:
+            return None
+        return members, dataclasses.replace(
+            geometry,
+            page_bytes=tuple(geometry.page_bytes[t] for t in members),
+            block_strides=tuple(geometry.block_strides[t] for t in members),
+            storage_offsets=tuple(geometry.storage_offsets[t] for t in members),
+            row_offsets=tuple(self.pages[t].row_offset for t in members),
+        )
+
+
+def _check_group_size(group_size: int, label: str) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
+        raise ValueError(f"group_size for {label} must be an int >= 1, got {group_size!r}")
+
+
+def compression_layout(
+    pages: Sequence[torch.Tensor], group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE, *, name: str = "pages"
+) -> CompressionLayout:
+    """The compressed row layout of ``pages`` (already valid page tensors) with ``group_size`` elements per scale.
+
+    ``group_size`` is one value for every page tensor or one per page tensor
+    (``PagedKV`` passes the head dimension of each).
+    """
+    sizes = [group_size] * len(pages) if isinstance(group_size, int) else list(group_size)
+    if len(sizes) != len(pages):
+        raise ValueError(f"group_size has {len(sizes)} entries for {len(pages)} page tensors")
+    entries: list[CompressedPage] = []
+    offset = 0
+    for t, (page, size) in enumerate(zip(pages, sizes)):
+        _check_group_size(size, f"{name}[{t}]")
+        elements = math.prod(page.shape[1:])
+        compressed = page.dtype in COMPRESSIBLE_DTYPES
+        entry = CompressedPage(
+            dtype=page.dtype, elements=elements, page_bytes=elements * page.element_size(),
+            compressed=compressed, group_size=min(size, elements) if compressed else 1, row_offset=offset,
+        )  # fmt: skip
+        entries.append(entry)
+        offset += entry.region_bytes
+    return CompressionLayout(tuple(entries))
+
+
+def check_scales_alignment(slab: torch.Tensor, name: str) -> None:
+    """Refuse a compressed slab whose base address or row stride is not a multiple of 4 bytes.
+
+    Rows hold fp32 scales 16-byte aligned within the row; a misaligned row
+    would make a GPU's 4-byte accesses fault (``cudaErrorMisalignedAddress``,
+    which kills the CUDA context for the rest of the process).
+    """
+    stride = slab.stride(0) if slab.shape[0] > 1 else 0
+    if slab.data_ptr() % 4 or stride % 4:
+        raise ValueError(
+            f"{name} must start on a 4-byte boundary and have a row stride that is a multiple of 4 for fp8-e4m3 rows "
+            f"(their fp32 scales), got address {slab.data_ptr():#x} mod 4 = {slab.data_ptr() % 4} and row stride {stride}"
+        )

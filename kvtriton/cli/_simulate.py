@@ -1,0 +1,1343 @@
+"""`kvtriton simulate`: how many cache hits a given amount of host memory buys, for a trace.
+
+Replays a request trace (a built-in synthetic workload or a JSON-lines file)
+through ``CPUOffloadingManager`` for a sweep of capacities and each eviction
+policy, calling the manager the way a serving engine does, and reports hit
+rates, bytes moved, evictions and refused stores per point, then the vLLM
+configuration of the smallest size that reaches ``--target-hit-rate``. Pure
+scheduler side: no tensors, no torch, so a sweep takes seconds. The replay
+loops (:mod:`kvtriton.sim._replay`, :mod:`kvtriton.sim._vllm_order`) are
+also what ``bench/manager.py`` times, for kvtriton's manager and vLLM's.
+
+With ``--call-order vllm`` (implied by ``--gpu-blocks``, ``--max-num-seqs``
+and ``--sequential``) the trace runs through a model of vLLM 0.33's engine
+(:mod:`kvtriton.sim._vllm_server`): its admission, its own GPU prefix cache
+in front of the offload tier, and its asynchronous loads and stores, so the
+hit rate reported is the one vLLM's metrics show
+(``external_prefix_cache_hits / external_prefix_cache_queries``).
+
+With ``--compression fp8-e4m3`` (lossy) every size is swept twice: with
+uncompressed rows and with fp8-e4m3 rows, whose bytes per block come from the
+compression format itself (:meth:`ModelGeometry.with_compression`, the only
+step that imports torch), so a size holds about 1.9x the blocks and every
+copy moves about 0.52x the bytes (bf16). The table, the JSON and the plot
+show both; the recommendation is the compressed one, its
+``kv_connector_extra_config`` carrying ``kvtriton_kv_compression``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar, cast
+
+from kvtriton._keys import OffloadKey
+from kvtriton._offload_types import ReqContext
+from kvtriton.cli._main import choice_argument
+from kvtriton.cli._progress import progress
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.manager.policies import policy_names
+from kvtriton.sim._geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
+from kvtriton.sim._replay import PreparedRequest, ReplayStats, prepare, replay
+from kvtriton.sim._vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, positioned_contexts, vllm_order_calls
+from kvtriton.sim._vllm_server import (
+    DEFAULT_LOAD_STEPS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_STORE_STEPS,
+    EngineModel,
+    EngineStats,
+    replay_vllm_engine,
+)
+from kvtriton.sim._workloads import WORKLOADS, Request, generate, read_trace
+
+__all__ = [
+    "CALL_ORDERS",
+    "DEFAULT_OUT",
+    "CallOrder",
+    "PointReport",
+    "Recommendation",
+    "SweepPoint",
+    "TraceSummary",
+    "add_arguments",
+    "default_capacities",
+    "plot_stamp",
+    "recommend",
+    "run",
+    "summarize",
+    "sweep",
+]
+
+DEFAULT_OUT = "simulate-results"
+DEFAULT_WORKLOAD = "chat"
+DEFAULT_MODEL = "llama-3-8b"
+DEFAULT_POLICIES = ("lru", "arc")
+DEFAULT_BANDWIDTH_GBPS = 25.0
+DEFAULT_SWEEP_POINTS = 8
+DEFAULT_TARGET_HIT_RATE = 0.5
+COMPRESSIONS = ("none", "fp8-e4m3")
+"""``--compression`` values: kvtriton's slab row formats (kvtriton.kernels._compression.KVCompression)."""
+
+
+# --------------------------------------------------------------------------
+# Sweep
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """One (policy, capacity) point of a sweep."""
+
+    policy: str
+    capacity_bytes: int
+    num_blocks: int
+    stats: ReplayStats
+    engine: EngineStats | None = None
+    """The vLLM-order replay's engine-side counts (None in the engine order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSummary:
+    """Facts about a trace that do not depend on capacity."""
+
+    requests: int
+    prompt_blocks: int
+    output_blocks: int
+    prompt_tokens: int
+    distinct_blocks: int
+    """Distinct blocks stored at least once: the capacity at which nothing is ever evicted."""
+
+
+def summarize(requests: Sequence[PreparedRequest]) -> TraceSummary:
+    distinct: set[OffloadKey] = set()
+    for request in requests:
+        distinct.update(request.prompt_keys)
+        distinct.update(request.output_keys)
+    return TraceSummary(
+        requests=len(requests),
+        prompt_blocks=sum(len(request.prompt_keys) for request in requests),
+        output_blocks=sum(len(request.output_keys) for request in requests),
+        prompt_tokens=sum(request.prompt_tokens for request in requests),
+        distinct_blocks=len(distinct),
+    )
+
+
+def default_capacities(geometry: ModelGeometry, distinct_blocks: int, points: int = DEFAULT_SWEEP_POINTS) -> list[int]:
+    """``points`` capacities doubling up to the first power-of-two GiB that holds every distinct block.
+
+    Capacities that hold no whole block are dropped.
+    """
+    working_set_gib = max(distinct_blocks, 1) * geometry.bytes_per_block / GIB
+    top = 2.0 ** math.ceil(math.log2(working_set_gib))
+    capacities = [int(top / 2**step * GIB) for step in range(points - 1, -1, -1)]
+    return [capacity for capacity in capacities if geometry.blocks_for(capacity) >= 1]
+
+
+CALL_ORDERS = ("engine", "vllm")
+"""``engine``: request by request with ``touch`` (kvtriton.sim._replay); ``vllm``: vLLM 0.33's connector (kvtriton.sim._vllm_order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallOrder:
+    """How the manager is called: the order, and the knobs of each order's step model."""
+
+    name: str = "engine"
+    in_flight: int = 1
+    """``engine`` order: requests admitted before the oldest completes its loads and stores."""
+    arrivals: int | None = None
+    """``vllm`` order: new requests arriving per engine step (None: all at once, or one at a time with ``sequential``)."""
+    sequential: bool = False
+    """``vllm`` order: each request arrives the step after the previous one finished (its stores may be in flight)."""
+    max_num_seqs: int | None = None
+    """``vllm`` order: vLLM's ``--max-num-seqs`` (None: no limit)."""
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    """``vllm`` order: vLLM's ``--max-num-batched-tokens``."""
+    gpu_blocks: int | None = None
+    """``vllm`` order: the engine's KV cache in blocks, its prefix cache on (None: off)."""
+    decode_steps: int = DEFAULT_DECODE_STEPS
+    """``vllm`` order: tokens each request generates (steps from its prompt to its end)."""
+    load_steps: int = DEFAULT_LOAD_STEPS
+    """``vllm`` order: a load is reported done at the end of step ``s + load_steps - 1``."""
+    store_steps: int = DEFAULT_STORE_STEPS
+    """``vllm`` order: a store prepared at step ``s`` completes at the end of step ``s + store_steps``."""
+    sync_loads: bool = False
+    """``vllm`` order: a loading request computes in the step of its load instead of the next."""
+
+    def __post_init__(self) -> None:
+        if self.name not in CALL_ORDERS:
+            raise ValueError(f"call order must be one of {', '.join(CALL_ORDERS)}, got {self.name!r}")
+        if self.name == "vllm":
+            self.engine_model()  # checks the step model's knobs
+
+    def engine_model(self) -> EngineModel:
+        return EngineModel(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            gpu_blocks=self.gpu_blocks,
+            arrivals=self.arrivals,
+            sequential=self.sequential,
+            output_tokens=self.decode_steps,
+            load_steps=self.load_steps,
+            store_steps=self.store_steps,
+            sync_loads=self.sync_loads,
+        )
+
+    def replay(
+        self, requests: Sequence[PreparedRequest], manager: CPUOffloadingManager, block_size: int
+    ) -> tuple[ReplayStats, EngineStats | None]:
+        if self.name == "vllm":
+            contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
+            engine = replay_vllm_engine(
+                vllm_order_calls(manager), requests, contexts, block_size=block_size, model=self.engine_model()
+            )
+            return engine.replay, engine
+        return replay(requests, manager, block_size=block_size, in_flight=self.in_flight), None
+
+
+def sweep(
+    requests: Sequence[PreparedRequest],
+    geometry: ModelGeometry,
+    capacities: Sequence[int],
+    policies: Sequence[str],
+    *,
+    in_flight: int = 1,
+    show_progress: bool = True,
+    order: CallOrder | None = None,
+) -> list[SweepPoint]:
+    """Replay ``requests`` once per (policy, capacity), each on a fresh manager.
+
+    ``order`` picks the call order (default: the engine order with ``in_flight``).
+    """
+    call_order = order if order is not None else CallOrder(in_flight=in_flight)
+    for capacity in capacities:
+        if geometry.blocks_for(capacity) < 1:
+            raise ValueError(
+                f"capacity {format_bytes(capacity)} holds no block of {format_bytes(geometry.stored_bytes_per_block)}"
+            )
+    grid = [(policy, capacity) for policy in policies for capacity in capacities]
+    points: list[SweepPoint] = []
+    for policy, capacity in progress(grid, len(grid), "simulate", enabled=show_progress):
+        num_blocks = geometry.blocks_for(capacity)
+        manager = CPUOffloadingManager(num_blocks, cache_policy=policy)
+        stats, engine = call_order.replay(requests, manager, geometry.block_size)
+        points.append(SweepPoint(policy, capacity, num_blocks, stats, engine))
+    return points
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+
+NumberT = TypeVar("NumberT", int, float)
+
+
+def _number(parse: Callable[[str], NumberT], what: str, valid: Callable[[NumberT], bool]) -> Callable[[str], NumberT]:
+    """An argparse ``type``: ``text`` parsed by ``parse`` and accepted by ``valid``, else an error naming ``what``."""
+
+    def convert(text: str) -> NumberT:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return convert
+
+
+_positive_int = _number(int, "a positive integer", lambda value: value >= 1)
+_non_negative_int = _number(int, "an integer >= 0", lambda value: value >= 0)
+_positive_float = _number(float, "a positive number", lambda value: math.isfinite(value) and value > 0)
+
+
+def _listed(text: str, what: str) -> list[str]:
+    """The items of a comma-separated list, stripped; an error for an empty list or an empty item."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
+    if not all(items):
+        position = items.index("") + 1
+        raise argparse.ArgumentTypeError(f"item {position} of {text!r} is empty: give a comma-separated list of {what}")
+    return items
+
+
+def _capacities(text: str) -> list[int]:
+    sizes: dict[int, str] = {}
+    for item in _listed(text, "sizes"):
+        if item.startswith("-"):
+            raise argparse.ArgumentTypeError(f"sizes must be positive, got {item!r}")
+        try:
+            size = parse_capacity(item)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if size in sizes:
+            raise argparse.ArgumentTypeError(
+                f"{sizes[size]!r} and {item!r} are the same size ({format_bytes(size)}): give each size once"
+            )
+        sizes[size] = item
+    return sorted(sizes)
+
+
+def _policies(text: str) -> list[str]:
+    """Eviction policy names, in any case, each once."""
+    names: list[str] = []
+    valid = policy_names()
+    for item in _listed(text, "policies"):
+        name = item.lower()
+        if name not in valid:
+            raise argparse.ArgumentTypeError(f"unknown policy {item!r} in {text!r}: expected {', '.join(valid)}")
+        if name in names:
+            raise argparse.ArgumentTypeError(f"policy {item!r} is listed twice in {text!r}: give each policy once")
+        names.append(name)
+    return names
+
+
+def _target_rate(text: str) -> float:
+    """A hit rate: a fraction in (0, 1] (``0.5``) or a percentage (``50%``)."""
+    stripped = text.strip()
+    percent = stripped.endswith("%")
+    try:
+        value = float(stripped.removesuffix("%"))
+    except ValueError:
+        value = math.nan
+    if percent:
+        value /= 100
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(
+            f"expected a hit rate as a fraction in (0, 1] or a percentage, e.g. 0.5 or 50%, got {text!r}"
+        )
+    return value
+
+
+def _param(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
+def _dtype(text: str) -> str:
+    try:
+        return parse_dtype(text).value
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _workloads_epilog() -> str:
+    lines = ["built-in workloads and their --param names (defaults):"]
+    for workload in WORKLOADS.values():
+        lines.append(f"  {workload.name}: {workload.summary}")
+        lines.append("    " + ", ".join(f"{name}={value}" for name, value in workload.parameters().items()))
+    lines.append("")
+    lines.append("model presets (bf16, 16 tokens per block):")
+    for geometry in PRESETS.values():
+        lines.append(f"  {geometry.name}: {format_bytes(geometry.bytes_per_block)} per block")
+    lines.append("")
+    lines.append(
+        "trace files: JSON lines, one request per line: "
+        '{"id": "r1", "blocks": ["h1", "h2", "h3"], "tokens": 56, "output_blocks": ["h4"]}; '
+        "only blocks is required (block hashes: strings or non-negative integers, chained like "
+        "vLLM's, so equal hashes mean equal prefixes); tokens, the prompt length, must fit the full "
+        "blocks (3 blocks of 16 tokens: 48..63); a timestamp field is accepted and ignored (requests arrive in "
+        "line order); a gzip-compressed file is read as such."
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton simulate`: ")
+    parser.epilog = _workloads_epilog()
+    source = parser.add_argument_group("trace")
+    choice = source.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--workload",
+        type=choice_argument(list(WORKLOADS)),
+        choices=list(WORKLOADS),
+        default=DEFAULT_WORKLOAD,
+        help=f"built-in synthetic workload to replay (default: {DEFAULT_WORKLOAD})",
+    )
+    choice.add_argument("--trace", type=Path, metavar="FILE", help="replay this JSON-lines trace instead of a workload")
+    source.add_argument(
+        "--requests",
+        type=_positive_int,
+        metavar="N",
+        help="number of requests the workload generates (default: the workload's, listed below)",
+    )
+    source.add_argument("--seed", type=_non_negative_int, default=0, help="workload random seed (default: 0)")
+    source.add_argument(
+        "--param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one workload parameter (repeatable; names listed below)",
+    )
+    model = parser.add_argument_group("model geometry (turns blocks into bytes)")
+    model.add_argument(
+        "--model",
+        type=choice_argument(list(PRESETS)),
+        choices=list(PRESETS),
+        default=DEFAULT_MODEL,
+        help=f"preset KV shape; the flags below override its fields (default: {DEFAULT_MODEL})",
+    )
+    model.add_argument("--layers", type=_positive_int, metavar="N", help="number of layers (default: the preset's)")
+    model.add_argument("--kv-heads", type=_positive_int, metavar="N", help="KV heads per layer (default: the preset's)")
+    model.add_argument("--head-dim", type=_positive_int, metavar="N", help="head dimension (default: the preset's)")
+    model.add_argument(
+        "--dtype", type=_dtype, help="KV cache dtype: bf16, fp16, fp32, fp8 (default: the preset's, bf16)"
+    )
+    model.add_argument(
+        "--block-size",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="tokens per offloaded block (default: the preset's, 16)",
+    )
+    model.add_argument(
+        "--compression",
+        type=choice_argument(COMPRESSIONS),
+        choices=list(COMPRESSIONS),
+        default="none",
+        help="host memory row format: with fp8-e4m3 (lossy: fp8 codes plus one fp32 scale per group) every size is"
+        " swept with and without it, the compressed rows holding ~1.9x the blocks and moving ~0.52x the bytes"
+        " (bf16); the recommendation is then the compressed one (default: none)",
+    )
+    model.add_argument(
+        "--group-size",
+        type=_positive_int,
+        metavar="N",
+        help="--compression fp8-e4m3: elements per fp8 scale (default: the head dimension)",
+    )
+    sim = parser.add_argument_group("sweep")
+    sim.add_argument(
+        "--capacities",
+        type=_capacities,
+        metavar="LIST",
+        help="host memory sizes to try, comma-separated; bare numbers are GiB, units KiB/MiB/GiB/TiB"
+        f" or KB/MB/GB/TB accepted (default: {DEFAULT_SWEEP_POINTS} sizes doubling up to the first"
+        " power-of-two GiB that holds the whole trace)",
+    )
+    sim.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(DEFAULT_POLICIES),
+        metavar="LIST",
+        help=f"eviction policies to compare, comma-separated (default: {','.join(DEFAULT_POLICIES)})",
+    )
+    sim.add_argument(
+        "--call-order",
+        type=choice_argument(CALL_ORDERS),
+        choices=list(CALL_ORDERS),
+        help="how the manager is called: 'engine' request by request with touch (kvtriton's API),"
+        " 'vllm' step by step through a model of vLLM 0.33's engine, as its OffloadingConnector calls it"
+        " (default: vllm when --gpu-blocks, --max-num-seqs or --sequential is given, else engine)",
+    )
+    sim.add_argument(
+        "--in-flight",
+        type=_positive_int,
+        metavar="N",
+        help="--call-order engine: requests admitted before the oldest completes its loads and stores (default: 1)",
+    )
+    engine = parser.add_argument_group(
+        "vLLM engine model (--call-order vllm)",
+        "What the vLLM server is started with. Arrivals: all requests at once (with --max-num-seqs),"
+        " --arrivals N per step, or --sequential.",
+    )
+    engine.add_argument(
+        "--gpu-blocks",
+        type=_number(int, "an integer >= 2", lambda value: value >= 2),
+        metavar="N",
+        help="the engine's own KV cache in blocks of --block-size tokens (vLLM's num_gpu_blocks), its prefix"
+        " cache on, in front of the offload tier (default: prefix caching off)",
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        metavar="N",
+        help="vLLM's --max-num-seqs: requests running at once; requests waiting for a load do not count,"
+        " so a burst of them is admitted (default: no limit)",
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        metavar="N",
+        help=f"vLLM's --max-num-batched-tokens: tokens computed per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    arrival = engine.add_mutually_exclusive_group()
+    arrival.add_argument(
+        "--arrivals",
+        type=_positive_int,
+        metavar="N",
+        help=f"new requests arriving per engine step (default: {DEFAULT_ARRIVALS} when neither --max-num-seqs"
+        " nor --sequential is given, else all requests at once)",
+    )
+    arrival.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one request at a time: each arrives the step after the previous one finished, whose stores may"
+        " still be in flight (a client that waits for every answer)",
+    )
+    engine.add_argument(
+        "--decode-steps",
+        type=_positive_int,
+        metavar="N",
+        help=f"tokens each request generates, vLLM's max_tokens (default: {DEFAULT_DECODE_STEPS})",
+    )
+    engine.add_argument(
+        "--load-steps",
+        type=_positive_int,
+        metavar="N",
+        help="a load is reported done at the end of the N-th step counted from the one that schedules it"
+        f" (default: {DEFAULT_LOAD_STEPS}: within its own step)",
+    )
+    engine.add_argument(
+        "--store-steps",
+        type=_positive_int,
+        metavar="N",
+        help="a store prepared in one step completes at the end of the N-th step after it; until then its"
+        f" blocks look up as pending (default: {DEFAULT_STORE_STEPS}: submitted the next step, done the one after)",
+    )
+    engine.add_argument(
+        "--sync-loads",
+        action="store_true",
+        help="a request that loads computes in the step of its load"
+        " (vLLM with sync_load_budget_bytes) instead of the next step (vLLM's default)",
+    )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="vLLM's --tensor-parallel-size: the host memory is split over N worker processes, each pinning"
+        " its share (for the pinned-memory advice; default: 1)",
+    )
+    sim.add_argument(
+        "--bandwidth",
+        type=_positive_float,
+        default=DEFAULT_BANDWIDTH_GBPS,
+        metavar="GB/S",
+        help="host<->GPU copy bandwidth for the transfer-time estimate, in GB/s"
+        f" (default: {DEFAULT_BANDWIDTH_GBPS:g}, PCIe 4.0 x16 in practice)",
+    )
+    sim.add_argument(
+        "--target-hit-rate",
+        type=_target_rate,
+        default=DEFAULT_TARGET_HIT_RATE,
+        metavar="RATE",
+        help="print the vLLM configuration of the smallest size whose hit rate reaches RATE, a fraction or a"
+        " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise;"
+        f" default: {DEFAULT_TARGET_HIT_RATE:g})",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        metavar="DIR",
+        help=f"folder for simulate-<trace>.json and .png, created if missing (default: ./{DEFAULT_OUT})",
+    )
+    out.add_argument("--json", action="store_true", help="print the JSON record on stdout instead of the table")
+    out.add_argument("--no-plot", action="store_true", help="skip the PNG plot (and the matplotlib import)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    name: str
+    description: dict[str, object] = field(default_factory=dict[str, object])
+
+
+def _geometry(args: argparse.Namespace) -> ModelGeometry:
+    """The preset with the flags' overrides; named after the preset only while its shape is the preset's."""
+    preset = PRESETS[args.model]
+    shape: dict[str, int] = {
+        "num_layers": args.layers or preset.num_layers,
+        "num_kv_heads": args.kv_heads or preset.num_kv_heads,
+        "head_dim": args.head_dim or preset.head_dim,
+    }
+    changed = [name for name, value in shape.items() if value != getattr(preset, name)]
+    if not changed:
+        name = preset.name
+    elif len(changed) == len(shape):
+        name = "custom"
+    else:
+        name = f"{preset.name} (modified)"
+    return ModelGeometry(
+        name=name,
+        num_layers=shape["num_layers"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        dtype=parse_dtype(args.dtype) if args.dtype else preset.dtype,
+        block_size=args.block_size or preset.block_size,
+        kv_factor=preset.kv_factor,
+    )
+
+
+def _call_order(args: argparse.Namespace) -> CallOrder:
+    """The call order the flags ask for; ValueError naming the flag that does not apply."""
+    engine_flags = [
+        flag
+        for flag, given in (
+            ("--gpu-blocks", args.gpu_blocks is not None),
+            ("--max-num-seqs", args.max_num_seqs is not None),
+            ("--sequential", args.sequential),
+        )
+        if given
+    ]
+    # The engine model's other knobs: given alone they do not select vLLM's order (each has a default there).
+    model_flags = [
+        flag
+        for flag, given in (
+            ("--arrivals", args.arrivals is not None),
+            ("--max-num-batched-tokens", args.max_num_batched_tokens is not None),
+            ("--decode-steps", args.decode_steps is not None),
+            ("--load-steps", args.load_steps is not None),
+            ("--store-steps", args.store_steps is not None),
+            ("--sync-loads", args.sync_loads),
+        )
+        if given
+    ]
+    name: str = args.call_order or ("vllm" if engine_flags else "engine")
+    if name == "engine":
+        misplaced = engine_flags + model_flags
+        if misplaced and args.call_order is None:
+            raise ValueError(
+                f"{misplaced[0]} models vLLM's engine: it applies to --call-order vllm, and without --gpu-blocks,"
+                " --max-num-seqs or --sequential the order is engine; add --call-order vllm (or the server's"
+                " --gpu-blocks and --max-num-seqs)"
+            )
+        if misplaced:
+            raise ValueError(f"{misplaced[0]} models vLLM's engine: it applies to --call-order vllm, not engine")
+        return CallOrder(name="engine", in_flight=args.in_flight or 1)
+    if args.in_flight is not None:
+        raise ValueError(
+            "--in-flight applies to --call-order engine; vLLM's order admits with --max-num-seqs, --arrivals or --sequential"
+        )
+    arrivals: int | None = args.arrivals
+    if arrivals is None and args.max_num_seqs is None and not args.sequential:
+        arrivals = DEFAULT_ARRIVALS
+    return CallOrder(
+        name="vllm",
+        arrivals=arrivals,
+        sequential=args.sequential,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=_given(args.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        gpu_blocks=args.gpu_blocks,
+        decode_steps=_given(args.decode_steps, DEFAULT_DECODE_STEPS),
+        load_steps=_given(args.load_steps, DEFAULT_LOAD_STEPS),
+        store_steps=_given(args.store_steps, DEFAULT_STORE_STEPS),
+        sync_loads=args.sync_loads,
+    )
+
+
+def _given(value: int | None, default: int) -> int:
+    """A flag's value, or its default when it was not given (None: the flag's own default, so "given" is known)."""
+    return default if value is None else value
+
+
+def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, list[Request]]:
+    if args.trace is not None:
+        path: Path = args.trace
+        if not path.exists():
+            raise ValueError(f"--trace: no such file: {path}")
+        if path.is_dir():
+            raise ValueError(f"--trace: {path} is a directory, not a JSON-lines trace file")
+        if args.requests is not None or args.param:
+            raise ValueError("--requests and --param shape built-in workloads; they do not apply to --trace")
+        # Not is_file(): a pipe (`--trace <(ssh host cat trace.jsonl)`) is a fine trace too.
+        try:
+            requests = read_trace(path, block_size=block_size)
+        except OSError as error:
+            raise ValueError(f"--trace: cannot read {path}: {error.strerror or error}") from None
+        stem = Path(path.name.removesuffix(".gz")).stem  # my-trace.jsonl.gz writes simulate-my-trace.json
+        return _Source(stem, {"trace": str(path)}), requests
+    overrides: dict[str, str] = dict(args.param)
+    if args.requests is not None:
+        if "requests" in overrides:
+            raise ValueError(
+                f"--requests {args.requests} and --param requests={overrides['requests']} both set the request"
+                " count; give one"
+            )
+        overrides["requests"] = str(args.requests)
+    workload = WORKLOADS[args.workload]
+    try:
+        params = workload.params(overrides)
+    except ValueError as error:
+        raise ValueError(f"--param: {error}") from None
+    description: dict[str, object] = {"workload": workload.name, "seed": args.seed, "params": asdict(params)}
+    return _Source(workload.name, description), generate(
+        workload.name, seed=args.seed, block_size=block_size, overrides=overrides
+    )
+
+
+def _percent(rate: float) -> str:
+    return f"{100 * rate:.1f}%"
+
+
+def _gib(size: float) -> str:
+    gib = size / GIB
+    return f"{gib:.3g}" if gib < 1000 else f"{gib:,.0f}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max([len(header), *(len(row[i]) for row in rows)]) for i, header in enumerate(headers)]
+    lines = ["  ".join(header.rjust(width) for header, width in zip(headers, widths))]
+    lines.append("  ".join("-" * width for width in widths))
+    lines += ["  ".join(value.rjust(width) for value, width in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PointReport:
+    """One sweep point as reported: the replay counts turned into rates (fractions of 1), bytes and seconds."""
+
+    policy: str
+    capacity_gib: float
+    capacity_bytes: int
+    num_blocks: int
+    block_hit_rate: float
+    """Prompt blocks loaded from host memory, over all prompt blocks."""
+    token_hit_rate: float
+    """Prompt tokens loaded from host memory, over all prompt tokens (the offload tier's share)."""
+    external_hit_rate: float
+    """What vLLM reports: tokens loaded from host memory over the tokens the GPU prefix cache did not serve."""
+    engine_share: float
+    """Prompt tokens served by the engine's GPU prefix cache (0 without --gpu-blocks)."""
+    offload_share: float
+    """Prompt tokens loaded from host memory (equal to token_hit_rate)."""
+    computed_share: float
+    """Prompt tokens the engine computed."""
+    hit_blocks: int
+    hit_tokens: int
+    engine_hit_tokens: int
+    external_query_tokens: int
+    external_hit_tokens: int
+    bytes_loaded: int
+    bytes_stored: int
+    blocks_stored: int
+    evictions: int
+    refused_stores: int
+    refused_blocks: int
+    pending_stops: int
+    load_seconds: float
+    store_seconds: float
+    engine_evictions: int | None
+    """vLLM order: GPU-cached blocks reused for other tokens."""
+    max_admitted_per_step: int | None
+    """vLLM order: the most requests admitted in one engine step."""
+    mean_admitted_per_step: float | None
+    """vLLM order: requests admitted per step, over the steps that admitted any."""
+    steps: int | None
+    """vLLM order: engine steps the trace took."""
+    preemptions: int | None
+    """vLLM order: running requests preempted for want of free GPU blocks."""
+    compression: str = "none"
+    """How host memory stored the blocks at this point: ``none`` or ``fp8-e4m3`` (bytes moved are its rows)."""
+
+    @classmethod
+    def of(cls, point: SweepPoint, geometry: ModelGeometry, bandwidth_gbps: float) -> PointReport:
+        stats, engine = point.stats, point.engine
+        bytes_loaded = stats.hit_blocks * geometry.stored_bytes_per_block
+        bytes_stored = stats.blocks_stored * geometry.stored_bytes_per_block
+        return cls(
+            policy=point.policy,
+            capacity_gib=point.capacity_bytes / GIB,
+            capacity_bytes=point.capacity_bytes,
+            num_blocks=point.num_blocks,
+            block_hit_rate=stats.block_hit_rate,
+            token_hit_rate=stats.token_hit_rate,
+            external_hit_rate=engine.external_hit_rate if engine is not None else stats.token_hit_rate,
+            engine_share=engine.engine_share if engine is not None else 0.0,
+            offload_share=stats.token_hit_rate,
+            computed_share=engine.computed_share if engine is not None else 1.0 - stats.token_hit_rate,
+            hit_blocks=stats.hit_blocks,
+            hit_tokens=stats.hit_tokens,
+            engine_hit_tokens=engine.engine_hit_tokens if engine is not None else 0,
+            external_query_tokens=engine.external_query_tokens if engine is not None else stats.prompt_tokens,
+            external_hit_tokens=stats.hit_tokens,
+            bytes_loaded=bytes_loaded,
+            bytes_stored=bytes_stored,
+            blocks_stored=stats.blocks_stored,
+            evictions=stats.evictions,
+            refused_stores=stats.refused_stores,
+            refused_blocks=stats.refused_blocks,
+            pending_stops=stats.pending_stops,
+            load_seconds=bytes_loaded / (bandwidth_gbps * 1e9),
+            store_seconds=bytes_stored / (bandwidth_gbps * 1e9),
+            engine_evictions=engine.engine_evictions if engine is not None else None,
+            max_admitted_per_step=engine.max_admitted_per_step if engine is not None else None,
+            mean_admitted_per_step=engine.mean_admitted_per_step if engine is not None else None,
+            steps=engine.steps if engine is not None else None,
+            preemptions=engine.preemptions if engine is not None else None,
+            compression=geometry.compression,
+        )
+
+    def rate(self, order: str) -> float:
+        """The hit rate the target is checked against: vLLM's reported rate in its order, the token hit rate otherwise."""
+        return self.external_hit_rate if order == "vllm" else self.token_hit_rate
+
+
+# --------------------------------------------------------------------------
+# The answer: the configuration to start vLLM with
+
+
+SPEC_EXTRA_CONFIG: dict[str, object] = {
+    "spec_name": "KVTritonOffloadingSpec",
+    "spec_module_path": "kvtriton.integrations.vllm",
+}
+"""The keys that point vLLM's OffloadingConnector at kvtriton (docs/vllm.md)."""
+
+COMPRESSION_EXTRA_CONFIG_KEY = "kvtriton_kv_compression"
+"""The ``kv_connector_extra_config`` key of kvtriton's slab row compression (``none`` or ``fp8-e4m3``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    """The smallest sweep point that reaches the target hit rate, as vLLM configuration."""
+
+    target: float
+    rate_name: str
+    point: PointReport | None
+    """None when no size tried reaches the target."""
+    best: PointReport
+    """The point with the highest rate (the closest one when none reaches the target)."""
+    extra_config: dict[str, object] | None
+    """``kv_connector_extra_config`` for ``point``."""
+    kv_transfer_config: dict[str, object] | None
+    """vLLM's whole ``--kv-transfer-config`` value for ``point``."""
+    slab_bytes_per_rank: int | None
+    """What each worker process pins (host RAM must hold it; RLIMIT_MEMLOCK does not limit it)."""
+    tensor_parallel_size: int
+
+
+def recommend(
+    reports: Sequence[PointReport], target: float, order: str, geometry: ModelGeometry, *, tensor_parallel_size: int = 1
+) -> Recommendation:
+    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`)."""
+    if not reports:
+        raise ValueError("no sweep points to choose from")
+    rate_name = "the hit rate vLLM reports" if order == "vllm" else "the token hit rate"
+    best = max(reports, key=lambda report: (report.rate(order), -report.capacity_bytes))
+    reaching = [report for report in reports if report.rate(order) >= target - 1e-12]
+    if not reaching:
+        return Recommendation(target, rate_name, None, best, None, None, None, tensor_parallel_size)
+    point = min(reaching, key=lambda report: (report.capacity_bytes, -report.rate(order)))
+    extra: dict[str, object] = {
+        **SPEC_EXTRA_CONFIG,
+        "cpu_bytes_to_use": point.capacity_bytes,
+        "eviction_policy": point.policy,
+    }
+    if geometry.compression != "none":
+        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
+    transfer: dict[str, object] = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    # kvtriton's spec: each rank holds cpu_bytes_to_use // tp, in whole slots of its share of a (stored) block.
+    rank_block = max(geometry.stored_bytes_per_block // tensor_parallel_size, 1)
+    slab = (point.capacity_bytes // tensor_parallel_size) // rank_block * rank_block
+    return Recommendation(target, rate_name, point, best, extra, transfer, slab, tensor_parallel_size)
+
+
+def _recommendation_lines(
+    found: Recommendation, order: CallOrder, geometry: ModelGeometry, ceiling: float, largest: int, working_set: int
+) -> list[str]:
+    """The answer: the configuration of ``found``, or why no size reached the target.
+
+    ``ceiling`` is the rate with room for the whole trace, ``largest`` the
+    largest capacity tried and ``working_set`` the bytes the whole trace takes:
+    they tell a target no host memory reaches from one that larger sizes would.
+    """
+    target = _percent(found.target)
+    point = found.point
+    if point is None or found.kv_transfer_config is None or found.slab_bytes_per_rank is None:
+        best = found.best
+        lines = [
+            f"NO SIZE TRIED REACHES THE TARGET: {found.rate_name} stays below {target} at every size tried;",
+            f"  the best is {_percent(best.rate(order.name))} ({best.policy.upper()}, {format_bytes(best.capacity_bytes)}).",
+        ]
+        rest = "first-time blocks, or blocks the GPU cache serves" if order.name == "vllm" else "first-time blocks"
+        if ceiling < found.target - 1e-12:
+            lines.append(
+                f"  unreachable: the ceiling, {_percent(ceiling)}, is below the target: no amount of host memory"
+                f" reaches it (the rest are {rest}); lower --target-hit-rate"
+            )
+        elif largest < working_set:
+            lines.append(
+                f"  Try larger --capacities: the largest tried, {format_bytes(largest)}, holds less than the whole"
+                f" trace ({format_bytes(working_set)}), with which the rate reaches {_percent(ceiling)}."
+            )
+        else:
+            lines.append(
+                f"  The sizes tried hold the whole trace ({format_bytes(working_set)}): the ceiling,"
+                f" {_percent(ceiling)}, is all the offload tier gives; lower --target-hit-rate."
+            )
+        return lines
+    flags = [f"--block-size {geometry.block_size}"]
+    if order.name == "vllm" and order.max_num_seqs is not None:
+        flags.append(f"--max-num-seqs {order.max_num_seqs}")
+    if order.name == "vllm" and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        flags.append(f"--max-num-batched-tokens {order.max_num_batched_tokens}")
+    if found.tensor_parallel_size > 1:
+        flags.append(f"--tensor-parallel-size {found.tensor_parallel_size}")
+    slab = found.slab_bytes_per_rank
+    workers = (
+        "the worker process pins"
+        if found.tensor_parallel_size == 1
+        else f"each of the {found.tensor_parallel_size} worker processes pins"
+    )
+    lines = [
+        f"smallest size reaching {target} ({found.rate_name}): {format_bytes(point.capacity_bytes)} with"
+        f" {point.policy.upper()}, {_percent(point.rate(order.name))}",
+        "",
+        "kv_connector_extra_config:",
+        "  " + json.dumps(found.extra_config),
+        "",
+        "vllm serve <model> " + " ".join(flags) + " \\",
+        f"  --kv-transfer-config '{json.dumps(found.kv_transfer_config, separators=(',', ':'))}'",
+        "",
+        f"pinned:    {workers} its slab, {format_bytes(slab)} ({slab} bytes), in host RAM (RLIMIT_MEMLOCK does"
+        f" not limit it); check with: kvtriton info --slab-size {slab}B",
+        f"/dev/shm:  not used by KVTritonOffloadingSpec (each rank's slab is its own memory); the tiering spec"
+        f" (KVTritonTieringOffloadingSpec) maps the slab from /dev/shm and needs about {format_bytes(point.capacity_bytes)} free there",
+        f"host RAM:  {format_bytes(slab * found.tensor_parallel_size)} for the slab(s), on top of vLLM's own",
+    ]
+    if geometry.compression != "none":
+        lines.append(
+            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression} stores fp8 codes plus one scale per"
+            f" {geometry.compression_group_size} elements: loaded KV differs from what was computed (docs/kernels.md,"
+            ' "Compressed rows"); leave it out for bit-exact offload'
+        )
+    if order.name == "vllm" and order.gpu_blocks is None:
+        lines.append(
+            "note:      modelled with the engine's prefix cache off; give --gpu-blocks (vLLM's num_gpu_blocks) to"
+            " count only what the GPU cache does not serve, as vLLM does"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------
+# Plot
+
+
+class _Axes(Protocol):
+    """The few matplotlib Axes methods the plot uses, typed (matplotlib's stubs leave ``**kwargs`` unknown)."""
+
+    def plot(
+        self, x: Sequence[float], y: Sequence[float], *, marker: str, linestyle: str, markersize: float,
+        markerfacecolor: str, label: str,
+    ) -> object: ...  # fmt: skip
+    def axhline(self, y: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
+    def axvline(self, x: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
+    def set_xscale(self, value: str, *, base: int) -> None: ...
+    def set_xticks(self, ticks: Sequence[float], labels: Sequence[str]) -> object: ...
+    def minorticks_off(self) -> None: ...
+    def set_xlabel(self, label: str) -> object: ...
+    def set_ylabel(self, label: str) -> object: ...
+    def set_ylim(self, bottom: float, top: float) -> object: ...
+    def set_title(self, label: str, *, fontsize: int) -> object: ...
+    def grid(self, visible: bool, *, which: str, alpha: float) -> None: ...
+    def legend(self, *, loc: str) -> object: ...
+
+
+class _Figure(Protocol):
+    def tight_layout(self) -> None: ...
+    def savefig(self, fname: Path, *, dpi: int, metadata: dict[str, str]) -> None: ...
+
+
+_LINE_STYLES = (("o", "-", 8.0, "none"), ("s", "--", 5.0, "auto"), ("^", ":", 6.0, "none"), ("D", "-.", 4.0, "auto"))
+"""Per policy: marker, line style, marker size, face. Hollow big markers around small full ones keep
+policies that coincide (LRU and ARC at large sizes) visible on top of each other."""
+
+
+def plot_stamp(record: Mapping[str, object]) -> str:
+    """What a plot says about the run it was drawn from: the command line and a digest of the points plotted.
+
+    ``kvtriton simulate`` writes it into the PNG's ``Source`` text, so a figure
+    can be checked against the JSON record of the same run (the docs' figures are).
+    """
+    points = json.dumps(record["points"], sort_keys=True).encode()
+    argv = cast("Sequence[str]", record["argv"])
+    return f"kvtriton simulate {' '.join(argv)}; points sha256 {hashlib.sha256(points).hexdigest()}"
+
+
+def _plot(
+    path: Path,
+    reports: Sequence[PointReport],
+    title: str,
+    ceiling: float,
+    working_set_gib: float,
+    order: str,
+    target: float,
+    compressed_working_set_gib: float | None = None,
+    *,
+    stamp: str,
+) -> None:
+    """The hit rate against capacity (vLLM's reported rate in its order), one line per policy and compression.
+
+    The dashed line is the ceiling, the red one ``target``. With compression,
+    each policy has two lines (``LRU`` and ``LRU, fp8-e4m3``) and a second
+    "whole trace fits" mark where the compressed trace fits. ``stamp`` goes into
+    the PNG's ``Source`` text (see :func:`plot_stamp`).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    raw_figure, raw_axes = plt.subplots(figsize=(7.5, 4.5))
+    figure, axes = cast(_Figure, raw_figure), cast(_Axes, raw_axes)
+    curves = dict.fromkeys((report.compression, report.policy) for report in reports)
+    for index, (compression, policy) in enumerate(curves):
+        mine = [report for report in reports if (report.compression, report.policy) == (compression, policy)]
+        marker, linestyle, size, face = _LINE_STYLES[index % len(_LINE_STYLES)]
+        label = policy.upper() if not compression or compression == "none" else f"{policy.upper()}, {compression}"
+        axes.plot(
+            [report.capacity_gib for report in mine],
+            [100 * report.rate(order) for report in mine],
+            marker=marker,
+            linestyle=linestyle,
+            markersize=size,
+            markerfacecolor=face,
+            label=label,
+        )
+    axes.axhline(100 * ceiling, color="grey", linestyle="--", linewidth=1, label="unlimited memory")
+    axes.axhline(100 * target, color="tab:red", linestyle="-", linewidth=1, label=f"target {_percent(target)}")
+    axes.axvline(working_set_gib, color="grey", linestyle=":", linewidth=1, label="whole trace fits")
+    if compressed_working_set_gib is not None:
+        axes.axvline(
+            compressed_working_set_gib, color="grey", linestyle="-.", linewidth=1, label="whole trace fits, compressed"
+        )
+    axes.set_xscale("log", base=2)
+    ticks = sorted({report.capacity_gib for report in reports})
+    axes.set_xticks(ticks, labels=[f"{tick:.3g}" for tick in ticks])
+    axes.minorticks_off()
+    axes.set_xlabel("host memory for the KV cache (GiB, log scale)")
+    if order == "vllm":
+        axes.set_ylabel("hit rate vLLM reports (%): external hits / queries")
+    else:
+        axes.set_ylabel("prompt tokens served from host memory (%)")
+    axes.set_ylim(0, 100)
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(loc="best")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120, metadata={"Source": stamp})
+    plt.close(raw_figure)
+
+
+# --------------------------------------------------------------------------
+# The command
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        geometry = _geometry(args)
+        geometries = [geometry, *_compressed(args, geometry)]
+        order = _call_order(args)
+        source, requests = _load_trace(args, geometry.block_size)
+    except (ValueError, OSError) as error:
+        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
+        return 2
+    stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
+    prepared = prepare(requests)
+    summary = summarize(prepared)
+    capacities: list[int] = args.capacities or default_capacities(geometry, summary.distinct_blocks)
+    too_small = [capacity for capacity in capacities if geometry.blocks_for(capacity) < 1]
+    if too_small:
+        print(
+            f"kvtriton simulate: error: --capacities: {format_bytes(too_small[0])} holds no block of"
+            f" {format_bytes(geometry.bytes_per_block)}",
+            file=sys.stderr,
+        )
+        return 2
+    show_progress = not args.no_progress
+    try:
+        # The ceiling: capacity for every distinct block, so nothing is ever evicted.
+        unlimited, unlimited_engine = order.replay(
+            prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
+        )
+        curves = {
+            each.compression: [
+                PointReport.of(point, each, args.bandwidth)
+                for point in sweep(prepared, each, capacities, args.policies, show_progress=show_progress, order=order)
+            ]
+            for each in geometries
+        }
+    except (ValueError, RuntimeError) as error:  # the engine model refuses a request the GPU cache cannot hold
+        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
+        return 2
+    reports = [report for curve in curves.values() for report in curve]
+    unlimited_rate = unlimited_engine.external_hit_rate if unlimited_engine is not None else unlimited.token_hit_rate
+    tp = args.tensor_parallel_size
+    found = recommend(curves[stored.compression], args.target_hit_rate, order.name, stored, tensor_parallel_size=tp)
+    uncompressed = recommend(curves["none"], args.target_hit_rate, order.name, geometry, tensor_parallel_size=tp)
+    working_set = summary.distinct_blocks * geometry.bytes_per_block
+    stored_working_set = summary.distinct_blocks * stored.stored_bytes_per_block
+    record: dict[str, object] = {
+        "command": "kvtriton simulate",
+        "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "rates": "fractions of 1 (the printed table shows them as percentages)",
+        "source": {"name": source.name, **source.description},
+        "geometry": {
+            "model": geometry.name,
+            "num_layers": geometry.num_layers,
+            "num_kv_heads": geometry.num_kv_heads,
+            "head_dim": geometry.head_dim,
+            "dtype": geometry.dtype.value,
+            "kv_factor": geometry.kv_factor,
+            "block_size": geometry.block_size,
+            "bytes_per_block": geometry.bytes_per_block,
+        },
+        "compression": {
+            "kv_compression": stored.compression,
+            "group_size": stored.compression_group_size,
+            "stored_bytes_per_block": stored.stored_bytes_per_block,
+            "ratio": stored.compression_ratio,
+            "curves": list(curves),
+            "lossy": stored.compression != "none",
+        },
+        "trace": {
+            **asdict(summary),
+            "working_set_bytes": working_set,
+            "working_set_gib": working_set / GIB,
+            "unlimited_block_hit_rate": unlimited.block_hit_rate,
+            "unlimited_token_hit_rate": unlimited.token_hit_rate,
+            "unlimited_external_hit_rate": unlimited_rate,
+            "engine_share": unlimited_engine.engine_share if unlimited_engine is not None else 0.0,
+        },
+        "call_order": asdict(order),
+        "bandwidth_gbps": args.bandwidth,
+        "points": [asdict(report) for report in reports],
+        "recommendation": _recommendation_record(found, stored),
+        **(
+            {"recommendation_uncompressed": _recommendation_record(uncompressed, geometry)}
+            if stored is not geometry
+            else {}
+        ),
+        "elapsed_seconds": time.perf_counter() - started,
+    }
+    lines = [
+        f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
+        f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks",
+        f"geometry  {stored.describe()}",
+    ]
+    compressed_set = ""
+    if stored is not geometry:
+        compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}"
+    lines.append(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
+    if unlimited_engine is not None:
+        lines.append(f"engine    {_describe_engine(order)}")
+        lines.append(
+            f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
+            f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens"
+        )
+    else:
+        lines.append(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
+    for compression, curve in curves.items():
+        lines.append("")
+        if stored is not geometry:
+            lines.append(f"{compression}: {_curve_heading(compression, stored)}")
+        lines += _table(*_rows(curve, order.name)).split("\n")
+    shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
+    if shown.max_admitted_per_step is not None:
+        lines.append("")
+        lines.append(
+            f"admission: up to {shown.max_admitted_per_step} new requests in one step,"
+            f" {shown.mean_admitted_per_step:.1f} on average over the steps that admitted any ({shown.steps} steps,"
+            f" {shown.policy.upper()} {format_bytes(shown.capacity_bytes)}); deferred lookups (a block still being"
+            f" stored or loaded): {shown.pending_stops}; GPU cache evictions: {shown.engine_evictions}"
+        )
+        if shown.preemptions:
+            lines.append(
+                f"preemptions: {shown.preemptions} running requests were preempted for want of GPU blocks and"
+                " started over (vLLM's metrics, and these rates, count their first admission only)"
+            )
+    lines.append("")
+    lines += _recommendation_lines(found, order, stored, unlimited_rate, max(capacities), working_set)
+    if stored is not geometry:
+        lines.append(_uncompressed_line(uncompressed, found, order.name))
+    record["printed"] = lines
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        print(
+            f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
+            file=sys.stderr,
+        )
+        return 2
+    json_path = out_dir / f"simulate-{source.name}.json"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as error:
+        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
+        return 2
+    # The answer first: the plot comes after it, so a missing or failing plot costs only the picture.
+    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
+    written = [json_path]
+    if not args.no_plot:
+        png_path = out_dir / f"simulate-{source.name}.png"
+        title = (
+            f"{source.name} trace, {summary.requests} requests, {geometry.name}"
+            f" ({format_bytes(geometry.bytes_per_block)}/block)"
+        )
+        if order.gpu_blocks is not None:
+            title += f", {order.gpu_blocks} GPU blocks"
+        if stored is not geometry:
+            title += f"; with and without {stored.compression}"
+        compressed_fits = stored_working_set / GIB if stored is not geometry else None
+        try:
+            _plot(
+                png_path,
+                reports,
+                title,
+                unlimited_rate,
+                working_set / GIB,
+                order.name,
+                args.target_hit_rate,
+                compressed_fits,
+                stamp=plot_stamp(record),
+            )
+            written.append(png_path)
+        except ImportError as error:  # matplotlib is optional: vLLM's own environment may not have it
+            print(
+                f"kvtriton simulate: no plot: {error.name or 'matplotlib'} is not installed"
+                " (pip install matplotlib to draw it, --no-plot to skip it)",
+                file=sys.stderr,
+            )
+        except OSError as error:
+            print(f"kvtriton simulate: error: --out {out_dir}: cannot write the plot: {error}", file=sys.stderr)
+            return 2
+    wrote = "wrote " + " and ".join(str(path) for path in written)
+    if args.json:
+        print(wrote, file=sys.stderr)
+    else:
+        print()
+        print(wrote)
+    return 0
+
+
+def _compressed(args: argparse.Namespace, geometry: ModelGeometry) -> list[ModelGeometry]:
+    """The compressed geometry ``--compression`` asks for (none: no second curve); ValueError naming the flag."""
+    compression: str = args.compression
+    if compression == "none":
+        if args.group_size is not None:
+            raise ValueError(f"--group-size {args.group_size} applies only with --compression fp8-e4m3")
+        return []
+    return [geometry.with_compression(compression, args.group_size)]
+
+
+def _curve_heading(compression: str, stored: ModelGeometry) -> str:
+    if compression == "none":
+        return f"uncompressed rows, {format_bytes(stored.bytes_per_block)} per block"
+    passthrough = (
+        " (an fp8 cache passes through unchanged)"
+        if stored.compressed_bytes_per_block == stored.bytes_per_block
+        else ""
+    )
+    return (
+        f"lossy {compression} rows, {format_bytes(stored.stored_bytes_per_block)} per block"
+        f" ({stored.compression_ratio:.3f}x the bytes moved, {1 / stored.compression_ratio:.2f}x the blocks per GiB){passthrough}"
+    )
+
+
+def _uncompressed_line(uncompressed: Recommendation, found: Recommendation, order: str) -> str:
+    """How the recommendation compares with the sweep without compression."""
+    if uncompressed.point is None:
+        return f"without compression: no size tried reaches {_percent(uncompressed.target)}"
+    size = format_bytes(uncompressed.point.capacity_bytes)
+    rate = _percent(uncompressed.point.rate(order))
+    if found.point is None:
+        return f"without compression: {size} with {uncompressed.point.policy.upper()}, {rate}"
+    return f"without compression: {size} with {uncompressed.point.policy.upper()}, {rate} (compressed: {format_bytes(found.point.capacity_bytes)})"
+
+
+def _recommendation_record(found: Recommendation, geometry: ModelGeometry) -> dict[str, object]:
+    return {
+        "kv_compression": geometry.compression,
+        "target_hit_rate": found.target,
+        "rate": found.rate_name,
+        "reached": found.point is not None,
+        "policy": found.point.policy if found.point is not None else None,
+        "capacity_bytes": found.point.capacity_bytes if found.point is not None else None,
+        "kv_connector_extra_config": found.extra_config,
+        "kv_transfer_config": found.kv_transfer_config,
+        "slab_bytes_per_rank": found.slab_bytes_per_rank,
+        "tensor_parallel_size": found.tensor_parallel_size,
+    }
+
+
+def _describe_engine(order: CallOrder) -> str:
+    if order.sequential:
+        arrivals = "one request at a time"
+    elif order.arrivals is not None:
+        arrivals = f"{order.arrivals} arrivals per step"
+    else:
+        arrivals = "all requests at once"
+    parts = [
+        arrivals,
+        f"max_num_seqs {order.max_num_seqs}" if order.max_num_seqs is not None else "no max_num_seqs",
+        f"{order.max_num_batched_tokens} batched tokens",
+        f"{order.gpu_blocks} GPU blocks, prefix cache on" if order.gpu_blocks is not None else "prefix cache off",
+        f"{order.decode_steps} output tokens",
+        f"loads done after {order.load_steps} step(s), stores after {order.store_steps}",
+    ]
+    return ", ".join(parts)
+
+
+def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[list[str]]]:
+    """The table: in vLLM's order, its reported rate and where prompt tokens came from; else the host tier's rates."""
+    if order == "vllm":
+        headers = ["policy", "GiB", "blocks", "vLLM hit", "GPU", "host", "computed", "loaded GiB", "stored GiB",
+                   "evictions", "refused", "load s", "store s"]  # fmt: skip
+        rows = [
+            [
+                report.policy,
+                _gib(report.capacity_bytes),
+                str(report.num_blocks),
+                _percent(report.external_hit_rate),
+                _percent(report.engine_share),
+                _percent(report.offload_share),
+                _percent(report.computed_share),
+                _gib(report.bytes_loaded),
+                _gib(report.bytes_stored),
+                str(report.evictions),
+                str(report.refused_stores),
+                f"{report.load_seconds:.2f}",
+                f"{report.store_seconds:.2f}",
+            ]
+            for report in reports
+        ]
+        return headers, rows
+    headers = ["policy", "GiB", "blocks", "hit blk", "hit tok", "stored GiB", "loaded GiB",
+               "evictions", "refused", "load s", "store s"]  # fmt: skip
+    rows = [
+        [
+            report.policy,
+            _gib(report.capacity_bytes),
+            str(report.num_blocks),
+            _percent(report.block_hit_rate),
+            _percent(report.token_hit_rate),
+            _gib(report.bytes_stored),
+            _gib(report.bytes_loaded),
+            str(report.evictions),
+            str(report.refused_stores),
+            f"{report.load_seconds:.2f}",
+            f"{report.store_seconds:.2f}",
+        ]
+        for report in reports
+    ]
+    return headers, rows

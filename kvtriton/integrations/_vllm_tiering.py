@@ -1,0 +1,694 @@
+"""kvtriton as the primary tier of vLLM 0.33's tiered offloading (``vllm.v1.kv_offload.tiering``).
+
+vLLM's ``TieringOffloadingManager`` puts one *primary* tier (host memory, the
+only tier the GPU reaches) in front of any number of *secondary* tiers
+(``fs``, ``obj``, ``p2p``, out-of-tree tiers by ``module_path``): every chunk
+stored to the primary is cascaded to every secondary tier, and a chunk found
+only in a secondary tier is promoted into the primary before the GPU loads it.
+:class:`KVTritonTieringOffloadingSpec` keeps vLLM's orchestrator and its
+secondary tiers unchanged and replaces the primary: kvtriton's manager decides
+which slot holds which chunk and evicts, kvtriton's Triton kernels move the
+bytes between the GPU and host memory.
+
+Configuration: ``TieringOffloadingSpec``'s keys unchanged (``cpu_bytes_to_use``,
+``block_size`` / ``blocks_per_chunk``, ``eviction_policy``, ``secondary_tiers``,
+``tier_poll_interval_s``, ``backpressure``) plus kvtriton's ``kvtriton_backend``,
+``kvtriton_num_programs`` and ``kvtriton_kv_compression``; docs/tiers.md has a
+complete example.
+
+The pieces:
+
+* :class:`KVTritonPrimaryTier`: the primary-tier contract the orchestrator
+  calls (``prepare_write`` / ``complete_write`` for promotions,
+  ``prepare_read`` / ``complete_read`` for cascades, ``get_kv_memoryview``,
+  ``_num_chunks``) over kvtriton's ``CPUOffloadingManager``;
+* the host memory is one :class:`~kvtriton.worker._shared_region.SharedRegion`
+  in /dev/shm: the scheduler maps it for the secondary tiers, every worker rank
+  writes its bytes of every block row through a strided ``HostSlab``
+  (:meth:`~kvtriton.worker._shared_region.SharedRegion.rank_slab`);
+* a layout tag: with several GPU blocks per chunk kvtriton's chunk bytes are
+  ordered differently from vLLM's, so the secondary tiers see the model name
+  suffixed with :data:`LAYOUT_TAG` and file their chunks under a namespace of
+  their own (a vLLM primary sharing the root only misses, never loads them).
+  With ``kvtriton_kv_compression`` the chunks hold compressed rows and the tag
+  names the compression and its scale group size too (``+fp8-e4m3-g128``),
+  so a compressed and an uncompressed engine never read each other's chunks.
+
+Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
+is installed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import inspect
+import logging
+import math
+import os
+import re
+from collections.abc import Collection, Mapping
+from typing import Any, Protocol, cast
+
+import torch
+from typing_extensions import override
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvtriton._keys import OffloadKey
+from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, ReqContext
+from kvtriton.integrations._vllm_config import (
+    CACHE_POLICY_MODULE_PATH,
+    EVICTION_POLICY,
+    KVTRITON_PAGEABLE_SLAB,
+    KVTritonOffloadConfig,
+    check_budget,
+    check_keys,
+    check_kv_geometry_known,
+    check_vllm_policy,
+    compression_tag,
+    host_row_bytes,
+    is_vllm_policy,
+    kv_dtype,
+    parse_policy,
+)
+from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
+from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.worker._engine import TransferEngine
+from kvtriton.worker._shared_region import RegionLayout, SharedRegion
+from kvtriton.worker._slab import HostSlab, SlabPinningError
+
+__all__ = [
+    "LAYOUT_TAG",
+    "ChunkRegion",
+    "KVTritonPrimaryTier",
+    "KVTritonTieringOffloadingSpec",
+    "KVTritonTieringWorker",
+    "build_primary_tier",
+    "layout_tag",
+    "region_name",
+]
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_TAG = "kvtriton-block-rows-v1"
+"""Appended to the model name the secondary tiers see when a chunk holds several GPU blocks.
+
+vLLM's secondary tiers name their storage after the model, dtype, parallelism
+and chunk size (``vllm.v1.kv_offload.file_mapper.FileMapper``), not after the
+byte order inside a chunk. kvtriton orders a multi-block chunk block by block
+(each block row holds every rank's bytes of one block); vLLM orders it rank by
+rank. The tag keeps the two apart; bump its version if the order ever changes.
+With compression :func:`layout_tag` appends the compression's tag.
+"""
+
+
+def layout_tag(*, vllm_rows: bool, compression: str | None) -> str | None:
+    """The namespace tag of the chunks the secondary tiers store; None when they are vLLM's own bytes.
+
+    ``vllm_rows``: one block per chunk and one KV cache group, where
+    kvtriton's uncompressed chunk is byte for byte vLLM's; ``compression``:
+    :func:`~kvtriton.integrations._vllm_config.compression_tag` (None: off).
+    """
+    if compression is None:
+        return None if vllm_rows else LAYOUT_TAG
+    return f"{LAYOUT_TAG}+{compression}"
+
+
+_TIER_PACKAGES: dict[str, tuple[str, str]] = {
+    "obj": ("nixl", "pip install nixl (NIXL with its OBJ plugin)"),
+    "p2p": ("nixl", "pip install nixl"),
+    "kvcr": ("kvcr", "pip install kvcr"),
+}
+"""Built-in tier types whose manager needs a package vLLM does not install, with how to get it."""
+
+
+def _keys(keys: Collection[vllm_base.OffloadKey]) -> Collection[OffloadKey]:
+    # The same bytes under two NewTypes (see kvtriton.integrations._vllm_manager).
+    return cast("Collection[OffloadKey]", keys)
+
+
+def _vllm_slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
+    """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec``: the orchestrator asserts that class and reads ``chunk_ids``."""
+    if not isinstance(spec, CPULoadStoreSpec):
+        raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
+    return VLLMCPULoadStoreSpec(spec.slot_list())
+
+
+def _tier_context(req_context: vllm_base.ReqContext) -> ReqContext:
+    """A kvtriton context for a copy between tiers: the request's id, but none of its access record.
+
+    kvtriton's manager ranks a request's keys from what the request itself
+    loads and stores (``kvtriton.manager._request_access``); a cascade or a
+    promotion is the tiers' traffic, not the request's, so it must not count.
+    """
+    return ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
+
+
+def region_name(engine_id: str) -> str:
+    """The shared region's name for an engine (one per engine and data-parallel replica); safe as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id) or "engine"
+
+
+class ChunkRegion(Protocol):
+    """The host memory a primary tier hands the secondary tiers: kvtriton's ``SharedRegion``, or any region alike."""
+
+    def chunk_memoryview(self) -> memoryview:
+        """The chunks as a ``(num_chunks, chunk_bytes)`` memoryview."""
+        ...
+
+    def close(self) -> None:
+        """Unmap (the last process to close removes it)."""
+        ...
+
+
+class _VLLMRegionView:
+    """A :class:`ChunkRegion` as vLLM's ``CPUPrimaryTierOffloadingManager`` reads its ``mmap_region``."""
+
+    def __init__(self, region: ChunkRegion) -> None:
+        self._region = region
+
+    def create_kv_memoryview(self) -> memoryview:
+        return self._region.chunk_memoryview()
+
+    def cleanup(self) -> None:
+        self._region.close()
+
+
+class KVTritonPrimaryTier(VLLMOffloadingManager):
+    """The primary tier ``TieringOffloadingManager`` drives, answered by kvtriton's ``CPUOffloadingManager``.
+
+    Besides vLLM's manager interface (inherited) it offers what the
+    orchestrator calls on its primary:
+
+    * ``prepare_write`` / ``complete_write``: a promotion takes slots that stay
+      pending (``lookup`` answers ``HIT_PENDING``, never evicted) until the
+      secondary tier has written them; a failed write frees them at once;
+    * ``prepare_read`` / ``complete_read``: a cascade pins chunks without
+      counting an access (the request's own loads do that); pins stack, so two
+      tiers reading one chunk and a GPU load keep it until the last one ends;
+    * ``lookup`` answers HIT, HIT_PENDING or MISS, never RETRY: the
+      orchestrator asks the secondary tiers only on MISS;
+    * ``get_kv_memoryview``: the region's chunks, ``(num_chunks, chunk_bytes)``;
+    * ``_num_chunks``: read by the orchestrator for its occupancy metrics.
+    """
+
+    reports_occupancy = False  # vLLM's tiering spec does not declare kvtriton's occupancy gauge
+
+    def __init__(self, cpu: CPUOffloadingManager, info: CPUOffloadingInfo, region: ChunkRegion) -> None:
+        super().__init__(cpu, cpu, info)
+        self._region = region
+        self._num_chunks: int = cpu.capacity
+        self._kv_memoryview = region.chunk_memoryview()
+
+    @property
+    def region(self) -> ChunkRegion:
+        """The shared host region the tiers copy from and to."""
+        return self._region
+
+    def get_kv_memoryview(self) -> memoryview:
+        """The region's chunks as a ``(num_chunks, chunk_bytes)`` memoryview; chunk ``c`` starts at ``c * chunk_bytes``."""
+        return self._kv_memoryview
+
+    def prepare_read(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> VLLMCPULoadStoreSpec:
+        """Pin ready chunks for a copy to a secondary tier; no access is recorded (recency stays the request's)."""
+        return _vllm_slot_spec(self.backing.prepare_load(_keys(keys), _tier_context(req_context)))
+
+    def complete_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
+        """Drop the pins of one ``prepare_read``."""
+        self.backing.complete_load(_keys(keys), _tier_context(req_context))
+
+    def prepare_write(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.PrepareStoreOutput | None:
+        """Take slots for chunks promoted from a secondary tier (pending until ``complete_write``); None when full.
+
+        The promotion is the request's store, as in vLLM (its ``prepare_write`` is ``prepare_store``).
+        """
+        return self.prepare_store(keys, req_context)
+
+    def complete_write(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True
+    ) -> None:
+        """Make promoted chunks loadable, or (``success=False``) free their slots."""
+        self.complete_store(keys, req_context, success)
+
+    @override
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._kv_memoryview = memoryview(b"")
+            self._region.close()
+
+
+def build_primary_tier(
+    num_chunks: int,
+    region: ChunkRegion,
+    *,
+    eviction_policy: str,
+    cache_policy_module_path: str | None,
+    enable_events: bool,
+    info: CPUOffloadingInfo,
+) -> vllm_base.OffloadingManager:
+    """The primary tier over ``region``'s ``num_chunks`` chunks, as :class:`KVTritonTieringOffloadingSpec` builds it.
+
+    kvtriton's :class:`KVTritonPrimaryTier` for kvtriton's policies; for any
+    other ``eviction_policy``, or one loaded by ``cache_policy_module_path``,
+    vLLM's own ``CPUPrimaryTierOffloadingManager`` with that policy over the
+    same region (kvtriton's workers then only write the chunks it assigns).
+    On failure ``region`` is left open (the caller owns it).
+    """
+    policy, module_path = parse_policy(
+        {EVICTION_POLICY: eviction_policy, CACHE_POLICY_MODULE_PATH: cache_policy_module_path}
+    )
+    if is_vllm_policy(policy, module_path):
+        check_vllm_policy(policy, module_path)
+        return CPUPrimaryTierOffloadingManager(
+            num_chunks=num_chunks,
+            mmap_region=_VLLMRegionView(region),  # pyright: ignore[reportArgumentType] -- vLLM reads only create_kv_memoryview and cleanup
+            cache_policy=policy,
+            cache_policy_module_path=module_path,
+            enable_events=enable_events,
+            info=info,
+        )
+    cpu = CPUOffloadingManager(num_chunks, cache_policy=policy, enable_events=enable_events)
+    return KVTritonPrimaryTier(cpu, info, region)
+
+
+class KVTritonTieringWorker(VLLMOffloadingWorker):
+    """vLLM's worker interface over kvtriton's engines, writing this rank's part of the shared region."""
+
+    def __init__(
+        self, engines: list[TransferEngine], slab: HostSlab, kv_of_group: tuple[int | None, ...], region: SharedRegion
+    ) -> None:
+        super().__init__(engines, slab, kv_of_group)
+        self._region = region
+
+    @override
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._region.close()
+
+
+def _tier_label(index: int, tier_config: object) -> str:
+    kind = cast("dict[str, object]", tier_config).get("type") if isinstance(tier_config, dict) else None
+    return f"secondary_tiers[{index}] (type {kind!r})"
+
+
+_SIMPLE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "None": ((type(None),), "null"),
+}
+"""The JSON value types a tier parameter annotated with these names takes (``int`` excludes ``bool``), and in words."""
+
+
+def _json_types(annotation: object) -> tuple[tuple[type, ...], str] | None:
+    """The value types a tier parameter's annotation allows, and their description, for ``int``, ``float``,
+    ``bool``, ``str`` and their ``X | None``; None for any other annotation (not checked: the constructor judges it).
+
+    Annotations are often strings (``from __future__ import annotations``), so their text is read rather than
+    evaluated: evaluating would import the names a tier module keeps under ``TYPE_CHECKING``.
+    """
+    if annotation is inspect.Parameter.empty:
+        return None
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or str(annotation)
+    accepted: tuple[type, ...] = ()
+    words: list[str] = []
+    for part in text.split("|"):
+        simple = _SIMPLE_TYPES.get(part.strip())
+        if simple is None:
+            return None
+        accepted += simple[0]
+        words.append(simple[1])
+    return accepted, " or ".join(words)
+
+
+def _check_tier_values(label: str, config: dict[str, Any], parameters: Mapping[str, inspect.Parameter]) -> None:
+    """One line naming a tier key whose JSON value has the wrong type (``"n_read_threads": "4"``), before the tier
+    is built: the constructor would fail later, in the scheduler, with a bare TypeError naming neither."""
+    for name, parameter in parameters.items():
+        if name not in config:
+            continue
+        expected = _json_types(parameter.annotation)
+        value: object = config[name]
+        if expected is not None and type(value) not in expected[0]:
+            raise TypeError(f"{label} key {name!r} must be {expected[1]}, got {type(value).__name__} {value!r}")
+
+
+def _check_backpressure(where: str, value: object) -> None:
+    """vLLM merges ``backpressure`` into a dict field by field: anything but a mapping fails with a bare error."""
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(
+            f"{where} must be a mapping of back-pressure settings (with 'backpressure_cls', see vLLM's "
+            f"tiering/backpressure.py), got {type(value).__name__} {value!r}"
+        )
+
+
+def _check_poll_interval(extra_config: Mapping[str, object]) -> None:
+    """``tier_poll_interval_s``: seconds >= 0 (0 turns vLLM's tier-poll thread off); vLLM itself takes any float."""
+    if "tier_poll_interval_s" not in extra_config:
+        return
+    raw = extra_config["tier_poll_interval_s"]
+    value = float("nan")
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            pass
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            "kv_connector_extra_config['tier_poll_interval_s'] must be a number of seconds >= 0 (0 turns vLLM's "
+            f"tier-poll thread off), got {type(raw).__name__} {raw!r}"
+        )
+
+
+def _tier_failure(label: str, config: Mapping[str, Any], error: Exception) -> Exception:
+    """``error``, raised while vLLM built a tier, restated with the tier and (for a path) the key it came from."""
+    if isinstance(error, OSError):
+        failed = os.fsdecode(error.filename) if isinstance(error.filename, (str, bytes)) else None
+        keys = [
+            key for key, value in config.items()
+            if isinstance(value, str) and value and failed is not None
+            and (failed == value or failed.startswith(value.rstrip("/") + "/"))
+        ]  # fmt: skip
+        where = f"{label} key {keys[0]!r}={config[keys[0]]!r}" if keys else label
+        return ValueError(f"{where}: the tier cannot use it ({error.strerror or error}: {failed or '?'})")
+    if isinstance(error, ImportError):
+        return ImportError(f"{label}: {error}")
+    if isinstance(error, TypeError):
+        return TypeError(f"{label}: {error}")
+    return ValueError(f"{label}: {error}")
+
+
+_FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
+"""A tier constructor's parameters vLLM's SecondaryTierFactory fills itself (not keys of the tier's config)."""
+
+_FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
+"""Keys of a tier's config vLLM's SecondaryTierFactory consumes before calling the constructor."""
+
+
+def _check_tier_keys(label: str, config: dict[str, Any], tier_cls: type[SecondaryTierManager]) -> None:
+    """One line naming a missing or unknown key of a tier's config, instead of the constructor's raw TypeError."""
+    try:
+        parameters = inspect.signature(tier_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    missing = [
+        name
+        for name, parameter in parameters.items()
+        if name not in _FACTORY_ARGUMENTS
+        and parameter.default is inspect.Parameter.empty
+        and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and name not in config
+    ]
+    if missing:
+        raise ValueError(f"{label} is missing the required key {missing[0]!r} ({tier_cls.__name__} needs it)")
+    _check_backpressure(f"{label} key 'backpressure'", config.get("backpressure"))
+    _check_tier_values(label, config, {name: p for name, p in parameters.items() if name not in _FACTORY_ARGUMENTS})
+    if takes_any:
+        return
+    accepted = set(parameters) - _FACTORY_ARGUMENTS
+    unknown = sorted(key for key in config if key not in accepted and key not in _FACTORY_KEYS)
+    if unknown:
+        raise ValueError(f"{label} has unknown key {unknown[0]!r}; {tier_cls.__name__} takes {sorted(accepted)}")
+
+
+def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]:
+    """The manager class of one secondary tier, or an error saying what to fix."""
+    label = _tier_label(index, tier_config)
+    if not isinstance(tier_config, dict):
+        raise ValueError(f"secondary_tiers[{index}] must be a mapping with a 'type', got {tier_config!r}")
+    config = cast("dict[str, Any]", tier_config)
+    kind = config.get("type")
+    module_path = config.get("module_path")
+    try:
+        tier_cls = SecondaryTierFactory.get_tier_class(config)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+    except ModuleNotFoundError as error:
+        missing = error.name or str(error)
+        if module_path is not None and (missing == module_path or str(module_path).startswith(missing + ".")):
+            raise ImportError(
+                f"{label}: module_path {module_path!r} cannot be imported ({error}); install the package that "
+                f"provides it or fix the path"
+            ) from error
+        hint = _TIER_PACKAGES.get(str(kind), (missing, f"pip install {missing}"))[1]
+        raise ImportError(f"{label} needs the Python package {missing!r}, which is not installed: {hint}") from error
+    except AttributeError as error:
+        raise ImportError(f"{label}: module {module_path!r} has no class {kind!r} ({error})") from error
+    except AssertionError as error:
+        raise TypeError(f"{label}: {module_path}.{kind} is not a vLLM SecondaryTierManager subclass") from error
+    except ValueError as error:
+        raise ValueError(f"{label}: {error}") from error
+    package = _TIER_PACKAGES.get(str(kind))
+    if package is not None and module_path is None and importlib.util.find_spec(package[0]) is None:
+        raise ImportError(
+            f"{label} needs the Python package {package[0]!r}, which is not installed: {package[1]}; "
+            "or remove this tier from secondary_tiers"
+        )
+    _check_tier_keys(label, config, tier_cls)
+    return tier_cls
+
+
+def _compressed(settings: KVTritonOffloadConfig) -> str:
+    compression = settings.kv_compression.value
+    return "" if compression == "none" else f" compressed ({compression})"
+
+
+def _rows_are_vllms(groups: GroupPages, kv_caches: vllm_base.CanonicalKVCaches) -> bool:
+    """Whether a block row holds exactly what vLLM's CPU worker copies: every tensor's whole page, in order."""
+    if len(groups.kvs) != 1:
+        return False
+    return groups.kvs[0].page_bytes == [tensor.page_size_bytes for tensor in kv_caches.tensors]
+
+
+class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
+    """vLLM's ``TieringOffloadingSpec`` with kvtriton as the primary tier (see the module docstring).
+
+    vLLM builds it once in the scheduler process (:meth:`get_manager`: the
+    orchestrator, kvtriton's primary tier, the secondary tiers) and once per
+    worker rank (:meth:`get_worker`: kvtriton's engine writing this rank's
+    part of the shared region). Every error a configuration can cause is
+    raised here, before anything is allocated, naming the key and the value.
+    """
+
+    @classmethod
+    @override
+    def _get_secondary_tiers(
+        cls, extra_config: dict[str, Any]
+    ) -> list[tuple[dict[str, Any], type[SecondaryTierManager]]]:
+        tier_configs = extra_config.get("secondary_tiers", [])
+        if not isinstance(tier_configs, list):
+            raise ValueError(f"secondary_tiers must be a list of tier configurations, got {tier_configs!r}")
+        configs = cast("list[object]", tier_configs)
+        return [(cast("dict[str, Any]", config), _resolve_tier(index, config)) for index, config in enumerate(configs)]
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        extra = config.extra_config
+        # Parsed first: a bad or missing key is reported as kvtriton reports it,
+        # before vLLM's parent classes read the same keys.
+        check_keys(extra, tiered=True)
+        settings = KVTritonOffloadConfig.from_extra_config(extra)
+        _check_poll_interval(extra)
+        _check_backpressure("kv_connector_extra_config['backpressure']", extra.get("backpressure"))
+        if settings.filters_reuse:
+            raise ValueError(
+                f"kv_connector_extra_config['store_threshold']={extra['store_threshold']!r}: the tiered spec stores "
+                "every chunk (vLLM's TieringOffloadingSpec does not support store_threshold either); remove it"
+            )
+        check_kv_geometry_known(
+            canonical_layout=config.canonical_layout,
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            host_memory="the shared host region",
+        )
+        blocks_per_chunk = config.cache.blocks_per_chunk
+        dtype = kv_dtype(config.model.dtype, settings.kv_compression)
+        row_bytes = host_row_bytes(
+            config.worker_kv_bytes_per_block, dtype, [group.layer_names for group in config.groups]
+        )
+        row_stride = RegionLayout.block_row_stride_for(blocks_per_chunk, config.parallel.world_size, row_bytes)
+        # One region on this host holds every rank's bytes: the whole budget must fit its RAM.
+        check_budget(settings.cpu_bytes_to_use, slot_bytes=blocks_per_chunk * row_stride, world_size=1, slot="chunk")
+        self._get_secondary_tiers(dict(extra))
+        super().__init__(config)
+        # Every rank keeps its own copy of replicated (MLA) KV: the region has
+        # a place for each rank, and each rank's worker stores its own bytes.
+        self.replicated_layout = False
+        self._kvtriton_worker: KVTritonTieringWorker | None = None
+        self.settings: KVTritonOffloadConfig = settings
+        """The parsed ``kv_connector_extra_config`` (kvtriton's keys)."""
+        self.kv_dtype: torch.dtype | None = dtype
+        """The KV cache's element dtype, which compression reads the byte pages as; None without compression."""
+        self.region_layout: RegionLayout = RegionLayout.for_budget(
+            settings.cpu_bytes_to_use, self.blocks_per_chunk, config.parallel.world_size, row_bytes
+        )
+        """Where every rank's bytes of every chunk sit in the shared region."""
+        layout = self.region_layout
+        # The attributes vLLM's parent classes derived from their own layout,
+        # restated for kvtriton's (equal to theirs with one block per chunk).
+        self.num_chunks = layout.num_chunks
+        self.kv_bytes_per_chunk = layout.chunk_bytes
+        self.cpu_page_size_per_worker = layout.rank_row_bytes * layout.block_size_factor
+        self.cpu_info = CPUOffloadingInfo.from_config(config, layout.num_chunks, layout.chunk_bytes)
+        # kvtriton's row is vLLM's only for one block per chunk and one KV cache
+        # group (with several groups a kvtriton slot holds one group's pages).
+        vllm_rows = layout.block_size_factor == 1 and len(config.groups) == 1
+        self.layout_tag: str | None = layout_tag(
+            vllm_rows=vllm_rows, compression=compression_tag(settings.kv_compression)
+        )
+        """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
+        logger.info(
+            "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
+            "kv_compression=%s%s",
+            config.parallel.rank, config.parallel.world_size, layout.describe(), len(self.secondary_tier_configs),
+            settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
+            f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
+        )  # fmt: skip
+        if settings.uses_vllm_policy:
+            logger.info(
+                "eviction_policy %r is not kvtriton's: vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts "
+                "the primary tier with %s, kvtriton's workers move the bytes",
+                settings.eviction_policy,
+                check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path),
+            )
+
+    @property
+    def expected_mappers(self) -> int:
+        """Processes that map the region: the scheduler and every worker rank."""
+        return self.config.parallel.world_size + 1
+
+    def _open_region(self) -> SharedRegion:
+        return SharedRegion(region_name(self.config.engine_id), self.region_layout, self.expected_mappers)
+
+    def tier_facing_spec(self) -> TieringOffloadingSpec:
+        """The spec the secondary tiers are built with: this one, its model name tagged when the layout differs from vLLM's."""
+        if self.layout_tag is None:
+            return self
+        tagged = copy.copy(self)
+        model = dataclasses.replace(self.config.model, name=f"{self.config.model.name}@{self.layout_tag}")
+        tagged.config = dataclasses.replace(self.config, model=model)
+        return tagged
+
+    @override
+    def get_manager(self) -> vllm_base.OffloadingManager:
+        if self._manager is not None:
+            return self._manager
+        region = self._open_region()
+        primary: vllm_base.OffloadingManager | None = None
+        tiers: list[SecondaryTierManager] = []
+        try:
+            primary = build_primary_tier(
+                self.num_chunks,
+                region,
+                eviction_policy=self.settings.eviction_policy,
+                cache_policy_module_path=self.settings.cache_policy_module_path,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                info=self.cpu_info,
+            )
+            view = cast("KVTritonPrimaryTier | CPUPrimaryTierOffloadingManager", primary).get_kv_memoryview()
+            tier_spec = self.tier_facing_spec()
+            for index, tier_config in enumerate(self.secondary_tier_configs):
+                try:
+                    tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+                except (OSError, ImportError, TypeError, ValueError) as error:
+                    label = _tier_label(index, tier_config)
+                    raise _tier_failure(label, cast("dict[str, Any]", tier_config), error) from error
+                tiers.append(tier)
+                logger.info("created secondary tier #%d (%s)", index, tier.tier_type)
+            manager = TieringOffloadingManager(
+                # The orchestrator is typed for vLLM's CPU primary; KVTritonPrimaryTier
+                # offers every method and attribute it uses (see the class docstring).
+                primary_tier=primary,  # pyright: ignore[reportArgumentType] -- duck-typed primary, checked by tests/integrations/test_tiering_contract.py
+                secondary_tiers=tiers,
+                tier_poll_interval_s=self.tier_poll_interval_s,
+            )
+        except BaseException:
+            for tier in reversed(tiers):
+                try:
+                    tier.shutdown()
+                except Exception:
+                    logger.exception("failed to shut down a secondary tier while cleaning up")
+            if primary is not None:
+                primary.shutdown()
+            else:
+                region.close()
+            raise
+        self._manager = manager
+        return manager
+
+    @override
+    def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
+        if self._kvtriton_worker is not None:
+            return self._kvtriton_worker
+        groups = GroupPages.from_canonical(kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype)
+        layout = self.region_layout
+        rank = self.config.parallel.rank
+        if groups.row_bytes > layout.rank_row_bytes:
+            raise ValueError(
+                f"rank {rank}'s KV tensors hold {groups.row_bytes} bytes per block{_compressed(self.settings)}, but "
+                f"the shared region gives each rank {layout.rank_row_bytes} (from vLLM's worker_kv_bytes_per_block): "
+                "pipeline stages must hold the same "
+                "layers per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
+            )
+        if self.layout_tag is None and not _rows_are_vllms(groups, kv_caches):
+            # The scheduler could not see this (page padding is known to the
+            # workers only) and files chunks under vLLM's own namespace.
+            logger.warning(
+                "rank %d: this model's KV pages are padded or partly referenced, so kvtriton's chunk bytes differ "
+                "from vLLM's CPU primary's although one chunk is one GPU block: do not share this engine's "
+                "secondary tiers (fs root, bucket, peers) with an instance whose primary is vLLM's own",
+                rank,
+            )
+        region = self._open_region()
+        slab: HostSlab | None = None
+        engines: list[TransferEngine] = []
+        try:
+            slab = self._rank_slab(region, rank, groups.device)
+            for kv in groups.kvs:
+                engines.append(
+                    TransferEngine(
+                        kv,
+                        slab,
+                        self.settings.backend,
+                        num_programs=self.settings.num_programs,
+                        kv_compression=self.settings.kv_compression,
+                    )
+                )
+        except BaseException:
+            for engine in engines:
+                engine.shutdown()
+            if slab is not None:
+                slab.close()
+            region.close()
+            raise
+        made = KVTritonTieringWorker(engines, slab, groups.kv_of_group, region)
+        self._kvtriton_worker = made
+        return made
+
+    def _rank_slab(self, region: SharedRegion, rank: int, device: torch.device) -> HostSlab:
+        """This rank's slab over the region: pinned for a CUDA KV cache (or a one-line error), pageable off CUDA."""
+        if device.type != "cuda":
+            return region.rank_slab(rank, pin=False)
+        try:
+            return region.rank_slab(rank, allow_pageable=self.settings.pageable_slab)
+        except SlabPinningError as error:
+            raise SlabPinningError(
+                f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
+            ) from error

@@ -1,0 +1,469 @@
+"""vLLM's worker-side ``OffloadingWorker``, carried out by kvtriton's ``TransferEngine``.
+
+vLLM hands the worker its KV cache as ``CanonicalKVCaches``: one int8
+``(num_blocks, page_size_bytes)`` view per distinct cache tensor, plus, per KV
+cache group, which tensors the group's layers use and how many bytes of each
+page are real (``CanonicalKVCacheRef.page_size_bytes``: a page may be padded
+so that groups of different kinds share one block size in bytes).
+
+A group's blocks move only what the group owns, as vLLM's own CPU worker
+does: the pages of the tensors the group references, each cut to its
+unpadded size. :class:`GroupPages` turns the references into one
+:class:`~kvtriton.worker._layout.PagedKV` per distinct reference set, and the
+worker runs one ``TransferEngine`` per ``PagedKV``, all over one host slab.
+A slot holds one group's chunk (vLLM keys offloaded blocks by group), so a
+slab row is sized for the largest group and a smaller group leaves the end of
+its rows unused. A vLLM job whose groups map to several engines is split into
+one part per engine and reported once, when every part has finished. In the
+common case (every group references every tensor in full, as in vLLM's
+hybrid allocator with shared tensors) there is one engine and a job is passed
+through unsplit.
+
+With ``kvtriton_kv_compression`` (lossy, off by default) every group's pages
+are read as the KV cache's dtype (vLLM's views are bytes) and each tensor is
+compressed at its unpadded size: a row holds that group's codes and scales,
+and a job's ``transfer_size`` counts the compressed bytes it moved.
+
+Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
+is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from typing_extensions import override
+from vllm.v1.kv_offload import base as vllm_base
+
+from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.kernels._compression import KVCompression
+from kvtriton.worker._engine import TransferEngine
+from kvtriton.worker._layout import KVLayout, PagedKV
+from kvtriton.worker._slab import HostSlab
+
+__all__ = ["GroupPages", "VLLMOffloadingWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+def _tensor_name(index: int) -> str:
+    return f"kv_caches.tensors[{index}]"
+
+
+def _checked_tensors(kv_caches: vllm_base.CanonicalKVCaches) -> list[torch.Tensor]:
+    """``kv_caches.tensors`` as tensors, each checked against its declared (padded) page size."""
+    if not kv_caches.tensors:
+        raise ValueError("kv_caches.tensors is empty: vLLM registered no KV cache tensors")
+    tensors: list[torch.Tensor] = []
+    for index, canonical in enumerate(kv_caches.tensors):
+        tensor = canonical.tensor
+        if tensor.ndim != 2 or tensor.shape[1] * tensor.element_size() != canonical.page_size_bytes:
+            raise ValueError(
+                f"{_tensor_name(index)} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, which does not "
+                f"match its page_size_bytes={canonical.page_size_bytes}"
+            )
+        tensors.append(tensor)
+    return tensors
+
+
+def _group_refs(
+    kv_caches: vllm_base.CanonicalKVCaches, group: int, tensors: Sequence[torch.Tensor]
+) -> tuple[tuple[int, int], ...]:
+    """Group ``group``'s ``(tensor index, unpadded page bytes)`` references, checked, in vLLM's order.
+
+    A tensor referenced twice by one group (two of its layers aliasing the
+    same bytes) is copied once, at the larger of the two sizes: copying it
+    twice would move the same bytes twice.
+    """
+    sizes: dict[int, int] = {}
+    for ref in kv_caches.group_data_refs[group]:
+        where = f"kv_caches.group_data_refs[{group}]"
+        if not 0 <= ref.tensor_idx < len(tensors):
+            raise ValueError(f"{where} references tensor {ref.tensor_idx}, but there are {len(tensors)} tensors")
+        padded = kv_caches.tensors[ref.tensor_idx].page_size_bytes
+        element = tensors[ref.tensor_idx].element_size()
+        if not 1 <= ref.page_size_bytes <= padded or ref.page_size_bytes % element:
+            raise ValueError(
+                f"{where} uses {ref.page_size_bytes} bytes of each page of {_tensor_name(ref.tensor_idx)}, "
+                f"whose pages hold {padded} bytes of {element}-byte elements (expected a multiple of {element} "
+                f"in 1..{padded})"
+            )
+        sizes[ref.tensor_idx] = max(sizes.get(ref.tensor_idx, 0), ref.page_size_bytes)
+    return tuple(sizes.items())
+
+
+def _as_dtype(index: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A byte page tensor viewed as the KV cache's ``dtype`` (compression reads values, not bytes)."""
+    if tensor.dtype == dtype:
+        return tensor
+    problem = ValueError(
+        f"{_tensor_name(index)} ({tuple(tensor.shape)} {tensor.dtype}, strides {tensor.stride()}) cannot be read "
+        f"as {dtype} pages for kv_compression: expected byte pages of whole {dtype.itemsize}-byte elements"
+    )
+    if tensor.element_size() != 1 or tensor.shape[1] % dtype.itemsize:
+        raise problem
+    try:
+        return tensor.view(dtype)
+    except RuntimeError as error:  # a block stride or offset that is not a whole number of elements
+        raise problem from error
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPages:
+    """What every KV cache group moves: the page tensors it references, cut to their unpadded size.
+
+    ``kvs`` holds one :class:`PagedKV` per distinct set of references;
+    ``kv_of_group[g]`` is the index in ``kvs`` of group ``g``'s pages, or None
+    when the group references no tensor (its blocks move nothing).
+    ``group_row_bytes[g]`` is what one block of group ``g`` moves (its
+    compressed row with compression).
+    """
+
+    kvs: tuple[PagedKV, ...]
+    kv_of_group: tuple[int | None, ...]
+    group_row_bytes: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        """The bytes of one slab row: one block of the largest group."""
+        return max(kv.row_bytes for kv in self.kvs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kvs[0].device
+
+    @classmethod
+    def from_canonical(
+        cls,
+        kv_caches: vllm_base.CanonicalKVCaches,
+        *,
+        kv_compression: KVCompression = KVCompression.NONE,
+        dtype: torch.dtype | None = None,
+    ) -> GroupPages:
+        """Read vLLM's canonical KV caches; raises ``ValueError`` naming the tensor or group that is inconsistent.
+
+        Refused: no tensors or no groups, a tensor view that contradicts its
+        declared page size, a reference to a tensor that does not exist or to
+        more bytes than its pages hold, and no group referencing any tensor.
+        With ``kv_compression`` the byte pages are read as ``dtype`` (the KV
+        cache's, required then) and every group's pages compress at their
+        unpadded size.
+        """
+        tensors = _checked_tensors(kv_caches)
+        if kv_compression is not KVCompression.NONE:
+            if dtype is None:
+                raise ValueError(f"kv_compression={kv_compression.value!r} needs the KV cache dtype, got dtype=None")
+            tensors = [_as_dtype(index, tensor, dtype) for index, tensor in enumerate(tensors)]
+        if not kv_caches.group_data_refs:
+            raise ValueError("kv_caches.group_data_refs is empty: vLLM offloads no KV cache group")
+        kv_index_of_refs: dict[tuple[tuple[int, int], ...], int] = {}
+        kvs: list[PagedKV] = []
+        kv_of_group: list[int | None] = []
+        group_row_bytes: list[int] = []
+        for group in range(len(kv_caches.group_data_refs)):
+            refs = _group_refs(kv_caches, group, tensors)
+            if not refs:
+                kv_of_group.append(None)
+                group_row_bytes.append(0)
+                continue
+            if refs not in kv_index_of_refs:
+                pages = {
+                    _tensor_name(index): tensors[index][:, : size // tensors[index].element_size()]
+                    for index, size in refs
+                }
+                kv_index_of_refs[refs] = len(kvs)
+                kvs.append(PagedKV.from_tensors(pages, layout=KVLayout.PAGES, kv_compression=kv_compression))
+            kv_of_group.append(kv_index_of_refs[refs])
+            group_row_bytes.append(kvs[kv_index_of_refs[refs]].row_bytes)
+        if not kvs:
+            raise ValueError("no group in kv_caches.group_data_refs references a tensor: there is nothing to offload")
+        return cls(kvs=tuple(kvs), kv_of_group=tuple(kv_of_group), group_row_bytes=tuple(group_row_bytes))
+
+
+def _slot_spec(spec: vllm_base.LoadStoreSpec) -> CPULoadStoreSpec | None:
+    """vLLM's slot spec (its ``CPULoadStoreSpec``: block ids are slots) as kvtriton's; None if not one."""
+    if not isinstance(spec, vllm_base.BlockIDsLoadStoreSpec) or isinstance(spec, vllm_base.GPULoadStoreSpec):
+        return None
+    return CPULoadStoreSpec(spec.block_ids)
+
+
+def _vllm_result(job_id: int, success: bool, size: int, seconds: float) -> vllm_base.TransferResult:
+    return vllm_base.TransferResult(
+        job_id=job_id, success=success, transfer_size=size if success else 0, transfer_time=seconds
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The share of one vLLM job that one engine runs: the job's groups whose pages that engine moves."""
+
+    engine: int
+    gpu: GPULoadStoreSpec
+    slots: CPULoadStoreSpec
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A vLLM job whose parts are in flight; reported once the last one finishes."""
+
+    parts_left: int
+    success: bool = True
+    size: int = 0
+    seconds: float = 0.0
+    abandoned: bool = False
+    """A later part was refused: the submitted parts are drained and nothing is reported."""
+
+
+class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
+    """vLLM's worker interface over kvtriton ``TransferEngine``s (one per group page set) and their ``HostSlab``.
+
+    ``engine_of_group[g]`` is the index in ``engines`` of the engine that
+    moves group ``g``'s pages (None: the group moves nothing). The worker owns
+    the engines and the slab: :meth:`shutdown` waits for the jobs in flight and
+    releases (unpins) the slab. A job that cannot run (bad ids, wrong spec
+    type) makes ``submit_*`` return False, which vLLM treats as fatal; nothing
+    of it is reported.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[TransferEngine],
+        slab: HostSlab,
+        engine_of_group: Sequence[int | None] | None = None,
+    ) -> None:
+        if not engines:
+            raise ValueError("engines must hold at least one TransferEngine, got none")
+        groups = list(engine_of_group) if engine_of_group is not None else [0]
+        for group, engine in enumerate(groups):
+            if engine is not None and not 0 <= engine < len(engines):
+                raise ValueError(f"engine_of_group[{group}] is {engine}, but there are {len(engines)} engines")
+        self._engines = list(engines)
+        self._engine_of_group = groups
+        self._slab = slab
+        self._block_size_factor = slab.block_size_factor
+        self._num_gpu_blocks = min(engine.kv.num_blocks for engine in engines)
+        # One engine moving every group: jobs pass through unsplit (the hot path).
+        self._single_engine = len(engines) == 1 and all(engine == 0 for engine in groups)
+        self._pending: dict[int, _Pending] = {}
+        """Jobs split into several parts, until their last part is reported."""
+        self._finished_empty: list[vllm_base.TransferResult] = []
+        self._unreported: set[int] = set()
+        """Every job id accepted and not yet reported (an abandoned job's stays until its parts drain)."""
+
+    @property
+    def engines(self) -> list[TransferEngine]:
+        """The engines that run the jobs, one per distinct set of group pages."""
+        return list(self._engines)
+
+    def _slots_fit(self, job_id: int, slots: CPULoadStoreSpec) -> bool:
+        """Whether every slot id exists in this rank's slab; logs the likely cause when not."""
+        num_slots = self._slab.num_slots
+        if slots.block_ids.size == 0 or int(slots.block_ids.max()) < num_slots:
+            return True
+        logger.error(
+            "job %d refused: it names slot %d but this rank's slab holds %d slots. The scheduler sized the "
+            "cache from rank 0's KV bytes per block; a rank with more KV bytes per block (a pipeline-parallel "
+            "stage holding more layers than the first) fits fewer slots. Split the layers evenly over the "
+            "pipeline stages (VLLM_PP_LAYER_PARTITION).",
+            job_id, int(slots.block_ids.max()), num_slots,
+        )  # fmt: skip
+        return False
+
+    def _parts(self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec) -> list[_Part] | None:
+        """Split a job by engine; None (after logging why) when the specs do not fit together."""
+        if self._single_engine:
+            # Only an empty job gets here (see _submit): the engine checks the others itself.
+            return self._no_parts(name, job_id, slots)
+        if len(gpu.group_sizes) != len(self._engine_of_group):
+            logger.error(
+                "%s job %d refused: its GPU spec has %d groups but the KV cache has %d",
+                name, job_id, len(gpu.group_sizes), len(self._engine_of_group),
+            )  # fmt: skip
+            return None
+        factor = self._block_size_factor
+        slot_counts = [
+            -(-(size + index % factor) // factor) if size else 0
+            for size, index in zip(gpu.group_sizes, gpu.block_indices)
+        ]
+        if sum(slot_counts) != slots.block_ids.size:
+            logger.error(
+                "%s job %d refused: the CPU spec holds %d slots but the GPU spec spans %d (group_sizes=%s, "
+                "block_indices=%s, block_size_factor=%d)",
+                name, job_id, slots.block_ids.size, sum(slot_counts), list(gpu.group_sizes), list(gpu.block_indices), factor,
+            )  # fmt: skip
+            return None
+        # Every id is checked before the first part is submitted, so a job is refused whole, never half run.
+        if gpu.block_ids.size and not 0 <= int(gpu.block_ids.min()) <= int(gpu.block_ids.max()) < self._num_gpu_blocks:
+            logger.error(
+                "%s job %d refused: GPU block ids span %d..%d, out of range for %d blocks",
+                name, job_id, int(gpu.block_ids.min()), int(gpu.block_ids.max()), self._num_gpu_blocks,
+            )  # fmt: skip
+            return None
+        if slots.block_ids.size and int(slots.block_ids.min()) < 0:
+            logger.error(
+                "%s job %d refused: slot ids must not be negative, got %d", name, job_id, int(slots.block_ids.min())
+            )
+            return None
+        # Each engine checks that its part writes no row or block twice; two parts
+        # writing the same slot would mix two groups' bytes in one row.
+        written = slots.block_ids if name == "store" else gpu.block_ids
+        if np.unique(written).size != written.size:
+            what = "slot" if name == "store" else "GPU block"
+            logger.error("%s job %d refused: it writes a %s twice (the copies would race)", name, job_id, what)
+            return None
+        # Per engine: the block and slot ranges of each of its groups, in group order.
+        shares: dict[int, list[tuple[int, int, int, int, int, int]]] = {}
+        block_start = slot_start = 0
+        for group, (size, index, count) in enumerate(zip(gpu.group_sizes, gpu.block_indices, slot_counts)):
+            engine = self._engine_of_group[group]
+            if size and engine is not None:
+                shares.setdefault(engine, []).append((block_start, size, index, slot_start, count, group))
+            block_start += size
+            slot_start += count
+        if not shares:
+            return self._no_parts(name, job_id, slots)
+        parts: list[_Part] = []
+        for engine, ranges in shares.items():
+            blocks = np.concatenate([gpu.block_ids[start : start + size] for start, size, _, _, _, _ in ranges])
+            slot_ids = np.concatenate([slots.block_ids[start : start + count] for _, _, _, start, count, _ in ranges])
+            sizes = [size for _, size, _, _, _, _ in ranges]
+            indices = [index for _, _, index, _, _, _ in ranges]
+            parts.append(_Part(engine, GPULoadStoreSpec(blocks, sizes, indices), CPULoadStoreSpec(slot_ids)))
+        return parts
+
+    def _no_parts(self, name: str, job_id: int, slots: CPULoadStoreSpec) -> list[_Part] | None:
+        """A job with no block to move: empty when its CPU spec is empty too, else a mismatch."""
+        if slots.block_ids.size:
+            logger.error(
+                "%s job %d refused: it moves no GPU block but names %d slots", name, job_id, slots.block_ids.size
+            )
+            return None
+        return []
+
+    def _submit(
+        self,
+        name: str,
+        job_id: int,
+        gpu_spec: vllm_base.GPULoadStoreSpec,
+        slot_spec: vllm_base.LoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        slots = _slot_spec(slot_spec)
+        if slots is None:
+            side = "destination" if name == "store" else "source"
+            logger.error(
+                "%s job %d refused: %s is a %s, not a CPU slot spec", name, job_id, side, type(slot_spec).__name__
+            )
+            return False
+        if job_id in self._unreported:
+            logger.error("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
+            return False
+        if not self._slots_fit(job_id, slots):
+            return False
+        try:
+            gpu = GPULoadStoreSpec(gpu_spec.block_ids, gpu_spec.group_sizes, gpu_spec.block_indices)
+        except ValueError as error:
+            logger.error("%s job %d refused: %s", name, job_id, error)
+            return False
+        if self._single_engine and gpu.block_ids.size:
+            # The hot path: the engine checks the rest itself and reports the job as it is.
+            engine = self._engines[0]
+            if name == "store":
+                accepted = engine.submit_store(job_id, gpu, slots)
+            else:
+                accepted = engine.submit_load(job_id, slots, gpu, expedited=expedited)
+        else:
+            accepted = self._submit_parts(name, job_id, gpu, slots, expedited)
+        if accepted:
+            self._unreported.add(job_id)
+        return accepted
+
+    def _submit_part(self, name: str, part: _Part, job_id: int, expedited: bool) -> bool:
+        engine = self._engines[part.engine]
+        if name == "store":
+            return engine.submit_store(job_id, part.gpu, part.slots)
+        return engine.submit_load(job_id, part.slots, part.gpu, expedited=expedited)
+
+    def _submit_parts(
+        self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec, expedited: bool
+    ) -> bool:
+        parts = self._parts(name, job_id, gpu, slots)
+        if parts is None:
+            return False
+        if not parts:
+            # Nothing to copy: done at once, without touching an engine (vLLM treats failure as fatal).
+            self._finished_empty.append(
+                vllm_base.TransferResult(job_id=job_id, success=True, transfer_size=0, transfer_time=0.0)
+            )
+            return True
+        pending = _Pending(parts_left=0)
+        for part in parts:
+            if not self._submit_part(name, part, job_id, expedited):
+                if pending.parts_left:
+                    # Earlier parts are already queued: let them finish unseen (their rows and blocks
+                    # belong to this job), so the refused job reports nothing.
+                    pending.abandoned = True
+                    self._pending[job_id] = pending
+                    self._unreported.add(job_id)
+                return False
+            pending.parts_left += 1
+        if len(parts) > 1:
+            self._pending[job_id] = pending  # a job of one part is reported as its engine reports it
+        return True
+
+    @override
+    def submit_store(
+        self, job_id: int, src_spec: vllm_base.GPULoadStoreSpec, dst_spec: vllm_base.LoadStoreSpec
+    ) -> bool:
+        return self._submit("store", job_id, src_spec, dst_spec)
+
+    @override
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: vllm_base.LoadStoreSpec,
+        dst_spec: vllm_base.GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # vLLM's sync loads: it waits for them within the step, so each engine
+        # runs them on its own expedited stream, never behind earlier loads.
+        return self._submit("load", job_id, dst_spec, src_spec, expedited)
+
+    @override
+    def get_finished(self) -> list[vllm_base.TransferResult]:
+        results, self._finished_empty = self._finished_empty, []
+        for engine in self._engines:
+            for part in engine.get_finished():
+                pending = self._pending.get(part.job_id)
+                if pending is None:
+                    results.append(_vllm_result(part.job_id, part.success, part.transfer_size, part.transfer_time))
+                    continue
+                pending.parts_left -= 1
+                pending.success = pending.success and part.success
+                pending.size += part.transfer_size
+                pending.seconds += part.transfer_time
+                if pending.parts_left:
+                    continue
+                del self._pending[part.job_id]
+                if pending.abandoned:
+                    self._unreported.discard(part.job_id)
+                else:
+                    results.append(_vllm_result(part.job_id, pending.success, pending.size, pending.seconds))
+        for result in results:
+            self._unreported.discard(result.job_id)
+        return results
+
+    @override
+    def wait(self, job_ids: set[int]) -> None:
+        for engine in self._engines:
+            engine.wait(job_ids)
+
+    @override
+    def shutdown(self) -> None:
+        for engine in self._engines:
+            engine.shutdown()
+        self._slab.close()

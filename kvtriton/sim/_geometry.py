@@ -1,0 +1,306 @@
+"""Model geometry: how many bytes one offloaded KV block holds, and host memory sizes in bytes.
+
+Capacity planning speaks in bytes (vLLM's ``cpu_bytes_to_use``) while the
+manager counts slots; the geometry of the model's KV cache (layers, KV heads,
+head dim, dtype, tokens per block) converts one into the other. The command
+line's sizes are parsed here too, by one rule for every command
+(:data:`SIZE_RULE`). Pure arithmetic: no torch, so ``kvtriton simulate``
+stays scheduler-side and fast -- except :meth:`ModelGeometry.with_compression`,
+which asks the compression format itself (``compression_layout``) what a
+compressed block takes, and imports torch only then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import math
+import re
+from dataclasses import dataclass
+
+from kvtriton._byte_units import format_bytes  # one size rule for the command line and the serving logs
+
+__all__ = [
+    "BARE_NUMBER_UNIT",
+    "PRESETS",
+    "SIZE_RULE",
+    "KVDtype",
+    "ModelGeometry",
+    "format_bytes",
+    "is_bare_number",
+    "parse_capacity",
+    "parse_capacity_list",
+    "parse_dtype",
+    "size_argument",
+    "size_list_argument",
+]
+
+GIB = 2**30
+
+
+class KVDtype(enum.Enum):
+    """Element types a KV cache is stored in."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FP8 = "fp8"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE: dict[KVDtype, int] = {KVDtype.FLOAT32: 4, KVDtype.FLOAT16: 2, KVDtype.BFLOAT16: 2, KVDtype.FP8: 1}
+
+
+_DTYPE_NAMES: dict[str, KVDtype] = {
+    "float32": KVDtype.FLOAT32,
+    "fp32": KVDtype.FLOAT32,
+    "float16": KVDtype.FLOAT16,
+    "fp16": KVDtype.FLOAT16,
+    "half": KVDtype.FLOAT16,
+    "bfloat16": KVDtype.BFLOAT16,
+    "bf16": KVDtype.BFLOAT16,
+    "fp8": KVDtype.FP8,
+    "fp8_e4m3": KVDtype.FP8,
+    "fp8_e5m2": KVDtype.FP8,
+}
+
+
+def parse_dtype(name: str) -> KVDtype:
+    """Parse a dtype name as vLLM's ``--kv-cache-dtype`` spells it (``bf16``, ``fp8``, ...)."""
+    dtype = _DTYPE_NAMES.get(name.strip().lower())
+    if dtype is None:
+        raise ValueError(f"dtype must be one of {', '.join(sorted(_DTYPE_NAMES))}, got {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """The shape of a model's KV cache, summed over all layers (and all TP ranks).
+
+    ``kv_factor`` is 2 for attention that caches K and V separately and 1 for
+    MLA, whose latent vector (``head_dim`` wide, one "head") holds both.
+    ``block_size`` is the number of tokens in one offloaded block.
+
+    ``compression`` is how host memory stores a block (``"none"``, or the
+    lossy ``"fp8-e4m3"`` with ``compressed_bytes_per_block`` its compressed
+    row; build it with :meth:`with_compression`). ``bytes_per_block`` stays
+    the KV cache's own bytes; :attr:`stored_bytes_per_block` is what a block
+    takes in host memory and moves per copy, so :meth:`blocks_for` counts the
+    slots a size buys in it.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: KVDtype
+    block_size: int = 16
+    kv_factor: int = 2
+    compression: str = "none"
+    compressed_bytes_per_block: int | None = None
+    compression_group_size: int | None = None
+    """Elements per fp8 scale (None without compression)."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value: object = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        if self.kv_factor not in (1, 2):
+            raise ValueError(f"kv_factor must be 1 (MLA) or 2 (K and V), got {self.kv_factor!r}")
+        if (self.compression == "none") != (self.compressed_bytes_per_block is None):
+            raise ValueError(
+                f"compressed_bytes_per_block ({self.compressed_bytes_per_block!r}) is set exactly when compression is"
+                f" not 'none', got compression {self.compression!r}; build it with with_compression()"
+            )
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """The KV cache's own bytes of one block (uncompressed)."""
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def stored_bytes_per_block(self) -> int:
+        """Bytes one block takes in host memory and moves per copy: the compressed row with compression."""
+        return self.bytes_per_block if self.compressed_bytes_per_block is None else self.compressed_bytes_per_block
+
+    @property
+    def compression_ratio(self) -> float:
+        """Stored over raw bytes per block: 1.0 uncompressed, about 0.52 for bf16 with fp8-e4m3."""
+        return self.stored_bytes_per_block / self.bytes_per_block
+
+    def blocks_for(self, capacity_bytes: int) -> int:
+        """How many whole blocks fit in ``capacity_bytes`` of host memory (stored as :attr:`stored_bytes_per_block`)."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        return capacity_bytes // self.stored_bytes_per_block
+
+    def with_compression(self, compression: str, group_size: int | None = None) -> ModelGeometry:
+        """This geometry with host memory storing blocks as ``compression`` (``"none"`` or ``"fp8-e4m3"``).
+
+        The compressed row is the engine's own: ``compression_layout`` of one
+        layer's page tensors as the flash_attn layout hands them to the engine
+        (K and V pages of ``block_size x num_kv_heads x head_dim``; MLA's one
+        latent page), times the layers. ``group_size`` is the elements per
+        fp8 scale (default: the head dimension, as ``PagedKV`` uses). fp8
+        caches pass through unchanged (ratio 1). Imports torch.
+        """
+        from kvtriton.kernels._compression import KVCompression
+
+        parsed = KVCompression.parse(compression, "compression")
+        if parsed is KVCompression.NONE:
+            if group_size is not None:
+                raise ValueError(f"group_size applies only with compression 'fp8-e4m3', got group_size {group_size}")
+            return dataclasses.replace(
+                self, compression="none", compressed_bytes_per_block=None, compression_group_size=None
+            )
+        if group_size is not None and (isinstance(group_size, bool) or group_size < 1):
+            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        import torch
+
+        from kvtriton.kernels._compression import compression_layout
+
+        dtype = {
+            KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT16: torch.float16,
+            KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FP8: torch.float8_e4m3fn,
+        }[self.dtype]  # fmt: skip
+        shape = (1, self.block_size, self.num_kv_heads, self.head_dim)
+        pages = [torch.empty(shape, dtype=dtype, device="meta") for _ in range(self.kv_factor)]
+        size = self.head_dim if group_size is None else group_size
+        layer = compression_layout(pages, size)
+        return dataclasses.replace(
+            self, compression=parsed.value, compressed_bytes_per_block=self.num_layers * layer.row_bytes,
+            compression_group_size=size,
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        text = (
+            f"{self.name}: {self.num_layers} layers x {self.kv_factor} x {self.num_kv_heads} KV heads"
+            f" x {self.head_dim} head dim x {self.dtype.value}, {self.block_size} tokens/block"
+            f" = {format_bytes(self.bytes_per_block)} per block"
+        )
+        if self.compression != "none":
+            text += (
+                f"; stored {self.compression} (G = {self.compression_group_size}) as"
+                f" {format_bytes(self.stored_bytes_per_block)} per block ({self.compression_ratio:.3f}x)"
+            )
+        return text
+
+
+def _preset(name: str, layers: int, kv_heads: int, head_dim: int, kv_factor: int = 2) -> ModelGeometry:
+    return ModelGeometry(name, layers, kv_heads, head_dim, KVDtype.BFLOAT16, 16, kv_factor)
+
+
+PRESETS: dict[str, ModelGeometry] = {
+    geometry.name: geometry
+    for geometry in (
+        _preset("llama-3-8b", 32, 8, 128),
+        _preset("llama-3-70b", 80, 8, 128),
+        _preset("llama-3-405b", 126, 8, 128),
+        _preset("mistral-7b", 32, 8, 128),
+        _preset("qwen2.5-7b", 28, 4, 128),
+        _preset("qwen3-8b", 36, 8, 128),
+        _preset("qwen3-32b", 64, 8, 128),
+        # MLA: one 512-wide latent plus a 64-wide rope key per token and layer.
+        _preset("deepseek-v3", 61, 1, 576, kv_factor=1),
+    )
+}
+"""Published KV shapes of common models, bf16, 16 tokens per block."""
+
+BARE_NUMBER_UNIT = "GiB"
+"""The unit of a size given as a bare number, in every command: vLLM's ``--kv-offloading-size`` is in GiB too."""
+
+SIZE_RULE = (
+    f"a bare number is {BARE_NUMBER_UNIT}; units B, KiB or K, MiB or M, GiB or G, TiB or T are powers of 1024,"
+    " KB, MB, GB, TB powers of 1000"
+)
+"""The one unit rule of the command line, quoted in the --help of every size flag."""
+
+_UNITS: dict[str, int] = {
+    "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}  # fmt: skip
+_CAPACITY = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+"""A number (a sign is read, so that ``-1`` is refused as not positive rather than as not a number) and a unit."""
+
+
+def parse_capacity(text: str) -> int:
+    """Parse a host memory size such as ``4``, ``1.5GiB``, ``512MiB`` or ``8G`` into bytes.
+
+    One rule for every command (:data:`SIZE_RULE`): a bare number is
+    :data:`BARE_NUMBER_UNIT`. Binary units (KiB, MiB, GiB, TiB and the single
+    letters K, M, G, T) are powers of 1024; KB, MB, GB, TB are powers of
+    1000, as written on memory data sheets.
+    """
+    match = _CAPACITY.match(text)
+    if match is None:
+        raise ValueError(f"capacity must be a number with an optional unit (e.g. 4GiB, 512MiB), got {text!r}")
+    number, unit = float(match.group(1)), (match.group(2) or BARE_NUMBER_UNIT).lower()
+    if unit not in _UNITS:
+        raise ValueError(f"capacity unit must be one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, got {text!r}")
+    if not math.isfinite(number):
+        raise ValueError(f"capacity must be finite, got {text!r}")
+    if number <= 0:
+        raise ValueError(f"capacity must be positive, got {text!r}")
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"capacity less than one byte, got {text!r}")
+    return size
+
+
+def parse_capacity_list(text: str) -> list[int]:
+    """Parse a comma-separated list of sizes (``4,8,16GiB``) into bytes, in the order given.
+
+    Every item must be a size (an empty item, as in ``1,,2``, is refused, not
+    skipped) and no two may be the same number of bytes (``16,16GiB`` is
+    refused, naming both), so that nothing the user wrote is silently dropped.
+    """
+    items = text.split(",")
+    sizes: list[int] = []
+    written: dict[int, str] = {}
+    for position, item in enumerate(items, start=1):
+        if not item.strip():
+            raise ValueError(f"size {position} of {text!r} is empty (sizes are separated by single commas)")
+        size = parse_capacity(item)
+        if size in written:
+            raise ValueError(
+                f"{written[size].strip()!r} and {item.strip()!r} in {text!r} are the same size; give it once"
+            )
+        written[size] = item
+        sizes.append(size)
+    return sizes
+
+
+def size_argument(text: str) -> int:
+    """An argparse ``type`` for one size flag: :func:`parse_capacity`, its message shown as the error."""
+    try:
+        return parse_capacity(text)
+    except ValueError as error:
+        # A plain ValueError would print as "invalid size_argument value", naming nothing the user typed.
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def size_list_argument(text: str) -> list[int]:
+    """An argparse ``type`` for a comma-separated list of sizes: :func:`parse_capacity_list`."""
+    try:
+        return parse_capacity_list(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def is_bare_number(text: str) -> bool:
+    """Whether ``text`` is a size without a unit (so it was read as :data:`BARE_NUMBER_UNIT`)."""
+    match = _CAPACITY.match(text)
+    return match is not None and not match.group(2)

@@ -1,1 +1,0 @@
-"""Storage tiers behind the host slab (secondary tiers of vLLM's tiered offloading)."""

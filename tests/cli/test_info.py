@@ -1,0 +1,104 @@
+"""kvtriton info: the verdicts (memlock for information only), the --slab-size bound and the warm-up line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import kvtriton.cli._info as info_module
+from kvtriton.cli._info import MAX_SLAB_BYTES, TOO_LOW, measure_warmup, memlock_verdict, memory_verdict, shm_verdict
+from kvtriton.cli._main import main
+from kvtriton.worker._slab import MEMLOCK_NOTE
+
+
+def test_the_memlock_line_informs_and_never_reads_too_low() -> None:
+    # cudaHostRegister is not charged to RLIMIT_MEMLOCK: a limit below the slab neither stops nor allows it.
+    below = memlock_verdict(64 * 2**10, 96 * 2**30)
+    assert below.startswith("64.00 KiB, below the 96.00 GiB slab (for information: the NVIDIA driver does not charge")
+    assert TOO_LOW not in below and "ulimit" not in below
+    assert memlock_verdict(2**30, 2**20) == f"1.00 GiB ({MEMLOCK_NOTE})"
+    assert memlock_verdict(None, 2**40) == f"unlimited ({MEMLOCK_NOTE})"
+    assert memlock_verdict(2**30, None) == f"1.00 GiB ({MEMLOCK_NOTE})"
+
+
+def test_a_low_memlock_limit_on_a_cuda_machine_does_not_fail_the_check(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
+    import kvtriton.worker._slab as slab_module
+
+    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 8 * 2**20)
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 64 * 2**30)
+    real = info_module.collect_machine_info()
+    monkeypatch.setattr(info_module, "collect_machine_info", lambda: dataclasses.replace(real, cuda_available=True))
+    assert main(["info", "--json", "--slab-size", "1GiB"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memlock_verdict"].startswith("8.00 MiB, below the 1.00 GiB slab (for information")
+    assert report["memory_verdict"] == "enough: a 1.00 GiB slab fits in the 64.00 GiB available"
+    assert report["engine_warmup"] == "not measured: test"
+
+
+def test_a_slab_larger_than_the_available_ram_fails_the_check(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
+    import kvtriton.worker._slab as slab_module
+
+    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: None)
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 2**30)
+    assert main(["info", "--slab-size", "2GiB"]) == 1
+    assert "memory verdict    TOO LOW for a 2.00 GiB slab: only 1.00 GiB is available" in capsys.readouterr().out
+
+
+def test_ram_and_shm_verdicts_name_both_sizes() -> None:
+    assert memory_verdict(None, 2**30).startswith("unknown")
+    assert memory_verdict(2**31, None) == "2.00 GiB available (pass --slab-size to check a size)"
+    assert shm_verdict(None, 2**30).startswith("absent")
+    assert shm_verdict(2**31, 2**30) == "enough for the tiering spec: a 1.00 GiB region fits in 2.00 GiB free"
+    # The region is the slab plus its 4 KiB header page; a small /dev/shm only matters to the tiering spec.
+    small = shm_verdict(2**30, 2**30)
+    assert small.startswith(
+        "too small for the tiering spec: a 1.00 GiB region (plus its 4 KiB header) does not fit in 1.00 GiB free"
+    )
+    assert "--shm-size" in small and not small.startswith("TOO LOW")
+
+
+def test_a_bad_slab_size_names_the_flag_and_the_rule_not_an_internal_function(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["info", "--slab-size", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --slab-size: capacity must be positive, got '0'" in err
+    assert "invalid" not in err and "_argument" not in err
+
+
+def test_without_cuda_the_warm_up_line_says_why_it_was_not_measured() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        assert measure_warmup().endswith("later starts faster)")
+    else:
+        assert measure_warmup() == "not measured: no CUDA device (the kernels compile only for a GPU)"
+
+
+def test_an_absurd_slab_size_is_refused_naming_the_flag_not_printed_in_27_digits_of_tib(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["info", "--slab-size", "1e30"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --slab-size: '1e30' is 1.07e+39 bytes, more than any process can map (128 PiB" in err
+    assert "TiB" not in err
+
+
+def test_the_largest_mappable_slab_size_is_taken(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
+    assert main(["info", "--json", "--slab-size", f"{MAX_SLAB_BYTES}B"]) == 1  # taken, then too large for the RAM
+    assert json.loads(capsys.readouterr().out)["memory_verdict"].startswith(TOO_LOW)

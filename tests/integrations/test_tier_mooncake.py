@@ -1,0 +1,295 @@
+"""MooncakeStoreTier against a real mooncake_master and storage holder on 127.0.0.1.
+
+Round trips are bit-exact through the tier's own calls (submit_store /
+submit_load / lookup / get_finished_jobs); the keyspace separates layouts; a
+value of the wrong size is a miss. Breaking the store is in
+tests/integrations/test_tier_mooncake_failures.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
+
+if MOONCAKE_MISSING is not None:
+    pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+import numpy as np
+from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from kvtriton.integrations._mooncake_config import MooncakeTierConfig
+from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_store
+
+CHUNK = 64 * 1024
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake")).start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def tiers() -> Iterator[list[MooncakeStoreTier]]:
+    """Every tier the module's tests build (each its own namespace), shut down together at the end.
+
+    Closing a Mooncake client takes a second; closing them side by side keeps that out of every test.
+    """
+    made: list[MooncakeStoreTier] = []
+    yield made
+    closers = [threading.Thread(target=tier.shutdown) for tier in made]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join()
+
+
+def test_chunks_stored_by_one_tier_load_bit_exact_into_another_primary(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    writer_memory, reader_memory = Primary(8, CHUNK), Primary(8, CHUNK)
+    writer = make_tier(cluster.master_address, writer_memory, namespace="roundtrip")
+    reader = make_tier(cluster.master_address, reader_memory, namespace="roundtrip")
+    tiers += [writer, reader]
+    keys = chunk_keys(4, salt=1)
+    written = writer_memory.fill([1, 3, 5, 7], seed=1)
+
+    stored = run_job(writer, keys, [1, 3, 5, 7], load=False)
+    assert (stored.success, stored.transfer_bytes) == (True, 4 * CHUNK)
+
+    assert resolve_lookups(reader, [*keys, *chunk_keys(2, salt=99)]) == [HIT] * 4 + [MISS] * 2
+    loaded = run_job(reader, keys, [6, 4, 2, 0], load=True)
+    assert (loaded.success, loaded.successful_keys, loaded.transfer_bytes) == (True, None, 4 * CHUNK)
+    assert [reader_memory.chunk(chunk) for chunk in (6, 4, 2, 0)] == written
+    assert not reader_memory.rows[[1, 3, 5, 7]].any()  # nothing landed outside the job's slots
+
+    stats = reader.stats()
+    assert (stats.state, stats.loaded_keys, stats.load_failed_keys, stats.failed_ops) == (TierState.UP, 4, 0, 0)
+    assert (stats.lookups, stats.lookup_hits, stats.bytes_loaded) == (6, 4, 4 * CHUNK)
+    assert writer.stats().stored_keys == 4
+
+
+def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    memory = Primary(2, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="retry")
+    tiers.append(tier)
+    key = chunk_keys(1, salt=2)[0]
+    memory.fill([0], seed=2)
+    assert run_job(tier, [key], [0], load=False).success
+    context = ReqContext(req_id="r")
+    assert tier.lookup(key, context) is LookupResult.RETRY  # never blocks the scheduler on the network
+    assert tier.lookup(key, context) is LookupResult.RETRY  # same step: the batch is sent when the step ends
+    steps = 0
+    while (answer := tier.lookup(key, context)) is LookupResult.RETRY:
+        tier.on_schedule_end(END_OF_STEP)
+        steps += 1
+        assert steps < 1000, "the lookup never resolved"
+        time.sleep(0.002)
+    assert answer is HIT and steps >= 1
+    tier.on_request_finished(context)
+
+
+@pytest.mark.parametrize(
+    ("what", "reader_namespace", "reader_dtype", "reader_chunk"),
+    [
+        ("another namespace", "other", None, CHUNK),
+        ("another dtype", "layout", "bfloat16", CHUNK),
+        ("another chunk size", "layout", None, CHUNK // 2),
+    ],
+)
+def test_another_layout_or_namespace_sees_only_misses(
+    cluster: MooncakeCluster,
+    tiers: list[MooncakeStoreTier],
+    what: str,
+    reader_namespace: str,
+    reader_dtype: str | None,
+    reader_chunk: int,
+) -> None:
+    writer_memory = Primary(4, CHUNK)
+    writer = make_tier(cluster.master_address, writer_memory, namespace="layout")
+    reader = make_tier(
+        cluster.master_address, Primary(4, reader_chunk), namespace=reader_namespace, dtype_override=reader_dtype
+    )
+    tiers += [writer, reader]
+    keys = chunk_keys(3, salt=3)
+    writer_memory.fill([0, 1, 2], seed=3)
+    assert run_job(writer, keys, [0, 1, 2], load=False).success
+    assert writer.keyspace.digest != reader.keyspace.digest, what
+    assert resolve_lookups(reader, keys) == [MISS] * 3, what
+    assert resolve_lookups(writer, keys) == [HIT] * 3
+
+
+def test_the_manifest_key_holds_the_configuration_behind_the_digest(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    tier = make_tier(cluster.master_address, Primary(2, CHUNK), namespace="manifest")
+    tiers.append(tier)
+    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
+    assert store is not None
+    try:
+        manifest = json.loads(store.get(tier.keyspace.manifest_key))
+    finally:
+        store.close()
+    assert manifest == tier.keyspace.identity.fields()
+    assert (manifest["namespace"], manifest["chunk_bytes"], manifest["layout_tag"]) == ("manifest", CHUNK, "vllm-cpu")
+    assert tier.keyspace.manifest_key == f"kvt/{tier.keyspace.digest}/manifest"
+
+
+def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    memory = Primary(8, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="wrong-size")
+    tiers.append(tier)
+    keys = chunk_keys(3, salt=4)
+    written = memory.fill([0, 1, 2], seed=4)
+    assert run_job(tier, [keys[0], keys[2]], [0, 2], load=False).success
+    # Another writer filed a shorter value under the middle key.
+    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
+    assert store is not None
+    try:
+        assert store.put(tier.keyspace.object_key(bytes([4, 1]) * 16, 0), b"short value") == 0
+    finally:
+        store.close()
+
+    assert resolve_lookups(tier, keys) == [HIT] * 3  # it exists, so the lookup says so ...
+    result = run_job(tier, keys, [5, 6, 7], load=True)
+    assert not result.success
+    assert result.successful_keys is not None and set(result.successful_keys) == {
+        keys[0],
+        keys[2],
+    }  # ... the load does not
+    assert (memory.chunk(5), memory.chunk(7)) == (written[0], written[2])
+    stats = tier.stats()
+    assert (stats.loaded_keys, stats.load_failed_keys, stats.wrong_size_keys) == (2, 1, 1)
+
+
+def test_a_larger_value_is_a_miss_and_writes_nothing(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+    memory = Primary(2, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="too-large")
+    tiers.append(tier)
+    key = chunk_keys(1, salt=5)
+    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
+    assert store is not None
+    try:
+        assert store.put(tier.keyspace.object_key(bytes([5, 0]) * 16, 0), b"x" * (2 * CHUNK)) == 0
+    finally:
+        store.close()
+    result = run_job(tier, key, [1], load=True)
+    assert (result.success, result.successful_keys) == (False, None)
+    assert not memory.rows.any()
+
+
+def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    memory = Primary(4, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="again")
+    tiers.append(tier)
+    keys = chunk_keys(2, salt=6)
+    written = memory.fill([0, 1], seed=6)
+    assert run_job(tier, keys, [0, 1], load=False).success
+    assert run_job(tier, keys, [0, 1], load=False).success
+    assert run_job(tier, keys, [2, 3], load=True).success
+    assert [memory.chunk(2), memory.chunk(3)] == written
+
+
+def test_groups_of_one_block_hash_are_separate_objects(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    memory = Primary(4, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="groups")
+    tiers.append(tier)
+    group0, group1 = chunk_keys(1, salt=7, group=0), chunk_keys(1, salt=7, group=1)
+    written = memory.fill([0, 1], seed=7)
+    assert run_job(tier, group0 + group1, [0, 1], load=False).success
+    assert run_job(tier, group1 + group0, [2, 3], load=True).success
+    assert [memory.chunk(2), memory.chunk(3)] == [written[1], written[0]]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"master_server_address": "no-port"}, "master_server_address must be 'host:port', got 'no-port'"),
+        ({"protocol": "udp"}, "protocol must be one of ('tcp', 'rdma'), got 'udp'"),
+        ({"protocol": "rdma"}, "rdma_devices must name the RDMA devices"),
+        ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
+        ({"io_threads": 0}, "io_threads must be an integer >= 1, got 0"),
+        ({"global_segment_size": -1}, "global_segment_size must be a byte count >= 0, got -1"),
+    ],
+)
+def test_bad_configuration_names_the_key_and_value(config: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"master_server_address": "127.0.0.1:1", **config}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        MooncakeTierConfig(**arguments)  # pyright: ignore[reportArgumentType] -- deliberately bad values
+
+
+def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    # Zero copy: the tier hands Mooncake addresses inside the primary (registered once), never a bytes object.
+    memory = Primary(4, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="zero-copy")
+    tiers.append(tier)
+    base = memory.rows.ctypes.data
+    assert tier._primary_base == base  # pyright: ignore[reportPrivateUsage] -- the registered address is the primary's own
+    calls: list[tuple[str, list[int]]] = []
+    store = tier._store  # pyright: ignore[reportPrivateUsage]
+    assert store is not None
+
+    class Spy:
+        def batch_put_from(self, keys: list[str], pointers: list[int], sizes: list[int]) -> list[int]:
+            calls.append(("put", pointers))
+            assert store is not None
+            return store.batch_put_from(keys, pointers, sizes)
+
+        def batch_get_into(self, keys: list[str], pointers: list[int], sizes: list[int]) -> list[int]:
+            calls.append(("get", pointers))
+            assert store is not None
+            return store.batch_get_into(keys, pointers, sizes)
+
+    tier._store = Spy()  # pyright: ignore[reportPrivateUsage,reportAttributeAccessIssue] -- a spy around the real client
+    keys = chunk_keys(2, salt=8)
+    memory.fill([0, 3], seed=8)
+    assert run_job(tier, keys, [0, 3], load=False).success
+    assert run_job(tier, keys, [1, 2], load=True).success
+    tier._store = store  # pyright: ignore[reportPrivateUsage]
+    assert calls == [("put", [base, base + 3 * CHUNK]), ("get", [base + CHUNK, base + 2 * CHUNK])]
+    assert np.array_equal(memory.rows[1], memory.rows[0]) and np.array_equal(memory.rows[2], memory.rows[3])
+
+
+def test_log_files_of_the_cluster_exist(cluster: MooncakeCluster) -> None:
+    assert Path(cluster.log_dir / "master-1.log").stat().st_size > 0
+    assert Path(cluster.log_dir / "holder.log").stat().st_size > 0
+
+
+def test_the_tier_master_and_holder_talk_only_to_the_loopback(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    psutil = pytest.importorskip("psutil")
+    memory = Primary(4, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="loopback")
+    tiers.append(tier)
+    keys = chunk_keys(2, salt=9)
+    memory.fill([0, 1], seed=9)
+    assert run_job(tier, keys, [0, 1], load=False).success and run_job(tier, keys, [2, 3], load=True).success
+    assert cluster.master is not None and cluster.holder is not None
+    peers: set[str] = set()
+    for pid in (os.getpid(), cluster.master.pid, cluster.holder.pid):
+        for connection in psutil.Process(pid).net_connections(kind="inet"):
+            if connection.raddr:
+                peers.add(connection.raddr.ip)
+    assert peers and peers <= {"127.0.0.1", "::ffff:127.0.0.1"}

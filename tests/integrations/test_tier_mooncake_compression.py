@@ -1,0 +1,89 @@
+"""The Mooncake tier behind kvtriton's tiered spec with compressed rows: the digest names the compression.
+
+A compressed engine's chunks are fp8 codes and scales, an uncompressed
+engine's are the KV bytes; the two have chunks of the same size here (rows
+pad to a page), so only the namespace digest keeps them apart. An engine of
+the same compression promotes the chunks bit-exact; one without misses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
+
+if MOONCAKE_MISSING is not None:
+    pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+import numpy as np
+
+# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster
+from mooncake_fixtures.managers import managers as managers
+from mooncake_fixtures.managers import promote, serve_and_cascade, started
+from mooncake_fixtures.tiers import chunk_keys
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+from kvtriton.integrations._mooncake_config import MooncakeTierConfig
+from kvtriton.integrations._vllm_tiering import LAYOUT_TAG
+from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
+
+TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
+
+
+def kvtriton_manager(
+    cluster: MooncakeCluster, made: list[TieringOffloadingManager], *, compressed: bool
+) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
+    tier_config = {
+        "type": "MooncakeStoreTier",
+        "module_path": "kvtriton.integrations.mooncake",
+        "master_server_address": cluster.master_address,
+        "namespace": "compression",
+        "timeout_s": 5.0,
+    }
+    extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_config]}
+    if compressed:
+        extra["kvtriton_kv_compression"] = "fp8-e4m3"
+    return started(
+        OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048)).get_manager(), made
+    )
+
+
+def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(
+    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+) -> None:
+    writer, writer_tier, writer_rows = kvtriton_manager(cluster, managers, compressed=True)
+    assert writer_tier.keyspace.identity.layout_tag == TAG
+    assert writer_tier.keyspace.identity.chunk_bytes == 4096
+    keys = chunk_keys(3, salt=77)
+    written = serve_and_cascade(writer, writer_rows, keys, seed=77)
+    assert writer_tier.stats().stored_keys == 3
+
+    plain, plain_tier, plain_rows = kvtriton_manager(cluster, managers, compressed=False)
+    assert plain_tier.keyspace.identity.chunk_bytes == 4096  # same size: only the digest tells them apart
+    assert plain_tier.keyspace.digest != writer_tier.keyspace.digest
+    assert promote(plain, plain_rows, keys) is None
+    assert plain_tier.stats().loaded_keys == 0
+
+    reader, reader_tier, reader_rows = kvtriton_manager(cluster, managers, compressed=True)
+    assert reader_tier.keyspace.digest == writer_tier.keyspace.digest
+    assert promote(reader, reader_rows, keys) == written
+    assert reader_tier.stats().loaded_keys == 3
+
+
+def test_the_manifest_behind_a_compressed_digest_names_the_compression_and_its_group_size(
+    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+) -> None:
+    _, tier, _ = kvtriton_manager(cluster, managers, compressed=True)
+    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
+    assert store is not None
+    try:
+        manifest = json.loads(store.get(tier.keyspace.manifest_key))
+    finally:
+        store.close()
+    assert manifest["layout_tag"] == TAG
+    assert manifest["model"] == f"tiny-tiering@{TAG}"

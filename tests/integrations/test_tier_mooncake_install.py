@@ -1,0 +1,51 @@
+"""The Mooncake install is stated once (docs/mooncake.md#install), as the Makefile installs it; no page has another."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtriton.integrations._mooncake_local import MOONCAKE_PACKAGES, mooncake_missing
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def makefile_value(name: str) -> str:
+    match = re.search(rf"^{name} := (.+)$", (REPO / "Makefile").read_text(encoding="utf-8"), re.MULTILINE)
+    assert match, f"the Makefile has no {name}"
+    return match.group(1).strip()
+
+
+def test_the_package_line_is_the_makefiles() -> None:
+    assert MOONCAKE_PACKAGES == makefile_value("MOONCAKE_PACKAGES")
+
+
+def test_docs_mooncake_gives_the_makefiles_packages_and_os_libraries() -> None:
+    page = (REPO / "docs" / "mooncake.md").read_text(encoding="utf-8")
+    assert f"pip install --no-deps {MOONCAKE_PACKAGES}\n" in page
+    libraries = [pair.split(":")[1] for pair in makefile_value("MOONCAKE_SYSTEM_LIBS").split()]
+    assert f"apt-get install -y {' '.join(libraries)}" in page
+
+
+def test_no_other_page_gives_its_own_mooncake_install_line() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    others = [
+        f"{page.relative_to(REPO)}:{number}"
+        for page in pages
+        if page.name != "mooncake.md"
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"mooncake-transfer-engine|kvtriton\[[^\]]*mooncake|libibverbs", line)
+    ]
+    assert others == [], "these pages state a Mooncake install of their own; point them at docs/mooncake.md#install"
+
+
+def test_the_missing_package_message_gives_the_same_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def absent(name: str) -> None:
+        del name
+
+    monkeypatch.setattr(importlib.util, "find_spec", absent)  # as on a machine without mooncake
+    message = mooncake_missing()
+    assert message is not None and f"pip install --no-deps {MOONCAKE_PACKAGES};" in message

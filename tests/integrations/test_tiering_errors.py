@@ -1,0 +1,228 @@
+"""Configuration errors of the tiered spec: each names what to change, and nothing is left allocated."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+import torch
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+import kvtriton.worker._shared_region as shared_region
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.worker._slab import PageableSlabWarning
+
+BUDGET: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
+
+
+def region_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvtriton_")}
+
+
+def kv_caches(page_bytes: int) -> CanonicalKVCaches:
+    tensor = torch.zeros(8, page_bytes, dtype=torch.int8)
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=page_bytes)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page_bytes)]],
+    )
+
+
+def test_an_unknown_tier_type_names_the_tier_and_the_registered_types() -> None:
+    with pytest.raises(
+        ValueError, match=r"secondary_tiers\[0\] \(type 'disk'\).*Unknown secondary tier type: 'disk'.*'fs'"
+    ):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": [{"type": "disk"}]}))
+
+
+def test_a_tier_module_path_that_cannot_be_imported_is_named() -> None:
+    tiers = [
+        {"type": "fs", "root_dir": "/tmp/kvtriton-unused"},
+        {"type": "MyTier", "module_path": "no_such_package.tiers"},
+    ]
+    with pytest.raises(
+        ImportError,
+        match=r"secondary_tiers\[1\] \(type 'MyTier'\): module_path 'no_such_package.tiers' cannot be imported",
+    ):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_an_fs_tier_without_root_dir_names_the_tier_and_the_key() -> None:
+    tiers = [{"type": "fs"}]
+    with pytest.raises(
+        ValueError,
+        match=r"^secondary_tiers\[0\] \(type 'fs'\) is missing the required key 'root_dir' \(FileSystemTierManager needs it\)$",
+    ):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_an_unknown_tier_key_names_the_tier_the_key_and_what_it_takes() -> None:
+    tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", "rootdir": "/tmp"}]
+    with pytest.raises(
+        ValueError,
+        match=r"secondary_tiers\[0\] \(type 'fs'\) has unknown key 'rootdir'; FileSystemTierManager takes \[.*'root_dir'",
+    ):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_a_tier_class_missing_from_its_module_is_named() -> None:
+    tiers = [{"type": "NoSuchTier", "module_path": "vllm.v1.kv_offload.tiering.fs.manager"}]
+    with pytest.raises(ImportError, match=r"module 'vllm.v1.kv_offload.tiering.fs.manager' has no class 'NoSuchTier'"):
+        KVTritonTieringOffloadingSpec.build_metric_definitions({**BUDGET, "secondary_tiers": tiers})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is not None, reason="NIXL is installed here")
+@pytest.mark.parametrize("kind", ["obj", "p2p"])
+def test_a_tier_that_needs_nixl_says_how_to_install_it(kind: str) -> None:
+    with pytest.raises(
+        ImportError, match=rf"secondary_tiers\[0\] \(type '{kind}'\) needs the Python package 'nixl'.*pip install nixl"
+    ):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": [{"type": kind}]}))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvcr") is not None, reason="kvcr is installed here")
+def test_a_built_in_tier_whose_module_imports_a_missing_package_names_it() -> None:
+    with pytest.raises(ImportError, match=r"\(type 'kvcr'\) needs the Python package 'kvcr'.*pip install kvcr"):
+        KVTritonTieringOffloadingSpec.config_info_keys({**BUDGET, "secondary_tiers": [{"type": "kvcr"}]})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [("n_read_threads", "4", "an integer"), ("n_write_threads", True, "an integer"), ("root_dir", 7, "a string"),
+     ("enable_kv_events", "yes", "true or false"), ("locality", 3, "a string or null")],
+)  # fmt: skip
+def test_a_tier_value_of_the_wrong_type_names_the_tier_and_the_key_before_anything_is_built(
+    key: str, value: object, expected: str
+) -> None:
+    tiers = [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", key: value}]
+    got = f"{type(value).__name__} {re.escape(repr(value))}"
+    message = rf"^secondary_tiers\[0\] \(type 'fs'\) key '{key}' must be {expected}, got {got}$"
+    with pytest.raises(TypeError, match=message):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+
+
+def test_a_root_dir_the_fs_tier_cannot_create_names_the_tier_and_the_key_and_frees_the_region(tmp_path: Path) -> None:
+    before = region_files()
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)}, {"type": "fs", "root_dir": "/proc/kvtriton"}]
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    message = r"^secondary_tiers\[1\] \(type 'fs'\) key 'root_dir'='/proc/kvtriton': the tier cannot use it \("
+    with pytest.raises(ValueError, match=message):
+        spec.get_manager()
+    assert region_files() == before
+
+
+def test_an_error_vllm_raises_while_building_a_tier_names_the_tier(tmp_path: Path) -> None:
+    tiers = [{"type": "fs", "root_dir": str(tmp_path), "backpressure": {"high_water_s": 1.0}}]
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    message = r"^secondary_tiers\[0\] \(type 'fs'\): backpressure config must include 'backpressure_cls'"
+    with pytest.raises(ValueError, match=message):
+        spec.get_manager()
+
+
+def test_secondary_tiers_must_be_a_list() -> None:
+    with pytest.raises(
+        ValueError, match=r"secondary_tiers must be a list of tier configurations, got \{'type': 'fs'\}"
+    ):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": {"type": "fs"}}))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, r"kv_connector_extra_config\['cpu_bytes_to_use'\] is required"),
+        ({**BUDGET, "store_threshold": 2}, r"store_threshold'\]=2: the tiered spec stores every chunk"),
+        (
+            {**BUDGET, "eviction_policy": "fifo", "cache_policy_module_path": "my.policies"},
+            r"\['cache_policy_module_path'\]='my.policies' cannot be imported "
+            r"\(ModuleNotFoundError: No module named 'my'\)",
+        ),
+        ({**BUDGET, "eviction_polcy": "arc"}, r"nor vLLM reads: 'eviction_polcy' \(did you mean 'eviction_policy'\?\)"),
+        (
+            {**BUDGET, "tier_poll_interval_s": -1},
+            r"\['tier_poll_interval_s'\] must be a number of seconds >= 0 .*got int -1$",
+        ),
+        ({**BUDGET, "tier_poll_interval_s": "fast"}, r"\['tier_poll_interval_s'\] must be a number .*got str 'fast'$"),
+        ({**BUDGET, "backpressure": "yes"}, r"^kv_connector_extra_config\['backpressure'\] must be a mapping of"),
+        (
+            {**BUDGET, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kvtriton-unused", "backpressure": "yes"}]},
+            r"^secondary_tiers\[0\] \(type 'fs'\) key 'backpressure' must be a mapping of .*got str 'yes'",
+        ),
+        (
+            {**BUDGET, "eviction_policy": "fifo"},
+            r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither",
+        ),
+        (
+            {"cpu_bytes_to_use": 100},
+            r"\['cpu_bytes_to_use'\]=100: 100 bytes is less than one chunk of 4096 bytes; the value is in bytes",
+        ),
+        (
+            {"cpu_bytes_to_use": 1e30},
+            r"\['cpu_bytes_to_use'\]=1000000000000000019884624838656: .* exceed this host's \d+ bytes of RAM",
+        ),
+    ],
+)
+def test_bad_keys_are_refused_naming_key_and_value(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVTritonTieringOffloadingSpec(tiering_config(extra))
+
+
+def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = region_files()
+    monkeypatch.setattr(shared_region, "shm_free_bytes", lambda directory=shared_region.REGION_DIRECTORY: 4096)
+    spec = KVTritonTieringOffloadingSpec(tiering_config(BUDGET))
+    with pytest.raises(
+        ValueError, match=r"/dev/shm has 4096 bytes free but the shared host region needs 1052672 bytes"
+    ):
+        spec.get_manager()
+    assert region_files() == before
+
+
+def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) -> None:
+    engine_id = f"uneven-{uuid.uuid4().hex[:8]}"
+    before = region_files()
+    scheduler = KVTritonTieringOffloadingSpec(tiering_config(BUDGET, world_size=2, engine_id=engine_id))
+    manager = scheduler.get_manager()
+    # The second stage holds twice the layers, so twice the KV bytes per block.
+    stage = KVTritonTieringOffloadingSpec(
+        tiering_config(BUDGET, world_size=2, rank=1, engine_id=engine_id, worker_kv_bytes_per_block=4096)
+    )
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(ValueError, match=r"laid out as .*x 2048 bytes.*expects .*x 4096 bytes.*VLLM_PP_LAYER_PARTITION"),
+    ):
+        warnings.simplefilter("ignore", PageableSlabWarning)
+        stage.get_worker(kv_caches(4096))
+    # A worker whose tensors outgrow the size vLLM reported is refused before mapping anything.
+    wide = KVTritonTieringOffloadingSpec(tiering_config(BUDGET, world_size=2, rank=1, engine_id=engine_id))
+    with pytest.raises(
+        ValueError, match=r"rank 1's KV tensors hold 3072 bytes per block, but the shared region gives each rank 2048"
+    ):
+        wide.get_worker(kv_caches(3072))
+    manager.shutdown()
+    assert region_files() == before
+
+
+@pytest.mark.parametrize(("referenced", "warns"), [(2048, False), (1536, True)], ids=["whole-pages", "padded-pages"])
+def test_a_worker_whose_rows_differ_from_vllms_warns_against_sharing_tiers_with_a_vllm_primary(
+    caplog: pytest.LogCaptureFixture, referenced: int, warns: bool
+) -> None:
+    spec = KVTritonTieringOffloadingSpec(tiering_config(BUDGET))
+    manager = spec.get_manager()
+    tensor = torch.zeros(8, 2048, dtype=torch.int8)
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=2048)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=referenced)]],
+    )
+    with caplog.at_level("WARNING", logger="kvtriton.integrations._vllm_tiering"):
+        worker = spec.get_worker(caches)
+    assert any("do not share this engine's secondary tiers" in record.message for record in caplog.records) is warns
+    worker.shutdown()
+    manager.shutdown()
