@@ -495,6 +495,8 @@ def compression_real_summary(results: Results) -> str:
     engine = _obj(_real_model(results).get("engine"))
 
     def agreement(name: str) -> str:
+        if name not in engine:
+            return "was not measured (the CPU of that run has no AVX-512, which vLLM's CPU fp8 KV cache needs)"
         f = _obj(engine.get(name))
         return (f"agreed with the exact run on {_num(f, 'first_token_agreement'):.0f} of {_num(f, 'prompts'):.0f} prompts"
                 f" and first diverged at token {_num(f, 'mean_first_divergence'):.1f} on average")  # fmt: skip

@@ -29,6 +29,7 @@ from e2e.engine import (
     run_engine,
     spec_config,
 )
+from e2e.vllm_cpu import fp8_kv_cache_problem
 
 BLOCK_SIZE = 32
 DTYPE = "float32"
@@ -106,7 +107,7 @@ class RealTextRuns:
     fresh engine on ``tiered``'s fs root; ``fp8`` :func:`offload_steps`
     without ``local`` (``tiered``'s ``local`` is its reference: the same
     schedule, the exact prefix); ``vllm_fp8`` only ``cold`` (``fp8``'s
-    ``cold`` is its reference).
+    ``cold`` is its reference), and only where vLLM's CPU attention has an fp8 KV cache.
     """
 
     tiered: EngineResult
@@ -115,8 +116,8 @@ class RealTextRuns:
     """A fresh engine (empty slab) on ``tiered``'s fs root: the whole prefix comes from disk."""
     fp8: EngineResult
     """kvtriton's single tier with ``kvtriton_kv_compression="fp8-e4m3"``."""
-    vllm_fp8: EngineResult
-    """No connector, vLLM's own ``kv_cache_dtype="fp8"``."""
+    vllm_fp8: EngineResult | None
+    """No connector, vLLM's own ``kv_cache_dtype="fp8"``; None where this CPU has none (:func:`fp8_kv_cache_problem`)."""
     fs_root: Path
 
 
@@ -130,13 +131,14 @@ def run_real_text_engines(model: PreparedModel, workdir: Path) -> RealTextRuns:
     tiered = real_text_job(model.path, steps, tiered_config(fs_root))
     disk = real_text_job(model.path, [generate_batch(prompts, REAL_TEXT_TOKENS, "disk")], tiered_config(fs_root))
     fp8 = real_text_job(model.path, without_local, single_tier_config(kv_compression="fp8-e4m3"))
-    vllm_fp8 = real_text_job(model.path, steps[:1], None, kv_cache_dtype="fp8")
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        running = {name: pool.submit(run_engine, job, workdir / f"real-text-{name}")
-                   for name, job in (("tiered", tiered), ("fp8", fp8), ("vllm_fp8", vllm_fp8))}  # fmt: skip
+    jobs = {"tiered": tiered, "fp8": fp8}
+    if fp8_kv_cache_problem() is None:
+        jobs["vllm_fp8"] = real_text_job(model.path, steps[:1], None, kv_cache_dtype="fp8")
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        running = {name: pool.submit(run_engine, job, workdir / f"real-text-{name}") for name, job in jobs.items()}
         tiered_result = running["tiered"].result()
         disk_result = run_engine(disk, workdir / "real-text-disk")
+        vllm_fp8 = running["vllm_fp8"].result() if "vllm_fp8" in running else None
         return RealTextRuns(
-            tiered=tiered_result, disk=disk_result, fp8=running["fp8"].result(), vllm_fp8=running["vllm_fp8"].result(),
-            fs_root=fs_root,
-        )  # fmt: skip
+            tiered=tiered_result, disk=disk_result, fp8=running["fp8"].result(), vllm_fp8=vllm_fp8, fs_root=fs_root
+        )

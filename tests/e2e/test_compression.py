@@ -35,6 +35,7 @@ from e2e.engine import (
 )
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.real_text import REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
+from e2e.vllm_cpu import fp8_kv_cache_problem
 
 HITS = "vllm:external_prefix_cache_hits"
 LOADED = "vllm:kv_offload_load_bytes"
@@ -131,25 +132,32 @@ def test_real_model_fp8_offload_stores_a_quarter_of_the_fp32_bytes_and_loads_the
     assert 0.24 < ratio < 0.3, f"fp32 KV compressed to {ratio:.3f} of its bytes (expected about 0.26)"
 
 
+def test_real_model_fp8_offload_keeps_the_first_greedy_token_on_most_prompts(
+    real_text: RealTextRuns, report_figure: Callable[[str], None]
+) -> None:
+    """Measured on these 6 prompts (10 tokens): kvtriton's first token agrees on 5 of 6, its first divergence
+    comes at token 5.8 on average, the drift of the chosen tokens' log-probabilities before it is 0.025 (mean)."""
+    kvtriton = _agreement(real_text.tiered.step("local"), real_text.fp8.step("warm"))
+    report_figure(f"real model, {kvtriton.prompts} prompts: kvtriton fp8-e4m3 {kvtriton.summary()}")
+    assert kvtriton.first_token_agreement >= kvtriton.prompts - 2, "the first token agrees on most prompts"
+
+
 def test_real_model_fp8_offload_keeps_the_greedy_tokens_closer_than_vllms_fp8_kv_cache(
     real_text: RealTextRuns, report_figure: Callable[[str], None]
 ) -> None:
     """kvtriton quantizes the loaded prefix only, vLLM's fp8 cache every token: the first must drift less.
 
-    Measured on these 6 prompts (10 tokens): kvtriton's first token agrees on
-    5 of 6, its first divergence comes at token 5.8 on average and the drift
-    of the chosen tokens' log-probabilities before it is 0.025 (mean); vLLM's
-    fp8 KV cache agrees on 4 of 6, at token 3.5, drift 0.090. The margins
-    (first token on 4 of 6, an ordering rather than a figure) leave room for
-    another CPU's rounding; bench/compression.py has the figures over 8
-    prompts and 32 tokens.
+    Measured on these 6 prompts (10 tokens): vLLM's fp8 KV cache agrees on
+    4 of 6, at token 3.5, drift 0.090 (kvtriton: 5 of 6, 5.8, 0.025). The
+    margins (an ordering rather than a figure) leave room for another CPU's
+    rounding; bench/compression.py has the figures over 8 prompts and 32
+    tokens. vLLM's CPU fp8 KV cache needs AVX-512 or AMX: skipped elsewhere.
     """
-    runs = real_text
-    kvtriton = _agreement(runs.tiered.step("local"), runs.fp8.step("warm"))
-    vllm_fp8 = _agreement(runs.fp8.step("cold"), runs.vllm_fp8.step("cold"))
-    report_figure(f"real model, {kvtriton.prompts} prompts: kvtriton fp8-e4m3 {kvtriton.summary()}")
+    if real_text.vllm_fp8 is None:
+        pytest.skip(fp8_kv_cache_problem() or "vLLM's fp8 KV cache engine did not run")
+    kvtriton = _agreement(real_text.tiered.step("local"), real_text.fp8.step("warm"))
+    vllm_fp8 = _agreement(real_text.fp8.step("cold"), real_text.vllm_fp8.step("cold"))
     report_figure(f"real model, {vllm_fp8.prompts} prompts: vLLM's fp8 KV cache {vllm_fp8.summary()}")
-    assert kvtriton.first_token_agreement >= kvtriton.prompts - 2, "the first token agrees on most prompts"
     assert kvtriton.mean_first_divergence > vllm_fp8.mean_first_divergence
     assert kvtriton.mean_abs_logprob_drift < vllm_fp8.mean_abs_logprob_drift
 

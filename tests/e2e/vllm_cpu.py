@@ -60,6 +60,21 @@ ENGINE_ENV: dict[str, str] = {
 """The environment every engine process of the tests gets (``os.environ`` updated with it)."""
 
 
+def fp8_kv_cache_problem() -> str | None:
+    """None when vLLM's CPU attention can run ``kv_cache_dtype="fp8"`` here; else why not.
+
+    vLLM 0.33's CPU attention backend takes an fp8 KV cache only on a CPU with AVX-512 or AMX
+    (``CPUAttentionBackend.supports_kv_cache_dtype``) and refuses to build the engine otherwise; PyTorch
+    reports the same ISA level (AMX machines report ``AVX512``) without importing vLLM into the test process.
+    """
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return None
+    return f"vLLM's CPU attention has no fp8 KV cache on this {capability} CPU (it needs AVX-512 or AMX)"
+
+
 def cpu_kernels_problem() -> str | None:
     """None when vLLM's CPU kernels are installed and register :data:`CPU_PATH_OPS`; else what is wrong and how to fix it.
 
