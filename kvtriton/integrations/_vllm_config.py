@@ -49,6 +49,7 @@ __all__ = [
     "check_keys",
     "check_kv_geometry_known",
     "compressed_row_bytes",
+    "declares_reuse_filter",
     "compression_tag",
     "kv_dtype",
     "check_vllm_policy",
@@ -276,6 +277,19 @@ class KVTritonOffloadConfig:
         )
 
 
+def declares_reuse_filter(extra_config: Mapping[str, object]) -> bool:
+    """Whether ``extra_config`` sets ``store_threshold >= 2`` (the reuse filter runs); False for an unreadable value.
+
+    For the metric declarations, which vLLM asks for before any spec is
+    built: the spec's own parse (:meth:`KVTritonOffloadConfig.from_extra_config`)
+    refuses the unreadable value, naming it.
+    """
+    try:
+        return _parse_int(extra_config, STORE_THRESHOLD, 0, 0) >= 2
+    except ValueError:
+        return False
+
+
 def is_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None) -> bool:
     """Whether vLLM's own manager runs this policy: one kvtriton does not implement, or one loaded by
     ``cache_policy_module_path`` (vLLM's ``CachePolicyFactory`` resolves both; kvtriton's worker moves the bytes)."""
@@ -298,9 +312,11 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     try:
         from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
         from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+        from kvtriton.integrations._vllm_private import registered_cache_policies
     except ImportError:
         return None
-    registered = sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- vLLM has no public list of its policy names
+    registered = registered_cache_policies()
     if cache_policy_module_path is None:
         if eviction_policy not in registered:
             raise ValueError(

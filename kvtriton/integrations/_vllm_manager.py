@@ -59,6 +59,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtriton._byte_units import format_bytes
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
+from kvtriton.integrations._vllm_config import DEFAULT_SUMMARY_INTERVAL_S, declares_reuse_filter
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
 
 __all__ = [
@@ -73,9 +74,6 @@ logger = logging.getLogger(__name__)
 CPU_CACHE_OCCUPANCY_PERC = "vllm:kv_offload_cpu_cache_occupancy_perc"
 """kvtriton's gauge of the slots holding a block; under ``vllm:`` so ``LLM.get_metrics()`` returns it too."""
 
-DEFAULT_SUMMARY_INTERVAL_S = 60.0
-"""Seconds of activity between two ``kvtriton summary:`` log lines."""
-
 _LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
     LookupResult.MISS: vllm_base.LookupResult.MISS,
     LookupResult.HIT: vllm_base.LookupResult.HIT,
@@ -85,19 +83,6 @@ _CHUNK_LEVEL = vllm_base.OffloadPolicy.CHUNK_LEVEL
 
 _ALLOCATION_SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 """vLLM 0.33's buckets for ``kv_offload_cpu_allocation_size`` (its ``CPUOffloadingSpec``)."""
-
-
-def _store_threshold(extra_config: Mapping[str, object]) -> int:
-    """``store_threshold`` as vLLM's CPU spec reads it for its metric declarations (0 when absent or unreadable).
-
-    The spec's own configuration check reports a bad value; the declarations only need to know whether the
-    reuse filter runs.
-    """
-    raw = extra_config.get("store_threshold", 0)
-    try:
-        return int(cast("int", raw))
-    except (TypeError, ValueError):
-        return 0
 
 
 def metric_definitions(
@@ -137,7 +122,7 @@ def metric_definitions(
             buckets=_ALLOCATION_SIZE_BUCKETS,
         ),
     }
-    if extra_config is not None and _store_threshold(extra_config) >= 2:
+    if extra_config is not None and declares_reuse_filter(extra_config):
         definitions[CPUOffloadingMetrics.STORES_SKIPPED] = vllm_base.OffloadingCounterMetadata(
             documentation="Number of KV offload stores skipped because the reuse threshold was not reached.",
         )

@@ -41,7 +41,7 @@ is installed.
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
 import importlib.util
 import inspect
 import logging
@@ -62,29 +62,29 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton._keys import OffloadKey
-from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, ReqContext
 from kvtriton.integrations._vllm_config import (
     CACHE_POLICY_MODULE_PATH,
     EVICTION_POLICY,
-    KVTRITON_PAGEABLE_SLAB,
     KVTritonOffloadConfig,
     check_budget,
-    check_keys,
-    check_kv_geometry_known,
     check_vllm_policy,
     compression_tag,
-    host_row_bytes,
     is_vllm_policy,
-    kv_dtype,
     parse_policy,
 )
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
+from kvtriton.integrations._vllm_private import (
+    FACTORY_ARGUMENTS,
+    FACTORY_KEYS,
+    TIER_CLASS_REFUSED,
+    with_model_name,
+)
+from kvtriton.integrations._vllm_spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
 from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._shared_region import RegionLayout, SharedRegion
-from kvtriton.worker._slab import HostSlab, SlabPinningError
+from kvtriton.worker._slab import HostSlab
 
 __all__ = [
     "LAYOUT_TAG",
@@ -131,26 +131,14 @@ _TIER_PACKAGES: dict[str, tuple[str, str]] = {
 """Built-in tier types whose manager needs a package vLLM does not install, with how to get it."""
 
 
-def _keys(keys: Collection[vllm_base.OffloadKey]) -> Collection[OffloadKey]:
-    # The same bytes under two NewTypes (see kvtriton.integrations._vllm_manager).
-    return cast("Collection[OffloadKey]", keys)
-
-
-def _vllm_slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
-    """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec``: the orchestrator asserts that class and reads ``chunk_ids``."""
-    if not isinstance(spec, CPULoadStoreSpec):
-        raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
-    return VLLMCPULoadStoreSpec(spec.slot_list())
-
-
-def _tier_context(req_context: vllm_base.ReqContext) -> ReqContext:
-    """A kvtriton context for a copy between tiers: the request's id, but none of its access record.
+def _tier_context(req_context: vllm_base.ReqContext) -> vllm_base.ReqContext:
+    """A context for a copy between tiers: the request's id, but none of its access record.
 
     kvtriton's manager ranks a request's keys from what the request itself
     loads and stores (``kvtriton.manager._request_access``); a cascade or a
     promotion is the tiers' traffic, not the request's, so it must not count.
     """
-    return ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
+    return vllm_base.ReqContext(req_id=req_context.req_id, kv_transfer_params=req_context.kv_transfer_params)
 
 
 def region_name(engine_id: str) -> str:
@@ -222,11 +210,11 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
     ) -> VLLMCPULoadStoreSpec:
         """Pin ready chunks for a copy to a secondary tier; no access is recorded (recency stays the request's)."""
-        return _vllm_slot_spec(self.backing.prepare_load(_keys(keys), _tier_context(req_context)))
+        return cast("VLLMCPULoadStoreSpec", self.prepare_load(keys, _tier_context(req_context)))
 
     def complete_read(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
         """Drop the pins of one ``prepare_read``."""
-        self.backing.complete_load(_keys(keys), _tier_context(req_context))
+        self.complete_load(keys, _tier_context(req_context))
 
     def prepare_write(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
@@ -398,13 +386,6 @@ def _tier_failure(label: str, config: Mapping[str, Any], error: Exception) -> Ex
     return ValueError(f"{label}: {error}")
 
 
-_FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
-"""A tier constructor's parameters vLLM's SecondaryTierFactory fills itself (not keys of the tier's config)."""
-
-_FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
-"""Keys of a tier's config vLLM's SecondaryTierFactory consumes before calling the constructor."""
-
-
 def _check_tier_keys(label: str, config: dict[str, Any], tier_cls: type[SecondaryTierManager]) -> None:
     """One line naming a missing or unknown key of a tier's config, instead of the constructor's raw TypeError."""
     try:
@@ -415,7 +396,7 @@ def _check_tier_keys(label: str, config: dict[str, Any], tier_cls: type[Secondar
     missing = [
         name
         for name, parameter in parameters.items()
-        if name not in _FACTORY_ARGUMENTS
+        if name not in FACTORY_ARGUMENTS
         and parameter.default is inspect.Parameter.empty
         and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         and name not in config
@@ -423,11 +404,11 @@ def _check_tier_keys(label: str, config: dict[str, Any], tier_cls: type[Secondar
     if missing:
         raise ValueError(f"{label} is missing the required key {missing[0]!r} ({tier_cls.__name__} needs it)")
     _check_backpressure(f"{label} key 'backpressure'", config.get("backpressure"))
-    _check_tier_values(label, config, {name: p for name, p in parameters.items() if name not in _FACTORY_ARGUMENTS})
+    _check_tier_values(label, config, {name: p for name, p in parameters.items() if name not in FACTORY_ARGUMENTS})
     if takes_any:
         return
-    accepted = set(parameters) - _FACTORY_ARGUMENTS
-    unknown = sorted(key for key in config if key not in accepted and key not in _FACTORY_KEYS)
+    accepted = set(parameters) - FACTORY_ARGUMENTS
+    unknown = sorted(key for key in config if key not in accepted and key not in FACTORY_KEYS)
     if unknown:
         raise ValueError(f"{label} has unknown key {unknown[0]!r}; {tier_cls.__name__} takes {sorted(accepted)}")
 
@@ -453,7 +434,7 @@ def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]
         raise ImportError(f"{label} needs the Python package {missing!r}, which is not installed: {hint}") from error
     except AttributeError as error:
         raise ImportError(f"{label}: module {module_path!r} has no class {kind!r} ({error})") from error
-    except AssertionError as error:
+    except TIER_CLASS_REFUSED as error:
         raise TypeError(f"{label}: {module_path}.{kind} is not a vLLM SecondaryTierManager subclass") from error
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from error
@@ -504,25 +485,18 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         extra = config.extra_config
         # Parsed first: a bad or missing key is reported as kvtriton reports it,
         # before vLLM's parent classes read the same keys.
-        check_keys(extra, tiered=True)
-        settings = KVTritonOffloadConfig.from_extra_config(extra)
+        basis = spec_basis(config, tiered=True, host_memory="the shared host region")
+        settings = basis.settings
         _check_poll_interval(extra)
         _check_backpressure("kv_connector_extra_config['backpressure']", extra.get("backpressure"))
         if settings.filters_reuse:
             raise ValueError(
-                f"kv_connector_extra_config['store_threshold']={extra['store_threshold']!r}: the tiered spec stores "
+                f"kv_connector_extra_config['store_threshold']={settings.store_threshold}: the tiered spec stores "
                 "every chunk (vLLM's TieringOffloadingSpec does not support store_threshold either); remove it"
             )
-        check_kv_geometry_known(
-            canonical_layout=config.canonical_layout,
-            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-            host_memory="the shared host region",
-        )
         blocks_per_chunk = config.cache.blocks_per_chunk
-        dtype = kv_dtype(config.model.dtype, settings.kv_compression)
-        row_bytes = host_row_bytes(
-            config.worker_kv_bytes_per_block, dtype, [group.layer_names for group in config.groups]
-        )
+        dtype = basis.kv_dtype
+        row_bytes = basis.row_bytes
         row_stride = RegionLayout.block_row_stride_for(blocks_per_chunk, config.parallel.world_size, row_bytes)
         # One region on this host holds every rank's bytes: the whole budget must fit its RAM.
         check_budget(settings.cpu_bytes_to_use, slot_bytes=blocks_per_chunk * row_stride, world_size=1, slot="chunk")
@@ -541,7 +515,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         )
         """Where every rank's bytes of every chunk sit in the shared region."""
         layout = self.region_layout
-        # The attributes vLLM's parent classes derived from their own layout,
+        # The attributes vLLM's parent classes derived from their own layout (_vllm_private lists them),
         # restated for kvtriton's (equal to theirs with one block per chunk).
         self.num_chunks = layout.num_chunks
         self.kv_bytes_per_chunk = layout.chunk_bytes
@@ -561,13 +535,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
             f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
         )  # fmt: skip
-        if settings.uses_vllm_policy:
-            logger.info(
-                "eviction_policy %r is not kvtriton's: vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts "
-                "the primary tier with %s, kvtriton's workers move the bytes",
-                settings.eviction_policy,
-                check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path),
-            )
+        log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
 
     @property
     def expected_mappers(self) -> int:
@@ -582,8 +550,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         if self.layout_tag is None:
             return self
         tagged = copy.copy(self)
-        model = dataclasses.replace(self.config.model, name=f"{self.config.model.name}@{self.layout_tag}")
-        tagged.config = dataclasses.replace(self.config, model=model)
+        tagged.config = with_model_name(self.config, f"{self.config.model.name}@{self.layout_tag}")
         return tagged
 
     @override
@@ -658,22 +625,14 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             )
         region = self._open_region()
         slab: HostSlab | None = None
-        engines: list[TransferEngine] = []
         try:
-            slab = self._rank_slab(region, rank, groups.device)
-            for kv in groups.kvs:
-                engines.append(
-                    TransferEngine(
-                        kv,
-                        slab,
-                        self.settings.backend,
-                        num_programs=self.settings.num_programs,
-                        kv_compression=self.settings.kv_compression,
-                    )
-                )
+            slab = open_pinned_slab(
+                functools.partial(region.rank_slab, rank),
+                device=groups.device,
+                pageable_allowed=self.settings.pageable_slab,
+            )
+            engines = open_transfer_engines(groups, slab, self.settings)
         except BaseException:
-            for engine in engines:
-                engine.shutdown()
             if slab is not None:
                 slab.close()
             region.close()
@@ -681,14 +640,3 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         made = KVTritonTieringWorker(engines, slab, groups.kv_of_group, region)
         self._kvtriton_worker = made
         return made
-
-    def _rank_slab(self, region: SharedRegion, rank: int, device: torch.device) -> HostSlab:
-        """This rank's slab over the region: pinned for a CUDA KV cache (or a one-line error), pageable off CUDA."""
-        if device.type != "cuda":
-            return region.rank_slab(rank, pin=False)
-        try:
-            return region.rank_slab(rank, allow_pageable=self.settings.pageable_slab)
-        except SlabPinningError as error:
-            raise SlabPinningError(
-                f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
-            ) from error

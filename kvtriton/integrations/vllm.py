@@ -61,23 +61,17 @@ try:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    from kvtriton.integrations._vllm_config import (
-        KVTRITON_PAGEABLE_SLAB,
-        KVTritonOffloadConfig,
-        check_budget,
-        check_keys,
-        check_kv_geometry_known,
-        check_vllm_policy,
-        host_row_bytes,
-        is_vllm_policy,
-        kv_dtype,
-        parse_policy,
-    )
+    from kvtriton.integrations._vllm_config import KVTritonOffloadConfig, check_budget, is_vllm_policy, parse_policy
     from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, metric_definitions
+    from kvtriton.integrations._vllm_spec_core import (
+        log_vllm_policy,
+        open_host_slab,
+        open_transfer_engines,
+        spec_basis,
+    )
     from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
-    from kvtriton.worker._engine import TransferEngine
-    from kvtriton.worker._slab import HostSlab, SlabPinningError
+    from kvtriton.worker._slab import HostSlab
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
     # against (vLLM 0.33): say so instead of naming one missing module.
@@ -97,28 +91,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def open_host_slab(
-    num_slots: int, block_size_factor: int, row_bytes: int, *, device: torch.device, pageable_allowed: bool
-) -> HostSlab:
-    """The worker's host slab: pinned when the KV cache is on CUDA, or a one-line error saying how to fix it.
-
-    A pageable slab still works but copies through the CPU, several times
-    slower, so a CUDA server refuses to start with one (the slab's
-    :class:`~kvtriton.worker._slab.SlabPinningError`, naming the bytes asked
-    for and why pinning failed) unless
-    ``kvtriton_pageable_slab`` allows it (then it warns and runs). Off CUDA
-    (tests, CPU runs) there is no copy engine to pin for: the slab is pageable.
-    """
-    if device.type != "cuda":
-        return HostSlab(num_slots, block_size_factor, row_bytes, pin=False)
-    try:
-        return HostSlab(num_slots, block_size_factor, row_bytes, allow_pageable=pageable_allowed)
-    except SlabPinningError as error:
-        raise SlabPinningError(
-            f"{error}; in vLLM that is kv_connector_extra_config[{KVTRITON_PAGEABLE_SLAB!r}]=true"
-        ) from error
 
 
 def _compression_note(raw_row_bytes: int, row_bytes: int) -> str:
@@ -173,19 +145,12 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        check_keys(config.extra_config, tiered=False)
-        settings = KVTritonOffloadConfig.from_extra_config(config.extra_config)
-        check_kv_geometry_known(
-            canonical_layout=config.canonical_layout,
-            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-            host_memory="the host slab",
-        )
+        basis = spec_basis(config, tiered=False, host_memory="the host slab")
+        settings = basis.settings
         world_size = config.parallel.world_size
-        self.kv_dtype: torch.dtype | None = kv_dtype(config.model.dtype, settings.kv_compression)
+        self.kv_dtype: torch.dtype | None = basis.kv_dtype
         """The KV cache's element dtype, which compression reads the byte pages as; None without compression."""
-        self.row_bytes: int = host_row_bytes(
-            config.worker_kv_bytes_per_block, self.kv_dtype, [group.layer_names for group in config.groups]
-        )
+        self.row_bytes: int = basis.row_bytes
         """Bytes of one slot row: vLLM's bytes per block, or (compressed) their bound as fp8 rows."""
         slot_bytes = self.row_bytes * self.blocks_per_chunk
         check_budget(settings.cpu_bytes_to_use, slot_bytes=slot_bytes, world_size=world_size)
@@ -206,13 +171,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             settings.eviction_policy, settings.store_threshold, settings.backend.value, settings.kv_compression.value,
             _compression_note(config.worker_kv_bytes_per_block, self.row_bytes),
         )  # fmt: skip
-        if settings.uses_vllm_policy:
-            logger.info(
-                "eviction_policy %r is not kvtriton's: vLLM's own CPUOffloadingManager ranks and evicts with %s, "
-                "kvtriton's worker moves the bytes",
-                settings.eviction_policy,
-                check_vllm_policy(settings.eviction_policy, settings.cache_policy_module_path),
-            )
+        log_vllm_policy(logger, settings, vllm_manager="CPUOffloadingManager", scope="")
         self._manager: vllm_base.OffloadingManager | None = None
         self._worker: VLLMOffloadingWorker | None = None
 
@@ -273,21 +232,9 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 self.num_slots, self.blocks_per_chunk, row_bytes,
                 device=groups.device, pageable_allowed=self.settings.pageable_slab,
             )  # fmt: skip
-            engines: list[TransferEngine] = []
             try:
-                for kv in groups.kvs:
-                    engines.append(
-                        TransferEngine(
-                            kv,
-                            slab,
-                            self.settings.backend,
-                            num_programs=self.settings.num_programs,
-                            kv_compression=self.settings.kv_compression,
-                        )
-                    )
+                engines = open_transfer_engines(groups, slab, self.settings)
             except BaseException:
-                for engine in engines:
-                    engine.shutdown()
                 slab.close()
                 raise
             self._worker = VLLMOffloadingWorker(engines, slab, groups.kv_of_group)

@@ -221,7 +221,7 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     )  # fmt: skip
     report = json.loads(result.stdout)
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
-    assert len(ADAPTER_FILES) == 6  # spec, config, manager, worker, tiering, logging
+    assert len(ADAPTER_FILES) == 8  # spec, spec core, private names, config, manager, worker, tiering, logging
     assert [(Path(d["file"]).name, d["rule"]) for d in errors] == [("probe.py", "reportAssignmentType")]
 
 

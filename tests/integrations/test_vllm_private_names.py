@@ -1,0 +1,143 @@
+"""Each vLLM private name kvtriton relies on (kvtriton.integrations._vllm_private) still means it in this vLLM.
+
+Every check fails with the inventory entry's name, so a vLLM release that
+renames or changes one says which, before anything fails at run time.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvtriton.integrations._vllm_private import (
+    FACTORY_ARGUMENTS,
+    FACTORY_KEYS,
+    RESTATED_TIERING_SPEC_ATTRIBUTES,
+    TIER_CLASS_REFUSED,
+    VLLM_PRIVATE_NAMES,
+    VLLMPrivateName,
+    registered_cache_policies,
+    with_model_name,
+)
+
+
+def _entry(key: str) -> VLLMPrivateName:
+    return next(entry for entry in VLLM_PRIVATE_NAMES if entry.key == key)
+
+
+def _check_policy_registry() -> None:
+    assert {"lru", "arc"} <= set(registered_cache_policies())
+
+
+def _check_secondary_tiers_hook() -> None:
+    hook = inspect.getattr_static(TieringOffloadingSpec, "_get_secondary_tiers")
+    assert isinstance(hook, classmethod)
+    assert list(inspect.signature(TieringOffloadingSpec._get_secondary_tiers).parameters) == ["extra_config"]  # pyright: ignore[reportPrivateUsage] -- the name under test
+    # vLLM's spec reaches its tiers through the hook, so kvtriton's override is what runs.
+    assert "cls._get_secondary_tiers(" in inspect.getsource(TieringOffloadingSpec)
+
+
+def _check_primary_num_chunks() -> None:
+    assert "primary_tier._num_chunks" in inspect.getsource(TieringOffloadingManager)
+
+
+def _check_restated_spec_attributes() -> None:
+    spec = _vllm_tiering_spec()
+    missing = [name for name in RESTATED_TIERING_SPEC_ATTRIBUTES if not hasattr(spec, name)]
+    assert not missing, f"vLLM's TieringOffloadingSpec no longer sets {missing}"
+
+
+def _check_tier_class_assertion() -> None:
+    with pytest.raises(TIER_CLASS_REFUSED):
+        SecondaryTierFactory.get_tier_class({"type": "OrderedDict", "module_path": "collections"})  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+
+
+def _check_tier_factory_arguments() -> None:
+    source = inspect.getsource(SecondaryTierFactory)  # the class: its create_secondary_tier is typed with a bare dict
+    filled = {name for name in FACTORY_ARGUMENTS - {"self"} if f"{name}=" in source}
+    assert filled == FACTORY_ARGUMENTS - {"self"}, f"the factory fills {sorted(filled)}"
+    consumed = {key for key in FACTORY_KEYS if f'pop("{key}"' in source}
+    assert consumed == FACTORY_KEYS, f"the factory consumes {sorted(consumed)}"
+    parameters = inspect.signature(SecondaryTierManager.__init__).parameters
+    assert set(parameters) >= FACTORY_ARGUMENTS
+
+
+def _vllm_tiering_spec() -> TieringOffloadingSpec:
+    """vLLM's own tiered spec (no secondary tier): building it allocates nothing."""
+    return TieringOffloadingSpec(tiering_config({"cpu_bytes_to_use": 1 << 16, "spec_name": "TieringOffloadingSpec"}))
+
+
+def _check_model_name_namespace() -> None:
+    spec = _vllm_tiering_spec()
+    renamed = copy.copy(spec)
+    renamed.config = with_model_name(spec.config, "other-model")
+    assert renamed.config.model.name == "other-model" and spec.config.model.name != "other-model"
+    roots = {FileMapper.from_offloading_spec("/root", one).base_path for one in (spec, renamed)}
+    assert len(roots) == 2
+
+
+class _RecordingRegion:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def create_kv_memoryview(self) -> memoryview:
+        self.calls.append("create_kv_memoryview")
+        return memoryview(bytearray(4 * 64)).cast("B", (4, 64))
+
+    def cleanup(self) -> None:
+        self.calls.append("cleanup")
+
+
+def _check_primary_region_methods() -> None:
+    region = _RecordingRegion()
+    primary = CPUPrimaryTierOffloadingManager(
+        num_chunks=4,
+        mmap_region=region,  # pyright: ignore[reportArgumentType] -- the duck type under test
+        cache_policy="lru",
+        enable_events=False,
+    )
+    primary.shutdown()
+    assert region.calls == ["create_kv_memoryview", "cleanup"]
+
+
+CHECKS: dict[str, Callable[[], None]] = {
+    "policy_registry": _check_policy_registry,
+    "secondary_tiers_hook": _check_secondary_tiers_hook,
+    "primary_num_chunks": _check_primary_num_chunks,
+    "restated_spec_attributes": _check_restated_spec_attributes,
+    "tier_class_assertion": _check_tier_class_assertion,
+    "tier_factory_arguments": _check_tier_factory_arguments,
+    "model_name_namespace": _check_model_name_namespace,
+    "primary_region_methods": _check_primary_region_methods,
+}
+
+
+def test_every_inventory_entry_has_one_check() -> None:
+    assert sorted(entry.key for entry in VLLM_PRIVATE_NAMES) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("key", sorted(CHECKS))
+def test_the_installed_vllm_still_has_the_private_name(key: str) -> None:
+    entry = _entry(key)
+    try:
+        CHECKS[key]()
+    except Exception as error:  # noqa: BLE001 -- any failure means the name changed; the message names it
+        pytest.fail(
+            f"vLLM changed {entry.name} (used by {entry.used_by}: {entry.why}): {type(error).__name__}: {error}"
+        )
+
+
+def test_every_inventory_entry_names_a_kvtriton_module_that_exists() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for entry in VLLM_PRIVATE_NAMES:
+        assert (root / (entry.used_by.replace(".", "/") + ".py")).is_file(), entry.used_by
