@@ -18,10 +18,22 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtriton.cli._info import collect_machine_info
 
-__all__ = ["format_table", "machine_record", "quick_name", "readable_bytes", "results_dir", "write_json"]
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
+__all__ = [
+    "format_table",
+    "machine_record",
+    "offloading_config",
+    "quick_name",
+    "readable_bytes",
+    "results_dir",
+    "write_json",
+]
 
 RESULTS_ENV = "KVTRITON_BENCH_OUT"
 
@@ -79,3 +91,58 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     lines.append("  ".join("-" * width for width in widths))
     lines += ["  ".join(value.rjust(width) for value, width in zip(row, widths)) for row in text_rows]
     return "\n".join(lines)
+
+
+def offloading_config(
+    extra_config: Mapping[str, object],
+    *,
+    worker_kv_bytes_per_block: int,
+    engine_id: str,
+    model_name: str,
+    blocks_per_chunk: int = 1,
+    world_size: int = 1,
+    rank: int = 0,
+    enable_events: bool = False,
+    canonical_layout: bool = False,
+    tokens_per_block: int = 16,
+    layer_name: str = "layer0",
+    dtype: str = "float16",
+    max_model_len: int = 4096,
+) -> OffloadingConfig:
+    """The ``OffloadingConfig`` vLLM's connector builds for a model of one full-attention group.
+
+    The benchmarks and the tests build their offloading specs from it (the
+    tests import it from here: bench never imports tests). The ranks are
+    tensor-parallel (``tp_size = world_size``), one data-parallel replica.
+    vLLM is imported on call, so this module stays importable without it.
+    """
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=(layer_name,), group_id=0),),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=enable_events,
+        extra_config=dict(extra_config),
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model_name, dtype=dtype, max_model_len=max_model_len),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        canonical_layout=canonical_layout,
+    )

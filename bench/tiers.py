@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import format_table, write_json
+from bench.common import format_table, offloading_config, write_json
 from bench.third_party_logs import quiet_vllm
 from kvtriton.cli._progress import progress
 
@@ -102,13 +102,6 @@ class PassResult:
 
 def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int) -> object:
     """A scheduler-side TieringOffloadingManager with ``primary`` and one fs tier under ``root``."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     spec_name, module = _SPEC_NAMES[primary]
@@ -121,26 +114,11 @@ def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: i
     }
     if module is not None:
         extra["spec_module_path"] = module
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
+    config = offloading_config(
+        extra,
         worker_kv_bytes_per_block=chunk_bytes,
-        enable_kv_cache_events=False,
-        extra_config=extra,
         engine_id=f"bench-tiers-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name="bench/tiers", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        model_name="bench/tiers",
     )
     return OffloadingSpecFactory.create_spec(config).get_manager()
 

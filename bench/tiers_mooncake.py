@@ -42,18 +42,11 @@ from typing import Protocol
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from bench.common import format_table, write_json
+from bench.common import format_table, offloading_config, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
 from kvtriton.integrations._mooncake_config import MooncakeTierConfig
 from kvtriton.integrations._mooncake_local import MooncakeCluster, mooncake_missing
@@ -250,7 +243,15 @@ def measure_size(
     rows[chunks:] = 0  # fault the load rows in now, or the first path to write them pays for it
     rows[:chunks] = np.random.default_rng(int(chunk_mib * 16)).integers(0, 256, (chunks, chunk_bytes), dtype=np.uint8)
     view: memoryview = rows.data
-    spec = CPUOffloadingSpec(_offloading_config(chunk_bytes))
+    # A one-group model whose chunk is chunk_bytes: what the tiers' namespace is built from.
+    spec = CPUOffloadingSpec(
+        offloading_config(
+            {"cpu_bytes_to_use": 2 * chunk_bytes},
+            worker_kv_bytes_per_block=chunk_bytes,
+            engine_id="bench-tiers-mooncake",
+            model_name="bench",
+        )
+    )
     context = ReqContext(req_id="bench")
     job_ids = iter(range(1, 1 << 62))
     run_ids = iter(range(1 << 30))
@@ -444,32 +445,6 @@ def promotion_latency(
         all_steps.append(steps)
         tier.on_request_finished(context)
     return float(statistics.median(all_steps)), float(statistics.median(all_ms))
-
-
-def _offloading_config(chunk_bytes: int) -> OffloadingConfig:
-    """The OffloadingConfig of a one-group model whose chunk is ``chunk_bytes`` (what the tiers' namespace is built from)."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
-        worker_kv_bytes_per_block=chunk_bytes,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": 2 * chunk_bytes},
-        engine_id="bench-tiers-mooncake",
-        model=OffloadingModelConfig(name="bench", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-        canonical_layout=False,
-    )
 
 
 if __name__ == "__main__":

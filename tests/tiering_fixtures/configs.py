@@ -14,13 +14,9 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from bench.common import offloading_config
 
 _STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -41,26 +37,15 @@ def tiering_config(
     model_name: str = "tiny-tiering",
 ) -> OffloadingConfig:
     """The OffloadingConfig vLLM's connector builds for one full-attention group, with a fresh engine id."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer0",), group_id=0),),
+    return offloading_config(
+        {**TIERING_EXTRA, **extra_config},
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        enable_kv_cache_events=False,
-        extra_config={**TIERING_EXTRA, **extra_config},
         engine_id=engine_id or f"tiering-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model_name, dtype="float16", max_model_len=1024),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        model_name=model_name,
+        blocks_per_chunk=blocks_per_chunk,
+        world_size=world_size,
+        rank=rank,
+        max_model_len=1024,
     )
 
 

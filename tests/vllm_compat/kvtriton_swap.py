@@ -52,27 +52,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _offloading_config(extra_config: dict[str, object], *, enable_events: bool) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    from bench.common import offloading_config
 
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer",), group_id=0),),
+    return offloading_config(
+        extra_config,
         worker_kv_bytes_per_block=SLOT_BYTES,
-        enable_kv_cache_events=enable_events,
-        extra_config=extra_config,
         engine_id="vllm-compat",
-        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0,
-            data_parallel_size=1, data_parallel_rank_local=None, is_parallelism_agnostic=False,
-        ),
-    )  # fmt: skip
+        model_name="test-model",
+        enable_events=enable_events,
+        layer_name="layer",
+    )
 
 
 def _bound(original: type, args: tuple[object, ...], kwargs: dict[str, object]) -> dict[str, Any]:

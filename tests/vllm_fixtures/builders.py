@@ -7,13 +7,9 @@ from pathlib import Path
 
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from bench.common import offloading_config as bench_offloading_config
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_llama"
 """A config.json-only Llama (2 layers, 2 KV heads of 8): enough for vLLM's ModelConfig on CPU."""
@@ -37,27 +33,18 @@ def offloading_config(
     tokens_per_block: int = 16,
 ) -> OffloadingConfig:
     """The OffloadingConfig vLLM's connector would build for one full-attention group."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=("layer0",), group_id=0),),
+    return bench_offloading_config(
+        {**SPEC_EXTRA_CONFIG, **extra_config},
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        enable_kv_cache_events=enable_events,
-        extra_config={**SPEC_EXTRA_CONFIG, **extra_config},
         engine_id="test-engine",
-        model=OffloadingModelConfig(name="tiny", dtype="float16", max_model_len=1024),
-        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        model_name="tiny",
+        blocks_per_chunk=blocks_per_chunk,
+        world_size=world_size,
+        rank=rank,
+        enable_events=enable_events,
         canonical_layout=canonical_layout,
+        tokens_per_block=tokens_per_block,
+        max_model_len=1024,
     )
 
 
