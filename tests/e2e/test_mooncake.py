@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +13,11 @@ from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 
+# The fixture by its own name (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster
+
 HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
-
-
-@pytest.fixture(scope="module")
-def cluster(e2e_dir: Path) -> Iterator[MooncakeCluster]:
-    """A real Mooncake master and holder on the loopback."""
-    started = MooncakeCluster(e2e_dir / "mooncake").start()
-    yield started
-    started.stop()
 
 
 def mooncake_engine(model: Path, cluster: MooncakeCluster, namespace: str, workdir: Path) -> EngineResult:

@@ -23,6 +23,9 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np
+
+# The fixture by its own name (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -31,13 +34,6 @@ from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_st
 
 CHUNK = 64 * 1024
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake")).start()
-    yield started
-    started.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,9 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np
+
+# The fixture by its own name (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import own_cluster as own_cluster
 from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -29,13 +32,6 @@ CHUNK = 64 * 1024
 SLACK_S = 2.0
 """Scheduling slack on top of the tier's timeout on this shared 2-core machine."""
 MISS = LookupResult.MISS
-
-
-@pytest.fixture
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-failures")).start()
-    yield started
-    started.stop()
 
 
 @pytest.fixture
@@ -54,16 +50,16 @@ def timed(call: object) -> float:
 
 
 def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects_when_it_returns(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    own_cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
 ) -> None:
     memory = Primary(8, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="killed", timeout_s=5.0, reconnect_interval_s=0.2)
+    tier = make_tier(own_cluster.master_address, memory, namespace="killed", timeout_s=5.0, reconnect_interval_s=0.2)
     tiers.append(tier)
     keys = chunk_keys(2, salt=10)
     memory.fill([0, 1], seed=10)
     assert run_job(tier, keys, [0, 1], load=False).success
 
-    cluster.kill_master()
+    own_cluster.kill_master()
     started = time.monotonic()
     loaded = run_job(tier, keys, [2, 3], load=True)
     assert time.monotonic() - started < 5.0 + SLACK_S
@@ -84,9 +80,9 @@ def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects
     assert not run_job(tier, keys, [0, 1], load=False).success
     assert time.monotonic() - started < 1.0
 
-    cluster.start_master()  # same port: the tier's probe finds it
+    own_cluster.start_master()  # same port: the tier's probe finds it
     poll(lambda: True if tier.state is TierState.UP else None, 10.0 + SLACK_S, "reconnect")
-    cluster.start_holder()  # the restarted master lost the old holder's segment with its metadata
+    own_cluster.start_holder()  # the restarted master lost the old holder's segment with its metadata
     fresh = chunk_keys(2, salt=11)
     written = memory.fill([4, 5], seed=11)
     assert poll(lambda: True if run_job(tier, fresh, [4, 5], load=False).success else None, 10.0, "store after return")
@@ -102,16 +98,16 @@ def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects
 
 
 def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    own_cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
 ) -> None:
     timeout_s = 2.0
     memory = Primary(8, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="hung", timeout_s=timeout_s, io_threads=1)
+    tier = make_tier(own_cluster.master_address, memory, namespace="hung", timeout_s=timeout_s, io_threads=1)
     keys = chunk_keys(3, salt=12)
     written = memory.fill([0, 1, 2], seed=12)
     assert run_job(tier, keys, [0, 1, 2], load=False).success
 
-    cluster.hang_master()
+    own_cluster.hang_master()
     try:
         started = time.monotonic()
         assert resolve_lookups(tier, keys) == [MISS] * 3
@@ -134,21 +130,21 @@ def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(
 
         assert timed(tier.shutdown) < 2 * timeout_s + SLACK_S
     finally:
-        cluster.resume_master()
+        own_cluster.resume_master()
     assert [memory.chunk(chunk) for chunk in (0, 1, 2)] == written  # the primary's own chunks untouched
 
 
 def test_a_vanished_holder_turns_its_chunks_into_misses_never_wrong_bytes(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    own_cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
 ) -> None:
     memory = Primary(8, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="holder", timeout_s=5.0)
+    tier = make_tier(own_cluster.master_address, memory, namespace="holder", timeout_s=5.0)
     tiers.append(tier)
     keys = chunk_keys(3, salt=13)
     memory.fill([0, 1, 2], seed=13)
     assert run_job(tier, keys, [0, 1, 2], load=False).success
 
-    cluster.kill_holder()
+    own_cluster.kill_holder()
     started = time.monotonic()
     loaded = run_job(tier, keys, [3, 4, 5], load=True)
     assert time.monotonic() - started < 5.0 + SLACK_S

@@ -28,7 +28,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import torch
 from mooncake_fixtures.instance import FULL_BLOCKS
-from tiering_fixtures.engine import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredEngine, kv_spec
+from tiering_fixtures.tiered_vllm import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredVLLM, kv_spec
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 INSTANCE_TIMEOUT_S = 120
@@ -77,7 +77,7 @@ def finish(process: subprocess.Popen[bytes], out: Path, name: str) -> dict[str, 
 def expected_hex(index: int) -> list[str]:
     """The bytes the simulated model writes into prompt block ``index`` of each layer (rank 0), as hex."""
     shape = torch.Size((2, BLOCK_SIZE, kv_spec(1).num_kv_heads, HEAD_SIZE))
-    return [TieredEngine.pattern(0, index, name, shape).numpy().tobytes().hex() for name in LAYERS]
+    return [TieredVLLM.pattern(0, index, name, shape).numpy().tobytes().hex() for name in LAYERS]
 
 
 def test_a_second_instance_serves_the_first_ones_prefix_from_mooncake_and_another_layout_only_misses(

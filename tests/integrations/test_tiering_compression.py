@@ -17,11 +17,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import torch
 from tiering_fixtures.configs import key, settle_lookup, tiering_config
-from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, fs_tier, make_engine, model_config
+from tiering_fixtures.tiered_vllm import BLOCK_SIZE, LAYERS, TieredVLLM, fs_tier, start_tiered_vllm
 from vllm.config import ModelConfig
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton.integrations._vllm_tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag
@@ -102,7 +103,7 @@ def fp8_round_trip(block: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def config() -> ModelConfig:
-    return model_config()
+    return tiny_model_config()
 
 
 PROMPT = list(range(300, 300 + 4 * BLOCK_SIZE + 3))
@@ -111,8 +112,10 @@ PROMPT = list(range(300, 300 + 4 * BLOCK_SIZE + 3))
 def test_a_compressed_prompt_cascaded_to_fs_is_promoted_and_loaded_back_as_the_fp8_round_trip(
     config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(TieredEngine, "pattern", staticmethod(finite_pattern))
-    engine = make_engine(config, {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [fs_tier(tmp_path)], **COMPRESSED})
+    monkeypatch.setattr(TieredVLLM, "pattern", staticmethod(finite_pattern))
+    engine = start_tiered_vllm(
+        config, {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [fs_tier(tmp_path)], **COMPRESSED}
+    )
     try:
         worker = engine.workers[0].connector_worker
         assert worker is not None

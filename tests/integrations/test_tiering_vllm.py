@@ -19,16 +19,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.engine import (
+from tiering_fixtures.tiered_vllm import (
     BLOCK_SIZE,
     LAYERS,
-    TieredEngine,
+    TieredVLLM,
     fs_tier,
     kv_spec,
-    make_engine,
-    model_config,
+    start_tiered_vllm,
 )
 from vllm.config import ModelConfig
+from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton._keys import OffloadKey
@@ -38,12 +38,12 @@ from kvtriton.worker._shared_region import SharedRegion
 
 @pytest.fixture(scope="module")
 def config() -> ModelConfig:
-    return model_config()  # the slow part (~10 s once): vLLM inspects the model class
+    return tiny_model_config()  # the slow part (~10 s once): vLLM inspects the model class
 
 
 @pytest.fixture
-def engines() -> Iterator[list[TieredEngine]]:
-    made: list[TieredEngine] = []
+def engines() -> Iterator[list[TieredVLLM]]:
+    made: list[TieredVLLM] = []
     yield made
     for engine in made:
         engine.shutdown()
@@ -68,14 +68,14 @@ PROMPT = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a parti
     ids=["1block", "2blocks", "2ranks", "2ranks-2blocks"],
 )
 def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
-    config: ModelConfig, engines: list[TieredEngine], tmp_path: Path, blocks_per_chunk: int, world_size: int
+    config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path, blocks_per_chunk: int, world_size: int
 ) -> None:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": budget(8, blocks_per_chunk, world_size),
         "blocks_per_chunk": blocks_per_chunk,
         "secondary_tiers": [fs_tier(tmp_path)],
     }
-    engine = make_engine(config, extra, world_size=world_size)
+    engine = start_tiered_vllm(config, extra, world_size=world_size)
     engines.append(engine)
     assert all(
         isinstance(worker.connector_worker.worker, KVTritonTieringWorker)
@@ -122,9 +122,9 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
 
 
 def test_a_promotion_that_fails_halfway_keeps_the_chunks_that_arrived_and_recomputes_the_rest(
-    config: ModelConfig, engines: list[TieredEngine], tmp_path: Path
+    config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path
 ) -> None:
-    engine = make_engine(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
+    engine = start_tiered_vllm(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
     engines.append(engine)
     engine.serve("first", PROMPT)
     keys = [OffloadKey(key) for key in engine.cpu.slot_map()]
@@ -158,9 +158,9 @@ def test_a_promotion_that_fails_halfway_keeps_the_chunks_that_arrived_and_recomp
 
 
 def test_a_connector_cache_reset_drains_the_tiers_cascades_first(
-    config: ModelConfig, engines: list[TieredEngine], tmp_path: Path
+    config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path
 ) -> None:
-    engine = make_engine(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
+    engine = start_tiered_vllm(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
     engines.append(engine)
     engine.scheduler.add_request(make_request("first", PROMPT))
     # Step only until the GPU -> host stores completed: their cascades to fs are then in flight or queued.

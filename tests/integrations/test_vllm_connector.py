@@ -11,7 +11,6 @@ see ``vllm_fixtures/vllm_cpu_worker.py``), which must report the same bytes.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,23 +21,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-    set_current_vllm_config,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.config import ModelConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     SlidingWindowSpec,
@@ -50,18 +38,20 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
-from vllm_fixtures.requests import EOS, make_request
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG
+from vllm_fixtures.in_process import (
+    BLOCK_SIZE,
+    NUM_GPU_BLOCKS,
+    InProcessVLLM,
+    start_in_process_vllm,
+    tiny_model_config,
+)
+from vllm_fixtures.requests import make_request
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.worker._slab import PageableSlabWarning
 
-BLOCK_SIZE = 16
-NUM_GPU_BLOCKS = 32
 LAYERS = ("layer0", "layer1")
 KV_SPEC = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16)
 WINDOW_SPEC = SlidingWindowSpec(
@@ -123,16 +113,13 @@ class RecordingWorker(OffloadingWorker):
 
 @pytest.fixture(scope="module")
 def model_config() -> ModelConfig:
-    # The slow part (~10 s the first time: vLLM inspects the model class in a subprocess).
-    return ModelConfig(model=str(TINY_MODEL_DIR), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+    return tiny_model_config()
 
 
-@dataclass
-class Engine:
-    """vLLM's scheduler and worker-side connector, stepped by hand, with a simulated model."""
+@dataclass(kw_only=True)
+class Engine(InProcessVLLM):
+    """The in-process vLLM with kvtriton's spec, one rank, and a simulated model writing known patterns."""
 
-    scheduler: Scheduler
-    worker: OffloadingConnector
     kv: dict[str, torch.Tensor]
     """Each layer's KV cache as the model sees it (its real bytes: without page padding)."""
     pages: dict[str, torch.Tensor]
@@ -144,8 +131,11 @@ class Engine:
     """The canonical KV caches vLLM's connector handed kvtriton's spec."""
     # (group, prompt block index) -> bytes the model wrote for it (one pattern per layer of the group)
     written: dict[tuple[int, int], list[bytes]] = field(default_factory=lambda: {})
-    load_jobs: list[int] = field(default_factory=lambda: [])
-    store_jobs: list[int] = field(default_factory=lambda: [])
+
+    @property
+    def worker(self) -> OffloadingConnector:
+        (worker,) = self.workers
+        return worker
 
     @property
     def kvtriton_worker(self) -> VLLMOffloadingWorker:
@@ -162,10 +152,6 @@ class Engine:
 
     def cpu_manager(self) -> CPUOffloadingManager:
         return self.manager.cpu
-
-    def gpu_blocks(self, request_id: str, group: int = 0) -> list[int]:
-        """``request_id``'s GPU blocks in ``group`` (0: the null block, e.g. outside a sliding window)."""
-        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[group])
 
     def block_bytes(self, block: int, group: int = 0) -> list[bytes]:
         return [self.kv[name][block].numpy().tobytes() for name in self.groups[group]]
@@ -189,40 +175,14 @@ class Engine:
                     self.kv[name][block].copy_(pattern.to(torch.int16).view(torch.float16))
                 self.written[group, index] = self.block_bytes(block, group)
 
-    def step(self, model_request: str = "") -> SchedulerOutput:
-        """One engine step: schedule, run the worker connector around the (simulated) forward, update."""
-        output = self.scheduler.schedule()
-        metadata = output.kv_connector_metadata
-        assert isinstance(metadata, OffloadingConnectorMetadata)
-        self.load_jobs += list(metadata.load_jobs)
-        self.store_jobs += list(metadata.store_jobs)
-        self.worker.handle_preemptions(metadata)  # the model runner's first connector call of a step
-        self.worker.bind_connector_metadata(metadata)
-        self.worker.start_load_kv(None)  # pyright: ignore[reportArgumentType] -- the offloading connector ignores the forward context
-        self.compute(output, model_request)
-        if output.total_num_scheduled_tokens > 0:
-            self.worker.wait_for_save()
-        sending, receiving = self.worker.get_finished(output.finished_req_ids)
-        worker_meta = self.worker.build_connector_worker_meta()
-        self.worker.clear_connector_metadata()
-        running = self.scheduler.running
-        self.scheduler.update_from_output(
-            output,
-            ModelRunnerOutput(
-                req_ids=[request.request_id for request in running],
-                req_id_to_index={request.request_id: index for index, request in enumerate(running)},
-                sampled_token_ids=[[EOS] for _ in running],
-                kv_connector_output=KVConnectorOutput(
-                    finished_sending=sending, finished_recving=receiving, kv_connector_worker_meta=worker_meta
-                ),
-            ),
-        )
-        return output
+    def step_model(self, model_request: str = "") -> SchedulerOutput:
+        """One engine step whose model computes ``model_request``'s blocks (none when empty)."""
+        return self.step(lambda output: self.compute(output, model_request))
 
     def run(self, model_request: str = "", max_steps: int = 10) -> None:
         """Step until no request is left and every transfer has been reported."""
         for _ in range(max_steps):
-            self.step(model_request)
+            self.step_model(model_request)
             if not self.scheduler.requests and not self.scheduler.has_unfinished_requests():
                 self.step()  # one more step delivers the last store completions
                 return
@@ -234,37 +194,6 @@ def make_engine(
     extra_config: dict[str, object],
     groups: list[tuple[list[str], KVCacheSpec]] = ONE_GROUP,
 ) -> Engine:
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            max_model_len=1024,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={**SPEC_EXTRA_CONFIG, **extra_config},
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_GPU_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups],
-    )
-    vllm_config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
-    scheduler = Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-    )
-    worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     # FlashInfer-style (num_blocks, 2, block_size, heads, dim) layer caches, as a CPU "GPU"; a padded
     # page is a view into a wider per-block buffer whose padding holds a marker.
     pages: dict[str, torch.Tensor] = {}
@@ -282,20 +211,20 @@ def make_engine(
         handed.append(kv_caches)
         return get_worker(spec, kv_caches)
 
-    with (
-        set_current_vllm_config(vllm_config),
-        warnings.catch_warnings(),
-        mock.patch.object(KVTritonOffloadingSpec, "get_worker", recording_get_worker),
-    ):
-        warnings.simplefilter("ignore", PageableSlabWarning)
-        worker.register_kv_caches(kv)
-    connector = worker.connector_worker
+    with mock.patch.object(KVTritonOffloadingSpec, "get_worker", recording_get_worker):
+        scheduler, workers = start_in_process_vllm(
+            model_config,
+            {**SPEC_EXTRA_CONFIG, **extra_config},
+            [KVCacheGroupSpec(names, spec) for names, spec in groups],
+            lambda rank: kv,
+        )
+    connector = workers[0].connector_worker
     assert connector is not None and connector.worker is not None
     recorder = RecordingWorker(connector.worker)
     connector.worker = recorder
     return Engine(
-        scheduler=scheduler, worker=worker, kv=kv, pages=pages, groups=[names for names, _ in groups],
-        recorder=recorder, canonical=handed[0],
+        scheduler=scheduler, workers=workers, aggregator=KVOutputAggregator(1), kv=kv, pages=pages,
+        groups=[names for names, _ in groups], recorder=recorder, canonical=handed[0],
     )  # fmt: skip
 
 
@@ -322,8 +251,7 @@ def engines(model_config: ModelConfig) -> Iterator[list[Engine]]:
     made: list[Engine] = []
     yield made
     for engine in made:
-        engine.worker.shutdown()
-        engine.scheduler.shutdown()
+        engine.shutdown()
 
 
 PAGE_BYTES = KV_SPEC.page_size_bytes
@@ -522,7 +450,7 @@ def test_a_connector_cache_reset_with_stores_in_flight_forgets_every_chunk_and_s
     prompt = list(range(700, 700 + 3 * BLOCK_SIZE + 1))
     engine.scheduler.add_request(make_request("first", prompt))
     while engine.scheduler.has_unfinished_requests():
-        engine.step("first")
+        engine.step_model("first")
     # The request is done but its store job only reaches the worker next step:
     # the reset flushes it, and vLLM drops its late completion.
     assert engine.cpu_manager().stats().pending == 3

@@ -20,7 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
-from tiering_fixtures.engine import BLOCK_SIZE, LAYERS, TieredEngine, kv_spec, make_engine, model_config
+from tiering_fixtures.tiered_vllm import BLOCK_SIZE, LAYERS, TieredVLLM, kv_spec, start_tiered_vllm
+from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton.integrations.mooncake import MooncakeStoreTier
@@ -31,7 +32,7 @@ FULL_BLOCKS = 4
 GO_TIMEOUT_S = 180.0
 
 
-def mooncake_tier(engine: TieredEngine) -> MooncakeStoreTier:
+def mooncake_tier(engine: TieredVLLM) -> MooncakeStoreTier:
     (tier,) = engine.tiering.secondary_tiers
     assert isinstance(tier, MooncakeStoreTier)
     return tier
@@ -53,7 +54,7 @@ def serve(master: str, namespace: str, blocks_per_chunk: int, go_file: Path | No
             }
         ],
     }
-    engine = make_engine(model_config(), extra, engine_id=f"mooncake-instance-{uuid.uuid4().hex[:8]}")
+    engine = start_tiered_vllm(tiny_model_config(), extra, engine_id=f"mooncake-instance-{uuid.uuid4().hex[:8]}")
     try:
         tier = mooncake_tier(engine)
         assert tier.wait_until_up(15.0), "the tier never reached the master"

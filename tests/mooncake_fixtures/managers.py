@@ -2,7 +2,8 @@
 
 A test module takes the fixtures by importing them under their own names
 (``from mooncake_fixtures.managers import cluster as cluster, managers as managers``),
-so each module still gets its own cluster. vLLM's CPU worker needs a GPU, so
+so each module still gets its own cluster; a test that breaks the store (kills,
+hangs or restarts its master or holder) takes ``own_cluster``, one of its own. vLLM's CPU worker needs a GPU, so
 the GPU<->primary copies are the test's own writes into and reads from the
 primary's memory; every primary<->Mooncake move is the tiering manager's.
 """
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from tiering_fixtures.configs import drain as settle  # one polling loop for both fixture packages
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -22,15 +24,25 @@ from kvtriton.integrations._mooncake_local import MooncakeCluster
 from kvtriton.integrations.mooncake import MooncakeStoreTier
 from mooncake_fixtures.tiers import END_OF_STEP
 
-__all__ = ["cluster", "managers", "promote", "serve_and_cascade", "settle", "started"]
+__all__ = ["cluster", "managers", "own_cluster", "promote", "serve_and_cascade", "settle", "started"]
+
+
+def _running_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake")).start()
+    yield started
+    started.stop()
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
     """One master and storage holder on the loopback for the whole test module."""
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake")).start()
-    yield started
-    started.stop()
+    yield from _running_cluster(tmp_path_factory)
+
+
+@pytest.fixture
+def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    """A master and holder for one test alone, which it may kill, hang or restart."""
+    yield from _running_cluster(tmp_path_factory)
 
 
 @pytest.fixture
@@ -52,18 +64,6 @@ def started(
     assert isinstance(tier, MooncakeStoreTier)
     assert tier.wait_until_up(10.0)
     return manager, tier, np.asarray(manager.primary_tier.get_kv_memoryview())
-
-
-def settle(manager: TieringOffloadingManager) -> None:
-    """Step the manager until no primary<->secondary transfer is in flight."""
-    deadline = time.monotonic() + 15.0
-    while True:
-        with manager.lock:
-            manager.on_schedule_end(END_OF_STEP)
-            if not manager.has_pending_work():
-                return
-        assert time.monotonic() < deadline, "transfers still in flight"
-        time.sleep(0.005)
 
 
 def serve_and_cascade(

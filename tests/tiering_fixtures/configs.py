@@ -69,7 +69,7 @@ def settle_lookup(
         time.sleep(0.005)
 
 
-def drain(manager: OffloadingManager, timeout_s: float = 10.0) -> None:
+def drain(manager: OffloadingManager, timeout_s: float = 15.0) -> None:
     """End scheduler steps until no tier job is in flight."""
     deadline = time.monotonic() + timeout_s
     while True:
