@@ -53,6 +53,7 @@ __all__ = [
     "seal_in_place",
     "sealed_length",
     "verify",
+    "verify_seal",
 ]
 
 ROW_FORMAT_VERSION = 1
@@ -185,15 +186,28 @@ def verify(
             return IntegrityFault.WRONG_SIZE
     if len(view) < SEAL_BYTES:
         return IntegrityFault.TORN
-    trailer = view[-SEAL_BYTES:]
+    return verify_seal(view[:-SEAL_BYTES], view[-SEAL_BYTES:], key=key, fingerprint=fingerprint)
+
+
+def verify_seal(payload: Buffer, seal: Buffer, *, key: bytes, fingerprint: bytes) -> IntegrityFault | None:
+    """:func:`verify` for a payload and its seal held in two buffers (a tier that reads the seal apart).
+
+    ``seal`` must be the :data:`SEAL_BYTES` that followed ``payload``; any other
+    length is :attr:`~IntegrityFault.TORN`.
+    """
+    _check_fingerprint(fingerprint)
+    payload_view = _bytes_view(payload, "payload")
+    trailer = _bytes_view(seal, "seal")
+    if len(trailer) != SEAL_BYTES:
+        return IntegrityFault.TORN
     checksum, sealed_fingerprint, sealed_key, payload_length, version, magic = _TRAILER.unpack(trailer)
     if magic != _MAGIC:
         return IntegrityFault.TORN
     if version != ROW_FORMAT_VERSION:
         return IntegrityFault.STALE_FORMAT
-    if payload_length != len(view) - SEAL_BYTES:
-        return IntegrityFault.TORN if payload_length > len(view) - SEAL_BYTES else IntegrityFault.WRONG_SIZE
-    if _checksum(view[:-SEAL_BYTES], trailer[_CHECKED_FROM:]) != checksum:
+    if payload_length != len(payload_view):
+        return IntegrityFault.TORN if payload_length > len(payload_view) else IntegrityFault.WRONG_SIZE
+    if _checksum(payload_view, trailer[_CHECKED_FROM:]) != checksum:
         return IntegrityFault.CHECKSUM
     if sealed_fingerprint != fingerprint:
         return IntegrityFault.OTHER_FINGERPRINT

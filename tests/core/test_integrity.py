@@ -20,6 +20,7 @@ from kvtriton._integrity import (
     seal_in_place,
     sealed_length,
     verify,
+    verify_seal,
 )
 
 FINGERPRINT = bytes(range(FINGERPRINT_BYTES))
@@ -178,3 +179,15 @@ def test_sealing_in_place_refuses_a_chunk_without_room_or_read_only() -> None:
         seal_in_place(bytes(100), key=KEY, fingerprint=FINGERPRINT)
     with pytest.raises(ValueError, match="sealed_length|payload_length must be >= 0, got -1"):
         sealed_length(-1)
+
+
+def test_a_payload_and_its_seal_held_apart_verify_alike() -> None:
+    trailer = seal_bytes(PAYLOAD, key=KEY, fingerprint=FINGERPRINT)
+    assert verify_seal(PAYLOAD, trailer, key=KEY, fingerprint=FINGERPRINT) is None
+    damaged = bytearray(PAYLOAD)
+    damaged[100] ^= 1
+    assert verify_seal(damaged, trailer, key=KEY, fingerprint=FINGERPRINT) is IntegrityFault.CHECKSUM
+    assert verify_seal(PAYLOAD, trailer[:-1], key=KEY, fingerprint=FINGERPRINT) is IntegrityFault.TORN
+    assert verify_seal(PAYLOAD, trailer, key=b"other", fingerprint=FINGERPRINT) is IntegrityFault.OTHER_KEY
+    assert verify_seal(PAYLOAD, trailer, key=KEY, fingerprint=OTHER_FINGERPRINT) is IntegrityFault.OTHER_FINGERPRINT
+    assert verify_seal(PAYLOAD[:-1], trailer, key=KEY, fingerprint=FINGERPRINT) is IntegrityFault.TORN
