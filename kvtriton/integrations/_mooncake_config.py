@@ -136,6 +136,8 @@ class ChunkIdentity:
     chunks live under different digests."""
     canonical_format: str
     namespace: str
+    fingerprint: str = ""
+    """The identity fingerprint (hex; kvtriton.integrations._vllm_identity): model, weights, dtypes, row format."""
 
     def fields(self) -> dict[str, object]:
         return {
@@ -154,6 +156,7 @@ class ChunkIdentity:
             "layout_tag": self.layout_tag,
             "canonical_format": self.canonical_format,
             "namespace": self.namespace,
+            "fingerprint": self.fingerprint,
         }
 
     def manifest(self) -> bytes:

@@ -17,6 +17,19 @@ How it moves data
     passes through Python ``bytes``. A get that returns anything but the exact
     chunk size is a miss for that key (the slot is handed back, never used).
 
+How it fails closed
+    Object keys are filed under the engine's identity fingerprint
+    (:mod:`kvtriton.integrations._vllm_identity`: model, weights, dtypes,
+    layout, compression, row format, namespace). Every value is the chunk
+    followed by its 64-byte seal (:mod:`kvtriton._integrity`), put from the
+    primary's slot and a small registered seal buffer in one
+    ``batch_put_from_multi_buffers``; a promotion reads both back in one
+    ``batch_get_into_multi_buffers`` and verifies the seal before the chunk
+    becomes a hit. A value that fails (other bytes, another key's or another
+    identity's chunk, a torn or over-long one, an older format) is a miss for
+    that key only, counted in ``vllm:kv_offload_integrity_failures{tier,reason}``
+    with a rate-limited WARNING (:mod:`kvtriton.integrations._integrity_report`).
+
 How it stays out of the scheduler's way
     Lookups go through vLLM's ``AsyncLookupManager``: the scheduler gets RETRY
     until one batched ``batch_is_exist`` per step has answered. Store and load
@@ -78,7 +91,12 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
+from kvtriton.integrations._integrity_report import IntegrityReport, integrity_metric_definitions
 from kvtriton.integrations._mooncake_config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
+from kvtriton.integrations._vllm_config import compression_tag
+from kvtriton.integrations._vllm_identity import KVIdentity, vllm_identity
+from kvtriton.kernels._compression import KVCompression
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -92,6 +110,7 @@ __all__ = [
     "TierState",
     "chunk_identity",
     "is_connection_error",
+    "kv_identity",
     "open_store",
 ]
 
@@ -101,6 +120,10 @@ DEFAULT_LAYOUT_TAG = "vllm-cpu"
 """The layout tag of a primary that does not name its own: vLLM's CPU primary."""
 
 _T = TypeVar("_T")
+
+
+OBJECT_NOT_FOUND = -704
+"""Mooncake's status for a key the store does not hold."""
 
 
 def is_connection_error(code: int) -> bool:
@@ -125,6 +148,13 @@ class StoreClient(Protocol):
     def unregister_buffer(self, buffer_ptr: int) -> int: ...
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+    def get_size(self, key: str) -> int: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
     def put(self, key: str, value: bytes) -> int: ...
@@ -161,8 +191,26 @@ def open_store(config: MooncakeTierConfig) -> StoreClient | None:
     return store
 
 
-def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str) -> ChunkIdentity:
-    """Everything in ``spec`` that shapes a chunk's bytes, plus the user namespace."""
+def kv_identity(spec: OffloadingSpec, namespace: str) -> KVIdentity:
+    """The identity fingerprint of the chunks ``spec``'s primary hands this tier (each holds every rank's bytes).
+
+    The layout is the primary's tag (``vllm-cpu`` for vLLM's own primary) and
+    the compression kvtriton's tiered spec's, when it compresses.
+    """
+    layout_tag = getattr(spec, "layout_tag", None)
+    settings: object = getattr(spec, "settings", None)
+    compression = getattr(settings, "kv_compression", None)
+    return vllm_identity(
+        spec.config,
+        layout=layout_tag if isinstance(layout_tag, str) and layout_tag else DEFAULT_LAYOUT_TAG,
+        compression=compression_tag(compression) if isinstance(compression, KVCompression) else None,
+        rank=None,
+        namespace=namespace,
+    )
+
+
+def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str, fingerprint: str = "") -> ChunkIdentity:
+    """Everything in ``spec`` that shapes a chunk's bytes, plus the user namespace and the identity fingerprint."""
     config = spec.config
     parallel = config.parallel
     layout_tag = getattr(spec, "layout_tag", None)
@@ -185,6 +233,7 @@ def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str) -> Ch
         layout_tag=layout_tag if isinstance(layout_tag, str) and layout_tag else DEFAULT_LAYOUT_TAG,
         canonical_format=canonical,
         namespace=namespace,
+        fingerprint=fingerprint,
     )
 
 
@@ -202,6 +251,7 @@ class MooncakeTierMetrics:
     FAILED_OPS = "vllm:kv_offload_mooncake_failed_ops"
     FAILED_OP_SECONDS = "vllm:kv_offload_mooncake_failed_op_seconds"
     WRONG_SIZE_VALUES = "vllm:kv_offload_mooncake_wrong_size_values"
+    """Values whose size is not a sealed chunk's (each also an integrity failure, reason ``torn`` or ``wrong_size``)."""
     RECONNECTS = "vllm:kv_offload_mooncake_reconnects"
     UP = "vllm:kv_offload_mooncake_up"
 
@@ -259,7 +309,9 @@ class MooncakeTierStats:
     loaded_keys: int
     load_failed_keys: int
     wrong_size_keys: int
-    """Keys whose value did not have the chunk's exact size (each also counted in ``load_failed_keys``)."""
+    """Keys whose value did not have a sealed chunk's exact size (each also counted in ``load_failed_keys``)."""
+    integrity_failures: int
+    """Keys whose value failed its seal check, any reason, wrong sizes included (each also in ``load_failed_keys``)."""
     failed_ops: int
     """Store calls (lookup, put, get) that failed, timed out, or were refused while the tier was down."""
     failed_op_seconds: float
@@ -279,6 +331,7 @@ class _Counters:
     loaded_keys: int = 0
     load_failed_keys: int = 0
     wrong_size_keys: int = 0
+    integrity_failures: int = 0
     failed_ops: int = 0
     failed_op_seconds: float = 0.0
     slowest_op_seconds: float = 0.0
@@ -293,6 +346,8 @@ class _Job:
     keys: list[OffloadKey]
     object_keys: list[str]
     pointers: list[int]
+    seal_pointers: list[int]
+    chunk_ids: list[int]
     is_load: bool
     deadline: float
     future: Future[None] | None = None
@@ -374,7 +429,17 @@ class MooncakeStoreTier(SecondaryTierManager):
         self._primary_array = np.frombuffer(primary_kv_view, dtype=np.uint8)
         self._primary_base: int = self._primary_array.ctypes.data
         self._chunk_bytes = self.block_size_bytes
-        self.keyspace = MooncakeKeyspace(chunk_identity(offloading_spec, self._chunk_bytes, namespace))
+        self.identity = kv_identity(offloading_spec, namespace)
+        """What every value's seal names and the keys are filed under (docs/tiers.md, "Integrity")."""
+        self.keyspace = MooncakeKeyspace(
+            chunk_identity(offloading_spec, self._chunk_bytes, namespace, self.identity.hex)
+        )
+        # One seal slot per primary chunk, registered with the store beside the primary: a job on a chunk
+        # owns that chunk's seal slot as it owns the chunk.
+        self._seals = np.zeros((len(primary_kv_view), SEAL_BYTES), dtype=np.uint8)
+        self._seals_base: int = self._seals.ctypes.data
+        self.integrity = IntegrityReport(self.tier_label)
+        """Values that failed their seal check: counted by reason, warned about at a bounded rate."""
 
         self._lock = threading.Lock()
         """Guards the counters, the state and the store handle (taken by I/O, lookup and supervisor threads)."""
@@ -399,9 +464,9 @@ class MooncakeStoreTier(SecondaryTierManager):
         )
         self._supervisor.start()
         logger.info(
-            "Mooncake tier %r: master %s, namespace digest %s (%s), %d-byte chunks, timeout %.1f s",
+            "Mooncake tier %r: master %s, namespace digest %s (%s), %d-byte chunks + %d-byte seals, timeout %.1f s; %s",
             tier_type, self.config.master_server_address, self.keyspace.digest, self.keyspace.identity.model,
-            self._chunk_bytes, self.config.timeout_s,
+            self._chunk_bytes, SEAL_BYTES, self.config.timeout_s, self.identity.describe(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------
@@ -444,6 +509,13 @@ class MooncakeStoreTier(SecondaryTierManager):
         if status != 0:
             logger.error("Mooncake tier %r: registering the primary's %d bytes failed (%d)", self.tier_type,
                          self._primary_array.nbytes, status)  # fmt: skip
+            store.close()
+            self._count_failure(time.monotonic() - started)
+            return
+        status = store.register_buffer(self._seals_base, self._seals.nbytes)
+        if status != 0:
+            logger.error("Mooncake tier %r: registering the %d bytes of seals failed (%d)", self.tier_type,
+                         self._seals.nbytes, status)  # fmt: skip
             store.close()
             self._count_failure(time.monotonic() - started)
             return
@@ -608,6 +680,8 @@ class MooncakeStoreTier(SecondaryTierManager):
             keys=keys,
             object_keys=[self.object_key(key) for key in keys],
             pointers=[self._primary_base + chunk * self._chunk_bytes for chunk in chunk_ids],
+            seal_pointers=[self._seals_base + chunk * SEAL_BYTES for chunk in chunk_ids],
+            chunk_ids=chunk_ids,
             is_load=is_load,
             deadline=time.monotonic() + self.config.timeout_s,
         )
@@ -640,27 +714,43 @@ class MooncakeStoreTier(SecondaryTierManager):
 
     def _transfer(self, job: _Job) -> None:
         store = self._store
-        sizes = [self._chunk_bytes] * len(job.keys)
         if self._state is not TierState.UP or store is None or time.monotonic() > job.deadline:
             job.failed = list(job.keys)  # down, or queued past the timeout: fail without touching the network
             self._count_failure(0.0)
             return
+        buffers = [[chunk, seal] for chunk, seal in zip(job.pointers, job.seal_pointers)]
+        sizes = [[self._chunk_bytes, SEAL_BYTES]] * len(job.keys)
+        sealed_bytes = self._chunk_bytes + SEAL_BYTES
         started = time.monotonic()
         if job.is_load:
-            codes = store.batch_get_into(job.object_keys, job.pointers, sizes)
+            codes = store.batch_get_into_multi_buffers(job.object_keys, buffers, sizes)
         else:
-            codes = store.batch_put_from(job.object_keys, job.pointers, sizes)
+            for key, chunk in zip(job.keys, job.chunk_ids):
+                self._seals[chunk] = np.frombuffer(self._seal_of(key, chunk), dtype=np.uint8)
+            codes = store.batch_put_from_multi_buffers(job.object_keys, buffers, sizes)
         seconds = time.monotonic() - started
         if len(codes) != len(job.keys):
             codes = [-1] * len(job.keys)
         wrong_size = 0
-        for key, object_key, code in zip(job.keys, job.object_keys, codes):
-            ok = code == self._chunk_bytes if job.is_load else code == 0
-            (job.succeeded if ok else job.failed).append(key)
-            if job.is_load and code >= 0 and not ok:
-                wrong_size += 1
-                logger.warning("Mooncake tier %r: %s holds %d bytes, not a %d-byte chunk: a miss",
-                               self.tier_type, object_key, code, self._chunk_bytes)  # fmt: skip
+        faults = 0
+        for key, object_key, chunk, code in zip(job.keys, job.object_keys, job.chunk_ids, codes):
+            if not job.is_load:
+                (job.succeeded if code == 0 else job.failed).append(key)
+                continue
+            fault: IntegrityFault | None = None
+            if code == sealed_bytes:
+                fault = self._verify(key, chunk)
+            elif code >= 0 or (code != OBJECT_NOT_FOUND and not is_connection_error(code)):
+                fault = self._size_fault(store, object_key, code)
+                if fault is not None:
+                    wrong_size += 1
+            if code == sealed_bytes and fault is None:
+                job.succeeded.append(key)
+                continue
+            job.failed.append(key)
+            if fault is not None:
+                faults += 1
+                self.integrity.record(fault, object_key)
         lost_master = any(is_connection_error(code) for code in codes)
         with self._lock:
             counters = self._counters
@@ -672,6 +762,7 @@ class MooncakeStoreTier(SecondaryTierManager):
                 counters.loaded_keys += len(job.succeeded)
                 counters.load_failed_keys += len(job.failed)
                 counters.wrong_size_keys += wrong_size
+                counters.integrity_failures += faults
                 counters.bytes_loaded += len(job.succeeded) * self._chunk_bytes
             else:
                 counters.stored_keys += len(job.succeeded)
@@ -684,6 +775,34 @@ class MooncakeStoreTier(SecondaryTierManager):
                         failed_codes)  # fmt: skip
         if lost_master:
             self._set_down()
+
+    def _chunk_view(self, chunk: int) -> memoryview:
+        start = chunk * self._chunk_bytes
+        return self._primary_array[start : start + self._chunk_bytes].data
+
+    def _seal_of(self, key: OffloadKey, chunk: int) -> bytes:
+        """The seal of primary chunk ``chunk`` as the value of ``key``."""
+        return seal_bytes(self._chunk_view(chunk), key=key, fingerprint=self.identity.fingerprint)
+
+    def _verify(self, key: OffloadKey, chunk: int) -> IntegrityFault | None:
+        """Whether the value just read into ``chunk`` and its seal slot is ``key``'s sealed chunk."""
+        return verify_seal(
+            self._chunk_view(chunk), self._seals[chunk].data, key=key, fingerprint=self.identity.fingerprint
+        )
+
+    def _size_fault(self, store: StoreClient, object_key: str, code: int) -> IntegrityFault | None:
+        """Why a get that moved no sealed chunk failed: the value's size (torn or too long), or None (no value).
+
+        Mooncake refuses a get into buffers that do not match the value's size
+        exactly without saying so; one ``get_size`` (only on this rare path) tells.
+        """
+        size = code if code >= 0 else store.get_size(object_key)
+        if size < 0:
+            return None
+        sealed_bytes = self._chunk_bytes + SEAL_BYTES
+        logger.warning("Mooncake tier %r: %s holds %d bytes, not a %d-byte sealed chunk: a miss",
+                       self.tier_type, object_key, size, sealed_bytes)  # fmt: skip
+        return IntegrityFault.TORN if size < sealed_bytes else IntegrityFault.WRONG_SIZE
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -757,6 +876,7 @@ class MooncakeStoreTier(SecondaryTierManager):
                 return
         # Drop our export of the primary's memory so the primary can unmap its region.
         self._primary_array = np.empty(0, dtype=np.uint8)
+        self._seals = np.empty((0, SEAL_BYTES), dtype=np.uint8)
 
     # ------------------------------------------------------------------
     # Reporting
@@ -774,6 +894,7 @@ class MooncakeStoreTier(SecondaryTierManager):
                 loaded_keys=counters.loaded_keys,
                 load_failed_keys=counters.load_failed_keys,
                 wrong_size_keys=counters.wrong_size_keys,
+                integrity_failures=counters.integrity_failures,
                 failed_ops=counters.failed_ops,
                 failed_op_seconds=counters.failed_op_seconds,
                 slowest_op_seconds=counters.slowest_op_seconds,
@@ -801,6 +922,7 @@ class MooncakeStoreTier(SecondaryTierManager):
                 "Times the tier reached the Mooncake master again after losing it.", labels
             ),
             MooncakeTierMetrics.UP: OffloadingGaugeMetadata("1 while the Mooncake master answers, else 0.", labels),
+            **integrity_metric_definitions(),
         }
 
     @override
@@ -820,13 +942,18 @@ class MooncakeStoreTier(SecondaryTierManager):
             if delta:
                 stats.increase_counter(name, delta, labels)
         stats.set_gauge(MooncakeTierMetrics.UP, 1 if now.state is TierState.UP else 0, labels)
+        self.integrity.add_to(stats)
         return stats
 
     @classmethod
     @override
     def config_info_keys(cls, tier_config: dict[str, object]) -> tuple[str, ...]:
-        return ("mooncake_master", "mooncake_namespace_digest")
+        return ("mooncake_master", "mooncake_namespace_digest", "mooncake_identity")
 
     @override
     def config_info(self) -> ConfigInfoMapping:
-        return {"mooncake_master": self.config.master_server_address, "mooncake_namespace_digest": self.keyspace.digest}
+        return {
+            "mooncake_master": self.config.master_server_address,
+            "mooncake_namespace_digest": self.keyspace.digest,
+            "mooncake_identity": self.identity.hex,
+        }

@@ -29,6 +29,7 @@ from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations._mooncake_config import MooncakeTierConfig
 from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_store
 
@@ -236,34 +237,46 @@ def test_bad_configuration_names_the_key_and_value(config: dict[str, object], me
 def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
     cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
 ) -> None:
-    # Zero copy: the tier hands Mooncake addresses inside the primary (registered once), never a bytes object.
+    # Zero copy: the tier hands Mooncake addresses inside the primary (registered once) and in its registered
+    # seal slots (one per chunk, beside the chunk's bytes in the same value), never a bytes object.
     memory = Primary(4, CHUNK)
     tier = make_tier(cluster.master_address, memory, namespace="zero-copy")
     tiers.append(tier)
     base = memory.rows.ctypes.data
+    seals = tier._seals_base  # pyright: ignore[reportPrivateUsage] -- the registered seal slots
     assert tier._primary_base == base  # pyright: ignore[reportPrivateUsage] -- the registered address is the primary's own
-    calls: list[tuple[str, list[int]]] = []
+    calls: list[tuple[str, list[list[int]], list[list[int]]]] = []
     store = tier._store  # pyright: ignore[reportPrivateUsage]
     assert store is not None
 
     class Spy:
-        def batch_put_from(self, keys: list[str], pointers: list[int], sizes: list[int]) -> list[int]:
-            calls.append(("put", pointers))
+        def batch_put_from_multi_buffers(
+            self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
+        ) -> list[int]:
+            calls.append(("put", pointers, sizes))
             assert store is not None
-            return store.batch_put_from(keys, pointers, sizes)
+            return store.batch_put_from_multi_buffers(keys, pointers, sizes)
 
-        def batch_get_into(self, keys: list[str], pointers: list[int], sizes: list[int]) -> list[int]:
-            calls.append(("get", pointers))
+        def batch_get_into_multi_buffers(
+            self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
+        ) -> list[int]:
+            calls.append(("get", pointers, sizes))
             assert store is not None
-            return store.batch_get_into(keys, pointers, sizes)
+            return store.batch_get_into_multi_buffers(keys, pointers, sizes)
 
     tier._store = Spy()  # pyright: ignore[reportPrivateUsage,reportAttributeAccessIssue] -- a spy around the real client
     keys = chunk_keys(2, salt=8)
     memory.fill([0, 3], seed=8)
-    assert run_job(tier, keys, [0, 3], load=False).success
-    assert run_job(tier, keys, [1, 2], load=True).success
-    tier._store = store  # pyright: ignore[reportPrivateUsage]
-    assert calls == [("put", [base, base + 3 * CHUNK]), ("get", [base + CHUNK, base + 2 * CHUNK])]
+    try:
+        assert run_job(tier, keys, [0, 3], load=False).success
+        assert run_job(tier, keys, [1, 2], load=True).success
+    finally:
+        tier._store = store  # pyright: ignore[reportPrivateUsage]
+    sizes = [[CHUNK, SEAL_BYTES]] * 2
+    assert calls == [
+        ("put", [[base, seals], [base + 3 * CHUNK, seals + 3 * SEAL_BYTES]], sizes),
+        ("get", [[base + CHUNK, seals + SEAL_BYTES], [base + 2 * CHUNK, seals + 2 * SEAL_BYTES]], sizes),
+    ]
     assert np.array_equal(memory.rows[1], memory.rows[0]) and np.array_equal(memory.rows[2], memory.rows[3])
 
 

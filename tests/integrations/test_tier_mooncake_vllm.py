@@ -90,6 +90,7 @@ def test_vllm_builds_the_tier_from_its_documented_defaults(
     assert tier.config_info() == {
         "mooncake_master": cluster.master_address,
         "mooncake_namespace_digest": tier.keyspace.digest,
+        "mooncake_identity": tier.identity.hex,
     }
 
 
