@@ -24,7 +24,7 @@
 #
 # Everything goes to $OUT (default bench/results/gpu_check), written as each step goes, at most 8
 # files, no folders: summary.json (one entry per step: name, status, seconds, budget, detail; rewritten
-# after every step), preflight.txt, tests.log, steps.log, crossover.json, kernels.json, engine.json.
+# after every step), preflight.txt, tests.log, steps.log, crossover.json, kernels.json, host_cost.json.
 # Each benchmark rewrites its JSON after every case, so a step cut off at its budget keeps its figures.
 # The last thing printed is a one-screen summary (bench/gpu_summary.py); docs/benchmarks.md ("The first
 # GPU run") says how to read it. Exit status 0 when every step ran and passed. PYTHON picks the
@@ -71,7 +71,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 STEPS="$SCRATCH/steps.tsv"
 : >"$STEPS"
 rm -f "$OUT"/summary.json "$OUT"/preflight.txt "$OUT"/tests.log "$OUT"/steps.log \
-    "$OUT"/crossover.json "$OUT"/kernels.json "$OUT"/engine.json
+    "$OUT"/crossover.json "$OUT"/kernels.json "$OUT"/host_cost.json
 # The hard memlock limit, where it is higher (harmless; cudaHostRegister is not charged to it anyway).
 ulimit -S -l "$(ulimit -H -l)" 2>/dev/null
 
@@ -203,11 +203,11 @@ fi
 # --- host cost per job with the real launch (its slabs are small: no 1 GiB pin needed) -------------------------
 if [[ -n $gpu_missing ]]; then skip host_cost "$BUDGET_HOST_COST" "$gpu_missing"
 elif [[ $DRY_RUN == 1 ]]; then
-    run_step host_cost "$BUDGET_HOST_COST" "$OUT/steps.log" "$PYTHON" -m bench.engine --device cpu --real-launch \
-        --page-tensors 2 --blocks 1 4 --jobs 2 --repeats 1 --name engine
+    run_step host_cost "$BUDGET_HOST_COST" "$OUT/steps.log" "$PYTHON" -m bench.host_cost --device cpu --real-launch \
+        --page-tensors 2 --blocks 1 4 --jobs 2 --repeats 1 --name host_cost
 else
-    run_step host_cost "$BUDGET_HOST_COST" "$OUT/steps.log" "$PYTHON" -m bench.engine --device cuda --real-launch \
-        --page-tensors 64 160 --blocks 1 16 256 --jobs 100 --repeats 5 --name engine
+    run_step host_cost "$BUDGET_HOST_COST" "$OUT/steps.log" "$PYTHON" -m bench.host_cost --device cuda --real-launch \
+        --page-tensors 64 160 --blocks 1 16 256 --jobs 100 --repeats 5 --name host_cost
 fi
 
 # --- one screen, last ------------------------------------------------------------------------------------------

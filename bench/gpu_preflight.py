@@ -246,7 +246,7 @@ class Preflight:
             self.record("TRITON_LAUNCH", False)
             return
         if device.type == "cuda":
-            from bench.triton_variants import compiled_variants
+            from kvtriton.kernels._compiled_variants import compiled_variants
 
             regs = ", ".join(f"regs {v['n_regs']} spills {v['n_spills']}" for v in compiled_variants())
             detail += f"; {regs}" if regs else ""

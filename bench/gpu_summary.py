@@ -2,7 +2,7 @@
 
 ``python -m bench.gpu_summary OUT`` reads ``summary.json`` (the steps),
 ``preflight.txt``, ``tests.log``, ``crossover.json``, ``kernels.json`` and
-``engine.json``, any of which may be missing or cut short, and prints at most
+``host_cost.json``, any of which may be missing or cut short, and prints at most
 40 lines: the GPU, its pins and its launch from the pre-flight, one row per step, the test
 counts of each pytest run (counted from its verbose lines when the run was
 cut off before its summary line), the crossover verdict with the
@@ -149,7 +149,7 @@ def _crossover_lines(crossover: JSON) -> list[str]:
     return lines
 
 
-def _engine_lines(engine: JSON) -> list[str]:
+def _host_cost_lines(engine: JSON) -> list[str]:
     state = "" if engine.get("complete", True) else " (INCOMPLETE: cut off)"
     lines = [f"  host cost{state}, real launch: us per job by blocks (goal)"]
     by_tensors: dict[object, list[JSON]] = {}
@@ -196,7 +196,11 @@ def summary_lines(out: Path) -> tuple[list[str], int]:
         lines.append(f"    FAILED {name}")
     if len(failed) > MAX_FAILED_SHOWN:
         lines[-1] += f"   (+{len(failed) - MAX_FAILED_SHOWN} more in tests.log)"
-    renderers = (("crossover.json", _crossover_lines), ("kernels.json", kernel_lines), ("engine.json", _engine_lines))
+    renderers = (
+        ("crossover.json", _crossover_lines),
+        ("kernels.json", kernel_lines),
+        ("host_cost.json", _host_cost_lines),
+    )
     for name, render in renderers:
         record = _load(out, name)
         if record is not None:

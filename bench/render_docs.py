@@ -332,12 +332,12 @@ def kernels_ptx_summary(results: Results) -> str:
     )
 
 
-# -- the worker's host path (bench/engine.py) -----------------------------------------------------------
+# -- the worker's host path (bench/host_cost.py) --------------------------------------------------------
 
 
 def engine_table(results: Results) -> str:
     table: list[list[str]] = []
-    for row in _list(results("engine").get("results")):
+    for row in _list(results("host_cost").get("results")):
         table.append([
             _count(_num(row, "page_tensors")), _count(_num(row, "blocks")),
             f"{_num(row, 'current_us'):.1f} ({_num(row, 'current_median_us'):.1f})",
@@ -349,7 +349,7 @@ def engine_table(results: Results) -> str:
 
 
 def engine_summary(results: Results) -> str:
-    rows = _list(results("engine").get("results"))
+    rows = _list(results("host_cost").get("results"))
     worst = {int(_num(row, "page_tensors")): 0.0 for row in rows}
     for row in rows:
         count = int(_num(row, "page_tensors"))
@@ -572,7 +572,7 @@ def summary_table(results: Results) -> str:
         sorted(
             {
                 f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
-                for r in _list(results("engine").get("results"))
+                for r in _list(results("host_cost").get("results"))
             }
         )
     )
@@ -590,7 +590,7 @@ def summary_table(results: Results) -> str:
          kernels_triton_summary(results), when("kernels"), "[kernels on GPU](#kernels-on-a-gpu)"],
         ["kernels' generated code for sm_90", "16-byte accesses, 64-bit address math", kernels_ptx_summary(results),
          when("kernels_ptx"), "[PTX](#generated-code-no-gpu-needed)"],
-        ["engine host cost per job (kernel launch stubbed), median", engine_goals, engine_summary(results), when("engine"),
+        ["engine host cost per job (kernel launch stubbed), median", engine_goals, engine_summary(results), when("host_cost"),
          "[engine](#engine-host-cost-per-job)"],
         ["tier traffic through kvtriton's primary vs vLLM's CPU primary, behind the `fs` tier", ">= 0.95",
          tiers_summary(results), when("tiers"), "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary-benchtierspy)"],
@@ -640,7 +640,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "serving-ratios": serving_ratios,
     **SIMULATE_RENDERERS,
     **{f"run-{name}": _dated(name) for name in
-       ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "engine", "tiers", "tiers_mooncake",
+       ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "host_cost", "tiers", "tiers_mooncake",
         "compression", "serving")},
 }  # fmt: skip
 """Every region name the docs may use, and what renders it."""

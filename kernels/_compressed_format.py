@@ -1,7 +1,8 @@
-"""The compressed slab row: where each page tensor's codes, scales or raw bytes sit, and what a slab must satisfy.
+"""The compressed slab row: where each page tensor's codes, scales or raw bytes sit, and what a call must satisfy.
 
-Format only (kernels/_compression.py has the arithmetic, the reference and
-the entry points; docs/kernels.md, "Compressed rows", draws the row).
+Format and argument checks only (``_compression.py`` has the e4m3 arithmetic,
+``_reference.py`` the torch reference, ``_pages.py`` the public entry points;
+docs/kernels.md, "Compressed rows", draws the row).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validation import PageGeometry
+from ._validation import PageGeometry, check_index_pair, check_slab, describe_pages, slab_row_stride
 
 __all__ = [
     "ALIGNMENT",
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_GROUP_SIZE",
     "CompressedPage",
     "CompressionLayout",
+    "check_compressed_call",
     "check_scales_alignment",
     "compression_layout",
 ]
@@ -94,18 +96,16 @@ class CompressionLayout:
         """Compressed over uncompressed bytes per block (about 0.52 for bf16 with G = 128)."""
         return self.row_bytes / self.raw_row_bytes
 
+    def geometry_of(self, geometry: PageGeometry, members: Sequence[int]) -> PageGeometry:
+        """``geometry`` of page tensors ``members`` only, their row offsets those of the compressed row."""
+        return geometry.subset(members, [self.pages[t].row_offset for t in members])
+
     def passthrough_geometry(self, geometry: PageGeometry) -> tuple[list[int], PageGeometry] | None:
         """The page tensors copied unchanged and their geometry with compressed row offsets (None: there are none)."""
         members = [t for t, page in enumerate(self.pages) if not page.compressed]
         if not members:
             return None
-        return members, dataclasses.replace(
-            geometry,
-            page_bytes=tuple(geometry.page_bytes[t] for t in members),
-            block_strides=tuple(geometry.block_strides[t] for t in members),
-            storage_offsets=tuple(geometry.storage_offsets[t] for t in members),
-            row_offsets=tuple(self.pages[t].row_offset for t in members),
-        )
+        return members, self.geometry_of(geometry, members)
 
 
 def _check_group_size(group_size: int, label: str) -> None:
@@ -146,9 +146,43 @@ def check_scales_alignment(slab: torch.Tensor, name: str) -> None:
     would make a GPU's 4-byte accesses fault (``cudaErrorMisalignedAddress``,
     which kills the CUDA context for the rest of the process).
     """
-    stride = slab.stride(0) if slab.shape[0] > 1 else 0
+    stride = slab_row_stride(slab)
     if slab.data_ptr() % 4 or stride % 4:
         raise ValueError(
             f"{name} must start on a 4-byte boundary and have a row stride that is a multiple of 4 for fp8-e4m3 rows "
             f"(their fp32 scales), got address {slab.data_ptr():#x} mod 4 = {slab.data_ptr() % 4} and row stride {stride}"
         )
+
+
+def check_compressed_call(
+    pages: Sequence[torch.Tensor],
+    pages_name: str,
+    slab: torch.Tensor,
+    slab_name: str,
+    source: torch.Tensor,
+    source_name: str,
+    destination: torch.Tensor,
+    destination_name: str,
+    *,
+    to_slab: bool,
+    group_size: int | Sequence[int],
+    check_values: bool,
+    allow_duplicate_destinations: bool,
+) -> tuple[PageGeometry, CompressionLayout]:
+    """Every check of one compressed gather (``to_slab``) or scatter call, as ``check_call``; the geometry and the row layout.
+
+    The one place the scales alignment is checked: the launchers take validated arguments (an engine's
+    ``HostSlab`` rows are 16-byte aligned by construction).
+    """
+    geometry = describe_pages(pages, pages_name)
+    layout = compression_layout(pages, group_size, name=pages_name)
+    # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
+    check_slab(
+        slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages))
+    )
+    check_scales_alignment(slab, slab_name)
+    check_index_pair(
+        source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
+        check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
+    )  # fmt: skip
+    return geometry, layout

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ._compressed_format import CompressedPage, CompressionLayout, check_scales_alignment
-from ._launch import CopyLauncher, on_device, word_width
+from ._compressed_format import CompressedPage, CompressionLayout
+from ._launch import CopyLauncher, on_device, page_addresses, page_table, word_width
 from ._launch_arguments import MAX_PAIRS, CompressArguments, CompressConfig, next_power_of_two
-from ._validation import PageGeometry
+from ._validation import PageGeometry, slab_row_stride
 
 __all__ = ["CompressedLauncher", "compress_config"]
 
@@ -51,24 +51,22 @@ class _KindLaunch:
         layout: CompressionLayout, bytes_per_iter: int,
     ) -> None:  # fmt: skip
         first = layout.pages[members[0]]
-        alignment: list[int] = [first.page_bytes]
-        for t in members:
-            alignment.append(pages[t].data_ptr())
-            if pages[t].shape[0] > 1:
-                alignment.append(geometry.block_strides[t])
-        slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
-        slab_word = min(16, word_width(slab.data_ptr(), slab_stride))  # >= 4: check_scales_alignment
-        self.config = compress_config(
-            first, len(members), bytes_per_iter, page_word=word_width(*alignment), slab_word=slab_word
-        )
-        entries = [(pages[t].data_ptr(), geometry.block_strides[t], layout.pages[t].row_offset, 0) for t in members]
-        self.table = torch.tensor(entries, dtype=torch.int64, device=geometry.device)
+        kind_pages = [pages[t] for t in members]
+        kind_geometry = layout.geometry_of(geometry, members)
+        page_word = word_width(first.page_bytes, *page_addresses(kind_pages, kind_geometry))
+        self.row_stride = slab_row_stride(slab)
+        slab_word = min(16, word_width(slab.data_ptr(), self.row_stride))  # >= 4: check_scales_alignment
+        self.config = compress_config(first, len(members), bytes_per_iter, page_word=page_word, slab_word=slab_word)
+        self.table = page_table(kind_pages, kind_geometry, 1)
         self.slab = slab
-        self.row_stride = slab_stride
 
 
 class CompressedLauncher:
-    """The launches of one set of page tensors against one compressed slab, prepared once (as ``CopyLauncher``)."""
+    """The launches of one set of page tensors against one compressed slab, prepared once (as ``CopyLauncher``).
+
+    Takes validated arguments, as ``CopyLauncher`` does: the scales alignment of the slab is checked by
+    ``check_compressed_call`` (the public calls) and holds for an engine's ``HostSlab`` by construction.
+    """
 
     def __init__(
         self,
@@ -81,7 +79,6 @@ class CompressedLauncher:
         num_programs: int,
         bytes_per_iter: int,
     ) -> None:
-        check_scales_alignment(slab, "slab")
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs

@@ -1,7 +1,9 @@
-"""Opt-in fp8 e4m3 compression of slab rows: the arithmetic, its torch reference, and the public entry points.
+"""Opt-in fp8 e4m3 compression of slab rows: the choice (``KVCompression``) and the arithmetic.
 
-The row format (``CompressedPage``, ``CompressionLayout``) is in ``compressed_format.py``; its names are
-re-exported here.
+The row format (``CompressedPage``, ``CompressionLayout``) is in ``_compressed_format.py``, the torch
+reference in ``_reference.py``, the public ``gather_pages_compressed`` / ``scatter_pages_compressed`` in
+``_pages.py``. The format's names are also importable from here, for the callers that read them with
+``KVCompression``.
 
 Lossy, off by default (``KVCompression.NONE``). With ``KVCompression.FP8_E4M3``
 every bf16 / fp16 / fp32 page tensor is stored in a slab row as
@@ -50,9 +52,7 @@ Accuracy: every element of a non-zero group satisfies
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from collections.abc import Sequence
 
 import torch
 
@@ -66,7 +66,6 @@ from ._compressed_format import (
     check_scales_alignment,
     compression_layout,
 )
-from ._validation import PageGeometry, check_index_pair, check_slab, describe_pages
 
 __all__ = [
     "COMPRESSIBLE_DTYPES",
@@ -82,11 +81,8 @@ __all__ = [
     "decode_e4m3",
     "dequantize_groups",
     "encode_e4m3",
-    "gather_pages_compressed",
-    "gather_pages_compressed_reference",
+    "non_finite_error",
     "quantize_groups",
-    "scatter_pages_compressed",
-    "scatter_pages_compressed_reference",
 ]
 
 E4M3_MAX = 448.0
@@ -116,6 +112,14 @@ class KVCompression(enum.Enum):
 
 class NonFiniteKVError(ValueError):
     """A compressed gather met NaN or infinity in the pages: the rows it wrote hold NaN codes and must not be used."""
+
+
+def non_finite_error(name: str) -> NonFiniteKVError:
+    """The error a compressed gather raises when the page tensors ``name`` held NaN or infinity."""
+    return NonFiniteKVError(
+        f"{name} holds NaN or infinity: fp8-e4m3 compression refuses non-finite KV values (the destination rows "
+        "hold NaN codes and must not be used); store this cache with kv_compression='none'"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,271 +203,3 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, group_size: int
     x = grouped.view(torch.float8_e4m3fn).to(torch.float32) * scales[:, :, None]
     nan = (grouped & 0x7F) == _NAN_CODE
     return _round_to_dtype(x, nan, dtype).view(count, -1)[:, :elements].view(dtype)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The reference gather / scatter (test oracle and CPU fallback).
-
-
-def _elements(page: torch.Tensor, elements: int) -> torch.Tensor:
-    """``page`` as an ``(N, E)`` view of its elements (blocks are contiguous; the block stride may be larger)."""
-    return page.as_strided((page.shape[0], elements), (page.stride(0), 1))
-
-
-def _raw_bytes(page: torch.Tensor, page_bytes: int) -> torch.Tensor:
-    """``page`` as an ``(N, page_bytes)`` uint8 view (pass-through pages: any dtype, no arithmetic)."""
-    element = page.element_size()
-    view = torch.empty(0, dtype=torch.uint8, device=page.device)
-    return view.set_(
-        page.untyped_storage(),
-        page.storage_offset() * element,
-        (page.shape[0], page_bytes),
-        (page.stride(0) * element, 1),
-    )
-
-
-def _last_wins(source: torch.Tensor, destination: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs that survive a sequential loop: one per destination, the last that names it."""
-    source, destination = source.to(torch.int64).cpu(), destination.to(torch.int64).cpu()
-    order = torch.argsort(destination, stable=True)
-    ordered = destination[order]
-    keep = torch.ones_like(ordered, dtype=torch.bool)
-    keep[:-1] = ordered[1:] != ordered[:-1]
-    return source[order[keep]], destination[order[keep]]
-
-
-def _region(slab: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    return slab[:, start : start + length]
-
-
-def gather_compressed_unchecked(
-    pages: Sequence[torch.Tensor],
-    slab: torch.Tensor,
-    blocks: torch.Tensor,
-    rows: torch.Tensor,
-    layout: CompressionLayout,
-) -> bool:
-    """Compress blocks ``blocks[i]`` into slab rows ``rows[i]`` (validated arguments); True when every value was finite."""
-    if blocks.numel() == 0:
-        return True
-    blocks, rows = _last_wins(blocks, rows)
-    finite = True
-    for page, entry in zip(pages, layout.pages):
-        target_rows = rows.to(slab.device)
-        if not entry.compressed:
-            raw = _raw_bytes(page, entry.page_bytes).index_select(0, blocks.to(page.device))
-            _region(slab, entry.row_offset, entry.page_bytes).index_copy_(0, target_rows, raw.to(slab.device))
-            continue
-        picked = _elements(page, entry.elements).index_select(0, blocks.to(page.device))
-        codes, scales, bad = quantize_groups(picked, entry.group_size)
-        finite = finite and not bool(bad.any())
-        _region(slab, entry.row_offset, entry.elements).index_copy_(0, target_rows, codes.to(slab.device))
-        scale_bytes = scales.contiguous().view(torch.uint8)
-        _region(slab, entry.row_offset + entry.scales_offset, scale_bytes.shape[1]).index_copy_(
-            0, target_rows, scale_bytes.to(slab.device)
-        )
-    return finite
-
-
-def scatter_compressed_unchecked(
-    slab: torch.Tensor,
-    pages: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    blocks: torch.Tensor,
-    layout: CompressionLayout,
-) -> None:
-    """Decompress slab rows ``rows[i]`` into blocks ``blocks[i]`` (validated arguments)."""
-    if rows.numel() == 0:
-        return
-    rows, blocks = _last_wins(rows, blocks)
-    for page, entry in zip(pages, layout.pages):
-        picked_rows = rows.to(slab.device)
-        target = blocks.to(page.device)
-        if not entry.compressed:
-            raw = _region(slab, entry.row_offset, entry.page_bytes).index_select(0, picked_rows)
-            _raw_bytes(page, entry.page_bytes).index_copy_(0, target, raw.to(page.device))
-            continue
-        codes = _region(slab, entry.row_offset, entry.elements).index_select(0, picked_rows).to(page.device)
-        scale_bytes = _region(slab, entry.row_offset + entry.scales_offset, 4 * entry.num_groups).index_select(
-            0, picked_rows
-        )
-        scales = scale_bytes.to(page.device).contiguous().view(torch.float32)
-        values = dequantize_groups(codes, scales, entry.group_size, entry.dtype)
-        _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Public entry points (validate, then the torch path or one Triton launch per page kind).
-
-
-def _check_compressed_call(
-    pages: Sequence[torch.Tensor],
-    pages_name: str,
-    slab: torch.Tensor,
-    slab_name: str,
-    source: torch.Tensor,
-    source_name: str,
-    destination: torch.Tensor,
-    destination_name: str,
-    *,
-    to_slab: bool,
-    group_size: int | Sequence[int],
-    check_values: bool,
-    allow_duplicate_destinations: bool,
-) -> tuple[PageGeometry, CompressionLayout]:
-    geometry = describe_pages(pages, pages_name)
-    layout = compression_layout(pages, group_size, name=pages_name)
-    # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
-    check_slab(
-        slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages))
-    )
-    check_scales_alignment(slab, slab_name)
-    check_index_pair(
-        source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
-        check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
-    )  # fmt: skip
-    return geometry, layout
-
-
-def _non_finite(name: str) -> NonFiniteKVError:
-    return NonFiniteKVError(
-        f"{name} holds NaN or infinity: fp8-e4m3 compression refuses non-finite KV values (the destination rows "
-        "hold NaN codes and must not be used); store this cache with kv_compression='none'"
-    )
-
-
-def gather_pages_compressed_reference(
-    src: Sequence[torch.Tensor],
-    dst: torch.Tensor,
-    src_blocks: torch.Tensor,
-    dst_rows: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-) -> None:
-    """The torch reference of :func:`gather_pages_compressed` (a destination named twice: the last pair wins)."""
-    _, layout = _check_compressed_call(
-        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows", to_slab=True,
-        group_size=group_size, check_values=True, allow_duplicate_destinations=True,
-    )  # fmt: skip
-    if not gather_compressed_unchecked(src, dst, src_blocks, dst_rows, layout):
-        raise _non_finite("src")
-
-
-def scatter_pages_compressed_reference(
-    src: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    src_rows: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-) -> None:
-    """The torch reference of :func:`scatter_pages_compressed` (a destination named twice: the last pair wins)."""
-    _, layout = _check_compressed_call(
-        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks", to_slab=False,
-        group_size=group_size, check_values=True, allow_duplicate_destinations=True,
-    )  # fmt: skip
-    scatter_compressed_unchecked(src, dst, src_rows, dst_blocks, layout)
-
-
-def gather_pages_compressed(
-    src: Sequence[torch.Tensor],
-    dst: torch.Tensor,
-    src_blocks: torch.Tensor,
-    dst_rows: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-    num_programs: int | None = None,
-    bytes_per_iter: int | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Quantize block ``src_blocks[i]`` of every page tensor into compressed slab row ``dst_rows[i]``.
-
-    The compressed counterpart of :func:`kvtriton.kernels.gather_pages`
-    (same dispatch, one launch per page kind); ``dst`` rows must hold
-    ``compression_layout(src, group_size).row_bytes``. Raises
-    :class:`NonFiniteKVError` when a value is NaN or infinite (after the
-    launch: on CUDA this reads a flag back, a device sync).
-    """
-    knobs = _checked_knobs(num_programs, bytes_per_iter)
-    geometry, layout = _check_compressed_call(
-        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows", to_slab=True,
-        group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
-    if not _run_compressed(True, list(src), dst, src_blocks, dst_rows, geometry, layout, knobs):
-        raise _non_finite("src")
-
-
-def scatter_pages_compressed(
-    src: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    src_rows: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-    num_programs: int | None = None,
-    bytes_per_iter: int | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Dequantize compressed slab row ``src_rows[i]`` into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
-    knobs = _checked_knobs(num_programs, bytes_per_iter)
-    geometry, layout = _check_compressed_call(
-        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks", to_slab=False,
-        group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
-    _run_compressed(False, list(dst), src, dst_blocks, src_rows, geometry, layout, knobs)
-
-
-def _checked_knobs(num_programs: int | None, bytes_per_iter: int | None) -> tuple[int, int]:
-    """The launch knobs with their defaults filled in, refused (naming the knob) when out of range."""
-    from ._pages import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, check_knobs
-
-    programs = DEFAULT_NUM_PROGRAMS if num_programs is None else num_programs
-    per_iter = DEFAULT_BYTES_PER_ITER if bytes_per_iter is None else bytes_per_iter
-    check_knobs(programs, per_iter)
-    return programs, per_iter
-
-
-def _run_compressed(
-    to_slab: bool,
-    pages: list[torch.Tensor],
-    slab: torch.Tensor,
-    blocks: torch.Tensor,
-    rows: torch.Tensor,
-    geometry: PageGeometry,
-    layout: CompressionLayout,
-    knobs: tuple[int, int],
-) -> bool:
-    """One compressed copy on the path the device takes (``kernels._pages._run``'s dispatch); whether all was finite.
-
-    ``knobs`` are ``(num_programs, bytes_per_iter)``. A scatter decodes codes, which are finite by
-    construction: it always answers True.
-    """
-    from ._pages import KernelPath, interpreter_ready, select_path
-
-    if blocks.numel() == 0:
-        return True
-    path = select_path(geometry.device)
-    if path is KernelPath.TORCH:
-        if to_slab:
-            return gather_compressed_unchecked(pages, slab, blocks, rows, layout)
-        scatter_compressed_unchecked(slab, pages, rows, blocks, layout)
-        return True
-    from ._compressed_launch import CompressedLauncher
-
-    if path is KernelPath.INTERPRETER:
-        interpreter_ready()
-    launcher = CompressedLauncher(
-        pages,
-        slab,
-        geometry,
-        layout,
-        interpret=path is KernelPath.INTERPRETER,
-        num_programs=knobs[0],
-        bytes_per_iter=knobs[1],
-    )
-    if not to_slab:
-        launcher.launch(False, blocks, rows, None)
-        return True
-    status = torch.zeros(1, dtype=torch.int32, device=geometry.device)
-    launcher.launch(True, blocks, rows, status)
-    return int(status.item()) == 0

@@ -19,14 +19,13 @@ aligned, and every access would fall to 8 bytes or less.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ._launch_arguments import MAX_NUM_WARPS, MAX_PAIRS, CopyArguments, next_power_of_two
-from ._validation import PageGeometry
+from ._validation import PageGeometry, slab_row_stride
 
 __all__ = [
     "CopyLauncher",
@@ -35,6 +34,8 @@ __all__ = [
     "launch_copy",
     "make_config",
     "on_device",
+    "page_addresses",
+    "page_table",
     "record_variants",
     "word_width",
 ]
@@ -97,13 +98,18 @@ def launch_config(
     pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, bytes_per_iter: int
 ) -> LaunchConfig:
     """Word width, element size and chunking for these pages and this slab."""
-    slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
-    values = [slab.data_ptr(), slab_stride, *geometry.page_bytes, *geometry.row_offsets]
+    values = [slab.data_ptr(), slab_row_stride(slab), *geometry.page_bytes, *geometry.row_offsets]
+    return make_config(word_width(*values, *page_addresses(pages, geometry)), geometry.page_bytes, bytes_per_iter)
+
+
+def page_addresses(pages: Sequence[torch.Tensor], geometry: PageGeometry) -> list[int]:
+    """The page side's addresses a word must divide: each page tensor's base and (past one block) its block stride."""
+    values: list[int] = []
     for t, page in enumerate(pages):
         values.append(page.data_ptr())
         if page.shape[0] > 1:
             values.append(geometry.block_strides[t])
-    return make_config(word_width(*values), geometry.page_bytes, bytes_per_iter)
+    return values
 
 
 def make_config(word: int, page_bytes: Sequence[int], bytes_per_iter: int) -> LaunchConfig:
@@ -132,7 +138,8 @@ def make_config(word: int, page_bytes: Sequence[int], bytes_per_iter: int) -> La
 def page_table(pages: Sequence[torch.Tensor], geometry: PageGeometry, element_bytes: int) -> torch.Tensor:
     """``(T, 4)`` int64 on the pages' device: base address (B), block stride (B), row offset and page size (elements).
 
-    Built on the current stream. Never cached across callers: a cached table
+    Both kernels read it (the compressed one with ``element_bytes=1`` and its row offsets, ignoring the
+    page size). Built on the current stream. Never cached across callers: a cached table
     freed (evicted) while another stream's kernel still reads it would be
     reused under that kernel. :class:`CopyLauncher` holds its own for its lifetime.
     """
@@ -202,8 +209,7 @@ class _SizedLaunch:
         self.config = launch_config(pages, slab, geometry, bytes_per_iter)
         self.table = page_table(pages, geometry, self.config.element_bytes)
         self.slab = slab_elements(slab, self.config.element_bytes)
-        slab_stride = slab.stride(0) if slab.shape[0] > 1 else 0
-        self.row_stride = slab_stride // self.config.element_bytes
+        self.row_stride = slab_row_stride(slab) // self.config.element_bytes
         config, empty = self.config, self.table[:0]
         self.templates = {
             to_slab: CopyArguments(
@@ -225,17 +231,6 @@ class _SizedLaunch:
             )
             for to_slab in (True, False)
         }
-
-
-def _subset(geometry: PageGeometry, members: Sequence[int]) -> PageGeometry:
-    """The geometry of page tensors ``members`` only (row offsets stay where they are in a slab row)."""
-    return dataclasses.replace(
-        geometry,
-        page_bytes=tuple(geometry.page_bytes[t] for t in members),
-        block_strides=tuple(geometry.block_strides[t] for t in members),
-        storage_offsets=tuple(geometry.storage_offsets[t] for t in members),
-        row_offsets=tuple(geometry.row_offsets[t] for t in members),
-    )
 
 
 class CopyLauncher:
@@ -264,7 +259,7 @@ class CopyLauncher:
         self.num_programs = num_programs
         with on_device(self.device):
             self._launches = [
-                _SizedLaunch([pages[t] for t in members], slab, _subset(geometry, members), bytes_per_iter)
+                _SizedLaunch([pages[t] for t in members], slab, geometry.subset(members), bytes_per_iter)
                 for members in page_size_groups(geometry.page_bytes)
             ]
 

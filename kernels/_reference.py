@@ -1,4 +1,4 @@
-"""Torch reference of the two kernels: the test oracle and the CPU fallback.
+"""Torch reference of the kernels, plain and compressed: the test oracle and the CPU fallback.
 
 Semantics, bit for bit (``bytes(x)`` is the raw bytes of one block)::
 
@@ -25,6 +25,11 @@ a CPU). Instead the copy is a few bulk torch ops per call:
   bytes (``complex128``: ``index_copy_`` copies element by element, so wider
   elements mean fewer of them; a copy never does arithmetic on them, so every
   bit pattern, NaNs included, survives).
+
+The compressed reference (``gather_pages_compressed_reference``,
+``scatter_pages_compressed_reference``) runs the e4m3 arithmetic of
+``_compression.py`` page tensor by page tensor, in the row format of
+``_compressed_format.py``; it keeps the same last-pair-wins reading.
 """
 
 from __future__ import annotations
@@ -35,10 +40,22 @@ from typing import cast
 
 import torch
 
+from ._compressed_format import DEFAULT_GROUP_SIZE, CompressionLayout, check_compressed_call
+from ._compression import dequantize_groups, non_finite_error, quantize_groups
 from ._launch import word_width
 from ._validation import PageGeometry, check_call
 
-__all__ = ["gather_pages_reference", "scatter_pages_reference"]
+__all__ = [
+    "consecutive_runs",
+    "gather_compressed_unchecked",
+    "gather_pages_compressed_reference",
+    "gather_pages_reference",
+    "gather_unchecked",
+    "scatter_compressed_unchecked",
+    "scatter_pages_compressed_reference",
+    "scatter_pages_reference",
+    "scatter_unchecked",
+]
 
 # Torch dtypes used to move raw bytes: the widest that the alignment allows.
 # complex128 is only ever copied (never computed on), which keeps it bit-exact.
@@ -227,10 +244,12 @@ def _runs(ordered: torch.Tensor) -> tuple[_Run, ...]:
     return tuple(_Run(start, length, first) for (start, length), first in zip(runs, firsts))
 
 
-def split_runs(source: torch.Tensor, destination: torch.Tensor, device: torch.device) -> PairRuns:
-    """Sequential semantics in bulk form: keep the last pair per destination, then find runs.
+def last_per_destination(
+    source: torch.Tensor, destination: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs that survive a sequential loop, as int64 on ``device``: one per destination, the last naming it.
 
-    The index tensors live on ``device`` (where the copies index).
+    Sorted by destination.
     """
     source = source.to(device=device, dtype=torch.int64)
     destination = destination.to(device=device, dtype=torch.int64)
@@ -240,8 +259,15 @@ def split_runs(source: torch.Tensor, destination: torch.Tensor, device: torch.de
     keep = torch.ones_like(ordered, dtype=torch.bool)
     keep[:-1] = ordered[1:] != ordered[:-1]
     order = order[keep]
-    destination = destination[order]
-    source = source[order]
+    return source[order], destination[order]
+
+
+def split_runs(source: torch.Tensor, destination: torch.Tensor, device: torch.device) -> PairRuns:
+    """Sequential semantics in bulk form: keep the last pair per destination, then find runs.
+
+    The index tensors live on ``device`` (where the copies index).
+    """
+    source, destination = last_per_destination(source, destination, device)
     by_source = torch.argsort(source, stable=True)
     return PairRuns(
         destination=destination,
@@ -344,3 +370,120 @@ def scatter_unchecked(
     pairs = split_runs(src_rows, dst_blocks, geometry.device)
     for blocks, rows in page_groups(dst, src, geometry):
         copy_runs(blocks, rows, pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The compressed reference.
+
+
+def _elements(page: torch.Tensor, elements: int) -> torch.Tensor:
+    """``page`` as an ``(N, E)`` view of its elements (blocks are contiguous; the block stride may be larger)."""
+    return page.as_strided((page.shape[0], elements), (page.stride(0), 1))
+
+
+def _raw_bytes(page: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """``page`` as an ``(N, page_bytes)`` uint8 view (pass-through pages: any dtype, no arithmetic)."""
+    element = page.element_size()
+    view = torch.empty(0, dtype=torch.uint8, device=page.device)
+    return view.set_(
+        page.untyped_storage(),
+        page.storage_offset() * element,
+        (page.shape[0], page_bytes),
+        (page.stride(0) * element, 1),
+    )
+
+
+def _region(slab: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return slab[:, start : start + length]
+
+
+def gather_compressed_unchecked(
+    pages: Sequence[torch.Tensor],
+    slab: torch.Tensor,
+    blocks: torch.Tensor,
+    rows: torch.Tensor,
+    layout: CompressionLayout,
+) -> bool:
+    """Compress blocks ``blocks[i]`` into slab rows ``rows[i]`` (validated arguments); True when every value was finite."""
+    if blocks.numel() == 0:
+        return True
+    blocks, rows = last_per_destination(blocks, rows, torch.device("cpu"))
+    finite = True
+    for page, entry in zip(pages, layout.pages):
+        target_rows = rows.to(slab.device)
+        if not entry.compressed:
+            raw = _raw_bytes(page, entry.page_bytes).index_select(0, blocks.to(page.device))
+            _region(slab, entry.row_offset, entry.page_bytes).index_copy_(0, target_rows, raw.to(slab.device))
+            continue
+        picked = _elements(page, entry.elements).index_select(0, blocks.to(page.device))
+        codes, scales, bad = quantize_groups(picked, entry.group_size)
+        finite = finite and not bool(bad.any())
+        _region(slab, entry.row_offset, entry.elements).index_copy_(0, target_rows, codes.to(slab.device))
+        scale_bytes = scales.contiguous().view(torch.uint8)
+        _region(slab, entry.row_offset + entry.scales_offset, scale_bytes.shape[1]).index_copy_(
+            0, target_rows, scale_bytes.to(slab.device)
+        )
+    return finite
+
+
+def scatter_compressed_unchecked(
+    slab: torch.Tensor,
+    pages: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    blocks: torch.Tensor,
+    layout: CompressionLayout,
+) -> None:
+    """Decompress slab rows ``rows[i]`` into blocks ``blocks[i]`` (validated arguments)."""
+    if rows.numel() == 0:
+        return
+    rows, blocks = last_per_destination(rows, blocks, torch.device("cpu"))
+    for page, entry in zip(pages, layout.pages):
+        picked_rows = rows.to(slab.device)
+        target = blocks.to(page.device)
+        if not entry.compressed:
+            raw = _region(slab, entry.row_offset, entry.page_bytes).index_select(0, picked_rows)
+            _raw_bytes(page, entry.page_bytes).index_copy_(0, target, raw.to(page.device))
+            continue
+        codes = _region(slab, entry.row_offset, entry.elements).index_select(0, picked_rows).to(page.device)
+        scale_bytes = _region(slab, entry.row_offset + entry.scales_offset, 4 * entry.num_groups).index_select(
+            0, picked_rows
+        )
+        scales = scale_bytes.to(page.device).contiguous().view(torch.float32)
+        values = dequantize_groups(codes, scales, entry.group_size, entry.dtype)
+        _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
+
+
+def gather_pages_compressed_reference(
+    src: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_rows: torch.Tensor,
+    *,
+    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
+) -> None:
+    """The torch reference of ``gather_pages_compressed`` (a destination named twice: the last pair wins).
+
+    Raises :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or infinite.
+    """
+    _, layout = check_compressed_call(
+        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows", to_slab=True,
+        group_size=group_size, check_values=True, allow_duplicate_destinations=True,
+    )  # fmt: skip
+    if not gather_compressed_unchecked(src, dst, src_blocks, dst_rows, layout):
+        raise non_finite_error("src")
+
+
+def scatter_pages_compressed_reference(
+    src: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    *,
+    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
+) -> None:
+    """The torch reference of ``scatter_pages_compressed`` (a destination named twice: the last pair wins)."""
+    _, layout = check_compressed_call(
+        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks", to_slab=False,
+        group_size=group_size, check_values=True, allow_duplicate_destinations=True,
+    )  # fmt: skip
+    scatter_compressed_unchecked(src, dst, src_rows, dst_blocks, layout)

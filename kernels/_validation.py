@@ -7,6 +7,7 @@ and the offending value.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -24,6 +25,7 @@ __all__ = [
     "check_slab",
     "check_unique",
     "describe_pages",
+    "slab_row_stride",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -53,6 +55,21 @@ class PageGeometry:
     @property
     def num_pages(self) -> int:
         return len(self.page_bytes)
+
+    def subset(self, members: Sequence[int], row_offsets: Sequence[int] | None = None) -> PageGeometry:
+        """The geometry of page tensors ``members`` only; their row offsets stay where they are unless given."""
+        return dataclasses.replace(
+            self,
+            page_bytes=tuple(self.page_bytes[t] for t in members),
+            block_strides=tuple(self.block_strides[t] for t in members),
+            storage_offsets=tuple(self.storage_offsets[t] for t in members),
+            row_offsets=tuple(self.row_offsets[t] for t in members) if row_offsets is None else tuple(row_offsets),
+        )
+
+
+def slab_row_stride(slab: torch.Tensor) -> int:
+    """The slab's row stride in bytes, 0 for a one-row slab (its stride means nothing: alignment ignores it)."""
+    return slab.stride(0) if slab.shape[0] > 1 else 0
 
 
 def block_is_contiguous(page: torch.Tensor) -> bool:

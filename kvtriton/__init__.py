@@ -2,8 +2,9 @@
 
 The scheduler side (keys, specs, managers) imports neither torch nor triton;
 the worker-side names (``PagedKV``, ``HostSlab``, ``TransferEngine``, ...) are
-imported on first use, so ``import kvtriton`` stays light in a scheduler
-process.
+imported from :mod:`kvtriton.worker` on first use, so ``import kvtriton``
+stays light in a scheduler process. ``__all__`` below is the public list that
+docs/usage.md documents; each subpackage has its own.
 """
 
 from __future__ import annotations
@@ -29,32 +30,40 @@ from kvtriton.manager import (
 )
 
 if TYPE_CHECKING:
-    from kvtriton.worker._backends import TransferBackend
-    from kvtriton.worker._engine import TransferEngine, TransferLane, TransferResult
-    from kvtriton.worker._layout import KVLayout, PagedKV
-    from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
+    from kvtriton.worker import (
+        HostSlab,
+        KVLayout,
+        PageableSlabWarning,
+        PagedKV,
+        SlabPinningError,
+        TransferBackend,
+        TransferEngine,
+        TransferLane,
+        TransferResult,
+    )
 
 __version__ = "0.1.0"
 
-# Worker-side names and the module that defines each; they import torch.
-_WORKER_NAMES: dict[str, str] = {
-    "HostSlab": "kvtriton.worker._slab",
-    "KVLayout": "kvtriton.worker._layout",
-    "PageableSlabWarning": "kvtriton.worker._slab",
-    "PagedKV": "kvtriton.worker._layout",
-    "SlabPinningError": "kvtriton.worker._slab",
-    "TransferBackend": "kvtriton.worker._backends",
-    "TransferEngine": "kvtriton.worker._engine",
-    "TransferLane": "kvtriton.worker._engine",
-    "TransferResult": "kvtriton.worker._engine",
-}
+# Worker-side names (``kvtriton.worker``'s list, the part a server needs); they import torch.
+_WORKER_NAMES = frozenset(
+    {
+        "HostSlab",
+        "KVLayout",
+        "PageableSlabWarning",
+        "PagedKV",
+        "SlabPinningError",
+        "TransferBackend",
+        "TransferEngine",
+        "TransferLane",
+        "TransferResult",
+    }
+)
 
 
 def __getattr__(name: str) -> object:
-    module = _WORKER_NAMES.get(name)
-    if module is None:
+    if name not in _WORKER_NAMES:
         raise AttributeError(f"module 'kvtriton' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module("kvtriton.worker"), name)
     globals()[name] = value
     return value
 

@@ -10,7 +10,7 @@ a GPU.
 One launch per page kind (dtype, elements, group size) moves a whole job.
 Page tensors are reached through the same int64 table as the copy kernel::
 
-    [base address (bytes), block stride (bytes), row offset (bytes), unused]
+    [base address (bytes), block stride (bytes), row offset (bytes), page size (bytes; unused here)]
 
 A work unit is ``TILE_GROUPS`` groups of one page tensor for ``PAIRS``
 consecutive index pairs: a ``PAIRS x TILE_GROUPS x GROUP_COLUMNS`` tile of

@@ -66,9 +66,10 @@ BENCHMARKS: dict[str, Benchmark] = {
             ("--quick", "--name", "kernels-quick"),
         ),
         Benchmark(
-            "engine",
-            "host microseconds per submit_store + submit_load, copies stubbed out, against the pre-redesign engine",
-            ("--quick", "--name", "engine-quick"),
+            "host_cost",
+            "the transfer engine's host microseconds per submit_store + submit_load, copies stubbed out, against the"
+            " pre-redesign engine",
+            ("--quick", "--name", "host_cost-quick"),
         ),
         Benchmark(
             "tiers",

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from kvtriton._keys import OffloadKey
     from kvtriton._offload_types import ReqContext
-    from kvtriton.kernels._compression import KVCompression
+    from kvtriton.kernels import KVCompression
     from kvtriton.manager import CPUOffloadingManager
     from kvtriton.sim._workloads import Request
     from kvtriton.worker._engine import TransferEngine, TransferResult
@@ -155,7 +155,7 @@ class DemoConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoConfig:
-        from kvtriton.kernels._compression import KVCompression
+        from kvtriton.kernels import KVCompression
 
         geometry = PRESETS[str(args.model)]
         layout = default_layout(geometry) if args.layout == "auto" else str(args.layout)
@@ -265,7 +265,7 @@ class BlockContent:
     def __init__(self, kv: PagedKV, seed: int) -> None:
         import torch
 
-        from kvtriton.kernels._compression import KVCompression
+        from kvtriton.kernels import KVCompression
 
         generator = torch.Generator().manual_seed(seed)
         self.kv = kv
@@ -311,7 +311,7 @@ class BlockContent:
         """
         import torch
 
-        from kvtriton.kernels._compression import gather_pages_compressed_reference, scatter_pages_compressed_reference
+        from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
         from kvtriton.worker._layout import byte_view
 
         row = self.row(block_hash)

@@ -5,3 +5,7 @@ OffloadingConnector loads; ``kvtriton.integrations.mooncake`` is the
 ``module_path`` of the Mooncake Store secondary tier. Importing this package
 imports neither vLLM nor Mooncake.
 """
+
+# The public surface here is the two entry modules above, which vLLM loads by path; the package itself
+# exports nothing, so that importing it never imports either of them.
+__all__: list[str] = []

@@ -66,9 +66,13 @@ from numpy.typing import NDArray
 from kvtriton._choices import parse_choice
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels._compressed_launch import CompressedLauncher
-from kvtriton.kernels._compression import gather_compressed_unchecked, scatter_compressed_unchecked
 from kvtriton.kernels._launch import CopyLauncher
-from kvtriton.kernels._reference import gather_unchecked, scatter_unchecked
+from kvtriton.kernels._reference import (
+    gather_compressed_unchecked,
+    gather_unchecked,
+    scatter_compressed_unchecked,
+    scatter_unchecked,
+)
 from kvtriton.kernels._validation import PageGeometry
 from kvtriton.worker._cudart import MemcpyBatch, loaded_cudart, memcpy_2d_async, memcpy_batch
 from kvtriton.worker._layout import PagedKV

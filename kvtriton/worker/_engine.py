@@ -75,8 +75,7 @@ import torch
 from numpy.typing import NDArray
 
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
-from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels._compression import KVCompression
+from kvtriton.kernels import DEFAULT_NUM_PROGRAMS, KVCompression
 from kvtriton.worker._backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
 from kvtriton.worker._cudart import create_stream, destroy_stream, loaded_cudart, stream_priority_range
 from kvtriton.worker._layout import PagedKV

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtriton._choices import parse_choice
-from kvtriton.kernels._compression import DEFAULT_GROUP_SIZE, CompressionLayout, KVCompression, compression_layout
+from kvtriton.kernels import DEFAULT_GROUP_SIZE, CompressionLayout, KVCompression, compression_layout
 from kvtriton.kernels._validation import PageGeometry, describe_pages
 
 __all__ = ["KVCompression", "KVLayout", "PagedKV", "byte_view", "default_group_sizes"]

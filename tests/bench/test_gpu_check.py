@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 STEPS = ["preflight", "cuda_tests", "fp8_tests", "crossover", "kernels", "host_cost"]
-FILES = {"summary.json", "preflight.txt", "tests.log", "steps.log", "crossover.json", "kernels.json", "engine.json"}
+FILES = {"summary.json", "preflight.txt", "tests.log", "steps.log", "crossover.json", "kernels.json", "host_cost.json"}
 GPU_RUN_LIMIT_S = 360  # at most six minutes on an H200, so that a second run fits in a 15-minute lease
 
 
@@ -47,7 +47,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_files_the_gpu_run_brings_bac
     for name in ("crossover", "kernels"):
         record = json.loads((out / f"{name}.json").read_text())
         assert record["complete"] is True and all("bandwidth_GBps" in row for row in record["results"])
-    engine = json.loads((out / "engine.json").read_text())
+    engine = json.loads((out / "host_cost.json").read_text())
     assert engine["real_launch"] is True and engine["complete"] is True
     # The pre-flight pinned (pageably, in a dry run) and launched the copy kernel, and each pytest run is counted.
     preflight = (out / "preflight.txt").read_text()

@@ -1,4 +1,4 @@
-"""bench/kernels.py --gpu-check and bench/triton_variants.py.
+"""bench/kernels.py --gpu-check and kvtriton/kernels/_compiled_variants.py.
 
 The headline size first, the fp8 gather by program count, and the registers and spills of each compiled variant.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.kernels import Result, base_method, fp8_ratios, main
-from bench.triton_variants import describe_variant, format_variant, variant_records
+from kvtriton.kernels._compiled_variants import describe_variant, format_variant, variant_records
 
 KiB = 1024
 

@@ -113,7 +113,7 @@ def _full_run(out: Path, statuses: dict[str, str]) -> None:
         "verdict_page_bytes": [8 * KiB, 16 * KiB],
     })  # fmt: skip
     _write(out, "kernels.json", _kernels(complete=True))
-    _write(out, "engine.json", {"complete": True, "results": [
+    _write(out, "host_cost.json", {"complete": True, "results": [
         {"page_tensors": 64, "blocks": 1, "current_us": 30.0, "goal_us": 40.0},
         {"page_tensors": 64, "blocks": 256, "current_us": 41.0, "goal_us": 40.0},
         {"page_tensors": 160, "blocks": 1, "current_us": 50.0, "goal_us": 60.0},

@@ -94,10 +94,13 @@ def test_bench_names_a_missing_benchmark_module(tmp_path: Path, capfd: pytest.Ca
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "which benchmark? name one of manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all"),
+        (
+            [],
+            "which benchmark? name one of manager, kernels, host_cost, tiers, tiers_mooncake, compression, serving, all",
+        ),
         (
             ["disk"],
-            "invalid benchmark 'disk' (choose from manager, kernels, engine, tiers, tiers_mooncake, compression, serving, all)",
+            "invalid benchmark 'disk' (choose from manager, kernels, host_cost, tiers, tiers_mooncake, compression, serving, all)",
         ),
         (
             ["manager", "--requests", "5"],
@@ -146,13 +149,13 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     assert (
         "--full" in text
         and "--out" in text
-        and "{manager,kernels,engine,tiers,tiers_mooncake,compression,serving,all} [-- ARGS]" in text
+        and "{manager,kernels,host_cost,tiers,tiers_mooncake,compression,serving,all} [-- ARGS]" in text
     )
 
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", []), ("engine", []), ("compression", [])],
+    [("manager", ["--requests", "100", "--no-vllm"]), ("kernels", []), ("host_cost", []), ("compression", [])],
 )
 def test_real_benchmark_accepts_its_quick_flags_and_records_the_machine(
     name: str, extra: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]

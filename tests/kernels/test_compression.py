@@ -11,12 +11,10 @@ from kvtriton.kernels import (
     NonFiniteKVError,
     compression_layout,
     gather_pages_compressed,
-    gather_pages_compressed_reference,
     scatter_pages_compressed,
-    scatter_pages_compressed_reference,
 )
 from kvtriton.kernels._compression import TINY_GROUP, decode_e4m3, dequantize_groups, encode_e4m3, quantize_groups
-from kvtriton.kernels._reference import int_list
+from kvtriton.kernels._reference import gather_pages_compressed_reference, int_list, scatter_pages_compressed_reference
 from kvtriton.worker._layout import PagedKV
 from tests.kernels.kernel_cases import (
     COMPRESSIBLE_DTYPES,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtriton.kernels import KernelPath, gather_pages, gather_pages_reference, select_path
+from kvtriton.kernels import KernelPath, gather_pages, select_path
+from kvtriton.kernels._reference import gather_pages_reference
 from tests.kernels.kernel_cases import (
     DTYPES,
     LAYOUTS,

@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvtriton.kernels._reference as reference
-from kvtriton.kernels import describe_pages, gather_pages_reference, scatter_pages_reference
+from kvtriton.kernels import describe_pages
+from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
 from tests.kernels.kernel_cases import LAYOUTS, NUM_BLOCKS, ODD_BYTE_LAYOUTS, build_pages, build_slab, random_tensor
 
 ROWS = 9

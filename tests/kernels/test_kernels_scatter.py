@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtriton.kernels import gather_pages, scatter_pages, scatter_pages_reference
+from kvtriton.kernels import gather_pages, scatter_pages
+from kvtriton.kernels._reference import scatter_pages_reference
 from tests.kernels.kernel_cases import (
     DTYPES,
     LAYOUTS,

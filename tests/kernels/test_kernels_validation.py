@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvtriton.kernels import gather_pages, gather_pages_reference, scatter_pages, scatter_pages_reference
+from kvtriton.kernels import gather_pages, scatter_pages
+from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
 from tests.kernels.kernel_cases import PageCase, build_pages, build_slab, indices
 
 

@@ -53,12 +53,12 @@ def test_check_mode_names_a_figure_edited_by_hand_and_render_fixes_it(
 
 
 def test_a_block_region_stays_a_block_and_an_inline_one_inline() -> None:
-    text = "<!-- generated:run-engine -->\nold\n<!-- /generated:run-engine --> and <!-- generated:run-engine -->old<!-- /generated:run-engine -->"
+    text = "<!-- generated:run-host_cost -->\nold\n<!-- /generated:run-host_cost --> and <!-- generated:run-host_cost -->old<!-- /generated:run-host_cost -->"
     rendered = render_text(text, Results())
-    date = RENDERERS["run-engine"](Results())
+    date = RENDERERS["run-host_cost"](Results())
     assert (
         rendered
-        == f"<!-- generated:run-engine -->\n{date}\n<!-- /generated:run-engine --> and <!-- generated:run-engine -->{date}<!-- /generated:run-engine -->"
+        == f"<!-- generated:run-host_cost -->\n{date}\n<!-- /generated:run-host_cost --> and <!-- generated:run-host_cost -->{date}<!-- /generated:run-host_cost -->"
     )
 
 

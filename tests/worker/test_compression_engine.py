@@ -11,12 +11,8 @@ import torch
 import kvtriton.worker._backends as backends_module
 import kvtriton.worker._engine as engine_module
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.kernels import (
-    KVCompression,
-    compression_layout,
-    gather_pages_compressed_reference,
-    scatter_pages_compressed_reference,
-)
+from kvtriton.kernels import KVCompression, compression_layout
+from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
 from kvtriton.worker._backends import AutoRule, TransferBackend, choose_backend
 from kvtriton.worker._engine import NON_FINITE_WARNING_INTERVAL_S, EngineStats, TransferEngine
 from kvtriton.worker._layout import PagedKV

@@ -18,7 +18,7 @@ import kvtriton.worker._backends as backends_module
 import kvtriton.worker._engine as engine_module
 import kvtriton.worker._slab as slab_module
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.kernels import gather_pages_compressed_reference, scatter_pages_compressed_reference
+from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
 from kvtriton.worker._backends import TransferBackend
 from kvtriton.worker._engine import TransferEngine, TransferLane
 from kvtriton.worker._layout import PagedKV

@@ -1,4 +1,4 @@
-"""bench/engine.py: the host-cost benchmark runs the current tree and the baseline commit, and records both."""
+"""bench/host_cost.py: the host-cost benchmark runs the current tree and the baseline commit, and records both."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import BASELINE_COMMIT, ROOT, main, measure
+from bench.host_cost import BASELINE_COMMIT, ROOT, main, measure
 
 
 def _baseline_in_history() -> bool:
@@ -63,14 +63,14 @@ def test_bad_arguments_are_refused_naming_the_value() -> None:
 def test_the_json_is_rewritten_after_every_case_so_a_cut_off_run_keeps_what_it_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import bench.engine as module
+    import bench.host_cost as module
 
     monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
 
     def child(tree: Path, page_tensors: int, block_counts: list[int], *rest: object) -> list[dict[str, float]]:
         del tree, rest
         if page_tensors == 160:
-            raise SystemExit("bench/engine.py: measuring ... failed")  # the second case cut off
+            raise SystemExit("bench/host_cost.py: measuring ... failed")  # the second case cut off
         return [{"us_per_job": 30.0 + blocks, "median_us_per_job": 31.0 + blocks} for blocks in block_counts]
 
     monkeypatch.setattr(module, "_run_child", child)

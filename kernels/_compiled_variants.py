@@ -7,7 +7,8 @@ can see. :func:`compiled_variants` lists, for the copy kernel and the fused
 fp8 kernel, each variant compiled so far with its ``n_regs`` and ``n_spills``
 (Triton reads them when it loads the binary, so a variant compiled but never
 launched has none yet) and the compile-time constants it was specialised on.
-Without CUDA nothing is compiled and the list is empty.
+Without CUDA nothing is compiled and the list is empty. The GPU check
+(``bench/kernels.py --gpu-check``, ``bench/gpu_preflight.py``) reports them.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def variant_records(kernel: str, jit_function: object) -> list[dict[str, object]
 
 def compiled_variants() -> list[dict[str, object]]:
     """The copy kernel's and the fp8 kernel's variants compiled in this process so far (imports triton)."""
-    from kvtriton.kernels._jit import compress_pages, copy_pages
+    from ._jit import compress_pages, copy_pages
 
     # The compiled JITFunctions each launcher uses.
     copy_kernel = cast(object, copy_pages.VARIANTS.kernel(False))

@@ -1,6 +1,6 @@
 """Host cost of a transfer job: ``submit_store`` + ``submit_load`` with the copy itself a no-op, now vs before.
 
-Run ``python -m bench.engine`` (``--quick`` for a smoke test). For 64 and 160
+Run ``python -m bench.host_cost`` (``--quick`` for a smoke test). For 64 and 160
 page tensors (32 and 80 FlashAttention layers, K and V) and jobs of 1, 16 and
 256 blocks it times a loop of ``submit_store``, ``submit_load`` and
 ``get_finished`` on a ``backend="triton"`` engine whose kernel launch
@@ -25,10 +25,10 @@ pays per job, which ``bench/gpu_check.sh`` measures on the GPU. The launch is
 part of the figure then, so it has no baseline (``--no-baseline`` is implied).
 
 Goals: at most 40 us per job at 64 page tensors and 60 us at 160.
-JSON goes to ``bench/results/engine.json`` (``$KVTRITON_BENCH_OUT``),
+JSON goes to ``bench/results/host_cost.json`` (``$KVTRITON_BENCH_OUT``),
 rewritten after every measured tree and page-tensor count (``"complete":
 false`` until the end), so a run cut off keeps what it measured.
-``--quick`` is a smoke run: ``engine-quick.json``, no goals beside its figures.
+``--quick`` is a smoke run: ``host_cost-quick.json``, no goals beside its figures.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _extract_baseline(destination: Path) -> Path:
     except (OSError, subprocess.CalledProcessError) as error:
         detail = error.stderr.decode().strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
         raise SystemExit(
-            f"bench/engine.py: cannot read baseline commit {BASELINE_COMMIT[:12]} from git ({detail}); "
+            f"bench/host_cost.py: cannot read baseline commit {BASELINE_COMMIT[:12]} from git ({detail}); "
             "run it in a git checkout with full history, or pass --no-baseline"
         ) from error
     subprocess.run(["tar", "-x", "-C", str(destination)], input=archive.stdout, check=True)
@@ -133,7 +133,7 @@ def _run_child(
     ]  # fmt: skip
     child = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
     if child.returncode != 0:
-        raise SystemExit(f"bench/engine.py: measuring {tree} failed:\n{child.stderr}")
+        raise SystemExit(f"bench/host_cost.py: measuring {tree} failed:\n{child.stderr}")
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
@@ -166,7 +166,7 @@ def result_rows(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.engine", description=__doc__.split("\n\n")[0] if __doc__ else None
+        prog="python -m bench.host_cost", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
     parser.add_argument(
         "--page-tensors", type=int, nargs="+", default=[64, 160], help="page tensors per engine (default: 64 160)"
@@ -190,7 +190,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="keep the real kernel launch in the timed loop (implies --no-baseline)",
     )
-    parser.add_argument("--name", default="engine", help="result file stem (default: engine)")
+    parser.add_argument("--name", default="host_cost", help="result file stem (default: host_cost)")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child mode: print one JSON line
     return parser.parse_args(argv)
 

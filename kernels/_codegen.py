@@ -2,9 +2,11 @@
 
 Compiles :func:`copy_pages_kernel` for ``sm_90`` with the configuration that a
 real launch would use for a page size (see :func:`kvtriton.kernels._launch.launch_config`), then reads the
-PTX (global load/store widths) and the TTIR (integer multiplies). The tests use
-this as a quality gate; ``bench/kernels.py --ptx`` prints it next to the
-descriptor-per-copy baseline.
+PTX (global load/store widths) and the TTIR (integer multiplies). The kernel
+tests use this as a quality gate; ``bench/kernels.py --ptx`` prints it next to
+the descriptor-per-copy baseline. A development tool, private to the package
+(it lives here because both the tests and bench use it, and bench imports
+kvtriton, never the tests).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtriton.kernels._compressed_launch import compress_config
-from kvtriton.kernels._compression import compression_layout
-from kvtriton.kernels._launch import LaunchConfig, make_config, word_width
-from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, CompressConfig
-from kvtriton.kernels._pages import DEFAULT_BYTES_PER_ITER
+from ._compressed_format import compression_layout
+from ._compressed_launch import compress_config
+from ._launch import LaunchConfig, make_config, word_width
+from ._launch_arguments import MAX_NUM_WARPS, CompressConfig
+from ._pages import DEFAULT_BYTES_PER_ITER
 
 __all__ = [
     "AccessSummary",
@@ -154,7 +156,7 @@ def compile_copy_pages(
     config: LaunchConfig, *, to_slab: bool, index_type: str = "i64", arch: int = 90
 ) -> CompiledKernel:
     """Compile the gather (``to_slab``) or scatter kernel for ``config`` on ``sm_<arch>``."""
-    from bench.compile_asm import compile_asm
+    from ._compile_asm import compile_asm
 
     element = _ELEMENT_TYPES[config.element_bytes]
     asm = compile_asm(
@@ -179,7 +181,7 @@ def compile_copy_pages(
 
 def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKernel:
     """Compile the vLLM-style descriptor-per-copy baseline (``kernels/_jit/descriptor_copy.py``)."""
-    from bench.compile_asm import compile_asm
+    from ._compile_asm import compile_asm
 
     asm = compile_asm(
         "descriptor_copy",
@@ -193,7 +195,7 @@ def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKer
 
 
 def _compile_compress(config: CompressConfig, to_slab: bool, arch: int) -> dict[str, str]:
-    from bench.compile_asm import compile_asm
+    from ._compile_asm import compile_asm
 
     return compile_asm(
         "compress_pages",
