@@ -56,15 +56,18 @@ from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager, policy_names
 from kvtriton.sim._geometry import PRESETS
 from kvtriton.sim._replay import (
+    HookedManager,
     ManagerCalls,
     PreparedRequest,
     ReplayStats,
     StoreOutput,
+    hooked_calls,
     manager_calls,
+    positioned_contexts,
     prepare,
     replay_calls,
 )
-from kvtriton.sim._vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
+from kvtriton.sim._vllm_order import replay_vllm_order
 from kvtriton.sim._workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
 
 __all__ = [

@@ -245,7 +245,7 @@ def vllm_gpu_share(results: Results) -> str:
         answer = f"no size reaches {target}"
     return (
         f"a {cast(JSONObject, record['call_order'])['gpu_blocks']}-block GPU cache already serves"
-        f" {_pct(float(cast(float, trace['engine_share'])))} of prompt tokens, so host memory adds at most"
+        f" {_pct(float(cast(float, trace['gpu_share'])))} of prompt tokens, so host memory adds at most"
         f" {100 * host:.1f} points: vLLM would report {_pct(_ceiling(record))} at any size from {_gib(flat)},"
         f" and {answer}"
     )

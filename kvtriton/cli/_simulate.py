@@ -10,7 +10,7 @@ loops (:mod:`kvtriton.sim._replay`, :mod:`kvtriton.sim._vllm_order`) are
 also what ``bench/manager.py`` times, for kvtriton's manager and vLLM's.
 
 With ``--call-order vllm`` (implied by ``--gpu-blocks``, ``--max-num-seqs``
-and ``--sequential``) the trace runs through a model of vLLM 0.33's engine
+and ``--sequential``) the trace runs through a model of a vLLM 0.33 server
 (:mod:`kvtriton.sim._vllm_server`): its admission, its own GPU prefix cache
 in front of the offload tier, and its asynchronous loads and stores, so the
 hit rate reported is the one vLLM's metrics show
@@ -35,200 +35,57 @@ import math
 import platform
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton._keys import OffloadKey
-from kvtriton._offload_types import ReqContext
 from kvtriton.cli._main import choice_argument
 from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
-from kvtriton.sim._geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_capacity, parse_dtype
-from kvtriton.sim._replay import PreparedRequest, ReplayStats, prepare, replay
-from kvtriton.sim._vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, positioned_contexts, vllm_order_calls
-from kvtriton.sim._vllm_server import (
+from kvtriton.sim import (
+    CALL_ORDER_ALIASES,
+    CALL_ORDERS,
+    COMPRESSION_EXTRA_CONFIG_KEY,
+    DEFAULT_ARRIVALS,
+    DEFAULT_DECODE_STEPS,
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_STORE_STEPS,
-    EngineModel,
-    EngineStats,
-    replay_vllm_engine,
+    DEFAULT_SWEEP_POINTS,
+    GIB,
+    PRESETS,
+    WORKLOADS,
+    CallOrder,
+    KvtritonOrder,
+    ModelGeometry,
+    PointReport,
+    Recommendation,
+    Request,
+    VllmOrder,
+    default_capacities,
+    format_bytes,
+    generate,
+    parse_capacity,
+    parse_dtype,
+    prepare,
+    read_trace,
+    recommend,
+    summarize,
+    sweep,
 )
-from kvtriton.sim._workloads import WORKLOADS, Request, generate, read_trace
 
-__all__ = [
-    "CALL_ORDERS",
-    "DEFAULT_OUT",
-    "CallOrder",
-    "PointReport",
-    "Recommendation",
-    "SweepPoint",
-    "TraceSummary",
-    "add_arguments",
-    "default_capacities",
-    "plot_stamp",
-    "recommend",
-    "run",
-    "summarize",
-    "sweep",
-]
+__all__ = ["DEFAULT_OUT", "add_arguments", "plot_stamp", "run"]
 
 DEFAULT_OUT = "simulate-results"
 DEFAULT_WORKLOAD = "chat"
 DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_POLICIES = ("lru", "arc")
 DEFAULT_BANDWIDTH_GBPS = 25.0
-DEFAULT_SWEEP_POINTS = 8
 DEFAULT_TARGET_HIT_RATE = 0.5
 COMPRESSIONS = ("none", "fp8-e4m3")
 """``--compression`` values: kvtriton's slab row formats (kvtriton.kernels._compression.KVCompression)."""
-
-
-# --------------------------------------------------------------------------
-# Sweep
-
-
-@dataclass(frozen=True, slots=True)
-class SweepPoint:
-    """One (policy, capacity) point of a sweep."""
-
-    policy: str
-    capacity_bytes: int
-    num_blocks: int
-    stats: ReplayStats
-    engine: EngineStats | None = None
-    """The vLLM-order replay's engine-side counts (None in the engine order)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceSummary:
-    """Facts about a trace that do not depend on capacity."""
-
-    requests: int
-    prompt_blocks: int
-    output_blocks: int
-    prompt_tokens: int
-    distinct_blocks: int
-    """Distinct blocks stored at least once: the capacity at which nothing is ever evicted."""
-
-
-def summarize(requests: Sequence[PreparedRequest]) -> TraceSummary:
-    distinct: set[OffloadKey] = set()
-    for request in requests:
-        distinct.update(request.prompt_keys)
-        distinct.update(request.output_keys)
-    return TraceSummary(
-        requests=len(requests),
-        prompt_blocks=sum(len(request.prompt_keys) for request in requests),
-        output_blocks=sum(len(request.output_keys) for request in requests),
-        prompt_tokens=sum(request.prompt_tokens for request in requests),
-        distinct_blocks=len(distinct),
-    )
-
-
-def default_capacities(geometry: ModelGeometry, distinct_blocks: int, points: int = DEFAULT_SWEEP_POINTS) -> list[int]:
-    """``points`` capacities doubling up to the first power-of-two GiB that holds every distinct block.
-
-    Capacities that hold no whole block are dropped.
-    """
-    working_set_gib = max(distinct_blocks, 1) * geometry.bytes_per_block / GIB
-    top = 2.0 ** math.ceil(math.log2(working_set_gib))
-    capacities = [int(top / 2**step * GIB) for step in range(points - 1, -1, -1)]
-    return [capacity for capacity in capacities if geometry.blocks_for(capacity) >= 1]
-
-
-CALL_ORDERS = ("engine", "vllm")
-"""``engine``: request by request with ``touch`` (kvtriton.sim._replay); ``vllm``: vLLM 0.33's connector (kvtriton.sim._vllm_order)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CallOrder:
-    """How the manager is called: the order, and the knobs of each order's step model."""
-
-    name: str = "engine"
-    in_flight: int = 1
-    """``engine`` order: requests admitted before the oldest completes its loads and stores."""
-    arrivals: int | None = None
-    """``vllm`` order: new requests arriving per engine step (None: all at once, or one at a time with ``sequential``)."""
-    sequential: bool = False
-    """``vllm`` order: each request arrives the step after the previous one finished (its stores may be in flight)."""
-    max_num_seqs: int | None = None
-    """``vllm`` order: vLLM's ``--max-num-seqs`` (None: no limit)."""
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    """``vllm`` order: vLLM's ``--max-num-batched-tokens``."""
-    gpu_blocks: int | None = None
-    """``vllm`` order: the engine's KV cache in blocks, its prefix cache on (None: off)."""
-    decode_steps: int = DEFAULT_DECODE_STEPS
-    """``vllm`` order: tokens each request generates (steps from its prompt to its end)."""
-    load_steps: int = DEFAULT_LOAD_STEPS
-    """``vllm`` order: a load is reported done at the end of step ``s + load_steps - 1``."""
-    store_steps: int = DEFAULT_STORE_STEPS
-    """``vllm`` order: a store prepared at step ``s`` completes at the end of step ``s + store_steps``."""
-    sync_loads: bool = False
-    """``vllm`` order: a loading request computes in the step of its load instead of the next."""
-
-    def __post_init__(self) -> None:
-        if self.name not in CALL_ORDERS:
-            raise ValueError(f"call order must be one of {', '.join(CALL_ORDERS)}, got {self.name!r}")
-        if self.name == "vllm":
-            self.engine_model()  # checks the step model's knobs
-
-    def engine_model(self) -> EngineModel:
-        return EngineModel(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            gpu_blocks=self.gpu_blocks,
-            arrivals=self.arrivals,
-            sequential=self.sequential,
-            output_tokens=self.decode_steps,
-            load_steps=self.load_steps,
-            store_steps=self.store_steps,
-            sync_loads=self.sync_loads,
-        )
-
-    def replay(
-        self, requests: Sequence[PreparedRequest], manager: CPUOffloadingManager, block_size: int
-    ) -> tuple[ReplayStats, EngineStats | None]:
-        if self.name == "vllm":
-            contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
-            engine = replay_vllm_engine(
-                vllm_order_calls(manager), requests, contexts, block_size=block_size, model=self.engine_model()
-            )
-            return engine.replay, engine
-        return replay(requests, manager, block_size=block_size, in_flight=self.in_flight), None
-
-
-def sweep(
-    requests: Sequence[PreparedRequest],
-    geometry: ModelGeometry,
-    capacities: Sequence[int],
-    policies: Sequence[str],
-    *,
-    in_flight: int = 1,
-    show_progress: bool = True,
-    order: CallOrder | None = None,
-) -> list[SweepPoint]:
-    """Replay ``requests`` once per (policy, capacity), each on a fresh manager.
-
-    ``order`` picks the call order (default: the engine order with ``in_flight``).
-    """
-    call_order = order if order is not None else CallOrder(in_flight=in_flight)
-    for capacity in capacities:
-        if geometry.blocks_for(capacity) < 1:
-            raise ValueError(
-                f"capacity {format_bytes(capacity)} holds no block of {format_bytes(geometry.stored_bytes_per_block)}"
-            )
-    grid = [(policy, capacity) for policy in policies for capacity in capacities]
-    points: list[SweepPoint] = []
-    for policy, capacity in progress(grid, len(grid), "simulate", enabled=show_progress):
-        num_blocks = geometry.blocks_for(capacity)
-        manager = CPUOffloadingManager(num_blocks, cache_policy=policy)
-        stats, engine = call_order.replay(requests, manager, geometry.block_size)
-        points.append(SweepPoint(policy, capacity, num_blocks, stats, engine))
-    return points
 
 
 # --------------------------------------------------------------------------
@@ -434,49 +291,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--call-order",
-        type=choice_argument(CALL_ORDERS),
+        type=_call_order_name,
         choices=list(CALL_ORDERS),
-        help="how the manager is called: 'engine' request by request with touch (kvtriton's API),"
-        " 'vllm' step by step through a model of vLLM 0.33's engine, as its OffloadingConnector calls it"
-        " (default: vllm when --gpu-blocks, --max-num-seqs or --sequential is given, else engine)",
+        help="how the manager is called: 'kvtriton' request by request with touch (kvtriton's API; 'engine',"
+        " its earlier name, is accepted), 'vllm' step by step through a model of a vLLM 0.33 server, as its"
+        " OffloadingConnector calls it (default: vllm when --gpu-blocks, --max-num-seqs or --sequential is"
+        " given, else kvtriton)",
     )
     sim.add_argument(
         "--in-flight",
         type=_positive_int,
         metavar="N",
-        help="--call-order engine: requests admitted before the oldest completes its loads and stores (default: 1)",
+        help="--call-order kvtriton: requests admitted before the oldest completes its loads and stores (default: 1)",
     )
-    engine = parser.add_argument_group(
-        "vLLM engine model (--call-order vllm)",
+    server = parser.add_argument_group(
+        "vLLM server model (--call-order vllm)",
         "What the vLLM server is started with. Arrivals: all requests at once (with --max-num-seqs),"
         " --arrivals N per step, or --sequential.",
     )
-    engine.add_argument(
+    server.add_argument(
         "--gpu-blocks",
         type=_number(int, "an integer >= 2", lambda value: value >= 2),
         metavar="N",
         help="the engine's own KV cache in blocks of --block-size tokens (vLLM's num_gpu_blocks), its prefix"
         " cache on, in front of the offload tier (default: prefix caching off)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--max-num-seqs",
         type=_positive_int,
         metavar="N",
         help="vLLM's --max-num-seqs: requests running at once; requests waiting for a load do not count,"
         " so a burst of them is admitted (default: no limit)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
         metavar="N",
         help=f"vLLM's --max-num-batched-tokens: tokens computed per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
-    arrival = engine.add_mutually_exclusive_group()
+    arrival = server.add_mutually_exclusive_group()
     arrival.add_argument(
         "--arrivals",
         type=_positive_int,
         metavar="N",
-        help=f"new requests arriving per engine step (default: {DEFAULT_ARRIVALS} when neither --max-num-seqs"
+        help=f"new requests arriving per scheduler step (default: {DEFAULT_ARRIVALS} when neither --max-num-seqs"
         " nor --sequential is given, else all requests at once)",
     )
     arrival.add_argument(
@@ -485,33 +343,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one request at a time: each arrives the step after the previous one finished, whose stores may"
         " still be in flight (a client that waits for every answer)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--decode-steps",
         type=_positive_int,
         metavar="N",
         help=f"tokens each request generates, vLLM's max_tokens (default: {DEFAULT_DECODE_STEPS})",
     )
-    engine.add_argument(
+    server.add_argument(
         "--load-steps",
         type=_positive_int,
         metavar="N",
         help="a load is reported done at the end of the N-th step counted from the one that schedules it"
         f" (default: {DEFAULT_LOAD_STEPS}: within its own step)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--store-steps",
         type=_positive_int,
         metavar="N",
         help="a store prepared in one step completes at the end of the N-th step after it; until then its"
         f" blocks look up as pending (default: {DEFAULT_STORE_STEPS}: submitted the next step, done the one after)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--sync-loads",
         action="store_true",
         help="a request that loads computes in the step of its load"
         " (vLLM with sync_load_budget_bytes) instead of the next step (vLLM's default)",
     )
-    engine.add_argument(
+    server.add_argument(
         "--tensor-parallel-size",
         type=_positive_int,
         default=1,
@@ -581,9 +439,18 @@ def _geometry(args: argparse.Namespace) -> ModelGeometry:
     )
 
 
+def _call_order_name(text: str) -> str:
+    """``--call-order``'s value in any case, its earlier documented name mapped to today's."""
+    name = text.strip().lower()
+    name = CALL_ORDER_ALIASES.get(name, name)
+    if name not in CALL_ORDERS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CALL_ORDERS)}, got {text!r}")
+    return name
+
+
 def _call_order(args: argparse.Namespace) -> CallOrder:
     """The call order the flags ask for; ValueError naming the flag that does not apply."""
-    engine_flags = [
+    server_flags = [
         flag
         for flag, given in (
             ("--gpu-blocks", args.gpu_blocks is not None),
@@ -592,7 +459,7 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
         )
         if given
     ]
-    # The engine model's other knobs: given alone they do not select vLLM's order (each has a default there).
+    # The server model's other knobs: given alone they do not select vLLM's order (each has a default there).
     model_flags = [
         flag
         for flag, given in (
@@ -605,27 +472,26 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
         )
         if given
     ]
-    name: str = args.call_order or ("vllm" if engine_flags else "engine")
-    if name == "engine":
-        misplaced = engine_flags + model_flags
+    name: str = args.call_order or ("vllm" if server_flags else "kvtriton")
+    if name == "kvtriton":
+        misplaced = server_flags + model_flags
         if misplaced and args.call_order is None:
             raise ValueError(
-                f"{misplaced[0]} models vLLM's engine: it applies to --call-order vllm, and without --gpu-blocks,"
-                " --max-num-seqs or --sequential the order is engine; add --call-order vllm (or the server's"
+                f"{misplaced[0]} models the vLLM server: it applies to --call-order vllm, and without --gpu-blocks,"
+                " --max-num-seqs or --sequential the order is kvtriton; add --call-order vllm (or the server's"
                 " --gpu-blocks and --max-num-seqs)"
             )
         if misplaced:
-            raise ValueError(f"{misplaced[0]} models vLLM's engine: it applies to --call-order vllm, not engine")
-        return CallOrder(name="engine", in_flight=args.in_flight or 1)
+            raise ValueError(f"{misplaced[0]} models the vLLM server: it applies to --call-order vllm, not kvtriton")
+        return KvtritonOrder(in_flight=args.in_flight or 1)
     if args.in_flight is not None:
         raise ValueError(
-            "--in-flight applies to --call-order engine; vLLM's order admits with --max-num-seqs, --arrivals or --sequential"
+            "--in-flight applies to --call-order kvtriton; vLLM's order admits with --max-num-seqs, --arrivals or --sequential"
         )
     arrivals: int | None = args.arrivals
     if arrivals is None and args.max_num_seqs is None and not args.sequential:
         arrivals = DEFAULT_ARRIVALS
-    return CallOrder(
-        name="vllm",
+    return VllmOrder(
         arrivals=arrivals,
         sequential=args.sequential,
         max_num_seqs=args.max_num_seqs,
@@ -695,159 +561,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True, slots=True)
-class PointReport:
-    """One sweep point as reported: the replay counts turned into rates (fractions of 1), bytes and seconds."""
-
-    policy: str
-    capacity_gib: float
-    capacity_bytes: int
-    num_blocks: int
-    block_hit_rate: float
-    """Prompt blocks loaded from host memory, over all prompt blocks."""
-    token_hit_rate: float
-    """Prompt tokens loaded from host memory, over all prompt tokens (the offload tier's share)."""
-    external_hit_rate: float
-    """What vLLM reports: tokens loaded from host memory over the tokens the GPU prefix cache did not serve."""
-    engine_share: float
-    """Prompt tokens served by the engine's GPU prefix cache (0 without --gpu-blocks)."""
-    offload_share: float
-    """Prompt tokens loaded from host memory (equal to token_hit_rate)."""
-    computed_share: float
-    """Prompt tokens the engine computed."""
-    hit_blocks: int
-    hit_tokens: int
-    engine_hit_tokens: int
-    external_query_tokens: int
-    external_hit_tokens: int
-    bytes_loaded: int
-    bytes_stored: int
-    blocks_stored: int
-    evictions: int
-    refused_stores: int
-    refused_blocks: int
-    pending_stops: int
-    load_seconds: float
-    store_seconds: float
-    engine_evictions: int | None
-    """vLLM order: GPU-cached blocks reused for other tokens."""
-    max_admitted_per_step: int | None
-    """vLLM order: the most requests admitted in one engine step."""
-    mean_admitted_per_step: float | None
-    """vLLM order: requests admitted per step, over the steps that admitted any."""
-    steps: int | None
-    """vLLM order: engine steps the trace took."""
-    preemptions: int | None
-    """vLLM order: running requests preempted for want of free GPU blocks."""
-    compression: str = "none"
-    """How host memory stored the blocks at this point: ``none`` or ``fp8-e4m3`` (bytes moved are its rows)."""
-
-    @classmethod
-    def of(cls, point: SweepPoint, geometry: ModelGeometry, bandwidth_gbps: float) -> PointReport:
-        stats, engine = point.stats, point.engine
-        bytes_loaded = stats.hit_blocks * geometry.stored_bytes_per_block
-        bytes_stored = stats.blocks_stored * geometry.stored_bytes_per_block
-        return cls(
-            policy=point.policy,
-            capacity_gib=point.capacity_bytes / GIB,
-            capacity_bytes=point.capacity_bytes,
-            num_blocks=point.num_blocks,
-            block_hit_rate=stats.block_hit_rate,
-            token_hit_rate=stats.token_hit_rate,
-            external_hit_rate=engine.external_hit_rate if engine is not None else stats.token_hit_rate,
-            engine_share=engine.engine_share if engine is not None else 0.0,
-            offload_share=stats.token_hit_rate,
-            computed_share=engine.computed_share if engine is not None else 1.0 - stats.token_hit_rate,
-            hit_blocks=stats.hit_blocks,
-            hit_tokens=stats.hit_tokens,
-            engine_hit_tokens=engine.engine_hit_tokens if engine is not None else 0,
-            external_query_tokens=engine.external_query_tokens if engine is not None else stats.prompt_tokens,
-            external_hit_tokens=stats.hit_tokens,
-            bytes_loaded=bytes_loaded,
-            bytes_stored=bytes_stored,
-            blocks_stored=stats.blocks_stored,
-            evictions=stats.evictions,
-            refused_stores=stats.refused_stores,
-            refused_blocks=stats.refused_blocks,
-            pending_stops=stats.pending_stops,
-            load_seconds=bytes_loaded / (bandwidth_gbps * 1e9),
-            store_seconds=bytes_stored / (bandwidth_gbps * 1e9),
-            engine_evictions=engine.engine_evictions if engine is not None else None,
-            max_admitted_per_step=engine.max_admitted_per_step if engine is not None else None,
-            mean_admitted_per_step=engine.mean_admitted_per_step if engine is not None else None,
-            steps=engine.steps if engine is not None else None,
-            preemptions=engine.preemptions if engine is not None else None,
-            compression=geometry.compression,
-        )
-
-    def rate(self, order: str) -> float:
-        """The hit rate the target is checked against: vLLM's reported rate in its order, the token hit rate otherwise."""
-        return self.external_hit_rate if order == "vllm" else self.token_hit_rate
-
-
-# --------------------------------------------------------------------------
-# The answer: the configuration to start vLLM with
-
-
-SPEC_EXTRA_CONFIG: dict[str, object] = {
-    "spec_name": "KVTritonOffloadingSpec",
-    "spec_module_path": "kvtriton.integrations.vllm",
-}
-"""The keys that point vLLM's OffloadingConnector at kvtriton (docs/vllm.md)."""
-
-COMPRESSION_EXTRA_CONFIG_KEY = "kvtriton_kv_compression"
-"""The ``kv_connector_extra_config`` key of kvtriton's slab row compression (``none`` or ``fp8-e4m3``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Recommendation:
-    """The smallest sweep point that reaches the target hit rate, as vLLM configuration."""
-
-    target: float
-    rate_name: str
-    point: PointReport | None
-    """None when no size tried reaches the target."""
-    best: PointReport
-    """The point with the highest rate (the closest one when none reaches the target)."""
-    extra_config: dict[str, object] | None
-    """``kv_connector_extra_config`` for ``point``."""
-    kv_transfer_config: dict[str, object] | None
-    """vLLM's whole ``--kv-transfer-config`` value for ``point``."""
-    slab_bytes_per_rank: int | None
-    """What each worker process pins (host RAM must hold it; RLIMIT_MEMLOCK does not limit it)."""
-    tensor_parallel_size: int
-
-
-def recommend(
-    reports: Sequence[PointReport], target: float, order: str, geometry: ModelGeometry, *, tensor_parallel_size: int = 1
-) -> Recommendation:
-    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`)."""
-    if not reports:
-        raise ValueError("no sweep points to choose from")
-    rate_name = "the hit rate vLLM reports" if order == "vllm" else "the token hit rate"
-    best = max(reports, key=lambda report: (report.rate(order), -report.capacity_bytes))
-    reaching = [report for report in reports if report.rate(order) >= target - 1e-12]
-    if not reaching:
-        return Recommendation(target, rate_name, None, best, None, None, None, tensor_parallel_size)
-    point = min(reaching, key=lambda report: (report.capacity_bytes, -report.rate(order)))
-    extra: dict[str, object] = {
-        **SPEC_EXTRA_CONFIG,
-        "cpu_bytes_to_use": point.capacity_bytes,
-        "eviction_policy": point.policy,
-    }
-    if geometry.compression != "none":
-        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
-    transfer: dict[str, object] = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
-    # kvtriton's spec: each rank holds cpu_bytes_to_use // tp, in whole slots of its share of a (stored) block.
-    rank_block = max(geometry.stored_bytes_per_block // tensor_parallel_size, 1)
-    slab = (point.capacity_bytes // tensor_parallel_size) // rank_block * rank_block
-    return Recommendation(target, rate_name, point, best, extra, transfer, slab, tensor_parallel_size)
-
-
 def _recommendation_lines(
     found: Recommendation, order: CallOrder, geometry: ModelGeometry, ceiling: float, largest: int, working_set: int
 ) -> list[str]:
@@ -883,9 +596,9 @@ def _recommendation_lines(
             )
         return lines
     flags = [f"--block-size {geometry.block_size}"]
-    if order.name == "vllm" and order.max_num_seqs is not None:
+    if isinstance(order, VllmOrder) and order.max_num_seqs is not None:
         flags.append(f"--max-num-seqs {order.max_num_seqs}")
-    if order.name == "vllm" and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
+    if isinstance(order, VllmOrder) and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
         flags.append(f"--max-num-batched-tokens {order.max_num_batched_tokens}")
     if found.tensor_parallel_size > 1:
         flags.append(f"--tensor-parallel-size {found.tensor_parallel_size}")
@@ -917,7 +630,7 @@ def _recommendation_lines(
             f" {geometry.compression_group_size} elements: loaded KV differs from what was computed (docs/kernels.md,"
             ' "Compressed rows"); leave it out for bit-exact offload'
         )
-    if order.name == "vllm" and order.gpu_blocks is None:
+    if isinstance(order, VllmOrder) and order.gpu_blocks is None:
         lines.append(
             "note:      modelled with the engine's prefix cache off; give --gpu-blocks (vLLM's num_gpu_blocks) to"
             " count only what the GPU cache does not serve, as vLLM does"
@@ -1061,24 +774,27 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    show_progress = not args.no_progress
+
+    def track(grid: Sequence[tuple[str, int]]) -> Iterable[tuple[str, int]]:
+        return progress(grid, len(grid), "simulate", enabled=not args.no_progress)
+
     try:
         # The ceiling: capacity for every distinct block, so nothing is ever evicted.
-        unlimited, unlimited_engine = order.replay(
+        unlimited, unlimited_server = order.replay(
             prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
         )
         curves = {
             each.compression: [
                 PointReport.of(point, each, args.bandwidth)
-                for point in sweep(prepared, each, capacities, args.policies, show_progress=show_progress, order=order)
+                for point in sweep(prepared, each, capacities, args.policies, order=order, track=track)
             ]
             for each in geometries
         }
-    except (ValueError, RuntimeError) as error:  # the engine model refuses a request the GPU cache cannot hold
+    except (ValueError, RuntimeError) as error:  # the server model refuses a request the GPU cache cannot hold
         print(f"kvtriton simulate: error: {error}", file=sys.stderr)
         return 2
     reports = [report for curve in curves.values() for report in curve]
-    unlimited_rate = unlimited_engine.external_hit_rate if unlimited_engine is not None else unlimited.token_hit_rate
+    unlimited_rate = unlimited_server.external_hit_rate if unlimited_server is not None else unlimited.token_hit_rate
     tp = args.tensor_parallel_size
     found = recommend(curves[stored.compression], args.target_hit_rate, order.name, stored, tensor_parallel_size=tp)
     uncompressed = recommend(curves["none"], args.target_hit_rate, order.name, geometry, tensor_parallel_size=tp)
@@ -1117,9 +833,9 @@ def run(args: argparse.Namespace) -> int:
             "unlimited_block_hit_rate": unlimited.block_hit_rate,
             "unlimited_token_hit_rate": unlimited.token_hit_rate,
             "unlimited_external_hit_rate": unlimited_rate,
-            "engine_share": unlimited_engine.engine_share if unlimited_engine is not None else 0.0,
+            "gpu_share": unlimited_server.gpu_share if unlimited_server is not None else 0.0,
         },
-        "call_order": asdict(order),
+        "call_order": {"name": order.name, **asdict(order)},
         "bandwidth_gbps": args.bandwidth,
         "points": [asdict(report) for report in reports],
         "recommendation": _recommendation_record(found, stored),
@@ -1139,11 +855,11 @@ def run(args: argparse.Namespace) -> int:
     if stored is not geometry:
         compressed_set = f", {format_bytes(stored_working_set)} stored {stored.compression}"
     lines.append(f"working set {format_bytes(working_set)}{compressed_set} ({summary.distinct_blocks} distinct blocks)")
-    if unlimited_engine is not None:
-        lines.append(f"engine    {_describe_engine(order)}")
+    if isinstance(order, VllmOrder) and unlimited_server is not None:
+        lines.append(f"server    {_describe_server(order)}")
         lines.append(
             f"with unlimited host memory vLLM would report {_percent(unlimited_rate)};"
-            f" the GPU prefix cache serves {_percent(unlimited_engine.engine_share)} of prompt tokens"
+            f" the GPU prefix cache serves {_percent(unlimited_server.gpu_share)} of prompt tokens"
         )
     else:
         lines.append(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
@@ -1159,7 +875,7 @@ def run(args: argparse.Namespace) -> int:
             f"admission: up to {shown.max_admitted_per_step} new requests in one step,"
             f" {shown.mean_admitted_per_step:.1f} on average over the steps that admitted any ({shown.steps} steps,"
             f" {shown.policy.upper()} {format_bytes(shown.capacity_bytes)}); deferred lookups (a block still being"
-            f" stored or loaded): {shown.pending_stops}; GPU cache evictions: {shown.engine_evictions}"
+            f" stored or loaded): {shown.pending_stops}; GPU cache evictions: {shown.gpu_evictions}"
         )
         if shown.preemptions:
             lines.append(
@@ -1194,7 +910,7 @@ def run(args: argparse.Namespace) -> int:
             f"{source.name} trace, {summary.requests} requests, {geometry.name}"
             f" ({format_bytes(geometry.bytes_per_block)}/block)"
         )
-        if order.gpu_blocks is not None:
+        if isinstance(order, VllmOrder) and order.gpu_blocks is not None:
             title += f", {order.gpu_blocks} GPU blocks"
         if stored is not geometry:
             title += f"; with and without {stored.compression}"
@@ -1280,7 +996,7 @@ def _recommendation_record(found: Recommendation, geometry: ModelGeometry) -> di
     }
 
 
-def _describe_engine(order: CallOrder) -> str:
+def _describe_server(order: VllmOrder) -> str:
     if order.sequential:
         arrivals = "one request at a time"
     elif order.arrivals is not None:
@@ -1309,7 +1025,7 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
                 _gib(report.capacity_bytes),
                 str(report.num_blocks),
                 _percent(report.external_hit_rate),
-                _percent(report.engine_share),
+                _percent(report.gpu_share),
                 _percent(report.offload_share),
                 _percent(report.computed_share),
                 _gib(report.bytes_loaded),

@@ -2,7 +2,7 @@
 
 A serving engine answers a prompt's leading blocks from its GPU KV cache
 before it asks the offload tier, so the offload tier only sees what the GPU
-cache no longer holds. :class:`EnginePrefixCache` reproduces the rules of
+cache no longer holds. :class:`GpuPrefixCache` reproduces the rules of
 vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``) and its
 ``FreeKVCacheBlockQueue`` (``kv_cache_utils.py``) that decide which blocks the
 GPU cache still holds:
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["EnginePrefixCache"]
+__all__ = ["GpuPrefixCache"]
 
 
-class EnginePrefixCache:
+class GpuPrefixCache:
     """A GPU KV cache of ``num_blocks`` blocks with vLLM's prefix caching and eviction order."""
 
     __slots__ = ("_blocks_of", "_front", "_hash_of", "_queue", "_refs", "evictions")

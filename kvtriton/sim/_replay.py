@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import LookupResult, ReqContext
@@ -21,14 +21,19 @@ from kvtriton.manager import OffloadingManager
 from kvtriton.sim._workloads import Request
 
 __all__ = [
+    "HookedManager",
     "ManagerCalls",
+    "PositionedContext",
     "PreparedRequest",
     "ReplayStats",
     "StoreOutput",
+    "hooked_calls",
     "manager_calls",
+    "positioned_contexts",
     "prepare",
     "replay",
     "replay_calls",
+    "vllm_order_calls",
 ]
 
 
@@ -137,6 +142,81 @@ def manager_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
         complete_store=manager.complete_store,
         hit=LookupResult.HIT,
         pending=LookupResult.HIT_PENDING,
+    )
+
+
+class PositionedContext(Protocol):
+    """A request context that records each key's end-token position (kvtriton's and vLLM's ``ReqContext``)."""
+
+    def set_offload_key_position(
+        self, key: Any, end_token: int, /
+    ) -> None: ...  # vLLM types its key with its own NewType
+
+
+PCtxT = TypeVar("PCtxT", bound=PositionedContext)
+
+
+def positioned_contexts(
+    requests: Sequence[PreparedRequest], make_context: Callable[[str], PCtxT], *, block_size: int
+) -> list[PCtxT]:
+    """One context per request, holding each prompt key's end-token position, as vLLM's scheduler records it."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    contexts: list[PCtxT] = []
+    for request in requests:
+        context = make_context(request.req_id)
+        for index, key in enumerate(request.prompt_keys):
+            context.set_offload_key_position(key, (index + 1) * block_size)
+        contexts.append(context)
+    return contexts
+
+
+def vllm_order_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
+    """A kvtriton manager's calls as vLLM's connector makes them: request hooks, no ``touch``."""
+    return ManagerCalls(
+        lookup=manager.lookup,
+        prepare_load=manager.prepare_load,
+        touch=None,
+        prepare_store=manager.prepare_store,
+        complete_load=manager.complete_load,
+        complete_store=manager.complete_store,
+        hit=LookupResult.HIT,
+        pending=LookupResult.HIT_PENDING,
+        on_new_request=manager.on_new_request,
+        on_request_finished=manager.on_request_finished,
+    )
+
+
+class HookedManager(Protocol):
+    """A manager with vLLM 0.33's request hooks, seen the way the replay calls it.
+
+    vLLM's ``CPUOffloadingManager`` and kvtriton's ``VLLMOffloadingManager``
+    fit once cast (their keys are vLLM's ``OffloadKey``, the same bytes under
+    another ``NewType``; their contexts are vLLM's ``ReqContext``).
+    """
+
+    def lookup(self, key: OffloadKey, req_context: Any, /) -> object: ...
+    def prepare_load(self, keys: Sequence[OffloadKey], req_context: Any, /) -> object: ...
+    def prepare_store(self, keys: Sequence[OffloadKey], req_context: Any, /) -> StoreOutput | None: ...
+    def complete_load(self, keys: Sequence[OffloadKey], req_context: Any, /) -> object: ...
+    def complete_store(self, keys: Sequence[OffloadKey], req_context: Any, /) -> object: ...
+    def on_new_request(self, req_context: Any, /) -> object: ...
+    def on_request_finished(self, req_context: Any, /) -> object: ...
+
+
+def hooked_calls(manager: HookedManager, *, hit: object, pending: object) -> ManagerCalls[Any]:
+    """The replay calls of a manager with request hooks (``hit`` / ``pending``: its ``LookupResult`` members)."""
+    return ManagerCalls(
+        lookup=manager.lookup,
+        prepare_load=manager.prepare_load,
+        touch=None,
+        prepare_store=manager.prepare_store,
+        complete_load=manager.complete_load,
+        complete_store=manager.complete_store,
+        hit=hit,
+        pending=pending,
+        on_new_request=manager.on_new_request,
+        on_request_finished=manager.on_request_finished,
     )
 
 

@@ -1,9 +1,11 @@
-"""A trace replayed through a model of vLLM 0.33's engine: its scheduler, its GPU prefix cache, its transfer timing.
+"""A trace replayed through a model of a vLLM 0.33 server: its scheduler, its GPU prefix cache, its transfer timing.
 
-:mod:`kvtriton.sim._vllm_order` makes the connector's calls in vLLM's order
-but admits a fixed number of requests per step and looks every prompt block up
-in host memory. A real engine differs in three ways, and
-:func:`replay_vllm_engine` models all three, step by step:
+:func:`replay_vllm_server` is the simulator's one loop in vLLM's call order:
+``kvtriton simulate --call-order vllm`` sets it from the server's settings,
+and :func:`kvtriton.sim._vllm_order.replay_vllm_order` sets it to the
+simplest engine (fixed arrivals, no token budget, no GPU cache, stores
+reported a step later), the trace the manager benchmark and the parity tests
+drive. It models three things, step by step:
 
 **Admission** (``vllm/v1/core/sched/scheduler.py``). Requests wait in arrival
 order. Each step first advances the running requests (a prefill chunk, or one
@@ -18,7 +20,7 @@ request whose whole prompt does not fit in the free GPU blocks (vLLM's
 ``scheduler_reserve_full_isl``; an asynchronous load must also leave the
 blocks that loading requests still need).
 
-**The engine's prefix cache** (:class:`~kvtriton.sim._gpu_prefix_cache.EnginePrefixCache`).
+**The GPU prefix cache** (:class:`~kvtriton.sim._gpu_prefix_cache.GpuPrefixCache`).
 With ``gpu_blocks`` set, a new request first takes the longest prefix the GPU
 cache holds (at most ``prompt_tokens - 1`` tokens: the last prompt token is
 always computed), and only the blocks after it are looked up in the offload
@@ -67,6 +69,7 @@ scheduler request by request.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -75,9 +78,15 @@ from typing import TypeVar
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.sim._gpu_prefix_cache import EnginePrefixCache
-from kvtriton.sim._replay import ManagerCalls, PreparedRequest, ReplayStats, prepare
-from kvtriton.sim._vllm_order import positioned_contexts, vllm_order_calls
+from kvtriton.sim._gpu_prefix_cache import GpuPrefixCache
+from kvtriton.sim._replay import (
+    ManagerCalls,
+    PreparedRequest,
+    ReplayStats,
+    positioned_contexts,
+    prepare,
+    vllm_order_calls,
+)
 from kvtriton.sim._workloads import Request
 
 __all__ = [
@@ -85,11 +94,11 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_OUTPUT_TOKENS",
     "DEFAULT_STORE_STEPS",
-    "EngineModel",
-    "EngineStats",
+    "ServerModel",
+    "ServerStats",
     "RequestOutcome",
     "predict",
-    "replay_vllm_engine",
+    "replay_vllm_server",
 ]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -112,15 +121,15 @@ def _check_int(name: str, value: object, low: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineModel:
-    """The engine settings the replay models (see the module docstring)."""
+class ServerModel:
+    """The server settings the replay models (see the module docstring)."""
 
     max_num_seqs: int | None = None
     """vLLM's ``--max-num-seqs``: requests running at once (None: no limit)."""
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    """vLLM's ``--max-num-batched-tokens``: tokens computed per step (chunked prefill)."""
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    """vLLM's ``--max-num-batched-tokens``: tokens computed per step (chunked prefill; None: no limit)."""
     gpu_blocks: int | None = None
-    """The engine's KV cache size in blocks, its prefix cache on (None: prefix caching off, no block limit)."""
+    """The server's GPU KV cache size in blocks, its prefix cache on (None: prefix caching off, no block limit)."""
     arrivals: int | None = None
     """New requests per step (None: every request at step 1)."""
     sequential: bool = False
@@ -133,11 +142,11 @@ class EngineModel:
     """Loads complete within the step that schedules them (vLLM's ``sync_load_budget_bytes``, unbounded)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "gpu_blocks", "arrivals"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_blocks", "arrivals"):
             value: object = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 2 if name == "gpu_blocks" else 1)
-        for name in ("max_num_batched_tokens", "output_tokens", "load_steps", "store_steps"):
+        for name in ("output_tokens", "load_steps", "store_steps"):
             _check_int(name, getattr(self, name), 1)
         if self.sequential and self.arrivals is not None:
             raise ValueError(f"sequential and arrivals={self.arrivals} are two arrival patterns; give one")
@@ -149,7 +158,7 @@ class RequestOutcome:
 
     req_id: str
     prompt_tokens: int
-    engine_hit_tokens: int
+    gpu_hit_tokens: int
     """Served by the engine's GPU prefix cache."""
     external_query_tokens: int
     """Prompt tokens after the GPU hit: what vLLM counts in ``external_prefix_cache_queries``."""
@@ -161,14 +170,14 @@ class RequestOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A replay through the engine model: the offload tier's counts, per-request outcomes, admission."""
+class ServerStats:
+    """A replay through the server model: the offload tier's counts, per-request outcomes, admission."""
 
     replay: ReplayStats
     """The offload tier's counts; its ``hit_blocks`` / ``hit_tokens`` are the external hits."""
     outcomes: tuple[RequestOutcome, ...]
     steps: int
-    engine_evictions: int
+    gpu_evictions: int
     """GPU-cached blocks reused for other tokens."""
     max_admitted_per_step: int
     """The largest number of requests admitted (scheduled for the first time) in one step."""
@@ -182,8 +191,8 @@ class EngineStats:
         return sum(outcome.prompt_tokens for outcome in self.outcomes)
 
     @property
-    def engine_hit_tokens(self) -> int:
-        return sum(outcome.engine_hit_tokens for outcome in self.outcomes)
+    def gpu_hit_tokens(self) -> int:
+        return sum(outcome.gpu_hit_tokens for outcome in self.outcomes)
 
     @property
     def external_query_tokens(self) -> int:
@@ -200,9 +209,9 @@ class EngineStats:
         return self.external_hit_tokens / queries if queries else 0.0
 
     @property
-    def engine_share(self) -> float:
+    def gpu_share(self) -> float:
         """Share of prompt tokens served by the engine's GPU prefix cache."""
-        return self.engine_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self.gpu_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def offload_share(self) -> float:
@@ -212,7 +221,7 @@ class EngineStats:
     @property
     def computed_share(self) -> float:
         """Share of prompt tokens the engine computed."""
-        return 1.0 - self.engine_share - self.offload_share if self.prompt_tokens else 0.0
+        return 1.0 - self.gpu_share - self.offload_share if self.prompt_tokens else 0.0
 
     @property
     def mean_admitted_per_step(self) -> float:
@@ -262,20 +271,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def replay_vllm_engine(
+def replay_vllm_server(
     calls: ManagerCalls[CtxT],
     requests: Sequence[PreparedRequest],
     contexts: Sequence[CtxT],
     *,
     block_size: int,
-    model: EngineModel | None = None,
-) -> EngineStats:
+    model: ServerModel | None = None,
+) -> ServerStats:
     """Replay ``requests`` (``contexts[i]`` is request ``i``'s) through ``calls`` behind the engine ``model``.
 
     ``calls.touch`` is never called. ``contexts`` should hold each prompt key's
     end-token position (:func:`kvtriton.sim._vllm_order.positioned_contexts`).
     """
-    engine = model if model is not None else EngineModel()
+    engine = model if model is not None else ServerModel()
     _check_int("block_size", block_size, 1)
     if len(contexts) != len(requests):
         raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")
@@ -283,7 +292,7 @@ def replay_vllm_engine(
     complete_load, complete_store = calls.complete_load, calls.complete_store
     on_new, on_finished = calls.on_new_request, calls.on_request_finished
     hit, pending = calls.hit, calls.pending
-    pool = EnginePrefixCache(engine.gpu_blocks) if engine.gpu_blocks is not None else None
+    pool = GpuPrefixCache(engine.gpu_blocks) if engine.gpu_blocks is not None else None
     # vLLM tracks keys being loaded only with prefix caching on; a hit on one defers the request.
     being_loaded: dict[OffloadKey, int] | None = {} if pool is not None else None
 
@@ -381,7 +390,7 @@ def replay_vllm_engine(
             arrive(len(states))
 
         # schedule(): running requests first; one that finds no free block preempts the last one running.
-        budget = engine.max_num_batched_tokens
+        budget = engine.max_num_batched_tokens if engine.max_num_batched_tokens is not None else sys.maxsize
         scheduled: list[tuple[_Request, int]] = []
         preempted_now = False
         index = 0
@@ -615,12 +624,12 @@ def replay_vllm_engine(
         )
         if not progressed and (waiting or holding or running):  # a bug guard: every rule above makes progress
             raise RuntimeError(
-                f"step {step}: the engine model made no progress with {len(waiting) + len(holding) + len(running)} requests left"
+                f"step {step}: the server model made no progress with {len(waiting) + len(holding) + len(running)} requests left"
             )
 
     ordered = tuple(outcomes[index] for index in range(len(states)))
     external_blocks = sum(outcome.external_hit_tokens for outcome in ordered) // block_size
-    return EngineStats(
+    return ServerStats(
         replay=ReplayStats(
             requests=len(requests),
             prompt_blocks=sum(len(request.prompt_keys) for request in requests),
@@ -635,7 +644,7 @@ def replay_vllm_engine(
         ),
         outcomes=ordered,
         steps=step,
-        engine_evictions=pool.evictions if pool is not None else 0,
+        gpu_evictions=pool.evictions if pool is not None else 0,
         max_admitted_per_step=max_admitted,
         admission_steps=admission_steps,
         preemptions=preemptions,
@@ -648,8 +657,8 @@ def predict(
     slots: int,
     block_size: int,
     policy: str = "lru",
-    model: EngineModel | None = None,
-) -> EngineStats:
+    model: ServerModel | None = None,
+) -> ServerStats:
     """What a vLLM server with kvtriton's manager of ``slots`` blocks and ``policy`` counts for ``requests``.
 
     One point of ``kvtriton simulate --call-order vllm``, for a caller that
@@ -661,4 +670,4 @@ def predict(
     prepared = prepare(requests)
     manager = CPUOffloadingManager(slots, cache_policy=policy)
     contexts = positioned_contexts(prepared, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
-    return replay_vllm_engine(vllm_order_calls(manager), prepared, contexts, block_size=block_size, model=model)
+    return replay_vllm_server(vllm_order_calls(manager), prepared, contexts, block_size=block_size, model=model)

@@ -24,7 +24,7 @@ def simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: st
 
 
 # --------------------------------------------------------------------------
-# The engine model from the command line
+# The vLLM server model from the command line
 
 
 def test_gpu_blocks_and_max_num_seqs_select_vllms_order_and_report_its_rate(
@@ -37,11 +37,11 @@ def test_gpu_blocks_and_max_num_seqs_select_vllms_order_and_report_its_rate(
     assert (order["name"], order["gpu_blocks"], order["max_num_seqs"], order["arrivals"]) == ("vllm", 120, 4, None)
     for point in record["points"]:
         assert point["external_hit_rate"] == point["external_hit_tokens"] / point["external_query_tokens"]
-        shares = point["engine_share"] + point["offload_share"] + point["computed_share"]
+        shares = point["gpu_share"] + point["offload_share"] + point["computed_share"]
         assert shares == pytest.approx(1.0)
-        assert point["engine_share"] > 0  # the GPU cache serves the popular system prompts
+        assert point["gpu_share"] > 0  # the GPU cache serves the popular system prompts
         assert point["max_admitted_per_step"] >= 1
-    assert record["trace"]["engine_share"] > 0
+    assert record["trace"]["gpu_share"] > 0
 
 
 def test_the_vllm_table_shows_the_rate_vllm_reports_and_each_levels_share(
@@ -68,18 +68,29 @@ def test_sequential_admits_one_request_at_a_time(tmp_path: Path, capsys: pytest.
     assert point["max_admitted_per_step"] == 1  # (the previous request's stores may still be in flight)
 
 
+@pytest.mark.parametrize("name", ["kvtriton", "engine", "KVTRITON"])
+def test_kvtriton_order_answers_to_its_earlier_documented_name_engine(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = simulate_json(tmp_path, capsys, *SMALL, "--call-order", name, "--in-flight", "2", "--capacities", "1")
+    assert record["call_order"] == {"name": "kvtriton", "in_flight": 2}
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--call-order", "vllm", "--in-flight", "3"], "--in-flight applies to --call-order engine"),
-        (["--gpu-blocks", "64", "--in-flight", "2"], "--in-flight applies to --call-order engine"),
+        (["--call-order", "vllm", "--in-flight", "3"], "--in-flight applies to --call-order kvtriton"),
+        (["--gpu-blocks", "64", "--in-flight", "2"], "--in-flight applies to --call-order kvtriton"),
         (
             ["--call-order", "engine", "--gpu-blocks", "64"],
-            "--gpu-blocks models vLLM's engine: it applies to --call-order vllm",
+            "--gpu-blocks models the vLLM server: it applies to --call-order vllm",
         ),
-        (["--call-order", "engine", "--max-num-seqs", "4"], "--max-num-seqs models vLLM's engine"),
-        (["--call-order", "engine", "--arrivals", "4"], "--arrivals models vLLM's engine: it applies to --call-order"),
-        (["--call-order", "engine", "--decode-steps", "2"], "--decode-steps models vLLM's engine: it applies to"),
+        (["--call-order", "kvtriton", "--max-num-seqs", "4"], "--max-num-seqs models the vLLM server"),
+        (
+            ["--call-order", "kvtriton", "--arrivals", "4"],
+            "--arrivals models the vLLM server: it applies to --call-order",
+        ),
+        (["--call-order", "kvtriton", "--decode-steps", "2"], "--decode-steps models the vLLM server: it applies to"),
         (["--gpu-blocks", "8"], "needs"),  # a prompt longer than the whole GPU cache
     ],
 )
@@ -106,18 +117,18 @@ def test_flags_of_the_other_call_order_are_refused(
         ["--arrivals", "2"],
     ],
 )
-def test_an_engine_model_knob_without_the_vllm_order_is_refused_not_ignored(
+def test_a_server_model_knob_without_the_vllm_order_is_refused_not_ignored(
     flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without --gpu-blocks, --max-num-seqs, --sequential or --call-order vllm the order is engine: no such knob."""
+    """Without --gpu-blocks, --max-num-seqs, --sequential or --call-order vllm the order is kvtriton's: no such knob."""
     assert main(["simulate", *SMALL, *flags, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kvtriton simulate: error: {flags[0]} models vLLM's engine")
+    assert err.startswith(f"kvtriton simulate: error: {flags[0]} models the vLLM server")
     assert "add --call-order vllm" in err
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
-def test_an_engine_model_knob_with_the_vllm_order_changes_the_result(
+def test_a_server_model_knob_with_the_vllm_order_changes_the_result(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = [*SMALL, "--call-order", "vllm", "--capacities", "1", "--policies", "lru"]
@@ -320,11 +331,12 @@ def test_the_plot_keeps_coinciding_policies_visible(tmp_path: Path, monkeypatch:
     import matplotlib.pyplot as plt
 
     import kvtriton.cli._simulate as simulate
+    from kvtriton.sim._planner import PointReport
 
     figures: list[Any] = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at its lines
     reports = [
-        simulate.PointReport(**{**dict.fromkeys(simulate.PointReport.__dataclass_fields__, 0), **fields})  # pyright: ignore[reportArgumentType] -- zeros for the fields the plot does not read
+        PointReport(**{**dict.fromkeys(PointReport.__dataclass_fields__, 0), **fields})  # pyright: ignore[reportArgumentType] -- zeros for the fields the plot does not read
         for fields in (
             {"policy": "lru", "capacity_gib": 1.0, "token_hit_rate": 0.5},
             {"policy": "lru", "capacity_gib": 2.0, "token_hit_rate": 0.6},
@@ -333,7 +345,7 @@ def test_the_plot_keeps_coinciding_policies_visible(tmp_path: Path, monkeypatch:
         )
     ]
     plot = simulate._plot  # pyright: ignore[reportPrivateUsage] -- the plot is what is tested
-    plot(tmp_path / "plot.png", reports, "t", 0.7, 2.0, "engine", 0.5, stamp="s")
+    plot(tmp_path / "plot.png", reports, "t", 0.7, 2.0, "kvtriton", 0.5, stamp="s")
     (figure,) = figures
     lines = [line for line in figure.axes[0].get_lines() if line.get_label() in ("LRU", "ARC")]
     assert len(lines) == 2

@@ -33,7 +33,7 @@ from pathlib import Path
 from bench.tiny_models import HEAD_DIM, TinyLlama
 from e2e.engine import run_process, spec_config
 from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
-from kvtriton.sim._vllm_server import DEFAULT_STORE_STEPS, EngineModel, EngineStats, predict
+from kvtriton.sim._vllm_server import DEFAULT_STORE_STEPS, ServerModel, ServerStats, predict
 from kvtriton.sim._workloads import read_trace
 
 ENGINES_AT_ONCE = 2
@@ -68,9 +68,9 @@ class FidelitySetup:
     """Host sizes as shares of the trace's distinct blocks."""
     policies: tuple[str, ...] = ("lru", "arc")
 
-    def engine_model(self) -> EngineModel:
+    def server_model(self) -> ServerModel:
         """The simulator's settings for this engine: ``--gpu-blocks --max-num-seqs --sequential``."""
-        return EngineModel(
+        return ServerModel(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             gpu_blocks=self.gpu_blocks,
@@ -104,7 +104,7 @@ class Point:
     slots: int
     share: float
     policy: str
-    predicted: EngineStats
+    predicted: ServerStats
     measured: Measured
 
     @property
@@ -115,7 +115,7 @@ class Point:
     @property
     def requests_agreeing(self) -> int:
         """Requests whose cached tokens (engine cache plus offload tier) are the ones predicted."""
-        predicted = [outcome.engine_hit_tokens + outcome.external_hit_tokens for outcome in self.predicted.outcomes]
+        predicted = [outcome.gpu_hit_tokens + outcome.external_hit_tokens for outcome in self.predicted.outcomes]
         return sum(mine == theirs for mine, theirs in zip(predicted, self.measured.cached_tokens, strict=True))
 
     def describe(self) -> str:
@@ -125,7 +125,7 @@ class Point:
             f" {measured.hits}/{measured.queries} = {100 * measured.hit_rate:.2f}%, simulate predicted"
             f" {predicted.external_hit_tokens}/{predicted.external_query_tokens} ="
             f" {100 * predicted.external_hit_rate:.2f}%, a gap of {self.gap_points:+.2f} points;"
-            f" engine prefix-cache hits {measured.local_hits} measured, {predicted.engine_hit_tokens} predicted;"
+            f" engine prefix-cache hits {measured.local_hits} measured, {predicted.gpu_hit_tokens} predicted;"
             f" {self.requests_agreeing} of {len(measured.cached_tokens)} requests agree on their cached tokens"
         )
 
@@ -215,7 +215,7 @@ def compare(
         done.update({key: run.result() for key, run in runs.items()})
     points: list[Point] = []
     for share, slots, policy in grid:
-        predicted = predict(trace, slots=slots, block_size=setup.block_size, policy=policy, model=setup.engine_model())
+        predicted = predict(trace, slots=slots, block_size=setup.block_size, policy=policy, model=setup.server_model())
         point = Point(slots, share, policy, predicted, done[(setup.all_at_once, slots, policy)])
         points.append(point)
         if progress:
@@ -257,7 +257,7 @@ def _row(setup: FidelitySetup, point: Point) -> str:
         f"| {sent} | `{simulate_flags(setup)}` | {point.slots} blocks ({point.share:.0%}) | {point.policy}"
         f" | {100 * predicted.external_hit_rate:.2f}% ({predicted.external_hit_tokens}/{predicted.external_query_tokens})"
         f" | {100 * measured.hit_rate:.2f}% ({measured.hits}/{measured.queries})"
-        f" | {point.gap_points:+.2f} pt | {predicted.engine_hit_tokens} / {measured.local_hits}"
+        f" | {point.gap_points:+.2f} pt | {predicted.gpu_hit_tokens} / {measured.local_hits}"
         f" | {point.requests_agreeing} / {len(measured.cached_tokens)} |"
     )
 

@@ -63,5 +63,5 @@ def test_vllm_reports_the_predicted_offload_hit_rate_within_one_point(points: li
 
 def test_the_engine_prefix_cache_hits_are_the_predicted_ones(points: list[Point]) -> None:
     """The model of vLLM's block pool: the engine's own prefix hits, which vLLM leaves out of the offload counts."""
-    wrong = [point.describe() for point in points if point.measured.local_hits != point.predicted.engine_hit_tokens]
+    wrong = [point.describe() for point in points if point.measured.local_hits != point.predicted.gpu_hit_tokens]
     assert not wrong, "\n".join(wrong)

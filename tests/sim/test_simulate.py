@@ -15,9 +15,9 @@ import pytest
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.cli._main import main
-from kvtriton.cli._simulate import default_capacities, summarize, sweep
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import PRESETS, KVDtype, ModelGeometry
+from kvtriton.sim._planner import default_capacities, summarize, sweep
 from kvtriton.sim._replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
 from kvtriton.sim._workloads import Request, generate
 
@@ -139,7 +139,7 @@ def test_lru_hit_rate_never_drops_as_capacity_grows_on_a_stack_distance_trace() 
     prepared = prepare(trace)
     distinct = summarize(prepared).distinct_blocks
     capacities = list(range(1, distinct + 2, 3))
-    points = sweep(prepared, ONE_BYTE_BLOCKS, capacities, ["lru"], show_progress=False)
+    points = sweep(prepared, ONE_BYTE_BLOCKS, capacities, ["lru"])
     hits = [point.stats.hit_blocks for point in points]
     assert hits == sorted(hits)
     assert hits[0] < hits[-1] == len(trace) - distinct  # only compulsory misses once everything fits
@@ -255,7 +255,7 @@ def test_default_sweep_doubles_up_to_the_power_of_two_holding_the_trace() -> Non
 
 def test_sweep_rejects_a_capacity_below_one_block() -> None:
     with pytest.raises(ValueError, match="capacity 1.00 MiB holds no block of 2.00 MiB"):
-        sweep([], PRESETS["llama-3-8b"], [2**20], ["lru"], show_progress=False)
+        sweep([], PRESETS["llama-3-8b"], [2**20], ["lru"])
 
 
 # --------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def test_malformed_trace_file_fails_naming_the_line(tmp_path: Path, capsys: pyte
         (["--dtype", "int3"], "argument --dtype: dtype must be one of .*got 'int3'"),
         (["--workload", "web"], "argument --workload: expected one of shared-prompt, chat, .*, got 'web'"),
         (["--model", "Llama-4"], "argument --model: expected one of llama-3-8b, .*, got 'Llama-4'"),
-        (["--call-order", "server"], "argument --call-order: expected one of engine, vllm, got 'server'"),
+        (["--call-order", "server"], "argument --call-order: expected one of kvtriton, vllm, got 'server'"),
         (["--param", "requests"], "argument --param: expected NAME=VALUE, got 'requests'"),
         (["--bandwidth", "-3"], "argument --bandwidth: expected a positive number, got '-3'"),
     ],
@@ -469,26 +469,26 @@ def test_simulate_imports_neither_torch_nor_triton_nor_matplotlib() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_vllm_call_order_is_recorded_and_matches_the_engine_model_replay(
+def test_vllm_call_order_is_recorded_and_matches_the_server_model_replay(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvtriton.sim._vllm_order import positioned_contexts, vllm_order_calls
-    from kvtriton.sim._vllm_server import EngineModel, replay_vllm_engine
+    from kvtriton.sim._replay import positioned_contexts, vllm_order_calls
+    from kvtriton.sim._vllm_server import ServerModel, replay_vllm_server
 
     args = ["simulate", "--workload", "scan", "--requests", "60", "--capacities", "0.25", "--policies", "lru"]
     knobs = ["--call-order", "vllm", "--arrivals", "3", "--decode-steps", "2", "--sync-loads", "--store-steps", "3"]
     assert main([*args, *knobs, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["call_order"] == {
-        "name": "vllm", "in_flight": 1, "arrivals": 3, "sequential": False, "max_num_seqs": None,
+        "name": "vllm", "arrivals": 3, "sequential": False, "max_num_seqs": None,
         "max_num_batched_tokens": 2048, "gpu_blocks": None, "decode_steps": 2, "load_steps": 1, "store_steps": 3,
         "sync_loads": True,
     }  # fmt: skip
     (point,) = record["points"]
     requests = prepare(generate("scan", seed=0, block_size=16, overrides={"requests": 60}))
     contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=16)
-    model = EngineModel(arrivals=3, output_tokens=2, sync_loads=True, store_steps=3)
-    expected = replay_vllm_engine(
+    model = ServerModel(arrivals=3, output_tokens=2, sync_loads=True, store_steps=3)
+    expected = replay_vllm_server(
         vllm_order_calls(CPUOffloadingManager(point["num_blocks"])), requests, contexts, block_size=16, model=model
     )
     assert point["hit_blocks"] == expected.replay.hit_blocks

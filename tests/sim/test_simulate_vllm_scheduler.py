@@ -7,7 +7,7 @@ after the step that scheduled it and each store ``store_steps`` steps after
 (a job vLLM flushes completes in its step), and the model, sampling a token
 for every request whose prompt is computed until it has ``output_tokens``. The same seeded workload, written
 as a trace by :mod:`kvtriton.sim._token_trace` and read back by the
-simulator's parser, is replayed by :func:`kvtriton.sim._vllm_server.replay_vllm_engine`
+simulator's parser, is replayed by :func:`kvtriton.sim._vllm_server.replay_vllm_server`
 with the same settings, the engine's prefix cache on. Per request, the GPU
 prefix hit, the external queries and the external hits must be those vLLM
 counted, and so must the totals vLLM's metrics report and the number of
@@ -46,7 +46,7 @@ from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
 from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines
-from kvtriton.sim._vllm_server import EngineModel, predict
+from kvtriton.sim._vllm_server import ServerModel, predict
 from kvtriton.sim._workloads import parse_trace
 
 DECODED = EOS + 3
@@ -81,8 +81,8 @@ class Setting:
     output_tokens: int = 1
     async_scheduling: bool = False
 
-    def model(self) -> EngineModel:
-        return EngineModel(
+    def model(self) -> ServerModel:
+        return ServerModel(
             max_num_seqs=None if self.sequential else self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             gpu_blocks=self.gpu_blocks,
@@ -295,7 +295,7 @@ def replay_model(setting: Setting, requests: list[TokenRequest]) -> tuple[Counts
     """The prediction, from the trace file's lines as a producer writes them."""
     trace = list(parse_trace(trace_lines(requests, BLOCK_SIZE), block_size=BLOCK_SIZE))
     stats = predict(trace, slots=setting.slots, block_size=BLOCK_SIZE, policy=setting.policy, model=setting.model())
-    counts = {o.req_id: (o.engine_hit_tokens, o.external_query_tokens, o.external_hit_tokens) for o in stats.outcomes}
+    counts = {o.req_id: (o.gpu_hit_tokens, o.external_query_tokens, o.external_hit_tokens) for o in stats.outcomes}
     return counts, (stats.external_query_tokens, stats.external_hit_tokens, stats.preemptions)
 
 

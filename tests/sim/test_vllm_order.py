@@ -9,8 +9,8 @@ import pytest
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.sim._replay import PreparedRequest, StoreOutput, prepare
-from kvtriton.sim._vllm_order import hooked_calls, positioned_contexts, replay_vllm_order, vllm_order
+from kvtriton.sim._replay import PreparedRequest, StoreOutput, hooked_calls, positioned_contexts, prepare
+from kvtriton.sim._vllm_order import replay_vllm_order, vllm_order
 from kvtriton.sim._workloads import Request, generate
 
 

@@ -25,8 +25,8 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloa
 
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.sim._replay import PreparedRequest, prepare
-from kvtriton.sim._vllm_order import HookedManager, hooked_calls, positioned_contexts, replay_vllm_order
+from kvtriton.sim._replay import HookedManager, PreparedRequest, hooked_calls, positioned_contexts, prepare
+from kvtriton.sim._vllm_order import replay_vllm_order
 from kvtriton.sim._workloads import VLLM_ORDER_WORKLOADS, generate
 
 BLOCK_SIZE = 64
