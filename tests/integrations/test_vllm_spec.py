@@ -221,7 +221,8 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     )  # fmt: skip
     report = json.loads(result.stdout)
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
-    assert len(ADAPTER_FILES) == 8  # spec, spec core, private names, config, manager, worker, tiering, logging
+    # The glob must find the adapter itself; any new *vllm*.py file joins the check unasked.
+    assert {"vllm.py", "_vllm_spec_core.py", "_vllm_manager.py", "_vllm_worker.py"} <= {p.name for p in ADAPTER_FILES}
     assert [(Path(d["file"]).name, d["rule"]) for d in errors] == [("probe.py", "reportAssignmentType")]
 
 

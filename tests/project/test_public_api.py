@@ -68,9 +68,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kvtriton"
 # The two modules vLLM loads by their path: the documented spec_module_path and the Mooncake tier's module_path.
 ENTRY_MODULES = {"kvtriton.integrations.vllm", "kvtriton.integrations.mooncake"}
-# Packages whose public list another change is writing: each must still lack one (the test below says when to
-# drop it from here).
-AWAITING_A_PUBLIC_LIST = {"kvtriton.sim"}
 
 
 def _module_name(source: Path) -> str:
@@ -111,7 +108,7 @@ def test_the_entry_modules_exist_where_the_docs_say() -> None:
         assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
 
 
-@pytest.mark.parametrize("package", [name for name in _packages() if name not in AWAITING_A_PUBLIC_LIST])
+@pytest.mark.parametrize("package", _packages())
 def test_every_package_has_a_public_list_whose_names_exist(package: str) -> None:
     module = importlib.import_module(package)
     names = getattr(module, "__all__", None)
@@ -120,12 +117,6 @@ def test_every_package_has_a_public_list_whose_names_exist(package: str) -> None
     assert len(set(listed)) == len(listed), package
     missing = [name for name in listed if getattr(module, name, None) is None]
     assert missing == [], f"{package}.__all__ names what it does not define"
-
-
-@pytest.mark.parametrize("package", sorted(AWAITING_A_PUBLIC_LIST))
-def test_the_packages_still_waiting_for_a_public_list_lack_one(package: str) -> None:
-    # Once the package has its list, remove it from AWAITING_A_PUBLIC_LIST so the test above checks it.
-    assert not hasattr(importlib.import_module(package), "__all__"), package
 
 
 def test_the_top_level_list_is_the_one_docs_usage_md_documents() -> None:
