@@ -213,6 +213,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton simulate`: ")
     parser.epilog = _workloads_epilog()
+    _add_trace_arguments(parser)
+    _add_geometry_arguments(parser)
+    sweep_group = _add_sweep_arguments(parser)
+    _add_server_arguments(parser)
+    _add_answer_arguments(sweep_group)
+    _add_output_arguments(parser)
+
+
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("trace")
     choice = source.add_mutually_exclusive_group()
     choice.add_argument(
@@ -238,6 +247,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="override one workload parameter (repeatable; names listed below)",
     )
+
+
+def _add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model geometry (turns blocks into bytes)")
     model.add_argument(
         "--model",
@@ -273,6 +285,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="--compression fp8-e4m3: elements per fp8 scale (default: the head dimension)",
     )
+
+
+def _add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:  # pyright: ignore[reportPrivateUsage] -- argparse names its group type only privately
     sim = parser.add_argument_group("sweep")
     sim.add_argument(
         "--capacities",
@@ -304,6 +319,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="--call-order kvtriton: requests admitted before the oldest completes its loads and stores (default: 1)",
     )
+    return sim
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group(
         "vLLM server model (--call-order vllm)",
         "What the vLLM server is started with. Arrivals: all requests at once (with --max-num-seqs),"
@@ -313,7 +332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-blocks",
         type=_number(int, "an integer >= 2", lambda value: value >= 2),
         metavar="N",
-        help="the engine's own KV cache in blocks of --block-size tokens (vLLM's num_gpu_blocks), its prefix"
+        help="the server's own GPU KV cache in blocks of --block-size tokens (vLLM's num_gpu_blocks), its prefix"
         " cache on, in front of the offload tier (default: prefix caching off)",
     )
     server.add_argument(
@@ -377,6 +396,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's --tensor-parallel-size: the host memory is split over N worker processes, each pinning"
         " its share (for the pinned-memory advice; default: 1)",
     )
+
+
+def _add_answer_arguments(sim: argparse._ArgumentGroup) -> None:  # pyright: ignore[reportPrivateUsage] -- argparse names its group type only privately
     sim.add_argument(
         "--bandwidth",
         type=_positive_float,
@@ -394,6 +416,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise;"
         f" default: {DEFAULT_TARGET_HIT_RATE:g})",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument(
         "--out",

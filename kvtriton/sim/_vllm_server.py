@@ -73,7 +73,7 @@ import sys
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
@@ -279,376 +279,448 @@ def replay_vllm_server(
     block_size: int,
     model: ServerModel | None = None,
 ) -> ServerStats:
-    """Replay ``requests`` (``contexts[i]`` is request ``i``'s) through ``calls`` behind the engine ``model``.
+    """Replay ``requests`` (``contexts[i]`` is request ``i``'s) through ``calls`` behind the server ``model``.
 
     ``calls.touch`` is never called. ``contexts`` should hold each prompt key's
-    end-token position (:func:`kvtriton.sim._vllm_order.positioned_contexts`).
+    end-token position (:func:`kvtriton.sim._replay.positioned_contexts`).
+    Each step is vLLM's: arrivals, ``schedule()`` (running requests, then
+    waiting ones), ``build_connector_meta()`` (stores, finished requests),
+    then the forward pass and ``update_from_output()`` (see the module docstring).
     """
-    engine = model if model is not None else ServerModel()
     _check_int("block_size", block_size, 1)
     if len(contexts) != len(requests):
         raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")
-    lookup, prepare_load, prepare_store = calls.lookup, calls.prepare_load, calls.prepare_store
-    complete_load, complete_store = calls.complete_load, calls.complete_store
-    on_new, on_finished = calls.on_new_request, calls.on_request_finished
-    hit, pending = calls.hit, calls.pending
-    pool = GpuPrefixCache(engine.gpu_blocks) if engine.gpu_blocks is not None else None
-    # vLLM tracks keys being loaded only with prefix caching on; a hit on one defers the request.
-    being_loaded: dict[OffloadKey, int] | None = {} if pool is not None else None
+    server = _ServerReplay(calls, requests, contexts, block_size, model if model is not None else ServerModel())
+    while server.has_work():
+        server.step()
+    return server.stats()
 
-    states = [_Request(index, request.prompt_tokens) for index, request in enumerate(requests)]
-    waiting: deque[_Request] = deque()
-    holding: deque[_Request] = deque()  # loading (or loaded) requests: vLLM's kv_holding_waiting, drained first
-    running: list[_Request] = []
-    jobs: dict[int, _Job] = {}  # by job id: vLLM numbers loads and stores with one counter
-    job_ids = 0
-    allocated_this_step: set[int] = set()
-    loaded: set[int] = set()
-    finished_last_step: list[_Request] = []
-    outcomes: dict[int, RequestOutcome] = {}
-    next_arrival = 0
-    step = 0
-    blocks_stored = evictions = refused_stores = refused_blocks = pending_stops = preemptions = 0
-    max_admitted = admission_steps = 0
-    max_seqs = engine.max_num_seqs
 
-    def arrive(count: int) -> None:
-        nonlocal next_arrival
-        for state in states[next_arrival : next_arrival + count]:
+class _ServerReplay(Generic[CtxT]):
+    """The state of one replay through the server model, advanced one scheduler step at a time."""
+
+    def __init__(
+        self,
+        calls: ManagerCalls[CtxT],
+        requests: Sequence[PreparedRequest],
+        contexts: Sequence[CtxT],
+        block_size: int,
+        model: ServerModel,
+    ) -> None:
+        self.calls = calls
+        self.requests = requests
+        self.contexts = contexts
+        self.block_size = block_size
+        self.model = model
+        self.pool = GpuPrefixCache(model.gpu_blocks) if model.gpu_blocks is not None else None
+        # vLLM tracks keys being loaded only with prefix caching on; a hit on one defers the request.
+        self.being_loaded: dict[OffloadKey, int] | None = {} if self.pool is not None else None
+        self.states = [_Request(index, request.prompt_tokens) for index, request in enumerate(requests)]
+        self.waiting: deque[_Request] = deque()
+        self.holding: deque[_Request] = (
+            deque()
+        )  # loading (or loaded) requests: vLLM's kv_holding_waiting, drained first
+        self.running: list[_Request] = []
+        self.jobs: dict[int, _Job] = {}  # by job id: vLLM numbers loads and stores with one counter
+        self.job_ids = 0
+        self.allocated_this_step: set[int] = set()
+        self.loaded: set[int] = set()
+        self.finished_last_step: list[_Request] = []
+        self.outcomes: dict[int, RequestOutcome] = {}
+        self.next_arrival = 0
+        self.step_number = 0
+        self.blocks_stored = self.evictions = self.refused_stores = self.refused_blocks = 0
+        self.pending_stops = self.preemptions = self.max_admitted = self.admission_steps = 0
+        self._check_requests_fit()
+
+    def _check_requests_fit(self) -> None:
+        if self.model.gpu_blocks is None:
+            return
+        usable = self.model.gpu_blocks - 1
+        for request in self.requests:
+            needed = _cdiv(request.prompt_tokens + self.model.output_tokens, self.block_size)
+            if needed > usable:
+                raise ValueError(
+                    f"request {request.req_id!r} needs {needed} GPU blocks ({request.prompt_tokens} prompt tokens +"
+                    f" {self.model.output_tokens} output) but gpu_blocks={self.model.gpu_blocks} leaves {usable}"
+                    " (block 0 is vLLM's null block); vLLM would refuse it too"
+                )
+
+    def has_work(self) -> bool:
+        return bool(
+            self.next_arrival < len(self.states)
+            or self.waiting
+            or self.holding
+            or self.running
+            or self.jobs
+            or self.finished_last_step
+        )
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.step_number += 1
+        arrived_before = self.next_arrival
+        self._arrivals()
+        budget = self.model.max_num_batched_tokens if self.model.max_num_batched_tokens is not None else sys.maxsize
+        scheduled: list[tuple[_Request, int]] = []
+        budget, preempted_now = self._schedule_running(scheduled, budget)
+        admitted = 0 if preempted_now else self._schedule_waiting(scheduled, budget)
+        if admitted:
+            self.admission_steps += 1
+            self.max_admitted = max(self.max_admitted, admitted)
+        self._build_connector_meta(scheduled)
+        done = self._update_from_output(scheduled)
+        progressed = (
+            scheduled
+            or admitted
+            or done
+            or self.jobs
+            or self.finished_last_step
+            or preempted_now
+            or self.next_arrival > arrived_before
+        )
+        if not progressed and (self.waiting or self.holding or self.running):  # a bug guard: every rule makes progress
+            left = len(self.waiting) + len(self.holding) + len(self.running)
+            raise RuntimeError(f"step {self.step_number}: the server model made no progress with {left} requests left")
+
+    def _arrivals(self) -> None:
+        """Arrivals, before this step's schedule()."""
+        if self.model.sequential:
+            if self.next_arrival < len(self.states) and not (self.waiting or self.holding or self.running):
+                self._arrive(1)
+        elif self.model.arrivals is not None:
+            self._arrive(self.model.arrivals)
+        elif self.step_number == 1:
+            self._arrive(len(self.states))
+
+    def _arrive(self, count: int) -> None:
+        on_new = self.calls.on_new_request
+        for state in self.states[self.next_arrival : self.next_arrival + count]:
             if on_new is not None:
-                on_new(contexts[state.index])  # vLLM's add_request
-            waiting.append(state)
-        next_arrival = min(next_arrival + count, len(states))
+                on_new(self.contexts[state.index])  # vLLM's add_request
+            self.waiting.append(state)
+        self.next_arrival = min(self.next_arrival + count, len(self.states))
 
-    def key_of_block(state: _Request, index: int) -> Hashable:
+    def _schedule_running(self, scheduled: list[tuple[_Request, int]], budget: int) -> tuple[int, bool]:
+        """schedule(), first part: running requests; one that finds no free block preempts the last one running."""
+        preempted_now = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            state = self.running[index]
+            new = min(state.num_tokens - state.computed, budget)
+            while not self._grow(state, state.computed + new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is state:
+                    break
+            if state.state != "running":
+                break
+            self._cache_up_to(state, state.computed + new)
+            scheduled.append((state, new))
+            budget -= new
+            index += 1
+        return budget, preempted_now
+
+    def _schedule_waiting(self, scheduled: list[tuple[_Request, int]], budget: int) -> int:
+        """schedule(), second part: waiting requests, those holding KV (loading) first, then new ones, in order."""
+        admitted = 0
+        skipped_holding: list[_Request] = []
+        skipped_waiting: list[_Request] = []
+        max_seqs = self.model.max_num_seqs
+        while budget > 0 and (self.holding or self.waiting):
+            if max_seqs is not None and len(self.running) >= max_seqs:
+                break
+            queue = self.holding if self.holding else self.waiting
+            state = queue[0]
+            if state.state == "loading":
+                if state.index not in self.loaded:
+                    skipped_holding.append(queue.popleft())
+                    continue
+                # The load is in: its blocks join the prefix cache; a whole-prompt hit recomputes the last token.
+                self.loaded.discard(state.index)
+                state.state = "loaded"
+                self._cache_up_to(state, state.computed)
+                if state.computed == state.num_tokens:
+                    state.computed -= 1
+            if state.state == "loaded":
+                new = min(state.num_tokens - state.computed, budget)
+                if not self._grow(state, state.computed + new):
+                    break
+                self._cache_up_to(state, state.computed + new)
+                self.allocated_this_step.update(state.blocks)  # its whole block table reaches the connector again
+                queue.popleft()
+                state.state = "running"
+                self.running.append(state)
+                scheduled.append((state, new))
+                budget -= new
+                continue
+            outcome = self._admit_new(state, budget, skipped_holding)
+            if outcome == "deferred":
+                skipped_waiting.append(queue.popleft())
+                continue
+            if outcome == "no room":
+                break
+            queue.popleft()
+            admitted += 1
+            if outcome == "loading":
+                skipped_holding.append(state)
+                continue
+            new = min(state.num_tokens - state.computed, budget)
+            state.state = "running"
+            self.running.append(state)
+            scheduled.append((state, new))
+            budget -= new
+        self.holding.extendleft(reversed(skipped_holding))
+        self.waiting.extendleft(reversed(skipped_waiting))
+        return admitted
+
+    def _admit_new(self, state: _Request, budget: int, skipped_holding: Sequence[_Request]) -> str:
+        """A request scheduled for the first time: the GPU cache's prefix, then the offload tier's lookups.
+
+        Returns ``deferred`` (skipped this step), ``no room`` (admission stops),
+        ``loading`` (its asynchronous load is prepared) or ``running``.
+        """
+        calls, pool, block_size = self.calls, self.pool, self.block_size
+        request = self.requests[state.index]
+        context = self.contexts[state.index]
+        prompt = request.prompt_keys
+        if any(job.state is state for job in self.jobs.values()):
+            # A preempted request whose stores are still in flight: the connector answers "not yet".
+            state.deferrals += 1
+            self.pending_stops += 1
+            return "deferred"
+        if pool is not None:
+            full_blocks = [self._key_of_block(state, index) for index in range(state.num_tokens // block_size)]
+            local_blocks = pool.cached_prefix(full_blocks, (state.num_tokens - 1) // block_size)
+        else:
+            local_blocks = []
+        local = len(local_blocks)
+        hits = 0
+        wait = False
+        for key in prompt[local:]:
+            result = calls.lookup(key, context)
+            if result is calls.hit:
+                hits += 1
+            elif result is calls.pending:
+                hits += 1
+                wait = True
+            else:
+                break
+        if not wait and hits and self.being_loaded:
+            wait = any(key in self.being_loaded for key in prompt[local : local + hits])
+        if wait:
+            state.deferrals += 1
+            self.pending_stops += 1
+            return "deferred"
+        local_tokens, external_tokens = local * block_size, hits * block_size
+        cached_tokens = local_tokens + external_tokens
+        asynchronous = hits > 0 and (not self.model.sync_loads or cached_tokens >= state.num_tokens)
+        new = 0 if asynchronous else min(state.num_tokens - cached_tokens, budget)
+        if pool is not None:
+            # The whole prompt must fit in the free blocks (scheduler_reserve_full_isl), a hit on a free
+            # block counting as one it takes; what this step allocates must also leave the blocks that
+            # loading requests still need, when this request loads asynchronously too.
+            evictable = pool.evictable(local_blocks)
+            if _cdiv(state.num_tokens, block_size) - local + evictable > pool.num_free:
+                return "no room"
+            reserved = 0
+            if asynchronous:
+                # Every loading (or loaded, not yet running) request is in one of these two.
+                reserved = sum(
+                    max(_cdiv(other.num_tokens, block_size) - len(other.blocks), 0)
+                    for other in itertools.chain(self.holding, skipped_holding)
+                )
+            if _cdiv(cached_tokens + new, block_size) - local + evictable > pool.num_free - reserved:
+                return "no room"
+            pool.touch(local_blocks)
+            state.blocks = list(local_blocks)
+            self._grow(state, cached_tokens + new)
+            # The connector sees the new request's whole block table, its prefix hits too.
+            self.allocated_this_step.update(local_blocks)
+            if not asynchronous:
+                self._cache_up_to(state, cached_tokens + new)
+        state.local, state.external = local_tokens, external_tokens
+        state.queries = state.num_tokens - local_tokens
+        if state.index not in self.outcomes:  # vLLM's metrics leave a preempted request's second admission out
+            self.outcomes[state.index] = RequestOutcome(
+                request.req_id,
+                request.prompt_tokens,
+                local_tokens,
+                state.queries,
+                external_tokens,
+                self.step_number,
+                state.deferrals,
+            )
+        state.next_store = 0
+        state.computed = cached_tokens
+        if hits:
+            keys = prompt[local : local + hits]
+            calls.prepare_load(keys, context)
+            # CHUNK_LEVEL offloading: storing resumes after the loaded prefix.
+            state.next_store = local + hits
+            self._add_job(_Job(state, keys, is_store=False, due=self.step_number + self.model.load_steps - 1))
+            if asynchronous:
+                if self.being_loaded is not None:
+                    for key in keys:
+                        self.being_loaded[key] = self.being_loaded.get(key, 0) + 1
+                state.state = "loading"
+                return "loading"
+        return "running"
+
+    def _build_connector_meta(self, scheduled: Sequence[tuple[_Request, int]]) -> None:
+        """build_connector_meta(): store what this step computes (prompt only), then end last step's finished requests."""
+        block_size = self.block_size
+        store_candidates = [(state, state.computed + new) for state, new in scheduled]
+        store_candidates += [(state, state.num_prompt) for state in self.finished_last_step]
+        for state, end_tokens in store_candidates:
+            prompt = self.requests[state.index].prompt_keys
+            chunks = min(min(end_tokens, state.num_prompt) // block_size, len(prompt))
+            if self.pool is not None:
+                chunks = min(chunks, len(state.blocks))
+            if chunks <= state.next_store:
+                continue
+            keys = prompt[state.next_store : chunks]
+            output = self.calls.prepare_store(keys, self.contexts[state.index])
+            if output is None:
+                self.refused_stores += 1
+                self.refused_blocks += len(keys)
+                continue  # the connector offers the same chunks again next step
+            first = state.next_store
+            state.next_store = chunks
+            stored = output.keys_to_store
+            self.evictions += len(output.evicted_keys)
+            if stored:
+                self.blocks_stored += len(stored)
+                chosen = set(stored)
+                sources = (
+                    tuple(state.blocks[i] for i in range(first, chunks) if prompt[i] in chosen) if self.pool else ()
+                )
+                due = self.step_number + self.model.store_steps
+                self._add_job(_Job(state, stored, is_store=True, due=due, gpu_blocks=sources))
+        if self.allocated_this_step:
+            # A finished request's blocks given to other tokens while its store is in flight: vLLM
+            # flushes the store (the worker waits for it in this step).
+            for job in self.jobs.values():
+                if (
+                    job.is_store
+                    and job.state.state == "finished"
+                    and not self.allocated_this_step.isdisjoint(job.gpu_blocks)
+                ):
+                    job.due = self.step_number
+            self.allocated_this_step.clear()
+        on_finished = self.calls.on_request_finished
+        if on_finished is not None:
+            for state in self.finished_last_step:
+                on_finished(self.contexts[state.index])
+        self.finished_last_step = []
+
+    def _update_from_output(self, scheduled: Sequence[tuple[_Request, int]]) -> list[int]:
+        """The forward pass, then update_from_output(): sample, finish, then the workers' completions."""
+        for state, new in scheduled:
+            state.computed += new
+            if state.computed >= state.num_tokens:
+                state.generated += 1
+                if state.generated >= self.model.output_tokens:
+                    state.state = "finished"
+                    self.running.remove(state)
+                    if self.pool is not None:
+                        self.pool.free(state.blocks)
+                    self.finished_last_step.append(state)
+        done = [job_id for job_id, job in self.jobs.items() if job.due <= self.step_number]
+        for job_id in done:
+            job = self.jobs.pop(job_id)
+            state = job.state
+            if job.is_store:
+                self.calls.complete_store(job.keys, self.contexts[state.index])
+                continue
+            self.calls.complete_load(job.keys, self.contexts[state.index])
+            if state.state == "loading":
+                self.loaded.add(state.index)
+                if self.being_loaded is not None:
+                    for key in job.keys:
+                        left = self.being_loaded[key] - 1
+                        if left:
+                            self.being_loaded[key] = left
+                        else:
+                            del self.being_loaded[key]
+        return done
+
+    # -- blocks and jobs -------------------------------------------------------------------------
+
+    def _add_job(self, job: _Job) -> None:
+        self.job_ids += 1
+        self.jobs[self.job_ids] = job
+
+    def _key_of_block(self, state: _Request, index: int) -> Hashable:
         """The GPU cache's hash of block ``index``: the trace's, else one no other request has.
 
         vLLM hashes every full block, the ones decoding fills too, and a hashed
         block is freed to the back of the free queue: a block the trace does not
         name still needs a hash for the eviction order to be vLLM's.
         """
-        request = requests[state.index]
+        request = self.requests[state.index]
         if index < len(request.prompt_keys):
             return request.prompt_keys[index]
         output = index - len(request.prompt_keys)
         return request.output_keys[output] if output < len(request.output_keys) else (state.index, index)
 
-    def grow(state: _Request, num_tokens: int) -> bool:
+    def _grow(self, state: _Request, num_tokens: int) -> bool:
         """Give ``state`` the blocks for ``num_tokens`` tokens; False when the pool has too few free."""
-        if pool is None:
+        if self.pool is None:
             return True
-        need = _cdiv(num_tokens, block_size) - len(state.blocks)
-        if need > pool.num_free:
+        need = _cdiv(num_tokens, self.block_size) - len(state.blocks)
+        if need > self.pool.num_free:
             return False
         if need > 0:
-            taken = pool.allocate(need)
+            taken = self.pool.allocate(need)
             state.blocks += taken
-            allocated_this_step.update(taken)
+            self.allocated_this_step.update(taken)
         return True
 
-    def preempt(victim: _Request) -> None:
+    def _preempt(self, victim: _Request) -> None:
         """vLLM's _preempt_request: free the blocks, start over from the head of the waiting queue."""
-        nonlocal preemptions
-        preemptions += 1
-        assert pool is not None  # only a bounded pool runs out of blocks
-        pool.free(victim.blocks)
+        self.preemptions += 1
+        assert self.pool is not None  # only a bounded pool runs out of blocks
+        self.pool.free(victim.blocks)
         victim.blocks = []
         victim.computed = 0
         victim.state = "waiting"
-        waiting.appendleft(victim)
-        for job in jobs.values():  # the connector flushes the victim's stores in this step
+        self.waiting.appendleft(victim)
+        for job in self.jobs.values():  # the connector flushes the victim's stores in this step
             if job.state is victim:
-                job.due = step
+                job.due = self.step_number
 
-    def cache_up_to(state: _Request, num_tokens: int) -> None:
-        if pool is None:
+    def _cache_up_to(self, state: _Request, num_tokens: int) -> None:
+        if self.pool is None:
             return
-        for index in range(min(num_tokens, state.num_tokens) // block_size):
-            pool.cache(state.blocks[index], key_of_block(state, index))
+        for index in range(min(num_tokens, state.num_tokens) // self.block_size):
+            self.pool.cache(state.blocks[index], self._key_of_block(state, index))
 
-    if pool is not None and engine.gpu_blocks is not None:
-        usable = engine.gpu_blocks - 1
-        for request in requests:
-            needed = _cdiv(request.prompt_tokens + engine.output_tokens, block_size)
-            if needed > usable:
-                raise ValueError(
-                    f"request {request.req_id!r} needs {needed} GPU blocks ({request.prompt_tokens} prompt tokens +"
-                    f" {engine.output_tokens} output) but gpu_blocks={engine.gpu_blocks} leaves {usable}"
-                    " (block 0 is vLLM's null block); vLLM would refuse it too"
-                )
-
-    while next_arrival < len(states) or waiting or holding or running or jobs or finished_last_step:
-        step += 1
-        arrived_before = next_arrival
-        # Arrivals, before this step's schedule().
-        if engine.sequential:
-            if next_arrival < len(states) and not (waiting or holding or running):
-                arrive(1)
-        elif engine.arrivals is not None:
-            arrive(engine.arrivals)
-        elif step == 1:
-            arrive(len(states))
-
-        # schedule(): running requests first; one that finds no free block preempts the last one running.
-        budget = engine.max_num_batched_tokens if engine.max_num_batched_tokens is not None else sys.maxsize
-        scheduled: list[tuple[_Request, int]] = []
-        preempted_now = False
-        index = 0
-        while index < len(running) and budget > 0:
-            state = running[index]
-            new = min(state.num_tokens - state.computed, budget)
-            while not grow(state, state.computed + new):
-                victim = running.pop()
-                preempt(victim)
-                preempted_now = True
-                if victim is state:
-                    break
-            if state.state != "running":
-                break
-            cache_up_to(state, state.computed + new)
-            scheduled.append((state, new))
-            budget -= new
-            index += 1
-
-        # Then waiting requests: those holding KV (loading) first, then new ones, in order.
-        admitted = 0
-        skipped_holding: list[_Request] = []
-        skipped_waiting: list[_Request] = []
-        while not preempted_now and budget > 0 and (holding or waiting):
-            if max_seqs is not None and len(running) >= max_seqs:
-                break
-            queue = holding if holding else waiting
-            state = queue[0]
-            if state.state == "loading":
-                if state.index not in loaded:
-                    skipped_holding.append(queue.popleft())
-                    continue
-                # The load is in: its blocks join the prefix cache; a whole-prompt hit recomputes the last token.
-                loaded.discard(state.index)
-                state.state = "loaded"
-                cache_up_to(state, state.computed)
-                if state.computed == state.num_tokens:
-                    state.computed -= 1
-            if state.state == "loaded":
-                new = min(state.num_tokens - state.computed, budget)
-                if not grow(state, state.computed + new):
-                    break
-                cache_up_to(state, state.computed + new)
-                allocated_this_step.update(state.blocks)  # its whole block table reaches the connector again
-                queue.popleft()
-                state.state = "running"
-                running.append(state)
-                scheduled.append((state, new))
-                budget -= new
-                continue
-
-            request = requests[state.index]
-            context = contexts[state.index]
-            prompt = request.prompt_keys
-            if any(job.state is state for job in jobs.values()):
-                # A preempted request whose stores are still in flight: the connector answers "not yet".
-                state.deferrals += 1
-                pending_stops += 1
-                skipped_waiting.append(queue.popleft())
-                continue
-            if pool is not None:
-                full_blocks = [key_of_block(state, index) for index in range(state.num_tokens // block_size)]
-                local_blocks = pool.cached_prefix(full_blocks, (state.num_tokens - 1) // block_size)
-            else:
-                local_blocks = []
-            local = len(local_blocks)
-            hits = 0
-            wait = False
-            for key in prompt[local:]:
-                result = lookup(key, context)
-                if result is hit:
-                    hits += 1
-                elif result is pending:
-                    hits += 1
-                    wait = True
-                else:
-                    break
-            if not wait and hits and being_loaded:
-                wait = any(key in being_loaded for key in prompt[local : local + hits])
-            if wait:
-                state.deferrals += 1
-                pending_stops += 1
-                skipped_waiting.append(queue.popleft())
-                continue
-            local_tokens, external_tokens = local * block_size, hits * block_size
-            cached_tokens = local_tokens + external_tokens
-            asynchronous = hits > 0 and (not engine.sync_loads or cached_tokens >= state.num_tokens)
-            new = 0 if asynchronous else min(state.num_tokens - cached_tokens, budget)
-            if pool is not None:
-                # The whole prompt must fit in the free blocks (scheduler_reserve_full_isl), a hit on a free
-                # block counting as one it takes; what this step allocates must also leave the blocks that
-                # loading requests still need, when this request loads asynchronously too.
-                evictable = pool.evictable(local_blocks)
-                if _cdiv(state.num_tokens, block_size) - local + evictable > pool.num_free:
-                    break
-                reserved = 0
-                if asynchronous:
-                    # Every loading (or loaded, not yet running) request is in one of these two.
-                    reserved = sum(
-                        max(_cdiv(other.num_tokens, block_size) - len(other.blocks), 0)
-                        for other in itertools.chain(holding, skipped_holding)
-                    )
-                if _cdiv(cached_tokens + new, block_size) - local + evictable > pool.num_free - reserved:
-                    break
-                pool.touch(local_blocks)
-                state.blocks = list(local_blocks)
-                grow(state, cached_tokens + new)
-                # The connector sees the new request's whole block table, its prefix hits too.
-                allocated_this_step.update(local_blocks)
-                if not asynchronous:
-                    cache_up_to(state, cached_tokens + new)
-            queue.popleft()
-            admitted += 1
-            state.local, state.external = local_tokens, external_tokens
-            state.queries = state.num_tokens - local_tokens
-            if state.index not in outcomes:  # vLLM's metrics leave a preempted request's second admission out
-                outcomes[state.index] = RequestOutcome(
-                    request.req_id,
-                    request.prompt_tokens,
-                    local_tokens,
-                    state.queries,
-                    external_tokens,
-                    step,
-                    state.deferrals,
-                )
-            state.next_store = 0
-            if hits:
-                keys = prompt[local : local + hits]
-                prepare_load(keys, context)
-                # CHUNK_LEVEL offloading: storing resumes after the loaded prefix.
-                state.next_store = local + hits
-                job_ids += 1
-                jobs[job_ids] = _Job(state, keys, is_store=False, due=step + engine.load_steps - 1)
-                if asynchronous:
-                    if being_loaded is not None:
-                        for key in keys:
-                            being_loaded[key] = being_loaded.get(key, 0) + 1
-                    state.state = "loading"
-                    state.computed = cached_tokens
-                    skipped_holding.append(state)
-                    continue
-            state.computed = cached_tokens
-            state.state = "running"
-            running.append(state)
-            scheduled.append((state, new))
-            budget -= new
-        holding.extendleft(reversed(skipped_holding))
-        waiting.extendleft(reversed(skipped_waiting))
-        if admitted:
-            admission_steps += 1
-            max_admitted = max(max_admitted, admitted)
-
-        # build_connector_meta(): store what this step computes (prompt only), then end last step's finished requests.
-        store_candidates = [(state, state.computed + new) for state, new in scheduled]
-        store_candidates += [(state, state.num_prompt) for state in finished_last_step]
-        for state, end_tokens in store_candidates:
-            prompt = requests[state.index].prompt_keys
-            chunks = min(min(end_tokens, state.num_prompt) // block_size, len(prompt))
-            if pool is not None:
-                chunks = min(chunks, len(state.blocks))
-            if chunks <= state.next_store:
-                continue
-            keys = prompt[state.next_store : chunks]
-            output = prepare_store(keys, contexts[state.index])
-            if output is None:
-                refused_stores += 1
-                refused_blocks += len(keys)
-                continue  # the connector offers the same chunks again next step
-            first = state.next_store
-            state.next_store = chunks
-            stored = output.keys_to_store
-            evictions += len(output.evicted_keys)
-            if stored:
-                blocks_stored += len(stored)
-                job_ids += 1
-                chosen = set(stored)
-                sources = tuple(state.blocks[i] for i in range(first, chunks) if prompt[i] in chosen) if pool else ()
-                jobs[job_ids] = _Job(state, stored, is_store=True, due=step + engine.store_steps, gpu_blocks=sources)
-        if allocated_this_step:
-            # A finished request's blocks given to other tokens while its store is in flight: vLLM
-            # flushes the store (the worker waits for it in this step).
-            for job in jobs.values():
-                if (
-                    job.is_store
-                    and job.state.state == "finished"
-                    and not allocated_this_step.isdisjoint(job.gpu_blocks)
-                ):
-                    job.due = step
-            allocated_this_step.clear()
-        if on_finished is not None:
-            for state in finished_last_step:
-                on_finished(contexts[state.index])
-        finished_last_step = []
-
-        # The forward pass, then update_from_output(): sample, finish, then the workers' completions.
-        for state, new in scheduled:
-            state.computed += new
-            if state.computed >= state.num_tokens:
-                state.generated += 1
-                if state.generated >= engine.output_tokens:
-                    state.state = "finished"
-                    running.remove(state)
-                    if pool is not None:
-                        pool.free(state.blocks)
-                    finished_last_step.append(state)
-        done = [job_id for job_id, job in jobs.items() if job.due <= step]
-        for job_id in done:
-            job = jobs.pop(job_id)
-            state = job.state
-            if job.is_store:
-                complete_store(job.keys, contexts[state.index])
-                continue
-            complete_load(job.keys, contexts[state.index])
-            if state.state == "loading":
-                loaded.add(state.index)
-                if being_loaded is not None:
-                    for key in job.keys:
-                        left = being_loaded[key] - 1
-                        if left:
-                            being_loaded[key] = left
-                        else:
-                            del being_loaded[key]
-        progressed = (
-            scheduled
-            or admitted
-            or done
-            or jobs
-            or finished_last_step
-            or preempted_now
-            or next_arrival > arrived_before
+    def stats(self) -> ServerStats:
+        ordered = tuple(self.outcomes[index] for index in range(len(self.states)))
+        external_blocks = sum(outcome.external_hit_tokens for outcome in ordered) // self.block_size
+        return ServerStats(
+            replay=ReplayStats(
+                requests=len(self.requests),
+                prompt_blocks=sum(len(request.prompt_keys) for request in self.requests),
+                hit_blocks=external_blocks,
+                prompt_tokens=sum(request.prompt_tokens for request in self.requests),
+                hit_tokens=external_blocks * self.block_size,
+                blocks_stored=self.blocks_stored,
+                evictions=self.evictions,
+                refused_stores=self.refused_stores,
+                refused_blocks=self.refused_blocks,
+                pending_stops=self.pending_stops,
+            ),
+            outcomes=ordered,
+            steps=self.step_number,
+            gpu_evictions=self.pool.evictions if self.pool is not None else 0,
+            max_admitted_per_step=self.max_admitted,
+            admission_steps=self.admission_steps,
+            preemptions=self.preemptions,
         )
-        if not progressed and (waiting or holding or running):  # a bug guard: every rule above makes progress
-            raise RuntimeError(
-                f"step {step}: the server model made no progress with {len(waiting) + len(holding) + len(running)} requests left"
-            )
-
-    ordered = tuple(outcomes[index] for index in range(len(states)))
-    external_blocks = sum(outcome.external_hit_tokens for outcome in ordered) // block_size
-    return ServerStats(
-        replay=ReplayStats(
-            requests=len(requests),
-            prompt_blocks=sum(len(request.prompt_keys) for request in requests),
-            hit_blocks=external_blocks,
-            prompt_tokens=sum(request.prompt_tokens for request in requests),
-            hit_tokens=external_blocks * block_size,
-            blocks_stored=blocks_stored,
-            evictions=evictions,
-            refused_stores=refused_stores,
-            refused_blocks=refused_blocks,
-            pending_stops=pending_stops,
-        ),
-        outcomes=ordered,
-        steps=step,
-        gpu_evictions=pool.evictions if pool is not None else 0,
-        max_admitted_per_step=max_admitted,
-        admission_steps=admission_steps,
-        preemptions=preemptions,
-    )
 
 
 def predict(
