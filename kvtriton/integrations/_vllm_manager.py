@@ -21,7 +21,8 @@ values converted at the boundary:
 * lookup results, specs and events: mapped to vLLM's classes on the way out
   (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``);
 * completions: ``complete_store`` follows vLLM's rule (keys without a store
-  in flight are skipped, ``CPUOffloadingManager.complete_pending_stores``);
+  in flight are skipped: ``CPUOffloadingManager.complete_store`` with
+  ``skip_without_store=True``);
   a failed store is reported as a ``metadata_only`` removal event, as vLLM
   0.33 does, so its ``OffloadingEventsTracker`` drops the payload it recorded;
 * metrics: vLLM's CPU tier metrics under vLLM's names (:func:`metric_definitions`
@@ -29,14 +30,8 @@ values converted at the boundary:
   reports them), a true occupancy gauge beside them, and every
   ``summary_interval_s`` of activity one ``kvtriton summary:`` log line.
 
-Lookups are the hottest call (one per chunk of every scheduled prompt), so
-when no filter sits in between, the adapter's ``lookup`` is replaced, per
-instance, by the ``CPUOffloadingManager``'s own lookup answering vLLM's
-``LookupResult`` (``CPUOffloadingManager.lookup_with``): one call, no
-translation. The other calls take the same shortcut there: the completions
-are the CPU manager's own, and the prepares build vLLM's spec and output
-straight from the slot lists the CPU manager answers (``load_slots`` /
-``store_slots``), with no kvtriton object between.
+Each method is one forward and one conversion: the code below is the code
+that runs.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -74,11 +69,14 @@ logger = logging.getLogger(__name__)
 CPU_CACHE_OCCUPANCY_PERC = "vllm:kv_offload_cpu_cache_occupancy_perc"
 """kvtriton's gauge of the slots holding a block; under ``vllm:`` so ``LLM.get_metrics()`` returns it too."""
 
-_LOOKUP_RESULTS: dict[LookupResult, vllm_base.LookupResult] = {
-    LookupResult.MISS: vllm_base.LookupResult.MISS,
-    LookupResult.HIT: vllm_base.LookupResult.HIT,
-    LookupResult.HIT_PENDING: vllm_base.LookupResult.HIT_PENDING,
-}
+# kvtriton's lookup answers and vLLM's, as module names: the adapter's lookup compares and returns them
+# without an enum attribute lookup or an enum hash (a Python-level __hash__).
+_MISS, _HIT = LookupResult.MISS, LookupResult.HIT
+_VLLM_MISS, _VLLM_HIT, _VLLM_HIT_PENDING = (
+    vllm_base.LookupResult.MISS,
+    vllm_base.LookupResult.HIT,
+    vllm_base.LookupResult.HIT_PENDING,
+)
 _CHUNK_LEVEL = vllm_base.OffloadPolicy.CHUNK_LEVEL
 
 _ALLOCATION_SIZE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
@@ -140,17 +138,6 @@ class _StoreAnswer(Protocol):
     def evicted_keys(self) -> list[vllm_base.OffloadKey]: ...
 
 
-class _VLLMStoredSlots(Protocol):
-    """kvtriton's ``StoredSlots`` with its keys typed as vLLM's (the same bytes)."""
-
-    @property
-    def keys(self) -> list[vllm_base.OffloadKey]: ...
-    @property
-    def slots(self) -> list[int]: ...
-    @property
-    def evicted(self) -> list[vllm_base.OffloadKey]: ...
-
-
 class _VLLMKeyedManager(Protocol):
     """A kvtriton manager seen with vLLM's key and context types: one cast at construction instead of one per call.
 
@@ -173,14 +160,16 @@ class _VLLMKeyedManager(Protocol):
 
 
 class _VLLMKeyedCPU(_VLLMKeyedManager, Protocol):
-    """``CPUOffloadingManager`` seen the same way, with the calls the adapter's shortcuts use."""
+    """``CPUOffloadingManager`` seen the same way, with the completion the adapter calls."""
 
-    def load_slots(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /) -> list[int]: ...
-    def store_slots(
-        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, /
-    ) -> _VLLMStoredSlots | None: ...
-    def complete_pending_stores(
-        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True, /
+    def complete_store(
+        self,
+        keys: Collection[vllm_base.OffloadKey],
+        req_context: vllm_base.ReqContext,
+        success: bool = True,
+        /,
+        *,
+        skip_without_store: bool = False,
     ) -> None: ...
 
 
@@ -190,7 +179,7 @@ def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
 
 def _slot_spec(spec: LoadStoreSpec) -> VLLMCPULoadStoreSpec:
     """kvtriton's slot spec as vLLM's ``CPULoadStoreSpec`` (what vLLM's worker side receives)."""
-    if type(spec) is not CPULoadStoreSpec and not isinstance(spec, CPULoadStoreSpec):
+    if not isinstance(spec, CPULoadStoreSpec):
         raise TypeError(f"the kvtriton manager returned a {type(spec).__name__}, expected a CPULoadStoreSpec")
     return VLLMCPULoadStoreSpec(spec.slot_list())
 
@@ -241,38 +230,7 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         # and vLLM's context has every method a kvtriton manager reads: the
         # casts rename types once here, nothing is converted per call.
         self._calls = cast(_VLLMKeyedManager, backing)
-        cpu_calls = cast(_VLLMKeyedCPU, cpu)
-        # Every completion goes to the CPU manager under vLLM's rule (the filter only forwards it).
-        setattr(
-            self, "complete_store", cpu_calls.complete_pending_stores
-        )  # an instance attribute shadowing the method is the point
-        if backing is cpu:
-            # The hottest call (one per chunk of every scheduled prompt): the
-            # instance's lookup becomes the CPU manager's own, answering
-            # vLLM's LookupResult, so vLLM's call costs one Python frame.
-            direct = cpu.lookup_with(
-                vllm_base.LookupResult.MISS, vllm_base.LookupResult.HIT, vllm_base.LookupResult.HIT_PENDING
-            )
-            setattr(self, "lookup", direct)  # as above
-            setattr(self, "complete_load", cpu_calls.complete_load)  # as above
-            load_slots, store_slots = cpu_calls.load_slots, cpu_calls.store_slots
-            output = vllm_base.PrepareStoreOutput
-
-            def prepare_load(
-                keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
-            ) -> VLLMCPULoadStoreSpec:
-                return VLLMCPULoadStoreSpec(load_slots(keys, req_context))
-
-            def prepare_store(
-                keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
-            ) -> vllm_base.PrepareStoreOutput | None:
-                stored = store_slots(keys, req_context)
-                if stored is None:
-                    return None
-                return output(stored.keys, VLLMCPULoadStoreSpec(stored.slots), stored.evicted)
-
-            setattr(self, "prepare_load", prepare_load)  # as above
-            setattr(self, "prepare_store", prepare_store)  # as above
+        self._cpu_calls = cast(_VLLMKeyedCPU, cpu)
 
     @property
     def backing(self) -> OffloadingManager:
@@ -311,8 +269,10 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
 
     @override
     def lookup(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> vllm_base.LookupResult:
-        # Shadowed per instance when no filter wraps the CPU manager (see __init__).
-        return _LOOKUP_RESULTS[self._calls.lookup(key, req_context)]
+        result = self._calls.lookup(key, req_context)
+        if result is _MISS:
+            return _VLLM_MISS
+        return _VLLM_HIT if result is _HIT else _VLLM_HIT_PENDING
 
     @override
     def get_load_source(self, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> CacheHitSource:
@@ -352,8 +312,8 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         req_context: vllm_base.ReqContext,
         success: bool = True,
     ) -> None:
-        # Shadowed per instance by the CPU manager's complete_pending_stores (see __init__).
-        cast(_VLLMKeyedCPU, self._cpu).complete_pending_stores(keys, req_context, success)
+        # Every completion goes to the CPU manager (the filter only forwards it), under vLLM's rule.
+        self._cpu_calls.complete_store(keys, req_context, success, skip_without_store=True)
 
     @override
     def take_events(self) -> Iterable[vllm_base.OffloadingEvent]:

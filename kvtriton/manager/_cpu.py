@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable, KeysView, Mapping, Sequence
-from typing import NamedTuple, NoReturn, TypeVar, cast
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
+from typing import NamedTuple, NoReturn, cast
 
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import (
@@ -20,29 +20,12 @@ from kvtriton.manager._stats import ManagerStats
 from kvtriton.manager.policies._base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, run_keys
 from kvtriton.manager.policies._registry import canonical_policy_name, make_policy
 
-__all__ = ["CPUOffloadingManager", "StoredSlots"]
+__all__ = ["CPUOffloadingManager"]
 
 _MEDIUM = CPULoadStoreSpec.MEDIUM
-# Module-level aliases: the hot paths return these without an enum attribute lookup.
-_MISS = LookupResult.MISS
-_HIT = LookupResult.HIT
-_HIT_PENDING = LookupResult.HIT_PENDING
-# Collections whose elements are distinct by construction (no de-duplication needed).
-_DISTINCT = (set, frozenset, KeysView)
-_R = TypeVar("_R")
-_NOTHING: frozenset[OffloadKey] = frozenset()
+# Module-level names: lookup, the hottest call, returns these without an enum attribute lookup.
+_MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 _NO_POSITIONS: Mapping[OffloadKey, int | None] = {}
-
-
-class StoredSlots(NamedTuple):
-    """What :meth:`CPUOffloadingManager.store_slots` allocated: ``prepare_store``'s answer as plain lists."""
-
-    keys: list[OffloadKey]
-    """The keys to store (``keys_to_store``), distinct, in offer order."""
-    slots: list[int]
-    """Their slots, co-indexed with ``keys`` (the store spec's block ids)."""
-    evicted: list[OffloadKey]
-    """The keys evicted to make room (``evicted_keys``)."""
 
 
 class _RequestHooks(NamedTuple):
@@ -51,7 +34,7 @@ class _RequestHooks(NamedTuple):
     on_request_access: (
         Callable[[Sequence[OffloadKey], Sequence[Block | None], Sequence[int | None], ReqContext], None] | None
     )
-    """None when the policy ranks nothing while a request runs (ARC): the manager skips the call."""
+    """None for a plain ``CachePolicy``: nothing ranks a running request's keys."""
     on_store_miss: Callable[[Sequence[OffloadKey]], None]
     on_request_finished: Callable[[Sequence[KeyRun], ReqContext], None]
 
@@ -59,8 +42,7 @@ class _RequestHooks(NamedTuple):
 def _request_hooks(policy: CachePolicy) -> _RequestHooks:
     """Bind ``policy``'s request hooks once; a plain ``CachePolicy`` gets ``touch`` (vLLM's defaults)."""
     if isinstance(policy, RequestAwarePolicy):
-        access = None if getattr(policy, "ranks_at_finish_only", False) else policy.on_request_access
-        return _RequestHooks(access, policy.on_store_miss, policy.on_request_finished)
+        return _RequestHooks(policy.on_request_access, policy.on_store_miss, policy.on_request_finished)
     touch = policy.touch
 
     def finished(runs: Sequence[KeyRun], req_context: ReqContext) -> None:
@@ -208,73 +190,52 @@ class CPUOffloadingManager(OffloadingManager):
         """A copy of the key -> slot assignment of every cached block (pending included)."""
         return {key: block.slot for key, block in self._blocks.items()}
 
-    def lookup_with(self, miss: _R, hit: _R, pending: _R) -> Callable[[OffloadKey, object], _R]:
-        """A ``lookup(key, req_context)`` that answers ``miss`` / ``hit`` / ``pending`` instead of ``LookupResult``.
-
-        It counts like :meth:`lookup` and ignores the context (this manager's
-        lookup never reads one), so an adapter can install it as its own
-        ``lookup`` and answer in its own result type with one call and no
-        translation table.
-        """
-        blocks_get = self._blocks.get
-
-        def lookup(key: OffloadKey, _req_context: object = None) -> _R:
-            # The context is never read (no ``del``: that would cost a bytecode per lookup).
-            block = blocks_get(key)
-            if block is None:
-                self._misses += 1
-                return miss
-            if block.ref_cnt < 0:  # PENDING, the only negative count
-                self._pending_hits += 1
-                return pending
-            self._hits += 1
-            return hit
-
-        return lookup
-
     # --- request records -------------------------------------------------
 
-    def _access(self, req_context: ReqContext) -> RequestAccess:
-        """This manager's record of ``req_context``'s request, made on first use (and renewed after a reset)."""
-        access = req_context.get_state(RequestAccess)
+    def _current_access(self, call: str, req_context: ReqContext) -> RequestAccess | None:
+        """This manager's record of ``req_context``'s request, or None when it has none since the last reset."""
+        try:
+            access = req_context.get_state(RequestAccess)
+        except AttributeError:
+            _check_context(call, req_context)
+            raise
         if access is None or access.owner is not self or access.generation != self._generation:
+            return None
+        return access
+
+    def _access(self, call: str, req_context: ReqContext) -> RequestAccess:
+        """This manager's record of ``req_context``'s request, made on first use (and renewed after a reset)."""
+        access = self._current_access(call, req_context)
+        if access is None:
             access = RequestAccess(self, self._generation)
             req_context.set_state(access)
         return access
 
     def _observe(
         self, access: RequestAccess, keys: list[OffloadKey], blocks: list[Block | None], req_context: ReqContext
-    ) -> list[OffloadKey] | None:
-        """Record the keys the request sees for the first time and let the policy rank them; return them.
+    ) -> None:
+        """Record the keys of ``keys`` the request sees for the first time and let the policy rank them.
 
-        None when the request has finished (nothing is recorded then).
+        ``blocks[i]`` is ``keys[i]``'s block (None: not cached). Nothing is
+        recorded once the request has finished: its access was committed then.
         """
         if access.finished:
-            return None  # committed at the request's end; a later access is not the request's
+            return
         new, positions = access.observe(keys, req_context.get_offload_key_position)
         on_access = self._hooks.on_request_access
         if new and on_access is not None:
             if new is not keys:
                 blocks = list(map(self._blocks.get, new))
             on_access(new, blocks, positions, req_context)
-        return new
 
     @override
     def on_new_request(self, req_context: ReqContext) -> None:
-        try:
-            self._access(req_context)
-        except AttributeError:
-            _check_context("on_new_request", req_context)
-            raise
+        self._access("on_new_request", req_context)
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        try:
-            access = req_context.get_state(RequestAccess)
-        except AttributeError:
-            _check_context("on_request_finished", req_context)
-            raise
-        if access is None or access.owner is not self or access.generation != self._generation or access.finished:
+        access = self._current_access("on_request_finished", req_context)
+        if access is None or access.finished:
             return
         access.finished = True
         if not access.positions:
@@ -287,7 +248,7 @@ class CPUOffloadingManager(OffloadingManager):
             position_of = req_context.get_offload_key_position
             positions = [found if found is not None else position_of(key) for key, found in zip(keys, positions)]
         ordered = head_to_tail(keys, positions)
-        self._hooks.on_request_finished(access.head_to_tail_runs(ordered, ordered is keys), req_context)
+        self._hooks.on_request_finished(access.runs(ordered), req_context)
 
     # --- OffloadingManager ---------------------------------------------
 
@@ -305,19 +266,11 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec.from_slots(self.load_slots(keys, req_context))
-
-    def load_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[int]:
-        """:meth:`prepare_load`, answering the slots as a list (an adapter builds its own spec type from it)."""
         loaded = keys if isinstance(keys, list) else list(keys)
         got = list(map(self._blocks.get, loaded))
         if None in got:  # C speed; nothing is pinned yet
             self._refuse_load(loaded, got, 0)
-        try:
-            access = req_context.get_state(RequestAccess)  # _access, inlined: one call per load; read before pinning
-        except AttributeError:
-            _check_context("prepare_load", req_context)
-            raise
+        access = self._access("prepare_load", req_context)  # before pinning: a bad context changes nothing
         newly_loading = 0
         # One pass that pins as it validates; on a pending key the pins taken
         # so far are undone before raising, so a failed call changes nothing.
@@ -332,10 +285,9 @@ class CPUOffloadingManager(OffloadingManager):
             block.ref_cnt = count + 1
         self._num_loading += newly_loading
         self._loads += len(got)
-        if access is None or access.owner is not self or access.generation != self._generation:
-            access = self._access(req_context)
-        access.reuse(loaded, self._observe(access, loaded, got, req_context) is loaded)
-        return [block.slot for block in cast("list[Block]", got)]
+        self._observe(access, loaded, got, req_context)
+        access.reuse(loaded)
+        return CPULoadStoreSpec.from_slots([block.slot for block in cast("list[Block]", got)])
 
     @staticmethod
     def _refuse_load(keys: Sequence[OffloadKey], got: list[Block | None], pinned: int) -> NoReturn:
@@ -389,52 +341,39 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        stored = self.store_slots(keys, req_context)
-        if stored is None:
-            return None
-        return PrepareStoreOutput(
-            keys_to_store=stored.keys, store_spec=CPULoadStoreSpec.from_slots(stored.slots), evicted_keys=stored.evicted
-        )
-
-    def store_slots(self, keys: Collection[OffloadKey], req_context: ReqContext) -> StoredSlots | None:
-        """:meth:`prepare_store`, answering plain lists (an adapter builds its own output types from them)."""
         offered = keys if isinstance(keys, list) else list(keys)
-        got = list(map(self._blocks.get, offered))
+        # C speed: refuses anything but bytes (str keys above all), before anything is recorded.
         try:
-            _join_bytes(
-                offered
-            )  # C speed: refuses anything but bytes (str keys above all), before anything is recorded
+            _join_bytes(offered)
         except TypeError:
             _refuse_non_bytes(offered)
-        try:
-            access = req_context.get_state(RequestAccess)  # _access, inlined: one call per store
-        except AttributeError:
-            _check_context("prepare_store", req_context)
-            raise
-        if access is None or access.owner is not self or access.generation != self._generation:
-            access = self._access(req_context)
-        if got.count(None) == len(got):
-            # The usual offer: chunks nobody stored yet, all recorded and all to store.
-            recorded, recorded_blocks = offered, got
-            fresh = self._observe(access, offered, got, req_context) is offered
-            new_keys = offered
-            if not fresh and len(offered) > 1 and not isinstance(keys, _DISTINCT):
-                # Not all new to the request, or named twice: the record cannot prove the offer distinct.
-                new_keys = list(dict.fromkeys(offered))
-            cached: Container[OffloadKey] = _NOTHING
-        else:
-            new_keys = list(dict.fromkeys(key for key, block in zip(offered, got) if block is None))
-            # A key some other request is still storing is not this request's yet.
-            pairs = [(key, block) for key, block in zip(offered, got) if block is None or block.ref_cnt != PENDING]
-            recorded = [key for key, _ in pairs]
-            recorded_blocks = [block for _, block in pairs]
-            fresh = self._observe(access, recorded, recorded_blocks, req_context) is recorded
-            # The offer's cached keys (ready, or pending for another request) are the only ones an eviction could take.
-            cached = {key for key, block in zip(offered, got) if block is not None}
-        if not new_keys:
-            access.offer(recorded, recorded_blocks, fresh, stored=False)
-            return StoredSlots([], [], [])
-        misses = access.store_misses(new_keys, fresh)
+        access = self._access("prepare_store", req_context)
+        # One pass sorts the offer: keys to store (named once), keys the
+        # request records (not a key another request is still storing: that
+        # one is not this request's yet), ready keys (reused) and cached keys
+        # (the only ones an eviction could take, so protecting them protects
+        # the whole offer: the caller was just told they are cached).
+        to_store: dict[OffloadKey, None] = {}
+        recorded: list[OffloadKey] = []
+        recorded_blocks: list[Block | None] = []
+        ready: list[OffloadKey] = []
+        cached: set[OffloadKey] = set()
+        for key, block in zip(offered, map(self._blocks.get, offered)):
+            if block is None:
+                to_store[key] = None
+            else:
+                cached.add(key)
+                if block.ref_cnt == PENDING:
+                    continue
+                ready.append(key)
+            recorded.append(key)
+            recorded_blocks.append(block)
+        self._observe(access, recorded, recorded_blocks, req_context)
+        access.reuse(ready)
+        if not to_store:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=CPULoadStoreSpec.from_slots([]), evicted_keys=[])
+        new_keys = list(to_store)
+        misses = access.store_misses(new_keys)
         if misses:
             # ARC learns from B1/B2 before insert removes the ghost entries; once per key and request.
             self._hooks.on_store_miss(misses)
@@ -444,7 +383,8 @@ class CPUOffloadingManager(OffloadingManager):
         # Positions the record read (none after the request finished: the policy asks the context).
         positions: Mapping[OffloadKey, int | None] = access.positions if not access.finished else _NO_POSITIONS
         output = self._store(new_keys, positions, cached, req_context)
-        access.offer(recorded, recorded_blocks, fresh, stored=output is not None)
+        if output is not None:
+            access.inserted.update(new_keys)
         return output
 
     def _store(
@@ -453,7 +393,7 @@ class CPUOffloadingManager(OffloadingManager):
         positions: Mapping[OffloadKey, int | None],
         cached: Container[OffloadKey],
         req_context: ReqContext,
-    ) -> StoredSlots | None:
+    ) -> PrepareStoreOutput | None:
         """Allocate slots for ``new_keys`` (distinct, none cached), evicting if needed, but none of ``cached``.
 
         ``cached`` are the offer's keys that are cached: the only ones an
@@ -489,50 +429,31 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.insert(new_keys, made, positions, req_context)
         self._num_pending += len(new_keys)
         self._stores += len(new_keys)
-        return StoredSlots(new_keys, slots, evicted)
+        return PrepareStoreOutput(
+            keys_to_store=new_keys, store_spec=CPULoadStoreSpec.from_slots(slots), evicted_keys=evicted
+        )
 
     @override
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+    def complete_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+        success: bool = True,
+        *,
+        skip_without_store: bool = False,
+    ) -> None:
         """Make stored ``keys`` readable (``success=True``) or free their slots (``success=False``).
 
         Every key must have a store in flight (``prepare_store`` returned it
         and it was not completed since): otherwise ``ValueError`` names the
         first key without one and nothing changes, as in ``complete_load``.
-        """
-        got = list(map(self._blocks.get, keys))
-        for index, block in enumerate(got):
-            if block is None or block.ref_cnt != PENDING:
-                self._refuse_store_completion(keys, got, index)
-        if len(got) > 1 and len(set(map(id, got))) != len(got):
-            seen: set[int] = set()
-            for index, block in enumerate(got):
-                if id(block) in seen:
-                    self._refuse_store_completion(keys, got, index)
-                seen.add(id(block))
-        self.complete_pending_stores(keys, req_context, success)
-
-    @staticmethod
-    def _refuse_store_completion(keys: Collection[OffloadKey], got: list[Block | None], bad: int) -> NoReturn:
-        key = list(keys)[bad]
-        block = got[bad]
-        if block is None:
-            why = "is not cached (never prepared, already failed, or evicted after a reset)"
-        elif block.ref_cnt == PENDING:
-            why = "is named twice in one call"
-        else:
-            why = "is already stored (its store was completed before)"
-        raise ValueError(f"complete_store: key {key!r} {why}: no store in flight (no matching prepare_store)")
-
-    def complete_pending_stores(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
-        """:meth:`complete_store` under vLLM 0.33's rule: keys without a store in flight are skipped.
-
-        vLLM's ``CPUOffloadingManager.complete_store`` ignores keys that are
-        not pending (vLLM's own tests complete a batch that names keys stored
-        earlier); the vLLM adapter answers with this method.
+        With ``skip_without_store`` such keys are skipped instead, vLLM 0.33's
+        rule (vLLM's own tests complete a batch that names keys stored
+        earlier); the vLLM adapter completes that way.
         """
         blocks = self._blocks
+        if not skip_without_store:
+            self._check_stores_in_flight(keys)
         if success:
             stored: list[OffloadKey] = []
             for key in keys:
@@ -546,20 +467,33 @@ class CPUOffloadingManager(OffloadingManager):
             return
         # A failed store frees its slots at once: a pending key left behind
         # would hold its slot forever (pending blocks are never evicted).
-        remove = self._policy.remove
-        release = self._pool.release
         dropped: list[OffloadKey] = []
         for key in keys:
             block = blocks.get(key)
             if block is not None and block.ref_cnt == PENDING:
                 del blocks[key]
-                remove(key)
-                release(block.slot)
-                self._num_pending -= 1
+                self._policy.remove(key)
+                self._pool.release(block.slot)
                 dropped.append(key)
+        self._num_pending -= len(dropped)
         self._failed_stores += len(dropped)
         if dropped and self.report_dropped_stores and self._events is not None:
             self._events.append(OffloadingEvent(keys=dropped, medium=_MEDIUM, removed=True, metadata_only=True))
+
+    def _check_stores_in_flight(self, keys: Collection[OffloadKey]) -> None:
+        """Raise ``ValueError`` for the first of ``keys`` without a store in flight (or named twice), changing nothing."""
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None or block.ref_cnt != PENDING or key in seen:
+                if block is None:
+                    why = "is not cached (never prepared, already failed, or evicted after a reset)"
+                elif block.ref_cnt == PENDING:
+                    why = "is named twice in one call"
+                else:
+                    why = "is already stored (its store was completed before)"
+                raise ValueError(f"complete_store: key {key!r} {why}: no store in flight (no matching prepare_store)")
+            seen.add(key)
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -356,16 +356,30 @@ def test_complete_store_of_a_key_without_a_store_in_flight_raises_naming_it_and_
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_complete_pending_stores_skips_keys_without_a_store_in_flight_as_vllm_does(policy: str) -> None:
+def test_complete_store_skip_without_store_skips_keys_without_a_store_in_flight_as_vllm_does(policy: str) -> None:
     manager = make_manager(policy)
     store(manager, ks(0))
     manager.prepare_store(ks(1), CTX)
     manager.take_events()
-    manager.complete_pending_stores(ks(0, 1, 9), CTX)
+    manager.complete_store([*ks(0, 1, 9), k(1)], CTX, skip_without_store=True)  # k(1) named twice, too
     assert list(manager.take_events()) == [stored(1)]
-    manager.complete_pending_stores(ks(0, 1, 9), CTX)
+    assert manager.stats().pending == 0
+    manager.complete_store(ks(0, 1, 9), CTX, skip_without_store=True)
     assert list(manager.take_events()) == []
     assert lookups(manager, 0, 1, 9) == [HIT, HIT, MISS]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_failed_store_under_vllms_rule_drops_each_pending_key_once_and_skips_the_rest(policy: str) -> None:
+    manager = make_manager(policy, num_blocks=2)
+    store(manager, ks(0))
+    manager.prepare_store(ks(1), CTX)
+    manager.complete_store([*ks(0, 1, 9), k(1)], CTX, success=False, skip_without_store=True)
+    after = manager.stats()
+    assert (after.used, after.pending, after.failed_stores) == (1, 0, 1)
+    assert lookups(manager, 0, 1) == [HIT, MISS]
+    out = manager.prepare_store(ks(2), CTX)  # the dropped key's slot is free again: no eviction
+    assert out is not None and out.evicted_keys == [] and slots(out.store_spec) == [1]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -476,30 +490,6 @@ def test_a_failed_load_call_names_its_first_bad_key_whatever_follows(policy: str
     assert manager.stats() == loading
     manager.complete_load(ks(0), CTX)
     assert manager.stats().loading == 0
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_slot_list_answers_match_the_specs(policy: str) -> None:
-    # load_slots / store_slots are prepare_load / prepare_store without the
-    # spec objects (the vLLM adapter builds its own from the lists).
-    by_spec, by_list = make_manager(policy, num_blocks=3), make_manager(policy, num_blocks=3)
-    for keys in (ks(0, 1), ks(2, 3), ks(1, 4)):
-        out = by_spec.prepare_store(keys, CTX)
-        stored = by_list.store_slots(keys, CTX)
-        assert out is not None and stored is not None
-        assert isinstance(out.store_spec, CPULoadStoreSpec)
-        assert (stored.keys, stored.slots, stored.evicted) == (
-            out.keys_to_store,
-            out.store_spec.block_ids.tolist(),
-            out.evicted_keys,
-        )
-        by_spec.complete_store(out.keys_to_store, CTX)
-        by_list.complete_store(stored.keys, CTX)
-    cached = [key for key in ks(0, 1, 2, 3, 4) if key in by_spec]
-    assert cached == [key for key in ks(0, 1, 2, 3, 4) if key in by_list]
-    spec = by_spec.prepare_load(cached, CTX)
-    assert by_list.load_slots(cached, CTX) == spec.block_ids.tolist()
-    assert by_list.stats() == by_spec.stats()
 
 
 # --- touch -----------------------------------------------------------------------------

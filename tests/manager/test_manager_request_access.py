@@ -1,10 +1,8 @@
-"""The request record's two forms (kvtriton/manager/_request_access.py) tell a policy the same thing.
+"""The request record (kvtriton/manager/_request_access.py): what a finished request tells its policy.
 
-While every access of a request names only keys it has not seen, the record
-keeps the accesses as runs of one use and hashes nothing twice; the first
-access that names a key again turns them into the sets. Whichever form the
-record is in when the request finishes, the policy must get the same keys
-with the same uses.
+The record keeps, per request, the keys in first-seen order with their
+positions and the sets of keys it reused, inserted and learnt a store miss
+from; at the end its ``runs`` cut the keys, head to tail, into runs of one use.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton.manager._request_access import RequestAccess
-from kvtriton.manager.policies._base import Block, KeyRun, Use
+from kvtriton.manager.policies._base import KeyRun, Use
 
 # One access: a load (True) of ready keys, or a store offer (False) of keys
 # new (True) or ready (False) to the cache, whose store allocated (True) or
@@ -35,62 +33,60 @@ def no_position(key: OffloadKey) -> int | None:
     return None
 
 
-def replay(access: RequestAccess, script: list[Access]) -> list[OffloadKey]:
-    """Make the script's accesses, each on keys the request has not seen; the keys in first-seen order."""
+def replay(access: RequestAccess, script: list[Access]) -> tuple[list[OffloadKey], list[Use]]:
+    """Make the script's accesses, each on keys the request has not seen, as the manager records them.
+
+    Returns the keys in first-seen order and the use each must end with.
+    """
     seen: list[OffloadKey] = []
-    ready_block = Block(0, ref_cnt=0)
+    expected: list[Use] = []
     for is_load, pattern, stored in script:
         keys = [make_offload_key(f"k{len(seen) + i}".encode()) for i in range(len(pattern))]
         new, _ = access.observe(keys, no_position)
-        fresh = new is keys
-        assert fresh
+        assert new is keys  # all first seen: recorded as named
         if is_load:
-            access.reuse(keys, fresh)
+            access.reuse(keys)
+            expected.extend(Use.REUSED for _ in keys)
         else:
-            blocks: list[Block | None] = [None if is_new else ready_block for is_new in pattern]
-            new_keys = [key for key, block in zip(keys, blocks) if block is None]
+            new_keys = [key for key, is_new in zip(keys, pattern) if is_new]
+            access.reuse([key for key, is_new in zip(keys, pattern) if not is_new])
             if new_keys:
-                assert access.store_misses(new_keys, fresh) == new_keys  # all first seen: none learnt from yet
-            access.offer(keys, blocks, fresh, stored=stored)
+                assert access.store_misses(new_keys) == new_keys  # all first seen: none learnt from yet
+                if stored:
+                    access.inserted.update(new_keys)
+            new_use = Use.INSERTED if stored else Use.SEEN
+            expected.extend(new_use if is_new else Use.REUSED for is_new in pattern)
         seen.extend(keys)
-    return seen
+    return seen, expected
 
 
 @settings(max_examples=200, deadline=None)
 @given(accesses)
-def test_the_runs_and_the_sets_give_the_policy_the_same_uses(script: list[Access]) -> None:
-    as_runs = RequestAccess(owner=None, generation=0)
-    keys = replay(as_runs, script)
-    as_sets = RequestAccess(owner=None, generation=0)
-    replay(as_sets, script)
-    as_sets.to_sets()
-    assert as_runs.run_ends is not None and as_runs.uses is None  # only fresh accesses: still runs
-    assert as_sets.run_ends is None
-    from_runs = as_runs.head_to_tail_runs(keys, first_seen=True)
-    from_sets = as_sets.head_to_tail_runs(keys, first_seen=False)
-    assert flat(from_runs) == flat(from_sets)
-    assert [key for key, _ in flat(from_runs)] == keys == list(as_runs.positions)
-    # Consecutive runs differ in use (the sets' form merges neighbours).
-    assert all(a[1] is not b[1] for a, b in zip(from_sets, from_sets[1:]))
+def test_each_key_ends_with_its_use_in_runs_of_one_use(script: list[Access]) -> None:
+    access = RequestAccess(owner=None, generation=0)
+    keys, expected = replay(access, script)
+    runs = access.runs(keys)
+    assert flat(runs) == list(zip(keys, expected))
+    assert keys == list(access.positions)
+    # Consecutive runs differ in use: neighbours of one use are one run.
+    assert all(a[1] is not b[1] for a, b in zip(runs, runs[1:]))
 
 
-def test_an_access_that_names_a_key_again_turns_the_runs_into_sets() -> None:
+def test_an_access_that_names_a_key_again_records_it_once() -> None:
     access = RequestAccess(owner=None, generation=0)
     a, b, c = (make_offload_key(name) for name in (b"a", b"b", b"c"))
     keys = [a, b]
-    new, _ = access.observe(keys, no_position)
-    access.reuse(keys, new is keys)
-    assert access.head_to_tail_runs([a, b], first_seen=True) == [([a, b], Use.REUSED)]
+    access.observe(keys, no_position)
+    access.reuse(keys)
+    assert access.runs([a, b]) == [([a, b], Use.REUSED)]
     new, _ = access.observe([b, c], no_position)  # b again
     assert new == [c]
-    assert access.store_misses([b, c], fresh=False) == [b, c]
-    assert access.run_ends is None
-    uses = access.to_sets()
-    assert uses.reused == {a, b}
-    access.offer([b, c], [None, None], False, stored=True)
-    assert uses.inserted == {b, c}
-    assert access.store_misses([c], fresh=False) == []  # learnt from once per request
-    assert flat(access.head_to_tail_runs([a, b, c], first_seen=True)) == [
+    assert access.store_misses([b, c]) == [b, c]
+    assert access.reused == {a, b}
+    access.inserted.update([b, c])
+    assert access.store_misses([c]) == []  # learnt from once per request
+    access.reuse([c])  # the request reads back a key it inserted (a tier's cascade): not a reuse
+    assert flat(access.runs([a, b, c])) == [
         (a, Use.REUSED),
         (b, Use.REUSED),  # reused before this request stored it again: a reuse, as vLLM counts it
         (c, Use.INSERTED),

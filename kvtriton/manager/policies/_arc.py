@@ -61,9 +61,6 @@ class ARCCachePolicy:
 
     __slots__ = ("_capacity", "_target", "_t1", "_t2", "_b1", "_b2", "_ghost_free")
 
-    ranks_at_finish_only = True
-    """A running request's accesses change nothing until it finishes: the manager skips ``on_request_access``."""
-
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._target = 0.0

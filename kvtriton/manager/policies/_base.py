@@ -22,23 +22,18 @@ PENDING = -1
 
 
 class Block:
-    """One cached block: its slot in the host slab, its reference count and its LRU rank.
+    """One cached block: its slot in the host slab and its reference count.
 
     ``ref_cnt`` is ``PENDING`` (-1) while the store is in flight, 0 when the
     block is ready and idle (the only evictable state), and ``n > 0`` while
-    ``n`` loads read it. ``rank`` and ``position`` belong to the LRU policy
-    (``kvtriton.manager.policies._lru``), which sets them when it inserts the
-    block: the tick of the block's last use and, while a running request
-    ranks it, its token position in that request. A plain slotted class
-    rather than a dataclass: the manager creates one per stored block and
-    reads ``ref_cnt`` in every hot loop, so it stays as cheap as Python
-    allows (the constructor sets only what every policy reads).
+    ``n`` loads read it. Only the manager changes it; a policy reads it to
+    skip blocks it must not evict and keeps its own ordering data beside the
+    block (LRU's ranks live in ``kvtriton.manager.policies._lru``). A plain
+    slotted class rather than a dataclass: the manager reads ``ref_cnt`` in
+    every hot loop, so it stays as cheap as Python allows.
     """
 
-    __slots__ = ("slot", "ref_cnt", "rank", "position")
-
-    rank: int
-    position: int | None
+    __slots__ = ("slot", "ref_cnt")
 
     def __init__(self, slot: int, ref_cnt: int = PENDING) -> None:
         self.slot = slot

@@ -22,7 +22,23 @@ class _RequestTick:
     tick: int
 
 
-def _bucket_rank(item: tuple[OffloadKey, Block]) -> tuple[int, OffloadKey]:
+class _Ranked:
+    """LRU's record of one cached block: the block and its rank.
+
+    ``rank`` is the tick of the block's last use or, while a running request
+    ranks the block, that request's tick; ``position`` is then the block's
+    token position in the request (None otherwise).
+    """
+
+    __slots__ = ("block", "rank", "position")
+
+    def __init__(self, block: Block, rank: int, position: int | None) -> None:
+        self.block = block
+        self.rank = rank
+        self.position = position
+
+
+def _bucket_rank(item: tuple[OffloadKey, _Ranked]) -> tuple[int, OffloadKey]:
     # Tails first; keys at one position (the groups of a hybrid model) by
     # their bytes, as vLLM's heap breaks the tie.
     position = item[1].position
@@ -53,9 +69,9 @@ class LRUCachePolicy:
         # capacity is unused: LRU keeps no ghost state; the uniform
         # constructor lets the registry build every policy the same way.
         del capacity
-        self._order: OrderedDict[OffloadKey, Block] = OrderedDict()
+        self._order: OrderedDict[OffloadKey, _Ranked] = OrderedDict()
         """Every cached block; those with ``position is None`` in tick order, least recent first."""
-        self._requests: dict[int, dict[OffloadKey, Block]] = {}
+        self._requests: dict[int, dict[OffloadKey, _Ranked]] = {}
         """The blocks a running request ranks (``position`` set), by the request's tick."""
         self._tick = 0
         self._generation = 0
@@ -68,15 +84,15 @@ class LRUCachePolicy:
             req_context.set_state(state)
         return state.tick
 
-    def _leave_request(self, key: OffloadKey, block: Block) -> None:
-        """Take ``block`` out of the running request that ranks it."""
-        ranked = self._requests[block.rank]
+    def _leave_request(self, key: OffloadKey, entry: _Ranked) -> None:
+        """Take ``entry`` out of the running request that ranks it."""
+        ranked = self._requests[entry.rank]
         del ranked[key]
         if not ranked:
-            del self._requests[block.rank]
-        block.position = None
+            del self._requests[entry.rank]
+        entry.position = None
 
-    def _request_keys(self, tick: int) -> dict[OffloadKey, Block]:
+    def _request_keys(self, tick: int) -> dict[OffloadKey, _Ranked]:
         """The blocks the running request of ``tick`` ranks (made empty on first use)."""
         ranked = self._requests.get(tick)
         if ranked is None:
@@ -84,7 +100,8 @@ class LRUCachePolicy:
         return ranked
 
     def get(self, key: OffloadKey) -> Block | None:
-        return self._order.get(key)
+        entry = self._order.get(key)
+        return entry.block if entry is not None else None
 
     def insert(
         self,
@@ -94,31 +111,27 @@ class LRUCachePolicy:
         req_context: ReqContext,
     ) -> None:
         order = self._order
-        ranked: dict[OffloadKey, Block] | None = None
+        ranked: dict[OffloadKey, _Ranked] | None = None
         request_tick = 0
         get = positions.get
         for key, block in zip(keys, blocks):
-            order[key] = block
             position = get(key)
             if position is None:
                 # vLLM reads a position when it inserts: one unknown when first seen may be known now.
                 position = req_context.get_offload_key_position(key)
             if position is None:
                 self._tick += 1
-                block.rank = self._tick
-                block.position = None
+                order[key] = _Ranked(block, self._tick, None)
             else:
                 if ranked is None:
                     request_tick = self._request_tick(req_context)
                     ranked = self._request_keys(request_tick)
-                ranked[key] = block
-                block.rank = request_tick
-                block.position = position
+                order[key] = ranked[key] = _Ranked(block, request_tick, position)
 
     def remove(self, key: OffloadKey) -> None:
-        block = self._order.pop(key, None)
-        if block is not None and block.position is not None:
-            self._leave_request(key, block)
+        entry = self._order.pop(key, None)
+        if entry is not None and entry.position is not None:
+            self._leave_request(key, entry)
 
     def touch(self, keys: Collection[OffloadKey]) -> None:
         # Reverse order: the first key (the earliest prefix block, shared by
@@ -131,12 +144,12 @@ class LRUCachePolicy:
         get, move_to_end = order.get, order.move_to_end
         tick = self._tick
         for key in keys:
-            block = get(key)
-            if block is not None:
-                if block.position is not None:
-                    self._leave_request(key, block)
+            entry = get(key)
+            if entry is not None:
+                if entry.position is not None:
+                    self._leave_request(key, entry)
                 tick += 1
-                block.rank = tick
+                entry.rank = tick
                 move_to_end(key)
         self._tick = tick
 
@@ -150,21 +163,23 @@ class LRUCachePolicy:
         tick = self._request_tick(req_context)  # the request's rank starts here, whatever it accessed
         if blocks.count(None) == len(blocks):
             return  # a store offer of new keys: insert ranks them
-        ranked: dict[OffloadKey, Block] | None = None
+        order = self._order
+        ranked: dict[OffloadKey, _Ranked] | None = None
         for key, block, position in zip(keys, blocks, positions):
             if block is None or position is None:
                 continue
             # Raise only: (tick, -position) against the block's rank.
-            current = block.position
-            if block.rank > tick or (block.rank == tick and current is not None and current <= position):
+            entry = order[key]
+            current = entry.position
+            if entry.rank > tick or (entry.rank == tick and current is not None and current <= position):
                 continue
             if current is not None:
-                self._leave_request(key, block)
+                self._leave_request(key, entry)
             if ranked is None:
                 ranked = self._request_keys(tick)
-            ranked[key] = block
-            block.rank = tick
-            block.position = position
+            ranked[key] = entry
+            entry.rank = tick
+            entry.position = position
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         del keys  # LRU keeps no history of evicted keys
@@ -184,36 +199,36 @@ class LRUCachePolicy:
         get, move_to_end = order.get, order.move_to_end
         tick = self._tick
         for key in reversed(keys):
-            block = get(key)
-            if block is not None:
-                if block.position is not None:
+            entry = get(key)
+            if entry is not None:
+                if entry.position is not None:
                     if key in ranked:
-                        block.position = None
+                        entry.position = None
                     else:
-                        self._leave_request(key, block)  # ranked since by a later request
+                        self._leave_request(key, entry)  # ranked since by a later request
                 tick += 1
-                block.rank = tick
+                entry.rank = tick
                 move_to_end(key)
         self._tick = tick
-        left = {key: block for key, block in ranked.items() if block.position is not None}
+        left = {key: entry for key, entry in ranked.items() if entry.position is not None}
         if left and request_tick is not None:  # stored after the request's record was replaced: still ranked by it
             self._requests[request_tick] = left
 
-    def _in_rank_order(self) -> Iterator[tuple[OffloadKey, Block]]:
-        """Every cached key with its block, lowest rank (the next to evict) first."""
+    def _in_rank_order(self) -> Iterator[tuple[OffloadKey, _Ranked]]:
+        """Every cached key with its record, lowest rank (the next to evict) first."""
         requests = self._requests
         if not requests:
             yield from self._order.items()
             return
         ticks = sorted(requests)
         waiting = 0
-        for key, block in self._order.items():
-            if block.position is not None:
+        for key, entry in self._order.items():
+            if entry.position is not None:
                 continue  # ranked by its request, below
-            while waiting < len(ticks) and ticks[waiting] < block.rank:
+            while waiting < len(ticks) and ticks[waiting] < entry.rank:
                 yield from sorted(requests[ticks[waiting]].items(), key=_bucket_rank)
                 waiting += 1
-            yield key, block
+            yield key, entry
         for tick in ticks[waiting:]:
             yield from sorted(requests[tick].items(), key=_bucket_rank)
 
@@ -224,11 +239,11 @@ class LRUCachePolicy:
         requests = self._requests
         # The blocks ranked by a tick alone, least recent first (a running request's blocks are skipped here).
         last_rank = 0
-        for key, block in self._order.items():
-            if block.ref_cnt == 0 and key not in protected and block.position is None:
+        for key, entry in self._order.items():
+            if entry.block.ref_cnt == 0 and key not in protected and entry.position is None:
                 victims.append(key)
                 if len(victims) == n:
-                    last_rank = block.rank
+                    last_rank = entry.rank
                     break
         else:
             if not requests:
@@ -236,8 +251,8 @@ class LRUCachePolicy:
         if requests and (len(victims) < n or last_rank > min(requests)):
             # A running request ranks below some of them: walk both in rank order.
             victims = []
-            for key, block in self._in_rank_order():
-                if block.ref_cnt == 0 and key not in protected:
+            for key, entry in self._in_rank_order():
+                if entry.block.ref_cnt == 0 and key not in protected:
                     victims.append(key)
                     if len(victims) == n:
                         break
@@ -245,9 +260,9 @@ class LRUCachePolicy:
                 return None
         pop = self._order.pop
         for key in victims:
-            block = pop(key)
-            if block.position is not None:
-                self._leave_request(key, block)
+            entry = pop(key)
+            if entry.position is not None:
+                self._leave_request(key, entry)
         return victims
 
     def clear(self) -> None:
