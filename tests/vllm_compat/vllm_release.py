@@ -34,6 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import cast
 
+from bench.real_model import cache_root
+
 VLLM_VERSION = "0.33.0"
 SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
 SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
@@ -62,15 +64,6 @@ OPT_125M_CONFIG: dict[str, object] = {
     "pad_token_id": 1,
 }
 """The architecture of ``facebook/opt-125m``, the model vLLM's connector tests build a ModelConfig for."""
-
-
-def cache_root() -> Path:
-    """``$KVTRITON_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtriton``, else ``~/.cache/kvtriton``."""
-    explicit = os.environ.get("KVTRITON_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtriton"
 
 
 def cache_dir() -> Path:
