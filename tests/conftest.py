@@ -11,6 +11,8 @@ CUDA cases are unaffected.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import cast
 
 import pytest
 
@@ -54,3 +56,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "requires_interpreter" in item.keywords:
             item.add_marker(skip)
+
+
+_FIGURES: list[str] = []
+"""Measured, not asserted, figures of this process's tests, printed in the "end-to-end figures" section."""
+
+
+@pytest.fixture(scope="session")
+def report_figure() -> Callable[[str], None]:
+    """Add a line to the "end-to-end figures" section printed at the end of the run (a measured, not asserted, figure)."""
+    return _FIGURES.append
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Under pytest -n each test process hands its figures to the one that prints the summary.
+    worker_output: dict[str, object] | None = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["figures"] = list(_FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    del error
+    worker_output: dict[str, object] = getattr(node, "workeroutput", {})
+    figures = worker_output.get("figures", [])
+    if isinstance(figures, list):
+        _FIGURES.extend(str(line) for line in cast(list[object], figures))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _FIGURES:
+        terminalreporter.section("end-to-end figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar, cast
 
 import pytest
 
@@ -15,20 +19,26 @@ from e2e.engine import TESTS, EngineJob, EngineResult, engine_env, generate, run
 from e2e.prompts import MAX_TOKENS, PROMPT_A
 from e2e.real_text import RealTextRuns, run_real_text_engines
 
-_FIGURES: list[str] = []
+_Result = TypeVar("_Result")
 
 
-@pytest.fixture(scope="session")
-def report_figure() -> Callable[[str], None]:
-    """Add a line to the "end-to-end figures" section printed at the end of the run (a measured, not asserted, figure)."""
-    return _FIGURES.append
+def _once_per_run(factory: pytest.TempPathFactory, name: str, run: Callable[[Path], _Result]) -> _Result:
+    """``run(folder)`` once per test run, also when ``pytest -n`` splits the files between processes.
 
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _FIGURES:
-        terminalreporter.section("end-to-end figures")
-        for line in _FIGURES:
-            terminalreporter.write_line(line)
+    The first process to need it runs it under a file lock in the folder every process's temporary
+    directory sits in; the others wait for the lock and read its pickled result, so an engine that
+    several files share starts once, not once per process.
+    """
+    base = factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with (shared / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = shared / f"{name}.pickle"
+        if saved.exists():
+            return cast(_Result, pickle.loads(saved.read_bytes()))  # written by this run's own process
+        result = run(shared / name)
+        saved.write_bytes(pickle.dumps(result))
+        return result
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -53,10 +63,12 @@ def llama(e2e_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(llama: Path, e2e_dir: Path) -> EngineResult:
-    """Prompt A's tokens from an engine without a connector (step "A")."""
+def reference(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineResult:
+    """Prompt A's tokens from an engine without a connector (step "A"), once per run."""
     steps = [generate(PROMPT_A, MAX_TOKENS, "A")]
-    return run_engine(EngineJob(model=str(llama), steps=steps), e2e_dir / "reference")
+    return _once_per_run(
+        tmp_path_factory, "reference", lambda folder: run_engine(EngineJob(model=str(llama), steps=steps), folder)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +81,7 @@ def smollm2() -> PreparedModel:
 
 
 @pytest.fixture(scope="session")
-def real_text(smollm2: PreparedModel, e2e_dir: Path) -> RealTextRuns:
-    """The real model's engines, all at once (one start-up's wait for all); each test file asserts on its own."""
-    return run_real_text_engines(smollm2, e2e_dir)
+def real_text(smollm2: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> RealTextRuns:
+    """The real model's engines, all at once (one start-up's wait for all), once per run; each test file asserts on
+    its own."""
+    return _once_per_run(tmp_path_factory, "real-text", lambda folder: run_real_text_engines(smollm2, folder))
