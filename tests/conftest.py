@@ -48,8 +48,20 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"triton interpreter: unusable here ({INTERPRETER_PROBLEM}); CPU kernel cases take the torch path"
 
 
+_SLOW_FOLDERS = ("vllm_compat", "e2e")
+"""Test folders whose files start engines or pytest runs of their own (one to three minutes a file)."""
+
+
+def _slow_first(item: pytest.Item) -> int:
+    folder = item.path.parent.name
+    return _SLOW_FOLDERS.index(folder) if folder in _SLOW_FOLDERS else len(_SLOW_FOLDERS)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     del config
+    # The slow files first (a stable sort keeps each file's tests together and in order): under pytest -n
+    # the fast files then fill the gaps, instead of a long file starting last and running alone.
+    items.sort(key=_slow_first)
     if INTERPRETER_PROBLEM is None:
         return
     skip = pytest.mark.skip(reason=f"Triton interpreter unusable here: {INTERPRETER_PROBLEM}")
