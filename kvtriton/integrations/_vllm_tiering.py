@@ -59,7 +59,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSp
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtriton.integrations._vllm_config import (
@@ -72,6 +72,7 @@ from kvtriton.integrations._vllm_config import (
     is_vllm_policy,
     parse_policy,
 )
+from kvtriton.integrations._vllm_identity import KVIdentity, vllm_identity
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
 from kvtriton.integrations._vllm_private import (
     FACTORY_ARGUMENTS,
@@ -79,6 +80,7 @@ from kvtriton.integrations._vllm_private import (
     TIER_CLASS_REFUSED,
     with_model_name,
 )
+from kvtriton.integrations._vllm_sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
 from kvtriton.integrations._vllm_spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
 from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
@@ -109,6 +111,10 @@ byte order inside a chunk. kvtriton orders a multi-block chunk block by block
 rank. The tag keeps the two apart; bump its version if the order ever changes.
 With compression :func:`layout_tag` appends the compression's tag.
 """
+
+
+VLLM_ROWS_TAG = "vllm-cpu"
+"""The layout the identity names when the chunks are vLLM's own CPU rows (no :func:`layout_tag`)."""
 
 
 def layout_tag(*, vllm_rows: bool, compression: str | None) -> str | None:
@@ -528,6 +534,13 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             vllm_rows=vllm_rows, compression=compression_tag(settings.kv_compression)
         )
         """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
+        self.identity: KVIdentity = vllm_identity(
+            config,
+            layout=self.layout_tag or VLLM_ROWS_TAG,
+            compression=compression_tag(settings.kv_compression),
+            rank=None,  # a chunk holds every rank's bytes
+        )
+        """The identity fingerprint of the chunks the secondary tiers store (docs/tiers.md, "Integrity")."""
         logger.info(
             "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
             "kv_compression=%s%s",
@@ -535,7 +548,13 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
             f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
         )  # fmt: skip
+        logger.info("kvtriton tiered offloading %s", self.identity.describe())
         log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
+
+    @classmethod
+    @override
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return (*super().config_info_keys(extra_config), *IDENTITY_INFO_KEYS)
 
     @property
     def expected_mappers(self) -> int:
@@ -579,11 +598,12 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                     raise _tier_failure(label, cast("dict[str, Any]", tier_config), error) from error
                 tiers.append(tier)
                 logger.info("created secondary tier #%d (%s)", index, tier.tier_type)
-            manager = TieringOffloadingManager(
+            manager = SealedTieringManager(
                 # The orchestrator is typed for vLLM's CPU primary; KVTritonPrimaryTier
                 # offers every method and attribute it uses (see the class docstring).
                 primary_tier=primary,  # pyright: ignore[reportArgumentType] -- duck-typed primary, checked by tests/integrations/test_tiering_contract.py
                 secondary_tiers=tiers,
+                identity=self.identity,
                 tier_poll_interval_s=self.tier_poll_interval_s,
             )
         except BaseException:
