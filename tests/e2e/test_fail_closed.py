@@ -108,6 +108,8 @@ class Runs:
     redeployed: EngineResult
     written_root: Path
     damaged_root: Path
+    damaged_files: list[Path]
+    """The damaged root's chunk files, in the writer's order: case ``i`` took files ``4 i .. 4 i + 3``."""
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ def runs(e2e_dir: Path) -> Runs:
 
     TinyLlama().write(model, seed=1)  # other weights at the same path
     redeployed = tiered_engine(model, written_root, e2e_dir / "fail-closed-redeployed")
-    return Runs(writer, damaged, redeployed, written_root, damaged_root)
+    return Runs(writer, damaged, redeployed, written_root, damaged_root, damaged_files)
 
 
 def test_the_writer_computes_every_prompt_and_cascades_every_full_block(runs: Runs) -> None:
@@ -156,11 +158,16 @@ def test_each_damaged_chunk_file_ends_with_the_models_own_tokens_and_the_fault_c
     assert f"(reason {case.reason}:" in runs.damaged.log
 
 
-def test_the_damaged_reader_survives_every_fault_and_rewrites_what_it_recomputed(runs: Runs) -> None:
+def test_the_damaged_reader_survives_every_fault_and_rewrites_the_files_that_failed_their_check(runs: Runs) -> None:
     assert [step.name for step in runs.damaged.steps] == [case.name for case in CASES]  # alive to the last prompt
-    # Every faulty file was removed, and the recomputed chunks were cascaded afresh: every file is whole again.
-    sizes = {path.stat().st_size for path in runs.damaged_root.rglob("*.bin")}
-    assert sizes == {path.stat().st_size for path in runs.written_root.rglob("*.bin")}
+    (chunk_bytes,) = {path.stat().st_size for path in runs.written_root.rglob("*.bin")}
+    assert chunk_bytes == runs.writer.tier_chunk_bytes
+    for index, case in enumerate(CASES):
+        if case.reason is None:
+            continue  # not kvtriton's to remove: intact, or vLLM's short read
+        files = runs.damaged_files[index * FULL_BLOCKS : (index + 1) * FULL_BLOCKS]
+        # Removed when it failed, then written afresh by the cascade of the recomputed chunk: whole again.
+        assert [path.stat().st_size for path in files] == [chunk_bytes] * FULL_BLOCKS, case.name
 
 
 def test_other_weights_at_the_same_path_are_another_identity_a_plain_miss_in_another_directory(runs: Runs) -> None:
