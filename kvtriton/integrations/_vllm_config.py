@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtriton.integrations._vllm_identity import IDENTITY_KEY
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels._compressed_format import ALIGNMENT
 from kvtriton.kernels._compression import (
@@ -81,8 +82,12 @@ _KVTRITON_KEYS = frozenset(
         KVTRITON_PAGEABLE_SLAB,
         KVTRITON_KV_COMPRESSION,
         KVTRITON_SUMMARY_INTERVAL_S,
+        IDENTITY_KEY,
     }
 )
+
+_KVTRITON_TIERED_ONLY_KEYS = frozenset({IDENTITY_KEY})
+"""kvtriton's keys that only the tiered spec reads: the single-tier spec hands no chunk to any tier."""
 
 COMPRESSION_GROUP_SIZE = DEFAULT_GROUP_SIZE
 """Elements per fp8 scale in vLLM's rows: vLLM hands the worker flat byte pages, so the head dimension is unknown."""
@@ -389,7 +394,9 @@ def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]
     and the closest valid one. Every key vLLM reads or passes through
     (:data:`VLLM_KEYS`) is accepted; vLLM's tiered-only keys
     (``secondary_tiers``, ...) in the single-tier spec are only warned
-    about: they are vLLM's, and do nothing there. Returns the keys warned about.
+    about: they are vLLM's, and do nothing there; so is ``kvtriton_identity_key``,
+    which names the chunks handed to a tier, and the single-tier spec has none.
+    Returns the keys warned about.
     """
     known = VLLM_KEYS | _KVTRITON_KEYS
     unknown = [key for key in extra_config if key not in known]
@@ -399,7 +406,8 @@ def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]
             f"kv_connector_extra_config has {'a key' if len(unknown) == 1 else 'keys'} neither kvtriton nor vLLM "
             f"reads: {named}. The keys are listed in docs/vllm.md"
         )
-    ignored = [key for key in extra_config if key in TIERED_ONLY_KEYS and not tiered]
+    tiered_only = TIERED_ONLY_KEYS | _KVTRITON_TIERED_ONLY_KEYS
+    ignored = [key for key in extra_config if key in tiered_only and not tiered]
     for key in ignored:
         logger.warning(
             "ignoring %s: only the tiered spec (spec_name KVTritonTieringOffloadingSpec) reads it", _where(key)

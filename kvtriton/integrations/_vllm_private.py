@@ -128,6 +128,21 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "vLLM's own primary runs over kvtriton's shared region (a vLLM eviction policy), seen through an object "
         "with only these two methods",
     ),
+    VLLMPrivateName(
+        "promotion_hooks",
+        "vllm.v1.kv_offload.tiering.manager.TieringOffloadingManager._complete_promotion(job_metadata, "
+        "completed_job) and _initiate_promotion(tier_idx, key, req_context) -> bool",
+        "kvtriton.integrations._vllm_sealed_tiering",
+        "overridden: a promoted chunk is verified before vLLM marks its slot ready (a faulty key leaves the job's "
+        "successful_keys), and a key that failed is not promoted from that tier again (False: a miss)",
+    ),
+    VLLMPrivateName(
+        "fs_file_mapper",
+        "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager.file_mapper",
+        "kvtriton.integrations._vllm_sealed_tiering",
+        "the file of a chunk that failed its seal check is removed (as vLLM's fs tier removes one cut short), so "
+        "the next cascade writes it afresh instead of skipping a file that exists",
+    ),
 )
 """The inventory, one entry per name; the test checks each against the installed vLLM."""
 

@@ -26,13 +26,17 @@ The pieces:
   in /dev/shm: the scheduler maps it for the secondary tiers, every worker rank
   writes its bytes of every block row through a strided ``HostSlab``
   (:meth:`~kvtriton.worker._shared_region.SharedRegion.rank_slab`);
-* a layout tag: with several GPU blocks per chunk kvtriton's chunk bytes are
-  ordered differently from vLLM's, so the secondary tiers see the model name
-  suffixed with :data:`LAYOUT_TAG` and file their chunks under a namespace of
-  their own (a vLLM primary sharing the root only misses, never loads them).
-  With ``kvtriton_kv_compression`` the chunks hold compressed rows and the tag
-  names the compression and its scale group size too (``+fp8-e4m3-g128``),
-  so a compressed and an uncompressed engine never read each other's chunks.
+* a namespace: kvtriton's chunk bytes are not vLLM's (every chunk ends in
+  its seal, and a multi-block chunk is ordered block by block), so the
+  secondary tiers see the model name suffixed with :func:`layout_tag` and the
+  identity fingerprint (:meth:`KVTritonTieringOffloadingSpec.tier_facing_spec`)
+  and file their chunks under a namespace of their own: a vLLM primary, an
+  engine of another model, weights, dtype, geometry or compression sharing the
+  root only misses, never loads them. With ``kvtriton_kv_compression`` the
+  tag names the compression and its scale group size too (``+fp8-e4m3-g128``);
+* fail closed (:class:`~kvtriton.integrations._vllm_sealed_tiering.SealedTieringManager`):
+  every chunk a secondary tier reads is sealed first, every chunk it returns
+  is verified before it becomes a hit (docs/tiers.md, "Integrity").
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -59,9 +63,10 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSp
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvtriton.integrations._integrity_report import integrity_metric_definitions
 from kvtriton.integrations._vllm_config import (
     CACHE_POLICY_MODULE_PATH,
     EVICTION_POLICY,
@@ -72,6 +77,7 @@ from kvtriton.integrations._vllm_config import (
     is_vllm_policy,
     parse_policy,
 )
+from kvtriton.integrations._vllm_identity import KVIdentity, vllm_identity
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
 from kvtriton.integrations._vllm_private import (
     FACTORY_ARGUMENTS,
@@ -79,6 +85,7 @@ from kvtriton.integrations._vllm_private import (
     TIER_CLASS_REFUSED,
     with_model_name,
 )
+from kvtriton.integrations._vllm_sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
 from kvtriton.integrations._vllm_spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
 from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
@@ -100,27 +107,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAYOUT_TAG = "kvtriton-block-rows-v1"
-"""Appended to the model name the secondary tiers see when a chunk holds several GPU blocks.
+"""Appended to the model name the secondary tiers see: kvtriton's chunks are not vLLM's bytes.
 
 vLLM's secondary tiers name their storage after the model, dtype, parallelism
 and chunk size (``vllm.v1.kv_offload.file_mapper.FileMapper``), not after the
-byte order inside a chunk. kvtriton orders a multi-block chunk block by block
-(each block row holds every rank's bytes of one block); vLLM orders it rank by
-rank. The tag keeps the two apart; bump its version if the order ever changes.
-With compression :func:`layout_tag` appends the compression's tag.
+bytes inside a chunk. kvtriton's chunk ends in its seal and orders a
+multi-block chunk block by block (each block row holds every rank's bytes of
+one block); vLLM's has no seal and orders it rank by rank. The tag keeps the
+two apart; bump its version if the order ever changes. With compression
+:func:`layout_tag` appends the compression's tag.
 """
 
 
-def layout_tag(*, vllm_rows: bool, compression: str | None) -> str | None:
-    """The namespace tag of the chunks the secondary tiers store; None when they are vLLM's own bytes.
+def layout_tag(*, compression: str | None) -> str:
+    """The namespace tag of the chunks the secondary tiers store.
 
-    ``vllm_rows``: one block per chunk and one KV cache group, where
-    kvtriton's uncompressed chunk is byte for byte vLLM's; ``compression``:
-    :func:`~kvtriton.integrations._vllm_config.compression_tag` (None: off).
+    ``compression``: :func:`~kvtriton.integrations._vllm_config.compression_tag` (None: off).
     """
-    if compression is None:
-        return None if vllm_rows else LAYOUT_TAG
-    return f"{LAYOUT_TAG}+{compression}"
+    return LAYOUT_TAG if compression is None else f"{LAYOUT_TAG}+{compression}"
 
 
 _TIER_PACKAGES: dict[str, tuple[str, str]] = {
@@ -453,13 +457,6 @@ def _compressed(settings: KVTritonOffloadConfig) -> str:
     return "" if compression == "none" else f" compressed ({compression})"
 
 
-def _rows_are_vllms(groups: GroupPages, kv_caches: vllm_base.CanonicalKVCaches) -> bool:
-    """Whether a block row holds exactly what vLLM's CPU worker copies: every tensor's whole page, in order."""
-    if len(groups.kvs) != 1:
-        return False
-    return groups.kvs[0].page_bytes == [tensor.page_size_bytes for tensor in kv_caches.tensors]
-
-
 class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` with kvtriton as the primary tier (see the module docstring).
 
@@ -516,26 +513,39 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         """Where every rank's bytes of every chunk sit in the shared region."""
         layout = self.region_layout
         # The attributes vLLM's parent classes derived from their own layout (_vllm_private lists them),
-        # restated for kvtriton's (equal to theirs with one block per chunk).
+        # restated for kvtriton's.
         self.num_chunks = layout.num_chunks
         self.kv_bytes_per_chunk = layout.chunk_bytes
         self.cpu_page_size_per_worker = layout.rank_row_bytes * layout.block_size_factor
         self.cpu_info = CPUOffloadingInfo.from_config(config, layout.num_chunks, layout.chunk_bytes)
-        # kvtriton's row is vLLM's only for one block per chunk and one KV cache
-        # group (with several groups a kvtriton slot holds one group's pages).
-        vllm_rows = layout.block_size_factor == 1 and len(config.groups) == 1
-        self.layout_tag: str | None = layout_tag(
-            vllm_rows=vllm_rows, compression=compression_tag(settings.kv_compression)
+        self.layout_tag: str = layout_tag(compression=compression_tag(settings.kv_compression))
+        """Appended to the model name in the secondary tiers' namespace, with the identity."""
+        self.identity: KVIdentity = vllm_identity(
+            config,
+            layout=self.layout_tag,
+            compression=compression_tag(settings.kv_compression),
+            rank=None,  # a chunk holds every rank's bytes
         )
-        """Appended to the model name in the secondary tiers' namespace; None when the layout is vLLM's own."""
+        """The identity fingerprint of the chunks the secondary tiers store (docs/tiers.md, "Integrity")."""
         logger.info(
             "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
             "kv_compression=%s%s",
             config.parallel.rank, config.parallel.world_size, layout.describe(), len(self.secondary_tier_configs),
             settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
-            f"; secondary tiers namespaced with {self.layout_tag!r}" if self.layout_tag else "",
+            f"; secondary tiers namespaced with {self.layout_tag!r}",
         )  # fmt: skip
+        logger.info("kvtriton tiered offloading %s", self.identity.describe())
         log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, vllm_base.OffloadingMetricMetadata]:
+        return {**super().build_metric_definitions(extra_config), **integrity_metric_definitions()}
+
+    @classmethod
+    @override
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        return (*super().config_info_keys(extra_config), *IDENTITY_INFO_KEYS)
 
     @property
     def expected_mappers(self) -> int:
@@ -545,12 +555,20 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     def _open_region(self) -> SharedRegion:
         return SharedRegion(region_name(self.config.engine_id), self.region_layout, self.expected_mappers)
 
+    def tier_namespace(self) -> str:
+        """The model name the secondary tiers see: ``<model>@<layout tag>@id-<identity fingerprint>``.
+
+        The tiers file their chunks under it (vLLM's fs tier: a directory of
+        its own), so an engine of another identity (other weights at the same
+        path, another dtype or geometry) finds none of this one's chunks: a
+        plain miss, never a read of bytes that are not its own.
+        """
+        return f"{self.config.model.name}@{self.layout_tag}@id-{self.identity.hex}"
+
     def tier_facing_spec(self) -> TieringOffloadingSpec:
-        """The spec the secondary tiers are built with: this one, its model name tagged when the layout differs from vLLM's."""
-        if self.layout_tag is None:
-            return self
+        """The spec the secondary tiers are built with: this one, under :meth:`tier_namespace`'s model name."""
         tagged = copy.copy(self)
-        tagged.config = with_model_name(self.config, f"{self.config.model.name}@{self.layout_tag}")
+        tagged.config = with_model_name(self.config, self.tier_namespace())
         return tagged
 
     @override
@@ -579,11 +597,12 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                     raise _tier_failure(label, cast("dict[str, Any]", tier_config), error) from error
                 tiers.append(tier)
                 logger.info("created secondary tier #%d (%s)", index, tier.tier_type)
-            manager = TieringOffloadingManager(
+            manager = SealedTieringManager(
                 # The orchestrator is typed for vLLM's CPU primary; KVTritonPrimaryTier
                 # offers every method and attribute it uses (see the class docstring).
                 primary_tier=primary,  # pyright: ignore[reportArgumentType] -- duck-typed primary, checked by tests/integrations/test_tiering_contract.py
                 secondary_tiers=tiers,
+                identity=self.identity,
                 tier_poll_interval_s=self.tier_poll_interval_s,
             )
         except BaseException:
@@ -613,15 +632,6 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 f"the shared region gives each rank {layout.rank_row_bytes} (from vLLM's worker_kv_bytes_per_block): "
                 "pipeline stages must hold the same "
                 "layers per rank (split them evenly: VLLM_PP_LAYER_PARTITION)"
-            )
-        if self.layout_tag is None and not _rows_are_vllms(groups, kv_caches):
-            # The scheduler could not see this (page padding is known to the
-            # workers only) and files chunks under vLLM's own namespace.
-            logger.warning(
-                "rank %d: this model's KV pages are padded or partly referenced, so kvtriton's chunk bytes differ "
-                "from vLLM's CPU primary's although one chunk is one GPU block: do not share this engine's "
-                "secondary tiers (fs root, bucket, peers) with an instance whose primary is vLLM's own",
-                rank,
             )
         region = self._open_region()
         slab: HostSlab | None = None

@@ -95,7 +95,7 @@ from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_s
 from kvtriton.integrations._integrity_report import IntegrityReport, integrity_metric_definitions
 from kvtriton.integrations._mooncake_config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
 from kvtriton.integrations._vllm_config import compression_tag
-from kvtriton.integrations._vllm_identity import KVIdentity, vllm_identity
+from kvtriton.integrations._vllm_identity import KVIdentity, compute_identity, vllm_identity
 from kvtriton.kernels._compression import KVCompression
 
 if TYPE_CHECKING:
@@ -194,9 +194,14 @@ def open_store(config: MooncakeTierConfig) -> StoreClient | None:
 def kv_identity(spec: OffloadingSpec, namespace: str) -> KVIdentity:
     """The identity fingerprint of the chunks ``spec``'s primary hands this tier (each holds every rank's bytes).
 
-    The layout is the primary's tag (``vllm-cpu`` for vLLM's own primary) and
-    the compression kvtriton's tiered spec's, when it compresses.
+    Behind kvtriton's tiered spec, the spec's own identity (its ``identity``),
+    salted with ``namespace``: the spec computed it from the real model folder,
+    whereas the model name this tier sees is the spec's tier namespace. Behind
+    vLLM's own primary, computed here: the layout is ``vllm-cpu``.
     """
+    spec_identity: object = getattr(spec, "identity", None)
+    if isinstance(spec_identity, KVIdentity):
+        return compute_identity(spec_identity.parts, namespace=namespace, identity_key=spec_identity.identity_key)
     layout_tag = getattr(spec, "layout_tag", None)
     settings: object = getattr(spec, "settings", None)
     compression = getattr(settings, "kv_compression", None)

@@ -17,10 +17,13 @@ one GPU block of every rank, rank after rank, ``rank_row_bytes`` each::
 Block rows are padded so that every chunk is a multiple of
 :data:`ROW_ALIGNMENT` (4096 bytes, or the host page if larger) and starts on
 that boundary: vLLM's ``fs`` tier reads and writes chunks with ``O_DIRECT``.
-With one block per chunk this is byte for byte the row vLLM's own CPU primary
-tier (``SharedOffloadRegion``) lays out, so both can share a secondary tier's
-data. With several blocks per chunk vLLM puts each rank's blocks together
-instead; the integration then tags the secondary tiers' namespace (see
+Each block row keeps at least :data:`~kvtriton._integrity.SEAL_BYTES` of
+padding, so the last :data:`~kvtriton._integrity.SEAL_BYTES` of every chunk
+(inside its last row's padding) hold the chunk's seal: the secondary tiers
+store and return it with the chunk's bytes, and the workers' copies, which
+write each rank's bytes only, never touch it. The bytes of a chunk therefore
+differ from vLLM's own CPU primary tier's (``SharedOffloadRegion``), and the
+integration files them under a namespace of their own (see
 :mod:`kvtriton.integrations._vllm_tiering`).
 
 Lifetime (:class:`SharedRegion`). The first process to arrive creates the file
@@ -65,6 +68,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvtriton._integrity import SEAL_BYTES
 from kvtriton.worker._numa import on_gpu_node
 from kvtriton.worker._slab import HostSlab
 
@@ -132,15 +136,17 @@ class RegionLayout:
 
     @staticmethod
     def block_row_stride_for(block_size_factor: int, world_size: int, rank_row_bytes: int) -> int:
-        """Bytes from one block row to the next: all ranks' bytes, padded so a chunk is a multiple of ROW_ALIGNMENT.
+        """Bytes from one block row to the next: all ranks' bytes and room for a seal, padded so a chunk is a
+        multiple of ROW_ALIGNMENT.
 
         Every block row has the same stride (the slab is one strided view), so
-        a chunk wastes less than one page when ``block_size_factor`` divides the
-        page (any power of two up to 4096) and up to a page per block row
-        otherwise.
+        every row keeps the seal's room although only the last one of a chunk
+        holds it: a chunk wastes less than one page plus ``SEAL_BYTES`` per
+        block row when ``block_size_factor`` divides the page (any power of two
+        up to 4096) and up to a page per block row otherwise.
         """
         step = ROW_ALIGNMENT // math.gcd(block_size_factor, ROW_ALIGNMENT)
-        return -(-world_size * rank_row_bytes // step) * step
+        return -(-(world_size * rank_row_bytes + SEAL_BYTES) // step) * step
 
     @classmethod
     def for_budget(
@@ -155,7 +161,8 @@ class RegionLayout:
         if cpu_bytes_to_use < chunk:
             raise ValueError(
                 f"cpu_bytes_to_use={cpu_bytes_to_use} holds no chunk: one chunk of {block_size_factor} GPU block(s) "
-                f"x {world_size} rank(s) x {rank_row_bytes} bytes, padded to {ROW_ALIGNMENT}, takes {chunk} bytes"
+                f"x {world_size} rank(s) x {rank_row_bytes} bytes and its {SEAL_BYTES}-byte seal, padded to "
+                f"{ROW_ALIGNMENT}, takes {chunk} bytes"
             )
         return cls(cpu_bytes_to_use // chunk, block_size_factor, world_size, rank_row_bytes)
 
@@ -168,6 +175,11 @@ class RegionLayout:
     def chunk_bytes(self) -> int:
         """Bytes of one chunk: what a secondary tier stores per key (a multiple of ROW_ALIGNMENT)."""
         return self.block_size_factor * self.block_row_stride
+
+    @property
+    def seal_offset(self) -> int:
+        """Where a chunk's seal starts inside the chunk: its last ``SEAL_BYTES``; the bytes before are its payload."""
+        return self.chunk_bytes - SEAL_BYTES
 
     @property
     def num_block_rows(self) -> int:
@@ -188,7 +200,7 @@ class RegionLayout:
         return (
             f"{self.num_chunks} chunks x {self.block_size_factor} block(s) x {self.world_size} rank(s) x "
             f"{self.rank_row_bytes} bytes (block rows every {self.block_row_stride} bytes, "
-            f"{self.chunk_bytes}-byte chunks, {self.region_bytes} bytes)"
+            f"{self.chunk_bytes}-byte chunks sealed in their last {SEAL_BYTES}, {self.region_bytes} bytes)"
         )
 
 

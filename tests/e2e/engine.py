@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtriton.worker._shared_region import RegionLayout
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 ENGINE_TIMEOUT_S = 240.0
@@ -145,6 +147,14 @@ class EngineResult:
     def step(self, name: str) -> StepResult:
         (found,) = [step for step in self.steps if step.name == name]
         return found
+
+    @property
+    def tier_chunk_bytes(self) -> int:
+        """Bytes of one chunk as the tiered spec hands it to a secondary tier (one rank): its KV bytes and its seal,
+        padded to whole pages; what ``vllm:kv_offload_tiering_write_bytes`` counts per chunk."""
+        return self.blocks_per_chunk * RegionLayout.block_row_stride_for(
+            self.blocks_per_chunk, 1, self.kv_bytes_per_block
+        )
 
     def delta(self, name: str, counter: str) -> float:
         """How much ``counter`` grew during step ``name``."""

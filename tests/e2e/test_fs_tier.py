@@ -41,7 +41,7 @@ def test_first_process_writes_every_full_block_to_disk(
     assert writer.step("A").token_ids == reference.step("A").token_ids
     assert writer.delta("A", HITS) == 0
     written = writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
-    assert written == len(PROMPT_A) // BLOCK_SIZE * writer.kv_bytes_per_block
+    assert written == len(PROMPT_A) // BLOCK_SIZE * writer.tier_chunk_bytes  # each chunk with its seal
     assert sum(path.stat().st_size for path in fs_root.rglob("*.bin")) >= written
 
 

@@ -44,7 +44,7 @@ def test_first_process_stores_every_full_block_in_mooncake(writer: EngineResult,
     assert writer.delta("A", HITS) == 0
     assert (
         writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
-        == len(PROMPT_A) // BLOCK_SIZE * writer.kv_bytes_per_block
+        == len(PROMPT_A) // BLOCK_SIZE * writer.tier_chunk_bytes  # each chunk with kvtriton's seal
     )
 
 

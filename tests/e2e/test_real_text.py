@@ -45,7 +45,8 @@ def test_a_fresh_engine_gets_the_prefix_from_disk_and_the_same_tokens(
 ) -> None:
     writer, reader = real_text.tiered, real_text.disk
     blocks = distinct_full_blocks(smollm2.chat_prompts[:REAL_TEXT_PROMPTS])
-    assert writer.delta("cold", WRITTEN) == writer.delta("cold", STORED), "every block stored went to disk too"
+    assert writer.delta("cold", WRITTEN) == blocks * writer.tier_chunk_bytes, "every block stored went to disk too"
+    assert writer.delta("cold", STORED) == blocks * writer.kv_bytes_per_block
     assert sum(path.stat().st_size for path in real_text.fs_root.rglob("*.bin")) >= writer.delta("cold", WRITTEN)
     assert reader.delta("disk", HITS) == blocks * BLOCK_SIZE, "every full block is an external hit"
     assert reader.delta("disk", READ) == writer.delta("cold", WRITTEN), "the bytes read are the bytes written"

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
+from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations._vllm_tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag
 from kvtriton.kernels._compression import dequantize_groups, quantize_groups
 
@@ -32,11 +33,9 @@ COMPRESSED: dict[str, object] = {"kvtriton_kv_compression": "fp8-e4m3"}
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 
 
-def test_the_layout_tag_names_the_compression_whatever_the_row_order() -> None:
-    assert layout_tag(vllm_rows=True, compression=None) is None
-    assert layout_tag(vllm_rows=False, compression=None) == LAYOUT_TAG
-    assert layout_tag(vllm_rows=True, compression="fp8-e4m3-g128") == TAG
-    assert layout_tag(vllm_rows=False, compression="fp8-e4m3-g128") == TAG
+def test_the_layout_tag_names_the_compression() -> None:
+    assert layout_tag(compression=None) == LAYOUT_TAG
+    assert layout_tag(compression="fp8-e4m3-g128") == TAG
 
 
 def test_the_compressed_spec_sizes_the_region_in_compressed_rows_and_tags_the_tiers_namespace() -> None:
@@ -46,11 +45,12 @@ def test_the_compressed_spec_sizes_the_region_in_compressed_rows_and_tags_the_ti
         tiering_config({**extra, **COMPRESSED}, worker_kv_bytes_per_block=65536)
     )
     assert isinstance(plain, KVTritonTieringOffloadingSpec) and isinstance(compressed, KVTritonTieringOffloadingSpec)
-    assert plain.layout_tag is None and compressed.layout_tag == TAG
-    assert compressed.tier_facing_spec().config.model.name == f"tiny-tiering@{TAG}"
-    assert plain.region_layout.num_chunks == 64
+    assert plain.layout_tag == LAYOUT_TAG and compressed.layout_tag == TAG
+    assert compressed.tier_facing_spec().config.model.name == f"tiny-tiering@{TAG}@id-{compressed.identity.hex}"
+    assert plain.identity.fingerprint != compressed.identity.fingerprint
+    assert plain.region_layout.num_chunks == 64 * 65536 // (17 * 4096) == 60  # 16 pages of KV and one for the seal
     assert compressed.region_layout.rank_row_bytes < 65536 // 1.9
-    # Each chunk is padded to whole 4 KiB pages (O_DIRECT): 33856 bytes take 36864.
+    # Each chunk is padded to whole 4 KiB pages (O_DIRECT): 33856 bytes and the seal take 36864.
     assert compressed.region_layout.chunk_bytes == 9 * 4096
     assert compressed.region_layout.num_chunks == 64 * 65536 // (9 * 4096) == 113
 
@@ -81,10 +81,10 @@ def test_a_compressed_and_an_uncompressed_engine_on_one_fs_root_never_read_each_
     store(compressed, 2, 0xC3)
     assert settle_lookup(compressed, key(1), ReqContext(req_id="a")) is LookupResult.MISS
     assert settle_lookup(plain, key(2), ReqContext(req_id="b")) is LookupResult.MISS
-    assert read_back(plain, 1) == bytes([0x5A]) * 4096
-    assert read_back(compressed, 2) == bytes([0xC3]) * 4096
+    assert read_back(plain, 1)[:-SEAL_BYTES] == bytes([0x5A]) * (4096 - SEAL_BYTES)
+    assert read_back(compressed, 2)[:-SEAL_BYTES] == bytes([0xC3]) * (4096 - SEAL_BYTES)
     namespaces = {path.name.removesuffix("_r0") for path in tmp_path.iterdir()}
-    assert len(namespaces) == 2 and sum(f"@{TAG}_" in name for name in namespaces) == 1, namespaces
+    assert len(namespaces) == 2 and sum(f"@{TAG}@id-" in name for name in namespaces) == 1, namespaces
 
 
 def finite_pattern(rank: int, index: int, layer: str, shape: torch.Size) -> torch.Tensor:
@@ -122,7 +122,7 @@ def test_a_compressed_prompt_cascaded_to_fs_is_promoted_and_loaded_back_as_the_f
         engine.serve("first", PROMPT)
         assert engine.cpu.stats().stores == 4
         namespaces = {path.name.removesuffix("_r0") for path in tmp_path.iterdir()}
-        assert len(namespaces) == 1 and f"@{TAG}_" in next(iter(namespaces)), namespaces
+        assert len(namespaces) == 1 and f"@{TAG}@id-" in next(iter(namespaces)), namespaces
         assert len(list(tmp_path.rglob("*.bin"))) == 4  # every chunk cascaded
 
         assert engine.scheduler.reset_prefix_cache(reset_connector=True)

@@ -27,10 +27,20 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvtriton._integrity import SEAL_BYTES, seal
+from kvtriton.integrations._vllm_sealed_tiering import SealedTieringManager
 from kvtriton.integrations._vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 
-CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
+CHUNK = 4096  # 2048-byte blocks, one rank and a seal, padded to 4096 bytes
+PAYLOAD = CHUNK - SEAL_BYTES
+
+
+def sealed_manager(manager: TieringOffloadingManager) -> SealedTieringManager:
+    assert isinstance(manager, SealedTieringManager)
+    return manager
+
+
 BUDGET_1M: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
 
 
@@ -68,7 +78,9 @@ def test_vllms_factory_loads_the_tiered_spec_by_name_from_the_integration_module
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_with_one_block_per_chunk_the_geometry_is_vllms_own(world_size: int) -> None:
+def test_with_one_block_per_chunk_and_room_for_the_seal_in_the_padding_the_geometry_is_vllms_own(
+    world_size: int,
+) -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
     ours = KVTritonTieringOffloadingSpec(tiering_config(extra, worker_kv_bytes_per_block=1000, world_size=world_size))
     theirs = TieringOffloadingSpec(
@@ -79,7 +91,7 @@ def test_with_one_block_per_chunk_the_geometry_is_vllms_own(world_size: int) -> 
     assert (ours.num_chunks, ours.kv_bytes_per_chunk, ours.cpu_page_size_per_worker) == (
         theirs.num_chunks, theirs.kv_bytes_per_chunk, theirs.cpu_page_size_per_worker,
     )  # fmt: skip
-    assert ours.layout_tag is None
+    assert ours.layout_tag == LAYOUT_TAG  # the bytes still differ: kvtriton's chunk ends in its seal
 
 
 def test_a_promotion_slot_stays_pending_until_written_and_is_freed_when_the_write_fails(
@@ -159,7 +171,11 @@ def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(
         manager.complete_store([key(1), key(2)], context)  # cascades both chunks to fs
     drain(manager)
     files = sorted(tmp_path.rglob("*.bin"))
-    assert sorted(path.read_bytes() for path in files) == [bytes([7]) * CHUNK, bytes([9]) * CHUNK]
+    fingerprint = sealed_manager(manager).identity.fingerprint
+    sealed = [
+        seal(bytes([fill]) * PAYLOAD, key=key(index), fingerprint=fingerprint) for index, fill in ((1, 7), (2, 9))
+    ]
+    assert sorted(path.read_bytes() for path in files) == sealed  # the cascade sealed each chunk's last bytes
     manager.on_request_finished(context)
 
     # Forget the host copy; the lookup finds the chunk in fs and promotes it into a pending slot.
@@ -174,15 +190,16 @@ def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(
         spec = manager.prepare_load([key(2)], other)
     assert isinstance(spec, VLLMCPULoadStoreSpec)
     (slot,) = spec.chunk_ids.tolist()
-    assert bytes(flat[slot * CHUNK : (slot + 1) * CHUNK]) == bytes([9]) * CHUNK
+    assert bytes(flat[slot * CHUNK : (slot + 1) * CHUNK]) == sealed[1]
 
 
-def test_the_secondary_tiers_namespace_is_tagged_exactly_when_the_chunk_bytes_differ_from_vllms() -> None:
+def test_the_secondary_tiers_namespace_names_the_layout_and_the_identity() -> None:
     one_block = KVTritonTieringOffloadingSpec(tiering_config(BUDGET_1M))
-    assert one_block.layout_tag is None and one_block.tier_facing_spec() is one_block
+    assert one_block.tier_facing_spec().config.model.name == f"tiny-tiering@{LAYOUT_TAG}@id-{one_block.identity.hex}"
     two_blocks = KVTritonTieringOffloadingSpec(tiering_config(BUDGET_1M, blocks_per_chunk=2))
     tagged = two_blocks.tier_facing_spec()
-    assert tagged.config.model.name == f"tiny-tiering@{LAYOUT_TAG}"
+    assert tagged.config.model.name == f"tiny-tiering@{LAYOUT_TAG}@id-{two_blocks.identity.hex}"
+    assert two_blocks.identity.fingerprint != one_block.identity.fingerprint
     assert two_blocks.config.model.name == "tiny-tiering"  # only the tiers' copy is renamed
     assert tagged.blocks_per_chunk == 2 and tagged.config.parallel == two_blocks.config.parallel
     config = tiering_config(BUDGET_1M)

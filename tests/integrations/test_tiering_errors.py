@@ -208,21 +208,3 @@ def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) 
         wide.get_worker(kv_caches(3072))
     manager.shutdown()
     assert region_files() == before
-
-
-@pytest.mark.parametrize(("referenced", "warns"), [(2048, False), (1536, True)], ids=["whole-pages", "padded-pages"])
-def test_a_worker_whose_rows_differ_from_vllms_warns_against_sharing_tiers_with_a_vllm_primary(
-    caplog: pytest.LogCaptureFixture, referenced: int, warns: bool
-) -> None:
-    spec = KVTritonTieringOffloadingSpec(tiering_config(BUDGET))
-    manager = spec.get_manager()
-    tensor = torch.zeros(8, 2048, dtype=torch.int8)
-    caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(tensor=tensor, page_size_bytes=2048)],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=referenced)]],
-    )
-    with caplog.at_level("WARNING", logger="kvtriton.integrations._vllm_tiering"):
-        worker = spec.get_worker(caches)
-    assert any("do not share this engine's secondary tiers" in record.message for record in caplog.records) is warns
-    worker.shutdown()
-    manager.shutdown()

@@ -1,10 +1,11 @@
 """The shared host region's byte layout, against vLLM's own CPU primary tier.
 
-With one GPU block per chunk, kvtriton's region rows must be byte for byte the
-rows of vLLM's ``SharedOffloadRegion``, so a kvtriton primary and a vLLM
-primary can share a secondary tier's data. With several blocks per chunk the
-bytes are ordered differently, and the layout tag in the secondary tiers'
-namespace must keep the two apart: they only miss each other's chunks.
+With one GPU block per chunk, kvtriton's block rows hold each rank's bytes
+where vLLM's ``SharedOffloadRegion`` holds them, padded further for the seal
+at the chunk's end. With several blocks per chunk the bytes are also ordered
+differently. Either way a kvtriton chunk is not vLLM's, and the layout tag and
+identity in the secondary tiers' namespace keep the two apart: a kvtriton
+primary and a vLLM primary sharing an fs root only miss each other's chunks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from kvtriton._integrity import SEAL_BYTES
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.integrations._vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
 from kvtriton.worker._engine import TransferEngine
@@ -93,10 +95,20 @@ def kvtriton_region_bytes(world_size: int, blocks_per_chunk: int, chunk_blocks: 
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_with_one_block_per_chunk_the_region_is_byte_identical_to_vllms(world_size: int) -> None:
+def test_with_one_block_per_chunk_each_row_holds_vllms_bytes_in_vllms_order_padded_for_the_seal(
+    world_size: int,
+) -> None:
     stores = {0: [3], 2: [0], 3: [5]}
     ours = kvtriton_region_bytes(world_size, 1, stores)
-    assert ours == vllm_region_bytes(world_size, 1, stores)
+    theirs = vllm_region_bytes(world_size, 1, stores)
+    kv_bytes = world_size * RANK_ROW_BYTES
+    ours_chunk, theirs_chunk = len(ours) // NUM_CHUNKS, len(theirs) // NUM_CHUNKS
+    assert ours_chunk == RegionLayout(NUM_CHUNKS, 1, world_size, RANK_ROW_BYTES).chunk_bytes
+    assert ours_chunk >= kv_bytes + SEAL_BYTES
+    for chunk in range(NUM_CHUNKS):
+        mine = ours[chunk * ours_chunk : (chunk + 1) * ours_chunk]
+        assert mine[:kv_bytes] == theirs[chunk * theirs_chunk : chunk * theirs_chunk + kv_bytes]
+        assert not any(mine[kv_bytes:])  # the workers never write the padding, nor the seal's room
     assert any(ours)  # the comparison is not between two empty regions
 
 
@@ -105,7 +117,7 @@ def test_with_two_blocks_per_chunk_the_bytes_are_ordered_differently_hence_the_l
     ours = kvtriton_region_bytes(2, 2, stores)
     theirs = vllm_region_bytes(2, 2, stores)
     assert ours != theirs
-    assert sorted(ours) == sorted(theirs)  # the same bytes, in another order
+    assert sorted(byte for byte in ours if byte) == sorted(byte for byte in theirs if byte)  # the same bytes
 
 
 @pytest.fixture
@@ -154,6 +166,11 @@ def store(manager: TieringOffloadingManager, index: int, fill: int) -> None:
     manager.on_request_finished(context)
 
 
+def payload(chunk: bytes, manager: TieringOffloadingManager) -> bytes:
+    """The KV bytes of a chunk read back: all of vLLM's, all but the seal of kvtriton's."""
+    return chunk if type(manager) is TieringOffloadingManager else chunk[:-SEAL_BYTES]
+
+
 def read_back(manager: TieringOffloadingManager, index: int) -> bytes:
     context = ReqContext(req_id=f"load-{index}")
     manager.on_new_request(context)
@@ -167,29 +184,21 @@ def read_back(manager: TieringOffloadingManager, index: int) -> bytes:
     return bytes(flat[slot * size : (slot + 1) * size])
 
 
-def test_with_one_block_per_chunk_a_vllm_primary_and_a_kvtriton_primary_share_the_fs_tier(
-    managers: list[OffloadingManager], tmp_path: Path
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_a_vllm_primary_and_a_kvtriton_primary_sharing_an_fs_root_only_miss_each_others_chunks(
+    managers: list[OffloadingManager], tmp_path: Path, blocks_per_chunk: int
 ) -> None:
-    vllm_primary = build(managers, "TieringOffloadingSpec", tmp_path, 1)
-    kvtriton_primary = build(managers, "KVTritonTieringOffloadingSpec", tmp_path, 1)
+    vllm_primary = build(managers, "TieringOffloadingSpec", tmp_path, blocks_per_chunk)
+    kvtriton_primary = build(managers, "KVTritonTieringOffloadingSpec", tmp_path, blocks_per_chunk)
     assert isinstance(kvtriton_primary.primary_tier, KVTritonPrimaryTier)
-    store(vllm_primary, 1, 0x5A)
-    assert read_back(kvtriton_primary, 1) == bytes([0x5A]) * 4096
-    store(kvtriton_primary, 2, 0xC3)
-    assert read_back(vllm_primary, 2) == bytes([0xC3]) * 4096
-
-
-def test_with_two_blocks_per_chunk_each_primary_only_misses_the_others_chunks(
-    managers: list[OffloadingManager], tmp_path: Path
-) -> None:
-    vllm_primary = build(managers, "TieringOffloadingSpec", tmp_path, 2)
-    kvtriton_primary = build(managers, "KVTritonTieringOffloadingSpec", tmp_path, 2)
     store(vllm_primary, 1, 0x5A)
     store(kvtriton_primary, 2, 0xC3)
     assert settle_lookup(kvtriton_primary, key(1), ReqContext(req_id="a")) is LookupResult.MISS
     assert settle_lookup(vllm_primary, key(2), ReqContext(req_id="b")) is LookupResult.MISS
     # Each still finds its own chunk, and the two namespaces sit side by side under the root.
-    assert read_back(kvtriton_primary, 2) == bytes([0xC3]) * 4096
-    assert read_back(vllm_primary, 1) == bytes([0x5A]) * 4096
+    mine = payload(read_back(kvtriton_primary, 2), kvtriton_primary)
+    assert mine == bytes([0xC3]) * len(mine)
+    theirs = read_back(vllm_primary, 1)
+    assert theirs == bytes([0x5A]) * len(theirs)
     namespaces = {path.name.removesuffix("_r0") for path in tmp_path.iterdir()}
-    assert len(namespaces) == 2 and sum(f"@{LAYOUT_TAG}_" in name for name in namespaces) == 1, namespaces
+    assert len(namespaces) == 2 and sum(f"@{LAYOUT_TAG}@id-" in name for name in namespaces) == 1, namespaces

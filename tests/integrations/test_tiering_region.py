@@ -22,6 +22,7 @@ import torch
 
 import kvtriton.worker._shared_region as shared_region
 import kvtriton.worker._slab as slab_module
+from kvtriton._integrity import SEAL_BYTES
 from kvtriton.worker._shared_region import ROW_ALIGNMENT, RegionLayout, SharedRegion
 from kvtriton.worker._slab import HostSlab
 
@@ -43,22 +44,34 @@ def slab(region: SharedRegion, rank: int) -> HostSlab:
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3, 8])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_every_chunk_is_a_multiple_of_the_direct_io_alignment_and_holds_every_rank(
+def test_every_chunk_is_a_multiple_of_the_direct_io_alignment_and_holds_every_rank_and_its_seal(
     blocks_per_chunk: int, world_size: int
 ) -> None:
     layout = RegionLayout(5, blocks_per_chunk, world_size, 1000)
     assert layout.chunk_bytes % ROW_ALIGNMENT == 0
-    assert layout.block_row_stride >= world_size * 1000
+    assert layout.block_row_stride >= world_size * 1000 + SEAL_BYTES
     padding = layout.chunk_bytes - blocks_per_chunk * world_size * 1000
-    # Under one page per chunk when the block count divides the page; under one page per block row otherwise.
-    assert padding < (ROW_ALIGNMENT if ROW_ALIGNMENT % blocks_per_chunk == 0 else blocks_per_chunk * ROW_ALIGNMENT)
+    # The seal's room in every block row, plus under one page per chunk when the block count divides the page;
+    # under one page per block row otherwise.
+    slack = ROW_ALIGNMENT if ROW_ALIGNMENT % blocks_per_chunk == 0 else blocks_per_chunk * ROW_ALIGNMENT
+    assert padding < slack + blocks_per_chunk * SEAL_BYTES
     assert layout.rank_offset(world_size - 1) + 1000 <= layout.block_row_stride
+    # The seal is the chunk's last SEAL_BYTES, after the last block row's bytes of every rank.
+    last_row_end = (blocks_per_chunk - 1) * layout.block_row_stride + world_size * 1000
+    assert layout.seal_offset == layout.chunk_bytes - SEAL_BYTES >= last_row_end
+    assert f"sealed in their last {SEAL_BYTES}" in layout.describe()
+
+
+def test_a_chunk_that_fills_whole_pages_gains_one_page_for_its_seal() -> None:
+    assert RegionLayout(5, 1, 1, 2 * ROW_ALIGNMENT).chunk_bytes == 3 * ROW_ALIGNMENT
+    assert RegionLayout(5, 1, 1, 2 * ROW_ALIGNMENT - SEAL_BYTES).chunk_bytes == 2 * ROW_ALIGNMENT
 
 
 def test_a_budget_below_one_chunk_is_refused_naming_both_sizes() -> None:
-    with pytest.raises(ValueError, match=r"cpu_bytes_to_use=4000 holds no chunk.*takes 8192 bytes"):
+    # Two block rows of two ranks' 2048 bytes and the seal's room, each padded to 6144: 12288 bytes.
+    with pytest.raises(ValueError, match=r"cpu_bytes_to_use=4000 holds no chunk.*64-byte seal.*takes 12288 bytes"):
         RegionLayout.for_budget(4000, 2, 2, 2048)
-    assert RegionLayout.for_budget(3 * 8192 + 1, 2, 2, 2048).num_chunks == 3
+    assert RegionLayout.for_budget(3 * 12288 + 1, 2, 2, 2048).num_chunks == 3
 
 
 def test_the_file_is_unlinked_once_every_process_mapped_it_and_all_see_the_same_bytes(name: str) -> None:
@@ -112,7 +125,7 @@ def test_a_process_that_crashes_after_mapping_leaks_nothing(name: str) -> None:
 def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    layout = RegionLayout(1000, 1, 1, 4096)
+    layout = RegionLayout(1000, 1, 1, 4096 - SEAL_BYTES)  # one page per chunk, the seal included
     monkeypatch.setattr(shared_region, "shm_free_bytes", lambda directory=shared_region.REGION_DIRECTORY: 1 << 20)
     with pytest.raises(
         ValueError, match=r"/dev/shm has 1048576 bytes free but the shared host region needs 4100096 bytes"
@@ -232,11 +245,11 @@ def test_the_page_by_page_populate_never_writes_another_ranks_bytes(name: str, m
 def test_page_spans_cover_a_ranks_bytes_with_whole_pages_merged() -> None:
     starts = np.array([4096 + 100, 4096 + 5000, 4096 + 20000], dtype=np.int64)
     assert shared_region.page_spans(starts, 1000, page=4096) == [(4096, 8192), (20480, 8192)]
-    layout = RegionLayout(2, 1, 2, 4096)
-    assert shared_region.rank_row_starts(layout, 1).tolist() == [HEADER + 4096, HEADER + 3 * 4096]
+    layout = RegionLayout(2, 1, 2, 4096)  # block rows of three pages: two ranks' and the seal's
+    assert shared_region.rank_row_starts(layout, 1).tolist() == [HEADER + 4096, HEADER + 4 * 4096]
     assert shared_region.page_spans(shared_region.rank_row_starts(layout, 0), 4096, page=4096) == [
         (HEADER, 4096),
-        (HEADER + 8192, 4096),
+        (HEADER + 3 * 4096, 4096),
     ]
 
 
@@ -297,7 +310,7 @@ def test_each_rank_pins_only_after_every_rank_populated_and_only_its_own_pages(
         assert regions[0].populated_count == 2
         assert {populated for _, _, populated in registrar.registered} == {2}  # nobody pinned before both populated
         stride = TWO_PAGE_RANKS.block_row_stride
-        assert stride == 4 * PAGE
+        assert stride == 5 * PAGE  # two ranks of two pages, and a page for the seal
         for rank, region in enumerate(regions):
             rows = region.region_tensor().data_ptr()
             mine = sorted(

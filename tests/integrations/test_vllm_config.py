@@ -30,8 +30,8 @@ from kvtriton.worker._backends import TransferBackend
 
 GIB = 1 << 30
 KVTRITON_KEYS_HINT = (
-    "kvtriton reads ['kvtriton_backend', 'kvtriton_kv_compression', 'kvtriton_num_programs', 'kvtriton_pageable_slab', "
-    "'kvtriton_summary_interval_s'] besides vLLM's keys"
+    "kvtriton reads ['kvtriton_backend', 'kvtriton_identity_key', 'kvtriton_kv_compression', 'kvtriton_num_programs', "
+    "'kvtriton_pageable_slab', 'kvtriton_summary_interval_s'] besides vLLM's keys"
 )
 
 
@@ -238,6 +238,17 @@ def test_tiered_keys_in_the_single_tier_spec_are_warned_about(caplog: pytest.Log
         assert check_keys(extra, tiered=False) == ["secondary_tiers", "tier_poll_interval_s"]
         assert check_keys(extra, tiered=True) == []
     assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
+
+
+def test_the_identity_key_is_accepted_but_ignored_with_a_warning_by_the_single_tier_spec(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 1, "kvtriton_identity_key": "llama-prod-2026-11"}
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+        assert check_keys(extra, tiered=True) == []
+        assert caplog.text == ""
+        assert check_keys(extra, tiered=False) == ["kvtriton_identity_key"]
+    assert "ignoring kv_connector_extra_config['kvtriton_identity_key']: only the tiered spec" in caplog.text
 
 
 def test_every_key_vllm_or_kvtriton_reads_passes_silently(caplog: pytest.LogCaptureFixture) -> None:
