@@ -280,6 +280,8 @@ class TierCounts:
     promotion_jobs: int
     promotion_failures: int
     """Tier hits the host tier had no room for (vLLM's ``promotion_allocation_failures``), or the tier lost."""
+    promotion_evictions: int
+    """Host chunks evicted to make room for promoted ones."""
     cascaded_chunks: int
     """Chunks written to the tier (every completed host store, again when a chunk returns)."""
     tier_chunks: int
@@ -342,6 +344,7 @@ class TieredManager:
         self.host_chunk_queries = self.host_chunk_hits = 0
         self.tier_chunk_queries = self.tier_chunk_hits = 0
         self.promotions = self.promotion_jobs = self.promotion_failures = self.cascaded_chunks = 0
+        self.promotion_evictions = 0
 
     # -- the connector's calls --------------------------------------------------------------
 
@@ -369,6 +372,7 @@ class TieredManager:
         if output is None:
             self.promotion_failures += 1
             return LookupResult.MISS
+        self.promotion_evictions += len(output.evicted_keys)
         self._promotions.setdefault(context.req_id, (context, []))[1].extend(output.keys_to_store)
         return LookupResult.HIT_PENDING
 
@@ -523,6 +527,7 @@ class TieredManager:
             promotions=self.promotions,
             promotion_jobs=self.promotion_jobs,
             promotion_failures=self.promotion_failures,
+            promotion_evictions=self.promotion_evictions,
             cascaded_chunks=self.cascaded_chunks,
             tier_chunks=self.tier.chunks,
             tier_peak_chunks=self._peak,

@@ -73,6 +73,11 @@ class TieredReport:
     tier_object_bytes: int
     """What one chunk takes in the tier (Mooncake adds its 64-byte seal)."""
     host_evictions: int
+    """Host chunks evicted for the GPU's stores and for promotions."""
+    host_load_bytes: int
+    """Host tier to GPU (``vllm:kv_offload_load_bytes``): every external hit, promoted chunks included."""
+    host_store_bytes: int
+    """GPU to host tier (``vllm:kv_offload_store_bytes``); promotions write the host tier too, counted as tier reads."""
     compression: str = "none"
 
     @property
@@ -153,6 +158,8 @@ def tiered_point(
         bytes_per_chunk=geometry.stored_bytes_per_block,
         tier_object_bytes=tier.object_bytes(geometry),
         host_evictions=0,
+        host_load_bytes=0,
+        host_store_bytes=0,
         compression=geometry.compression,
     )
     try:
@@ -165,7 +172,10 @@ def tiered_point(
         external_query_tokens=sum(each.external_query_tokens for each in stats),
         external_hit_tokens=sum(each.external_hit_tokens for each in stats),
         counts=_summed([manager.counts() for manager in managers]),
-        host_evictions=sum(each.replay.evictions for each in stats),
+        host_evictions=sum(each.replay.evictions for each in stats)
+        + sum(manager.promotion_evictions for manager in managers),
+        host_load_bytes=sum(each.replay.hit_blocks for each in stats) * geometry.stored_bytes_per_block,
+        host_store_bytes=sum(each.replay.blocks_stored for each in stats) * geometry.stored_bytes_per_block,
     )
 
 
@@ -181,6 +191,7 @@ def _summed(counts: Sequence[TierCounts]) -> TierCounts:
         promotions=sum(each.promotions for each in counts),
         promotion_jobs=sum(each.promotion_jobs for each in counts),
         promotion_failures=sum(each.promotion_failures for each in counts),
+        promotion_evictions=sum(each.promotion_evictions for each in counts),
         cascaded_chunks=sum(each.cascaded_chunks for each in counts),
         tier_chunks=first.tier_chunks,
         tier_peak_chunks=max(each.tier_peak_chunks for each in counts),
