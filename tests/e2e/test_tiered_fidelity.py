@@ -25,7 +25,7 @@ TOLERANCE_POINTS = 1.0
 
 @pytest.fixture(scope="module")
 def runs(llama: Path, e2e_dir: Path) -> list[RunComparison]:
-    """Both engine runs, one after the other on one fs root (about 20 s each here)."""
+    """Both engine runs, one after the other on one fs root, in one process (about 40 s here)."""
     return compare(SETUP, llama, e2e_dir / "tiered-fidelity")
 
 

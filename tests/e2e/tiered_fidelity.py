@@ -2,8 +2,8 @@
 
 The seeded workload of :mod:`e2e.fidelity_table` (Zipf-popular system prompts
 with unique tails, and conversations resending their history) is split into
-consecutive runs; each run is a fresh engine process (:mod:`e2e.tiered_fidelity_engine`)
-with ``KVTritonTieringOffloadingSpec``, a host tier smaller than the working
+consecutive runs; each run is a fresh engine (:mod:`e2e.tiered_fidelity_engine`:
+one process, an engine after the other) with ``KVTritonTieringOffloadingSpec``, a host tier smaller than the working
 set and vLLM's ``fs`` tier on one root directory for all runs: a restart
 empties the host tier and the engine's own prefix cache, and keeps the disk.
 Requests are sent one at a time. The prediction replays each run's part of the
@@ -125,10 +125,11 @@ def predicted_rates(stats: ServerStats) -> dict[str, TierRates]:
     }
 
 
-def measure_run(
-    model_dir: Path, requests: Sequence[TokenRequest], setup: TieredSetup, *, slots: int, root: Path, workdir: Path
-) -> tuple[dict[str, TierRates], int]:
-    """One fresh engine on fs root ``root``: each tier's rates as its counters report them, and its prefix-cache hits."""
+def measure_runs(
+    model_dir: Path, parts: Sequence[Sequence[TokenRequest]], setup: TieredSetup, *, slots: int, workdir: Path
+) -> list[tuple[dict[str, TierRates], int]]:
+    """Each part on a fresh engine, in turn, on one fs root: each tier's rates as its counters report them, and the
+    engine's own prefix-cache hits."""
     engine = setup.engine
     slot_bytes = kv_bytes_per_block(TinyLlama(), engine.block_size)
     job = {
@@ -145,32 +146,33 @@ def measure_run(
             "KVTritonTieringOffloadingSpec",
             cpu_bytes_to_use=slots * slot_bytes,
             eviction_policy="lru",
-            secondary_tiers=[{"type": "fs", "root_dir": str(root)}],
+            secondary_tiers=[{"type": "fs", "root_dir": str(workdir / "fs-root")}],
         ),
-        "prompts": [list(request.prompt) for request in requests],
+        "runs": [[list(request.prompt) for request in part] for part in parts],
     }
-    raw, _ = run_process(
-        "e2e.tiered_fidelity_engine", job, workdir, label=f"the tiered fidelity engine ({workdir.name})"
-    )
-    if raw["num_slots"] != slots or raw["gpu_blocks"] != engine.gpu_blocks:
-        raise AssertionError(
-            f"the engine is not the one simulated: {raw['num_slots']} host chunks and {raw['gpu_blocks']} GPU blocks,"
-            f" asked for {slots} and {engine.gpu_blocks}"
-        )
-    counters: dict[str, float] = raw["counters"]
-    by_tier: dict[str, dict[str, float]] = raw["tier_counters"]
+    raw, _ = run_process("e2e.tiered_fidelity_engine", job, workdir, label="the tiered fidelity engines")
+    measured: list[tuple[dict[str, TierRates], int]] = []
+    for run in raw["runs"]:
+        if run["num_slots"] != slots or run["gpu_blocks"] != engine.gpu_blocks:
+            raise AssertionError(
+                f"the engine is not the one simulated: {run['num_slots']} host chunks and {run['gpu_blocks']} GPU"
+                f" blocks, asked for {slots} and {engine.gpu_blocks}"
+            )
+        counters: dict[str, float] = run["counters"]
+        by_tier: dict[str, dict[str, float]] = run["tier_counters"]
 
-    def tier(label: str) -> TierRates:
-        return TierRates(
-            int(by_tier.get(CHUNK_HITS, {}).get(label, 0.0)), int(by_tier.get(CHUNK_QUERIES, {}).get(label, 0.0))
-        )
+        def tier(label: str, by_tier: dict[str, dict[str, float]] = by_tier) -> TierRates:
+            return TierRates(
+                int(by_tier.get(CHUNK_HITS, {}).get(label, 0.0)), int(by_tier.get(CHUNK_QUERIES, {}).get(label, 0.0))
+            )
 
-    measured = {
-        HOST_TIER: tier(HOST_TIER),
-        FS_TIER: tier(FS_TIER),
-        COMBINED: TierRates(int(counters.get(HITS, 0.0)), int(counters.get(QUERIES, 0.0))),
-    }
-    return measured, int(counters.get(LOCAL_HITS, 0.0))
+        rates = {
+            HOST_TIER: tier(HOST_TIER),
+            FS_TIER: tier(FS_TIER),
+            COMBINED: TierRates(int(counters.get(HITS, 0.0)), int(counters.get(QUERIES, 0.0))),
+        }
+        measured.append((rates, int(counters.get(LOCAL_HITS, 0.0))))
+    return measured
 
 
 def compare(setup: TieredSetup, model_dir: Path, workdir: Path, *, progress: bool = False) -> list[RunComparison]:
@@ -178,19 +180,19 @@ def compare(setup: TieredSetup, model_dir: Path, workdir: Path, *, progress: boo
     requests = workload(setup.engine)
     block_size = setup.engine.block_size
     slots = setup.host_slots(requests)
-    root = workdir / "fs-root"
+    parts = setup.parts(requests)
+    workdir.mkdir(parents=True, exist_ok=True)
+    measured = measure_runs(model_dir, parts, setup, slots=slots, workdir=workdir)
     disk = FsTier()
     comparisons: list[RunComparison] = []
-    for index, part in enumerate(setup.parts(requests), start=1):
-        run_dir = workdir / f"run{index}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        trace = read_trace(write_trace(run_dir / "trace.jsonl", part, block_size), block_size=block_size)
+    for index, (part, (rates, local_hits)) in enumerate(zip(parts, measured, strict=True), start=1):
+        trace_path = write_trace(workdir / f"trace-run{index}.jsonl", part, block_size)
         predicted = predict(
-            trace, slots=slots, block_size=block_size, policy="lru", model=setup.engine.server_model(), tier=disk
-        )
-        measured, local_hits = measure_run(model_dir, part, setup, slots=slots, root=root, workdir=run_dir)
+            read_trace(trace_path, block_size=block_size),
+            slots=slots, block_size=block_size, policy="lru", model=setup.engine.server_model(), tier=disk,
+        )  # fmt: skip
         comparison = RunComparison(
-            index, len(part), slots, predicted_rates(predicted), measured, (predicted.gpu_hit_tokens, local_hits)
+            index, len(part), slots, predicted_rates(predicted), rates, (predicted.gpu_hit_tokens, local_hits)
         )
         comparisons.append(comparison)
         if progress:

@@ -1,6 +1,6 @@
 """The body of one tiered fidelity engine process: :mod:`e2e.fidelity_engine`'s engine, with vLLM's tiering metrics by tier.
 
-Run by :func:`e2e.tiered_fidelity.measure_run` as ``python -m e2e.tiered_fidelity_engine JOB_JSON RESULT_JSON``.
+Run by :func:`e2e.tiered_fidelity.measure_runs` as ``python -m e2e.tiered_fidelity_engine JOB_JSON RESULT_JSON``.
 It runs :func:`e2e.fidelity_engine.run` (one request at a time, a small GPU
 cache with its prefix cache on, here with ``KVTritonTieringOffloadingSpec``
 and an fs tier), then steps the engine until every cascade to the disk has
@@ -41,7 +41,22 @@ def after_requests(llm: Any) -> dict[str, Any]:
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
-    return run_fidelity_engine(job, after_requests=after_requests)
+    """Each of ``job["runs"]`` (a list of prompt lists) on an engine of its own, one after the other.
+
+    An engine restart without a new interpreter: the first engine shuts down
+    (its connector, host region and tiers with it) and vLLM's process-wide
+    state is torn down before the next one starts, which saves re-importing
+    torch and vLLM (most of a process's start-up here).
+    """
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    results: list[dict[str, Any]] = []
+    for prompts in job["runs"]:
+        results.append(run_fidelity_engine({**job, "prompts": prompts}, after_requests=after_requests))
+        ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+    return {"runs": results}
 
 
 if __name__ == "__main__":
