@@ -1,7 +1,8 @@
 """`kvtriton simulate --tier fs` predicts what real vLLM engines report for each tier, within one point, across a restart.
 
-A seeded workload of 160 short requests (:mod:`e2e.tiered_fidelity`) runs in
-two engine processes in turn, each with ``KVTritonTieringOffloadingSpec``, a
+A seeded workload of 160 short requests (:mod:`e2e.tiered_fidelity`) runs on
+two engines in turn (one process: the first is shut down, with vLLM's process
+state, before the second starts), each with ``KVTritonTieringOffloadingSpec``, a
 host tier of 48 chunks (a fifth of the trace's 241 distinct blocks) and vLLM's
 ``fs`` tier on one root: the second engine starts with an empty host tier and
 the first one's disk. Each run's prediction replays its half of the trace with
