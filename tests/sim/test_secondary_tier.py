@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from kvtriton._keys import make_offload_key
 from kvtriton.sim._geometry import GIB, KVDtype, ModelGeometry
 from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import prepare
@@ -88,7 +89,7 @@ def test_the_fs_tier_never_evicts_and_reports_the_disk_it_filled() -> None:
 
 def test_the_mooncake_pool_evicts_the_least_recently_leased_tenth_past_its_watermark() -> None:
     pool = MooncakePool(10)
-    keys = [index.to_bytes(20, "big") for index in range(1, 11)]
+    keys = [make_offload_key(index.to_bytes(16, "big")) for index in range(1, 11)]
     for key in keys[:9]:
         assert pool.put(key)
     assert (pool.chunks, pool.evictions) == (9, 0)  # 90% full is not past the 90% watermark
