@@ -50,11 +50,14 @@ from kvtriton.sim import (
     COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_ARRIVALS,
     DEFAULT_DECODE_STEPS,
+    DEFAULT_HOST_PRICE_RATIO,
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_STORE_STEPS,
     DEFAULT_SWEEP_POINTS,
     GIB,
+    MOONCAKE_EVICTION_RATIO,
+    MOONCAKE_HIGH_WATERMARK,
     PRESETS,
     WORKLOADS,
     CallOrder,
@@ -63,17 +66,23 @@ from kvtriton.sim import (
     PointReport,
     Recommendation,
     Request,
+    TieredRecommendation,
+    TieredReport,
+    TierSpec,
     VllmOrder,
     default_capacities,
     format_bytes,
     generate,
     parse_capacity,
     parse_dtype,
+    parse_tier,
     prepare,
     read_trace,
     recommend,
+    recommend_tiered,
     summarize,
     sweep,
+    tiered_sweep,
 )
 
 __all__ = ["DEFAULT_OUT", "add_arguments", "plot_stamp", "run"]
@@ -218,6 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep_group = _add_sweep_arguments(parser)
     _add_server_arguments(parser)
     _add_answer_arguments(sweep_group)
+    _add_tier_arguments(parser)
     _add_output_arguments(parser)
 
 
@@ -418,6 +428,53 @@ def _add_answer_arguments(sim: argparse._ArgumentGroup) -> None:  # pyright: ign
     )
 
 
+def _tier(text: str) -> TierSpec:
+    try:
+        return parse_tier(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    tiers = parser.add_argument_group(
+        "second tier (vLLM's tiered offloading behind the host tier; implies --call-order vllm)",
+        "Stores cascade from host memory to the tier, a chunk found only there is promoted back first (the request"
+        " waits for it). Each (policy, host size, tier size) point is printed with both tiers' rates.",
+    )
+    tiers.add_argument(
+        "--tier",
+        type=_tier,
+        metavar="fs|mooncake[:SIZE]",
+        help="the second tier: 'fs' (vLLM's, a file per chunk, never evicts: the planner reports the disk it fills),"
+        " 'mooncake:SIZE' (a Mooncake Store pool of SIZE, evicting as its master does), or 'mooncake' to sweep"
+        " the pool's size (--tier-sizes)",
+    )
+    tiers.add_argument(
+        "--tier-sizes",
+        type=_capacities,
+        metavar="LIST",
+        help="--tier mooncake: pool sizes to sweep, comma-separated, units as --capacities (default: 4 sizes"
+        " doubling up to the first power-of-two GiB that holds the whole trace)",
+    )
+    tiers.add_argument(
+        "--host-price-ratio",
+        type=_positive_float,
+        default=DEFAULT_HOST_PRICE_RATIO,
+        metavar="R",
+        help="what a GiB of host memory costs in GiB of the tier, for --target-hit-rate's cheapest point"
+        f" (default: {DEFAULT_HOST_PRICE_RATIO:g}; docs/simulate.md says why)",
+    )
+    tiers.add_argument(
+        "--servers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="N servers share the tier (one Mooncake pool, or one fs root): each has its own host tier of each"
+        " size and its own request stream (the workload with seed --seed, stream 0..N-1: the popular prompts"
+        " are common, the requests each server's own); built-in workloads only (default: 1)",
+    )
+
+
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument(
@@ -481,6 +538,7 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
             ("--gpu-blocks", args.gpu_blocks is not None),
             ("--max-num-seqs", args.max_num_seqs is not None),
             ("--sequential", args.sequential),
+            ("--tier", args.tier is not None),
         )
         if given
     ]
@@ -498,6 +556,8 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
         if given
     ]
     name: str = args.call_order or ("vllm" if server_flags else "kvtriton")
+    if name == "kvtriton" and args.tier is not None:
+        raise ValueError("--tier models vLLM's tiered offloading: it applies to --call-order vllm, not kvtriton")
     if name == "kvtriton":
         misplaced = server_flags + model_flags
         if misplaced and args.call_order is None:
@@ -788,6 +848,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtriton simulate: error: {error}", file=sys.stderr)
         return 2
     stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
+    if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (_call_order)
+        return _run_tiered(args, stored, order, source, requests, started)
+    tier_only = [flag for flag, given in _tier_flags(args) if given]
+    if tier_only:
+        print(f"kvtriton simulate: error: {tier_only[0]} applies with --tier (fs or mooncake)", file=sys.stderr)
+        return 2
     prepared = prepare(requests)
     summary = summarize(prepared)
     capacities: list[int] = args.capacities or default_capacities(geometry, summary.distinct_blocks)
@@ -1082,3 +1148,260 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
         for report in reports
     ]
     return headers, rows
+
+
+# --------------------------------------------------------------------------
+# Across tiers (--tier)
+
+DEFAULT_TIERED_POINTS = 4
+"""Host sizes, and Mooncake pool sizes, a tiered sweep tries when none are given (each pair is a replay)."""
+
+
+def _tier_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """The flags that shape a tiered sweep, and whether each was given."""
+    return [
+        ("--tier-sizes", args.tier_sizes is not None),
+        ("--host-price-ratio", args.host_price_ratio != DEFAULT_HOST_PRICE_RATIO),
+        ("--servers", args.servers != 1),
+    ]
+
+
+def _tiers(args: argparse.Namespace, geometry: ModelGeometry, distinct_blocks: int) -> list[TierSpec]:
+    """The tier sizes to sweep: fs has one (it never evicts), a Mooncake pool its size or --tier-sizes."""
+    tier: TierSpec = args.tier
+    sizes: list[int] | None = args.tier_sizes
+    if tier.kind == "fs" or tier.capacity_bytes is not None:
+        if sizes is not None:
+            raise ValueError(
+                f"--tier-sizes sweeps a Mooncake pool's size; --tier {tier.describe()} has {'none' if tier.kind == 'fs' else 'one'}"
+            )
+        return [tier]
+    if sizes is None:
+        sizes = default_capacities(geometry, distinct_blocks, DEFAULT_TIERED_POINTS)
+    return [TierSpec("mooncake", size) for size in sizes]
+
+
+def _server_streams(args: argparse.Namespace, block_size: int, first: list[Request]) -> list[list[Request]]:
+    """One request stream per server: the workload drawn with --seed as streams 0..N-1 (shared popular prompts)."""
+    if args.servers == 1:
+        return [first]
+    if args.trace is not None:
+        raise ValueError("--servers draws one request stream per server from a built-in workload; not from --trace")
+    overrides: dict[str, str] = dict(args.param)
+    if args.requests is not None:
+        overrides["requests"] = str(args.requests)
+    return [first] + [
+        generate(args.workload, seed=args.seed, block_size=block_size, overrides=overrides, stream=stream)
+        for stream in range(1, args.servers)
+    ]
+
+
+def _run_tiered(
+    args: argparse.Namespace,
+    geometry: ModelGeometry,
+    order: VllmOrder,
+    source: _Source,
+    requests: list[Request],
+    started: float,
+) -> int:
+    """``--tier``: the (policy, host size, tier size) sweep, a table per policy, the cheapest point as vLLM's config."""
+    try:
+        streams = [prepare(stream) for stream in _server_streams(args, geometry.block_size, requests)]
+        distinct = summarize([request for stream in streams for request in stream]).distinct_blocks
+        hosts: list[int] = args.capacities or default_capacities(geometry, distinct, DEFAULT_TIERED_POINTS)
+        tiers = _tiers(args, geometry, distinct)
+        for tier in tiers:
+            tier.build(geometry)  # refuses a pool that holds no chunk
+        too_small = [host for host in hosts if geometry.blocks_for(host) < 1]
+        if too_small:
+            raise ValueError(
+                f"--capacities: {format_bytes(too_small[0])} holds no block of {format_bytes(geometry.stored_bytes_per_block)}"
+            )
+
+        def track(grid: Sequence[tuple[str, int, TierSpec]]) -> Iterable[tuple[str, int, TierSpec]]:
+            return progress(grid, len(grid), "simulate", enabled=not args.no_progress)
+
+        reports = tiered_sweep(streams, geometry, hosts, tiers, args.policies, order, track=track)
+        found = recommend_tiered(reports, args.target_hit_rate, args.host_price_ratio, geometry)
+    except (ValueError, RuntimeError) as error:
+        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
+        return 2
+    summary = summarize(streams[0])
+    working_set = distinct * geometry.stored_bytes_per_block
+    lines = [
+        f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
+        f" ({summary.prompt_tokens} tokens)" + (f", per server; {args.servers} servers" if args.servers > 1 else ""),
+        f"geometry  {geometry.describe()}",
+        f"working set {format_bytes(working_set)} ({distinct} distinct blocks"
+        + (", every server's" if args.servers > 1 else "")
+        + ")",
+        f"server    {_describe_server(order)}",
+        f"tiers     host memory per server, then {_tier_heading(args.tier, args.servers)}",
+    ]
+    for policy in args.policies:
+        lines.append("")
+        lines += _table(*_tiered_rows([r for r in reports if r.policy == policy], args.host_price_ratio)).split("\n")
+    if any(report.stalled for report in reports):
+        lines.append("")
+        lines.append(
+            "stalled: a request's prefix did not fit the host tier, so promoting it evicted what was already promoted"
+            " and the request never ran (vLLM's engine would stall the same way): give the host tier more room"
+        )
+    lines.append("")
+    lines += _tiered_recommendation_lines(found, order, geometry, args.servers)
+    record: dict[str, object] = {
+        "command": "kvtriton simulate",
+        "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "rates": "fractions of 1 (the printed table shows them as percentages)",
+        "source": {"name": source.name, **source.description},
+        "servers": args.servers,
+        "tier": args.tier.describe(),
+        "host_price_ratio": args.host_price_ratio,
+        "compression": geometry.compression,
+        "stored_bytes_per_block": geometry.stored_bytes_per_block,
+        "working_set_bytes": working_set,
+        "call_order": {"name": order.name, **asdict(order)},
+        "points": [_tiered_point_record(report, args.host_price_ratio) for report in reports],
+        "recommendation": {
+            "target_hit_rate": found.target,
+            "reached": found.point is not None,
+            "point": _tiered_point_record(found.point, args.host_price_ratio) if found.point is not None else None,
+            "kv_connector_extra_config": found.extra_config,
+        },
+        "elapsed_seconds": time.perf_counter() - started,
+    }
+    record["printed"] = lines
+    out_dir: Path = args.out
+    json_path = out_dir / f"simulate-{source.name}-tiered.json"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as error:
+        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
+    print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _tier_heading(tier: TierSpec, servers: int) -> str:
+    shared = f", shared by {servers} servers" if servers > 1 else ""
+    if tier.kind == "fs":
+        return f"vLLM's fs tier (no capacity, never evicts: its column is the disk it filled){shared}"
+    return (
+        f"a Mooncake Store pool (its master evicts {MOONCAKE_EVICTION_RATIO:.0%} of the objects, least recently"
+        f" used first, past {MOONCAKE_HIGH_WATERMARK:.0%} full){shared}"
+    )
+
+
+def _tiered_point_record(report: TieredReport, ratio: float) -> dict[str, object]:
+    return {
+        **asdict(report),
+        "external_hit_rate": report.external_hit_rate,
+        "host_chunk_hit_rate": report.host_chunk_hit_rate,
+        "tier_chunk_hit_rate": report.tier_chunk_hit_rate,
+        "tier_read_bytes": report.tier_read_bytes,
+        "tier_write_bytes": report.tier_write_bytes,
+        "tier_fill_bytes": report.tier_fill_bytes,
+        "cost_tier_gib": report.cost(ratio),
+    }
+
+
+def _tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str], list[list[str]]]:
+    """Per (host size, tier size): the rate vLLM reports, each tier's chunk hits, the bytes each moves, the cost."""
+    headers = ["policy", "host GiB", "tier GiB", "vLLM hit", "host hit", "tier hit", "promoted", "host load GiB",
+               "host store GiB", "tier read GiB", "tier write GiB", "tier evictions", "cost"]  # fmt: skip
+    rows: list[list[str]] = []
+    for report in reports:
+        tier_size = (
+            _gib(report.tier_size_bytes) if report.tier.kind == "mooncake" else f"{_gib(report.tier_fill_bytes)} filled"
+        )
+        counts = report.counts
+        if counts is None:  # stalled
+            rows.append(
+                [
+                    report.policy,
+                    _gib(report.host_bytes),
+                    _gib(report.tier.capacity_bytes or 0) if report.tier.kind == "mooncake" else "-",
+                    "stalled",
+                    *["-"] * 9,
+                ]
+            )
+            continue
+        rows.append(
+            [
+                report.policy,
+                _gib(report.host_bytes),
+                tier_size,
+                _percent(report.external_hit_rate),
+                f"{_percent(report.host_chunk_hit_rate)} of {counts.host_chunk_queries}",
+                f"{_percent(report.tier_chunk_hit_rate)} of {counts.tier_chunk_queries}",
+                str(counts.promotions),
+                _gib(report.host_load_bytes),
+                _gib(report.host_store_bytes),
+                _gib(report.tier_read_bytes),
+                _gib(report.tier_write_bytes),
+                str(counts.tier_evictions),
+                f"{report.cost(ratio):.3g}",
+            ]
+        )
+    return headers, rows
+
+
+def _tiered_recommendation_lines(
+    found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int
+) -> list[str]:
+    target = _percent(found.target)
+    point = found.point
+    price = f"host memory priced {found.host_price_ratio:g}x a tier GiB"
+    if point is None or found.extra_config is None:
+        best = found.best
+        return [
+            f"NO POINT TRIED REACHES THE TARGET: the hit rate vLLM reports stays below {target} ({price});",
+            f"  the best is {_percent(best.external_hit_rate)} ({best.policy.upper()}, host"
+            f" {format_bytes(best.host_bytes)}, {best.tier.describe()}): try larger --capacities or --tier-sizes,"
+            " or lower --target-hit-rate.",
+        ]
+    tier_size = (
+        f"a Mooncake pool of {format_bytes(point.tier_size_bytes)}"
+        if point.tier.kind == "mooncake"
+        else f"an fs tier that fills {format_bytes(point.tier_fill_bytes)} over the trace"
+    )
+    per_server = " per server" if servers > 1 else ""
+    transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": found.extra_config,
+    }
+    flags = [f"--block-size {geometry.block_size}"]
+    if order.max_num_seqs is not None:
+        flags.append(f"--max-num-seqs {order.max_num_seqs}")
+    lines = [
+        f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
+        f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier_size},"
+        f" {_percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
+        "",
+        "kv_connector_extra_config:",
+        "  " + json.dumps(found.extra_config),
+        "",
+        "vllm serve <model> " + " ".join(flags) + " \\",
+        f"  --kv-transfer-config '{json.dumps(transfer, separators=(',', ':'))}'",
+        "",
+        f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
+    ]
+    if point.tier.kind == "mooncake":
+        lines.append(
+            f"pool:      the holders' --global_segment_size adding up to {format_bytes(point.tier_size_bytes)}"
+            ' (docs/tiers.md, "Deploying Mooncake Store")'
+        )
+    else:
+        lines.append(
+            f"disk:      {format_bytes(point.tier_fill_bytes)} under root_dir after this trace; fs never evicts,"
+            " so it keeps growing with every new prefix (clear it yourself)"
+        )
+    if geometry.compression != "none":
+        lines.append(
+            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
+        )
+    return lines

@@ -129,6 +129,12 @@ class ManagerCalls(Generic[CtxT]):
     """The manager's ``LookupResult.HIT_PENDING``."""
     on_new_request: Callable[[CtxT], object] | None = None
     on_request_finished: Callable[[CtxT], object] | None = None
+    retry: object = None
+    """A tiered manager's RETRY (a secondary tier's existence check has not run yet); None: it never answers one."""
+    on_schedule_end: Callable[[], object] | None = None
+    """vLLM's per-step hook, the last manager call of a step (a tiered manager submits its tier work there)."""
+    has_pending_work: Callable[[], bool] | None = None
+    """Whether tier work is still in flight (the server replay steps on until it is done)."""
 
 
 def manager_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:

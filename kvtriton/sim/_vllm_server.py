@@ -68,6 +68,7 @@ scheduler request by request.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from collections import deque
@@ -87,6 +88,7 @@ from kvtriton.sim._replay import (
     prepare,
     vllm_order_calls,
 )
+from kvtriton.sim._secondary_tier import SecondaryTier, TierCounts, TieredManager, tiered_calls
 from kvtriton.sim._workloads import Request
 
 __all__ = [
@@ -94,11 +96,15 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_OUTPUT_TOKENS",
     "DEFAULT_STORE_STEPS",
+    "MAX_DEFERRALS",
     "ServerModel",
     "ServerStats",
     "RequestOutcome",
+    "ServerStream",
+    "StalledRequest",
     "predict",
     "replay_vllm_server",
+    "replay_vllm_servers",
 ]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -110,7 +116,14 @@ DEFAULT_LOAD_STEPS = 1
 DEFAULT_STORE_STEPS = 2
 """A store completes at the end of the second step after the one that prepared it."""
 
+MAX_DEFERRALS = 1000
+"""Steps a request may be deferred before the replay calls it stalled (:class:`StalledRequest`)."""
+
 CtxT = TypeVar("CtxT")
+
+
+class StalledRequest(RuntimeError):
+    """A request deferred without end: vLLM's engine would never serve it either."""
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -185,6 +198,8 @@ class ServerStats:
     """Steps that admitted at least one request."""
     preemptions: int
     """Running requests preempted because a running request found no free GPU block for its next tokens."""
+    tiers: TierCounts | None = None
+    """With a secondary tier: the host tier's and the tier's counts as vLLM's tiering metrics report them."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -287,13 +302,48 @@ def replay_vllm_server(
     waiting ones), ``build_connector_meta()`` (stores, finished requests),
     then the forward pass and ``update_from_output()`` (see the module docstring).
     """
+    (stats,) = replay_vllm_servers([ServerStream(calls, requests, contexts)], block_size=block_size, model=model)
+    return stats
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStream(Generic[CtxT]):
+    """One server's manager calls and request stream, for :func:`replay_vllm_servers`."""
+
+    calls: ManagerCalls[CtxT]
+    requests: Sequence[PreparedRequest]
+    contexts: Sequence[CtxT]
+
+
+def replay_vllm_servers(
+    streams: Sequence[ServerStream[CtxT]], *, block_size: int, model: ServerModel | None = None
+) -> list[ServerStats]:
+    """Replay several servers in lockstep, one scheduler step each in turn (see :func:`replay_vllm_server`).
+
+    Each stream is one server with its own manager; servers whose managers
+    share a secondary tier (one Mooncake pool) see each other's cascades in
+    the order their steps interleave.
+    """
     _check_int("block_size", block_size, 1)
-    if len(contexts) != len(requests):
-        raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")
-    server = _ServerReplay(calls, requests, contexts, block_size, model if model is not None else ServerModel())
-    while server.has_work():
-        server.step()
-    return server.stats()
+    servers: list[_ServerReplay[CtxT]] = []
+    for stream in streams:
+        if len(stream.contexts) != len(stream.requests):
+            raise ValueError(f"contexts has {len(stream.contexts)} entries for {len(stream.requests)} requests")
+        servers.append(
+            _ServerReplay(
+                stream.calls,
+                stream.requests,
+                stream.contexts,
+                block_size,
+                model if model is not None else ServerModel(),
+            )
+        )
+    while True:
+        busy = [server for server in servers if server.has_work()]
+        if not busy:
+            return [server.stats() for server in servers]
+        for server in busy:
+            server.step()
 
 
 class _ServerReplay(Generic[CtxT]):
@@ -354,7 +404,13 @@ class _ServerReplay(Generic[CtxT]):
             or self.running
             or self.jobs
             or self.finished_last_step
+            or self._tier_busy()
         )
+
+    def _tier_busy(self) -> bool:
+        """A tiered manager's cascades, promotions or existence checks are still in flight."""
+        busy = self.calls.has_pending_work
+        return busy is not None and busy()
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -379,6 +435,7 @@ class _ServerReplay(Generic[CtxT]):
             or self.finished_last_step
             or preempted_now
             or self.next_arrival > arrived_before
+            or self._tier_busy()
         )
         if not progressed and (self.waiting or self.holding or self.running):  # a bug guard: every rule makes progress
             left = len(self.waiting) + len(self.holding) + len(self.running)
@@ -506,6 +563,8 @@ class _ServerReplay(Generic[CtxT]):
             elif result is calls.pending:
                 hits += 1
                 wait = True
+            elif result is calls.retry and result is not None:
+                wait = True  # a tier's existence check is still out: vLLM scans on, so every check starts now
             else:
                 break
         if not wait and hits and self.being_loaded:
@@ -513,6 +572,12 @@ class _ServerReplay(Generic[CtxT]):
         if wait:
             state.deferrals += 1
             self.pending_stops += 1
+            if state.deferrals > MAX_DEFERRALS:
+                raise StalledRequest(
+                    f"request {request.req_id!r} was deferred {MAX_DEFERRALS} steps: its lookups never all hit at"
+                    " once (with a secondary tier: promoting its prefix into the host tier evicts the part already"
+                    " there, and vLLM would stall on it too); the host tier is too small for its prompt"
+                )
             return "deferred"
         local_tokens, external_tokens = local * block_size, hits * block_size
         cached_tokens = local_tokens + external_tokens
@@ -615,6 +680,8 @@ class _ServerReplay(Generic[CtxT]):
             for state in self.finished_last_step:
                 on_finished(self.contexts[state.index])
         self.finished_last_step = []
+        if self.calls.on_schedule_end is not None:
+            self.calls.on_schedule_end()
 
     def _update_from_output(self, scheduled: Sequence[tuple[_Request, int]]) -> list[int]:
         """The forward pass, then update_from_output(): sample, finish, then the workers' completions."""
@@ -730,6 +797,7 @@ def predict(
     block_size: int,
     policy: str = "lru",
     model: ServerModel | None = None,
+    tier: SecondaryTier | None = None,
 ) -> ServerStats:
     """What a vLLM server with kvtriton's manager of ``slots`` blocks and ``policy`` counts for ``requests``.
 
@@ -738,8 +806,18 @@ def predict(
     server's settings: compare ``external_hit_rate`` with vLLM's
     ``external_prefix_cache_hits / external_prefix_cache_queries``, and
     ``outcomes`` request by request.
+
+    With ``tier`` the host tier is the primary of vLLM's tiered offloading
+    (:class:`~kvtriton.sim._secondary_tier.TieredManager`) in front of it, and
+    ``tiers`` holds both tiers' counts. ``tier`` keeps what it holds: predict
+    again with the same tier for a restarted engine (empty host tier and GPU
+    cache, the tier as it was).
     """
     prepared = prepare(requests)
     manager = CPUOffloadingManager(slots, cache_policy=policy)
     contexts = positioned_contexts(prepared, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
-    return replay_vllm_server(vllm_order_calls(manager), prepared, contexts, block_size=block_size, model=model)
+    if tier is None:
+        return replay_vllm_server(vllm_order_calls(manager), prepared, contexts, block_size=block_size, model=model)
+    tiered = TieredManager(manager, tier)
+    stats = replay_vllm_server(tiered_calls(tiered), prepared, contexts, block_size=block_size, model=model)
+    return dataclasses.replace(stats, tiers=tiered.counts())

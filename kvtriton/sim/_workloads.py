@@ -312,14 +312,27 @@ class _SegmentIds:
     def new(self) -> int:
         return next(self._next)
 
+    def begin_stream(self, rng: random.Random, stream: int) -> None:
+        """From here on the content is server ``stream``'s own: what came before (the shared prompts) is common.
 
-def _shared_prompt(params: SharedPromptParams, rng: random.Random, block_size: int) -> list[Request]:
+        Stream 0 changes nothing (the workload's one-server trace). Any other
+        stream draws its requests from a random source of its own and gives
+        its content ids no other stream uses, so N servers share the popular
+        prefixes and nothing else.
+        """
+        if stream:
+            rng.seed(f"{rng.getrandbits(64)}-stream-{stream}")
+            self._next = itertools.count((stream << 40) + 1)
+
+
+def _shared_prompt(params: SharedPromptParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
     prompts: list[_Sequence] = []
     for _ in range(params.system_prompts):
         sequence = _Sequence(block_size)
         sequence.append(ids.new(), params.system_tokens)
         prompts.append(sequence)
+    ids.begin_stream(rng, stream)
     requests: list[Request] = []
     for index in range(params.requests):
         sequence = rng.choice(prompts).copy()
@@ -340,6 +353,7 @@ def _interleaved_conversations(
     name: str,
     rng: random.Random,
     block_size: int,
+    stream: int,
     *,
     requests: int,
     active_conversations: int,
@@ -357,6 +371,7 @@ def _interleaved_conversations(
     ids = _SegmentIds()
     system = _Sequence(block_size)
     system.append(ids.new(), system_tokens)
+    ids.begin_stream(rng, stream)
     started = itertools.count()
 
     def start() -> _Conversation:
@@ -379,9 +394,9 @@ def _interleaved_conversations(
     return generated
 
 
-def _chat(params: ChatParams, rng: random.Random, block_size: int) -> list[Request]:
+def _chat(params: ChatParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _interleaved_conversations(
-        "chat", rng, block_size,
+        "chat", rng, block_size, stream,
         requests=params.requests,
         active_conversations=params.active_conversations,
         turns=(params.turns_min, params.turns_max),
@@ -400,6 +415,7 @@ def _zipf_prefixes_with_unique_tails(
     name: str,
     rng: random.Random,
     block_size: int,
+    stream: int,
     *,
     requests: int,
     prefixes: int,
@@ -415,6 +431,7 @@ def _zipf_prefixes_with_unique_tails(
         sequence = _Sequence(block_size)
         sequence.append(ids.new(), rng.randint(*prefix_tokens))
         shared.append(sequence)
+    ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(prefixes, zipf_s)
     generated: list[Request] = []
     for index in range(requests):
@@ -425,9 +442,9 @@ def _zipf_prefixes_with_unique_tails(
     return generated
 
 
-def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> list[Request]:
+def _few_shot(params: FewShotParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _zipf_prefixes_with_unique_tails(
-        "few-shot", rng, block_size,
+        "few-shot", rng, block_size, stream,
         requests=params.requests,
         prefixes=params.prefixes,
         zipf_s=params.zipf_s,
@@ -437,9 +454,10 @@ def _few_shot(params: FewShotParams, rng: random.Random, block_size: int) -> lis
     )  # fmt: skip
 
 
-def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size: int) -> list[Request]:
+def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
     prefix_ids = [ids.new() for _ in range(params.prefixes)]
+    ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(params.prefixes, params.zipf_s)
     shortest = (params.prefix_blocks + 1) // 2
     requests: list[Request] = []
@@ -454,9 +472,9 @@ def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size:
     return requests
 
 
-def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size: int) -> list[Request]:
+def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _zipf_prefixes_with_unique_tails(
-        "system-prompts", rng, block_size,
+        "system-prompts", rng, block_size, stream,
         requests=params.requests,
         prefixes=params.system_prompts,
         zipf_s=params.zipf_s,
@@ -466,9 +484,9 @@ def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size:
     )  # fmt: skip
 
 
-def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int) -> list[Request]:
+def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _interleaved_conversations(
-        "multi-turn", rng, block_size,
+        "multi-turn", rng, block_size, stream,
         requests=params.requests,
         active_conversations=params.active_conversations,
         turns=(params.turns_min, params.turns_max),
@@ -478,7 +496,7 @@ def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int) ->
     )  # fmt: skip
 
 
-def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int) -> list[Request]:
+def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
     # Per task: its header, then its examples as (content id, length), always in the same order.
     tasks: list[tuple[int, list[tuple[int, int]]]] = []
@@ -488,6 +506,7 @@ def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int) 
             for _ in range(params.examples_per_task)
         ]
         tasks.append((ids.new(), examples))
+    ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(params.tasks, params.zipf_s)
     requests: list[Request] = []
     for index in range(params.requests):
@@ -501,13 +520,14 @@ def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int) 
     return requests
 
 
-def _scan(params: ScanParams, rng: random.Random, block_size: int) -> list[Request]:
+def _scan(params: ScanParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
     hot: list[_Sequence] = []
     for _ in range(params.hot_prompts):
         sequence = _Sequence(block_size)
         sequence.append(ids.new(), rng.randint(params.hot_tokens_min, params.hot_tokens_max))
         hot.append(sequence)
+    ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(params.hot_prompts, params.zipf_s)
     requests: list[Request] = []
     for index in range(params.requests):
@@ -560,7 +580,8 @@ class Workload(Generic[P]):
     name: str
     summary: str
     defaults: P
-    build: Callable[[P, random.Random, int], list[Request]]
+    build: Callable[[P, random.Random, int, int], list[Request]]
+    """``(params, rng, block_size, stream)``: ``stream`` numbers the server drawing requests (0: the only one)."""
 
     def parameters(self) -> dict[str, object]:
         """Parameter names and default values, in declaration order."""
@@ -582,11 +603,19 @@ class Workload(Generic[P]):
             raise ValueError(f"workload {self.name!r}: {error}") from None
 
     def generate(
-        self, *, seed: int, block_size: int, overrides: Mapping[str, str | int | float] | None = None
+        self,
+        *,
+        seed: int,
+        block_size: int,
+        overrides: Mapping[str, str | int | float] | None = None,
+        stream: int = 0,
     ) -> list[Request]:
+        """The trace for ``seed``; ``stream`` > 0 is another server's: the same shared prompts, its own requests."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        return self.build(self.params(overrides or {}), random.Random(seed), block_size)
+        if isinstance(stream, bool) or stream < 0:
+            raise ValueError(f"stream must be an int >= 0, got {stream!r}")
+        return self.build(self.params(overrides or {}), random.Random(seed), block_size, stream)
 
 
 WORKLOADS: dict[
@@ -661,12 +690,18 @@ def generate(
     seed: int = 0,
     block_size: int = 16,
     overrides: Mapping[str, str | int | float] | None = None,
+    stream: int = 0,
 ) -> list[Request]:
-    """The trace of built-in workload ``name``; deterministic for a given seed."""
+    """The trace of built-in workload ``name``; deterministic for a given seed.
+
+    ``stream`` numbers servers sharing one tier (``--servers``): every stream
+    has the same shared prompts (system prompts, few-shot prefixes) and
+    requests of its own, drawn from its own random source.
+    """
     workload = WORKLOADS.get(name)
     if workload is None:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {name!r}")
-    return workload.generate(seed=seed, block_size=block_size, overrides=overrides)
+    return workload.generate(seed=seed, block_size=block_size, overrides=overrides, stream=stream)
 
 
 # --------------------------------------------------------------------------

@@ -129,6 +129,13 @@ def _settle(llm: Any, sampling: Any) -> None:
             time.sleep(0.05)
 
 
+def settle_offloading(llm: Any) -> None:
+    """Step the engine with a filler prompt until no offloading transfer is in flight (:func:`_settle`)."""
+    from vllm import SamplingParams
+
+    _settle(llm, SamplingParams(temperature=0.0, max_tokens=1))
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     problem = cpu_kernels_problem()
     if problem is not None:

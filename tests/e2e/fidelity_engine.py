@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from e2e.engine_process import job_main, vllm_counters  # sets vLLM's CPU environment on import, as this process needs
@@ -26,7 +27,8 @@ from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 os.environ.update(ENGINE_ENV)
 
 
-def run(job: dict[str, Any]) -> dict[str, Any]:
+def run(job: dict[str, Any], *, after_requests: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One engine over the job's prompts; ``after_requests(llm)`` adds to the result before the engine shuts down."""
     problem = cpu_kernels_problem()
     if problem is not None:
         raise RuntimeError(f"vLLM CPU kernels: {problem}")
@@ -63,14 +65,18 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             outputs = [llm.generate([prompt], sampling, use_tqdm=False)[0] for prompt in prompts]
         cached = [int(output.num_cached_tokens) for output in outputs]
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        run_s, counters = time.monotonic() - started, vllm_counters(llm)  # before anything else steps the engine
+        extra = {} if after_requests is None else after_requests(llm)
         return {
+            **extra,
             "startup_s": startup_s,
-            "run_s": time.monotonic() - started,
-            "num_slots": int(spec.num_slots),
+            "run_s": run_s,
+            # The single-tier spec counts slots, the tiered one chunks (one block each here).
+            "num_slots": int(spec.num_slots if hasattr(spec, "num_slots") else spec.num_chunks),
             "kv_bytes_per_block": int(spec.config.worker_kv_bytes_per_block),
             "gpu_blocks": int(scheduler.kv_cache_manager.block_pool.num_gpu_blocks),
             "cached_tokens": cached,
-            "counters": vllm_counters(llm),
+            "counters": counters,
         }
     finally:
         # The engine core's shutdown runs the connector's: kvtriton's spec closes its slab.

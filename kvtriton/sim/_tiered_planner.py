@@ -1,0 +1,267 @@
+"""The planner across tiers: a trace swept over (host size, tier size), each point reported as vLLM's metrics would.
+
+:func:`tiered_sweep` replays the trace behind the server model once per
+(policy, host size, tier size) with a :class:`~kvtriton.sim._secondary_tier.TieredManager`
+per server, every server's manager in front of one shared tier (``--servers``:
+one request stream per server, all feeding one Mooncake pool).
+:class:`TieredReport` holds the rates and bytes each tier serves;
+:func:`recommend_tiered` picks the cheapest point that reaches a target, host
+memory priced :data:`DEFAULT_HOST_PRICE_RATIO` times a tier GiB, and writes
+the ``kv_connector_extra_config`` of ``KVTritonTieringOffloadingSpec`` for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtriton._offload_types import ReqContext
+from kvtriton.manager import CPUOffloadingManager
+from kvtriton.sim._geometry import GIB, ModelGeometry
+from kvtriton.sim._planner import COMPRESSION_EXTRA_CONFIG_KEY, VllmOrder
+from kvtriton.sim._replay import PreparedRequest, positioned_contexts
+from kvtriton.sim._secondary_tier import TierCounts, TieredManager, TierSpec, tiered_calls
+from kvtriton.sim._vllm_server import ServerStream, StalledRequest, replay_vllm_servers
+
+__all__ = [
+    "DEFAULT_HOST_PRICE_RATIO",
+    "TIERING_SPEC_EXTRA_CONFIG",
+    "TieredRecommendation",
+    "TieredReport",
+    "TieredTrack",
+    "recommend_tiered",
+    "tier_extra_config",
+    "tiered_point",
+    "tiered_sweep",
+]
+
+TieredTrack = Callable[[Sequence[tuple[str, int, TierSpec]]], Iterable[tuple[str, int, TierSpec]]]
+"""Wraps a tiered sweep's (policy, host size, tier) grid as it is replayed (the command's progress bar)."""
+
+DEFAULT_HOST_PRICE_RATIO = 10.0
+"""A GiB of host DRAM costs this many GiB of the second tier: server DRAM against NVMe is about 30x per GiB,
+against a Mooncake pool's DRAM (cheaper, denser holders, shared by every server) about 3x; 10 sits between.
+``--host-price-ratio`` sets it."""
+
+TIERING_SPEC_EXTRA_CONFIG: dict[str, object] = {
+    "spec_name": "KVTritonTieringOffloadingSpec",
+    "spec_module_path": "kvtriton.integrations.vllm",
+}
+"""The keys that make kvtriton the primary tier of vLLM's tiered offloading (docs/tiers.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TieredReport:
+    """One (policy, host size, tier size) point over every server, as vLLM's metrics report it; rates are fractions."""
+
+    policy: str
+    servers: int
+    host_bytes: int
+    """Each server's host tier (``cpu_bytes_to_use``)."""
+    host_blocks: int
+    tier: TierSpec
+    stalled: bool
+    """A request was deferred without end (its prefix does not fit the host tier): no rate is meaningful."""
+    external_query_tokens: int
+    external_hit_tokens: int
+    """Loaded into the GPU from the host tier, promoted chunks included: vLLM's ``external_prefix_cache_hits``."""
+    counts: TierCounts | None
+    """Both tiers' chunk counts, summed over servers (None when stalled)."""
+    bytes_per_chunk: int
+    """One chunk's host row (compressed with compression): what each tier copy moves."""
+    tier_object_bytes: int
+    """What one chunk takes in the tier (Mooncake adds its 64-byte seal)."""
+    host_evictions: int
+    """Host chunks evicted for the GPU's stores and for promotions."""
+    host_load_bytes: int
+    """Host tier to GPU (``vllm:kv_offload_load_bytes``): every external hit, promoted chunks included."""
+    host_store_bytes: int
+    """GPU to host tier (``vllm:kv_offload_store_bytes``); promotions write the host tier too, counted as tier reads."""
+    compression: str = "none"
+
+    @property
+    def external_hit_rate(self) -> float:
+        """The combined rate vLLM reports: ``external_prefix_cache_hits / external_prefix_cache_queries``."""
+        return self.external_hit_tokens / self.external_query_tokens if self.external_query_tokens else 0.0
+
+    def _count(self, name: str) -> int:
+        return 0 if self.counts is None else int(getattr(self.counts, name))
+
+    @property
+    def host_chunk_hit_rate(self) -> float:
+        """``chunk_hits / chunk_queries`` of tier ``0:primary``."""
+        queries = self._count("host_chunk_queries")
+        return self._count("host_chunk_hits") / queries if queries else 0.0
+
+    @property
+    def tier_chunk_hit_rate(self) -> float:
+        """``chunk_hits / chunk_queries`` of tier ``1:fs`` or ``1:mooncake``."""
+        queries = self._count("tier_chunk_queries")
+        return self._count("tier_chunk_hits") / queries if queries else 0.0
+
+    @property
+    def tier_read_bytes(self) -> int:
+        """``vllm:kv_offload_tiering_read_bytes``: promoted chunks."""
+        return self._count("promotions") * self.bytes_per_chunk
+
+    @property
+    def tier_write_bytes(self) -> int:
+        """``vllm:kv_offload_tiering_write_bytes``: cascaded chunks."""
+        return self._count("cascaded_chunks") * self.bytes_per_chunk
+
+    @property
+    def tier_fill_bytes(self) -> int:
+        """What the tier holds at the end: for ``fs``, the disk it filled over the trace."""
+        return self._count("tier_chunks") * self.tier_object_bytes
+
+    @property
+    def tier_size_bytes(self) -> int:
+        """The tier's size as bought: the pool's capacity, or for ``fs`` what it filled."""
+        return self.tier.capacity_bytes if self.tier.capacity_bytes is not None else self.tier_fill_bytes
+
+    def cost(self, host_price_ratio: float) -> float:
+        """In tier-GiB: every server's host memory at ``host_price_ratio`` times a tier GiB, plus the tier."""
+        return (self.servers * self.host_bytes * host_price_ratio + self.tier_size_bytes) / GIB
+
+
+def tiered_point(
+    streams: Sequence[Sequence[PreparedRequest]],
+    geometry: ModelGeometry,
+    host_bytes: int,
+    tier: TierSpec,
+    policy: str,
+    order: VllmOrder,
+) -> TieredReport:
+    """One point: every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``."""
+    shared = tier.build(geometry)
+    blocks = geometry.blocks_for(host_bytes)
+    managers = [TieredManager(CPUOffloadingManager(blocks, cache_policy=policy), shared) for _ in streams]
+    server_streams = [
+        ServerStream(
+            tiered_calls(manager),
+            requests,
+            positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=geometry.block_size),
+        )
+        for manager, requests in zip(managers, streams)
+    ]
+    stalled = TieredReport(
+        policy=policy,
+        servers=len(streams),
+        host_bytes=host_bytes,
+        host_blocks=blocks,
+        tier=tier,
+        stalled=True,
+        external_query_tokens=0,
+        external_hit_tokens=0,
+        counts=None,
+        bytes_per_chunk=geometry.stored_bytes_per_block,
+        tier_object_bytes=tier.object_bytes(geometry),
+        host_evictions=0,
+        host_load_bytes=0,
+        host_store_bytes=0,
+        compression=geometry.compression,
+    )
+    try:
+        stats = replay_vllm_servers(server_streams, block_size=geometry.block_size, model=order.server_model())
+    except StalledRequest:
+        return stalled
+    return dataclasses.replace(
+        stalled,
+        stalled=False,
+        external_query_tokens=sum(each.external_query_tokens for each in stats),
+        external_hit_tokens=sum(each.external_hit_tokens for each in stats),
+        counts=_summed([manager.counts() for manager in managers]),
+        host_evictions=sum(each.replay.evictions for each in stats)
+        + sum(manager.promotion_evictions for manager in managers),
+        host_load_bytes=sum(each.replay.hit_blocks for each in stats) * geometry.stored_bytes_per_block,
+        host_store_bytes=sum(each.replay.blocks_stored for each in stats) * geometry.stored_bytes_per_block,
+    )
+
+
+def _summed(counts: Sequence[TierCounts]) -> TierCounts:
+    """Every server's counts added up; the tier's own (what it holds, evicts, refuses) are the one shared tier's."""
+    first = counts[0]  # every manager reads the one shared tier, so its own counts are the same in each
+    return TierCounts(
+        kind=first.kind,
+        host_chunk_queries=sum(each.host_chunk_queries for each in counts),
+        host_chunk_hits=sum(each.host_chunk_hits for each in counts),
+        tier_chunk_queries=sum(each.tier_chunk_queries for each in counts),
+        tier_chunk_hits=sum(each.tier_chunk_hits for each in counts),
+        promotions=sum(each.promotions for each in counts),
+        promotion_jobs=sum(each.promotion_jobs for each in counts),
+        promotion_failures=sum(each.promotion_failures for each in counts),
+        promotion_evictions=sum(each.promotion_evictions for each in counts),
+        cascaded_chunks=sum(each.cascaded_chunks for each in counts),
+        tier_chunks=first.tier_chunks,
+        tier_peak_chunks=max(each.tier_peak_chunks for each in counts),
+        tier_evictions=first.tier_evictions,
+        tier_refused_puts=first.tier_refused_puts,
+    )
+
+
+def tiered_sweep(
+    streams: Sequence[Sequence[PreparedRequest]],
+    geometry: ModelGeometry,
+    host_capacities: Sequence[int],
+    tiers: Sequence[TierSpec],
+    policies: Sequence[str],
+    order: VllmOrder,
+    *,
+    track: TieredTrack | None = None,
+) -> list[TieredReport]:
+    """Every (policy, host size, tier) point, each on fresh host tiers and a fresh tier."""
+    grid = [(policy, host, tier) for policy in policies for host in host_capacities for tier in tiers]
+    return [
+        tiered_point(streams, geometry, host, tier, policy, order)
+        for policy, host, tier in (grid if track is None else track(grid))
+    ]
+
+
+def tier_extra_config(tier: TierSpec) -> dict[str, object]:
+    """The ``secondary_tiers`` entry of ``tier``; the placeholders in angle brackets are the deployment's."""
+    if tier.kind == "fs":
+        return {"type": "fs", "root_dir": "<a directory on local NVMe>"}
+    return {
+        "type": "MooncakeStoreTier",
+        "module_path": "kvtriton.integrations.mooncake",
+        "master_server_address": "<mooncake_master host:port>",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TieredRecommendation:
+    """The cheapest point that reaches the target, and its vLLM configuration."""
+
+    target: float
+    host_price_ratio: float
+    point: TieredReport | None
+    """None when no point tried reaches the target."""
+    best: TieredReport
+    """The point with the highest rate (the closest one when none reaches the target)."""
+    extra_config: dict[str, object] | None
+
+
+def recommend_tiered(
+    reports: Sequence[TieredReport], target: float, host_price_ratio: float, geometry: ModelGeometry
+) -> TieredRecommendation:
+    """The point of least :meth:`TieredReport.cost` whose combined rate reaches ``target`` (then the higher rate)."""
+    if not reports:
+        raise ValueError("no sweep points to choose from")
+    if not host_price_ratio > 0:
+        raise ValueError(f"host_price_ratio must be positive, got {host_price_ratio!r}")
+    usable = [report for report in reports if not report.stalled] or list(reports)
+    best = max(usable, key=lambda report: (report.external_hit_rate, -report.cost(host_price_ratio)))
+    reaching = [report for report in usable if not report.stalled and report.external_hit_rate >= target - 1e-12]
+    if not reaching:
+        return TieredRecommendation(target, host_price_ratio, None, best, None)
+    point = min(reaching, key=lambda report: (report.cost(host_price_ratio), -report.external_hit_rate))
+    extra: dict[str, object] = {
+        **TIERING_SPEC_EXTRA_CONFIG,
+        "cpu_bytes_to_use": point.host_bytes,
+        "eviction_policy": point.policy,
+    }
+    if geometry.compression != "none":
+        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
+    extra["secondary_tiers"] = [tier_extra_config(point.tier)]
+    return TieredRecommendation(target, host_price_ratio, point, best, extra)
