@@ -20,6 +20,10 @@ import re
 from dataclasses import dataclass
 
 from kvtriton._byte_units import format_bytes  # one size rule for the command line and the serving logs
+from kvtriton._integrity import SEAL_BYTES
+
+REGION_ALIGNMENT = 4096
+"""The tiered spec's region pads each chunk to 4 KiB (the fs tier reads it with O_DIRECT)."""
 
 __all__ = [
     "BARE_NUMBER_UNIT",
@@ -132,6 +136,14 @@ class ModelGeometry:
     def stored_bytes_per_block(self) -> int:
         """Bytes one block takes in host memory and moves per copy: the compressed row with compression."""
         return self.bytes_per_block if self.compressed_bytes_per_block is None else self.compressed_bytes_per_block
+
+    @property
+    def tiered_chunk_bytes(self) -> int:
+        """One chunk of the tiered spec's shared region, as its tiers store it: a stored block plus room for its
+        64-byte seal, padded to 4 KiB (the region's layout; tiny blocks grow most)."""
+        # RegionLayout.block_row_stride_for(1, 1, stored) (tests/sim check they agree): kvtriton.worker imports
+        # torch, which the simulator never loads.
+        return -(-(self.stored_bytes_per_block + SEAL_BYTES) // REGION_ALIGNMENT) * REGION_ALIGNMENT
 
     @property
     def compression_ratio(self) -> float:

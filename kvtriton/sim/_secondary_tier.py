@@ -227,8 +227,8 @@ class TierSpec:
     """The Mooncake pool's size (None for fs: no capacity)."""
 
     def object_bytes(self, geometry: ModelGeometry) -> int:
-        """What one chunk takes in the tier: the host row (compressed with compression), plus Mooncake's seal."""
-        return geometry.stored_bytes_per_block + (SEAL_BYTES if self.kind == "mooncake" else 0)
+        """What one chunk takes in the tier: the region's sealed chunk, plus the seal Mooncake's value carries."""
+        return geometry.tiered_chunk_bytes + (SEAL_BYTES if self.kind == "mooncake" else 0)
 
     def build(self, geometry: ModelGeometry) -> SecondaryTier:
         """An empty tier of this kind for ``geometry``'s chunks."""

@@ -135,7 +135,7 @@ def tiered_point(
 ) -> TieredReport:
     """One point: every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``."""
     shared = tier.build(geometry)
-    blocks = geometry.blocks_for(host_bytes)
+    blocks = host_bytes // geometry.tiered_chunk_bytes
     managers = [TieredManager(CPUOffloadingManager(blocks, cache_policy=policy), shared) for _ in streams]
     server_streams = [
         ServerStream(
@@ -155,7 +155,7 @@ def tiered_point(
         external_query_tokens=0,
         external_hit_tokens=0,
         counts=None,
-        bytes_per_chunk=geometry.stored_bytes_per_block,
+        bytes_per_chunk=geometry.tiered_chunk_bytes,
         tier_object_bytes=tier.object_bytes(geometry),
         host_evictions=0,
         host_load_bytes=0,

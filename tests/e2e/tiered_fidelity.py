@@ -36,6 +36,7 @@ from kvtriton.sim._secondary_tier import FsTier, TierCounts
 from kvtriton.sim._token_trace import TokenRequest, write_trace
 from kvtriton.sim._vllm_server import ServerStats, predict
 from kvtriton.sim._workloads import read_trace
+from kvtriton.worker import RegionLayout
 
 CHUNK_HITS = "vllm:kv_offload_tiering_chunk_hits"
 CHUNK_QUERIES = "vllm:kv_offload_tiering_chunk_queries"
@@ -144,7 +145,7 @@ def measure_runs(
         "all_at_once": False,
         "kv_transfer_config": spec_config(
             "KVTritonTieringOffloadingSpec",
-            cpu_bytes_to_use=slots * slot_bytes,
+            cpu_bytes_to_use=slots * RegionLayout.block_row_stride_for(1, 1, slot_bytes),
             eviction_policy="lru",
             secondary_tiers=[{"type": "fs", "root_dir": str(workdir / "fs-root")}],
         ),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -18,6 +19,7 @@ from kvtriton.sim._geometry import (
     size_argument,
     size_list_argument,
 )
+from kvtriton.worker import RegionLayout
 
 
 def test_llama_3_8b_block_of_16_bf16_tokens_is_two_mib() -> None:
@@ -174,3 +176,9 @@ def test_the_argparse_types_show_the_parsers_message_as_the_error(capsys: pytest
     assert "argument --size: capacity must be positive, got '0'" in err
     assert "argument --sizes: size 2 of '1,,2' is empty" in err
     assert "invalid" not in err
+
+
+@pytest.mark.parametrize("stored", [1, 4032, 4033, 32768, 2 << 20])
+def test_the_tiered_chunk_is_the_regions_sealed_chunk(stored: int) -> None:
+    geometry = dataclasses.replace(PRESETS["llama-3-8b"], compression="fp8-e4m3", compressed_bytes_per_block=stored)
+    assert geometry.tiered_chunk_bytes == RegionLayout.block_row_stride_for(1, 1, stored)

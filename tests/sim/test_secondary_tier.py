@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from kvtriton._keys import make_offload_key
-from kvtriton.sim._geometry import GIB, KVDtype, ModelGeometry
+from kvtriton.sim._geometry import GIB, PRESETS, KVDtype, ModelGeometry
 from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import prepare
 from kvtriton.sim._secondary_tier import FsTier, MooncakePool, TierCounts, TierSpec, parse_tier
@@ -78,13 +78,14 @@ def test_a_second_request_hits_what_the_first_promoted_in_the_host_tier() -> Non
 
 def test_the_fs_tier_never_evicts_and_reports_the_disk_it_filled() -> None:
     requests = prepare([request(f"r{index}", 10 * index + 1, 10 * index + 2, 10 * index + 3) for index in range(5)])
-    report = tiered_point([requests], GEOMETRY, 2 * 3 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True))
+    # A 2048-byte block is a 4096-byte chunk in the tiered spec's region (its seal's room, padded to 4 KiB).
+    report = tiered_point([requests], GEOMETRY, 6 * 4096, TierSpec("fs"), "lru", VllmOrder(sequential=True))
     assert report.counts is not None
     # 15 distinct blocks, each written once; the 6-block host tier evicted 9 of them, the disk none.
     assert (report.counts.cascaded_chunks, report.counts.tier_chunks, report.counts.tier_evictions) == (15, 15, 0)
     assert report.host_evictions == 9
-    assert report.tier_fill_bytes == report.tier_write_bytes == 15 * 2048
-    assert report.tier_size_bytes == 15 * 2048  # fs is bought by what it fills
+    assert report.tier_fill_bytes == report.tier_write_bytes == 15 * 4096
+    assert report.tier_size_bytes == 15 * 4096  # fs is bought by what it fills
 
 
 def test_the_mooncake_pool_evicts_the_least_recently_leased_tenth_past_its_watermark() -> None:
@@ -104,16 +105,20 @@ def test_the_mooncake_pool_evicts_the_least_recently_leased_tenth_past_its_water
 def test_compression_shrinks_both_tiers_bytes_and_mooncake_adds_its_seal() -> None:
     compressed = GEOMETRY.with_compression("fp8-e4m3")
     assert compressed.stored_bytes_per_block == 1280  # fp8 codes plus one fp32 scale per 16 elements
-    pool = TierSpec("mooncake", 13_440)
-    assert pool.object_bytes(compressed) == 1280 + 64
+    # At this tiny size the region's 4 KiB padding hides the shrink; at a real model's it shows.
+    assert compressed.tiered_chunk_bytes == GEOMETRY.tiered_chunk_bytes == 4096
+    llama = PRESETS["llama-3-8b"]
+    assert llama.with_compression("fp8-e4m3").tiered_chunk_bytes < 0.53 * llama.tiered_chunk_bytes
+    pool = TierSpec("mooncake", 41_600)
+    assert pool.object_bytes(compressed) == 4096 + 64  # the region's chunk, with its seal, plus Mooncake's seal
     built = pool.build(compressed)
-    assert isinstance(built, MooncakePool) and built.capacity_objects == 10  # 13440 // 1344
-    assert TierSpec("mooncake", 13_440).build(GEOMETRY).chunks == 0
+    assert isinstance(built, MooncakePool) and built.capacity_objects == 10  # 41600 // 4160
+    assert TierSpec("mooncake", 41_600).build(GEOMETRY).chunks == 0
     requests = prepare([request("a", 1, 2, 3)])
-    report = tiered_point([requests], compressed, 4 * 1280, pool, "lru", VllmOrder(sequential=True))
+    report = tiered_point([requests], compressed, 4 * 4096, pool, "lru", VllmOrder(sequential=True))
     assert report.counts is not None and report.counts.cascaded_chunks == 3
-    assert (report.bytes_per_chunk, report.tier_write_bytes, report.tier_fill_bytes) == (1280, 3840, 3 * 1344)
-    assert report.host_store_bytes == 3840
+    assert (report.bytes_per_chunk, report.tier_write_bytes, report.tier_fill_bytes) == (4096, 3 * 4096, 3 * 4160)
+    assert report.host_store_bytes == 3 * 1280  # the GPU copies move the rows, not the padding
 
 
 def report(host_gib: float, pool_gib: float, hits: int) -> TieredReport:
