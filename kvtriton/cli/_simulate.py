@@ -979,18 +979,8 @@ def run(args: argparse.Namespace) -> int:
         lines.append(_uncompressed_line(uncompressed, found, order.name))
     record["printed"] = lines
     out_dir: Path = args.out
-    if out_dir.exists() and not out_dir.is_dir():
-        print(
-            f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
-            file=sys.stderr,
-        )
-        return 2
-    json_path = out_dir / f"simulate-{source.name}.json"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(record, indent=2) + "\n")
-    except OSError as error:
-        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
+    json_path = _write_record(out_dir, f"simulate-{source.name}.json", record)
+    if json_path is None:
         return 2
     # The answer first: the plot comes after it, so a missing or failing plot costs only the picture.
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
@@ -1272,13 +1262,8 @@ def _run_tiered(
         "elapsed_seconds": time.perf_counter() - started,
     }
     record["printed"] = lines
-    out_dir: Path = args.out
-    json_path = out_dir / f"simulate-{source.name}-tiered.json"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(record, indent=2) + "\n")
-    except OSError as error:
-        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
+    json_path = _write_record(args.out, f"simulate-{source.name}-tiered.json", record)
+    if json_path is None:
         return 2
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
@@ -1405,3 +1390,21 @@ def _tiered_recommendation_lines(
             f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
         )
     return lines
+
+
+def _write_record(out_dir: Path, name: str, record: Mapping[str, object]) -> Path | None:
+    """``record`` as JSON in ``out_dir/name`` (the folder made when missing); None, said on stderr, when it cannot be."""
+    if out_dir.exists() and not out_dir.is_dir():
+        print(
+            f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
+            file=sys.stderr,
+        )
+        return None
+    json_path = out_dir / name
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as error:
+        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
+        return None
+    return json_path
