@@ -1,0 +1,90 @@
+"""`kvtriton simulate --tier`: the tiered table's figures as vLLM counts them, the answer's config, the mistakes refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtriton.cli._main import main
+
+QUICK = ["--no-progress", "--no-plot"]
+SMALL = ["--workload", "system-prompts", "--requests", "80", "--block-size", "32", "--gpu-blocks", "120", *QUICK]
+CHUNK = (4 << 20) + 4096
+"""llama-3-8b's 32-token block (4 MiB) as the tiered spec's region holds it: its seal's room, padded to 4 KiB."""
+
+
+def simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
+    assert main(["simulate", *SMALL, *flags, "--json", "--out", str(tmp_path)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_fs_tier_reports_each_tiers_counts_and_bytes_as_vllms_counters_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = simulate_json(tmp_path, capsys, "--tier", "fs", "--capacities", "1,4")
+    assert (record["tier"], record["servers"]) == ("fs", 1)
+    points = record["points"]
+    assert [(point["policy"], point["host_bytes"]) for point in points] == [
+        (policy, gib << 30) for policy in ("lru", "arc") for gib in (1, 4)
+    ]
+    for point in points:
+        counts = point["counts"]
+        assert point["host_blocks"] == point["host_bytes"] // CHUNK
+        assert point["bytes_per_chunk"] == point["tier_object_bytes"] == CHUNK
+        assert point["tier_write_bytes"] == counts["cascaded_chunks"] * CHUNK
+        assert point["tier_read_bytes"] == counts["promotions"] * CHUNK
+        assert point["tier_fill_bytes"] == counts["tier_chunks"] * CHUNK
+        assert counts["tier_evictions"] == 0  # vLLM's fs tier never evicts
+        assert point["external_hit_rate"] == point["external_hit_tokens"] / point["external_query_tokens"]
+        assert point["tier_chunk_hit_rate"] == counts["tier_chunk_hits"] / counts["tier_chunk_queries"]
+        assert counts["tier_chunk_hits"] > 0  # the small host tier misses what the disk still holds
+        # fs is bought by what it fills: the cost in tier GiB is the host at 10x plus the disk filled.
+        assert point["cost_tier_gib"] == pytest.approx(
+            (point["host_bytes"] * 10 + point["tier_fill_bytes"]) / (1 << 30)
+        )
+
+
+def test_the_cheapest_point_of_a_shared_pool_comes_with_its_tiered_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record = simulate_json(
+        tmp_path, capsys, "--tier", "mooncake:8GiB", "--capacities", "1,4", "--servers", "2", "--target-hit-rate", "0.2"
+    )
+    answer = record["recommendation"]
+    assert answer["reached"] is True
+    point = answer["point"]
+    reaching = [each for each in record["points"] if each["external_hit_rate"] >= 0.2]
+    assert point["cost_tier_gib"] == min(each["cost_tier_gib"] for each in reaching)
+    # Two servers' host memory at 10x a pool GiB, plus the 8 GiB pool they share.
+    assert point["cost_tier_gib"] == pytest.approx(2 * point["host_bytes"] / (1 << 30) * 10 + 8)
+    assert point["tier_object_bytes"] == CHUNK + 64  # Mooncake's value carries a seal of its own
+    config = answer["kv_connector_extra_config"]
+    assert config["spec_name"] == "KVTritonTieringOffloadingSpec"
+    assert config["cpu_bytes_to_use"] == point["host_bytes"]
+    assert config["eviction_policy"] == point["policy"]
+    (tier,) = config["secondary_tiers"]
+    assert (tier["type"], tier["module_path"]) == ("MooncakeStoreTier", "kvtriton.integrations.mooncake")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tier", "nfs"], "tier must be fs, mooncake or mooncake:SIZE (e.g. mooncake:64GiB), got 'nfs'"),
+        (["--tier", "fs", "--servers", "0"], "argument --servers: expected a positive integer, got '0'"),
+        (["--tier-sizes", "1GiB"], "--tier-sizes applies with --tier (fs or mooncake)"),
+        (["--tier", "fs", "--call-order", "kvtriton"], "--tier models vLLM's tiered offloading"),
+    ],
+)
+def test_a_tiered_mistake_is_refused_naming_the_flag_and_the_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    # argparse exits on a value it cannot parse; the command returns 2 on flags that do not go together.
+    try:
+        status = main(["simulate", *SMALL, *flags, "--out", str(tmp_path)])
+    except SystemExit as exit_info:
+        status = exit_info.code
+    assert status == 2
+    assert message in capsys.readouterr().err
