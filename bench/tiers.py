@@ -100,6 +100,14 @@ class PassResult:
         return self.chunks * self.chunk_bytes / self.promotion_s / 1e9
 
 
+def _slot_bytes(primary: str, chunk_bytes: int) -> int:
+    """What one chunk of ``chunk_bytes`` takes in ``primary``'s memory: kvtriton's region keeps room for its seal,
+    padded to 4 KiB (docs/tiers.md, "Memory layout"), so the same chunks take a little more memory there."""
+    from kvtriton.worker import RegionLayout
+
+    return RegionLayout.block_row_stride_for(1, 1, chunk_bytes) if primary == "kvtriton" else chunk_bytes
+
+
 def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int) -> object:
     """A scheduler-side TieringOffloadingManager with ``primary`` and one fs tier under ``root``."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -107,7 +115,7 @@ def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: i
     spec_name, module = _SPEC_NAMES[primary]
     extra: dict[str, object] = {
         "spec_name": spec_name,
-        "cpu_bytes_to_use": chunks * chunk_bytes,
+        "cpu_bytes_to_use": chunks * _slot_bytes(primary, chunk_bytes),
         "secondary_tiers": [
             {"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}
         ],
@@ -135,6 +143,7 @@ def run_pass(
     assert isinstance(manager, TieringOffloadingManager)
     step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
     keys = [make_offload_key((first_key + index).to_bytes(32, "big"), 0) for index in range(chunks)]
+    slot_bytes = _slot_bytes(primary, chunk_bytes)
     view = manager.primary_tier.get_kv_memoryview().cast("B")
     try:
         payload = bytes(range(256)) * (chunk_bytes // 256)
@@ -150,7 +159,7 @@ def run_pass(
             spec = output.store_spec
             assert isinstance(spec, CPULoadStoreSpec)
             for slot in spec.block_ids.tolist():
-                view[slot * chunk_bytes : (slot + 1) * chunk_bytes] = payload
+                view[slot * slot_bytes : slot * slot_bytes + chunk_bytes] = payload
         # Timed: the stores complete step by step, each cascading its chunks, until fs holds them all.
         started = time.perf_counter()
         for batch_keys in batches:
