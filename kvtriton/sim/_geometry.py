@@ -20,10 +20,7 @@ import re
 from dataclasses import dataclass
 
 from kvtriton._byte_units import format_bytes  # one size rule for the command line and the serving logs
-from kvtriton._integrity import SEAL_BYTES
-
-REGION_ALIGNMENT = 4096
-"""The tiered spec's region pads each chunk to 4 KiB (the fs tier reads it with O_DIRECT)."""
+from kvtriton._region_rows import block_row_stride
 
 __all__ = [
     "BARE_NUMBER_UNIT",
@@ -141,9 +138,7 @@ class ModelGeometry:
     def tiered_chunk_bytes(self) -> int:
         """One chunk of the tiered spec's shared region, as its tiers store it: a stored block plus room for its
         64-byte seal, padded to 4 KiB (the region's layout; tiny blocks grow most)."""
-        # RegionLayout.block_row_stride_for(1, 1, stored) (tests/sim check they agree): kvtriton.worker imports
-        # torch, which the simulator never loads.
-        return -(-(self.stored_bytes_per_block + SEAL_BYTES) // REGION_ALIGNMENT) * REGION_ALIGNMENT
+        return block_row_stride(1, 1, self.stored_bytes_per_block)
 
     @property
     def compression_ratio(self) -> float:

@@ -57,7 +57,6 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import mmap
 import os
 import struct
@@ -69,6 +68,7 @@ import torch
 from numpy.typing import NDArray
 
 from kvtriton._integrity import SEAL_BYTES
+from kvtriton._region_rows import ROW_ALIGNMENT, block_row_stride
 from kvtriton.worker._numa import on_gpu_node
 from kvtriton.worker._slab import HostSlab
 
@@ -84,9 +84,6 @@ logger = logging.getLogger(__name__)
 
 REGION_DIRECTORY = "/dev/shm"
 """Where regions live: a tmpfs, so the memory is RAM and the file name is only a rendezvous."""
-
-ROW_ALIGNMENT = max(4096, mmap.PAGESIZE)
-"""Chunks are padded to this: O_DIRECT needs 4096-byte buffers and lengths; vLLM pads to the page."""
 
 HEADER_BYTES = ROW_ALIGNMENT
 """The region starts with one header page (magic, mapper and populated counts, layout); rows follow, still aligned."""
@@ -136,17 +133,8 @@ class RegionLayout:
 
     @staticmethod
     def block_row_stride_for(block_size_factor: int, world_size: int, rank_row_bytes: int) -> int:
-        """Bytes from one block row to the next: all ranks' bytes and room for a seal, padded so a chunk is a
-        multiple of ROW_ALIGNMENT.
-
-        Every block row has the same stride (the slab is one strided view), so
-        every row keeps the seal's room although only the last one of a chunk
-        holds it: a chunk wastes less than one page plus ``SEAL_BYTES`` per
-        block row when ``block_size_factor`` divides the page (any power of two
-        up to 4096) and up to a page per block row otherwise.
-        """
-        step = ROW_ALIGNMENT // math.gcd(block_size_factor, ROW_ALIGNMENT)
-        return -(-(world_size * rank_row_bytes + SEAL_BYTES) // step) * step
+        """Bytes from one block row to the next (:func:`kvtriton._region_rows.block_row_stride`)."""
+        return block_row_stride(block_size_factor, world_size, rank_row_bytes)
 
     @classmethod
     def for_budget(
