@@ -72,6 +72,7 @@ KVTRITON_NUM_PROGRAMS = "kvtriton_num_programs"
 KVTRITON_PAGEABLE_SLAB = "kvtriton_pageable_slab"
 KVTRITON_KV_COMPRESSION = "kvtriton_kv_compression"
 KVTRITON_SUMMARY_INTERVAL_S = "kvtriton_summary_interval_s"
+KVTRITON_VERIFY_HOST_LOADS = "kvtriton_verify_host_loads"
 DEFAULT_SUMMARY_INTERVAL_S = 60
 """Seconds of activity between two ``kvtriton summary:`` log lines (the adapter's own default too)."""
 
@@ -82,12 +83,17 @@ _KVTRITON_KEYS = frozenset(
         KVTRITON_PAGEABLE_SLAB,
         KVTRITON_KV_COMPRESSION,
         KVTRITON_SUMMARY_INTERVAL_S,
+        KVTRITON_VERIFY_HOST_LOADS,
         IDENTITY_KEY,
     }
 )
 
 _KVTRITON_TIERED_ONLY_KEYS = frozenset({IDENTITY_KEY})
 """kvtriton's keys that only the tiered spec reads: the single-tier spec hands no chunk to any tier."""
+
+_KVTRITON_SINGLE_TIER_ONLY_KEYS = frozenset({KVTRITON_VERIFY_HOST_LOADS})
+"""kvtriton's keys that only the single-tier spec reads: in the tiered spec the tiers write host chunks from the
+scheduler, unseen by the worker that would check them (their chunks are verified as they come back instead)."""
 
 COMPRESSION_GROUP_SIZE = DEFAULT_GROUP_SIZE
 """Elements per fp8 scale in vLLM's rows: vLLM hands the worker flat byte pages, so the head dimension is unknown."""
@@ -205,6 +211,9 @@ class KVTritonOffloadConfig:
     ``summary_interval_s`` is how many seconds of activity pass between two
     ``kvtriton summary:`` log lines (hits, blocks and bytes in and out,
     evictions); 0 turns them off.
+    ``verify_host_loads`` (a debug mode, single-tier spec only) has the
+    worker refuse a load whose host slots changed since their store finished,
+    which stops the engine (:mod:`kvtriton.worker._slot_digests`).
     """
 
     cpu_bytes_to_use: int
@@ -217,6 +226,7 @@ class KVTritonOffloadConfig:
     pageable_slab: bool = False
     kv_compression: KVCompression = KVCompression.NONE
     summary_interval_s: int = DEFAULT_SUMMARY_INTERVAL_S
+    verify_host_loads: bool = False
 
     @property
     def filters_reuse(self) -> bool:
@@ -279,6 +289,7 @@ class KVTritonOffloadConfig:
             summary_interval_s=_parse_int(
                 extra_config, KVTRITON_SUMMARY_INTERVAL_S, DEFAULT_SUMMARY_INTERVAL_S, 0, unit="seconds"
             ),
+            verify_host_loads=_parse_bool(extra_config, KVTRITON_VERIFY_HOST_LOADS, False),
         )
 
 
@@ -395,7 +406,8 @@ def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]
     (:data:`VLLM_KEYS`) is accepted; vLLM's tiered-only keys
     (``secondary_tiers``, ...) in the single-tier spec are only warned
     about: they are vLLM's, and do nothing there; so is ``kvtriton_identity_key``,
-    which names the chunks handed to a tier, and the single-tier spec has none.
+    which names the chunks handed to a tier, and the single-tier spec has none;
+    and so is ``kvtriton_verify_host_loads`` in the tiered spec.
     Returns the keys warned about.
     """
     known = VLLM_KEYS | _KVTRITON_KEYS
@@ -406,12 +418,14 @@ def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]
             f"kv_connector_extra_config has {'a key' if len(unknown) == 1 else 'keys'} neither kvtriton nor vLLM "
             f"reads: {named}. The keys are listed in docs/vllm.md"
         )
-    tiered_only = TIERED_ONLY_KEYS | _KVTRITON_TIERED_ONLY_KEYS
-    ignored = [key for key in extra_config if key in tiered_only and not tiered]
+    unread = _KVTRITON_SINGLE_TIER_ONLY_KEYS if tiered else TIERED_ONLY_KEYS | _KVTRITON_TIERED_ONLY_KEYS
+    reader = "KVTritonOffloadingSpec" if tiered else "KVTritonTieringOffloadingSpec"
+    ignored = [key for key in extra_config if key in unread]
     for key in ignored:
         logger.warning(
-            "ignoring %s: only the tiered spec (spec_name KVTritonTieringOffloadingSpec) reads it", _where(key)
-        )
+            "ignoring %s: only the %s spec (spec_name %s) reads it",
+            _where(key), "single-tier" if tiered else "tiered", reader,
+        )  # fmt: skip
     return ignored
 
 

@@ -22,6 +22,14 @@ Verify (``_complete_promotion``)
     load it from the tier, and the engine recomputes the block. The fault is
     counted in ``vllm:kv_offload_integrity_failures{tier,reason}`` with a
     rate-limited WARNING (:mod:`kvtriton.integrations._integrity_report`).
+Size (``_initiate_promotion``)
+    Before vLLM's fs tier reads a chunk file, its length is checked: a file
+    shorter than a sealed chunk (cut short, empty) is
+    :attr:`~kvtriton._integrity.IntegrityFault.TORN`, a longer one
+    :attr:`~kvtriton._integrity.IntegrityFault.WRONG_SIZE`, each rejected as
+    a faulty chunk is below. vLLM's own read would fail the first as a short
+    read that kvtriton's count never sees, and would read one chunk of the
+    second and never the bytes after it.
 Quarantine (``_initiate_promotion``)
     A key that failed is not promoted from that tier again until this engine
     stores it to that tier anew: the tier still answers HIT for it (vLLM's fs
@@ -127,7 +135,31 @@ class SealedTieringManager(TieringOffloadingManager):
     def _initiate_promotion(self, tier_idx: int, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> bool:
         if key in self._quarantined[tier_idx]:
             return False  # the orchestrator answers MISS: recomputed, not promoted again
+        fault = self._chunk_file_fault(self.secondary_tiers[tier_idx], key)
+        if fault is not None:
+            self._reject(tier_idx, key, fault)
+            return False
         return super()._initiate_promotion(tier_idx, key, req_context)
+
+    def _chunk_file_fault(self, tier: SecondaryTierManager, key: vllm_base.OffloadKey) -> IntegrityFault | None:
+        """A chunk file of another length than a sealed chunk, caught before vLLM's fs tier reads it.
+
+        vLLM's read would fail a short file as its own short read, which kvtriton's
+        count never sees, and never reads past one chunk of a longer file, so the
+        seal alone cannot tell an over-long file. One ``stat`` of a file the
+        tier's lookup has just found, next to the read of the whole chunk it saves.
+        """
+        if not isinstance(tier, FileSystemTierManager):
+            return None
+        try:
+            size = os.stat(tier.file_mapper.get_file_name(key)).st_size
+        except OSError:
+            return None  # gone since the lookup: vLLM's read fails it, a plain miss
+        if size < self._chunk_bytes:
+            return IntegrityFault.TORN
+        if size > self._chunk_bytes:
+            return IntegrityFault.WRONG_SIZE
+        return None
 
     @override
     def _complete_promotion(self, job_metadata: JobMetadata, completed_job: JobResult) -> None:

@@ -44,6 +44,7 @@ from kvtriton.kernels._compression import KVCompression
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._layout import KVLayout, PagedKV
 from kvtriton.worker._slab import HostSlab
+from kvtriton.worker._slot_digests import SlotDigests
 
 __all__ = ["GroupPages", "VLLMOffloadingWorker"]
 
@@ -226,7 +227,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
     the engines and the slab: :meth:`shutdown` waits for the jobs in flight and
     releases (unpins) the slab. A job that cannot run (bad ids, wrong spec
     type) makes ``submit_*`` return False, which vLLM treats as fatal; nothing
-    of it is reported.
+    of it is reported. ``verify_loads`` (``kvtriton_verify_host_loads``, a
+    debug mode) also refuses a load that reads a slot whose bytes changed since
+    its store finished (:class:`~kvtriton.worker._slot_digests.SlotDigests`).
     """
 
     def __init__(
@@ -234,6 +237,8 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         engines: Sequence[TransferEngine],
         slab: HostSlab,
         engine_of_group: Sequence[int | None] | None = None,
+        *,
+        verify_loads: bool = False,
     ) -> None:
         if not engines:
             raise ValueError("engines must hold at least one TransferEngine, got none")
@@ -253,6 +258,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         self._finished_empty: list[vllm_base.TransferResult] = []
         self._unreported: set[int] = set()
         """Every job id accepted and not yet reported (an abandoned job's stays until its parts drain)."""
+        self._digests = SlotDigests(slab) if verify_loads else None
+        self._stores_in_flight: dict[int, list[int]] = {}
+        """With ``verify_loads``: the slots of each store accepted and not yet reported."""
 
     @property
     def engines(self) -> list[TransferEngine]:
@@ -369,6 +377,8 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         except ValueError as error:
             logger.error("%s job %d refused: %s", name, job_id, error)
             return False
+        if name == "load" and not self._slots_unchanged(job_id, slots):
+            return False
         if self._single_engine and gpu.block_ids.size:
             # The hot path: the engine checks the rest itself and reports the job as it is.
             engine = self._engines[0]
@@ -380,7 +390,25 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             accepted = self._submit_parts(name, job_id, gpu, slots, expedited)
         if accepted:
             self._unreported.add(job_id)
+            if name == "store" and self._digests is not None:
+                self._stores_in_flight[job_id] = slots.slot_list()
         return accepted
+
+    def _slots_unchanged(self, job_id: int, slots: CPULoadStoreSpec) -> bool:
+        """With ``verify_loads``: whether every slot the load reads holds what its store left; logs the slots when
+        not (vLLM then stops the engine: it cannot fall back on recomputing)."""
+        if self._digests is None:
+            return True
+        changed = self._digests.changed(slots.slot_list())
+        if not changed:
+            return True
+        logger.error(
+            "load job %d refused by kvtriton_verify_host_loads: host slab slot(s) %s no longer hold the bytes their "
+            "store left (or no store filled them). Something other than kvtriton's stores wrote into the slab, or "
+            "its memory is faulty; the engine stops rather than load them",
+            job_id, changed[:16],
+        )  # fmt: skip
+        return False
 
     def _submit_part(self, name: str, part: _Part, job_id: int, expedited: bool) -> bool:
         engine = self._engines[part.engine]
@@ -455,6 +483,12 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
                     results.append(_vllm_result(part.job_id, pending.success, pending.size, pending.seconds))
         for result in results:
             self._unreported.discard(result.job_id)
+            stored = self._stores_in_flight.pop(result.job_id, None)
+            if stored is not None and self._digests is not None:
+                if result.success:
+                    self._digests.record(stored)
+                else:
+                    self._digests.forget(stored)
         return results
 
     @override

@@ -237,7 +237,9 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             except BaseException:
                 slab.close()
                 raise
-            self._worker = VLLMOffloadingWorker(engines, slab, groups.kv_of_group)
+            self._worker = VLLMOffloadingWorker(
+                engines, slab, groups.kv_of_group, verify_loads=self.settings.verify_host_loads
+            )
         return self._worker
 
 

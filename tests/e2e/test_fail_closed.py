@@ -1,27 +1,29 @@
 """Real engines fail closed behind kvtriton's tiered spec: a damaged or foreign fs chunk is a miss, never wrong tokens.
 
-Three engine processes share the work (an engine start is the slow part):
+Six engine processes share the work (an engine start is the slow part):
 
 * the writer (the tiny Llama at a path of this module's own) computes one
   prompt per case with nothing to load, so its tokens are that model's own
   reference, and cascades every full block to an fs root;
 * the damaged reader runs on a copy of that root in which each prompt's chunk
   files took one kind of damage, and generates every prompt again;
+* an engine per setting that changes the KV bytes (the dtype, the block size,
+  the compression) runs the intact prompt on the writer's root;
 * the re-deployed reader runs on the writer's root after other weights were
   written to the same model path (a fine-tune copied over the old one).
 
 Each case ends with the engine alive (it generated every prompt, in order,
 and exited cleanly), the writer's tokens, and the fault either counted in
 ``vllm:kv_offload_integrity_failures`` with a WARNING naming its reason, or
-caught earlier by vLLM's own fs tier (a short read), or a plain miss in
-another directory (another identity).
+a plain miss in another directory (another identity).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -56,7 +58,10 @@ class Case:
     reason: str | None
     """The integrity fault counted and warned about; None when nothing reaches kvtriton's check."""
     hits: bool
-    """Whether the prefix is still loaded from the tier (bytes appended to a file are never read)."""
+    """Whether the prefix is still loaded from the tier (only the intact files are)."""
+    rewritten: int = FULL_BLOCKS
+    """How many of the prompt's files the reader rejects, and so writes afresh: a file whose length is wrong is
+    rejected as the lookup reaches it, and the lookup stops at that first miss (the next request reaches the next)."""
 
 
 def _each(change: Callable[[bytes], bytes]) -> Callable[[list[Path]], None]:
@@ -77,23 +82,45 @@ def _rotate(files: list[Path]) -> None:
 CASES = [
     Case("flipped-bytes", _each(flip_middle), "checksum", hits=False),
     Case("another-keys-file", _rotate, "other_key", hits=False),
-    # vLLM's fs tier reads fewer bytes than a chunk: its short read fails the key before any check.
-    Case("truncated", _each(lambda data: data[: len(data) // 2]), None, hits=False),
-    Case("empty", _each(lambda data: b""), None, hits=False),
-    # vLLM's fs tier reads one chunk's bytes and never the rest: the sealed chunk is intact.
-    Case("over-long", _each(lambda data: data + b"\xff" * 4096), None, hits=True),
+    # Files of another length: caught before vLLM's fs tier reads them (its own short read would go uncounted,
+    # and it never reads past one chunk).
+    Case("truncated", _each(lambda data: data[: len(data) // 2]), "torn", hits=False, rewritten=1),
+    Case("empty", _each(lambda data: b""), "torn", hits=False, rewritten=1),
+    Case("over-long", _each(lambda data: data + b"\xff" * 4096), "wrong_size", hits=False, rewritten=1),
     Case("intact", _each(lambda data: data), None, hits=True),
 ]
 
 
-def tiered_engine(model: Path, root: Path, workdir: Path) -> EngineResult:
+@dataclass(frozen=True)
+class OtherIdentity:
+    """An engine of the writer's model whose KV bytes differ by one setting: it must not read the writer's chunks."""
+
+    name: str
+    job: dict[str, object] = field(default_factory=dict[str, object])
+    """EngineJob fields that differ from the writer's."""
+    spec: dict[str, object] = field(default_factory=dict[str, object])
+    """kv_connector_extra_config keys that differ from the writer's."""
+
+
+OTHER_IDENTITIES = [
+    OtherIdentity("another-dtype", job={"dtype": "bfloat16"}),
+    OtherIdentity("another-block-size", job={"block_size": 2 * BLOCK_SIZE}),  # vLLM CPU: a multiple of 32
+    OtherIdentity("another-compression", spec={"kvtriton_kv_compression": "fp8-e4m3"}),
+]
+
+
+def tiered_engine(
+    model: Path, root: Path, workdir: Path, cases: list[Case] = CASES, other: OtherIdentity | None = None
+) -> EngineResult:
     config = spec_config(
         "KVTritonTieringOffloadingSpec",
         cpu_bytes_to_use=8 << 20,
         secondary_tiers=[{"type": "fs", "root_dir": str(root), "n_read_threads": 2, "n_write_threads": 2}],
+        **(other.spec if other else {}),
     )
-    steps = [generate(prompt(index), MAX_TOKENS, case.name) for index, case in enumerate(CASES)]
-    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
+    steps = [generate(prompt(CASES.index(case)), MAX_TOKENS, case.name) for case in cases]
+    job = EngineJob(model=str(model), steps=steps, kv_transfer_config=config)
+    return run_engine(dataclasses.replace(job, **(other.job if other else {})), workdir)
 
 
 def chunk_files(root: Path) -> list[Path]:
@@ -110,6 +137,8 @@ class Runs:
     damaged_root: Path
     damaged_files: list[Path]
     """The damaged root's chunk files, in the writer's order: case ``i`` took files ``4 i .. 4 i + 3``."""
+    others: dict[str, EngineResult]
+    """Each of OTHER_IDENTITIES' engines, run on the writer's root with the intact prompt."""
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +148,7 @@ def runs(e2e_dir: Path) -> Runs:
     writer = tiered_engine(model, written_root, e2e_dir / "fail-closed-writer")
     files = chunk_files(written_root)
     assert len(files) == FULL_BLOCKS * len(CASES), files
+    assert {path.stat().st_size for path in files} == {writer.tier_chunk_bytes}
 
     damaged_root = e2e_dir / "fail-closed-fs-damaged"
     shutil.copytree(written_root, damaged_root)
@@ -129,10 +159,15 @@ def runs(e2e_dir: Path) -> Runs:
     for index, case in enumerate(CASES):
         case.damage(damaged_files[index * FULL_BLOCKS : (index + 1) * FULL_BLOCKS])
     damaged = tiered_engine(model, damaged_root, e2e_dir / "fail-closed-damaged")
+    intact = [case for case in CASES if case.name == "intact"]
+    others = {
+        other.name: tiered_engine(model, written_root, e2e_dir / f"fail-closed-{other.name}", intact, other)
+        for other in OTHER_IDENTITIES
+    }
 
     TinyLlama().write(model, seed=1)  # other weights at the same path
     redeployed = tiered_engine(model, written_root, e2e_dir / "fail-closed-redeployed")
-    return Runs(writer, damaged, redeployed, written_root, damaged_root, damaged_files)
+    return Runs(writer, damaged, redeployed, written_root, damaged_root, damaged_files, others)
 
 
 def test_the_writer_computes_every_prompt_and_cascades_every_full_block(runs: Runs) -> None:
@@ -160,14 +195,16 @@ def test_each_damaged_chunk_file_ends_with_the_models_own_tokens_and_the_fault_c
 
 def test_the_damaged_reader_survives_every_fault_and_rewrites_the_files_that_failed_their_check(runs: Runs) -> None:
     assert [step.name for step in runs.damaged.steps] == [case.name for case in CASES]  # alive to the last prompt
-    (chunk_bytes,) = {path.stat().st_size for path in runs.written_root.rglob("*.bin")}
-    assert chunk_bytes == runs.writer.tier_chunk_bytes
+    chunk_bytes = runs.writer.tier_chunk_bytes
     for index, case in enumerate(CASES):
         if case.reason is None:
-            continue  # not kvtriton's to remove: intact, or vLLM's short read
+            continue  # intact: left as it was
         files = runs.damaged_files[index * FULL_BLOCKS : (index + 1) * FULL_BLOCKS]
-        # Removed when it failed, then written afresh by the cascade of the recomputed chunk: whole again.
-        assert [path.stat().st_size for path in files] == [chunk_bytes] * FULL_BLOCKS, case.name
+        # Removed when it failed, then written afresh by the cascade of the recomputed chunk: whole again. The
+        # others keep the length the damage left them (files written in one clock tick share their mtime, so
+        # which of the four is first in the prompt is not known here).
+        sizes = [path.stat().st_size for path in files]
+        assert sizes.count(chunk_bytes) == case.rewritten, (case.name, sizes)
 
 
 def test_other_weights_at_the_same_path_are_another_identity_a_plain_miss_in_another_directory(runs: Runs) -> None:
@@ -177,6 +214,18 @@ def test_other_weights_at_the_same_path_are_another_identity_a_plain_miss_in_ano
     # Its own tokens (nothing was loaded), which are not the old model's.
     assert runs.redeployed.step("intact").token_ids != runs.writer.step("intact").token_ids
     namespaces = {path.name.removesuffix("_r0") for path in runs.written_root.iterdir()}
-    assert len(namespaces) == 2, namespaces
+    assert len(namespaces) == 2 + len(OTHER_IDENTITIES), namespaces  # the writer's, the others', the redeployed's
     identities = [line for line in runs.redeployed.log.splitlines() if "kvtriton tiered offloading identity" in line]
+    assert identities and identities[0] not in runs.writer.log
+
+
+@pytest.mark.parametrize("other", OTHER_IDENTITIES, ids=[other.name for other in OTHER_IDENTITIES])
+def test_an_engine_whose_kv_bytes_differ_by_one_setting_plainly_misses_the_writers_chunks(
+    runs: Runs, other: OtherIdentity
+) -> None:
+    run = runs.others[other.name]
+    assert [step.name for step in run.steps] == ["intact"]  # alive
+    assert run.delta("intact", HITS) == 0  # computed: its own tokens
+    assert run.delta("intact", FAULTS) == 0  # another identity, another directory: nothing of the writer's read
+    identities = [line for line in run.log.splitlines() if "kvtriton tiered offloading identity" in line]
     assert identities and identities[0] not in runs.writer.log

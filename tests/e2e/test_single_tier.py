@@ -79,3 +79,25 @@ def test_tokens_come_from_the_offloaded_bytes(single_tier: tuple[int, EngineResu
     assert run.delta("overwritten", HITS) == full_blocks * block_size
     assert overwritten.blocks_equal == [False] * full_blocks
     assert overwritten.token_ids != reference.step("A").token_ids
+
+
+def test_the_host_load_debug_check_passes_every_load_a_real_engine_makes(
+    llama: Path, e2e_dir: Path, reference: EngineResult
+) -> None:
+    """``kvtriton_verify_host_loads``: the worker's digests follow vLLM's real store and load jobs (no false refusal).
+
+    The refusal itself (a changed slot stops the engine) is the worker's unit tests' to show: vLLM then exits.
+    """
+    steps = [
+        generate(PROMPT_A, MAX_TOKENS, "cold"),
+        RESET_PREFIX_CACHE,
+        ZERO_KV_CACHE,
+        generate(PROMPT_A, MAX_TOKENS, "warm", compare_to="cold"),
+    ]
+    config = spec_config("KVTritonOffloadingSpec", cpu_bytes_to_use=8 << 20, kvtriton_verify_host_loads=True)
+    job = EngineJob(model=str(llama), steps=steps, kv_transfer_config=config)
+    run = run_engine(job, e2e_dir / "verified-loads")
+    assert run.delta("warm", LOADED) == run.delta("cold", STORED) > 0
+    assert run.step("warm").token_ids == reference.step("A").token_ids
+    assert run.step("warm").blocks_equal == [True] * (len(PROMPT_A) // job.block_size)
+    assert "refused by kvtriton_verify_host_loads" not in run.log

@@ -31,7 +31,7 @@ from kvtriton.worker._backends import TransferBackend
 GIB = 1 << 30
 KVTRITON_KEYS_HINT = (
     "kvtriton reads ['kvtriton_backend', 'kvtriton_identity_key', 'kvtriton_kv_compression', 'kvtriton_num_programs', "
-    "'kvtriton_pageable_slab', 'kvtriton_summary_interval_s'] besides vLLM's keys"
+    "'kvtriton_pageable_slab', 'kvtriton_summary_interval_s', 'kvtriton_verify_host_loads'] besides vLLM's keys"
 )
 
 
@@ -249,6 +249,23 @@ def test_the_identity_key_is_accepted_but_ignored_with_a_warning_by_the_single_t
         assert caplog.text == ""
         assert check_keys(extra, tiered=False) == ["kvtriton_identity_key"]
     assert "ignoring kv_connector_extra_config['kvtriton_identity_key']: only the tiered spec" in caplog.text
+
+
+def test_verify_host_loads_is_read_by_the_single_tier_spec_and_ignored_with_a_warning_by_the_tiered_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 1, "kvtriton_verify_host_loads": "yes"}
+    assert KVTritonOffloadConfig.from_extra_config(extra).verify_host_loads
+    assert not KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 1}).verify_host_loads
+    with pytest.raises(
+        ValueError, match=r"\['kvtriton_verify_host_loads'\] must be true or false, got str 'sometimes'"
+    ):
+        KVTritonOffloadConfig.from_extra_config({**extra, "kvtriton_verify_host_loads": "sometimes"})
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+        assert check_keys(extra, tiered=False) == []
+        assert caplog.text == ""
+        assert check_keys(extra, tiered=True) == ["kvtriton_verify_host_loads"]
+    assert "ignoring kv_connector_extra_config['kvtriton_verify_host_loads']: only the single-tier spec" in caplog.text
 
 
 def test_every_key_vllm_or_kvtriton_reads_passes_silently(caplog: pytest.LogCaptureFixture) -> None:

@@ -54,7 +54,7 @@ class Rig:
             layer.zero_()
 
 
-def make_rig(backend: str = "auto", num_groups: int = 1) -> Rig:
+def make_rig(backend: str = "auto", num_groups: int = 1, extra: dict[str, object] | None = None) -> Rig:
     generator = torch.Generator().manual_seed(0)
     layers = [
         torch.randint(-(2**15), 2**15, shape, generator=generator, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -68,6 +68,7 @@ def make_rig(backend: str = "auto", num_groups: int = 1) -> Rig:
                 "cpu_bytes_to_use": NUM_SLOTS * BLOCKS_PER_CHUNK * ROW_BYTES,
                 "kvtriton_backend": backend,
                 "kvtriton_num_programs": 2,
+                **(extra or {}),
             },
             worker_kv_bytes_per_block=ROW_BYTES,
             blocks_per_chunk=BLOCKS_PER_CHUNK,
@@ -178,6 +179,51 @@ def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(
     assert f"slot {NUM_SLOTS + 2}" in caplog.text and f"holds {NUM_SLOTS} slots" in caplog.text
     assert "pipeline" in caplog.text
     assert finished(rig.worker) == {}
+
+
+def flip_a_byte(rig: Rig, slot: int) -> None:
+    """Change one byte of ``slot`` behind the worker's back, as a stray write or faulty memory would."""
+    assert isinstance(rig.worker, VLLMOffloadingWorker)
+    rows = rig.worker.engines[0].slab.slot(slot)
+    rows[1, 0] = rows[1, 0] ^ 0xFF
+
+
+def test_verify_host_loads_refuses_a_load_of_a_slot_changed_since_its_store(caplog: pytest.LogCaptureFixture) -> None:
+    rig = make_rig(extra={"kvtriton_verify_host_loads": True})
+    assert rig.worker.submit_store(0, gpu([3, 5, 7, 9]), CPULoadStoreSpec([2, 4]))
+    assert finished(rig.worker)[0].success
+    rig.clear_gpu()
+    assert rig.worker.submit_load(1, CPULoadStoreSpec([4, 2]), gpu([11, 12, 13, 14]))  # unchanged: loads
+    assert finished(rig.worker)[1].success
+    assert [rig.block(0, b) for b in (11, 12, 13, 14)] == [rig.original_block(0, b) for b in (7, 9, 3, 5)]
+
+    flip_a_byte(rig, 4)
+    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations._vllm_worker"):
+        assert not rig.worker.submit_load(2, CPULoadStoreSpec([2, 4, 4]), gpu([0, 1, 2, 3, 4, 5]))
+        assert "load job 2 refused by kvtriton_verify_host_loads: host slab slot(s) [4] " in caplog.text
+        assert not rig.worker.submit_load(3, CPULoadStoreSpec([5]), gpu([0, 1]))  # no store ever filled it
+        assert "load job 3 refused by kvtriton_verify_host_loads: host slab slot(s) [5] " in caplog.text
+    assert finished(rig.worker) == {}
+
+    # Stored again (from the original blocks), the slot holds what its store left, and loads.
+    for layer, original in zip(rig.layers, rig.original, strict=True):
+        layer.copy_(original)
+    assert rig.worker.submit_store(4, gpu([7, 9]), CPULoadStoreSpec([4]))
+    assert finished(rig.worker)[4].success
+    rig.clear_gpu()
+    assert rig.worker.submit_load(5, CPULoadStoreSpec([4]), gpu([0, 1]))
+    assert finished(rig.worker)[5].success
+    assert [rig.block(1, b) for b in (0, 1)] == [rig.original_block(1, b) for b in (7, 9)]
+    rig.worker.shutdown()
+
+
+def test_by_default_the_worker_trusts_the_host_slab_and_loads_what_it_holds(rig: Rig) -> None:
+    assert rig.worker.submit_store(0, gpu([7, 9]), CPULoadStoreSpec([4]))
+    assert finished(rig.worker)[0].success
+    flip_a_byte(rig, 4)
+    assert rig.worker.submit_load(1, CPULoadStoreSpec([4]), gpu([0, 1]))
+    assert finished(rig.worker)[1].success
+    assert rig.block(0, 1) != rig.original_block(0, 9)  # the changed byte went to the GPU: hence the debug mode
 
 
 def test_after_shutdown_new_jobs_are_refused() -> None:
