@@ -40,15 +40,19 @@ ALL_QUICK_DURATION = "about 5 minutes on a 2-core CPU machine"
 
 @dataclass(frozen=True, slots=True)
 class Benchmark:
-    """One benchmark module in bench/ and the flags that make it quick."""
+    """One benchmark module in bench/."""
 
     name: str
     summary: str
-    quick_flags: tuple[str, ...]
 
     @property
     def module(self) -> str:
         return f"bench.{self.name}"
+
+    @property
+    def quick_flags(self) -> tuple[str, ...]:
+        """The flags of a smoke run: every benchmark's ``--quick``, writing ``<name>-quick.*``."""
+        return ("--quick", "--name", f"{self.name}-quick")
 
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -58,40 +62,28 @@ BENCHMARKS: dict[str, Benchmark] = {
             "manager",
             "kvtriton's manager through its vLLM adapter against vLLM 0.33's, in vLLM's call order on four workloads"
             " (blocks/s, hit rates), then kvtriton's direct calls",
-            ("--quick", "--name", "manager-quick"),
         ),
-        Benchmark(
-            "kernels",
-            "gather/scatter GB/s against the torch, copy-loop and contiguous-copy baselines",
-            ("--quick", "--name", "kernels-quick"),
-        ),
+        Benchmark("kernels", "gather/scatter GB/s against the torch, copy-loop and contiguous-copy baselines"),
         Benchmark(
             "host_cost",
             "the transfer engine's host microseconds per submit_store + submit_load, copies stubbed out, against the"
             " pre-redesign engine",
-            ("--quick", "--name", "host_cost-quick"),
         ),
         Benchmark(
-            "tiers",
-            "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root",
-            ("--quick", "--name", "tiers-quick"),
+            "tiers", "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root"
         ),
         Benchmark(
-            "tiers_mooncake",
-            "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier",
-            ("--quick", "--name", "tiers_mooncake-quick"),
+            "tiers_mooncake", "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier"
         ),
         Benchmark(
             "compression",
             "fp8-e4m3 compression's accuracy (K/V element and attention error, group against per-tensor scales)"
             " and the bytes a block moves and holds",
-            ("--quick", "--name", "compression-quick"),
         ),
         Benchmark(
             "serving",
             "`vllm serve` on SmolLM2-135M driven by `vllm bench serve` (prefix-heavy and no-reuse): TTFT, throughput and"
             " hit tokens by source, without a connector, with kvtriton, with kvtriton fp8 and with vLLM's CPU offload",
-            ("--quick", "--name", "serving-quick"),
         ),
     )
 }
@@ -147,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         textwrap.fill(f"{SMOKE_RUN_NOTE}; `all` takes {ALL_QUICK_DURATION}.", 79)
         + ("\n\nbenchmarks (all runs them in this order):\n")
         + "\n".join(
-            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags) or 'none'})"
+            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags)})"
             for benchmark in BENCHMARKS.values()
         )
         + (

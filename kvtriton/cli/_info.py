@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 import platform
 import resource
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 __all__ = [
     "MAX_SLAB_BYTES",
@@ -54,16 +54,7 @@ class MachineInfo:
     triton_interpret: bool
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "python": self.python,
-            "torch": self.torch,
-            "triton": self.triton,
-            "cuda_available": self.cuda_available,
-            "device_name": self.device_name,
-            "pinned_memory": self.pinned_memory,
-            "memlock_limit": self.memlock_limit,
-            "triton_interpret": self.triton_interpret,
-        }
+        return asdict(self)
 
 
 def _package_version(name: str) -> str:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton.cli._main import choice_argument
+from kvtriton.cli._main import add_choice_argument
 from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
@@ -73,13 +73,13 @@ from kvtriton.sim import (
     default_capacities,
     format_bytes,
     generate,
-    parse_capacity,
     parse_dtype,
     parse_tier,
     prepare,
     read_trace,
     recommend,
     recommend_tiered,
+    size_argument,
     summarize,
     sweep,
     tiered_sweep,
@@ -136,7 +136,6 @@ def _number(parse: Callable[[str], NumberT], what: str, valid: Callable[[NumberT
 _positive_int = _number(int, "a positive integer", lambda value: value >= 1)
 _non_negative_int = _number(int, "an integer >= 0", lambda value: value >= 0)
 _positive_float = _number(float, "a positive number", lambda value: math.isfinite(value) and value > 0)
-_size = _parsed_by(parse_capacity)
 _dtype = _parsed_by(lambda text: parse_dtype(text).value)
 _tier = _parsed_by(parse_tier)
 
@@ -157,7 +156,7 @@ def _capacities(text: str) -> list[int]:
     for item in _listed(text, "sizes"):
         if item.startswith("-"):
             raise argparse.ArgumentTypeError(f"sizes must be positive, got {item!r}")
-        size = _size(item)
+        size = size_argument(item)
         if size in sizes:
             raise argparse.ArgumentTypeError(
                 f"{sizes[size]!r} and {item!r} are the same size ({format_bytes(size)}): give each size once"
@@ -241,10 +240,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("trace")
     choice = source.add_mutually_exclusive_group()
-    choice.add_argument(
+    add_choice_argument(
+        choice,
         "--workload",
-        type=choice_argument(list(WORKLOADS)),
-        choices=list(WORKLOADS),
+        list(WORKLOADS),
         default=DEFAULT_WORKLOAD,
         help=f"built-in synthetic workload to replay (default: {DEFAULT_WORKLOAD})",
     )
@@ -268,10 +267,10 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model geometry (turns blocks into bytes)")
-    model.add_argument(
+    add_choice_argument(
+        model,
         "--model",
-        type=choice_argument(list(PRESETS)),
-        choices=list(PRESETS),
+        list(PRESETS),
         default=DEFAULT_MODEL,
         help=f"preset KV shape; the flags below override its fields (default: {DEFAULT_MODEL})",
     )
@@ -287,10 +286,10 @@ def _add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="tokens per offloaded block (default: the preset's, 16)",
     )
-    model.add_argument(
+    add_choice_argument(
+        model,
         "--compression",
-        type=choice_argument(COMPRESSIONS),
-        choices=list(COMPRESSIONS),
+        COMPRESSIONS,
         default="none",
         help="host memory row format: with fp8-e4m3 (lossy: fp8 codes plus one fp32 scale per group) every size is"
         " swept with and without it, the compressed rows holding ~1.9x the blocks and moving ~0.52x the bytes"
@@ -701,12 +700,7 @@ def _recommendation_lines(
         f"smallest size reaching {target} ({found.rate_name}): {format_bytes(point.capacity_bytes)} with"
         f" {point.policy.upper()}, {_percent(point.rate(order.name))}",
         "",
-        "kv_connector_extra_config:",
-        "  " + json.dumps(found.extra_config),
-        "",
-        "vllm serve <model> " + " ".join(flags) + " \\",
-        f"  --kv-transfer-config '{json.dumps(found.kv_transfer_config, separators=(',', ':'))}'",
-        "",
+        *_serve_lines(found.extra_config, found.kv_transfer_config, flags),
         f"pinned:    {workers} its slab, {format_bytes(slab)} ({slab} bytes), in host RAM (RLIMIT_MEMLOCK does"
         f" not limit it); check with: kvtriton info --slab-size {slab}B",
         f"/dev/shm:  not used by KVTritonOffloadingSpec (each rank's slab is its own memory); the tiering spec"
@@ -725,6 +719,18 @@ def _recommendation_lines(
             " count only what the GPU cache does not serve, as vLLM does"
         )
     return lines
+
+
+def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[str]) -> list[str]:
+    """How to start vLLM with the configuration found: its extra config, then the `vllm serve` command line."""
+    return [
+        "kv_connector_extra_config:",
+        "  " + json.dumps(extra_config),
+        "",
+        "vllm serve <model> " + " ".join(flags) + " \\",
+        f"  --kv-transfer-config '{json.dumps(transfer_config, separators=(',', ':'))}'",
+        "",
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -1248,26 +1254,14 @@ def _tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[st
                "host store GiB", "tier read GiB", "tier write GiB", "tier evictions", "cost"]  # fmt: skip
     rows: list[list[str]] = []
     for report in reports:
-        tier_size = (
-            _gib(report.tier_size_bytes) if report.tier.kind == "mooncake" else f"{_gib(report.tier_fill_bytes)} filled"
-        )
+        mooncake = report.tier.kind == "mooncake"
         counts = report.counts
-        if counts is None:  # stalled
-            rows.append(
-                [
-                    report.policy,
-                    _gib(report.host_bytes),
-                    _gib(report.tier.capacity_bytes or 0) if report.tier.kind == "mooncake" else "-",
-                    "stalled",
-                    *["-"] * 9,
-                ]
-            )
-            continue
-        rows.append(
-            [
-                report.policy,
-                _gib(report.host_bytes),
-                tier_size,
+        if counts is None:  # stalled: the replay stopped, so there is nothing to count
+            tier_size = _gib(report.tier.capacity_bytes or 0) if mooncake else "-"
+            counted = ["stalled", *["-"] * 9]
+        else:
+            tier_size = _gib(report.tier_size_bytes) if mooncake else f"{_gib(report.tier_fill_bytes)} filled"
+            counted = [
                 _percent(report.external_hit_rate),
                 f"{_percent(report.host_chunk_hit_rate)} of {counts.host_chunk_queries}",
                 f"{_percent(report.tier_chunk_hit_rate)} of {counts.tier_chunk_queries}",
@@ -1279,7 +1273,7 @@ def _tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[st
                 str(counts.tier_evictions),
                 f"{report.cost(ratio):.3g}",
             ]
-        )
+        rows.append([report.policy, _gib(report.host_bytes), tier_size, *counted])
     return headers, rows
 
 
@@ -1316,12 +1310,7 @@ def _tiered_recommendation_lines(
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier_size},"
         f" {_percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
         "",
-        "kv_connector_extra_config:",
-        "  " + json.dumps(found.extra_config),
-        "",
-        "vllm serve <model> " + " ".join(flags) + " \\",
-        f"  --kv-transfer-config '{json.dumps(transfer, separators=(',', ':'))}'",
-        "",
+        *_serve_lines(found.extra_config, transfer, flags),
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
     ]
     if point.tier.kind == "mooncake":
