@@ -383,8 +383,6 @@ class DemoServer:
     def __init__(self, config: DemoConfig, kv: PagedKV, manager: CPUOffloadingManager, engine: TransferEngine) -> None:
         import random
 
-        from kvtriton._offload_types import ReqContext
-
         self.config = config
         self.kv = kv
         self.manager = manager
@@ -394,7 +392,6 @@ class DemoServer:
         blocks = list(range(config.gpu_blocks))
         random.Random(config.seed).shuffle(blocks)
         self.free_blocks: deque[int] = deque(blocks)
-        self.context = ReqContext
         self.chunks_per_step = max(1, manager.capacity // 4)
         self._next_job = 0
 
@@ -411,10 +408,10 @@ class DemoServer:
 
     def serve(self, request: Request) -> None:
         from kvtriton._keys import make_offload_key
-        from kvtriton._offload_types import GPULoadStoreSpec, LookupResult
+        from kvtriton._offload_types import GPULoadStoreSpec, LookupResult, ReqContext
 
         f = self.config.block_size_factor
-        ctx = self.context(req_id=request.req_id)
+        ctx = ReqContext(req_id=request.req_id)
         hashes = list(request.prompt_blocks + request.output_blocks)
         if len(hashes) > self.config.gpu_blocks:
             hashes = hashes[: self.config.gpu_blocks]

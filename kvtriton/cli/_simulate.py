@@ -36,7 +36,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
@@ -509,15 +509,8 @@ def _geometry(args: argparse.Namespace) -> ModelGeometry:
         name = "custom"
     else:
         name = f"{preset.name} (modified)"
-    return ModelGeometry(
-        name=name,
-        num_layers=shape["num_layers"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        dtype=parse_dtype(args.dtype) if args.dtype else preset.dtype,
-        block_size=args.block_size or preset.block_size,
-        kv_factor=preset.kv_factor,
-    )
+    dtype = parse_dtype(args.dtype) if args.dtype else preset.dtype
+    return replace(preset, name=name, dtype=dtype, block_size=args.block_size or preset.block_size, **shape)
 
 
 def _call_order_name(text: str) -> str:
