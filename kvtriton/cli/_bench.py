@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtriton.cli._main import command_error
+
 __all__ = ["BENCHMARKS", "Benchmark", "add_arguments", "benchmark_command", "find_checkout", "run"]
 
 RESULTS_ENV = "KVTRITON_BENCH_OUT"  # read by bench/common.py's results_dir()
@@ -222,8 +224,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         invocation = _invocation(args)
     except ValueError as error:
-        print(f"kvtriton bench: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("bench", error)
     checkout = find_checkout(invocation.checkout)
     if checkout is None:
         looked = (
@@ -231,25 +232,21 @@ def run(args: argparse.Namespace) -> int:
             if invocation.checkout is not None
             else f"{Path(__file__).resolve().parent.parent} and {Path.cwd()}"
         )
-        print(
-            "kvtriton bench: error: bench/ is not importable: the benchmarks ship only in a source checkout,"
-            f" not in the installed package (looked in {looked}). Run `kvtriton bench` inside a clone of the"
-            " repository, or pass --checkout DIR.",
-            file=sys.stderr,
+        return command_error(
+            "bench",
+            "bench/ is not importable: the benchmarks ship only in a source checkout, not in the installed package"
+            f" (looked in {looked}). Run `kvtriton bench` inside a clone of the repository, or pass --checkout DIR.",
         )
-        return 2
     missing = [b for b in invocation.benchmarks if not (checkout / "bench" / f"{b.name}.py").is_file()]
     if missing:
         names = ", ".join(f"bench/{b.name}.py" for b in missing)
-        print(f"kvtriton bench: error: {names} not found in the checkout {checkout}", file=sys.stderr)
-        return 2
+        return command_error("bench", f"{names} not found in the checkout {checkout}")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
     if invocation.out is not None:
         problem = _out_problem(invocation.out)
         if problem is not None:
-            print(f"kvtriton bench: error: --out {invocation.out}: {problem}", file=sys.stderr)
-            return 2
+            return command_error("bench", f"--out {invocation.out}: {problem}")
         env[RESULTS_ENV] = str(invocation.out.resolve())
     results = _results_dir(checkout, invocation.out)
     failures: list[tuple[str, int]] = []

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtriton.cli._main import add_choice_argument
+from kvtriton.cli._main import add_choice_argument, command_error
 from kvtriton.manager.policies import policy_names
 from kvtriton.sim._geometry import (
     BARE_NUMBER_UNIT,
@@ -560,16 +560,13 @@ def run(args: argparse.Namespace) -> int:
         # Last in this block: once the slab exists, nothing may fail before `with slab` owns it.
         slab = HostSlab(slots, config.block_size_factor, kv.row_bytes, allow_pageable=config.allow_pageable)
     except ValueError as error:
-        print(f"kvtriton demo: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("demo", error)
     except SlabPinningError as error:
         where = f"--capacity {config.capacity_text}: " if config is not None else ""
-        print(f"kvtriton demo: error: {where}{error} (here: --allow-pageable)", file=sys.stderr)
-        return 2
+        return command_error("demo", f"{where}{error} (here: --allow-pageable)")
     except torch.OutOfMemoryError as error:
         where = f"--gpu-blocks {config.gpu_blocks}: " if config is not None else ""
-        print(f"kvtriton demo: error: {where}{error}", file=sys.stderr)
-        return 2
+        return command_error("demo", f"{where}{error}")
 
     print(config.geometry.describe())
     print(
@@ -586,8 +583,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = TransferEngine(kv, slab, backend=config.backend)
         except ValueError as error:  # e.g. --backend triton on a slab that could not be pinned
-            print(f"kvtriton demo: error: --backend {config.backend}: {error}", file=sys.stderr)
-            return 2
+            return command_error("demo", f"--backend {config.backend}: {error}")
         with engine:
             print(
                 f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "

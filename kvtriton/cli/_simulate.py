@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton.cli._main import add_choice_argument
+from kvtriton.cli._main import add_choice_argument, command_error
 from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
@@ -848,7 +848,7 @@ def run(args: argparse.Namespace) -> int:
         order = _call_order(args)
         source, requests = _load_trace(args, geometry.block_size)
     except (ValueError, OSError) as error:
-        return _fail(error)
+        return command_error("simulate", error)
     stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
     if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (_call_order)
         return _run_tiered(args, stored, order, source, requests, started)
@@ -858,7 +858,7 @@ def run(args: argparse.Namespace) -> int:
         ("--servers", args.servers != 1),
     )
     if tier_only:
-        return _fail(f"{tier_only[0]} applies with --tier (fs or mooncake)")
+        return command_error("simulate", f"{tier_only[0]} applies with --tier (fs or mooncake)")
     prepared = prepare(requests)
     summary = summarize(prepared)
     try:
@@ -877,7 +877,7 @@ def run(args: argparse.Namespace) -> int:
             for each in geometries
         }
     except (ValueError, RuntimeError) as error:  # the server model refuses a request the GPU cache cannot hold
-        return _fail(error)
+        return command_error("simulate", error)
     reports = [report for curve in curves.values() for report in curve]
     unlimited_rate = unlimited_server.external_hit_rate if unlimited_server is not None else unlimited.token_hit_rate
     tp = args.tensor_parallel_size
@@ -1004,7 +1004,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         except OSError as error:
-            return _fail(f"--out {args.out}: cannot write the plot: {error}")
+            return command_error("simulate", f"--out {args.out}: cannot write the plot: {error}")
     wrote = "wrote " + " and ".join(str(path) for path in written)
     if args.json:
         print(wrote, file=sys.stderr)
@@ -1167,7 +1167,7 @@ def _run_tiered(
         reports = tiered_sweep(streams, geometry, hosts, tiers, args.policies, order, track=_ProgressBar(args))
         found = recommend_tiered(reports, args.target_hit_rate, args.host_price_ratio, geometry)
     except (ValueError, RuntimeError) as error:
-        return _fail(error)
+        return command_error("simulate", error)
     summary = summarize(streams[0])
     working_set = distinct * geometry.stored_bytes_per_block
     lines = [
@@ -1327,12 +1327,6 @@ def _tiered_recommendation_lines(
 # Output shared by both sweeps
 
 
-def _fail(error: object) -> int:
-    """``error`` on stderr as the command's; the exit status of a command that cannot run."""
-    print(f"kvtriton simulate: error: {error}", file=sys.stderr)
-    return 2
-
-
 @dataclass(frozen=True, slots=True)
 class _ProgressBar:
     """A sweep's ``track``: a progress bar on stderr over the points replayed, unless --no-progress."""
@@ -1380,14 +1374,14 @@ def _write_and_print(args: argparse.Namespace, name: str, record: dict[str, obje
     record["printed"] = lines
     out_dir: Path = args.out
     if out_dir.exists() and not out_dir.is_dir():
-        _fail(f"--out {out_dir}: is a file, not a folder (name a folder, created when missing)")
+        command_error("simulate", f"--out {out_dir}: is a file, not a folder (name a folder, created when missing)")
         return None
     json_path = out_dir / name
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(record, indent=2) + "\n")
     except OSError as error:
-        _fail(f"--out {out_dir}: cannot write results: {error}")
+        command_error("simulate", f"--out {out_dir}: cannot write results: {error}")
         return None
     print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     return json_path
