@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtriton.cli._main import command_error
+
 __all__ = ["BENCHMARKS", "Benchmark", "add_arguments", "benchmark_command", "find_checkout", "run"]
 
 RESULTS_ENV = "KVTRITON_BENCH_OUT"  # read by bench/common.py's results_dir()
@@ -40,15 +42,19 @@ ALL_QUICK_DURATION = "about 5 minutes on a 2-core CPU machine"
 
 @dataclass(frozen=True, slots=True)
 class Benchmark:
-    """One benchmark module in bench/ and the flags that make it quick."""
+    """One benchmark module in bench/."""
 
     name: str
     summary: str
-    quick_flags: tuple[str, ...]
 
     @property
     def module(self) -> str:
         return f"bench.{self.name}"
+
+    @property
+    def quick_flags(self) -> tuple[str, ...]:
+        """The flags of a smoke run: every benchmark's ``--quick``, writing ``<name>-quick.*``."""
+        return ("--quick", "--name", f"{self.name}-quick")
 
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -58,40 +64,28 @@ BENCHMARKS: dict[str, Benchmark] = {
             "manager",
             "kvtriton's manager through its vLLM adapter against vLLM 0.33's, in vLLM's call order on four workloads"
             " (blocks/s, hit rates), then kvtriton's direct calls",
-            ("--quick", "--name", "manager-quick"),
         ),
-        Benchmark(
-            "kernels",
-            "gather/scatter GB/s against the torch, copy-loop and contiguous-copy baselines",
-            ("--quick", "--name", "kernels-quick"),
-        ),
+        Benchmark("kernels", "gather/scatter GB/s against the torch, copy-loop and contiguous-copy baselines"),
         Benchmark(
             "host_cost",
             "the transfer engine's host microseconds per submit_store + submit_load, copies stubbed out, against the"
             " pre-redesign engine",
-            ("--quick", "--name", "host_cost-quick"),
         ),
         Benchmark(
-            "tiers",
-            "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root",
-            ("--quick", "--name", "tiers-quick"),
+            "tiers", "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root"
         ),
         Benchmark(
-            "tiers_mooncake",
-            "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier",
-            ("--quick", "--name", "tiers_mooncake-quick"),
+            "tiers_mooncake", "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier"
         ),
         Benchmark(
             "compression",
             "fp8-e4m3 compression's accuracy (K/V element and attention error, group against per-tensor scales)"
             " and the bytes a block moves and holds",
-            ("--quick", "--name", "compression-quick"),
         ),
         Benchmark(
             "serving",
             "`vllm serve` on SmolLM2-135M driven by `vllm bench serve` (prefix-heavy and no-reuse): TTFT, throughput and"
             " hit tokens by source, without a connector, with kvtriton, with kvtriton fp8 and with vLLM's CPU offload",
-            ("--quick", "--name", "serving-quick"),
         ),
     )
 }
@@ -147,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         textwrap.fill(f"{SMOKE_RUN_NOTE}; `all` takes {ALL_QUICK_DURATION}.", 79)
         + ("\n\nbenchmarks (all runs them in this order):\n")
         + "\n".join(
-            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags) or 'none'})"
+            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags)})"
             for benchmark in BENCHMARKS.values()
         )
         + (
@@ -230,8 +224,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         invocation = _invocation(args)
     except ValueError as error:
-        print(f"kvtriton bench: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("bench", error)
     checkout = find_checkout(invocation.checkout)
     if checkout is None:
         looked = (
@@ -239,25 +232,21 @@ def run(args: argparse.Namespace) -> int:
             if invocation.checkout is not None
             else f"{Path(__file__).resolve().parent.parent} and {Path.cwd()}"
         )
-        print(
-            "kvtriton bench: error: bench/ is not importable: the benchmarks ship only in a source checkout,"
-            f" not in the installed package (looked in {looked}). Run `kvtriton bench` inside a clone of the"
-            " repository, or pass --checkout DIR.",
-            file=sys.stderr,
+        return command_error(
+            "bench",
+            "bench/ is not importable: the benchmarks ship only in a source checkout, not in the installed package"
+            f" (looked in {looked}). Run `kvtriton bench` inside a clone of the repository, or pass --checkout DIR.",
         )
-        return 2
     missing = [b for b in invocation.benchmarks if not (checkout / "bench" / f"{b.name}.py").is_file()]
     if missing:
         names = ", ".join(f"bench/{b.name}.py" for b in missing)
-        print(f"kvtriton bench: error: {names} not found in the checkout {checkout}", file=sys.stderr)
-        return 2
+        return command_error("bench", f"{names} not found in the checkout {checkout}")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
     if invocation.out is not None:
         problem = _out_problem(invocation.out)
         if problem is not None:
-            print(f"kvtriton bench: error: --out {invocation.out}: {problem}", file=sys.stderr)
-            return 2
+            return command_error("bench", f"--out {invocation.out}: {problem}")
         env[RESULTS_ENV] = str(invocation.out.resolve())
     results = _results_dir(checkout, invocation.out)
     failures: list[tuple[str, int]] = []

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtriton.cli._main import choice_argument
+from kvtriton.cli._main import add_choice_argument, command_error
 from kvtriton.manager.policies import policy_names
 from kvtriton.sim._geometry import (
     BARE_NUMBER_UNIT,
@@ -65,36 +65,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exit status: 0 when every loaded block matched what was stored; 1 on a mismatch, a failed job, or a run"
         " that loaded nothing (so checked nothing); 2 on settings that cannot run"
     )
-    parser.add_argument(
+    add_choice_argument(
+        parser,
         "--model",
-        type=choice_argument(sorted(PRESETS)),
-        choices=sorted(PRESETS),
+        sorted(PRESETS),
         default="llama-3-8b",
         help="KV geometry preset (layers, KV heads, head dim; bf16, 16-token blocks)",
     )
-    layouts = ("auto", *LAYOUTS)
-    parser.add_argument(
+    add_choice_argument(
+        parser,
         "--layout",
-        type=choice_argument(layouts),
-        choices=layouts,
+        ("auto", *LAYOUTS),
         default="auto",
         help="engine KV cache layout to build; auto: mla for an MLA model (deepseek-v3), else flash_attn",
     )
-    parser.add_argument(
+    add_choice_argument(
+        parser,
         "--compression",
-        type=choice_argument(COMPRESSIONS),
-        choices=COMPRESSIONS,
+        COMPRESSIONS,
         default="none",
         help="slab row format: none (bit-exact copies) or fp8-e4m3 (lossy: fp8 codes plus one fp32"
         " scale per head-dim group, about half the bytes; loads are checked against the torch reference)",
     )
-    parser.add_argument(
-        "--policy",
-        type=choice_argument(policy_names()),
-        choices=policy_names(),
-        default="lru",
-        help="manager eviction policy",
-    )
+    add_choice_argument(parser, "--policy", policy_names(), default="lru", help="manager eviction policy")
     parser.add_argument(
         "--capacity",
         default=DEFAULT_CAPACITY,
@@ -102,20 +95,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"host slab size, vLLM's cpu_bytes_to_use ({SIZE_RULE})",
     )
     parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU KV cache size in blocks (scaled down for CPU)")
-    parser.add_argument(
-        "--backend",
-        type=choice_argument(BACKENDS),
-        choices=BACKENDS,
-        default="auto",
-        help="copy backend; auto = triton on CUDA, torch on CPU",
+    add_choice_argument(
+        parser, "--backend", BACKENDS, default="auto", help="copy backend; auto = triton on CUDA, torch on CPU"
     )
     parser.add_argument("--block-size-factor", type=int, default=1, help="GPU blocks per offloaded block (slot)")
     parser.add_argument("--requests", type=int, default=40, help="number of requests to replay")
     parser.add_argument("--seed", type=int, default=0, help="workload and content seed")
-    parser.add_argument(
+    add_choice_argument(
+        parser,
         "--device",
-        type=choice_argument(DEVICES),
-        choices=DEVICES,
+        DEVICES,
         default="auto",
         help="where the 'GPU' cache lives: auto (cuda if available), cuda, cpu",
     )
@@ -177,9 +166,6 @@ class DemoConfig:
                 "--compression fp8-e4m3 compresses bf16/fp16/fp32 pages, but --layout pages hands the engine int8 byte"
                 " views, which pass through uncompressed (pick another --layout)"
             )
-        device = str(args.device)
-        if device not in DEVICES:
-            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
         capacity_text = str(args.capacity)
         try:
             capacity_bytes = parse_capacity(capacity_text)
@@ -197,7 +183,7 @@ class DemoConfig:
             block_size_factor=int(args.block_size_factor),
             requests=int(args.requests),
             seed=int(args.seed),
-            device=device,
+            device=str(args.device),
             allow_pageable=bool(args.allow_pageable),
             progress=not bool(args.no_progress),
         )
@@ -397,8 +383,6 @@ class DemoServer:
     def __init__(self, config: DemoConfig, kv: PagedKV, manager: CPUOffloadingManager, engine: TransferEngine) -> None:
         import random
 
-        from kvtriton._offload_types import ReqContext
-
         self.config = config
         self.kv = kv
         self.manager = manager
@@ -408,7 +392,6 @@ class DemoServer:
         blocks = list(range(config.gpu_blocks))
         random.Random(config.seed).shuffle(blocks)
         self.free_blocks: deque[int] = deque(blocks)
-        self.context = ReqContext
         self.chunks_per_step = max(1, manager.capacity // 4)
         self._next_job = 0
 
@@ -425,10 +408,10 @@ class DemoServer:
 
     def serve(self, request: Request) -> None:
         from kvtriton._keys import make_offload_key
-        from kvtriton._offload_types import GPULoadStoreSpec, LookupResult
+        from kvtriton._offload_types import GPULoadStoreSpec, LookupResult, ReqContext
 
         f = self.config.block_size_factor
-        ctx = self.context(req_id=request.req_id)
+        ctx = ReqContext(req_id=request.req_id)
         hashes = list(request.prompt_blocks + request.output_blocks)
         if len(hashes) > self.config.gpu_blocks:
             hashes = hashes[: self.config.gpu_blocks]
@@ -577,16 +560,13 @@ def run(args: argparse.Namespace) -> int:
         # Last in this block: once the slab exists, nothing may fail before `with slab` owns it.
         slab = HostSlab(slots, config.block_size_factor, kv.row_bytes, allow_pageable=config.allow_pageable)
     except ValueError as error:
-        print(f"kvtriton demo: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("demo", error)
     except SlabPinningError as error:
         where = f"--capacity {config.capacity_text}: " if config is not None else ""
-        print(f"kvtriton demo: error: {where}{error} (here: --allow-pageable)", file=sys.stderr)
-        return 2
+        return command_error("demo", f"{where}{error} (here: --allow-pageable)")
     except torch.OutOfMemoryError as error:
         where = f"--gpu-blocks {config.gpu_blocks}: " if config is not None else ""
-        print(f"kvtriton demo: error: {where}{error}", file=sys.stderr)
-        return 2
+        return command_error("demo", f"{where}{error}")
 
     print(config.geometry.describe())
     print(
@@ -603,8 +583,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = TransferEngine(kv, slab, backend=config.backend)
         except ValueError as error:  # e.g. --backend triton on a slab that could not be pinned
-            print(f"kvtriton demo: error: --backend {config.backend}: {error}", file=sys.stderr)
-            return 2
+            return command_error("demo", f"--backend {config.backend}: {error}")
         with engine:
             print(
                 f"host slab {slots} slots x {config.block_size_factor} blocks = {format_bytes(slab.nbytes)} "
@@ -667,9 +646,7 @@ def _report(stats: DemoStats) -> None:
         ("verified", f"{stats.loaded_blocks} loaded blocks, {stats.mismatched_blocks} mismatched"),
         ("wall time", f"{stats.wall_seconds:.2f} s"),
     ]  # fmt: skip
-    width = max(len(name) for name, _ in lines)
-    for name, value in lines:
-        print(f"{name:<{width}}  {value}")
+    _print_aligned(lines)
     for where in stats.mismatches[:10]:
         print(f"MISMATCH {where}", file=sys.stderr)
 
@@ -692,7 +669,12 @@ def _report_compression(
         ("element error", f"max |x - x'| {error.max_abs:.4g}, mean {mean:.4g}{relative} over {error.elements} elements"
                           " of the checked blocks, against the original values"),
     ]  # fmt: skip
+    _print_aligned(lines)
+    print(f"note: {LOSSY_NOTE}")
+
+
+def _print_aligned(lines: list[tuple[str, str]]) -> None:
+    """Each ``(name, value)`` on a line, the values aligned after the longest name."""
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         print(f"{name:<{width}}  {value}")
-    print(f"note: {LOSSY_NOTE}")

@@ -16,7 +16,9 @@ import importlib.metadata
 import os
 import platform
 import resource
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+from kvtriton.sim._geometry import SIZE_RULE, format_bytes, size_argument
 
 __all__ = [
     "MAX_SLAB_BYTES",
@@ -54,16 +56,7 @@ class MachineInfo:
     triton_interpret: bool
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "python": self.python,
-            "torch": self.torch,
-            "triton": self.triton,
-            "cuda_available": self.cuda_available,
-            "device_name": self.device_name,
-            "pinned_memory": self.pinned_memory,
-            "memlock_limit": self.memlock_limit,
-            "triton_interpret": self.triton_interpret,
-        }
+        return asdict(self)
 
 
 def _package_version(name: str) -> str:
@@ -116,7 +109,6 @@ def memlock_verdict(limit_bytes: int | None, slab_bytes: int | None) -> str:
     Never starts with :data:`TOO_LOW`: ``cudaHostRegister`` is not charged to
     the limit, so a slab larger than it pins all the same.
     """
-    from kvtriton.sim._geometry import format_bytes
     from kvtriton.worker._slab import MEMLOCK_NOTE
 
     limit = "unlimited" if limit_bytes is None else format_bytes(limit_bytes)
@@ -127,8 +119,6 @@ def memlock_verdict(limit_bytes: int | None, slab_bytes: int | None) -> str:
 
 def memory_verdict(available_bytes: int | None, slab_bytes: int | None) -> str:
     """Whether ``MemAvailable`` (``None`` = unknown) holds a slab of ``slab_bytes`` besides what already runs."""
-    from kvtriton.sim._geometry import format_bytes
-
     if available_bytes is None:
         return "unknown (no MemAvailable in /proc/meminfo)"
     available = format_bytes(available_bytes)
@@ -147,8 +137,6 @@ def shm_verdict(free_bytes: int | None, slab_bytes: int | None) -> str:
     4 KiB header page); the single-tier spec's slab is an anonymous mapping, so
     a small /dev/shm is named here but never makes ``info`` fail.
     """
-    from kvtriton.sim._geometry import format_bytes
-
     if free_bytes is None:
         return "absent (only the tiering spec needs it)"
     free = format_bytes(free_bytes)
@@ -191,8 +179,6 @@ def measure_warmup() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvtriton.sim._geometry import SIZE_RULE, size_argument
-
     parser.epilog = (
         "exit status: 0, or 1 when a --slab-size slab cannot start here (the memory verdict reads TOO LOW: the"
         " RAM available); the memlock line is information only (cudaHostRegister is not charged to RLIMIT_MEMLOCK)"

@@ -24,7 +24,7 @@ from typing import Protocol, cast
 from kvtriton import __version__
 from kvtriton.sim._geometry import SIZE_RULE
 
-__all__ = ["build_parser", "choice_argument", "main"]
+__all__ = ["add_choice_argument", "build_parser", "choice_argument", "command_error", "main"]
 
 
 class _CommandModule(Protocol):
@@ -76,6 +76,24 @@ def choice_argument(names: Sequence[str]) -> Callable[[str], str]:
         return name
 
     return convert
+
+
+def add_choice_argument(
+    parser: argparse._ActionsContainer,  # pyright: ignore[reportPrivateUsage] -- argparse names the type of parsers and groups only privately
+    flag: str,
+    names: Sequence[str],
+    *,
+    default: str,
+    help: str,
+) -> None:
+    """Add the choice flag ``flag``: one of ``names`` in any case (:func:`choice_argument`), listed by ``--help``."""
+    parser.add_argument(flag, type=choice_argument(names), choices=names, default=default, help=help)
+
+
+def command_error(command: str, error: object) -> int:
+    """``error`` on stderr as the error of ``kvtriton COMMAND``; the exit status of a command that cannot run."""
+    print(f"kvtriton {command}: error: {error}", file=sys.stderr)
+    return 2
 
 
 def _load(command: _Command) -> _CommandModule:

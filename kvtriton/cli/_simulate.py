@@ -36,11 +36,11 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
-from kvtriton.cli._main import choice_argument
+from kvtriton.cli._main import add_choice_argument, command_error
 from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
@@ -73,13 +73,13 @@ from kvtriton.sim import (
     default_capacities,
     format_bytes,
     generate,
-    parse_capacity,
     parse_dtype,
     parse_tier,
     prepare,
     read_trace,
     recommend,
     recommend_tiered,
+    size_argument,
     summarize,
     sweep,
     tiered_sweep,
@@ -102,6 +102,20 @@ COMPRESSIONS = ("none", "fp8-e4m3")
 
 
 NumberT = TypeVar("NumberT", int, float)
+ParsedT = TypeVar("ParsedT")
+GridT = TypeVar("GridT")
+
+
+def _parsed_by(parse: Callable[[str], ParsedT]) -> Callable[[str], ParsedT]:
+    """An argparse ``type``: ``text`` parsed by ``parse``, its ValueError shown as the flag's error, unchanged."""
+
+    def convert(text: str) -> ParsedT:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
 
 
 def _number(parse: Callable[[str], NumberT], what: str, valid: Callable[[NumberT], bool]) -> Callable[[str], NumberT]:
@@ -122,6 +136,8 @@ def _number(parse: Callable[[str], NumberT], what: str, valid: Callable[[NumberT
 _positive_int = _number(int, "a positive integer", lambda value: value >= 1)
 _non_negative_int = _number(int, "an integer >= 0", lambda value: value >= 0)
 _positive_float = _number(float, "a positive number", lambda value: math.isfinite(value) and value > 0)
+_dtype = _parsed_by(lambda text: parse_dtype(text).value)
+_tier = _parsed_by(parse_tier)
 
 
 def _listed(text: str, what: str) -> list[str]:
@@ -140,10 +156,7 @@ def _capacities(text: str) -> list[int]:
     for item in _listed(text, "sizes"):
         if item.startswith("-"):
             raise argparse.ArgumentTypeError(f"sizes must be positive, got {item!r}")
-        try:
-            size = parse_capacity(item)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
+        size = size_argument(item)
         if size in sizes:
             raise argparse.ArgumentTypeError(
                 f"{sizes[size]!r} and {item!r} are the same size ({format_bytes(size)}): give each size once"
@@ -190,13 +203,6 @@ def _param(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
-def _dtype(text: str) -> str:
-    try:
-        return parse_dtype(text).value
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def _workloads_epilog() -> str:
     lines = ["built-in workloads and their --param names (defaults):"]
     for workload in WORKLOADS.values():
@@ -234,10 +240,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("trace")
     choice = source.add_mutually_exclusive_group()
-    choice.add_argument(
+    add_choice_argument(
+        choice,
         "--workload",
-        type=choice_argument(list(WORKLOADS)),
-        choices=list(WORKLOADS),
+        list(WORKLOADS),
         default=DEFAULT_WORKLOAD,
         help=f"built-in synthetic workload to replay (default: {DEFAULT_WORKLOAD})",
     )
@@ -261,10 +267,10 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model geometry (turns blocks into bytes)")
-    model.add_argument(
+    add_choice_argument(
+        model,
         "--model",
-        type=choice_argument(list(PRESETS)),
-        choices=list(PRESETS),
+        list(PRESETS),
         default=DEFAULT_MODEL,
         help=f"preset KV shape; the flags below override its fields (default: {DEFAULT_MODEL})",
     )
@@ -280,10 +286,10 @@ def _add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="tokens per offloaded block (default: the preset's, 16)",
     )
-    model.add_argument(
+    add_choice_argument(
+        model,
         "--compression",
-        type=choice_argument(COMPRESSIONS),
-        choices=list(COMPRESSIONS),
+        COMPRESSIONS,
         default="none",
         help="host memory row format: with fp8-e4m3 (lossy: fp8 codes plus one fp32 scale per group) every size is"
         " swept with and without it, the compressed rows holding ~1.9x the blocks and moving ~0.52x the bytes"
@@ -428,13 +434,6 @@ def _add_answer_arguments(sim: argparse._ArgumentGroup) -> None:  # pyright: ign
     )
 
 
-def _tier(text: str) -> TierSpec:
-    try:
-        return parse_tier(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tiers = parser.add_argument_group(
         "second tier (vLLM's tiered offloading behind the host tier; implies --call-order vllm)",
@@ -510,15 +509,8 @@ def _geometry(args: argparse.Namespace) -> ModelGeometry:
         name = "custom"
     else:
         name = f"{preset.name} (modified)"
-    return ModelGeometry(
-        name=name,
-        num_layers=shape["num_layers"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        dtype=parse_dtype(args.dtype) if args.dtype else preset.dtype,
-        block_size=args.block_size or preset.block_size,
-        kv_factor=preset.kv_factor,
-    )
+    dtype = parse_dtype(args.dtype) if args.dtype else preset.dtype
+    return replace(preset, name=name, dtype=dtype, block_size=args.block_size or preset.block_size, **shape)
 
 
 def _call_order_name(text: str) -> str:
@@ -532,42 +524,35 @@ def _call_order_name(text: str) -> str:
 
 def _call_order(args: argparse.Namespace) -> CallOrder:
     """The call order the flags ask for; ValueError naming the flag that does not apply."""
-    server_flags = [
-        flag
-        for flag, given in (
-            ("--gpu-blocks", args.gpu_blocks is not None),
-            ("--max-num-seqs", args.max_num_seqs is not None),
-            ("--sequential", args.sequential),
-            ("--tier", args.tier is not None),
-        )
-        if given
-    ]
+    server_flags = _given_flags(
+        ("--gpu-blocks", args.gpu_blocks is not None),
+        ("--max-num-seqs", args.max_num_seqs is not None),
+        ("--sequential", args.sequential),
+        ("--tier", args.tier is not None),
+    )
     # The server model's other knobs: given alone they do not select vLLM's order (each has a default there).
-    model_flags = [
-        flag
-        for flag, given in (
-            ("--arrivals", args.arrivals is not None),
-            ("--max-num-batched-tokens", args.max_num_batched_tokens is not None),
-            ("--decode-steps", args.decode_steps is not None),
-            ("--load-steps", args.load_steps is not None),
-            ("--store-steps", args.store_steps is not None),
-            ("--sync-loads", args.sync_loads),
-        )
-        if given
-    ]
+    model_flags = _given_flags(
+        ("--arrivals", args.arrivals is not None),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens is not None),
+        ("--decode-steps", args.decode_steps is not None),
+        ("--load-steps", args.load_steps is not None),
+        ("--store-steps", args.store_steps is not None),
+        ("--sync-loads", args.sync_loads),
+    )
     name: str = args.call_order or ("vllm" if server_flags else "kvtriton")
-    if name == "kvtriton" and args.tier is not None:
-        raise ValueError("--tier models vLLM's tiered offloading: it applies to --call-order vllm, not kvtriton")
     if name == "kvtriton":
+        if args.tier is not None:
+            raise ValueError("--tier models vLLM's tiered offloading: it applies to --call-order vllm, not kvtriton")
         misplaced = server_flags + model_flags
-        if misplaced and args.call_order is None:
-            raise ValueError(
-                f"{misplaced[0]} models the vLLM server: it applies to --call-order vllm, and without --gpu-blocks,"
-                " --max-num-seqs or --sequential the order is kvtriton; add --call-order vllm (or the server's"
-                " --gpu-blocks and --max-num-seqs)"
-            )
         if misplaced:
-            raise ValueError(f"{misplaced[0]} models the vLLM server: it applies to --call-order vllm, not kvtriton")
+            # Without --call-order, kvtriton's order is only the default: say which flags select vLLM's.
+            why = (
+                ", not kvtriton"
+                if args.call_order is not None
+                else ", and without --gpu-blocks, --max-num-seqs or --sequential the order is kvtriton; add"
+                " --call-order vllm (or the server's --gpu-blocks and --max-num-seqs)"
+            )
+            raise ValueError(f"{misplaced[0]} models the vLLM server: it applies to --call-order vllm{why}")
         return KvtritonOrder(in_flight=args.in_flight or 1)
     if args.in_flight is not None:
         raise ValueError(
@@ -587,6 +572,11 @@ def _call_order(args: argparse.Namespace) -> CallOrder:
         store_steps=_given(args.store_steps, DEFAULT_STORE_STEPS),
         sync_loads=args.sync_loads,
     )
+
+
+def _given_flags(*flags: tuple[str, bool]) -> list[str]:
+    """The names of the ``(flag, given)`` pairs whose flag was given, in order."""
+    return [flag for flag, given in flags if given]
 
 
 def _given(value: int | None, default: int) -> int:
@@ -610,14 +600,7 @@ def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, lis
             raise ValueError(f"--trace: cannot read {path}: {error.strerror or error}") from None
         stem = Path(path.name.removesuffix(".gz")).stem  # my-trace.jsonl.gz writes simulate-my-trace.json
         return _Source(stem, {"trace": str(path)}), requests
-    overrides: dict[str, str] = dict(args.param)
-    if args.requests is not None:
-        if "requests" in overrides:
-            raise ValueError(
-                f"--requests {args.requests} and --param requests={overrides['requests']} both set the request"
-                " count; give one"
-            )
-        overrides["requests"] = str(args.requests)
+    overrides = _workload_overrides(args)
     workload = WORKLOADS[args.workload]
     try:
         params = workload.params(overrides)
@@ -629,6 +612,19 @@ def _load_trace(args: argparse.Namespace, block_size: int) -> tuple[_Source, lis
     )
 
 
+def _workload_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """The workload parameters --param and --requests set; ValueError when both set the request count."""
+    overrides: dict[str, str] = dict(args.param)
+    if args.requests is not None:
+        if "requests" in overrides:
+            raise ValueError(
+                f"--requests {args.requests} and --param requests={overrides['requests']} both set the request"
+                " count; give one"
+            )
+        overrides["requests"] = str(args.requests)
+    return overrides
+
+
 def _percent(rate: float) -> str:
     return f"{100 * rate:.1f}%"
 
@@ -638,12 +634,12 @@ def _gib(size: float) -> str:
     return f"{gib:.3g}" if gib < 1000 else f"{gib:,.0f}"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a table: right-aligned columns under their headers and a rule."""
     widths = [max([len(header), *(len(row[i]) for row in rows)]) for i, header in enumerate(headers)]
     lines = ["  ".join(header.rjust(width) for header, width in zip(headers, widths))]
     lines.append("  ".join("-" * width for width in widths))
-    lines += ["  ".join(value.rjust(width) for value, width in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    return lines + ["  ".join(value.rjust(width) for value, width in zip(row, widths)) for row in rows]
 
 
 def _recommendation_lines(
@@ -697,12 +693,7 @@ def _recommendation_lines(
         f"smallest size reaching {target} ({found.rate_name}): {format_bytes(point.capacity_bytes)} with"
         f" {point.policy.upper()}, {_percent(point.rate(order.name))}",
         "",
-        "kv_connector_extra_config:",
-        "  " + json.dumps(found.extra_config),
-        "",
-        "vllm serve <model> " + " ".join(flags) + " \\",
-        f"  --kv-transfer-config '{json.dumps(found.kv_transfer_config, separators=(',', ':'))}'",
-        "",
+        *_serve_lines(found.extra_config, found.kv_transfer_config, flags),
         f"pinned:    {workers} its slab, {format_bytes(slab)} ({slab} bytes), in host RAM (RLIMIT_MEMLOCK does"
         f" not limit it); check with: kvtriton info --slab-size {slab}B",
         f"/dev/shm:  not used by KVTritonOffloadingSpec (each rank's slab is its own memory); the tiering spec"
@@ -721,6 +712,18 @@ def _recommendation_lines(
             " count only what the GPU cache does not serve, as vLLM does"
         )
     return lines
+
+
+def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[str]) -> list[str]:
+    """How to start vLLM with the configuration found: its extra config, then the `vllm serve` command line."""
+    return [
+        "kv_connector_extra_config:",
+        "  " + json.dumps(extra_config),
+        "",
+        "vllm serve <model> " + " ".join(flags) + " \\",
+        f"  --kv-transfer-config '{json.dumps(transfer_config, separators=(',', ':'))}'",
+        "",
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -845,31 +848,23 @@ def run(args: argparse.Namespace) -> int:
         order = _call_order(args)
         source, requests = _load_trace(args, geometry.block_size)
     except (ValueError, OSError) as error:
-        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("simulate", error)
     stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
     if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (_call_order)
         return _run_tiered(args, stored, order, source, requests, started)
-    tier_only = [flag for flag, given in _tier_flags(args) if given]
+    tier_only = _given_flags(
+        ("--tier-sizes", args.tier_sizes is not None),
+        ("--host-price-ratio", args.host_price_ratio != DEFAULT_HOST_PRICE_RATIO),
+        ("--servers", args.servers != 1),
+    )
     if tier_only:
-        print(f"kvtriton simulate: error: {tier_only[0]} applies with --tier (fs or mooncake)", file=sys.stderr)
-        return 2
+        return command_error("simulate", f"{tier_only[0]} applies with --tier (fs or mooncake)")
     prepared = prepare(requests)
     summary = summarize(prepared)
-    capacities: list[int] = args.capacities or default_capacities(geometry, summary.distinct_blocks)
-    too_small = [capacity for capacity in capacities if geometry.blocks_for(capacity) < 1]
-    if too_small:
-        print(
-            f"kvtriton simulate: error: --capacities: {format_bytes(too_small[0])} holds no block of"
-            f" {format_bytes(geometry.bytes_per_block)}",
-            file=sys.stderr,
-        )
-        return 2
-
-    def track(grid: Sequence[tuple[str, int]]) -> Iterable[tuple[str, int]]:
-        return progress(grid, len(grid), "simulate", enabled=not args.no_progress)
-
     try:
+        capacities = _holding_a_block(
+            args.capacities or default_capacities(geometry, summary.distinct_blocks), geometry
+        )
         # The ceiling: capacity for every distinct block, so nothing is ever evicted.
         unlimited, unlimited_server = order.replay(
             prepared, CPUOffloadingManager(max(summary.distinct_blocks, 1), cache_policy="lru"), geometry.block_size
@@ -877,13 +872,12 @@ def run(args: argparse.Namespace) -> int:
         curves = {
             each.compression: [
                 PointReport.of(point, each, args.bandwidth)
-                for point in sweep(prepared, each, capacities, args.policies, order=order, track=track)
+                for point in sweep(prepared, each, capacities, args.policies, order=order, track=_ProgressBar(args))
             ]
             for each in geometries
         }
     except (ValueError, RuntimeError) as error:  # the server model refuses a request the GPU cache cannot hold
-        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("simulate", error)
     reports = [report for curve in curves.values() for report in curve]
     unlimited_rate = unlimited_server.external_hit_rate if unlimited_server is not None else unlimited.token_hit_rate
     tp = args.tensor_parallel_size
@@ -891,15 +885,12 @@ def run(args: argparse.Namespace) -> int:
     uncompressed = recommend(curves["none"], args.target_hit_rate, order.name, geometry, tensor_parallel_size=tp)
     working_set = summary.distinct_blocks * geometry.bytes_per_block
     stored_working_set = summary.distinct_blocks * stored.stored_bytes_per_block
-    record: dict[str, object] = {
-        "command": "kvtriton simulate",
-        "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "rates": "fractions of 1 (the printed table shows them as percentages)",
-        "source": {"name": source.name, **source.description},
-        "geometry": {
+    record = _record(
+        args,
+        source,
+        started,
+        machine=True,
+        geometry={
             "model": geometry.name,
             "num_layers": geometry.num_layers,
             "num_kv_heads": geometry.num_kv_heads,
@@ -909,7 +900,7 @@ def run(args: argparse.Namespace) -> int:
             "block_size": geometry.block_size,
             "bytes_per_block": geometry.bytes_per_block,
         },
-        "compression": {
+        compression={
             "kv_compression": stored.compression,
             "group_size": stored.compression_group_size,
             "stored_bytes_per_block": stored.stored_bytes_per_block,
@@ -917,7 +908,7 @@ def run(args: argparse.Namespace) -> int:
             "curves": list(curves),
             "lossy": stored.compression != "none",
         },
-        "trace": {
+        trace={
             **asdict(summary),
             "working_set_bytes": working_set,
             "working_set_gib": working_set / GIB,
@@ -926,17 +917,16 @@ def run(args: argparse.Namespace) -> int:
             "unlimited_external_hit_rate": unlimited_rate,
             "gpu_share": unlimited_server.gpu_share if unlimited_server is not None else 0.0,
         },
-        "call_order": {"name": order.name, **asdict(order)},
-        "bandwidth_gbps": args.bandwidth,
-        "points": [asdict(report) for report in reports],
-        "recommendation": _recommendation_record(found, stored),
+        call_order={"name": order.name, **asdict(order)},
+        bandwidth_gbps=args.bandwidth,
+        points=[asdict(report) for report in reports],
+        recommendation=_recommendation_record(found, stored),
         **(
             {"recommendation_uncompressed": _recommendation_record(uncompressed, geometry)}
             if stored is not geometry
             else {}
         ),
-        "elapsed_seconds": time.perf_counter() - started,
-    }
+    )
     lines = [
         f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
         f" ({summary.prompt_tokens} tokens), {summary.output_blocks} output blocks",
@@ -954,11 +944,12 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         lines.append(f"with unlimited memory {_percent(unlimited.token_hit_rate)} of prompt tokens hit")
+    headers = _TABLE_HEADERS[order.name]
     for compression, curve in curves.items():
         lines.append("")
         if stored is not geometry:
             lines.append(f"{compression}: {_curve_heading(compression, stored)}")
-        lines += _table(*_rows(curve, order.name)).split("\n")
+        lines += _table(headers, [[_COLUMNS[header](report) for header in headers] for report in curve])
     shown = found.point or found.best  # admission depends a little on the capacity: show the chosen point's
     if shown.max_admitted_per_step is not None:
         lines.append("")
@@ -977,16 +968,13 @@ def run(args: argparse.Namespace) -> int:
     lines += _recommendation_lines(found, order, stored, unlimited_rate, max(capacities), working_set)
     if stored is not geometry:
         lines.append(_uncompressed_line(uncompressed, found, order.name))
-    record["printed"] = lines
-    out_dir: Path = args.out
-    json_path = _write_record(out_dir, f"simulate-{source.name}.json", record)
+    json_path = _write_and_print(args, f"simulate-{source.name}.json", record, lines)
     if json_path is None:
         return 2
     # The answer first: the plot comes after it, so a missing or failing plot costs only the picture.
-    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     written = [json_path]
     if not args.no_plot:
-        png_path = out_dir / f"simulate-{source.name}.png"
+        png_path = args.out / f"simulate-{source.name}.png"
         title = (
             f"{source.name} trace, {summary.requests} requests, {geometry.name}"
             f" ({format_bytes(geometry.bytes_per_block)}/block)"
@@ -1016,8 +1004,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         except OSError as error:
-            print(f"kvtriton simulate: error: --out {out_dir}: cannot write the plot: {error}", file=sys.stderr)
-            return 2
+            return command_error("simulate", f"--out {args.out}: cannot write the plot: {error}")
     wrote = "wrote " + " and ".join(str(path) for path in written)
     if args.json:
         print(wrote, file=sys.stderr)
@@ -1095,49 +1082,33 @@ def _describe_server(order: VllmOrder) -> str:
     return ", ".join(parts)
 
 
-def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[list[str]]]:
-    """The table: in vLLM's order, its reported rate and where prompt tokens came from; else the host tier's rates."""
-    if order == "vllm":
-        headers = ["policy", "GiB", "blocks", "vLLM hit", "GPU", "host", "computed", "loaded GiB", "stored GiB",
-                   "evictions", "refused", "load s", "store s"]  # fmt: skip
-        rows = [
-            [
-                report.policy,
-                _gib(report.capacity_bytes),
-                str(report.num_blocks),
-                _percent(report.external_hit_rate),
-                _percent(report.gpu_share),
-                _percent(report.offload_share),
-                _percent(report.computed_share),
-                _gib(report.bytes_loaded),
-                _gib(report.bytes_stored),
-                str(report.evictions),
-                str(report.refused_stores),
-                f"{report.load_seconds:.2f}",
-                f"{report.store_seconds:.2f}",
-            ]
-            for report in reports
-        ]
-        return headers, rows
-    headers = ["policy", "GiB", "blocks", "hit blk", "hit tok", "stored GiB", "loaded GiB",
-               "evictions", "refused", "load s", "store s"]  # fmt: skip
-    rows = [
-        [
-            report.policy,
-            _gib(report.capacity_bytes),
-            str(report.num_blocks),
-            _percent(report.block_hit_rate),
-            _percent(report.token_hit_rate),
-            _gib(report.bytes_stored),
-            _gib(report.bytes_loaded),
-            str(report.evictions),
-            str(report.refused_stores),
-            f"{report.load_seconds:.2f}",
-            f"{report.store_seconds:.2f}",
-        ]
-        for report in reports
-    ]
-    return headers, rows
+_COLUMNS: dict[str, Callable[[PointReport], str]] = {
+    "policy": lambda report: report.policy,
+    "GiB": lambda report: _gib(report.capacity_bytes),
+    "blocks": lambda report: str(report.num_blocks),
+    "vLLM hit": lambda report: _percent(report.external_hit_rate),
+    "GPU": lambda report: _percent(report.gpu_share),
+    "host": lambda report: _percent(report.offload_share),
+    "computed": lambda report: _percent(report.computed_share),
+    "hit blk": lambda report: _percent(report.block_hit_rate),
+    "hit tok": lambda report: _percent(report.token_hit_rate),
+    "loaded GiB": lambda report: _gib(report.bytes_loaded),
+    "stored GiB": lambda report: _gib(report.bytes_stored),
+    "evictions": lambda report: str(report.evictions),
+    "refused": lambda report: str(report.refused_stores),
+    "load s": lambda report: f"{report.load_seconds:.2f}",
+    "store s": lambda report: f"{report.store_seconds:.2f}",
+}
+"""The columns of a sweep's table: each header and how a point fills it."""
+
+_TABLE_HEADERS: dict[str, tuple[str, ...]] = {
+    "vllm": ("policy", "GiB", "blocks", "vLLM hit", "GPU", "host", "computed", "loaded GiB", "stored GiB",
+             "evictions", "refused", "load s", "store s"),
+    "kvtriton": ("policy", "GiB", "blocks", "hit blk", "hit tok", "stored GiB", "loaded GiB",
+                 "evictions", "refused", "load s", "store s"),
+}  # fmt: skip
+"""The table's columns per call order: in vLLM's, its reported rate and where prompt tokens came from; else the
+host tier's rates."""
 
 
 # --------------------------------------------------------------------------
@@ -1145,15 +1116,6 @@ def _rows(reports: Sequence[PointReport], order: str) -> tuple[list[str], list[l
 
 DEFAULT_TIERED_POINTS = 4
 """Host sizes, and Mooncake pool sizes, a tiered sweep tries when none are given (each pair is a replay)."""
-
-
-def _tier_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
-    """The flags that shape a tiered sweep, and whether each was given."""
-    return [
-        ("--tier-sizes", args.tier_sizes is not None),
-        ("--host-price-ratio", args.host_price_ratio != DEFAULT_HOST_PRICE_RATIO),
-        ("--servers", args.servers != 1),
-    ]
 
 
 def _tiers(args: argparse.Namespace, geometry: ModelGeometry, distinct_blocks: int) -> list[TierSpec]:
@@ -1177,9 +1139,7 @@ def _server_streams(args: argparse.Namespace, block_size: int, first: list[Reque
         return [first]
     if args.trace is not None:
         raise ValueError("--servers draws one request stream per server from a built-in workload; not from --trace")
-    overrides: dict[str, str] = dict(args.param)
-    if args.requests is not None:
-        overrides["requests"] = str(args.requests)
+    overrides = _workload_overrides(args)
     return [first] + [
         generate(args.workload, seed=args.seed, block_size=block_size, overrides=overrides, stream=stream)
         for stream in range(1, args.servers)
@@ -1198,24 +1158,16 @@ def _run_tiered(
     try:
         streams = [prepare(stream) for stream in _server_streams(args, geometry.block_size, requests)]
         distinct = summarize([request for stream in streams for request in stream]).distinct_blocks
-        hosts: list[int] = args.capacities or default_capacities(geometry, distinct, DEFAULT_TIERED_POINTS)
         tiers = _tiers(args, geometry, distinct)
         for tier in tiers:
             tier.build(geometry)  # refuses a pool that holds no chunk
-        too_small = [host for host in hosts if geometry.blocks_for(host) < 1]
-        if too_small:
-            raise ValueError(
-                f"--capacities: {format_bytes(too_small[0])} holds no block of {format_bytes(geometry.stored_bytes_per_block)}"
-            )
-
-        def track(grid: Sequence[tuple[str, int, TierSpec]]) -> Iterable[tuple[str, int, TierSpec]]:
-            return progress(grid, len(grid), "simulate", enabled=not args.no_progress)
-
-        reports = tiered_sweep(streams, geometry, hosts, tiers, args.policies, order, track=track)
+        hosts = _holding_a_block(
+            args.capacities or default_capacities(geometry, distinct, DEFAULT_TIERED_POINTS), geometry
+        )
+        reports = tiered_sweep(streams, geometry, hosts, tiers, args.policies, order, track=_ProgressBar(args))
         found = recommend_tiered(reports, args.target_hit_rate, args.host_price_ratio, geometry)
     except (ValueError, RuntimeError) as error:
-        print(f"kvtriton simulate: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("simulate", error)
     summary = summarize(streams[0])
     working_set = distinct * geometry.stored_bytes_per_block
     lines = [
@@ -1230,7 +1182,7 @@ def _run_tiered(
     ]
     for policy in args.policies:
         lines.append("")
-        lines += _table(*_tiered_rows([r for r in reports if r.policy == policy], args.host_price_ratio)).split("\n")
+        lines += _table(*_tiered_rows([r for r in reports if r.policy == policy], args.host_price_ratio))
     if any(report.stalled for report in reports):
         lines.append("")
         lines.append(
@@ -1239,33 +1191,29 @@ def _run_tiered(
         )
     lines.append("")
     lines += _tiered_recommendation_lines(found, order, geometry, args.servers)
-    record: dict[str, object] = {
-        "command": "kvtriton simulate",
-        "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "rates": "fractions of 1 (the printed table shows them as percentages)",
-        "source": {"name": source.name, **source.description},
-        "servers": args.servers,
-        "tier": args.tier.describe(),
-        "host_price_ratio": args.host_price_ratio,
-        "compression": geometry.compression,
-        "stored_bytes_per_block": geometry.stored_bytes_per_block,
-        "working_set_bytes": working_set,
-        "call_order": {"name": order.name, **asdict(order)},
-        "points": [_tiered_point_record(report, args.host_price_ratio) for report in reports],
-        "recommendation": {
+    record = _record(
+        args,
+        source,
+        started,
+        machine=False,
+        servers=args.servers,
+        tier=args.tier.describe(),
+        host_price_ratio=args.host_price_ratio,
+        compression=geometry.compression,
+        stored_bytes_per_block=geometry.stored_bytes_per_block,
+        working_set_bytes=working_set,
+        call_order={"name": order.name, **asdict(order)},
+        points=[_tiered_point_record(report, args.host_price_ratio) for report in reports],
+        recommendation={
             "target_hit_rate": found.target,
             "reached": found.point is not None,
             "point": _tiered_point_record(found.point, args.host_price_ratio) if found.point is not None else None,
             "kv_connector_extra_config": found.extra_config,
         },
-        "elapsed_seconds": time.perf_counter() - started,
-    }
-    record["printed"] = lines
-    json_path = _write_record(args.out, f"simulate-{source.name}-tiered.json", record)
+    )
+    json_path = _write_and_print(args, f"simulate-{source.name}-tiered.json", record, lines)
     if json_path is None:
         return 2
-    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -1299,26 +1247,14 @@ def _tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[st
                "host store GiB", "tier read GiB", "tier write GiB", "tier evictions", "cost"]  # fmt: skip
     rows: list[list[str]] = []
     for report in reports:
-        tier_size = (
-            _gib(report.tier_size_bytes) if report.tier.kind == "mooncake" else f"{_gib(report.tier_fill_bytes)} filled"
-        )
+        mooncake = report.tier.kind == "mooncake"
         counts = report.counts
-        if counts is None:  # stalled
-            rows.append(
-                [
-                    report.policy,
-                    _gib(report.host_bytes),
-                    _gib(report.tier.capacity_bytes or 0) if report.tier.kind == "mooncake" else "-",
-                    "stalled",
-                    *["-"] * 9,
-                ]
-            )
-            continue
-        rows.append(
-            [
-                report.policy,
-                _gib(report.host_bytes),
-                tier_size,
+        if counts is None:  # stalled: the replay stopped, so there is nothing to count
+            tier_size = _gib(report.tier.capacity_bytes or 0) if mooncake else "-"
+            counted = ["stalled", *["-"] * 9]
+        else:
+            tier_size = _gib(report.tier_size_bytes) if mooncake else f"{_gib(report.tier_fill_bytes)} filled"
+            counted = [
                 _percent(report.external_hit_rate),
                 f"{_percent(report.host_chunk_hit_rate)} of {counts.host_chunk_queries}",
                 f"{_percent(report.tier_chunk_hit_rate)} of {counts.tier_chunk_queries}",
@@ -1330,7 +1266,7 @@ def _tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[st
                 str(counts.tier_evictions),
                 f"{report.cost(ratio):.3g}",
             ]
-        )
+        rows.append([report.policy, _gib(report.host_bytes), tier_size, *counted])
     return headers, rows
 
 
@@ -1367,12 +1303,7 @@ def _tiered_recommendation_lines(
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier_size},"
         f" {_percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
         "",
-        "kv_connector_extra_config:",
-        "  " + json.dumps(found.extra_config),
-        "",
-        "vllm serve <model> " + " ".join(flags) + " \\",
-        f"  --kv-transfer-config '{json.dumps(transfer, separators=(',', ':'))}'",
-        "",
+        *_serve_lines(found.extra_config, transfer, flags),
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
     ]
     if point.tier.kind == "mooncake":
@@ -1392,19 +1323,65 @@ def _tiered_recommendation_lines(
     return lines
 
 
-def _write_record(out_dir: Path, name: str, record: Mapping[str, object]) -> Path | None:
-    """``record`` as JSON in ``out_dir/name`` (the folder made when missing); None, said on stderr, when it cannot be."""
-    if out_dir.exists() and not out_dir.is_dir():
-        print(
-            f"kvtriton simulate: error: --out {out_dir}: is a file, not a folder (name a folder, created when missing)",
-            file=sys.stderr,
+# --------------------------------------------------------------------------
+# Output shared by both sweeps
+
+
+@dataclass(frozen=True, slots=True)
+class _ProgressBar:
+    """A sweep's ``track``: a progress bar on stderr over the points replayed, unless --no-progress."""
+
+    args: argparse.Namespace
+
+    def __call__(self, grid: Sequence[GridT]) -> Iterable[GridT]:
+        return progress(grid, len(grid), "simulate", enabled=not self.args.no_progress)
+
+
+def _holding_a_block(capacities: list[int], geometry: ModelGeometry) -> list[int]:
+    """``capacities``; ValueError naming the first that holds no block of ``geometry``."""
+    too_small = [capacity for capacity in capacities if geometry.blocks_for(capacity) < 1]
+    if too_small:
+        raise ValueError(
+            f"--capacities: {format_bytes(too_small[0])} holds no block of {format_bytes(geometry.stored_bytes_per_block)}"
         )
+    return capacities
+
+
+def _record(
+    args: argparse.Namespace, source: _Source, started: float, *, machine: bool, **fields: object
+) -> dict[str, object]:
+    """A run's JSON record: the command and when it ran (with ``machine``, where), the trace, ``fields``, the time
+    taken."""
+    record: dict[str, object] = {
+        "command": "kvtriton simulate",
+        "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if machine:
+        record.update(python=platform.python_version(), platform=platform.platform())
+    record.update(
+        rates="fractions of 1 (the printed table shows them as percentages)",
+        source={"name": source.name, **source.description},
+        **fields,
+    )
+    record["elapsed_seconds"] = time.perf_counter() - started
+    return record
+
+
+def _write_and_print(args: argparse.Namespace, name: str, record: dict[str, object], lines: list[str]) -> Path | None:
+    """Write ``record``, with ``lines`` as what was printed, as JSON to ``--out``/``name`` (the folder made when
+    missing), then print ``lines`` (with --json, the record); None, said on stderr, when it cannot be written."""
+    record["printed"] = lines
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        command_error("simulate", f"--out {out_dir}: is a file, not a folder (name a folder, created when missing)")
         return None
     json_path = out_dir / name
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(record, indent=2) + "\n")
     except OSError as error:
-        print(f"kvtriton simulate: error: --out {out_dir}: cannot write results: {error}", file=sys.stderr)
+        command_error("simulate", f"--out {out_dir}: cannot write results: {error}")
         return None
+    print(json.dumps(record, indent=2) if args.json else "\n".join(lines))
     return json_path
