@@ -83,6 +83,9 @@ ZERO_KV_CACHE: dict[str, object] = {"op": "zero_kv_cache"}
 """A step: zero every KV cache tensor (after a reset: what a later load writes is all that is there)."""
 OVERWRITE_HOST_SLAB: dict[str, object] = {"op": "overwrite_host_slab"}
 """A step: overwrite every byte of kvtriton's host slab with random bytes (single-tier spec)."""
+DAMAGE_MOONCAKE_VALUES: dict[str, object] = {"op": "damage_mooncake_values"}
+"""A step: through a Mooncake client of its own (a broken writer), replace the value of every chunk kvtriton's
+primary holds, in every Mooncake tier, by one of the same size with 64 bytes flipped in its middle."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,29 @@ def _offloading_manager(llm: Any) -> Any:
     return scheduler.connector.connector_scheduler.manager
 
 
+def _damage_mooncake_values(manager: Any) -> None:
+    """What a broken writer to the pool would leave: each chunk's value, the same size, 64 bytes flipped mid-way."""
+    from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
+
+    keys = list(manager.primary_tier._cpu.slot_map())  # the chunks this engine stored (and cascaded)
+    tiers = [tier for tier in manager.secondary_tiers if isinstance(tier, MooncakeStoreTier)]
+    assert keys and tiers, (keys, tiers)
+    for tier in tiers:
+        client = open_store(tier.config)
+        assert client is not None
+        try:
+            for key in keys:
+                name = tier.object_key(key)
+                value = bytearray(client.get(name))
+                assert value, f"no value under {name}"
+                middle = len(value) // 2
+                value[middle : middle + 64] = bytes(byte ^ 0xFF for byte in value[middle : middle + 64])
+                client.batch_remove([name], force=True)  # a put keeps an existing object
+                assert client.put(name, bytes(value)) == 0
+        finally:
+            client.close()
+
+
 def _kv_caches(llm: Any) -> list[Any]:
     """The model runner's KV cache tensors, one per attention layer, each indexed by block id first."""
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -241,6 +264,8 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 wait_until_up = getattr(tier, "wait_until_up", None)
                 if wait_until_up is not None and not wait_until_up(SETTLE_TIMEOUT_S):
                     raise TimeoutError(f"secondary tier {tier.tier_type} not up after {SETTLE_TIMEOUT_S}s")
+        elif op == "damage_mooncake_values":
+            _damage_mooncake_values(_offloading_manager(llm))
         elif op == "zero_kv_cache":
             # Nothing left in the KV cache: a block that is right afterwards was written by a load.
             for kv in _kv_caches(llm):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
-from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import DAMAGE_MOONCAKE_VALUES, WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
@@ -20,7 +21,9 @@ HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 
 
-def mooncake_engine(model: Path, cluster: MooncakeCluster, namespace: str, workdir: Path) -> EngineResult:
+def mooncake_engine(
+    model: Path, cluster: MooncakeCluster, namespace: str, workdir: Path, *, then: Sequence[dict[str, object]] = ()
+) -> EngineResult:
     tier = {
         "type": "MooncakeStoreTier",
         "module_path": "kvtriton.integrations.mooncake",
@@ -30,7 +33,7 @@ def mooncake_engine(model: Path, cluster: MooncakeCluster, namespace: str, workd
         "io_threads": 2,
     }
     config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
-    steps = [WAIT_TIERS_UP, generate(PROMPT_A, MAX_TOKENS, "A")]
+    steps = [WAIT_TIERS_UP, generate(PROMPT_A, MAX_TOKENS, "A"), *then]
     return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
 
 
@@ -59,10 +62,24 @@ def test_second_process_loads_the_prefix_from_mooncake(
     assert reader.step("A").token_ids == reference.step("A").token_ids
 
 
-def test_another_namespace_gives_no_hit(
-    writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
-) -> None:
+@pytest.fixture(scope="module")
+def other(writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path) -> EngineResult:
+    """An engine in another namespace that, once it has stored A's chunks there, damages their values."""
     del writer  # namespace "shared" holds A's chunks; this engine looks in another
-    other = mooncake_engine(llama, cluster, "other", e2e_dir / "mooncake-other")
+    return mooncake_engine(llama, cluster, "other", e2e_dir / "mooncake-other", then=[DAMAGE_MOONCAKE_VALUES])
+
+
+def test_another_namespace_gives_no_hit(other: EngineResult, reference: EngineResult) -> None:
     assert other.delta("A", HITS) == 0
     assert other.step("A").token_ids == reference.step("A").token_ids
+
+
+def test_a_value_of_the_right_size_with_other_bytes_is_a_counted_miss_never_wrong_tokens(
+    other: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
+) -> None:
+    del other  # namespace "other" now holds A's chunks, each value the right size with 64 bytes flipped
+    reader = mooncake_engine(llama, cluster, "other", e2e_dir / "mooncake-damaged-reader")
+    assert reader.delta("A", HITS) == 0
+    assert reader.delta("A", "vllm:kv_offload_integrity_failures") >= 1
+    assert "kvtriton integrity: tier 1:MooncakeStoreTier" in reader.log and "(reason checksum:" in reader.log
+    assert reader.step("A").token_ids == reference.step("A").token_ids
