@@ -22,25 +22,41 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from bench.tiny_models import TinyLlama
 from e2e.engine import EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS
+from kvtriton._integrity import SEAL_BYTES
 
 HITS = "vllm:external_prefix_cache_hits"
 FAULTS = "vllm:kv_offload_integrity_failures"
 FULL_BLOCKS = 4
+SEAL_FIELDS = struct.Struct("<16s16sQI4s")
+"""The seal's fields after its checksum (kvtriton/_integrity.py): fingerprint, key digest, length, version, magic."""
+CHECKSUM_BYTES = 16
 
 
 def prompt(case: int) -> list[int]:
     """Four full blocks and a partial one, sharing no block with another case's prompt."""
     start = 10 + 140 * case
     return list(range(start, start + FULL_BLOCKS * BLOCK_SIZE + 5))
+
+
+def older_row_format(data: bytes) -> bytes:
+    """The chunk as a kvtriton of the previous row format would have sealed it: its seal intact, its version one less."""
+    payload, trailer = data[:-SEAL_BYTES], data[-SEAL_BYTES:]
+    fingerprint, key, length, version, magic = SEAL_FIELDS.unpack(trailer[CHECKSUM_BYTES:])
+    fields = SEAL_FIELDS.pack(fingerprint, key, length, version - 1, magic)
+    checksum = xxhash.xxh3_128(payload)
+    checksum.update(fields)
+    return payload + checksum.digest() + fields
 
 
 def flip_middle(data: bytes) -> bytes:
@@ -82,6 +98,7 @@ def _rotate(files: list[Path]) -> None:
 CASES = [
     Case("flipped-bytes", _each(flip_middle), "checksum", hits=False),
     Case("another-keys-file", _rotate, "other_key", hits=False),
+    Case("older-row-format", _each(older_row_format), "stale_format", hits=False),
     # Files of another length: caught before vLLM's fs tier reads them (its own short read would go uncounted,
     # and it never reads past one chunk).
     Case("truncated", _each(lambda data: data[: len(data) // 2]), "torn", hits=False, rewritten=1),
