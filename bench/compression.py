@@ -55,7 +55,7 @@ from typing import Any, cast
 
 import torch
 
-from bench.common import format_table, machine_record, quick_name, write_json
+from bench.common import bench_parser, format_table, quick_name, write_json
 from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
@@ -488,9 +488,7 @@ def print_real_model(real: Mapping[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.compression", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
+    parser = bench_parser("compression", __doc__)
     parser.add_argument("--tokens", type=int, default=4096, help="cached tokens of the synthetic layer (default: 4096)")
     parser.add_argument(
         "--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)"
@@ -616,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print_real_model(real)
     payload: dict[str, object] = {
-        "machine": machine_record(), "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
+        "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
         "queries": args.queries, "seeds": seeds, "k_outlier_channels_per_head": K_OUTLIER_CHANNELS,
         "v_outlier_channels_per_head": V_OUTLIER_CHANNELS, "accuracy": sums, "bytes": sizes,
         "tiny_model": tiny, "tiny_model_prompts": prompts, "real_model": real,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.common import format_table, quick_name, readable_bytes, write_json
+from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, write_json
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.cli._progress import progress
 from kvtriton.worker._engine import TransferEngine
@@ -164,9 +164,7 @@ def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Ve
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.crossover", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
+    parser = bench_parser("crossover", __doc__)
     parser.add_argument(
         "--page-kib",
         type=float,
@@ -197,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.blocks < RUN_BLOCKS or args.blocks % RUN_BLOCKS:
         raise SystemExit(f"--blocks must be a positive multiple of {RUN_BLOCKS}, got {args.blocks}")
     name = quick_name(args.name) if args.quick else args.name
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = chosen_device(args.device)
     fast = "triton" if device == "cuda" else "torch"  # on CPU a rehearsal: the interpreter's timings mean nothing
     page_sizes = sorted({int(kib * KiB) for kib in args.page_kib})
     generator = torch.Generator().manual_seed(0)

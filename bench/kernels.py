@@ -57,7 +57,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
+from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
 from kvtriton.cli._progress import progress
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
 from kvtriton.kernels._compiled_variants import compiled_variants, format_variant
@@ -509,9 +509,7 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.kernels", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
+    parser = bench_parser("kernels", __doc__)
     parser.add_argument(
         "--page-kib",
         type=int,
@@ -597,11 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
         return 0
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
+    device = torch.device(chosen_device(args.device))
     pin = device.type == "cuda" and not args.no_pin
     name = quick_name(args.name) if args.quick else args.name
     compression = KVCompression.parse(args.compression, "--compression")

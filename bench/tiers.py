@@ -43,7 +43,6 @@ import argparse
 import importlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -51,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import format_table, offloading_config, write_json
+from bench.common import bench_parser, command_line, format_table, offloading_config, write_json
 from bench.third_party_logs import quiet_vllm
 from kvtriton.cli._progress import progress
 
@@ -241,9 +240,7 @@ def measure_bookkeeping(primary: str, chunks: int, batch: int) -> Bookkeeping:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tiers", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = bench_parser("tiers", __doc__)
     parser.add_argument(
         "--chunk-mib", type=float, nargs="+", default=[0.5, 2.0, 4.0], help="chunk sizes in MiB (default: 0.5 2 4)"
     )
@@ -397,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = write_json(
         name,
         {
-            "command": " ".join(["python -m bench.tiers", *(sys.argv[1:] if argv is None else argv)]),
+            "command": command_line("tiers", argv),
             "smoke_run": bool(args.quick),
             "goal_met": None if args.quick else worst >= GOAL_RATIO,
             "total_mib": total_mib,

@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from bench.common import format_table, offloading_config, write_json
+from bench.common import bench_parser, format_table, offloading_config, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
 from kvtriton.integrations._mooncake_config import MooncakeTierConfig
 from kvtriton.integrations._mooncake_local import MooncakeCluster, mooncake_missing
@@ -90,9 +90,7 @@ def gbps(total_bytes: int, seconds: float) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tiers_mooncake", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = bench_parser("tiers_mooncake", __doc__)
     parser.add_argument(
         "--chunk-mib",
         type=float,
