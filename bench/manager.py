@@ -292,11 +292,12 @@ class HeadlineRow:
     capacity: int
     blocks: int
     vllm: Timing
-    adapter: Timing
+    kvtriton_via_vllm_adapter: Timing
+    """kvtriton through its vLLM adapter; named as the key of the result file, which asdict writes."""
 
     @property
     def speedup(self) -> float:
-        return self.adapter.median / self.vllm.median
+        return self.kvtriton_via_vllm_adapter.median / self.vllm.median
 
 
 def _timed_vllm_order(
@@ -406,10 +407,10 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
             row.policy,
             row.capacity,
             _rate(row.vllm),
-            _rate(row.adapter),
+            _rate(row.kvtriton_via_vllm_adapter),
             f"{row.speedup:.2f}x",
             f"{100 * row.vllm.hit_rate:.2f}",
-            f"{100 * row.adapter.hit_rate:.2f}",
+            f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}",
         ]
         for row in rows
     ]
@@ -512,6 +513,10 @@ class _Row:
     vllm: ReplayResult | None
     adapter: ReplayResult | None
     """kvtriton driven through its vLLM adapter with vLLM's call pattern (no touch calls)."""
+
+    def speedup_of(self, result: ReplayResult | None) -> float | None:
+        """``result``'s blocks/s over vLLM's manager's (None where either was not measured)."""
+        return None if result is None or self.vllm is None else result.blocks_per_s / self.vllm.blocks_per_s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -628,8 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]
         if row.vllm is not None and row.adapter is not None:
-            line += [row.vllm.blocks_per_s, row.vllm.hit_rate, row.kvtriton.blocks_per_s / row.vllm.blocks_per_s]
-            line += [row.adapter.blocks_per_s, row.adapter.hit_rate, row.adapter.blocks_per_s / row.vllm.blocks_per_s]
+            line += [row.vllm.blocks_per_s, row.vllm.hit_rate, row.speedup_of(row.kvtriton)]
+            line += [row.adapter.blocks_per_s, row.adapter.hit_rate, row.speedup_of(row.adapter)]
         table.append(line)
     print(format_table(headers, table))
     simulate = simulate_command(params, seed, capacity, inflight, policies)
@@ -659,31 +664,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rounds": rounds,
                 "capacity_fraction": fraction,
                 "requests": headline_requests,
-                "rows": [
-                    {
-                        "workload": row.workload,
-                        "policy": row.policy,
-                        "capacity": row.capacity,
-                        "blocks": row.blocks,
-                        "vllm": asdict(row.vllm),
-                        "kvtriton_via_vllm_adapter": asdict(row.adapter),
-                        "speedup": row.speedup,
-                    }
-                    for row in head_rows
-                ],
+                "rows": [{**asdict(row), "speedup": row.speedup} for row in head_rows],
             },
             "results": [
                 {
                     "policy": row.policy,
                     "kvtriton": record(row.kvtriton),
                     "vllm": record(row.vllm),
-                    "speedup": None if row.vllm is None else row.kvtriton.blocks_per_s / row.vllm.blocks_per_s,
+                    "speedup": row.speedup_of(row.kvtriton),
                     "kvtriton_via_vllm_adapter": record(row.adapter),
-                    "adapter_speedup": (
-                        None
-                        if row.vllm is None or row.adapter is None
-                        else row.adapter.blocks_per_s / row.vllm.blocks_per_s
-                    ),
+                    "adapter_speedup": row.speedup_of(row.adapter),
                 }
                 for row in rows
             ],
