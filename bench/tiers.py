@@ -62,6 +62,7 @@ __all__ = ["Bookkeeping", "PassResult", "build_parser", "main", "measure_bookkee
 
 GOAL_RATIO = 0.95
 BOOKKEEPING_CHUNKS = 4096
+BOOKKEEPING_FIELDS = ("write_us", "read_us", "lookup_us")
 STEP_S = 0.002
 """Pause between two polling rounds, standing in for a scheduler step (the tiers' threads run meanwhile)."""
 PRIMARIES = ("vllm", "kvtriton")
@@ -289,6 +290,11 @@ def _median(results: list[PassResult], attribute: str) -> float:
     return statistics.median(float(getattr(result, attribute)) for result in results)
 
 
+def _median_costs(runs: list[Bookkeeping]) -> dict[str, float]:
+    """The median of each of the primary's costs over its bookkeeping runs."""
+    return {field: statistics.median(float(getattr(run, field)) for run in runs) for field in BOOKKEEPING_FIELDS}
+
+
 def _figures(results: list[PassResult], direction: str) -> dict[str, float]:
     """One primary's record for a chunk size and direction: its best pass, and its median chunks/s."""
     rate = f"{direction}_chunks_per_s"
@@ -384,15 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repeat in range(repeats):
         for primary in PRIMARIES if repeat % 2 == 0 else PRIMARIES[::-1]:
             bookkeeping[primary].append(measure_bookkeeping(primary, BOOKKEEPING_CHUNKS, args.batch))
-    cost_rows: list[list[object]] = []
-    costs: dict[str, dict[str, float]] = {}
-    for primary in PRIMARIES:
-        runs = bookkeeping[primary]
-        costs[primary] = {
-            field: statistics.median(float(getattr(run, field)) for run in runs)
-            for field in ("write_us", "read_us", "lookup_us")
-        }
-        cost_rows.append([primary, costs[primary]["write_us"], costs[primary]["read_us"], costs[primary]["lookup_us"]])
+    costs = {primary: _median_costs(runs) for primary, runs in bookkeeping.items()}
+    cost_rows: list[list[object]] = [[primary, *primary_costs.values()] for primary, primary_costs in costs.items()]
     print(
         f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):"
     )
