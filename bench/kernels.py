@@ -222,12 +222,9 @@ class Fixture:
             self.compressed_host_slab, self.compressed_slab = _slab(rows, self.layout.row_bytes, pin)
             fill_distinct(self.compressed_slab, start)
 
-    def byte_pages(self) -> list[torch.Tensor]:
-        return [page.view(torch.uint8) for page in self.pages]
-
 
 def _loop(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
-    pages = fixture.byte_pages()
+    pages = [page.view(torch.uint8) for page in fixture.pages]
     size = fixture.page_bytes
     non_blocking = fixture.device.type == "cuda"
 
