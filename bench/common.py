@@ -13,9 +13,11 @@ verdicts, so they never overwrite or pass for a real run's figures.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +28,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.config import OffloadingConfig
 
 __all__ = [
+    "bench_parser",
+    "chosen_device",
+    "command_line",
     "format_table",
     "machine_record",
     "offloading_config",
@@ -66,6 +71,25 @@ def write_json(name: str, payload: Mapping[str, object]) -> Path:
 def quick_name(name: str) -> str:
     """The file stem of a smoke run (``--quick``): ``kernels`` -> ``kernels-quick``."""
     return name if name.endswith("-quick") else f"{name}-quick"
+
+
+def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``python -m bench.<module>``, described by the first line of its docstring ``doc``."""
+    return argparse.ArgumentParser(prog=f"python -m bench.{module}", description=doc.splitlines()[0] if doc else None)
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """The command a result file records: ``python -m bench.<module>`` and its arguments (``sys.argv``'s by default)."""
+    return " ".join([f"python -m bench.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def chosen_device(choice: str) -> str:
+    """``--device``'s choice resolved: ``auto`` is ``cuda`` where torch sees a GPU, else ``cpu``."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def readable_bytes(size: int) -> str:

@@ -45,6 +45,7 @@ Writes ``bench/results/compression.json`` (``compression-quick.json`` for
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 import tempfile
@@ -55,7 +56,7 @@ from typing import Any, cast
 
 import torch
 
-from bench.common import format_table, machine_record, quick_name, write_json
+from bench.common import bench_parser, format_table, quick_name, write_json
 from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
@@ -87,16 +88,24 @@ def synthetic_kv(tokens: int, generator: torch.Generator) -> tuple[torch.Tensor,
     return k.to(torch.bfloat16), v.to(torch.bfloat16)
 
 
-def group_fp8(group_size: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """kvtriton's format on ``(tokens, heads, dim)``: groups of ``group_size`` contiguous elements of one block's page."""
+Scheme = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Values -> (decoded values, the scale each element was coded with)."""
+
+
+def group_fp8_any(group_size: int) -> Scheme:
+    """kvtriton's format over a tensor's memory order: one scale per ``group_size`` contiguous elements.
+
+    On the synthetic layer's ``(tokens, heads, dim)`` these are the groups of
+    each block's page: a page (16 tokens x 8 heads x 128) is a whole number of
+    groups for every group size measured, so no group straddles two pages.
+    """
 
     def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pages = x.reshape(-1, BLOCK_SIZE * HEADS * HEAD_DIM)
-        codes, scales, bad = quantize_groups(pages, group_size)
+        flat = x.reshape(1, -1)
+        codes, scales, bad = quantize_groups(flat, group_size)
         assert not bool(bad.any())
         decoded = dequantize_groups(codes, scales, group_size, x.dtype).reshape(x.shape)
-        per_element = scales.repeat_interleave(group_size, dim=1)[:, : pages.shape[1]].reshape(x.shape)
-        return decoded, per_element
+        return decoded, scales.repeat_interleave(group_size, dim=1)[:, : flat.shape[1]].reshape(x.shape)
 
     return run
 
@@ -152,9 +161,6 @@ def bytes_per_block() -> list[dict[str, object]]:
     return rows
 
 
-Scheme = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""Values -> (decoded values, the scale each element was coded with)."""
-
 TINY_BLOCK_TOKENS = 32
 """The end-to-end tests' block size."""
 TINY_PREFIX_TOKENS = 4 * TINY_BLOCK_TOKENS
@@ -162,19 +168,6 @@ TINY_PREFIX_TOKENS = 4 * TINY_BLOCK_TOKENS
 TINY_SUFFIX_TOKENS = 5
 """Prompt tokens after the prefix (the end-to-end prompt's partial block), computed over the loaded prefix."""
 TINY_DECODE_TOKENS = 6
-
-
-def group_fp8_any(group_size: int) -> Scheme:
-    """kvtriton's format over a tensor's memory order: one scale per ``group_size`` contiguous elements."""
-
-    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = x.reshape(1, -1)
-        codes, scales, bad = quantize_groups(flat, group_size)
-        assert not bool(bad.any())
-        decoded = dequantize_groups(codes, scales, group_size, x.dtype).reshape(x.shape)
-        return decoded, scales.repeat_interleave(group_size, dim=1)[:, : flat.shape[1]].reshape(x.shape)
-
-    return run
 
 
 def in_page_order(scheme: Scheme, block_tokens: int, *, channel_major: bool) -> Scheme:
@@ -196,6 +189,14 @@ def in_page_order(scheme: Scheme, block_tokens: int, *, channel_major: bool) -> 
         return back(decoded), back(scale)
 
     return run
+
+
+def cpu_page_schemes(block_tokens: int) -> tuple[Scheme, Scheme]:
+    """kvtriton's G=128 format over vLLM's CPU pages of ``block_tokens``: K's pages channel-major, V's token-major."""
+    return (
+        in_page_order(group_fp8_any(128), block_tokens, channel_major=True),
+        in_page_order(group_fp8_any(128), block_tokens, channel_major=False),
+    )
 
 
 def _next_token_figures(exact: torch.Tensor, approx: torch.Tensor, chosen: torch.Tensor) -> dict[str, float]:
@@ -223,12 +224,34 @@ def _cache_errors(
     return {f"{prefix}_{key}": value for key, value in element_errors(*flat).items()}
 
 
+def cached_kv(model: Any, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K and V after ``model`` has run over ``ids``: the cache a load would hand back."""
+    cache = model(ids, use_cache=True).past_key_values
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def cache_of(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A fresh transformers cache holding copies of ``kv`` (a forward pass appends to the cache it is given)."""
+    from transformers import DynamicCache
+
+    cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
+    for index, (k, v) in enumerate(kv):
+        cache.update(k.clone(), v.clone(), index)
+    return cache
+
+
+def add_share(sums: dict[str, float], figures: Mapping[str, float], count: int) -> None:
+    """Add ``figures`` to ``sums`` as one of ``count`` equal shares: the mean once all ``count`` are in."""
+    for key, value in figures.items():
+        sums[key] = sums.get(key, 0.0) + value / count
+
+
 def tiny_model_figures(
     schemes: Mapping[str, tuple[Scheme, Scheme]], prompts: int, generator: torch.Generator
 ) -> dict[str, dict[str, float]] | str:
     """The tiny Llama's figures per scheme (its K and its V scheme), averaged over ``prompts`` random prompts; or why not."""
     try:
-        from transformers import DynamicCache
+        importlib.import_module("transformers")  # cache_of imports what it needs from it
     except ImportError as error:  # the GPU machine has torch and triton only
         return f"transformers is not installed ({error})"
     model: Any = TinyLlama().build().to(torch.bfloat16).eval()
@@ -246,19 +269,11 @@ def tiny_model_figures(
         logits = model(fed, past_key_values=cache, use_cache=True).logits[0]
         return logits, torch.cat([output.flatten() for output in attention_outputs])
 
-    def cache_of(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """A fresh transformers cache holding copies of ``kv`` (a forward pass appends to the cache it is given)."""
-        cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
-        for index, (k, v) in enumerate(kv):
-            cache.update(k.clone(), v.clone(), index)
-        return cache
-
     sums: dict[str, dict[str, float]] = {name: {} for name in schemes}
     with torch.no_grad():
         for _ in progress(range(prompts), prompts, "tiny model", stream=sys.stderr):
             ids = torch.randint(3, VOCAB_SIZE, (1, TINY_PREFIX_TOKENS + TINY_SUFFIX_TOKENS), generator=generator)
-            prefix = model(ids[:, :TINY_PREFIX_TOKENS], use_cache=True).past_key_values
-            layers = [(layer.keys.clone(), layer.values.clone()) for layer in prefix.layers]
+            layers = cached_kv(model, ids[:, :TINY_PREFIX_TOKENS])
 
             # The exact run's greedy tokens, fed to every scheme (teacher forcing: the same context everywhere).
             fed = ids[:, TINY_PREFIX_TOKENS:]
@@ -277,8 +292,7 @@ def tiny_model_figures(
                 logits, attention = continue_from(cache_of([(k, v) for (k, _), (v, _) in zip(keys, values)]), fed)
                 figures["attention_relative_error"] = relative_error(exact_attention, attention)
                 figures |= _next_token_figures(exact_logits[positions], logits[positions], chosen)
-                for key, value in figures.items():
-                    sums[name][key] = sums[name].get(key, 0.0) + value / prompts
+                add_share(sums[name], figures, prompts)
     return sums
 
 
@@ -364,21 +378,15 @@ def teacher_forced_figures(
     """Per scheme, over ``text`` (token ids): its first :data:`REAL_PREFIX_BLOCKS` blocks cached and decoded through
     the scheme, the rest fed as it is (every position's context is the text's, whatever the model would say), and the
     next-token figures of :func:`_next_token_figures` for the text's own tokens against the exact cache."""
-    from transformers import DynamicCache
-
     prefix = REAL_PREFIX_BLOCKS * REAL_BLOCK_TOKENS
     if len(text) < prefix + 2:
         raise ValueError(f"text has {len(text)} tokens, the teacher-forced measurement needs more than {prefix + 1}")
     ids = torch.tensor([list(text)])
     with torch.no_grad():
-        cached = model(ids[:, :prefix], use_cache=True).past_key_values
-        layers = [(layer.keys.clone(), layer.values.clone()) for layer in cached.layers]
+        layers = cached_kv(model, ids[:, :prefix])
 
         def logits_over(kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-            cache: Any = DynamicCache()  # Any: transformers leaves update's arguments untyped
-            for index, (k, v) in enumerate(kv):
-                cache.update(k.clone(), v.clone(), index)
-            return model(ids[:, prefix:-1], past_key_values=cache, use_cache=True).logits[0]
+            return model(ids[:, prefix:-1], past_key_values=cache_of(kv), use_cache=True).logits[0]
 
         exact = logits_over(layers)
         following = ids[0, prefix + 1 :]
@@ -448,11 +456,8 @@ def real_model_figures(prompts: int, tokens: int) -> dict[str, object] | str:
     hf_model: Any = (
         cast(Any, AutoModelForCausalLM).from_pretrained(model.path, dtype=torch.float32).eval()
     )  # untyped factory
-    pages = {
-        major: in_page_order(group_fp8_any(128), REAL_BLOCK_TOKENS, channel_major=major) for major in (True, False)
-    }
     teacher_forced = teacher_forced_figures(hf_model, model.reference_text, {
-        "kvtriton fp8-e4m3": (pages[True], pages[False]),
+        "kvtriton fp8-e4m3": cpu_page_schemes(REAL_BLOCK_TOKENS),
         "vLLM fp8 KV cache (emulated: e4m3, scale 1.0)": (scale_one_fp8, scale_one_fp8),
     })  # fmt: skip
     lengths = [len(chat) for chat in chats]
@@ -488,9 +493,7 @@ def print_real_model(real: Mapping[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.compression", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
+    parser = bench_parser("compression", __doc__)
     parser.add_argument("--tokens", type=int, default=4096, help="cached tokens of the synthetic layer (default: 4096)")
     parser.add_argument(
         "--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)"
@@ -535,9 +538,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         print("SMOKE RUN (--quick): 512 tokens, one seed, at most 4 prompts; the figures are no verdict.")
     tokens = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
-    schemes: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
-        f"group fp8 (G={HEAD_DIM})": group_fp8(HEAD_DIM),
-        "group fp8 (G=32)": group_fp8(32),
+    schemes: dict[str, Scheme] = {
+        f"group fp8 (G={HEAD_DIM})": group_fp8_any(HEAD_DIM),
+        "group fp8 (G=32)": group_fp8_any(32),
         "per-tensor fp8": per_tensor_fp8,
     }
     sums: dict[str, dict[str, float]] = {name: {} for name in schemes}
@@ -553,12 +556,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, scheme in schemes.items():
             k2, k_scale = scheme(k)
             v2, v_scale = scheme(v)
-            figures = {f"k_{key}": value for key, value in element_errors(k, k2, k_scale).items()}
-            figures |= {f"v_{key}": value for key, value in element_errors(v, v2, v_scale).items()}
+            figures = _cache_errors("k", [k], [(k2, k_scale)]) | _cache_errors("v", [v], [(v2, v_scale)])
             figures["attention_relative_error"] = relative_error(reference, attention(q, k2, v2))
             figures["attention_relative_error_k_only"] = relative_error(reference, attention(q, k2, v))
-            for key, value in figures.items():
-                sums[name][key] = sums[name].get(key, 0.0) + value / seeds
+            add_share(sums[name], figures, seeds)
     headers = [
         "scheme",
         "K rel. RMS err",
@@ -584,14 +585,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ))  # fmt: skip
     tiny: dict[str, dict[str, float]] | str = "skipped (--prompts 0)"
     if prompts:
-        cpu_pages = {
-            "channel_major": in_page_order(group_fp8_any(128), TINY_BLOCK_TOKENS, channel_major=True),
-            "token_major": in_page_order(group_fp8_any(128), TINY_BLOCK_TOKENS, channel_major=False),
-        }
         tiny = tiny_model_figures(
             {
                 f"group fp8 (G={TINY_HEAD_DIM}, head vectors)": (group_fp8_any(TINY_HEAD_DIM), group_fp8_any(TINY_HEAD_DIM)),
-                "group fp8 (G=128, vLLM CPU pages)": (cpu_pages["channel_major"], cpu_pages["token_major"]),
+                "group fp8 (G=128, vLLM CPU pages)": cpu_page_schemes(TINY_BLOCK_TOKENS),
                 "per-tensor fp8": (per_tensor_fp8, per_tensor_fp8),
             },
             prompts, torch.Generator().manual_seed(0),
@@ -616,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print_real_model(real)
     payload: dict[str, object] = {
-        "machine": machine_record(), "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
+        "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
         "queries": args.queries, "seeds": seeds, "k_outlier_channels_per_head": K_OUTLIER_CHANNELS,
         "v_outlier_channels_per_head": V_OUTLIER_CHANNELS, "accuracy": sums, "bytes": sizes,
         "tiny_model": tiny, "tiny_model_prompts": prompts, "real_model": real,

@@ -29,15 +29,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.common import format_table, quick_name, readable_bytes, write_json
+from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, write_json
+from bench.kernels import RUN_BLOCKS, KiB, gpu_blocks
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.cli._progress import progress
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._slab import HostSlab
-
-KiB = 1024
-RUN_BLOCKS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +47,6 @@ class Timing:
     seconds: float
     bandwidth_GBps: float
     """Bytes moved per second, in GB/s (10^9 bytes)."""
-
-
-def gpu_blocks(pattern: str, count: int, generator: torch.Generator) -> list[int]:
-    """``count`` distinct blocks out of ``2 * count``: shuffled, or runs of RUN_BLOCKS consecutive blocks in random order."""
-    if pattern == "random":
-        return [int(block) for block in torch.randperm(2 * count, generator=generator)[:count]]
-    starts = torch.randperm(2 * count // RUN_BLOCKS, generator=generator)[: count // RUN_BLOCKS] * RUN_BLOCKS
-    return [int(start) + offset for start in starts for offset in range(RUN_BLOCKS)]
 
 
 def time_backend(kv: PagedKV, slab: HostSlab, backend: str, blocks: list[int], jobs: int) -> dict[str, float]:
@@ -164,9 +154,7 @@ def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Ve
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.crossover", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
+    parser = bench_parser("crossover", __doc__)
     parser.add_argument(
         "--page-kib",
         type=float,
@@ -197,11 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.blocks < RUN_BLOCKS or args.blocks % RUN_BLOCKS:
         raise SystemExit(f"--blocks must be a positive multiple of {RUN_BLOCKS}, got {args.blocks}")
     name = quick_name(args.name) if args.quick else args.name
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = chosen_device(args.device)
     fast = "triton" if device == "cuda" else "torch"  # on CPU a rehearsal: the interpreter's timings mean nothing
     page_sizes = sorted({int(kib * KiB) for kib in args.page_kib})
     generator = torch.Generator().manual_seed(0)
-    patterns = {pattern: gpu_blocks(pattern, args.blocks, generator) for pattern in ("random", "runs")}
+    # Blocks out of twice as many: shuffled, or runs of RUN_BLOCKS consecutive blocks in random order.
+    patterns = {
+        pattern: [int(block) for block in gpu_blocks(pattern, args.blocks, 2 * args.blocks, generator)]
+        for pattern in ("random", "runs")
+    }
     timings: list[Timing] = []
     payload: dict[str, object] = {
         "device": device, "layers": args.layers, "blocks": args.blocks, "jobs": args.jobs, "compared": [fast, "dma"],

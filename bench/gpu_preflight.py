@@ -222,8 +222,7 @@ class Preflight:
             else:
                 note = "" if pin else "  (dry run: pageable, not pinned)"
                 per_gib = (1 << 30) / probe.nbytes * probe.seconds
-                rate = f"{probe.bandwidth_GBps:.1f} GB/s ({probe.seconds:.2f} s; start-up: {per_gib:.2f} s per GiB"
-                rate += " of slab)"
+                rate = f"{probe.bandwidth_GBps:.1f} GB/s ({probe.seconds:.2f} s; start-up: {per_gib:.2f} s per GiB of slab)"
                 self.line(label, rate + note)
             self.record(key, probe.error is None)
 

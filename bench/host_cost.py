@@ -208,12 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         return 0
-    import torch
-
-    from bench.common import format_table, quick_name, write_json
+    # Imported only here: a --measure child may run with PYTHONPATH at the baseline tree, which has no bench/.
+    from bench.common import chosen_device, format_table, quick_name, write_json
     from kvtriton.cli._progress import progress
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = chosen_device(args.device)
     name = quick_name(args.name) if args.quick else args.name
     if args.real_launch:
         args.no_baseline = True  # the launch is in the figure now; the baseline measured without it

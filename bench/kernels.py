@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -57,7 +58,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bench.common import format_table, quick_name, readable_bytes, results_dir, write_json
+from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
 from kvtriton.cli._progress import progress
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
 from kvtriton.kernels._compiled_variants import compiled_variants, format_variant
@@ -114,6 +115,11 @@ class Result:
     programs: int | None = None
     """The Triton grid cap the method ran with (None: not a Triton kernel)."""
 
+    @property
+    def case(self) -> tuple[str, int, int, int, str, str, str]:
+        """What two methods compared in one run share: the kernel and the job."""
+        return (self.kernel, self.page_bytes, self.blocks, self.layers, self.rows, self.pattern, self.group)
+
 
 def gpu_blocks(pattern: str, count: int, cache_blocks: int, generator: torch.Generator) -> torch.Tensor:
     """``count`` distinct block ids below ``cache_blocks``: shuffled, or runs of consecutive ids in random order."""
@@ -137,6 +143,24 @@ def fill_distinct(tensor: torch.Tensor, start: int) -> int:
     words = tensor.view(-1).view(torch.int64)
     torch.arange(start, start + words.numel(), dtype=torch.int64, device=tensor.device, out=words)
     return start + words.numel()
+
+
+def _slab(rows: int, row_bytes: int, pin: bool) -> tuple[HostSlab | None, torch.Tensor]:
+    """A pinned HostSlab and its rows, or (``pin`` false) a pageable tensor of the same shape.
+
+    On CUDA the slab is a HostSlab, registered chunk by chunk as in production
+    (not torch's pinned allocator), so the kernels are timed against the
+    memory they will really read and write.
+    """
+    if not pin:
+        return None, torch.empty((rows, row_bytes), dtype=torch.uint8)
+    slab = HostSlab(rows, 1, row_bytes, pin=True)
+    return slab, slab.rows
+
+
+def _paged(pages: Sequence[torch.Tensor]) -> PagedKV:
+    """The engine's view of the fixture's page tensors, named ``page0``, ``page1``, ..."""
+    return PagedKV(list(pages), [f"page{t}" for t in range(len(pages))])
 
 
 class Fixture:
@@ -172,11 +196,7 @@ class Fixture:
         self.pages = [layer[kv] for layer in self.layers for kv in range(2)]
         row_bytes = job.page_bytes * len(self.pages)
         rows = job.blocks + spare
-        # On CUDA the slab is a HostSlab, registered chunk by chunk as in
-        # production (not torch's pinned allocator), so the kernels are timed
-        # against the memory they will really read and write.
-        self.host_slab = HostSlab(rows, 1, row_bytes, pin=True) if pin else None
-        self.slab = self.host_slab.rows if self.host_slab else torch.empty((rows, row_bytes), dtype=torch.uint8)
+        self.host_slab, self.slab = _slab(rows, row_bytes, pin)
         start = fill_distinct(self.slab, start)
         blocks = gpu_blocks(job.pattern, job.blocks, cache_blocks, generator)
         row_ids = (
@@ -199,20 +219,12 @@ class Fixture:
         if compression is not KVCompression.NONE:
             self.compressed_pages = [page.view(torch.bfloat16) for page in self.pages]
             self.layout = compression_layout(self.compressed_pages)
-            self.compressed_host_slab = HostSlab(rows, 1, self.layout.row_bytes, pin=True) if pin else None
-            self.compressed_slab = (
-                self.compressed_host_slab.rows
-                if self.compressed_host_slab
-                else torch.empty((rows, self.layout.row_bytes), dtype=torch.uint8)
-            )
+            self.compressed_host_slab, self.compressed_slab = _slab(rows, self.layout.row_bytes, pin)
             fill_distinct(self.compressed_slab, start)
-
-    def byte_pages(self) -> list[torch.Tensor]:
-        return [page.view(torch.uint8) for page in self.pages]
 
 
 def _loop(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
-    pages = fixture.byte_pages()
+    pages = [page.view(torch.uint8) for page in fixture.pages]
     size = fixture.page_bytes
     non_blocking = fixture.device.type == "cuda"
 
@@ -245,7 +257,7 @@ def _descriptor(fixture: Fixture, to_slab: bool, num_programs: int) -> Callable[
 
 def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
     """The engine's dma backend over the fixture's pages and slab: runs of consecutive blocks, one 2-D copy each."""
-    kv = PagedKV(fixture.pages, [f"page{t}" for t in range(len(fixture.pages))])
+    kv = _paged(fixture.pages)
     registration_rows = fixture.host_slab.registration_rows if fixture.host_slab else None
     pinned = fixture.host_slab.pinned if fixture.host_slab else False  # the engine's batch/per-run choice
     backend = DmaCopy(kv, fixture.slab, registration_rows, slab_pinned=pinned)
@@ -290,9 +302,8 @@ def methods(
     """
     found: dict[str, Contender] = {}
     if fixture.device.type == "cuda":
-        geometry = PagedKV(fixture.pages, [f"page{t}" for t in range(len(fixture.pages))]).geometry
         launcher = CopyLauncher(
-            fixture.pages, fixture.slab, geometry,
+            fixture.pages, fixture.slab, _paged(fixture.pages).geometry,
             interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter,
         )  # fmt: skip
         found["triton"] = Contender(lambda: launcher.launch(to_slab, fixture.blocks, fixture.rows), num_programs)
@@ -305,10 +316,8 @@ def methods(
         found["torch"] = Contender(lambda: scatter_pages_reference(slab, pages, rows, blocks))
     found["loop"] = Contender(_loop(fixture, to_slab))
     non_blocking = fixture.device.type == "cuda"
-    if to_slab:
-        found["contiguous"] = Contender(lambda: fixture.slab_flat.copy_(fixture.flat, non_blocking=non_blocking))
-    else:
-        found["contiguous"] = Contender(lambda: fixture.flat.copy_(fixture.slab_flat, non_blocking=non_blocking))
+    source, target = (fixture.flat, fixture.slab_flat) if to_slab else (fixture.slab_flat, fixture.flat)
+    found["contiguous"] = Contender(lambda: target.copy_(source, non_blocking=non_blocking))
     if fixture.compressed_slab is not None:
         extra_programs = fp8_programs if to_slab else ()  # the gather quantizes: its program count is what may matter
         found.update(_compressed_methods(fixture, to_slab, num_programs, bytes_per_iter, extra_programs))
@@ -332,7 +341,7 @@ def _compressed_methods(
     assert slab is not None
     found: dict[str, Contender] = {}
     if fixture.device.type == "cuda":
-        geometry = PagedKV(pages, [f"page{t}" for t in range(len(pages))]).geometry
+        geometry = _paged(pages).geometry
         status = torch.zeros(1, dtype=torch.int32, device=fixture.device)
         for programs in (num_programs, *(count for count in extra_programs if count != num_programs)):
             launcher = CompressedLauncher(
@@ -413,11 +422,20 @@ def print_ptx_summary(
     accesses per thread times the threads): host reads are latency-bound, so
     that is the bytes a program keeps in flight.
     """
-    from kvtriton.kernels._codegen import compile_copy_pages, compile_descriptor_copy, production_config
+    from kvtriton.kernels._codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 
     rows: list[list[object]] = []
     records: list[dict[str, object]] = []
-    baseline = compile_descriptor_copy()
+
+    def wide_loads(kernel: CompiledKernel) -> int:
+        """16-byte loads one program issues per loop iteration."""
+        return kernel.loop_accesses().loads.get(16, 0) * kernel.threads
+
+    def table_row(kernel: CompiledKernel, tile: str, multiplies: str) -> list[object]:
+        accesses, wide = kernel.accesses(), wide_loads(kernel)
+        return [kernel.name, tile, kernel.threads, accesses.widest_load, accesses.widest_store,
+                kernel.loop_accesses().describe(), wide, f"{wide * 16 / KiB:g}", multiplies]  # fmt: skip
+
     for page in page_sizes:
         config = production_config(page, num_pages, bytes_per_iter)
         tile = f"{config.pairs} x {config.chunk * config.element_bytes} B"
@@ -426,41 +444,20 @@ def print_ptx_summary(
             accesses = kernel.accesses()
             loop = kernel.loop_accesses()
             narrow = kernel.narrow_multiplies()
-            wide_loads = loop.loads.get(16, 0) * kernel.threads
-            rows.append([
-                kernel.name, tile, kernel.threads, accesses.widest_load, accesses.widest_store, loop.describe(),
-                wide_loads, f"{wide_loads * 16 / KiB:g}", "none" if not narrow else ", ".join(narrow),
-            ])  # fmt: skip
+            rows.append(table_row(kernel, tile, "none" if not narrow else ", ".join(narrow)))
             records.append({
                 "kernel": kernel.name, "pairs": config.pairs, "chunk_bytes": config.chunk * config.element_bytes,
                 "threads": kernel.threads, "loads": accesses.loads, "stores": accesses.stores,
                 "loop_loads_per_thread": loop.loads, "loop_stores_per_thread": loop.stores,
-                "loads_16b_per_iteration_per_program": wide_loads, "narrow_multiplies": narrow,
+                "loads_16b_per_iteration_per_program": wide_loads(kernel), "narrow_multiplies": narrow,
             })  # fmt: skip
+    baseline = compile_descriptor_copy()
+    rows.append(table_row(baseline, "-", "-"))
     accesses = baseline.accesses()
-    loop = baseline.loop_accesses()
-    wide_loads = loop.loads.get(16, 0) * baseline.threads
-    rows.append(
-        [
-            baseline.name,
-            "-",
-            baseline.threads,
-            accesses.widest_load,
-            accesses.widest_store,
-            loop.describe(),
-            wide_loads,
-            "0",
-            "-",
-        ]
-    )
-    records.append(
-        {
-            "kernel": baseline.name,
-            "loads": accesses.loads,
-            "stores": accesses.stores,
-            "loop_loads_per_thread": loop.loads,
-        }
-    )
+    records.append({
+        "kernel": baseline.name, "loads": accesses.loads, "stores": accesses.stores,
+        "loop_loads_per_thread": baseline.loop_accesses().loads,
+    })  # fmt: skip
     print("PTX for sm_90 (compiled on this machine, no GPU needed): global access width in bytes per thread;")
     print(f"'per iteration' = the persistent loop's body, per thread; bytes_per_iter = {bytes_per_iter}")
     headers = ["kernel", "tile (pairs x chunk)", "threads", "widest ld", "widest st", "per iteration, per thread",
@@ -509,9 +506,7 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.kernels", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
+    parser = bench_parser("kernels", __doc__)
     parser.add_argument(
         "--page-kib",
         type=int,
@@ -597,11 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
         return 0
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if args.device == "auto" else args.device)
-    )
+    device = torch.device(chosen_device(args.device))
     pin = device.type == "cuda" and not args.no_pin
     name = quick_name(args.name) if args.quick else args.name
     compression = KVCompression.parse(args.compression, "--compression")
@@ -619,12 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The headline first: shuffled GPU blocks (no help from block runs) into fresh, consecutive slab slots.
         headline = [
             Job(*llama, rows, pattern, "headline")
-            for pattern, rows in (
-                ("random", "consecutive"),
-                ("random", "random"),
-                ("runs", "consecutive"),
-                ("runs", "random"),
-            )
+            for pattern, rows in itertools.product(("random", "runs"), ("consecutive", "random"))
         ]
     if args.no_headline:
         headline = []
@@ -733,10 +719,7 @@ def fp8_ratios(results: Sequence[Result]) -> list[Fp8Ratio]:
             continue
         plain = base_method(r.method)
         for other in results:
-            same_case = (other.kernel, other.page_bytes, other.blocks, other.layers, other.rows, other.pattern, other.group) == (
-                r.kernel, r.page_bytes, r.blocks, r.layers, r.rows, r.pattern, r.group,
-            )  # fmt: skip
-            if same_case and other.method == plain:
+            if other.case == r.case and other.method == plain:
                 ratios.append(
                     Fp8Ratio(r.kernel, plain, r.page_bytes, r.blocks, r.layers, r.pattern, r.rows,
                              other.seconds / r.seconds, r.method, r.programs)

@@ -45,11 +45,12 @@ import importlib
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol, TypeVar, cast
 
-from bench.common import format_table, write_json
+from bench.common import bench_parser, command_line, format_table, quick_name, write_json
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.cli._progress import progress
@@ -242,32 +243,20 @@ def _load_vllm() -> _Vllm | str:
     )
 
 
-def _vllm_contexts(vllm: _Vllm, requests: Sequence[PreparedRequest]) -> list[_VllmContext]:
+def _vllm_calls(vllm: _Vllm, manager: _VllmManager, with_touch: bool = False) -> ManagerCalls[_VllmContext]:
+    """The replay calls of a vLLM 0.33 manager, with its per-request hooks (and ``touch`` if asked for)."""
+    calls = hooked_calls(cast(HookedManager, manager), hit=vllm.hit, pending=vllm.pending)
+    return replace(calls, touch=manager.touch) if with_touch else calls
+
+
+def _vllm_contexts(vllm: _Vllm, requests: Sequence[PreparedRequest], block_tokens: int) -> list[_VllmContext]:
     # The scheduler records each key's end-token position in the request's
     # context before calling the manager; do it here, outside the timed loop.
-    contexts: list[_VllmContext] = []
-    for request in requests:
-        ctx = vllm.make_context(request.req_id)
-        for b, key in enumerate(request.prompt_keys):
-            ctx.set_offload_key_position(key, (b + 1) * BLOCK_TOKENS)
-        contexts.append(ctx)
-    return contexts
+    return positioned_contexts(requests, vllm.make_context, block_size=block_tokens)
 
 
-def _vllm_calls(vllm: _Vllm, manager: _VllmManager, with_touch: bool) -> ManagerCalls[_VllmContext]:
-    """The replay calls of a vLLM 0.33 manager, with its per-request hooks."""
-    return ManagerCalls(
-        lookup=manager.lookup,
-        prepare_load=manager.prepare_load,
-        touch=manager.touch if with_touch else None,
-        prepare_store=manager.prepare_store,
-        complete_load=manager.complete_load,
-        complete_store=manager.complete_store,
-        hit=vllm.hit,
-        pending=vllm.pending,
-        on_new_request=manager.on_new_request,
-        on_request_finished=manager.on_request_finished,
-    )
+def _distinct_keys(requests: Sequence[PreparedRequest]) -> int:
+    return len({key for request in requests for key in request.prompt_keys})
 
 
 # --- the headline: vLLM's call order ----------------------------------------------
@@ -303,20 +292,20 @@ class HeadlineRow:
     capacity: int
     blocks: int
     vllm: Timing
-    adapter: Timing
+    kvtriton_via_vllm_adapter: Timing
+    """kvtriton through its vLLM adapter; named as the key of the result file, which asdict writes."""
 
     @property
     def speedup(self) -> float:
-        return self.adapter.median / self.vllm.median
+        return self.kvtriton_via_vllm_adapter.median / self.vllm.median
 
 
 def _timed_vllm_order(
-    make: Callable[[], _VllmManager], vllm: _Vllm, requests: Sequence[PreparedRequest]
+    manager: _VllmManager, vllm: _Vllm, requests: Sequence[PreparedRequest]
 ) -> tuple[float, ReplayStats]:
-    """Set up a fresh manager and contexts, freeze the GC heap, and time one vLLM-order replay."""
-    manager = make()
-    contexts = positioned_contexts(requests, vllm.make_context, block_size=BLOCK_TOKENS)
-    calls = hooked_calls(cast(HookedManager, manager), hit=vllm.hit, pending=vllm.pending)
+    """Set up contexts for a fresh ``manager``, freeze the GC heap, and time one vLLM-order replay."""
+    contexts = _vllm_contexts(vllm, requests, BLOCK_TOKENS)
+    calls = _vllm_calls(vllm, manager)
     gc.collect()
     gc.freeze()
     try:
@@ -346,20 +335,16 @@ def headline(
             overrides = {"requests": requests} if requests is not None else None
             traces[workload] = prepare(generate(workload, seed=0, block_size=BLOCK_TOKENS, overrides=overrides))
         trace_requests = traces[workload]
-        distinct = len({key for request in trace_requests for key in request.prompt_keys})
-        capacity = max(1, int(distinct * fraction))
+        capacity = max(1, int(_distinct_keys(trace_requests) * fraction))
         seconds: dict[str, list[float]] = {"vllm": [], "adapter": []}
         hit_rates: dict[str, float] = {}
         blocks = 0
-        makers: dict[str, Callable[[], _VllmManager]] = {
-            "vllm": lambda: vllm.make_manager(capacity, policy),  # noqa: B023 -- called within this iteration only
-            "adapter": lambda: vllm.make_adapter(capacity, policy),  # noqa: B023 -- called within this iteration only
-        }
+        makers = {"vllm": vllm.make_manager, "adapter": vllm.make_adapter}
         for round_index in range(rounds):
             # Alternate which implementation goes first, so drift hits both alike.
             order = ("vllm", "adapter") if round_index % 2 == 0 else ("adapter", "vllm")
             for impl in order:
-                elapsed, stats = _timed_vllm_order(makers[impl], vllm, trace_requests)
+                elapsed, stats = _timed_vllm_order(makers[impl](capacity, policy), vllm, trace_requests)
                 seconds[impl].append(elapsed)
                 hit_rates[impl] = stats.block_hit_rate
                 blocks = stats.prompt_blocks
@@ -394,15 +379,13 @@ def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> 
     rows: list[list[object]] = []
     for workload in progress(workloads, total=len(workloads), label="hit rates"):
         requests = prepare(generate(workload, seed=0, block_size=block_tokens))
-        distinct = len({key for request in requests for key in request.prompt_keys})
         for fraction in HIT_RATE_FRACTIONS:
-            capacity = max(1, int(distinct * fraction))
+            capacity = max(1, int(_distinct_keys(requests) * fraction))
             row: list[object] = [f"{workload} / {capacity}"]
             for policy in ("lru", "arc"):
                 for make in (vllm.make_manager, vllm.make_adapter):
-                    manager = make(capacity, policy)
-                    contexts = positioned_contexts(requests, vllm.make_context, block_size=block_tokens)
-                    calls = hooked_calls(cast(HookedManager, manager), hit=vllm.hit, pending=vllm.pending)
+                    calls = _vllm_calls(vllm, make(capacity, policy))
+                    contexts = _vllm_contexts(vllm, requests, block_tokens)
                     stats = replay_vllm_order(calls, requests, contexts, block_size=block_tokens)
                     row.append(f"{100 * stats.block_hit_rate:.2f}%")
             rows.append(row)
@@ -424,10 +407,10 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
             row.policy,
             row.capacity,
             _rate(row.vllm),
-            _rate(row.adapter),
+            _rate(row.kvtriton_via_vllm_adapter),
             f"{row.speedup:.2f}x",
             f"{100 * row.vllm.hit_rate:.2f}",
-            f"{100 * row.adapter.hit_rate:.2f}",
+            f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}",
         ]
         for row in rows
     ]
@@ -439,9 +422,7 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = PrefixSharingParams()
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.manager", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = bench_parser("manager", __doc__)
     parser.add_argument(
         "--requests",
         type=int,
@@ -533,12 +514,16 @@ class _Row:
     adapter: ReplayResult | None
     """kvtriton driven through its vLLM adapter with vLLM's call pattern (no touch calls)."""
 
+    def speedup_of(self, result: ReplayResult | None) -> float | None:
+        """``result``'s blocks/s over vLLM's manager's (None where either was not measured)."""
+        return None if result is None or self.vllm is None else result.blocks_per_s / self.vllm.blocks_per_s
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quick: bool = args.quick
     # A smoke run never overwrites a measured result (`kvtriton bench` already names it <name>-quick).
-    name: str = f"{args.name}-quick" if quick and not args.name.endswith("-quick") else args.name
+    name: str = quick_name(args.name) if quick else args.name
     repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
     capacity: int = args.slots
     inflight: int = args.inflight
@@ -557,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"bad trace shape: {error}") from None
     seed: int = args.seed
     requests = trace(params, seed)
-    distinct = len({key for request in requests for key in request.prompt_keys})
+    distinct = _distinct_keys(requests)
 
     vllm = None if args.no_vllm else _load_vllm()
     if args.hit_rates:
@@ -569,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{name}_hit_rates",
             {
                 "benchmark": "manager hit rates",
-                "command": " ".join(["python -m bench.manager", *(argv if argv is not None else sys.argv[1:])]),
+                "command": command_line("manager", argv),
                 "vllm": f"vLLM {vllm.version}",
                 "block_size": HIT_RATE_BLOCK_TOKENS,
                 "capacity_fractions": list(HIT_RATE_FRACTIONS),
@@ -616,31 +601,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ours_ctx = [ReqContext(req_id=request.req_id) for request in requests]
     policies: list[str] = args.policies
-    rows: list[_Row] = []
     steps = [(policy, rep) for policy in policies for rep in range(repeats)]
-    best: dict[tuple[str, str], ReplayResult] = {}
-
-    def keep(impl: str, policy: str, result: ReplayResult) -> None:
-        previous = best.get((impl, policy))
-        if previous is None or result.seconds < previous.seconds:
-            best[(impl, policy)] = result
-
+    replays: dict[tuple[str, str], list[ReplayResult]] = defaultdict(list)
     for policy, _ in progress(steps, total=len(steps), label="replaying"):
         # Alternate the implementations so machine noise hits both alike.
-        keep(
-            "kvtriton",
-            policy,
-            replay(manager_calls(CPUOffloadingManager(capacity, policy)), requests, ours_ctx, inflight),
-        )
+        ours = manager_calls(CPUOffloadingManager(capacity, policy))
+        replays["kvtriton", policy].append(replay(ours, requests, ours_ctx, inflight))
         if isinstance(vllm, _Vllm):
-            contexts = _vllm_contexts(vllm, requests)
-            manager = vllm.make_manager(capacity, policy)
-            keep("vllm", policy, replay(_vllm_calls(vllm, manager, args.vllm_touch), requests, contexts, inflight))
-            contexts = _vllm_contexts(vllm, requests)
-            adapter = vllm.make_adapter(capacity, policy)
-            keep("adapter", policy, replay(_vllm_calls(vllm, adapter, args.vllm_touch), requests, contexts, inflight))
-    for policy in policies:
-        rows.append(_Row(policy, best[("kvtriton", policy)], best.get(("vllm", policy)), best.get(("adapter", policy))))
+            for impl, make in (("vllm", vllm.make_manager), ("adapter", vllm.make_adapter)):
+                contexts = _vllm_contexts(vllm, requests, BLOCK_TOKENS)
+                calls = _vllm_calls(vllm, make(capacity, policy), args.vllm_touch)
+                replays[impl, policy].append(replay(calls, requests, contexts, inflight))
+
+    best = {key: min(results, key=lambda result: result.seconds) for key, results in replays.items()}
+    rows = [
+        _Row(policy, best["kvtriton", policy], best.get(("vllm", policy)), best.get(("adapter", policy)))
+        for policy in policies
+    ]
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
@@ -656,8 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]
         if row.vllm is not None and row.adapter is not None:
-            line += [row.vllm.blocks_per_s, row.vllm.hit_rate, row.kvtriton.blocks_per_s / row.vllm.blocks_per_s]
-            line += [row.adapter.blocks_per_s, row.adapter.hit_rate, row.adapter.blocks_per_s / row.vllm.blocks_per_s]
+            line += [row.vllm.blocks_per_s, row.vllm.hit_rate, row.speedup_of(row.kvtriton)]
+            line += [row.adapter.blocks_per_s, row.adapter.hit_rate, row.speedup_of(row.adapter)]
         table.append(line)
     print(format_table(headers, table))
     simulate = simulate_command(params, seed, capacity, inflight, policies)
@@ -673,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {
             "benchmark": "manager",
             "smoke_run": quick,
-            "command": " ".join(["python -m bench.manager", *(argv if argv is not None else sys.argv[1:])]),
+            "command": command_line("manager", argv),
             "trace": {"workload": WORKLOAD, "seed": seed, "block_size": BLOCK_TOKENS, **asdict(params)},
             "simulate": simulate,
             "distinct_keys": distinct,
@@ -687,31 +664,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rounds": rounds,
                 "capacity_fraction": fraction,
                 "requests": headline_requests,
-                "rows": [
-                    {
-                        "workload": row.workload,
-                        "policy": row.policy,
-                        "capacity": row.capacity,
-                        "blocks": row.blocks,
-                        "vllm": asdict(row.vllm),
-                        "kvtriton_via_vllm_adapter": asdict(row.adapter),
-                        "speedup": row.speedup,
-                    }
-                    for row in head_rows
-                ],
+                "rows": [{**asdict(row), "speedup": row.speedup} for row in head_rows],
             },
             "results": [
                 {
                     "policy": row.policy,
                     "kvtriton": record(row.kvtriton),
                     "vllm": record(row.vllm),
-                    "speedup": None if row.vllm is None else row.kvtriton.blocks_per_s / row.vllm.blocks_per_s,
+                    "speedup": row.speedup_of(row.kvtriton),
                     "kvtriton_via_vllm_adapter": record(row.adapter),
-                    "adapter_speedup": (
-                        None
-                        if row.vllm is None or row.adapter is None
-                        else row.adapter.blocks_per_s / row.vllm.blocks_per_s
-                    ),
+                    "adapter_speedup": row.speedup_of(row.adapter),
                 }
                 for row in rows
             ],

@@ -123,14 +123,18 @@ def _speedups(results: Results, policy: str, name: str = "manager") -> list[floa
     return [_num(row, "speedup") for row in _headline_rows(results, name) if row.get("policy") == policy]
 
 
+def _median_range(timing: JSONObject) -> str:
+    """``12,345 (11,000-13,000)``: a timing's median blocks/s and its range."""
+    return f"{_count(_num(timing, 'median'))} ({_count(_num(timing, 'low'))}-{_count(_num(timing, 'high'))})"
+
+
 def manager_headline_table(results: Results) -> str:
     rows: list[list[str]] = []
     for row in _headline_rows(results):
         theirs, ours = _obj(row.get("vllm")), _obj(row.get("kvtriton_via_vllm_adapter"))
         rows.append([
             str(row.get("workload")), str(row.get("policy")).upper(), _count(_num(row, "capacity")),
-            f"{_count(_num(theirs, 'median'))} ({_count(_num(theirs, 'low'))}-{_count(_num(theirs, 'high'))})",
-            f"{_count(_num(ours, 'median'))} ({_count(_num(ours, 'low'))}-{_count(_num(ours, 'high'))})",
+            _median_range(theirs), _median_range(ours),
             _x(_num(row, "speedup")),
             f"{_pct(_num(theirs, 'hit_rate'))} / {_pct(_num(ours, 'hit_rate'))}",
         ])  # fmt: skip
@@ -139,36 +143,35 @@ def manager_headline_table(results: Results) -> str:
     return _table(headers, rows, "llrrrrl")
 
 
+def _policy_ranges(results: Results, name: str = "manager") -> str:
+    """The range of the headline speed-ups of each policy in result file ``name``."""
+    return f"ARC {_range(_speedups(results, 'arc', name))}, LRU {_range(_speedups(results, 'lru', name))}"
+
+
 def manager_headline_range(results: Results) -> str:
-    return f"ARC {_range(_speedups(results, 'arc'))}, LRU {_range(_speedups(results, 'lru'))}"
+    return _policy_ranges(results)
 
 
 def manager_before_range(results: Results) -> str:
     """The headline of the same command before commit fa74cda's changes, with LRU's hit-rate gap to vLLM's."""
     name = "manager_before_fa74cda"
-    gaps = [
-        100 * (_num(_obj(row.get("vllm")), "hit_rate") - _num(_obj(row.get("kvtriton_via_vllm_adapter")), "hit_rate"))
-        for row in _headline_rows(results, name)
-        if row.get("policy") == "lru"
-    ]
-    return (
-        f"ARC {_range(_speedups(results, 'arc', name))}, LRU {_range(_speedups(results, 'lru', name))},"
-        f" LRU's hit rate {min(gaps):.1f} to {max(gaps):.1f} points below vLLM's"
-    )
+    gaps = [100 * _hit_rate_gap(row) for row in _headline_rows(results, name) if row.get("policy") == "lru"]
+    return f"{_policy_ranges(results, name)}, LRU's hit rate {min(gaps):.1f} to {max(gaps):.1f} points below vLLM's"
+
+
+def _workload_policy(row: JSONObject) -> str:
+    return f"{row.get('workload')} {str(row.get('policy')).upper()}"
+
+
+def _hit_rate_gap(row: JSONObject) -> float:
+    """vLLM's hit rate less kvtriton's (through the adapter) on a headline row, as fractions."""
+    return _num(_obj(row.get("vllm")), "hit_rate") - _num(_obj(row.get("kvtriton_via_vllm_adapter")), "hit_rate")
 
 
 def manager_headline_verdict(results: Results) -> str:
     rows = _headline_rows(results)
-    short = [
-        f"{row.get('workload')} {str(row.get('policy')).upper()}"
-        for row in rows
-        if _num(row, "speedup") < MANAGER_SPEEDUP_GOAL
-    ]
-    lower = [
-        f"{row.get('workload')} {str(row.get('policy')).upper()}"
-        for row in rows
-        if _num(_obj(row.get("kvtriton_via_vllm_adapter")), "hit_rate") < _num(_obj(row.get("vllm")), "hit_rate")
-    ]
+    short = [_workload_policy(row) for row in rows if _num(row, "speedup") < MANAGER_SPEEDUP_GOAL]
+    lower = [_workload_policy(row) for row in rows if _hit_rate_gap(row) > 0]
     speed = "met on every workload for both policies" if not short else f"NOT met for {', '.join(short)}"
     hits = "hit rates equal or higher on every row" if not lower else f"hit rate below vLLM's for {', '.join(lower)}"
     return f"Goal {MANAGER_SPEEDUP_GOAL:g}x: {speed}; {hits}"
@@ -255,13 +258,9 @@ def kernels_headline_table(results: Results) -> str:
 
 
 def _headline(results: Results, kernel: str, method: str) -> JSONObject:
+    wanted = (kernel, method, "random", "consecutive")
     for row in _kernel_rows(results, "headline"):
-        if (row.get("kernel"), row.get("method"), row.get("pattern"), row.get("rows")) == (
-            kernel,
-            method,
-            "random",
-            "consecutive",
-        ):
+        if (row.get("kernel"), row.get("method"), row.get("pattern"), row.get("rows")) == wanted:
             return row
     raise RenderError(f"kernels.json has no headline {kernel} row for {method}")
 
@@ -565,8 +564,7 @@ def serving_ratios(results: Results) -> str:
 
 def summary_table(results: Results) -> str:
     def when(name: str) -> str:
-        record = results(name)
-        return f"{run_date(record)}, {run_machine(record)}"
+        return _dated(name)(results)
 
     engine_goals = ", ".join(
         sorted(

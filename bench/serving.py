@@ -49,7 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import format_table, quick_name, write_json
+from bench.common import bench_parser, format_table, quick_name, write_json
 
 __all__ = [
     "CONFIGURATIONS",
@@ -295,7 +295,7 @@ def run_configuration(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=(__doc__ or "").split("\n\n")[0])
+    parser = bench_parser("serving", __doc__)
     parser.add_argument(
         "--num-prompts", type=int, default=32, help="requests per dataset and configuration (default: 32)"
     )

@@ -43,22 +43,26 @@ import argparse
 import importlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench.common import format_table, offloading_config, write_json
+from bench.common import bench_parser, command_line, format_table, offloading_config, write_json
 from bench.third_party_logs import quiet_vllm
 from kvtriton.cli._progress import progress
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadKey
 
 __all__ = ["Bookkeeping", "PassResult", "build_parser", "main", "measure_bookkeeping", "run_pass"]
 
 GOAL_RATIO = 0.95
 BOOKKEEPING_CHUNKS = 4096
+BOOKKEEPING_FIELDS = ("write_us", "read_us", "lookup_us")
 STEP_S = 0.002
 """Pause between two polling rounds, standing in for a scheduler step (the tiers' threads run meanwhile)."""
 PRIMARIES = ("vllm", "kvtriton")
@@ -131,18 +135,30 @@ def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: i
     return OffloadingSpecFactory.create_spec(config).get_manager()
 
 
+def _keys(first: int, count: int) -> list[OffloadKey]:
+    """``count`` distinct chunk keys from ``first`` on (the fs tier skips a file that already exists)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key((first + index).to_bytes(32, "big"), 0) for index in range(count)]
+
+
+def _batches(keys: list[OffloadKey], batch: int) -> list[list[OffloadKey]]:
+    """``keys`` in batches of ``batch``, as one scheduler step stores a request's new chunks."""
+    return [keys[start : start + batch] for start in range(0, len(keys), batch)]
+
+
 def run_pass(
     primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path, threads: int, first_key: int
 ) -> PassResult:
     """Cascade ``chunks`` fresh chunks to fs through ``primary``, then promote them all back; time both."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
     manager = _manager(primary, chunk_bytes, chunks, root, threads)
     assert isinstance(manager, TieringOffloadingManager)
     step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-    keys = [make_offload_key((first_key + index).to_bytes(32, "big"), 0) for index in range(chunks)]
+    keys = _keys(first_key, chunks)
     slot_bytes = _slot_bytes(primary, chunk_bytes)
     view = manager.primary_tier.get_kv_memoryview().cast("B")
     try:
@@ -150,7 +166,7 @@ def run_pass(
         context = ReqContext(req_id="cascade")
         manager.on_new_request(context)
         # Untimed: the GPU -> host stores (slots taken, bytes written, as the workers would).
-        batches = [keys[start : start + batch] for start in range(0, chunks, batch)]
+        batches = _batches(keys, batch)
         for batch_keys in batches:
             with manager.lock:
                 output = manager.prepare_store(batch_keys, context)
@@ -211,14 +227,14 @@ class Bookkeeping:
 
 def measure_bookkeeping(primary: str, chunks: int, batch: int) -> Bookkeeping:
     """Time the primary-tier calls the orchestrator makes per chunk, directly on ``primary``."""
-    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.base import ReqContext
 
     with tempfile.TemporaryDirectory(prefix="kvtriton-bench-tiers-") as root:
         manager = _manager(primary, 4096, chunks, Path(root), 1)
         tier = getattr(manager, "primary_tier")
         try:
-            keys = [make_offload_key(index.to_bytes(32, "big"), 0) for index in range(chunks)]
-            batches = [keys[start : start + batch] for start in range(0, chunks, batch)]
+            keys = _keys(0, chunks)
+            batches = _batches(keys, batch)
             context = ReqContext(req_id="bookkeeping")
             started = time.perf_counter()
             for batch_keys in batches:
@@ -241,9 +257,7 @@ def measure_bookkeeping(primary: str, chunks: int, batch: int) -> Bookkeeping:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tiers", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = bench_parser("tiers", __doc__)
     parser.add_argument(
         "--chunk-mib", type=float, nargs="+", default=[0.5, 2.0, 4.0], help="chunk sizes in MiB (default: 0.5 2 4)"
     )
@@ -274,6 +288,21 @@ def _best(results: list[PassResult], attribute: str) -> float:
 
 def _median(results: list[PassResult], attribute: str) -> float:
     return statistics.median(float(getattr(result, attribute)) for result in results)
+
+
+def _median_costs(runs: list[Bookkeeping]) -> dict[str, float]:
+    """The median of each of the primary's costs over its bookkeeping runs."""
+    return {field: statistics.median(float(getattr(run, field)) for run in runs) for field in BOOKKEEPING_FIELDS}
+
+
+def _figures(results: list[PassResult], direction: str) -> dict[str, float]:
+    """One primary's record for a chunk size and direction: its best pass, and its median chunks/s."""
+    rate = f"{direction}_chunks_per_s"
+    return {
+        "chunks_per_s": _best(results, rate),
+        "gb_per_s": _best(results, f"{direction}_gb_per_s"),
+        "median_chunks_per_s": _median(results, rate),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,10 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             records.append({
                 "chunk_bytes": size, "direction": direction, "ratio": ratio, "median_ratio": median_ratio,
                 "vllm_vs_vllm_median_ratio": same_ratio,
-                "vllm": {"chunks_per_s": _best(theirs, rate), "gb_per_s": _best(theirs, gbps),
-                         "median_chunks_per_s": _median(theirs, rate)},
-                "kvtriton": {"chunks_per_s": _best(ours, rate), "gb_per_s": _best(ours, gbps),
-                             "median_chunks_per_s": _median(ours, rate)},
+                "vllm": _figures(theirs, direction), "kvtriton": _figures(ours, direction),
             })  # fmt: skip
     print(format_table(headers, table))
 
@@ -364,15 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for repeat in range(repeats):
         for primary in PRIMARIES if repeat % 2 == 0 else PRIMARIES[::-1]:
             bookkeeping[primary].append(measure_bookkeeping(primary, BOOKKEEPING_CHUNKS, args.batch))
-    cost_rows: list[list[object]] = []
-    costs: dict[str, dict[str, float]] = {}
-    for primary in PRIMARIES:
-        runs = bookkeeping[primary]
-        costs[primary] = {
-            field: statistics.median(float(getattr(run, field)) for run in runs)
-            for field in ("write_us", "read_us", "lookup_us")
-        }
-        cost_rows.append([primary, costs[primary]["write_us"], costs[primary]["read_us"], costs[primary]["lookup_us"]])
+    costs = {primary: _median_costs(runs) for primary, runs in bookkeeping.items()}
+    cost_rows: list[list[object]] = [[primary, *primary_costs.values()] for primary, primary_costs in costs.items()]
     print(
         f"primary-tier calls alone, microseconds per chunk (median of {repeats} x {BOOKKEEPING_CHUNKS} chunks, batches of {args.batch}):"
     )
@@ -384,12 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"worst kvtriton/vLLM ratio {worst:.3f} (best passes), {worst_median:.3f} (medians): {verdict}")
     # Only the primary's calls differ between the two runs; if kvtriton's are cheaper than vLLM's, its primary
     # cannot slow the tier traffic down, whatever the disk's noise does to the end-to-end ratio.
-    extra_us = (
-        costs["kvtriton"]["write_us"]
-        + costs["kvtriton"]["read_us"]
-        - costs["vllm"]["write_us"]
-        - costs["vllm"]["read_us"]
-    )
+    pin_and_slot_us = {primary: costs[primary]["write_us"] + costs[primary]["read_us"] for primary in PRIMARIES}
+    extra_us = pin_and_slot_us["kvtriton"] - pin_and_slot_us["vllm"]
     print(
         f"noise floor: vLLM against itself moves the median ratio by up to {noise:.3f}; kvtriton's primary calls cost"
         f" {extra_us:+.2f} us per chunk against vLLM's (cascade pin + promotion slot)"
@@ -397,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = write_json(
         name,
         {
-            "command": " ".join(["python -m bench.tiers", *(sys.argv[1:] if argv is None else argv)]),
+            "command": command_line("tiers", argv),
             "smoke_run": bool(args.quick),
             "goal_met": None if args.quick else worst >= GOAL_RATIO,
             "total_mib": total_mib,

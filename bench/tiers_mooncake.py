@@ -34,7 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
-from bench.common import format_table, offloading_config, write_json
+from bench.common import bench_parser, format_table, offloading_config, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
 from kvtriton.integrations._mooncake_config import MooncakeTierConfig
 from kvtriton.integrations._mooncake_local import MooncakeCluster, mooncake_missing
@@ -90,9 +90,7 @@ def gbps(total_bytes: int, seconds: float) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tiers_mooncake", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = bench_parser("tiers_mooncake", __doc__)
     parser.add_argument(
         "--chunk-mib",
         type=float,
@@ -313,13 +311,20 @@ def measure_size(
     )
     try:
 
-        def tier_run() -> tuple[float, float]:
-            keys = keys_for(next(run_ids))
-            store_s = run_jobs(tier, keys, 0, load=False)
-            load_s = run_jobs(tier, keys, chunks, load=True)
-            check_loaded()
-            store.batch_remove([tier.object_key(key) for key in keys], True)  # room for the next run
-            return store_s, load_s
+        def jobs_run(
+            jobs_tier: _Tier, clean_up: Callable[[list[OffloadKey]], object]
+        ) -> Callable[[], tuple[float, float]]:
+            """A run of store then load jobs through ``jobs_tier`` over fresh keys, checked, then ``clean_up``."""
+
+            def run() -> tuple[float, float]:
+                keys = keys_for(next(run_ids))
+                store_s = run_jobs(jobs_tier, keys, 0, load=False)
+                load_s = run_jobs(jobs_tier, keys, chunks, load=True)
+                check_loaded()
+                clean_up(keys)
+                return store_s, load_s
+
+            return run
 
         def raw_run() -> tuple[float, float]:
             names = [f"raw/{next(run_ids)}/{index}" for index in range(chunks)]
@@ -347,28 +352,28 @@ def measure_size(
             store.batch_remove(names, True)
             return store_s, load_s
 
-        def fs_run() -> tuple[float, float]:
-            keys = keys_for(next(run_ids))
-            store_s = run_jobs(fs_tier, keys, 0, load=False)
-            load_s = run_jobs(fs_tier, keys, chunks, load=True)
-            check_loaded()
-            shutil.rmtree(fs_root, ignore_errors=True)  # room for the next run, and no page cache reuse
-            return store_s, load_s
-
+        # Each run makes room for the next; the fs run also leaves no page cache to reuse.
+        runs = {
+            "mooncake": jobs_run(tier, lambda keys: store.batch_remove([tier.object_key(key) for key in keys], True)),
+            "raw": raw_run,
+            "fs": jobs_run(fs_tier, lambda _: shutil.rmtree(fs_root, ignore_errors=True)),
+        }
         # One uncounted round first (each client's first transfer opens its connections), then the
         # paths alternate so machine noise hits all alike.
-        for warm_up in (tier_run, raw_run, fs_run):
+        for warm_up in runs.values():
             warm_up()
-        tier_times: list[tuple[float, float]] = []
-        raw_times: list[tuple[float, float]] = []
-        fs_times: list[tuple[float, float]] = []
+        times: dict[str, list[tuple[float, float]]] = {path: [] for path in runs}
         for _ in range(repeats):
-            tier_times.append(tier_run())
-            raw_times.append(raw_run())
-            fs_times.append(fs_run())
-        tier_store, tier_load = min(t[0] for t in tier_times), min(t[1] for t in tier_times)
-        raw_store, raw_load = min(t[0] for t in raw_times), min(t[1] for t in raw_times)
-        fs_store, fs_load = min(t[0] for t in fs_times), min(t[1] for t in fs_times)
+            for path, run in runs.items():
+                times[path].append(run())
+
+        def fastest(path: str) -> tuple[float, float]:
+            """The fastest store and the fastest load of ``path``'s timed runs."""
+            return min(store_s for store_s, _ in times[path]), min(load_s for _, load_s in times[path])
+
+        tier_store, tier_load = fastest("mooncake")
+        raw_store, raw_load = fastest("raw")
+        fs_store, fs_load = fastest("fs")
         steps, millis = promotion_latency(tier, promotions, step_ms, keys_for(next(run_ids)), chunks, job_ids)
         promoted = min(promotions, chunks)
         if not np.array_equal(rows[chunks : chunks + promoted], rows[:promoted]):
