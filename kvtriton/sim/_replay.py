@@ -177,22 +177,6 @@ def positioned_contexts(
     return contexts
 
 
-def vllm_order_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
-    """A kvtriton manager's calls as vLLM's connector makes them: request hooks, no ``touch``."""
-    return ManagerCalls(
-        lookup=manager.lookup,
-        prepare_load=manager.prepare_load,
-        touch=None,
-        prepare_store=manager.prepare_store,
-        complete_load=manager.complete_load,
-        complete_store=manager.complete_store,
-        hit=LookupResult.HIT,
-        pending=LookupResult.HIT_PENDING,
-        on_new_request=manager.on_new_request,
-        on_request_finished=manager.on_request_finished,
-    )
-
-
 class HookedManager(Protocol):
     """A manager with vLLM 0.33's request hooks, seen the way the replay calls it.
 
@@ -224,6 +208,11 @@ def hooked_calls(manager: HookedManager, *, hit: object, pending: object) -> Man
         on_new_request=manager.on_new_request,
         on_request_finished=manager.on_request_finished,
     )
+
+
+def vllm_order_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
+    """A kvtriton manager's calls as vLLM's connector makes them: request hooks, no ``touch``."""
+    return hooked_calls(manager, hit=LookupResult.HIT, pending=LookupResult.HIT_PENDING)
 
 
 @dataclass(frozen=True, slots=True)
