@@ -130,6 +130,8 @@ class FsTier:
     """vLLM's ``fs`` tier: one file per chunk under ``root_dir``, no capacity, never evicts."""
 
     kind = "fs"
+    evictions = 0  # it has no capacity: nothing is ever evicted or refused
+    refused_puts = 0
 
     def __init__(self) -> None:
         self._files: set[OffloadKey] = set()
@@ -147,14 +149,6 @@ class FsTier:
     @property
     def chunks(self) -> int:
         return len(self._files)
-
-    @property
-    def evictions(self) -> int:
-        return 0
-
-    @property
-    def refused_puts(self) -> int:
-        return 0
 
 
 class MooncakePool:

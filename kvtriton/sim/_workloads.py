@@ -110,6 +110,12 @@ class _Sequence:
         self.tokens += length
 
 
+def check_block_size(block_size: int) -> None:
+    """The one rule for a trace's tokens per block, wherever a block size comes in."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
 def _one_segment(block_size: int, segment_id: int, length: int) -> _Sequence:
     """A new sequence holding ``length`` tokens of one segment (a shared prompt, a document)."""
     sequence = _Sequence(block_size)
@@ -568,8 +574,7 @@ class Workload(Generic[P]):
         stream: int = 0,
     ) -> list[Request]:
         """The trace for ``seed``; ``stream`` > 0 is another server's: the same shared prompts, its own requests."""
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        check_block_size(block_size)
         if isinstance(stream, bool) or stream < 0:
             raise ValueError(f"stream must be an int >= 0, got {stream!r}")
         return self.build(self.params(overrides or {}), random.Random(seed), block_size, stream)
@@ -743,8 +748,7 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 16, source: str = "tr
     required), ``tokens`` (prompt length, default ``len(blocks) * block_size``),
     ``output_blocks`` (default none) and ``id``.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     for number, text in enumerate(lines, start=1):
         stripped = text.strip()
         if stripped and not stripped.startswith("#"):
