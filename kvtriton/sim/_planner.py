@@ -312,6 +312,16 @@ COMPRESSION_EXTRA_CONFIG_KEY = "kvtriton_kv_compression"
 """The ``kv_connector_extra_config`` key of kvtriton's slab row compression (``none`` or ``fp8-e4m3``)."""
 
 
+def host_extra_config(
+    spec: dict[str, object], host_bytes: int, policy: str, geometry: ModelGeometry
+) -> dict[str, object]:
+    """``kv_connector_extra_config``: kvtriton's ``spec`` keys, a host tier of ``host_bytes``, its ``policy``."""
+    extra: dict[str, object] = {**spec, "cpu_bytes_to_use": host_bytes, "eviction_policy": policy}
+    if geometry.compression != "none":
+        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
+    return extra
+
+
 @dataclass(frozen=True, slots=True)
 class Recommendation:
     """The smallest sweep point that reaches the target hit rate, as vLLM configuration."""
@@ -343,13 +353,7 @@ def recommend(
     if not reaching:
         return Recommendation(target, rate_name, None, best, None, None, None, tensor_parallel_size)
     point = min(reaching, key=lambda report: (report.capacity_bytes, -report.rate(order)))
-    extra: dict[str, object] = {
-        **SPEC_EXTRA_CONFIG,
-        "cpu_bytes_to_use": point.capacity_bytes,
-        "eviction_policy": point.policy,
-    }
-    if geometry.compression != "none":
-        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
+    extra = host_extra_config(SPEC_EXTRA_CONFIG, point.capacity_bytes, point.policy, geometry)
     transfer: dict[str, object] = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.manager import OffloadingManager
-from kvtriton.sim._workloads import Request
+from kvtriton.sim._workloads import Request, check_block_size
 
 __all__ = [
     "HookedManager",
@@ -166,8 +166,7 @@ def positioned_contexts(
     requests: Sequence[PreparedRequest], make_context: Callable[[str], PCtxT], *, block_size: int
 ) -> list[PCtxT]:
     """One context per request, holding each prompt key's end-token position, as vLLM's scheduler records it."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     contexts: list[PCtxT] = []
     for request in requests:
         context = make_context(request.req_id)
@@ -175,22 +174,6 @@ def positioned_contexts(
             context.set_offload_key_position(key, (index + 1) * block_size)
         contexts.append(context)
     return contexts
-
-
-def vllm_order_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
-    """A kvtriton manager's calls as vLLM's connector makes them: request hooks, no ``touch``."""
-    return ManagerCalls(
-        lookup=manager.lookup,
-        prepare_load=manager.prepare_load,
-        touch=None,
-        prepare_store=manager.prepare_store,
-        complete_load=manager.complete_load,
-        complete_store=manager.complete_store,
-        hit=LookupResult.HIT,
-        pending=LookupResult.HIT_PENDING,
-        on_new_request=manager.on_new_request,
-        on_request_finished=manager.on_request_finished,
-    )
 
 
 class HookedManager(Protocol):
@@ -226,6 +209,11 @@ def hooked_calls(manager: HookedManager, *, hit: object, pending: object) -> Man
     )
 
 
+def vllm_order_calls(manager: OffloadingManager) -> ManagerCalls[ReqContext]:
+    """A kvtriton manager's calls as vLLM's connector makes them: request hooks, no ``touch``."""
+    return hooked_calls(manager, hit=LookupResult.HIT, pending=LookupResult.HIT_PENDING)
+
+
 @dataclass(frozen=True, slots=True)
 class _InFlight(Generic[CtxT]):
     context: CtxT
@@ -255,8 +243,7 @@ def replay_calls(
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     if len(contexts) != len(requests):
         raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")
     # Bound once: this loop is what bench/manager.py times.

@@ -48,10 +48,11 @@ tier job and check is done by the next step).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,7 +61,7 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LookupResult, PrepareStoreOutput, ReqContext
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import ModelGeometry, format_bytes, parse_capacity
-from kvtriton.sim._replay import ManagerCalls
+from kvtriton.sim._replay import ManagerCalls, hooked_calls
 
 __all__ = [
     "MOONCAKE_EVICTION_RATIO",
@@ -129,6 +130,8 @@ class FsTier:
     """vLLM's ``fs`` tier: one file per chunk under ``root_dir``, no capacity, never evicts."""
 
     kind = "fs"
+    evictions = 0  # it has no capacity: nothing is ever evicted or refused
+    refused_puts = 0
 
     def __init__(self) -> None:
         self._files: set[OffloadKey] = set()
@@ -146,14 +149,6 @@ class FsTier:
     @property
     def chunks(self) -> int:
         return len(self._files)
-
-    @property
-    def evictions(self) -> int:
-        return 0
-
-    @property
-    def refused_puts(self) -> int:
-        return 0
 
 
 class MooncakePool:
@@ -537,19 +532,9 @@ class TieredManager:
 
 
 def tiered_calls(manager: TieredManager) -> ManagerCalls[ReqContext]:
-    """The replay calls of a :class:`TieredManager`, in vLLM's connector order."""
-    complete_store: Callable[[Sequence[OffloadKey], ReqContext], object] = manager.complete_store
-    return ManagerCalls(
-        lookup=manager.lookup,
-        prepare_load=manager.prepare_load,
-        touch=None,
-        prepare_store=manager.prepare_store,
-        complete_load=manager.complete_load,
-        complete_store=complete_store,
-        hit=LookupResult.HIT,
-        pending=LookupResult.HIT_PENDING,
-        on_new_request=manager.on_new_request,
-        on_request_finished=manager.on_request_finished,
+    """The replay calls of a :class:`TieredManager` in vLLM's connector order: request hooks, RETRY, step hooks."""
+    return dataclasses.replace(
+        hooked_calls(manager, hit=LookupResult.HIT, pending=LookupResult.HIT_PENDING),
         retry=RETRY,
         on_schedule_end=manager.on_schedule_end,
         has_pending_work=manager.has_pending_work,

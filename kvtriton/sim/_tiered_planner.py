@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import GIB, ModelGeometry
-from kvtriton.sim._planner import COMPRESSION_EXTRA_CONFIG_KEY, VllmOrder
+from kvtriton.sim._planner import VllmOrder, host_extra_config
 from kvtriton.sim._replay import PreparedRequest, positioned_contexts
 from kvtriton.sim._secondary_tier import TierCounts, TieredManager, TierSpec, tiered_calls
 from kvtriton.sim._vllm_server import ServerStream, StalledRequest, replay_vllm_servers
@@ -179,25 +179,20 @@ def tiered_point(
     )
 
 
+_SHARED_TIER_COUNTS = ("kind", "tier_chunks", "tier_peak_chunks", "tier_evictions", "tier_refused_puts")
+"""The :class:`TierCounts` fields about the one shared tier itself; every other field is one server's traffic."""
+
+
 def _summed(counts: Sequence[TierCounts]) -> TierCounts:
     """Every server's counts added up; the tier's own (what it holds, evicts, refuses) are the one shared tier's."""
     first = counts[0]  # every manager reads the one shared tier, so its own counts are the same in each
-    return TierCounts(
-        kind=first.kind,
-        host_chunk_queries=sum(each.host_chunk_queries for each in counts),
-        host_chunk_hits=sum(each.host_chunk_hits for each in counts),
-        tier_chunk_queries=sum(each.tier_chunk_queries for each in counts),
-        tier_chunk_hits=sum(each.tier_chunk_hits for each in counts),
-        promotions=sum(each.promotions for each in counts),
-        promotion_jobs=sum(each.promotion_jobs for each in counts),
-        promotion_failures=sum(each.promotion_failures for each in counts),
-        promotion_evictions=sum(each.promotion_evictions for each in counts),
-        cascaded_chunks=sum(each.cascaded_chunks for each in counts),
-        tier_chunks=first.tier_chunks,
-        tier_peak_chunks=max(each.tier_peak_chunks for each in counts),
-        tier_evictions=first.tier_evictions,
-        tier_refused_puts=first.tier_refused_puts,
-    )
+    per_server = {
+        field.name: sum(getattr(each, field.name) for each in counts)
+        for field in dataclasses.fields(TierCounts)
+        if field.name not in _SHARED_TIER_COUNTS
+    }
+    # The peak is each manager's own sample of the tier (taken at its steps): the highest one is the tier's.
+    return dataclasses.replace(first, **per_server, tier_peak_chunks=max(each.tier_peak_chunks for each in counts))
 
 
 def tiered_sweep(
@@ -256,12 +251,6 @@ def recommend_tiered(
     if not reaching:
         return TieredRecommendation(target, host_price_ratio, None, best, None)
     point = min(reaching, key=lambda report: (report.cost(host_price_ratio), -report.external_hit_rate))
-    extra: dict[str, object] = {
-        **TIERING_SPEC_EXTRA_CONFIG,
-        "cpu_bytes_to_use": point.host_bytes,
-        "eviction_policy": point.policy,
-    }
-    if geometry.compression != "none":
-        extra[COMPRESSION_EXTRA_CONFIG_KEY] = geometry.compression
+    extra = host_extra_config(TIERING_SPEC_EXTRA_CONFIG, point.host_bytes, point.policy, geometry)
     extra["secondary_tiers"] = [tier_extra_config(point.tier)]
     return TieredRecommendation(target, host_price_ratio, point, best, extra)

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtriton.sim._workloads import check_block_size
+
 __all__ = ["TokenRequest", "TokenWorkloadParams", "block_hashes", "token_workload", "trace_lines", "write_trace"]
 
 
@@ -108,8 +110,7 @@ def token_workload(seed: int = 0, params: TokenWorkloadParams | None = None) -> 
 
 def block_hashes(prompt: Sequence[int], block_size: int) -> list[str]:
     """Chained hashes of ``prompt``'s full blocks (hex): block ``i``'s covers every token up to its end."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     hashes: list[str] = []
     previous = b""
     for start in range(0, len(prompt) - block_size + 1, block_size):

@@ -32,7 +32,7 @@ from typing import TypeVar
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import OffloadingManager
 from kvtriton.sim._replay import ManagerCalls, PreparedRequest, ReplayStats, positioned_contexts, vllm_order_calls
-from kvtriton.sim._vllm_server import ServerModel, replay_vllm_server
+from kvtriton.sim._vllm_server import ServerModel, check_int, replay_vllm_server
 
 __all__ = ["DEFAULT_ARRIVALS", "DEFAULT_DECODE_STEPS", "replay_vllm_order", "vllm_order"]
 
@@ -64,10 +64,7 @@ def replay_vllm_order(
     with ``sync_loads`` it computes in the step of its load (vLLM with a
     ``sync_load_budget_bytes``).
     """
-    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside the typed world
-        raise TypeError(f"decode_steps must be an int, got {type(decode_steps).__name__}: {decode_steps!r}")
-    if decode_steps < 1:
-        raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    check_int("decode_steps", decode_steps, 1)  # by its own name: the server model calls it output_tokens
     model = ServerModel(
         max_num_batched_tokens=None,
         arrivals=arrivals,

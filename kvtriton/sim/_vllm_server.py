@@ -126,7 +126,7 @@ class StalledRequest(RuntimeError):
     """A request deferred without end: vLLM's engine would never serve it either."""
 
 
-def _check_int(name: str, value: object, low: int) -> None:
+def check_int(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     if value < low:
@@ -158,9 +158,9 @@ class ServerModel:
         for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_blocks", "arrivals"):
             value: object = getattr(self, name)
             if value is not None:
-                _check_int(name, value, 2 if name == "gpu_blocks" else 1)
+                check_int(name, value, 2 if name == "gpu_blocks" else 1)
         for name in ("output_tokens", "load_steps", "store_steps"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.sequential and self.arrivals is not None:
             raise ValueError(f"sequential and arrivals={self.arrivals} are two arrival patterns; give one")
 
@@ -324,20 +324,9 @@ def replay_vllm_servers(
     share a secondary tier (one Mooncake pool) see each other's cascades in
     the order their steps interleave.
     """
-    _check_int("block_size", block_size, 1)
-    servers: list[_ServerReplay[CtxT]] = []
-    for stream in streams:
-        if len(stream.contexts) != len(stream.requests):
-            raise ValueError(f"contexts has {len(stream.contexts)} entries for {len(stream.requests)} requests")
-        servers.append(
-            _ServerReplay(
-                stream.calls,
-                stream.requests,
-                stream.contexts,
-                block_size,
-                model if model is not None else ServerModel(),
-            )
-        )
+    check_int("block_size", block_size, 1)
+    server_model = model if model is not None else ServerModel()
+    servers = [_ServerReplay(stream, block_size, server_model) for stream in streams]
     while True:
         busy = [server for server in servers if server.has_work()]
         if not busy:
@@ -349,27 +338,21 @@ def replay_vllm_servers(
 class _ServerReplay(Generic[CtxT]):
     """The state of one replay through the server model, advanced one scheduler step at a time."""
 
-    def __init__(
-        self,
-        calls: ManagerCalls[CtxT],
-        requests: Sequence[PreparedRequest],
-        contexts: Sequence[CtxT],
-        block_size: int,
-        model: ServerModel,
-    ) -> None:
-        self.calls = calls
-        self.requests = requests
-        self.contexts = contexts
+    def __init__(self, stream: ServerStream[CtxT], block_size: int, model: ServerModel) -> None:
+        if len(stream.contexts) != len(stream.requests):
+            raise ValueError(f"contexts has {len(stream.contexts)} entries for {len(stream.requests)} requests")
+        self.calls = stream.calls
+        self.requests = stream.requests
+        self.contexts = stream.contexts
         self.block_size = block_size
         self.model = model
         self.pool = GpuPrefixCache(model.gpu_blocks) if model.gpu_blocks is not None else None
         # vLLM tracks keys being loaded only with prefix caching on; a hit on one defers the request.
         self.being_loaded: dict[OffloadKey, int] | None = {} if self.pool is not None else None
-        self.states = [_Request(index, request.prompt_tokens) for index, request in enumerate(requests)]
+        self.states = [_Request(index, request.prompt_tokens) for index, request in enumerate(self.requests)]
         self.waiting: deque[_Request] = deque()
-        self.holding: deque[_Request] = (
-            deque()
-        )  # loading (or loaded) requests: vLLM's kv_holding_waiting, drained first
+        # Loading (or loaded) requests: vLLM's kv_holding_waiting, drained first.
+        self.holding: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.jobs: dict[int, _Job] = {}  # by job id: vLLM numbers loads and stores with one counter
         self.job_ids = 0

@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 __all__ = [
     "WORKLOADS",
@@ -110,6 +110,19 @@ class _Sequence:
         self.tokens += length
 
 
+def check_block_size(block_size: int) -> None:
+    """The one rule for a trace's tokens per block, wherever a block size comes in."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
+def _one_segment(block_size: int, segment_id: int, length: int) -> _Sequence:
+    """A new sequence holding ``length`` tokens of one segment (a shared prompt, a document)."""
+    sequence = _Sequence(block_size)
+    sequence.append(segment_id, length)
+    return sequence
+
+
 def _request(req_id: str, sequence: _Sequence, output_tokens: int, output_segment: int) -> Request:
     """Snapshot ``sequence`` as a prompt, then append ``output_tokens`` of output to it."""
     prompt = tuple(sequence.hashes)
@@ -138,7 +151,32 @@ def _check_range(params: object, low: str, high: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class SharedPromptParams:
+class _WorkloadParams:
+    """What every workload's parameters share: one rule that checks them all.
+
+    Every field must be positive, and every ``X_min`` must be <= its
+    ``X_max``, except the fields in ``_checked_apart``, which the class checks
+    itself after these (in its ``_check_apart``). The single fields are checked
+    first, then the ranges, each in declaration order, so the first bad value
+    named is always the same one.
+    """
+
+    _checked_apart: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        names = [field.name for field in dataclasses.fields(self) if field.name not in self._checked_apart]
+        _check_positive(self, *(name for name in names if not name.endswith(("_min", "_max"))))
+        for name in names:
+            if name.endswith("_min"):
+                _check_range(self, name, name.removesuffix("_min") + "_max")
+        self._check_apart()
+
+    def _check_apart(self) -> None:
+        """The checks of the fields in ``_checked_apart`` (none by default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPromptParams(_WorkloadParams):
     """Many independent requests behind a few long system prompts (one per app or tool set)."""
 
     requests: int = 1000
@@ -148,13 +186,9 @@ class SharedPromptParams:
     user_tokens_max: int = 512
     output_tokens: int = 128
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "system_prompts", "system_tokens", "output_tokens")
-        _check_range(self, "user_tokens_min", "user_tokens_max")
-
 
 @dataclass(frozen=True, slots=True)
-class ChatParams:
+class ChatParams(_WorkloadParams):
     """Multi-turn conversations, interleaved: each turn's prompt is the whole conversation so far."""
 
     requests: int = 1000
@@ -167,15 +201,9 @@ class ChatParams:
     output_tokens_min: int = 64
     output_tokens_max: int = 512
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "active_conversations", "system_tokens")
-        _check_range(self, "turns_min", "turns_max")
-        _check_range(self, "user_tokens_min", "user_tokens_max")
-        _check_range(self, "output_tokens_min", "output_tokens_max")
-
 
 @dataclass(frozen=True, slots=True)
-class FewShotParams:
+class FewShotParams(_WorkloadParams):
     """Few-shot prompts: one of many long example prefixes, picked with Zipf popularity, plus a question."""
 
     requests: int = 1000
@@ -187,14 +215,9 @@ class FewShotParams:
     question_tokens_max: int = 128
     output_tokens: int = 32
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "prefixes", "zipf_s", "output_tokens")
-        _check_range(self, "prefix_tokens_min", "prefix_tokens_max")
-        _check_range(self, "question_tokens_min", "question_tokens_max")
-
 
 @dataclass(frozen=True, slots=True)
-class PrefixSharingParams:
+class PrefixSharingParams(_WorkloadParams):
     """Fixed-length requests: part of a Zipf-popular shared prefix, then blocks no other request has.
 
     Sized in blocks, not tokens: the manager benchmark's trace (``bench/manager.py``),
@@ -207,8 +230,9 @@ class PrefixSharingParams:
     prefix_blocks: int = 48
     zipf_s: float = 1.1
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "blocks_per_request", "prefixes")
+    _checked_apart: ClassVar[tuple[str, ...]] = ("prefix_blocks", "zipf_s")
+
+    def _check_apart(self) -> None:
         if not 0 <= self.prefix_blocks <= self.blocks_per_request:
             raise ValueError(f"prefix_blocks must be in 0..{self.blocks_per_request}, got {self.prefix_blocks}")
         if not math.isfinite(self.zipf_s):
@@ -218,7 +242,7 @@ class PrefixSharingParams:
 
 
 @dataclass(frozen=True, slots=True)
-class SystemPromptsParams:
+class SystemPromptsParams(_WorkloadParams):
     """Zipf-popular system prompts (apps, agents, tool sets), each request ending in a unique user message."""
 
     requests: int = 2000
@@ -230,14 +254,9 @@ class SystemPromptsParams:
     user_tokens_max: int = 512
     output_tokens: int = 64
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "system_prompts", "zipf_s", "output_tokens")
-        _check_range(self, "system_tokens_min", "system_tokens_max")
-        _check_range(self, "user_tokens_min", "user_tokens_max")
-
 
 @dataclass(frozen=True, slots=True)
-class MultiTurnParams:
+class MultiTurnParams(_WorkloadParams):
     """Interleaved conversations: each turn's prompt is the whole history, the last answer included, plus a new message."""
 
     requests: int = 1500
@@ -250,15 +269,9 @@ class MultiTurnParams:
     answer_tokens_min: int = 64
     answer_tokens_max: int = 384
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "active_conversations", "system_tokens")
-        _check_range(self, "turns_min", "turns_max")
-        _check_range(self, "user_tokens_min", "user_tokens_max")
-        _check_range(self, "answer_tokens_min", "answer_tokens_max")
-
 
 @dataclass(frozen=True, slots=True)
-class PrefixTreeParams:
+class PrefixTreeParams(_WorkloadParams):
     """Few-shot prompts as a prefix tree: a task header, the first k of the task's fixed examples, a unique question."""
 
     requests: int = 2000
@@ -272,14 +285,9 @@ class PrefixTreeParams:
     question_tokens_max: int = 256
     output_tokens: int = 32
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "tasks", "zipf_s", "header_tokens", "examples_per_task", "output_tokens")
-        _check_range(self, "example_tokens_min", "example_tokens_max")
-        _check_range(self, "question_tokens_min", "question_tokens_max")
-
 
 @dataclass(frozen=True, slots=True)
-class ScanParams:
+class ScanParams(_WorkloadParams):
     """A hot set of Zipf-popular prompts mixed with long one-off documents that sweep through the cache (a scan)."""
 
     requests: int = 2000
@@ -294,11 +302,9 @@ class ScanParams:
     question_tokens_max: int = 128
     output_tokens: int = 32
 
-    def __post_init__(self) -> None:
-        _check_positive(self, "requests", "hot_prompts", "zipf_s", "output_tokens")
-        _check_range(self, "hot_tokens_min", "hot_tokens_max")
-        _check_range(self, "document_tokens_min", "document_tokens_max")
-        _check_range(self, "question_tokens_min", "question_tokens_max")
+    _checked_apart: ClassVar[tuple[str, ...]] = ("scan_fraction",)
+
+    def _check_apart(self) -> None:
         if not 0.0 <= self.scan_fraction <= 1.0:
             raise ValueError(f"scan_fraction must be in 0..1, got {self.scan_fraction!r}")
 
@@ -327,11 +333,7 @@ class _SegmentIds:
 
 def _shared_prompt(params: SharedPromptParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
-    prompts: list[_Sequence] = []
-    for _ in range(params.system_prompts):
-        sequence = _Sequence(block_size)
-        sequence.append(ids.new(), params.system_tokens)
-        prompts.append(sequence)
+    prompts = [_one_segment(block_size, ids.new(), params.system_tokens) for _ in range(params.system_prompts)]
     ids.begin_stream(rng, stream)
     requests: list[Request] = []
     for index in range(params.requests):
@@ -351,38 +353,34 @@ class _Conversation:
 
 def _interleaved_conversations(
     name: str,
+    params: ChatParams | MultiTurnParams,
     rng: random.Random,
     block_size: int,
     stream: int,
     *,
-    requests: int,
-    active_conversations: int,
-    turns: tuple[int, int],
-    system_tokens: int,
-    user_tokens: tuple[int, int],
     answer_tokens: tuple[int, int],
 ) -> list[Request]:
     """Conversations behind one system prompt, a random active one taking each turn.
 
     A turn's prompt is the whole conversation so far plus a new user message;
     ``_request`` appends the answer, so the next turn resends it. A finished
-    conversation is replaced by a new one.
+    conversation is replaced by a new one. ``answer_tokens`` is the one range
+    the two workloads name differently; the rest is read from ``params``.
     """
     ids = _SegmentIds()
-    system = _Sequence(block_size)
-    system.append(ids.new(), system_tokens)
+    system = _one_segment(block_size, ids.new(), params.system_tokens)
     ids.begin_stream(rng, stream)
     started = itertools.count()
 
     def start() -> _Conversation:
-        return _Conversation(f"{name}-{next(started)}", system.copy(), rng.randint(*turns))
+        return _Conversation(f"{name}-{next(started)}", system.copy(), rng.randint(params.turns_min, params.turns_max))
 
-    active = [start() for _ in range(active_conversations)]
+    active = [start() for _ in range(params.active_conversations)]
     generated: list[Request] = []
-    for _ in range(requests):
+    for _ in range(params.requests):
         slot = rng.randrange(len(active))
         conversation = active[slot]
-        conversation.sequence.append(ids.new(), rng.randint(*user_tokens))
+        conversation.sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
         answer = rng.randint(*answer_tokens)
         generated.append(
             _request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new())
@@ -395,15 +393,8 @@ def _interleaved_conversations(
 
 
 def _chat(params: ChatParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
-    return _interleaved_conversations(
-        "chat", rng, block_size, stream,
-        requests=params.requests,
-        active_conversations=params.active_conversations,
-        turns=(params.turns_min, params.turns_max),
-        system_tokens=params.system_tokens,
-        user_tokens=(params.user_tokens_min, params.user_tokens_max),
-        answer_tokens=(params.output_tokens_min, params.output_tokens_max),
-    )  # fmt: skip
+    answer_tokens = (params.output_tokens_min, params.output_tokens_max)
+    return _interleaved_conversations("chat", params, rng, block_size, stream, answer_tokens=answer_tokens)
 
 
 def _zipf_cumulative(count: int, s: float) -> list[float]:
@@ -413,44 +404,38 @@ def _zipf_cumulative(count: int, s: float) -> list[float]:
 
 def _zipf_prefixes_with_unique_tails(
     name: str,
+    params: FewShotParams | SystemPromptsParams,
     rng: random.Random,
     block_size: int,
     stream: int,
     *,
-    requests: int,
     prefixes: int,
-    zipf_s: float,
     prefix_tokens: tuple[int, int],
     tail_tokens: tuple[int, int],
-    output_tokens: int,
 ) -> list[Request]:
-    """Requests that each pick one of ``prefixes`` shared prompts by Zipf popularity, then add a unique tail."""
+    """Requests that each pick one of ``prefixes`` shared prompts by Zipf popularity, then add a unique tail.
+
+    The keywords are what the two workloads name differently; the rest is read from ``params``.
+    """
     ids = _SegmentIds()
-    shared: list[_Sequence] = []
-    for _ in range(prefixes):
-        sequence = _Sequence(block_size)
-        sequence.append(ids.new(), rng.randint(*prefix_tokens))
-        shared.append(sequence)
+    shared = [_one_segment(block_size, ids.new(), rng.randint(*prefix_tokens)) for _ in range(prefixes)]
     ids.begin_stream(rng, stream)
-    cumulative = _zipf_cumulative(prefixes, zipf_s)
+    cumulative = _zipf_cumulative(prefixes, params.zipf_s)
     generated: list[Request] = []
-    for index in range(requests):
+    for index in range(params.requests):
         (chosen,) = rng.choices(shared, cum_weights=cumulative)
         sequence = chosen.copy()
         sequence.append(ids.new(), rng.randint(*tail_tokens))
-        generated.append(_request(f"{name}-{index}", sequence, output_tokens, ids.new()))
+        generated.append(_request(f"{name}-{index}", sequence, params.output_tokens, ids.new()))
     return generated
 
 
 def _few_shot(params: FewShotParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _zipf_prefixes_with_unique_tails(
-        "few-shot", rng, block_size, stream,
-        requests=params.requests,
+        "few-shot", params, rng, block_size, stream,
         prefixes=params.prefixes,
-        zipf_s=params.zipf_s,
         prefix_tokens=(params.prefix_tokens_min, params.prefix_tokens_max),
         tail_tokens=(params.question_tokens_min, params.question_tokens_max),
-        output_tokens=params.output_tokens,
     )  # fmt: skip
 
 
@@ -465,8 +450,7 @@ def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size:
         (prefix,) = rng.choices(prefix_ids, cum_weights=cumulative)
         shared = rng.randint(shortest, params.prefix_blocks)
         # Block-aligned segments: the first ``shared`` blocks hash the same in every request of this prefix.
-        sequence = _Sequence(block_size)
-        sequence.append(prefix, shared * block_size)
+        sequence = _one_segment(block_size, prefix, shared * block_size)
         sequence.append(ids.new(), (params.blocks_per_request - shared) * block_size)
         requests.append(Request(f"prefix-sharing-{index}", tuple(sequence.hashes), sequence.tokens))
     return requests
@@ -474,26 +458,16 @@ def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size:
 
 def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _zipf_prefixes_with_unique_tails(
-        "system-prompts", rng, block_size, stream,
-        requests=params.requests,
+        "system-prompts", params, rng, block_size, stream,
         prefixes=params.system_prompts,
-        zipf_s=params.zipf_s,
         prefix_tokens=(params.system_tokens_min, params.system_tokens_max),
         tail_tokens=(params.user_tokens_min, params.user_tokens_max),
-        output_tokens=params.output_tokens,
     )  # fmt: skip
 
 
 def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
-    return _interleaved_conversations(
-        "multi-turn", rng, block_size, stream,
-        requests=params.requests,
-        active_conversations=params.active_conversations,
-        turns=(params.turns_min, params.turns_max),
-        system_tokens=params.system_tokens,
-        user_tokens=(params.user_tokens_min, params.user_tokens_max),
-        answer_tokens=(params.answer_tokens_min, params.answer_tokens_max),
-    )  # fmt: skip
+    answer_tokens = (params.answer_tokens_min, params.answer_tokens_max)
+    return _interleaved_conversations("multi-turn", params, rng, block_size, stream, answer_tokens=answer_tokens)
 
 
 def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
@@ -511,8 +485,7 @@ def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int, 
     requests: list[Request] = []
     for index in range(params.requests):
         ((header, examples),) = rng.choices(tasks, cum_weights=cumulative)
-        sequence = _Sequence(block_size)
-        sequence.append(header, params.header_tokens)
+        sequence = _one_segment(block_size, header, params.header_tokens)
         for example, length in examples[: rng.randint(0, params.examples_per_task)]:
             sequence.append(example, length)
         sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
@@ -522,19 +495,19 @@ def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int, 
 
 def _scan(params: ScanParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
-    hot: list[_Sequence] = []
-    for _ in range(params.hot_prompts):
-        sequence = _Sequence(block_size)
-        sequence.append(ids.new(), rng.randint(params.hot_tokens_min, params.hot_tokens_max))
-        hot.append(sequence)
+    hot = [
+        _one_segment(block_size, ids.new(), rng.randint(params.hot_tokens_min, params.hot_tokens_max))
+        for _ in range(params.hot_prompts)
+    ]
     ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(params.hot_prompts, params.zipf_s)
     requests: list[Request] = []
     for index in range(params.requests):
         if rng.random() < params.scan_fraction:
             # A document read once: every block is new and never asked for again.
-            sequence = _Sequence(block_size)
-            sequence.append(ids.new(), rng.randint(params.document_tokens_min, params.document_tokens_max))
+            sequence = _one_segment(
+                block_size, ids.new(), rng.randint(params.document_tokens_min, params.document_tokens_max)
+            )
             name = f"scan-document-{index}"
         else:
             (chosen,) = rng.choices(hot, cum_weights=cumulative)
@@ -560,17 +533,7 @@ def _convert(raw: str | int | float, default: object, what: str) -> int | float:
         raise ValueError(f"{what} must be {kind}, got {raw!r}") from None
 
 
-P = TypeVar(
-    "P",
-    SharedPromptParams,
-    ChatParams,
-    FewShotParams,
-    PrefixSharingParams,
-    SystemPromptsParams,
-    MultiTurnParams,
-    PrefixTreeParams,
-    ScanParams,
-)
+P = TypeVar("P", bound=_WorkloadParams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -611,72 +574,65 @@ class Workload(Generic[P]):
         stream: int = 0,
     ) -> list[Request]:
         """The trace for ``seed``; ``stream`` > 0 is another server's: the same shared prompts, its own requests."""
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        check_block_size(block_size)
         if isinstance(stream, bool) or stream < 0:
             raise ValueError(f"stream must be an int >= 0, got {stream!r}")
         return self.build(self.params(overrides or {}), random.Random(seed), block_size, stream)
 
 
-WORKLOADS: dict[
-    str,
-    Workload[SharedPromptParams]
-    | Workload[ChatParams]
-    | Workload[FewShotParams]
-    | Workload[PrefixSharingParams]
-    | Workload[SystemPromptsParams]
-    | Workload[MultiTurnParams]
-    | Workload[PrefixTreeParams]
-    | Workload[ScanParams],
-] = {
-    "shared-prompt": Workload(
-        "shared-prompt",
-        "independent requests behind a few long shared system prompts",
-        SharedPromptParams(),
-        _shared_prompt,
-    ),
-    "chat": Workload(
-        "chat",
-        "interleaved multi-turn conversations; each turn resends the whole history",
-        ChatParams(),
-        _chat,
-    ),
-    "few-shot": Workload(
-        "few-shot",
-        "Zipf-popular few-shot example prefixes, each followed by a new question",
-        FewShotParams(),
-        _few_shot,
-    ),
-    "prefix-sharing": Workload(
-        "prefix-sharing",
-        "the manager benchmark's trace: half to all of a Zipf-popular prefix, then unique blocks",
-        PrefixSharingParams(),
-        _prefix_sharing,
-    ),
-    "system-prompts": Workload(
-        "system-prompts",
-        "Zipf-popular system prompts of varied length, each request ending in a unique user message",
-        SystemPromptsParams(),
-        _system_prompts,
-    ),
-    "multi-turn": Workload(
-        "multi-turn",
-        "interleaved conversations; each turn resends the history and the last answer",
-        MultiTurnParams(),
-        _multi_turn,
-    ),
-    "prefix-tree": Workload(
-        "prefix-tree",
-        "few-shot prompts as a prefix tree: task header, the first k fixed examples, a unique question",
-        PrefixTreeParams(),
-        _prefix_tree,
-    ),
-    "scan": Workload(
-        "scan",
-        "a Zipf-popular hot set of prompts mixed with long one-off documents that sweep the cache",
-        ScanParams(),
-        _scan,
-    ),
+# Each workload has its own parameter type; callers pick a workload by name and hand it strings.
+WORKLOADS: dict[str, Workload[Any]] = {
+    workload.name: workload
+    for workload in (
+        Workload(
+            "shared-prompt",
+            "independent requests behind a few long shared system prompts",
+            SharedPromptParams(),
+            _shared_prompt,
+        ),
+        Workload(
+            "chat",
+            "interleaved multi-turn conversations; each turn resends the whole history",
+            ChatParams(),
+            _chat,
+        ),
+        Workload(
+            "few-shot",
+            "Zipf-popular few-shot example prefixes, each followed by a new question",
+            FewShotParams(),
+            _few_shot,
+        ),
+        Workload(
+            "prefix-sharing",
+            "the manager benchmark's trace: half to all of a Zipf-popular prefix, then unique blocks",
+            PrefixSharingParams(),
+            _prefix_sharing,
+        ),
+        Workload(
+            "system-prompts",
+            "Zipf-popular system prompts of varied length, each request ending in a unique user message",
+            SystemPromptsParams(),
+            _system_prompts,
+        ),
+        Workload(
+            "multi-turn",
+            "interleaved conversations; each turn resends the history and the last answer",
+            MultiTurnParams(),
+            _multi_turn,
+        ),
+        Workload(
+            "prefix-tree",
+            "few-shot prompts as a prefix tree: task header, the first k fixed examples, a unique question",
+            PrefixTreeParams(),
+            _prefix_tree,
+        ),
+        Workload(
+            "scan",
+            "a Zipf-popular hot set of prompts mixed with long one-off documents that sweep the cache",
+            ScanParams(),
+            _scan,
+        ),
+    )
 }
 """The built-in workloads by name."""
 
@@ -792,8 +748,7 @@ def parse_trace(lines: Iterable[str], *, block_size: int = 16, source: str = "tr
     required), ``tokens`` (prompt length, default ``len(blocks) * block_size``),
     ``output_blocks`` (default none) and ``id``.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_block_size(block_size)
     for number, text in enumerate(lines, start=1):
         stripped = text.strip()
         if stripped and not stripped.startswith("#"):
