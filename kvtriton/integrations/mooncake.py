@@ -823,14 +823,11 @@ class MooncakeStoreTier(SecondaryTierManager):
             if self._jobs.pop(job.job_id, None) is None:
                 continue
             moved = len(job.succeeded) * self._chunk_bytes
-            if not job.failed:
-                results.append(JobResult(job.job_id, True, None, job.seconds, moved))
-                continue
-            if job.is_load:
+            loaded_some: tuple[OffloadKey, ...] | None = None  # a partly failed load reports the keys it loaded
+            if job.failed and job.is_load:
                 self._lookups.mark_miss(job.failed)
-                results.append(JobResult(job.job_id, False, tuple(job.succeeded) or None, job.seconds, moved))
-            else:
-                results.append(JobResult(job.job_id, False, None, job.seconds, moved))
+                loaded_some = tuple(job.succeeded) or None
+            results.append(JobResult(job.job_id, not job.failed, loaded_some, job.seconds, moved))
         return results
 
     @override
