@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtriton._choices import ChoiceT, parse_choice
 from kvtriton.integrations._vllm_identity import IDENTITY_KEY
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels._compressed_format import ALIGNMENT
@@ -197,6 +198,17 @@ def _parse_str(extra_config: Mapping[str, object], key: str, default: str) -> st
     return raw.strip().lower()
 
 
+def _parse_choice(extra_config: Mapping[str, object], key: str, default: ChoiceT) -> ChoiceT:
+    """Read ``key`` as a member of ``default``'s enum, by its value in any case; the error lists the valid ones."""
+    choices = type(default)
+    name = _parse_str(extra_config, key, default.value)
+    try:
+        return parse_choice(choices, name, _where(key))
+    except ValueError:
+        valid = [member.value for member in choices]
+        raise ValueError(f"{_where(key)} must be one of {valid}, got {extra_config[key]!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class KVTritonOffloadConfig:
     """kvtriton's settings for one vLLM engine, parsed from ``kv_connector_extra_config``.
@@ -254,22 +266,8 @@ class KVTritonOffloadConfig:
         policy, module_path = parse_policy(extra_config)
         if is_vllm_policy(policy, module_path):
             check_vllm_policy(policy, module_path)
-        backend_name = _parse_str(extra_config, KVTRITON_BACKEND, TransferBackend.AUTO.value)
-        try:
-            backend = TransferBackend.parse(backend_name)
-        except ValueError:
-            valid = [backend.value for backend in TransferBackend]
-            raise ValueError(
-                f"{_where(KVTRITON_BACKEND)} must be one of {valid}, got {extra_config[KVTRITON_BACKEND]!r}"
-            ) from None
-        compression_name = _parse_str(extra_config, KVTRITON_KV_COMPRESSION, KVCompression.NONE.value)
-        try:
-            kv_compression = KVCompression.parse(compression_name, _where(KVTRITON_KV_COMPRESSION))
-        except ValueError:
-            valid = [member.value for member in KVCompression]
-            raise ValueError(
-                f"{_where(KVTRITON_KV_COMPRESSION)} must be one of {valid}, got {extra_config[KVTRITON_KV_COMPRESSION]!r}"
-            ) from None
+        backend = _parse_choice(extra_config, KVTRITON_BACKEND, TransferBackend.AUTO)
+        kv_compression = _parse_choice(extra_config, KVTRITON_KV_COMPRESSION, KVCompression.NONE)
         if kv_compression is not KVCompression.NONE and backend is TransferBackend.DMA:
             raise ValueError(
                 f"{_where(KVTRITON_KV_COMPRESSION)}={kv_compression.value!r} needs a kernel that compresses, but "

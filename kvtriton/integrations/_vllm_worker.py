@@ -381,11 +381,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             return False
         if self._single_engine and gpu.block_ids.size:
             # The hot path: the engine checks the rest itself and reports the job as it is.
-            engine = self._engines[0]
-            if name == "store":
-                accepted = engine.submit_store(job_id, gpu, slots)
-            else:
-                accepted = engine.submit_load(job_id, slots, gpu, expedited=expedited)
+            accepted = self._submit_part(name, _Part(0, gpu, slots), job_id, expedited)
         else:
             accepted = self._submit_parts(name, job_id, gpu, slots, expedited)
         if accepted:
@@ -424,9 +420,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             return False
         if not parts:
             # Nothing to copy: done at once, without touching an engine (vLLM treats failure as fatal).
-            self._finished_empty.append(
-                vllm_base.TransferResult(job_id=job_id, success=True, transfer_size=0, transfer_time=0.0)
-            )
+            self._finished_empty.append(_vllm_result(job_id, True, 0, 0.0))
             return True
         pending = _Pending(parts_left=0)
         for part in parts:

@@ -49,6 +49,7 @@ How it fails
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import logging
@@ -191,6 +192,12 @@ def open_store(config: MooncakeTierConfig) -> StoreClient | None:
     return store
 
 
+def _layout_tag(spec: OffloadingSpec) -> str:
+    """The layout tag ``spec``'s primary names, or vLLM's CPU primary's when it names none."""
+    layout_tag = getattr(spec, "layout_tag", None)
+    return layout_tag if isinstance(layout_tag, str) and layout_tag else DEFAULT_LAYOUT_TAG
+
+
 def kv_identity(spec: OffloadingSpec, namespace: str) -> KVIdentity:
     """The identity fingerprint of the chunks ``spec``'s primary hands this tier (each holds every rank's bytes).
 
@@ -202,12 +209,11 @@ def kv_identity(spec: OffloadingSpec, namespace: str) -> KVIdentity:
     spec_identity: object = getattr(spec, "identity", None)
     if isinstance(spec_identity, KVIdentity):
         return compute_identity(spec_identity.parts, namespace=namespace, identity_key=spec_identity.identity_key)
-    layout_tag = getattr(spec, "layout_tag", None)
     settings: object = getattr(spec, "settings", None)
     compression = getattr(settings, "kv_compression", None)
     return vllm_identity(
         spec.config,
-        layout=layout_tag if isinstance(layout_tag, str) and layout_tag else DEFAULT_LAYOUT_TAG,
+        layout=_layout_tag(spec),
         compression=compression_tag(compression) if isinstance(compression, KVCompression) else None,
         rank=None,
         namespace=namespace,
@@ -218,7 +224,6 @@ def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str, finge
     """Everything in ``spec`` that shapes a chunk's bytes, plus the user namespace and the identity fingerprint."""
     config = spec.config
     parallel = config.parallel
-    layout_tag = getattr(spec, "layout_tag", None)
     canonical = ""
     if config.canonical_layout and config.kv_cache_layout is not None:
         canonical = str(config.kv_cache_layout)
@@ -235,7 +240,7 @@ def chunk_identity(spec: OffloadingSpec, chunk_bytes: int, namespace: str, finge
         pcp_size=parallel.pcp_size,
         dcp_size=parallel.dcp_size,
         kv_groups=tuple(tuple(group.layer_names) for group in config.groups),
-        layout_tag=layout_tag if isinstance(layout_tag, str) and layout_tag else DEFAULT_LAYOUT_TAG,
+        layout_tag=_layout_tag(spec),
         canonical_format=canonical,
         namespace=namespace,
         fingerprint=fingerprint,
@@ -329,6 +334,8 @@ class MooncakeTierStats:
 
 @dataclass
 class _Counters:
+    """The mutable counters behind :class:`MooncakeTierStats` (the same fields, less ``state``)."""
+
     lookups: int = 0
     lookup_hits: int = 0
     stored_keys: int = 0
@@ -510,20 +517,16 @@ class MooncakeStoreTier(SecondaryTierManager):
         if store is None:
             self._count_failure(time.monotonic() - started)
             return
-        status = store.register_buffer(self._primary_base, self._primary_array.nbytes)
-        if status != 0:
-            logger.error("Mooncake tier %r: registering the primary's %d bytes failed (%d)", self.tier_type,
-                         self._primary_array.nbytes, status)  # fmt: skip
-            store.close()
-            self._count_failure(time.monotonic() - started)
-            return
-        status = store.register_buffer(self._seals_base, self._seals.nbytes)
-        if status != 0:
-            logger.error("Mooncake tier %r: registering the %d bytes of seals failed (%d)", self.tier_type,
-                         self._seals.nbytes, status)  # fmt: skip
-            store.close()
-            self._count_failure(time.monotonic() - started)
-            return
+        for base, nbytes, what in (
+            (self._primary_base, self._primary_array.nbytes, f"the primary's {self._primary_array.nbytes} bytes"),
+            (self._seals_base, self._seals.nbytes, f"the {self._seals.nbytes} bytes of seals"),
+        ):
+            status = store.register_buffer(base, nbytes)
+            if status != 0:
+                logger.error("Mooncake tier %r: registering %s failed (%d)", self.tier_type, what, status)
+                store.close()
+                self._count_failure(time.monotonic() - started)
+                return
         with self._lock:
             if self._stopping.is_set():
                 store.close()
@@ -820,14 +823,11 @@ class MooncakeStoreTier(SecondaryTierManager):
             if self._jobs.pop(job.job_id, None) is None:
                 continue
             moved = len(job.succeeded) * self._chunk_bytes
-            if not job.failed:
-                results.append(JobResult(job.job_id, True, None, job.seconds, moved))
-                continue
-            if job.is_load:
+            loaded_some: tuple[OffloadKey, ...] | None = None  # a partly failed load reports the keys it loaded
+            if job.failed and job.is_load:
                 self._lookups.mark_miss(job.failed)
-                results.append(JobResult(job.job_id, False, tuple(job.succeeded) or None, job.seconds, moved))
-            else:
-                results.append(JobResult(job.job_id, False, None, job.seconds, moved))
+                loaded_some = tuple(job.succeeded) or None
+            results.append(JobResult(job.job_id, not job.failed, loaded_some, job.seconds, moved))
         return results
 
     @override
@@ -889,24 +889,7 @@ class MooncakeStoreTier(SecondaryTierManager):
 
     def stats(self) -> MooncakeTierStats:
         with self._lock:
-            counters = self._counters
-            return MooncakeTierStats(
-                state=self._state,
-                lookups=counters.lookups,
-                lookup_hits=counters.lookup_hits,
-                stored_keys=counters.stored_keys,
-                store_failed_keys=counters.store_failed_keys,
-                loaded_keys=counters.loaded_keys,
-                load_failed_keys=counters.load_failed_keys,
-                wrong_size_keys=counters.wrong_size_keys,
-                integrity_failures=counters.integrity_failures,
-                failed_ops=counters.failed_ops,
-                failed_op_seconds=counters.failed_op_seconds,
-                slowest_op_seconds=counters.slowest_op_seconds,
-                reconnects=counters.reconnects,
-                bytes_stored=counters.bytes_stored,
-                bytes_loaded=counters.bytes_loaded,
-            )
+            return MooncakeTierStats(state=self._state, **dataclasses.asdict(self._counters))
 
     @classmethod
     @override

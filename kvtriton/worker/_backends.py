@@ -377,15 +377,14 @@ def slab_row_runs(
     return _runs(breaks)
 
 
-class DmaCopy:
-    """One batched call per job, or one strided copy per (run of consecutive blocks and rows, page tensor).
+class _CopyEngineCopy:
+    """What the ``dma`` and ``torch`` backends share: on CUDA, the copy engines move slab rows.
 
     ``slab_pinned`` (None: ``slab.is_pinned()``, which asks about the first
     byte of the slab's storage) picks the batch call for a pinned slab.
     """
 
-    kind = TransferBackend.DMA
-    wants_device_indices = False
+    kind: TransferBackend
 
     def __init__(
         self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
@@ -394,16 +393,11 @@ class DmaCopy:
         self.slab = slab
         self.registration_rows = registration_rows
         self._cuda = kv.device.type == "cuda"
-        if kv.compression_layout is not None:
-            raise ValueError(
-                "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"
-            )
         self._batch: MemcpyBatch | None = None
         if self._cuda:
-            _require_cudart("dma")
+            _require_cudart(self.kind.value)
             self._batch = _batch_for(slab, slab_pinned)
         self._pitched = _PitchedPages.of(kv, slab)
-        self._byte_pages = kv.byte_pages()
 
     @property
     def submission(self) -> str:
@@ -411,6 +405,23 @@ class DmaCopy:
 
     def warm_up(self) -> None:
         return None
+
+
+class DmaCopy(_CopyEngineCopy):
+    """One batched call per job, or one strided copy per (run of consecutive blocks and rows, page tensor)."""
+
+    kind = TransferBackend.DMA
+    wants_device_indices = False
+
+    def __init__(
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
+    ) -> None:
+        if kv.compression_layout is not None:
+            raise ValueError(
+                "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"
+            )
+        super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned)
+        self._byte_pages = kv.byte_pages()
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         del device
@@ -452,35 +463,15 @@ class DmaCopy:
                     page_part.copy_(slab_part)
 
 
-class TorchCopy:
+class TorchCopy(_CopyEngineCopy):
     """The torch reference; on CUDA it stages rows in a device buffer, then moves runs of slab rows."""
 
     kind = TransferBackend.TORCH
-
-    def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
-    ) -> None:
-        self.kv = kv
-        self.slab = slab
-        self.registration_rows = registration_rows
-        self._cuda = kv.device.type == "cuda"
-        self._batch: MemcpyBatch | None = None
-        if self._cuda:
-            _require_cudart("torch")
-            self._batch = _batch_for(slab, slab_pinned)
-        self._pitched = _PitchedPages.of(kv, slab)
 
     @property
     def wants_device_indices(self) -> bool:
         # A compressed store reports NaN through the status word staged with the indices, on CPU too.
         return self._cuda or self.kv.compression_layout is not None
-
-    @property
-    def submission(self) -> str:
-        return _submission(self._batch) if self._cuda else ""
-
-    def warm_up(self) -> None:
-        return None
 
     def _gather(
         self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, status: torch.Tensor | None

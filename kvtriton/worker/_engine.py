@@ -67,7 +67,6 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Protocol
 
 import numpy as np
@@ -77,6 +76,7 @@ from numpy.typing import NDArray
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS, KVCompression
 from kvtriton.worker._backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
+from kvtriton.worker._closing import ClosesOnExit
 from kvtriton.worker._cudart import create_stream, destroy_stream, loaded_cudart, stream_priority_range
 from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._plan import TransferDirection, TransferPlan, plan_transfer
@@ -293,7 +293,7 @@ class _Job:
     staging: _Staging | None = None
 
 
-class TransferEngine:
+class TransferEngine(ClosesOnExit):
     """Runs store and load jobs between ``kv``'s GPU pages and ``slab``'s rows.
 
     ``backend`` is ``"auto"``, ``"triton"``, ``"dma"`` or ``"torch"``; the
@@ -556,17 +556,6 @@ class TransferEngine:
 
     def close(self) -> None:
         """Same as :meth:`shutdown` (the slab is closed by its owner, after this)."""
-        self.shutdown()
-
-    def __enter__(self) -> TransferEngine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
         self.shutdown()
 
     def __del__(self) -> None:

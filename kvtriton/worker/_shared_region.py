@@ -69,8 +69,9 @@ from numpy.typing import NDArray
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton._region_rows import ROW_ALIGNMENT, block_row_stride
+from kvtriton.worker._closing import ClosesOnExit
 from kvtriton.worker._numa import on_gpu_node
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker._slab import HostSlab, check_count
 
 
 def _current_cuda_device() -> int | None:
@@ -105,13 +106,6 @@ POPULATE_TIMEOUT_S = 600.0
 _POLL_S = 0.005
 
 
-def _check_count(name: str, value: int, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 @dataclass(frozen=True, slots=True)
 class RegionLayout:
     """Where every rank's bytes of every GPU block sit in a shared region (see the module docstring)."""
@@ -126,10 +120,10 @@ class RegionLayout:
     """One rank's KV bytes of one GPU block (every rank holds the same amount)."""
 
     def __post_init__(self) -> None:
-        _check_count("num_chunks", self.num_chunks)
-        _check_count("block_size_factor", self.block_size_factor)
-        _check_count("world_size", self.world_size)
-        _check_count("rank_row_bytes", self.rank_row_bytes)
+        check_count("num_chunks", self.num_chunks)
+        check_count("block_size_factor", self.block_size_factor)
+        check_count("world_size", self.world_size)
+        check_count("rank_row_bytes", self.rank_row_bytes)
 
     @staticmethod
     def block_row_stride_for(block_size_factor: int, world_size: int, rank_row_bytes: int) -> int:
@@ -144,7 +138,7 @@ class RegionLayout:
 
         Raises ``ValueError`` naming both sizes when not even one chunk fits.
         """
-        _check_count("cpu_bytes_to_use", cpu_bytes_to_use)
+        check_count("cpu_bytes_to_use", cpu_bytes_to_use)
         chunk = block_size_factor * cls.block_row_stride_for(block_size_factor, world_size, rank_row_bytes)
         if cpu_bytes_to_use < chunk:
             raise ValueError(
@@ -262,7 +256,7 @@ def shm_free_bytes(directory: str = REGION_DIRECTORY) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-class SharedRegion:
+class SharedRegion(ClosesOnExit):
     """One region file, mapped by this process (see the module docstring).
 
     ``name`` identifies the engine (one region per engine and data-parallel
@@ -284,7 +278,7 @@ class SharedRegion:
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-        _check_count("expected_mappers", expected_mappers)
+        check_count("expected_mappers", expected_mappers)
         if not os.path.isdir(directory):
             raise ValueError(
                 f"directory {directory!r} does not exist; the shared host region needs a tmpfs such as /dev/shm"
@@ -443,17 +437,19 @@ class SharedRegion:
         """Whether this process removed the file name (every expected process had mapped it, or close() ran)."""
         return self._unlinked
 
+    def _read_count(self, counter: struct.Struct, at: int) -> int:
+        (count,) = counter.unpack_from(self._require_mapping(), at)
+        return int(count)
+
     @property
     def mapped_count(self) -> int:
         """How many processes have mapped the region so far."""
-        (count,) = _COUNT.unpack_from(self._require_mapping(), _COUNT_AT)
-        return int(count)
+        return self._read_count(_COUNT, _COUNT_AT)
 
     @property
     def populated_count(self) -> int:
         """How many worker ranks have populated their bytes so far (:meth:`rank_slab`); pinning waits for all."""
-        (count,) = _POPULATED.unpack_from(self._require_mapping(), _POPULATED_AT)
-        return int(count)
+        return self._read_count(_POPULATED, _POPULATED_AT)
 
     def _wait_for_every_rank(self, rank: int, timeout_s: float) -> None:
         """Block until every rank has populated its bytes; ``TimeoutError`` naming how many did, after ``timeout_s``."""
@@ -577,22 +573,15 @@ class SharedRegion:
         if self._mmap is not None:
             try:
                 self._mmap.close()
-                self._mmap = None
             except BufferError:
                 # A view handed out earlier is still alive somewhere (a tier's
                 # memoryview, a tensor): unmapping would pull memory from under
                 # it. The mapping goes when its last user does.
                 logger.debug("%s stays mapped until its last view is dropped", self.path)
-                self._mmap = None
+            self._mmap = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def __enter__(self) -> SharedRegion:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._mmap is None else ("unlinked" if self._unlinked else "linked")

@@ -61,12 +61,12 @@ import os
 import resource
 import warnings
 import weakref
-from types import TracebackType
 from typing import Protocol, SupportsInt, cast
 
 import numpy as np
 import torch
 
+from kvtriton.worker._closing import ClosesOnExit
 from kvtriton.worker._cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
 from kvtriton.worker._numa import on_gpu_node
 
@@ -201,7 +201,8 @@ def memlock_limit_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def _check_count(name: str, value: int) -> None:
+def check_count(name: str, value: int) -> None:
+    """Refuse a count that is not an int >= 1 (shared with the shared region's layout checks)."""
     if isinstance(value, bool) or not isinstance(value, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers pass floats
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     if value < 1:
@@ -209,9 +210,9 @@ def _check_count(name: str, value: int) -> None:
 
 
 def _check_sizes(num_slots: int, block_size_factor: int, row_bytes: int) -> None:
-    _check_count("num_slots", num_slots)
-    _check_count("block_size_factor", block_size_factor)
-    _check_count("row_bytes", row_bytes)
+    check_count("num_slots", num_slots)
+    check_count("block_size_factor", block_size_factor)
+    check_count("row_bytes", row_bytes)
 
 
 def _flat_bytes(buffer: torch.Tensor | mmap.mmap | bytearray | memoryview) -> torch.Tensor:
@@ -285,7 +286,7 @@ def _pin_failure(nbytes: int, detail: str) -> str:
     )
 
 
-class HostSlab:
+class HostSlab(ClosesOnExit):
     """A packed, optionally pinned host buffer of ``num_slots`` slots of ``block_size_factor`` rows.
 
     ``pin=None`` pins when CUDA is available and stays pageable (one
@@ -347,7 +348,7 @@ class HostSlab:
         """
         _check_sizes(num_slots, block_size_factor, row_bytes)
         stride = row_bytes if row_stride is None else row_stride
-        _check_count("row_stride", stride)
+        check_count("row_stride", stride)
         if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
             raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
         if row_offset + row_bytes > stride:
@@ -455,10 +456,10 @@ class HostSlab:
         Mirrors vLLM's ``cpu_bytes_to_use``: the budget is the total across
         ranks. Raises ``ValueError`` when not even one slot fits.
         """
-        _check_count("cpu_bytes_to_use", cpu_bytes_to_use)
-        _check_count("block_size_factor", block_size_factor)
-        _check_count("row_bytes", row_bytes)
-        _check_count("world_size", world_size)
+        check_count("cpu_bytes_to_use", cpu_bytes_to_use)
+        check_count("block_size_factor", block_size_factor)
+        check_count("row_bytes", row_bytes)
+        check_count("world_size", world_size)
         per_rank = cpu_bytes_to_use // world_size
         slot_bytes = block_size_factor * row_bytes
         slots = per_rank // slot_bytes
@@ -577,17 +578,6 @@ class HostSlab:
         self._unpin()
         self._rows = None
         self._flat = None
-
-    def __enter__(self) -> HostSlab:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         # Freeing registered memory without unregistering leaves a stale CUDA
