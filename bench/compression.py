@@ -61,7 +61,8 @@ from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.cli._progress import progress
-from kvtriton.kernels._compression import E4M3_MAX, compression_layout, dequantize_groups, quantize_groups
+from kvtriton.kernels._compressed_format import compression_layout
+from kvtriton.kernels._compression import E4M3_MAX, dequantize_groups, quantize_groups
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._slab import HostSlab

@@ -24,16 +24,6 @@ from ._launch import LaunchConfig, make_config, word_width
 from ._launch_arguments import MAX_NUM_WARPS, CompressConfig
 from ._pages import DEFAULT_BYTES_PER_ITER
 
-__all__ = [
-    "AccessSummary",
-    "CompiledKernel",
-    "compile_compress_pages",
-    "compile_copy_pages",
-    "compile_descriptor_copy",
-    "compressed_production_config",
-    "production_config",
-]
-
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s")
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.MULTILINE)
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")

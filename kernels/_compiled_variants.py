@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import cast
 
-__all__ = ["compiled_variants", "describe_variant", "format_variant", "variant_records"]
-
 
 def _number(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -16,17 +16,6 @@ import torch
 
 from ._validation import PageGeometry, check_index_pair, check_slab, describe_pages, slab_row_stride
 
-__all__ = [
-    "ALIGNMENT",
-    "COMPRESSIBLE_DTYPES",
-    "DEFAULT_GROUP_SIZE",
-    "CompressedPage",
-    "CompressionLayout",
-    "check_compressed_call",
-    "check_scales_alignment",
-    "compression_layout",
-]
-
 DEFAULT_GROUP_SIZE = 128
 """Elements per scale when the layout does not know the head dimension."""
 

@@ -19,8 +19,6 @@ from ._launch import CopyLauncher, on_device, page_addresses, page_table, word_w
 from ._launch_arguments import MAX_PAIRS, CompressArguments, CompressConfig, next_power_of_two
 from ._validation import PageGeometry, slab_row_stride
 
-__all__ = ["CompressedLauncher", "compress_config"]
-
 _KINDS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 

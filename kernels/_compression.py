@@ -58,33 +58,6 @@ import torch
 
 from kvtriton._choices import parse_choice
 
-from ._compressed_format import (
-    COMPRESSIBLE_DTYPES,
-    DEFAULT_GROUP_SIZE,
-    CompressedPage,
-    CompressionLayout,
-    check_scales_alignment,
-    compression_layout,
-)
-
-__all__ = [
-    "COMPRESSIBLE_DTYPES",
-    "DEFAULT_GROUP_SIZE",
-    "E4M3_MAX",
-    "TINY_GROUP",
-    "CompressedPage",
-    "CompressionLayout",
-    "KVCompression",
-    "NonFiniteKVError",
-    "check_scales_alignment",
-    "compression_layout",
-    "decode_e4m3",
-    "dequantize_groups",
-    "encode_e4m3",
-    "non_finite_error",
-    "quantize_groups",
-]
-
 E4M3_MAX = 448.0
 """The largest finite e4m3 (``e4m3fn``) value: scale = group absmax / 448."""
 

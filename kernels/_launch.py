@@ -27,19 +27,6 @@ import torch
 from ._launch_arguments import MAX_NUM_WARPS, MAX_PAIRS, CopyArguments, next_power_of_two
 from ._validation import PageGeometry, slab_row_stride
 
-__all__ = [
-    "CopyLauncher",
-    "LaunchConfig",
-    "launch_config",
-    "launch_copy",
-    "make_config",
-    "on_device",
-    "page_addresses",
-    "page_table",
-    "record_variants",
-    "word_width",
-]
-
 _ELEMENT_DTYPES: dict[int, torch.dtype] = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 

@@ -12,8 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MAX_NUM_WARPS", "MAX_PAIRS", "CompressArguments", "CompressConfig", "CopyArguments", "next_power_of_two"]
-
 # Warps per program, at most: 4 warps x 32 threads x 16 B = 2 KiB per access
 # wave, so a 16 KiB tile keeps eight 16-byte loads per thread in flight.
 # Smaller tiles get fewer warps so that each thread still moves whole words.

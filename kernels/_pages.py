@@ -28,19 +28,6 @@ from ._compression import non_finite_error
 from ._reference import gather_compressed_unchecked, gather_unchecked, scatter_compressed_unchecked, scatter_unchecked
 from ._validation import PageGeometry, check_call
 
-__all__ = [
-    "DEFAULT_BYTES_PER_ITER",
-    "DEFAULT_NUM_PROGRAMS",
-    "KernelPath",
-    "check_knobs",
-    "gather_pages",
-    "gather_pages_compressed",
-    "interpreter_ready",
-    "scatter_pages",
-    "scatter_pages_compressed",
-    "select_path",
-]
-
 # A persistent grid of at most this many programs: enough to saturate PCIe /
 # C2C host traffic on H100/H200 class GPUs while leaving the other SMs to the
 # model (docs/kernels.md, "Kernel design").

@@ -45,18 +45,6 @@ from ._compression import dequantize_groups, non_finite_error, quantize_groups
 from ._launch import word_width
 from ._validation import PageGeometry, check_call
 
-__all__ = [
-    "consecutive_runs",
-    "gather_compressed_unchecked",
-    "gather_pages_compressed_reference",
-    "gather_pages_reference",
-    "gather_unchecked",
-    "scatter_compressed_unchecked",
-    "scatter_pages_compressed_reference",
-    "scatter_pages_reference",
-    "scatter_unchecked",
-]
-
 # Torch dtypes used to move raw bytes: the widest that the alignment allows.
 # complex128 is only ever copied (never computed on), which keeps it bit-exact.
 _WORD_DTYPES: dict[int, torch.dtype] = {

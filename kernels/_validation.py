@@ -16,18 +16,6 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-__all__ = [
-    "PageGeometry",
-    "block_is_contiguous",
-    "check_call",
-    "check_index_pair",
-    "check_index_range",
-    "check_slab",
-    "check_unique",
-    "describe_pages",
-    "slab_row_stride",
-]
-
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 

@@ -8,8 +8,6 @@ simulate``, ``kvtriton info``) share it without one importing the other.
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
-
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import enum
 from typing import TypeVar
 
-__all__ = ["parse_choice"]
-
 ChoiceT = TypeVar("ChoiceT", bound=enum.Enum)
 
 

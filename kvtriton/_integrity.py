@@ -40,22 +40,6 @@ import struct
 
 import xxhash
 
-__all__ = [
-    "FINGERPRINT_BYTES",
-    "ROW_FORMAT_VERSION",
-    "SEAL_BYTES",
-    "Buffer",
-    "IntegrityFault",
-    "key_digest",
-    "payload_of",
-    "seal",
-    "seal_bytes",
-    "seal_in_place",
-    "sealed_length",
-    "verify",
-    "verify_seal",
-]
-
 ROW_FORMAT_VERSION = 1
 """The version of the bytes of a host row and of this seal; bumped whenever either changes meaning.
 

@@ -10,14 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NewType, cast
 
-__all__ = [
-    "GROUP_INDEX_BYTES",
-    "OffloadKey",
-    "get_offload_block_hash",
-    "get_offload_group_idx",
-    "make_offload_key",
-]
-
 OffloadKey = NewType("OffloadKey", bytes)
 
 GROUP_INDEX_BYTES = 4

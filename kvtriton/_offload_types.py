@@ -19,16 +19,6 @@ from numpy.typing import NDArray
 
 from kvtriton._keys import OffloadKey
 
-__all__ = [
-    "CPULoadStoreSpec",
-    "GPULoadStoreSpec",
-    "LoadStoreSpec",
-    "LookupResult",
-    "OffloadingEvent",
-    "PrepareStoreOutput",
-    "ReqContext",
-]
-
 _T = TypeVar("_T")
 
 BlockIds = Collection[int] | NDArray[np.integer]

@@ -14,8 +14,6 @@ import mmap
 
 from kvtriton._integrity import SEAL_BYTES
 
-__all__ = ["ROW_ALIGNMENT", "block_row_stride"]
-
 ROW_ALIGNMENT = max(4096, mmap.PAGESIZE)
 """Chunks are padded to this: O_DIRECT needs 4096-byte buffers and lengths; vLLM pads to the page."""
 

@@ -5,8 +5,6 @@ is imported; CUDA tensors must always take the compiled kernel and CPU tensors
 the interpreter, whatever the environment said at import time.
 """
 
-__all__ = ["KernelVariants"]
-
 
 class KernelVariants:
     """The compiled and the interpreted form of ``kernel`` (a ``triton.JITFunction``), each built on first use."""

@@ -25,8 +25,6 @@ from pathlib import Path
 
 from kvtriton.cli._main import command_error
 
-__all__ = ["BENCHMARKS", "Benchmark", "add_arguments", "benchmark_command", "find_checkout", "run"]
-
 RESULTS_ENV = "KVTRITON_BENCH_OUT"  # read by bench/common.py's results_dir()
 
 SMOKE_RUN_NOTE = (

@@ -49,8 +49,6 @@ if TYPE_CHECKING:
     from kvtriton.worker._engine import TransferEngine, TransferResult
     from kvtriton.worker._layout import PagedKV
 
-__all__ = ["add_arguments", "run"]
-
 LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
 COMPRESSIONS = ("none", "fp8-e4m3")
 BACKENDS = ("auto", "triton", "dma", "torch")

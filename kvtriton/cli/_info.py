@@ -20,18 +20,6 @@ from dataclasses import asdict, dataclass
 
 from kvtriton.sim._geometry import SIZE_RULE, format_bytes, size_argument
 
-__all__ = [
-    "MAX_SLAB_BYTES",
-    "MachineInfo",
-    "add_arguments",
-    "collect_machine_info",
-    "measure_warmup",
-    "memlock_verdict",
-    "memory_verdict",
-    "run",
-    "shm_verdict",
-]
-
 TOO_LOW = "TOO LOW"
 """How every verdict that stops a slab of ``--slab-size`` from starting begins; ``info`` then exits 1."""
 

@@ -24,8 +24,6 @@ from typing import Protocol, cast
 from kvtriton import __version__
 from kvtriton.sim._geometry import SIZE_RULE
 
-__all__ = ["add_choice_argument", "build_parser", "choice_argument", "command_error", "main"]
-
 
 class _CommandModule(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...

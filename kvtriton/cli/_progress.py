@@ -11,8 +11,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TextIO, TypeVar
 
-__all__ = ["progress"]
-
 T = TypeVar("T")
 
 _BAR_WIDTH = 30

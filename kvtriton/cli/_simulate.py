@@ -85,8 +85,6 @@ from kvtriton.sim import (
     tiered_sweep,
 )
 
-__all__ = ["DEFAULT_OUT", "add_arguments", "plot_stamp", "run"]
-
 DEFAULT_OUT = "simulate-results"
 DEFAULT_WORKLOAD = "chat"
 DEFAULT_MODEL = "llama-3-8b"

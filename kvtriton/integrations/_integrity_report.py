@@ -25,14 +25,6 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 
 from kvtriton._integrity import IntegrityFault
 
-__all__ = [
-    "INTEGRITY_FAILURES",
-    "REASON_LABEL",
-    "WARNING_INTERVAL_S",
-    "IntegrityReport",
-    "integrity_metric_definitions",
-]
-
 logger = logging.getLogger(__name__)
 
 INTEGRITY_FAILURES = "vllm:kv_offload_integrity_failures"

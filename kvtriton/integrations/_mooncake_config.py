@@ -17,8 +17,6 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["KEY_PREFIX", "NAMESPACE_DIGEST_CHARS", "ChunkIdentity", "MooncakeKeyspace", "MooncakeTierConfig"]
-
 KEY_PREFIX = "kvt"
 """Every object this tier writes starts with it: ``kvt/<digest>/...``."""
 

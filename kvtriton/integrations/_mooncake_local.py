@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LOOPBACK", "MOONCAKE_PACKAGES", "MooncakeCluster", "free_port", "mooncake_binary", "mooncake_missing"]
-
 LOOPBACK = "127.0.0.1"
 
 MOONCAKE_PACKAGES = "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4"

@@ -22,44 +22,10 @@ import torch
 from kvtriton._choices import ChoiceT, parse_choice
 from kvtriton.integrations._vllm_identity import IDENTITY_KEY
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels._compressed_format import ALIGNMENT
-from kvtriton.kernels._compression import (
-    COMPRESSIBLE_DTYPES,
-    DEFAULT_GROUP_SIZE,
-    KVCompression,
-    compression_layout,
-)
+from kvtriton.kernels._compressed_format import ALIGNMENT, COMPRESSIBLE_DTYPES, DEFAULT_GROUP_SIZE, compression_layout
+from kvtriton.kernels._compression import KVCompression
 from kvtriton.manager.policies import policy_names
 from kvtriton.worker._backends import TransferBackend
-
-__all__ = [
-    "CACHE_POLICY_MODULE_PATH",
-    "COMPRESSION_GROUP_SIZE",
-    "CPU_BYTES_TO_USE",
-    "EVICTION_POLICY",
-    "KVTRITON_BACKEND",
-    "KVTRITON_KV_COMPRESSION",
-    "KVTRITON_NUM_PROGRAMS",
-    "KVTRITON_SUMMARY_INTERVAL_S",
-    "KVTRITON_PAGEABLE_SLAB",
-    "KVTritonOffloadConfig",
-    "MAX_TRACKER_SIZE",
-    "STORE_THRESHOLD",
-    "TIERED_ONLY_KEYS",
-    "VLLM_KEYS",
-    "check_budget",
-    "check_keys",
-    "check_kv_geometry_known",
-    "compressed_row_bytes",
-    "declares_reuse_filter",
-    "compression_tag",
-    "kv_dtype",
-    "check_vllm_policy",
-    "host_ram_bytes",
-    "host_row_bytes",
-    "is_vllm_policy",
-    "parse_policy",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -50,19 +50,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_offload.config import OffloadingConfig
 
-__all__ = [
-    "IDENTITY_KEY",
-    "WEIGHT_SUFFIXES",
-    "IdentityParts",
-    "KVIdentity",
-    "compute_identity",
-    "identity_parts",
-    "parse_identity_key",
-    "resolve_model_dir",
-    "vllm_identity",
-    "weights_fingerprint",
-]
-
 logger = logging.getLogger(__name__)
 
 IDENTITY_KEY = "kvtriton_identity_key"

@@ -57,13 +57,6 @@ from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, LookupResul
 from kvtriton.integrations._vllm_config import DEFAULT_SUMMARY_INTERVAL_S, declares_reuse_filter
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
 
-__all__ = [
-    "CPU_CACHE_OCCUPANCY_PERC",
-    "DEFAULT_SUMMARY_INTERVAL_S",
-    "VLLMOffloadingManager",
-    "metric_definitions",
-]
-
 logger = logging.getLogger(__name__)
 
 CPU_CACHE_OCCUPANCY_PERC = "vllm:kv_offload_cpu_cache_occupancy_perc"

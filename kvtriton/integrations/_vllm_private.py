@@ -21,17 +21,6 @@ from dataclasses import dataclass
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
-__all__ = [
-    "FACTORY_ARGUMENTS",
-    "FACTORY_KEYS",
-    "RESTATED_TIERING_SPEC_ATTRIBUTES",
-    "TIER_CLASS_REFUSED",
-    "VLLM_PRIVATE_NAMES",
-    "VLLMPrivateName",
-    "registered_cache_policies",
-    "with_model_name",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class VLLMPrivateName:

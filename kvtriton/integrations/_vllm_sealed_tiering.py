@@ -74,8 +74,6 @@ from kvtriton._integrity import IntegrityFault, seal_in_place, verify
 from kvtriton.integrations._integrity_report import IntegrityReport
 from kvtriton.integrations._vllm_identity import KVIdentity
 
-__all__ = ["IDENTITY_INFO_KEYS", "QUARANTINE_KEYS", "SealedTieringManager", "tier_label"]
-
 logger = logging.getLogger(__name__)
 
 IDENTITY_INFO_KEYS = ("kvtriton_identity", "kvtriton_identity_source")

@@ -36,16 +36,6 @@ from kvtriton.integrations._vllm_worker import GroupPages
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._slab import HostSlab, SlabPinningError
 
-__all__ = [
-    "SpecBasis",
-    "SlabOpener",
-    "log_vllm_policy",
-    "open_host_slab",
-    "open_pinned_slab",
-    "open_transfer_engines",
-    "spec_basis",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class SpecBasis:

@@ -93,17 +93,6 @@ from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._shared_region import RegionLayout, SharedRegion
 from kvtriton.worker._slab import HostSlab
 
-__all__ = [
-    "LAYOUT_TAG",
-    "ChunkRegion",
-    "KVTritonPrimaryTier",
-    "KVTritonTieringOffloadingSpec",
-    "KVTritonTieringWorker",
-    "build_primary_tier",
-    "layout_tag",
-    "region_name",
-]
-
 logger = logging.getLogger(__name__)
 
 LAYOUT_TAG = "kvtriton-block-rows-v1"

@@ -46,8 +46,6 @@ from kvtriton.worker._layout import KVLayout, PagedKV
 from kvtriton.worker._slab import HostSlab
 from kvtriton.worker._slot_digests import SlotDigests
 
-__all__ = ["GroupPages", "VLLMOffloadingWorker"]
-
 logger = logging.getLogger(__name__)
 
 

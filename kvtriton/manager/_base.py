@@ -16,8 +16,6 @@ from typing import TypeVar
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
 
-__all__ = ["OffloadingManager", "override"]
-
 if sys.version_info >= (3, 12):
     from typing import override
 else:

@@ -20,8 +20,6 @@ from kvtriton.manager._stats import ManagerStats
 from kvtriton.manager.policies._base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, run_keys
 from kvtriton.manager.policies._registry import canonical_policy_name, make_policy
 
-__all__ = ["CPUOffloadingManager"]
-
 _MEDIUM = CPULoadStoreSpec.MEDIUM
 # Module-level names: lookup, the hottest call, returns these without an enum attribute lookup.
 _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING

@@ -23,8 +23,6 @@ from typing import cast
 from kvtriton._keys import OffloadKey
 from kvtriton.manager.policies._base import KeyRun, Use
 
-__all__ = ["RequestAccess", "head_to_tail"]
-
 _REUSED, _INSERTED, _SEEN = Use.REUSED, Use.INSERTED, Use.SEEN
 
 

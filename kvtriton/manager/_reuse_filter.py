@@ -11,8 +11,6 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
 from kvtriton.manager._base import OffloadingManager, override
 
-__all__ = ["FilterReusedOffloadingManager", "ReuseSignal"]
-
 
 class ReuseSignal(enum.Enum):
     """Which call counts as one use of a key."""

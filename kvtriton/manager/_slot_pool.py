@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["SlotPool"]
-
 
 class SlotPool:
     """Hands out slot ids ``0 .. capacity-1``.

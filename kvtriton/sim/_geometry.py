@@ -22,21 +22,6 @@ from dataclasses import dataclass
 from kvtriton._byte_units import format_bytes  # one size rule for the command line and the serving logs
 from kvtriton._region_rows import block_row_stride
 
-__all__ = [
-    "BARE_NUMBER_UNIT",
-    "PRESETS",
-    "SIZE_RULE",
-    "KVDtype",
-    "ModelGeometry",
-    "format_bytes",
-    "is_bare_number",
-    "parse_capacity",
-    "parse_capacity_list",
-    "parse_dtype",
-    "size_argument",
-    "size_list_argument",
-]
-
 GIB = 2**30
 
 
@@ -174,7 +159,7 @@ class ModelGeometry:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         import torch
 
-        from kvtriton.kernels._compression import compression_layout
+        from kvtriton.kernels._compressed_format import compression_layout
 
         dtype = {
             KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT16: torch.float16,

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["GpuPrefixCache"]
-
 
 class GpuPrefixCache:
     """A GPU KV cache of ``num_blocks`` blocks with vLLM's prefix caching and eviction order."""

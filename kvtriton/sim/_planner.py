@@ -29,26 +29,6 @@ from kvtriton.sim._vllm_server import (
     replay_vllm_server,
 )
 
-__all__ = [
-    "CALL_ORDERS",
-    "CALL_ORDER_ALIASES",
-    "COMPRESSION_EXTRA_CONFIG_KEY",
-    "DEFAULT_SWEEP_POINTS",
-    "SPEC_EXTRA_CONFIG",
-    "CallOrder",
-    "KvtritonOrder",
-    "PointReport",
-    "Recommendation",
-    "SweepPoint",
-    "TraceSummary",
-    "Track",
-    "VllmOrder",
-    "default_capacities",
-    "recommend",
-    "summarize",
-    "sweep",
-]
-
 DEFAULT_SWEEP_POINTS = 8
 """Capacities a sweep tries when none are given."""
 

@@ -20,22 +20,6 @@ from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.manager import OffloadingManager
 from kvtriton.sim._workloads import Request, check_block_size
 
-__all__ = [
-    "HookedManager",
-    "ManagerCalls",
-    "PositionedContext",
-    "PreparedRequest",
-    "ReplayStats",
-    "StoreOutput",
-    "hooked_calls",
-    "manager_calls",
-    "positioned_contexts",
-    "prepare",
-    "replay",
-    "replay_calls",
-    "vllm_order_calls",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:

@@ -63,20 +63,6 @@ from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import ModelGeometry, format_bytes, parse_capacity
 from kvtriton.sim._replay import ManagerCalls, hooked_calls
 
-__all__ = [
-    "MOONCAKE_EVICTION_RATIO",
-    "MOONCAKE_HIGH_WATERMARK",
-    "RETRY",
-    "FsTier",
-    "MooncakePool",
-    "SecondaryTier",
-    "TierCounts",
-    "TierSpec",
-    "TieredManager",
-    "parse_tier",
-    "tiered_calls",
-]
-
 MOONCAKE_HIGH_WATERMARK = 0.9
 """``mooncake_master --eviction_high_watermark_ratio`` default: eviction starts past 90% full."""
 MOONCAKE_EVICTION_RATIO = 0.05

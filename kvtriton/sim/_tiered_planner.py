@@ -24,18 +24,6 @@ from kvtriton.sim._replay import PreparedRequest, positioned_contexts
 from kvtriton.sim._secondary_tier import TierCounts, TieredManager, TierSpec, tiered_calls
 from kvtriton.sim._vllm_server import ServerStream, StalledRequest, replay_vllm_servers
 
-__all__ = [
-    "DEFAULT_HOST_PRICE_RATIO",
-    "TIERING_SPEC_EXTRA_CONFIG",
-    "TieredRecommendation",
-    "TieredReport",
-    "TieredTrack",
-    "recommend_tiered",
-    "tier_extra_config",
-    "tiered_point",
-    "tiered_sweep",
-]
-
 TieredTrack = Callable[[Sequence[tuple[str, int, TierSpec]]], Iterable[tuple[str, int, TierSpec]]]
 """Wraps a tiered sweep's (policy, host size, tier) grid as it is replayed (the command's progress bar)."""
 

@@ -24,8 +24,6 @@ from pathlib import Path
 
 from kvtriton.sim._workloads import check_block_size
 
-__all__ = ["TokenRequest", "TokenWorkloadParams", "block_hashes", "token_workload", "trace_lines", "write_trace"]
-
 
 @dataclass(frozen=True, slots=True)
 class TokenRequest:

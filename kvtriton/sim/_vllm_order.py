@@ -34,8 +34,6 @@ from kvtriton.manager import OffloadingManager
 from kvtriton.sim._replay import ManagerCalls, PreparedRequest, ReplayStats, positioned_contexts, vllm_order_calls
 from kvtriton.sim._vllm_server import ServerModel, check_int, replay_vllm_server
 
-__all__ = ["DEFAULT_ARRIVALS", "DEFAULT_DECODE_STEPS", "replay_vllm_order", "vllm_order"]
-
 DEFAULT_ARRIVALS = 4
 """New requests the scheduler admits per step."""
 DEFAULT_DECODE_STEPS = 2

@@ -91,22 +91,6 @@ from kvtriton.sim._replay import (
 from kvtriton.sim._secondary_tier import SecondaryTier, TierCounts, TieredManager, tiered_calls
 from kvtriton.sim._workloads import Request
 
-__all__ = [
-    "DEFAULT_LOAD_STEPS",
-    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
-    "DEFAULT_OUTPUT_TOKENS",
-    "DEFAULT_STORE_STEPS",
-    "MAX_DEFERRALS",
-    "ServerModel",
-    "ServerStats",
-    "RequestOutcome",
-    "ServerStream",
-    "StalledRequest",
-    "predict",
-    "replay_vllm_server",
-    "replay_vllm_servers",
-]
-
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 """vLLM 0.33's ``SchedulerConfig.max_num_batched_tokens`` default."""
 DEFAULT_OUTPUT_TOKENS = 1

@@ -27,25 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
-__all__ = [
-    "WORKLOADS",
-    "ChatParams",
-    "FewShotParams",
-    "MultiTurnParams",
-    "PrefixSharingParams",
-    "PrefixTreeParams",
-    "ScanParams",
-    "Request",
-    "SharedPromptParams",
-    "SystemPromptsParams",
-    "TRACE_FIELDS",
-    "VLLM_ORDER_WORKLOADS",
-    "Workload",
-    "generate",
-    "parse_trace",
-    "read_trace",
-]
-
 _HASH_BYTES = 16
 
 

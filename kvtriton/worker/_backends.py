@@ -78,16 +78,6 @@ from kvtriton.worker._cudart import MemcpyBatch, loaded_cudart, memcpy_2d_async,
 from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._plan import TransferDirection, TransferPlan, host_tensor
 
-__all__ = [
-    "AUTO_TABLE",
-    "AutoRule",
-    "CopyBackend",
-    "DeviceIndices",
-    "TransferBackend",
-    "choose_backend",
-    "make_backend",
-]
-
 
 class TransferBackend(enum.Enum):
     """Which implementation copies a job's rows (see the module docstring)."""

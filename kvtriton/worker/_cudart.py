@@ -30,22 +30,6 @@ from typing import cast
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = [
-    "CudaRuntimeError",
-    "MemcpyAttributes",
-    "MemcpyBatch",
-    "MemLocation",
-    "create_stream",
-    "destroy_stream",
-    "error_name",
-    "host_device_pointer",
-    "last_error",
-    "loaded_cudart",
-    "memcpy_2d_async",
-    "memcpy_batch",
-    "stream_priority_range",
-]
-
 CUDA_MEMCPY_DEFAULT = 4
 """``cudaMemcpyDefault``: the direction is inferred from the pointers (unified addressing)."""
 

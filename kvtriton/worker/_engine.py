@@ -82,8 +82,6 @@ from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._plan import TransferDirection, TransferPlan, plan_transfer
 from kvtriton.worker._slab import HostSlab
 
-__all__ = ["EngineStats", "NON_FINITE_WARNING_INTERVAL_S", "TransferEngine", "TransferLane", "TransferResult"]
-
 logger = logging.getLogger(__name__)
 
 NON_FINITE_WARNING_INTERVAL_S = 60.0

@@ -45,8 +45,6 @@ from kvtriton._choices import parse_choice
 from kvtriton.kernels import DEFAULT_GROUP_SIZE, CompressionLayout, KVCompression, compression_layout
 from kvtriton.kernels._validation import PageGeometry, describe_pages
 
-__all__ = ["KVCompression", "KVLayout", "PagedKV", "byte_view", "default_group_sizes"]
-
 
 class KVLayout(enum.Enum):
     """How one engine tensor maps to page tensors (see the module docstring)."""

@@ -22,17 +22,6 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import cast
 
-__all__ = [
-    "SYSFS_ROOT",
-    "cuda_pci_bus_id",
-    "gpu_numa_node",
-    "node_count",
-    "node_cpus",
-    "on_gpu_node",
-    "on_node",
-    "parse_cpu_list",
-]
-
 logger = logging.getLogger(__name__)
 
 SYSFS_ROOT = "/sys"

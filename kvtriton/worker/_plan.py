@@ -24,8 +24,6 @@ from numpy.typing import NDArray
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.kernels._validation import check_index_range, check_unique
 
-__all__ = ["TransferDirection", "TransferPlan", "host_tensor", "plan_transfer", "slots_needed"]
-
 
 class TransferDirection(enum.Enum):
     """Which way a job copies: STORE = GPU pages -> slab, LOAD = slab -> GPU pages."""

@@ -79,8 +79,6 @@ def _current_cuda_device() -> int | None:
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-__all__ = ["POPULATE_TIMEOUT_S", "REGION_DIRECTORY", "ROW_ALIGNMENT", "RegionLayout", "SharedRegion", "shm_free_bytes"]
-
 logger = logging.getLogger(__name__)
 
 REGION_DIRECTORY = "/dev/shm"

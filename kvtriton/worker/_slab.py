@@ -70,8 +70,6 @@ from kvtriton.worker._closing import ClosesOnExit
 from kvtriton.worker._cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
 from kvtriton.worker._numa import on_gpu_node
 
-__all__ = ["HostSlab", "PageableSlabWarning", "SlabPinningError", "own_row_ranges", "pin_ranges"]
-
 logger = logging.getLogger(__name__)
 
 PIN_CHUNK_BYTES = 1 << 30

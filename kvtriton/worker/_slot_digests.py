@@ -24,8 +24,6 @@ import xxhash
 
 from kvtriton.worker._slab import HostSlab
 
-__all__ = ["SlotDigests"]
-
 
 class SlotDigests:
     """The digest of every slot of ``slab`` as its last finished store left it."""

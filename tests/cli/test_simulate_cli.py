@@ -394,7 +394,7 @@ def test_compression_sweeps_every_size_with_and_without_compressed_rows(
 ) -> None:
     import torch
 
-    from kvtriton.kernels._compression import compression_layout
+    from kvtriton.kernels._compressed_format import compression_layout
 
     record = simulate_json(
         tmp_path, capsys, *SMALL, "--capacities", "1,4", "--compression", "fp8-e4m3", "--target-hit-rate", "0.01"

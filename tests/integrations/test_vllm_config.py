@@ -25,7 +25,8 @@ from kvtriton.integrations._vllm_config import (
     parse_policy,
 )
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels._compression import KVCompression, compression_layout
+from kvtriton.kernels._compressed_format import compression_layout
+from kvtriton.kernels._compression import KVCompression
 from kvtriton.worker._backends import TransferBackend
 
 GIB = 1 << 30

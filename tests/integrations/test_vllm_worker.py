@@ -20,7 +20,8 @@ from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
 from kvtriton.integrations._vllm_worker import GroupPages
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker
-from kvtriton.kernels._compression import KVCompression, compression_layout, dequantize_groups, quantize_groups
+from kvtriton.kernels._compressed_format import compression_layout
+from kvtriton.kernels._compression import KVCompression, dequantize_groups, quantize_groups
 from kvtriton.worker._slab import PageableSlabWarning
 
 NUM_BLOCKS = 16

@@ -11,8 +11,6 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager.policies._base import PENDING, Block, KeyRun, Use
 
-__all__ = ["ARCCachePolicy", "ARCState"]
-
 _REUSED, _INSERTED = Use.REUSED, Use.INSERTED
 
 

@@ -15,8 +15,6 @@ from typing import Protocol, runtime_checkable
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 
-__all__ = ["PENDING", "Block", "CachePolicy", "KeyRun", "RequestAwarePolicy", "Use", "run_keys"]
-
 PENDING = -1
 """``Block.ref_cnt`` of a block whose store has not completed yet."""
 

@@ -10,8 +10,6 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager.policies._base import Block, KeyRun, run_keys
 
-__all__ = ["LRUCachePolicy"]
-
 
 @dataclass(slots=True)
 class _RequestTick:

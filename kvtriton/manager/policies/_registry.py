@@ -8,8 +8,6 @@ from kvtriton.manager.policies._arc import ARCCachePolicy
 from kvtriton.manager.policies._base import CachePolicy
 from kvtriton.manager.policies._lru import LRUCachePolicy
 
-__all__ = ["POLICIES", "canonical_policy_name", "make_policy", "policy_names"]
-
 PolicyFactory = Callable[[int], CachePolicy]
 """Builds a policy for a cache of the given capacity (in blocks)."""
 
