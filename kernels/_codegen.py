@@ -193,12 +193,7 @@ def _compile_compress(config: CompressConfig, to_slab: bool, arch: int) -> dict[
             "table_ptr": "*i64", "slab_ptr": "*u8", "blocks_ptr": "*i64", "rows_ptr": "*i64", "status_ptr": "*i32",
             "num_pairs": "i32", "row_stride": "i64",
         },
-        constexprs={
-            "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "ELEMENTS": config.elements, "GROUP": config.group,
-            "GROUP_COLUMNS": config.group_columns, "NUM_GROUPS": config.num_groups, "TILE_GROUPS": config.tile_groups, "PAIRS": config.pairs,
-            "KIND": config.kind, "SCALES_OFFSET": config.scales_offset, "PAGE_WORD": config.page_word,
-            "SLAB_WORD": config.slab_word,
-        },
+        constexprs=config.kernel_constexprs(to_slab),
         divisible_by_16=["table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "status_ptr", "row_stride"],
         num_warps=config.num_warps,
         arch=arch,

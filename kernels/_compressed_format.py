@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validation import PageGeometry, check_index_pair, check_slab, describe_pages, slab_row_stride
+from ._validation import PageGeometry, argument_names, check_index_pair, check_slab, describe_pages, slab_row_stride
 
 DEFAULT_GROUP_SIZE = 128
 """Elements per scale when the layout does not know the head dimension."""
@@ -145,13 +145,9 @@ def check_scales_alignment(slab: torch.Tensor, name: str) -> None:
 
 def check_compressed_call(
     pages: Sequence[torch.Tensor],
-    pages_name: str,
     slab: torch.Tensor,
-    slab_name: str,
     source: torch.Tensor,
-    source_name: str,
     destination: torch.Tensor,
-    destination_name: str,
     *,
     to_slab: bool,
     group_size: int | Sequence[int],
@@ -163,6 +159,7 @@ def check_compressed_call(
     The one place the scales alignment is checked: the launchers take validated arguments (an engine's
     ``HostSlab`` rows are 16-byte aligned by construction).
     """
+    pages_name, slab_name, _, _ = argument_names(to_slab)
     geometry = describe_pages(pages, pages_name)
     layout = compression_layout(pages, group_size, name=pages_name)
     # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
@@ -171,7 +168,7 @@ def check_compressed_call(
     )
     check_scales_alignment(slab, slab_name)
     check_index_pair(
-        source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
+        source, destination, geometry=geometry, slab=slab, to_slab=to_slab,
         check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
     )  # fmt: skip
     return geometry, layout

@@ -74,6 +74,17 @@ class CompressConfig:
     def units(self, num_pairs: int) -> int:
         return -(-num_pairs // self.pairs) * self.num_pages * -(-self.num_groups // self.tile_groups)
 
+    def kernel_constexprs(self, to_slab: bool) -> dict[str, int | bool]:
+        """The kernel's constexprs, by parameter name: the direction, then each field the kernel takes, upper-cased."""
+        return {"TO_SLAB": to_slab} | {name.upper(): getattr(self, name) for name in _KERNEL_FIELDS}
+
+
+# The CompressConfig fields the kernel takes as constexprs, in parameter order (element_bytes only sizes tiles).
+_KERNEL_FIELDS = (
+    "num_pages", "elements", "group", "group_columns", "num_groups", "tile_groups", "pairs", "kind", "scales_offset",
+    "page_word", "slab_word",
+)  # fmt: skip
+
 
 class CompressArguments(NamedTuple):
     """The arguments of one compressed launch: the run-time ones by kernel parameter, then the direction and the shape."""

@@ -101,9 +101,8 @@ def gather_pages(
     """
     check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
-        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows",
-        to_slab=True, check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
+        src, dst, src_blocks, dst_rows, to_slab=True, check_values=check_indices, allow_duplicate_destinations=False
+    )
     _run(True, list(src), dst, src_blocks, dst_rows, geometry, num_programs, bytes_per_iter)
 
 
@@ -124,9 +123,8 @@ def scatter_pages(
     """
     check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
-        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks",
-        to_slab=False, check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
+        dst, src, src_rows, dst_blocks, to_slab=False, check_values=check_indices, allow_duplicate_destinations=False
+    )
     _run(False, list(dst), src, dst_blocks, src_rows, geometry, num_programs, bytes_per_iter)
 
 
@@ -181,7 +179,7 @@ def gather_pages_compressed(
     """
     num_programs, bytes_per_iter = _filled_knobs(num_programs, bytes_per_iter)
     geometry, layout = check_compressed_call(
-        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows", to_slab=True,
+        src, dst, src_blocks, dst_rows, to_slab=True,
         group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
     )  # fmt: skip
     if not _run_compressed(True, list(src), dst, src_blocks, dst_rows, geometry, layout, num_programs, bytes_per_iter):
@@ -202,7 +200,7 @@ def scatter_pages_compressed(
     """Dequantize compressed slab row ``src_rows[i]`` into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
     num_programs, bytes_per_iter = _filled_knobs(num_programs, bytes_per_iter)
     geometry, layout = check_compressed_call(
-        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks", to_slab=False,
+        dst, src, src_rows, dst_blocks, to_slab=False,
         group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
     )  # fmt: skip
     _run_compressed(False, list(dst), src, dst_blocks, src_rows, geometry, layout, num_programs, bytes_per_iter)

@@ -313,9 +313,8 @@ def gather_pages_reference(
 ) -> None:
     """Copy blocks ``src_blocks[i]`` of every page tensor in ``src`` into slab row ``dst_rows[i]``."""
     geometry = check_call(
-        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows",
-        to_slab=True, check_values=True, allow_duplicate_destinations=True,
-    )  # fmt: skip
+        src, dst, src_blocks, dst_rows, to_slab=True, check_values=True, allow_duplicate_destinations=True
+    )
     gather_unchecked(src, dst, src_blocks, dst_rows, geometry)
 
 
@@ -324,9 +323,8 @@ def scatter_pages_reference(
 ) -> None:
     """Copy slab row ``src_rows[i]`` back into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
     geometry = check_call(
-        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks",
-        to_slab=False, check_values=True, allow_duplicate_destinations=True,
-    )  # fmt: skip
+        dst, src, src_rows, dst_blocks, to_slab=False, check_values=True, allow_duplicate_destinations=True
+    )
     scatter_unchecked(src, dst, src_rows, dst_blocks, geometry)
 
 
@@ -454,8 +452,8 @@ def gather_pages_compressed_reference(
     Raises :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or infinite.
     """
     _, layout = check_compressed_call(
-        src, "src", dst, "dst", src_blocks, "src_blocks", dst_rows, "dst_rows", to_slab=True,
-        group_size=group_size, check_values=True, allow_duplicate_destinations=True,
+        src, dst, src_blocks, dst_rows, to_slab=True, group_size=group_size, check_values=True,
+        allow_duplicate_destinations=True,
     )  # fmt: skip
     if not gather_compressed_unchecked(src, dst, src_blocks, dst_rows, layout):
         raise non_finite_error("src")
@@ -471,7 +469,7 @@ def scatter_pages_compressed_reference(
 ) -> None:
     """The torch reference of ``scatter_pages_compressed`` (a destination named twice: the last pair wins)."""
     _, layout = check_compressed_call(
-        dst, "dst", src, "src", src_rows, "src_rows", dst_blocks, "dst_blocks", to_slab=False,
-        group_size=group_size, check_values=True, allow_duplicate_destinations=True,
+        dst, src, src_rows, dst_blocks, to_slab=False, group_size=group_size, check_values=True,
+        allow_duplicate_destinations=True,
     )  # fmt: skip
     scatter_compressed_unchecked(src, dst, src_rows, dst_blocks, layout)

@@ -8,6 +8,7 @@ and the offending value.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -60,6 +61,21 @@ def slab_row_stride(slab: torch.Tensor) -> int:
     return slab.stride(0) if slab.shape[0] > 1 else 0
 
 
+def argument_names(to_slab: bool) -> tuple[str, str, str, str]:
+    """What a public call's errors name its (page tensors, slab, source index, destination index).
+
+    Every gather is ``(src, dst, src_blocks, dst_rows)`` and every scatter ``(dst, src, src_rows, dst_blocks)``:
+    the page tensors of a scatter are its destination, the slab its source.
+    """
+    return ("src", "dst", "src_blocks", "dst_rows") if to_slab else ("dst", "src", "src_rows", "dst_blocks")
+
+
+def require_tensor(value: object, name: str) -> None:
+    """Refuse anything but a tensor, naming it (callers outside pyright pass anything)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
 def block_is_contiguous(page: torch.Tensor) -> bool:
     """True when the bytes of ``page[i]`` are contiguous for every block ``i``."""
     expected = 1
@@ -93,8 +109,7 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str, labels: Sequence[st
     for t, page in enumerate(pages):
         label = labels[t] if labels is not None else f"{name}[{t}]"
         first_label = labels[0] if labels is not None else f"{name}[0]"
-        if not isinstance(page, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
-            raise TypeError(f"{label} must be a torch.Tensor, got {type(page).__name__}")
+        require_tensor(page, label)
         if page.dim() < 1:
             raise ValueError(f"{label} must have a block dimension (dim 0), got a 0-d tensor")
         device = page.device if device is None else device
@@ -107,7 +122,7 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str, labels: Sequence[st
                 f"{label} has non-contiguous blocks: shape {tuple(page.shape)}, stride {page.stride()}; "
                 "each block's bytes (dims 1..) must be contiguous"
             )
-        size = _page_numel(page) * page.element_size()
+        size = math.prod(page.shape[1:]) * page.element_size()
         if size == 0:
             raise ValueError(f"{label} has empty pages (shape {tuple(page.shape)}); a page must hold at least one byte")
         stride = page.stride(0) * page.element_size()
@@ -131,20 +146,12 @@ def describe_pages(pages: Sequence[torch.Tensor], name: str, labels: Sequence[st
     )
 
 
-def _page_numel(page: torch.Tensor) -> int:
-    count = 1
-    for size in page.shape[1:]:
-        count *= size
-    return count
-
-
 def check_slab(slab: torch.Tensor, name: str, geometry: PageGeometry) -> None:
     """Check that ``slab`` is a 2-D uint8 tensor with contiguous rows wide enough for every page.
 
     The slab lives with the pages, or in pinned host memory when the pages are on a GPU.
     """
-    if not isinstance(slab, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(slab).__name__}")
+    require_tensor(slab, name)
     if slab.dtype != torch.uint8:
         raise TypeError(f"{name} must have dtype torch.uint8, got {slab.dtype}")
     if slab.dim() != 2:
@@ -169,8 +176,7 @@ def check_slab(slab: torch.Tensor, name: str, geometry: PageGeometry) -> None:
 
 
 def _check_index(index: torch.Tensor, name: str) -> None:
-    if not isinstance(index, torch.Tensor):  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside pyright pass anything
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(index).__name__}")
+    require_tensor(index, name)
     if index.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {index.dtype}")
     if index.dim() != 1:
@@ -238,9 +244,7 @@ def check_unique(index: torch.Tensor | NDArray[np.int64], name: str) -> None:
 
 def check_index_pair(
     source: torch.Tensor,
-    source_name: str,
     destination: torch.Tensor,
-    destination_name: str,
     *,
     geometry: PageGeometry,
     slab: torch.Tensor,
@@ -255,8 +259,9 @@ def check_index_pair(
     rows then blocks for a scatter. Index tensors live on the device of the
     data (the kernel reads them there). Checking values reads them, which
     costs a device sync on CUDA; callers that built the indices themselves may
-    skip that with ``check_values=False``.
+    skip that with ``check_values=False``. Errors name the indices as the public calls do (:func:`argument_names`).
     """
+    _, _, source_name, destination_name = argument_names(to_slab)
     _check_index(source, source_name)
     _check_index(destination, destination_name)
     if source.shape[0] != destination.shape[0]:
@@ -280,13 +285,9 @@ def check_index_pair(
 
 def check_call(
     pages: Sequence[torch.Tensor],
-    pages_name: str,
     slab: torch.Tensor,
-    slab_name: str,
     source: torch.Tensor,
-    source_name: str,
     destination: torch.Tensor,
-    destination_name: str,
     *,
     to_slab: bool,
     check_values: bool,
@@ -295,12 +296,13 @@ def check_call(
     """Every check of one gather (``to_slab``: blocks -> rows) or scatter (rows -> blocks) call; the page geometry.
 
     ``source`` / ``destination`` are the index tensors in copy direction
-    (see :func:`check_index_pair`).
+    (see :func:`check_index_pair`); errors name the arguments as the public calls do (:func:`argument_names`).
     """
+    pages_name, slab_name, _, _ = argument_names(to_slab)
     geometry = describe_pages(pages, pages_name)
     check_slab(slab, slab_name, geometry)
     check_index_pair(
-        source, source_name, destination, destination_name, geometry=geometry, slab=slab, to_slab=to_slab,
+        source, destination, geometry=geometry, slab=slab, to_slab=to_slab,
         check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
     )  # fmt: skip
     return geometry

@@ -135,31 +135,18 @@ def copy_pages_kernel(
 VARIANTS = KernelVariants(copy_pages_kernel, _DO_NOT_SPECIALIZE)
 
 
+# CopyArguments holds the kernel's parameters in kernel order: these runtime ones, then these
+# constexprs, then num_warps. Naming them once here keeps the launch and its specialisation key in step.
 _RUNTIME_PARAMETERS = ("table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "num_pairs", "row_stride")
+_CONSTEXPR_PARAMETERS = ("TO_SLAB", "NUM_PAGES", "PAGE_ELEMS", "CHUNK", "PAIRS", "UNIFORM", "EVEN", "WORD")
 
 
 def _runtime_values(arguments: "CopyArguments") -> tuple[object, ...]:
-    return (
-        arguments.table,
-        arguments.slab,
-        arguments.blocks,
-        arguments.rows,
-        arguments.num_pairs,
-        arguments.row_stride,
-    )
+    return tuple(arguments[: len(_RUNTIME_PARAMETERS)])
 
 
 def _constexprs(arguments: "CopyArguments") -> tuple[object, ...]:
-    return (
-        arguments.to_slab,
-        arguments.num_pages,
-        arguments.page_elems,
-        arguments.chunk,
-        arguments.pairs,
-        arguments.uniform,
-        arguments.even,
-        arguments.word,
-    )
+    return tuple(arguments[len(_RUNTIME_PARAMETERS) : len(_RUNTIME_PARAMETERS) + len(_CONSTEXPR_PARAMETERS)])
 
 
 def _specialize(value, specialize: bool) -> tuple[object, ...]:
@@ -195,13 +182,6 @@ def launch_copy_pages(arguments: "CopyArguments", *, interpret: bool, grid: int)
     kernel = VARIANTS.kernel(interpret)
     kernel[(grid,)](
         *_runtime_values(arguments),
-        TO_SLAB=arguments.to_slab,
-        NUM_PAGES=arguments.num_pages,
-        PAGE_ELEMS=arguments.page_elems,
-        CHUNK=arguments.chunk,
-        PAIRS=arguments.pairs,
-        UNIFORM=arguments.uniform,
-        EVEN=arguments.even,
-        WORD=arguments.word,
+        **dict(zip(_CONSTEXPR_PARAMETERS, _constexprs(arguments))),
         num_warps=arguments.num_warps,
     )

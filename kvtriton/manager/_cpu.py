@@ -13,7 +13,7 @@ from kvtriton._offload_types import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvtriton.manager._base import OffloadingManager, override
+from kvtriton.manager._base import OffloadingManager, override, require_int
 from kvtriton.manager._request_access import RequestAccess, head_to_tail
 from kvtriton.manager._slot_pool import SlotPool
 from kvtriton.manager._stats import ManagerStats
@@ -105,8 +105,7 @@ class CPUOffloadingManager(OffloadingManager):
         *,
         report_dropped_stores: bool = False,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
-            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}: {num_blocks!r}")
+        require_int(num_blocks, "num_blocks")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._policy_name = canonical_policy_name(cache_policy)

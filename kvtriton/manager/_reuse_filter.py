@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
-from kvtriton.manager._base import OffloadingManager, override
+from kvtriton.manager._base import OffloadingManager, override, require_int
 
 
 class ReuseSignal(enum.Enum):
@@ -57,14 +57,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         *,
         count_on: ReuseSignal = ReuseSignal.LOOKUP,
     ) -> None:
-        if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
-            raise TypeError(
-                f"store_threshold must be an int, got {type(store_threshold).__name__}: {store_threshold!r}"
-            )
-        if isinstance(max_tracker_size, bool) or not isinstance(max_tracker_size, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
-            raise TypeError(
-                f"max_tracker_size must be an int, got {type(max_tracker_size).__name__}: {max_tracker_size!r}"
-            )
+        require_int(store_threshold, "store_threshold")
+        require_int(max_tracker_size, "max_tracker_size")
         if store_threshold < 2:
             raise ValueError(f"store_threshold must be >= 2 (1 would filter nothing), got {store_threshold}")
         if max_tracker_size < 1:

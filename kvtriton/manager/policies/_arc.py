@@ -197,15 +197,10 @@ class ARCCachePolicy:
 
         # One pass per list moves each victim into its ghost list.
         b1, b2 = self._b1, self._b2
-        for key in from_t1:
-            del t1[key]
-            b1[key] = None
-        for key in from_t2:
-            del t2[key]
-            b2[key] = None
-        for key in fallback:
-            del t1[key]
-            b1[key] = None
+        for victims, cached, ghost in ((from_t1, t1, b1), (from_t2, t2, b2), (fallback, t1, b1)):
+            for key in victims:
+                del cached[key]
+                ghost[key] = None
         capacity = self._capacity
         for ghost in (b1, b2):
             excess = len(ghost) - capacity

@@ -74,13 +74,20 @@ class LRUCachePolicy:
         self._tick = 0
         self._generation = 0
 
-    def _request_tick(self, req_context: ReqContext) -> int:
+    def _current_request_tick(self, req_context: ReqContext) -> int | None:
+        """The tick this policy gave ``req_context``'s request since the last reset, or None when it gave none."""
         state = req_context.get_state(_RequestTick)
         if state is None or state.owner is not self or state.generation != self._generation:
-            self._tick += 1
-            state = _RequestTick(self, self._generation, self._tick)
-            req_context.set_state(state)
+            return None
         return state.tick
+
+    def _request_tick(self, req_context: ReqContext) -> int:
+        tick = self._current_request_tick(req_context)
+        if tick is None:
+            self._tick += 1
+            tick = self._tick
+            req_context.set_state(_RequestTick(self, self._generation, tick))
+        return tick
 
     def _leave_request(self, key: OffloadKey, entry: _Ranked) -> None:
         """Take ``entry`` out of the running request that ranks it."""
@@ -92,10 +99,7 @@ class LRUCachePolicy:
 
     def _request_keys(self, tick: int) -> dict[OffloadKey, _Ranked]:
         """The blocks the running request of ``tick`` ranks (made empty on first use)."""
-        ranked = self._requests.get(tick)
-        if ranked is None:
-            ranked = self._requests[tick] = {}
-        return ranked
+        return self._requests.setdefault(tick, {})
 
     def get(self, key: OffloadKey) -> Block | None:
         entry = self._order.get(key)
@@ -136,8 +140,12 @@ class LRUCachePolicy:
         # the most requests) ends up most recent and is evicted last.
         self._refresh(reversed(keys if isinstance(keys, list) else list(keys)))
 
-    def _refresh(self, keys: Iterator[OffloadKey]) -> None:
-        """Give each cached key of ``keys`` the next tick, in turn (the last one ends most recent)."""
+    def _refresh(self, keys: Iterator[OffloadKey], released: Container[OffloadKey] = ()) -> None:
+        """Give each cached key of ``keys`` the next tick, in turn (the last one ends most recent).
+
+        ``released`` are the keys of a finished request's ranking, which the caller drops in bulk: they only
+        lose their position; any other key a running request ranks leaves that request.
+        """
         order = self._order
         get, move_to_end = order.get, order.move_to_end
         tick = self._tick
@@ -145,7 +153,10 @@ class LRUCachePolicy:
             entry = get(key)
             if entry is not None:
                 if entry.position is not None:
-                    self._leave_request(key, entry)
+                    if key in released:
+                        entry.position = None
+                    else:
+                        self._leave_request(key, entry)  # ranked by another running request
                 tick += 1
                 entry.rank = tick
                 move_to_end(key)
@@ -184,30 +195,11 @@ class LRUCachePolicy:
 
     def on_request_finished(self, runs: Sequence[KeyRun], req_context: ReqContext) -> None:
         keys = run_keys(runs)  # every access counts the same in LRU
-        state = req_context.get_state(_RequestTick)
-        request_tick = (
-            state.tick if state is not None and state.owner is self and state.generation == self._generation else None
-        )
+        request_tick = self._current_request_tick(req_context)
         ranked = self._requests.pop(request_tick, None) if request_tick is not None else None
+        self._refresh(reversed(keys), released=ranked or ())
         if not ranked:
-            self._refresh(reversed(keys))
             return
-        # _refresh, with the request's own blocks released from its ranking in bulk.
-        order = self._order
-        get, move_to_end = order.get, order.move_to_end
-        tick = self._tick
-        for key in reversed(keys):
-            entry = get(key)
-            if entry is not None:
-                if entry.position is not None:
-                    if key in ranked:
-                        entry.position = None
-                    else:
-                        self._leave_request(key, entry)  # ranked since by a later request
-                tick += 1
-                entry.rank = tick
-                move_to_end(key)
-        self._tick = tick
         left = {key: entry for key, entry in ranked.items() if entry.position is not None}
         if left and request_tick is not None:  # stored after the request's record was replaced: still ranked by it
             self._requests[request_tick] = left
