@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, cast
 
+from bench.common import bench_parser
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 
 __all__ = ["IMAGES", "RUNS", "SIMULATE_RENDERERS", "SimulateRun", "build_parser", "main", "run_flags"]
@@ -309,8 +310,7 @@ SIMULATE_RENDERERS: dict[str, Callable[[Results], str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description = (__doc__ or "").splitlines()[0]
-    parser = argparse.ArgumentParser(prog="python -m bench.render_simulate", description=description)
+    parser = bench_parser("render_simulate", __doc__)
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="folder for the JSON records (default: bench/results)")  # fmt: skip
     parser.add_argument("--images", type=Path, default=IMAGES, help="folder for the plots (default: docs/img)")
