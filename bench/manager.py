@@ -419,6 +419,15 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
 
 # --- the command -----------------------------------------------------------------
 
+TRACE_SHAPE_OPTIONS = (
+    ("blocks_per_request", "keys per request"),
+    ("prefixes", "distinct shared prefixes"),
+    ("prefix_blocks", "blocks per shared prefix"),
+    ("zipf_s", "Zipf exponent of prefix popularity"),
+)
+"""The ``PrefixSharingParams`` fields besides ``requests`` that are options of their own (``--blocks-per-request``...),
+with their help; the option's type and default are the field's."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = PrefixSharingParams()
@@ -428,24 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"requests in the trace (default {defaults.requests}; {QUICK_REQUESTS} with --quick)",
     )
-    parser.add_argument(
-        "--blocks-per-request",
-        type=int,
-        default=defaults.blocks_per_request,
-        help="keys per request (default %(default)s)",
-    )
-    parser.add_argument(
-        "--prefixes", type=int, default=defaults.prefixes, help="distinct shared prefixes (default %(default)s)"
-    )
-    parser.add_argument(
-        "--prefix-blocks",
-        type=int,
-        default=defaults.prefix_blocks,
-        help="blocks per shared prefix (default %(default)s)",
-    )
-    parser.add_argument(
-        "--zipf-s", type=float, default=defaults.zipf_s, help="Zipf exponent of prefix popularity (default %(default)s)"
-    )
+    for field, meaning in TRACE_SHAPE_OPTIONS:
+        default: int | float = getattr(defaults, field)
+        option = "--" + field.replace("_", "-")
+        parser.add_argument(option, type=type(default), default=default, help=f"{meaning} (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
     parser.add_argument(
         "--slots",
@@ -533,10 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         params = PrefixSharingParams(
             requests=args.requests if args.requests is not None else default_requests,
-            blocks_per_request=args.blocks_per_request,
-            prefixes=args.prefixes,
-            prefix_blocks=args.prefix_blocks,
-            zipf_s=args.zipf_s,
+            **{field: getattr(args, field) for field, _ in TRACE_SHAPE_OPTIONS},
         )
     except ValueError as error:
         raise SystemExit(f"bad trace shape: {error}") from None
