@@ -258,20 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--total-mib", type=int, default=128, help="MiB moved per pass and direction (default: 128)")
     parser.add_argument("--batch", type=int, default=8, help="chunks per store, as one step stores them (default: 8)")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="passes per size and primary, best kept (default: 7, 1 with --quick)"
+        "--repeats", type=int, help="passes per size and primary, best kept (default: 7, 1 with --quick)"
     )
     parser.add_argument("--threads", type=int, default=4, help="fs tier read and write threads each (default: 4)")
-    parser.add_argument(
-        "--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)"
-    )
+    parser.add_argument("--root", type=Path, help="directory for the fs tier (default: a temporary one under /tmp)")
     parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 16 MiB per pass, one repeat, no goal verdict; writes tiers-quick.json",
     )
-    parser.add_argument(
-        "--name", default=None, help="result file name without .json (default: tiers, tiers-quick with --quick)"
-    )
+    parser.add_argument("--name", help="result file name without .json (default: tiers, tiers-quick with --quick)")
     return parser
 
 

@@ -125,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--name",
-        default=None,
         help="result file name under bench/results/ (default tiers_mooncake, tiers_mooncake-quick with --quick)",
     )
     parser.add_argument(
