@@ -348,16 +348,8 @@ def headline(
                 seconds[impl].append(elapsed)
                 hit_rates[impl] = stats.block_hit_rate
                 blocks = stats.prompt_blocks
-        rows.append(
-            HeadlineRow(
-                workload,
-                policy,
-                capacity,
-                blocks,
-                Timing.of(blocks, seconds["vllm"], hit_rates["vllm"]),
-                Timing.of(blocks, seconds["adapter"], hit_rates["adapter"]),
-            )
-        )
+        timings = (Timing.of(blocks, seconds[impl], hit_rates[impl]) for impl in ("vllm", "adapter"))
+        rows.append(HeadlineRow(workload, policy, capacity, blocks, *timings))
     return rows
 
 
@@ -369,13 +361,8 @@ HIT_RATE_BLOCK_TOKENS = 64
 
 def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> tuple[list[str], list[list[object]]]:
     """Block hit rates (%) of vLLM's manager and of kvtriton through its adapter, vLLM's call order, per workload and capacity."""
-    headers = [
-        "workload / slots",
-        "vLLM 0.33 LRU",
-        "kvtriton LRU via the adapter",
-        "vLLM ARC",
-        "kvtriton ARC via the adapter",
-    ]
+    headers = ["workload / slots", "vLLM 0.33 LRU", "kvtriton LRU via the adapter",
+               "vLLM ARC", "kvtriton ARC via the adapter"]  # fmt: skip
     rows: list[list[object]] = []
     for workload in progress(workloads, total=len(workloads), label="hit rates"):
         requests = prepare(generate(workload, seed=0, block_size=block_tokens))
@@ -402,18 +389,10 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
         "speed-up", "vLLM hit %", "kvtriton hit %",
     ]  # fmt: skip
     table: list[list[object]] = [
-        [
-            row.workload,
-            row.policy,
-            row.capacity,
-            _rate(row.vllm),
-            _rate(row.kvtriton_via_vllm_adapter),
-            f"{row.speedup:.2f}x",
-            f"{100 * row.vllm.hit_rate:.2f}",
-            f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}",
-        ]
+        [row.workload, row.policy, row.capacity, _rate(row.vllm), _rate(row.kvtriton_via_vllm_adapter),
+         f"{row.speedup:.2f}x", f"{100 * row.vllm.hit_rate:.2f}", f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}"]
         for row in rows
-    ]
+    ]  # fmt: skip
     return format_table(headers, table)
 
 
@@ -613,14 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
-        headers += [
-            "vLLM blocks/s",
-            "vLLM hit rate",
-            "speed-up",
-            "via adapter blocks/s",
-            "via adapter hit rate",
-            "adapter speed-up",
-        ]
+        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up",
+                    "via adapter blocks/s", "via adapter hit rate", "adapter speed-up"]  # fmt: skip
     table: list[list[object]] = []
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]
