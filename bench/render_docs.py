@@ -376,16 +376,11 @@ def tiers_table(results: Results) -> str:
 def tiers_bookkeeping_table(results: Results) -> str:
     costs = _obj(results("tiers").get("bookkeeping_us_per_chunk"))
     table = [
-        [name, f"{_num(_obj(costs[key]), 'write_us'):.2f}", f"{_num(_obj(costs[key]), 'read_us'):.2f}",
-         f"{_num(_obj(costs[key]), 'lookup_us'):.2f}"]
+        [name, *(f"{_num(_obj(costs[key]), field):.2f}" for field in ("write_us", "read_us", "lookup_us"))]
         for key, name in (("vllm", "vLLM"), ("kvtriton", "kvtriton"))
-    ]  # fmt: skip
-    headers = [
-        "primary",
-        "promotion slot (`prepare_write` + `complete_write`)",
-        "cascade pin (`prepare_read` + `complete_read`)",
-        "`lookup`",
     ]
+    headers = ["primary", "promotion slot (`prepare_write` + `complete_write`)",
+               "cascade pin (`prepare_read` + `complete_read`)", "`lookup`"]  # fmt: skip
     return _table(headers, table, "lrrr")
 
 
@@ -562,14 +557,9 @@ def summary_table(results: Results) -> str:
     def when(name: str) -> str:
         return _dated(name)(results)
 
-    engine_goals = ", ".join(
-        sorted(
-            {
-                f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
-                for r in _list(results("host_cost").get("results"))
-            }
-        )
-    )
+    goals = {f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
+             for r in _list(results("host_cost").get("results"))}  # fmt: skip
+    engine_goals = ", ".join(sorted(goals))
     rows = [
         ["manager blocks/s vs vLLM 0.33's `CPUOffloadingManager`, kvtriton through its vLLM adapter, vLLM's call order, 4 workloads",
          f">= {MANAGER_SPEEDUP_GOAL:g}x for both policies on every workload, hit rate no lower",
