@@ -508,14 +508,10 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = bench_parser("kernels", __doc__)
     parser.add_argument(
-        "--page-kib",
-        type=int,
-        nargs="+",
-        default=None,
-        help="page sizes in KiB (default: 1 4 16 64 256; --gpu-check: 4 16 32 64)",
+        "--page-kib", type=int, nargs="+", help="page sizes in KiB (default: 1 4 16 64 256; --gpu-check: 4 16 32 64)"
     )
     parser.add_argument(
-        "--blocks", type=int, nargs="+", default=None, help="block counts per job (default: 32 256; --gpu-check: 256)"
+        "--blocks", type=int, nargs="+", help="block counts per job (default: 32 256; --gpu-check: 256)"
     )
     parser.add_argument(
         "--layers", type=int, default=32, help="layers per sweep job, 2 page tensors each (default: 32)"
@@ -565,7 +561,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)"
     )
     parser.add_argument(
-        "--fp8-programs", type=int, nargs="+", default=None,
+        "--fp8-programs", type=int, nargs="+",
         help="with --compression: program counts to time the fp8 gather at besides --num-programs, as triton-fp8-p<N> "
         f"(default: none; --gpu-check: {' '.join(map(str, FP8_PROGRAM_COUNTS))})",
     )  # fmt: skip
@@ -636,26 +632,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if device.type == "cuda":  # what ptxas made of each variant under this machine's Triton
             payload["compiled_variants"] = compiled_variants()
         write_json(name, payload)  # after every case: a run cut short keeps what finished
-    table = [
-        [
-            r.kernel,
-            r.method,
-            r.page_bytes // KiB,
-            r.blocks,
-            r.layers,
-            r.pattern,
-            r.rows,
-            r.bandwidth_GBps,
-            r.vs_contiguous,
-        ]
-        for r in results
-    ]
-    print(
-        format_table(
-            ["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"],
-            table,
-        )
-    )
+    headers = ["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"]
+    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.bandwidth_GBps,
+              r.vs_contiguous] for r in results]  # fmt: skip
+    print(format_table(headers, table))
     head = [r for r in results if r.group == "headline"]
     if headline:
         title = "Llama-3-8B-shaped job: 32 layers x K,V 32 KiB pages, 256 blocks" if not args.quick else "smoke run"

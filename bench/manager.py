@@ -348,16 +348,8 @@ def headline(
                 seconds[impl].append(elapsed)
                 hit_rates[impl] = stats.block_hit_rate
                 blocks = stats.prompt_blocks
-        rows.append(
-            HeadlineRow(
-                workload,
-                policy,
-                capacity,
-                blocks,
-                Timing.of(blocks, seconds["vllm"], hit_rates["vllm"]),
-                Timing.of(blocks, seconds["adapter"], hit_rates["adapter"]),
-            )
-        )
+        timings = (Timing.of(blocks, seconds[impl], hit_rates[impl]) for impl in ("vllm", "adapter"))
+        rows.append(HeadlineRow(workload, policy, capacity, blocks, *timings))
     return rows
 
 
@@ -369,13 +361,8 @@ HIT_RATE_BLOCK_TOKENS = 64
 
 def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> tuple[list[str], list[list[object]]]:
     """Block hit rates (%) of vLLM's manager and of kvtriton through its adapter, vLLM's call order, per workload and capacity."""
-    headers = [
-        "workload / slots",
-        "vLLM 0.33 LRU",
-        "kvtriton LRU via the adapter",
-        "vLLM ARC",
-        "kvtriton ARC via the adapter",
-    ]
+    headers = ["workload / slots", "vLLM 0.33 LRU", "kvtriton LRU via the adapter",
+               "vLLM ARC", "kvtriton ARC via the adapter"]  # fmt: skip
     rows: list[list[object]] = []
     for workload in progress(workloads, total=len(workloads), label="hit rates"):
         requests = prepare(generate(workload, seed=0, block_size=block_tokens))
@@ -402,22 +389,23 @@ def format_headline(rows: Sequence[HeadlineRow]) -> str:
         "speed-up", "vLLM hit %", "kvtriton hit %",
     ]  # fmt: skip
     table: list[list[object]] = [
-        [
-            row.workload,
-            row.policy,
-            row.capacity,
-            _rate(row.vllm),
-            _rate(row.kvtriton_via_vllm_adapter),
-            f"{row.speedup:.2f}x",
-            f"{100 * row.vllm.hit_rate:.2f}",
-            f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}",
-        ]
+        [row.workload, row.policy, row.capacity, _rate(row.vllm), _rate(row.kvtriton_via_vllm_adapter),
+         f"{row.speedup:.2f}x", f"{100 * row.vllm.hit_rate:.2f}", f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}"]
         for row in rows
-    ]
+    ]  # fmt: skip
     return format_table(headers, table)
 
 
 # --- the command -----------------------------------------------------------------
+
+TRACE_SHAPE_OPTIONS = (
+    ("blocks_per_request", "keys per request"),
+    ("prefixes", "distinct shared prefixes"),
+    ("prefix_blocks", "blocks per shared prefix"),
+    ("zipf_s", "Zipf exponent of prefix popularity"),
+)
+"""The ``PrefixSharingParams`` fields besides ``requests`` that are options of their own (``--blocks-per-request``...),
+with their help; the option's type and default are the field's."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -428,24 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"requests in the trace (default {defaults.requests}; {QUICK_REQUESTS} with --quick)",
     )
-    parser.add_argument(
-        "--blocks-per-request",
-        type=int,
-        default=defaults.blocks_per_request,
-        help="keys per request (default %(default)s)",
-    )
-    parser.add_argument(
-        "--prefixes", type=int, default=defaults.prefixes, help="distinct shared prefixes (default %(default)s)"
-    )
-    parser.add_argument(
-        "--prefix-blocks",
-        type=int,
-        default=defaults.prefix_blocks,
-        help="blocks per shared prefix (default %(default)s)",
-    )
-    parser.add_argument(
-        "--zipf-s", type=float, default=defaults.zipf_s, help="Zipf exponent of prefix popularity (default %(default)s)"
-    )
+    for field, meaning in TRACE_SHAPE_OPTIONS:
+        default: int | float = getattr(defaults, field)
+        option = "--" + field.replace("_", "-")
+        parser.add_argument(option, type=type(default), default=default, help=f"{meaning} (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
     parser.add_argument(
         "--slots",
@@ -533,10 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         params = PrefixSharingParams(
             requests=args.requests if args.requests is not None else default_requests,
-            blocks_per_request=args.blocks_per_request,
-            prefixes=args.prefixes,
-            prefix_blocks=args.prefix_blocks,
-            zipf_s=args.zipf_s,
+            **{field: getattr(args, field) for field, _ in TRACE_SHAPE_OPTIONS},
         )
     except ValueError as error:
         raise SystemExit(f"bad trace shape: {error}") from None
@@ -621,14 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
-        headers += [
-            "vLLM blocks/s",
-            "vLLM hit rate",
-            "speed-up",
-            "via adapter blocks/s",
-            "via adapter hit rate",
-            "adapter speed-up",
-        ]
+        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up",
+                    "via adapter blocks/s", "via adapter hit rate", "adapter speed-up"]  # fmt: skip
     table: list[list[object]] = []
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]

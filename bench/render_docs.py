@@ -19,13 +19,13 @@ percent, speed-ups as ``2.54x``.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
+from bench.common import bench_parser
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 from bench.render_simulate import SIMULATE_RENDERERS
 
@@ -143,20 +143,16 @@ def manager_headline_table(results: Results) -> str:
     return _table(headers, rows, "llrrrrl")
 
 
-def _policy_ranges(results: Results, name: str = "manager") -> str:
+def manager_headline_range(results: Results, name: str = "manager") -> str:
     """The range of the headline speed-ups of each policy in result file ``name``."""
     return f"ARC {_range(_speedups(results, 'arc', name))}, LRU {_range(_speedups(results, 'lru', name))}"
-
-
-def manager_headline_range(results: Results) -> str:
-    return _policy_ranges(results)
 
 
 def manager_before_range(results: Results) -> str:
     """The headline of the same command before commit fa74cda's changes, with LRU's hit-rate gap to vLLM's."""
     name = "manager_before_fa74cda"
     gaps = [100 * _hit_rate_gap(row) for row in _headline_rows(results, name) if row.get("policy") == "lru"]
-    return f"{_policy_ranges(results, name)}, LRU's hit rate {min(gaps):.1f} to {max(gaps):.1f} points below vLLM's"
+    return f"{manager_headline_range(results, name)}, LRU's hit rate {min(gaps):.1f} to {max(gaps):.1f} points below vLLM's"
 
 
 def _workload_policy(row: JSONObject) -> str:
@@ -380,16 +376,11 @@ def tiers_table(results: Results) -> str:
 def tiers_bookkeeping_table(results: Results) -> str:
     costs = _obj(results("tiers").get("bookkeeping_us_per_chunk"))
     table = [
-        [name, f"{_num(_obj(costs[key]), 'write_us'):.2f}", f"{_num(_obj(costs[key]), 'read_us'):.2f}",
-         f"{_num(_obj(costs[key]), 'lookup_us'):.2f}"]
+        [name, *(f"{_num(_obj(costs[key]), field):.2f}" for field in ("write_us", "read_us", "lookup_us"))]
         for key, name in (("vllm", "vLLM"), ("kvtriton", "kvtriton"))
-    ]  # fmt: skip
-    headers = [
-        "primary",
-        "promotion slot (`prepare_write` + `complete_write`)",
-        "cascade pin (`prepare_read` + `complete_read`)",
-        "`lookup`",
     ]
+    headers = ["primary", "promotion slot (`prepare_write` + `complete_write`)",
+               "cascade pin (`prepare_read` + `complete_read`)", "`lookup`"]  # fmt: skip
     return _table(headers, table, "lrrr")
 
 
@@ -566,14 +557,9 @@ def summary_table(results: Results) -> str:
     def when(name: str) -> str:
         return _dated(name)(results)
 
-    engine_goals = ", ".join(
-        sorted(
-            {
-                f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
-                for r in _list(results("host_cost").get("results"))
-            }
-        )
-    )
+    goals = {f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
+             for r in _list(results("host_cost").get("results"))}  # fmt: skip
+    engine_goals = ", ".join(sorted(goals))
     rows = [
         ["manager blocks/s vs vLLM 0.33's `CPUOffloadingManager`, kvtriton through its vLLM adapter, vLLM's call order, 4 workloads",
          f">= {MANAGER_SPEEDUP_GOAL:g}x for both policies on every workload, hit rate no lower",
@@ -605,37 +591,20 @@ def _dated(name: str) -> Callable[[Results], str]:
     return render
 
 
+_NAMED_AFTER_THEMSELVES = (
+    manager_headline_table, manager_headline_range, manager_headline_verdict, manager_before_range,
+    manager_direct_table, manager_direct_range, manager_cap2048_table, manager_hit_rates_table,
+    kernels_headline_table, kernels_fallback_ratio, kernels_contiguous_range, kernels_page_sizes, kernels_ptx_table,
+    engine_table, engine_summary, tiers_table, tiers_bookkeeping_table, tiers_summary, mooncake_table, mooncake_summary,
+    compression_table, compression_bytes, compression_tiny_table, compression_real_engine_table,
+    compression_real_teacher_table, compression_real_setup, compression_real_summary, serving_table, serving_ratios,
+)  # fmt: skip
+"""The renderers whose region is their own name with dashes: ``manager_headline_table`` renders
+``manager-headline-table``, so a region's name and its function cannot drift apart."""
+
 RENDERERS: dict[str, Callable[[Results], str]] = {
     "summary": summary_table,
-    "manager-headline-table": manager_headline_table,
-    "manager-headline-range": manager_headline_range,
-    "manager-headline-verdict": manager_headline_verdict,
-    "manager-before-range": manager_before_range,
-    "manager-direct-table": manager_direct_table,
-    "manager-direct-range": manager_direct_range,
-    "manager-cap2048-table": manager_cap2048_table,
-    "manager-hit-rates-table": manager_hit_rates_table,
-    "kernels-headline-table": kernels_headline_table,
-    "kernels-fallback-ratio": kernels_fallback_ratio,
-    "kernels-contiguous-range": kernels_contiguous_range,
-    "kernels-page-sizes": kernels_page_sizes,
-    "kernels-ptx-table": kernels_ptx_table,
-    "engine-table": engine_table,
-    "engine-summary": engine_summary,
-    "tiers-table": tiers_table,
-    "tiers-bookkeeping-table": tiers_bookkeeping_table,
-    "tiers-summary": tiers_summary,
-    "mooncake-table": mooncake_table,
-    "mooncake-summary": mooncake_summary,
-    "compression-table": compression_table,
-    "compression-bytes": compression_bytes,
-    "compression-tiny-table": compression_tiny_table,
-    "compression-real-engine-table": compression_real_engine_table,
-    "compression-real-teacher-table": compression_real_teacher_table,
-    "compression-real-setup": compression_real_setup,
-    "compression-real-summary": compression_real_summary,
-    "serving-table": serving_table,
-    "serving-ratios": serving_ratios,
+    **{renderer.__name__.replace("_", "-"): renderer for renderer in _NAMED_AFTER_THEMSELVES},
     **SIMULATE_RENDERERS,
     **{f"run-{name}": _dated(name) for name in
        ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "host_cost", "tiers", "tiers_mooncake",
@@ -677,7 +646,7 @@ def stale_regions(path: Path, results: Results) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.render_docs", description=(__doc__ or "").splitlines()[0])
+    parser = bench_parser("render_docs", __doc__)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every stale region")
     parser.add_argument(
         "--results", type=Path, default=RESULTS, help="folder of the result files (default: bench/results)"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, cast
 
+from bench.common import bench_parser
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 
 __all__ = ["IMAGES", "RUNS", "SIMULATE_RENDERERS", "SimulateRun", "build_parser", "main", "run_flags"]
@@ -290,27 +291,21 @@ def run_date(results: Results) -> str:
 
 
 SIMULATE_RENDERERS: dict[str, Callable[[Results], str]] = {
-    "simulate-chat-seconds": chat_seconds,
-    "simulate-fp8-shift": fp8_shift,
-    "simulate-prefix-sharing-command": prefix_sharing_command,
-    "simulate-few-shot-output": few_shot_output,
-    "simulate-vllm-output": vllm_output,
-    "simulate-vllm-gpu-share": vllm_gpu_share,
-    "simulate-few-shot-knee": few_shot_knee,
-    "simulate-few-shot-arc-ahead": few_shot_arc_ahead,
-    "simulate-chat-lru-ahead": chat_lru_ahead,
-    "simulate-vllm-ceiling": vllm_ceiling,
+    **{"simulate-" + renderer.__name__.replace("_", "-"): renderer for renderer in (
+        chat_seconds, fp8_shift, prefix_sharing_command, few_shot_output, vllm_output, vllm_gpu_share, few_shot_knee,
+        few_shot_arc_ahead, chat_lru_ahead, vllm_ceiling,
+    )},
     "run-simulate": run_date,
-}
-"""The generated regions of docs/simulate.md, by name, and what renders each (render_docs' signature)."""
+}  # fmt: skip
+"""The generated regions of docs/simulate.md, by name, and what renders each (render_docs' signature): ``simulate-``
+and the renderer's name with dashes, so the two cannot drift apart."""
 
 
 # -- the runs ------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description = (__doc__ or "").splitlines()[0]
-    parser = argparse.ArgumentParser(prog="python -m bench.render_simulate", description=description)
+    parser = bench_parser("render_simulate", __doc__)
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="folder for the JSON records (default: bench/results)")  # fmt: skip
     parser.add_argument("--images", type=Path, default=IMAGES, help="folder for the plots (default: docs/img)")

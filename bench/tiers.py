@@ -87,21 +87,15 @@ class PassResult:
     cascade_s: float
     promotion_s: float
 
-    @property
-    def cascade_chunks_per_s(self) -> float:
-        return self.chunks / self.cascade_s
+    def seconds(self, direction: str) -> float:
+        """The time of the pass in ``direction``: ``cascade`` or ``promotion``."""
+        return {"cascade": self.cascade_s, "promotion": self.promotion_s}[direction]
 
-    @property
-    def promotion_chunks_per_s(self) -> float:
-        return self.chunks / self.promotion_s
+    def chunks_per_s(self, direction: str) -> float:
+        return self.chunks / self.seconds(direction)
 
-    @property
-    def cascade_gb_per_s(self) -> float:
-        return self.chunks * self.chunk_bytes / self.cascade_s / 1e9
-
-    @property
-    def promotion_gb_per_s(self) -> float:
-        return self.chunks * self.chunk_bytes / self.promotion_s / 1e9
+    def gb_per_s(self, direction: str) -> float:
+        return self.chunks * self.chunk_bytes / self.seconds(direction) / 1e9
 
 
 def _slot_bytes(primary: str, chunk_bytes: int) -> int:
@@ -264,30 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--total-mib", type=int, default=128, help="MiB moved per pass and direction (default: 128)")
     parser.add_argument("--batch", type=int, default=8, help="chunks per store, as one step stores them (default: 8)")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="passes per size and primary, best kept (default: 7, 1 with --quick)"
+        "--repeats", type=int, help="passes per size and primary, best kept (default: 7, 1 with --quick)"
     )
     parser.add_argument("--threads", type=int, default=4, help="fs tier read and write threads each (default: 4)")
-    parser.add_argument(
-        "--root", type=Path, default=None, help="directory for the fs tier (default: a temporary one under /tmp)"
-    )
+    parser.add_argument("--root", type=Path, help="directory for the fs tier (default: a temporary one under /tmp)")
     parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 16 MiB per pass, one repeat, no goal verdict; writes tiers-quick.json",
     )
-    parser.add_argument(
-        "--name", default=None, help="result file name without .json (default: tiers, tiers-quick with --quick)"
-    )
+    parser.add_argument("--name", help="result file name without .json (default: tiers, tiers-quick with --quick)")
     return parser
-
-
-def _best(results: list[PassResult], attribute: str) -> float:
-    """The best pass: on a shared machine, interference only ever slows a pass down."""
-    return max(float(getattr(result, attribute)) for result in results)
-
-
-def _median(results: list[PassResult], attribute: str) -> float:
-    return statistics.median(float(getattr(result, attribute)) for result in results)
 
 
 def _median_costs(runs: list[Bookkeeping]) -> dict[str, float]:
@@ -296,12 +277,13 @@ def _median_costs(runs: list[Bookkeeping]) -> dict[str, float]:
 
 
 def _figures(results: list[PassResult], direction: str) -> dict[str, float]:
-    """One primary's record for a chunk size and direction: its best pass, and its median chunks/s."""
-    rate = f"{direction}_chunks_per_s"
+    """One primary's record for a chunk size and direction: its best pass (on a shared machine, interference only
+    ever slows a pass down), and its median chunks/s."""
+    rates = [result.chunks_per_s(direction) for result in results]
     return {
-        "chunks_per_s": _best(results, rate),
-        "gb_per_s": _best(results, f"{direction}_gb_per_s"),
-        "median_chunks_per_s": _median(results, rate),
+        "chunks_per_s": max(rates),
+        "gb_per_s": max(result.gb_per_s(direction) for result in results),
+        "median_chunks_per_s": statistics.median(rates),
     }
 
 
@@ -348,17 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    headers = [
-        "chunk MiB",
-        "direction",
-        "vLLM chunks/s",
-        "vLLM GB/s",
-        "kvtriton chunks/s",
-        "kvtriton GB/s",
-        "ratio",
-        "median ratio",
-        "vLLM/vLLM (A/A)",
-    ]
+    headers = ["chunk MiB", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s",
+               "ratio", "median ratio", "vLLM/vLLM (A/A)"]  # fmt: skip
     table: list[list[object]] = []
     records: list[dict[str, object]] = []
     worst = float("inf")
@@ -366,22 +339,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     noise = 0.0  # the largest distance of an A/A median ratio from 1
     for size in sizes:
         for direction in ("cascade", "promotion"):
-            theirs, ours = results[(size, "vllm")], results[(size, "kvtriton")]
-            rate, gbps = f"{direction}_chunks_per_s", f"{direction}_gb_per_s"
-            ratio = _best(ours, rate) / _best(theirs, rate)
-            median_ratio = _median(ours, rate) / _median(theirs, rate)
-            same_ratio = _median(results[(size, NOISE_PRIMARY)], rate) / _median(theirs, rate)
+            theirs, ours, again = (_figures(results[(size, primary)], direction) for primary in PASS_ORDER)
+            ratio = ours["chunks_per_s"] / theirs["chunks_per_s"]
+            median_ratio = ours["median_chunks_per_s"] / theirs["median_chunks_per_s"]
+            same_ratio = again["median_chunks_per_s"] / theirs["median_chunks_per_s"]
             worst = min(worst, ratio)
             worst_median = min(worst_median, median_ratio)
             noise = max(noise, abs(1.0 - same_ratio))
             table.append([
-                size / (1 << 20), direction, _best(theirs, rate), _best(theirs, gbps),
-                _best(ours, rate), _best(ours, gbps), ratio, median_ratio, same_ratio,
+                size / (1 << 20), direction, theirs["chunks_per_s"], theirs["gb_per_s"],
+                ours["chunks_per_s"], ours["gb_per_s"], ratio, median_ratio, same_ratio,
             ])  # fmt: skip
             records.append({
                 "chunk_bytes": size, "direction": direction, "ratio": ratio, "median_ratio": median_ratio,
-                "vllm_vs_vllm_median_ratio": same_ratio,
-                "vllm": _figures(theirs, direction), "kvtriton": _figures(ours, direction),
+                "vllm_vs_vllm_median_ratio": same_ratio, "vllm": theirs, "kvtriton": ours,
             })  # fmt: skip
     print(format_table(headers, table))
 

@@ -125,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--name",
-        default=None,
         help="result file name under bench/results/ (default tiers_mooncake, tiers_mooncake-quick with --quick)",
     )
     parser.add_argument(
@@ -367,13 +366,9 @@ def measure_size(
             for path, run in runs.items():
                 times[path].append(run())
 
-        def fastest(path: str) -> tuple[float, float]:
-            """The fastest store and the fastest load of ``path``'s timed runs."""
-            return min(store_s for store_s, _ in times[path]), min(load_s for _, load_s in times[path])
-
-        tier_store, tier_load = fastest("mooncake")
-        raw_store, raw_load = fastest("raw")
-        fs_store, fs_load = fastest("fs")
+        # The fastest store and the fastest load of each path's timed runs.
+        fastest = {path: (min(store_s for store_s, _ in timed), min(load_s for _, load_s in timed))
+                   for path, timed in times.items()}  # fmt: skip
         steps, millis = promotion_latency(tier, promotions, step_ms, keys_for(next(run_ids)), chunks, job_ids)
         promoted = min(promotions, chunks)
         if not np.array_equal(rows[chunks : chunks + promoted], rows[:promoted]):
@@ -384,15 +379,14 @@ def measure_size(
         fs_tier.shutdown()
         store.close()
         shutil.rmtree(fs_root, ignore_errors=True)
+    (tier_store, tier_load), (raw_store, raw_load) = fastest["mooncake"], fastest["raw"]
+    # mooncake_store_gbps, mooncake_load_gbps, raw_store_gbps ... fs_load_gbps
+    bandwidths = {f"{path}_{direction}_gbps": gbps(total, seconds)
+                  for path, both in fastest.items() for direction, seconds in zip(("store", "load"), both)}  # fmt: skip
     return SizeResult(
         chunk_mib=chunk_mib,
         chunks=chunks,
-        mooncake_store_gbps=gbps(total, tier_store),
-        mooncake_load_gbps=gbps(total, tier_load),
-        raw_store_gbps=gbps(total, raw_store),
-        raw_load_gbps=gbps(total, raw_load),
-        fs_store_gbps=gbps(total, fs_store),
-        fs_load_gbps=gbps(total, fs_load),
+        **bandwidths,
         store_overhead_ratio=raw_store / tier_store,
         load_overhead_ratio=raw_load / tier_load,
         promotion_steps=steps,
