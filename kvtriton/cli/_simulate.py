@@ -674,11 +674,7 @@ def _recommendation_lines(
                 f" {_percent(ceiling)}, is all the offload tier gives; lower --target-hit-rate."
             )
         return lines
-    flags = [f"--block-size {geometry.block_size}"]
-    if isinstance(order, VllmOrder) and order.max_num_seqs is not None:
-        flags.append(f"--max-num-seqs {order.max_num_seqs}")
-    if isinstance(order, VllmOrder) and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
-        flags.append(f"--max-num-batched-tokens {order.max_num_batched_tokens}")
+    flags = _server_flags(geometry, order)
     if found.tensor_parallel_size > 1:
         flags.append(f"--tensor-parallel-size {found.tensor_parallel_size}")
     slab = found.slab_bytes_per_rank
@@ -710,6 +706,16 @@ def _recommendation_lines(
             " count only what the GPU cache does not serve, as vLLM does"
         )
     return lines
+
+
+def _server_flags(geometry: ModelGeometry, order: CallOrder) -> list[str]:
+    """The ``vllm serve`` flags of the server the replay modelled: its block size and the scheduler limits given."""
+    flags = [f"--block-size {geometry.block_size}"]
+    if isinstance(order, VllmOrder) and order.max_num_seqs is not None:
+        flags.append(f"--max-num-seqs {order.max_num_seqs}")
+    if isinstance(order, VllmOrder) and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        flags.append(f"--max-num-batched-tokens {order.max_num_batched_tokens}")
+    return flags
 
 
 def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[str]) -> list[str]:
@@ -1293,9 +1299,7 @@ def _tiered_recommendation_lines(
         "kv_role": "kv_both",
         "kv_connector_extra_config": found.extra_config,
     }
-    flags = [f"--block-size {geometry.block_size}"]
-    if order.max_num_seqs is not None:
-        flags.append(f"--max-num-seqs {order.max_num_seqs}")
+    flags = _server_flags(geometry, order)
     lines = [
         f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier_size},"

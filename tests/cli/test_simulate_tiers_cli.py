@@ -69,6 +69,17 @@ def test_the_cheapest_point_of_a_shared_pool_comes_with_its_tiered_config(
     assert (tier["type"], tier["module_path"]) == ("MooncakeStoreTier", "kvtriton.integrations.mooncake")
 
 
+def test_the_tiered_answer_serves_with_the_scheduler_limits_it_was_simulated_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--tier", "fs", "--capacities", "1,4", "--target-hit-rate", "0.01"]
+    limits = ["--max-num-seqs", "4", "--max-num-batched-tokens", "1024"]
+    assert main(["simulate", *SMALL, *flags, *limits, "--out", str(tmp_path)]) == 0
+    assert (
+        "vllm serve <model> --block-size 32 --max-num-seqs 4 --max-num-batched-tokens 1024" in capsys.readouterr().out
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
