@@ -893,7 +893,6 @@ def run(args: argparse.Namespace) -> int:
         args,
         source,
         started,
-        machine=True,
         geometry={
             "model": geometry.name,
             "num_layers": geometry.num_layers,
@@ -1199,7 +1198,6 @@ def _run_tiered(
         args,
         source,
         started,
-        machine=False,
         servers=args.servers,
         tier=args.tier.describe(),
         host_price_ratio=args.host_price_ratio,
@@ -1349,18 +1347,15 @@ def _holding_a_block(capacities: list[int], geometry: ModelGeometry) -> list[int
     return capacities
 
 
-def _record(
-    args: argparse.Namespace, source: _Source, started: float, *, machine: bool, **fields: object
-) -> dict[str, object]:
-    """A run's JSON record: the command and when it ran (with ``machine``, where), the trace, ``fields``, the time
-    taken."""
+def _record(args: argparse.Namespace, source: _Source, started: float, **fields: object) -> dict[str, object]:
+    """A run's JSON record: the command, when and where it ran, the trace, ``fields``, the time taken."""
     record: dict[str, object] = {
         "command": "kvtriton simulate",
         "argv": cast("list[str]", getattr(args, "command_line", sys.argv[1:])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
     }
-    if machine:
-        record.update(python=platform.python_version(), platform=platform.platform())
     record.update(
         rates="fractions of 1 (the printed table shows them as percentages)",
         source={"name": source.name, **source.description},

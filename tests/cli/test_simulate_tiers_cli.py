@@ -26,6 +26,7 @@ def test_the_fs_tier_reports_each_tiers_counts_and_bytes_as_vllms_counters_do(
 ) -> None:
     record = simulate_json(tmp_path, capsys, "--tier", "fs", "--capacities", "1,4")
     assert (record["tier"], record["servers"]) == ("fs", 1)
+    assert record["python"] and record["platform"]  # where it ran, as the host-only record says
     points = record["points"]
     assert [(point["policy"], point["host_bytes"]) for point in points] == [
         (policy, gib << 30) for policy in ("lru", "arc") for gib in (1, 4)
