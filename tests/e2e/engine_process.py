@@ -57,7 +57,7 @@ def _damage_mooncake_values(manager: Any) -> None:
     """What a broken writer to the pool would leave: each chunk's value, the same size, 64 bytes flipped mid-way."""
     from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
 
-    keys = list(manager.primary_tier._cpu.slot_map())  # the chunks this engine stored (and cascaded)
+    keys = list(manager.primary_tier.cpu.slot_map())  # the chunks this engine stored (and cascaded)
     tiers = [tier for tier in manager.secondary_tiers if isinstance(tier, MooncakeStoreTier)]
     assert keys and tiers, (keys, tiers)
     for tier in tiers:

@@ -21,10 +21,11 @@ import numpy as np
 
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
 from mooncake_fixtures.managers import cluster as cluster
-from mooncake_fixtures.managers import managers as managers
 from mooncake_fixtures.managers import promote, serve_and_cascade, started
 from mooncake_fixtures.tiers import chunk_keys
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
@@ -36,7 +37,7 @@ TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 
 
 def kvtriton_manager(
-    cluster: MooncakeCluster, made: list[TieringOffloadingManager], *, compressed: bool
+    cluster: MooncakeCluster, made: list[OffloadingManager], *, compressed: bool
 ) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
     tier_config = {
         "type": "MooncakeStoreTier",
@@ -54,7 +55,7 @@ def kvtriton_manager(
 
 
 def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(
-    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+    cluster: MooncakeCluster, managers: list[OffloadingManager]
 ) -> None:
     writer, writer_tier, writer_rows = kvtriton_manager(cluster, managers, compressed=True)
     assert writer_tier.keyspace.identity.layout_tag == TAG
@@ -76,7 +77,7 @@ def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_
 
 
 def test_the_manifest_behind_a_compressed_digest_names_the_compression_and_its_group_size(
-    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+    cluster: MooncakeCluster, managers: list[OffloadingManager]
 ) -> None:
     _, tier, _ = kvtriton_manager(cluster, managers, compressed=True)
     store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))

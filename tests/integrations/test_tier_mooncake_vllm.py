@@ -25,9 +25,10 @@ import numpy as np
 
 # The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
 from mooncake_fixtures.managers import cluster as cluster
-from mooncake_fixtures.managers import managers as managers
 from mooncake_fixtures.managers import promote, serve_and_cascade, started
 from mooncake_fixtures.tiers import chunk_keys
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
+from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm_fixtures.builders import offloading_config
@@ -38,7 +39,7 @@ BLOCK_BYTES = 64 * 1024
 
 
 def tiered_manager(
-    cluster: MooncakeCluster, engine_id: str, made: list[TieringOffloadingManager], block_bytes: int = BLOCK_BYTES
+    cluster: MooncakeCluster, engine_id: str, made: list[OffloadingManager], block_bytes: int = BLOCK_BYTES
 ) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
     """vLLM's TieringOffloadingSpec with the Mooncake tier loaded by module path; returns the tier and the primary's rows."""
     tier_config = {
@@ -56,7 +57,7 @@ def tiered_manager(
 
 
 def test_chunks_cascaded_by_one_vllm_manager_are_promoted_bit_exact_by_another_and_missed_by_another_layout(
-    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+    cluster: MooncakeCluster, managers: list[OffloadingManager]
 ) -> None:
     first, first_tier, first_rows = tiered_manager(cluster, "mooncake-first", managers)
     keys = chunk_keys(3, salt=30)
@@ -76,7 +77,7 @@ def test_chunks_cascaded_by_one_vllm_manager_are_promoted_bit_exact_by_another_a
 
 
 def test_vllm_builds_the_tier_from_its_documented_defaults(
-    cluster: MooncakeCluster, managers: list[TieringOffloadingManager]
+    cluster: MooncakeCluster, managers: list[OffloadingManager]
 ) -> None:
     _, tier, _ = tiered_manager(cluster, "mooncake-defaults", managers)
     config = tier.config
@@ -113,7 +114,7 @@ def test_vllm_declares_the_tiers_metrics_and_info_labels() -> None:
 
 
 def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier_label(
-    cluster: MooncakeCluster, managers: list[TieringOffloadingManager], tmp_path: Path
+    cluster: MooncakeCluster, managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     """Through vLLM's Prometheus metrics (what PrometheusStatLogger exports) and vLLM's reader (LLM.get_metrics())."""
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
@@ -184,7 +185,7 @@ def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier
 def test_after_shutdown_the_primary_unmaps_its_region(cluster: MooncakeCluster) -> None:
     # The tier holds the primary's memory registered with Mooncake; once the store is closed it lets go,
     # so vLLM's primary can unmap its region instead of keeping it mapped for a native user.
-    made: list[TieringOffloadingManager] = []
+    made: list[OffloadingManager] = []
     manager, _, rows = tiered_manager(cluster, "mooncake-unmap", made)
     del rows  # the test's own view of the primary
     region = manager.primary_tier._mmap_region  # pyright: ignore[reportPrivateUsage] -- vLLM's CPU primary keeps its region private

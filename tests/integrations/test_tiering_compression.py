@@ -8,7 +8,6 @@ other's chunks, never read them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import torch
 from tiering_fixtures.configs import key, settle_lookup, tiering_config
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.tiered_vllm import BLOCK_SIZE, LAYERS, TieredVLLM, fs_tier, start_tiered_vllm
 from vllm.config import ModelConfig
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
@@ -53,14 +53,6 @@ def test_the_compressed_spec_sizes_the_region_in_compressed_rows_and_tags_the_ti
     # Each chunk is padded to whole 4 KiB pages (O_DIRECT): 33856 bytes and the seal take 36864.
     assert compressed.region_layout.chunk_bytes == 9 * 4096
     assert compressed.region_layout.num_chunks == 64 * 65536 // (9 * 4096) == 113
-
-
-@pytest.fixture
-def managers() -> Iterator[list[OffloadingManager]]:
-    made: list[OffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
 
 
 def test_a_compressed_and_an_uncompressed_engine_on_one_fs_root_never_read_each_others_chunks(

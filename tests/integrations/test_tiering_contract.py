@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
@@ -44,17 +44,7 @@ def sealed_manager(manager: TieringOffloadingManager) -> SealedTieringManager:
 BUDGET_1M: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
 
 
-@pytest.fixture
-def managers() -> Iterator[list[TieringOffloadingManager]]:
-    made: list[TieringOffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
-
-
-def tiering(
-    managers: list[TieringOffloadingManager], extra: dict[str, object], **config: object
-) -> TieringOffloadingManager:
+def tiering(managers: list[OffloadingManager], extra: dict[str, object], **config: object) -> TieringOffloadingManager:
     spec = OffloadingSpecFactory.create_spec(tiering_config(extra, **config))  # pyright: ignore[reportArgumentType] -- keyword pass-through
     assert isinstance(spec, KVTritonTieringOffloadingSpec)
     manager = spec.get_manager()
@@ -95,7 +85,7 @@ def test_with_one_block_per_chunk_and_room_for_the_seal_in_the_padding_the_geome
 
 
 def test_a_promotion_slot_stays_pending_until_written_and_is_freed_when_the_write_fails(
-    managers: list[TieringOffloadingManager],
+    managers: list[OffloadingManager],
 ) -> None:
     primary = primary_of(tiering(managers, {"cpu_bytes_to_use": 4 * CHUNK}))
     context = ReqContext(req_id="r")
@@ -113,7 +103,7 @@ def test_a_promotion_slot_stays_pending_until_written_and_is_freed_when_the_writ
 
 
 def test_a_cascade_read_pins_without_counting_an_access_and_reads_stack(
-    managers: list[TieringOffloadingManager],
+    managers: list[OffloadingManager],
 ) -> None:
     primary = primary_of(tiering(managers, {"cpu_bytes_to_use": 2 * CHUNK, "eviction_policy": "lru"}))
     context = ReqContext(req_id="r")
@@ -135,7 +125,7 @@ def test_a_cascade_read_pins_without_counting_an_access_and_reads_stack(
 
 
 def test_the_primary_exposes_the_region_and_the_facts_the_orchestrator_reads(
-    managers: list[TieringOffloadingManager], tmp_path: Path
+    managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     manager = tiering(
         managers,
@@ -211,7 +201,7 @@ def test_the_secondary_tiers_namespace_names_the_layout_and_the_identity() -> No
 
 
 def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
-    managers: list[TieringOffloadingManager], caplog: pytest.LogCaptureFixture
+    managers: list[OffloadingManager], caplog: pytest.LogCaptureFixture
 ) -> None:
     from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
@@ -243,7 +233,7 @@ VLLM_LRU: dict[str, object] = {
 """vLLM's own LRU by module path: the tiered spec then runs vLLM's CPUPrimaryTierOffloadingManager, the reference."""
 
 
-def _cascade_pins_trace(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[object]:
+def _cascade_pins_trace(managers: list[OffloadingManager], policy: dict[str, object]) -> list[object]:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": 4 * CHUNK,
         "secondary_tiers": [{"type": "example"}, {"type": "example"}],
@@ -272,7 +262,7 @@ def _cascade_pins_trace(managers: list[TieringOffloadingManager], policy: dict[s
 
 
 def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does(
-    managers: list[TieringOffloadingManager],
+    managers: list[OffloadingManager],
 ) -> None:
     """vLLM's test_ref_cnt_protection_during_cascade, through what is stored and evicted instead of private pin counts:
     kvtriton's primary and vLLM's own (same LRU rule) give the same answers step by step while two tiers cascade."""
@@ -282,7 +272,7 @@ def test_cascade_pins_release_chunks_to_eviction_exactly_when_vllms_primary_does
     assert ours[-1] == (4, 4)  # after the cascades drained, four new chunks evict the four held ones
 
 
-def _four_requests_evicted(managers: list[TieringOffloadingManager], policy: dict[str, object]) -> list[OffloadKey]:
+def _four_requests_evicted(managers: list[OffloadingManager], policy: dict[str, object]) -> list[OffloadKey]:
     """r1 stores A,B; r2 stores C,D; r3 loads A,B; r4 stores E,F into four chunks: what r4's store evicts."""
     manager = tiering(managers, {"cpu_bytes_to_use": 4 * CHUNK, **policy})
     step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -308,7 +298,7 @@ def _four_requests_evicted(managers: list[TieringOffloadingManager], policy: dic
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_the_tiered_spec_keeps_a_just_hit_prefix_over_untouched_chunks(
-    managers: list[TieringOffloadingManager], policy: str
+    managers: list[OffloadingManager], policy: str
 ) -> None:
     """vLLM's tiered manager never announces a request to its primary: recency must not depend on it."""
     assert sorted(_four_requests_evicted(managers, {"eviction_policy": policy})) == [key(3), key(4)]

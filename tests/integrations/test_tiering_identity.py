@@ -7,13 +7,14 @@ test_vllm_identity.py; here, what the tiered spec does with it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.configs import tiering_config
+from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -29,14 +30,6 @@ def tiered_spec(extra: dict[str, object], **config: object) -> KVTritonTieringOf
     spec = OffloadingSpecFactory.create_spec(tiering_config(extra, **config))  # pyright: ignore[reportArgumentType] -- keyword pass-through
     assert isinstance(spec, KVTritonTieringOffloadingSpec)
     return spec
-
-
-@pytest.fixture
-def managers() -> Iterator[list[TieringOffloadingManager]]:
-    made: list[TieringOffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
 
 
 def test_the_spec_computes_the_identity_and_logs_it_in_one_start_up_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -71,7 +64,7 @@ def test_an_empty_identity_key_is_refused_naming_the_key() -> None:
 
 
 def test_the_primary_tiers_config_info_shows_the_identity_and_its_source(
-    managers: list[TieringOffloadingManager],
+    managers: list[OffloadingManager],
 ) -> None:
     assert set(IDENTITY_INFO_KEYS) <= set(KVTritonTieringOffloadingSpec.config_info_keys(dict(KEYED)))
     spec = tiered_spec(KEYED)

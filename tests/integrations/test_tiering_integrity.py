@@ -11,7 +11,7 @@ tier's label and the reason, and is not promoted again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, tiering_config
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
@@ -35,14 +36,6 @@ FILLS = {1: 0x11, 2: 0x22, 3: 0x33}
 END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-@pytest.fixture
-def managers() -> Iterator[list[SealedTieringManager]]:
-    made: list[SealedTieringManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
-
-
 VLLM_POLICY: dict[str, object] = {
     "eviction_policy": "LRUCachePolicy",
     "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
@@ -51,7 +44,7 @@ VLLM_POLICY: dict[str, object] = {
 
 
 def build(
-    managers: list[SealedTieringManager], root: Path, policy: dict[str, object] | None = None, **config: object
+    managers: list[OffloadingManager], root: Path, policy: dict[str, object] | None = None, **config: object
 ) -> SealedTieringManager:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": 8 * CHUNK,
@@ -197,7 +190,7 @@ DAMAGES: dict[str, tuple[Callable[[Path, SealedTieringManager], None], Integrity
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_a_faulty_chunk_file_is_a_miss_counted_by_reason_and_the_good_keys_are_still_served(
-    managers: list[SealedTieringManager], tmp_path: Path, damage: str
+    managers: list[OffloadingManager], tmp_path: Path, damage: str
 ) -> None:
     manager = build(managers, tmp_path)
     store_all(manager)
@@ -218,7 +211,7 @@ def test_a_faulty_chunk_file_is_a_miss_counted_by_reason_and_the_good_keys_are_s
 
 
 def test_behind_vllms_own_primary_a_faulty_chunk_is_a_miss_too(
-    managers: list[SealedTieringManager], tmp_path: Path
+    managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     manager = build(managers, tmp_path, VLLM_POLICY)
     assert type(manager.primary_tier).__name__ == "CPUPrimaryTierOffloadingManager"
@@ -229,7 +222,7 @@ def test_behind_vllms_own_primary_a_faulty_chunk_is_a_miss_too(
 
 
 def test_a_key_that_failed_is_promoted_again_once_this_engine_stored_it_afresh(
-    managers: list[SealedTieringManager], tmp_path: Path
+    managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     manager = build(managers, tmp_path)
     store_all(manager)
@@ -241,7 +234,7 @@ def test_a_key_that_failed_is_promoted_again_once_this_engine_stored_it_afresh(
 
 
 def test_another_identity_files_its_chunks_in_another_directory_so_a_redeployed_model_plainly_misses(
-    managers: list[SealedTieringManager], tmp_path: Path
+    managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     writer = build(managers, tmp_path, model_name="models/llama")
     store_all(writer)
@@ -259,7 +252,7 @@ def test_another_identity_files_its_chunks_in_another_directory_so_a_redeployed_
 
 
 def test_the_seal_is_written_when_a_tier_is_handed_the_slot_and_the_worker_bytes_stay_as_they_were(
-    managers: list[SealedTieringManager], tmp_path: Path
+    managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     manager = build(managers, tmp_path)
     store_all(manager)

@@ -11,7 +11,6 @@ primary and a vLLM primary sharing an fs root only miss each other's chunks.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import torch
 from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -118,14 +118,6 @@ def test_with_two_blocks_per_chunk_the_bytes_are_ordered_differently_hence_the_l
     theirs = vllm_region_bytes(2, 2, stores)
     assert ours != theirs
     assert sorted(byte for byte in ours if byte) == sorted(byte for byte in theirs if byte)  # the same bytes
-
-
-@pytest.fixture
-def managers() -> Iterator[list[OffloadingManager]]:
-    made: list[OffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
 
 
 CHUNK_BLOCK_BYTES = 2048

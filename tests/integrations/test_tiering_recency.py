@@ -11,13 +11,12 @@ as vLLM alone, vLLM tiered and kvtriton's single-tier spec all do.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import key, tiering_config
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -28,14 +27,6 @@ from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 A, B, C, D, E, F = (key(index) for index in range(1, 7))
-
-
-@pytest.fixture
-def managers() -> Iterator[list[OffloadingManager]]:
-    made: list[OffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
 
 
 def kvtriton_tiered(managers: list[OffloadingManager], policy: str, slots: int = 4) -> TieringOffloadingManager:

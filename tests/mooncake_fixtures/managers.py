@@ -1,7 +1,8 @@
 """vLLM tiering managers over one Mooncake cluster: the fixtures and the store / promotion steps they share.
 
 A test module takes the fixtures by importing them under their own names
-(``from mooncake_fixtures.managers import cluster as cluster, managers as managers``),
+(``from mooncake_fixtures.managers import cluster as cluster``; the ``managers`` list is
+``tiering_fixtures.configs``'s),
 so each module still gets its own cluster; a test that breaks the store (kills,
 hangs or restarts its master or holder) takes ``own_cluster``, one of its own. vLLM's CPU worker needs a GPU, so
 the GPU<->primary copies are the test's own writes into and reads from the
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from tiering_fixtures.configs import drain as settle  # one polling loop for both fixture packages
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
@@ -24,7 +25,7 @@ from kvtriton.integrations._mooncake_local import MooncakeCluster
 from kvtriton.integrations.mooncake import MooncakeStoreTier
 from mooncake_fixtures.tiers import END_OF_STEP
 
-__all__ = ["cluster", "managers", "own_cluster", "promote", "serve_and_cascade", "settle", "started"]
+__all__ = ["cluster", "own_cluster", "promote", "serve_and_cascade", "settle", "started"]
 
 
 def _running_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
@@ -45,17 +46,8 @@ def own_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCl
     yield from _running_cluster(tmp_path_factory)
 
 
-@pytest.fixture
-def managers() -> Iterator[list[TieringOffloadingManager]]:
-    """The managers a test builds (it appends them); each is shut down after the test."""
-    made: list[TieringOffloadingManager] = []
-    yield made
-    for manager in made:
-        manager.shutdown()
-
-
 def started(
-    manager: object, made: list[TieringOffloadingManager]
+    manager: object, made: list[OffloadingManager]
 ) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
     """A spec's tiering manager (kept in ``made``), its one Mooncake tier once up, and its primary's rows."""
     assert isinstance(manager, TieringOffloadingManager)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
+import pytest
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadingManager,
@@ -24,6 +25,15 @@ TIERING_EXTRA: dict[str, object] = {
     "spec_name": "KVTritonTieringOffloadingSpec",
     "spec_module_path": "kvtriton.integrations.vllm",
 }
+
+
+@pytest.fixture
+def managers() -> Iterator[list[OffloadingManager]]:
+    """The managers a test builds (it appends them); each is shut down after the test."""
+    made: list[OffloadingManager] = []
+    yield made
+    for manager in made:
+        manager.shutdown()
 
 
 def tiering_config(
