@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtriton.integrations._vllm_config import (
     KVTRITON_PAGEABLE_SLAB,
@@ -32,6 +31,7 @@ from kvtriton.integrations._vllm_config import (
     host_row_bytes,
     kv_dtype,
 )
+from kvtriton.integrations._vllm_surface import OffloadingConfig
 from kvtriton.integrations._vllm_worker import GroupPages
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._slab import HostSlab, SlabPinningError

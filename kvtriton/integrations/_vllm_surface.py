@@ -1,13 +1,21 @@
-"""Every vLLM name kvtriton relies on that vLLM does not promise to keep: the inventory, and the way to reach each.
+"""The vLLM surface: every vLLM name kvtriton uses, and each difference between the vLLM releases it supports.
 
-vLLM's offloading interface moves between releases, and kvtriton's adapters
-lean on a few of its internals: a private registry, a private hook it
-overrides, attributes its orchestrator reads, a factory's assertion, the
-field its secondary tiers name their storage after. They are all listed in
-:data:`VLLM_PRIVATE_NAMES` (what, where kvtriton uses it, why), and the code
-reaches the ones it reads through the helpers below, so a vLLM release that
-changes one is one edit here. ``tests/integrations/test_vllm_private_names.py``
-checks each entry against the installed vLLM and fails naming the entry.
+kvtriton supports the vLLM releases in :data:`TESTED_VLLM_RELEASES` (0.33.x
+and 0.34.x). Everything kvtriton takes from vLLM comes through this module:
+
+* the vLLM names the adapters import, re-exported below, so a release that
+  moves one is one edit here;
+* each behaviour that differs between the supported releases, resolved once
+  into a named fact (:data:`WORKER_GETS_DEVICE_POINTERS`,
+  :data:`FAILED_TRANSFERS_ARE_REPORTED`, ...) that the adapters branch on,
+  instead of version tests scattered through them;
+* the version check at start-up (:func:`check_vllm_release`): the start-up
+  line naming kvtriton's and vLLM's versions, and the refusal of a vLLM
+  outside the tested range unless ``KVTRITON_ALLOW_UNTESTED_VLLM=1``;
+* the inventory of vLLM's private names kvtriton relies on
+  (:data:`VLLM_PRIVATE_NAMES`: what, where kvtriton uses it, why), which
+  ``tests/integrations/test_vllm_surface.py`` checks against the installed
+  vLLM, failing with the entry's name.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -16,10 +24,215 @@ is installed.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
-from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+import numpy as np
+import numpy.typing as npt
+from vllm import envs as vllm_envs
+from vllm.config import VllmConfig as VllmConfig
+from vllm.config import get_current_vllm_config_or_none as get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats as OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.base import ConfigInfoMapping as ConfigInfoMapping
+from vllm.v1.kv_offload.base import Locality as Locality
+from vllm.v1.kv_offload.base import LookupResult as LookupResult
+from vllm.v1.kv_offload.base import Medium as Medium
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata as OffloadingCounterMetadata
+from vllm.v1.kv_offload.base import OffloadingGaugeMetadata as OffloadingGaugeMetadata
+from vllm.v1.kv_offload.base import OffloadingMetricMetadata as OffloadingMetricMetadata
+from vllm.v1.kv_offload.base import OffloadingSpec as OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadKey as OffloadKey
+from vllm.v1.kv_offload.base import ReqContext as ReqContext
+from vllm.v1.kv_offload.base import RequestOffloadingContext as RequestOffloadingContext
+from vllm.v1.kv_offload.base import ScheduleEndContext as ScheduleEndContext
+from vllm.v1.kv_offload.base import get_offload_block_hash as get_offload_block_hash
+from vllm.v1.kv_offload.base import get_offload_group_idx as get_offload_group_idx
+from vllm.v1.kv_offload.config import OffloadingConfig as OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo as CPUOffloadingInfo
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as CachePolicy
+from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory as CachePolicyFactory
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager as AsyncLookupManager
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector as BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL as TIER_LABEL
+from vllm.v1.kv_offload.tiering.base import JobId as JobId
+from vllm.v1.kv_offload.tiering.base import JobResult as JobResult
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import TransferJob as TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory as SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager as FileSystemTierManager
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager as CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.manager import JobMetadata as JobMetadata
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager as TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as TieringOffloadingSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource as CacheHitSource
+
+import kvtriton
+from kvtriton.integrations._vllm_release import (
+    ALLOW_UNTESTED_VLLM,
+    TESTED_VLLM_RANGE,
+    TESTED_VLLM_RELEASES,
+    installed_vllm_version,
+    tested_releases,
+    vllm_release,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_configures_logging() -> bool:
+    """vLLM's ``VLLM_CONFIGURE_LOGGING`` (its environment settings are read when asked), with its logging set-up defined."""
+    importlib.import_module("vllm.logger")  # defines vLLM's logging set-up (applied when an engine starts)
+    return bool(vllm_envs.VLLM_CONFIGURE_LOGGING)
+
+
+# --- the release -------------------------------------------------------------------------------------------------
+
+VLLM_VERSION: str = installed_vllm_version()
+"""The installed vLLM's version."""
+
+VLLM_RELEASE: tuple[int, int] | None = vllm_release(VLLM_VERSION)
+"""Its ``(major, minor)``, None when the version string cannot be read."""
+
+
+def check_vllm_release(spec_logger: logging.Logger, environ: Mapping[str, str] = os.environ) -> None:
+    """At spec construction: log kvtriton's and vLLM's versions; refuse an untested vLLM unless the operator insists.
+
+    A vLLM outside :data:`TESTED_VLLM_RELEASES` raises ``RuntimeError`` with
+    one line naming the installed version, the tested range and what to do,
+    unless ``KVTRITON_ALLOW_UNTESTED_VLLM=1``: then it logs a WARNING and
+    goes on (kvtriton follows the newest tested release's contract).
+    """
+    if VLLM_RELEASE in TESTED_VLLM_RELEASES:
+        spec_logger.info(
+            "kvtriton %s on vLLM %s (tested on vLLM %s)", kvtriton.__version__, VLLM_VERSION, tested_releases()
+        )
+        return
+    problem = (
+        f"kvtriton {kvtriton.__version__} is tested on vLLM {tested_releases()}, but vLLM {VLLM_VERSION} is "
+        f"installed: install a tested release (pip install 'vllm{TESTED_VLLM_RANGE}') or a kvtriton that supports "
+        f"vLLM {VLLM_VERSION}"
+    )
+    if environ.get(ALLOW_UNTESTED_VLLM) != "1":
+        raise RuntimeError(f"{problem}; {ALLOW_UNTESTED_VLLM}=1 tries it anyway")
+    spec_logger.warning("%s; starting anyway because %s=1: KV transfers may fail", problem, ALLOW_UNTESTED_VLLM)
+
+
+# --- what differs between the supported releases, resolved once ----------------------------------------------------
+
+_AT_LEAST_0_34 = VLLM_RELEASE is None or VLLM_RELEASE >= (0, 34)
+"""vLLM 0.34's contract (or a newer or unreadable release, run only with ``KVTRITON_ALLOW_UNTESTED_VLLM``)."""
+
+WORKER_GETS_DEVICE_POINTERS: bool = hasattr(vllm_base, "DevicePointers")
+"""vLLM 0.34 hands a worker's ``submit_store``/``submit_load`` pre-resolved ``DevicePointers`` (one device address
+per block and data reference) instead of a ``GPULoadStoreSpec`` of block ids (0.33)."""
+
+FAILED_TRANSFERS_ARE_REPORTED: bool = _AT_LEAST_0_34
+"""vLLM 0.34's connector takes a failed job from ``get_finished``: a failed store is dropped (not published), a failed
+load is recomputed or fails the request as ``kv_load_failure_policy`` says. vLLM 0.33 asserts that every job
+succeeds (and that ``submit_*`` returns True), so there a refused job can only stop the engine."""
+
+MANAGER_HAS_TOUCH: bool = "touch" in vars(vllm_base.OffloadingManager)
+"""vLLM 0.33's managers, tiers and ``CachePolicy`` have ``touch``; 0.34 removed it (recency comes with
+``on_request_finished``)."""
+
+STORE_OFFERS_COUNT_ONCE_PER_REQUEST: bool = _AT_LEAST_0_34
+"""``store_threshold``: vLLM 0.34 counts a key's store offer once per request (a retry, or a re-offer after
+preemption, is no new use of the content); 0.33 counts every offer."""
+
+EVENTS_CARRY_REQ_CONTEXT: bool = "req_context" in {
+    field.name for field in dataclasses.fields(vllm_base.OffloadingEvent)
+}
+"""vLLM 0.34's stored ``OffloadingEvent`` names the request that stored it (``req_context``)."""
+
+PRIMARY_DEFERS_WRITE_RELEASE: bool = hasattr(CPUPrimaryTierOffloadingManager, "defer_write_release")
+"""vLLM 0.34's orchestrator asks the primary tier to keep a failed promotion's chunks out of the free pool until the
+secondary tier says its I/O can no longer write them (``defer_write_release``/``release_deferred_write``)."""
+
+POLICY_MUST_FINISH_REQUESTS: bool = "on_request_finished" in CachePolicy.__abstractmethods__
+"""vLLM 0.34's ``CachePolicy.on_request_finished`` is abstract (0.33's forwarded to ``touch``)."""
+
+SECONDARY_TIERS_REFUSE_MULTI_NODE: bool = _AT_LEAST_0_34
+"""vLLM 0.34 refuses secondary tiers on an engine whose workers span nodes: the tiers run in the engine core and
+read only its node's host region."""
+
+
+@runtime_checkable
+class DevicePointers(Protocol):
+    """What vLLM 0.34's ``DevicePointers`` carries, typed the same on either release (0.33 has no such class).
+
+    Flat arrays in vLLM's canonical order: for each group, for each of its
+    data references, for each of the group's blocks, one address and size.
+    """
+
+    @property
+    def ptrs(self) -> npt.NDArray[Any]: ...
+    @property
+    def sizes(self) -> npt.NDArray[Any]: ...
+    @property
+    def group_block_counts(self) -> tuple[int, ...]: ...
+    @property
+    def group_data_ref_counts(self) -> tuple[int, ...]: ...
+    @property
+    def block_indices(self) -> tuple[int, ...]: ...
+
+
+DeviceSide = vllm_base.GPULoadStoreSpec | DevicePointers
+"""The device side of a transfer job as the installed vLLM hands it: block ids (0.33) or resolved pointers (0.34)."""
+
+_STORE_PARAMETERS = inspect.signature(vllm_base.OffloadingWorker.submit_store)
+_LOAD_PARAMETERS = inspect.signature(vllm_base.OffloadingWorker.submit_load)
+
+
+def _bound(signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    bound = signature.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]
+
+
+def store_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, DeviceSide, vllm_base.LoadStoreSpec]:
+    """``submit_store``'s ``(job_id, device side, slot spec)``, bound to the installed vLLM's own signature.
+
+    The worker's override takes ``*args, **kwargs`` because the releases name
+    the device-side parameter differently (``src_spec`` in 0.33,
+    ``device_ptrs`` in 0.34); a bad call raises vLLM's own ``TypeError``.
+    """
+    job_id, device, slots = _bound(_STORE_PARAMETERS, args, kwargs)
+    return job_id, device, slots
+
+
+def load_arguments(
+    args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[int, vllm_base.LoadStoreSpec, DeviceSide, bool]:
+    """``submit_load``'s ``(job_id, slot spec, device side, expedited)``, bound as :func:`store_arguments` says."""
+    job_id, slots, device, expedited = _bound(_LOAD_PARAMETERS, args, kwargs)
+    return job_id, slots, device, expedited
+
+
+def device_pointer_values(
+    device: DevicePointers,
+) -> tuple[npt.NDArray[np.uint64], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(ptrs as uint64, group_block_counts, group_data_ref_counts, block_indices)`` of vLLM 0.34's pointers."""
+    return (
+        np.asarray(device.ptrs, dtype=np.uint64),
+        tuple(device.group_block_counts),
+        tuple(device.group_data_ref_counts),
+        tuple(device.block_indices),
+    )
+
+
+# --- vLLM's private names -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
