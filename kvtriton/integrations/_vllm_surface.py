@@ -106,7 +106,7 @@ VLLM_RELEASE: tuple[int, int] | None = vllm_release(VLLM_VERSION)
 """Its ``(major, minor)``, None when the version string cannot be read."""
 
 
-def check_vllm_release(spec_logger: logging.Logger, environ: Mapping[str, str] = os.environ) -> None:
+def check_vllm_release(spec_logger: logging.Logger = logger, environ: Mapping[str, str] = os.environ) -> None:
     """At spec construction: log kvtriton's and vLLM's versions; refuse an untested vLLM unless the operator insists.
 
     A vLLM outside :data:`TESTED_VLLM_RELEASES` raises ``RuntimeError`` with
