@@ -19,11 +19,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricMetadata
-from vllm.v1.kv_offload.tiering.base import TIER_LABEL
-
 from kvtriton._integrity import IntegrityFault
+from kvtriton.integrations._vllm_surface import (
+    TIER_LABEL,
+    OffloadingConnectorStats,
+    OffloadingCounterMetadata,
+    OffloadingMetricMetadata,
+)
 
 logger = logging.getLogger(__name__)
 

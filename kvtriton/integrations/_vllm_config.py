@@ -290,10 +290,7 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     mistyped or misplaced module path would silently run a built-in policy.
     """
     try:
-        from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
-        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
-
-        from kvtriton.integrations._vllm_private import registered_cache_policies
+        from kvtriton.integrations._vllm_surface import CachePolicy, CachePolicyFactory, registered_cache_policies
     except ImportError:
         return None
     registered = registered_cache_policies()

@@ -47,8 +47,7 @@ from typing import TYPE_CHECKING
 from kvtriton._integrity import FINGERPRINT_BYTES, ROW_FORMAT_VERSION
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_offload.config import OffloadingConfig
+    from kvtriton.integrations._vllm_surface import OffloadingConfig, VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +302,7 @@ def vllm_identity(
     is read from ``config.extra_config``.
     """
     if vllm_config is None:
-        from vllm.config import get_current_vllm_config_or_none
+        from kvtriton.integrations._vllm_surface import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
     revision: str | None = None

@@ -21,7 +21,6 @@ the records.
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 from typing_extensions import override
@@ -42,16 +41,14 @@ class VLLMForwardingHandler(logging.Handler):
 
 def attach_to_vllm_logging() -> bool:
     """Route the ``kvtriton`` logger's records to vLLM's handlers, at vLLM's level; whether it did (see the module doc)."""
-    import vllm.envs as vllm_envs
-
-    importlib.import_module("vllm.logger")  # defines vLLM's logging set-up (applied when an engine starts)
+    from kvtriton.integrations._vllm_surface import vllm_configures_logging
 
     kvtriton_logger = logging.getLogger(KVTRITON_LOGGER)
     if any(isinstance(handler, VLLMForwardingHandler) for handler in kvtriton_logger.handlers):
         return True
     vllm_logger = logging.getLogger(VLLM_LOGGER)
     if (
-        not vllm_envs.VLLM_CONFIGURE_LOGGING
+        not vllm_configures_logging()
         or not vllm_logger.handlers
         or kvtriton_logger.handlers
         or logging.getLogger().handlers

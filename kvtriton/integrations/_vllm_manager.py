@@ -45,16 +45,21 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Protocol, cast
 
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload import base as vllm_base
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtriton._byte_units import format_bytes
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
 from kvtriton.integrations._vllm_config import DEFAULT_SUMMARY_INTERVAL_S, declares_reuse_filter
+from kvtriton.integrations._vllm_surface import (
+    CacheHitSource,
+    CPUOffloadingInfo,
+    CPUOffloadingMetrics,
+    OffloadingConnectorStats,
+    vllm_base,
+)
+from kvtriton.integrations._vllm_surface import (
+    CPULoadStoreSpec as VLLMCPULoadStoreSpec,
+)
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
 
 logger = logging.getLogger(__name__)

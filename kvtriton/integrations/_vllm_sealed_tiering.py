@@ -60,19 +60,21 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload import base as vllm_base
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
-from vllm.v1.kv_offload.tiering.manager import (
-    CPUPrimaryTierOffloadingManager,
-    JobMetadata,
-    TieringOffloadingManager,
-)
 
 from kvtriton._integrity import IntegrityFault, seal_in_place, verify
 from kvtriton.integrations._integrity_report import IntegrityReport
 from kvtriton.integrations._vllm_identity import KVIdentity
+from kvtriton.integrations._vllm_surface import (
+    CPUPrimaryTierOffloadingManager,
+    FileSystemTierManager,
+    JobMetadata,
+    JobResult,
+    OffloadingConnectorStats,
+    SecondaryTierManager,
+    TieringOffloadingManager,
+    TransferJob,
+    vllm_base,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvtriton.integrations._vllm_config import (
     KVTRITON_PAGEABLE_SLAB,
@@ -32,6 +31,7 @@ from kvtriton.integrations._vllm_config import (
     host_row_bytes,
     kv_dtype,
 )
+from kvtriton.integrations._vllm_surface import OffloadingConfig, check_vllm_release
 from kvtriton.integrations._vllm_worker import GroupPages
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._slab import HostSlab, SlabPinningError
@@ -55,7 +55,11 @@ def spec_basis(config: OffloadingConfig, *, tiered: bool, host_memory: str) -> S
     ``tiered`` says which spec asks (vLLM's tiered-only keys are warned about
     in the single-tier one); ``host_memory`` names what is sized ("the host
     slab", "the shared host region") in the error for an unknown geometry.
+    The first check is the vLLM release (:func:`check_vllm_release`): the
+    start-up line naming kvtriton's and vLLM's versions, or the refusal of an
+    untested vLLM.
     """
+    check_vllm_release()
     check_keys(config.extra_config, tiered=tiered)
     settings = KVTritonOffloadConfig.from_extra_config(config.extra_config)
     check_kv_geometry_known(

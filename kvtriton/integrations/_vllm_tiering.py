@@ -57,14 +57,6 @@ from typing import Any, Protocol, cast
 
 import torch
 from typing_extensions import override
-from vllm.v1.kv_offload import base as vllm_base
-from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
-from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
-from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtriton.integrations._integrity_report import integrity_metric_definitions
 from kvtriton.integrations._vllm_config import (
@@ -79,14 +71,24 @@ from kvtriton.integrations._vllm_config import (
 )
 from kvtriton.integrations._vllm_identity import KVIdentity, vllm_identity
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
-from kvtriton.integrations._vllm_private import (
+from kvtriton.integrations._vllm_sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
+from kvtriton.integrations._vllm_spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
+from kvtriton.integrations._vllm_surface import (
     FACTORY_ARGUMENTS,
     FACTORY_KEYS,
     TIER_CLASS_REFUSED,
+    CPUOffloadingInfo,
+    CPUPrimaryTierOffloadingManager,
+    OffloadingConfig,
+    SecondaryTierFactory,
+    SecondaryTierManager,
+    TieringOffloadingSpec,
+    vllm_base,
     with_model_name,
 )
-from kvtriton.integrations._vllm_sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
-from kvtriton.integrations._vllm_spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
+from kvtriton.integrations._vllm_surface import (
+    CPULoadStoreSpec as VLLMCPULoadStoreSpec,
+)
 from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.worker._engine import TransferEngine
@@ -501,7 +503,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         )
         """Where every rank's bytes of every chunk sit in the shared region."""
         layout = self.region_layout
-        # The attributes vLLM's parent classes derived from their own layout (_vllm_private lists them),
+        # The attributes vLLM's parent classes derived from their own layout (_vllm_surface lists them),
         # restated for kvtriton's.
         self.num_chunks = layout.num_chunks
         self.kv_bytes_per_chunk = layout.chunk_bytes

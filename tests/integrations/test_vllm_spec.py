@@ -186,7 +186,7 @@ class Blocker(importlib.abc.MetaPathFinder):
     [
         (("vllm",), "pip install 'kvtriton[vllm]'"),
         # An older vLLM: the package imports, the offloading interface does not.
-        (("vllm.v1.kv_offload.config",), "vLLM 0.33"),
+        (("vllm.v1.kv_offload.config",), "supports vLLM 0.33.x, 0.34.x"),
     ],
 )
 def test_without_a_usable_vllm_the_adapter_raises_an_import_error_saying_what_to_install(

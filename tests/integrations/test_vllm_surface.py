@@ -1,4 +1,4 @@
-"""Each vLLM private name kvtriton relies on (kvtriton.integrations._vllm_private) still means it in this vLLM.
+"""The vLLM surface (kvtriton.integrations._vllm_surface): the one importer of vLLM, the release check, and each vLLM private name kvtriton relies on still meaning it in this vLLM.
 
 Every check fails with the inventory entry's name, so a vLLM release that
 renames or changes one says which, before anything fails at run time.
@@ -6,8 +6,10 @@ renames or changes one says which, before anything fails at run time.
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,14 +22,22 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtriton.integrations._vllm_private import (
+import kvtriton
+from kvtriton.integrations import _vllm_surface as surface
+from kvtriton.integrations._vllm_surface import (
+    ALLOW_UNTESTED_VLLM,
     FACTORY_ARGUMENTS,
     FACTORY_KEYS,
     RESTATED_TIERING_SPEC_ATTRIBUTES,
+    TESTED_VLLM_RELEASES,
     TIER_CLASS_REFUSED,
     VLLM_PRIVATE_NAMES,
+    VLLM_RELEASE,
+    VLLM_VERSION,
     VLLMPrivateName,
+    check_vllm_release,
     registered_cache_policies,
+    vllm_release,
     with_model_name,
 )
 
@@ -161,3 +171,73 @@ def test_every_inventory_entry_names_a_kvtriton_module_that_exists() -> None:
     root = Path(__file__).resolve().parents[2]
     for entry in VLLM_PRIVATE_NAMES:
         assert (root / (entry.used_by.replace(".", "/") + ".py")).is_file(), entry.used_by
+
+
+def test_only_the_surface_imports_vllm() -> None:
+    """Every vLLM name the package uses comes through kvtriton.integrations._vllm_surface (one edit per release)."""
+    root = Path(__file__).resolve().parents[2] / "kvtriton"
+    importers: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_vllm_surface.py" or "kernels" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module or ""]
+            else:
+                continue
+            if any(module == "vllm" or module.startswith("vllm.") for module in modules):
+                importers.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert importers == []
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("0.34.0", (0, 34)), ("0.33.0+cpu", (0, 33)), ("0.34.1.dev3+gabc", (0, 34)), ("1.0", (1, 0)), ("dev", None)],
+)
+def test_a_vllm_version_string_reads_as_its_release(version: str, release: tuple[int, int] | None) -> None:
+    assert vllm_release(version) == release
+
+
+def test_the_installed_vllm_is_a_tested_release_and_the_start_up_line_names_both_versions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert VLLM_RELEASE in TESTED_VLLM_RELEASES
+    logger = logging.getLogger("kvtriton.test_surface")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        check_vllm_release(logger, environ={})
+    assert caplog.messages == [
+        f"kvtriton {kvtriton.__version__} on vLLM {VLLM_VERSION} (tested on vLLM 0.33.x, 0.34.x)"
+    ]
+
+
+def test_an_untested_vllm_is_refused_with_one_line_unless_the_operator_insists(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(surface, "VLLM_RELEASE", (0, 35))
+    monkeypatch.setattr(surface, "VLLM_VERSION", "0.35.0")
+    logger = logging.getLogger("kvtriton.test_surface")
+    with pytest.raises(RuntimeError) as refused:
+        check_vllm_release(logger, environ={})
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "vLLM 0.35.0 is installed" in message and "0.33.x, 0.34.x" in message
+    assert "pip install 'vllm>=0.33,<0.35'" in message and f"{ALLOW_UNTESTED_VLLM}=1" in message
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        check_vllm_release(logger, environ={ALLOW_UNTESTED_VLLM: "1"})
+    assert [record.levelname for record in caplog.records] == ["WARNING"]
+    assert "vLLM 0.35.0" in caplog.messages[0] and "starting anyway" in caplog.messages[0]
+
+
+def test_the_release_facts_match_the_installed_vllm() -> None:
+    """Each difference between 0.33 and 0.34 resolves the same way for the installed release."""
+    newest = VLLM_RELEASE == (0, 34)
+    assert surface.WORKER_GETS_DEVICE_POINTERS is newest
+    assert surface.FAILED_TRANSFERS_ARE_REPORTED is newest
+    assert surface.MANAGER_HAS_TOUCH is not newest
+    assert surface.STORE_OFFERS_COUNT_ONCE_PER_REQUEST is newest
+    assert surface.EVENTS_CARRY_REQ_CONTEXT is newest
+    assert surface.PRIMARY_DEFERS_WRITE_RELEASE is newest
+    assert surface.POLICY_MUST_FINISH_REQUESTS is newest
+    assert surface.SECONDARY_TIERS_REFUSE_MULTI_NODE is newest

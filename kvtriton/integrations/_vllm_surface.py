@@ -1,0 +1,359 @@
+"""The vLLM surface: every vLLM name kvtriton uses, and each difference between the vLLM releases it supports.
+
+kvtriton supports the vLLM releases in :data:`TESTED_VLLM_RELEASES` (0.33.x
+and 0.34.x). Everything kvtriton takes from vLLM comes through this module:
+
+* the vLLM names the adapters import, re-exported below, so a release that
+  moves one is one edit here;
+* each behaviour that differs between the supported releases, resolved once
+  into a named fact (:data:`WORKER_GETS_DEVICE_POINTERS`,
+  :data:`FAILED_TRANSFERS_ARE_REPORTED`, ...) that the adapters branch on,
+  instead of version tests scattered through them;
+* the version check at start-up (:func:`check_vllm_release`): the start-up
+  line naming kvtriton's and vLLM's versions, and the refusal of a vLLM
+  outside the tested range unless ``KVTRITON_ALLOW_UNTESTED_VLLM=1``;
+* the inventory of vLLM's private names kvtriton relies on
+  (:data:`VLLM_PRIVATE_NAMES`: what, where kvtriton uses it, why), which
+  ``tests/integrations/test_vllm_surface.py`` checks against the installed
+  vLLM, failing with the entry's name.
+
+Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
+is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+from vllm import envs as vllm_envs
+from vllm.config import VllmConfig as VllmConfig
+from vllm.config import get_current_vllm_config_or_none as get_current_vllm_config_or_none
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats as OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload import base as vllm_base
+from vllm.v1.kv_offload.base import ConfigInfoMapping as ConfigInfoMapping
+from vllm.v1.kv_offload.base import Locality as Locality
+from vllm.v1.kv_offload.base import LookupResult as LookupResult
+from vllm.v1.kv_offload.base import Medium as Medium
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata as OffloadingCounterMetadata
+from vllm.v1.kv_offload.base import OffloadingGaugeMetadata as OffloadingGaugeMetadata
+from vllm.v1.kv_offload.base import OffloadingMetricMetadata as OffloadingMetricMetadata
+from vllm.v1.kv_offload.base import OffloadingSpec as OffloadingSpec
+from vllm.v1.kv_offload.base import OffloadKey as OffloadKey
+from vllm.v1.kv_offload.base import ReqContext as ReqContext
+from vllm.v1.kv_offload.base import RequestOffloadingContext as RequestOffloadingContext
+from vllm.v1.kv_offload.base import ScheduleEndContext as ScheduleEndContext
+from vllm.v1.kv_offload.base import get_offload_block_hash as get_offload_block_hash
+from vllm.v1.kv_offload.base import get_offload_group_idx as get_offload_group_idx
+from vllm.v1.kv_offload.config import OffloadingConfig as OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo as CPUOffloadingInfo
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as CachePolicy
+from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory as CachePolicyFactory
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager as AsyncLookupManager
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector as BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import TIER_LABEL as TIER_LABEL
+from vllm.v1.kv_offload.tiering.base import JobId as JobId
+from vllm.v1.kv_offload.tiering.base import JobResult as JobResult
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import TransferJob as TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory as SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager as FileSystemTierManager
+from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager as CPUPrimaryTierOffloadingManager
+from vllm.v1.kv_offload.tiering.manager import JobMetadata as JobMetadata
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager as TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as TieringOffloadingSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource as CacheHitSource
+
+import kvtriton
+from kvtriton.integrations._vllm_release import (
+    ALLOW_UNTESTED_VLLM,
+    TESTED_VLLM_RANGE,
+    TESTED_VLLM_RELEASES,
+    installed_vllm_version,
+    tested_releases,
+    vllm_release,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_configures_logging() -> bool:
+    """vLLM's ``VLLM_CONFIGURE_LOGGING`` (its environment settings are read when asked), with its logging set-up defined."""
+    importlib.import_module("vllm.logger")  # defines vLLM's logging set-up (applied when an engine starts)
+    return bool(vllm_envs.VLLM_CONFIGURE_LOGGING)
+
+
+# --- the release -------------------------------------------------------------------------------------------------
+
+VLLM_VERSION: str = installed_vllm_version()
+"""The installed vLLM's version."""
+
+VLLM_RELEASE: tuple[int, int] | None = vllm_release(VLLM_VERSION)
+"""Its ``(major, minor)``, None when the version string cannot be read."""
+
+
+def check_vllm_release(spec_logger: logging.Logger = logger, environ: Mapping[str, str] = os.environ) -> None:
+    """At spec construction: log kvtriton's and vLLM's versions; refuse an untested vLLM unless the operator insists.
+
+    A vLLM outside :data:`TESTED_VLLM_RELEASES` raises ``RuntimeError`` with
+    one line naming the installed version, the tested range and what to do,
+    unless ``KVTRITON_ALLOW_UNTESTED_VLLM=1``: then it logs a WARNING and
+    goes on (kvtriton follows the newest tested release's contract).
+    """
+    if VLLM_RELEASE in TESTED_VLLM_RELEASES:
+        spec_logger.info(
+            "kvtriton %s on vLLM %s (tested on vLLM %s)", kvtriton.__version__, VLLM_VERSION, tested_releases()
+        )
+        return
+    problem = (
+        f"kvtriton {kvtriton.__version__} is tested on vLLM {tested_releases()}, but vLLM {VLLM_VERSION} is "
+        f"installed: install a tested release (pip install 'vllm{TESTED_VLLM_RANGE}') or a kvtriton that supports "
+        f"vLLM {VLLM_VERSION}"
+    )
+    if environ.get(ALLOW_UNTESTED_VLLM) != "1":
+        raise RuntimeError(f"{problem}; {ALLOW_UNTESTED_VLLM}=1 tries it anyway")
+    spec_logger.warning("%s; starting anyway because %s=1: KV transfers may fail", problem, ALLOW_UNTESTED_VLLM)
+
+
+# --- what differs between the supported releases, resolved once ----------------------------------------------------
+
+_AT_LEAST_0_34 = VLLM_RELEASE is None or VLLM_RELEASE >= (0, 34)
+"""vLLM 0.34's contract (or a newer or unreadable release, run only with ``KVTRITON_ALLOW_UNTESTED_VLLM``)."""
+
+WORKER_GETS_DEVICE_POINTERS: bool = hasattr(vllm_base, "DevicePointers")
+"""vLLM 0.34 hands a worker's ``submit_store``/``submit_load`` pre-resolved ``DevicePointers`` (one device address
+per block and data reference) instead of a ``GPULoadStoreSpec`` of block ids (0.33)."""
+
+FAILED_TRANSFERS_ARE_REPORTED: bool = _AT_LEAST_0_34
+"""vLLM 0.34's connector takes a failed job from ``get_finished``: a failed store is dropped (not published), a failed
+load is recomputed or fails the request as ``kv_load_failure_policy`` says. vLLM 0.33 asserts that every job
+succeeds (and that ``submit_*`` returns True), so there a refused job can only stop the engine."""
+
+MANAGER_HAS_TOUCH: bool = "touch" in vars(vllm_base.OffloadingManager)
+"""vLLM 0.33's managers, tiers and ``CachePolicy`` have ``touch``; 0.34 removed it (recency comes with
+``on_request_finished``)."""
+
+STORE_OFFERS_COUNT_ONCE_PER_REQUEST: bool = _AT_LEAST_0_34
+"""``store_threshold``: vLLM 0.34 counts a key's store offer once per request (a retry, or a re-offer after
+preemption, is no new use of the content); 0.33 counts every offer."""
+
+EVENTS_CARRY_REQ_CONTEXT: bool = "req_context" in {
+    field.name for field in dataclasses.fields(vllm_base.OffloadingEvent)
+}
+"""vLLM 0.34's stored ``OffloadingEvent`` names the request that stored it (``req_context``)."""
+
+PRIMARY_DEFERS_WRITE_RELEASE: bool = hasattr(CPUPrimaryTierOffloadingManager, "defer_write_release")
+"""vLLM 0.34's orchestrator asks the primary tier to keep a failed promotion's chunks out of the free pool until the
+secondary tier says its I/O can no longer write them (``defer_write_release``/``release_deferred_write``)."""
+
+POLICY_MUST_FINISH_REQUESTS: bool = "on_request_finished" in CachePolicy.__abstractmethods__
+"""vLLM 0.34's ``CachePolicy.on_request_finished`` is abstract (0.33's forwarded to ``touch``)."""
+
+SECONDARY_TIERS_REFUSE_MULTI_NODE: bool = _AT_LEAST_0_34
+"""vLLM 0.34 refuses secondary tiers on an engine whose workers span nodes: the tiers run in the engine core and
+read only its node's host region."""
+
+
+@runtime_checkable
+class DevicePointers(Protocol):
+    """What vLLM 0.34's ``DevicePointers`` carries, typed the same on either release (0.33 has no such class).
+
+    Flat arrays in vLLM's canonical order: for each group, for each of its
+    data references, for each of the group's blocks, one address and size.
+    """
+
+    @property
+    def ptrs(self) -> npt.NDArray[Any]: ...
+    @property
+    def sizes(self) -> npt.NDArray[Any]: ...
+    @property
+    def group_block_counts(self) -> tuple[int, ...]: ...
+    @property
+    def group_data_ref_counts(self) -> tuple[int, ...]: ...
+    @property
+    def block_indices(self) -> tuple[int, ...]: ...
+
+
+DeviceSide = vllm_base.GPULoadStoreSpec | DevicePointers
+"""The device side of a transfer job as the installed vLLM hands it: block ids (0.33) or resolved pointers (0.34)."""
+
+_STORE_PARAMETERS = inspect.signature(vllm_base.OffloadingWorker.submit_store)
+_LOAD_PARAMETERS = inspect.signature(vllm_base.OffloadingWorker.submit_load)
+
+
+def _bound(signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    bound = signature.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]
+
+
+def store_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, DeviceSide, vllm_base.LoadStoreSpec]:
+    """``submit_store``'s ``(job_id, device side, slot spec)``, bound to the installed vLLM's own signature.
+
+    The worker's override takes ``*args, **kwargs`` because the releases name
+    the device-side parameter differently (``src_spec`` in 0.33,
+    ``device_ptrs`` in 0.34); a bad call raises vLLM's own ``TypeError``.
+    """
+    job_id, device, slots = _bound(_STORE_PARAMETERS, args, kwargs)
+    return job_id, device, slots
+
+
+def load_arguments(
+    args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[int, vllm_base.LoadStoreSpec, DeviceSide, bool]:
+    """``submit_load``'s ``(job_id, slot spec, device side, expedited)``, bound as :func:`store_arguments` says."""
+    job_id, slots, device, expedited = _bound(_LOAD_PARAMETERS, args, kwargs)
+    return job_id, slots, device, expedited
+
+
+def device_pointer_values(
+    device: DevicePointers,
+) -> tuple[npt.NDArray[np.uint64], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(ptrs as uint64, group_block_counts, group_data_ref_counts, block_indices)`` of vLLM 0.34's pointers."""
+    return (
+        np.asarray(device.ptrs, dtype=np.uint64),
+        tuple(device.group_block_counts),
+        tuple(device.group_data_ref_counts),
+        tuple(device.block_indices),
+    )
+
+
+# --- vLLM's private names -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMPrivateName:
+    """One vLLM name kvtriton relies on outside vLLM's public interface."""
+
+    key: str
+    """A short name for the entry (the test checks each key once)."""
+    name: str
+    """The dotted vLLM name (``module.Class.attribute``), or what kvtriton relies on when it is no single name."""
+    used_by: str
+    """The kvtriton module that relies on it."""
+    why: str
+    """Why kvtriton needs it, and what it would break."""
+
+
+RESTATED_TIERING_SPEC_ATTRIBUTES: tuple[str, ...] = (
+    "num_chunks",
+    "kv_bytes_per_chunk",
+    "cpu_page_size_per_worker",
+    "cpu_info",
+    "replicated_layout",
+    "secondary_tier_configs",
+    "tier_poll_interval_s",
+    "_manager",
+)
+"""Attributes vLLM's ``TieringOffloadingSpec`` (and its ``CPUOffloadingSpec`` parent) set, which kvtriton's tiered
+spec restates or reads."""
+
+TIER_CLASS_REFUSED: type[Exception] = AssertionError
+"""What ``SecondaryTierFactory.get_tier_class`` raises for a ``module_path`` class that is no ``SecondaryTierManager``."""
+
+FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
+"""A tier constructor's parameters vLLM's ``SecondaryTierFactory`` fills itself (not keys of the tier's config)."""
+
+FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
+"""Keys of a tier's config vLLM's ``SecondaryTierFactory`` consumes before calling the constructor."""
+
+
+VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
+    VLLMPrivateName(
+        "policy_registry",
+        "vllm.v1.kv_offload.cpu.policies.factory.CachePolicyFactory._registry",
+        "kvtriton.integrations._vllm_config",
+        "the names of vLLM's registered eviction policies (no public list): a policy name kvtriton leaves to vLLM "
+        "is refused at start-up unless vLLM resolves it",
+    ),
+    VLLMPrivateName(
+        "secondary_tiers_hook",
+        "vllm.v1.kv_offload.tiering.spec.TieringOffloadingSpec._get_secondary_tiers",
+        "kvtriton.integrations._vllm_tiering",
+        "overridden, so that a bad secondary_tiers entry (missing package, unknown key, wrong class) is one line "
+        "naming the tier instead of vLLM's bare error",
+    ),
+    VLLMPrivateName(
+        "primary_num_chunks",
+        "vllm.v1.kv_offload.tiering.manager.TieringOffloadingManager reads primary_tier._num_chunks",
+        "kvtriton.integrations._vllm_tiering",
+        "KVTritonPrimaryTier sets _num_chunks: the orchestrator sizes its occupancy metrics from it",
+    ),
+    VLLMPrivateName(
+        "restated_spec_attributes",
+        "vllm.v1.kv_offload.tiering.spec.TieringOffloadingSpec attributes "
+        + ", ".join(RESTATED_TIERING_SPEC_ATTRIBUTES),
+        "kvtriton.integrations._vllm_tiering",
+        "set by vLLM's parents from vLLM's own region layout; kvtriton's spec restates them for its own layout "
+        "(RESTATED_TIERING_SPEC_ATTRIBUTES), and vLLM's tiers and metrics read them",
+    ),
+    VLLMPrivateName(
+        "tier_class_assertion",
+        "vllm.v1.kv_offload.tiering.factory.SecondaryTierFactory.get_tier_class raises AssertionError",
+        "kvtriton.integrations._vllm_tiering",
+        "vLLM asserts that an out-of-tree tier class is a SecondaryTierManager: kvtriton catches it "
+        "(TIER_CLASS_REFUSED) to name the tier",
+    ),
+    VLLMPrivateName(
+        "tier_factory_arguments",
+        "vllm.v1.kv_offload.tiering.factory.SecondaryTierFactory.create_secondary_tier arguments and keys",
+        "kvtriton.integrations._vllm_tiering",
+        "the constructor arguments the factory fills itself (FACTORY_ARGUMENTS) and the tier keys it consumes "
+        "(FACTORY_KEYS): kvtriton checks the rest of a tier's keys against the tier's constructor",
+    ),
+    VLLMPrivateName(
+        "model_name_namespace",
+        "vllm.v1.kv_offload.file_mapper.FileMapper names storage after config.model.name",
+        "kvtriton.integrations._vllm_tiering",
+        "kvtriton rewrites the model name the secondary tiers see (with_model_name) to give its own chunk bytes "
+        "a namespace of their own",
+    ),
+    VLLMPrivateName(
+        "primary_region_methods",
+        "vllm.v1.kv_offload.tiering.manager.CPUPrimaryTierOffloadingManager reads mmap_region "
+        "create_kv_memoryview and cleanup",
+        "kvtriton.integrations._vllm_tiering",
+        "vLLM's own primary runs over kvtriton's shared region (a vLLM eviction policy), seen through an object "
+        "with only these two methods",
+    ),
+    VLLMPrivateName(
+        "promotion_hooks",
+        "vllm.v1.kv_offload.tiering.manager.TieringOffloadingManager._complete_promotion(job_metadata, "
+        "completed_job) and _initiate_promotion(tier_idx, key, req_context) -> bool",
+        "kvtriton.integrations._vllm_sealed_tiering",
+        "overridden: a promoted chunk is verified before vLLM marks its slot ready (a faulty key leaves the job's "
+        "successful_keys), and a key that failed is not promoted from that tier again (False: a miss)",
+    ),
+    VLLMPrivateName(
+        "fs_file_mapper",
+        "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager.file_mapper",
+        "kvtriton.integrations._vllm_sealed_tiering",
+        "the file of a chunk that failed its seal check is removed (as vLLM's fs tier removes one cut short), so "
+        "the next cascade writes it afresh instead of skipping a file that exists",
+    ),
+)
+"""The inventory, one entry per name; the test checks each against the installed vLLM."""
+
+
+def registered_cache_policies() -> list[str]:
+    """The eviction policy names vLLM's ``CachePolicyFactory`` has registered, sorted (vLLM has no public list)."""
+    return sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- the inventory's first entry
+
+
+def with_model_name(config: OffloadingConfig, name: str) -> OffloadingConfig:
+    """``config`` with another model name: the name vLLM's ``FileMapper`` (and the other tiers) file chunks under."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, name=name))
