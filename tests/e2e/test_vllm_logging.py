@@ -25,8 +25,14 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 @pytest.fixture
 def vllm_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
-    """vLLM's logging as vLLM configures it (one handler on ``vllm``, at INFO), nothing on root or ``kvtriton``."""
+    """vLLM's logging as vLLM configures it (one handler on ``vllm``, at INFO), nothing on root or ``kvtriton``.
+
+    The vLLM surface is imported first, as kvtriton.integrations.vllm imports it before attaching: importing
+    vLLM's modules logs lines of vLLM's own, which are not what these tests look for.
+    """
     import vllm.envs as vllm_envs
+
+    importlib.import_module("kvtriton.integrations._vllm_surface")
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
