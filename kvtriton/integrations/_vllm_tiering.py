@@ -272,10 +272,8 @@ def build_primary_tier(
 class KVTritonTieringWorker(VLLMOffloadingWorker):
     """vLLM's worker interface over kvtriton's engines, writing this rank's part of the shared region."""
 
-    def __init__(
-        self, engines: list[TransferEngine], slab: HostSlab, kv_of_group: tuple[int | None, ...], region: SharedRegion
-    ) -> None:
-        super().__init__(engines, slab, kv_of_group)
+    def __init__(self, engines: list[TransferEngine], slab: HostSlab, groups: GroupPages, region: SharedRegion) -> None:
+        super().__init__(engines, slab, groups.kv_of_group, pointer_bases=groups.pointer_bases)
         self._region = region
 
     @override
@@ -638,6 +636,6 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 slab.close()
             region.close()
             raise
-        made = KVTritonTieringWorker(engines, slab, groups.kv_of_group, region)
+        made = KVTritonTieringWorker(engines, slab, groups, region)
         self._kvtriton_worker = made
         return made

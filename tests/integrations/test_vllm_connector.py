@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 from unittest import mock
 
 import pytest
@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG
+from vllm_fixtures.connector import submit_load, submit_store
 from vllm_fixtures.in_process import (
     BLOCK_SIZE,
     NUM_GPU_BLOCKS,
@@ -49,6 +50,7 @@ from vllm_fixtures.in_process import (
 from vllm_fixtures.requests import make_request
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
+from kvtriton.integrations._vllm_surface import DeviceSide, load_arguments, store_arguments
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
 
@@ -89,15 +91,21 @@ class RecordingWorker(OffloadingWorker):
         self.jobs: list[SubmittedJob] = []
         self.sizes: dict[int, int | None] = {}
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        self.jobs.append(SubmittedJob("store", job_id, src_spec, dst_spec))
-        return self.inner.submit_store(job_id, src_spec, dst_spec)
+    def _blocks(self, device: DeviceSide) -> GPULoadStoreSpec:
+        """The job's block ids, whichever contract the installed vLLM's connector called with (see the worker)."""
+        assert isinstance(self.inner, VLLMOffloadingWorker)
+        blocks = self.inner.device_blocks(device)
+        return GPULoadStoreSpec(blocks.block_ids.tolist(), list(blocks.group_sizes), list(blocks.block_indices))
 
-    def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
-    ) -> bool:
-        self.jobs.append(SubmittedJob("load", job_id, dst_spec, src_spec, expedited))
-        return self.inner.submit_load(job_id, src_spec, dst_spec, expedited)
+    def submit_store(self, *args: Any, **kwargs: Any) -> bool:
+        job_id, device, slots = store_arguments(args, kwargs)
+        self.jobs.append(SubmittedJob("store", job_id, self._blocks(device), slots))
+        return self.inner.submit_store(*args, **kwargs)
+
+    def submit_load(self, *args: Any, **kwargs: Any) -> bool:
+        job_id, slots, device, expedited = load_arguments(args, kwargs)
+        self.jobs.append(SubmittedJob("load", job_id, self._blocks(device), slots, expedited))
+        return self.inner.submit_load(*args, **kwargs)
 
     def get_finished(self) -> list[TransferResult]:
         results = self.inner.get_finished()
@@ -239,9 +247,9 @@ def replay_on_vllms_cpu_worker(engine: Engine) -> dict[int, int | None]:
     with vllm_cpu_worker(engine.canonical, connector.spec.blocks_per_chunk, connector.spec.num_slots) as reference:
         for job in engine.recorder.jobs:
             if job.kind == "store":
-                assert reference.submit_store(job.job_id, job.gpu, job.slots)
+                assert submit_store(reference, engine.canonical, job.job_id, job.gpu, job.slots)
             else:
-                assert reference.submit_load(job.job_id, job.slots, job.gpu, job.expedited)
+                assert submit_load(reference, engine.canonical, job.job_id, job.slots, job.gpu, expedited=job.expedited)
             sizes.update((result.job_id, result.transfer_size) for result in reference.get_finished())
     return sizes
 

@@ -16,8 +16,10 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm_fixtures.builders import canonical_kv_caches, offloading_config
+from vllm_fixtures.connector import submit_load, submit_store
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
+from kvtriton.integrations._vllm_surface import FAILED_TRANSFERS_ARE_REPORTED
 from kvtriton.integrations._vllm_worker import GroupPages
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker
 from kvtriton.kernels._compressed_format import compression_layout
@@ -101,6 +103,24 @@ def finished(worker: OffloadingWorker) -> dict[int, TransferResult]:
     return {result.job_id: result for result in worker.get_finished()}
 
 
+def assert_refused(worker: OffloadingWorker, accepted: dict[int, bool]) -> None:
+    """Each job (id: what its ``submit_*`` returned) was refused as the installed vLLM expects, and nothing ran.
+
+    vLLM 0.34 takes failures from ``get_finished``: the job is accepted and
+    reported failed with no bytes. vLLM 0.33 asserts success: the job is
+    refused (False) and never reported.
+    """
+    reported = finished(worker)
+    if FAILED_TRANSFERS_ARE_REPORTED:
+        assert all(accepted.values()), accepted
+        assert {job: (result.success, result.transfer_size) for job, result in reported.items()} == {
+            job: (False, 0) for job in accepted
+        }
+    else:
+        assert not any(accepted.values()), accepted
+        assert reported == {}
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "dma", "triton"])
 def test_a_store_then_a_load_round_trips_every_byte(backend: str) -> None:
     rig = make_rig(backend)
@@ -164,10 +184,12 @@ def test_wait_and_get_finished_report_each_job_once(rig: Rig) -> None:
 
 def test_a_job_the_engine_cannot_run_is_refused_not_half_done(rig: Rig) -> None:
     # Slot 6 does not exist (6 slots); a GPU spec as destination is not a slot spec.
-    assert not rig.worker.submit_store(0, gpu([0, 1]), CPULoadStoreSpec([NUM_SLOTS]))
-    assert not rig.worker.submit_store(1, gpu([0, 1]), gpu([2, 3]))
-    assert not rig.worker.submit_load(2, gpu([2, 3]), gpu([0, 1]))
-    assert finished(rig.worker) == {}
+    accepted = {
+        0: rig.worker.submit_store(0, gpu([0, 1]), CPULoadStoreSpec([NUM_SLOTS])),
+        1: rig.worker.submit_store(1, gpu([0, 1]), gpu([2, 3])),
+        2: rig.worker.submit_load(2, gpu([2, 3]), gpu([0, 1])),
+    }
+    assert_refused(rig.worker, accepted)
 
 
 def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(
@@ -176,10 +198,10 @@ def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(
     # The scheduler sizes the cache from rank 0's KV bytes per block; a
     # pipeline stage holding more layers than rank 0 fits fewer slots.
     with caplog.at_level(logging.ERROR, logger="kvtriton.integrations._vllm_worker"):
-        assert not rig.worker.submit_load(3, CPULoadStoreSpec([1, NUM_SLOTS + 2]), gpu([0, 1, 2, 3]))
+        accepted = rig.worker.submit_load(3, CPULoadStoreSpec([1, NUM_SLOTS + 2]), gpu([0, 1, 2, 3]))
     assert f"slot {NUM_SLOTS + 2}" in caplog.text and f"holds {NUM_SLOTS} slots" in caplog.text
     assert "pipeline" in caplog.text
-    assert finished(rig.worker) == {}
+    assert_refused(rig.worker, {3: accepted})
 
 
 def flip_a_byte(rig: Rig, slot: int) -> None:
@@ -200,11 +222,11 @@ def test_verify_host_loads_refuses_a_load_of_a_slot_changed_since_its_store(capl
 
     flip_a_byte(rig, 4)
     with caplog.at_level(logging.ERROR, logger="kvtriton.integrations._vllm_worker"):
-        assert not rig.worker.submit_load(2, CPULoadStoreSpec([2, 4, 4]), gpu([0, 1, 2, 3, 4, 5]))
+        changed = rig.worker.submit_load(2, CPULoadStoreSpec([2, 4, 4]), gpu([0, 1, 2, 3, 4, 5]))
         assert "load job 2 refused by kvtriton_verify_host_loads: host slab slot(s) [4] " in caplog.text
-        assert not rig.worker.submit_load(3, CPULoadStoreSpec([5]), gpu([0, 1]))  # no store ever filled it
+        never_stored = rig.worker.submit_load(3, CPULoadStoreSpec([5]), gpu([0, 1]))
         assert "load job 3 refused by kvtriton_verify_host_loads: host slab slot(s) [5] " in caplog.text
-    assert finished(rig.worker) == {}
+    assert_refused(rig.worker, {2: changed, 3: never_stored})  # 0.34 recomputes; 0.33 stops the engine
 
     # Stored again (from the original blocks), the slot holds what its store left, and loads.
     for layer, original in zip(rig.layers, rig.original, strict=True):
@@ -231,7 +253,7 @@ def test_after_shutdown_new_jobs_are_refused() -> None:
     rig = make_rig()
     assert isinstance(rig.worker, VLLMOffloadingWorker)
     rig.worker.shutdown()
-    assert not rig.worker.submit_store(0, gpu([0, 1]), CPULoadStoreSpec([0]))
+    assert_refused(rig.worker, {0: rig.worker.submit_store(0, gpu([0, 1]), CPULoadStoreSpec([0]))})
 
 
 def test_kv_tensors_whose_view_contradicts_their_page_size_are_rejected() -> None:
@@ -257,8 +279,7 @@ def test_an_empty_job_succeeds_at_once_with_zero_bytes(rig: Rig) -> None:
 
 
 def test_an_empty_gpu_spec_with_slots_is_refused(rig: Rig) -> None:
-    assert not rig.worker.submit_store(22, gpu([]), CPULoadStoreSpec([1]))
-    assert finished(rig.worker) == {}
+    assert_refused(rig.worker, {22: rig.worker.submit_store(22, gpu([]), CPULoadStoreSpec([1]))})
 
 
 # A hybrid model: tensor 0 (256-byte pages) and tensor 2 (160-byte pages, of
@@ -336,7 +357,7 @@ def test_every_job_moves_the_bytes_vllms_own_cpu_worker_moves(blocks_per_chunk: 
     with vllm_cpu_worker(reference_caches, blocks_per_chunk, NUM_SLOTS) as reference:
         store = gpu([1, 2, 3, 4, 5], group_sizes=[3, 2])
         assert worker.submit_store(0, store, CPULoadStoreSpec(store_slots))
-        assert reference.submit_store(0, store, CPULoadStoreSpec(store_slots))
+        assert submit_store(reference, reference_caches, 0, store, CPULoadStoreSpec(store_slots))
         sizes = (finished(worker)[0].transfer_size, finished(reference)[0].transfer_size)
         assert sizes[0] == sizes[1] == 3 * HYBRID_GROUP_BYTES[0] + 2 * HYBRID_GROUP_BYTES[1]
 
@@ -345,7 +366,9 @@ def test_every_job_moves_the_bytes_vllms_own_cpu_worker_moves(blocks_per_chunk: 
         for job, expedited in ((1, False), (2, True)):
             load = gpu([8 + job, 10 + job, 13 + job], group_sizes=[2, 1], block_indices=[1, 1])
             assert worker.submit_load(job, CPULoadStoreSpec(load_slots), load, expedited=expedited)
-            assert reference.submit_load(job, CPULoadStoreSpec(load_slots), load, expedited=expedited)
+            assert submit_load(
+                reference, reference_caches, job, CPULoadStoreSpec(load_slots), load, expedited=expedited
+            )
         ours_sizes = {job: result.transfer_size for job, result in finished(worker).items()}
         theirs_sizes = {job: result.transfer_size for job, result in finished(reference).items()}
         assert ours_sizes == theirs_sizes == {job: 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1] for job in (1, 2)}
@@ -372,12 +395,14 @@ def test_a_hybrid_job_that_does_not_fit_is_refused_before_any_part_runs() -> Non
     worker = hybrid_worker(layers)
     # Two groups storing into one slot (each engine alone would see no repeat), a slot count that does not
     # match, a GPU block out of range, a group count that does not match, a load writing a block twice.
-    assert not worker.submit_store(41, gpu([1, 2, 3, 4], group_sizes=[2, 2]), CPULoadStoreSpec([0, 0]))
-    assert not worker.submit_store(42, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1, 2]))
-    assert not worker.submit_load(43, CPULoadStoreSpec([0, 1]), gpu([1, NUM_BLOCKS], group_sizes=[1, 1]))
-    assert not worker.submit_load(44, CPULoadStoreSpec([0]), gpu([1]))
-    assert not worker.submit_load(45, CPULoadStoreSpec([0, 1]), gpu([5, 5], group_sizes=[1, 1]))
-    assert finished(worker) == {}
+    accepted = {
+        41: worker.submit_store(41, gpu([1, 2, 3, 4], group_sizes=[2, 2]), CPULoadStoreSpec([0, 0])),
+        42: worker.submit_store(42, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1, 2])),
+        43: worker.submit_load(43, CPULoadStoreSpec([0, 1]), gpu([1, NUM_BLOCKS], group_sizes=[1, 1])),
+        44: worker.submit_load(44, CPULoadStoreSpec([0]), gpu([1])),
+        45: worker.submit_load(45, CPULoadStoreSpec([0, 1]), gpu([5, 5], group_sizes=[1, 1])),
+    }
+    assert_refused(worker, accepted)
     assert all(torch.equal(layer, original) for layer, original in zip(layers, before))
     # The worker goes on: the next job runs normally.
     assert worker.submit_store(46, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([2, 3]))
@@ -385,12 +410,13 @@ def test_a_hybrid_job_that_does_not_fit_is_refused_before_any_part_runs() -> Non
     worker.shutdown()
 
 
-def test_a_hybrid_job_an_engine_refuses_after_another_took_its_part_reports_nothing() -> None:
+def test_a_hybrid_job_an_engine_refuses_after_another_took_its_part_is_reported_once_its_parts_drain() -> None:
     worker = hybrid_worker(hybrid_layers())
     with mock.patch.object(worker.engines[1], "submit_store", return_value=False):
-        assert not worker.submit_store(50, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
+        accepted = worker.submit_store(50, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
     worker.wait({50})
-    assert finished(worker) == {}  # group 0's part ran, but the refused job is never reported
+    # Group 0's part ran; the job is reported failed (0.34) or never (0.33, whose engine stops at the refusal).
+    assert_refused(worker, {50: accepted})
     assert worker.submit_store(51, gpu([1, 2, 3], group_sizes=[2, 1]), CPULoadStoreSpec([0, 1]))
     assert finished(worker)[51].transfer_size == 2 * HYBRID_GROUP_BYTES[0] + HYBRID_GROUP_BYTES[1]
     worker.shutdown()
