@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing_extensions import Buffer
 
 from kvtriton._byte_units import format_bytes
+from kvtriton._private_files import PRIVATE_FILE_MODE
 from kvtriton._region_rows import ROW_ALIGNMENT
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ REGION_SUFFIX = ".region"
 CREATING_MARK = ".creating-"
 """A staging file is ``<region path>.creating-<creator pid>-<token>`` until it is linked under the region's name."""
 
-REGION_MODE = 0o600
+REGION_MODE = PRIVATE_FILE_MODE
 """The region's file mode: the server's user only, whatever its umask and any group configured for the tiers' files
 (the region is never shared beyond one engine's processes)."""
 
