@@ -57,6 +57,7 @@ completed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -218,21 +219,30 @@ def page_spans(starts: NDArray[np.int64], length: int, page: int = mmap.PAGESIZE
     return [(int(first), int(end - first)) for first, end in zip(span_firsts.tolist(), span_ends.tolist())]
 
 
-def _populate_rank(region: mmap.mmap, layout: RegionLayout, rank: int) -> None:
+def _populate_rank(region: mmap.mmap, fd: int, layout: RegionLayout, rank: int) -> None:
     """Allocate the pages holding ``rank``'s bytes now, not on the first copy into them (a fault per page, mid-transfer).
 
     ``madvise(MADV_POPULATE_WRITE)`` per span of whole pages where the kernel
     has it (it never changes what the pages hold, so pages shared with another
-    rank are safe); otherwise one write per page, of a byte of this rank's own
-    (rewritten with its value: other ranks' bytes are never written).
+    rank are safe); otherwise the spans are allocated (``posix_fallocate``) and
+    then written one byte per page, a byte of this rank's own (rewritten with
+    its value: other ranks' bytes are never written). When the tmpfs has no
+    room left (it filled after the region was sized) this raises ``OSError``
+    (``EFAULT``, ``ENOMEM`` or ``ENOSPC``) instead of the ``SIGBUS`` a write into
+    an unallocatable page would kill the process with.
     """
     starts = rank_row_starts(layout, rank)
+    spans = page_spans(starts, layout.rank_row_bytes)
     try:
-        for offset, length in page_spans(starts, layout.rank_row_bytes):
+        for offset, length in spans:
             region.madvise(_MADV_POPULATE_WRITE, offset, length)
         return
-    except OSError:
-        pass  # Linux before 5.14: touch the pages one by one
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise  # no room: a SIGBUS had the page been written
+    # Linux before 5.14 (no such advice): allocate, then touch the pages one by one.
+    for offset, length in spans:
+        os.posix_fallocate(fd, offset, length)
     view = memoryview(region)
     try:
         for start in starts.tolist():
@@ -555,7 +565,15 @@ class SharedRegion(ClosesOnExit):
         placed_on = gpu if gpu is not None else (_current_cuda_device() if pin is not False else None)
         started = time.perf_counter()
         with on_gpu_node(placed_on) as node:
-            _populate_rank(region, layout, rank)
+            try:
+                _populate_rank(region, self._fd, layout, rank)
+            except OSError as error:
+                raise OSError(
+                    error.errno,
+                    f"rank {rank} could not allocate its {layout.num_block_rows * layout.rank_row_bytes} bytes of "
+                    f"{self.path} ({error.strerror}): {os.path.dirname(self.path)} filled up after the region was "
+                    "sized; free it (kvtriton removes its own stale regions at start) or lower cpu_bytes_to_use",
+                ) from error
         logger.info(
             "populated rank %d's bytes of %s in %.3f s%s", rank, self.path, time.perf_counter() - started,
             "" if node is None else f" on NUMA node {node}",

@@ -180,10 +180,10 @@ def test_joiners_never_wait_for_a_slow_populate(name: str, monkeypatch: pytest.M
     populating, release = threading.Event(), threading.Event()
     real = shared_region._populate_rank  # pyright: ignore[reportPrivateUsage] -- the step made slow here
 
-    def slow_populate(region: object, layout: RegionLayout, rank: int) -> None:
+    def slow_populate(region: object, fd: int, layout: RegionLayout, rank: int) -> None:
         populating.set()
         assert release.wait(timeout=30)
-        real(region, layout, rank)  # pyright: ignore[reportArgumentType] -- the real mmap, passed through
+        real(region, fd, layout, rank)  # pyright: ignore[reportArgumentType] -- the real mmap, passed through
 
     monkeypatch.setattr(shared_region, "_populate_rank", slow_populate)
     layout = RegionLayout(4, 1, 2, 4096)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtriton.worker._shared_region as shared_region
 from kvtriton.worker._region_file import REGION_MODE, remove_stale_regions
 from kvtriton.worker._shared_region import HEADER_BYTES, RegionLayout, SharedRegion
 
@@ -205,3 +206,28 @@ def test_the_region_is_0600_whatever_the_umask(shm_dir: Path) -> None:
             assert Path(region.path).stat().st_mode & 0o777 == REGION_MODE == 0o600
     finally:
         os.umask(previous)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (mounting one needs root: skipped, saying so, without it)."""
+    mount = tmp_path / "small-shm"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("populate_advice", ["madvise", "page by page (Linux before 5.14)"])
+def test_a_tmpfs_that_filled_after_the_region_was_sized_is_an_error_naming_it_not_a_sigbus(
+    small_tmpfs: Path, populate_advice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_region, "shm_free_bytes", lambda directory="": 1 << 40)  # it filled after the check
+    if populate_advice != "madvise":
+        monkeypatch.setattr(shared_region, "_MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: the fallback runs
+    region = SharedRegion("engine-a", RegionLayout(256, 1, 1, 4096), 1, directory=str(small_tmpfs))
+    with pytest.raises(OSError, match=r"rank 0 could not allocate its 1048576 bytes of .* filled up after the region"):
+        region.rank_slab(0, pin=False)
+    region.close()
+    assert list(small_tmpfs.iterdir()) == []
