@@ -5,8 +5,8 @@ scheduler maps it a moment later, and the last of them unlinks its name. An
 engine killed between the two used to leave the region for good unless the
 next start had the same engine_id (vLLM picks a new one per start). Here the
 engine stops itself exactly there (:func:`e2e.engine_process.stop_before_scheduler_joins`),
-the test SIGKILLs it, and a restart under another engine_id must remove the
-file, say so, and serve the reference tokens.
+the test SIGKILLs it, and after a restart under another engine_id, which
+serves the reference tokens, nothing of either engine is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -95,10 +95,9 @@ def test_an_engine_killed_during_start_up_leaks_no_region_and_the_restart_serves
         os.killpg(process.pid, signal.SIGKILL)
     finally:
         end_process_group(process)  # reaps it (and stops it, if an assertion above failed first)
-    assert kvtriton_files(crashed_id) == [region.name]  # the crash left it: the next start must remove it
-
+    # The crash left the region unheld: the restart removes it, or, when the e2e tests run two at a time, an engine
+    # of another test starting meanwhile does (any kvtriton start on the host does). The removal's log line is
+    # checked where it is deterministic, in tests/integrations/test_tiering_region_lifetime.py.
     restarted = run_engine(tiered_job(llama, restarted_id, stop=False), e2e_dir / "start-up-restart")
     assert restarted.step("A").token_ids == reference.step("A").token_ids
     assert kvtriton_files(crashed_id) == [] and kvtriton_files(restarted_id) == []
-    (line,) = [line for line in restarted.log.splitlines() if region.name in line and "removed" in line]
-    assert "stale kvtriton shared host region" in line and f"creator pid(s) {process.pid} gone" in line
