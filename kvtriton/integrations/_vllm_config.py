@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtriton._choices import ChoiceT, parse_choice
+from kvtriton._private_files import PRIVATE, FileSharing
 from kvtriton.integrations._vllm_identity import IDENTITY_KEY
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels._compressed_format import ALIGNMENT, COMPRESSIBLE_DTYPES, DEFAULT_GROUP_SIZE, compression_layout
@@ -40,6 +41,7 @@ KVTRITON_PAGEABLE_SLAB = "kvtriton_pageable_slab"
 KVTRITON_KV_COMPRESSION = "kvtriton_kv_compression"
 KVTRITON_SUMMARY_INTERVAL_S = "kvtriton_summary_interval_s"
 KVTRITON_VERIFY_HOST_LOADS = "kvtriton_verify_host_loads"
+KVTRITON_SHARED_GROUP = "kvtriton_shared_group"
 DEFAULT_SUMMARY_INTERVAL_S = 60
 """Seconds of activity between two ``kvtriton summary:`` log lines (the adapter's own default too)."""
 
@@ -51,11 +53,12 @@ _KVTRITON_KEYS = frozenset(
         KVTRITON_KV_COMPRESSION,
         KVTRITON_SUMMARY_INTERVAL_S,
         KVTRITON_VERIFY_HOST_LOADS,
+        KVTRITON_SHARED_GROUP,
         IDENTITY_KEY,
     }
 )
 
-_KVTRITON_TIERED_ONLY_KEYS = frozenset({IDENTITY_KEY})
+_KVTRITON_TIERED_ONLY_KEYS = frozenset({IDENTITY_KEY, KVTRITON_SHARED_GROUP})
 """kvtriton's keys that only the tiered spec reads: the single-tier spec hands no chunk to any tier."""
 
 _KVTRITON_SINGLE_TIER_ONLY_KEYS = frozenset({KVTRITON_VERIFY_HOST_LOADS})
@@ -192,6 +195,9 @@ class KVTritonOffloadConfig:
     ``verify_host_loads`` (a debug mode, single-tier spec only) has the
     worker refuse a load whose host slots changed since their store finished,
     which stops the engine (:mod:`kvtriton.worker._slot_digests`).
+    ``file_sharing`` (``kvtriton_shared_group``, tiered spec only) says who
+    besides the server's user may read the files the tiers write
+    (:mod:`kvtriton._private_files`).
     """
 
     cpu_bytes_to_use: int
@@ -205,6 +211,7 @@ class KVTritonOffloadConfig:
     kv_compression: KVCompression = KVCompression.NONE
     summary_interval_s: int = DEFAULT_SUMMARY_INTERVAL_S
     verify_host_loads: bool = False
+    file_sharing: FileSharing = PRIVATE
 
     @property
     def filters_reuse(self) -> bool:
@@ -254,6 +261,9 @@ class KVTritonOffloadConfig:
                 extra_config, KVTRITON_SUMMARY_INTERVAL_S, DEFAULT_SUMMARY_INTERVAL_S, 0, unit="seconds"
             ),
             verify_host_loads=_parse_bool(extra_config, KVTRITON_VERIFY_HOST_LOADS, False),
+            file_sharing=FileSharing.from_setting(
+                extra_config.get(KVTRITON_SHARED_GROUP), where=_where(KVTRITON_SHARED_GROUP)
+            ),
         )
 
 

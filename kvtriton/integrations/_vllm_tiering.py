@@ -58,6 +58,7 @@ from typing import Any, Protocol, cast
 import torch
 from typing_extensions import override
 
+from kvtriton._private_files import prepare_tier_root
 from kvtriton.integrations._integrity_report import integrity_metric_definitions
 from kvtriton.integrations._vllm_config import (
     CACHE_POLICY_MODULE_PATH,
@@ -518,10 +519,10 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         """The identity fingerprint of the chunks the secondary tiers store (docs/tiers.md, "Integrity")."""
         logger.info(
             "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
-            "kv_compression=%s%s",
+            "kv_compression=%s%s; files %s",
             config.parallel.rank, config.parallel.world_size, layout.describe(), len(self.secondary_tier_configs),
             settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
-            f"; secondary tiers namespaced with {self.layout_tag!r}",
+            f"; secondary tiers namespaced with {self.layout_tag!r}", settings.file_sharing.describe(),
         )  # fmt: skip
         logger.info("kvtriton tiered offloading %s", self.identity.describe())
         log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
@@ -580,6 +581,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             tier_spec = self.tier_facing_spec()
             for index, tier_config in enumerate(self.secondary_tier_configs):
                 try:
+                    prepare_tier_root(_tier_label(index, tier_config), tier_config, self.settings.file_sharing)
                     tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
                 except (OSError, ImportError, TypeError, ValueError) as error:
                     label = _tier_label(index, tier_config)

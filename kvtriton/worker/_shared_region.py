@@ -41,25 +41,27 @@ the pages it shares with a rank still populating onto its own node. And each
 rank pins its own part only, where the layout allows it (see
 :func:`~kvtriton.worker._slab.own_row_ranges`), not world-size copies of the
 whole region's pinning work. Pages no rank populated (padding) are faulted in
-by the first process that touches them. Every process that has
-mapped it adds one to a count in the region's header page; the process that
-brings the count to ``expected_mappers`` unlinks the file. A file whose creator
-no longer runs (an engine with the same id that died before every process had
-mapped it) is removed and created afresh. From then on the
-memory lives exactly as long as some process maps it: a crash leaks nothing in
-/dev/shm. :meth:`SharedRegion.close` also unlinks it, for a process set that
-never completed.
+by the first process that touches them. The file itself (its name, header,
+locks, and when a stale one is removed) is :mod:`kvtriton.worker._region_file`'s:
+it appears under its name complete, every process that maps it holds a shared
+lock on it, and the process that brings the header's mapper count to
+``expected_mappers`` unlinks it; from then on the memory lives exactly as long
+as some process maps it. A crash before the count completes (during start-up)
+leaves the file, unheld: the next process to open any region on the host
+removes it, whatever its engine id, and a file under this engine's name that
+is empty, torn, unheld or left by a dead creator is replaced, never waited on.
+:meth:`SharedRegion.close` also unlinks it, for a process set that never
+completed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import json
 import logging
 import mmap
 import os
-import struct
 import time
 from dataclasses import asdict, dataclass
 
@@ -71,6 +73,28 @@ from kvtriton._integrity import SEAL_BYTES
 from kvtriton._region_rows import ROW_ALIGNMENT, block_row_stride
 from kvtriton.worker._closing import ClosesOnExit
 from kvtriton.worker._numa import on_gpu_node
+from kvtriton.worker._region_file import (
+    CREATOR,
+    HEADER_BYTES,
+    LAYOUT_AT,
+    LAYOUT_LENGTH,
+    MAGIC,
+    MAPPED,
+    POPULATED,
+    REGION_DIRECTORY,
+    REGION_MODE,
+    HeaderField,
+    close_region_fd,
+    header_locked,
+    hold_shared,
+    is_same_file,
+    nobody_holds,
+    process_alive,
+    refuse_unless_private,
+    region_path,
+    remove_stale_regions,
+    staging_path,
+)
 from kvtriton.worker._slab import HostSlab, check_count
 
 
@@ -81,24 +105,11 @@ def _current_cuda_device() -> int | None:
 
 logger = logging.getLogger(__name__)
 
-REGION_DIRECTORY = "/dev/shm"
-"""Where regions live: a tmpfs, so the memory is RAM and the file name is only a rendezvous."""
-
-HEADER_BYTES = ROW_ALIGNMENT
-"""The region starts with one header page (magic, mapper and populated counts, layout); rows follow, still aligned."""
-
-_MAGIC = b"KVTRREG3"  # 3: the populated count joined the header
-_COUNT = struct.Struct("<Q")  # processes that have mapped the region
-_LENGTH = struct.Struct("<I")  # bytes of the layout JSON that follows
-_PID = struct.Struct("<Q")  # the creator's process id: a region whose creator is gone is stale
-_POPULATED = struct.Struct("<Q")  # worker ranks that have populated their bytes
-_COUNT_AT = len(_MAGIC)
-_PID_AT = _COUNT_AT + _COUNT.size
-_POPULATED_AT = _PID_AT + _PID.size
-_LENGTH_AT = _POPULATED_AT + _POPULATED.size
-_JSON_AT = _LENGTH_AT + _LENGTH.size
 JOIN_TIMEOUT_S = 30.0
-"""How long a joining process waits for the creator to write the header (one page: no size makes it slow)."""
+"""How long a joining process waits for its shared lock while another process judges whether the file is stale
+(the time of a ``stat`` and an ``unlink``: only a stopped process holds it longer)."""
+_OPEN_ATTEMPTS = 4
+"""Tries at creating or joining the region before giving up: each failed one replaced a stale file or lost a race."""
 POPULATE_TIMEOUT_S = 600.0
 """How long a rank about to pin waits for every rank to populate its bytes (ranks load their model first, unevenly)."""
 _POLL_S = 0.005
@@ -184,20 +195,6 @@ class RegionLayout:
         )
 
 
-class _StaleRegion(Exception):
-    """A region file whose creator no longer runs; it has been removed."""
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, under another user
-    return True
-
-
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 
 
@@ -222,21 +219,30 @@ def page_spans(starts: NDArray[np.int64], length: int, page: int = mmap.PAGESIZE
     return [(int(first), int(end - first)) for first, end in zip(span_firsts.tolist(), span_ends.tolist())]
 
 
-def _populate_rank(region: mmap.mmap, layout: RegionLayout, rank: int) -> None:
+def _populate_rank(region: mmap.mmap, fd: int, layout: RegionLayout, rank: int) -> None:
     """Allocate the pages holding ``rank``'s bytes now, not on the first copy into them (a fault per page, mid-transfer).
 
     ``madvise(MADV_POPULATE_WRITE)`` per span of whole pages where the kernel
     has it (it never changes what the pages hold, so pages shared with another
-    rank are safe); otherwise one write per page, of a byte of this rank's own
-    (rewritten with its value: other ranks' bytes are never written).
+    rank are safe); otherwise the spans are allocated (``posix_fallocate``) and
+    then written one byte per page, a byte of this rank's own (rewritten with
+    its value: other ranks' bytes are never written). When the tmpfs has no
+    room left (it filled after the region was sized) this raises ``OSError``
+    (``EFAULT``, ``ENOMEM`` or ``ENOSPC``) instead of the ``SIGBUS`` a write into
+    an unallocatable page would kill the process with.
     """
     starts = rank_row_starts(layout, rank)
+    spans = page_spans(starts, layout.rank_row_bytes)
     try:
-        for offset, length in page_spans(starts, layout.rank_row_bytes):
+        for offset, length in spans:
             region.madvise(_MADV_POPULATE_WRITE, offset, length)
         return
-    except OSError:
-        pass  # Linux before 5.14: touch the pages one by one
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise  # no room: a SIGBUS had the page been written
+    # Linux before 5.14 (no such advice): allocate, then touch the pages one by one.
+    for offset, length in spans:
+        os.posix_fallocate(fd, offset, length)
     view = memoryview(region)
     try:
         for start in starts.tolist():
@@ -282,7 +288,7 @@ class SharedRegion(ClosesOnExit):
                 f"directory {directory!r} does not exist; the shared host region needs a tmpfs such as /dev/shm"
             )
         self.layout = layout
-        self.path = os.path.join(directory, f"kvtriton_{name}.region")
+        self.path = region_path(directory, name)
         self.file_bytes = HEADER_BYTES + layout.region_bytes
         self._expected = expected_mappers
         self._unlinked = False
@@ -290,26 +296,42 @@ class SharedRegion(ClosesOnExit):
         self._tensors: list[torch.Tensor] = []
         self._views: list[memoryview] = []
         self._fd = -1
+        self._file: os.stat_result | None = None  # the file this process mapped (its name may be another's later)
         self._populated_ranks: set[int] = set()
-        for attempt in range(2):
+        remove_stale_regions(directory)
+        for _ in range(_OPEN_ATTEMPTS):
             try:
-                self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                try:
-                    self._join(join_timeout_s)
-                except _StaleRegion:
-                    if attempt == 0:
-                        continue  # removed: create it afresh
-                    raise
+                fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                if self._create(directory):
+                    break
             else:
-                self._create(directory)
-            break
+                if self._join(fd, join_timeout_s):
+                    break
+        else:
+            raise RuntimeError(
+                f"could neither create nor join {self.path} in {_OPEN_ATTEMPTS} tries: each time another process "
+                "replaced or removed it first; see the other engines' logs"
+            )
         self._register_mapping()
 
     # --- creation and joining -----------------------------------------
 
-    def _create(self, directory: str) -> None:
+    def _create(self, directory: str) -> bool:
+        """Make the region in a staging file and link it under :attr:`path`; False when another process was first.
+
+        The staging file is locked from its first moment and carries the
+        creator's pid in its name, so nobody removes it as stale; the header
+        is complete before the region's name exists (no joiner ever waits
+        for it).
+        """
+        staging = staging_path(self.path)
+        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, REGION_MODE)
+        published = False
         try:
+            hold_shared(fd, staging, JOIN_TIMEOUT_S)  # nobody else knows the file yet: at once
+            os.fchmod(fd, REGION_MODE)  # exactly, whatever the umask
+            self._fd = fd
             free = shm_free_bytes(directory)
             if self.file_bytes > free:
                 raise ValueError(
@@ -317,62 +339,69 @@ class SharedRegion(ClosesOnExit):
                     f"({self.layout.describe()}); lower cpu_bytes_to_use or enlarge {directory} "
                     f"(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory)"
                 )
-            os.ftruncate(self._fd, self.file_bytes)
-            self._mmap = mmap.mmap(self._fd, self.file_bytes, flags=mmap.MAP_SHARED)
-            # No pre-faulting here: joiners wait for the header only; ranks populate their own bytes (rank_slab).
+            os.ftruncate(fd, self.file_bytes)
+            self._mmap = mmap.mmap(fd, self.file_bytes, flags=mmap.MAP_SHARED)
+            # No pre-faulting here: joiners wait for nothing; ranks populate their own bytes (rank_slab).
             layout_json = json.dumps(asdict(self.layout), sort_keys=True).encode()
-            if _JSON_AT + len(layout_json) > HEADER_BYTES:
+            if LAYOUT_AT + len(layout_json) > HEADER_BYTES:
                 raise ValueError(
                     f"the region layout description ({len(layout_json)} bytes) does not fit the header page"
                 )
-            _PID.pack_into(self._mmap, _PID_AT, os.getpid())
-            self._mmap[_LENGTH_AT:_JSON_AT] = _LENGTH.pack(len(layout_json))
-            self._mmap[_JSON_AT : _JSON_AT + len(layout_json)] = layout_json
-            # The magic goes last: joiners wait for it, so they never read a half-written header.
-            self._mmap[: len(_MAGIC)] = _MAGIC
-        except BaseException:
-            self._unlink()
-            self._close_mapping()
-            raise
+            CREATOR.write(self._mmap, os.getpid())
+            LAYOUT_LENGTH.write(self._mmap, len(layout_json))
+            self._mmap[LAYOUT_AT : LAYOUT_AT + len(layout_json)] = layout_json
+            self._mmap[: len(MAGIC)] = MAGIC
+            try:
+                os.link(staging, self.path)
+                published = True
+            except FileExistsError:
+                pass  # another process of this engine was first: join its region
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            if not published:
+                self._close_mapping()
+        if not published:
+            return False
+        self._file = os.fstat(fd)
         logger.info("created shared host region %s: %s", self.path, self.layout.describe())
+        return True
 
-    def _join(self, timeout_s: float) -> None:
-        self._fd = os.open(self.path, os.O_RDWR)
+    def _join(self, fd: int, timeout_s: float) -> bool:
+        """Map the region already at :attr:`path` (opened as ``fd``); False when it was stale and is removed.
+
+        Stale: no process holds it (every process of the engine that made it
+        is gone), its creator is gone, or it is empty or torn (left by an
+        older kvtriton or another writer). It is replaced, never waited on.
+        """
+        self._fd = fd
+        joined = False
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                stat = os.fstat(self._fd)
-                if stat.st_size >= HEADER_BYTES and os.pread(self._fd, len(_MAGIC), 0) == _MAGIC:
-                    break
-                if stat.st_nlink == 0:
-                    raise RuntimeError(f"the process creating {self.path} failed before finishing it; see its log")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{self.path} was not initialised within {timeout_s} s by the process creating it"
-                    )
-                time.sleep(_POLL_S)
-            (creator,) = _PID.unpack(os.pread(self._fd, _PID.size, _PID_AT))
-            if not _process_alive(int(creator)):
-                # Left by an engine with the same id that died before every
-                # process had mapped it (a fixed engine_id): start afresh.
-                try:
-                    if os.stat(self.path).st_ino == stat.st_ino:
-                        os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
-                logger.warning(
-                    "removed the stale shared host region %s (its creator, pid %d, is gone)", self.path, creator
-                )
-                raise _StaleRegion(self.path)
-            if stat.st_size != self.file_bytes:
-                theirs = self._read_layout()
+            opened = os.fstat(fd)
+            refuse_unless_private(self.path, opened)
+            if nobody_holds(fd):
+                self._remove_stale(opened, "no process maps it (the engine that made it is gone)")
+                return False
+            hold_shared(fd, self.path, timeout_s)
+            opened = os.fstat(fd)
+            if opened.st_nlink == 0:
+                return False  # removed as stale while this process waited for its lock
+            header = os.pread(fd, HEADER_BYTES, 0)
+            if opened.st_size < HEADER_BYTES or not header.startswith(MAGIC):
+                self._remove_stale(opened, f"it is empty or torn ({opened.st_size} bytes, no kvtriton header)")
+                return False
+            creator = CREATOR.read(header)
+            if not process_alive(creator):
+                self._remove_stale(opened, f"its creator, pid {creator}, is gone")
+                return False
+            if opened.st_size != self.file_bytes:
                 raise ValueError(
-                    f"{self.path} holds {stat.st_size} bytes laid out as {theirs}, but this process expects "
-                    f"{self.file_bytes} bytes laid out as {self.layout.describe()}: every rank must hold the same KV "
-                    f"bytes per block (split the layers evenly over pipeline stages: VLLM_PP_LAYER_PARTITION) and "
-                    f"use the same cpu_bytes_to_use and block size"
+                    f"{self.path} holds {opened.st_size} bytes laid out as {self._read_layout()}, but this process "
+                    f"expects {self.file_bytes} bytes laid out as {self.layout.describe()}: every rank must hold the "
+                    "same KV bytes per block (split the layers evenly over pipeline stages: VLLM_PP_LAYER_PARTITION) "
+                    "and use the same cpu_bytes_to_use and block size"
                 )
-            self._mmap = mmap.mmap(self._fd, self.file_bytes, flags=mmap.MAP_SHARED)
+            self._mmap = mmap.mmap(fd, self.file_bytes, flags=mmap.MAP_SHARED)
             theirs = self._read_layout()
             if theirs != self.layout.describe():
                 raise ValueError(
@@ -380,17 +409,27 @@ class SharedRegion(ClosesOnExit):
                     f"rank must hold the same KV bytes per block (split the layers evenly over pipeline stages: "
                     f"VLLM_PP_LAYER_PARTITION) and use the same cpu_bytes_to_use and block size"
                 )
-        except BaseException:
-            self._close_mapping()
-            raise
+            self._file = opened
+            joined = True
+        finally:
+            if not joined:
+                self._close_mapping()
         logger.info("joined shared host region %s", self.path)
+        return True
+
+    def _remove_stale(self, opened: os.stat_result, why: str) -> None:
+        """Remove the stale file at :attr:`path` (when it is still the one opened), saying why."""
+        if is_same_file(self.path, opened):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            logger.warning("replaced the shared host region %s: %s", self.path, why)
 
     def _read_layout(self) -> str:
         """The creator's layout, described as :meth:`RegionLayout.describe` does."""
         header = os.pread(self._fd, HEADER_BYTES, 0)
-        (length,) = _LENGTH.unpack_from(header, _LENGTH_AT)
+        length = LAYOUT_LENGTH.read(header)
         try:
-            fields = json.loads(header[_JSON_AT : _JSON_AT + length])
+            fields = json.loads(header[LAYOUT_AT : LAYOUT_AT + length])
             return RegionLayout(**fields).describe()
         except (ValueError, TypeError) as error:
             return f"an unreadable header ({error})"
@@ -398,7 +437,7 @@ class SharedRegion(ClosesOnExit):
     def _register_mapping(self) -> None:
         """Count this process in; the one that completes the count unlinks the file."""
         try:
-            count = self._add_one(_COUNT, _COUNT_AT)
+            count = self._add_one(MAPPED)
             if count >= self._expected:
                 self._unlink()
                 logger.info("all %d processes mapped %s: unlinked it", count, self.path)
@@ -406,21 +445,20 @@ class SharedRegion(ClosesOnExit):
             self._close_mapping()
             raise
 
-    def _add_one(self, counter: struct.Struct, at: int) -> int:
-        """Add one to a header counter under the file lock (every mapper may write it at once); the new value."""
+    def _add_one(self, counter: HeaderField) -> int:
+        """Add one to a header counter under the header lock (every mapper may write it at once); the new value."""
         region = self._require_mapping()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            (count,) = counter.unpack_from(region, at)
-            counter.pack_into(region, at, count + 1)
-            return int(count) + 1
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with header_locked(self._fd):
+            count = counter.read(region) + 1
+            counter.write(region, count)
+            return count
 
     def _unlink(self) -> None:
+        """Remove the file's name, unless it names another file by now (this one was replaced as stale)."""
         if not self._unlinked:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            if self._file is not None and is_same_file(self.path, self._file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
             self._unlinked = True
 
     def _require_mapping(self) -> mmap.mmap:
@@ -435,19 +473,18 @@ class SharedRegion(ClosesOnExit):
         """Whether this process removed the file name (every expected process had mapped it, or close() ran)."""
         return self._unlinked
 
-    def _read_count(self, counter: struct.Struct, at: int) -> int:
-        (count,) = counter.unpack_from(self._require_mapping(), at)
-        return int(count)
+    def _read_count(self, counter: HeaderField) -> int:
+        return counter.read(self._require_mapping())
 
     @property
     def mapped_count(self) -> int:
         """How many processes have mapped the region so far."""
-        return self._read_count(_COUNT, _COUNT_AT)
+        return self._read_count(MAPPED)
 
     @property
     def populated_count(self) -> int:
         """How many worker ranks have populated their bytes so far (:meth:`rank_slab`); pinning waits for all."""
-        return self._read_count(_POPULATED, _POPULATED_AT)
+        return self._read_count(POPULATED)
 
     def _wait_for_every_rank(self, rank: int, timeout_s: float) -> None:
         """Block until every rank has populated its bytes; ``TimeoutError`` naming how many did, after ``timeout_s``."""
@@ -528,13 +565,21 @@ class SharedRegion(ClosesOnExit):
         placed_on = gpu if gpu is not None else (_current_cuda_device() if pin is not False else None)
         started = time.perf_counter()
         with on_gpu_node(placed_on) as node:
-            _populate_rank(region, layout, rank)
+            try:
+                _populate_rank(region, self._fd, layout, rank)
+            except OSError as error:
+                raise OSError(
+                    error.errno,
+                    f"rank {rank} could not allocate its {layout.num_block_rows * layout.rank_row_bytes} bytes of "
+                    f"{self.path} ({error.strerror}): {os.path.dirname(self.path)} filled up after the region was "
+                    "sized; free it (kvtriton removes its own stale regions at start) or lower cpu_bytes_to_use",
+                ) from error
         logger.info(
             "populated rank %d's bytes of %s in %.3f s%s", rank, self.path, time.perf_counter() - started,
             "" if node is None else f" on NUMA node {node}",
         )  # fmt: skip
         if rank not in self._populated_ranks:  # a second slab of the same rank counts once
-            self._add_one(_POPULATED, _POPULATED_AT)
+            self._add_one(POPULATED)
             self._populated_ranks.add(rank)
         if pinning:
             self._wait_for_every_rank(rank, populate_timeout_s)
@@ -578,7 +623,7 @@ class SharedRegion(ClosesOnExit):
                 logger.debug("%s stays mapped until its last view is dropped", self.path)
             self._mmap = None
         if self._fd >= 0:
-            os.close(self._fd)
+            close_region_fd(self._fd)  # the shared lock stays while the mapping does (it holds the open file)
             self._fd = -1
 
     def __repr__(self) -> str:

@@ -104,6 +104,9 @@ class EngineJob:
     """The model's and KV cache's dtype, as vLLM's ``dtype`` argument takes it."""
     kv_cache_dtype: str = "auto"
     """vLLM's ``kv_cache_dtype``: ``auto`` (the model's dtype) or one of its quantized caches (``fp8``)."""
+    stop_before_scheduler_joins: bool = False
+    """Stop the process (SIGSTOP) once the worker made the tiered spec's shared region, before the scheduler maps it
+    (:func:`e2e.engine_process.stop_before_scheduler_joins`); for a test that then kills it."""
 
 
 @dataclass(frozen=True)

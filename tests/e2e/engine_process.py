@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -159,10 +160,30 @@ def settle_offloading(llm: Any) -> None:
     _settle(llm, SamplingParams(temperature=0.0, max_tokens=1))
 
 
+def stop_before_scheduler_joins() -> None:
+    """Make this process stop itself (SIGSTOP) as the scheduler starts to build the tiered spec's manager.
+
+    By then the worker has created and populated the shared host region and
+    the scheduler has not mapped it: the start-up window a crash leaks the
+    region in. The test that asks for it SIGKILLs the stopped process.
+    """
+    from kvtriton.integrations._vllm_tiering import KVTritonTieringOffloadingSpec
+
+    build_manager = KVTritonTieringOffloadingSpec.get_manager
+
+    def stopping_get_manager(self: KVTritonTieringOffloadingSpec) -> Any:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return build_manager(self)
+
+    KVTritonTieringOffloadingSpec.get_manager = stopping_get_manager
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     problem = cpu_kernels_problem()
     if problem is not None:
         raise RuntimeError(f"vLLM CPU kernels: {problem}")
+    if job.get("stop_before_scheduler_joins"):
+        stop_before_scheduler_joins()
     from vllm import LLM
     from vllm.config import KVTransferConfig
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -64,3 +66,16 @@ def test_another_fs_root_gives_no_hit(
     other = fs_engine(llama, e2e_dir / "fs-other-root", e2e_dir / "fs-other")
     assert other.delta("A", HITS) == 0
     assert other.step("A").token_ids == reference.step("A").token_ids
+
+
+def test_the_kv_files_on_disk_are_the_server_users_alone(writer: EngineResult, fs_root: Path) -> None:
+    # vLLM's fs tier writes its files with the umask (0644 files, 0755 directories under 022): they stay private
+    # because kvtriton made the root they sit under 0700, before the tier wrote anything.
+    assert stat.S_IMODE(fs_root.stat().st_mode) == 0o700
+    beneath = [fs_root, *fs_root.rglob("*")]
+    assert any(path.suffix == ".bin" for path in beneath)
+    assert all(path.stat().st_uid == os.geteuid() for path in beneath)
+    assert "root_dir" in writer.log and "private to user" in writer.log
+    lines = [line for line in writer.log.splitlines() if "kvtriton tiered offloading (rank 0 of 1)" in line]
+    assert lines and all("files private to user" in line for line in lines)
+    assert "tier roots made 0700, the host region 0600" in lines[0]

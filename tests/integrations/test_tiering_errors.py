@@ -119,6 +119,26 @@ def test_a_root_dir_the_fs_tier_cannot_create_names_the_tier_and_the_key_and_fre
     assert region_files() == before
 
 
+def test_a_root_dir_other_users_may_enter_is_refused_naming_the_tier_and_its_mode(tmp_path: Path) -> None:
+    # vLLM's fs tier writes its chunk files with the umask (0644): only a root nobody else may enter keeps them private.
+    before = region_files()
+    root = tmp_path / "kv"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    tiers = [{"type": "fs", "root_dir": str(root)}]
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    message = rf"^secondary_tiers\[0\] \(type 'fs'\): key 'root_dir'='{root}' has mode 0755: every user on the host"
+    with pytest.raises(ValueError, match=message):
+        spec.get_manager()
+    assert region_files() == before and list(root.iterdir()) == []
+
+
+def test_a_shared_group_that_does_not_exist_is_refused_naming_the_key() -> None:
+    extra: dict[str, object] = {**BUDGET, "kvtriton_shared_group": "no-such-group-kvtriton", "secondary_tiers": []}
+    with pytest.raises(ValueError, match=r"\['kvtriton_shared_group'\]='no-such-group-kvtriton': no such group"):
+        KVTritonTieringOffloadingSpec(tiering_config(extra))
+
+
 def test_an_error_vllm_raises_while_building_a_tier_names_the_tier(tmp_path: Path) -> None:
     tiers = [{"type": "fs", "root_dir": str(tmp_path), "backpressure": {"high_water_s": 1.0}}]
     spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))

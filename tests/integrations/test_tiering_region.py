@@ -2,7 +2,9 @@
 
 Several SharedRegion objects in one process stand in for several processes:
 each maps the file on its own, exactly as another process would; one test
-uses a real second process to show that a crash leaves nothing behind.
+uses a real second process to show that a crash leaves nothing behind
+(test_tiering_region_lifetime.py has the rest of the file's life: stale,
+torn and foreign files).
 """
 
 from __future__ import annotations
@@ -143,16 +145,6 @@ def test_a_rank_with_another_layout_is_refused_naming_both(name: str) -> None:
     first.close()
 
 
-def test_joining_a_region_nobody_finishes_times_out(name: str) -> None:
-    path = Path(f"/dev/shm/kvtriton_{name}.region")
-    path.write_bytes(b"")
-    try:
-        with pytest.raises(TimeoutError, match="was not initialised"):
-            SharedRegion(name, RegionLayout(1, 1, 1, 4096), 2, join_timeout_s=0.05)
-    finally:
-        path.unlink()
-
-
 def test_slab_rows_follow_the_slab_numbering_at_the_ranks_offset(name: str) -> None:
     layout = RegionLayout(3, 2, 2, 512)
     region = SharedRegion(name, layout, 1)
@@ -182,33 +174,16 @@ def test_bad_arguments_are_refused_naming_them(name: str) -> None:
         SharedRegion(name, RegionLayout(1, 1, 1, 1), 1, directory="/nonexistent")
 
 
-def test_a_region_left_by_a_dead_engine_with_the_same_id_is_replaced_not_joined(name: str) -> None:
-    child = (
-        "import os\n"
-        "from kvtriton.worker._shared_region import RegionLayout, SharedRegion\n"
-        f"region = SharedRegion({name!r}, RegionLayout(2, 1, 1, 4096), 3)  # the other two never come\n"
-        "region.rank_rows(0).fill_(7)\n"
-        "os._exit(0)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", child], check=True, env=env, timeout=120)
-    path = Path(f"/dev/shm/kvtriton_{name}.region")
-    assert path.exists()  # stale: its creator died before the count completed
-    fresh = SharedRegion(name, RegionLayout(2, 1, 1, 4096), 2)
-    assert fresh.mapped_count == 1 and fresh.region_tensor().eq(0).all()  # a new region, not the dead one's bytes
-    fresh.close()
-
-
 def test_joiners_never_wait_for_a_slow_populate(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Pre-faulting runs near 10 GiB/s: a region of hundreds of GB takes longer than any join timeout. The
     # header is published first and each rank populates its own bytes later, so joiners wait for the header only.
     populating, release = threading.Event(), threading.Event()
     real = shared_region._populate_rank  # pyright: ignore[reportPrivateUsage] -- the step made slow here
 
-    def slow_populate(region: object, layout: RegionLayout, rank: int) -> None:
+    def slow_populate(region: object, fd: int, layout: RegionLayout, rank: int) -> None:
         populating.set()
         assert release.wait(timeout=30)
-        real(region, layout, rank)  # pyright: ignore[reportArgumentType] -- the real mmap, passed through
+        real(region, fd, layout, rank)  # pyright: ignore[reportArgumentType] -- the real mmap, passed through
 
     monkeypatch.setattr(shared_region, "_populate_rank", slow_populate)
     layout = RegionLayout(4, 1, 2, 4096)

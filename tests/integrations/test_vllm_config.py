@@ -32,7 +32,8 @@ from kvtriton.worker._backends import TransferBackend
 GIB = 1 << 30
 KVTRITON_KEYS_HINT = (
     "kvtriton reads ['kvtriton_backend', 'kvtriton_identity_key', 'kvtriton_kv_compression', 'kvtriton_num_programs', "
-    "'kvtriton_pageable_slab', 'kvtriton_summary_interval_s', 'kvtriton_verify_host_loads'] besides vLLM's keys"
+    "'kvtriton_pageable_slab', 'kvtriton_shared_group', 'kvtriton_summary_interval_s', 'kvtriton_verify_host_loads'] "
+    "besides vLLM's keys"
 )
 
 
