@@ -34,9 +34,12 @@ No process can map more, so a larger size is a typo (an exponent, say), refused 
 class MachineInfo:
     """A snapshot of the software and hardware an offload run depends on."""
 
+    kvtriton: str
     python: str
     torch: str
     triton: str
+    vllm: str
+    mooncake: str
     cuda_available: bool
     device_name: str
     pinned_memory: str
@@ -52,6 +55,31 @@ def _package_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def vllm_verdict(version: str) -> str:
+    """The installed vLLM's version, and whether kvtriton is tested on its release (the spec refuses it otherwise)."""
+    from kvtriton.integrations._vllm_release import (
+        ALLOW_UNTESTED_VLLM,
+        TESTED_VLLM_RELEASES,
+        tested_releases,
+        vllm_release,
+    )
+
+    if version == "not installed":
+        return f"not installed (kvtriton's vLLM specs need vLLM {tested_releases()})"
+    if vllm_release(version) in TESTED_VLLM_RELEASES:
+        return f"{version} (tested)"
+    return f"{version} (untested: kvtriton is tested on {tested_releases()}; its specs refuse it unless {ALLOW_UNTESTED_VLLM}=1)"
+
+
+def _mooncake_version() -> str:
+    """The Mooncake Store client's version under either of its distribution names."""
+    for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        version = _package_version(name)
+        if version != "not installed":
+            return f"{version} ({name})"
+    return "not installed (only the Mooncake Store tier needs it)"
 
 
 def _format_limit(limit: int) -> str:
@@ -79,10 +107,16 @@ def collect_machine_info() -> MachineInfo:
 
     cuda = torch.cuda.is_available()
     soft_limit, _hard_limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    from kvtriton import __version__
+    from kvtriton.integrations._vllm_release import installed_vllm_version
+
     return MachineInfo(
+        kvtriton=__version__,
         python=platform.python_version(),
         torch=str(torch.__version__),
         triton=_package_version("triton"),
+        vllm=vllm_verdict(installed_vllm_version()),
+        mooncake=_mooncake_version(),
         cuda_available=cuda,
         device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
         pinned_memory=_probe_pinned_memory(),

@@ -7,9 +7,20 @@ import json
 
 import pytest
 
+import kvtriton
 import kvtriton.cli._info as info_module
-from kvtriton.cli._info import MAX_SLAB_BYTES, TOO_LOW, measure_warmup, memlock_verdict, memory_verdict, shm_verdict
+from kvtriton.cli._info import (
+    MAX_SLAB_BYTES,
+    TOO_LOW,
+    collect_machine_info,
+    measure_warmup,
+    memlock_verdict,
+    memory_verdict,
+    shm_verdict,
+    vllm_verdict,
+)
 from kvtriton.cli._main import main
+from kvtriton.integrations._vllm_release import TESTED_VLLM_RELEASES, vllm_release
 from kvtriton.worker._slab import MEMLOCK_NOTE
 
 
@@ -102,3 +113,20 @@ def test_the_largest_mappable_slab_size_is_taken(
     monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
     assert main(["info", "--json", "--slab-size", f"{MAX_SLAB_BYTES}B"]) == 1  # taken, then too large for the RAM
     assert json.loads(capsys.readouterr().out)["memory_verdict"].startswith(TOO_LOW)
+
+
+def test_info_names_the_versions_of_kvtriton_vllm_torch_triton_and_mooncake() -> None:
+    info = collect_machine_info()
+    assert info.kvtriton == kvtriton.__version__
+    assert info.torch and info.triton and info.mooncake
+    release = vllm_release(info.vllm.split()[0])
+    assert info.vllm.endswith("(tested)") == (release in TESTED_VLLM_RELEASES)
+
+
+def test_a_vllm_outside_the_tested_releases_is_named_with_what_the_specs_do() -> None:
+    assert vllm_verdict("0.34.0") == "0.34.0 (tested)"
+    assert vllm_verdict("0.33.2+cpu") == "0.33.2+cpu (tested)"
+    untested = vllm_verdict("0.35.0")
+    assert untested.startswith("0.35.0 (untested: kvtriton is tested on 0.33.x, 0.34.x")
+    assert "KVTRITON_ALLOW_UNTESTED_VLLM=1" in untested
+    assert vllm_verdict("not installed").startswith("not installed")
