@@ -160,13 +160,15 @@ def summary(release: Release, allowed: dict[str, str], baseline: PassResult, swa
     """Both passes' counts in one paragraph: what ran, what passed, what failed and whether it is allow-listed."""
     failed = swapped.failed()
     allow_listed = sum(1 for nodeid in failed if allow_list_key(nodeid) in allowed)
+    built = ", ".join(f"{count} for {name}" for name, count in sorted(swapped.constructed.items()))
     return (
         f"vLLM {release.version}'s tests for the installed vLLM {release.series}.x "
         f"({baseline.deselected()} not run here, tests/vllm_compat/vllm_release.py):\n"
         f"  as vLLM ships them: {baseline.count('passed')} passed, {baseline.count('failed')} failed, "
         f"{baseline.count('skipped')} skipped\n"
         f"  kvtriton swapped in: {swapped.count('passed')} passed, {len(failed)} failed "
-        f"({allow_listed} allow-listed, {len(failed) - allow_listed} not), {swapped.count('skipped')} skipped"
+        f"({allow_listed} allow-listed, {len(failed) - allow_listed} not), {swapped.count('skipped')} skipped; "
+        f"kvtriton objects built: {built}"
     )
 
 
