@@ -23,12 +23,19 @@ holds for kvtriton's manager too. vLLM's own modules keep the classes they
 imported (kvtriton is imported first, so it builds vLLM's classes where it
 means to).
 
-With or without the swap, ``--kvtriton-report=PATH`` writes every test's
-outcome as JSON: ``outcomes`` maps each node id to "passed", "failed" or
-"skipped" (a failed setup or teardown counts as failed), ``messages`` each
-failure to its one-line cause, ``constructed`` each swapped manager class to
-how many kvtriton objects it built, and ``specs`` vLLM's two spec names to the
-class vLLM's factory loads for them.
+The same names exist, with the same constructors, in vLLM 0.33 and 0.34; the
+arguments are bound by name against the signature of the installed vLLM's
+class, so a default that changes between releases is the installed one's.
+
+With or without the swap, ``--kvtriton-not-run=ID`` (repeatable) deselects a
+test file or a test (a node id without its parameter suffix, covering every
+parametrization) that cannot run on this machine, and ``--kvtriton-report=PATH``
+writes every test's outcome as JSON: ``outcomes`` maps each node id to
+"passed", "failed" or "skipped" (a failed setup or teardown counts as failed),
+``messages`` each failure to its one-line cause, ``not_run`` each
+``--kvtriton-not-run`` value to the node ids it deselected, ``constructed``
+each swapped manager class to how many kvtriton objects it built, and
+``specs`` vLLM's two spec names to the class vLLM's factory loads for them.
 """
 
 from __future__ import annotations
@@ -49,6 +56,12 @@ SLOT_BYTES = 64
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvtriton")
     group.addoption("--kvtriton-report", default=None, help="write each test's outcome to this JSON file")
+    group.addoption(
+        "--kvtriton-not-run",
+        action="append",
+        default=[],
+        help="deselect this test file, or this test (node id without parameters); repeatable",
+    )
 
 
 def _offloading_config(extra_config: dict[str, object], *, enable_events: bool) -> Any:
@@ -202,6 +215,32 @@ def _swap() -> None:
 
 _outcomes: dict[str, str] = {}
 _messages: dict[str, str] = {}
+_not_run: dict[str, list[str]] = {}
+"""Each ``--kvtriton-not-run`` value and the node ids it deselected."""
+
+
+def _not_run_entry(nodeid: str, entries: list[str]) -> str | None:
+    """The ``--kvtriton-not-run`` entry naming ``nodeid`` (its file, or the test without parameters), if any."""
+    test = nodeid.split("[", 1)[0]
+    path = nodeid.split("::", 1)[0]
+    return next((entry for entry in entries if entry in (test, path)), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    entries = cast("list[str]", config.getoption("--kvtriton-not-run"))
+    _not_run.update({entry: [] for entry in entries})
+    kept: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
+    for item in items:
+        entry = _not_run_entry(item.nodeid, entries)
+        if entry is None:
+            kept.append(item)
+        else:
+            _not_run[entry].append(item.nodeid)
+            deselected.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 def _crash_message(report: pytest.TestReport | pytest.CollectReport) -> str:
@@ -241,7 +280,13 @@ def _spec_classes() -> dict[str, str]:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = session.config.getoption("--kvtriton-report")
     if path:
-        report = {"outcomes": _outcomes, "messages": _messages, "constructed": _constructed, "specs": _spec_classes()}
+        report = {
+            "outcomes": _outcomes,
+            "messages": _messages,
+            "not_run": _not_run,
+            "constructed": _constructed,
+            "specs": _spec_classes(),
+        }
         with open(path, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=1, sort_keys=True)
 
