@@ -140,7 +140,23 @@ _ONLY_0_33: dict[str, str] = {
     f"{_TIERING}::TestTieringOffloadingManager::test_touch_propagates_to_all_tiers": _POLICY,
 }
 
+_REPLICATED = (
+    "expects one copy of replicated (MLA under tensor parallelism) KV, written by rank 0; kvtriton keeps one copy "
+    "per rank by design, so the same cpu_bytes_to_use holds 1/world_size of the chunks (docs/vllm.md, "
+    "'replicated KV')"
+)
+
 _ONLY_0_34: dict[str, str] = {
+    **{
+        f"{_SPEC_FACTORY}::{name}": _REPLICATED
+        for name in (
+            "test_cpu_config_info_capacity_dedups_a_replicated_layout",
+            "test_cpu_spec_replicated_layout_truth_matrix",
+            "test_cpu_spec_replicated_sizing_on_shared_region",
+            "test_tiering_spec_create_worker_uses_single_slot_for_replicated_layout",
+            "test_tiering_spec_replicated_sizing_removes_world_factor",
+        )
+    },
     f"{_MANAGER}::TestARCPolicy::test_reuse_ordering": _ARC_LISTS,
     f"{_TIERING}::TestTieringOffloadingManager::test_deferred_release_misses_but_holds_chunks_until_released": (
         "reads vLLM's private primary._get_num_free_chunks() and _num_write_pending_chunks (deferred release "
