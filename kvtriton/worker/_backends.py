@@ -371,14 +371,17 @@ class _CopyEngineCopy:
     """What the ``dma`` and ``torch`` backends share: on CUDA, the copy engines move slab rows.
 
     ``slab_pinned`` (None: ``slab.is_pinned()``, which asks about the first
-    byte of the slab's storage) picks the batch call for a pinned slab.
+    byte of the slab's storage) picks the batch call for a pinned slab;
+    ``batched=False`` keeps the per-run path even then (bench/kernels.py
+    times both, as ``dma`` and ``dma-2d``).
     """
 
     kind: TransferBackend
 
     def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
-    ) -> None:
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None,
+        batched: bool = True,
+    ) -> None:  # fmt: skip
         self.kv = kv
         self.slab = slab
         self.registration_rows = registration_rows
@@ -386,7 +389,7 @@ class _CopyEngineCopy:
         self._batch: MemcpyBatch | None = None
         if self._cuda:
             _require_cudart(self.kind.value)
-            self._batch = _batch_for(slab, slab_pinned)
+            self._batch = _batch_for(slab, slab_pinned) if batched else None
         self._pitched = _PitchedPages.of(kv, slab)
 
     @property
@@ -404,13 +407,14 @@ class DmaCopy(_CopyEngineCopy):
     wants_device_indices = False
 
     def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
-    ) -> None:
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None,
+        batched: bool = True,
+    ) -> None:  # fmt: skip
         if kv.compression_layout is not None:
             raise ValueError(
                 "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"
             )
-        super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned)
+        super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned, batched=batched)
         self._byte_pages = kv.byte_pages()
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
