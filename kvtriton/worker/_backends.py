@@ -417,13 +417,20 @@ class DmaCopy(_CopyEngineCopy):
         super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned, batched=batched)
         self._byte_pages = kv.byte_pages()
 
+    def batch_arrays(self, plan: TransferPlan) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """Destination, source and size of every copy the batch call queues for ``plan``: one per (page tensor, pair).
+
+        Host work per job on the batch path (bench/host_cost.py times it at 64 and 160 page tensors).
+        """
+        return self._pitched.pair_copies(plan.gpu_blocks, plan.slab_rows, plan.direction is TransferDirection.STORE)
+
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         del device
         store = plan.direction is TransferDirection.STORE
         if self._batch is not None:
             # Each copy is one page of one row: none spans two registrations, no runs needed.
             stream = torch.cuda.current_stream(self.kv.device).cuda_stream
-            self._batch(*self._pitched.pair_copies(plan.gpu_blocks, plan.slab_rows, store), stream)
+            self._batch(*self.batch_arrays(plan), stream)
             return
         blocks, rows, lengths = dma_runs(plan, self.registration_rows)
         if not self._cuda:
