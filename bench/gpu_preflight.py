@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from bench import gpu_machine_imports
+
 if TYPE_CHECKING:
     import torch
 
@@ -246,6 +248,8 @@ class Preflight:
 
     def run(self) -> int:
         self.line("python", sys.version.split()[0])
+        if gpu_machine_imports.installed():
+            self.line("packages", "the GPU machine's set only (bench/gpu_machine_imports.py hides the rest)")
         for module in ("torch", "pytest", "hypothesis", "numpy", "triton"):
             self.check(module.upper(), module, _version_of(module))
         self.check("KERNELS", "kernels (link)", _kernels_link)
