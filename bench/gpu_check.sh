@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# The first GPU run: every GPU claim of kvtriton checked in at most six minutes on an H100/H200.
+# The first GPU run: every GPU claim of kvtriton checked in at most five minutes on an H100/H200.
 #
 #   bench/gpu_check.sh            on a CUDA machine with python3, torch, triton, pytest, hypothesis, numpy
-#                                 (no vLLM, no network, no pip, no .venv needed: it installs nothing)
+#                                 (no vLLM, no xxhash, no network, no pip, no .venv needed: it installs nothing)
 #   bench/gpu_check.sh --dry-run  the same steps on a CPU machine: each step's own code with CUDA skipped
-#                                 and tiny sizes, writing the same files (make test runs it, so no typo can
-#                                 waste a GPU run)
+#                                 and tiny sizes, writing the same files, under an import blocker that leaves
+#                                 only the GPU machine's packages importable (bench/gpu_machine_imports.py),
+#                                 so an import that machine lacks fails here first (make test runs it, so no
+#                                 typo and no missing package can waste a GPU run)
 #
 # Steps, each under its own budget (timeout -k; the BUDGET_* lines below), in this order; a step that fails
-# or runs out of time never stops the next one, and only a piece the pre-flight found missing skips a step:
+# or runs out of time never stops the next one, only a piece the pre-flight found missing skips a step, a
+# test file that fails to collect loses its own cases only, and a benchmark method that fails loses its row:
 #
-#   preflight   60 s  imports, GPU, /dev/shm, memlock (information only), a real pin of 64 MiB and of 1 GiB
-#                     (their GB/s: the slab's start-up cost), one tiny compiled launch of the copy kernel
-#   cuda_tests  90 s  the CUDA tests alone, compiled kernels only (TRITON_INTERPRET=0), verbose
-#   fp8_tests   45 s  the fp8 kernels' CUDA tests in a pytest process of their own: a sticky CUDA fault
+#   preflight   25 s  imports (a failed one named), GPU, /dev/shm, memlock (information only), a real pin of
+#                     64 MiB and of 1 GiB (their GB/s: the slab's start-up cost), one rank's view of a shared
+#                     region with 1 GiB of its own (seconds per GiB, registrations), one tiny compiled launch
+#   cuda_tests  95 s  the CUDA tests alone, compiled kernels only (TRITON_INTERPRET=0), verbose
+#   fp8_tests   40 s  the fp8 kernels' CUDA tests in a pytest process of their own: a sticky CUDA fault
 #                     there (one kills the context) cannot lose the other CUDA cases
-#   crossover   40 s  dma vs triton per direction around 28 KiB pages, each store finished before its load
-#   kernels     90 s  triton (a prepared launcher) vs dma vs one contiguous copy, 32 KiB first, then 4, 16
-#                     and 64 KiB, both directions, and the fused fp8 kernels (triton-fp8) against plain
-#                     triton, the gather at 16, 32 and 64 programs; registers and spills of each variant
-#   host_cost   35 s  host microseconds per job with the real kernel launch
-#                     total 360 s (BUDGET_TOTAL), so a second run fits in a 15-minute GPU lease
+#   crossover   25 s  dma vs triton per direction around 28 KiB pages, each store finished before its load
+#   kernels     75 s  triton at 16 and 32 programs (prepared launchers) vs dma (its batch call) vs dma-2d (one
+#                     2-D copy per run) vs one contiguous copy, 32 KiB first, then 4, 16 and 64 KiB, both
+#                     directions, each on a stream of its own, and the fused fp8 kernels (triton-fp8) against
+#                     plain triton, the gather at 16, 32 and 64 programs; registers and spills of each variant
+#   host_cost   35 s  host microseconds per job with the real kernel launch, and the dma batch call's arrays
+#                     total 295 s of BUDGET_TOTAL=300 (a reviewer's per-step estimates for an H100 host, each
+#                     rounded up): start-up takes 2-4 minutes of a 15-minute lease, so a run, a fix and a
+#                     second run fit in one
 #
 # Everything goes to $OUT (default bench/results/gpu_check), written as each step goes, at most 8
 # files, no folders: summary.json (one entry per step: name, status, seconds, budget, detail; rewritten
@@ -36,7 +43,7 @@ DRY_RUN=0
 case "${1:-}" in
     --dry-run) DRY_RUN=1 ;;
     "") ;;
-    -h | --help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,38p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument ${1}; use --dry-run or nothing" >&2; exit 2 ;;
 esac
 if [[ -z "${PYTHON:-}" ]]; then
@@ -45,13 +52,13 @@ fi
 
 # Each step's time limit in seconds, and their total: two runs and the machine's start-up must fit in a
 # 15-minute lease. A step past its limit gets SIGTERM, then SIGKILL KILL_AFTER seconds later.
-BUDGET_PREFLIGHT=60
-BUDGET_CUDA_TESTS=90
-BUDGET_FP8_TESTS=45
-BUDGET_CROSSOVER=40
-BUDGET_KERNELS=90
+BUDGET_PREFLIGHT=25
+BUDGET_CUDA_TESTS=95
+BUDGET_FP8_TESTS=40
+BUDGET_CROSSOVER=25
+BUDGET_KERNELS=75
 BUDGET_HOST_COST=35
-BUDGET_TOTAL=360
+BUDGET_TOTAL=300
 KILL_AFTER=5
 budget_sum=$((BUDGET_PREFLIGHT + BUDGET_CUDA_TESTS + BUDGET_FP8_TESTS + BUDGET_CROSSOVER + BUDGET_KERNELS
     + BUDGET_HOST_COST))
@@ -66,6 +73,10 @@ OUT="$(cd "$OUT" && pwd)"
 export KVTRITON_BENCH_OUT="$OUT" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CI=1  # the reproducible hypothesis profile (tests/conftest.py)
 export TRITON_INTERPRET=0  # compiled kernels only: the interpreter cases are CI's job
+if [[ $DRY_RUN == 1 ]]; then
+    # Every Python process of the rehearsal sees only the GPU machine's packages (its sitecustomize.py).
+    export PYTHONPATH="$PWD/bench/gpu_machine:$PYTHONPATH"
+fi
 SCRATCH="$(mktemp -d)"
 trap 'rm -rf "$SCRATCH"' EXIT
 STEPS="$SCRATCH/steps.tsv"
@@ -165,8 +176,11 @@ decide_skips
 # In this order: what only a GPU can prove first, the layout x dtype matrix of the kernels (most of the
 # Triton compiles) last, so a run out of budget has already reported the rest. -k: the CUDA cases of the
 # kernel files (their CPU cases run the interpreter: CI's job) and all of the slab tests (CPU fakes that
-# must also hold where CUDA is present). --tb=short keeps tests.log small.
-PYTEST=("$PYTHON" -m pytest -v -rfEs --tb=short -p no:cacheprovider --durations=10 -k "cuda or slab")
+# must also hold where CUDA is present). --tb=short keeps tests.log small. A file that fails to collect
+# loses its own cases, not the session's (--continue-on-collection-errors). Plugins: hypothesis's only, as
+# on the GPU machine, whatever else this machine has installed.
+PYTEST=(env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PYTHON" -m pytest -p _hypothesis_pytestplugin -v -rfEs --tb=short
+    -p no:cacheprovider --continue-on-collection-errors --durations=10 -k "cuda or slab")
 TEST_FILES=(tests/worker/test_engine_cuda.py)
 missing SHM_OK || TEST_FILES+=(tests/integrations/test_tiering_cuda.py)
 TEST_FILES+=(tests/kernels/test_kernels_large_offsets.py tests/worker/test_slab.py tests/worker/test_compression_engine.py

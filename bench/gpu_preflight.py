@@ -18,9 +18,16 @@ driver, which does not charge the limit, so only a real pin can tell), then
 two real pins of a :class:`~kvtriton.worker._slab.HostSlab`, 64 MiB
 (``PF_PIN_SMALL``, what the tests need) and 1 GiB (``PF_PIN_LARGE``, the
 benchmarks' slabs), with the rate each pinned at (the slab's first touch and
-registration: what a server pays per GiB at start-up), and last one tiny
-launch of the copy kernel (``PF_TRITON_LAUNCH``), whose compile proves the C
-compiler, ``Python.h`` and ``ptxas`` are really there.
+registration: what a server pays per GiB at start-up), then one rank's view
+of a shared region holding 1 GiB of its own (``PF_PIN_REGION``, information:
+no step needs it): rank 0 of 8, 640 KiB per block row (a 70B model's K and V
+at tensor parallelism 8), 16 blocks per chunk, pinned as the tiering spec's
+ranks pin (one registration per run of rows, :func:`probe_region_pin`), with
+its registrations counted; and last one tiny launch of the copy kernel
+(``PF_TRITON_LAUNCH``), whose compile proves the C compiler, ``Python.h`` and
+``ptxas`` are really there. Every import of kvtriton happens inside the check
+that needs it: one that fails (a package the machine lacks) is reported by
+name on that check's line, and the pre-flight goes on.
 
 ``--dry-run`` (a CPU machine) runs the same code: the slabs are left
 pageable and the launch goes through Triton's interpreter, both labelled so.
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import mmap
 import os
 import resource
 import shutil
@@ -43,6 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from bench import gpu_machine_imports
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +66,7 @@ __all__ = [
     "main",
     "memlock_text",
     "probe_pin",
+    "probe_region_pin",
 ]
 
 LABEL_WIDTH = 20
@@ -64,6 +75,12 @@ SHM_NEEDED_BYTES = 1 << 20
 PIN_PROBE_BYTES = {"PIN_SMALL": 64 << 20, "PIN_LARGE": 1 << 30}
 """The two pins tried: 64 MiB gates every step that pins (the tests), 1 GiB the benchmarks' slabs."""
 PIN_ROW_BYTES = 1 << 20
+REGION_PROBE_BYTES = 1 << 30
+"""This rank's own bytes in the region view the pre-flight pins (the rest of each block row is the other ranks')."""
+REGION_WORLD_SIZE = 8
+REGION_RANK_ROW_BYTES = 640 << 10
+"""One rank's bytes of one GPU block: 80 layers x K,V x 16 tokens x 1 KV head x 128 x bf16 (a 70B model at TP 8)."""
+REGION_BLOCKS_PER_CHUNK = 16
 
 
 class _Closable(Protocol):
@@ -81,6 +98,8 @@ class PinProbe:
     nbytes: int
     seconds: float
     error: str | None
+    registrations: int | None = None
+    """The ``cudaHostRegister`` calls the slab's pin makes (or would make, left pageable); None: not counted."""
 
     @property
     def bandwidth_GBps(self) -> float:  # noqa: N802 -- GB/s in the name, as the report prints it
@@ -95,18 +114,53 @@ def probe_pin(nbytes: int, pin: bool, make_slab: SlabFactory | None = None) -> P
     """
     if nbytes < PIN_ROW_BYTES or nbytes % PIN_ROW_BYTES:
         raise ValueError(f"nbytes must be a positive multiple of {PIN_ROW_BYTES}, got {nbytes}")
-    if make_slab is None:
-        from kvtriton.worker._slab import HostSlab
-
-        make_slab = HostSlab
     started = time.perf_counter()
     try:
+        if make_slab is None:
+            from kvtriton.worker._slab import HostSlab  # inside the try: a failed import is a finding too
+
+            make_slab = HostSlab
+        started = time.perf_counter()
         slab = make_slab(nbytes // PIN_ROW_BYTES, 1, PIN_ROW_BYTES, pin)
     except Exception as error:  # noqa: BLE001 -- a failed pin is the finding, reported in words
         return PinProbe(nbytes, time.perf_counter() - started, f"{type(error).__name__}: {error}")
     seconds = time.perf_counter() - started
     slab.close()
     return PinProbe(nbytes, seconds, None)
+
+
+def probe_region_pin(own_bytes: int, pin: bool) -> PinProbe:
+    """One rank's view of a shared region with ``own_bytes`` of its own, pinned as a tiering rank pins it, timed.
+
+    The region is :data:`REGION_WORLD_SIZE` ranks of
+    :data:`REGION_RANK_ROW_BYTES` per block row, :data:`REGION_BLOCKS_PER_CHUNK`
+    rows per chunk, laid out as the tiering spec's shared region lays it out
+    (``kvtriton._region_rows.block_row_stride``), in an anonymous mapping:
+    only this rank's pages are touched and registered, one registration per
+    run of rows (``HostSlab.registration_plan``, counted). ``own_bytes`` is
+    rounded down to whole chunks. Any failure is returned, never raised.
+    """
+    started = time.perf_counter()
+    rows = own_bytes // REGION_RANK_ROW_BYTES // REGION_BLOCKS_PER_CHUNK * REGION_BLOCKS_PER_CHUNK
+    try:
+        from kvtriton._region_rows import block_row_stride
+        from kvtriton.worker._slab import HostSlab
+
+        if rows < REGION_BLOCKS_PER_CHUNK:
+            raise ValueError(f"own_bytes {own_bytes} holds no chunk of {REGION_BLOCKS_PER_CHUNK} block rows")
+        stride = block_row_stride(REGION_BLOCKS_PER_CHUNK, REGION_WORLD_SIZE, REGION_RANK_ROW_BYTES)
+        buffer = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE)  # virtual: untouched pages cost nothing
+        started = time.perf_counter()
+        slab = HostSlab.from_buffer(
+            buffer, rows // REGION_BLOCKS_PER_CHUNK, REGION_BLOCKS_PER_CHUNK, REGION_RANK_ROW_BYTES,
+            row_stride=stride, row_offset=0, pin=pin,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        registrations = len(slab.registration_plan()[0])
+        slab.close()
+    except Exception as error:  # noqa: BLE001 -- a failed pin is the finding, reported in words
+        return PinProbe(rows * REGION_RANK_ROW_BYTES, time.perf_counter() - started, f"{type(error).__name__}: {error}")
+    return PinProbe(rows * REGION_RANK_ROW_BYTES, seconds, None, registrations)
 
 
 def memlock_text(soft_limit: int) -> str:
@@ -172,6 +226,14 @@ class Preflight:
         with self.env_path.open("a", encoding="ascii") as env:
             env.write(f"PF_{key}={int(ok)}\n")
 
+    def info(self, label: str, load: Callable[[], str]) -> None:
+        """An information line: ``load``'s text, or FAILED and the error (a failed import named) without stopping."""
+        try:
+            detail = load()
+        except Exception as error:  # noqa: BLE001 -- information only: reported, never raised
+            detail = f"FAILED: {type(error).__name__}: {error}"
+        self.line(label, detail)
+
     def check(self, key: str, label: str, load: Callable[[], str]) -> bool:
         """Run ``load``; its text on success, MISSING and the error otherwise."""
         try:
@@ -186,6 +248,8 @@ class Preflight:
 
     def run(self) -> int:
         self.line("python", sys.version.split()[0])
+        if gpu_machine_imports.installed():
+            self.line("packages", "the GPU machine's set only (bench/gpu_machine_imports.py hides the rest)")
         for module in ("torch", "pytest", "hypothesis", "numpy", "triton"):
             self.check(module.upper(), module, _version_of(module))
         self.check("KERNELS", "kernels (link)", _kernels_link)
@@ -198,8 +262,8 @@ class Preflight:
         self.line("gpu", _gpu_text() if cuda else no_gpu)
         self.record("CUDA", cuda)
         if cuda:
-            self.line("numa", _numa_text())
-        self.line("toolchain", _toolchain_text())
+            self.info("numa", _numa_text)
+        self.info("toolchain", _toolchain_text)
         shm = _shm_free_bytes()
         shm_ok = shm >= SHM_NEEDED_BYTES
         too_small = f"  TOO SMALL (under {SHM_NEEDED_BYTES}): the shared-region test is left out"
@@ -215,27 +279,36 @@ class Preflight:
     def _pins(self, pin: bool) -> None:
         for key, nbytes in PIN_PROBE_BYTES.items():
             label = f"pin {nbytes >> 20} MiB" if nbytes < 1 << 30 else f"pin {nbytes >> 30} GiB"
-            probe = probe_pin(nbytes, pin)
-            if probe.error is not None:
-                self.line(label, f"FAILED after {probe.seconds:.2f} s: {probe.error}")
-                self.failed.append(label)
-            else:
-                note = "" if pin else "  (dry run: pageable, not pinned)"
-                per_gib = (1 << 30) / probe.nbytes * probe.seconds
-                rate = f"{probe.bandwidth_GBps:.1f} GB/s ({probe.seconds:.2f} s; start-up: {per_gib:.2f} s per GiB of slab)"
-                self.line(label, rate + note)
-            self.record(key, probe.error is None)
+            self._report_pin(key, label, probe_pin(nbytes, pin), pin)
+        region = probe_region_pin(REGION_PROBE_BYTES, pin)
+        self._report_pin("PIN_REGION", f"pin region {REGION_PROBE_BYTES >> 30} GiB", region, pin)
+
+    def _report_pin(self, key: str, label: str, probe: PinProbe, pin: bool) -> None:
+        if probe.error is not None:
+            self.line(label, f"FAILED after {probe.seconds:.2f} s: {probe.error}")
+            self.failed.append(label)
+        else:
+            note = "" if pin else "  (dry run: pageable, not pinned)"
+            per_gib = (1 << 30) / probe.nbytes * probe.seconds
+            rate = f"{probe.bandwidth_GBps:.1f} GB/s ({probe.seconds:.2f} s; start-up: {per_gib:.2f} s per GiB of slab)"
+            if probe.registrations is not None:
+                rate += (
+                    f" in {probe.registrations} registrations (rank 0 of {REGION_WORLD_SIZE}, "
+                    f"{REGION_RANK_ROW_BYTES >> 10} KiB per block row)"
+                )
+            self.line(label, rate + note)
+        self.record(key, probe.error is None)
 
     def _launch(self, device: torch.device) -> None:
         label = "triton launch"
-        if device.type == "cpu":
-            from kvtriton.kernels._jit.interpreter_probe import interpreter_problem
-
-            problem = interpreter_problem()
-            if problem is not None:  # the dry run cannot interpret here; that says nothing about a GPU
-                self.line(label, f"skipped (dry run: {problem})")
-                return
         try:
+            if device.type == "cpu":
+                from kvtriton.kernels._jit.interpreter_probe import interpreter_problem
+
+                problem = interpreter_problem()
+                if problem is not None:  # the dry run cannot interpret here; that says nothing about a GPU
+                    self.line(label, f"skipped (dry run: {problem})")
+                    return
             detail = launch_tiny_copy(device)
         except Exception as error:  # noqa: BLE001 -- the toolchain's failure is the finding
             last = str(error).strip().splitlines()[-1:] or [""]
@@ -245,7 +318,7 @@ class Preflight:
             self.record("TRITON_LAUNCH", False)
             return
         if device.type == "cuda":
-            from kvtriton.kernels._compiled_variants import compiled_variants
+            from kvtriton.kernels._compiled_variants import compiled_variants  # beside copy_pages: imported already
 
             regs = ", ".join(f"regs {v['n_regs']} spills {v['n_spills']}" for v in compiled_variants())
             detail += f"; {regs}" if regs else ""

@@ -6,9 +6,12 @@
 40 lines: the GPU, its pins and its launch from the pre-flight, one row per step, the test
 counts of each pytest run (counted from its verbose lines when the run was
 cut off before its summary line), the crossover verdict with the
-``AUTO_TABLE`` rows, the kernel ratios with the fp8 kernels against plain
-Triton at each program count, the compiled variants' registers and spills,
-the host cost against its goals, and the verdict. Exit status 0 only when
+``AUTO_TABLE`` rows, the kernel ratios (Triton at 16 and 32 programs, the
+``dma`` backend with its batch call and held to one 2-D copy per run, the
+per-block loop) with the fp8 kernels against plain Triton at each program
+count, the methods that failed (one line), the compiled variants' registers
+and spills, the host cost against its goals with the batch call's array
+building beside it, and the verdict. Exit status 0 only when
 every step ran and passed (a dry run may skip nothing either, and never has
 to). Standard library only: it must run where torch does not import.
 """
@@ -25,8 +28,12 @@ from typing import cast
 __all__ = ["JSON", "kernel_lines", "main", "pytest_runs", "summary_lines"]
 
 JSON = dict[str, object]
-PREFLIGHT_LABELS = ("gpu ", "torch ", "triton ", "triton launch", "pin ")
-"""The pre-flight lines the screen shows (memlock, information only, and the rest stay in preflight.txt)."""
+PREFLIGHT_LABELS = ("gpu ", "triton launch", "pin ")
+"""The pre-flight lines the screen shows as they are (memlock, information only, and the rest stay in preflight.txt)."""
+LABEL_WIDTH = 21
+"""Characters of a pre-flight line before its text: the label, padded to 20, and a space."""
+VERSION_LABELS = ("torch", "triton")
+"""The pre-flight's version lines, shown together on one line."""
 MAX_FAILED_SHOWN = 3
 _STEP_START = re.compile(r"^== (\S+) \(budget \d+ s\)$", re.M)
 _PYTEST_TOTALS = re.compile(r"^=+ (.*(?:passed|failed|error|skipped|deselected).*) in [0-9.]+s", re.M)
@@ -92,7 +99,8 @@ def _ratio(row: JSON | None) -> str:
 
 
 def kernel_lines(kernels: JSON) -> list[str]:
-    """Per page size (in run order: the headline first) and kernel: triton, dma, loop x contiguous, fp8 x plain."""
+    """Per page size (in run order: the headline first) and kernel: triton at 16 and 32 programs, dma, dma-2d and
+    loop x contiguous, fp8 x plain; then the methods that failed, and the compiled variants."""
     results = _rows(kernels, "results")
     rows: dict[tuple[object, object], dict[str, JSON]] = {}
     for row in results:
@@ -109,7 +117,7 @@ def kernel_lines(kernels: JSON) -> list[str]:
     lines = [
         f"  kernels{state}: x contiguous copy (triton GB/s), {blocks or '-'} blocks; "
         "fp8@N = triton-fp8, N programs, x triton",
-        f"    {'page':8s} {'kernel':8s} {'triton':>13s} {'dma':>6s} {'loop':>6s}"
+        f"    {'page':8s} {'kernel':8s} {'triton':>13s} {'t@32':>6s} {'dma':>6s} {'dma-2d':>6s} {'loop':>6s}"
         + "".join(f"{f'fp8@{count}':>8s}" for count in counts),
     ]
     for (size, kernel), by in rows.items():
@@ -119,8 +127,15 @@ def kernel_lines(kernels: JSON) -> list[str]:
         ratios = fp8.get((size, kernel), {})
         fp8_text = "".join(f"{ratios[count]:8.2f}" if count in ratios else f"{'-':>8s}" for count in counts)
         lines.append(
-            f"    {_kib(size):8s} {str(kernel):8s} {triton_text:>13s} "
-            f"{_ratio(by.get('dma')):>6s} {_ratio(by.get('loop')):>6s}{fp8_text}"
+            f"    {_kib(size):8s} {str(kernel):8s} {triton_text:>13s} {_ratio(by.get('triton-p32')):>6s} "
+            f"{_ratio(by.get('dma')):>6s} {_ratio(by.get('dma-2d')):>6s} {_ratio(by.get('loop')):>6s}{fp8_text}"
+        )
+    errors = _rows(kernels, "errors")
+    if errors:
+        first = errors[0]
+        lines.append(
+            f"    {len(errors)} method run(s) FAILED (errors in kernels.json), the first: {first.get('method')} "
+            f"{first.get('kernel')} {_kib(first.get('page_bytes'))}: {str(first.get('error'))[:60]}"
         )
     variants = _rows(kernels, "compiled_variants")
     if variants:
@@ -155,12 +170,17 @@ def _host_cost_lines(engine: JSON) -> list[str]:
     by_tensors: dict[object, list[JSON]] = {}
     for row in _rows(engine, "results"):
         by_tensors.setdefault(row.get("page_tensors"), []).append(row)
+    arrays: dict[object, list[JSON]] = {}
+    for row in _rows(engine, "batch_arrays"):
+        arrays.setdefault(row.get("page_tensors"), []).append(row)
     for tensors, rows in by_tensors.items():
         cells = ", ".join(f"{row.get('blocks')} blk {_float(row.get('current_us')) or 0:.1f}" for row in rows)
         goal = _float(rows[0].get("goal_us"))
         missed = goal is not None and any((_float(row.get("current_us")) or 0) > goal for row in rows)
         verdict = "" if goal is None else ("  MISSED" if missed else "  met")
-        lines.append(f"    {tensors} page tensors: {cells} ({goal if goal is not None else '-'}){verdict}")
+        batch = "/".join(f"{_float(row.get('arrays_us')) or 0:.1f}" for row in arrays.get(tensors, []))
+        batch_text = f"; batch arrays {batch}" if batch else ""
+        lines.append(f"    {tensors} page tensors: {cells} ({goal if goal is not None else '-'}){verdict}{batch_text}")
     return lines
 
 
@@ -175,16 +195,25 @@ def summary_lines(out: Path) -> tuple[list[str], int]:
         preflight = (out / "preflight.txt").read_text(encoding="utf-8").splitlines()
     except OSError:
         preflight = []
+    # A pre-flight line is its label padded to LABEL_WIDTH, then its text (bench/gpu_preflight.py).
+    versions = [
+        f"{line[:LABEL_WIDTH].strip()} {line[LABEL_WIDTH:].strip()}"
+        for line in preflight
+        if line[:LABEL_WIDTH].strip() in VERSION_LABELS
+    ]
+    if versions:
+        lines.append("  " + ", ".join(versions))
     lines += ["  " + line.rstrip() for line in preflight if line.startswith(PREFLIGHT_LABELS)]
-    lines.append(f"  {'step':11s} {'status':8s} {'seconds':>8s} {'budget':>7s}  detail")
+    total = sum(_float(step.get("seconds")) or 0 for step in steps)
+    budget = sum(_float(step.get("budget")) or 0 for step in steps)
+    lines.append(
+        f"  {'step':11s} {'status':8s} {'seconds':>8s} {'budget':>7s}  detail   (total {total:.1f} s of {budget:.0f})"
+    )
     for step in steps:
         lines.append(
             f"  {str(step.get('name')):11s} {str(step.get('status')):8s} {_float(step.get('seconds')) or 0:8.1f} "
             f"{_float(step.get('budget')) or 0:7.0f}  {step.get('detail', '')}"
         )
-    total = sum(_float(step.get("seconds")) or 0 for step in steps)
-    budget = sum(_float(step.get("budget")) or 0 for step in steps)
-    lines.append(f"  {'total':11s} {'':8s} {total:8.1f} {budget:7.0f}")
     try:
         runs = pytest_runs((out / "tests.log").read_text(encoding="utf-8"))
     except OSError:

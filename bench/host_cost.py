@@ -24,6 +24,13 @@ launcher included, on CUDA the copies really run): the host cost a server
 pays per job, which ``bench/gpu_check.sh`` measures on the GPU. The launch is
 part of the figure then, so it has no baseline (``--no-baseline`` is implied).
 
+Beside it, for the same page-tensor and block counts, the host microseconds
+the ``dma`` backend's batch path spends building its ``cudaMemcpyBatchAsync``
+arrays per job (``DmaCopy.batch_arrays``: one destination, source and size
+per page tensor and pair; shuffled blocks into consecutive rows), best and
+median pass (``batch_arrays`` in the JSON). Pure host work: it runs the same
+with or without a GPU, and leaves out the call itself.
+
 Goals: at most 40 us per job at 64 page tensors and 60 us at 160.
 JSON goes to ``bench/results/host_cost.json`` (``$KVTRITON_BENCH_OUT``),
 rewritten after every measured tree and page-tensor count (``"complete":
@@ -100,6 +107,43 @@ def measure(
         results.append({"blocks": blocks, "us_per_job": min(samples), "median_us_per_job": statistics.median(samples)})
     engine.shutdown()
     slab.close()
+    return results
+
+
+def measure_batch_arrays(
+    page_tensors: int, block_counts: Sequence[int], jobs: int, repeats: int
+) -> list[dict[str, float]]:
+    """Microseconds to build the batch call's arrays for one job (best and median pass), per block count."""
+    import numpy as np
+    import torch
+
+    from kvtriton.worker._backends import DmaCopy
+    from kvtriton.worker._layout import PagedKV
+    from kvtriton.worker._plan import TransferDirection, TransferPlan
+
+    generator = np.random.default_rng(0)
+    # Addresses are all the arrays read: small CPU pages stand in for any device's.
+    tensors = [torch.zeros((2, NUM_BLOCKS, 4, 2, 16), dtype=torch.bfloat16) for _ in range(page_tensors // 2)]
+    kv = PagedKV.from_tensors(tensors)
+    backend = DmaCopy(kv, torch.zeros((NUM_BLOCKS, kv.row_bytes), dtype=torch.uint8))
+    results: list[dict[str, float]] = []
+    for blocks in block_counts:
+        plan = TransferPlan(
+            TransferDirection.STORE,
+            generator.permutation(NUM_BLOCKS)[:blocks].astype(np.int64),
+            np.arange(blocks, dtype=np.int64),
+        )
+        samples: list[float] = []
+        for repeat in range(repeats + 1):  # the first pass warms caches
+            started = time.perf_counter()
+            for _ in range(jobs):
+                backend.batch_arrays(plan)
+            if repeat:
+                samples.append((time.perf_counter() - started) / jobs * 1e6)
+        results.append({
+            "page_tensors": page_tensors, "blocks": blocks, "copies": page_tensors * blocks,
+            "arrays_us": min(samples), "median_arrays_us": statistics.median(samples),
+        })  # fmt: skip
     return results
 
 
@@ -221,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.page_tensors, args.blocks, args.jobs, args.repeats = [64], [1, 16], 20, 2
     trees = {"current": ROOT}
     measured: dict[tuple[str, int], list[dict[str, float]]] = {}
+    batch_arrays: list[dict[str, float]] = []
 
     def payload(complete: bool) -> dict[str, object]:
         return {
@@ -228,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "real_launch": args.real_launch, "smoke_run": args.quick, "complete": complete,
             "baseline_commit": None if args.no_baseline else BASELINE_COMMIT,
             "results": result_rows(measured, args.page_tensors, args.blocks, None if args.quick else GOALS_US),
+            "batch_arrays": batch_arrays,
             "note": ("host microseconds per submitted job, the real kernel launch included" if args.real_launch
                      else "host microseconds per submitted job with the kernel launch replaced by a no-op")
                     + "; baseline and current (when both) measured in the same run, each in its own child process",
@@ -241,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured[tree_name, count] = _run_child(
                 tree, count, args.blocks, args.jobs, args.repeats, device, args.real_launch
             )
+            if tree_name == "current":
+                batch_arrays += measure_batch_arrays(count, args.blocks, args.jobs, args.repeats)
             write_json(name, payload(complete=False))  # after every case: a run cut short keeps what finished
     rows = result_rows(measured, args.page_tensors, args.blocks, None if args.quick else GOALS_US)
     headers = [
@@ -259,6 +307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows
     ]  # fmt: skip
     print(format_table(headers, table))
+    print("\ndma batch path: host us per job building the cudaMemcpyBatchAsync arrays (one copy per page of each pair)")
+    print(format_table(
+        ["page tensors", "blocks", "copies", "us/job", "(median)"],
+        [[r["page_tensors"], r["blocks"], r["copies"], r["arrays_us"], r["median_arrays_us"]] for r in batch_arrays],
+    ))  # fmt: skip
     print(f"wrote {write_json(name, payload(complete=True))}")
     return 0
 

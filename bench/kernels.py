@@ -6,15 +6,22 @@ summary that needs no GPU). For each kernel (gather: GPU pages -> slab rows;
 scatter: the inverse), page size and block count it times
 
 * ``triton``     one launch of a prepared ``CopyLauncher``, as the engine launches (CUDA only; interpreter
-                 timings are not performance),
+                 timings are not performance); ``triton-p<N>`` the same at ``N`` programs (``--triton-programs``),
 * ``descriptor`` a descriptor-per-copy Triton kernel in the style of vLLM's ``swap_blocks_triton.py`` (CUDA only),
-* ``dma``        the engine's ``dma`` backend: one ``cudaMemcpy2DAsync`` per run of consecutive blocks and page tensor,
+* ``dma``        the engine's ``dma`` backend as the engine builds it: one ``cudaMemcpyBatchAsync`` per job (one copy
+                 per page of each pair) where the runtime has it (CUDA 12.8+) and the slab is pinned, else as ``dma-2d``,
+* ``dma-2d``     the same backend held to its per-run path: one ``cudaMemcpy2DAsync`` per run of consecutive blocks and
+                 page tensor (on CPU both are the same strided host copies),
 * ``torch``      the torch reference (``kernels/_reference.py``, the CPU fallback),
 * ``loop``       one ``copy_`` per block per page tensor (what engines do today: one DMA each),
 * ``contiguous`` one copy of the same number of bytes between two contiguous buffers (the ceiling),
 
 and prints GB/s (``bandwidth_GBps`` in the JSON: 10^9 bytes per second) and
-the ratio to ``contiguous`` measured in the same run.
+the ratio to ``contiguous`` measured in the same run. On CUDA every method runs
+and is timed on a stream made for the run, never torch's legacy default stream
+(CUDA refuses ``cudaMemcpyBatchAsync`` there). A method that raises, while it
+is prepared or timed, loses its own row only: its error goes to ``errors`` in
+the JSON (kernel, case, method, error) and the other methods are timed.
 
 ``--compression fp8-e4m3`` adds the fused fp8 kernels (``triton-fp8`` on
 CUDA: one prepared ``CompressedLauncher`` launch; ``torch-fp8``: the
@@ -24,13 +31,14 @@ the same run (``fp8_vs_plain`` in the JSON). Their GB/s count the
 *uncompressed* page bytes, so the ratio is the source-bytes throughput the
 issue's 0.9x GPU goal speaks of.
 
-``--gpu-check`` keeps what decides the goals and fits 90 s on an H200:
-``triton``, ``dma`` and ``contiguous`` at four page sizes (32 KiB, the
-headline size, first, then 4, 16 and 64 KiB; 256 shuffled blocks, both
-directions), ``loop`` only at the first case (a reference point: one copy
-per block is the slow baseline), with ``--compression`` the fp8 gather at
-16, 32 and 64 programs (``--fp8-programs``), and the JSON rewritten after
-every case, so a run cut short keeps what finished. On CUDA the JSON also
+``--gpu-check`` keeps what decides the goals and fits its budget in
+bench/gpu_check.sh: ``triton`` (16 programs) and ``triton-p32``, ``dma``,
+``dma-2d`` and ``contiguous`` at four page sizes (32 KiB, the headline size,
+first, then 4, 16 and 64 KiB; 256 shuffled blocks, both directions),
+``loop`` only at the first case (a reference point: one copy per block is
+the slow baseline), with ``--compression`` the fp8 gather at 16, 32 and 64
+programs (``--fp8-programs``), and the JSON rewritten after every case, so a
+run cut short keeps what finished. On CUDA the JSON also
 lists every kernel variant compiled so far with the registers and spills
 ``ptxas`` gave it (``compiled_variants``, ``kernels/_compiled_variants.py``).
 ``--quick`` runs are smoke runs: labelled so, they write ``<name>-quick``
@@ -45,8 +53,10 @@ JSON and a PNG go to ``bench/results/`` (``$KVTRITON_BENCH_OUT``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
+import re
 import statistics
 import sys
 import time
@@ -99,6 +109,20 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class ContenderError:
+    """A method that raised while it was prepared or timed in one case and direction: its row is missing."""
+
+    kernel: str
+    method: str
+    page_bytes: int
+    blocks: int
+    layers: int
+    rows: str
+    pattern: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     kernel: str
     method: str
@@ -111,7 +135,8 @@ class Result:
     seconds: float
     bandwidth_GBps: float
     """Bytes moved per second, in GB/s (10^9 bytes)."""
-    vs_contiguous: float
+    vs_contiguous: float | None
+    """Seconds of ``contiguous`` over this method's (None when ``contiguous`` itself failed in this case)."""
     programs: int | None = None
     """The Triton grid cap the method ran with (None: not a Triton kernel)."""
 
@@ -240,6 +265,15 @@ def _loop(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
     return run
 
 
+def _triton(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int) -> Callable[[], object]:
+    """One launch of a ``CopyLauncher`` prepared here, outside the timed call, as the engine prepares it."""
+    launcher = CopyLauncher(
+        fixture.pages, fixture.slab, _paged(fixture.pages).geometry,
+        interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter,
+    )  # fmt: skip
+    return functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows)
+
+
 def _descriptor(fixture: Fixture, to_slab: bool, num_programs: int) -> Callable[[], object]:
     from kvtriton.kernels._jit.descriptor_copy import launch_descriptor_copy
 
@@ -255,12 +289,13 @@ def _descriptor(fixture: Fixture, to_slab: bool, num_programs: int) -> Callable[
     return lambda: launch_descriptor_copy(descriptors, grid=num_programs)
 
 
-def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
-    """The engine's dma backend over the fixture's pages and slab: runs of consecutive blocks, one 2-D copy each."""
+def _dma(fixture: Fixture, to_slab: bool, batched: bool) -> Callable[[], object]:
+    """The engine's dma backend over the fixture's pages and slab: its batch call where it has one (``batched``),
+    else runs of consecutive blocks, one 2-D copy each."""
     kv = _paged(fixture.pages)
     registration_rows = fixture.host_slab.registration_rows if fixture.host_slab else None
     pinned = fixture.host_slab.pinned if fixture.host_slab else False  # the engine's batch/per-run choice
-    backend = DmaCopy(kv, fixture.slab, registration_rows, slab_pinned=pinned)
+    backend = DmaCopy(kv, fixture.slab, registration_rows, slab_pinned=pinned, batched=batched)
     direction = TransferDirection.STORE if to_slab else TransferDirection.LOAD
     plan = TransferPlan(
         direction, np.array(fixture.block_list, dtype=np.int64), np.array(fixture.row_list, dtype=np.int64)
@@ -268,8 +303,11 @@ def _dma(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
     return lambda: backend.copy(plan, None)
 
 
-TRIMMED_METHODS = ("triton", "dma", "contiguous")
-"""What ``--gpu-check`` times (plus ``loop`` at one reference point)."""
+TRIMMED_METHODS = ("triton", "dma", "dma-2d", "contiguous")
+"""What ``--gpu-check`` times (plus ``loop`` at one reference point), each with its ``-p<N>`` and fp8 variants."""
+
+TRITON_PROGRAM_COUNTS = (32,)
+"""``--gpu-check``: the program counts plain ``triton`` is timed at besides ``--num-programs`` (16)."""
 
 FP8_PROGRAM_COUNTS = (16, 32, 64)
 """``--gpu-check``: the program counts the fused fp8 gather is timed at (the copy kernel's default is 16)."""
@@ -282,14 +320,37 @@ class Contender(NamedTuple):
     programs: int | None = None
 
 
+def prepared(make: Callable[[], Callable[[], object]], programs: int | None = None) -> Contender:
+    """The contender ``make`` prepares; one whose preparation raised fails with that error when it is timed.
+
+    So a method that cannot even be built (no libcudart for ``dma``, a kernel
+    that does not compile) costs its own row, never the case.
+    """
+    try:
+        return Contender(make(), programs)
+    except Exception as error:  # noqa: BLE001 -- reported per contender by time_round_robin
+        failure = error  # the except clause unbinds ``error`` when it ends
+
+        def fail() -> None:
+            raise failure
+
+        return Contender(fail, programs)
+
+
+_PROGRAMS_SUFFIX = re.compile(r"-p\d+$")
+
+
 def base_method(name: str) -> str:
-    """``triton-fp8-p32`` -> ``triton``, ``torch-fp8`` -> ``torch``, ``dma`` -> ``dma``: the plain counterpart."""
-    return name.split("-fp8")[0]
+    """``triton-fp8-p32`` -> ``triton``, ``triton-p32`` -> ``triton``, ``torch-fp8`` -> ``torch``, ``dma-2d`` -> ``dma-2d``.
+
+    The plain counterpart at the default program count.
+    """
+    return _PROGRAMS_SUFFIX.sub("", name.split("-fp8")[0])
 
 
 def methods(
     fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int, only: Sequence[str] | None = None,
-    fp8_programs: Sequence[int] = (),
+    fp8_programs: Sequence[int] = (), triton_programs: Sequence[int] = (),
 ) -> dict[str, Contender]:  # fmt: skip
     """The contenders for one fixture and direction (CUDA-only ones where there is a GPU); ``only`` keeps those named.
 
@@ -298,17 +359,17 @@ def methods(
     launcher are built here, outside the timed call, so it is timed on the
     same footing as ``triton-fp8`` (a prepared launcher) and ``dma`` (a
     prepared backend). ``fp8_programs``: further program counts the fp8
-    gather is timed at, as ``triton-fp8-p<N>``.
+    gather is timed at, as ``triton-fp8-p<N>``; ``triton_programs`` the same
+    for plain ``triton`` (both directions), as ``triton-p<N>``.
     """
     found: dict[str, Contender] = {}
     if fixture.device.type == "cuda":
-        launcher = CopyLauncher(
-            fixture.pages, fixture.slab, _paged(fixture.pages).geometry,
-            interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter,
-        )  # fmt: skip
-        found["triton"] = Contender(lambda: launcher.launch(to_slab, fixture.blocks, fixture.rows), num_programs)
-        found["descriptor"] = Contender(_descriptor(fixture, to_slab, num_programs), num_programs)
-    found["dma"] = Contender(_dma(fixture, to_slab))
+        for programs in (num_programs, *(count for count in triton_programs if count != num_programs)):
+            name = "triton" if programs == num_programs else f"triton-p{programs}"
+            found[name] = prepared(functools.partial(_triton, fixture, to_slab, programs, bytes_per_iter), programs)
+        found["descriptor"] = prepared(functools.partial(_descriptor, fixture, to_slab, num_programs), num_programs)
+    found["dma"] = prepared(functools.partial(_dma, fixture, to_slab, True))
+    found["dma-2d"] = prepared(functools.partial(_dma, fixture, to_slab, False))
     pages, slab, blocks, rows = fixture.pages, fixture.slab, fixture.blocks, fixture.rows
     if to_slab:
         found["torch"] = Contender(lambda: gather_pages_reference(pages, slab, blocks, rows))
@@ -344,12 +405,15 @@ def _compressed_methods(
         geometry = _paged(pages).geometry
         status = torch.zeros(1, dtype=torch.int32, device=fixture.device)
         for programs in (num_programs, *(count for count in extra_programs if count != num_programs)):
-            launcher = CompressedLauncher(
-                pages, slab, geometry, layout, interpret=False, num_programs=programs, bytes_per_iter=bytes_per_iter
-            )
+
+            def make(programs: int = programs) -> Callable[[], object]:
+                launcher = CompressedLauncher(
+                    pages, slab, geometry, layout, interpret=False, num_programs=programs, bytes_per_iter=bytes_per_iter
+                )
+                return functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows, status)
+
             name = "triton-fp8" if programs == num_programs else f"triton-fp8-p{programs}"
-            launch = functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows, status)
-            found[name] = Contender(launch, programs)
+            found[name] = prepared(make, programs)
     blocks, rows = fixture.blocks, fixture.rows
     if to_slab:
         found["torch-fp8"] = Contender(lambda: gather_compressed_unchecked(pages, slab, blocks, rows, layout))
@@ -358,49 +422,91 @@ def _compressed_methods(
     return found
 
 
+def describe_error(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters): what a failed contender's row records."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def timing_stream(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Where the methods run: on CUDA a stream made for the run (never torch's legacy default stream, on which
+    CUDA refuses ``cudaMemcpyBatchAsync``); on CPU nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
+
+
+def _time_once(run: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cuda":
+        began = time.perf_counter()
+        run()
+        return time.perf_counter() - began
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()  # on the current stream: timing_stream's
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def time_round_robin(
     contenders: dict[str, Callable[[], object]], repeats: int, device: torch.device
-) -> dict[str, float]:
-    """Median seconds per method; methods alternate within each repeat so drift hits all alike."""
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Median seconds per method, and the error of each method that raised (it is timed no further).
+
+    Methods alternate within each repeat so drift hits all alike; all of them
+    run on :func:`timing_stream`'s stream. One method's failure costs its own
+    row, never the others'.
+    """
+    errors: dict[str, str] = {}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for fn in contenders.values():  # warm-up: compile, fault pages in
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples[name].append(start.elapsed_time(end) / 1e3)
-            else:
-                began = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - began)
-    return {name: statistics.median(values) for name, values in samples.items()}
+
+    def attempt(name: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 -- the error is the method's result, recorded per method
+            errors[name] = describe_error(error)
+            samples.pop(name, None)
+
+    with timing_stream(device):
+        for name, fn in contenders.items():  # warm-up: compile, fault pages in
+            attempt(name, fn)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                if name in samples:
+                    attempt(name, lambda name=name, fn=fn: samples[name].append(_time_once(fn, device)))
+    return {name: statistics.median(values) for name, values in samples.items()}, errors
 
 
 def run_job(
     job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int,
     only: Sequence[str] | None = None, compression: KVCompression = KVCompression.NONE,
-    fp8_programs: Sequence[int] = (),
-) -> list[Result]:  # fmt: skip
+    fp8_programs: Sequence[int] = (), triton_programs: Sequence[int] = (),
+) -> tuple[list[Result], list[ContenderError]]:  # fmt: skip
+    """The rows of every method that ran for ``job`` in both directions, and the error of each one that raised."""
     fixture = Fixture(job, device, pin, compression=compression)
     results: list[Result] = []
+    failures: list[ContenderError] = []
     for to_slab in (True, False):
         kernel = "gather" if to_slab else "scatter"
-        contenders = methods(fixture, to_slab, num_programs, bytes_per_iter, only, fp8_programs)
-        timings = time_round_robin({name: contender.run for name, contender in contenders.items()}, repeats, device)
-        ceiling = timings["contiguous"]
+        contenders = methods(fixture, to_slab, num_programs, bytes_per_iter, only, fp8_programs, triton_programs)
+        timings, errors = time_round_robin(
+            {name: contender.run for name, contender in contenders.items()}, repeats, device
+        )
+        ceiling = timings.get("contiguous")
         for method, seconds in timings.items():
             results.append(
                 Result(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, job.pattern, job.group, seconds,
-                       job.total_bytes / seconds / 1e9, ceiling / seconds, contenders[method].programs)
+                       job.total_bytes / seconds / 1e9, None if ceiling is None else ceiling / seconds,
+                       contenders[method].programs)
             )  # fmt: skip
-    return results
+        failures += [
+            ContenderError(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, job.pattern, error)
+            for method, error in errors.items()
+        ]
+    return results, failures
 
 
 def sweep_jobs(page_sizes: Sequence[int], block_counts: Sequence[int], layers: int, max_bytes: int) -> list[Job]:
@@ -566,6 +672,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"(default: none; --gpu-check: {' '.join(map(str, FP8_PROGRAM_COUNTS))})",
     )  # fmt: skip
     parser.add_argument(
+        "--triton-programs", type=int, nargs="+",
+        help="program counts to time plain triton at besides --num-programs, as triton-p<N> "
+        f"(default: none; --gpu-check: {' '.join(map(str, TRITON_PROGRAM_COUNTS))})",
+    )  # fmt: skip
+    parser.add_argument(
         "--compression", choices=[member.value for member in KVCompression], default="none",
         help="also time the fused fp8 kernels against the plain ones in the same run (default: none)",
     )  # fmt: skip
@@ -580,10 +691,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     page_sizes = [kib * KiB for kib in (args.page_kib or default_kib)]
     if args.gpu_check:  # the headline page size first: a run cut off has measured it
         page_sizes.sort(key=lambda size: size != LLAMA3_8B["page_bytes"])
-    if any(count < 1 for count in args.fp8_programs or ()):
-        raise SystemExit(f"--fp8-programs must be >= 1, got {args.fp8_programs}")
+    for option, counts in (("--fp8-programs", args.fp8_programs), ("--triton-programs", args.triton_programs)):
+        if any(count < 1 for count in counts or ()):
+            raise SystemExit(f"{option} must be >= 1, got {counts}")
     default_fp8_programs: list[int] = list(FP8_PROGRAM_COUNTS) if args.gpu_check else []
     fp8_programs: list[int] = args.fp8_programs if args.fp8_programs is not None else default_fp8_programs
+    default_triton_programs: list[int] = list(TRITON_PROGRAM_COUNTS) if args.gpu_check else []
+    triton_programs: list[int] = args.triton_programs if args.triton_programs is not None else default_triton_programs
     if args.ptx:
         records = print_ptx_summary(sorted({*page_sizes, 656, 4097}), 2 * LLAMA3_8B["layers"], args.bytes_per_iter)
         print(f"wrote {write_json(args.name + '_ptx', {'ptx': records})}")
@@ -615,18 +729,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
     payload: dict[str, object] = {
         "device": str(device), "pinned_slab": pin, "num_programs": args.num_programs, "bytes_per_iter": args.bytes_per_iter,
-        "repeats": repeats, "smoke_run": args.quick, "complete": False, "results": [],
+        "repeats": repeats, "smoke_run": args.quick, "complete": False, "results": [], "errors": [],
         "note": "ratios are against one contiguous copy of the same bytes measured in the same run; "
                 "bandwidth_GBps is 10^9 bytes per second",
     }  # fmt: skip
     results: list[Result] = []
+    failures: list[ContenderError] = []
     for index, job in enumerate(progress(jobs, len(jobs), "kernel bench", stream=sys.stderr)):
         # --gpu-check: the per-block loop only at the first (headline) case, as a reference point.
         job_methods = (*only, "loop") if only is not None and index == 0 else only
-        results += run_job(
-            job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods, compression, fp8_programs
-        )
+        job_results, job_failures = run_job(
+            job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods, compression, fp8_programs,
+            triton_programs,
+        )  # fmt: skip
+        results += job_results
+        failures += job_failures
         payload["results"] = [asdict(r) for r in results]
+        payload["errors"] = [asdict(failure) for failure in failures]
         if compression is not KVCompression.NONE:
             payload["fp8_vs_plain"] = [asdict(ratio) for ratio in fp8_ratios(results)]
         if device.type == "cuda":  # what ptxas made of each variant under this machine's Triton
@@ -649,6 +768,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     if args.gpu_check:
         print_trimmed_summary(results)
+    for failure in failures:
+        print(
+            f"FAILED {failure.method} ({failure.kernel}, {readable_bytes(failure.page_bytes)}, {failure.blocks} blocks): "
+            f"{failure.error}"
+        )
     if compression is not KVCompression.NONE:
         print("\nfp8-e4m3 against plain, same run (uncompressed bytes per second; 1.0 = as fast as the plain copy):")
         for ratio in fp8_ratios(results):
@@ -708,19 +832,22 @@ def fp8_ratios(results: Sequence[Result]) -> list[Fp8Ratio]:
 
 
 def print_trimmed_summary(results: Sequence[Result]) -> None:
-    """One line per page size and kernel: triton and dma as a fraction of one contiguous copy, and which is faster."""
-    print("\nper page size: x contiguous (1.0 = the copy engine's ceiling); the faster of triton and dma")
+    """One line per page size and kernel: each plain method as a fraction of one contiguous copy, and the fastest."""
+    shown = ("triton", "triton-p32", "dma", "dma-2d")
+    print(f"\nper page size: x contiguous (1.0 = the copy engine's ceiling); the fastest of {', '.join(shown)}")
     for kernel in ("gather", "scatter"):
         for size in sorted({r.page_bytes for r in results}):
-            by = {r.method: r for r in results if r.kernel == kernel and r.page_bytes == size}
-            if "dma" not in by:
+            by = {r.method: r for r in results if r.kernel == kernel and r.page_bytes == size and r.method in shown}
+            if not by:
                 continue
-            triton = by.get("triton")
-            faster = "dma" if triton is None or by["dma"].seconds < triton.seconds else "triton"
-            triton_text = f"triton {triton.vs_contiguous:.2f}" if triton else "triton -"
-            print(
-                f"  {kernel:7s} {readable_bytes(size):>7s}: {triton_text}  dma {by['dma'].vs_contiguous:.2f}  -> {faster}"
+            cells = "  ".join(
+                f"{method} {by[method].vs_contiguous:.2f}"
+                if method in by and by[method].vs_contiguous is not None
+                else f"{method} -"
+                for method in shown
             )
+            fastest = min(by.values(), key=lambda r: r.seconds).method
+            print(f"  {kernel:7s} {readable_bytes(size):>7s}: {cells}  -> {fastest}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._compressed_format import CompressedPage, CompressionLayout
+from ._compressed_format import CompressedPage, CompressionLayout, check_scales_alignment
 from ._launch import CopyLauncher, on_device, page_addresses, page_table, word_width
 from ._launch_arguments import MAX_PAIRS, CompressArguments, CompressConfig, next_power_of_two
 from ._validation import PageGeometry, slab_row_stride
@@ -55,6 +55,8 @@ class _KindLaunch:
         self.row_stride = slab_row_stride(slab)
         slab_word = min(16, word_width(slab.data_ptr(), self.row_stride))  # >= 4: check_scales_alignment
         self.config = compress_config(first, len(members), bytes_per_iter, page_word=page_word, slab_word=slab_word)
+        # Built once per direction, as CopyLauncher's templates are: a launch only looks them up.
+        self.constexprs = {to_slab: self.config.kernel_constexprs(to_slab) for to_slab in (True, False)}
         self.table = page_table(kind_pages, kind_geometry, 1)
         self.slab = slab
 
@@ -62,8 +64,12 @@ class _KindLaunch:
 class CompressedLauncher:
     """The launches of one set of page tensors against one compressed slab, prepared once (as ``CopyLauncher``).
 
-    Takes validated arguments, as ``CopyLauncher`` does: the scales alignment of the slab is checked by
-    ``check_compressed_call`` (the public calls) and holds for an engine's ``HostSlab`` by construction.
+    Takes validated arguments, as ``CopyLauncher`` does, but refuses a slab
+    whose base or row stride is not a multiple of 4 bytes
+    (``check_scales_alignment``, as the public calls do): its rows' fp32 scales
+    would fault on a GPU, and that fault kills the CUDA context. An engine's
+    slab can be such a one (``HostSlab.from_buffer`` with an odd
+    ``row_stride`` or ``row_offset``), so the engine refuses it at build.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class CompressedLauncher:
         num_programs: int,
         bytes_per_iter: int,
     ) -> None:
+        check_scales_alignment(slab, "slab")
         self.device = geometry.device
         self.interpret = interpret
         self.num_programs = num_programs
@@ -141,6 +148,6 @@ class CompressedLauncher:
 
         arguments = CompressArguments(
             kind.table, kind.slab, blocks, rows, self._unused_status if status is None else status, count, kind.row_stride,
-            to_slab, kind.config,
+            kind.constexprs[to_slab], kind.config.num_warps,
         )  # fmt: skip
         compress_pages.launch_compress_pages(arguments, interpret=self.interpret, grid=grid)

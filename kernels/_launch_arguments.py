@@ -7,6 +7,7 @@ wrapper imports its launcher back.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -87,7 +88,11 @@ _KERNEL_FIELDS = (
 
 
 class CompressArguments(NamedTuple):
-    """The arguments of one compressed launch: the run-time ones by kernel parameter, then the direction and the shape."""
+    """The arguments of one compressed launch: the run-time ones by kernel parameter, then the compile-time ones.
+
+    ``constexprs`` is :meth:`CompressConfig.kernel_constexprs` for the launch's
+    direction, built once per launcher and direction (never per launch).
+    """
 
     table: torch.Tensor
     slab: torch.Tensor
@@ -96,5 +101,5 @@ class CompressArguments(NamedTuple):
     status: torch.Tensor
     num_pairs: int
     row_stride: int
-    to_slab: bool
-    config: CompressConfig
+    constexprs: Mapping[str, int | bool]
+    num_warps: int

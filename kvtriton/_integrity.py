@@ -31,6 +31,8 @@ verifying a promoted chunk costs a small fraction of the disk or network read
 it follows; 128 bits leave no practical chance that a damaged chunk keeps its
 checksum. It is a checksum against accidents (bit rot, torn writes, a pool
 shared by mistake), not a MAC: whoever can write to a tier can forge a seal.
+``xxhash`` is imported at the first seal or check (:mod:`kvtriton._xxh3`), so
+the constants here import without it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from __future__ import annotations
 import enum
 import struct
 
-import xxhash
+from kvtriton._xxh3 import xxh3_128, xxh3_128_digest
 
 ROW_FORMAT_VERSION = 1
 """The version of the bytes of a host row and of this seal; bumped whenever either changes meaning.
@@ -98,7 +100,7 @@ def _check_fingerprint(fingerprint: bytes) -> None:
 
 def key_digest(key: bytes) -> bytes:
     """The 16 bytes that name ``key`` in a seal."""
-    return xxhash.xxh3_128_digest(key, seed=_KEY_SEED)
+    return xxh3_128_digest(key, seed=_KEY_SEED)
 
 
 def sealed_length(payload_length: int) -> int:
@@ -109,7 +111,7 @@ def sealed_length(payload_length: int) -> int:
 
 
 def _checksum(payload: memoryview, checked_fields: bytes | memoryview) -> bytes:
-    state = xxhash.xxh3_128(payload)
+    state = xxh3_128(payload)
     state.update(checked_fields)
     return state.digest()
 

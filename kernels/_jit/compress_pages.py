@@ -165,7 +165,6 @@ VARIANTS = KernelVariants(compress_pages_kernel, _DO_NOT_SPECIALIZE)
 def launch_compress_pages(arguments: "CompressArguments", *, interpret: bool, grid: int) -> None:
     """One launch of :func:`compress_pages_kernel` on ``grid`` programs (``arguments``: a ``CompressArguments``)."""
     kernel = VARIANTS.kernel(interpret)
-    config = arguments.config
     kernel[(grid,)](
         arguments.table,
         arguments.slab,
@@ -174,6 +173,6 @@ def launch_compress_pages(arguments: "CompressArguments", *, interpret: bool, gr
         arguments.status,
         arguments.num_pairs,
         arguments.row_stride,
-        **config.kernel_constexprs(arguments.to_slab),
-        num_warps=config.num_warps,
+        **arguments.constexprs,
+        num_warps=arguments.num_warps,
     )

@@ -371,14 +371,17 @@ class _CopyEngineCopy:
     """What the ``dma`` and ``torch`` backends share: on CUDA, the copy engines move slab rows.
 
     ``slab_pinned`` (None: ``slab.is_pinned()``, which asks about the first
-    byte of the slab's storage) picks the batch call for a pinned slab.
+    byte of the slab's storage) picks the batch call for a pinned slab;
+    ``batched=False`` keeps the per-run path even then (bench/kernels.py
+    times both, as ``dma`` and ``dma-2d``).
     """
 
     kind: TransferBackend
 
     def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
-    ) -> None:
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None,
+        batched: bool = True,
+    ) -> None:  # fmt: skip
         self.kv = kv
         self.slab = slab
         self.registration_rows = registration_rows
@@ -386,7 +389,7 @@ class _CopyEngineCopy:
         self._batch: MemcpyBatch | None = None
         if self._cuda:
             _require_cudart(self.kind.value)
-            self._batch = _batch_for(slab, slab_pinned)
+            self._batch = _batch_for(slab, slab_pinned) if batched else None
         self._pitched = _PitchedPages.of(kv, slab)
 
     @property
@@ -404,14 +407,22 @@ class DmaCopy(_CopyEngineCopy):
     wants_device_indices = False
 
     def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None
-    ) -> None:
+        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None,
+        batched: bool = True,
+    ) -> None:  # fmt: skip
         if kv.compression_layout is not None:
             raise ValueError(
                 "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"
             )
-        super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned)
+        super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned, batched=batched)
         self._byte_pages = kv.byte_pages()
+
+    def batch_arrays(self, plan: TransferPlan) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+        """Destination, source and size of every copy the batch call queues for ``plan``: one per (page tensor, pair).
+
+        Host work per job on the batch path (bench/host_cost.py times it at 64 and 160 page tensors).
+        """
+        return self._pitched.pair_copies(plan.gpu_blocks, plan.slab_rows, plan.direction is TransferDirection.STORE)
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         del device
@@ -419,7 +430,7 @@ class DmaCopy(_CopyEngineCopy):
         if self._batch is not None:
             # Each copy is one page of one row: none spans two registrations, no runs needed.
             stream = torch.cuda.current_stream(self.kv.device).cuda_stream
-            self._batch(*self._pitched.pair_copies(plan.gpu_blocks, plan.slab_rows, store), stream)
+            self._batch(*self.batch_arrays(plan), stream)
             return
         blocks, rows, lengths = dma_runs(plan, self.registration_rows)
         if not self._cuda:

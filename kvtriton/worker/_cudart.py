@@ -208,6 +208,10 @@ class MemcpyAttributes(ctypes.Structure):
     ]
 
 
+LEGACY_DEFAULT_STREAM = 0
+"""The raw handle of CUDA's legacy default stream (``torch.cuda.default_stream().cuda_stream``)."""
+
+
 class MemcpyBatch:
     """``cudaMemcpyBatchAsync``: queue ``count`` one-dimensional copies on a stream with one runtime call.
 
@@ -230,8 +234,18 @@ class MemcpyBatch:
     def __call__(
         self, destinations: NDArray[np.int64], sources: NDArray[np.int64], sizes: NDArray[np.int64], stream: int
     ) -> None:
-        """Copy ``sizes[i]`` bytes from ``sources[i]`` to ``destinations[i]`` for every ``i``, queued on ``stream``."""
+        """Copy ``sizes[i]`` bytes from ``sources[i]`` to ``destinations[i]`` for every ``i``, queued on ``stream``.
+
+        ``stream`` must not be 0, the legacy default stream, which the runtime
+        refuses for this call (``ValueError`` here, before any call).
+        """
         count = destinations.shape[0]
+        if stream == LEGACY_DEFAULT_STREAM:
+            raise ValueError(
+                "cudaMemcpyBatchAsync refuses the legacy default stream (handle 0, torch's default stream); "
+                "queue the batch on a stream of its own (under torch.cuda.stream(torch.cuda.Stream()), as the "
+                "engine's lanes are)"
+            )
         if sources.shape[0] != count or sizes.shape[0] != count:
             raise ValueError(
                 f"a copy batch needs as many sources and sizes as destinations, got {count} destinations, "

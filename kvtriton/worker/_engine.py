@@ -20,8 +20,10 @@ work); the expedited one has the device's highest priority and its own
 queue, so an expedited load never waits behind ordinary loads. Lanes are not
 ordered against each other: a load of a slot whose store is still in flight
 reads whatever the slot held (vLLM's manager never issues one). Every job first waits for
-the work already queued on the compute stream: a store reads pages the model
-just wrote, a load overwrites blocks that queued work may still read or zero.
+the work already queued on the compute stream (the calling thread's current
+stream at ``submit_*``), through one pooled event per lane: a store reads pages
+the model just wrote, a load overwrites blocks that queued work may still read
+or zero. tests/worker/test_engine_stream_order.py checks that order on a CPU.
 Indices are staged in pooled pinned buffers (the smallest free one that fits)
 and copied with ``non_blocking=True`` into pooled device buffers that only
 their lane's stream uses; only the used part is copied. Block and row ids
@@ -382,6 +384,7 @@ class TransferEngine(ClosesOnExit):
         self._queues: dict[TransferLane, deque[_Job]] = {lane: deque() for lane in TransferLane}
         self._free_staging: dict[TransferLane, list[_Staging]] = {lane: [] for lane in TransferLane}
         self._free_events: list[_EventPair] = []
+        self._compute_marks: dict[TransferLane, torch.cuda.Event] = {}
         self._unreported: set[int] = set()
         self._closed = False
         self._non_finite_stores = 0
@@ -660,6 +663,9 @@ class TransferEngine(ClosesOnExit):
 
     def _launch_cuda(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
         stream = self._streams[lane]
+        # The submitting thread's current stream, where the model's work is queued: read here, outside the
+        # lane's context (inside it the current stream is the lane itself, and waiting on that orders nothing).
+        compute = torch.cuda.current_stream(self.kv.device)
         staging: _Staging | None = None
         with torch.cuda.stream(stream):
             if self._backends[plan.direction].wants_device_indices:
@@ -667,16 +673,30 @@ class TransferEngine(ClosesOnExit):
                 # Before anything is queued: a failed allocation refuses the job and leaks nothing.
                 staging = self._take_staging(lane, plan.num_rows)
             events = self._take_events()
-            # Every lane starts after the work already queued on the compute
-            # stream: a store reads pages the model just wrote; a load overwrites
-            # blocks that earlier steps may still read or zero (with async
-            # scheduling nothing else orders them; vLLM's handler waits likewise).
-            stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            self._follow_compute(lane, compute)
             events.start.record(stream)
             device = staging.stage(plan) if staging is not None else None
             success = self._copy(job_id, lane, plan, device)
             events.end.record(stream)
         return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, _Events(events, success), staging)
+
+    def _follow_compute(self, lane: TransferLane, compute: torch.cuda.Stream) -> None:
+        """Start ``lane``'s next work after everything queued on ``compute`` so far.
+
+        Every lane starts after the work already queued on the compute stream:
+        a store reads pages the model just wrote; a load overwrites blocks that
+        earlier steps may still read or zero (with async scheduling nothing
+        else orders them; vLLM's handler waits likewise). One event per lane,
+        made at its first job and recorded again for every job: a stream waits
+        for the event as it was recorded when ``wait_event`` is called, so the
+        next job's record leaves this wait as it is (``wait_stream`` would
+        make a new event per job).
+        """
+        mark = self._compute_marks.get(lane)
+        if mark is None:
+            mark = self._compute_marks[lane] = torch.cuda.Event()
+        mark.record(compute)
+        self._streams[lane].wait_event(mark)
 
     def _launch_threaded(self, job_id: int, lane: TransferLane, plan: TransferPlan) -> _Job:
         stream = self._streams[lane]

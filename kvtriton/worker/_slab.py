@@ -16,9 +16,10 @@ Where the memory comes from:
   With ``row_stride`` and ``row_offset`` the slab is one rank's strided view:
   every shared row is ``row_stride`` bytes and this rank's ``row_bytes`` start
   ``row_offset`` bytes into it. Such a view pins only its own part where it
-  can (:func:`own_row_ranges`): one registration per row, over the pages that
-  hold this rank's bytes, when the other ranks' bytes between two rows fill
-  at least one whole page; otherwise every whole shared row, as a packed slab.
+  can (:func:`own_row_ranges`): one registration per run of rows whose pages
+  touch, over the pages that hold this rank's bytes, when the other ranks'
+  bytes between two rows fill at least one whole page somewhere; otherwise
+  every whole shared row, as a packed slab.
 
 Pinning: with CUDA the memory is registered with ``cudaHostRegister`` chunk
 by chunk (one huge registration is slow or fails on some systems), and every
@@ -253,12 +254,16 @@ def pin_ranges(nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int) 
 def own_row_ranges(
     num_rows: int, row_stride: int, row_offset: int, row_bytes: int, page_bytes: int
 ) -> list[tuple[int, int]] | None:
-    """``(offset, size)`` registrations of the whole pages holding each row's bytes, one per row; or None.
+    """``(offset, size)`` registrations of the whole pages holding the rows' bytes, one per run of rows; or None.
 
     Row ``r``'s bytes are ``[r*row_stride + row_offset, ... + row_bytes)`` from
-    a page-aligned base. None where registering rows one by one would pin no
-    fewer pages than whole shared rows (no whole page of other bytes lies
-    between two rows) or would register a page twice (two rows share one).
+    a page-aligned base. Consecutive rows whose pages touch (no whole page of
+    other bytes between them) share one registration: each
+    ``cudaHostRegister`` costs a driver call, and a 100 GB region in rows of a
+    few MiB is tens of thousands of rows per rank. None where registering rows
+    apart would pin no fewer pages than whole shared rows (no whole page of
+    other bytes lies between any two rows) or would register a page twice (two
+    rows share one).
     """
     if num_rows < 2 or row_stride == row_bytes:
         return None
@@ -268,7 +273,10 @@ def own_row_ranges(
     gaps = firsts[1:] - ends[:-1]
     if bool((gaps < 0).any()) or not bool((gaps > 0).any()):
         return None
-    return [(int(first), int(end - first)) for first, end in zip(firsts.tolist(), ends.tolist())]
+    cuts = np.flatnonzero(gaps > 0)  # a registration ends after row cuts[i]
+    first_rows = np.concatenate(([0], cuts + 1)).tolist()
+    last_rows = np.concatenate((cuts, [num_rows - 1])).tolist()
+    return [(int(firsts[a]), int(ends[b] - firsts[a])) for a, b in zip(first_rows, last_rows)]
 
 
 def _pin_failure(nbytes: int, detail: str) -> str:
@@ -391,7 +399,11 @@ class HostSlab(ClosesOnExit):
         self._flat: torch.Tensor | None = flat
         self._registered: list[int] = []
         self.registration_rows: int | None = None
-        """Rows per CUDA registration while pinned (the last registration may hold fewer); None when pageable."""
+        """Rows per CUDA registration while pinned (the last registration may hold fewer); None when pageable.
+
+        1 for a view that registers its own pages (:func:`own_row_ranges`): a
+        registration there may hold several rows, but the copy backends cut
+        their runs at every row, which never crosses one."""
         self.device_aliased = True
         """Whether every registration is reached on the device at its host address (checked at pin time)."""
         self._users: list[weakref.ref[SlabUser]] = []
@@ -482,15 +494,7 @@ class HostSlab(ClosesOnExit):
                 "pinning it would share a page with other registrations (map it with mmap, or pass pin=False)"
             )
         registrar = _registrar()
-        own = own_row_ranges(self.num_rows, self.row_stride, self.row_offset, self.row_bytes, HOST_PAGE_BYTES)
-        if own is not None:
-            # Only this view's pages: the other ranks' bytes between the rows are theirs to pin.
-            ranges, rows_per_registration = own, 1
-        else:
-            slot_bytes = self.block_size_factor * self.row_stride
-            ranges = pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES)
-            # Every registration but the last holds the same whole slots (pin_ranges' step).
-            rows_per_registration = self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride
+        ranges, rows_per_registration, own = self.registration_plan()
         pinned_bytes = sum(size for _, size in ranges)
         aliased = True
         for offset, size in ranges:
@@ -520,8 +524,21 @@ class HostSlab(ClosesOnExit):
         self.registration_rows = rows_per_registration
         logger.info(
             "pinned %d bytes of host slab in %d registration(s)%s", pinned_bytes, len(self._registered),
-            " (this view's own pages of each shared row)" if own is not None else "",
+            " (this view's own pages of each shared row)" if own else "",
         )  # fmt: skip
+
+    def registration_plan(self) -> tuple[list[tuple[int, int]], int, bool]:
+        """How pinning registers the slab: ``(offset, size)`` ranges from the buffer's start, the rows per
+        registration (:attr:`registration_rows` once pinned), and whether only this view's own pages are registered.
+        """
+        own = own_row_ranges(self.num_rows, self.row_stride, self.row_offset, self.row_bytes, HOST_PAGE_BYTES)
+        if own is not None:
+            # Only this view's pages: the other ranks' bytes between the rows are theirs to pin.
+            return own, 1, True
+        slot_bytes = self.block_size_factor * self.row_stride
+        ranges = pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES)
+        # Every registration but the last holds the same whole slots (pin_ranges' step).
+        return ranges, self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride, False
 
     def _unpin(self) -> None:
         if not self._registered:

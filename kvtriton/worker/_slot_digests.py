@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import xxhash
-
+from kvtriton._xxh3 import xxh3_128
 from kvtriton.worker._slab import HostSlab
 
 
@@ -33,7 +32,7 @@ class SlotDigests:
         self._digests: dict[int, bytes] = {}
 
     def _digest(self, slot: int) -> bytes:
-        state = xxhash.xxh3_128()
+        state = xxh3_128()
         for row in self._slab.slot(slot):  # rows may be strided apart: each one is contiguous
             state.update(row.numpy().data)
         return state.digest()

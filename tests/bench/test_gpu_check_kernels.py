@@ -6,12 +6,16 @@ The headline size first, the fp8 gather by program count, and the registers and 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
-from bench.kernels import Result, base_method, fp8_ratios, main
+import bench.kernels as kernels_module
+from bench.kernels import Result, base_method, fp8_ratios, main, time_round_robin
 from kvtriton.kernels._compiled_variants import describe_variant, format_variant, variant_records
+from tests.worker.cuda_stand_in import RecordingCuda
 
 KiB = 1024
 
@@ -21,8 +25,8 @@ def _result(method: str, seconds: float, programs: int | None, kernel: str = "ga
 
 
 def test_every_fp8_method_is_compared_with_its_plain_counterpart_at_its_own_program_count() -> None:
-    names = ("triton-fp8-p32", "triton-fp8", "torch-fp8", "dma")
-    assert [base_method(name) for name in names] == ["triton", "triton", "torch", "dma"]
+    names = ("triton-fp8-p32", "triton-fp8", "torch-fp8", "dma", "triton-p32", "dma-2d")
+    assert [base_method(name) for name in names] == ["triton", "triton", "torch", "dma", "triton", "dma-2d"]
     results = [
         _result("triton", 1.0, 16), _result("triton-fp8", 2.0, 16), _result("triton-fp8-p32", 1.25, 32),
         _result("triton-fp8-p64", 1.0, 64), _result("dma", 3.0, None), _result("triton", 1.0, 16, kernel="scatter"),
@@ -46,8 +50,64 @@ def test_the_gpu_check_run_measures_the_headline_size_first_with_the_loop_there_
     assert rows[0]["page_bytes"] == 32 * KiB and {row["page_bytes"] for row in rows} == {4 * KiB, 32 * KiB}
     assert {row["page_bytes"] for row in rows if row["method"] == "loop"} == {32 * KiB}
     # CPU: no Triton method, and the trimmed run times no torch reference.
-    assert {row["method"] for row in rows} == {"dma", "loop", "contiguous"}
+    assert {row["method"] for row in rows} == {"dma", "dma-2d", "loop", "contiguous"}
     assert all(row["programs"] is None for row in rows) and "compiled_variants" not in record
+    assert record["errors"] == []
+
+
+def test_a_method_that_cannot_be_prepared_or_fails_when_timed_loses_its_own_row_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    real_dma = kernels_module._dma  # pyright: ignore[reportPrivateUsage] -- the preparation under test
+
+    def dma(fixture: kernels_module.Fixture, to_slab: bool, batched: bool) -> Callable[[], object]:
+        if batched:
+            raise RuntimeError("CUDA error: operation not supported on the legacy stream\nsecond line")
+        run = real_dma(fixture, to_slab, batched)
+        if to_slab:
+            return run
+
+        def fail_when_timed() -> None:
+            raise ValueError("scatter failed")
+
+        return fail_when_timed
+
+    monkeypatch.setattr(kernels_module, "_dma", dma)
+    args = ["--gpu-check", "--device", "cpu", "--page-kib", "4", "--blocks", "8", "--layers", "1", "--repeats", "2"]
+    assert main([*args, "--no-plot", "--name", "k"]) == 0
+    record = json.loads((tmp_path / "k.json").read_text())
+    assert record["complete"] is True
+    assert {(row["kernel"], row["method"]) for row in record["results"]} == {
+        ("gather", "dma-2d"), ("gather", "loop"), ("gather", "contiguous"), ("scatter", "loop"),
+        ("scatter", "contiguous"),
+    }  # fmt: skip
+    assert [(error["kernel"], error["method"], error["error"]) for error in record["errors"]] == [
+        ("gather", "dma", "RuntimeError: CUDA error: operation not supported on the legacy stream"),
+        ("scatter", "dma", "RuntimeError: CUDA error: operation not supported on the legacy stream"),
+        ("scatter", "dma-2d", "ValueError: scatter failed"),
+    ]
+
+
+def test_on_cuda_every_method_runs_and_is_timed_on_a_stream_of_its_own_never_the_legacy_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CUDA refuses cudaMemcpyBatchAsync on the legacy default stream (handle 0): the dma method died there.
+    cuda = RecordingCuda()
+    cuda.install(monkeypatch)
+    streams: dict[str, list[int]] = {"dma": [], "triton": []}
+
+    def method(name: str) -> Callable[[], object]:
+        def run() -> None:
+            stream = cuda.current_stream()
+            streams[name].append(stream.cuda_stream)
+            stream.enqueue(name)
+
+        return run
+
+    timings, errors = time_round_robin({name: method(name) for name in streams}, 3, torch.device("cuda", 0))
+    assert errors == {} and set(timings) == set(streams)
+    assert all(len(handles) == 4 and 0 not in handles for handles in streams.values())  # warm-up and 3 repeats
 
 
 def test_a_program_count_below_one_is_refused_naming_it() -> None:

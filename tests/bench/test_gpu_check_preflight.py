@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import resource
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.gpu_preflight import PIN_PROBE_BYTES, Preflight, launch_tiny_copy, main, memlock_text, probe_pin
+from bench.gpu_preflight import (
+    PIN_PROBE_BYTES,
+    REGION_RANK_ROW_BYTES,
+    Preflight,
+    launch_tiny_copy,
+    main,
+    memlock_text,
+    probe_pin,
+    probe_region_pin,
+)
 from kvtriton.worker._slab import SlabPinningError
 
 
@@ -45,6 +55,25 @@ def test_a_refused_pin_is_reported_in_words_not_raised() -> None:
 def test_a_real_host_slab_left_pageable_is_probed_the_same_way() -> None:
     probe = probe_pin(PIN_PROBE_BYTES["PIN_SMALL"], False)
     assert probe.error is None and probe.nbytes == 64 << 20
+
+
+def test_a_pin_whose_import_fails_reports_the_missing_module_instead_of_stopping_the_pre_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The GPU machine lacks packages the CPU machine has: an import that fails there is a finding, by name.
+    monkeypatch.setitem(sys.modules, "kvtriton.worker._slab", None)
+    for probe in (probe_pin(64 << 20, False), probe_region_pin(1 << 30, False)):
+        assert probe.error is not None and probe.error.startswith(
+            "ModuleNotFoundError: import of kvtriton.worker._slab"
+        )
+
+
+def test_the_region_view_is_pinned_one_registration_per_row_of_its_own_pages() -> None:
+    probe = probe_region_pin(1 << 30, False)  # pageable: the registrations are the ones a pin would make
+    rows = (1 << 30) // REGION_RANK_ROW_BYTES // 16 * 16
+    assert probe.error is None and probe.nbytes == rows * REGION_RANK_ROW_BYTES
+    # The other seven ranks' bytes (over 4 MiB) lie between two rows of this rank's: no two rows share one.
+    assert probe.registrations == rows == 1632
 
 
 @pytest.mark.parametrize("nbytes", [0, (1 << 20) + 1])
@@ -97,7 +126,7 @@ def test_a_dry_run_finds_everything_but_cuda_and_pins_pageably(
     assert main([str(env), "--dry-run"]) == 0
     found = dict(line.split("=") for line in env.read_text().splitlines())
     assert found["PF_TORCH"] == found["PF_PYTEST"] == found["PF_KERNELS"] == "1"
-    assert found["PF_PIN_SMALL"] == found["PF_PIN_LARGE"] == found["PF_TRITON_LAUNCH"] == "1"
+    assert found["PF_PIN_SMALL"] == found["PF_PIN_LARGE"] == found["PF_PIN_REGION"] == found["PF_TRITON_LAUNCH"] == "1"
     out = capsys.readouterr().out
     if not torch.cuda.is_available():
         assert found["PF_CUDA"] == "0" and "(dry run: pageable, not pinned)" in out

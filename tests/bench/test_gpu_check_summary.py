@@ -54,6 +54,7 @@ def _kernels(complete: bool) -> dict[str, object]:
     for page in (32 * KiB, 4 * KiB, 16 * KiB, 64 * KiB):
         for kernel in ("gather", "scatter"):
             results += [_row(kernel, "triton", page, 0.9, 45.0, 16), _row(kernel, "dma", page, 0.8, 40.0)]
+            results += [_row(kernel, "triton-p32", page, 0.95, 47.0, 32), _row(kernel, "dma-2d", page, 0.7, 35.0)]
             results.append(_row(kernel, "contiguous", page, 1.0, 50.0))
             counts = (16, 32, 64) if kernel == "gather" else (16,)
             for count in counts:
@@ -65,18 +66,23 @@ def _kernels(complete: bool) -> dict[str, object]:
         {"kernel": "copy_pages", "n_regs": 40, "n_spills": 0},
         {"kernel": "compress_pages", "n_regs": 128, "n_spills": 8},
     ]  # fmt: skip
-    return {"complete": complete, "results": results, "fp8_vs_plain": ratios, "compiled_variants": variants}
+    errors = [{"kernel": "scatter", "method": "dma", "page_bytes": 64 * KiB, "error": "CudaRuntimeError: boom"}]
+    return {"complete": complete, "results": results, "fp8_vs_plain": ratios, "compiled_variants": variants,
+            "errors": errors}  # fmt: skip
 
 
 def test_kernel_lines_put_fp8_beside_plain_triton_at_each_program_count_and_flag_spills() -> None:
     lines = kernel_lines(_kernels(complete=False))
     assert lines[0].startswith("  kernels (INCOMPLETE: cut off): x contiguous copy (triton GB/s), 256 blocks;")
     assert lines[1:4] == [
-        "    page     kernel          triton    dma   loop  fp8@16  fp8@32  fp8@64",
-        "    32 KiB   gather     0.90 (45.0)   0.80   0.05    0.82    0.83    0.86",
-        "    32 KiB   scatter    0.90 (45.0)   0.80      -    0.82       -       -",
+        "    page     kernel          triton   t@32    dma dma-2d   loop  fp8@16  fp8@32  fp8@64",
+        "    32 KiB   gather     0.90 (45.0)   0.95   0.80   0.70   0.05    0.82    0.83    0.86",
+        "    32 KiB   scatter    0.90 (45.0)   0.95   0.80   0.70      -    0.82       -       -",
     ]  # the run's order (the headline size first), the loop where it was measured, fp8 scatter at 16 programs only
     assert [line.split()[0] for line in lines[2:10:2]] == ["32", "4", "16", "64"]
+    assert lines[-2] == (
+        "    1 method run(s) FAILED (errors in kernels.json), the first: dma scatter 64 KiB: CudaRuntimeError: boom"
+    )
     assert lines[-1] == "    2 compiled variants: regs 40-128, SPILLS in 1 (compiled_variants in kernels.json)"
 
 
@@ -96,6 +102,7 @@ def _full_run(out: Path, statuses: dict[str, str]) -> None:
         "gpu                  NVIDIA H200 (CUDA 12.8, 1 device(s))\n"
         "memlock (ulimit -l)  8388608 bytes (information only)\n"
         "pin 64 MiB           12.0 GB/s\npin 1 GiB            11.0 GB/s\n"
+        "pin region 1 GiB     8.0 GB/s (1632 registrations)\n"
         "triton launch        compiled and launched in 2.0 s\n"
     )
     failures = "".join(f"FAILED tests/kernels/test_kernels_gather.py::test_{n}[cuda] - boom\n" for n in range(5))
@@ -117,6 +124,8 @@ def _full_run(out: Path, statuses: dict[str, str]) -> None:
         {"page_tensors": 64, "blocks": 1, "current_us": 30.0, "goal_us": 40.0},
         {"page_tensors": 64, "blocks": 256, "current_us": 41.0, "goal_us": 40.0},
         {"page_tensors": 160, "blocks": 1, "current_us": 50.0, "goal_us": 60.0},
+    ], "batch_arrays": [
+        {"page_tensors": 64, "blocks": 1, "arrays_us": 3.0}, {"page_tensors": 64, "blocks": 256, "arrays_us": 90.5},
     ]})  # fmt: skip
 
 
@@ -126,6 +135,7 @@ def test_a_full_gpu_run_with_failures_and_a_cut_off_crossover_fits_one_screen(tm
     assert status == 1 and len(lines) <= 40
     text = "\n".join(lines)
     assert "  gpu                  NVIDIA H200" in text and "  pin 1 GiB            11.0 GB/s" in text
+    assert "  torch 2.11.0, triton 3.6.0\n" in text and "(total 60.0 s of 360)" in text
     assert "  python" not in text and "memlock" not in text  # the screen keeps what decides, preflight.txt has the rest
     assert "tests (cuda_tests): 5 failed, 90 passed" in text
     assert "tests (fp8_tests): cut off after 2 passed, 1 failed" in text
@@ -135,7 +145,8 @@ def test_a_full_gpu_run_with_failures_and_a_cut_off_crossover_fits_one_screen(tm
         "store/runs never"
     ) in text
     assert "    AUTO_TABLE store: no dma row for store" in text
-    assert "    64 page tensors: 1 blk 30.0, 256 blk 41.0 (40.0)  MISSED" in text
+    assert "    64 page tensors: 1 blk 30.0, 256 blk 41.0 (40.0)  MISSED; batch arrays 3.0/90.5" in text
+    assert "  pin region 1 GiB     8.0 GB/s (1632 registrations)" in text
     assert "    160 page tensors: 1 blk 50.0 (60.0)  met" in text
     assert lines[-2] == "  verdict: FAILED: fp8_tests" and lines[-1].startswith("====")
 

@@ -6,9 +6,14 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from bench.host_cost import BASELINE_COMMIT, ROOT, main, measure
+from kvtriton.worker._backends import DmaCopy
+from kvtriton.worker._layout import PagedKV
+from kvtriton.worker._plan import TransferDirection, TransferPlan
 
 
 def _baseline_in_history() -> bool:
@@ -81,3 +86,21 @@ def test_the_json_is_rewritten_after_every_case_so_a_cut_off_run_keeps_what_it_m
     assert [(row["page_tensors"], row["blocks"], row["current_us"], row["goal_us"]) for row in record["results"]] == [
         (64, 1, 31.0, 40.0), (64, 16, 46.0, 40.0),
     ]  # fmt: skip
+    # The batch call's arrays beside it, for the page-tensor count measured: one copy per page tensor and pair.
+    assert [(row["page_tensors"], row["blocks"], row["copies"]) for row in record["batch_arrays"]] == [
+        (64, 1, 64),
+        (64, 16, 1024),
+    ]
+    assert all(0 < row["arrays_us"] <= row["median_arrays_us"] for row in record["batch_arrays"])
+
+
+def test_the_batch_arrays_timed_are_the_ones_the_dma_backend_hands_its_batch_call() -> None:
+    kv = PagedKV.from_tensors([torch.zeros((2, 8, 4, 2, 16), dtype=torch.bfloat16) for _ in range(2)])
+    slab = torch.zeros((8, kv.row_bytes), dtype=torch.uint8)
+    backend = DmaCopy(kv, slab)
+    plan = TransferPlan(TransferDirection.STORE, np.array([5, 2], dtype=np.int64), np.array([0, 1], dtype=np.int64))
+    destinations, sources, sizes = backend.batch_arrays(plan)
+    pages = kv.byte_pages()
+    assert sources.tolist() == [page[block].data_ptr() for page in pages for block in (5, 2)]
+    assert destinations.tolist() == [slab[row, offset:].data_ptr() for offset in kv.page_offsets for row in (0, 1)]
+    assert sizes.tolist() == [size for size in kv.page_bytes for _ in range(2)]

@@ -12,6 +12,7 @@ import kvtriton.worker._backends as backends_module
 import kvtriton.worker._engine as engine_module
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.kernels import KVCompression, compression_layout
+from kvtriton.kernels._launch_arguments import CompressConfig
 from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
 from kvtriton.worker._backends import AutoRule, TransferBackend, choose_backend
 from kvtriton.worker._engine import NON_FINITE_WARNING_INTERVAL_S, EngineStats, TransferEngine
@@ -156,6 +157,48 @@ def test_a_slab_sized_for_uncompressed_rows_still_works_but_one_too_narrow_names
     with HostSlab(SLOTS, 1, narrow_bytes, pin=False) as narrow:
         with pytest.raises(ValueError, match="compressed with fp8-e4m3"):
             TransferEngine(kv, narrow, kv_compression="fp8-e4m3")
+
+
+@pytest.mark.requires_interpreter
+@pytest.mark.parametrize(("row_stride", "row_offset"), [(None, 1), (2, 0)], ids=["row_offset", "row_stride"])
+def test_a_triton_engine_refuses_a_slab_whose_scale_rows_are_off_a_4_byte_boundary(
+    row_stride: int | None, row_offset: int
+) -> None:
+    # On a GPU the compressed kernel's fp32 scale accesses would fault there, killing the CUDA context: the
+    # engine's launcher refuses such a slab at build, as the public calls refuse it at each call.
+    kv = PagedKV.from_tensors(kv_tensors(), kv_compression="fp8-e4m3")
+    stride = kv.row_bytes + (row_stride if row_stride is not None else 4)
+    buffer = torch.zeros(SLOTS * stride, dtype=torch.uint8)
+    with HostSlab.from_buffer(
+        buffer, SLOTS, 1, kv.row_bytes, row_stride=stride, row_offset=row_offset, pin=False
+    ) as slab:  # fmt: skip
+        with pytest.raises(
+            ValueError, match="slab must start on a 4-byte boundary and have a row stride that is a mul"
+        ):
+            TransferEngine(kv, slab, "triton")
+        with TransferEngine(kv, slab, "torch") as engine:  # the reference reads no scales at a device address
+            assert engine.submit_store(1, GPULoadStoreSpec([3]), CPULoadStoreSpec([2]))
+            assert [result.success for result in engine.get_finished()] == [True]
+
+
+@pytest.mark.requires_interpreter
+def test_a_compressed_launch_builds_no_constexpr_dict_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = PagedKV.from_tensors(kv_tensors(), kv_compression="fp8-e4m3")
+    built: list[bool] = []
+    real = CompressConfig.kernel_constexprs
+
+    def counting(self: CompressConfig, to_slab: bool) -> dict[str, int | bool]:
+        built.append(to_slab)
+        return real(self, to_slab)
+
+    monkeypatch.setattr(CompressConfig, "kernel_constexprs", counting)
+    with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, "triton") as engine:
+        assert sorted(built) == [False, True]  # once per direction, when the launcher is prepared
+        for job in range(3):
+            assert engine.submit_store(2 * job, GPULoadStoreSpec([job]), CPULoadStoreSpec([job]))
+            assert engine.submit_load(2 * job + 1, CPULoadStoreSpec([job]), GPULoadStoreSpec([job + 3]))
+        assert all(result.success for result in engine.get_finished())
+        assert sorted(built) == [False, True]
 
 
 def test_a_bad_kv_compression_names_the_argument_and_dma_is_refused() -> None:

@@ -469,3 +469,13 @@ def test_a_strided_view_registers_its_own_pages_per_row_only_where_that_pins_few
     assert slab_module.own_row_ranges(3, 2 * page, 0, page + 1, page) is None  # rows' pages touch: none left out
     assert slab_module.own_row_ranges(3, 3000, 0, 1000, page) is None  # rows share a page: it would be registered twice
     assert slab_module.own_row_ranges(1, 4 * page, 0, page, page) is None  # one row: one whole-row registration
+
+
+def test_a_strided_view_registers_each_run_of_rows_whose_pages_touch_once() -> None:
+    page = 4096
+    # Rows every page and a half, 1000 bytes each: rows 0 and 1 fill pages 0 and 1, page 2 holds only other bytes,
+    # rows 2 and 3 fill pages 3 and 4. Two registrations, not four; none covers page 2.
+    assert slab_module.own_row_ranges(4, 3 * page // 2, 0, 1000, page) == [(0, 2 * page), (3 * page, 2 * page)]
+    with HostSlab.from_buffer(bytearray(6 * page), 4, 1, 1000, row_stride=3 * page // 2, pin=False) as slab:
+        ranges, rows_per_registration, own = slab.registration_plan()
+        assert (ranges, rows_per_registration, own) == ([(0, 2 * page), (3 * page, 2 * page)], 1, True)

@@ -111,6 +111,15 @@ def test_a_failed_batch_names_the_copy_and_the_error_and_an_empty_one_calls_noth
         batch(ones, ones[:1], ones, STREAM)
 
 
+def test_a_batch_on_the_legacy_default_stream_is_refused_before_the_runtime_is_called() -> None:
+    # CUDA refuses cudaMemcpyBatchAsync there (the stand-in answers as it does); torch's default stream is that one.
+    fake = FakeCudart(13000, error=1)
+    ones = np.ones(2, dtype=np.int64)
+    with pytest.raises(ValueError, match=r"refuses the legacy default stream \(handle 0"):
+        MemcpyBatch(fake.cudaMemcpyBatchAsync, with_fail_index=False)(ones, ones, ones, 0)
+    assert fake.calls == []
+
+
 @pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 def test_the_dma_backends_batched_copies_move_every_page_of_every_pair(store: bool) -> None:
     generator = torch.Generator().manual_seed(5)

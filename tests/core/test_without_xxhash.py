@@ -1,0 +1,62 @@
+"""kvtriton without the ``xxhash`` package: everything imports, and only a seal or a slot digest asks for it.
+
+A vLLM server's environment (vLLM does not bring xxhash) and the GPU check's
+machine (python, torch, triton, numpy, pytest, hypothesis, nothing else) lack
+it. Each case runs in a fresh interpreter where ``import xxhash`` fails, as it
+fails there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WITHOUT_XXHASH = "import sys\nsys.modules['xxhash'] = None  # import xxhash now raises ImportError\n"
+
+IMPORTED_WITHOUT_IT = (
+    # the engine and everything under kvtriton.worker (the shared region's layout reaches the seal's size)
+    "kvtriton", "kvtriton.worker", "kvtriton.worker._slab", "kvtriton.worker._shared_region",
+    "kvtriton.worker._slot_digests", "kvtriton._region_rows", "kvtriton.cli", "kvtriton.sim",
+    # what a vLLM server loads (vLLM is installed here, as there)
+    "kvtriton.integrations.vllm", "kvtriton.integrations._vllm_worker", "kvtriton.integrations._vllm_tiering",
+    # every step of bench/gpu_check.sh
+    "bench.common", "bench.gpu_preflight", "bench.crossover", "bench.kernels", "bench.host_cost", "bench.gpu_summary",
+)  # fmt: skip
+
+
+def run_without_xxhash(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_XXHASH + code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+def test_every_module_the_engine_a_vllm_server_and_the_gpu_check_load_imports_without_xxhash() -> None:
+    run = run_without_xxhash("\n".join(f"import {module}" for module in IMPORTED_WITHOUT_IT))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_the_first_seal_and_the_first_slot_digest_name_the_missing_package() -> None:
+    code = (
+        "from kvtriton._integrity import SEAL_BYTES, seal\n"
+        "from kvtriton.worker._slab import HostSlab\n"
+        "from kvtriton.worker._slot_digests import SlotDigests\n"
+        "assert SEAL_BYTES == 64\n"
+        "for attempt in (lambda: seal(b'x', key=b'k', fingerprint=bytes(16)),\n"
+        "                lambda: SlotDigests(HostSlab(2, 1, 64, pin=False)).record([0])):\n"
+        "    try:\n"
+        "        attempt()\n"
+        "    except ModuleNotFoundError as error:\n"
+        "        print(error.name, '|', error)\n"
+    )
+    run = run_without_xxhash(code)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2
+    assert all(line.startswith("xxhash | ") and "pip install 'xxhash>=2.0'" in line for line in lines)
