@@ -27,6 +27,7 @@ kernels. This module imports torch; the hook module imports nothing heavy.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -45,6 +46,7 @@ __all__ = [
     "prepare_pos_seq_lens_cpu",
     "prepare_prefill_inputs_cpu",
     "register_missing_ops",
+    "registered_ops",
     "release_of",
 ]
 
@@ -116,7 +118,7 @@ def ops_called_by(vllm_version: str) -> list[str]:
 
 def _rows(tensor: torch.Tensor) -> list[int]:
     """A small 1-D index tensor's values as Python ints (the per-request loops index with them)."""
-    return [int(value) for value in tensor.tolist()]
+    return cast(list[int], tensor.tolist())  # pyright: ignore[reportUnknownMemberType] -- torch types tolist() as list[Unknown]
 
 
 def gather_block_table_cpu(
@@ -281,7 +283,9 @@ def prepare_mrope_positions_cpu(
         )
         for dim in range(num_dims):
             row = req_idx * num_dims + dim
-            positions[dim, start : start + prompt_len] = prefill_positions[row, num_computed : num_computed + prompt_len]
+            positions[dim, start : start + prompt_len] = prefill_positions[
+                row, num_computed : num_computed + prompt_len
+            ]
             positions[dim, start + prompt_len : end] = generated
 
 
@@ -578,7 +582,17 @@ def register_missing_ops(vllm_version: str) -> list[str]:
         return []
     library = torch.library.Library("_C", "FRAGMENT")
     for name in missing:
-        library.define(SCHEMAS[name])
-        library.impl(name, IMPLEMENTATIONS[name], "CPU")
+        library.define(SCHEMAS[name])  # pyright: ignore[reportUnknownMemberType] -- torch leaves the schema parameter untyped
+        library.impl(name, IMPLEMENTATIONS[name], "CPU")  # pyright: ignore[reportUnknownMemberType] -- the same, op_name and fn
     _libraries.append(library)
     return missing
+
+
+def registered_ops() -> list[str]:
+    """The ops of :data:`SCHEMAS` that have a Python implementation for CPU in this process (stand-ins registered).
+
+    Read from torch's process-wide record, not from this module: the import hook registers through
+    the copy installed in site-packages, a different module object from tests/e2e's.
+    """
+    impls: set[str] = torch.library._impls  # pyright: ignore[reportPrivateUsage] -- torch's record of every Python-registered kernel
+    return [name for name in SCHEMAS if f"_C/{name}/CPU" in impls]
