@@ -522,7 +522,7 @@ THROUGH_THE_DISPATCHER = (
     "logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])\n"
     "tokens = torch.ops._C.gumbel_sample_cpu(logits, torch.tensor([0, -1]), torch.tensor([0.0]), torch.tensor([1]),\n"
     "    torch.tensor([0, 0]), True, False, False)\n"
-    "print(_list(slots), _list(tokens))\n"
+    "print(slots.tolist(), tokens.tolist())\n"
     "print(torch.ops._C.post_update_cpu.default._schema)\n"
 )
 

@@ -122,12 +122,15 @@ class _PatchAfterExec:
 class CpuPlatformFinder:
     """A ``sys.meta_path`` finder that hands :data:`PLATFORM_MODULE` to the other finders and patches what they load."""
 
+    is_cpu_platform_finder = True
+    """Marks every copy of this class (the installed one's and tests/e2e's): one never asks another, or they recurse."""
+
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
         if fullname != PLATFORM_MODULE:
             return None
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
+            if getattr(finder, "is_cpu_platform_finder", False) or find_spec is None:
                 continue
             spec = find_spec(fullname, path, target)
             if spec is not None:
@@ -138,8 +141,8 @@ class CpuPlatformFinder:
 
 
 def install_import_hook() -> None:
-    """Put a :class:`CpuPlatformFinder` first on ``sys.meta_path`` (once); patch the platform now if it is loaded."""
-    if any(isinstance(finder, CpuPlatformFinder) for finder in sys.meta_path):
+    """Put a :class:`CpuPlatformFinder` first on ``sys.meta_path`` unless one (of any copy) is there; patch the platform now if it is loaded."""
+    if any(getattr(finder, "is_cpu_platform_finder", False) for finder in sys.meta_path):
         return
     sys.meta_path.insert(0, CpuPlatformFinder())
     loaded = sys.modules.get(PLATFORM_MODULE)
