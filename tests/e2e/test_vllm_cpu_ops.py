@@ -355,11 +355,12 @@ def test_an_empty_batch_samples_nothing() -> None:
 
 
 def test_gumbel_samples_follow_the_softmax() -> None:
-    # p(token 1) = 3 / (1 + 3): over 2000 positions of one seed, about three quarters of the tokens are 1.
-    logits = torch.tensor([[0.0, math.log(3.0)]]).expand(2000, 2).contiguous()
+    # p(token 1) = 3 / (1 + 3): over 1000 positions of one seed, about three quarters of the tokens are 1
+    # (the bounds are 3.6 standard deviations of a fair draw; the noise is a fixed hash, so the count is too).
+    logits = torch.tensor([[0.0, math.log(3.0)]]).expand(1000, 2).contiguous()
     for use_fp64 in (False, True):
-        tokens = _sample(logits, [0] * 2000, [1.0], seeds=[7], positions=list(range(2000)), use_fp64=use_fp64)
-        assert 0.72 < sum(tokens) / 2000 < 0.78
+        tokens = _sample(logits, [0] * 1000, [1.0], seeds=[7], positions=list(range(1000)), use_fp64=use_fp64)
+        assert 0.70 < sum(tokens) / 1000 < 0.80
 
 
 def test_gumbel_samples_are_argmax_of_the_scaled_logits_plus_the_noise() -> None:
@@ -509,6 +510,25 @@ def test_the_import_hook_patches_vllms_cpu_platform_when_it_is_imported() -> Non
 
     if ops.release_of(vllm.__version__) >= (0, 34):
         assert lines["standalone"] == "True", "on x86 without triton-cpu the standalone runner must be taken"
+
+
+REGISTERED_TWICE = (
+    "import os, e2e.vllm_cpu as check; os.environ.update(check.ENGINE_ENV)\n"
+    "import torch\n"
+    "from vllm.platforms import current_platform\n"
+    "current_platform.import_kernels()\n"
+    "from e2e import vllm_cpu_ops as ops\n"
+    "missing = [name for name in ops.SCHEMAS if not hasattr(torch.ops._C, name)]\n"
+    "print(ops.register_missing_ops('0.34.0') == missing, ops.register_missing_ops('0.34.0'))\n"
+    "print(all(hasattr(torch.ops._C, name) for name in ops.SCHEMAS), ops.registered_ops() == list(ops.SCHEMAS))\n"
+)
+
+
+def test_only_the_ops_the_kernels_lack_are_registered_and_only_once() -> None:
+    """After vLLM's kernels load: what is missing is registered, a second call registers nothing (on either vLLM)."""
+    first, second = _run_in_engine_env(REGISTERED_TWICE).strip().splitlines()[-2:]
+    assert first == "True []"
+    assert second == "True True"
 
 
 THROUGH_THE_DISPATCHER = (
