@@ -3,10 +3,9 @@
 ``python -m e2e.vllm_cpu --install`` (run by ``make venv``) copies this module
 and :mod:`vllm_cpu_ops` into site-packages as the package :data:`PACKAGE` and
 writes ``PACKAGE.pth``, whose line runs :func:`install_import_hook` at every
-interpreter start. That costs the import of this module alone (the standard
-library's ``sys`` and ``importlib.metadata`` are all it imports, the latter only
-when vLLM loads): it puts a finder at the front of ``sys.meta_path`` that does
-nothing until ``vllm.platforms.cpu`` is imported, and when that module has run,
+interpreter start. That costs the import of this module alone (about 4 ms: the
+standard library's ``sys``, ``types`` and ``typing`` are all it imports, no torch,
+no vLLM): it puts a finder at the front of ``sys.meta_path`` that does nothing until ``vllm.platforms.cpu`` is imported, and when that module has run,
 :func:`patch_cpu_platform` adjusts its ``CpuPlatform``:
 
 * ``import_kernels`` (which loads the compiled ``vllm/_C*.abi3.so``) then also
@@ -39,12 +38,6 @@ PATCHED = "_kvtriton_e2e_patched"
 """Set on ``CpuPlatform`` once patched, so that a module reloaded or a hook installed twice patches once."""
 
 
-def _vllm_version() -> str:
-    from importlib.metadata import version
-
-    return version("vllm")
-
-
 def patch_cpu_platform(cpu_platform: Any) -> None:
     """Make ``cpu_platform`` (vLLM's ``CpuPlatform`` class) register the missing ops and, from 0.34, run without Triton.
 
@@ -53,9 +46,19 @@ def patch_cpu_platform(cpu_platform: Any) -> None:
     """
     if getattr(cpu_platform, PATCHED, False):
         return
+    import warnings
+
+    import vllm.version  # vllm's __init__ imports it first: this is vllm.__version__, in the making
+
+    vllm_version: str = getattr(vllm.version, "__version__")  # re-exported from vllm._version, which pyright flags
+
     from . import vllm_cpu_ops
 
-    vllm_version = _vllm_version()
+    try:
+        release = vllm_cpu_ops.release_of(vllm_version)
+    except ValueError as error:
+        warnings.warn(f"{PACKAGE}: vLLM's CPU platform left as it is: {error}", RuntimeWarning, stacklevel=2)
+        return
     load_kernels = cpu_platform.import_kernels
 
     def import_kernels(cls: Any) -> None:
@@ -64,7 +67,7 @@ def patch_cpu_platform(cpu_platform: Any) -> None:
         vllm_cpu_ops.register_missing_ops(vllm_version)
 
     cpu_platform.import_kernels = classmethod(import_kernels)
-    if vllm_cpu_ops.release_of(vllm_version) >= STANDALONE_RUNNER_SINCE:
+    if release >= STANDALONE_RUNNER_SINCE:
         _run_standalone_runner_without_triton(cpu_platform)
     setattr(cpu_platform, PATCHED, True)
 
