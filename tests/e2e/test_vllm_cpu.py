@@ -9,7 +9,7 @@ from e2e.engine import TESTS, engine_env
 
 PROBE = (
     "import os, e2e.vllm_cpu as check; os.environ.update(check.ENGINE_ENV); "
-    "check.CPU_PATH_OPS += ('no_such_cpu_op',); "
+    "check.CPU_PATH_OPS = {release: ops + ('no_such_cpu_op',) for release, ops in check.CPU_PATH_OPS.items()}; "
     "raise SystemExit(check.main([]))"
 )
 
