@@ -156,6 +156,22 @@ EVENTS_CARRY_REQ_CONTEXT: bool = "req_context" in {
 }
 """vLLM 0.34's stored ``OffloadingEvent`` names the request that stored it (``req_context``)."""
 
+
+def stored_event(keys: list[OffloadKey], medium: Medium, req_context: ReqContext | None) -> vllm_base.OffloadingEvent:
+    """A host tier's event announcing ``keys`` stored, as the installed vLLM's CPU manager makes it.
+
+    vLLM 0.34 (:data:`EVENTS_CARRY_REQ_CONTEXT`) names the request whose
+    store completed (``req_context``: its events tracker builds the stored
+    blocks' payload from it) and sets ``removal_expected`` (the tier will
+    announce the keys' removal, so the tracker keeps the payload until then);
+    vLLM 0.33's event has neither.
+    """
+    if not EVENTS_CARRY_REQ_CONTEXT:
+        return vllm_base.OffloadingEvent(keys=keys, medium=medium, removed=False)
+    provenance: dict[str, Any] = {"removal_expected": True, "req_context": req_context}  # 0.34's fields
+    return vllm_base.OffloadingEvent(keys=keys, medium=medium, removed=False, **provenance)
+
+
 PRIMARY_DEFERS_WRITE_RELEASE: bool = hasattr(CPUPrimaryTierOffloadingManager, "defer_write_release")
 """vLLM 0.34's orchestrator asks the primary tier to keep a failed promotion's chunks out of the free pool until the
 secondary tier says its I/O can no longer write them (``defer_write_release``/``release_deferred_write``)."""

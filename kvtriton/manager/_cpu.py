@@ -85,7 +85,8 @@ class CPUOffloadingManager(OffloadingManager):
     Only ready blocks without readers are evictable, chosen by the named
     ``cache_policy`` (see ``kvtriton.manager.policies``; any case). With
     ``enable_events`` every store completion and every eviction is queued as
-    an ``OffloadingEvent`` for ``take_events``; with ``report_dropped_stores``
+    an ``OffloadingEvent`` for ``take_events`` (a store's names the request
+    that completed it); with ``report_dropped_stores``
     too, a failed store queues a ``metadata_only`` removal of its keys (what
     vLLM 0.33 emits, so its events tracker can drop what it recorded).
 
@@ -460,7 +461,9 @@ class CPUOffloadingManager(OffloadingManager):
                     stored.append(key)
             self._num_pending -= len(stored)
             if stored and self._events is not None:
-                self._events.append(OffloadingEvent(keys=stored, medium=_MEDIUM, removed=False))
+                self._events.append(
+                    OffloadingEvent(keys=stored, medium=_MEDIUM, removed=False, req_context=req_context)
+                )
             return
         # A failed store frees its slots at once: a pending key left behind
         # would hold its slot forever (pending blocks are never evicted).

@@ -329,6 +329,18 @@ def test_complete_store_success_makes_pending_keys_ready_with_one_event(policy: 
     assert (events[0].medium, events[0].removed) == ("CPU", False)
 
 
+def test_a_stored_event_names_the_context_that_completed_the_store_and_no_other_event_names_one() -> None:
+    manager = make_manager("lru", num_blocks=1)
+    writer, other = ReqContext(req_id="writer"), ReqContext(req_id="other")
+    manager.prepare_store(ks(0), writer)
+    manager.complete_store(ks(0), writer)
+    manager.prepare_store(ks(1), other)  # evicts k0
+    manager.complete_store(ks(1), other, success=False)
+    (stored_event, removed_event) = manager.take_events()
+    assert stored_event.req_context is writer
+    assert removed_event.removed and removed_event.req_context is None
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("success", [True, False])
 @pytest.mark.parametrize(
