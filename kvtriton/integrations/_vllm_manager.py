@@ -199,6 +199,7 @@ class _VLLMKeyedCPU(_VLLMKeyedManager, Protocol):
         *,
         skip_without_store: bool = False,
     ) -> None: ...
+    def hold_failed_stores(self, keys: Collection[vllm_base.OffloadKey], /) -> list[int]: ...
 
 
 def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
@@ -358,8 +359,10 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         snapshot = self._cpu.stats()
         capacity = snapshot.capacity
         stats = OffloadingConnectorStats()
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (snapshot.pending + snapshot.loading) / capacity)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, snapshot.pending / capacity)
+        # A held slot's failed write may still be running (vLLM 0.34 counts it as write-pending too).
+        writing = snapshot.pending + snapshot.held
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (writing + snapshot.loading) / capacity)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing / capacity)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, snapshot.loading / capacity)
         if self.reports_occupancy:
             stats.set_gauge(CPU_CACHE_OCCUPANCY_PERC, snapshot.occupancy)

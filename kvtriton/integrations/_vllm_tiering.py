@@ -52,7 +52,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Protocol, cast
 
 import torch
@@ -175,6 +175,10 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     * ``prepare_write`` / ``complete_write``: a promotion takes slots that stay
       pending (``lookup`` answers ``HIT_PENDING``, never evicted) until the
       secondary tier has written them; a failed write frees them at once;
+    * ``defer_write_release`` / ``release_deferred_write`` /
+      ``num_deferred_release_chunks`` (vLLM 0.34): a failed promotion whose
+      tier may still write fails its keys at once but holds its chunks until
+      the tier is done; ``reset_cache`` is refused while chunks are held;
     * ``prepare_read`` / ``complete_read``: a cascade pins chunks without
       counting an access (the request's own loads do that); pins stack, so two
       tiers reading one chunk and a GPU load keep it until the last one ends;
@@ -225,6 +229,32 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     ) -> None:
         """Make promoted chunks loadable, or (``success=False``) free their slots."""
         self.complete_store(keys, req_context, success)
+
+    def defer_write_release(self, keys: Collection[vllm_base.OffloadKey]) -> list[int]:
+        """Fail pending promotion writes as ``complete_write(success=False)`` does, but hold their chunks.
+
+        vLLM 0.34's orchestrator calls it when a secondary tier reports a
+        failed promotion whose I/O may still write into the chunks
+        (``JobResult.deferred_release``): the keys leave the cache at once
+        (lookups miss, a later store takes another chunk) and a
+        ``metadata_only`` removal is announced, while the chunks stay out of
+        the free pool until :meth:`release_deferred_write`. Returns the held
+        chunk ids. A key that is no pending write raises ``AssertionError``,
+        as vLLM's primary does (the orchestrator's contract).
+        """
+        try:
+            return self._cpu_calls.hold_failed_stores(keys)
+        except ValueError as error:
+            raise AssertionError(f"defer_write_release: a key is not a pending write ({error})") from error
+
+    def release_deferred_write(self, chunk_ids: Iterable[int]) -> None:
+        """Return the chunks :meth:`defer_write_release` held to the free pool (the tier's I/O is done with them)."""
+        self.cpu.release_held_slots(list(chunk_ids))
+
+    @property
+    def num_deferred_release_chunks(self) -> int:
+        """Chunks :meth:`defer_write_release` holds until released (vLLM 0.34's orchestrator reads it)."""
+        return self.cpu.num_held_slots
 
     @override
     def shutdown(self) -> None:
