@@ -184,6 +184,23 @@ SECONDARY_TIERS_REFUSE_MULTI_NODE: bool = _AT_LEAST_0_34
 read only its node's host region."""
 
 
+def refuse_secondary_tiers_across_nodes() -> None:
+    """vLLM's refusal of secondary tiers on an engine whose workers span nodes; nothing where vLLM has none (0.33).
+
+    vLLM 0.34's ``TieringOffloadingSpec.create_worker`` runs it for an engine
+    of several workers with secondary tiers: a collective over the TP, PP and
+    PCP groups (so every rank must call it) that raises
+    ``NotImplementedError`` when any group spans nodes
+    (:data:`SECONDARY_TIERS_REFUSE_MULTI_NODE`; the inventory's
+    ``multi_node_refusal``).
+    """
+    if not SECONDARY_TIERS_REFUSE_MULTI_NODE:
+        return
+    tiering_spec = importlib.import_module("vllm.v1.kv_offload.tiering.spec")
+    refuse: Any = getattr(tiering_spec, MULTI_NODE_REFUSAL)
+    refuse()
+
+
 @runtime_checkable
 class DevicePointers(Protocol):
     """What vLLM 0.34's ``DevicePointers`` carries, typed the same on either release (0.33 has no such class).
@@ -284,6 +301,9 @@ TIER_CLASS_REFUSED: type[Exception] = AssertionError
 FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
 """A tier constructor's parameters vLLM's ``SecondaryTierFactory`` fills itself (not keys of the tier's config)."""
 
+MULTI_NODE_REFUSAL = "_reject_workers_across_nodes"
+"""vLLM 0.34's function in ``vllm.v1.kv_offload.tiering.spec`` that refuses secondary tiers across nodes."""
+
 FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
 """Keys of a tier's config vLLM's ``SecondaryTierFactory`` consumes before calling the constructor."""
 
@@ -353,6 +373,14 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "kvtriton.integrations._vllm_sealed_tiering",
         "overridden: a promoted chunk is verified before vLLM marks its slot ready (a faulty key leaves the job's "
         "successful_keys), and a key that failed is not promoted from that tier again (False: a miss)",
+    ),
+    VLLMPrivateName(
+        "multi_node_refusal",
+        f"vllm.v1.kv_offload.tiering.spec.{MULTI_NODE_REFUSAL} (vLLM 0.34; absent from 0.33), which "
+        "TieringOffloadingSpec.create_worker calls",
+        "kvtriton.integrations._vllm_tiering",
+        "kvtriton's tiered spec overrides get_worker, so it runs vLLM's own refusal of secondary tiers on workers "
+        "that span nodes (refuse_secondary_tiers_across_nodes) where vLLM's create_worker would",
     ),
     VLLMPrivateName(
         "fs_file_mapper",

@@ -77,12 +77,14 @@ from kvtriton.integrations._vllm_surface import (
     FACTORY_ARGUMENTS,
     FACTORY_KEYS,
     TIER_CLASS_REFUSED,
+    VLLM_VERSION,
     CPUOffloadingInfo,
     CPUPrimaryTierOffloadingManager,
     OffloadingConfig,
     SecondaryTierFactory,
     SecondaryTierManager,
     TieringOffloadingSpec,
+    refuse_secondary_tiers_across_nodes,
     vllm_base,
     with_model_name,
 )
@@ -573,6 +575,19 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         """Processes that map the region: the scheduler and every worker rank."""
         return self.config.parallel.world_size + 1
 
+    def _refuse_secondary_tiers_across_nodes(self) -> None:
+        """vLLM's refusal of secondary tiers on workers that span nodes, where vLLM's own ``create_worker`` runs it
+        (vLLM 0.34), restated for this spec: every rank takes part (a collective), before anything is mapped."""
+        try:
+            refuse_secondary_tiers_across_nodes()
+        except NotImplementedError as error:
+            raise NotImplementedError(
+                f"KVTritonTieringOffloadingSpec: secondary_tiers ({len(self.secondary_tier_configs)} configured) "
+                f"are not supported when the engine's workers span several nodes (vLLM {VLLM_VERSION} refuses them: "
+                "the tiers run in the engine core and read only its node's host region); run the engine on one "
+                "node, or remove secondary_tiers"
+            ) from error
+
     def _open_region(self) -> SharedRegion:
         return SharedRegion(region_name(self.config.engine_id), self.region_layout, self.expected_mappers)
 
@@ -644,6 +659,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
         if self._kvtriton_worker is not None:
             return self._kvtriton_worker
+        if self.secondary_tier_configs and self.config.parallel.world_size > 1:
+            self._refuse_secondary_tiers_across_nodes()
         groups = GroupPages.from_canonical(kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype)
         layout = self.region_layout
         rank = self.config.parallel.rank
