@@ -28,7 +28,7 @@ import importlib
 import inspect
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -182,6 +182,26 @@ POLICY_MUST_FINISH_REQUESTS: bool = "on_request_finished" in CachePolicy.__abstr
 SECONDARY_TIERS_REFUSE_MULTI_NODE: bool = _AT_LEAST_0_34
 """vLLM 0.34 refuses secondary tiers on an engine whose workers span nodes: the tiers run in the engine core and
 read only its node's host region."""
+
+
+LOOKUPS_MARK_PRESENT: bool = hasattr(AsyncLookupManager, "mark_present")
+"""vLLM 0.34's ``AsyncLookupManager.mark_present``: a tier records the keys it has just stored as present, a verdict
+newer than any probe in flight (0.33 has none: a verdict cached before the store stands until its requests end)."""
+
+
+def mark_stored(lookups: AsyncLookupManager, keys: Collection[OffloadKey]) -> None:
+    """Record in a tier's lookup cache that ``keys`` were just stored to the tier (scheduler thread only).
+
+    vLLM 0.34's ``mark_present`` (:data:`LOOKUPS_MARK_PRESENT`), as vLLM's
+    own ``fs`` and ``obj`` tiers call it when a store job succeeds: a MISS
+    cached for a key (probed before its store landed, kept while a request
+    that asked for it runs) and a probe still in flight give way to HIT, so
+    the next request asking for the key promotes it instead of recomputing
+    it. Nothing on vLLM 0.33, whose lookup cache has no such entry point.
+    """
+    if LOOKUPS_MARK_PRESENT:
+        mark_present: Any = getattr(lookups, "mark_present")
+        mark_present(keys)
 
 
 def refuse_secondary_tiers_across_nodes() -> None:

@@ -253,3 +253,4 @@ def test_the_release_facts_match_the_installed_vllm() -> None:
     assert surface.PRIMARY_DEFERS_WRITE_RELEASE is newest
     assert surface.POLICY_MUST_FINISH_REQUESTS is newest
     assert surface.SECONDARY_TIERS_REFUSE_MULTI_NODE is newest
+    assert surface.LOOKUPS_MARK_PRESENT is newest
