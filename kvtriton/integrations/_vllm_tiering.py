@@ -1,4 +1,4 @@
-"""kvtriton as the primary tier of vLLM 0.33's tiered offloading (``vllm.v1.kv_offload.tiering``).
+"""kvtriton as the primary tier of vLLM's tiered offloading (``vllm.v1.kv_offload.tiering``, 0.33 and 0.34).
 
 vLLM's ``TieringOffloadingManager`` puts one *primary* tier (host memory, the
 only tier the GPU reaches) in front of any number of *secondary* tiers

@@ -1,6 +1,6 @@
 """MooncakeStoreTier: a secondary tier over Mooncake Store, shared by every instance of a deployment.
 
-vLLM 0.33's tiered offloading (``vllm.v1.kv_offload.tiering``) loads it by
+vLLM's tiered offloading (``vllm.v1.kv_offload.tiering``, 0.33 and 0.34) loads it by
 module path::
 
     {"type": "MooncakeStoreTier", "module_path": "kvtriton.integrations.mooncake",
