@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 import torch
 from tiering_fixtures.configs import tiering_config
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm_fixtures.in_process import workers_on_nodes
 
 import kvtriton.worker._shared_region as shared_region
 from kvtriton.integrations._vllm_surface import SECONDARY_TIERS_REFUSE_MULTI_NODE
@@ -211,46 +212,16 @@ def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) 
     assert region_files() == before
 
 
-class _Group:
-    """A parallel group as vLLM 0.34's refusal reads it: its size and its CPU process group."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.cpu_group = object()
-
-
-def _workers_on(monkeypatch: pytest.MonkeyPatch, nodes: list[int]) -> list[object]:
-    """Make vLLM's parallel state say the tensor-parallel workers run on ``nodes`` (one entry per rank); returns
-    the groups vLLM's refusal asked about."""
-    import vllm.distributed.parallel_state as parallel_state
-
-    tensor_parallel, single = _Group(len(nodes)), _Group(1)
-    asked: list[object] = []
-
-    def in_the_same_node_as(group: object, source_rank: int = 0) -> list[bool]:
-        asked.append(group)
-        return [node == nodes[source_rank] for node in nodes]
-
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: tensor_parallel)
-    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: single)
-    monkeypatch.setattr(parallel_state, "get_pcp_group", lambda: single)
-    monkeypatch.setattr(parallel_state, "in_the_same_node_as", in_the_same_node_as)
-    return asked
-
-
 FS_TIER: dict[str, object] = {"secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kvtriton-unused"}]}
 
 
 @pytest.mark.skipif(
     not SECONDARY_TIERS_REFUSE_MULTI_NODE, reason="SECONDARY_TIERS_REFUSE_MULTI_NODE: vLLM 0.34 refuses, 0.33 does not"
 )
-def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before_mapping_anything(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    asked = _workers_on(monkeypatch, [0, 1])
+def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before_mapping_anything() -> None:
     before = region_files()
     spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2))
-    with pytest.raises(NotImplementedError) as refused:
+    with workers_on_nodes([0, 1]) as asked, pytest.raises(NotImplementedError) as refused:
         spec.get_worker(kv_caches(2048))
     message = str(refused.value)
     assert "\n" not in message and "KVTritonTieringOffloadingSpec: secondary_tiers (1 configured)" in message
@@ -262,15 +233,12 @@ def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before
 @pytest.mark.skipif(
     not SECONDARY_TIERS_REFUSE_MULTI_NODE, reason="SECONDARY_TIERS_REFUSE_MULTI_NODE: vLLM 0.34 refuses, 0.33 does not"
 )
-def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_worker(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    asked = _workers_on(monkeypatch, [0, 0])
+def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_worker() -> None:
     engine_id = f"one-node-{uuid.uuid4().hex[:8]}"
     scheduler = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2, engine_id=engine_id))
     manager = scheduler.get_manager()
     spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2, engine_id=engine_id))
-    with warnings.catch_warnings():
+    with workers_on_nodes([0, 0]) as asked, warnings.catch_warnings():
         warnings.simplefilter("ignore", PageableSlabWarning)
         worker = spec.get_worker(kv_caches(2048))
     assert len(asked) == 1
@@ -278,17 +246,14 @@ def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_w
     manager.shutdown()
 
 
-def test_a_single_worker_or_an_engine_without_secondary_tiers_asks_no_node_question(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    asked = _workers_on(monkeypatch, [0, 1])  # a refusal, were the question asked
+def test_a_single_worker_or_an_engine_without_secondary_tiers_asks_no_node_question() -> None:
     for extra, world_size in (({**BUDGET, **FS_TIER}, 1), (BUDGET, 2)):
         engine_id = f"no-question-{uuid.uuid4().hex[:8]}"
         scheduler = KVTritonTieringOffloadingSpec(tiering_config(extra, world_size=world_size, engine_id=engine_id))
         manager = scheduler.get_manager()
         spec = KVTritonTieringOffloadingSpec(tiering_config(extra, world_size=world_size, engine_id=engine_id))
-        with warnings.catch_warnings():
+        with workers_on_nodes([0, 1]) as asked, warnings.catch_warnings():  # a refusal, were the question asked
             warnings.simplefilter("ignore", PageableSlabWarning)
             spec.get_worker(kv_caches(2048)).shutdown()
         manager.shutdown()
-    assert asked == []
+        assert asked == []
