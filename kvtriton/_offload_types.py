@@ -207,10 +207,14 @@ class OffloadingEvent:
 
     ``metadata_only`` marks the removal of keys whose store failed: they were
     never readable, so no cache announced them, but a consumer that recorded
-    something when the store was prepared (vLLM 0.33's events tracker) drops it.
+    something when the store was prepared (vLLM's events tracker) drops it.
+    ``req_context`` is the context of the request whose ``complete_store``
+    made the keys readable (None on other events): vLLM 0.34's events tracker
+    builds a stored block's payload from it.
     """
 
     keys: list[OffloadKey]
     medium: str
     removed: bool
     metadata_only: bool = False
+    req_context: ReqContext | None = field(default=None, repr=False, compare=False)

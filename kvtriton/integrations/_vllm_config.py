@@ -298,9 +298,20 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     ``CachePolicy`` class, and the name must not be a registered one: vLLM
     resolves a registered name first and never imports the module, so a
     mistyped or misplaced module path would silently run a built-in policy.
+    The class must implement every abstract method of the installed vLLM's
+    ``CachePolicy``: ``touch`` on vLLM 0.33, ``on_request_finished`` on 0.34
+    (:data:`~kvtriton.integrations._vllm_surface.POLICY_MUST_FINISH_REQUESTS`),
+    so a policy written for the other release is refused here, not when
+    vLLM first builds it.
     """
     try:
-        from kvtriton.integrations._vllm_surface import CachePolicy, CachePolicyFactory, registered_cache_policies
+        from kvtriton.integrations._vllm_surface import (
+            POLICY_MUST_FINISH_REQUESTS,
+            VLLM_VERSION,
+            CachePolicy,
+            CachePolicyFactory,
+            registered_cache_policies,
+        )
     except ImportError:
         return None
     registered = registered_cache_policies()
@@ -336,6 +347,21 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
         raise ValueError(
             f"{_where(EVICTION_POLICY)}={eviction_policy!r} is not a vLLM CachePolicy class of module "
             f"{cache_policy_module_path!r} ({module_key}); the CachePolicy classes it defines: {defined}"
+        )
+    abstract: frozenset[str] = getattr(found, "__abstractmethods__", frozenset())
+    unimplemented = sorted(abstract)
+    if unimplemented:
+        # Else Python refuses it only when the scheduler builds its manager, naming no key and no release.
+        why = (
+            "; vLLM 0.34 calls on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context) "
+            "when a request finishes (its keys' recency) and no longer calls touch"
+            if POLICY_MUST_FINISH_REQUESTS and "on_request_finished" in unimplemented
+            else ""
+        )
+        raise ValueError(
+            f"{_where(EVICTION_POLICY)}={eviction_policy!r}: {_class_name(found)} ({module_key}) does not implement "
+            f"{', '.join(unimplemented)}, which vLLM {VLLM_VERSION}'s CachePolicy requires{why}: implement "
+            f"{'it' if len(unimplemented) == 1 else 'them'}, or use one of kvtriton's policies {policy_names()}"
         )
     return _class_name(found)
 

@@ -13,18 +13,24 @@ values converted at the boundary:
   vLLM's scheduler records), ``get_state`` and ``set_state`` (where it keeps
   its record of the request), which vLLM's context has, so nothing is
   copied or wrapped;
-* recency: vLLM 0.33's connector never calls ``touch``; the manager ranks a
-  request's keys by their token positions from its first load or store and
-  commits them at ``on_request_finished``, exactly as vLLM's CPU manager
-  does, whether or not ``on_new_request`` came first (vLLM's tiering
-  orchestrator never passes it on to its primary tier);
+* recency: vLLM's connector never calls ``touch`` (0.34 removed it from the
+  interface, and so does this adapter there: :data:`MANAGER_HAS_TOUCH`); the
+  manager ranks a request's keys by their token positions from its first
+  load or store and commits them at ``on_request_finished``, exactly as
+  vLLM's CPU manager does, whether or not ``on_new_request`` came first
+  (vLLM's tiering orchestrator never passes it on to its primary tier);
+* ``store_threshold``: the reuse filter (:func:`reuse_filter`) counts store
+  offers as the installed vLLM does (:data:`STORE_OFFER_SIGNAL`);
 * lookup results, specs and events: mapped to vLLM's classes on the way out
   (vLLM's worker side receives vLLM's ``CPULoadStoreSpec``);
 * completions: ``complete_store`` follows vLLM's rule (keys without a store
   in flight are skipped: ``CPUOffloadingManager.complete_store`` with
   ``skip_without_store=True``);
   a failed store is reported as a ``metadata_only`` removal event, as vLLM
-  0.33 does, so its ``OffloadingEventsTracker`` drops the payload it recorded;
+  does, so its ``OffloadingEventsTracker`` drops the payload it recorded; on
+  vLLM 0.34 a stored event names the request whose store completed and
+  expects the keys' removal (``req_context``, ``removal_expected``:
+  :func:`~kvtriton.integrations._vllm_surface.stored_event`);
 * metrics: vLLM's CPU tier metrics under vLLM's names (:func:`metric_definitions`
   declares them for the spec, :meth:`VLLMOffloadingManager.get_stats`
   reports them), a true occupancy gauge beside them, and every
@@ -51,16 +57,25 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
 from kvtriton.integrations._vllm_config import DEFAULT_SUMMARY_INTERVAL_S, declares_reuse_filter
 from kvtriton.integrations._vllm_surface import (
+    MANAGER_HAS_TOUCH,
+    STORE_OFFERS_COUNT_ONCE_PER_REQUEST,
     CacheHitSource,
     CPUOffloadingInfo,
     CPUOffloadingMetrics,
     OffloadingConnectorStats,
+    stored_event,
     vllm_base,
 )
 from kvtriton.integrations._vllm_surface import (
     CPULoadStoreSpec as VLLMCPULoadStoreSpec,
 )
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ManagerStats, OffloadingManager
+from kvtriton.manager import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    ManagerStats,
+    OffloadingManager,
+    ReuseSignal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +140,21 @@ def metric_definitions(
     return definitions
 
 
+STORE_OFFER_SIGNAL: ReuseSignal = (
+    ReuseSignal.STORE_OFFER_PER_REQUEST if STORE_OFFERS_COUNT_ONCE_PER_REQUEST else ReuseSignal.STORE_OFFER
+)
+"""What counts as one use toward ``store_threshold`` on the installed vLLM: a store offer, as vLLM's CPU manager
+counts it (each offer on 0.33; each request's first offer of a key on 0.34). Never a lookup: vLLM's connector looks
+keys up only until the first miss, so lookup counting would admit a repeated prompt one chunk per repeat."""
+
+
+def reuse_filter(
+    cpu: CPUOffloadingManager, store_threshold: int, max_tracker_size: int
+) -> FilterReusedOffloadingManager:
+    """The reuse filter over ``cpu`` for ``store_threshold >= 2``, counting as the installed vLLM counts (:data:`STORE_OFFER_SIGNAL`)."""
+    return FilterReusedOffloadingManager(cpu, store_threshold, max_tracker_size, count_on=STORE_OFFER_SIGNAL)
+
+
 class _StoreAnswer(Protocol):
     """kvtriton's ``PrepareStoreOutput`` with its keys typed as vLLM's (the same bytes)."""
 
@@ -169,6 +199,7 @@ class _VLLMKeyedCPU(_VLLMKeyedManager, Protocol):
         *,
         skip_without_store: bool = False,
     ) -> None: ...
+    def hold_failed_stores(self, keys: Collection[vllm_base.OffloadKey], /) -> list[int]: ...
 
 
 def _vllm_keys(keys: list[OffloadKey]) -> list[vllm_base.OffloadKey]:
@@ -282,9 +313,10 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
     ) -> vllm_base.LoadStoreSpec:
         return _slot_spec(self._calls.prepare_load(keys, req_context))
 
-    @override
-    def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
-        self._calls.touch(keys, req_context)
+    if MANAGER_HAS_TOUCH:
+        # vLLM 0.33's interface only: 0.34 removed touch (no @override, which 0.34's base would refuse).
+        def touch(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
+            self._calls.touch(keys, req_context)
 
     @override
     def complete_load(self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext) -> None:
@@ -327,8 +359,10 @@ class VLLMOffloadingManager(vllm_base.OffloadingManager):
         snapshot = self._cpu.stats()
         capacity = snapshot.capacity
         stats = OffloadingConnectorStats()
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (snapshot.pending + snapshot.loading) / capacity)
-        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, snapshot.pending / capacity)
+        # A held slot's failed write may still be running (vLLM 0.34 counts it as write-pending too).
+        writing = snapshot.pending + snapshot.held
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (writing + snapshot.loading) / capacity)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, writing / capacity)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, snapshot.loading / capacity)
         if self.reports_occupancy:
             stats.set_gauge(CPU_CACHE_OCCUPANCY_PERC, snapshot.occupancy)
@@ -372,9 +406,17 @@ def summary_line(last: ManagerStats, current: ManagerStats, seconds: float, byte
 
 
 def _vllm_event(event: OffloadingEvent) -> vllm_base.OffloadingEvent:
+    """kvtriton's event as vLLM's: a stored one as the installed vLLM's CPU manager makes it (:func:`stored_event`)."""
+    if not event.removed:
+        # The context is the one vLLM passed to complete_store (the manager keeps it, never wraps it).
+        return stored_event(
+            _vllm_keys(event.keys),
+            vllm_base.Medium(event.medium),
+            cast("vllm_base.ReqContext | None", event.req_context),
+        )
     return vllm_base.OffloadingEvent(
         keys=_vllm_keys(event.keys),
         medium=vllm_base.Medium(event.medium),
-        removed=event.removed,
+        removed=True,
         metadata_only=event.metadata_only,
     )

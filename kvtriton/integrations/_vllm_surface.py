@@ -28,7 +28,7 @@ import importlib
 import inspect
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -156,6 +156,22 @@ EVENTS_CARRY_REQ_CONTEXT: bool = "req_context" in {
 }
 """vLLM 0.34's stored ``OffloadingEvent`` names the request that stored it (``req_context``)."""
 
+
+def stored_event(keys: list[OffloadKey], medium: Medium, req_context: ReqContext | None) -> vllm_base.OffloadingEvent:
+    """A host tier's event announcing ``keys`` stored, as the installed vLLM's CPU manager makes it.
+
+    vLLM 0.34 (:data:`EVENTS_CARRY_REQ_CONTEXT`) names the request whose
+    store completed (``req_context``: its events tracker builds the stored
+    blocks' payload from it) and sets ``removal_expected`` (the tier will
+    announce the keys' removal, so the tracker keeps the payload until then);
+    vLLM 0.33's event has neither.
+    """
+    if not EVENTS_CARRY_REQ_CONTEXT:
+        return vllm_base.OffloadingEvent(keys=keys, medium=medium, removed=False)
+    provenance: dict[str, Any] = {"removal_expected": True, "req_context": req_context}  # 0.34's fields
+    return vllm_base.OffloadingEvent(keys=keys, medium=medium, removed=False, **provenance)
+
+
 PRIMARY_DEFERS_WRITE_RELEASE: bool = hasattr(CPUPrimaryTierOffloadingManager, "defer_write_release")
 """vLLM 0.34's orchestrator asks the primary tier to keep a failed promotion's chunks out of the free pool until the
 secondary tier says its I/O can no longer write them (``defer_write_release``/``release_deferred_write``)."""
@@ -166,6 +182,43 @@ POLICY_MUST_FINISH_REQUESTS: bool = "on_request_finished" in CachePolicy.__abstr
 SECONDARY_TIERS_REFUSE_MULTI_NODE: bool = _AT_LEAST_0_34
 """vLLM 0.34 refuses secondary tiers on an engine whose workers span nodes: the tiers run in the engine core and
 read only its node's host region."""
+
+
+LOOKUPS_MARK_PRESENT: bool = hasattr(AsyncLookupManager, "mark_present")
+"""vLLM 0.34's ``AsyncLookupManager.mark_present``: a tier records the keys it has just stored as present, a verdict
+newer than any probe in flight (0.33 has none: a verdict cached before the store stands until its requests end)."""
+
+
+def mark_stored(lookups: AsyncLookupManager, keys: Collection[OffloadKey]) -> None:
+    """Record in a tier's lookup cache that ``keys`` were just stored to the tier (scheduler thread only).
+
+    vLLM 0.34's ``mark_present`` (:data:`LOOKUPS_MARK_PRESENT`), as vLLM's
+    own ``fs`` and ``obj`` tiers call it when a store job succeeds: a MISS
+    cached for a key (probed before its store landed, kept while a request
+    that asked for it runs) and a probe still in flight give way to HIT, so
+    the next request asking for the key promotes it instead of recomputing
+    it. Nothing on vLLM 0.33, whose lookup cache has no such entry point.
+    """
+    if LOOKUPS_MARK_PRESENT:
+        mark_present: Any = getattr(lookups, "mark_present")
+        mark_present(keys)
+
+
+def refuse_secondary_tiers_across_nodes() -> None:
+    """vLLM's refusal of secondary tiers on an engine whose workers span nodes; nothing where vLLM has none (0.33).
+
+    vLLM 0.34's ``TieringOffloadingSpec.create_worker`` runs it for an engine
+    of several workers with secondary tiers: a collective over the TP, PP and
+    PCP groups (so every rank must call it) that raises
+    ``NotImplementedError`` when any group spans nodes
+    (:data:`SECONDARY_TIERS_REFUSE_MULTI_NODE`; the inventory's
+    ``multi_node_refusal``).
+    """
+    if not SECONDARY_TIERS_REFUSE_MULTI_NODE:
+        return
+    tiering_spec = importlib.import_module("vllm.v1.kv_offload.tiering.spec")
+    refuse: Any = getattr(tiering_spec, MULTI_NODE_REFUSAL)
+    refuse()
 
 
 @runtime_checkable
@@ -268,6 +321,9 @@ TIER_CLASS_REFUSED: type[Exception] = AssertionError
 FACTORY_ARGUMENTS = frozenset({"self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"})
 """A tier constructor's parameters vLLM's ``SecondaryTierFactory`` fills itself (not keys of the tier's config)."""
 
+MULTI_NODE_REFUSAL = "_reject_workers_across_nodes"
+"""vLLM 0.34's function in ``vllm.v1.kv_offload.tiering.spec`` that refuses secondary tiers across nodes."""
+
 FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
 """Keys of a tier's config vLLM's ``SecondaryTierFactory`` consumes before calling the constructor."""
 
@@ -337,6 +393,14 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "kvtriton.integrations._vllm_sealed_tiering",
         "overridden: a promoted chunk is verified before vLLM marks its slot ready (a faulty key leaves the job's "
         "successful_keys), and a key that failed is not promoted from that tier again (False: a miss)",
+    ),
+    VLLMPrivateName(
+        "multi_node_refusal",
+        f"vllm.v1.kv_offload.tiering.spec.{MULTI_NODE_REFUSAL} (vLLM 0.34; absent from 0.33), which "
+        "TieringOffloadingSpec.create_worker calls",
+        "kvtriton.integrations._vllm_tiering",
+        "kvtriton's tiered spec overrides get_worker, so it runs vLLM's own refusal of secondary tiers on workers "
+        "that span nodes (refuse_secondary_tiers_across_nodes) where vLLM's create_worker would",
     ),
     VLLMPrivateName(
         "fs_file_mapper",

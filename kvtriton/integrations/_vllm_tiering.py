@@ -1,4 +1,4 @@
-"""kvtriton as the primary tier of vLLM 0.33's tiered offloading (``vllm.v1.kv_offload.tiering``).
+"""kvtriton as the primary tier of vLLM's tiered offloading (``vllm.v1.kv_offload.tiering``, 0.33 and 0.34).
 
 vLLM's ``TieringOffloadingManager`` puts one *primary* tier (host memory, the
 only tier the GPU reaches) in front of any number of *secondary* tiers
@@ -52,7 +52,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Protocol, cast
 
 import torch
@@ -78,12 +78,14 @@ from kvtriton.integrations._vllm_surface import (
     FACTORY_ARGUMENTS,
     FACTORY_KEYS,
     TIER_CLASS_REFUSED,
+    VLLM_VERSION,
     CPUOffloadingInfo,
     CPUPrimaryTierOffloadingManager,
     OffloadingConfig,
     SecondaryTierFactory,
     SecondaryTierManager,
     TieringOffloadingSpec,
+    refuse_secondary_tiers_across_nodes,
     vllm_base,
     with_model_name,
 )
@@ -176,6 +178,10 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     * ``prepare_write`` / ``complete_write``: a promotion takes slots that stay
       pending (``lookup`` answers ``HIT_PENDING``, never evicted) until the
       secondary tier has written them; a failed write frees them at once;
+    * ``defer_write_release`` / ``release_deferred_write`` /
+      ``num_deferred_release_chunks`` (vLLM 0.34): a failed promotion whose
+      tier may still write fails its keys at once but holds its chunks until
+      the tier is done; ``reset_cache`` is refused while chunks are held;
     * ``prepare_read`` / ``complete_read``: a cascade pins chunks without
       counting an access (the request's own loads do that); pins stack, so two
       tiers reading one chunk and a GPU load keep it until the last one ends;
@@ -226,6 +232,32 @@ class KVTritonPrimaryTier(VLLMOffloadingManager):
     ) -> None:
         """Make promoted chunks loadable, or (``success=False``) free their slots."""
         self.complete_store(keys, req_context, success)
+
+    def defer_write_release(self, keys: Collection[vllm_base.OffloadKey]) -> list[int]:
+        """Fail pending promotion writes as ``complete_write(success=False)`` does, but hold their chunks.
+
+        vLLM 0.34's orchestrator calls it when a secondary tier reports a
+        failed promotion whose I/O may still write into the chunks
+        (``JobResult.deferred_release``): the keys leave the cache at once
+        (lookups miss, a later store takes another chunk) and a
+        ``metadata_only`` removal is announced, while the chunks stay out of
+        the free pool until :meth:`release_deferred_write`. Returns the held
+        chunk ids. A key that is no pending write raises ``AssertionError``,
+        as vLLM's primary does (the orchestrator's contract).
+        """
+        try:
+            return self._cpu_calls.hold_failed_stores(keys)
+        except ValueError as error:
+            raise AssertionError(f"defer_write_release: a key is not a pending write ({error})") from error
+
+    def release_deferred_write(self, chunk_ids: Iterable[int]) -> None:
+        """Return the chunks :meth:`defer_write_release` held to the free pool (the tier's I/O is done with them)."""
+        self.cpu.release_held_slots(list(chunk_ids))
+
+    @property
+    def num_deferred_release_chunks(self) -> int:
+        """Chunks :meth:`defer_write_release` holds until released (vLLM 0.34's orchestrator reads it)."""
+        return self.cpu.num_held_slots
 
     @override
     def shutdown(self) -> None:
@@ -542,6 +574,19 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         """Processes that map the region: the scheduler and every worker rank."""
         return self.config.parallel.world_size + 1
 
+    def _refuse_secondary_tiers_across_nodes(self) -> None:
+        """vLLM's refusal of secondary tiers on workers that span nodes, where vLLM's own ``create_worker`` runs it
+        (vLLM 0.34), restated for this spec: every rank takes part (a collective), before anything is mapped."""
+        try:
+            refuse_secondary_tiers_across_nodes()
+        except NotImplementedError as error:
+            raise NotImplementedError(
+                f"KVTritonTieringOffloadingSpec: secondary_tiers ({len(self.secondary_tier_configs)} configured) "
+                f"are not supported when the engine's workers span several nodes (vLLM {VLLM_VERSION} refuses them: "
+                "the tiers run in the engine core and read only its node's host region); run the engine on one "
+                "node, or remove secondary_tiers"
+            ) from error
+
     def _open_region(self) -> SharedRegion:
         return SharedRegion(region_name(self.config.engine_id), self.region_layout, self.expected_mappers)
 
@@ -614,6 +659,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: vllm_base.CanonicalKVCaches) -> vllm_base.OffloadingWorker:
         if self._kvtriton_worker is not None:
             return self._kvtriton_worker
+        if self.secondary_tier_configs and self.config.parallel.world_size > 1:
+            self._refuse_secondary_tiers_across_nodes()
         groups = GroupPages.from_canonical(kv_caches, kv_compression=self.settings.kv_compression, dtype=self.kv_dtype)
         layout = self.region_layout
         rank = self.config.parallel.rank

@@ -1,6 +1,6 @@
 """MooncakeStoreTier: a secondary tier over Mooncake Store, shared by every instance of a deployment.
 
-vLLM 0.33's tiered offloading (``vllm.v1.kv_offload.tiering``) loads it by
+vLLM's tiered offloading (``vllm.v1.kv_offload.tiering``, 0.33 and 0.34) loads it by
 module path::
 
     {"type": "MooncakeStoreTier", "module_path": "kvtriton.integrations.mooncake",
@@ -32,7 +32,10 @@ How it fails closed
 
 How it stays out of the scheduler's way
     Lookups go through vLLM's ``AsyncLookupManager``: the scheduler gets RETRY
-    until one batched ``batch_is_exist`` per step has answered. Store and load
+    until one batched ``batch_is_exist`` per step has answered. On vLLM 0.34
+    a key this tier has just stored is marked present there
+    (``mark_present``), so a MISS cached from before the put, or a probe
+    still in flight, no longer hides it from the next request. Store and load
     jobs run on ``io_threads`` threads and complete through
     ``get_finished_jobs``; a promotion that loaded only some keys reports them.
 
@@ -94,6 +97,7 @@ from kvtriton.integrations._vllm_surface import (
     TransferJob,
     get_offload_block_hash,
     get_offload_group_idx,
+    mark_stored,
 )
 from kvtriton.kernels._compression import KVCompression
 
@@ -825,6 +829,8 @@ class MooncakeStoreTier(SecondaryTierManager):
             if job.failed and job.is_load:
                 self._lookups.mark_miss(job.failed)
                 loaded_some = tuple(job.succeeded) or None
+            elif job.succeeded and not job.is_load:
+                mark_stored(self._lookups, job.succeeded)  # a MISS cached before the put gives way (vLLM 0.34)
             results.append(JobResult(job.job_id, not job.failed, loaded_some, job.seconds, moved))
         return results
 

@@ -85,7 +85,8 @@ class CPUOffloadingManager(OffloadingManager):
     Only ready blocks without readers are evictable, chosen by the named
     ``cache_policy`` (see ``kvtriton.manager.policies``; any case). With
     ``enable_events`` every store completion and every eviction is queued as
-    an ``OffloadingEvent`` for ``take_events``; with ``report_dropped_stores``
+    an ``OffloadingEvent`` for ``take_events`` (a store's names the request
+    that completed it); with ``report_dropped_stores``
     too, a failed store queues a ``metadata_only`` removal of its keys (what
     vLLM 0.33 emits, so its events tracker can drop what it recorded).
 
@@ -124,6 +125,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._num_pending = 0
         self._num_loading = 0
+        # Slots of failed stores kept out of the pool until released (hold_failed_stores).
+        self._held_slots: set[int] = set()
         # Lookups are counted by outcome only (lookups = misses + hits +
         # pending hits): one increment per lookup, the hottest call.
         self._misses = 0
@@ -170,6 +173,7 @@ class CPUOffloadingManager(OffloadingManager):
             pending=self._num_pending,
             loading=self._num_loading,
             evictable=used - self._num_pending - self._num_loading,
+            held=len(self._held_slots),
             lookups=self._misses + self._hits + self._pending_hits,
             hits=self._hits,
             pending_hits=self._pending_hits,
@@ -450,7 +454,7 @@ class CPUOffloadingManager(OffloadingManager):
         """
         blocks = self._blocks
         if not skip_without_store:
-            self._check_stores_in_flight(keys)
+            self._check_stores_in_flight(keys, "complete_store")
         if success:
             stored: list[OffloadKey] = []
             for key in keys:
@@ -460,7 +464,9 @@ class CPUOffloadingManager(OffloadingManager):
                     stored.append(key)
             self._num_pending -= len(stored)
             if stored and self._events is not None:
-                self._events.append(OffloadingEvent(keys=stored, medium=_MEDIUM, removed=False))
+                self._events.append(
+                    OffloadingEvent(keys=stored, medium=_MEDIUM, removed=False, req_context=req_context)
+                )
             return
         # A failed store frees its slots at once: a pending key left behind
         # would hold its slot forever (pending blocks are never evicted).
@@ -477,7 +483,54 @@ class CPUOffloadingManager(OffloadingManager):
         if dropped and self.report_dropped_stores and self._events is not None:
             self._events.append(OffloadingEvent(keys=dropped, medium=_MEDIUM, removed=True, metadata_only=True))
 
-    def _check_stores_in_flight(self, keys: Collection[OffloadKey]) -> None:
+    def hold_failed_stores(self, keys: Collection[OffloadKey]) -> list[int]:
+        """Fail the stores in flight of ``keys`` as ``complete_store(success=False)`` does, but hold their slots.
+
+        The keys leave the cache at once (a lookup misses, a later store of
+        the same key takes another slot), while their slots stay out of the
+        free pool until :meth:`release_held_slots`: a writer that outlived its
+        failed job (a secondary tier's I/O) may still be filling them, and a
+        chunk stored there meanwhile would be overwritten. Returns the held
+        slots, co-indexed with ``keys``. Every key must have a store in
+        flight: otherwise ``ValueError`` names the first without one and
+        nothing changes. Failures are reported as ``complete_store``'s are.
+        """
+        self._check_stores_in_flight(keys, "hold_failed_stores")
+        blocks = self._blocks
+        held: list[int] = []
+        for key in keys:
+            block = blocks.pop(key)
+            self._policy.remove(key)
+            held.append(block.slot)
+        self._held_slots.update(held)
+        self._num_pending -= len(held)
+        self._failed_stores += len(held)
+        if held and self.report_dropped_stores and self._events is not None:
+            self._events.append(OffloadingEvent(keys=list(keys), medium=_MEDIUM, removed=True, metadata_only=True))
+        return held
+
+    def release_held_slots(self, slots: Collection[int]) -> None:
+        """Return slots :meth:`hold_failed_stores` held to the free pool (their writer can no longer touch them).
+
+        Every slot must be held: otherwise ``ValueError`` names the first
+        that is not (or is named twice) and nothing changes.
+        """
+        held = self._held_slots
+        seen: set[int] = set()
+        for slot in slots:
+            if slot not in held or slot in seen:
+                why = "is named twice" if slot in seen else "is not held (never held, or released already)"
+                raise ValueError(f"release_held_slots: slot {slot!r} {why}")
+            seen.add(slot)
+        held.difference_update(seen)
+        self._pool.release_many(slots)
+
+    @property
+    def num_held_slots(self) -> int:
+        """Slots :meth:`hold_failed_stores` holds until :meth:`release_held_slots` (neither free nor holding a block)."""
+        return len(self._held_slots)
+
+    def _check_stores_in_flight(self, keys: Collection[OffloadKey], call: str) -> None:
         """Raise ``ValueError`` for the first of ``keys`` without a store in flight (or named twice), changing nothing."""
         seen: set[OffloadKey] = set()
         for key in keys:
@@ -489,7 +542,7 @@ class CPUOffloadingManager(OffloadingManager):
                     why = "is named twice in one call"
                 else:
                     why = "is already stored (its store was completed before)"
-                raise ValueError(f"complete_store: key {key!r} {why}: no store in flight (no matching prepare_store)")
+                raise ValueError(f"{call}: key {key!r} {why}: no store in flight (no matching prepare_store)")
             seen.add(key)
 
     @override
@@ -516,6 +569,13 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def reset_cache(self) -> None:
+        """Forget every block; refused (``RuntimeError``) while :meth:`hold_failed_stores` holds slots."""
+        if self._held_slots:
+            # A reset hands every slot out again, a held one too, while its writer may still fill it.
+            raise RuntimeError(
+                f"reset_cache: {len(self._held_slots)} slot(s) of failed stores are still held, and their writer "
+                "may still fill them; release them (release_held_slots) once it cannot, then reset"
+            )
         self._generation += 1
         self._blocks.clear()
         self._policy.clear()

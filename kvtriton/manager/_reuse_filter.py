@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Container, Iterable
 from typing import Protocol, runtime_checkable
 
 from kvtriton._keys import OffloadKey
@@ -25,6 +25,17 @@ class ReuseSignal(enum.Enum):
     chunk per repeat; counting offers admits the whole prompt on its second
     computation.
     """
+    STORE_OFFER_PER_REQUEST = "store_offer_per_request"
+    """A request's first offer of the key counts, its later offers do not (vLLM 0.34's admission).
+
+    The connector offers a key again when ``prepare_store`` found no room (a
+    retry) and when a preempted request is scheduled anew (a re-offer): the
+    same request computing the same content is no second use of it. Such a
+    later offer keeps the key tracked (it moves to the recent end) without
+    counting, and a key it still withholds is not counted in
+    ``stores_skipped`` again. The request's offered keys are kept in its
+    context (``ReqContext.set_state``) until ``reset_cache``.
+    """
 
 
 @runtime_checkable
@@ -34,13 +45,25 @@ class _HoldsKeys(Protocol):
     def __contains__(self, key: object, /) -> bool: ...
 
 
+class _OfferedKeys:
+    """The keys one request has offered to one filter: each counted once (``ReuseSignal.STORE_OFFER_PER_REQUEST``)."""
+
+    __slots__ = ("owner", "generation", "keys")
+
+    def __init__(self, owner: object, generation: int) -> None:
+        self.owner = owner
+        self.generation = generation
+        self.keys: set[OffloadKey] = set()
+
+
 class FilterReusedOffloadingManager(OffloadingManager):
     """Wraps a manager and forwards to ``prepare_store`` only keys used ``store_threshold`` times.
 
     Most blocks of a serving workload are never requested again; storing them
     costs PCIe bandwidth and evicts blocks that would have been reused. Each
-    use of a key -- a ``lookup`` by default, or an offer to ``prepare_store``
-    with ``count_on=ReuseSignal.STORE_OFFER`` -- counts once in a table bounded
+    use of a key -- a ``lookup`` by default, an offer to ``prepare_store``
+    with ``count_on=ReuseSignal.STORE_OFFER``, or a request's first offer with
+    ``ReuseSignal.STORE_OFFER_PER_REQUEST`` -- counts once in a table bounded
     to ``max_tracker_size`` keys (the least recently counted key is forgotten
     first). Keys the backing manager already caches are forwarded whatever
     their count when it can tell (``key in backing``, as
@@ -71,6 +94,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._max_tracked = max_tracker_size
         self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._stores_skipped = 0
+        # Bumped by reset_cache: a request's offered keys from before a reset count again (vLLM 0.34's rule).
+        self._generation = 0
         self._holds: Callable[[OffloadKey], bool] | None = (
             backing.__contains__ if isinstance(backing, _HoldsKeys) else None
         )
@@ -99,8 +124,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
     def stores_skipped(self) -> int:
         """Keys withheld from ``prepare_store`` so far because their count was below the threshold.
 
-        vLLM 0.33's ``kv_offload_stores_skipped``: a key the backing manager
-        already caches is never counted (it would not be stored anyway).
+        vLLM's ``kv_offload_stores_skipped``: a key the backing manager
+        already caches is never counted (it would not be stored anyway), and
+        with ``ReuseSignal.STORE_OFFER_PER_REQUEST`` a key counts once per
+        request however often the request offers it (vLLM 0.34).
         """
         return self._stores_skipped
 
@@ -119,8 +146,11 @@ class FilterReusedOffloadingManager(OffloadingManager):
             counts[key] = count + 1
             counts.move_to_end(key)
 
-    def _count_offer(self, keys: Collection[OffloadKey]) -> None:
+    def _count_offer(self, keys: Collection[OffloadKey], counted: Container[OffloadKey] = ()) -> None:
         """Count each distinct key of one store offer once, never forgetting a key of the offer.
+
+        A tracked key in ``counted`` (the request counted it before) moves to
+        the recent end without counting again.
 
         Counting key by key would let the offer's new keys push out the keys
         it has just counted whenever it names more keys than the tracker
@@ -135,7 +165,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         for key in offer:
             count = counts.get(key)
             if count is not None:
-                counts[key] = count + 1
+                if key not in counted:
+                    counts[key] = count + 1
                 counts.move_to_end(key)
         # Keys outside the offer, all now at the old end of the table.
         forgettable = len(counts) - (len(offer) - len(new))
@@ -153,10 +184,22 @@ class FilterReusedOffloadingManager(OffloadingManager):
             self._count(key)
         return self._backing.lookup(key, req_context)
 
+    def _offered_keys(self, req_context: ReqContext) -> _OfferedKeys:
+        """The keys ``req_context``'s request offered to this filter since the last reset, kept in its context."""
+        offered = req_context.get_state(_OfferedKeys)
+        if offered is None or offered.owner is not self or offered.generation != self._generation:
+            offered = _OfferedKeys(self, self._generation)
+            req_context.set_state(offered)
+        return offered
+
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        earlier: set[OffloadKey] | None = None
         if self._count_on is ReuseSignal.STORE_OFFER:
             self._count_offer(keys)
+        elif self._count_on is ReuseSignal.STORE_OFFER_PER_REQUEST:
+            earlier = self._offered_keys(req_context).keys
+            self._count_offer(keys, earlier)
         counts = self._counts
         threshold = self._threshold
         # Forward even when nothing qualifies: the backing manager answers an
@@ -170,7 +213,13 @@ class FilterReusedOffloadingManager(OffloadingManager):
             # through too: the backing never stores it again, and naming it
             # keeps this call from evicting it.
             eligible = [key for key in keys if counts.get(key, 0) >= threshold or holds(key)]
-        self._stores_skipped += len(keys) - len(eligible)
+        if earlier is None:
+            self._stores_skipped += len(keys) - len(eligible)
+        else:
+            # A key this request's earlier offer withheld was counted as skipped then.
+            withheld = set(keys).difference(eligible)
+            self._stores_skipped += len(withheld.difference(earlier))
+            earlier.update(keys)
         return self._backing.prepare_store(eligible, req_context)
 
     @override
@@ -203,6 +252,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
 
     @override
     def reset_cache(self) -> None:
+        self._generation += 1
         self._backing.reset_cache()
 
     @override

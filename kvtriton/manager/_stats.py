@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class ManagerStats:
     """Occupancy (in blocks) and cumulative counters of a ``CPUOffloadingManager``.
 
-    ``used = pending + loading + evictable``; ``used + free = capacity``.
+    ``used = pending + loading + evictable``; ``used + held + free = capacity``.
     Counters (``lookups`` onwards) count since construction and survive
     ``reset_cache``: they describe traffic, not contents.
     """
@@ -37,12 +37,14 @@ class ManagerStats:
     loads: int = 0
     """Blocks that ``prepare_load`` pinned for a load (each key of each call)."""
     failed_stores: int = 0
-    """Blocks whose store failed (``complete_store(..., success=False)``), freed again."""
+    """Blocks whose store failed (``complete_store(..., success=False)`` or ``hold_failed_stores``)."""
+    held: int = 0
+    """Slots of failed stores held out of the pool until released (``hold_failed_stores``): no block, not free."""
 
     @property
     def free(self) -> int:
-        """Slots holding nothing."""
-        return self.capacity - self.used
+        """Slots holding nothing, and not held."""
+        return self.capacity - self.used - self.held
 
     @property
     def occupancy(self) -> float:

@@ -27,10 +27,11 @@ import numpy as np
 # The fixture by its own name (`x as x`: imported for pytest to find, not to call).
 from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
-from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations._mooncake_config import MooncakeTierConfig
+from kvtriton.integrations._vllm_surface import LOOKUPS_MARK_PRESENT
 from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_store
 
 CHUNK = 64 * 1024
@@ -302,3 +303,37 @@ def test_the_tier_master_and_holder_talk_only_to_the_loopback(
             if connection.raddr:
                 peers.add(connection.raddr.ip)
     assert peers and peers <= {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+def stale_miss_then_store(tier: MooncakeStoreTier, memory: Primary, key: OffloadKey) -> LookupResult:
+    """A running request probes ``key`` before it is stored (MISS, cached while the request runs); the tier then
+    stores it: what a new request's lookup answers in the same step."""
+    asking = ReqContext(req_id="asking")
+    assert resolve_lookups(tier, [key], request="asking", finish=False) == [MISS]
+    memory.fill([0], seed=3)
+    assert run_job(tier, [key], [0], load=False).success
+    answer = tier.lookup(key, ReqContext(req_id="next"))
+    tier.on_request_finished(asking)
+    return answer
+
+
+@pytest.mark.skipif(
+    not LOOKUPS_MARK_PRESENT, reason="LOOKUPS_MARK_PRESENT: vLLM 0.34's AsyncLookupManager.mark_present"
+)
+def test_on_vllm_0_34_a_key_just_stored_is_a_hit_for_the_next_request_despite_a_miss_cached_before(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    memory = Primary(2, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="mark-present")
+    tiers.append(tier)
+    assert stale_miss_then_store(tier, memory, chunk_keys(1, salt=3)[0]) is HIT
+
+
+@pytest.mark.skipif(LOOKUPS_MARK_PRESENT, reason="not LOOKUPS_MARK_PRESENT: vLLM 0.33's lookup cache keeps its verdict")
+def test_on_vllm_0_33_a_miss_cached_before_a_store_stands_while_its_request_runs(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    memory = Primary(2, CHUNK)
+    tier = make_tier(cluster.master_address, memory, namespace="stale-miss")
+    tiers.append(tier)
+    assert stale_miss_then_store(tier, memory, chunk_keys(1, salt=4)[0]) is MISS

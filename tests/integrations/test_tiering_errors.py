@@ -16,8 +16,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 import torch
 from tiering_fixtures.configs import tiering_config
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm_fixtures.in_process import workers_on_nodes
 
 import kvtriton.worker._shared_region as shared_region
+from kvtriton.integrations._vllm_surface import SECONDARY_TIERS_REFUSE_MULTI_NODE
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 from kvtriton.worker._slab import PageableSlabWarning
 
@@ -228,3 +230,50 @@ def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) 
         wide.get_worker(kv_caches(3072))
     manager.shutdown()
     assert region_files() == before
+
+
+FS_TIER: dict[str, object] = {"secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kvtriton-unused"}]}
+
+
+@pytest.mark.skipif(
+    not SECONDARY_TIERS_REFUSE_MULTI_NODE, reason="SECONDARY_TIERS_REFUSE_MULTI_NODE: vLLM 0.34 refuses, 0.33 does not"
+)
+def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before_mapping_anything() -> None:
+    before = region_files()
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2))
+    with workers_on_nodes([0, 1]) as asked, pytest.raises(NotImplementedError) as refused:
+        spec.get_worker(kv_caches(2048))
+    message = str(refused.value)
+    assert "\n" not in message and "KVTritonTieringOffloadingSpec: secondary_tiers (1 configured)" in message
+    assert "span several nodes" in message and "run the engine on one node, or remove secondary_tiers" in message
+    assert len(asked) == 1  # vLLM's own collective ran (the tensor-parallel group; the others have one rank)
+    assert region_files() == before
+
+
+@pytest.mark.skipif(
+    not SECONDARY_TIERS_REFUSE_MULTI_NODE, reason="SECONDARY_TIERS_REFUSE_MULTI_NODE: vLLM 0.34 refuses, 0.33 does not"
+)
+def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_worker() -> None:
+    engine_id = f"one-node-{uuid.uuid4().hex[:8]}"
+    scheduler = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2, engine_id=engine_id))
+    manager = scheduler.get_manager()
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2, engine_id=engine_id))
+    with workers_on_nodes([0, 0]) as asked, warnings.catch_warnings():
+        warnings.simplefilter("ignore", PageableSlabWarning)
+        worker = spec.get_worker(kv_caches(2048))
+    assert len(asked) == 1
+    worker.shutdown()
+    manager.shutdown()
+
+
+def test_a_single_worker_or_an_engine_without_secondary_tiers_asks_no_node_question() -> None:
+    for extra, world_size in (({**BUDGET, **FS_TIER}, 1), (BUDGET, 2)):
+        engine_id = f"no-question-{uuid.uuid4().hex[:8]}"
+        scheduler = KVTritonTieringOffloadingSpec(tiering_config(extra, world_size=world_size, engine_id=engine_id))
+        manager = scheduler.get_manager()
+        spec = KVTritonTieringOffloadingSpec(tiering_config(extra, world_size=world_size, engine_id=engine_id))
+        with workers_on_nodes([0, 1]) as asked, warnings.catch_warnings():  # a refusal, were the question asked
+            warnings.simplefilter("ignore", PageableSlabWarning)
+            spec.get_worker(kv_caches(2048)).shutdown()
+        manager.shutdown()
+        assert asked == []

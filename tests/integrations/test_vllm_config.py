@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -395,3 +396,88 @@ def test_kvtriton_summary_interval_s_defaults_to_a_minute_and_zero_turns_it_off(
     )
     with pytest.raises(ValueError, match=r"kvtriton_summary_interval_s.*must be >= 0 seconds, got -5"):
         KVTritonOffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**20, "kvtriton_summary_interval_s": -5})
+
+
+USER_POLICIES = '''
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+
+class _OverLRU(CachePolicy):
+    """A user's policy: vLLM's LRU underneath, with the methods both releases require."""
+
+    def __init__(self, cache_capacity):
+        self.lru = LRUCachePolicy(cache_capacity)
+
+    def get(self, key):
+        return self.lru.get(key)
+
+    def insert(self, key, chunk, req_context):
+        self.lru.insert(key, chunk, req_context)
+
+    def remove(self, key):
+        self.lru.remove(key)
+
+    def evict(self, n, protected):
+        return self.lru.evict(n, protected)
+
+    def clear(self):
+        self.lru.clear()
+
+
+class WrittenForVLLM033(_OverLRU):
+    def touch(self, keys, req_context):
+        pass
+
+
+class WrittenForVLLM034(_OverLRU):
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context):
+        pass
+'''
+
+
+@pytest.fixture
+def user_policies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module of user policies on the import path: one written for vLLM 0.33's CachePolicy, one for 0.34's."""
+    (tmp_path / "user_policies_issue38.py").write_text(USER_POLICIES)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    return "user_policies_issue38"
+
+
+def test_a_user_policy_written_for_vllm_0_33_is_refused_on_0_34_at_start_up_naming_on_request_finished(
+    user_policies: str,
+) -> None:
+    surface = pytest.importorskip("kvtriton.integrations._vllm_surface")
+    extra = {"cpu_bytes_to_use": 1, "eviction_policy": "WrittenForVLLM033", "cache_policy_module_path": user_policies}
+    if not surface.POLICY_MUST_FINISH_REQUESTS:  # vLLM 0.33: its CachePolicy asks for touch, which the class has
+        assert KVTritonOffloadConfig.from_extra_config(extra).uses_vllm_policy
+        return
+    with pytest.raises(ValueError) as refused:
+        KVTritonOffloadConfig.from_extra_config(extra)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"{user_policies}.WrittenForVLLM033" in message and "does not implement on_request_finished" in message
+    assert f"vLLM {surface.VLLM_VERSION}'s CachePolicy requires" in message
+    assert "on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)" in message
+
+
+def test_a_user_policy_written_for_vllm_0_34_is_refused_on_0_33_naming_touch(user_policies: str) -> None:
+    surface = pytest.importorskip("kvtriton.integrations._vllm_surface")
+    extra = {"cpu_bytes_to_use": 1, "eviction_policy": "WrittenForVLLM034", "cache_policy_module_path": user_policies}
+    if not surface.MANAGER_HAS_TOUCH:  # vLLM 0.34: no touch anywhere, on_request_finished is the class's
+        assert KVTritonOffloadConfig.from_extra_config(extra).uses_vllm_policy
+        return
+    with pytest.raises(ValueError, match=r"WrittenForVLLM034 .* does not implement touch, which vLLM 0\.33"):
+        KVTritonOffloadConfig.from_extra_config(extra)
+
+
+def test_the_tiered_spec_refuses_a_user_policy_for_the_other_release_at_construction(user_policies: str) -> None:
+    surface = pytest.importorskip("kvtriton.integrations._vllm_surface")
+    from tiering_fixtures.configs import tiering_config
+
+    from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+
+    stale = "WrittenForVLLM033" if surface.POLICY_MUST_FINISH_REQUESTS else "WrittenForVLLM034"
+    extra = {"cpu_bytes_to_use": 1 << 20, "eviction_policy": stale, "cache_policy_module_path": user_policies}
+    with pytest.raises(ValueError, match=f"{stale} .* does not implement"):
+        KVTritonTieringOffloadingSpec(tiering_config(extra))

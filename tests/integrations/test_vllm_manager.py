@@ -31,6 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_fixtures.builders import offloading_config
 
 import kvtriton
+from kvtriton.integrations import _vllm_surface as surface
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec
 
 BLOCK_BYTES = 1024
@@ -97,10 +98,16 @@ def test_store_then_load_follows_the_state_machine_the_connector_relies_on() -> 
     load_spec = manager.prepare_load([k1, k2], context)
     assert slots(load_spec) == [0, 1]
     assert manager.get_load_source(k1, context) is CacheHitSource.HOST
-    manager.touch([k1, k2], context)
+    if surface.MANAGER_HAS_TOUCH:  # vLLM 0.33's interface: 0.34 removed touch
+        getattr(manager, "touch")([k1, k2], context)  # by name: absent from 0.34's manager type
     manager.complete_load({k1, k2}, context)
     manager.on_request_finished(context)
     assert lookups(manager, [k1], context) == [LookupResult.HIT]
+
+
+def test_the_adapter_offers_touch_only_where_vllms_manager_interface_has_it() -> None:
+    # vLLM 0.34 removed touch from the manager, the tiers and CachePolicy; its connector never called it.
+    assert hasattr(make_manager(), "touch") is surface.MANAGER_HAS_TOUCH
 
 
 def test_events_report_stores_and_evictions_in_vllm_types() -> None:
@@ -184,15 +191,77 @@ def test_loading_a_key_that_is_not_ready_raises_before_changing_anything() -> No
 
 def test_with_a_store_threshold_a_chunk_is_stored_on_its_second_offer() -> None:
     manager = make_manager(store_threshold=2)
-    context = ReqContext(req_id="r1")
     keys = to_keys([1, 2, 3])
-    # The connector looks up only until the first miss: just keys[0] here.
-    assert lookups(manager, keys[:1], context) == [LookupResult.MISS]
-    first = manager.prepare_store(keys, context)
-    assert first is not None and first.keys_to_store == []  # offered once: not worth a copy yet
-    assert lookups(manager, keys[:1], context) == [LookupResult.MISS]
-    second = manager.prepare_store(keys, context)
-    assert second is not None and second.keys_to_store == keys
+    for context, stored in ((ReqContext(req_id="r1"), []), (ReqContext(req_id="r2"), keys)):
+        # The connector looks up only until the first miss: just keys[0] here.
+        assert lookups(manager, keys[:1], context) == [LookupResult.MISS]
+        output = manager.prepare_store(keys, context)
+        assert output is not None and output.keys_to_store == stored  # offered once: not worth a copy yet
+
+
+def filtered_manager(num_slots: int, store_threshold: int) -> OffloadingManager:
+    """The adapter over kvtriton's manager and the reuse filter that counts as the installed vLLM counts."""
+    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, reuse_filter
+    from kvtriton.manager import CPUOffloadingManager
+
+    cpu = CPUOffloadingManager(num_slots)
+    return VLLMOffloadingManager(reuse_filter(cpu, store_threshold, 64_000), cpu, summary_interval_s=0)
+
+
+def offers_of_one_request(manager: OffloadingManager, store_threshold: int) -> tuple[list[OffloadKey], float]:
+    """vLLM 0.34's test_store_threshold_counts_a_key_once_per_request: other requests offer ``warm`` until one
+    more offer admits it; one request offers ``warm`` and ``cold``, then is preempted and offers them again as
+    often as the threshold would need. What its last offer stores, and the stores skipped over its offers."""
+    warm, cold = to_keys([1, 2])
+    with manager.lock:
+        for index in range(store_threshold - 1):
+            manager.prepare_store([warm], ReqContext(req_id=f"warm-up-{index}"))
+    manager.get_stats()  # drops the warm-up's skips
+    context = ReqContext(req_id="req")
+    with manager.lock:
+        output = manager.prepare_store([warm, cold], context)
+        assert output is not None and output.keys_to_store == [warm]
+        manager.complete_store([warm], context)
+        for _ in range(store_threshold - 1):
+            output = manager.prepare_store([warm, cold], context)
+            assert output is not None
+    stats = manager.get_stats()
+    assert stats is not None
+    return output.keys_to_store, stats.reduce()[CPUOffloadingMetrics.STORES_SKIPPED]
+
+
+@pytest.mark.skipif(
+    not surface.STORE_OFFERS_COUNT_ONCE_PER_REQUEST, reason="STORE_OFFERS_COUNT_ONCE_PER_REQUEST: vLLM 0.34's rule"
+)
+@pytest.mark.parametrize("store_threshold", [2, 3])
+def test_on_vllm_0_34_a_key_counts_once_per_request_as_in_vllms_cpu_manager(store_threshold: int) -> None:
+    vllms = VLLMCPUOffloadingManager(num_chunks=4, cache_policy="lru", store_threshold=store_threshold)
+    ours = filtered_manager(4, store_threshold)
+    # The re-offers neither admit cold (only this request offered it) nor count its skip again.
+    assert offers_of_one_request(ours, store_threshold) == offers_of_one_request(vllms, store_threshold) == ([], 1)
+
+
+@pytest.mark.skipif(
+    surface.STORE_OFFERS_COUNT_ONCE_PER_REQUEST, reason="not STORE_OFFERS_COUNT_ONCE_PER_REQUEST: vLLM 0.33's rule"
+)
+@pytest.mark.parametrize("store_threshold", [2, 3])
+def test_on_vllm_0_33_every_offer_counts_as_in_vllms_cpu_manager(store_threshold: int) -> None:
+    vllms = VLLMCPUOffloadingManager(num_chunks=4, cache_policy="lru", store_threshold=store_threshold)
+    ours = filtered_manager(4, store_threshold)
+    cold = to_keys([2])
+    # The re-offers count: cold is admitted by its request's own repeated offers.
+    expected = (cold, store_threshold - 1)
+    assert offers_of_one_request(ours, store_threshold) == offers_of_one_request(vllms, store_threshold) == expected
+
+
+def test_the_reuse_filter_counts_offers_as_the_installed_vllm_does() -> None:
+    from kvtriton.integrations._vllm_manager import STORE_OFFER_SIGNAL
+    from kvtriton.manager import ReuseSignal
+
+    expected = (
+        ReuseSignal.STORE_OFFER_PER_REQUEST if surface.STORE_OFFERS_COUNT_ONCE_PER_REQUEST else ReuseSignal.STORE_OFFER
+    )
+    assert STORE_OFFER_SIGNAL is expected
 
 
 def test_stats_report_slab_occupancy_under_vllms_gauge_names() -> None:
@@ -278,15 +347,92 @@ def test_a_reused_chunk_outlives_older_unused_ones_as_in_vllms_cpu_manager(polic
     assert ours == vllms == to_keys([2])
 
 
+def full_attention_group() -> object:
+    """What the connector hands vLLM's events tracker for a full-attention group of one-block chunks of 16 tokens."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventGroupSpec
+
+    return SimpleNamespace(
+        hashes_per_chunk=1,
+        tokens_per_chunk=16,
+        tokens_per_block=16,
+        sliding_window_size_in_chunks=None,
+        group_idx=0,
+        kv_cache_spec=None,  # no MambaSpec: not a recurrent group (vLLM 0.34 asks)
+        kv_event_group_spec=OffloadingEventGroupSpec(None, None),
+    )
+
+
+def stored_events(manager: OffloadingManager, context: ReqContext) -> list[OffloadingEvent]:
+    keys = to_keys([1, 2])
+    with manager.lock:
+        output = manager.prepare_store(keys, context)
+        assert output is not None
+        manager.complete_store(keys, context)
+        return list(manager.take_events())
+
+
+def test_a_stored_event_is_the_one_the_installed_vllms_cpu_manager_emits() -> None:
+    """vLLM 0.34's names the request that stored the keys and expects their removal; 0.33's does neither."""
+    ours, vllms = make_manager(num_slots=4), VLLMCPUOffloadingManager(num_chunks=4, enable_events=True)
+    context = ReqContext(req_id="writer")
+    (event,) = stored_events(ours, context)
+    (expected,) = stored_events(vllms, context)
+    assert (event.keys, event.medium, event.removed, event.metadata_only, event.removal_expected) == (
+        expected.keys, expected.medium, expected.removed, expected.metadata_only, expected.removal_expected,
+    )  # fmt: skip
+    assert event.removal_expected is surface.EVENTS_CARRY_REQ_CONTEXT
+    if surface.EVENTS_CARRY_REQ_CONTEXT:  # read by name: 0.34's field, absent from 0.33's type
+        assert getattr(event, "req_context") is getattr(expected, "req_context") is context
+
+
+@pytest.mark.skipif(not surface.EVENTS_CARRY_REQ_CONTEXT, reason="EVENTS_CARRY_REQ_CONTEXT: vLLM 0.34's events")
+def test_on_vllm_0_34_the_events_tracker_describes_a_stored_chunk_from_its_request_and_fans_out_its_eviction() -> None:
+    """No payload was recorded for the keys: vLLM 0.34's tracker builds it from the request the event names."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    manager = make_manager(num_slots=1)
+    tracker = OffloadingEventsTracker(
+        OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=True)
+    )
+    k1, k2 = to_keys([1, 2])
+    context = ReqContext(req_id="writer")
+    context.set_offload_key_position(k1, 16)
+    request: Any = SimpleNamespace(
+        block_hashes=[bytes(k1[:-4])],
+        all_token_ids=list(range(100, 132)),
+        lora_request=None,
+        resumable=False,
+        kv_transfer_params=None,
+    )
+    # By name: 0.34's tracker method, absent from 0.33's type (the test is skipped there).
+    getattr(tracker, "on_new_request")(context, request, (full_attention_group(),))
+    with manager.lock:
+        manager.on_new_request(context)
+        assert manager.prepare_store([k1], context) is not None
+        manager.complete_store([k1], context)
+        (stored,) = tracker.take_events(manager.take_events())
+        assert isinstance(stored, BlockStored)
+        assert stored.token_ids == list(range(100, 116)) and stored.block_size == 16
+        output = manager.prepare_store([k2], ReqContext(req_id="other"))  # one slot: k1 is evicted
+        assert output is not None and output.evicted_keys == [k1]
+        (removed,) = tracker.take_events(manager.take_events())
+    assert isinstance(removed, BlockRemoved)
+    assert removed.block_hashes == stored.block_hashes
+
+
 def test_a_failed_store_releases_the_payload_vllms_events_tracker_recorded() -> None:
     """vLLM's tracker keeps a payload per stored key until a removal names it; a failed store must name it too."""
     from types import SimpleNamespace
     from typing import Any, cast
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
-        OffloadingEventGroupSpec,
-        OffloadingEventsTracker,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 
     manager = make_manager(num_slots=4)
@@ -299,14 +445,7 @@ def test_a_failed_store_releases_the_payload_vllms_events_tracker_recorded() -> 
     block_hashes = [bytes(key[:-4]) for key in (k1, k2)]
     # What _build_store_jobs hands the tracker for a full-attention group of one-block chunks.
     req: Any = SimpleNamespace(block_hashes=block_hashes, all_token_ids=list(range(32)), lora_request=None)
-    group: Any = SimpleNamespace(
-        hashes_per_chunk=1,
-        tokens_per_chunk=16,
-        tokens_per_block=16,
-        sliding_window_size_in_chunks=None,
-        group_idx=0,
-        kv_event_group_spec=OffloadingEventGroupSpec(None, None),
-    )
+    group: Any = full_attention_group()
     with manager.lock:
         output = manager.prepare_store([k1, k2], context)
         assert output is not None
@@ -354,7 +493,7 @@ def test_the_stores_skipped_counter_counts_stores_below_the_reuse_threshold_as_v
         stats = manager.get_stats()
         assert stats is not None and stats.reduce()[CPUOffloadingMetrics.STORES_SKIPPED] == 0
         with manager.lock:
-            output = manager.prepare_store(to_keys([1, 2, 4]), context)  # k1, k2 offered twice now
+            output = manager.prepare_store(to_keys([1, 2, 4]), ReqContext(req_id="r2"))  # k1, k2 offered twice now
             assert output is not None and output.keys_to_store == to_keys([1, 2])
         stats = manager.get_stats()
         assert stats is not None and stats.reduce()[CPUOffloadingMetrics.STORES_SKIPPED] == 1

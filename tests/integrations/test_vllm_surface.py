@@ -28,6 +28,7 @@ from kvtriton.integrations._vllm_surface import (
     ALLOW_UNTESTED_VLLM,
     FACTORY_ARGUMENTS,
     FACTORY_KEYS,
+    MULTI_NODE_REFUSAL,
     RESTATED_TIERING_SPEC_ATTRIBUTES,
     TESTED_VLLM_RELEASES,
     TIER_CLASS_REFUSED,
@@ -133,6 +134,16 @@ def _check_promotion_hooks() -> None:
     assert "self.primary_tier.complete_write(" in inspect.getsource(TieringOffloadingManager._complete_promotion)  # pyright: ignore[reportPrivateUsage] -- the name under test
 
 
+def _check_multi_node_refusal() -> None:
+    import vllm.v1.kv_offload.tiering.spec as tiering_spec
+
+    refusal = getattr(tiering_spec, MULTI_NODE_REFUSAL, None)
+    assert (refusal is not None) is surface.SECONDARY_TIERS_REFUSE_MULTI_NODE
+    if refusal is not None:
+        assert callable(refusal) and not inspect.signature(refusal).parameters
+        assert f"{MULTI_NODE_REFUSAL}()" in inspect.getsource(TieringOffloadingSpec.create_worker)
+
+
 def _check_fs_file_mapper() -> None:
     assert "self.file_mapper = FileMapper" in inspect.getsource(FileSystemTierManager.__init__)
     assert callable(FileMapper.get_file_name)
@@ -141,6 +152,7 @@ def _check_fs_file_mapper() -> None:
 CHECKS: dict[str, Callable[[], None]] = {
     "promotion_hooks": _check_promotion_hooks,
     "fs_file_mapper": _check_fs_file_mapper,
+    "multi_node_refusal": _check_multi_node_refusal,
     "policy_registry": _check_policy_registry,
     "secondary_tiers_hook": _check_secondary_tiers_hook,
     "primary_num_chunks": _check_primary_num_chunks,
@@ -241,3 +253,4 @@ def test_the_release_facts_match_the_installed_vllm() -> None:
     assert surface.PRIMARY_DEFERS_WRITE_RELEASE is newest
     assert surface.POLICY_MUST_FINISH_REQUESTS is newest
     assert surface.SECONDARY_TIERS_REFUSE_MULTI_NODE is newest
+    assert surface.LOOKUPS_MARK_PRESENT is newest

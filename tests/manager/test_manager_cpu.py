@@ -329,6 +329,18 @@ def test_complete_store_success_makes_pending_keys_ready_with_one_event(policy: 
     assert (events[0].medium, events[0].removed) == ("CPU", False)
 
 
+def test_a_stored_event_names_the_context_that_completed_the_store_and_no_other_event_names_one() -> None:
+    manager = make_manager("lru", num_blocks=1)
+    writer, other = ReqContext(req_id="writer"), ReqContext(req_id="other")
+    manager.prepare_store(ks(0), writer)
+    manager.complete_store(ks(0), writer)
+    manager.prepare_store(ks(1), other)  # evicts k0
+    manager.complete_store(ks(1), other, success=False)
+    (stored_event, removed_event) = manager.take_events()
+    assert stored_event.req_context is writer
+    assert removed_event.removed and removed_event.req_context is None
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("success", [True, False])
 @pytest.mark.parametrize(
@@ -620,3 +632,73 @@ def _policy_state(manager: CPUOffloadingManager) -> object:
         return policy.ordered_keys()
     assert isinstance(policy, ARCCachePolicy)
     return policy.state()
+
+
+# --- failed stores whose slots are held -----------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_held_failed_store_misses_at_once_but_its_slot_stays_out_of_the_pool_until_released(policy: str) -> None:
+    manager = CPUOffloadingManager(3, cache_policy=policy, enable_events=True, report_dropped_stores=True)
+    first = manager.prepare_store(ks(0, 1), CTX)
+    assert first is not None and slots(first.store_spec) == [0, 1]
+    manager.take_events()
+    assert manager.hold_failed_stores(ks(1, 0)) == [1, 0]
+    assert lookups(manager, 0, 1) == [MISS, MISS]
+    stats = manager.stats()
+    assert (stats.used, stats.pending, stats.held, stats.free, stats.failed_stores) == (0, 0, 2, 1, 2)
+    # The held keys are announced as dropped (never readable), as a failed store's are.
+    assert list(manager.take_events()) == [
+        OffloadingEvent(keys=ks(1, 0), medium="CPU", removed=True, metadata_only=True)
+    ]
+    # Storing the key again takes a slot the late writer cannot touch; nothing more fits meanwhile.
+    again = manager.prepare_store(ks(0), CTX)
+    assert again is not None and slots(again.store_spec) == [2]
+    assert manager.prepare_store(ks(5), CTX) is None
+    manager.release_held_slots([1, 0])
+    assert (manager.num_held_slots, manager.stats().free) == (0, 2)
+    after = manager.prepare_store(ks(5, 6), CTX)
+    assert after is not None and sorted(slots(after.store_spec)) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [
+        (ks(0, 9), r"key .* is not cached .*"),
+        (ks(1), r"key .* is already stored .*"),
+        (ks(0, 0), r"key .* is named twice in one call"),
+    ],
+)
+def test_holding_a_key_without_a_store_in_flight_is_refused_and_changes_nothing(
+    keys: list[OffloadKey], why: str
+) -> None:
+    manager = make_manager("lru")
+    store(manager, ks(1))
+    manager.prepare_store(ks(0), CTX)
+    before = manager.stats()
+    with pytest.raises(ValueError, match=f"hold_failed_stores: {why}: no store in flight"):
+        manager.hold_failed_stores(keys)
+    assert manager.stats() == before and lookups(manager, 0, 1) == [HIT_PENDING, HIT]
+
+
+def test_releasing_a_slot_that_is_not_held_is_refused_and_changes_nothing() -> None:
+    manager = make_manager("lru")
+    manager.prepare_store(ks(0, 1), CTX)
+    manager.hold_failed_stores(ks(0))
+    with pytest.raises(ValueError, match="release_held_slots: slot 1 is not held"):
+        manager.release_held_slots([0, 1])
+    with pytest.raises(ValueError, match="release_held_slots: slot 0 is named twice"):
+        manager.release_held_slots([0, 0])
+    assert manager.num_held_slots == 1
+
+
+def test_reset_cache_is_refused_while_slots_are_held_and_works_once_they_are_released() -> None:
+    manager = make_manager("lru")
+    manager.prepare_store(ks(0, 1), CTX)
+    manager.hold_failed_stores(ks(0))
+    with pytest.raises(RuntimeError, match=r"reset_cache: 1 slot\(s\) of failed stores are still held"):
+        manager.reset_cache()
+    assert lookups(manager, 1) == [HIT_PENDING]  # refused: nothing forgotten
+    manager.release_held_slots([0])
+    manager.reset_cache()
+    assert manager.stats().free == 4

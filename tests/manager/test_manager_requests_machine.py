@@ -1,13 +1,14 @@
-"""Random request call sequences (vLLM's signal) rank exactly as vLLM 0.33's own manager, for both policies.
+"""Random request call sequences (vLLM's signal) rank exactly as vLLM's own manager, for both policies.
 
 Hypothesis opens requests (announced with ``on_new_request`` or not, with
 token positions for one or two KV cache groups, or none) and drives lookup,
-prepare_load of ready keys, prepare_store, touch, complete_load /
+prepare_load of ready keys, prepare_store, touch (where vLLM has it), complete_load /
 complete_store (success and failure), on_request_finished and reset_cache for
-them on a small cache. The reference model is vLLM 0.33's
+them on a small cache. The reference model is the installed vLLM's
 ``CPUOffloadingManager`` given the same calls with its own contexts: every
 store must answer the same keys, slots and evictions, every lookup the same
-result, every event batch the same events. Besides, after every step no slot
+result, every event batch the same events (on vLLM 0.34 a stored one names the
+same request). Besides, after every step no slot
 is held by two keys, the policy tracks exactly the cached keys, the counts add
 up, and an eviction only ever takes a ready, idle key that the store did not
 name. The ranking rule by rule is in tests/manager/test_manager_lru.py.
@@ -28,6 +29,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloa
 
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import CPULoadStoreSpec, LookupResult, ReqContext
+from kvtriton.integrations._vllm_surface import EVENTS_CARRY_REQ_CONTEXT, MANAGER_HAS_TOUCH
 from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy
 
 BLOCKS = [f"key-{i}".encode() for i in range(5)]
@@ -121,12 +123,13 @@ class RequestMachine(RuleBasedStateMachine):
         if out.keys_to_store:
             self.stores.append((context, reference, list(out.keys_to_store)))
 
-    @precondition(lambda self: bool(self.requests))
+    @precondition(lambda self: MANAGER_HAS_TOUCH and bool(self.requests))
     @rule(index=st.integers(min_value=0), keys=key_lists)
     def touch(self, index: int, keys: list[OffloadKey]) -> None:
+        """vLLM 0.33's manager has ``touch`` (0.34 removed it: MANAGER_HAS_TOUCH)."""
         context, reference = self.requests[index % len(self.requests)]
         self.manager.touch(keys, context)
-        self.vllm.touch(keys, reference)  # pyright: ignore[reportArgumentType] -- as above
+        getattr(self.vllm, "touch")(keys, reference)  # by name: 0.34's manager type has no touch
 
     @precondition(lambda self: bool(self.loads))
     @rule(index=st.integers(min_value=0))
@@ -161,9 +164,15 @@ class RequestMachine(RuleBasedStateMachine):
     def events_match_vllms(self) -> None:
         if not hasattr(self, "manager"):
             return
-        ours = [(event.keys, event.removed, event.metadata_only) for event in self.manager.take_events()]
-        theirs = [(list(event.keys), event.removed, event.metadata_only) for event in self.vllm.take_events()]
-        assert ours == theirs
+        ours = [(event.keys, event.removed, event.metadata_only, event) for event in self.manager.take_events()]
+        theirs = [(list(event.keys), event.removed, event.metadata_only, event) for event in self.vllm.take_events()]
+        assert [entry[:3] for entry in ours] == [entry[:3] for entry in theirs]
+        if EVENTS_CARRY_REQ_CONTEXT:
+            # A stored event names the request whose store completed (vLLM 0.34): the same request on both sides.
+            for (_, removed, _, event), (_, _, _, reference) in zip(ours, theirs):
+                expected: VLLMReqContext | None = getattr(reference, "req_context")  # by name: 0.34's field
+                assert (event.req_context and event.req_context.req_id) == (expected and expected.req_id)
+                assert removed or event.req_context is not None
 
     @invariant()
     def slots_are_distinct(self) -> None:

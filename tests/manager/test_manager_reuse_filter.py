@@ -199,11 +199,83 @@ def test_filter_prepare_store_rule3_protects_cached_keys_below_the_threshold(cou
         manager.lookup(k(6), CTX)
         manager.lookup(k(6), CTX)
     else:
-        manager.prepare_store(ks(6), CTX)  # first offer: counted once, not stored
+        manager.prepare_store(ks(6), ReqContext(req_id="first"))  # another request's offer: counted, not stored
     out = manager.prepare_store(ks(0, 6), CTX)
     assert out is not None
     assert (out.keys_to_store, out.evicted_keys) == (ks(6), ks(1))
     assert cpu.lookup(k(0), CTX) is LookupResult.HIT
+
+
+def per_request_filter(backing: OffloadingManager, threshold: int = 2) -> FilterReusedOffloadingManager:
+    return FilterReusedOffloadingManager(backing, threshold, count_on=ReuseSignal.STORE_OFFER_PER_REQUEST)
+
+
+@pytest.mark.parametrize("threshold", [2, 3])
+def test_filter_counting_offers_per_request_does_not_count_the_retries_of_an_offer_that_found_no_room(
+    threshold: int,
+) -> None:
+    # prepare_store answered None (no room): the connector offers the same keys
+    # again through the same context. The retries neither admit a key only this
+    # request offered nor count its skip again (vLLM 0.34's counted_keys).
+    cpu = CPUOffloadingManager(2)
+    manager = per_request_filter(cpu, threshold)
+    pinned, warm, cold = ks(100, 101), k(1), k(2)
+    for index in range(threshold - 1):  # other requests offer pinned and warm: one more offer admits them
+        manager.prepare_store([*pinned, warm], ReqContext(req_id=f"warm-up-{index}"))
+    pin = ReqContext(req_id="pin")
+    out = manager.prepare_store(pinned, pin)
+    assert out is not None and out.keys_to_store == pinned  # both slots now pending
+    skipped_before = manager.stores_skipped
+
+    context = ReqContext(req_id="req")
+    assert manager.prepare_store([warm, cold], context) is None
+    assert manager.prepare_store([warm, cold], context) is None
+    cpu.complete_store(pinned, pin)  # the slots become evictable
+    out = manager.prepare_store([warm, cold], context)
+    assert out is not None and out.keys_to_store == [warm]
+    assert manager.use_count(cold) == 1
+    assert manager.stores_skipped - skipped_before == 1
+
+
+@pytest.mark.parametrize("threshold", [2, 3])
+def test_filter_counting_offers_per_request_counts_a_key_once_per_request_and_again_for_another(
+    threshold: int,
+) -> None:
+    # A preempted request offers its keys again from its first chunk through the
+    # same context: each key counts once for it; another request's offer counts.
+    manager = per_request_filter(CPUOffloadingManager(4), threshold)
+    warm, cold = k(1), k(2)
+    for index in range(threshold - 1):
+        manager.prepare_store([warm], ReqContext(req_id=f"warm-up-{index}"))
+    skipped_before = manager.stores_skipped
+    context = ReqContext(req_id="req")
+    out = manager.prepare_store([warm, cold], context)
+    assert out is not None and out.keys_to_store == [warm]
+    manager.complete_store([warm], context)
+    for _ in range(threshold - 1):  # preempted and scheduled again, as often as the threshold would need
+        out = manager.prepare_store([warm, cold], context)
+        assert out is not None and out.keys_to_store == []
+    assert manager.use_count(cold) == 1
+    assert manager.stores_skipped - skipped_before == 1
+    manager.prepare_store([cold], ReqContext(req_id="other"))
+    assert manager.use_count(cold) == 2
+
+
+def test_filter_counting_offers_per_request_keeps_a_re_offered_key_tracked_and_counts_anew_after_a_reset() -> None:
+    backing = Recorder()
+    manager = FilterReusedOffloadingManager(backing, 2, 2, count_on=ReuseSignal.STORE_OFFER_PER_REQUEST)
+    context = ReqContext(req_id="req")
+    manager.prepare_store(ks(0), context)
+    manager.prepare_store(ks(1), ReqContext(req_id="other"))
+    # Re-offered by the same request: not counted, but it becomes the most recent key, so k1 is forgotten.
+    manager.prepare_store(ks(0), context)
+    manager.prepare_store(ks(2), ReqContext(req_id="third"))
+    assert [manager.use_count(key) for key in ks(0, 1, 2)] == [1, 0, 1]
+    # After reset_cache the request's earlier offers are forgotten (as vLLM 0.34's request state is).
+    manager.reset_cache()
+    manager.prepare_store(ks(0), context)
+    assert manager.use_count(k(0)) == 2
+    assert backing.calls[-1] == ("prepare_store", ks(0), context)
 
 
 def test_filter_rejects_a_count_on_that_is_not_a_reuse_signal() -> None:

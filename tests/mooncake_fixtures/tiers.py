@@ -102,8 +102,11 @@ def run_job(
     return poll(finished, timeout_s, f"job {job.job_id}")
 
 
-def resolve_lookups(tier: MooncakeStoreTier, keys: Sequence[OffloadKey], request: str = "req") -> list[LookupResult]:
-    """Look ``keys`` up as the scheduler does, step after step, until no answer is RETRY."""
+def resolve_lookups(
+    tier: MooncakeStoreTier, keys: Sequence[OffloadKey], request: str = "req", *, finish: bool = True
+) -> list[LookupResult]:
+    """Look ``keys`` up as the scheduler does, step after step, until no answer is RETRY; then the request
+    finishes, unless ``finish=False`` (its verdicts stay cached while it runs)."""
     context = ReqContext(req_id=request)
 
     def answers() -> list[LookupResult] | None:
@@ -114,5 +117,6 @@ def resolve_lookups(tier: MooncakeStoreTier, keys: Sequence[OffloadKey], request
         return results
 
     results = poll(answers, 30.0, "lookups")
-    tier.on_request_finished(context)
+    if finish:
+        tier.on_request_finished(context)
     return results

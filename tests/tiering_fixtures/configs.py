@@ -45,10 +45,12 @@ def tiering_config(
     rank: int = 0,
     engine_id: str | None = None,
     model_name: str = "tiny-tiering",
+    enable_events: bool = False,
 ) -> OffloadingConfig:
     """The OffloadingConfig vLLM's connector builds for one full-attention group, with a fresh engine id."""
     return offloading_config(
         {**TIERING_EXTRA, **extra_config},
+        enable_events=enable_events,
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
         engine_id=engine_id or f"tiering-{uuid.uuid4().hex[:12]}",
         model_name=model_name,

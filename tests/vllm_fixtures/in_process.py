@@ -7,7 +7,9 @@ combined by vLLM's own ``KVOutputAggregator``. vLLM derives the rank and
 world size from its parallel config, which a CPU test cannot set to two
 ranks, so :func:`start_in_process_vllm` overrides exactly those two fields of
 the ``OffloadingConfig`` each connector builds (:func:`parallel_as`), and
-the number of workers whose completions the scheduler side waits for.
+the number of workers whose completions the scheduler side waits for; vLLM's
+parallel groups, which vLLM 0.34 asks whether the workers share a node before
+it allows secondary tiers, say that they do (:func:`workers_on_nodes`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import contextlib
 import dataclasses
 import uuid
 import warnings
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import vllm.distributed.parallel_state as parallel_state
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -48,7 +51,15 @@ from vllm_fixtures.requests import EOS
 _OUTPUT_HAS_REQUEST_INDEX = "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}
 """vLLM 0.33's ModelRunnerOutput takes a request-id index; 0.34 dropped it (the order of req_ids is the index)."""
 
-__all__ = ["BLOCK_SIZE", "NUM_GPU_BLOCKS", "InProcessVLLM", "parallel_as", "start_in_process_vllm", "tiny_model_config"]
+__all__ = [
+    "BLOCK_SIZE",
+    "NUM_GPU_BLOCKS",
+    "InProcessVLLM",
+    "parallel_as",
+    "start_in_process_vllm",
+    "tiny_model_config",
+    "workers_on_nodes",
+]
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 32
@@ -76,6 +87,47 @@ def parallel_as(rank: int, world_size: int) -> Generator[None]:
         yield
     finally:
         setattr(connector_module, "build_offloading_config", real)
+
+
+class _ParallelGroup:
+    """A parallel group as vLLM's check of workers across nodes reads it: its size and its CPU process group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.cpu_group = object()
+
+
+@contextlib.contextmanager
+def workers_on_nodes(nodes: Sequence[int]) -> Generator[list[object]]:
+    """Make vLLM's parallel state say the tensor-parallel workers run on ``nodes`` (one entry per rank: its node).
+
+    The pipeline and context-parallel groups have one rank. vLLM 0.34 reads
+    these groups when it refuses secondary tiers on workers across nodes
+    (``in_the_same_node_as``, a collective in a real engine); the ranks of an
+    in-process engine have no process groups, and share this one node.
+    Yields the groups the check asked about.
+    """
+    tensor_parallel, single = _ParallelGroup(len(nodes)), _ParallelGroup(1)
+    asked: list[object] = []
+
+    def in_the_same_node_as(group: object, source_rank: int = 0) -> list[bool]:
+        asked.append(group)
+        return [node == nodes[source_rank] for node in nodes]
+
+    patched: dict[str, object] = {
+        "get_tp_group": lambda: tensor_parallel,
+        "get_pp_group": lambda: single,
+        "get_pcp_group": lambda: single,
+        "in_the_same_node_as": in_the_same_node_as,
+    }
+    real = {name: getattr(parallel_state, name) for name in patched}
+    for name, value in patched.items():
+        setattr(parallel_state, name, value)
+    try:
+        yield asked
+    finally:
+        for name, value in real.items():
+            setattr(parallel_state, name, value)
 
 
 def _no_model(output: SchedulerOutput) -> None:
@@ -193,7 +245,8 @@ def start_in_process_vllm(
     for rank in range(world_size):
         with parallel_as(rank, world_size):
             worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        with set_current_vllm_config(vllm_config), warnings.catch_warnings():
+        # The ranks run on this one node (vLLM 0.34 asks before it allows secondary tiers).
+        with set_current_vllm_config(vllm_config), workers_on_nodes([0] * world_size), warnings.catch_warnings():
             warnings.simplefilter("ignore", PageableSlabWarning)
             worker.register_kv_caches(layer_caches(rank))
         workers.append(worker)
