@@ -43,7 +43,7 @@ try:
 
     from kvtriton.integrations._vllm_config import KVTritonOffloadConfig, check_budget, is_vllm_policy, parse_policy
     from kvtriton.integrations._vllm_logging import attach_to_vllm_logging
-    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, metric_definitions
+    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, metric_definitions, reuse_filter
     from kvtriton.integrations._vllm_spec_core import (
         log_vllm_policy,
         open_host_slab,
@@ -189,12 +189,10 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             )
             backing: OffloadingManager = cpu
             if settings.filters_reuse:
-                # vLLM 0.33 counts store offers, not lookups: its connector looks
-                # up only until the first miss, so lookup counting would admit
-                # a repeated prompt one chunk per repeat.
-                backing = FilterReusedOffloadingManager(
-                    cpu, settings.store_threshold, settings.max_tracker_size, count_on=ReuseSignal.STORE_OFFER
-                )
+                # vLLM counts store offers, not lookups (its connector looks up only
+                # until the first miss, so lookup counting would admit a repeated
+                # prompt one chunk per repeat); 0.34 counts a key once per request.
+                backing = reuse_filter(cpu, settings.store_threshold, settings.max_tracker_size)
             self._manager = VLLMOffloadingManager(
                 backing, cpu, self.cpu_info, summary_interval_s=settings.summary_interval_s
             )
