@@ -60,7 +60,7 @@ try:
         CPUOffloadingManager as VLLMCPUOffloadingManager,
     )
     from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
-    from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
+    from kvtriton.manager import CPUOffloadingManager, OffloadingManager
     from kvtriton.worker._slab import HostSlab
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
