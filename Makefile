@@ -62,7 +62,7 @@ $(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt tests/e2e/vll
 	@touch $@
 
 typecheck: $(STAMP)
-	$(PY) -m pyright
+	$(PY) -m pyright --pythonpath $(PY)
 
 # ruff's lint rules and its formatter, as [tool.ruff] in pyproject.toml sets them
 # (`ruff format .` rewrites the tree when the second step fails).
@@ -91,10 +91,11 @@ compat: $(STAMP)
 	$(PY) -m pytest -q -rA tests/vllm_compat
 
 # The other supported vLLM release, in its own venv (built as `make test` builds .venv, with that release):
-# its own offloading tests with kvtriton swapped in, the worker driven as its connector drives it, the vLLM
-# surface's checks, and pyright strict against its types. CI runs it after `make test` (.ci/run).
+# pyright strict against its types, its own offloading tests with kvtriton swapped in, the worker driven as its
+# connector drives it, the vLLM surface's checks, and a real-engine smoke test (single tier on CPU, reference
+# tokens). CI runs it after `make test` (.ci/run).
 OTHER_TESTS := tests/vllm_compat tests/integrations/test_vllm_worker_contract.py tests/integrations/test_vllm_surface.py \
-	tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_connector.py
+	tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_connector.py tests/e2e/test_single_tier.py
 compat-other:
 	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
 	$(OTHER_VENV)/bin/python -m pyright --pythonpath $(OTHER_VENV)/bin/python

@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config
+from vllm_fixtures.connector import submit_load, submit_store
 
 import kvtriton.integrations.vllm as vllm_module
 import kvtriton.worker._slab as slab_module
@@ -216,7 +217,7 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     probe = tmp_path / "probe.py"
     probe.write_text("from vllm.v1.kv_offload.base import LookupResult\n\nresult: int = LookupResult.MISS\n")
     result = subprocess.run(
-        [sys.executable, "-m", "pyright", "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
+        [sys.executable, "-m", "pyright", "--pythonpath", sys.executable, "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     report = json.loads(result.stdout)
@@ -337,16 +338,17 @@ def test_a_vllm_policy_runs_vllms_manager_and_kvtritons_worker_moves_the_bytes(
     assert isinstance(manager._policy, LRUCachePolicy)  # pyright: ignore[reportPrivateUsage] -- which policy vLLM resolved
     layer = torch.arange(8 * page, dtype=torch.int64).to(torch.uint8).view(8, page).clone()
     original = layer.clone()
-    worker = spec.get_worker(canonical_kv_caches([layer]))
+    caches = canonical_kv_caches([layer])
+    worker = spec.get_worker(caches)
     context = ReqContext(req_id="r1")
     keys = [make_offload_key(b"a", 0), make_offload_key(b"b", 0)]
     stored = manager.prepare_store(keys, context)
     assert stored is not None
-    assert worker.submit_store(0, GPULoadStoreSpec([1, 5], [2], [0]), stored.store_spec)
+    assert submit_store(worker, caches, 0, GPULoadStoreSpec([1, 5], [2], [0]), stored.store_spec)
     worker.wait({0})
     manager.complete_store(keys, context)
     layer.zero_()
-    assert worker.submit_load(1, manager.prepare_load(keys, context), GPULoadStoreSpec([2, 3], [2], [0]))
+    assert submit_load(worker, caches, 1, manager.prepare_load(keys, context), GPULoadStoreSpec([2, 3], [2], [0]))
     worker.wait({1})
     manager.complete_load(keys, context)
     assert torch.equal(layer[2], original[1]) and torch.equal(layer[3], original[5])

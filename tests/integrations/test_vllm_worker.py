@@ -42,7 +42,7 @@ ROW_BYTES = 256 + 84
 class Rig:
     """One worker over freshly randomised layers, plus a copy of their original bytes."""
 
-    worker: OffloadingWorker
+    worker: VLLMOffloadingWorker
     layers: list[torch.Tensor]
     original: list[torch.Tensor]
 
@@ -82,6 +82,7 @@ def make_rig(backend: str = "auto", num_groups: int = 1, extra: dict[str, object
         warnings.simplefilter("ignore", PageableSlabWarning)  # no CUDA here: the slab cannot be pinned
         worker = spec.get_worker(canonical_kv_caches(layers, num_groups=num_groups))
     assert spec.get_worker(canonical_kv_caches(layers)) is worker  # one worker per spec
+    assert isinstance(worker, VLLMOffloadingWorker)
     return Rig(worker=worker, layers=layers, original=[layer.clone() for layer in layers])
 
 

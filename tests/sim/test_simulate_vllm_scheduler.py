@@ -42,6 +42,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
+from vllm_fixtures.in_process import model_runner_output
 from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
 from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
@@ -264,9 +265,8 @@ def run_vllm(
         in_flight.append(
             (
                 output,
-                ModelRunnerOutput(
-                    req_ids=scheduled,
-                    req_id_to_index={req_id: index for index, req_id in enumerate(scheduled)},
+                model_runner_output(
+                    scheduled,
                     sampled_token_ids=sampled,
                     kv_connector_output=KVConnectorOutput(
                         finished_sending=set(),

@@ -148,6 +148,17 @@ _REPLICATED = (
 
 _ONLY_0_34: dict[str, str] = {
     **{
+        f"{_MANAGER}::{name}": (
+            "reads vLLM's reuse filter's private `counts` table after the store offers; every public answer before "
+            "it matches (once per request, retries not counted: kvtriton's own test_manager_reuse_filter.py checks "
+            "the rule through prepare_store)"
+        )
+        for name in (
+            "test_store_threshold_counts_a_key_once_per_request",
+            "test_store_threshold_does_not_count_retries_of_a_failed_offer",
+        )
+    },
+    **{
         f"{_SPEC_FACTORY}::{name}": _REPLICATED
         for name in (
             "test_cpu_config_info_capacity_dedups_a_replicated_layout",

@@ -51,10 +51,19 @@ from vllm_fixtures.requests import EOS
 _OUTPUT_HAS_REQUEST_INDEX = "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}
 """vLLM 0.33's ModelRunnerOutput takes a request-id index; 0.34 dropped it (the order of req_ids is the index)."""
 
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput`` for ``req_ids`` on either release: with 0.33's request-id index where it has one."""
+    if _OUTPUT_HAS_REQUEST_INDEX:
+        fields["req_id_to_index"] = {req_id: index for index, req_id in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
 __all__ = [
     "BLOCK_SIZE",
     "NUM_GPU_BLOCKS",
     "InProcessVLLM",
+    "model_runner_output",
     "parallel_as",
     "start_in_process_vllm",
     "tiny_model_config",
@@ -170,17 +179,13 @@ class InProcessVLLM:
             sending, receiving = worker.get_finished(output.finished_req_ids)
             worker_meta = worker.build_connector_worker_meta()
             worker.clear_connector_metadata()
-            indexed: dict[str, Any] = {}
-            if _OUTPUT_HAS_REQUEST_INDEX:
-                indexed["req_id_to_index"] = {request.request_id: index for index, request in enumerate(running)}
             rank_outputs.append(
-                ModelRunnerOutput(
-                    req_ids=[request.request_id for request in running],
+                model_runner_output(
+                    [request.request_id for request in running],
                     sampled_token_ids=[[EOS] for _ in running],
                     kv_connector_output=KVConnectorOutput(
                         finished_sending=sending, finished_recving=receiving, kv_connector_worker_meta=worker_meta
                     ),
-                    **indexed,
                 )
             )
         combined = self.aggregator.aggregate(rank_outputs)
