@@ -13,7 +13,9 @@ PY := $(VENV)/bin/python
 # its own (docs/vllm.md, "Supported vLLM versions").
 VLLM_VERSION ?= 0.33.0
 OTHER_VLLM_VERSION ?= 0.34.0
-OTHER_VENV ?= .venv-vllm-$(OTHER_VLLM_VERSION)
+# pyright finds a venv as <venvPath>/.venv (pyproject.toml), so the other release's venv is .venv in a folder of its own.
+OTHER_ROOT ?= .vllm-$(OTHER_VLLM_VERSION)
+OTHER_VENV := $(OTHER_ROOT)/.venv
 PYTEST_WORKERS ?= 2
 # The Mooncake Store tier's package (its aiohttp/requests come with requirements-vllm.txt) and the
 # OS libraries its binaries link: library:Debian package.
@@ -62,7 +64,7 @@ $(STAMP): $(CORE_STAMP) requirements-vllm.txt requirements-e2e.txt tests/e2e/vll
 	@touch $@
 
 typecheck: $(STAMP)
-	$(PY) -m pyright --pythonpath $(PY)
+	$(PY) -m pyright
 
 # ruff's lint rules and its formatter, as [tool.ruff] in pyproject.toml sets them
 # (`ruff format .` rewrites the tree when the second step fails).
@@ -98,8 +100,8 @@ OTHER_TESTS := tests/vllm_compat tests/integrations/test_vllm_worker_contract.py
 	tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_connector.py tests/e2e/test_single_tier.py
 compat-other:
 	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
-	$(OTHER_VENV)/bin/python -m pyright --pythonpath $(OTHER_VENV)/bin/python
+	$(OTHER_VENV)/bin/python -m pyright --venvpath $(OTHER_ROOT)
 	$(OTHER_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider $(OTHER_TESTS)
 
 clean:
-	rm -rf $(VENV) $(OTHER_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(OTHER_ROOT) build dist *.egg-info

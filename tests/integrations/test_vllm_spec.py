@@ -217,7 +217,7 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     probe = tmp_path / "probe.py"
     probe.write_text("from vllm.v1.kv_offload.base import LookupResult\n\nresult: int = LookupResult.MISS\n")
     result = subprocess.run(
-        [sys.executable, "-m", "pyright", "--pythonpath", sys.executable, "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
+        [sys.executable, "-m", "pyright", "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     report = json.loads(result.stdout)
