@@ -40,6 +40,9 @@ from vllm.config import get_current_vllm_config_or_none as get_current_vllm_conf
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats as OffloadingConnectorStats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector as OffloadingConnector,
+)
 from vllm.v1.kv_offload import base as vllm_base
 from vllm.v1.kv_offload.base import ConfigInfoMapping as ConfigInfoMapping
 from vllm.v1.kv_offload.base import Locality as Locality
@@ -339,6 +342,15 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "successful_keys), and a key that failed is not promoted from that tier again (False: a miss)",
     ),
     VLLMPrivateName(
+        "connector_vllm_config",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector.__init__(vllm_config, "
+        "role, kv_cache_config) builds the spec",
+        "kvtriton.integrations._vllm_surface",
+        "the spec's OffloadingConfig lacks the model dtype and revision; connector_vllm_config reads them from the "
+        "constructor's vllm_config argument, so that the engine core (which builds its connector outside "
+        "set_current_vllm_config) and the workers compute one identity",
+    ),
+    VLLMPrivateName(
         "fs_file_mapper",
         "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager.file_mapper",
         "kvtriton.integrations._vllm_sealed_tiering",
@@ -352,6 +364,28 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
 def registered_cache_policies() -> list[str]:
     """The eviction policy names vLLM's ``CachePolicyFactory`` has registered, sorted (vLLM has no public list)."""
     return sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- the inventory's first entry
+
+
+def connector_vllm_config() -> VllmConfig | None:
+    """The ``VllmConfig`` the offloading connector now being built was given, else vLLM's current one; None if neither.
+
+    vLLM builds the offloading spec inside ``OffloadingConnector.__init__``
+    from an ``OffloadingConfig`` that lacks the model's dtype and revision.
+    The workers build their connector under ``set_current_vllm_config``; the
+    engine core builds its scheduler's connector without it. The constructor's
+    own ``vllm_config`` argument, read from its frame on the call stack, is
+    the same object in both roles, so both compute one identity from it. The
+    current config is the answer for a spec built outside a connector.
+    """
+    constructor = OffloadingConnector.__init__.__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_code is not constructor:
+            frame = frame.f_back
+        argument: object = frame.f_locals.get("vllm_config") if frame is not None else None
+    finally:
+        del frame  # a frame held in a local keeps the stack alive (the inspect module's advice)
+    return argument if isinstance(argument, VllmConfig) else get_current_vllm_config_or_none()
 
 
 def with_model_name(config: OffloadingConfig, name: str) -> OffloadingConfig:

@@ -524,7 +524,6 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
             f"; secondary tiers namespaced with {self.layout_tag!r}", settings.file_sharing.describe(),
         )  # fmt: skip
-        logger.info("kvtriton tiered offloading %s", self.identity.describe())
         log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
 
     @classmethod
@@ -607,6 +606,9 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             else:
                 region.close()
             raise
+        # Logged here, where the identity is used (the seals, the tiers' namespace, the metrics): once per
+        # engine, by its engine core; the workers compute the same identity and use none of it.
+        logger.info("kvtriton tiered offloading %s", self.identity.describe())
         self._manager = manager
         return manager
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from tiering_fixtures.configs import tiering_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -138,7 +139,15 @@ def _check_fs_file_mapper() -> None:
     assert callable(FileMapper.get_file_name)
 
 
+def _check_connector_vllm_config() -> None:
+    parameters = inspect.signature(OffloadingConnector.__init__).parameters
+    assert list(parameters) == ["self", "vllm_config", "role", "kv_cache_config"]
+    # The spec is built inside the constructor, while its vllm_config argument is on the stack.
+    assert "OffloadingSpecFactory.create_spec(" in inspect.getsource(OffloadingConnector.__init__)
+
+
 CHECKS: dict[str, Callable[[], None]] = {
+    "connector_vllm_config": _check_connector_vllm_config,
     "promotion_hooks": _check_promotion_hooks,
     "fs_file_mapper": _check_fs_file_mapper,
     "policy_registry": _check_policy_registry,
