@@ -66,8 +66,11 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as CPUOffloading
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory as CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering import backpressure as vllm_backpressure
+from vllm.v1.kv_offload.tiering import factory as vllm_tier_factory
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager as AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector as BackpressureDetector
+from vllm.v1.kv_offload.tiering.backpressure import BackpressurePolicy as BackpressurePolicy
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL as TIER_LABEL
 from vllm.v1.kv_offload.tiering.base import JobId as JobId
 from vllm.v1.kv_offload.tiering.base import JobResult as JobResult
@@ -351,6 +354,14 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "set_current_vllm_config) and the workers compute one identity",
     ),
     VLLMPrivateName(
+        "backpressure_class_import",
+        "vllm.v1.kv_offload.tiering.factory._import_class and _DEFAULT_PACKAGE",
+        "kvtriton.integrations._vllm_surface",
+        "how vLLM's tier factory resolves backpressure_cls and policy_cls (a short name in its backpressure module, "
+        "a dotted one as module.Class): backpressure_class_problem resolves them the same way at start-up, so a "
+        "bad one is one line naming the key instead of a raw AttributeError from the scheduler",
+    ),
+    VLLMPrivateName(
         "fs_file_mapper",
         "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager.file_mapper",
         "kvtriton.integrations._vllm_sealed_tiering",
@@ -386,6 +397,31 @@ def connector_vllm_config() -> VllmConfig | None:
     finally:
         del frame  # a frame held in a local keeps the stack alive (the inspect module's advice)
     return argument if isinstance(argument, VllmConfig) else get_current_vllm_config_or_none()
+
+
+def backpressure_class_problem(name: object, base: type[BackpressureDetector] | type[BackpressurePolicy]) -> str | None:
+    """Why vLLM's tier factory could not build ``name`` (a ``backpressure_cls`` or ``policy_cls``) as a ``base``.
+
+    None when it can. The name is resolved as the factory resolves it: a
+    short name in vLLM's backpressure module, a dotted one as
+    ``module.Class``. The answer lists the short names that would do.
+    """
+    default_module: str = vllm_tier_factory._DEFAULT_PACKAGE  # pyright: ignore[reportPrivateUsage] -- inventoried above
+    choices = sorted(
+        value.__name__
+        for value in vars(vllm_backpressure).values()
+        if isinstance(value, type) and issubclass(value, base) and not inspect.isabstract(value)
+    )
+    hint = f"a short name from {default_module} ({', '.join(choices)}) or a dotted module.Class"
+    if not isinstance(name, str) or not name:
+        return f"must be {hint}, got {type(name).__name__} {name!r}"
+    try:
+        found = vllm_tier_factory._import_class(name)  # pyright: ignore[reportPrivateUsage] -- inventoried above
+    except (ImportError, AttributeError, ValueError) as error:
+        return f"names no class vLLM can import ({type(error).__name__}: {error}); use {hint}"
+    if not inspect.isclass(found) or not issubclass(found, base):
+        return f"is {found!r}, not a {base.__name__}; use {hint}"
+    return None
 
 
 def with_model_name(config: OffloadingConfig, name: str) -> OffloadingConfig:
