@@ -79,3 +79,12 @@ def test_the_pinned_release_meets_the_minimum() -> None:
     assert pinned is not None
     assert mooncake_version_problem((pinned.group(1), "mooncake-transfer-engine-non-cuda")) is None
     assert mooncake_version_problem() is None  # what this environment has installed (or nothing)
+
+
+def test_the_security_page_states_the_minimum_the_tier_enforces_and_is_linked() -> None:
+    page = (REPO / "docs" / "security.md").read_text(encoding="utf-8")
+    minimum = ".".join(map(str, MINIMUM_MOONCAKE_VERSION))
+    assert f"**The oldest Mooncake kvtriton accepts is {minimum}.**" in page
+    assert "| CVE-2026-103764 |" in page  # the advisory the minimum answers
+    for linking in ("index.md", "operations.md"):
+        assert "](security.md" in (REPO / "docs" / linking).read_text(encoding="utf-8"), linking
