@@ -24,6 +24,7 @@ import grp
 import logging
 import os
 import pwd
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -118,18 +119,63 @@ PRIVATE = FileSharing()
 """No group: the server's user only."""
 
 
+def _builtin_fs_root(tier_config: Mapping[str, object]) -> str | None:
+    """The ``root_dir`` of vLLM's built-in ``fs`` tier; None for another tier (or a root that is no string)."""
+    root = tier_config.get("root_dir")
+    if tier_config.get("type") != "fs" or tier_config.get("module_path") is not None or not isinstance(root, str):
+        return None
+    return root
+
+
+_PLACEHOLDER = re.compile(r"<[^<>]*>")
+"""A value in angle brackets: a placeholder of ``kvtriton simulate``'s printed configuration, never a real path."""
+
+
+def tier_root_problem(tier_config: Mapping[str, object]) -> str | None:
+    """Why a built-in ``fs`` tier's ``root_dir`` cannot be a root at all, naming the key and value; None when it can.
+
+    Refused: a placeholder in angle brackets (``kvtriton simulate --tier fs``
+    prints ``"<a directory on local NVMe>"`` for the operator to replace),
+    ``""`` (vLLM's fs tier would file its chunks under ``/``) and a relative
+    path (it would depend on each process's working directory).
+    """
+    root = _builtin_fs_root(tier_config)
+    if root is None:
+        return None
+    if _PLACEHOLDER.search(root):
+        return (
+            f"key 'root_dir'={root!r} is a placeholder (as `kvtriton simulate` prints it): replace it with the "
+            "absolute path of a directory on local disk (NVMe) for the tier's files"
+        )
+    if not root.strip():
+        return (
+            f"key 'root_dir'={root!r} is empty: vLLM's fs tier would write its files under '/'; give the absolute "
+            "path of a directory on local disk (NVMe)"
+        )
+    if not os.path.isabs(root):
+        return (
+            f"key 'root_dir'={root!r} is a relative path, which each process would resolve against its own working "
+            f"directory; give an absolute path (e.g. {os.path.abspath(root)!r})"
+        )
+    return None
+
+
 def prepare_tier_root(label: str, tier_config: Mapping[str, object], sharing: FileSharing) -> None:
     """Make a built-in ``fs`` tier's ``root_dir`` (``sharing``'s mode) before the tier writes, or refuse it.
 
-    A ``root_dir`` that exists stays as it is, but one that lets in more
+    A ``root_dir`` :func:`tier_root_problem` refuses is refused here too
+    (``ValueError``). One that exists stays as it is, but one that lets in more
     than ``sharing`` allows is refused with ``ValueError`` naming ``label``,
     the directory, its mode or owner, and the fix. Other tiers (no
     ``root_dir``, or an out-of-tree ``module_path``) write no files of
     kvtriton's making and are left alone.
     """
-    root = tier_config.get("root_dir")
-    if tier_config.get("type") != "fs" or tier_config.get("module_path") is not None or not isinstance(root, str):
+    root = _builtin_fs_root(tier_config)
+    if root is None:
         return
+    unusable = tier_root_problem(tier_config)
+    if unusable is not None:
+        raise ValueError(unusable)
     if not os.path.isdir(root):
         made = sharing.make_directory(root)
         logger.info("%s root_dir %r: created %s, %s", label, root, ", ".join(made) or root, sharing.describe())

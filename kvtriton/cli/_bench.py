@@ -9,6 +9,9 @@ that they never overwrite the full-size results; it shows that every benchmark
 runs here (``all`` takes about three minutes on a 2-core CPU machine), not how
 fast anything is. ``--full`` runs them at their full size under their own
 names: the figures and verdicts in docs/benchmarks.md come from such runs.
+``all`` skips a benchmark that needs a package this environment lacks (vLLM,
+Mooncake: ``make demo`` installs neither), with one line saying which and how
+to install it; a benchmark named alone that cannot run is an error.
 """
 
 from __future__ import annotations
@@ -44,6 +47,22 @@ class Benchmark:
 
     name: str
     summary: str
+    needs_vllm: bool = False
+    """It imports vLLM (which ``make demo``'s environment lacks): skipped, with one line saying so, where it is absent."""
+    needs_mooncake: bool = False
+    """It imports the mooncake package too."""
+
+    def missing(self) -> str | None:
+        """Why this benchmark cannot run with this interpreter (a package it needs is not installed), or None."""
+        from kvtriton.integrations._mooncake_local import mooncake_missing
+        from kvtriton.integrations._vllm_release import vllm_missing
+
+        problems = [
+            problem
+            for needed, problem_of in ((self.needs_vllm, vllm_missing), (self.needs_mooncake, mooncake_missing))
+            if needed and (problem := problem_of()) is not None
+        ]
+        return "; ".join(problems) or None
 
     @property
     def module(self) -> str:
@@ -70,10 +89,15 @@ BENCHMARKS: dict[str, Benchmark] = {
             " pre-redesign engine",
         ),
         Benchmark(
-            "tiers", "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root"
+            "tiers",
+            "cascade/promotion GB/s through kvtriton's primary tier vs vLLM's CPU primary behind one fs root",
+            needs_vllm=True,
         ),
         Benchmark(
-            "tiers_mooncake", "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier"
+            "tiers_mooncake",
+            "Mooncake Store tier cascade/promotion GB/s next to the raw batch calls and the fs tier",
+            needs_vllm=True,
+            needs_mooncake=True,
         ),
         Benchmark(
             "compression",
@@ -84,6 +108,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             "serving",
             "`vllm serve` on SmolLM2-135M driven by `vllm bench serve` (prefix-heavy and no-reuse): TTFT, throughput and"
             " hit tokens by source, without a connector, with kvtriton, with kvtriton fp8 and with vLLM's CPU offload",
+            needs_vllm=True,
         ),
     )
 }
@@ -139,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         textwrap.fill(f"{SMOKE_RUN_NOTE}; `all` takes {ALL_QUICK_DURATION}.", 79)
         + ("\n\nbenchmarks (all runs them in this order):\n")
         + "\n".join(
-            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags)})"
+            f"  {benchmark.name}: {benchmark.summary} (quick flags: {' '.join(benchmark.quick_flags)}"
+            f"{'; needs vLLM' if benchmark.needs_vllm else ''}{' and Mooncake' if benchmark.needs_mooncake else ''})"
             for benchmark in BENCHMARKS.values()
         )
         + (
@@ -256,7 +282,16 @@ def run(args: argparse.Namespace) -> int:
             f"; all {len(invocation.benchmarks)} take {ALL_QUICK_DURATION}" if len(invocation.benchmarks) > 1 else ""
         )
         print(f"kvtriton bench: {SMOKE_RUN_NOTE}{duration}", flush=True)
+    skipped: list[str] = []
     for benchmark in invocation.benchmarks:
+        missing = benchmark.missing()
+        if missing is not None:
+            # `all` runs what this environment can (`make demo` installs no vLLM); a benchmark named alone fails.
+            if len(invocation.benchmarks) == 1:
+                return command_error("bench", f"{benchmark.name} cannot run here: {missing}")
+            print(f"== {benchmark.name}: skipped: {missing}", flush=True)
+            skipped.append(benchmark.name)
+            continue
         command = benchmark_command(benchmark, full=invocation.full, extra=invocation.extra)
         shown = " ".join(["python", *command[1:]])
         print(f"== kvtriton bench {benchmark.name} ({kind}): {shown}  (in {checkout})", flush=True)
@@ -266,7 +301,9 @@ def run(args: argparse.Namespace) -> int:
         if returncode != 0:
             failures.append((benchmark.name, returncode))
     if len(invocation.benchmarks) > 1:
-        print(f"== {len(invocation.benchmarks)} benchmarks in {time.perf_counter() - began_all:.0f} s", flush=True)
+        ran = len(invocation.benchmarks) - len(skipped)
+        skipped_note = f" ({len(skipped)} skipped: {', '.join(skipped)})" if skipped else ""
+        print(f"== {ran} benchmarks in {time.perf_counter() - began_all:.0f} s{skipped_note}", flush=True)
     written = _written_since(results, started)
     if written:
         print("results:")

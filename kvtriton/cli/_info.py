@@ -74,12 +74,17 @@ def vllm_verdict(version: str) -> str:
 
 
 def _mooncake_version() -> str:
-    """The Mooncake Store client's version under either of its distribution names."""
-    for name in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
-        version = _package_version(name)
-        if version != "not installed":
-            return f"{version} ({name})"
-    return "not installed (only the Mooncake Store tier needs it)"
+    """The Mooncake Store client's version under either of its distribution names, and whether the tier takes it."""
+    from kvtriton.integrations._mooncake_local import installed_mooncake_version, mooncake_version_problem
+
+    installed = installed_mooncake_version()
+    if installed is None:
+        return "not installed (only the Mooncake Store tier needs it)"
+    version, name = installed
+    refused = (
+        " (refused by the Mooncake tier: too old, see docs/security.md)" if mooncake_version_problem(installed) else ""
+    )
+    return f"{version} ({name}){refused}"
 
 
 def _format_limit(limit: int) -> str:

@@ -25,33 +25,38 @@ def progress(
     enabled: bool = True,
 ) -> Iterator[T]:
     """Yield ``items`` while drawing ``label [#####     ] done/total`` on ``stream``."""
-    if total < 0:
-        raise ValueError(f"total must be >= 0, got {total}")
-    bar = _Bar(sys.stderr if stream is None else stream, total, label)
+    bar = ProgressBar(total, label, stream=stream, enabled=enabled)
     for item in items:
         yield item
-        if enabled:
-            bar.advance()
-    if enabled:
-        bar.finish()
+        bar.advance()
+    bar.finish()
 
 
-class _Bar:
-    def __init__(self, out: TextIO, total: int, label: str) -> None:
-        self.out = out
+class ProgressBar:
+    """The bar :func:`progress` draws, advanced by hand: for work counted in units other than items of a loop."""
+
+    def __init__(self, total: int, label: str, *, stream: TextIO | None = None, enabled: bool = True) -> None:
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        self.out = sys.stderr if stream is None else stream
         self.total = total
         self.label = label
-        self.interactive = out.isatty()
+        self.enabled = enabled
+        self.interactive = self.out.isatty()
         self.started = time.perf_counter()
         self.done = 0
         self.last_decile = -1
 
-    def advance(self) -> None:
-        self.done += 1
-        self._draw(final=False)
+    def advance(self, count: int = 1) -> None:
+        """``count`` more units are done."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self.done += count
+        if self.enabled:
+            self._draw(final=False)
 
     def finish(self) -> None:
-        if self.interactive or self.last_decile != 10:
+        if self.enabled and (self.interactive or self.last_decile != 10):
             self._draw(final=True)
 
     def _draw(self, final: bool) -> None:

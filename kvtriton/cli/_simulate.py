@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
 from kvtriton.cli._main import add_choice_argument, command_error
-from kvtriton.cli._progress import progress
+from kvtriton.cli._progress import ProgressBar, progress
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import policy_names
 from kvtriton.sim import (
@@ -82,6 +82,7 @@ from kvtriton.sim import (
     size_argument,
     summarize,
     sweep,
+    sweep_requests,
     tiered_sweep,
 )
 
@@ -1167,7 +1168,12 @@ def _run_tiered(
         hosts = _holding_a_block(
             args.capacities or default_capacities(geometry, distinct, DEFAULT_TIERED_POINTS), geometry
         )
-        reports = tiered_sweep(streams, geometry, hosts, tiers, args.policies, order, track=_ProgressBar(args))
+        # Counted in requests, not points: one point of a long trace (or of many servers) can take minutes.
+        bar = ProgressBar(
+            sweep_requests(streams, hosts, tiers, args.policies), "simulate (requests)", enabled=not args.no_progress
+        )
+        reports = tiered_sweep(streams, geometry, hosts, tiers, args.policies, order, on_finished=bar.advance)
+        bar.finish()
         found = recommend_tiered(reports, args.target_hit_rate, args.host_price_ratio, geometry)
     except (ValueError, RuntimeError) as error:
         return command_error("simulate", error)

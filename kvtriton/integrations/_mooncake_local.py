@@ -5,12 +5,19 @@ storage holder the way a user does (the binaries shipped in the mooncake
 package), on 127.0.0.1 with free ports and MC_TCP_BIND_ADDRESS=127.0.0.1, logs
 each to a file, and stops exactly the processes it started. It is no
 deployment: docs/mooncake.md describes one.
+
+It also holds what kvtriton knows of the Mooncake install: the packages
+(:data:`MOONCAKE_PACKAGES`), whether one is there (:func:`mooncake_missing`),
+its version, and the oldest version the tier accepts
+(:data:`MINIMUM_MOONCAKE_VERSION`, :func:`mooncake_version_problem`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +29,48 @@ LOOPBACK = "127.0.0.1"
 
 MOONCAKE_PACKAGES = "mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4"
 """The Mooncake tier's packages, as the Makefile's ``MOONCAKE_PACKAGES`` and docs/mooncake.md give them."""
+
+
+MOONCAKE_DISTRIBUTIONS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+"""The names the mooncake package is published under (the CPU build and the CUDA one)."""
+
+MINIMUM_MOONCAKE_VERSION = (0, 3, 13)
+"""The oldest Mooncake the tier accepts. Before 0.3.13 the transfer engine's TCP data port, which every process
+using the tier opens on all interfaces, let anyone who reached it read and write that process's memory
+(CVE-2026-103764; docs/security.md lists the advisories)."""
+
+
+def installed_mooncake_version() -> tuple[str, str] | None:
+    """The installed Mooncake's ``(version, distribution name)``, or None when neither distribution is installed."""
+    for name in MOONCAKE_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name), name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def mooncake_version_problem(installed: tuple[str, str] | None = None) -> str | None:
+    """Why the installed Mooncake (default: :func:`installed_mooncake_version`) is refused, or None.
+
+    Refused: a release older than :data:`MINIMUM_MOONCAKE_VERSION`, or a
+    version string that names no release. An absent package is no problem
+    here (:func:`mooncake_missing` says that).
+    """
+    found = installed if installed is not None else installed_mooncake_version()
+    if found is None:
+        return None
+    version, name = found
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    release = tuple(int(part) for part in match.groups()) if match else None
+    minimum = ".".join(map(str, MINIMUM_MOONCAKE_VERSION))
+    if release is not None and release >= MINIMUM_MOONCAKE_VERSION:
+        return None
+    return (
+        f"{name} {version} is installed, but the Mooncake tier needs {minimum} or newer: older transfer engines let "
+        f"anyone who reaches their data port read and write this process's memory (CVE-2026-103764, "
+        f"docs/security.md); install the tested release: pip install --no-deps {MOONCAKE_PACKAGES}"
+    )
 
 
 def mooncake_missing() -> str | None:

@@ -297,14 +297,16 @@ def vllm_identity(
     ``compression`` :func:`~kvtriton.integrations._vllm_config.compression_tag`'s
     answer; ``rank`` this rank's index, or None for chunks that hold every
     rank's bytes. The model's revision and dtype come from ``vllm_config``,
-    by default vLLM's current one (set while vLLM builds the connector); when
-    there is none they stay empty and the rest still counts. The identity key
-    is read from ``config.extra_config``.
+    by default the one vLLM's connector is being built from
+    (:func:`~kvtriton.integrations._vllm_surface.connector_vllm_config`: the
+    same in the engine core and in every worker); when there is none they
+    stay empty and the rest still counts. The identity key is read from
+    ``config.extra_config``.
     """
     if vllm_config is None:
-        from kvtriton.integrations._vllm_surface import get_current_vllm_config_or_none
+        from kvtriton.integrations._vllm_surface import connector_vllm_config
 
-        vllm_config = get_current_vllm_config_or_none()
+        vllm_config = connector_vllm_config()
     revision: str | None = None
     model_dtype: str | None = None
     if vllm_config is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 
 TESTED_VLLM_RELEASES: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
@@ -17,6 +18,9 @@ TESTED_VLLM_RELEASES: tuple[tuple[int, int], ...] = ((0, 33), (0, 34))
 
 TESTED_VLLM_RANGE = ">=0.33,<0.35"
 """:data:`TESTED_VLLM_RELEASES` as the pip requirement the ``vllm`` extra and the refusal name."""
+
+VLLM_INSTALL = f"pip install 'kvtriton[vllm]' (vLLM {TESTED_VLLM_RANGE})"
+"""How to install a vLLM kvtriton is tested on, as the messages say it."""
 
 ALLOW_UNTESTED_VLLM = "KVTRITON_ALLOW_UNTESTED_VLLM"
 """The environment variable that lets a vLLM outside the tested range start anyway (``1``), with a WARNING."""
@@ -38,6 +42,13 @@ def installed_vllm_version() -> str:
         return "not installed"
     except Exception:  # noqa: BLE001 -- only named in messages: a vLLM that fails to import has an unknown version
         return "(version unknown)"
+
+
+def vllm_missing() -> str | None:
+    """Why what needs vLLM cannot run here (vLLM is not installed), or None; looks, never imports."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return f"vLLM is not installed: {VLLM_INSTALL}; make test installs it"
 
 
 def vllm_release(version: str) -> tuple[int, int] | None:

@@ -40,6 +40,9 @@ from vllm.config import get_current_vllm_config_or_none as get_current_vllm_conf
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats as OffloadingConnectorStats,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector as OffloadingConnector,
+)
 from vllm.v1.kv_offload import base as vllm_base
 from vllm.v1.kv_offload.base import ConfigInfoMapping as ConfigInfoMapping
 from vllm.v1.kv_offload.base import Locality as Locality
@@ -63,8 +66,11 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as CPUOffloading
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as CachePolicy
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory as CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering import backpressure as vllm_backpressure
+from vllm.v1.kv_offload.tiering import factory as vllm_tier_factory
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager as AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector as BackpressureDetector
+from vllm.v1.kv_offload.tiering.backpressure import BackpressurePolicy as BackpressurePolicy
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL as TIER_LABEL
 from vllm.v1.kv_offload.tiering.base import JobId as JobId
 from vllm.v1.kv_offload.tiering.base import JobResult as JobResult
@@ -403,6 +409,23 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "that span nodes (refuse_secondary_tiers_across_nodes) where vLLM's create_worker would",
     ),
     VLLMPrivateName(
+        "connector_vllm_config",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector.__init__(vllm_config, "
+        "role, kv_cache_config) builds the spec",
+        "kvtriton.integrations._vllm_surface",
+        "the spec's OffloadingConfig lacks the model dtype and revision; connector_vllm_config reads them from the "
+        "constructor's vllm_config argument, so that the engine core (which builds its connector outside "
+        "set_current_vllm_config) and the workers compute one identity",
+    ),
+    VLLMPrivateName(
+        "backpressure_class_import",
+        "vllm.v1.kv_offload.tiering.factory._import_class and _DEFAULT_PACKAGE",
+        "kvtriton.integrations._vllm_surface",
+        "how vLLM's tier factory resolves backpressure_cls and policy_cls (a short name in its backpressure module, "
+        "a dotted one as module.Class): backpressure_class_problem resolves them the same way at start-up, so a "
+        "bad one is one line naming the key instead of a raw AttributeError from the scheduler",
+    ),
+    VLLMPrivateName(
         "fs_file_mapper",
         "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager.file_mapper",
         "kvtriton.integrations._vllm_sealed_tiering",
@@ -416,6 +439,53 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
 def registered_cache_policies() -> list[str]:
     """The eviction policy names vLLM's ``CachePolicyFactory`` has registered, sorted (vLLM has no public list)."""
     return sorted(CachePolicyFactory._registry)  # pyright: ignore[reportPrivateUsage] -- the inventory's first entry
+
+
+def connector_vllm_config() -> VllmConfig | None:
+    """The ``VllmConfig`` the offloading connector now being built was given, else vLLM's current one; None if neither.
+
+    vLLM builds the offloading spec inside ``OffloadingConnector.__init__``
+    from an ``OffloadingConfig`` that lacks the model's dtype and revision.
+    The workers build their connector under ``set_current_vllm_config``; the
+    engine core builds its scheduler's connector without it. The constructor's
+    own ``vllm_config`` argument, read from its frame on the call stack, is
+    the same object in both roles, so both compute one identity from it. The
+    current config is the answer for a spec built outside a connector.
+    """
+    constructor = OffloadingConnector.__init__.__code__
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_code is not constructor:
+            frame = frame.f_back
+        argument: object = frame.f_locals.get("vllm_config") if frame is not None else None
+    finally:
+        del frame  # a frame held in a local keeps the stack alive (the inspect module's advice)
+    return argument if isinstance(argument, VllmConfig) else get_current_vllm_config_or_none()
+
+
+def backpressure_class_problem(name: object, base: type[BackpressureDetector] | type[BackpressurePolicy]) -> str | None:
+    """Why vLLM's tier factory could not build ``name`` (a ``backpressure_cls`` or ``policy_cls``) as a ``base``.
+
+    None when it can. The name is resolved as the factory resolves it: a
+    short name in vLLM's backpressure module, a dotted one as
+    ``module.Class``. The answer lists the short names that would do.
+    """
+    default_module: str = vllm_tier_factory._DEFAULT_PACKAGE  # pyright: ignore[reportPrivateUsage] -- inventoried above
+    choices = sorted(
+        value.__name__
+        for value in vars(vllm_backpressure).values()
+        if isinstance(value, type) and issubclass(value, base) and not inspect.isabstract(value)
+    )
+    hint = f"a short name from {default_module} ({', '.join(choices)}) or a dotted module.Class"
+    if not isinstance(name, str) or not name:
+        return f"must be {hint}, got {type(name).__name__} {name!r}"
+    try:
+        found = vllm_tier_factory._import_class(name)  # pyright: ignore[reportPrivateUsage] -- inventoried above
+    except (ImportError, AttributeError, ValueError) as error:
+        return f"names no class vLLM can import ({type(error).__name__}: {error}); use {hint}"
+    if not inspect.isclass(found) or not issubclass(found, base):
+        return f"is {found!r}, not a {base.__name__}; use {hint}"
+    return None
 
 
 def with_model_name(config: OffloadingConfig, name: str) -> OffloadingConfig:

@@ -58,7 +58,7 @@ from typing import Any, Protocol, cast
 import torch
 from typing_extensions import override
 
-from kvtriton._private_files import prepare_tier_root
+from kvtriton._private_files import prepare_tier_root, tier_root_problem
 from kvtriton.integrations._integrity_report import integrity_metric_definitions
 from kvtriton.integrations._vllm_config import (
     CACHE_POLICY_MODULE_PATH,
@@ -79,12 +79,15 @@ from kvtriton.integrations._vllm_surface import (
     FACTORY_KEYS,
     TIER_CLASS_REFUSED,
     VLLM_VERSION,
+    BackpressureDetector,
+    BackpressurePolicy,
     CPUOffloadingInfo,
     CPUPrimaryTierOffloadingManager,
     OffloadingConfig,
     SecondaryTierFactory,
     SecondaryTierManager,
     TieringOffloadingSpec,
+    backpressure_class_problem,
     refuse_secondary_tiers_across_nodes,
     vllm_base,
     with_model_name,
@@ -366,12 +369,18 @@ def _check_tier_values(label: str, config: dict[str, Any], parameters: Mapping[s
 
 
 def _check_backpressure(where: str, value: object) -> None:
-    """vLLM merges ``backpressure`` into a dict field by field: anything but a mapping fails with a bare error."""
+    """vLLM merges ``backpressure`` into a dict field by field: anything but a mapping fails with a bare error, and a
+    ``backpressure_cls`` or ``policy_cls`` vLLM cannot import fails in the scheduler with a raw AttributeError."""
     if value is not None and not isinstance(value, dict):
         raise ValueError(
             f"{where} must be a mapping of back-pressure settings (with 'backpressure_cls', see vLLM's "
             f"tiering/backpressure.py), got {type(value).__name__} {value!r}"
         )
+    settings = cast("dict[str, object]", value or {})
+    for key, base in (("backpressure_cls", BackpressureDetector), ("policy_cls", BackpressurePolicy)):
+        problem = backpressure_class_problem(settings[key], base) if key in settings else None
+        if problem is not None:
+            raise ValueError(f"{where} key {key!r}={settings[key]!r} {problem}")
 
 
 def _check_poll_interval(extra_config: Mapping[str, object]) -> None:
@@ -471,6 +480,9 @@ def _resolve_tier(index: int, tier_config: object) -> type[SecondaryTierManager]
             "or remove this tier from secondary_tiers"
         )
     _check_tier_keys(label, config, tier_cls)
+    unusable_root = tier_root_problem(config)
+    if unusable_root is not None:
+        raise ValueError(f"{label} {unusable_root}")
     return tier_cls
 
 
@@ -556,7 +568,6 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
             f"; secondary tiers namespaced with {self.layout_tag!r}", settings.file_sharing.describe(),
         )  # fmt: skip
-        logger.info("kvtriton tiered offloading %s", self.identity.describe())
         log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
 
     @classmethod
@@ -652,6 +663,9 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             else:
                 region.close()
             raise
+        # Logged here, where the identity is used (the seals, the tiers' namespace, the metrics): once per
+        # engine, by its engine core; the workers compute the same identity and use none of it.
+        logger.info("kvtriton tiered offloading %s", self.identity.describe())
         self._manager = manager
         return manager
 

@@ -72,6 +72,7 @@ from typing_extensions import override
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
 from kvtriton.integrations._integrity_report import IntegrityReport, integrity_metric_definitions
 from kvtriton.integrations._mooncake_config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
+from kvtriton.integrations._mooncake_local import mooncake_version_problem
 from kvtriton.integrations._vllm_config import compression_tag
 from kvtriton.integrations._vllm_identity import KVIdentity, compute_identity, vllm_identity
 from kvtriton.integrations._vllm_surface import (
@@ -408,6 +409,9 @@ class MooncakeStoreTier(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         """The keyword arguments after ``tier_type`` are the tier's configuration (docs/mooncake.md)."""
+        outdated = mooncake_version_problem()
+        if outdated is not None:
+            raise ImportError(outdated)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = MooncakeTierConfig(
             master_server_address=master_server_address,

@@ -17,9 +17,9 @@ from __future__ import annotations
 import importlib
 import logging
 
-from kvtriton.integrations._vllm_release import TESTED_VLLM_RANGE, installed_vllm_version, tested_releases
+from kvtriton.integrations._vllm_release import VLLM_INSTALL, installed_vllm_version, tested_releases
 
-_EXTRA = f"pip install 'kvtriton[vllm]' (vLLM {TESTED_VLLM_RANGE})"
+_EXTRA = VLLM_INSTALL
 
 
 try:
@@ -36,6 +36,8 @@ except ImportError as _error:
     ) from _error
 
 try:
+    import dataclasses
+    from dataclasses import dataclass
     from typing import Any
 
     import torch
@@ -100,6 +102,32 @@ def _names_vllm_policy(extra_config: dict[str, Any]) -> bool:
         return False
 
 
+def _verifies_host_loads(extra_config: dict[str, Any]) -> bool:
+    """Whether ``extra_config`` turns ``kvtriton_verify_host_loads`` on; False for a bad config (the spec names it)."""
+    try:
+        return KVTritonOffloadConfig.from_extra_config(extra_config).verify_host_loads
+    except ValueError:
+        return False
+
+
+VERIFY_HOST_LOADS_NOTE = (
+    "; kvtriton_verify_host_loads=true: every load is checked against its store's digest (a debug mode: one hash "
+    "pass per stored and loaded slot on the worker; a mismatch refuses the load)"
+)
+"""The start-up line's last words when the debug mode is on."""
+
+
+@dataclass(frozen=True)
+class VerifiedLoadsInfo(CPUOffloadingInfo):
+    """vLLM's CPU tier labels plus ``kvtriton_verify_host_loads``, declared only when the debug mode is on.
+
+    So the ``vllm:kv_offload_config_info`` series of an engine that verifies
+    its loads says so, and every other engine's labels stay vLLM's own.
+    """
+
+    kvtriton_verify_host_loads: bool = True
+
+
 class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     """vLLM ``OffloadingSpec`` whose manager and worker are kvtriton's.
 
@@ -133,7 +161,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     @classmethod
     @override
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        return CPUOffloadingInfo.config_info_keys()
+        return (VerifiedLoadsInfo if _verifies_host_loads(extra_config) else CPUOffloadingInfo).config_info_keys()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -152,16 +180,18 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
             settings.cpu_bytes_to_use, self.blocks_per_chunk, self.row_bytes, world_size=world_size
         )
         """Slots in every rank's slab (and in the manager): one offloaded chunk each."""
-        self.cpu_info: CPUOffloadingInfo = CPUOffloadingInfo.from_config(
-            config, self.num_slots, slot_bytes * world_size
+        cpu_info = CPUOffloadingInfo.from_config(config, self.num_slots, slot_bytes * world_size)
+        self.cpu_info: CPUOffloadingInfo = (
+            VerifiedLoadsInfo(**dataclasses.asdict(cpu_info)) if settings.verify_host_loads else cpu_info
         )
         logger.info(
             "kvtriton offloading (rank %d of %d): cpu_bytes_to_use=%d in total, %d bytes for this rank -> "
-            "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s kv_compression=%s%s",
+            "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s kv_compression=%s%s%s",
             config.parallel.rank, world_size, settings.cpu_bytes_to_use, settings.per_rank_bytes(world_size),
             self.num_slots, self.blocks_per_chunk, self.row_bytes,
             settings.eviction_policy, settings.store_threshold, settings.backend.value, settings.kv_compression.value,
             _compression_note(config.worker_kv_bytes_per_block, self.row_bytes),
+            VERIFY_HOST_LOADS_NOTE if settings.verify_host_loads else "",
         )  # fmt: skip
         log_vllm_policy(logger, settings, vllm_manager="CPUOffloadingManager", scope="")
         self._manager: vllm_base.OffloadingManager | None = None

@@ -120,8 +120,14 @@ def tiered_point(
     tier: TierSpec,
     policy: str,
     order: VllmOrder,
+    *,
+    on_finished: Callable[[int], None] | None = None,
 ) -> TieredReport:
-    """One point: every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``."""
+    """One point: every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``.
+
+    ``on_finished`` counts the requests as they finish (see :func:`tiered_sweep`); a stalled point reports the
+    requests it will never finish at once, so that every point counts all of its requests.
+    """
     shared = tier.build(geometry)
     blocks = host_bytes // geometry.tiered_chunk_bytes
     managers = [TieredManager(CPUOffloadingManager(blocks, cache_policy=policy), shared) for _ in streams]
@@ -150,9 +156,21 @@ def tiered_point(
         host_store_bytes=0,
         compression=geometry.compression,
     )
+    finished = 0
+
+    def count(requests: int) -> None:
+        nonlocal finished
+        finished += requests
+        if on_finished is not None:
+            on_finished(requests)
+
     try:
-        stats = replay_vllm_servers(server_streams, block_size=geometry.block_size, model=order.server_model())
+        stats = replay_vllm_servers(
+            server_streams, block_size=geometry.block_size, model=order.server_model(), on_finished=count
+        )
     except StalledRequest:
+        if on_finished is not None:
+            on_finished(sum(len(requests) for requests in streams) - finished)
         return stalled
     return dataclasses.replace(
         stalled,
@@ -192,13 +210,29 @@ def tiered_sweep(
     order: VllmOrder,
     *,
     track: TieredTrack | None = None,
+    on_finished: Callable[[int], None] | None = None,
 ) -> list[TieredReport]:
-    """Every (policy, host size, tier) point, each on fresh host tiers and a fresh tier."""
+    """Every (policy, host size, tier) point, each on fresh host tiers and a fresh tier.
+
+    ``track`` wraps the grid of points; ``on_finished`` is told how many requests finished, as they do, over
+    every point (:func:`sweep_requests` in all): the finer unit for a progress bar, since one point of a
+    long trace or of many servers can take minutes.
+    """
     grid = [(policy, host, tier) for policy in policies for host in host_capacities for tier in tiers]
     return [
-        tiered_point(streams, geometry, host, tier, policy, order)
+        tiered_point(streams, geometry, host, tier, policy, order, on_finished=on_finished)
         for policy, host, tier in (grid if track is None else track(grid))
     ]
+
+
+def sweep_requests(
+    streams: Sequence[Sequence[PreparedRequest]],
+    host_capacities: Sequence[int],
+    tiers: Sequence[TierSpec],
+    policies: Sequence[str],
+) -> int:
+    """How many requests a :func:`tiered_sweep` replays in all: every server's stream at every point."""
+    return len(policies) * len(host_capacities) * len(tiers) * sum(len(stream) for stream in streams)
 
 
 def tier_extra_config(tier: TierSpec) -> dict[str, object]:

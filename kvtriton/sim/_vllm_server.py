@@ -72,7 +72,7 @@ import dataclasses
 import itertools
 import sys
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -300,23 +300,34 @@ class ServerStream(Generic[CtxT]):
 
 
 def replay_vllm_servers(
-    streams: Sequence[ServerStream[CtxT]], *, block_size: int, model: ServerModel | None = None
+    streams: Sequence[ServerStream[CtxT]],
+    *,
+    block_size: int,
+    model: ServerModel | None = None,
+    on_finished: Callable[[int], None] | None = None,
 ) -> list[ServerStats]:
     """Replay several servers in lockstep, one scheduler step each in turn (see :func:`replay_vllm_server`).
 
     Each stream is one server with its own manager; servers whose managers
     share a secondary tier (one Mooncake pool) see each other's cascades in
-    the order their steps interleave.
+    the order their steps interleave. ``on_finished`` is told, after each
+    round in which requests finished, how many did (a progress bar's unit:
+    a long replay moves it long before it ends).
     """
     check_int("block_size", block_size, 1)
     server_model = model if model is not None else ServerModel()
     servers = [_ServerReplay(stream, block_size, server_model) for stream in streams]
+    reported = 0
     while True:
         busy = [server for server in servers if server.has_work()]
         if not busy:
             return [server.stats() for server in servers]
         for server in busy:
             server.step()
+        finished = sum(server.finished_requests for server in servers)
+        if on_finished is not None and finished > reported:
+            on_finished(finished - reported)
+            reported = finished
 
 
 class _ServerReplay(Generic[CtxT]):
@@ -347,6 +358,7 @@ class _ServerReplay(Generic[CtxT]):
         self.next_arrival = 0
         self.step_number = 0
         self.blocks_stored = self.evictions = self.refused_stores = self.refused_blocks = 0
+        self.finished_requests = 0
         self.pending_stops = self.preemptions = self.max_admitted = self.admission_steps = 0
         self._check_requests_fit()
 
@@ -658,6 +670,7 @@ class _ServerReplay(Generic[CtxT]):
                 state.generated += 1
                 if state.generated >= self.model.output_tokens:
                     state.state = "finished"
+                    self.finished_requests += 1
                     self.running.remove(state)
                     if self.pool is not None:
                         self.pool.free(state.blocks)

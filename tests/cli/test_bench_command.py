@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import importlib.util
 import json
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import pytest
 
 from kvtriton.cli._bench import ALL_QUICK_DURATION, BENCHMARKS, SMOKE_RUN_NOTE, find_checkout
 from kvtriton.cli._main import main
+from kvtriton.integrations._vllm_release import VLLM_INSTALL
 
 # A stand-in benchmark: records its argv and where it was told to write, like bench/common.py does.
 FAKE_BENCHMARK = """
@@ -214,3 +217,45 @@ def test_an_out_that_is_a_file_is_refused_in_words(tmp_path: Path, capfd: pytest
     err = capfd.readouterr().err
     assert f"kvtriton bench: error: --out {taken}: is a file, not a folder" in err
     assert "File exists" not in err and taken.read_text() == "not a folder"
+
+
+@pytest.fixture
+def without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This interpreter as `make demo` builds it: no vLLM (and so no benchmark that imports it can run)."""
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> ModuleSpec | None:
+        return None if name == "vllm" or name.startswith("vllm.") else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+NEEDS_VLLM = [name for name, benchmark in BENCHMARKS.items() if benchmark.needs_vllm]
+
+
+def test_bench_all_without_vllm_skips_the_benchmarks_that_need_it_with_one_line_each_and_exits_0(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], without_vllm: None
+) -> None:
+    assert NEEDS_VLLM == ["tiers", "tiers_mooncake", "serving"]
+    checkout = fake_checkout(tmp_path / "repo")
+    out = tmp_path / "out"
+    assert main(["bench", "all", "--checkout", str(checkout), "--out", str(out)]) == 0
+    captured = capfd.readouterr()
+    for name in BENCHMARKS:
+        skipped = [line for line in captured.out.splitlines() if line.startswith(f"== {name}: skipped: ")]
+        if name in NEEDS_VLLM:
+            assert skipped == [f"== {name}: skipped: vLLM is not installed: {VLLM_INSTALL}; make test installs it"]
+            assert not (out / f"{name}.json").exists()
+        else:
+            assert skipped == [] and (out / f"{name}.json").is_file()
+    assert f"== {len(BENCHMARKS) - 3} benchmarks in " in captured.out
+    assert "(3 skipped: tiers, tiers_mooncake, serving)" in captured.out
+    assert captured.err == ""
+
+
+def test_a_benchmark_named_alone_that_needs_a_missing_vllm_is_an_error_saying_how_to_install_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], without_vllm: None
+) -> None:
+    checkout = fake_checkout(tmp_path / "repo")
+    assert main(["bench", "tiers", "--checkout", str(checkout), "--out", str(tmp_path / "out")]) == 2
+    assert f"tiers cannot run here: vLLM is not installed: {VLLM_INSTALL}" in capfd.readouterr().err

@@ -100,3 +100,23 @@ def test_a_tiered_mistake_is_refused_naming_the_flag_and_the_value(
         status = exit_info.code
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_mooncake_run_of_one_long_point_prints_progress_lines_counted_in_requests_as_it_goes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One (policy, host, pool) point: progress counted in points would print one line, at the very end.
+    flags = ["--workload", "system-prompts", "--requests", "80", "--block-size", "32", "--gpu-blocks", "120"]
+    one_point = ["--tier", "mooncake:8GiB", "--capacities", "1", "--policies", "lru", "--servers", "2"]
+    assert main(["simulate", *flags, *one_point, "--no-plot", "--json", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    bars = [line for line in lines if line.startswith("simulate (requests) [")]
+    done = [int(line.split("] ")[1].split("/")[0]) for line in bars]
+    assert len(bars) >= 10, lines  # a line per tenth of the requests, as the host-only sweep's bar prints its points
+    assert all(line.split("] ")[1].split()[0].endswith("/160") for line in bars)  # 2 servers x 80 requests
+    assert done == sorted(done) and done[0] < 160 // 2 and done[-1] == 160
+
+
+def test_no_progress_silences_the_tiered_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    simulate_json(tmp_path, capsys, "--tier", "mooncake:8GiB", "--capacities", "1", "--policies", "lru")
+    assert "simulate (requests)" not in capsys.readouterr().err

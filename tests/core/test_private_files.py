@@ -5,13 +5,14 @@ from __future__ import annotations
 import grp
 import logging
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvtriton._private_files import PRIVATE, FileSharing, prepare_tier_root
+from kvtriton._private_files import PRIVATE, FileSharing, prepare_tier_root, tier_root_problem
 
 LABEL = "secondary_tiers[0] (type 'fs')"
 
@@ -101,3 +102,18 @@ def test_a_bad_shared_group_is_refused_naming_the_key_and_the_value() -> None:
     assert (
         "private to user" in PRIVATE.describe() and "tier roots made 0700, the host region 0600" in PRIVATE.describe()
     )
+
+
+@pytest.mark.parametrize("root", ["<a directory on local NVMe>", "", "  ", "kv", "./kv", "/mnt/<nvme>/kv"])
+def test_a_root_that_is_a_placeholder_empty_or_relative_is_refused_and_nothing_is_made(
+    root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    tier = {"type": "fs", "root_dir": root}
+    problem = tier_root_problem(tier)
+    assert problem is not None and problem.startswith(f"key 'root_dir'={root!r} is ")
+    with pytest.raises(ValueError, match="^" + re.escape(problem) + "$"):
+        prepare_tier_root(LABEL, tier, PRIVATE)
+    assert list(tmp_path.iterdir()) == []
+    assert tier_root_problem({"type": "fs", "root_dir": str(tmp_path / "kv")}) is None
+    assert tier_root_problem({"type": "MyTier", "module_path": "my.tiers", "root_dir": "relative"}) is None

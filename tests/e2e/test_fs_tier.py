@@ -79,3 +79,11 @@ def test_the_kv_files_on_disk_are_the_server_users_alone(writer: EngineResult, f
     lines = [line for line in writer.log.splitlines() if "kvtriton tiered offloading (rank 0 of 1)" in line]
     assert lines and all("files private to user" in line for line in lines)
     assert "tier roots made 0700, the host region 0600" in lines[0]
+
+
+def test_a_real_engine_logs_one_complete_identity(writer: EngineResult) -> None:
+    # The engine core (which seals and files the chunks) logs it; its worker computes the same one and logs none.
+    # Before, the worker logged model_dtype=float32 and the engine core, whose identity was in use, model_dtype=.
+    lines = [line for line in writer.log.splitlines() if "kvtriton tiered offloading identity" in line]
+    assert len(lines) == 1, lines
+    assert "model_dtype=float32 " in lines[0] and "(computed)" in lines[0]

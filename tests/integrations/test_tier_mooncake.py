@@ -30,6 +30,7 @@ from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier,
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from kvtriton._integrity import SEAL_BYTES
+from kvtriton.integrations import _mooncake_local as mooncake_local
 from kvtriton.integrations._mooncake_config import MooncakeTierConfig
 from kvtriton.integrations._vllm_surface import LOOKUPS_MARK_PRESENT
 from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_store
@@ -337,3 +338,31 @@ def test_on_vllm_0_33_a_miss_cached_before_a_store_stands_while_its_request_runs
     tier = make_tier(cluster.master_address, memory, namespace="stale-miss")
     tiers.append(tier)
     assert stale_miss_then_store(tier, memory, chunk_keys(1, salt=4)[0]) is MISS
+
+
+def test_an_outdated_mooncake_is_refused_before_the_tier_opens_a_port(
+    cluster: MooncakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mooncake_local, "installed_mooncake_version", lambda: ("0.3.12", "mooncake-transfer-engine"))
+    with pytest.raises(
+        ImportError, match=r"^mooncake-transfer-engine 0\.3\.12 is installed, but the Mooncake tier needs 0\.3\.13"
+    ):
+        make_tier(cluster.master_address, Primary(4, CHUNK), namespace="outdated")
+
+
+def test_the_serving_process_listens_on_every_interface_whatever_local_hostname_says(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+) -> None:
+    """Mooncake's transfer engine binds its handshake and TCP data ports to all interfaces (docs/security.md says
+    so, and why the ports must be firewalled); the test fails, and the page is to be corrected, when it stops."""
+    psutil = pytest.importorskip("psutil")
+
+    def listening() -> set[tuple[str, int]]:
+        process = psutil.Process(os.getpid())
+        return {(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet") if c.status == "LISTEN"}
+
+    before = listening()
+    tiers.append(make_tier(cluster.master_address, Primary(4, CHUNK), namespace="ports", local_hostname="127.0.0.1"))
+    opened = listening() - before
+    assert len(opened) == 2, opened  # the handshake (RPC) port and the TCP transport's data port
+    assert {ip for ip, _ in opened} <= {"0.0.0.0", "::"}, opened

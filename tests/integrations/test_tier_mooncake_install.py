@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.integrations._mooncake_local import MOONCAKE_PACKAGES, mooncake_missing
+from kvtriton.integrations._mooncake_local import (
+    MINIMUM_MOONCAKE_VERSION,
+    MOONCAKE_PACKAGES,
+    mooncake_missing,
+    mooncake_version_problem,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,3 +54,37 @@ def test_the_missing_package_message_gives_the_same_line(monkeypatch: pytest.Mon
     monkeypatch.setattr(importlib.util, "find_spec", absent)  # as on a machine without mooncake
     message = mooncake_missing()
     assert message is not None and f"pip install --no-deps {MOONCAKE_PACKAGES};" in message
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [("0.3.12", True), ("0.3.11.post1", True), ("0.2.9", True), ("dev", True), ("0.3.13", False),
+     ("0.3.13.post1", False), ("0.3.14rc1", False), ("0.4.0", False)],
+)  # fmt: skip
+def test_a_mooncake_older_than_the_minimum_is_refused_naming_the_advisory_and_the_install_line(
+    version: str, refused: bool
+) -> None:
+    problem = mooncake_version_problem((version, "mooncake-transfer-engine"))
+    assert (problem is not None) == refused
+    if problem is not None:
+        assert problem.startswith(
+            f"mooncake-transfer-engine {version} is installed, but the Mooncake tier needs 0.3.13"
+        )
+        assert "CVE-2026-103764" in problem and f"pip install --no-deps {MOONCAKE_PACKAGES}" in problem
+    assert ".".join(map(str, MINIMUM_MOONCAKE_VERSION)) == "0.3.13"
+
+
+def test_the_pinned_release_meets_the_minimum() -> None:
+    pinned = re.search(r"==(\S+)", MOONCAKE_PACKAGES)
+    assert pinned is not None
+    assert mooncake_version_problem((pinned.group(1), "mooncake-transfer-engine-non-cuda")) is None
+    assert mooncake_version_problem() is None  # what this environment has installed (or nothing)
+
+
+def test_the_security_page_states_the_minimum_the_tier_enforces_and_is_linked() -> None:
+    page = (REPO / "docs" / "security.md").read_text(encoding="utf-8")
+    minimum = ".".join(map(str, MINIMUM_MOONCAKE_VERSION))
+    assert f"**The oldest Mooncake kvtriton accepts is {minimum}.**" in page
+    assert "| CVE-2026-103764 |" in page  # the advisory the minimum answers
+    for linking in ("index.md", "operations.md"):
+        assert "](security.md" in (REPO / "docs" / linking).read_text(encoding="utf-8"), linking

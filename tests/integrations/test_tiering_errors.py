@@ -16,6 +16,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 import torch
 from tiering_fixtures.configs import tiering_config
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+from vllm.v1.kv_offload.tiering.backpressure import DropStorePolicy, EMABackpressureDetector
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_fixtures.in_process import workers_on_nodes
 
 import kvtriton.worker._shared_region as shared_region
@@ -133,6 +135,77 @@ def test_a_root_dir_other_users_may_enter_is_refused_naming_the_tier_and_its_mod
     with pytest.raises(ValueError, match=message):
         spec.get_manager()
     assert region_files() == before and list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("root", "why"),
+    [
+        ("<a directory on local NVMe>", r"is a placeholder \(as `kvtriton simulate` prints it\): replace it"),
+        ("", r"is empty: vLLM's fs tier would write its files under '/'"),
+        ("kv-cache", r"is a relative path, .*give an absolute path"),
+    ],
+    ids=["simulate-placeholder", "empty", "relative"],
+)
+def test_a_root_dir_that_is_no_absolute_path_is_refused_at_start_naming_the_key_and_value(
+    root: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    tiers = [{"type": "fs", "root_dir": root}]
+    message = rf"^secondary_tiers\[0\] \(type 'fs'\) key 'root_dir'={re.escape(repr(root))} {why}"
+    with pytest.raises(ValueError, match=message):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    assert list(tmp_path.iterdir()) == []  # no directory of the placeholder's (or any) name was made
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            {"backpressure_cls": "EMADetector"},
+            r"key 'backpressure_cls'='EMADetector' names no class vLLM can import \(AttributeError: .*\); use a short "
+            r"name from vllm\.v1\.kv_offload\.tiering\.backpressure \(EMABackpressureDetector\) or a dotted",
+        ),
+        (
+            {"backpressure_cls": "no_such_module.Detector"},
+            r"key 'backpressure_cls'='no_such_module.Detector' names no class vLLM can import \(ModuleNotFoundError",
+        ),
+        (
+            {"backpressure_cls": "DropStorePolicy"},
+            r"key 'backpressure_cls'='DropStorePolicy' is <class '.*DropStorePolicy'>, not a BackpressureDetector",
+        ),
+        (
+            {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropPolicy"},
+            r"key 'policy_cls'='DropPolicy' names no class .* \(DropStorePolicy, ThrottledDropPolicy\)",
+        ),
+    ],
+    ids=["misspelt", "no-module", "a-policy", "bad-policy"],
+)
+@pytest.mark.parametrize("where", ["top-level", "tier"])
+def test_a_bad_backpressure_class_is_refused_at_start_naming_the_key_and_the_choices(
+    settings: dict[str, object], message: str, where: str
+) -> None:
+    tier: dict[str, object] = {"type": "fs", "root_dir": "/tmp/kvtriton-unused"}
+    if where == "tier":
+        extra: dict[str, object] = {**BUDGET, "secondary_tiers": [{**tier, "backpressure": settings}]}
+        prefix = r"^secondary_tiers\[0\] \(type 'fs'\) key 'backpressure' "
+    else:
+        extra = {**BUDGET, "backpressure": settings, "secondary_tiers": [tier]}
+        prefix = r"^kv_connector_extra_config\['backpressure'\] "
+    with pytest.raises(ValueError, match=prefix + message):
+        KVTritonTieringOffloadingSpec(tiering_config(extra))
+
+
+def test_a_good_backpressure_class_builds_vllms_detector_and_policy(tmp_path: Path) -> None:
+    settings = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy"}
+    tiers = [{"type": "fs", "root_dir": str(tmp_path / "kv"), "backpressure": settings}]
+    manager = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers})).get_manager()
+    try:
+        assert isinstance(manager, TieringOffloadingManager)
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier.bp_detector, EMABackpressureDetector)
+        assert isinstance(tier.bp_detector.policy, DropStorePolicy)
+    finally:
+        manager.shutdown()
 
 
 def test_a_shared_group_that_does_not_exist_is_refused_naming_the_key() -> None:

@@ -13,7 +13,15 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
 from vllm.config.cache import CacheDType
 from vllm.config.model import ModelDType
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
@@ -242,14 +250,15 @@ def _vllm_config(
     )
 
 
-def _identity_of(vllm_config: VllmConfig, *, compression: str | None = None, namespace: str = "") -> KVIdentity:
+def _kv_cache_config(vllm_config: VllmConfig) -> KVCacheConfig:
     cache = vllm_config.cache_config
     dtype = vllm_config.model_config.dtype if cache.cache_dtype == "auto" else torch.uint8
     spec = FullAttentionSpec(block_size=cache.block_size, num_kv_heads=2, head_size=16, dtype=dtype)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-    )
-    offloading = build_offloading_config(vllm_config, kv_cache_config)
+    return KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+
+
+def _identity_of(vllm_config: VllmConfig, *, compression: str | None = None, namespace: str = "") -> KVIdentity:
+    offloading = build_offloading_config(vllm_config, _kv_cache_config(vllm_config))
     return vllm_identity(
         offloading,
         layout="kvtriton-block-rows-v1",
@@ -323,3 +332,16 @@ def test_the_identity_key_in_the_extra_config_is_read(model_dir: Path, tmp_path:
         keyed.append(_identity_of(config).fingerprint)
     assert keyed[0] == keyed[1]
     assert _identity_of(_vllm_config(model_dir)).fingerprint != _identity_of(_vllm_config(copy)).fingerprint
+
+
+def test_outside_a_connector_the_model_part_comes_from_the_current_vllm_config(model_dir: Path) -> None:
+    config = _vllm_config(model_dir, dtype="bfloat16")
+    offloading = build_offloading_config(config, _kv_cache_config(config))
+    outside = vllm_identity(offloading, layout="kvtriton-block-rows-v1", compression=None, rank=None)
+    assert outside.parts.model_dtype == ""  # no config to read: the rest still counts
+    with set_current_vllm_config(config):
+        current = vllm_identity(offloading, layout="kvtriton-block-rows-v1", compression=None, rank=None)
+    assert current.parts.model_dtype == "bfloat16"
+    assert current == vllm_identity(
+        offloading, layout="kvtriton-block-rows-v1", compression=None, rank=None, vllm_config=config
+    )

@@ -26,6 +26,7 @@ from vllm_fixtures.connector import submit_load, submit_store
 import kvtriton.integrations.vllm as vllm_module
 import kvtriton.worker._slab as slab_module
 from kvtriton.integrations.vllm import (
+    VERIFY_HOST_LOADS_NOTE,
     KVTritonOffloadingSpec,
     VLLMOffloadingManager,
     VLLMOffloadingWorker,
@@ -517,3 +518,32 @@ def test_a_vllm_policy_carries_compression_vllms_manager_hands_out_slots_kvtrito
     manager.complete_load(keys, context)
     assert torch.allclose(layer[2].float(), original[5].float(), rtol=2**-4, atol=1e-2)
     worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    "policy", [{"eviction_policy": "lru"}, VLLM_LRU_BY_PATH], ids=["kvtriton-manager", "vllm-manager"]
+)
+def test_verify_host_loads_shows_in_the_start_up_line_and_as_a_config_info_label(
+    caplog: pytest.LogCaptureFixture, policy: dict[str, object]
+) -> None:
+    extra: dict[str, object] = {"cpu_bytes_to_use": 1 << 20, **policy}
+    verified: dict[str, object] = {**extra, "kvtriton_verify_host_loads": True}
+    keys = KVTritonOffloadingSpec.config_info_keys(verified)
+    assert keys == (*CPUOffloadingInfo.config_info_keys(), "kvtriton_verify_host_loads")
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
+        spec = KVTritonOffloadingSpec(offloading_config(verified))
+    (line,) = [record.getMessage() for record in caplog.records if "kvtriton offloading (rank" in record.getMessage()]
+    assert line.endswith(VERIFY_HOST_LOADS_NOTE) and "kvtriton_verify_host_loads=true" in line
+    manager = spec.get_manager()
+    try:
+        (info,) = manager.config_info()
+        assert set(info) == set(keys) and info["kvtriton_verify_host_loads"] is True
+    finally:
+        manager.shutdown()
+    # Off (the default): vLLM's labels alone, and the line says nothing of it.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
+        plain = KVTritonOffloadingSpec(offloading_config(extra))
+    assert KVTritonOffloadingSpec.config_info_keys(extra) == CPUOffloadingInfo.config_info_keys()
+    assert type(plain.cpu_info) is CPUOffloadingInfo
+    assert "verify_host_loads" not in caplog.text

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 from tiering_fixtures.configs import tiering_config
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering import backpressure
+from vllm.v1.kv_offload.tiering import factory as tier_factory
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
@@ -149,7 +152,25 @@ def _check_fs_file_mapper() -> None:
     assert callable(FileMapper.get_file_name)
 
 
+def _check_connector_vllm_config() -> None:
+    parameters = inspect.signature(OffloadingConnector.__init__).parameters
+    assert list(parameters) == ["self", "vllm_config", "role", "kv_cache_config"]
+    # The spec is built inside the constructor, while its vllm_config argument is on the stack.
+    assert "OffloadingSpecFactory.create_spec(" in inspect.getsource(OffloadingConnector.__init__)
+
+
+def _check_backpressure_class_import() -> None:
+    assert tier_factory._DEFAULT_PACKAGE == backpressure.__name__  # pyright: ignore[reportPrivateUsage] -- the name under test
+    assert tier_factory._import_class("EMABackpressureDetector") is backpressure.EMABackpressureDetector  # pyright: ignore[reportPrivateUsage] -- the name under test
+    assert tier_factory._import_class(f"{backpressure.__name__}.DropStorePolicy") is backpressure.DropStorePolicy  # pyright: ignore[reportPrivateUsage] -- the name under test
+    # The factory resolves both keys with it, so kvtriton's start-up check resolves what the factory will.
+    source = inspect.getsource(SecondaryTierFactory)
+    assert "_import_class(bp_cls_name)" in source and "_import_class(policy_cls_name)" in source
+
+
 CHECKS: dict[str, Callable[[], None]] = {
+    "backpressure_class_import": _check_backpressure_class_import,
+    "connector_vllm_config": _check_connector_vllm_config,
     "promotion_hooks": _check_promotion_hooks,
     "fs_file_mapper": _check_fs_file_mapper,
     "multi_node_refusal": _check_multi_node_refusal,

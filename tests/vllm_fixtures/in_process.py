@@ -248,10 +248,12 @@ def start_in_process_vllm(
     connector.scheduler.config = connector.scheduler.config._replace(num_workers=world_size)
     workers: list[OffloadingConnector] = []
     for rank in range(world_size):
-        with parallel_as(rank, world_size):
-            worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        # The ranks run on this one node (vLLM 0.34 asks before it allows secondary tiers).
+        # As vLLM's worker does: its connector is built and registered under the current config (the engine
+        # core's scheduler above is not). The ranks run on this one node (vLLM 0.34 asks before it allows
+        # secondary tiers).
         with set_current_vllm_config(vllm_config), workers_on_nodes([0] * world_size), warnings.catch_warnings():
+            with parallel_as(rank, world_size):
+                worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
             warnings.simplefilter("ignore", PageableSlabWarning)
             worker.register_kv_caches(layer_caches(rank))
         workers.append(worker)
