@@ -305,15 +305,19 @@ def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) 
     assert region_files() == before
 
 
-FS_TIER: dict[str, object] = {"secondary_tiers": [{"type": "fs", "root_dir": "/tmp/kvtriton-unused"}]}
+def fs_tier(root: Path) -> dict[str, object]:
+    """One fs secondary tier under ``root`` (a test's own folder: kvtriton makes it 0700, nothing lands in /tmp)."""
+    return {"secondary_tiers": [{"type": "fs", "root_dir": str(root / "fs")}]}
 
 
 @pytest.mark.skipif(
     not SECONDARY_TIERS_REFUSE_MULTI_NODE, reason="SECONDARY_TIERS_REFUSE_MULTI_NODE: vLLM 0.34 refuses, 0.33 does not"
 )
-def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before_mapping_anything() -> None:
+def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before_mapping_anything(
+    tmp_path: Path,
+) -> None:
     before = region_files()
-    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2))
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **fs_tier(tmp_path)}, world_size=2))
     with workers_on_nodes([0, 1]) as asked, pytest.raises(NotImplementedError) as refused:
         spec.get_worker(kv_caches(2048))
     message = str(refused.value)
@@ -326,11 +330,15 @@ def test_on_vllm_0_34_secondary_tiers_on_workers_across_nodes_are_refused_before
 @pytest.mark.skipif(
     not SECONDARY_TIERS_REFUSE_MULTI_NODE, reason="SECONDARY_TIERS_REFUSE_MULTI_NODE: vLLM 0.34 refuses, 0.33 does not"
 )
-def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_worker() -> None:
+def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_worker(tmp_path: Path) -> None:
     engine_id = f"one-node-{uuid.uuid4().hex[:8]}"
-    scheduler = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2, engine_id=engine_id))
+    scheduler = KVTritonTieringOffloadingSpec(
+        tiering_config({**BUDGET, **fs_tier(tmp_path)}, world_size=2, engine_id=engine_id)
+    )
     manager = scheduler.get_manager()
-    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, **FS_TIER}, world_size=2, engine_id=engine_id))
+    spec = KVTritonTieringOffloadingSpec(
+        tiering_config({**BUDGET, **fs_tier(tmp_path)}, world_size=2, engine_id=engine_id)
+    )
     with workers_on_nodes([0, 0]) as asked, warnings.catch_warnings():
         warnings.simplefilter("ignore", PageableSlabWarning)
         worker = spec.get_worker(kv_caches(2048))
@@ -339,8 +347,8 @@ def test_on_vllm_0_34_workers_on_one_node_take_part_in_the_check_and_get_their_w
     manager.shutdown()
 
 
-def test_a_single_worker_or_an_engine_without_secondary_tiers_asks_no_node_question() -> None:
-    for extra, world_size in (({**BUDGET, **FS_TIER}, 1), (BUDGET, 2)):
+def test_a_single_worker_or_an_engine_without_secondary_tiers_asks_no_node_question(tmp_path: Path) -> None:
+    for extra, world_size in (({**BUDGET, **fs_tier(tmp_path)}, 1), (BUDGET, 2)):
         engine_id = f"no-question-{uuid.uuid4().hex[:8]}"
         scheduler = KVTritonTieringOffloadingSpec(tiering_config(extra, world_size=world_size, engine_id=engine_id))
         manager = scheduler.get_manager()
