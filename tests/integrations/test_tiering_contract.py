@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
+from tiering_fixtures.configs import drain, key, primary_of, settle_lookup, tiering, tiering_config, wait_for_hit
 from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtriton._integrity import SEAL_BYTES, seal
 from kvtriton.integrations._vllm_sealed_tiering import SealedTieringManager
-from kvtriton.integrations._vllm_tiering import LAYOUT_TAG, KVTritonPrimaryTier
+from kvtriton.integrations._vllm_tiering import LAYOUT_TAG
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 
 CHUNK = 4096  # 2048-byte blocks, one rank and a seal, padded to 4096 bytes
@@ -42,21 +42,6 @@ def sealed_manager(manager: TieringOffloadingManager) -> SealedTieringManager:
 
 
 BUDGET_1M: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
-
-
-def tiering(managers: list[OffloadingManager], extra: dict[str, object], **config: object) -> TieringOffloadingManager:
-    spec = OffloadingSpecFactory.create_spec(tiering_config(extra, **config))  # pyright: ignore[reportArgumentType] -- keyword pass-through
-    assert isinstance(spec, KVTritonTieringOffloadingSpec)
-    manager = spec.get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    managers.append(manager)
-    return manager
-
-
-def primary_of(manager: TieringOffloadingManager) -> KVTritonPrimaryTier:
-    primary = manager.primary_tier
-    assert isinstance(primary, KVTritonPrimaryTier)
-    return primary
 
 
 def test_vllms_factory_loads_the_tiered_spec_by_name_from_the_integration_module() -> None:

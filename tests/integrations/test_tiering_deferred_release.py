@@ -16,18 +16,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import key, tiering_config
+from tiering_fixtures.configs import key, primary_of, tiering
 from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.deferring_tier import DeferringTier
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering import base as tiering_base
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtriton.integrations import _vllm_surface as surface
 from kvtriton.integrations._vllm_sealed_tiering import tier_label
-from kvtriton.integrations._vllm_tiering import KVTritonPrimaryTier
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 
 CHUNK = 4096  # 2048-byte blocks, one rank and a seal, padded to 4096 bytes
@@ -40,22 +38,12 @@ only_on_0_34 = pytest.mark.skipif(
 )
 
 
-def tiering(
+def deferring_tiering(
     managers: list[OffloadingManager], chunks: int, tiers: list[dict[str, object]], *, enable_events: bool = False
 ) -> TieringOffloadingManager:
+    """kvtriton's tiered manager with ``chunks`` primary chunks in front of ``tiers``."""
     extra: dict[str, object] = {"cpu_bytes_to_use": chunks * CHUNK, "secondary_tiers": tiers}
-    spec = OffloadingSpecFactory.create_spec(tiering_config(extra, enable_events=enable_events))
-    assert isinstance(spec, KVTritonTieringOffloadingSpec)
-    manager = spec.get_manager()
-    assert isinstance(manager, TieringOffloadingManager)
-    managers.append(manager)
-    return manager
-
-
-def primary_of(manager: TieringOffloadingManager) -> KVTritonPrimaryTier:
-    primary = manager.primary_tier
-    assert isinstance(primary, KVTritonPrimaryTier)
-    return primary
+    return tiering(managers, extra, enable_events=enable_events)
 
 
 def chunk_ids(spec: object) -> list[int]:
@@ -66,7 +54,7 @@ def chunk_ids(spec: object) -> list[int]:
 def test_a_deferred_write_misses_at_once_and_holds_its_chunks_until_released(
     managers: list[OffloadingManager],
 ) -> None:
-    primary = primary_of(tiering(managers, 4, []))
+    primary = primary_of(deferring_tiering(managers, 4, []))
     context = ReqContext(req_id="r")
     output = primary.prepare_write([key(1), key(2), key(3)], context)  # all three pending
     assert output is not None and chunk_ids(output.store_spec) == [0, 1, 2]
@@ -90,7 +78,7 @@ def test_a_deferred_write_reports_the_keys_dropped_and_counts_its_chunks_as_writ
 ) -> None:
     from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
-    primary = primary_of(tiering(managers, 4, [], enable_events=True))
+    primary = primary_of(deferring_tiering(managers, 4, [], enable_events=True))
     context = ReqContext(req_id="r")
     primary.prepare_write([key(1), key(2)], context)
     primary.defer_write_release([key(1), key(2)])
@@ -104,7 +92,7 @@ def test_a_deferred_write_reports_the_keys_dropped_and_counts_its_chunks_as_writ
 def test_deferring_a_key_that_is_no_pending_write_fails_the_orchestrators_assertion(
     managers: list[OffloadingManager],
 ) -> None:
-    primary = primary_of(tiering(managers, 4, []))
+    primary = primary_of(deferring_tiering(managers, 4, []))
     context = ReqContext(req_id="r")
     primary.prepare_write([key(5)], context)
     primary.complete_write([key(5)], context)
@@ -115,7 +103,7 @@ def test_deferring_a_key_that_is_no_pending_write_fails_the_orchestrators_assert
 
 
 def test_reset_cache_is_refused_while_chunks_are_held(managers: list[OffloadingManager]) -> None:
-    primary = primary_of(tiering(managers, 4, []))
+    primary = primary_of(deferring_tiering(managers, 4, []))
     context = ReqContext(req_id="r")
     primary.prepare_write([key(1)], context)
     held = primary.defer_write_release([key(1)])
@@ -143,7 +131,7 @@ def promote_into_a_deferred_failure(manager: TieringOffloadingManager, keys: lis
 def test_on_vllm_0_34_a_promotion_failed_with_a_deferred_release_holds_the_chunks_until_the_tier_is_done(
     managers: list[OffloadingManager],
 ) -> None:
-    manager = tiering(managers, 4, [DEFERRING_TIER])
+    manager = deferring_tiering(managers, 4, [DEFERRING_TIER])
     primary = primary_of(manager)
     free_before = primary.cpu.stats().free
     tier = promote_into_a_deferred_failure(manager, [key(1), key(2)])
@@ -175,7 +163,7 @@ def test_on_vllm_0_34_a_promotion_failed_with_a_deferred_release_holds_the_chunk
 def test_on_vllm_0_34_reset_cache_waits_for_the_tier_to_release_the_held_chunks(
     managers: list[OffloadingManager],
 ) -> None:
-    manager = tiering(managers, 4, [DEFERRING_TIER])
+    manager = deferring_tiering(managers, 4, [DEFERRING_TIER])
     primary = primary_of(manager)
     promote_into_a_deferred_failure(manager, [key(1), key(2)])
     assert primary.num_deferred_release_chunks == 2

@@ -16,8 +16,12 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from bench.common import offloading_config
+from kvtriton.integrations._vllm_tiering import KVTritonPrimaryTier
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 
 _STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -103,3 +107,20 @@ def wait_for_hit(
         if time.monotonic() > deadline:
             raise AssertionError(f"lookup still answers {result.name} after {timeout_s} s")
         time.sleep(0.005)
+
+
+def tiering(managers: list[OffloadingManager], extra: dict[str, object], **config: object) -> TieringOffloadingManager:
+    """kvtriton's tiered manager as vLLM's factory builds it from ``extra``; kept in ``managers`` to be shut down."""
+    spec = OffloadingSpecFactory.create_spec(tiering_config(extra, **config))  # pyright: ignore[reportArgumentType] -- keyword pass-through
+    assert isinstance(spec, KVTritonTieringOffloadingSpec)
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    managers.append(manager)
+    return manager
+
+
+def primary_of(manager: TieringOffloadingManager) -> KVTritonPrimaryTier:
+    """The tiered manager's primary tier, checked to be kvtriton's."""
+    primary = manager.primary_tier
+    assert isinstance(primary, KVTritonPrimaryTier)
+    return primary
