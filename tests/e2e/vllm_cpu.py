@@ -24,11 +24,10 @@ import os
 import sys
 from pathlib import Path
 
-_RELEASE_033_OPS: tuple[str, ...] = (
+_OPS_OF_BOTH_RELEASES: tuple[str, ...] = (
     # vllm/v1/worker/cpu_worker.py: binds the KV cache memory to the NUMA node.
     "init_cpu_memory_env",
-    # vllm/v1/attention/backends/cpu_attn.py: slot mapping, cache writes, attention.
-    "compute_slot_mapping_kernel_impl",
+    # vllm/v1/attention/backends/cpu_attn.py: cache writes, attention.
     "cpu_attn_reshape_and_cache",
     "cpu_attention_with_kv_cache",
     "get_scheduler_metadata",
@@ -40,25 +39,18 @@ _RELEASE_033_OPS: tuple[str, ...] = (
     "release_dnnl_matmul_handler",
     # vllm/model_executor/layers/rotary_embedding: RoPE.
     "rotary_embedding",
+)
+
+_RELEASE_033_OPS: tuple[str, ...] = (
+    *_OPS_OF_BOTH_RELEASES,
+    # vllm/v1/attention/backends/cpu_attn.py: the slot mapping (0.34 moved it to the runner).
+    "compute_slot_mapping_kernel_impl",
     # vllm/v1/sample/sampler.py: greedy sampling.
     "greedy_argmax",
 )
 
 _RELEASE_034_OPS: tuple[str, ...] = (
-    # vllm/v1/worker/cpu_worker.py: binds the KV cache memory to the NUMA node.
-    "init_cpu_memory_env",
-    # vllm/v1/attention/backends/cpu_attn.py: cache writes, attention (the slot mapping moved to the runner).
-    "cpu_attn_reshape_and_cache",
-    "cpu_attention_with_kv_cache",
-    "get_scheduler_metadata",
-    # vllm/v1/attention/backends/mla/cpu_mla.py: MLA decode (the MLA model of test_layouts.py).
-    "mla_decode_kvcache",
-    # vllm/model_executor/layers/utils.py: the oneDNN linear layers of the unquantized model.
-    "create_onednn_mm_handler",
-    "onednn_mm",
-    "release_dnnl_matmul_handler",
-    # vllm/model_executor/layers/rotary_embedding: RoPE.
-    "rotary_embedding",
+    *_OPS_OF_BOTH_RELEASES,
     # vllm/v1/worker/cpu/ (the standalone CPU model runner): block tables, inputs, state updates, sampling;
     # e2e/vllm_cpu_ops.py stands in for all of them.
     "gather_block_table_cpu",
