@@ -32,7 +32,6 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import numpy.typing as npt
 from vllm import envs as vllm_envs
 from vllm.config import VllmConfig as VllmConfig
@@ -277,18 +276,6 @@ def load_arguments(
     """``submit_load``'s ``(job_id, slot spec, device side, expedited)``, bound as :func:`store_arguments` says."""
     job_id, slots, device, expedited = _bound(_LOAD_PARAMETERS, args, kwargs)
     return job_id, slots, device, expedited
-
-
-def device_pointer_values(
-    device: DevicePointers,
-) -> tuple[npt.NDArray[np.uint64], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """``(ptrs as uint64, group_block_counts, group_data_ref_counts, block_indices)`` of vLLM 0.34's pointers."""
-    return (
-        np.asarray(device.ptrs, dtype=np.uint64),
-        tuple(device.group_block_counts),
-        tuple(device.group_data_ref_counts),
-        tuple(device.block_indices),
-    )
 
 
 # --- vLLM's private names -----------------------------------------------------------------------------------------
