@@ -224,7 +224,7 @@ def _load_vllm() -> _Vllm | str:
         return manager_cls(capacity, cache_policy=policy, enable_events=False)
 
     def make_adapter(capacity: int, policy: str) -> _VllmManager:
-        from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
+        from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
 
         cpu = CPUOffloadingManager(capacity, policy)
         # The adapter takes vLLM's ReqContext; the protocol names only the part the replay uses.

@@ -49,7 +49,7 @@ A chunk sealed under another version is :attr:`IntegrityFault.STALE_FORMAT`;
 the version also goes into the identity fingerprint."""
 
 FINGERPRINT_BYTES = 16
-"""Length of an identity fingerprint (kvtriton.integrations._vllm_identity builds it for vLLM)."""
+"""Length of an identity fingerprint (kvtriton.integrations.vllm._identity builds it for vLLM)."""
 
 SEAL_BYTES = 64
 """Length of the trailer :func:`seal_bytes` returns and :func:`seal` appends."""

@@ -1,6 +1,6 @@
 """The vLLM releases kvtriton is tested on, and the installed one's version, read without importing vLLM's code.
 
-:mod:`kvtriton.integrations._vllm_surface` builds on it (and is where the
+:mod:`kvtriton.integrations.vllm._surface` builds on it (and is where the
 adapters read it); it stands apart so that the import guard of
 :mod:`kvtriton.integrations.vllm` and ``kvtriton info`` can name versions when
 vLLM's offloading code cannot be imported.

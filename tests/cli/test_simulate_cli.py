@@ -183,7 +183,7 @@ def test_the_recommended_config_passes_kvtritons_and_vllms_parsers(
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
     from vllm.config import KVTransferConfig
 
-    from kvtriton.integrations._vllm_config import KVTritonOffloadConfig
+    from kvtriton.integrations.vllm._config import KVTritonOffloadConfig
 
     record = simulate_json(tmp_path, capsys, *SMALL, "--capacities", "1,4", "--target-hit-rate", "0.01")
     transfer = record["recommendation"]["kv_transfer_config"]

@@ -167,7 +167,7 @@ def stop_before_scheduler_joins() -> None:
     the scheduler has not mapped it: the start-up window a crash leaks the
     region in. The test that asks for it SIGKILLs the stopped process.
     """
-    from kvtriton.integrations._vllm_tiering import KVTritonTieringOffloadingSpec
+    from kvtriton.integrations.vllm._tiering import KVTritonTieringOffloadingSpec
 
     build_manager = KVTritonTieringOffloadingSpec.get_manager
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtriton.integrations._vllm_logging import (
+from kvtriton.integrations.vllm._logging import (
     KVTRITON_LOGGER,
     VLLM_LOGGER,
     VLLMForwardingHandler,
@@ -32,7 +32,7 @@ def vllm_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
     """
     import vllm.envs as vllm_envs
 
-    importlib.import_module("kvtriton.integrations._vllm_surface")
+    importlib.import_module("kvtriton.integrations.vllm._surface")
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -58,7 +58,7 @@ def attach() -> bool:
 
 
 def emit() -> None:
-    logging.getLogger("kvtriton.integrations._vllm_config").warning("probe-warning")
+    logging.getLogger("kvtriton.integrations.vllm._config").warning("probe-warning")
     logging.getLogger("kvtriton.worker._slab").info("probe-info")
     logging.getLogger("kvtriton.worker._slab").debug("probe-debug")
 

@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import Offl
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata
 
 from kvtriton._integrity import IntegrityFault
-from kvtriton.integrations._integrity_report import (
+from kvtriton.integrations.vllm._integrity_report import (
     INTEGRITY_FAILURES,
     IntegrityReport,
     integrity_metric_definitions,
@@ -69,7 +69,7 @@ def test_faults_are_counted_and_reported_as_increments() -> None:
 def test_warnings_name_the_tier_and_reason_and_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     clock = _Clock()
     report = IntegrityReport(TIER, warning_interval_s=60.0, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._integrity_report"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm._integrity_report"):
         for index in range(5):
             report.record(IntegrityFault.CHECKSUM, f"chunk-{index}")
         report.record(IntegrityFault.OTHER_KEY, "chunk-x")  # another reason warns on its own

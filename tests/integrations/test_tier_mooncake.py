@@ -31,9 +31,9 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations import _mooncake_local as mooncake_local
-from kvtriton.integrations._mooncake_config import MooncakeTierConfig
-from kvtriton.integrations._vllm_surface import LOOKUPS_MARK_PRESENT
 from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_store
+from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.vllm._surface import LOOKUPS_MARK_PRESENT
 
 CHUNK = 64 * 1024
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

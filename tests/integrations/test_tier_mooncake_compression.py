@@ -29,9 +29,9 @@ from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations._mooncake_config import MooncakeTierConfig
-from kvtriton.integrations._vllm_tiering import LAYOUT_TAG
 from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
+from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.vllm._tiering import LAYOUT_TAG
 
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 

@@ -37,9 +37,9 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_fixtures.builders import TINY_MODEL_DIR, offloading_config
 
 from kvtriton._integrity import ROW_FORMAT_VERSION, SEAL_BYTES, IntegrityFault, key_digest
-from kvtriton.integrations._integrity_report import INTEGRITY_FAILURES
-from kvtriton.integrations._mooncake_config import MooncakeTierConfig
 from kvtriton.integrations.mooncake import MooncakeStoreTier, StoreClient, TierState, open_store
+from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
 
 CHUNK = 64 * 1024
 SEALED = CHUNK + SEAL_BYTES

@@ -28,9 +28,9 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtriton._integrity import SEAL_BYTES, seal
-from kvtriton.integrations._vllm_sealed_tiering import SealedTieringManager
-from kvtriton.integrations._vllm_tiering import LAYOUT_TAG
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+from kvtriton.integrations.vllm._tiering import LAYOUT_TAG
 
 CHUNK = 4096  # 2048-byte blocks, one rank and a seal, padded to 4096 bytes
 PAYLOAD = CHUNK - SEAL_BYTES
@@ -195,7 +195,7 @@ def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
         "eviction_policy": "LRUCachePolicy",
         "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
     }
-    with caplog.at_level(logging.INFO, logger="kvtriton.integrations._vllm_tiering"):
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiering"):
         manager = tiering(managers, extra)
     assert "vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts the primary tier" in caplog.text
     primary = manager.primary_tier

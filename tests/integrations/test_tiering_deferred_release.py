@@ -24,9 +24,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSp
 from vllm.v1.kv_offload.tiering import base as tiering_base
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations import _vllm_surface as surface
-from kvtriton.integrations._vllm_sealed_tiering import tier_label
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm import _surface as surface
+from kvtriton.integrations.vllm._sealed_tiering import tier_label
 
 CHUNK = 4096  # 2048-byte blocks, one rank and a seal, padded to 4096 bytes
 STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

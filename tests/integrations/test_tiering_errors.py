@@ -21,8 +21,8 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_fixtures.in_process import workers_on_nodes
 
 import kvtriton.worker._shared_region as shared_region
-from kvtriton.integrations._vllm_surface import SECONDARY_TIERS_REFUSE_MULTI_NODE
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm._surface import SECONDARY_TIERS_REFUSE_MULTI_NODE
 from kvtriton.worker._slab import PageableSlabWarning
 
 BUDGET: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}

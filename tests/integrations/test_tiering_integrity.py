@@ -27,8 +27,8 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 import kvtriton._integrity as integrity
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal, seal_bytes
-from kvtriton.integrations._integrity_report import INTEGRITY_FAILURES
-from kvtriton.integrations._vllm_sealed_tiering import SealedTieringManager
+from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
+from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
 
 CHUNK = 4096  # 2048-byte blocks, one rank and the seal, padded to a page
 PAYLOAD = CHUNK - SEAL_BYTES

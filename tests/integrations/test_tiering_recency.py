@@ -22,8 +22,8 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloa
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations._vllm_tiering import KVTritonPrimaryTier
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
+from kvtriton.integrations.vllm._tiering import KVTritonPrimaryTier
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 A, B, C, D, E, F = (key(index) for index in range(1, 7))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtriton.integrations._vllm_config import (
+from kvtriton.integrations.vllm._config import (
     TIERED_ONLY_KEYS,
     VLLM_KEYS,
     KVTritonOffloadConfig,
@@ -237,7 +237,7 @@ def test_every_unknown_key_is_named_in_one_error() -> None:
 
 def test_tiered_keys_in_the_single_tier_spec_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 1, "secondary_tiers": [], "tier_poll_interval_s": 0.1}
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm._config"):
         assert check_keys(extra, tiered=False) == ["secondary_tiers", "tier_poll_interval_s"]
         assert check_keys(extra, tiered=True) == []
     assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
@@ -247,7 +247,7 @@ def test_the_identity_key_is_accepted_but_ignored_with_a_warning_by_the_single_t
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     extra: dict[str, object] = {"cpu_bytes_to_use": 1, "kvtriton_identity_key": "llama-prod-2026-11"}
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm._config"):
         assert check_keys(extra, tiered=True) == []
         assert caplog.text == ""
         assert check_keys(extra, tiered=False) == ["kvtriton_identity_key"]
@@ -264,7 +264,7 @@ def test_verify_host_loads_is_read_by_the_single_tier_spec_and_ignored_with_a_wa
         ValueError, match=r"\['kvtriton_verify_host_loads'\] must be true or false, got str 'sometimes'"
     ):
         KVTritonOffloadConfig.from_extra_config({**extra, "kvtriton_verify_host_loads": "sometimes"})
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm._config"):
         assert check_keys(extra, tiered=False) == []
         assert caplog.text == ""
         assert check_keys(extra, tiered=True) == ["kvtriton_verify_host_loads"]
@@ -275,7 +275,7 @@ def test_every_key_vllm_or_kvtriton_reads_passes_silently(caplog: pytest.LogCapt
     extra: dict[str, object] = {key: 1 for key in VLLM_KEYS if key not in TIERED_ONLY_KEYS}
     extra.update({"kvtriton_backend": "torch", "kvtriton_num_programs": 4, "kvtriton_pageable_slab": True})
     extra.update({"kvtriton_kv_compression": "none", "kvtriton_summary_interval_s": 0})
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm._config"):
         assert check_keys(extra, tiered=False) == []
         assert check_keys({**extra, **{key: 1 for key in TIERED_ONLY_KEYS}}, tiered=True) == []
     assert caplog.text == ""
@@ -321,7 +321,7 @@ def test_a_budget_beyond_host_ram_is_refused_when_the_spec_is_built() -> None:
 def test_a_total_beyond_host_ram_over_several_ranks_only_warns(caplog: pytest.LogCaptureFixture) -> None:
     ram = host_ram_bytes()
     assert ram is not None
-    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations._vllm_config"):
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.vllm._config"):
         check_budget(ram * 3 // 2, slot_bytes=4096, world_size=4)
     assert "only fits if the 4 ranks are spread over several hosts" in caplog.text
 
@@ -447,7 +447,7 @@ def user_policies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_a_user_policy_written_for_vllm_0_33_is_refused_on_0_34_at_start_up_naming_on_request_finished(
     user_policies: str,
 ) -> None:
-    surface = pytest.importorskip("kvtriton.integrations._vllm_surface")
+    surface = pytest.importorskip("kvtriton.integrations.vllm._surface")
     extra = {"cpu_bytes_to_use": 1, "eviction_policy": "WrittenForVLLM033", "cache_policy_module_path": user_policies}
     if not surface.POLICY_MUST_FINISH_REQUESTS:  # vLLM 0.33: its CachePolicy asks for touch, which the class has
         assert KVTritonOffloadConfig.from_extra_config(extra).uses_vllm_policy
@@ -462,7 +462,7 @@ def test_a_user_policy_written_for_vllm_0_33_is_refused_on_0_34_at_start_up_nami
 
 
 def test_a_user_policy_written_for_vllm_0_34_is_refused_on_0_33_naming_touch(user_policies: str) -> None:
-    surface = pytest.importorskip("kvtriton.integrations._vllm_surface")
+    surface = pytest.importorskip("kvtriton.integrations.vllm._surface")
     extra = {"cpu_bytes_to_use": 1, "eviction_policy": "WrittenForVLLM034", "cache_policy_module_path": user_policies}
     if not surface.MANAGER_HAS_TOUCH:  # vLLM 0.34: no touch anywhere, on_request_finished is the class's
         assert KVTritonOffloadConfig.from_extra_config(extra).uses_vllm_policy
@@ -472,7 +472,7 @@ def test_a_user_policy_written_for_vllm_0_34_is_refused_on_0_33_naming_touch(use
 
 
 def test_the_tiered_spec_refuses_a_user_policy_for_the_other_release_at_construction(user_policies: str) -> None:
-    surface = pytest.importorskip("kvtriton.integrations._vllm_surface")
+    surface = pytest.importorskip("kvtriton.integrations.vllm._surface")
     from tiering_fixtures.configs import tiering_config
 
     from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec

@@ -50,8 +50,8 @@ from vllm_fixtures.in_process import (
 from vllm_fixtures.requests import make_request
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
-from kvtriton.integrations._vllm_surface import DeviceSide, load_arguments, store_arguments
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingManager, VLLMOffloadingWorker
+from kvtriton.integrations.vllm._surface import DeviceSide, load_arguments, store_arguments
 from kvtriton.manager import CPUOffloadingManager
 
 LAYERS = ("layer0", "layer1")

@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR, offloading_config
 
 from kvtriton._integrity import FINGERPRINT_BYTES, ROW_FORMAT_VERSION
-from kvtriton.integrations._vllm_identity import (
+from kvtriton.integrations.vllm._identity import (
     IDENTITY_KEY,
     IdentityParts,
     KVIdentity,

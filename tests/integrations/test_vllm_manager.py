@@ -31,8 +31,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_fixtures.builders import offloading_config
 
 import kvtriton
-from kvtriton.integrations import _vllm_surface as surface
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec
+from kvtriton.integrations.vllm import _surface as surface
 
 BLOCK_BYTES = 1024
 
@@ -201,7 +201,7 @@ def test_with_a_store_threshold_a_chunk_is_stored_on_its_second_offer() -> None:
 
 def filtered_manager(num_slots: int, store_threshold: int) -> OffloadingManager:
     """The adapter over kvtriton's manager and the reuse filter that counts as the installed vLLM counts."""
-    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, reuse_filter
+    from kvtriton.integrations.vllm._manager import VLLMOffloadingManager, reuse_filter
     from kvtriton.manager import CPUOffloadingManager
 
     cpu = CPUOffloadingManager(num_slots)
@@ -255,7 +255,7 @@ def test_on_vllm_0_33_every_offer_counts_as_in_vllms_cpu_manager(store_threshold
 
 
 def test_the_reuse_filter_counts_offers_as_the_installed_vllm_does() -> None:
-    from kvtriton.integrations._vllm_manager import STORE_OFFER_SIGNAL
+    from kvtriton.integrations.vllm._manager import STORE_OFFER_SIGNAL
     from kvtriton.manager import ReuseSignal
 
     expected = (
@@ -503,7 +503,7 @@ def test_metric_definitions_declare_what_get_stats_reports_with_vllms_names_and_
     from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingHistogramMetadata
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    from kvtriton.integrations._vllm_manager import CPU_CACHE_OCCUPANCY_PERC, metric_definitions
+    from kvtriton.integrations.vllm._manager import CPU_CACHE_OCCUPANCY_PERC, metric_definitions
 
     for extra in ({}, {"store_threshold": 2}):
         ours, vllms = metric_definitions(extra), CPUOffloadingSpec.build_metric_definitions(dict(extra))
@@ -534,7 +534,7 @@ def test_metric_definitions_declare_what_get_stats_reports_with_vllms_names_and_
 
 
 def test_the_cache_usage_gauge_documents_that_it_counts_slots_held_by_transfers() -> None:
-    from kvtriton.integrations._vllm_manager import CPU_CACHE_OCCUPANCY_PERC, metric_definitions
+    from kvtriton.integrations.vllm._manager import CPU_CACHE_OCCUPANCY_PERC, metric_definitions
 
     documentation = metric_definitions()[CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC].documentation
     assert "held by transfers" in documentation and CPU_CACHE_OCCUPANCY_PERC in documentation
@@ -545,13 +545,13 @@ def test_a_summary_line_is_logged_after_each_interval_of_activity(
 ) -> None:
     import logging
 
-    import kvtriton.integrations._vllm_manager as vllm_manager
+    import kvtriton.integrations.vllm._manager as vllm_manager
 
     now = [1000.0]
     monkeypatch.setattr(vllm_manager.time, "monotonic", lambda: now[0])
     cpu = kvtriton.CPUOffloadingManager(4)
     adapter = vllm_manager.VLLMOffloadingManager(cpu, cpu, summary_interval_s=60)
-    caplog.set_level(logging.INFO, logger="kvtriton.integrations._vllm_manager")
+    caplog.set_level(logging.INFO, logger="kvtriton.integrations.vllm._manager")
     context = ReqContext(req_id="r1")
     k1, k2 = to_keys([1, 2])
     adapter.lookup(k1, context)
@@ -572,7 +572,7 @@ def test_a_summary_line_is_logged_after_each_interval_of_activity(
 
 @pytest.mark.parametrize("interval", [-1.0, "60"])
 def test_a_bad_summary_interval_is_refused(interval: object) -> None:
-    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
+    from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
 
     cpu = kvtriton.CPUOffloadingManager(4)
     with pytest.raises((TypeError, ValueError), match="summary_interval_s"):
@@ -586,7 +586,7 @@ def test_a_bad_summary_interval_is_refused(interval: object) -> None:
 def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(
     bytes_per_chunk: int, loaded: str, stored: str
 ) -> None:
-    from kvtriton.integrations._vllm_manager import summary_line
+    from kvtriton.integrations.vllm._manager import summary_line
     from kvtriton.manager import ManagerStats
 
     def snapshot(loads: int, stores: int) -> ManagerStats:
@@ -602,7 +602,7 @@ def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(
 def test_the_summary_line_in_docs_operations_is_the_one_logged() -> None:
     from pathlib import Path
 
-    from kvtriton.integrations._vllm_manager import summary_line
+    from kvtriton.integrations.vllm._manager import summary_line
     from kvtriton.manager import ManagerStats
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text(encoding="utf-8")

@@ -19,9 +19,9 @@ from vllm_fixtures.builders import canonical_kv_caches, offloading_config
 from vllm_fixtures.connector import submit_load, submit_store
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
 
-from kvtriton.integrations._vllm_surface import FAILED_TRANSFERS_ARE_REPORTED
-from kvtriton.integrations._vllm_worker import GroupPages
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec, VLLMOffloadingWorker
+from kvtriton.integrations.vllm._surface import FAILED_TRANSFERS_ARE_REPORTED
+from kvtriton.integrations.vllm._worker import GroupPages
 from kvtriton.kernels._compressed_format import compression_layout
 from kvtriton.kernels._compression import KVCompression, dequantize_groups, quantize_groups
 from kvtriton.worker._slab import PageableSlabWarning
@@ -198,7 +198,7 @@ def test_a_slot_beyond_this_ranks_slab_is_refused_with_the_likely_cause(
 ) -> None:
     # The scheduler sizes the cache from rank 0's KV bytes per block; a
     # pipeline stage holding more layers than rank 0 fits fewer slots.
-    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations._vllm_worker"):
+    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations.vllm._worker"):
         accepted = rig.worker.submit_load(3, CPULoadStoreSpec([1, NUM_SLOTS + 2]), gpu([0, 1, 2, 3]))
     assert f"slot {NUM_SLOTS + 2}" in caplog.text and f"holds {NUM_SLOTS} slots" in caplog.text
     assert "pipeline" in caplog.text
@@ -222,7 +222,7 @@ def test_verify_host_loads_refuses_a_load_of_a_slot_changed_since_its_store(capl
     assert [rig.block(0, b) for b in (11, 12, 13, 14)] == [rig.original_block(0, b) for b in (7, 9, 3, 5)]
 
     flip_a_byte(rig, 4)
-    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations._vllm_worker"):
+    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations.vllm._worker"):
         changed = rig.worker.submit_load(2, CPULoadStoreSpec([2, 4, 4]), gpu([0, 1, 2, 3, 4, 5]))
         assert "load job 2 refused by kvtriton_verify_host_loads: host slab slot(s) [4] " in caplog.text
         never_stored = rig.worker.submit_load(3, CPULoadStoreSpec([5]), gpu([0, 1]))

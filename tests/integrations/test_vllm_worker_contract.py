@@ -27,9 +27,9 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm_fixtures.builders import canonical_kv_caches, offloading_config
 from vllm_fixtures.connector import device_side, submit_load, submit_store
 
-from kvtriton.integrations._vllm_surface import FAILED_TRANSFERS_ARE_REPORTED, WORKER_GETS_DEVICE_POINTERS
-from kvtriton.integrations._vllm_worker import VLLMOffloadingWorker, block_ids_from_pointers
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec
+from kvtriton.integrations.vllm._surface import FAILED_TRANSFERS_ARE_REPORTED, WORKER_GETS_DEVICE_POINTERS
+from kvtriton.integrations.vllm._worker import VLLMOffloadingWorker, block_ids_from_pointers
 from kvtriton.worker._slab import PageableSlabWarning
 
 NUM_BLOCKS = 24

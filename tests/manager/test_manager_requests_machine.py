@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloa
 
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import CPULoadStoreSpec, LookupResult, ReqContext
-from kvtriton.integrations._vllm_surface import EVENTS_CARRY_REQ_CONTEXT, MANAGER_HAS_TOUCH
+from kvtriton.integrations.vllm._surface import EVENTS_CARRY_REQ_CONTEXT, MANAGER_HAS_TOUCH
 from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy
 
 BLOCKS = [f"key-{i}".encode() for i in range(5)]

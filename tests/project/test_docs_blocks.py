@@ -336,7 +336,7 @@ def check_transfer_config(config: Mapping[str, Any]) -> None:
         if not hasattr(module, spec_name):
             raise DocsProblem(f"spec_module_path {module_path!r} has no spec_name {spec_name!r}")
     if spec_name.startswith("KVTriton"):
-        from kvtriton.integrations._vllm_config import KVTritonOffloadConfig
+        from kvtriton.integrations.vllm._config import KVTritonOffloadConfig
 
         try:
             KVTritonOffloadConfig.from_extra_config(extra)
@@ -366,7 +366,7 @@ def check_secondary_tiers(tiers: object) -> None:
         except TypeError as error:
             raise DocsProblem(f"secondary_tiers[{index}] ({config.get('type')}): {error}") from None
         if tier_class.__name__ == "MooncakeStoreTier":
-            from kvtriton.integrations._mooncake_config import MooncakeTierConfig
+            from kvtriton.integrations.mooncake._config import MooncakeTierConfig
 
             fields = set(inspect.signature(MooncakeTierConfig).parameters)
             try:

@@ -45,7 +45,7 @@ from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
 from vllm_fixtures.in_process import model_runner_output
 from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
-from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
+from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
 from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, token_workload, trace_lines
 from kvtriton.sim._vllm_server import ServerModel, predict
 from kvtriton.sim._workloads import parse_trace

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
 from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 
-from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
+from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._replay import HookedManager, PreparedRequest, hooked_calls, positioned_contexts, prepare
 from kvtriton.sim._vllm_order import replay_vllm_order

@@ -16,7 +16,7 @@ from typing import cast
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker
 
-from kvtriton.integrations._vllm_surface import WORKER_GETS_DEVICE_POINTERS
+from kvtriton.integrations.vllm._surface import WORKER_GETS_DEVICE_POINTERS
 
 
 def device_side(spec: GPULoadStoreSpec, kv_caches: CanonicalKVCaches) -> object:

@@ -325,49 +325,49 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
     VLLMPrivateName(
         "policy_registry",
         "vllm.v1.kv_offload.cpu.policies.factory.CachePolicyFactory._registry",
-        "kvtriton.integrations._vllm_config",
+        "kvtriton.integrations.vllm._config",
         "the names of vLLM's registered eviction policies (no public list): a policy name kvtriton leaves to vLLM "
         "is refused at start-up unless vLLM resolves it",
     ),
     VLLMPrivateName(
         "secondary_tiers_hook",
         "vllm.v1.kv_offload.tiering.spec.TieringOffloadingSpec._get_secondary_tiers",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "overridden, so that a bad secondary_tiers entry (missing package, unknown key, wrong class) is one line "
         "naming the tier instead of vLLM's bare error",
     ),
     VLLMPrivateName(
         "primary_num_chunks",
         "vllm.v1.kv_offload.tiering.manager.TieringOffloadingManager reads primary_tier._num_chunks",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "KVTritonPrimaryTier sets _num_chunks: the orchestrator sizes its occupancy metrics from it",
     ),
     VLLMPrivateName(
         "restated_spec_attributes",
         "vllm.v1.kv_offload.tiering.spec.TieringOffloadingSpec attributes "
         + ", ".join(RESTATED_TIERING_SPEC_ATTRIBUTES),
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "set by vLLM's parents from vLLM's own region layout; kvtriton's spec restates them for its own layout "
         "(RESTATED_TIERING_SPEC_ATTRIBUTES), and vLLM's tiers and metrics read them",
     ),
     VLLMPrivateName(
         "tier_class_assertion",
         "vllm.v1.kv_offload.tiering.factory.SecondaryTierFactory.get_tier_class raises AssertionError",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "vLLM asserts that an out-of-tree tier class is a SecondaryTierManager: kvtriton catches it "
         "(TIER_CLASS_REFUSED) to name the tier",
     ),
     VLLMPrivateName(
         "tier_factory_arguments",
         "vllm.v1.kv_offload.tiering.factory.SecondaryTierFactory.create_secondary_tier arguments and keys",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "the constructor arguments the factory fills itself (FACTORY_ARGUMENTS) and the tier keys it consumes "
         "(FACTORY_KEYS): kvtriton checks the rest of a tier's keys against the tier's constructor",
     ),
     VLLMPrivateName(
         "model_name_namespace",
         "vllm.v1.kv_offload.file_mapper.FileMapper names storage after config.model.name",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "kvtriton rewrites the model name the secondary tiers see (with_model_name) to give its own chunk bytes "
         "a namespace of their own",
     ),
@@ -375,7 +375,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "primary_region_methods",
         "vllm.v1.kv_offload.tiering.manager.CPUPrimaryTierOffloadingManager reads mmap_region "
         "create_kv_memoryview and cleanup",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "vLLM's own primary runs over kvtriton's shared region (a vLLM eviction policy), seen through an object "
         "with only these two methods",
     ),
@@ -383,7 +383,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "promotion_hooks",
         "vllm.v1.kv_offload.tiering.manager.TieringOffloadingManager._complete_promotion(job_metadata, "
         "completed_job) and _initiate_promotion(tier_idx, key, req_context) -> bool",
-        "kvtriton.integrations._vllm_sealed_tiering",
+        "kvtriton.integrations.vllm._sealed_tiering",
         "overridden: a promoted chunk is verified before vLLM marks its slot ready (a faulty key leaves the job's "
         "successful_keys), and a key that failed is not promoted from that tier again (False: a miss)",
     ),
@@ -391,7 +391,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "multi_node_refusal",
         f"vllm.v1.kv_offload.tiering.spec.{MULTI_NODE_REFUSAL} (vLLM 0.34; absent from 0.33), which "
         "TieringOffloadingSpec.create_worker calls",
-        "kvtriton.integrations._vllm_tiering",
+        "kvtriton.integrations.vllm._tiering",
         "kvtriton's tiered spec overrides get_worker, so it runs vLLM's own refusal of secondary tiers on workers "
         "that span nodes (refuse_secondary_tiers_across_nodes) where vLLM's create_worker would",
     ),
@@ -399,7 +399,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "connector_vllm_config",
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector.OffloadingConnector.__init__(vllm_config, "
         "role, kv_cache_config) builds the spec",
-        "kvtriton.integrations._vllm_surface",
+        "kvtriton.integrations.vllm._surface",
         "the spec's OffloadingConfig lacks the model dtype and revision; connector_vllm_config reads them from the "
         "constructor's vllm_config argument, so that the engine core (which builds its connector outside "
         "set_current_vllm_config) and the workers compute one identity",
@@ -407,7 +407,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
     VLLMPrivateName(
         "backpressure_class_import",
         "vllm.v1.kv_offload.tiering.factory._import_class and _DEFAULT_PACKAGE",
-        "kvtriton.integrations._vllm_surface",
+        "kvtriton.integrations.vllm._surface",
         "how vLLM's tier factory resolves backpressure_cls and policy_cls (a short name in its backpressure module, "
         "a dotted one as module.Class): backpressure_class_problem resolves them the same way at start-up, so a "
         "bad one is one line naming the key instead of a raw AttributeError from the scheduler",
@@ -415,7 +415,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
     VLLMPrivateName(
         "fs_file_mapper",
         "vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager.file_mapper",
-        "kvtriton.integrations._vllm_sealed_tiering",
+        "kvtriton.integrations.vllm._sealed_tiering",
         "the file of a chunk that failed its seal check is removed (as vLLM's fs tier removes one cut short), so "
         "the next cascade writes it afresh instead of skipping a file that exists",
     ),

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from kvtriton._integrity import IntegrityFault
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._surface import (
     TIER_LABEL,
     OffloadingConnectorStats,
     OffloadingCounterMetadata,

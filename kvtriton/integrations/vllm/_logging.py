@@ -41,7 +41,7 @@ class VLLMForwardingHandler(logging.Handler):
 
 def attach_to_vllm_logging() -> bool:
     """Route the ``kvtriton`` logger's records to vLLM's handlers, at vLLM's level; whether it did (see the module doc)."""
-    from kvtriton.integrations._vllm_surface import vllm_configures_logging
+    from kvtriton.integrations.vllm._surface import vllm_configures_logging
 
     kvtriton_logger = logging.getLogger(KVTRITON_LOGGER)
     if any(isinstance(handler, VLLMForwardingHandler) for handler in kvtriton_logger.handlers):

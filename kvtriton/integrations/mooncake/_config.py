@@ -135,7 +135,7 @@ class ChunkIdentity:
     canonical_format: str
     namespace: str
     fingerprint: str = ""
-    """The identity fingerprint (hex; kvtriton.integrations._vllm_identity): model, weights, dtypes, row format."""
+    """The identity fingerprint (hex; kvtriton.integrations.vllm._identity): model, weights, dtypes, row format."""
 
     def fields(self) -> dict[str, object]:
         return {

@@ -8,7 +8,7 @@ Switch vLLM's CPU offloading to kvtriton by configuration alone::
 
 vLLM builds :class:`KVTritonOffloadingSpec` once in the scheduler process
 (which asks it for the manager) and once per worker (which asks it for the
-worker). The keys it reads are listed in :mod:`kvtriton.integrations._vllm_config`
+worker). The keys it reads are listed in :mod:`kvtriton.integrations.vllm._config`
 and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'``.
 """
 
@@ -43,25 +43,25 @@ try:
     import torch
     from typing_extensions import override
 
-    from kvtriton.integrations._vllm_config import KVTritonOffloadConfig, check_budget, is_vllm_policy, parse_policy
-    from kvtriton.integrations._vllm_logging import attach_to_vllm_logging
-    from kvtriton.integrations._vllm_manager import VLLMOffloadingManager, metric_definitions, reuse_filter
-    from kvtriton.integrations._vllm_spec_core import (
+    from kvtriton.integrations.vllm._config import KVTritonOffloadConfig, check_budget, is_vllm_policy, parse_policy
+    from kvtriton.integrations.vllm._logging import attach_to_vllm_logging
+    from kvtriton.integrations.vllm._manager import VLLMOffloadingManager, metric_definitions, reuse_filter
+    from kvtriton.integrations.vllm._spec_core import (
         log_vllm_policy,
         open_host_slab,
         open_transfer_engines,
         spec_basis,
     )
-    from kvtriton.integrations._vllm_surface import (
+    from kvtriton.integrations.vllm._surface import (
         CPUOffloadingInfo,
         CPUOffloadingSpec,
         OffloadingConfig,
         vllm_base,
     )
-    from kvtriton.integrations._vllm_surface import (
+    from kvtriton.integrations.vllm._surface import (
         CPUOffloadingManager as VLLMCPUOffloadingManager,
     )
-    from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
+    from kvtriton.integrations.vllm._worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, OffloadingManager
     from kvtriton.worker._slab import HostSlab
 except ImportError as _error:
@@ -134,7 +134,7 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
     One slot of the host slab holds one offloaded chunk (``blocks_per_chunk``
     GPU blocks) of one KV cache group's bytes on this rank: the pages the
     group references, without padding (see
-    :mod:`kvtriton.integrations._vllm_worker`). The slot count is derived from
+    :mod:`kvtriton.integrations.vllm._worker`). The slot count is derived from
     ``cpu_bytes_to_use`` (the total over all ranks) and the KV bytes per block
     by the same formula in the scheduler (which sees rank 0's bytes) and in
     every worker (its own), so the slot ids the manager hands out are valid in
@@ -267,4 +267,4 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
         return self._worker
 
 
-from kvtriton.integrations._vllm_tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)
+from kvtriton.integrations.vllm._tiering import KVTritonTieringOffloadingSpec as KVTritonTieringOffloadingSpec  # noqa: E402 -- re-export: "spec_name": "KVTritonTieringOffloadingSpec" with this module path (docs/tiers.md)

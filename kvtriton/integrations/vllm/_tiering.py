@@ -34,7 +34,7 @@ The pieces:
   engine of another model, weights, dtype, geometry or compression sharing the
   root only misses, never loads them. With ``kvtriton_kv_compression`` the
   tag names the compression and its scale group size too (``+fp8-e4m3-g128``);
-* fail closed (:class:`~kvtriton.integrations._vllm_sealed_tiering.SealedTieringManager`):
+* fail closed (:class:`~kvtriton.integrations.vllm._sealed_tiering.SealedTieringManager`):
   every chunk a secondary tier reads is sealed first, every chunk it returns
   is verified before it becomes a hit (docs/tiers.md, "Integrity").
 
@@ -59,8 +59,7 @@ import torch
 from typing_extensions import override
 
 from kvtriton._private_files import prepare_tier_root, tier_root_problem
-from kvtriton.integrations._integrity_report import integrity_metric_definitions
-from kvtriton.integrations._vllm_config import (
+from kvtriton.integrations.vllm._config import (
     CACHE_POLICY_MODULE_PATH,
     EVICTION_POLICY,
     KVTritonOffloadConfig,
@@ -70,11 +69,12 @@ from kvtriton.integrations._vllm_config import (
     is_vllm_policy,
     parse_policy,
 )
-from kvtriton.integrations._vllm_identity import KVIdentity, vllm_identity
-from kvtriton.integrations._vllm_manager import VLLMOffloadingManager
-from kvtriton.integrations._vllm_sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
-from kvtriton.integrations._vllm_spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._identity import KVIdentity, vllm_identity
+from kvtriton.integrations.vllm._integrity_report import integrity_metric_definitions
+from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
+from kvtriton.integrations.vllm._sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
+from kvtriton.integrations.vllm._spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
+from kvtriton.integrations.vllm._surface import (
     FACTORY_ARGUMENTS,
     FACTORY_KEYS,
     TIER_CLASS_REFUSED,
@@ -92,10 +92,10 @@ from kvtriton.integrations._vllm_surface import (
     vllm_base,
     with_model_name,
 )
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._surface import (
     CPULoadStoreSpec as VLLMCPULoadStoreSpec,
 )
-from kvtriton.integrations._vllm_worker import GroupPages, VLLMOffloadingWorker
+from kvtriton.integrations.vllm._worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._shared_region import RegionLayout, SharedRegion
@@ -119,7 +119,7 @@ two apart; bump its version if the order ever changes. With compression
 def layout_tag(*, compression: str | None) -> str:
     """The namespace tag of the chunks the secondary tiers store.
 
-    ``compression``: :func:`~kvtriton.integrations._vllm_config.compression_tag` (None: off).
+    ``compression``: :func:`~kvtriton.integrations.vllm._config.compression_tag` (None: off).
     """
     return LAYOUT_TAG if compression is None else f"{LAYOUT_TAG}+{compression}"
 
@@ -546,7 +546,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         )
         """Where every rank's bytes of every chunk sit in the shared region."""
         layout = self.region_layout
-        # The attributes vLLM's parent classes derived from their own layout (_vllm_surface lists them),
+        # The attributes vLLM's parent classes derived from their own layout (_surface lists them),
         # restated for kvtriton's.
         self.num_chunks = layout.num_chunks
         self.kv_bytes_per_chunk = layout.chunk_bytes

@@ -30,7 +30,7 @@ values converted at the boundary:
   does, so its ``OffloadingEventsTracker`` drops the payload it recorded; on
   vLLM 0.34 a stored event names the request whose store completed and
   expects the keys' removal (``req_context``, ``removal_expected``:
-  :func:`~kvtriton.integrations._vllm_surface.stored_event`);
+  :func:`~kvtriton.integrations.vllm._surface.stored_event`);
 * metrics: vLLM's CPU tier metrics under vLLM's names (:func:`metric_definitions`
   declares them for the spec, :meth:`VLLMOffloadingManager.get_stats`
   reports them), a true occupancy gauge beside them, and every
@@ -55,8 +55,8 @@ from typing_extensions import override
 from kvtriton._byte_units import format_bytes
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import CPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingEvent
-from kvtriton.integrations._vllm_config import DEFAULT_SUMMARY_INTERVAL_S, declares_reuse_filter
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._config import DEFAULT_SUMMARY_INTERVAL_S, declares_reuse_filter
+from kvtriton.integrations.vllm._surface import (
     MANAGER_HAS_TOUCH,
     STORE_OFFERS_COUNT_ONCE_PER_REQUEST,
     CacheHitSource,
@@ -66,7 +66,7 @@ from kvtriton.integrations._vllm_surface import (
     stored_event,
     vllm_base,
 )
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._surface import (
     CPULoadStoreSpec as VLLMCPULoadStoreSpec,
 )
 from kvtriton.manager import (

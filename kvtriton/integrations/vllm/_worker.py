@@ -40,7 +40,7 @@ import torch
 from typing_extensions import override
 
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._surface import (
     FAILED_TRANSFERS_ARE_REPORTED,
     DevicePointers,
     DeviceSide,

@@ -1,7 +1,7 @@
 """What kvtriton's two vLLM specs share: the parsed settings, the start-up checks, the worker's slab and engines.
 
 :class:`~kvtriton.integrations.vllm.KVTritonOffloadingSpec` (one host slab
-per rank) and :class:`~kvtriton.integrations._vllm_tiering.KVTritonTieringOffloadingSpec`
+per rank) and :class:`~kvtriton.integrations.vllm._tiering.KVTritonTieringOffloadingSpec`
 (one shared region in front of vLLM's secondary tiers) differ in where the
 host memory lives and which manager the scheduler runs. Everything else is
 here, once: reading ``kv_connector_extra_config`` and vLLM's geometry
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from kvtriton.integrations._vllm_config import (
+from kvtriton.integrations.vllm._config import (
     KVTRITON_PAGEABLE_SLAB,
     KVTritonOffloadConfig,
     check_keys,
@@ -31,8 +31,8 @@ from kvtriton.integrations._vllm_config import (
     host_row_bytes,
     kv_dtype,
 )
-from kvtriton.integrations._vllm_surface import OffloadingConfig, check_vllm_release
-from kvtriton.integrations._vllm_worker import GroupPages
+from kvtriton.integrations.vllm._surface import OffloadingConfig, check_vllm_release
+from kvtriton.integrations.vllm._worker import GroupPages
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._slab import HostSlab, SlabPinningError
 

@@ -8,7 +8,7 @@ module path::
 
 behind vLLM's own ``TieringOffloadingSpec`` (vLLM's CPU primary) or kvtriton's
 tiered spec. Every configuration key is in :class:`MooncakeTierConfig`
-(kvtriton/integrations/_mooncake_config.py) and docs/mooncake.md.
+(kvtriton/integrations/mooncake/_config.py) and docs/mooncake.md.
 
 How it moves data
     The primary tier's host memory is registered with the store once; a
@@ -19,7 +19,7 @@ How it moves data
 
 How it fails closed
     Object keys are filed under the engine's identity fingerprint
-    (:mod:`kvtriton.integrations._vllm_identity`: model, weights, dtypes,
+    (:mod:`kvtriton.integrations.vllm._identity`: model, weights, dtypes,
     layout, compression, row format, namespace). Every value is the chunk
     followed by its 64-byte seal (:mod:`kvtriton._integrity`), put from the
     primary's slot and a small registered seal buffer in one
@@ -28,7 +28,7 @@ How it fails closed
     becomes a hit. A value that fails (other bytes, another key's or another
     identity's chunk, a torn or over-long one, an older format) is a miss for
     that key only, counted in ``vllm:kv_offload_integrity_failures{tier,reason}``
-    with a rate-limited WARNING (:mod:`kvtriton.integrations._integrity_report`).
+    with a rate-limited WARNING (:mod:`kvtriton.integrations.vllm._integrity_report`).
 
 How it stays out of the scheduler's way
     Lookups go through vLLM's ``AsyncLookupManager``: the scheduler gets RETRY
@@ -70,12 +70,12 @@ import numpy as np
 from typing_extensions import override
 
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
-from kvtriton.integrations._integrity_report import IntegrityReport, integrity_metric_definitions
-from kvtriton.integrations._mooncake_config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
 from kvtriton.integrations._mooncake_local import mooncake_version_problem
-from kvtriton.integrations._vllm_config import compression_tag
-from kvtriton.integrations._vllm_identity import KVIdentity, compute_identity, vllm_identity
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.mooncake._config import ChunkIdentity, MooncakeKeyspace, MooncakeTierConfig
+from kvtriton.integrations.vllm._config import compression_tag
+from kvtriton.integrations.vllm._identity import KVIdentity, compute_identity, vllm_identity
+from kvtriton.integrations.vllm._integrity_report import IntegrityReport, integrity_metric_definitions
+from kvtriton.integrations.vllm._surface import (
     TIER_LABEL,
     AsyncLookupManager,
     BackpressureDetector,
@@ -103,7 +103,7 @@ from kvtriton.integrations._vllm_surface import (
 from kvtriton.kernels._compression import KVCompression
 
 if TYPE_CHECKING:
-    from kvtriton.integrations._vllm_surface import OffloadingSpec
+    from kvtriton.integrations.vllm._surface import OffloadingSpec
 
 __all__ = [
     "MooncakeStoreTier",

@@ -21,7 +21,7 @@ import torch
 
 from kvtriton._choices import ChoiceT, parse_choice
 from kvtriton._private_files import PRIVATE, FileSharing
-from kvtriton.integrations._vllm_identity import IDENTITY_KEY
+from kvtriton.integrations.vllm._identity import IDENTITY_KEY
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels._compressed_format import ALIGNMENT, COMPRESSIBLE_DTYPES, DEFAULT_GROUP_SIZE, compression_layout
 from kvtriton.kernels._compression import KVCompression
@@ -300,12 +300,12 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     mistyped or misplaced module path would silently run a built-in policy.
     The class must implement every abstract method of the installed vLLM's
     ``CachePolicy``: ``touch`` on vLLM 0.33, ``on_request_finished`` on 0.34
-    (:data:`~kvtriton.integrations._vllm_surface.POLICY_MUST_FINISH_REQUESTS`),
+    (:data:`~kvtriton.integrations.vllm._surface.POLICY_MUST_FINISH_REQUESTS`),
     so a policy written for the other release is refused here, not when
     vLLM first builds it.
     """
     try:
-        from kvtriton.integrations._vllm_surface import (
+        from kvtriton.integrations.vllm._surface import (
             POLICY_MUST_FINISH_REQUESTS,
             VLLM_VERSION,
             CachePolicy,

@@ -21,7 +21,7 @@ Verify (``_complete_promotion``)
     its slot (``complete_write(..., False)``), forgets that the request would
     load it from the tier, and the engine recomputes the block. The fault is
     counted in ``vllm:kv_offload_integrity_failures{tier,reason}`` with a
-    rate-limited WARNING (:mod:`kvtriton.integrations._integrity_report`).
+    rate-limited WARNING (:mod:`kvtriton.integrations.vllm._integrity_report`).
 Size (``_initiate_promotion``)
     Before vLLM's fs tier reads a chunk file, its length is checked: a file
     shorter than a sealed chunk (cut short, empty) is
@@ -62,9 +62,9 @@ import numpy as np
 from typing_extensions import override
 
 from kvtriton._integrity import IntegrityFault, seal_in_place, verify
-from kvtriton.integrations._integrity_report import IntegrityReport
-from kvtriton.integrations._vllm_identity import KVIdentity
-from kvtriton.integrations._vllm_surface import (
+from kvtriton.integrations.vllm._identity import KVIdentity
+from kvtriton.integrations.vllm._integrity_report import IntegrityReport
+from kvtriton.integrations.vllm._surface import (
     CPUPrimaryTierOffloadingManager,
     FileSystemTierManager,
     JobMetadata,

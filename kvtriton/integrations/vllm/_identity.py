@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from kvtriton._integrity import FINGERPRINT_BYTES, ROW_FORMAT_VERSION
 
 if TYPE_CHECKING:
-    from kvtriton.integrations._vllm_surface import OffloadingConfig, VllmConfig
+    from kvtriton.integrations.vllm._surface import OffloadingConfig, VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -294,17 +294,17 @@ def vllm_identity(
     """The identity of the chunks a kvtriton spec built from ``config`` hands its tiers.
 
     ``layout`` is the spec's layout tag (``vllm-cpu`` for vLLM's own rows);
-    ``compression`` :func:`~kvtriton.integrations._vllm_config.compression_tag`'s
+    ``compression`` :func:`~kvtriton.integrations.vllm._config.compression_tag`'s
     answer; ``rank`` this rank's index, or None for chunks that hold every
     rank's bytes. The model's revision and dtype come from ``vllm_config``,
     by default the one vLLM's connector is being built from
-    (:func:`~kvtriton.integrations._vllm_surface.connector_vllm_config`: the
+    (:func:`~kvtriton.integrations.vllm._surface.connector_vllm_config`: the
     same in the engine core and in every worker); when there is none they
     stay empty and the rest still counts. The identity key is read from
     ``config.extra_config``.
     """
     if vllm_config is None:
-        from kvtriton.integrations._vllm_surface import connector_vllm_config
+        from kvtriton.integrations.vllm._surface import connector_vllm_config
 
         vllm_config = connector_vllm_config()
     revision: str | None = None
