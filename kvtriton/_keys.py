@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NewType, cast
 
+from kvtriton._int_argument import check_int
+
 OffloadKey = NewType("OffloadKey", bytes)
 
 GROUP_INDEX_BYTES = 4
@@ -36,10 +38,7 @@ def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
         raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}: {block_hash!r}")
     if not len(block_hash):
         raise ValueError(f"block_hash must not be empty (it names the block), got {bytes(block_hash)!r}")
-    if isinstance(group_idx, bool) or not isinstance(group_idx, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- same: reject floats and bools at runtime
-        raise TypeError(f"group_idx must be an int, got {type(group_idx).__name__}: {group_idx!r}")
-    if not 0 <= group_idx <= _MAX_GROUP_INDEX:
-        raise ValueError(f"group_idx must be in 0..{_MAX_GROUP_INDEX}, got {group_idx}")
+    check_int("group_idx", group_idx, minimum=0, maximum=_MAX_GROUP_INDEX)
     return OffloadKey(bytes(block_hash) + group_idx.to_bytes(GROUP_INDEX_BYTES, "big", signed=False))
 
 

@@ -26,12 +26,6 @@ else:
         return method
 
 
-def require_int(value: object, name: str) -> None:
-    """Refuse anything but an int (a bool included), naming ``name``: config values arrive untyped."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-
-
 class OffloadingManager(ABC):
     """Decides which blocks live in the offload medium, and where.
 

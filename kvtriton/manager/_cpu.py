@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from typing import NamedTuple, NoReturn, cast
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import (
     CPULoadStoreSpec,
@@ -13,7 +14,7 @@ from kvtriton._offload_types import (
     PrepareStoreOutput,
     ReqContext,
 )
-from kvtriton.manager._base import OffloadingManager, override, require_int
+from kvtriton.manager._base import OffloadingManager, override
 from kvtriton.manager._request_access import RequestAccess, head_to_tail
 from kvtriton.manager._slot_pool import SlotPool
 from kvtriton.manager._stats import ManagerStats
@@ -106,9 +107,7 @@ class CPUOffloadingManager(OffloadingManager):
         *,
         report_dropped_stores: bool = False,
     ) -> None:
-        require_int(num_blocks, "num_blocks")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        check_int("num_blocks", num_blocks, minimum=1)
         self._policy_name = canonical_policy_name(cache_policy)
         self._policy: CachePolicy = make_policy(self._policy_name, num_blocks)
         self._hooks = _request_hooks(self._policy)

@@ -7,9 +7,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Container, Iterable
 from typing import Protocol, runtime_checkable
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
-from kvtriton.manager._base import OffloadingManager, override, require_int
+from kvtriton.manager._base import OffloadingManager, override
 
 
 class ReuseSignal(enum.Enum):
@@ -80,12 +81,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         *,
         count_on: ReuseSignal = ReuseSignal.LOOKUP,
     ) -> None:
-        require_int(store_threshold, "store_threshold")
-        require_int(max_tracker_size, "max_tracker_size")
-        if store_threshold < 2:
-            raise ValueError(f"store_threshold must be >= 2 (1 would filter nothing), got {store_threshold}")
-        if max_tracker_size < 1:
-            raise ValueError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
+        check_int("store_threshold", store_threshold, minimum=2)  # 1 would filter nothing
+        check_int("max_tracker_size", max_tracker_size, minimum=1)
         if not isinstance(count_on, ReuseSignal):  # pyright: ignore[reportUnnecessaryIsInstance] -- config values arrive untyped
             raise TypeError(f"count_on must be a ReuseSignal, got {type(count_on).__name__}: {count_on!r}")
         self._backing = backing

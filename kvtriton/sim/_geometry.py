@@ -2,9 +2,8 @@
 
 Capacity planning speaks in bytes (vLLM's ``cpu_bytes_to_use``) while the
 manager counts slots; the geometry of the model's KV cache (layers, KV heads,
-head dim, dtype, tokens per block) converts one into the other. The command
-line's sizes are parsed here too, by one rule for every command
-(:data:`SIZE_RULE`). Pure arithmetic: no torch, so ``kvtriton simulate``
+head dim, dtype, tokens per block) converts one into the other. Sizes are
+parsed and printed by the core's rule (``kvtriton._byte_units``). Pure arithmetic: no torch, so ``kvtriton simulate``
 stays scheduler-side and fast -- except :meth:`ModelGeometry.with_compression`,
 which asks the compression format itself (``compression_layout``) what a
 compressed block takes, and imports torch only then.
@@ -12,14 +11,36 @@ compressed block takes, and imports torch only then.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
-import math
-import re
 from dataclasses import dataclass
 
-from kvtriton._byte_units import format_bytes  # one size rule for the command line and the serving logs
+# One size rule for the command line and the serving logs; the parsers are named here too until every caller
+# imports them from the core.
+from kvtriton._byte_units import (
+    BARE_NUMBER_UNIT as BARE_NUMBER_UNIT,
+)
+from kvtriton._byte_units import (
+    SIZE_RULE as SIZE_RULE,
+)
+from kvtriton._byte_units import (
+    format_bytes as format_bytes,
+)
+from kvtriton._byte_units import (
+    is_bare_number as is_bare_number,
+)
+from kvtriton._byte_units import (
+    parse_capacity as parse_capacity,
+)
+from kvtriton._byte_units import (
+    parse_capacity_list as parse_capacity_list,
+)
+from kvtriton._byte_units import (
+    size_argument as size_argument,
+)
+from kvtriton._byte_units import (
+    size_list_argument as size_list_argument,
+)
 from kvtriton._region_rows import block_row_stride
 
 GIB = 2**30
@@ -207,92 +228,3 @@ PRESETS: dict[str, ModelGeometry] = {
     )
 }
 """Published KV shapes of common models, bf16, 16 tokens per block."""
-
-BARE_NUMBER_UNIT = "GiB"
-"""The unit of a size given as a bare number, in every command: vLLM's ``--kv-offloading-size`` is in GiB too."""
-
-SIZE_RULE = (
-    f"a bare number is {BARE_NUMBER_UNIT}; units B, KiB or K, MiB or M, GiB or G, TiB or T are powers of 1024,"
-    " KB, MB, GB, TB powers of 1000"
-)
-"""The one unit rule of the command line, quoted in the --help of every size flag."""
-
-_UNITS: dict[str, int] = {
-    "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}  # fmt: skip
-_CAPACITY = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-"""A number (a sign is read, so that ``-1`` is refused as not positive rather than as not a number) and a unit."""
-
-
-def parse_capacity(text: str) -> int:
-    """Parse a host memory size such as ``4``, ``1.5GiB``, ``512MiB`` or ``8G`` into bytes.
-
-    One rule for every command (:data:`SIZE_RULE`): a bare number is
-    :data:`BARE_NUMBER_UNIT`. Binary units (KiB, MiB, GiB, TiB and the single
-    letters K, M, G, T) are powers of 1024; KB, MB, GB, TB are powers of
-    1000, as written on memory data sheets.
-    """
-    match = _CAPACITY.match(text)
-    if match is None:
-        raise ValueError(f"capacity must be a number with an optional unit (e.g. 4GiB, 512MiB), got {text!r}")
-    number, unit = float(match.group(1)), (match.group(2) or BARE_NUMBER_UNIT).lower()
-    if unit not in _UNITS:
-        raise ValueError(f"capacity unit must be one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, got {text!r}")
-    if not math.isfinite(number):
-        raise ValueError(f"capacity must be finite, got {text!r}")
-    if number <= 0:
-        raise ValueError(f"capacity must be positive, got {text!r}")
-    size = int(number * _UNITS[unit])
-    if size < 1:
-        raise ValueError(f"capacity less than one byte, got {text!r}")
-    return size
-
-
-def parse_capacity_list(text: str) -> list[int]:
-    """Parse a comma-separated list of sizes (``4,8,16GiB``) into bytes, in the order given.
-
-    Every item must be a size (an empty item, as in ``1,,2``, is refused, not
-    skipped) and no two may be the same number of bytes (``16,16GiB`` is
-    refused, naming both), so that nothing the user wrote is silently dropped.
-    """
-    items = text.split(",")
-    sizes: list[int] = []
-    written: dict[int, str] = {}
-    for position, item in enumerate(items, start=1):
-        if not item.strip():
-            raise ValueError(f"size {position} of {text!r} is empty (sizes are separated by single commas)")
-        size = parse_capacity(item)
-        if size in written:
-            raise ValueError(
-                f"{written[size].strip()!r} and {item.strip()!r} in {text!r} are the same size; give it once"
-            )
-        written[size] = item
-        sizes.append(size)
-    return sizes
-
-
-def size_argument(text: str) -> int:
-    """An argparse ``type`` for one size flag: :func:`parse_capacity`, its message shown as the error."""
-    try:
-        return parse_capacity(text)
-    except ValueError as error:
-        # A plain ValueError would print as "invalid size_argument value", naming nothing the user typed.
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def size_list_argument(text: str) -> list[int]:
-    """An argparse ``type`` for a comma-separated list of sizes: :func:`parse_capacity_list`."""
-    try:
-        return parse_capacity_list(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def is_bare_number(text: str) -> bool:
-    """Whether ``text`` is a size without a unit (so it was read as :data:`BARE_NUMBER_UNIT`)."""
-    match = _CAPACITY.match(text)
-    return match is not None and not match.group(2)

@@ -88,9 +88,9 @@ class TransferBackend(enum.Enum):
     TORCH = "torch"
 
     @classmethod
-    def parse(cls, name: str | TransferBackend) -> TransferBackend:
-        """Return the backend called ``name``; unknown names raise ``ValueError`` listing the valid ones."""
-        return parse_choice(cls, name, "backend")
+    def parse(cls, value: str | TransferBackend, argument: str = "backend") -> TransferBackend:
+        """The member called ``value``; anything else raises ``ValueError`` naming ``argument`` and the valid values."""
+        return parse_choice(cls, value, argument)
 
 
 @dataclass(frozen=True, slots=True)

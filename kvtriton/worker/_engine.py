@@ -75,6 +75,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvtriton._int_argument import check_int
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS, KVCompression
 from kvtriton.worker._backends import CopyBackend, DeviceIndices, TransferBackend, choose_backend, make_backend
@@ -326,8 +327,7 @@ class TransferEngine(ClosesOnExit):
         if not isinstance(slab, HostSlab):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
             raise TypeError(f"slab must be a HostSlab, got {type(slab).__name__}")
         parsed = TransferBackend.parse(backend)
-        if isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
-            raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+        check_int("num_programs", num_programs, minimum=1)
         if kv.device.type not in ("cpu", "cuda"):
             raise ValueError(f"kv must live on a CUDA device or the CPU, got {kv.device}")
         if kv_compression is not None:

@@ -57,9 +57,9 @@ class KVLayout(enum.Enum):
     PAGES = "pages"
 
     @classmethod
-    def parse(cls, name: str | KVLayout) -> KVLayout:
-        """Return the layout called ``name``; unknown names raise ``ValueError`` listing the valid ones."""
-        return parse_choice(cls, name, "layout")
+    def parse(cls, value: str | KVLayout, argument: str = "layout") -> KVLayout:
+        """The member called ``value``; anything else raises ``ValueError`` naming ``argument`` and the valid values."""
+        return parse_choice(cls, value, argument)
 
 
 def _detect(name: str, tensor: torch.Tensor) -> KVLayout:

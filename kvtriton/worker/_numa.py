@@ -22,6 +22,8 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import cast
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 SYSFS_ROOT = "/sys"
@@ -71,7 +73,6 @@ def gpu_numa_node(pci_bus_id: str, sysfs_root: str | None = None) -> int | None:
 
 def cuda_pci_bus_id(device_index: int) -> str | None:
     """``domain:bus:device.function`` of CUDA device ``device_index``, from torch's device properties."""
-    import torch
 
     properties = cast(object, torch.cuda.get_device_properties(device_index))  # pyright: ignore[reportUnknownMemberType] -- torch types the properties as Unknown
     domain: object = getattr(properties, "pci_domain_id", None)
@@ -112,6 +113,13 @@ def on_node(node: int | None, sysfs_root: str | None = None) -> Generator[int | 
         yield node
     finally:
         os.sched_setaffinity(0, previous)
+
+
+def placement_gpu(gpu: int | None) -> int | None:
+    """The GPU whose NUMA node host memory is placed on: ``gpu`` if given, else the current CUDA device (None without)."""
+    if gpu is not None:
+        return gpu
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvtriton._int_argument import check_int
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.kernels._validation import check_index_range, check_unique
 
@@ -60,10 +61,7 @@ def host_tensor(array: NDArray[np.int64]) -> torch.Tensor:
 
 
 def _check_factor(block_size_factor: int) -> None:
-    if isinstance(block_size_factor, bool) or not isinstance(block_size_factor, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
-        raise TypeError(f"block_size_factor must be an int, got {block_size_factor!r}")
-    if block_size_factor < 1:
-        raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+    check_int("block_size_factor", block_size_factor, minimum=1)
 
 
 def slots_needed(gpu: GPULoadStoreSpec, block_size_factor: int) -> int:

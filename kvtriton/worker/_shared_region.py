@@ -69,10 +69,11 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from kvtriton._int_argument import check_int
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton._region_rows import ROW_ALIGNMENT, block_row_stride
 from kvtriton.worker._closing import ClosesOnExit
-from kvtriton.worker._numa import on_gpu_node
+from kvtriton.worker._numa import on_gpu_node, placement_gpu
 from kvtriton.worker._region_file import (
     CREATOR,
     HEADER_BYTES,
@@ -95,13 +96,7 @@ from kvtriton.worker._region_file import (
     remove_stale_regions,
     staging_path,
 )
-from kvtriton.worker._slab import HostSlab, check_count
-
-
-def _current_cuda_device() -> int | None:
-    """The GPU whose NUMA node a rank's bytes are placed on by default (None without CUDA)."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
-
+from kvtriton.worker._slab import HostSlab
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +124,10 @@ class RegionLayout:
     """One rank's KV bytes of one GPU block (every rank holds the same amount)."""
 
     def __post_init__(self) -> None:
-        check_count("num_chunks", self.num_chunks)
-        check_count("block_size_factor", self.block_size_factor)
-        check_count("world_size", self.world_size)
-        check_count("rank_row_bytes", self.rank_row_bytes)
+        check_int("num_chunks", self.num_chunks, minimum=1)
+        check_int("block_size_factor", self.block_size_factor, minimum=1)
+        check_int("world_size", self.world_size, minimum=1)
+        check_int("rank_row_bytes", self.rank_row_bytes, minimum=1)
 
     @staticmethod
     def block_row_stride_for(block_size_factor: int, world_size: int, rank_row_bytes: int) -> int:
@@ -147,7 +142,7 @@ class RegionLayout:
 
         Raises ``ValueError`` naming both sizes when not even one chunk fits.
         """
-        check_count("cpu_bytes_to_use", cpu_bytes_to_use)
+        check_int("cpu_bytes_to_use", cpu_bytes_to_use, minimum=1)
         chunk = block_size_factor * cls.block_row_stride_for(block_size_factor, world_size, rank_row_bytes)
         if cpu_bytes_to_use < chunk:
             raise ValueError(
@@ -282,7 +277,7 @@ class SharedRegion(ClosesOnExit):
     ) -> None:
         if not isinstance(name, str) or not name or "/" in name:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
             raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
-        check_count("expected_mappers", expected_mappers)
+        check_int("expected_mappers", expected_mappers, minimum=1)
         if not os.path.isdir(directory):
             raise ValueError(
                 f"directory {directory!r} does not exist; the shared host region needs a tmpfs such as /dev/shm"
@@ -562,7 +557,7 @@ class SharedRegion(ClosesOnExit):
             raise ValueError(f"populate_timeout_s must be a number of seconds >= 0, got {populate_timeout_s!r}")
         pinning = HostSlab.will_pin(pin, allow_pageable, gpu)  # bad arguments raise here, before any work
         region = self._require_mapping()
-        placed_on = gpu if gpu is not None else (_current_cuda_device() if pin is not False else None)
+        placed_on = placement_gpu(gpu) if pin is not False or gpu is not None else None
         started = time.perf_counter()
         with on_gpu_node(placed_on) as node:
             try:

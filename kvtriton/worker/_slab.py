@@ -67,9 +67,10 @@ from typing import Protocol, SupportsInt, cast
 import numpy as np
 import torch
 
+from kvtriton._int_argument import check_int
 from kvtriton.worker._closing import ClosesOnExit
 from kvtriton.worker._cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
-from kvtriton.worker._numa import on_gpu_node
+from kvtriton.worker._numa import on_gpu_node, placement_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,6 @@ def _device_pointer(host: int) -> int | None:
         return 0
 
 
-def _current_cuda_device() -> int | None:
-    """The CUDA device whose NUMA node pinned memory is placed on by default (None without CUDA)."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
-
-
 _MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 
 
@@ -200,18 +196,10 @@ def memlock_limit_bytes() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def check_count(name: str, value: int) -> None:
-    """Refuse a count that is not an int >= 1 (shared with the shared region's layout checks)."""
-    if isinstance(value, bool) or not isinstance(value, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers pass floats
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
 def _check_sizes(num_slots: int, block_size_factor: int, row_bytes: int) -> None:
-    check_count("num_slots", num_slots)
-    check_count("block_size_factor", block_size_factor)
-    check_count("row_bytes", row_bytes)
+    check_int("num_slots", num_slots, minimum=1)
+    check_int("block_size_factor", block_size_factor, minimum=1)
+    check_int("row_bytes", row_bytes, minimum=1)
 
 
 def _flat_bytes(buffer: torch.Tensor | mmap.mmap | bytearray | memoryview) -> torch.Tensor:
@@ -354,9 +342,8 @@ class HostSlab(ClosesOnExit):
         """
         _check_sizes(num_slots, block_size_factor, row_bytes)
         stride = row_bytes if row_stride is None else row_stride
-        check_count("row_stride", stride)
-        if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
-            raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
+        check_int("row_stride", stride, minimum=1)
+        check_int("row_offset", row_offset, minimum=0)
         if row_offset + row_bytes > stride:
             raise ValueError(
                 f"row_offset {row_offset} + row_bytes {row_bytes} = {row_offset + row_bytes} does not fit in "
@@ -423,8 +410,8 @@ class HostSlab(ClosesOnExit):
             raise TypeError(f"pin must be True, False or None, got {pin!r}")
         if not isinstance(allow_pageable, bool):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
             raise TypeError(f"allow_pageable must be True or False, got {allow_pageable!r}")
-        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
-            raise ValueError(f"gpu must be a CUDA device index >= 0 or None, got {gpu!r}")
+        if gpu is not None:
+            check_int("gpu", gpu, minimum=0)  # a CUDA device index
         if pin is True and not _cuda_available():
             raise ValueError("pin=True needs CUDA, but torch.cuda.is_available() is False; pass pin=None or False")
         return pin is True or (pin is None and _cuda_available())
@@ -438,7 +425,7 @@ class HostSlab(ClosesOnExit):
                     stacklevel=3,
                 )
             return
-        with on_gpu_node(gpu if gpu is not None else _current_cuda_device()) as node:
+        with on_gpu_node(placement_gpu(gpu)) as node:
             self._pin(allow_pageable)
         if node is not None and self.pinned:
             logger.info("host slab pages placed on NUMA node %d", node)
@@ -466,10 +453,10 @@ class HostSlab(ClosesOnExit):
         Mirrors vLLM's ``cpu_bytes_to_use``: the budget is the total across
         ranks. Raises ``ValueError`` when not even one slot fits.
         """
-        check_count("cpu_bytes_to_use", cpu_bytes_to_use)
-        check_count("block_size_factor", block_size_factor)
-        check_count("row_bytes", row_bytes)
-        check_count("world_size", world_size)
+        check_int("cpu_bytes_to_use", cpu_bytes_to_use, minimum=1)
+        check_int("block_size_factor", block_size_factor, minimum=1)
+        check_int("row_bytes", row_bytes, minimum=1)
+        check_int("world_size", world_size, minimum=1)
         per_rank = cpu_bytes_to_use // world_size
         slot_bytes = block_size_factor * row_bytes
         slots = per_rank // slot_bytes

@@ -40,6 +40,11 @@ def name() -> Iterator[str]:
     assert not leftover.exists(), f"{leftover} was left behind"
 
 
+def only_the_given_gpu(gpu: int | None) -> int | None:
+    """Placement without the current CUDA device: on a GPU machine these tests still place nothing by default."""
+    return gpu
+
+
 def slab(region: SharedRegion, rank: int) -> HostSlab:
     return region.rank_slab(rank, pin=False)
 
@@ -260,7 +265,7 @@ def as_if_on_cuda(monkeypatch: pytest.MonkeyPatch, region: SharedRegion) -> Coun
     monkeypatch.setattr(slab_module, "_cuda_available", lambda: True)
     monkeypatch.setattr(slab_module, "_registrar", lambda: registrar)
     monkeypatch.setattr(slab_module, "_device_pointer", same_address)
-    monkeypatch.setattr(slab_module, "_current_cuda_device", lambda: None)
+    monkeypatch.setattr(slab_module, "placement_gpu", only_the_given_gpu)
     return registrar
 
 
