@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm_fixtures.builders import SHARED_POLICIES
 
 from kvtriton._integrity import SEAL_BYTES, seal
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
@@ -281,7 +282,7 @@ def _four_requests_evicted(managers: list[OffloadingManager], policy: dict[str, 
     return evicted
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_the_tiered_spec_keeps_a_just_hit_prefix_over_untouched_chunks(
     managers: list[OffloadingManager], policy: str
 ) -> None:

@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey,
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm_fixtures.builders import SHARED_POLICIES
 
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 from kvtriton.integrations.vllm._tiering import KVTritonPrimaryTier
@@ -82,20 +83,20 @@ def four_requests(manager: OffloadingManager) -> list[OffloadKey]:
     return store(manager, r4, [E, F])
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_the_tiered_spec_keeps_the_prefix_just_hit_and_evicts_the_untouched_blocks(
     managers: list[OffloadingManager], policy: str
 ) -> None:
     assert four_requests(kvtriton_tiered(managers, policy)) == [D, C]
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_the_four_requests_evict_what_vllms_own_manager_evicts(managers: list[OffloadingManager], policy: str) -> None:
     vllm_alone = VLLMCPUOffloadingManager(num_chunks=4, cache_policy=policy)
     assert four_requests(kvtriton_tiered(managers, policy)) == four_requests(vllm_alone)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_a_running_requests_store_batches_evict_what_vllms_own_manager_evicts(
     managers: list[OffloadingManager], policy: str
 ) -> None:
@@ -118,7 +119,7 @@ def test_a_running_requests_store_batches_evict_what_vllms_own_manager_evicts(
         assert ours == [[], [prompt[1]], [prompt[3], prompt[2]]]
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_pins_of_cascades_and_loads_stack_and_only_the_last_release_makes_a_chunk_evictable(
     managers: list[OffloadingManager], policy: str
 ) -> None:

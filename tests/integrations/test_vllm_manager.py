@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm_fixtures.builders import offloading_config
+from vllm_fixtures.builders import SHARED_POLICIES, offloading_config
 
 import kvtriton
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec
@@ -340,7 +340,7 @@ def evicted_after_reuse(manager: OffloadingManager, scenario: str) -> list[Offlo
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_a_reused_chunk_outlives_older_unused_ones_as_in_vllms_cpu_manager(policy: str, scenario: str) -> None:
     ours = evicted_after_reuse(make_manager(num_slots=3, eviction_policy=policy), scenario)
     vllms = evicted_after_reuse(VLLMCPUOffloadingManager(num_chunks=3, cache_policy=policy), scenario)

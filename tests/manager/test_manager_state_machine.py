@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import CPULoadStoreSpec, LookupResult, OffloadingEvent, ReqContext
-from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy
+from kvtriton.manager import ARCCachePolicy, CPUOffloadingManager, LRUCachePolicy, policy_names
 
 CTX = ReqContext(req_id="machine")
 UNIVERSE = [make_offload_key(f"key-{i}".encode()) for i in range(6)]
@@ -282,13 +282,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert policy.ordered_keys() == self.model.order
 
 
-class LRUMachine(ManagerMachine):
-    policy = "lru"
-
-
-class ARCMachine(ManagerMachine):
-    policy = "arc"
-
-
-TestLRUManagerStateMachine = LRUMachine.TestCase
-TestARCManagerStateMachine = ARCMachine.TestCase
+@pytest.mark.parametrize("policy", policy_names())
+def test_every_registered_policy_keeps_the_managers_rules_under_any_call_sequence(policy: str) -> None:
+    machine = type(f"{policy.upper()}Machine", (ManagerMachine,), {"policy": policy})
+    run_state_machine_as_test(machine)

@@ -15,7 +15,7 @@ import pytest
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.cli._main import main
-from kvtriton.manager import CPUOffloadingManager
+from kvtriton.manager import CPUOffloadingManager, policy_names
 from kvtriton.sim._geometry import PRESETS, KVDtype, ModelGeometry
 from kvtriton.sim._planner import default_capacities, summarize, sweep
 from kvtriton.sim._replay import ManagerCalls, PreparedRequest, manager_calls, prepare, replay, replay_calls
@@ -85,7 +85,7 @@ def _drive_by_hand(
     return hits, evictions
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", policy_names())
 def test_replay_agrees_with_direct_manager_calls(policy: str) -> None:
     trace = prepare(generate("few-shot", seed=3, block_size=16, overrides={
         "requests": "80", "prefixes": "12", "prefix_tokens_min": "32", "prefix_tokens_max": "160",

@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
 from vllm.v1.kv_offload.base import ReqContext as VLLMReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
+from vllm_fixtures.builders import SHARED_POLICIES
 
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
 from kvtriton.manager import CPUOffloadingManager
@@ -51,7 +52,7 @@ def hit_rate_pp(manager: VLLMCPUOffloadingManager | VLLMOffloadingManager, reque
 
 @pytest.mark.parametrize("fraction", CAPACITY_FRACTIONS)
 @pytest.mark.parametrize("workload", VLLM_ORDER_WORKLOADS)
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", SHARED_POLICIES)
 def test_kvtriton_through_the_adapter_hits_at_least_as_often_as_vllm(
     policy: str, workload: str, fraction: float
 ) -> None:

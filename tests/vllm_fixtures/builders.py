@@ -10,6 +10,11 @@ from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, Cano
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from bench.common import offloading_config as bench_offloading_config
+from kvtriton.integrations.vllm._surface import registered_cache_policies
+from kvtriton.manager.policies import policy_names
+
+SHARED_POLICIES = sorted(set(policy_names()) & set(registered_cache_policies()))
+"""The eviction policies both kvtriton and vLLM's own manager implement: the ones a test can compare with vLLM's."""
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_llama"
 """A config.json-only Llama (2 layers, 2 KV heads of 8): enough for vLLM's ModelConfig on CPU."""
