@@ -10,6 +10,7 @@ import kvtriton.worker._backends as backends_module
 import kvtriton.worker._engine as engine_module
 import kvtriton.worker._slab as slab_module
 from kvtriton.cli._main import main
+from kvtriton.manager import policy_names
 from kvtriton.worker._layout import PagedKV
 
 SMALL = ["--model", "qwen2.5-7b", "--gpu-blocks", "16", "--capacity", "24MiB", "--requests", "8", "--no-progress"]
@@ -317,7 +318,7 @@ def test_every_choice_flag_takes_its_names_in_any_case() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--policy", "FIFO"], "argument --policy: expected one of arc, lru, got 'FIFO'"),
+        (["--policy", "NOSUCH"], f"argument --policy: expected one of {', '.join(policy_names())}, got 'NOSUCH'"),
         (["--layout", "paged"], "expected one of auto, flash_attn, flashinfer, mla, cross_layer, pages, got 'paged'"),
         (["--device", "gpu"], "argument --device: expected one of auto, cpu, cuda, got 'gpu'"),
     ],

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtriton.manager import policy_names
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
@@ -251,8 +253,8 @@ def test_secondary_tiers_must_be_a_list() -> None:
             r"^secondary_tiers\[0\] \(type 'fs'\) key 'backpressure' must be a mapping of .*got str 'yes'",
         ),
         (
-            {**BUDGET, "eviction_policy": "fifo"},
-            r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither",
+            {**BUDGET, "eviction_policy": "nosuch"},
+            rf"\['eviction_policy'\] must be one of {re.escape(str(policy_names()))}, got 'nosuch': neither",
         ),
         (
             {"cpu_bytes_to_use": 100},

@@ -28,6 +28,7 @@ from kvtriton.integrations.vllm._config import (
 from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
 from kvtriton.kernels._compressed_format import compression_layout
 from kvtriton.kernels._compression import KVCompression
+from kvtriton.manager import policy_names
 from kvtriton.worker._backends import TransferBackend
 
 GIB = 1 << 30
@@ -179,8 +180,8 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"eviction_policy": "fifo"}, r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's "
-         r"policies nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it"),
+        ({"eviction_policy": "nosuch"}, rf"\['eviction_policy'\] must be one of {re.escape(str(policy_names()))}, got 'nosuch': "
+         r"neither kvtriton's policies nor vLLM's CachePolicyFactory \(registered: \['arc', 'lru'\]\) resolve it"),
         ({"eviction_policy": "Fifo", "cache_policy_module_path": "no_such.policies"},
          r"\['cache_policy_module_path'\]='no_such.policies' cannot be imported "
          r"\(ModuleNotFoundError: No module named 'no_such'\)"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvtriton.manager import policy_names
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
@@ -373,9 +376,10 @@ def test_a_vllm_policy_keeps_vllms_reuse_filter_and_its_metrics() -> None:
 def test_a_policy_neither_kvtriton_nor_vllm_knows_is_refused_naming_the_key() -> None:
     with pytest.raises(
         ValueError,
-        match=r"\['eviction_policy'\] must be one of \['arc', 'lru'\], got 'fifo': neither kvtriton's policies nor vLLM's CachePolicyFactory",
+        match=rf"\['eviction_policy'\] must be one of {re.escape(str(policy_names()))}, got 'nosuch': neither kvtriton's "
+        r"policies nor vLLM's CachePolicyFactory",
     ):
-        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "fifo"}))
+        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, "eviction_policy": "nosuch"}))
 
 
 def test_a_fractional_budget_from_kv_offloading_size_rounds_down() -> None:

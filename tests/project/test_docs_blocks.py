@@ -52,6 +52,8 @@ from typing import Any, cast
 
 import pytest
 
+from kvtriton.manager import policy_names
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
 
@@ -578,9 +580,9 @@ def test_shell_commands_join_continuations_and_quotes_and_split_chains() -> None
                 'vllm serve m --kv-transfer-config \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",'
                 ' "kv_connector_extra_config": {"spec_name": "KVTritonOffloadingSpec",'
                 ' "spec_module_path": "kvtriton.integrations.vllm", "cpu_bytes_to_use": 1,'
-                ' "eviction_policy": "fifo"}}\''
+                ' "eviction_policy": "nosuch"}}\''
             ),
-            "must be one of ['arc', 'lru'], got 'fifo'",
+            f"must be one of {policy_names()}, got 'nosuch'",
         ),
         (
             _block(

@@ -354,7 +354,10 @@ def test_malformed_trace_file_fails_naming_the_line(tmp_path: Path, capsys: pyte
     ("flags", "message"),
     [
         (["--capacities", "4x"], "argument --capacities: capacity unit must be one of .* got '4x'"),
-        (["--policies", "lru,fifo"], "argument --policies: unknown policy 'fifo' in 'lru,fifo': expected arc, lru"),
+        (
+            ["--policies", "lru,nosuch"],
+            f"argument --policies: unknown policy 'nosuch' in 'lru,nosuch': expected {', '.join(policy_names())}",
+        ),
         (["--requests", "0"], "argument --requests: expected a positive integer, got '0'"),
         (["--dtype", "int3"], "argument --dtype: dtype must be one of .*got 'int3'"),
         (["--workload", "web"], "argument --workload: expected one of shared-prompt, chat, .*, got 'web'"),
