@@ -22,6 +22,7 @@ from kvtriton.manager.policies import POLICIES as POLICY_REGISTRY
 
 CTX = ReqContext(req_id="test")
 POLICIES = policy_names()  # every registered policy meets the contract
+RECENCY_POLICIES = ["lru", "arc"]  # the policies that order by recency (touch moves a key), where a FIFO would not
 
 
 def k(i: int) -> OffloadKey:
@@ -521,7 +522,7 @@ def test_touch_ignores_unknown_keys(policy: str) -> None:
     assert out is not None and out.evicted_keys == ks(0)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", RECENCY_POLICIES)
 def test_touch_makes_the_first_key_most_recent(policy: str) -> None:
     manager = make_manager(policy, num_blocks=3)
     for i in range(3):
@@ -634,8 +635,9 @@ def _policy_state(manager: CPUOffloadingManager) -> object:
     policy = manager.policy
     if isinstance(policy, LRUCachePolicy):
         return policy.ordered_keys()
-    assert isinstance(policy, ARCCachePolicy)
-    return policy.state()
+    if isinstance(policy, ARCCachePolicy):
+        return policy.state()
+    return None  # a policy with no inspectable order: the slot map and the stats still show any change
 
 
 # --- failed stores whose slots are held -----------------------------------------------
