@@ -40,7 +40,7 @@ the slow baseline), with ``--compression`` the fp8 gather at 16, 32 and 64
 programs (``--fp8-programs``), and the JSON rewritten after every case, so a
 run cut short keeps what finished. On CUDA the JSON also
 lists every kernel variant compiled so far with the registers and spills
-``ptxas`` gave it (``compiled_variants``, ``kernels/_compiled_variants.py``).
+``ptxas`` gave it (``compiled_variants``, ``kernels_dev/compiled_variants.py``).
 ``--quick`` runs are smoke runs: labelled so, they write ``<name>-quick``
 files and their figures are no verdict on anything. The
 headline case is a Llama-3-8B-shaped job: 32 layers x (K, V) pages of 32 KiB,
@@ -69,9 +69,9 @@ import numpy as np
 import torch
 
 from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
+from kernels_dev.compiled_variants import compiled_variants, format_variant
 from kvtriton.cli._progress import progress
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
-from kvtriton.kernels._compiled_variants import compiled_variants, format_variant
 from kvtriton.kernels._compressed_launch import CompressedLauncher
 from kvtriton.kernels._launch import CopyLauncher
 from kvtriton.kernels._reference import (
@@ -528,7 +528,7 @@ def print_ptx_summary(
     accesses per thread times the threads): host reads are latency-bound, so
     that is the bytes a program keeps in flight.
     """
-    from kvtriton.kernels._codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
+    from kernels_dev.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 
     rows: list[list[object]] = []
     records: list[dict[str, object]] = []
