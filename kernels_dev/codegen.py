@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, compression_layout
-from kvtriton.kernels._compressed_launch import compress_config
-from kvtriton.kernels._launch import LaunchConfig, make_config, word_width
-from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, CompressConfig
+from kvtriton.kernels._launch import LaunchConfig, compress_config, make_config
+from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, CompressConfig, word_width
 
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s")
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.MULTILINE)

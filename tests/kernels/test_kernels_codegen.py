@@ -298,14 +298,14 @@ def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_wo
 
 _AFTER_AN_INTERPRETED_FP8_KERNEL = """
 import torch
-from kvtriton.kernels import compression_layout, gather_pages_compressed
+from kvtriton.kernels import compression_layout, gather_pages
 from tests.kernels.kernel_cases import build_pages, build_slab, indices
 from kernels_dev.codegen import compile_copy_pages, production_config
 
 case = build_pages("mla", torch.bfloat16, "cpu", kv_values=True)
 slab = build_slab(case, 4, "cpu", row_bytes=compression_layout(case.pages, 8).row_bytes)
 rows = indices([0, 1], torch.int64, "cpu")
-gather_pages_compressed(case.pages, slab, rows, rows, group_size=8)  # tl.max / tl.sum, interpreted
+gather_pages(case.pages, slab, rows, rows, compression=compression_layout(case.pages, 8))  # tl.max / tl.sum, interpreted
 print(len(compile_copy_pages(production_config(4096, 2), to_slab=True).ptx))
 """
 
