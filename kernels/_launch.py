@@ -354,18 +354,18 @@ class CopyLauncher:
         self.compression = compression
         self.interpret = interpret
         self.num_programs = num_programs
+        kinds: list[_KindLaunch] = []
+        self._copies: list[_SizedLaunch] = []
         with on_device(self.device):
-            self._kinds: list[_KindLaunch] = []
-            self._copies: list[_SizedLaunch] = []
             if compression is None:
                 self._copies = _sized_launches(pages, slab, geometry, bytes_per_iter)
             else:
-                self._kinds = _kind_launches(pages, slab, geometry, compression, bytes_per_iter)
+                kinds = _kind_launches(pages, slab, geometry, compression, bytes_per_iter)
                 passthrough = compression.passthrough_geometry(geometry)
                 if passthrough is not None:
                     members, copy_geometry = passthrough
                     self._copies = _sized_launches([pages[t] for t in members], slab, copy_geometry, bytes_per_iter)
-        self._launches: list[_KindLaunch | _SizedLaunch] = [*self._kinds, *self._copies]
+        self._launches: list[_KindLaunch | _SizedLaunch] = [*kinds, *self._copies]
 
     @property
     def copy_configs(self) -> list[LaunchConfig]:
@@ -380,7 +380,7 @@ class CopyLauncher:
         Compressed rows: a gather quantizes and sets ``status[0]`` to 1 (int32;
         on the pages' device or pinned host memory) when it met NaN or
         infinity; it never clears it. A compressed gather without ``status``
-        is refused; plain rows take none.
+        is refused; plain rows ignore it.
         """
         count = int(blocks.shape[0])
         if count == 0:
