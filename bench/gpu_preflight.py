@@ -318,7 +318,7 @@ class Preflight:
             self.record("TRITON_LAUNCH", False)
             return
         if device.type == "cuda":
-            from kvtriton.kernels._compiled_variants import compiled_variants  # beside copy_pages: imported already
+            from kernels_dev.compiled_variants import compiled_variants  # the launch above imported copy_pages already
 
             regs = ", ".join(f"regs {v['n_regs']} spills {v['n_spills']}" for v in compiled_variants())
             detail += f"; {regs}" if regs else ""

@@ -24,7 +24,7 @@ is prepared or timed, loses its own row only: its error goes to ``errors`` in
 the JSON (kernel, case, method, error) and the other methods are timed.
 
 ``--compression fp8-e4m3`` adds the fused fp8 kernels (``triton-fp8`` on
-CUDA: one prepared ``CompressedLauncher`` launch; ``torch-fp8``: the
+CUDA: one launch of a ``CopyLauncher`` prepared with the row layout; ``torch-fp8``: the
 compressed reference) on bf16 pages holding finite values, into a slab of
 compressed rows, and reports each against its uncompressed counterpart in
 the same run (``fp8_vs_plain`` in the JSON). Their GB/s count the
@@ -40,7 +40,7 @@ the slow baseline), with ``--compression`` the fp8 gather at 16, 32 and 64
 programs (``--fp8-programs``), and the JSON rewritten after every case, so a
 run cut short keeps what finished. On CUDA the JSON also
 lists every kernel variant compiled so far with the registers and spills
-``ptxas`` gave it (``compiled_variants``, ``kernels/_compiled_variants.py``).
+``ptxas`` gave it (``compiled_variants``, ``kernels_dev/compiled_variants.py``).
 ``--quick`` runs are smoke runs: labelled so, they write ``<name>-quick``
 files and their figures are no verdict on anything. The
 headline case is a Llama-3-8B-shaped job: 32 layers x (K, V) pages of 32 KiB,
@@ -69,16 +69,15 @@ import numpy as np
 import torch
 
 from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
+from kernels_dev.compiled_variants import compiled_variants, format_variant
 from kvtriton.cli._progress import progress
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
-from kvtriton.kernels._compiled_variants import compiled_variants, format_variant
-from kvtriton.kernels._compressed_launch import CompressedLauncher
 from kvtriton.kernels._launch import CopyLauncher
 from kvtriton.kernels._reference import (
-    gather_compressed_unchecked,
     gather_pages_reference,
-    scatter_compressed_unchecked,
+    gather_unchecked,
     scatter_pages_reference,
+    scatter_unchecked,
 )
 from kvtriton.worker._backends import DmaCopy
 from kvtriton.worker._layout import PagedKV
@@ -401,24 +400,25 @@ def _compressed_methods(
     slab, pages, layout = fixture.compressed_slab, fixture.compressed_pages, fixture.layout
     assert slab is not None
     found: dict[str, Contender] = {}
+    geometry = _paged(pages).geometry
     if fixture.device.type == "cuda":
-        geometry = _paged(pages).geometry
         status = torch.zeros(1, dtype=torch.int32, device=fixture.device)
         for programs in (num_programs, *(count for count in extra_programs if count != num_programs)):
 
             def make(programs: int = programs) -> Callable[[], object]:
-                launcher = CompressedLauncher(
-                    pages, slab, geometry, layout, interpret=False, num_programs=programs, bytes_per_iter=bytes_per_iter
-                )
+                launcher = CopyLauncher(
+                    pages, slab, geometry, compression=layout, interpret=False, num_programs=programs,
+                    bytes_per_iter=bytes_per_iter,
+                )  # fmt: skip
                 return functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows, status)
 
             name = "triton-fp8" if programs == num_programs else f"triton-fp8-p{programs}"
             found[name] = prepared(make, programs)
     blocks, rows = fixture.blocks, fixture.rows
     if to_slab:
-        found["torch-fp8"] = Contender(lambda: gather_compressed_unchecked(pages, slab, blocks, rows, layout))
+        found["torch-fp8"] = Contender(lambda: gather_unchecked(pages, slab, blocks, rows, geometry, layout))
     else:
-        found["torch-fp8"] = Contender(lambda: scatter_compressed_unchecked(slab, pages, rows, blocks, layout))
+        found["torch-fp8"] = Contender(lambda: scatter_unchecked(slab, pages, rows, blocks, geometry, layout))
     return found
 
 
@@ -528,7 +528,7 @@ def print_ptx_summary(
     accesses per thread times the threads): host reads are latency-bound, so
     that is the bytes a program keeps in flight.
     """
-    from kvtriton.kernels._codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
+    from kernels_dev.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 
     rows: list[list[object]] = []
     records: list[dict[str, object]] = []

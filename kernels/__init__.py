@@ -14,9 +14,7 @@ from ._pages import (
     DEFAULT_NUM_PROGRAMS,
     KernelPath,
     gather_pages,
-    gather_pages_compressed,
     scatter_pages,
-    scatter_pages_compressed,
     select_path,
 )
 from ._validation import PageGeometry, describe_pages
@@ -34,8 +32,6 @@ __all__ = [
     "compression_layout",
     "describe_pages",
     "gather_pages",
-    "gather_pages_compressed",
     "scatter_pages",
-    "scatter_pages_compressed",
     "select_path",
 ]

@@ -1,8 +1,11 @@
-"""The compressed slab row: where each page tensor's codes, scales or raw bytes sit, and what a call must satisfy.
+"""The compressed slab row, and what one call must satisfy, plain or compressed.
 
-Format and argument checks only (``_compression.py`` has the e4m3 arithmetic,
+Where each page tensor's codes, scales or raw bytes sit in a compressed row
+(``compression_layout``), and :func:`check_call`, every check of one call
+(it sits here, above ``_validation.py``, because a compressed call is also
+checked against its layout). ``_compression.py`` has the e4m3 arithmetic,
 ``_reference.py`` the torch reference, ``_pages.py`` the public entry points;
-docs/kernels.md, "Compressed rows", draws the row).
+docs/kernels.md, "Compressed rows", draws the row.
 """
 
 from __future__ import annotations
@@ -143,32 +146,56 @@ def check_scales_alignment(slab: torch.Tensor, name: str) -> None:
         )
 
 
-def check_compressed_call(
+def check_layout_of(layout: CompressionLayout, pages: Sequence[torch.Tensor], name: str) -> None:
+    """Refuse a ``compression`` argument that is not the layout of ``pages`` (named ``name``), naming what differs."""
+    if not isinstance(layout, CompressionLayout):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
+        raise TypeError(
+            f"compression must be None or a CompressionLayout (compression_layout({name}, group_size)), got {layout!r}"
+        )
+    if len(layout.pages) != len(pages):
+        raise ValueError(f"compression is the layout of {len(layout.pages)} page tensors, {name} has {len(pages)}")
+    expected = compression_layout(pages, [entry.group_size for entry in layout.pages], name=name)
+    for t, (given, wanted) in enumerate(zip(layout.pages, expected.pages)):
+        if given != wanted:
+            raise ValueError(
+                f"compression does not describe {name}[{t}]: it has {given}, {name}[{t}] needs {wanted}; "
+                f"build it with compression_layout({name}, group_size)"
+            )
+
+
+def check_call(
     pages: Sequence[torch.Tensor],
     slab: torch.Tensor,
     source: torch.Tensor,
     destination: torch.Tensor,
     *,
     to_slab: bool,
-    group_size: int | Sequence[int],
+    compression: CompressionLayout | None,
     check_values: bool,
     allow_duplicate_destinations: bool,
-) -> tuple[PageGeometry, CompressionLayout]:
-    """Every check of one compressed gather (``to_slab``) or scatter call, as ``check_call``; the geometry and the row layout.
+) -> PageGeometry:
+    """Every check of one gather (``to_slab``: blocks -> rows) or scatter (rows -> blocks) call; the page geometry.
 
-    The one place the scales alignment is checked: the launchers take validated arguments (an engine's
-    ``HostSlab`` rows are 16-byte aligned by construction).
+    ``source`` / ``destination`` are the index tensors in copy direction (see
+    ``check_index_pair``); errors name the arguments as the public calls do
+    (``argument_names``). With ``compression`` (the fp8 row layout of
+    ``pages``) the slab must hold compressed rows and start on a 4-byte
+    boundary (``check_scales_alignment``): the one place a call checks that,
+    as the launcher takes validated arguments (and checks it once more for an
+    engine's slab).
     """
     pages_name, slab_name, _, _ = argument_names(to_slab)
     geometry = describe_pages(pages, pages_name)
-    layout = compression_layout(pages, group_size, name=pages_name)
-    # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
-    check_slab(
-        slab, slab_name, dataclasses.replace(geometry, page_bytes=tuple(page.region_bytes for page in layout.pages))
-    )
-    check_scales_alignment(slab, slab_name)
+    if compression is None:
+        check_slab(slab, slab_name, geometry)
+    else:
+        check_layout_of(compression, pages, pages_name)
+        # The slab must hold compressed rows: check it against a geometry whose pages are the regions.
+        regions = tuple(page.region_bytes for page in compression.pages)
+        check_slab(slab, slab_name, dataclasses.replace(geometry, page_bytes=regions))
+        check_scales_alignment(slab, slab_name)
     check_index_pair(
         source, destination, geometry=geometry, slab=slab, to_slab=to_slab,
         check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
     )  # fmt: skip
-    return geometry, layout
+    return geometry

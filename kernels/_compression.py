@@ -1,7 +1,7 @@
 """Opt-in fp8 e4m3 compression of slab rows: the choice (``KVCompression``) and the arithmetic.
 
 The row format (``CompressedPage``, ``CompressionLayout``) is in ``_compressed_format.py``, the torch
-reference in ``_reference.py``, the public ``gather_pages_compressed`` / ``scatter_pages_compressed`` in
+reference in ``_reference.py``, the public ``gather_pages`` / ``scatter_pages`` (``compression=``) in
 ``_pages.py``. The format's names are also importable from here, for the callers that read them with
 ``KVCompression``.
 

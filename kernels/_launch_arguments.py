@@ -1,8 +1,10 @@
-"""What a launcher hands a ``@triton.jit`` wrapper: the argument records of both kernels and the limits they obey.
+"""What the launcher hands a ``@triton.jit`` wrapper: the argument records of both kernels, the limits they obey, and the word width.
 
-The launchers (``launch.py``, ``compressed_launch.py``) build these; the
-kernel wrappers in ``jit/`` read them. Keeping them here, below both, means no
-wrapper imports its launcher back.
+The launcher (``_launch.py``) builds these; the kernel wrappers in ``_jit/``
+read them. Keeping them here, below both, means no wrapper imports the
+launcher back. :func:`word_width`, the alignment rule every launch argument
+obeys, lives here too: the torch reference (``_reference.py``) moves its bytes
+in the same words without importing the launcher.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ MAX_NUM_WARPS = 4
 # block and row ids, so pages under 128 B (no KV layout has them) get smaller
 # tiles rather than hundreds of pairs per program.
 MAX_PAIRS = 128
+
+
+def word_width(*values: int) -> int:
+    """The widest of 16/8/4/2/1 bytes that divides every value."""
+    for width in (16, 8, 4, 2):
+        if all(value % width == 0 for value in values):
+            return width
+    return 1
 
 
 def next_power_of_two(value: int) -> int:

@@ -1,4 +1,4 @@
-"""Public gather/scatter entry points, plain and compressed: validate, then pick the path that runs the copy.
+"""Public gather/scatter entry points, plain or compressed: validate, then pick the path that runs the copy.
 
 Dispatch is decided per call from the tensors' device and the environment at
 call time (never at import). This is the dispatch of the public functions
@@ -6,13 +6,14 @@ only; a transfer engine decides its backend once, at construction
 (``kvtriton.worker._backends``), and launches through a prepared
 :class:`~kvtriton.kernels._launch.CopyLauncher`:
 
-* CUDA tensors -> the compiled Triton kernel;
-* CPU tensors with ``TRITON_INTERPRET=1`` -> the same Triton kernel through
+* CUDA tensors -> the compiled Triton kernels;
+* CPU tensors with ``TRITON_INTERPRET=1`` -> the same Triton kernels through
   Triton's interpreter (how the tests exercise the real kernel code);
 * CPU tensors otherwise -> the torch reference (``kernels/_reference.py``).
 
-The compressed calls (``gather_pages_compressed`` / ``scatter_pages_compressed``) take the same paths:
-the fused kernel of ``_compressed_launch.py`` or the compressed torch reference.
+``compression`` (an fp8 row layout, ``compression_layout(pages, group_size)``)
+picks the fused quantizing kernel or the compressed reference on the same
+path; None copies bytes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ._compressed_format import DEFAULT_GROUP_SIZE, CompressionLayout, check_compressed_call
+from ._compressed_format import CompressionLayout, check_call
 from ._compression import non_finite_error
-from ._reference import gather_compressed_unchecked, gather_unchecked, scatter_compressed_unchecked, scatter_unchecked
-from ._validation import PageGeometry, check_call
+from ._reference import gather_unchecked, scatter_unchecked
+from ._validation import PageGeometry
 
 # A persistent grid of at most this many programs: enough to saturate PCIe /
 # C2C host traffic on H100/H200 class GPUs while leaving the other SMs to the
@@ -86,6 +87,7 @@ def gather_pages(
     src_blocks: torch.Tensor,
     dst_rows: torch.Tensor,
     *,
+    compression: CompressionLayout | None = None,
     num_programs: int = DEFAULT_NUM_PROGRAMS,
     bytes_per_iter: int = DEFAULT_BYTES_PER_ITER,
     check_indices: bool = True,
@@ -94,16 +96,23 @@ def gather_pages(
 
     Runs on the device of the page tensors whichever GPU is current; tensors
     on two devices are refused before anything is written. A slab row holds tensor 0's page bytes, then tensor 1's, ... Each
-    destination row may be named once (``ValueError`` otherwise). Knobs:
-    ``num_programs`` caps the persistent grid (SMs used), ``bytes_per_iter`` is
-    what one program moves per iteration; ``check_indices=False`` skips the
-    range and uniqueness checks, which read the indices (a device sync on CUDA).
+    destination row may be named once (``ValueError`` otherwise).
+    ``compression``: None copies bytes; ``compression_layout(src, group_size)``
+    quantizes to fp8 e4m3 rows of its ``row_bytes`` and raises
+    :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or
+    infinite (after the launch: on CUDA this reads a flag back, a device sync).
+    Knobs: ``num_programs`` caps the persistent grid (SMs used),
+    ``bytes_per_iter`` is what one program moves per iteration;
+    ``check_indices=False`` skips the range and uniqueness checks, which read
+    the indices (a device sync on CUDA).
     """
     check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
-        src, dst, src_blocks, dst_rows, to_slab=True, check_values=check_indices, allow_duplicate_destinations=False
-    )
-    _run(True, list(src), dst, src_blocks, dst_rows, geometry, num_programs, bytes_per_iter)
+        src, dst, src_blocks, dst_rows, to_slab=True, compression=compression,
+        check_values=check_indices, allow_duplicate_destinations=False,
+    )  # fmt: skip
+    if not _run(True, list(src), dst, src_blocks, dst_rows, geometry, compression, num_programs, bytes_per_iter):
+        raise non_finite_error("src")
 
 
 def scatter_pages(
@@ -112,6 +121,7 @@ def scatter_pages(
     src_rows: torch.Tensor,
     dst_blocks: torch.Tensor,
     *,
+    compression: CompressionLayout | None = None,
     num_programs: int = DEFAULT_NUM_PROGRAMS,
     bytes_per_iter: int = DEFAULT_BYTES_PER_ITER,
     check_indices: bool = True,
@@ -119,13 +129,15 @@ def scatter_pages(
     """Copy slab row ``src_rows[i]`` into block ``dst_blocks[i]`` of every page tensor in ``dst``.
 
     The inverse of :func:`gather_pages`; each destination block may be named
-    once. Knobs as for :func:`gather_pages`.
+    once. ``compression`` (``compression_layout(dst, group_size)``)
+    dequantizes fp8 rows. Knobs as for :func:`gather_pages`.
     """
     check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
-        dst, src, src_rows, dst_blocks, to_slab=False, check_values=check_indices, allow_duplicate_destinations=False
-    )
-    _run(False, list(dst), src, dst_blocks, src_rows, geometry, num_programs, bytes_per_iter)
+        dst, src, src_rows, dst_blocks, to_slab=False, compression=compression,
+        check_values=check_indices, allow_duplicate_destinations=False,
+    )  # fmt: skip
+    _run(False, list(dst), src, dst_blocks, src_rows, geometry, compression, num_programs, bytes_per_iter)
 
 
 def _run(
@@ -135,119 +147,33 @@ def _run(
     blocks: torch.Tensor,
     rows: torch.Tensor,
     geometry: PageGeometry,
-    num_programs: int,
-    bytes_per_iter: int,
-) -> None:
-    if blocks.numel() == 0:
-        return
-    path = select_path(geometry.device)
-    if path is KernelPath.TORCH:
-        if to_slab:
-            gather_unchecked(pages, slab, blocks, rows, geometry)
-        else:
-            scatter_unchecked(slab, pages, rows, blocks, geometry)
-        return
-    from ._launch import launch_copy  # triton is imported only when a Triton path runs
-
-    if path is KernelPath.INTERPRETER:
-        interpreter_ready()
-    launch_copy(
-        to_slab, pages, slab, blocks, rows, geometry, interpret=path is KernelPath.INTERPRETER,
-        num_programs=num_programs, bytes_per_iter=bytes_per_iter,
-    )  # fmt: skip
-
-
-def gather_pages_compressed(
-    src: Sequence[torch.Tensor],
-    dst: torch.Tensor,
-    src_blocks: torch.Tensor,
-    dst_rows: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-    num_programs: int | None = None,
-    bytes_per_iter: int | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Quantize block ``src_blocks[i]`` of every page tensor into compressed slab row ``dst_rows[i]``.
-
-    The compressed counterpart of :func:`gather_pages` (same dispatch, one
-    launch per page kind); ``dst`` rows must hold
-    ``compression_layout(src, group_size).row_bytes``. Raises
-    :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or
-    infinite (after the launch: on CUDA this reads a flag back, a device sync).
-    A knob given as None takes its default.
-    """
-    num_programs, bytes_per_iter = _filled_knobs(num_programs, bytes_per_iter)
-    geometry, layout = check_compressed_call(
-        src, dst, src_blocks, dst_rows, to_slab=True,
-        group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
-    if not _run_compressed(True, list(src), dst, src_blocks, dst_rows, geometry, layout, num_programs, bytes_per_iter):
-        raise non_finite_error("src")
-
-
-def scatter_pages_compressed(
-    src: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    src_rows: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-    num_programs: int | None = None,
-    bytes_per_iter: int | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Dequantize compressed slab row ``src_rows[i]`` into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
-    num_programs, bytes_per_iter = _filled_knobs(num_programs, bytes_per_iter)
-    geometry, layout = check_compressed_call(
-        dst, src, src_rows, dst_blocks, to_slab=False,
-        group_size=group_size, check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
-    _run_compressed(False, list(dst), src, dst_blocks, src_rows, geometry, layout, num_programs, bytes_per_iter)
-
-
-def _filled_knobs(num_programs: int | None, bytes_per_iter: int | None) -> tuple[int, int]:
-    """The launch knobs with their defaults filled in for None, refused (naming the knob) when out of range."""
-    programs = DEFAULT_NUM_PROGRAMS if num_programs is None else num_programs
-    per_iter = DEFAULT_BYTES_PER_ITER if bytes_per_iter is None else bytes_per_iter
-    check_knobs(programs, per_iter)
-    return programs, per_iter
-
-
-def _run_compressed(
-    to_slab: bool,
-    pages: list[torch.Tensor],
-    slab: torch.Tensor,
-    blocks: torch.Tensor,
-    rows: torch.Tensor,
-    geometry: PageGeometry,
-    layout: CompressionLayout,
+    compression: CompressionLayout | None,
     num_programs: int,
     bytes_per_iter: int,
 ) -> bool:
-    """One compressed copy on the path :func:`_run` would take; whether every value was finite.
+    """One validated copy on the path :func:`select_path` picks; whether every value was finite.
 
-    A scatter decodes codes, which are finite by construction: it always answers True.
+    Only a compressed gather can meet a non-finite value: plain rows are bytes, and a scatter decodes codes,
+    which are finite by construction.
     """
     if blocks.numel() == 0:
         return True
     path = select_path(geometry.device)
     if path is KernelPath.TORCH:
         if to_slab:
-            return gather_compressed_unchecked(pages, slab, blocks, rows, layout)
-        scatter_compressed_unchecked(slab, pages, rows, blocks, layout)
+            return gather_unchecked(pages, slab, blocks, rows, geometry, compression)
+        scatter_unchecked(slab, pages, rows, blocks, geometry, compression)
         return True
-    from ._compressed_launch import CompressedLauncher  # triton is imported only when a Triton path runs
+    from ._launch import CopyLauncher  # triton is imported only when a Triton path runs
 
     if path is KernelPath.INTERPRETER:
         interpreter_ready()
-    launcher = CompressedLauncher(
-        pages, slab, geometry, layout, interpret=path is KernelPath.INTERPRETER,
+    launcher = CopyLauncher(
+        pages, slab, geometry, compression=compression, interpret=path is KernelPath.INTERPRETER,
         num_programs=num_programs, bytes_per_iter=bytes_per_iter,
     )  # fmt: skip
-    if not to_slab:
-        launcher.launch(False, blocks, rows, None)
-        return True
-    status = torch.zeros(1, dtype=torch.int32, device=geometry.device)
-    launcher.launch(True, blocks, rows, status)
-    return int(status.item()) == 0
+    status = None
+    if to_slab and compression is not None:
+        status = torch.zeros(1, dtype=torch.int32, device=geometry.device)
+    launcher.launch(to_slab, blocks, rows, status)
+    return status is None or int(status.item()) == 0

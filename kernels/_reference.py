@@ -26,10 +26,10 @@ a CPU). Instead the copy is a few bulk torch ops per call:
   elements mean fewer of them; a copy never does arithmetic on them, so every
   bit pattern, NaNs included, survives).
 
-The compressed reference (``gather_pages_compressed_reference``,
-``scatter_pages_compressed_reference``) runs the e4m3 arithmetic of
-``_compression.py`` page tensor by page tensor, in the row format of
-``_compressed_format.py``; it keeps the same last-pair-wins reading.
+With ``compression`` (an fp8 row layout) the reference runs the e4m3
+arithmetic of ``_compression.py`` page tensor by page tensor instead, in the
+row format of ``_compressed_format.py``; it keeps the same last-pair-wins
+reading.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from typing import cast
 
 import torch
 
-from ._compressed_format import DEFAULT_GROUP_SIZE, CompressionLayout, check_compressed_call
+from ._compressed_format import DEFAULT_GROUP_SIZE, CompressionLayout, check_call, compression_layout
 from ._compression import dequantize_groups, non_finite_error, quantize_groups
-from ._launch import word_width
-from ._validation import PageGeometry, check_call
+from ._launch_arguments import word_width
+from ._validation import PageGeometry
 
 # Torch dtypes used to move raw bytes: the widest that the alignment allows.
 # complex128 is only ever copied (never computed on), which keeps it bit-exact.
@@ -309,23 +309,70 @@ def copy_runs(destination: torch.Tensor, source: torch.Tensor, pairs: PairRuns) 
 
 
 def gather_pages_reference(
-    src: Sequence[torch.Tensor], dst: torch.Tensor, src_blocks: torch.Tensor, dst_rows: torch.Tensor
+    src: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_rows: torch.Tensor,
+    *,
+    compression: CompressionLayout | None = None,
 ) -> None:
-    """Copy blocks ``src_blocks[i]`` of every page tensor in ``src`` into slab row ``dst_rows[i]``."""
+    """Copy (``compression``: quantize) block ``src_blocks[i]`` of every page tensor in ``src`` into slab row ``dst_rows[i]``.
+
+    The torch reference of ``gather_pages`` (a destination named twice: the
+    last pair wins). Compressed, it raises
+    :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or infinite.
+    """
     geometry = check_call(
-        src, dst, src_blocks, dst_rows, to_slab=True, check_values=True, allow_duplicate_destinations=True
-    )
-    gather_unchecked(src, dst, src_blocks, dst_rows, geometry)
+        src, dst, src_blocks, dst_rows, to_slab=True, compression=compression, check_values=True,
+        allow_duplicate_destinations=True,
+    )  # fmt: skip
+    if not gather_unchecked(src, dst, src_blocks, dst_rows, geometry, compression):
+        raise non_finite_error("src")
 
 
 def scatter_pages_reference(
-    src: torch.Tensor, dst: Sequence[torch.Tensor], src_rows: torch.Tensor, dst_blocks: torch.Tensor
+    src: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    *,
+    compression: CompressionLayout | None = None,
 ) -> None:
-    """Copy slab row ``src_rows[i]`` back into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
+    """Copy (``compression``: dequantize) slab row ``src_rows[i]`` back into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
     geometry = check_call(
-        dst, src, src_rows, dst_blocks, to_slab=False, check_values=True, allow_duplicate_destinations=True
-    )
-    scatter_unchecked(src, dst, src_rows, dst_blocks, geometry)
+        dst, src, src_rows, dst_blocks, to_slab=False, compression=compression, check_values=True,
+        allow_duplicate_destinations=True,
+    )  # fmt: skip
+    scatter_unchecked(src, dst, src_rows, dst_blocks, geometry, compression)
+
+
+def gather_pages_compressed_reference(
+    src: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    src_blocks: torch.Tensor,
+    dst_rows: torch.Tensor,
+    *,
+    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
+) -> None:
+    """``gather_pages_reference`` with ``compression=compression_layout(src, group_size)``.
+
+    Kept for ``kvtriton/cli/_demo.py``, which calls it by this name; new code passes ``compression=``.
+    """
+    compression = compression_layout(src, group_size, name="src")
+    gather_pages_reference(src, dst, src_blocks, dst_rows, compression=compression)
+
+
+def scatter_pages_compressed_reference(
+    src: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    *,
+    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
+) -> None:
+    """``scatter_pages_reference`` with ``compression=compression_layout(dst, group_size)`` (kept, as the gather's, for ``cli/_demo.py``)."""
+    compression = compression_layout(dst, group_size, name="dst")
+    scatter_pages_reference(src, dst, src_rows, dst_blocks, compression=compression)
 
 
 def gather_unchecked(
@@ -334,13 +381,20 @@ def gather_unchecked(
     src_blocks: torch.Tensor,
     dst_rows: torch.Tensor,
     geometry: PageGeometry,
-) -> None:
-    """The gather copy on already validated arguments."""
+    compression: CompressionLayout | None = None,
+) -> bool:
+    """The gather (``compression``: quantizing) copy on already validated arguments; False when a value was NaN or infinite.
+
+    Plain rows are bytes: always True.
+    """
     if src_blocks.numel() == 0:
-        return
+        return True
+    if compression is not None:
+        return _gather_compressed(src, dst, src_blocks, dst_rows, compression)
     pairs = split_runs(src_blocks, dst_rows, geometry.device)
     for blocks, rows in page_groups(src, dst, geometry):
         copy_runs(rows, blocks, pairs)
+    return True
 
 
 def scatter_unchecked(
@@ -349,9 +403,13 @@ def scatter_unchecked(
     src_rows: torch.Tensor,
     dst_blocks: torch.Tensor,
     geometry: PageGeometry,
+    compression: CompressionLayout | None = None,
 ) -> None:
-    """The scatter copy on already validated arguments."""
+    """The scatter (``compression``: dequantizing) copy on already validated arguments."""
     if src_rows.numel() == 0:
+        return
+    if compression is not None:
+        _scatter_compressed(src, dst, src_rows, dst_blocks, compression)
         return
     pairs = split_runs(src_rows, dst_blocks, geometry.device)
     for blocks, rows in page_groups(dst, src, geometry):
@@ -383,16 +441,14 @@ def _region(slab: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return slab[:, start : start + length]
 
 
-def gather_compressed_unchecked(
+def _gather_compressed(
     pages: Sequence[torch.Tensor],
     slab: torch.Tensor,
     blocks: torch.Tensor,
     rows: torch.Tensor,
     layout: CompressionLayout,
 ) -> bool:
-    """Compress blocks ``blocks[i]`` into slab rows ``rows[i]`` (validated arguments); True when every value was finite."""
-    if blocks.numel() == 0:
-        return True
+    """Compress blocks ``blocks[i]`` into slab rows ``rows[i]`` (validated, non-empty); True when every value was finite."""
     blocks, rows = last_per_destination(blocks, rows, torch.device("cpu"))
     finite = True
     for page, entry in zip(pages, layout.pages):
@@ -412,16 +468,14 @@ def gather_compressed_unchecked(
     return finite
 
 
-def scatter_compressed_unchecked(
+def _scatter_compressed(
     slab: torch.Tensor,
     pages: Sequence[torch.Tensor],
     rows: torch.Tensor,
     blocks: torch.Tensor,
     layout: CompressionLayout,
 ) -> None:
-    """Decompress slab rows ``rows[i]`` into blocks ``blocks[i]`` (validated arguments)."""
-    if rows.numel() == 0:
-        return
+    """Decompress slab rows ``rows[i]`` into blocks ``blocks[i]`` (validated, non-empty)."""
     rows, blocks = last_per_destination(rows, blocks, torch.device("cpu"))
     for page, entry in zip(pages, layout.pages):
         picked_rows = rows.to(slab.device)
@@ -437,39 +491,3 @@ def scatter_compressed_unchecked(
         scales = scale_bytes.to(page.device).contiguous().view(torch.float32)
         values = dequantize_groups(codes, scales, entry.group_size, entry.dtype)
         _elements(page, entry.elements).index_copy_(0, target, values.to(page.device))
-
-
-def gather_pages_compressed_reference(
-    src: Sequence[torch.Tensor],
-    dst: torch.Tensor,
-    src_blocks: torch.Tensor,
-    dst_rows: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-) -> None:
-    """The torch reference of ``gather_pages_compressed`` (a destination named twice: the last pair wins).
-
-    Raises :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or infinite.
-    """
-    _, layout = check_compressed_call(
-        src, dst, src_blocks, dst_rows, to_slab=True, group_size=group_size, check_values=True,
-        allow_duplicate_destinations=True,
-    )  # fmt: skip
-    if not gather_compressed_unchecked(src, dst, src_blocks, dst_rows, layout):
-        raise non_finite_error("src")
-
-
-def scatter_pages_compressed_reference(
-    src: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    src_rows: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-) -> None:
-    """The torch reference of ``scatter_pages_compressed`` (a destination named twice: the last pair wins)."""
-    _, layout = check_compressed_call(
-        dst, src, src_rows, dst_blocks, to_slab=False, group_size=group_size, check_values=True,
-        allow_duplicate_destinations=True,
-    )  # fmt: skip
-    scatter_compressed_unchecked(src, dst, src_rows, dst_blocks, layout)

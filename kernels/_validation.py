@@ -281,28 +281,3 @@ def check_index_pair(
     check_index_range(destination, destination_name, destination_bound, destination_what)
     if not allow_duplicate_destinations:
         check_unique(destination, destination_name)
-
-
-def check_call(
-    pages: Sequence[torch.Tensor],
-    slab: torch.Tensor,
-    source: torch.Tensor,
-    destination: torch.Tensor,
-    *,
-    to_slab: bool,
-    check_values: bool,
-    allow_duplicate_destinations: bool,
-) -> PageGeometry:
-    """Every check of one gather (``to_slab``: blocks -> rows) or scatter (rows -> blocks) call; the page geometry.
-
-    ``source`` / ``destination`` are the index tensors in copy direction
-    (see :func:`check_index_pair`); errors name the arguments as the public calls do (:func:`argument_names`).
-    """
-    pages_name, slab_name, _, _ = argument_names(to_slab)
-    geometry = describe_pages(pages, pages_name)
-    check_slab(slab, slab_name, geometry)
-    check_index_pair(
-        source, destination, geometry=geometry, slab=slab, to_slab=to_slab,
-        check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
-    )  # fmt: skip
-    return geometry

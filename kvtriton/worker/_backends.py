@@ -1,7 +1,8 @@
 """The three ways a transfer job's rows can be copied, and the one place that picks among them.
 
-* ``triton``: one Triton gather/scatter launch per job through a
-  :class:`~kvtriton.kernels._launch.CopyLauncher` prepared once per engine;
+* ``triton``: one Triton gather/scatter launch per job (per page size or
+  kind) through a :class:`~kvtriton.kernels._launch.CopyLauncher` prepared
+  once per engine;
   compiled on CUDA, run by Triton's interpreter on CPU (where the
   interpreter cannot run, asking for ``triton`` is an error, never a silent
   torch copy).
@@ -41,7 +42,7 @@ prints, per direction, the page size from which ``dma`` wins, and the
 ``AutoRule`` line to add for it (docs/worker.md, "Setting AUTO_TABLE").
 
 With fp8 compression (``PagedKV.compression``) ``triton`` runs the fused
-quantizing kernels (``kvtriton.kernels._compressed_launch``) and ``torch`` the
+quantizing kernels (the same launcher, given the row layout) and ``torch`` the
 compressed reference; ``dma`` cannot compress (a copy engine only moves
 bytes), so where ``auto`` would take ``dma`` it takes ``triton`` for a pinned
 slab the kernel reaches and ``torch`` otherwise (a pageable slab, or a pinned
@@ -65,14 +66,8 @@ from numpy.typing import NDArray
 
 from kvtriton._choices import parse_choice
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels._compressed_launch import CompressedLauncher
 from kvtriton.kernels._launch import CopyLauncher
-from kvtriton.kernels._reference import (
-    gather_compressed_unchecked,
-    gather_unchecked,
-    scatter_compressed_unchecked,
-    scatter_unchecked,
-)
+from kvtriton.kernels._reference import gather_unchecked, scatter_unchecked
 from kvtriton.kernels._validation import PageGeometry
 from kvtriton.worker._cudart import MemcpyBatch, loaded_cudart, memcpy_2d_async, memcpy_batch
 from kvtriton.worker._layout import PagedKV
@@ -236,34 +231,20 @@ class TritonCopy:
     submission = ""
 
     def __init__(self, kv: PagedKV, slab: torch.Tensor, num_programs: int) -> None:
-        self.launcher: CopyLauncher | None = None
-        self.compressed: CompressedLauncher | None = None
-        interpret = kv.device.type == "cpu"
-        if kv.compression_layout is not None:
-            self.compressed = CompressedLauncher(
-                kv.pages, slab, kv.geometry, kv.compression_layout, interpret=interpret,
-                num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
-            )  # fmt: skip
-        else:
-            self.launcher = CopyLauncher(
-                kv.pages, slab, kv.geometry, interpret=interpret,
-                num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
-            )  # fmt: skip
+        self.launcher = CopyLauncher(
+            kv.pages, slab, kv.geometry, compression=kv.compression_layout, interpret=kv.device.type == "cpu",
+            num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+        )  # fmt: skip
 
     def warm_up(self) -> None:
-        if self.compressed is not None:
-            self.compressed.warm_up(torch.int64)
-        if self.launcher is not None:
-            self.launcher.warm_up(torch.int64)
+        self.launcher.warm_up(torch.int64)
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         assert device is not None
-        store = plan.direction is TransferDirection.STORE
         # The planner checked ranges and uniqueness on the host: the launch reads nothing back.
-        if self.compressed is not None:
-            self.compressed.launch(store, device.gpu_blocks, device.slab_rows, device.status)
-        elif self.launcher is not None:
-            self.launcher.launch(store, device.gpu_blocks, device.slab_rows)
+        self.launcher.launch(
+            plan.direction is TransferDirection.STORE, device.gpu_blocks, device.slab_rows, device.status
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,20 +459,13 @@ class TorchCopy(_CopyEngineCopy):
         self, slab: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, status: torch.Tensor | None
     ) -> None:
         layout = self.kv.compression_layout
-        if layout is None:
-            gather_unchecked(self.kv.pages, slab, blocks, rows, self.kv.geometry)
-            return
-        if status is None:
+        if layout is not None and status is None:
             raise ValueError("a compressed store needs the job's status word to report NaN or infinity")
-        if not gather_compressed_unchecked(self.kv.pages, slab, blocks, rows, layout):
+        if not gather_unchecked(self.kv.pages, slab, blocks, rows, self.kv.geometry, layout) and status is not None:
             status[0] = 1  # the kernel's contract: the NaN codes are written, the flag says so
 
     def _scatter(self, slab: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor) -> None:
-        layout = self.kv.compression_layout
-        if layout is None:
-            scatter_unchecked(slab, self.kv.pages, rows, blocks, self.kv.geometry)
-        else:
-            scatter_compressed_unchecked(slab, self.kv.pages, rows, blocks, layout)
+        scatter_unchecked(slab, self.kv.pages, rows, blocks, self.kv.geometry, self.kv.compression_layout)
 
     def copy(self, plan: TransferPlan, device: DeviceIndices | None) -> None:
         store = plan.direction is TransferDirection.STORE

@@ -1,4 +1,4 @@
-"""bench/kernels.py --gpu-check and kvtriton/kernels/_compiled_variants.py.
+"""bench/kernels.py --gpu-check and kernels_dev/compiled_variants.py.
 
 The headline size first, the fp8 gather by program count, and the registers and spills of each compiled variant.
 """
@@ -14,7 +14,7 @@ import torch
 
 import bench.kernels as kernels_module
 from bench.kernels import Result, base_method, fp8_ratios, main, time_round_robin
-from kvtriton.kernels._compiled_variants import describe_variant, format_variant, variant_records
+from kernels_dev.compiled_variants import describe_variant, format_variant, variant_records
 from tests.worker.cuda_stand_in import RecordingCuda
 
 KiB = 1024

@@ -112,7 +112,7 @@ def test_compressed_demo_fails_when_a_load_writes_other_values_than_the_referenc
     def decode_nothing(*args: object, **kwargs: object) -> None:
         """A compressed load that silently writes nothing."""
 
-    monkeypatch.setattr(backends_module, "scatter_compressed_unchecked", decode_nothing)
+    monkeypatch.setattr(backends_module, "scatter_unchecked", decode_nothing)
     assert main(["demo", *COMPRESSED_SMALL]) == 1
     captured = capsys.readouterr()
     assert "FAILED" in captured.out and "MISMATCH" in captured.err

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from kvtriton.kernels import (
+    DEFAULT_BYTES_PER_ITER,
     KVCompression,
     NonFiniteKVError,
     compression_layout,
-    gather_pages_compressed,
-    scatter_pages_compressed,
+    gather_pages,
+    scatter_pages,
 )
 from kvtriton.kernels._compression import TINY_GROUP, decode_e4m3, dequantize_groups, encode_e4m3, quantize_groups
-from kvtriton.kernels._reference import gather_pages_compressed_reference, int_list, scatter_pages_compressed_reference
+from kvtriton.kernels._reference import gather_pages_reference, int_list, scatter_pages_reference
 from kvtriton.worker._layout import PagedKV
 from tests.kernels.kernel_cases import (
     COMPRESSIBLE_DTYPES,
@@ -161,8 +162,8 @@ def test_nan_and_infinity_are_refused_by_the_reference(bad: float) -> None:
     layout = compression_layout(case.pages, GROUP)
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     with pytest.raises(NonFiniteKVError, match="NaN or infinity"):
-        gather_pages_compressed_reference(
-            case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=GROUP
+        gather_pages_reference(
+            case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), compression=layout
         )
     # The offending element is written as the NaN code (with its sign), so a row used by mistake reads as NaN.
     code = int(slab[2, layout.pages[1].row_offset + 3])
@@ -170,8 +171,8 @@ def test_nan_and_infinity_are_refused_by_the_reference(bad: float) -> None:
 
 
 @pytest.mark.requires_interpreter
-@pytest.mark.parametrize("bytes_per_iter", [None, 16], ids=["one-tile", "first-of-many-tiles"])
-def test_nan_is_refused_by_the_triton_gather_too(bytes_per_iter: int | None) -> None:
+@pytest.mark.parametrize("bytes_per_iter", [DEFAULT_BYTES_PER_ITER, 16], ids=["one-tile", "first-of-many-tiles"])
+def test_nan_is_refused_by_the_triton_gather_too(bytes_per_iter: int) -> None:
     # The kernel reports non-finite values once per program, after its loop: with 16-byte tiles on one
     # program, the NaN's tile (block 4 comes first) is followed by dozens of clean ones.
     case = build_pages("mla", torch.float16, "cpu", kv_values=True)
@@ -179,8 +180,8 @@ def test_nan_is_refused_by_the_triton_gather_too(bytes_per_iter: int | None) -> 
     layout = compression_layout(case.pages, GROUP)
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     with pytest.raises(NonFiniteKVError):
-        gather_pages_compressed(
-            case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), group_size=GROUP,
+        gather_pages(
+            case.pages, slab, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu"), compression=layout,
             bytes_per_iter=bytes_per_iter, num_programs=1,
         )  # fmt: skip
     assert int(slab[2, layout.pages[0].row_offset]) & 0x7F == 0x7F
@@ -190,20 +191,39 @@ def test_nan_is_refused_by_the_triton_gather_too(bytes_per_iter: int | None) -> 
 def test_a_compressed_slab_off_a_4_byte_boundary_is_refused_naming_it(misalignment: str) -> None:
     # fp32 scales at a misaligned address would fault on a GPU and kill its CUDA context.
     case = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
-    row_bytes = compression_layout(case.pages, GROUP).row_bytes
-    owner = build_slab(case, 9, "cpu", row_bytes=row_bytes, extra_bytes=5 if misalignment == "row_stride" else 17)
+    layout = compression_layout(case.pages, GROUP)
+    owner = build_slab(
+        case, 9, "cpu", row_bytes=layout.row_bytes, extra_bytes=5 if misalignment == "row_stride" else 17
+    )
     slab = owner if misalignment == "row_stride" else owner[:, 1:]
     before = owner.clone()
     blocks, rows = indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu")
     with pytest.raises(
         ValueError, match="dst must start on a 4-byte boundary and have a row stride that is a multiple of 4"
     ):
-        gather_pages_compressed(case.pages, slab, blocks, rows, group_size=GROUP)
+        gather_pages(case.pages, slab, blocks, rows, compression=layout)
     with pytest.raises(ValueError, match="dst must start on a 4-byte boundary"):
-        gather_pages_compressed_reference(case.pages, slab, blocks, rows, group_size=GROUP)
+        gather_pages_reference(case.pages, slab, blocks, rows, compression=layout)
     with pytest.raises(ValueError, match="src must start on a 4-byte boundary"):
-        scatter_pages_compressed(slab, case.pages, rows, blocks, group_size=GROUP)
+        scatter_pages(slab, case.pages, rows, blocks, compression=layout)
     assert torch.equal(owner, before)
+
+
+def test_a_compression_argument_that_is_not_the_layout_of_the_pages_is_refused_naming_it() -> None:
+    case = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
+    layout = compression_layout(case.pages, GROUP)
+    slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
+    before = slab.clone()
+    blocks, rows = indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu")
+    fewer = compression_layout(case.pages[:1], GROUP)
+    with pytest.raises(ValueError, match=f"compression is the layout of 1 page tensors, src has {len(case.pages)}"):
+        gather_pages(case.pages, slab, blocks, rows, compression=fewer)
+    as_fp16 = compression_layout([page.view(torch.float16) for page in case.pages], GROUP)
+    with pytest.raises(ValueError, match=r"compression does not describe dst\[0\]: it has .*float16.*bfloat16"):
+        scatter_pages(slab, case.pages, rows, blocks, compression=as_fp16)
+    with pytest.raises(TypeError, match="compression must be None or a CompressionLayout .*, got 'fp8-e4m3'"):
+        gather_pages_reference(case.pages, slab, blocks, rows, compression="fp8-e4m3")  # pyright: ignore[reportArgumentType] -- what an untyped caller may pass
+    assert torch.equal(slab, before)
 
 
 # --- the fused kernels against the reference ---------------------------------------------------------------
@@ -213,30 +233,43 @@ def run_both(layout: str, dtype: torch.dtype, device: str, group: int, blocks: l
     """Gather then scatter with the kernels on ``device`` and with the reference on CPU; every byte must agree."""
     case = build_pages(layout, dtype, device, kv_values=True)
     oracle = build_pages(layout, dtype, "cpu", kv_values=True)
-    row_bytes = compression_layout(oracle.pages, group).row_bytes
+    compression = compression_layout(oracle.pages, group)
+    row_bytes = compression.row_bytes
     slab = build_slab(case, 9, device, row_bytes=row_bytes)
     expected = build_slab(oracle, 9, "cpu", row_bytes=row_bytes)
-    gather_pages_compressed(
-        case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int32, device), group_size=group
+    gather_pages(
+        case.pages,
+        slab,
+        indices(blocks, torch.int64, device),
+        indices(rows, torch.int32, device),
+        compression=compression,
     )
     synchronize(device)
-    gather_pages_compressed_reference(
-        oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int32, "cpu"), group_size=group
+    gather_pages_reference(
+        oracle.pages,
+        expected,
+        indices(blocks, torch.int64, "cpu"),
+        indices(rows, torch.int32, "cpu"),
+        compression=compression,
     )
     assert torch.equal(slab.cpu(), expected)
     for owner in [*case.owners, *oracle.owners]:
         owner.view(torch.uint8).fill_(0xA5)
     targets = [1, 3, 5][: len(blocks)]  # other blocks than the gathered ones, each once
-    scatter_pages_compressed(
-        slab, case.pages, indices(rows, torch.int64, device), indices(targets, torch.int64, device), group_size=group
+    scatter_pages(
+        slab,
+        case.pages,
+        indices(rows, torch.int64, device),
+        indices(targets, torch.int64, device),
+        compression=compression,
     )
     synchronize(device)
-    scatter_pages_compressed_reference(
+    scatter_pages_reference(
         expected,
         oracle.pages,
         indices(rows, torch.int64, "cpu"),
         indices(targets, torch.int64, "cpu"),
-        group_size=group,
+        compression=compression,
     )
     for got, want in zip(case.memory(), oracle.memory()):
         assert torch.equal(got, want)
@@ -270,33 +303,34 @@ def test_a_small_tile_budget_walks_several_chunks_per_page_and_still_matches(dev
     layout = compression_layout(case.pages, 4)
     slab = build_slab(case, 9, device, row_bytes=layout.row_bytes)
     expected = slab.clone().cpu()
-    gather_pages_compressed(
+    gather_pages(
         case.pages,
         slab,
         indices(BLOCKS, torch.int64, device),
         indices(ROWS, torch.int64, device),
-        group_size=4,
+        compression=layout,
         bytes_per_iter=16,
         num_programs=3,
     )
     synchronize(device)
-    gather_pages_compressed_reference(
+    gather_pages_reference(
         [page.cpu() for page in case.pages],
         expected,
         indices(BLOCKS, torch.int64, "cpu"),
         indices(ROWS, torch.int64, "cpu"),
-        group_size=4,
+        compression=layout,
     )
     assert torch.equal(slab.cpu(), expected)
 
 
 def test_empty_indices_write_nothing() -> None:
     case = build_pages("mla", torch.bfloat16, "cpu", kv_values=True)
-    slab = build_slab(case, 4, "cpu", row_bytes=compression_layout(case.pages, GROUP).row_bytes)
+    layout = compression_layout(case.pages, GROUP)
+    slab = build_slab(case, 4, "cpu", row_bytes=layout.row_bytes)
     before, pages_before = slab.clone(), case.memory()
     empty = indices([], torch.int64, "cpu")
-    gather_pages_compressed(case.pages, slab, empty, empty, group_size=GROUP)
-    scatter_pages_compressed(slab, case.pages, empty, empty, group_size=GROUP)
+    gather_pages(case.pages, slab, empty, empty, compression=layout)
+    scatter_pages(slab, case.pages, empty, empty, compression=layout)
     assert torch.equal(slab, before)
     assert all(torch.equal(got, want) for got, want in zip(case.memory(), pages_before))
 
@@ -306,15 +340,19 @@ def test_a_destination_named_twice_is_refused_but_the_reference_keeps_the_last()
     layout = compression_layout(case.pages, GROUP)
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     with pytest.raises(ValueError, match="dst_rows names destination 2 more than once"):
-        gather_pages_compressed(
-            case.pages, slab, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), group_size=GROUP
+        gather_pages(
+            case.pages,
+            slab,
+            indices([1, 4], torch.int64, "cpu"),
+            indices([2, 2], torch.int64, "cpu"),
+            compression=layout,
         )
     twice, once = slab.clone(), slab.clone()
-    gather_pages_compressed_reference(
-        case.pages, twice, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), group_size=GROUP
+    gather_pages_reference(
+        case.pages, twice, indices([1, 4], torch.int64, "cpu"), indices([2, 2], torch.int64, "cpu"), compression=layout
     )
-    gather_pages_compressed_reference(
-        case.pages, once, indices([4], torch.int64, "cpu"), indices([2], torch.int64, "cpu"), group_size=GROUP
+    gather_pages_reference(
+        case.pages, once, indices([4], torch.int64, "cpu"), indices([2], torch.int64, "cpu"), compression=layout
     )
     assert torch.equal(twice, once)
 
@@ -324,8 +362,8 @@ def test_a_slab_sized_for_uncompressed_rows_is_accepted_but_one_too_narrow_is_re
     layout = compression_layout(case.pages, GROUP)
     narrow = torch.zeros(4, layout.row_bytes - 1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="dst row too narrow"):
-        gather_pages_compressed(
-            case.pages, narrow, indices([0], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), group_size=GROUP
+        gather_pages(
+            case.pages, narrow, indices([0], torch.int64, "cpu"), indices([0], torch.int64, "cpu"), compression=layout
         )
     assert not narrow.any()
 
@@ -333,7 +371,7 @@ def test_a_slab_sized_for_uncompressed_rows_is_accepted_but_one_too_narrow_is_re
 def test_tiles_of_several_pairs_with_a_partial_last_tile_match_the_reference() -> None:
     # flash_attn bf16 pages of 64 elements in groups of 8: a 128-byte tile per pair, so a 512-byte budget
     # stacks 4 pairs per tile; 6 pairs make one full tile and one half-masked one.
-    from kvtriton.kernels._compressed_launch import compress_config
+    from kvtriton.kernels._launch import compress_config
 
     case = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
     layout = compression_layout(case.pages, GROUP)
@@ -341,32 +379,36 @@ def test_tiles_of_several_pairs_with_a_partial_last_tile_match_the_reference() -
     blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
     expected = slab.clone()
-    gather_pages_compressed(
+    gather_pages(
         case.pages,
         slab,
         indices(blocks, torch.int64, "cpu"),
         indices(rows, torch.int64, "cpu"),
-        group_size=GROUP,
+        compression=layout,
         bytes_per_iter=512,
         num_programs=2,
     )
-    gather_pages_compressed_reference(
-        case.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), group_size=GROUP
+    gather_pages_reference(
+        case.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), compression=layout
     )
     assert torch.equal(slab, expected)
     decoded = [torch.zeros_like(owner) for owner in case.owners]
     pages = [layer[kv] for layer in decoded for kv in range(2)]
     oracle = [torch.zeros_like(owner) for owner in case.owners]
     oracle_pages = [layer[kv] for layer in oracle for kv in range(2)]
-    scatter_pages_compressed(
+    scatter_pages(
         slab,
         pages,
         indices(rows, torch.int64, "cpu"),
         indices(blocks, torch.int64, "cpu"),
-        group_size=GROUP,
+        compression=layout,
         bytes_per_iter=512,
     )
-    scatter_pages_compressed_reference(
-        expected, oracle_pages, indices(rows, torch.int64, "cpu"), indices(blocks, torch.int64, "cpu"), group_size=GROUP
+    scatter_pages_reference(
+        expected,
+        oracle_pages,
+        indices(rows, torch.int64, "cpu"),
+        indices(blocks, torch.int64, "cpu"),
+        compression=layout,
     )
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(decoded, oracle))

@@ -11,8 +11,8 @@ from typing import cast
 
 import pytest
 
+from kernels_dev.codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
-from kvtriton.kernels._codegen import CompiledKernel, compile_copy_pages, compile_descriptor_copy, production_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ NUM_PAGES = 64
 
 @functools.cache
 def compiled(page_bytes: int, to_slab: bool, index_type: str = "i64") -> CompiledKernel:
-    from kvtriton.kernels._compile_asm import UnsupportedTriton
+    from kernels_dev.compile_asm import UnsupportedTriton
 
     try:
         return compile_copy_pages(production_config(page_bytes, NUM_PAGES), to_slab=to_slab, index_type=index_type)
@@ -152,7 +152,7 @@ def test_a_4097_byte_page_falls_back_to_byte_accesses(to_slab: bool) -> None:
 
 
 def test_the_descriptor_per_copy_baseline_compiles_to_8_byte_scalar_accesses() -> None:
-    from kvtriton.kernels._compile_asm import UnsupportedTriton
+    from kernels_dev.compile_asm import UnsupportedTriton
 
     try:
         accesses = compile_descriptor_copy().accesses()
@@ -170,7 +170,7 @@ def test_a_kernel_argument_that_triton_specialises_to_the_constant_1_still_compi
     # Triton's launcher turns an int argument equal to 1 into a compile-time
     # constant (a plain int in the body): a one-pair job, or a one-element row
     # stride, must compile as well as the general case, in both code paths.
-    from kvtriton.kernels._compile_asm import UnsupportedTriton, compile_asm
+    from kernels_dev.compile_asm import UnsupportedTriton, compile_asm
 
     config = production_config(page_bytes, 2)
     assert (config.pairs > 1) == (page_bytes < DEFAULT_BYTES_PER_ITER)
@@ -205,7 +205,7 @@ def test_the_compiled_kernel_never_specialises_the_pair_count() -> None:
 def test_mixed_page_sizes_in_one_launch_fall_to_8_byte_accesses_so_the_launcher_splits_them(to_slab: bool) -> None:
     # The per-page mask bound read from the table cannot be proven aligned: one launch over 1 KiB and
     # 4 KiB pages moves 8 bytes per access. CopyLauncher launches each page size on its own (uniform).
-    from kvtriton.kernels._compile_asm import UnsupportedTriton
+    from kernels_dev.compile_asm import UnsupportedTriton
     from kvtriton.kernels._launch import make_config, page_size_groups
 
     sizes = [1024, 4096] * 8
@@ -231,8 +231,8 @@ COMPRESSED_VARIANTS = [
 def compressed_kernels() -> dict[tuple[int, str, bool], CompiledKernel]:
     import torch
 
-    from kvtriton.kernels._codegen import compile_compress_pages, compressed_production_config
-    from kvtriton.kernels._compile_asm import UnsupportedTriton
+    from kernels_dev.codegen import compile_compress_pages, compressed_production_config
+    from kernels_dev.compile_asm import UnsupportedTriton
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     requests = [
@@ -298,14 +298,14 @@ def test_one_fp8_loop_iteration_moves_bytes_per_iter_of_page_bytes_in_16_byte_wo
 
 _AFTER_AN_INTERPRETED_FP8_KERNEL = """
 import torch
-from kvtriton.kernels import compression_layout, gather_pages_compressed
+from kvtriton.kernels import compression_layout, gather_pages
 from tests.kernels.kernel_cases import build_pages, build_slab, indices
-from kvtriton.kernels._codegen import compile_copy_pages, production_config
+from kernels_dev.codegen import compile_copy_pages, production_config
 
 case = build_pages("mla", torch.bfloat16, "cpu", kv_values=True)
 slab = build_slab(case, 4, "cpu", row_bytes=compression_layout(case.pages, 8).row_bytes)
 rows = indices([0, 1], torch.int64, "cpu")
-gather_pages_compressed(case.pages, slab, rows, rows, group_size=8)  # tl.max / tl.sum, interpreted
+gather_pages(case.pages, slab, rows, rows, compression=compression_layout(case.pages, 8))  # tl.max / tl.sum, interpreted
 print(len(compile_copy_pages(production_config(4096, 2), to_slab=True).ptx))
 """
 

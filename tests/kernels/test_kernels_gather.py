@@ -165,7 +165,7 @@ def test_without_triton_interpret_cpu_tensors_take_the_torch_path(monkeypatch: p
         raise AssertionError("the Triton launcher ran on the torch path")
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(launch_module, "launch_copy", refuse)
+    monkeypatch.setattr(launch_module, "CopyLauncher", refuse)
     run_both("mla", torch.float16, "cpu", BLOCKS, ROWS, torch.int64)
 
 

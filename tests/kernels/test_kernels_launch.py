@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, gather_pages, scatter_pages
-from kvtriton.kernels._launch import make_config, word_width
-from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, MAX_PAIRS
+from kvtriton.kernels._launch import make_config
+from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, MAX_PAIRS, word_width
 from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
 from tests.kernels.kernel_cases import build_sized_pages, build_slab, indices
 

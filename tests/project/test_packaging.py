@@ -1,4 +1,4 @@
-"""The wheel ships kernels/ as kvtriton.kernels and never as a top-level package."""
+"""The wheel ships kernels/ as kvtriton.kernels and never as a top-level package; the kernels' development tools stay out."""
 
 from __future__ import annotations
 
@@ -34,4 +34,5 @@ def test_wheel_holds_kvtriton_kernels_and_no_top_level_kernels(tmp_path: Path) -
     shipped = {Path(name).name for name in names if name.startswith("kvtriton/kernels/")}
     assert kernel_sources <= shipped
     assert not [name for name in names if name.startswith("kernels/")]
+    assert not [name for name in names if name.startswith("kernels_dev/") or "codegen" in name or "compile_asm" in name]
     assert "kvtriton/py.typed" in names

@@ -13,7 +13,7 @@ import kvtriton.worker._engine as engine_module
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.kernels import KVCompression, compression_layout
 from kvtriton.kernels._launch_arguments import CompressConfig
-from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
+from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
 from kvtriton.worker._backends import AutoRule, TransferBackend, choose_backend
 from kvtriton.worker._engine import NON_FINITE_WARNING_INTERVAL_S, EngineStats, TransferEngine
 from kvtriton.worker._layout import PagedKV
@@ -56,9 +56,9 @@ def test_a_store_writes_the_reference_rows_and_a_load_decodes_them(backend: str)
             assert engine.submit_store(1, spec, CPULoadStoreSpec([4, 1]))
             assert [result.success for result in engine.get_finished()] == [True]
         expected = torch.zeros_like(slab.rows)
-        gather_pages_compressed_reference(
+        gather_pages_reference(
             kv.pages, expected, torch.tensor([6, 2, 7]), torch.tensor([9, 2, 3]),
-            group_size=[page.group_size for page in compressed.compression_layout.pages],
+            compression=compressed.compression_layout,
         )  # fmt: skip
         assert torch.equal(slab.rows[[9, 2, 3]], expected[[9, 2, 3]])
         target = [torch.zeros_like(tensor) for tensor in source]
@@ -68,9 +68,9 @@ def test_a_store_writes_the_reference_rows_and_a_load_decodes_them(backend: str)
             )
             assert [result.success for result in engine.get_finished()] == [True]
         decoded = [torch.zeros_like(tensor) for tensor in source]
-        scatter_pages_compressed_reference(
+        scatter_pages_reference(
             expected, PagedKV.from_tensors(decoded).pages, torch.tensor([9, 2, 3]), torch.tensor([0, 1, 5]),
-            group_size=[page.group_size for page in compressed.compression_layout.pages],
+            compression=compressed.compression_layout,
         )  # fmt: skip
         for got, want, original in zip(target, decoded, source):
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -105,9 +105,15 @@ def test_triton_on_cpu_really_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     launches: list[bool] = []
     real = launch_module.CopyLauncher.launch
 
-    def counting(self: launch_module.CopyLauncher, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor) -> None:
+    def counting(
+        self: launch_module.CopyLauncher,
+        to_slab: bool,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        status: torch.Tensor | None = None,
+    ) -> None:
         launches.append(to_slab)
-        real(self, to_slab, blocks, rows)
+        real(self, to_slab, blocks, rows, status)
 
     monkeypatch.setattr(launch_module.CopyLauncher, "launch", counting)
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, "triton") as engine:

@@ -18,7 +18,7 @@ import kvtriton.worker._backends as backends_module
 import kvtriton.worker._engine as engine_module
 import kvtriton.worker._slab as slab_module
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
+from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
 from kvtriton.worker._backends import TransferBackend
 from kvtriton.worker._engine import TransferEngine, TransferLane
 from kvtriton.worker._layout import PagedKV
@@ -461,11 +461,6 @@ def finite_tensors(seed: int = 1) -> list[torch.Tensor]:
     return [torch.randn((2, BLOCKS, 16, 2, 64), generator=generator).to(torch.bfloat16).cuda() for _ in range(LAYERS)]
 
 
-def _group_sizes(kv: PagedKV) -> list[int]:
-    assert kv.compression_layout is not None
-    return [page.group_size for page in kv.compression_layout.pages]
-
-
 def test_a_compressed_store_and_load_through_the_engine_are_bit_exact_to_the_torch_reference() -> None:
     source = finite_tensors()
     kv = PagedKV.from_tensors(source, kv_compression="fp8-e4m3")
@@ -476,8 +471,8 @@ def test_a_compressed_store_and_load_through_the_engine_are_bit_exact_to_the_tor
         finish(transfer, 0)
         cpu_pages = [page.cpu() for page in kv.pages]
         expected = torch.zeros_like(slab.rows)
-        gather_pages_compressed_reference(
-            cpu_pages, expected, torch.tensor(blocks), torch.tensor(slots), group_size=_group_sizes(kv)
+        gather_pages_reference(
+            cpu_pages, expected, torch.tensor(blocks), torch.tensor(slots), compression=kv.compression_layout
         )
         assert torch.equal(slab.rows[slots], expected[slots])
         targets = [torch.zeros_like(layer) for layer in source]
@@ -485,9 +480,9 @@ def test_a_compressed_store_and_load_through_the_engine_are_bit_exact_to_the_tor
             load(loader, 1, slots, [0, 1, 2, 3, 4])
             finish(loader, 1)
         decoded = [torch.zeros_like(layer).cpu() for layer in source]
-        scatter_pages_compressed_reference(
+        scatter_pages_reference(
             expected, PagedKV.from_tensors(decoded).pages, torch.tensor(slots), torch.tensor([0, 1, 2, 3, 4]),
-            group_size=_group_sizes(kv),
+            compression=kv.compression_layout,
         )  # fmt: skip
         for got, want in zip(targets, decoded):
             assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))

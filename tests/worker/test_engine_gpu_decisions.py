@@ -199,7 +199,7 @@ def test_pages_of_several_sizes_get_one_uniform_launch_per_size() -> None:
     geometry = describe_pages(case.pages, "pages")
     assert page_size_groups(geometry.page_bytes) == [[0, 2], [1], [3]]
     launcher = CopyLauncher(case.pages, slab, geometry, interpret=True, num_programs=4, bytes_per_iter=16 * 1024)
-    configs = launcher.configs
+    configs = launcher.copy_configs
     assert [config.uniform for config in configs] == [True, True, True]
     assert [config.page_elems * config.element_bytes for config in configs] == [1024, 4096, 48]
     # 1 KiB and 4 KiB pages at 16-byte aligned row offsets keep 16-byte words; one mixed launch would not be uniform.

@@ -4,8 +4,8 @@
 whole NVIDIA pipeline down to PTX on a CPU-only machine, which is what the
 code-quality tests and ``bench/kernels.py --ptx`` inspect. The ``attrs``
 format (which arguments are 16-byte divisible) is the one of Triton >= 3.3;
-older Triton raises :class:`UnsupportedTriton`. A development tool, private
-to the package: nothing a user calls imports it.
+older Triton raises :class:`UnsupportedTriton`. A development tool: it lives
+in ``kernels_dev/``, outside the wheel.
 
 Every compile runs in one child process with the interpreter off, never in the
 caller's process. The test suite runs with ``TRITON_INTERPRET=1``, and an
@@ -39,9 +39,9 @@ _KERNELS = {
     "descriptor_copy": ("kvtriton.kernels._jit.descriptor_copy", "descriptor_copy_kernel"),
     "compress_pages": ("kvtriton.kernels._jit.compress_pages", "compress_pages_kernel"),
 }
-# The folder that holds the kvtriton package (this file is kvtriton/kernels/_compile_asm.py; not resolved, as
-# kvtriton/kernels is a symlink in a checkout): the child imports this kvtriton, whatever its working directory.
-_PACKAGE_PARENT = Path(__file__).absolute().parents[2]
+# The repository root, which holds the kvtriton package and kernels_dev (this file is kernels_dev/compile_asm.py):
+# the child imports this checkout's kvtriton and this module, whatever its working directory.
+_REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 class UnsupportedTriton(RuntimeError):
@@ -106,13 +106,13 @@ def compile_asm(
 
 
 class _CompileProcess:
-    """``python -m kvtriton.kernels._compile_asm``: one request per line on its stdin, one JSON answer per line on its stdout."""
+    """``python -m kernels_dev.compile_asm``: one request per line on its stdin, one JSON answer per line on its stdout."""
 
     def __init__(self) -> None:
         environment = {**os.environ, "TRITON_INTERPRET": "0"}
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_PARENT), environment.get("PYTHONPATH")]))
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPOSITORY), environment.get("PYTHONPATH")]))
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "kvtriton.kernels._compile_asm"],
+            [sys.executable, "-m", "kernels_dev.compile_asm"],
             env=environment,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -69,7 +69,7 @@ def variant_records(kernel: str, jit_function: object) -> list[dict[str, object]
 
 def compiled_variants() -> list[dict[str, object]]:
     """The copy kernel's and the fp8 kernel's variants compiled in this process so far (imports triton)."""
-    from ._jit import compress_pages, copy_pages
+    from kvtriton.kernels._jit import compress_pages, copy_pages
 
     # The compiled JITFunctions each launcher uses.
     copy_kernel = cast(object, copy_pages.VARIANTS.kernel(False))

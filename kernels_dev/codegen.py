@@ -4,9 +4,8 @@ Compiles :func:`copy_pages_kernel` for ``sm_90`` with the configuration that a
 real launch would use for a page size (see :func:`kvtriton.kernels._launch.launch_config`), then reads the
 PTX (global load/store widths) and the TTIR (integer multiplies). The kernel
 tests use this as a quality gate; ``bench/kernels.py --ptx`` prints it next to
-the descriptor-per-copy baseline. A development tool, private to the package
-(it lives here because both the tests and bench use it, and bench imports
-kvtriton, never the tests).
+the descriptor-per-copy baseline. A development tool: it lives in
+``kernels_dev/``, outside the wheel, where both the tests and bench import it.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compressed_format import compression_layout
-from ._compressed_launch import compress_config
-from ._launch import LaunchConfig, make_config, word_width
-from ._launch_arguments import MAX_NUM_WARPS, CompressConfig
-from ._pages import DEFAULT_BYTES_PER_ITER
+from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, compression_layout
+from kvtriton.kernels._launch import LaunchConfig, compress_config, make_config
+from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, CompressConfig, word_width
 
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s")
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):", re.MULTILINE)
@@ -146,7 +143,7 @@ def compile_copy_pages(
     config: LaunchConfig, *, to_slab: bool, index_type: str = "i64", arch: int = 90
 ) -> CompiledKernel:
     """Compile the gather (``to_slab``) or scatter kernel for ``config`` on ``sm_<arch>``."""
-    from ._compile_asm import compile_asm
+    from .compile_asm import compile_asm
 
     element = _ELEMENT_TYPES[config.element_bytes]
     asm = compile_asm(
@@ -171,7 +168,7 @@ def compile_copy_pages(
 
 def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKernel:
     """Compile the vLLM-style descriptor-per-copy baseline (``kernels/_jit/descriptor_copy.py``)."""
-    from ._compile_asm import compile_asm
+    from .compile_asm import compile_asm
 
     asm = compile_asm(
         "descriptor_copy",
@@ -185,7 +182,7 @@ def compile_descriptor_copy(*, block: int = 1024, arch: int = 90) -> CompiledKer
 
 
 def _compile_compress(config: CompressConfig, to_slab: bool, arch: int) -> dict[str, str]:
-    from ._compile_asm import compile_asm
+    from .compile_asm import compile_asm
 
     return compile_asm(
         "compress_pages",
