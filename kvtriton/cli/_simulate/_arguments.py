@@ -146,6 +146,36 @@ def _target_rate(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class ArrivalPattern:
+    """An ``--arrivals`` value: ``burst``, ``concurrency`` N, ``rate`` R (requests per step) or ``per-step`` N."""
+
+    kind: str
+    value: float = 0.0
+
+
+def _arrivals(text: str) -> ArrivalPattern:
+    """``burst``, ``concurrency:N``, ``rate:R`` or a bare N (new requests per step)."""
+    name, sep, value = text.strip().lower().partition(":")
+    if not sep and name == "burst":
+        return ArrivalPattern("burst")
+    if not sep and name.isdigit() and int(name) >= 1:
+        return ArrivalPattern("per-step", int(name))
+    if sep and name == "concurrency" and value.strip().isdigit() and int(value) >= 1:
+        return ArrivalPattern("concurrency", int(value))
+    if sep and name == "rate":
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = math.nan
+        if math.isfinite(rate) and rate > 0:
+            return ArrivalPattern("rate", rate)
+    raise argparse.ArgumentTypeError(
+        "expected burst, concurrency:N (N >= 1), rate:R (R > 0 requests per scheduler step) or N (new requests"
+        f" per step, N >= 1), got {text!r}"
+    )
+
+
 def _param(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip() or not value.strip():
@@ -292,8 +322,7 @@ def _add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group(
         "vLLM server model (--call-order vllm)",
-        "What the vLLM server is started with. Arrivals: all requests at once (with --max-num-seqs),"
-        " --arrivals N per step, or --sequential.",
+        "What the vLLM server is started with, and how its client sends the requests (--arrivals or --sequential).",
     )
     server.add_argument(
         "--gpu-blocks",
@@ -318,10 +347,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     arrival = server.add_mutually_exclusive_group()
     arrival.add_argument(
         "--arrivals",
-        type=_positive_int,
-        metavar="N",
-        help=f"new requests arriving per scheduler step (default: {DEFAULT_ARRIVALS} when neither --max-num-seqs"
-        " nor --sequential is given, else all requests at once)",
+        type=_arrivals,
+        metavar="burst|concurrency:N|rate:R|N",
+        help="how the requests arrive, as vllm bench serve sends them: 'burst' all at once (--request-rate inf),"
+        " 'concurrency:N' N in flight, the next sent the step after one finished (--max-concurrency N), 'rate:R'"
+        " Poisson arrivals of R requests per scheduler step on average, seeded by --seed (--request-rate), or N new"
+        f" requests every step (default: {DEFAULT_ARRIVALS} per step when neither --max-num-seqs nor --sequential"
+        " is given, else burst)",
     )
     arrival.add_argument(
         "--sequential",
@@ -511,12 +543,16 @@ def call_order_of(args: argparse.Namespace) -> CallOrder:
         raise ValueError(
             "--in-flight applies to --call-order kvtriton; vLLM's order admits with --max-num-seqs, --arrivals or --sequential"
         )
-    arrivals: int | None = args.arrivals
-    if arrivals is None and args.max_num_seqs is None and not args.sequential:
-        arrivals = DEFAULT_ARRIVALS
+    pattern: ArrivalPattern | None = args.arrivals
+    if pattern is None:
+        default = args.max_num_seqs is not None or args.sequential
+        pattern = ArrivalPattern("burst") if default else ArrivalPattern("per-step", DEFAULT_ARRIVALS)
     return VllmOrder(
-        arrivals=arrivals,
+        arrivals=int(pattern.value) if pattern.kind == "per-step" else None,
         sequential=args.sequential,
+        concurrency=int(pattern.value) if pattern.kind == "concurrency" else None,
+        request_rate=pattern.value if pattern.kind == "rate" else None,
+        arrival_seed=args.seed if pattern.kind == "rate" else 0,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=_given(args.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS),
         gpu_blocks=args.gpu_blocks,

@@ -295,6 +295,10 @@ def recommendation_record(found: Recommendation, geometry: ModelGeometry) -> dic
 def describe_server(order: VllmOrder) -> str:
     if order.sequential:
         arrivals = "one request at a time"
+    elif order.concurrency is not None:
+        arrivals = f"{order.concurrency} requests in flight (the next sent once one finished)"
+    elif order.request_rate is not None:
+        arrivals = f"Poisson arrivals, {order.request_rate:g} requests per step (seed {order.arrival_seed})"
     elif order.arrivals is not None:
         arrivals = f"{order.arrivals} arrivals per step"
     else:
@@ -353,6 +357,8 @@ def tiered_point_record(report: TieredReport, ratio: float) -> dict[str, object]
     return {
         **asdict(report),
         "external_hit_rate": report.external_hit_rate,
+        "host_served_rate": report.host_served_rate,
+        "tier_served_rate": report.tier_served_rate,
         "host_chunk_hit_rate": report.host_chunk_hit_rate,
         "tier_chunk_hit_rate": report.tier_chunk_hit_rate,
         "tier_read_bytes": report.tier_read_bytes,
@@ -363,22 +369,26 @@ def tiered_point_record(report: TieredReport, ratio: float) -> dict[str, object]
 
 
 def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str], list[list[str]]]:
-    """Per (host size, tier size): the rate vLLM reports, each tier's chunk hits, the bytes each moves, the cost."""
-    headers = ["policy", "host GiB", "tier GiB", "vLLM hit", "host hit", "tier hit", "promoted", "host load GiB",
-               "host store GiB", "tier read GiB", "tier write GiB", "tier evictions", "cost"]  # fmt: skip
+    """Per (host size, tier size): the rate vLLM reports, the share each tier served (they add up to it), vLLM's
+    first-lookup chunk counters, the bytes each tier moves, the cost."""
+    headers = ["policy", "host GiB", "tier GiB", "vLLM hit", "host hit", "tier hit", "1st lookup host",
+               "1st lookup tier", "promoted", "host load GiB", "host store GiB", "tier read GiB", "tier write GiB",
+               "tier evictions", "cost"]  # fmt: skip
     rows: list[list[str]] = []
     for report in reports:
         mooncake = report.tier.kind == "mooncake"
         counts = report.counts
         if counts is None:  # stalled: the replay stopped, so there is nothing to count
             tier_size = gib(report.tier.capacity_bytes or 0) if mooncake else "-"
-            counted = ["stalled", *["-"] * 9]
+            counted = ["stalled", *["-"] * 11]
         else:
             tier_size = gib(report.tier_size_bytes) if mooncake else f"{gib(report.tier_fill_bytes)} filled"
             counted = [
                 percent(report.external_hit_rate),
-                f"{percent(report.host_chunk_hit_rate)} of {counts.host_chunk_queries}",
-                f"{percent(report.tier_chunk_hit_rate)} of {counts.tier_chunk_queries}",
+                percent(report.host_served_rate),
+                percent(report.tier_served_rate),
+                f"{counts.host_chunk_hits}/{counts.host_chunk_queries}",
+                f"{counts.tier_chunk_hits}/{counts.tier_chunk_queries}",
                 str(counts.promotions),
                 gib(report.host_load_bytes),
                 gib(report.host_store_bytes),
@@ -653,6 +663,12 @@ def tiered_lines(
     for policy in args.policies:
         lines.append("")
         lines += table(*tiered_rows([r for r in result.reports if r.policy == policy], args.host_price_ratio))
+    lines.append("")
+    lines.append(
+        "host hit, tier hit: the prompt tokens vLLM queried that each tier served (prompt_tokens_cached_by_source;"
+        " they add up to vLLM hit); 1st lookup: vLLM's kv_offload_tiering_chunk_hits/_chunk_queries, which count"
+        " what a tier answered each request's first lookup of a chunk (in a burst, before anything is stored)"
+    )
     if any(report.stalled for report in result.reports):
         lines.append("")
         lines.append(
