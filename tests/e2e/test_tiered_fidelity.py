@@ -55,6 +55,7 @@ DOCUMENTED_BOUNDS: dict[tuple[str, str, str], float] = {
     ("mooncake", "concurrency 4", SECOND_TIER): 5.0,  # measured 2.35
     ("mooncake", "all at once", FROM_HOST): 14.0,  # measured 11.92
     ("mooncake", "all at once", FROM_TIER): 9.0,  # measured 6.56
+    ("mooncake", "all at once", SECOND_TIER): 5.0,  # measured 0.45, then 2.30 in a second run
     ("mooncake", "all at once", COMBINED): 21.0,  # measured 18.49
 }
 """(tier, mode, rate): the bound docs/simulate.md states ("Tiered: predicted against measured") where the measured
