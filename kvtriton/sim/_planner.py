@@ -115,6 +115,12 @@ class VllmOrder:
     """New requests arriving per step (None: all at once, or one at a time with ``sequential``)."""
     sequential: bool = False
     """Each request arrives the step after the previous one finished (its stores may be in flight)."""
+    concurrency: int | None = None
+    """The client keeps this many requests in flight (``vllm bench serve --max-concurrency``)."""
+    request_rate: float | None = None
+    """Poisson arrivals, this many requests per scheduler step on average (``vllm bench serve --request-rate``)."""
+    arrival_seed: int = 0
+    """Seeds the Poisson arrivals' gaps."""
     max_num_seqs: int | None = None
     """vLLM's ``--max-num-seqs`` (None: no limit)."""
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -140,6 +146,9 @@ class VllmOrder:
             gpu_blocks=self.gpu_blocks,
             arrivals=self.arrivals,
             sequential=self.sequential,
+            concurrency=self.concurrency,
+            request_rate=self.request_rate,
+            arrival_seed=self.arrival_seed,
             output_tokens=self.decode_steps,
             load_steps=self.load_steps,
             store_steps=self.store_steps,

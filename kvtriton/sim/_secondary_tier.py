@@ -23,7 +23,15 @@ it models, call by call:
 * **Rates as vLLM reports them.** ``vllm:kv_offload_tiering_chunk_queries``
   and ``_chunk_hits`` by tier count each (request, key, tier) once, at the
   first HIT or MISS the tier gives it, and stop once the request is
-  allocated; a promoted chunk is thus a host miss and a tier hit.
+  allocated; a promoted chunk is thus a host miss and a tier hit. Those
+  counters say what each tier answered a request's *first* lookup, not what
+  it served: in a burst every request looks its prefix up in step 1, before
+  anything is stored, so both read (close to) 0% while the host tier serves
+  loads later. What each tier served is ``vllm:prompt_tokens_cached_by_source``
+  (``host``, and the tier's source): a loaded chunk promoted for the loading
+  request is the tier's, any other the host tier's
+  (``host_loaded_chunks``, ``tier_loaded_chunks``; they add up to the
+  external hits).
   ``_read_bytes`` counts promoted chunks, ``_write_bytes`` cascaded ones,
   each at the host row's bytes (compressed rows with compression).
 
@@ -256,6 +264,12 @@ class TierCounts:
     """``..._chunk_queries{tier="1:<kind>"}``."""
     tier_chunk_hits: int
     """``..._chunk_hits{tier="1:<kind>"}``: chunks found in the tier, each then promoted."""
+    host_loaded_chunks: int
+    """Chunks requests loaded into the GPU that the host tier held: vLLM's ``prompt_tokens_cached_by_source``
+    ``host`` (in chunks)."""
+    tier_loaded_chunks: int
+    """Chunks requests loaded into the GPU that were promoted from the tier for them: that counter's tier source
+    (``disk`` for fs)."""
     promotions: int
     """Chunks promoted (the tier read them into the host tier)."""
     promotion_jobs: int
@@ -319,6 +333,8 @@ class TieredManager:
         self._need_drain = False
         self._jobs: list[_Job] = []
         self._promotions: dict[str, tuple[ReqContext, list[OffloadKey]]] = {}
+        # vLLM's _request_load_sources: the chunks promoted for a request, which its load counts as the tier's.
+        self._promoted_for: dict[str, set[OffloadKey]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._polled = False
         self._peak = tier.chunks
@@ -326,6 +342,7 @@ class TieredManager:
         self.tier_chunk_queries = self.tier_chunk_hits = 0
         self.promotions = self.promotion_jobs = self.promotion_failures = self.cascaded_chunks = 0
         self.promotion_evictions = 0
+        self.host_loaded_chunks = self.tier_loaded_chunks = 0
 
     # -- the connector's calls --------------------------------------------------------------
 
@@ -355,10 +372,15 @@ class TieredManager:
             return LookupResult.MISS
         self.promotion_evictions += len(output.evicted_keys)
         self._promotions.setdefault(context.req_id, (context, []))[1].extend(output.keys_to_store)
+        self._promoted_for.setdefault(context.req_id, set()).update(output.keys_to_store)
         return LookupResult.HIT_PENDING
 
     def prepare_load(self, keys: Sequence[OffloadKey], context: ReqContext) -> object:
         self._requests[context.req_id].allocated = True
+        promoted = self._promoted_for.get(context.req_id, set())
+        from_tier = sum(key in promoted for key in keys)
+        self.tier_loaded_chunks += from_tier
+        self.host_loaded_chunks += len(keys) - from_tier
         return self.primary.prepare_load(keys, context)
 
     def complete_load(self, keys: Sequence[OffloadKey], context: ReqContext) -> None:
@@ -497,6 +519,7 @@ class TieredManager:
                 if not lookup.requests and lookup.phase != "in flight":
                     del self._lookups[key]
         del self._requests[req_id]
+        self._promoted_for.pop(req_id, None)
 
     def counts(self) -> TierCounts:
         return TierCounts(
@@ -505,6 +528,8 @@ class TieredManager:
             host_chunk_hits=self.host_chunk_hits,
             tier_chunk_queries=self.tier_chunk_queries,
             tier_chunk_hits=self.tier_chunk_hits,
+            host_loaded_chunks=self.host_loaded_chunks,
+            tier_loaded_chunks=self.tier_loaded_chunks,
             promotions=self.promotions,
             promotion_jobs=self.promotion_jobs,
             promotion_failures=self.promotion_failures,

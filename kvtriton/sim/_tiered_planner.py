@@ -67,6 +67,8 @@ class TieredReport:
     host_store_bytes: int
     """GPU to host tier (``vllm:kv_offload_store_bytes``); promotions write the host tier too, counted as tier reads."""
     compression: str = "none"
+    block_size: int = 16
+    """Tokens per chunk (one block each)."""
 
     @property
     def external_hit_rate(self) -> float:
@@ -87,6 +89,21 @@ class TieredReport:
         """``chunk_hits / chunk_queries`` of tier ``1:fs`` or ``1:mooncake``."""
         queries = self._count("tier_chunk_queries")
         return self._count("tier_chunk_hits") / queries if queries else 0.0
+
+    @property
+    def host_served_rate(self) -> float:
+        """Share of the queried prompt tokens loaded from chunks the host tier held (vLLM's ``host`` source)."""
+        return self._served("host_loaded_chunks")
+
+    @property
+    def tier_served_rate(self) -> float:
+        """Share of the queried prompt tokens loaded from chunks promoted from the tier; with
+        :attr:`host_served_rate`, the combined :attr:`external_hit_rate`."""
+        return self._served("tier_loaded_chunks")
+
+    def _served(self, name: str) -> float:
+        queries = self.external_query_tokens
+        return self._count(name) * self.block_size / queries if queries else 0.0
 
     @property
     def tier_read_bytes(self) -> int:
@@ -155,6 +172,7 @@ def tiered_point(
         host_load_bytes=0,
         host_store_bytes=0,
         compression=geometry.compression,
+        block_size=geometry.block_size,
     )
     finished = 0
 

@@ -44,11 +44,18 @@ tried again the next step, as the connector does. A finished request's store
 is done at once (vLLM flushes it) when one of its GPU blocks goes to other
 tokens or into a new request's block table.
 
-Arrivals: all requests at step 1 (``arrivals=None``, a burst, what a load
-generator sending everything at once produces), ``arrivals`` new ones per step,
-or ``sequential``: each request arrives the step after the previous one
-finished (a client that waits for each answer); the previous request's stores
-may still be in flight, and a lookup that meets one waits for it.
+Arrivals, as ``vllm bench serve`` sends them: all requests at step 1
+(``arrivals=None``, a burst: ``--request-rate inf``), ``concurrency`` N: the
+client keeps N requests in flight and sends the next the step after one
+finished (``--max-concurrency N``; ``sequential`` is N = 1, a client that waits
+for each answer, whose previous request's stores may still be in flight),
+``request_rate`` R: Poisson arrivals, R requests per scheduler step on average
+(``--request-rate``, its default burstiness 1: exponential gaps, seeded by
+``arrival_seed``), or the fixed ``arrivals`` new ones per step of the manager
+benchmark. A burst's requests all look their prefixes up in step 1, before
+anything is stored: with a secondary tier every existence check of that step
+answers MISS, and the verdict stays cached while a request that asked for it
+is alive (:mod:`kvtriton.sim._secondary_tier`), as in vLLM.
 
 **Preemption.** A running request that finds no free GPU block for its next
 tokens preempts the last running request (itself, if it is the last): the
@@ -70,6 +77,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import random
 import sys
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -128,9 +137,15 @@ class ServerModel:
     gpu_blocks: int | None = None
     """The server's GPU KV cache size in blocks, its prefix cache on (None: prefix caching off, no block limit)."""
     arrivals: int | None = None
-    """New requests per step (None: every request at step 1)."""
+    """New requests per step (None, and none of the patterns below: every request at step 1, a burst)."""
     sequential: bool = False
     """Each request arrives the step after the previous one finished (its stores may still be in flight)."""
+    concurrency: int | None = None
+    """The client keeps this many requests in flight (``vllm bench serve --max-concurrency``)."""
+    request_rate: float | None = None
+    """Poisson arrivals at this many requests per scheduler step on average (``vllm bench serve --request-rate``)."""
+    arrival_seed: int = 0
+    """Seeds the Poisson arrivals' gaps."""
     output_tokens: int = DEFAULT_OUTPUT_TOKENS
     """Tokens each request generates (vLLM's ``max_tokens``)."""
     load_steps: int = DEFAULT_LOAD_STEPS
@@ -145,8 +160,42 @@ class ServerModel:
                 check_int(name, value, 2 if name == "gpu_blocks" else 1)
         for name in ("output_tokens", "load_steps", "store_steps"):
             check_int(name, getattr(self, name), 1)
-        if self.sequential and self.arrivals is not None:
-            raise ValueError(f"sequential and arrivals={self.arrivals} are two arrival patterns; give one")
+        if self.concurrency is not None:
+            check_int("concurrency", self.concurrency, 1)
+        rate = self.request_rate
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"request_rate must be a finite number > 0 (requests per step), got {rate!r}")
+        patterns = [
+            name
+            for name, given in (
+                ("sequential", self.sequential),
+                (f"arrivals={self.arrivals}", self.arrivals is not None),
+                (f"concurrency={self.concurrency}", self.concurrency is not None),
+                (f"request_rate={rate}", rate is not None),
+            )
+            if given
+        ]
+        if len(patterns) > 1:
+            count = ("two", "three", "four")[len(patterns) - 2]
+            raise ValueError(f"{' and '.join(patterns)} are {count} arrival patterns; give one")
+
+    @property
+    def in_flight_limit(self) -> int | None:
+        """The client's concurrency: 1 when sequential, None when arrivals do not wait for answers."""
+        return 1 if self.sequential else self.concurrency
+
+    def arrival_steps(self, count: int) -> list[int] | None:
+        """With ``request_rate``: the step each of ``count`` requests arrives at (the first at step 1)."""
+        if self.request_rate is None:
+            return None
+        draw = random.Random(self.arrival_seed)
+        steps: list[int] = []
+        elapsed = 0.0
+        for index in range(count):
+            if index:  # vllm bench serve sends the first request at once, then waits an exponential gap per request
+                elapsed += draw.expovariate(self.request_rate)
+            steps.append(1 + math.floor(elapsed))
+        return steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +405,7 @@ class _ServerReplay(Generic[CtxT]):
         self.finished_last_step: list[_Request] = []
         self.outcomes: dict[int, RequestOutcome] = {}
         self.next_arrival = 0
+        self.arrival_steps = model.arrival_steps(len(self.states))
         self.step_number = 0
         self.blocks_stored = self.evictions = self.refused_stores = self.refused_blocks = 0
         self.finished_requests = 0
@@ -422,9 +472,16 @@ class _ServerReplay(Generic[CtxT]):
 
     def _arrivals(self) -> None:
         """Arrivals, before this step's schedule()."""
-        if self.model.sequential:
-            if self.next_arrival < len(self.states) and not (self.waiting or self.holding or self.running):
-                self._arrive(1)
+        limit = self.model.in_flight_limit
+        if limit is not None:
+            in_flight = len(self.waiting) + len(self.holding) + len(self.running)
+            if in_flight < limit:
+                self._arrive(limit - in_flight)
+        elif self.arrival_steps is not None:
+            due = self.next_arrival
+            while due < len(self.arrival_steps) and self.arrival_steps[due] <= self.step_number:
+                due += 1
+            self._arrive(due - self.next_arrival)
         elif self.model.arrivals is not None:
             self._arrive(self.model.arrivals)
         elif self.step_number == 1:

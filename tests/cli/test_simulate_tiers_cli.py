@@ -120,3 +120,32 @@ def test_a_mooncake_run_of_one_long_point_prints_progress_lines_counted_in_reque
 def test_no_progress_silences_the_tiered_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     simulate_json(tmp_path, capsys, "--tier", "mooncake:8GiB", "--capacities", "1", "--policies", "lru")
     assert "simulate (requests)" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arrivals", ["burst", "concurrency:4", "rate:0.5", "4"])
+def test_each_arrival_pattern_prints_tier_columns_that_add_up_to_the_rows_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arrivals: str
+) -> None:
+    """host hit + tier hit is vLLM hit, and the host tier's loads are every loaded chunk, whatever the arrivals."""
+    record = simulate_json(
+        tmp_path, capsys, "--tier", "fs", "--capacities", "1,4", "--max-num-seqs", "4", "--arrivals", arrivals
+    )
+    for point in record["points"]:
+        counts = point["counts"]
+        loaded = counts["host_loaded_chunks"] + counts["tier_loaded_chunks"]
+        assert loaded * 32 == point["external_hit_tokens"] > 0
+        assert point["host_load_bytes"] == loaded * (4 << 20)  # a 4 MiB row per loaded chunk
+        assert point["host_served_rate"] + point["tier_served_rate"] == pytest.approx(point["external_hit_rate"])
+        assert point["host_served_rate"] > 0  # the host tier served loads, and its column says so
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("concurrency:0", "concurrency:N (N >= 1)"), ("rate:-1", "got 'rate:-1'"), ("poisson", "expected burst")],
+)
+def test_a_bad_arrival_pattern_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", *SMALL, "--arrivals", value, "--out", str(tmp_path)])
+    assert message in capsys.readouterr().err

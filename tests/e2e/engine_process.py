@@ -54,6 +54,15 @@ def _offloading_manager(llm: Any) -> Any:
     return scheduler.connector.connector_scheduler.manager
 
 
+def wait_tiers_up(llm: Any) -> None:
+    """Wait (bounded) until every secondary tier that connects in the background (Mooncake) is up: a lookup
+    before it is up misses."""
+    for tier in _offloading_manager(llm).secondary_tiers:
+        wait_until_up = getattr(tier, "wait_until_up", None)
+        if wait_until_up is not None and not wait_until_up(SETTLE_TIMEOUT_S):
+            raise TimeoutError(f"secondary tier {tier.tier_type} not up after {SETTLE_TIMEOUT_S}s")
+
+
 def _damage_mooncake_values(manager: Any) -> None:
     """What a broken writer to the pool would leave: each chunk's value, the same size, 64 bytes flipped mid-way."""
     from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
@@ -280,11 +289,7 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                     raise TimeoutError("reset_prefix_cache() kept failing: GPU blocks still in use")
                 _step_engine(llm, filler)
         elif op == "wait_tiers_up":
-            # A networked tier (Mooncake) connects in the background: a lookup before it is up misses.
-            for tier in _offloading_manager(llm).secondary_tiers:
-                wait_until_up = getattr(tier, "wait_until_up", None)
-                if wait_until_up is not None and not wait_until_up(SETTLE_TIMEOUT_S):
-                    raise TimeoutError(f"secondary tier {tier.tier_type} not up after {SETTLE_TIMEOUT_S}s")
+            wait_tiers_up(llm)
         elif op == "damage_mooncake_values":
             _damage_mooncake_values(_offloading_manager(llm))
         elif op == "zero_kv_cache":

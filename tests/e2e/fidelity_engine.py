@@ -10,7 +10,10 @@ has finished; a store still in flight when the next request looks its blocks
 up answers "not yet" and the engine steps until it is done, which is what
 the simulator's ``--sequential`` mode counts. With ``all_at_once`` every
 request is added before the first step instead (what ``--max-num-seqs``
-without ``--arrivals`` models).
+without ``--arrivals`` models). With ``concurrency`` N the job is a client
+that keeps N requests in flight: it adds requests until N are unfinished,
+steps the engine, and adds the next ones once some finished (``--arrivals
+concurrency:N``; N = 1 is one at a time, N >= the request count a burst).
 """
 
 from __future__ import annotations
@@ -27,8 +30,14 @@ from e2e.vllm_cpu import ENGINE_ENV, cpu_kernels_problem
 os.environ.update(ENGINE_ENV)
 
 
-def run(job: dict[str, Any], *, after_requests: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One engine over the job's prompts; ``after_requests(llm)`` adds to the result before the engine shuts down."""
+def run(
+    job: dict[str, Any],
+    *,
+    before_requests: Callable[[Any], None] | None = None,
+    after_requests: Callable[[Any], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One engine over the job's prompts; ``before_requests(llm)`` runs once it is up, ``after_requests(llm)`` adds
+    to the result before the engine shuts down."""
     problem = cpu_kernels_problem()
     if problem is not None:
         raise RuntimeError(f"vLLM CPU kernels: {problem}")
@@ -58,8 +67,12 @@ def run(job: dict[str, Any], *, after_requests: Callable[[Any], dict[str, Any]] 
         spec = connector.connector_worker.spec
         sampling = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
         prompts: list[dict[str, list[int]]] = [{"prompt_token_ids": prompt} for prompt in job["prompts"]]
+        if before_requests is not None:
+            before_requests(llm)
         started = time.monotonic()
-        if job["all_at_once"]:  # every request added before the first step, in the workload's order
+        if job.get("concurrency") is not None:
+            outputs = _with_concurrency(llm, prompts, sampling, job["concurrency"])
+        elif job["all_at_once"]:  # every request added before the first step, in the workload's order
             outputs = llm.generate(prompts, sampling, use_tqdm=False)
         else:
             outputs = [llm.generate([prompt], sampling, use_tqdm=False)[0] for prompt in prompts]
@@ -81,6 +94,22 @@ def run(job: dict[str, Any], *, after_requests: Callable[[Any], dict[str, Any]] 
     finally:
         # The engine core's shutdown runs the connector's: kvtriton's spec closes its slab.
         llm.llm_engine.engine_core.shutdown()
+
+
+def _with_concurrency(llm: Any, prompts: list[dict[str, list[int]]], sampling: Any, concurrency: int) -> list[Any]:
+    """Each prompt's output, sent by a client that keeps ``concurrency`` requests unfinished: before each engine
+    step it adds requests, in order, until that many are in flight."""
+    engine = llm.llm_engine
+    finished: dict[int, Any] = {}
+    sent = 0
+    while len(finished) < len(prompts):
+        while sent < len(prompts) and sent - len(finished) < concurrency:
+            engine.add_request(str(sent), prompts[sent], sampling)
+            sent += 1
+        for output in engine.step():
+            if output.finished:
+                finished[int(output.request_id)] = output
+    return [finished[index] for index in range(len(prompts))]
 
 
 if __name__ == "__main__":

@@ -194,3 +194,76 @@ def test_a_tier_is_named_fs_or_mooncake_with_an_optional_size() -> None:
         with pytest.raises(ValueError, match=message):
             parse_tier(bad)
     assert dataclasses.replace(TierSpec("fs")).describe() == "fs"
+
+
+# --------------------------------------------------------------------------
+# Concurrent arrivals: every per-tier figure agrees with the point's own loads
+
+SHARED_PROMPTS = [
+    request(f"r{index}", *range(100 * (index % 3), 100 * (index % 3) + 3), 1000 + index) for index in range(24)
+]
+"""24 requests over 3 shared 3-block prefixes, each with a block of its own: later requests find the prefixes."""
+ARRIVALS = {
+    "one at a time": {"sequential": True},
+    "concurrency 4": {"concurrency": 4},
+    "rate 0.5 per step": {"request_rate": 0.5},
+    "burst": {},
+}
+
+
+@pytest.mark.parametrize("arrivals", ARRIVALS)
+@pytest.mark.parametrize("host_bytes", [4 * 2048 * 3, 64 * 2048 * 3])
+@pytest.mark.parametrize("kind", ["fs", "mooncake"])
+def test_each_tiers_column_is_consistent_with_the_points_loads(arrivals: str, host_bytes: int, kind: str) -> None:
+    """What each tier served adds up to vLLM's combined rate and to the bytes the host tier loaded, in every mode."""
+    order = VllmOrder(max_num_seqs=4, store_steps=1, **ARRIVALS[arrivals])  # pyright: ignore[reportArgumentType] -- the modes' keyword arguments
+    tier = TierSpec(kind, None if kind == "fs" else 64 * GIB)
+    report = tiered_point([prepare(SHARED_PROMPTS)], GEOMETRY, host_bytes, tier, "lru", order)
+    counts = report.counts
+    assert counts is not None and report.external_hit_tokens > 0
+    loaded = counts.host_loaded_chunks + counts.tier_loaded_chunks
+    assert loaded * BLOCK == report.external_hit_tokens
+    assert report.host_load_bytes == loaded * GEOMETRY.stored_bytes_per_block
+    assert report.host_served_rate + report.tier_served_rate == pytest.approx(report.external_hit_rate)
+    assert counts.tier_loaded_chunks <= counts.promotions
+    assert (report.host_served_rate > 0) == (counts.host_loaded_chunks > 0)
+    assert (report.tier_served_rate > 0) == (counts.tier_loaded_chunks > 0)
+
+
+def test_in_a_burst_vllms_first_lookup_counters_miss_what_the_host_tier_then_serves() -> None:
+    """Every request of a burst looks its prefix up in step 1, before anything is stored: vLLM's chunk counters
+    (first lookups) read 0 hits for both tiers, yet the host tier serves the shared prefixes once stored."""
+    order = VllmOrder(max_num_seqs=4, store_steps=1)
+    report = tiered_point([prepare(SHARED_PROMPTS)], GEOMETRY, 64 * 2048 * 3, TierSpec("fs"), "lru", order)
+    assert report.counts is not None
+    assert (report.counts.host_chunk_hits, report.counts.tier_chunk_hits) == (0, 0)
+    assert report.counts.host_chunk_queries > 0
+    assert report.host_served_rate > 0.5 and report.tier_served_rate == 0
+
+
+def test_a_client_with_n_in_flight_sends_the_next_request_once_one_finished() -> None:
+    """concurrency=N admits N at first and one more each step after a request finished; 1 is sequential."""
+    prompts = [request(f"r{index}", 10 * index) for index in range(6)]
+    steps = {
+        n: [outcome.admitted_step for outcome in predict(prompts, slots=8, block_size=BLOCK, model=model).outcomes]
+        for n, model in (
+            (1, ServerModel(concurrency=1, store_steps=1)),
+            (2, ServerModel(concurrency=2, store_steps=1)),
+            ("sequential", ServerModel(sequential=True, store_steps=1)),
+        )
+    }
+    assert steps[1] == steps["sequential"] == [1, 2, 3, 4, 5, 6]  # each answered in its step, the next sent after
+    assert steps[2] == [1, 1, 2, 2, 3, 3]
+
+
+def test_poisson_arrivals_are_seeded_and_average_the_rate() -> None:
+    model = ServerModel(request_rate=0.25, arrival_seed=7)
+    steps = model.arrival_steps(400)
+    assert steps is not None and steps == ServerModel(request_rate=0.25, arrival_seed=7).arrival_steps(400)
+    assert steps[0] == 1 and steps == sorted(steps)
+    assert 400 / steps[-1] == pytest.approx(0.25, rel=0.15)
+    assert steps != ServerModel(request_rate=0.25, arrival_seed=8).arrival_steps(400)
+    with pytest.raises(ValueError, match="concurrency=2 and request_rate=0.5 are two arrival patterns"):
+        ServerModel(concurrency=2, request_rate=0.5)
+    with pytest.raises(ValueError, match="request_rate must be a finite number > 0"):
+        ServerModel(request_rate=0.0)

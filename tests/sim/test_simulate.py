@@ -483,7 +483,8 @@ def test_vllm_call_order_is_recorded_and_matches_the_server_model_replay(
     assert main([*args, *knobs, "--no-progress", "--no-plot", "--json", "--out", str(tmp_path)]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["call_order"] == {
-        "name": "vllm", "arrivals": 3, "sequential": False, "max_num_seqs": None,
+        "name": "vllm", "arrivals": 3, "sequential": False, "concurrency": None, "request_rate": None,
+        "arrival_seed": 0, "max_num_seqs": None,
         "max_num_batched_tokens": 2048, "gpu_blocks": None, "decode_steps": 2, "load_steps": 1, "store_steps": 3,
         "sync_loads": True,
     }  # fmt: skip
@@ -504,7 +505,7 @@ def test_help_documents_the_vllm_order_knobs(capsys: pytest.CaptureFixture[str])
         main(["simulate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for expected in [
-        "--call-order", "(default: vllm when --gpu-blocks", "--arrivals", "(default: 4 when", "--decode-steps",
+        "--call-order", "(default: vllm when --gpu-blocks", "--arrivals", "(default: 4 per step when", "burst", "concurrency:N", "rate:R", "--decode-steps",
         "(default: 2)", "--sync-loads", "--gpu-blocks", "--max-num-seqs", "--sequential", "--load-steps",
         "--store-steps", "--max-num-batched-tokens", "(default: 2048)", "--target-hit-rate", "default: 0.5)",
         "--tensor-parallel-size", "prefix-tree:", "scan_fraction=0.15",

@@ -1,0 +1,177 @@
+"""`kvtriton simulate`: how many cache hits a given amount of host memory buys, for a trace.
+
+Replays a request trace (a built-in synthetic workload or a JSON-lines file)
+through ``CPUOffloadingManager`` for a sweep of capacities and each eviction
+policy, calling the manager the way a serving engine does, and reports hit
+rates, bytes moved, evictions and refused stores per point, then the vLLM
+configuration of the smallest size that reaches ``--target-hit-rate``. Pure
+scheduler side: no tensors, no torch, so a sweep takes seconds. The replay
+loops (:mod:`kvtriton.sim._replay`, :mod:`kvtriton.sim._vllm_order`) are
+also what ``bench/manager.py`` times, for kvtriton's manager and vLLM's.
+
+With ``--call-order vllm`` (implied by ``--gpu-blocks``, ``--max-num-seqs``
+and ``--sequential``) the trace runs through a model of a vLLM 0.33 server
+(:mod:`kvtriton.sim._vllm_server`): its admission, its own GPU prefix cache
+in front of the offload tier, and its asynchronous loads and stores, so the
+hit rate reported is the one vLLM's metrics show
+(``external_prefix_cache_hits / external_prefix_cache_queries``).
+
+With ``--compression fp8-e4m3`` (lossy) every size is swept twice: with
+uncompressed rows and with fp8-e4m3 rows, whose bytes per block come from the
+compression format itself (:meth:`ModelGeometry.with_compression`, the only
+step that imports torch), so a size holds about 1.9x the blocks and every
+copy moves about 0.52x the bytes (bf16). The table, the JSON and the plot
+show both; the recommendation is the compressed one, its
+``kv_connector_extra_config`` carrying ``kvtriton_kv_compression``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvtriton.cli._main import command_error
+from kvtriton.cli._progress import ProgressBar
+from kvtriton.cli._simulate import _arguments
+from kvtriton.cli._simulate._arguments import (
+    DEFAULT_TIERED_POINTS,
+    Source,
+    call_order_of,
+    compressed_geometries,
+    geometry_of,
+    given_flags,
+    load_trace,
+    server_streams,
+    tier_specs,
+)
+from kvtriton.cli._simulate._computation import host_sweep, tiered_points
+from kvtriton.cli._simulate._output import (
+    SweepProgress,
+    host_lines,
+    host_plot,
+    host_record,
+    plot,
+    plot_stamp,
+    tiered_lines,
+    tiered_record,
+    write_and_print,
+)
+from kvtriton.sim import (
+    DEFAULT_HOST_PRICE_RATIO,
+    ModelGeometry,
+    PreparedRequest,
+    Request,
+    TierSpec,
+    VllmOrder,
+    sweep_requests,
+)
+
+__all__ = ["add_arguments", "plot_stamp", "run"]
+
+_plot = plot
+"""The plot, by the name tests/cli/test_simulate_cli.py reaches it."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _arguments.add_arguments(parser, (__doc__ or "").split("\n\n")[0].removeprefix("`kvtriton simulate`: "))
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        geometry = geometry_of(args)
+        geometries = [geometry, *compressed_geometries(args, geometry)]
+        order = call_order_of(args)
+        source, requests = load_trace(args, geometry.block_size)
+    except (ValueError, OSError) as error:
+        return command_error("simulate", error)
+    stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
+    if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (call_order_of)
+        return _run_tiered(args, stored, order, source, requests, started)
+    tier_only = given_flags(
+        ("--tier-sizes", args.tier_sizes is not None),
+        ("--host-price-ratio", args.host_price_ratio != DEFAULT_HOST_PRICE_RATIO),
+        ("--servers", args.servers != 1),
+    )
+    if tier_only:
+        return command_error("simulate", f"{tier_only[0]} applies with --tier (fs or mooncake)")
+    try:
+        result = host_sweep(
+            requests,
+            geometries,
+            args.capacities,
+            args.policies,
+            order,
+            bandwidth_gbps=args.bandwidth,
+            target_hit_rate=args.target_hit_rate,
+            tensor_parallel_size=args.tensor_parallel_size,
+            track=SweepProgress(args),
+        )
+    except (ValueError, RuntimeError) as error:  # the server model refuses a request the GPU cache cannot hold
+        return command_error("simulate", error)
+    record = host_record(args, source, started, result)
+    json_path = write_and_print(args, f"simulate-{source.name}.json", record, host_lines(source, result))
+    if json_path is None:
+        return 2
+    # The answer first: the plot comes after it, so a missing or failing plot costs only the picture.
+    written = [json_path]
+    if not args.no_plot:
+        try:
+            png_path = host_plot(args, source, result, record)
+        except OSError as error:
+            return command_error("simulate", f"--out {args.out}: cannot write the plot: {error}")
+        if png_path is not None:
+            written.append(png_path)
+    wrote = "wrote " + " and ".join(str(path) for path in written)
+    if args.json:
+        print(wrote, file=sys.stderr)
+    else:
+        print()
+        print(wrote)
+    return 0
+
+
+def _run_tiered(
+    args: argparse.Namespace,
+    geometry: ModelGeometry,
+    order: VllmOrder,
+    source: Source,
+    requests: list[Request],
+    started: float,
+) -> int:
+    """``--tier``: the (policy, host size, tier size) sweep, a table per policy, the cheapest point as vLLM's config."""
+    bars: list[ProgressBar] = []
+
+    def start_bar(streams: list[list[PreparedRequest]], hosts: list[int], tiers: list[TierSpec]) -> ProgressBar:
+        # Counted in requests, not points: one point of a long trace (or of many servers) can take minutes.
+        bar = ProgressBar(
+            sweep_requests(streams, hosts, tiers, args.policies), "simulate (requests)", enabled=not args.no_progress
+        )
+        bars.append(bar)
+        return bar
+
+    try:
+        result = tiered_points(
+            server_streams(args, geometry.block_size, requests),
+            geometry,
+            args.capacities,
+            lambda distinct: tier_specs(args, geometry, distinct),
+            args.policies,
+            order,
+            target_hit_rate=args.target_hit_rate,
+            host_price_ratio=args.host_price_ratio,
+            default_points=DEFAULT_TIERED_POINTS,
+            on_start=lambda streams, hosts, tiers: start_bar(streams, hosts, tiers).advance,
+        )
+    except (ValueError, RuntimeError) as error:
+        return command_error("simulate", error)
+    for bar in bars:
+        bar.finish()
+    record = tiered_record(args, source, started, result, geometry, order)
+    lines = tiered_lines(args, source, result, geometry, order)
+    json_path = write_and_print(args, f"simulate-{source.name}-tiered.json", record, lines)
+    if json_path is None:
+        return 2
+    print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
