@@ -69,10 +69,15 @@ def check_knobs(num_programs: int, bytes_per_iter: int) -> None:
         raise ValueError(f"bytes_per_iter must be a power of two >= 16, got {bytes_per_iter}")
 
 
+def interpreter_problem() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels on CPU tensors, or None (imports triton, once)."""
+    from ._jit import interpreter_probe
+
+    return interpreter_probe.interpreter_problem()
+
+
 def interpreter_ready() -> None:
     """Raise ``RuntimeError`` in words when ``TRITON_INTERPRET`` is set but this Triton's interpreter cannot run the kernels."""
-    from ._jit.interpreter_probe import interpreter_problem
-
     problem = interpreter_problem()
     if problem is not None:
         raise RuntimeError(

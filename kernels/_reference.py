@@ -40,7 +40,7 @@ from typing import cast
 
 import torch
 
-from ._compressed_format import DEFAULT_GROUP_SIZE, CompressionLayout, check_call, compression_layout
+from ._compressed_format import CompressionLayout, check_call
 from ._compression import dequantize_groups, non_finite_error, quantize_groups
 from ._launch_arguments import word_width
 from ._validation import PageGeometry
@@ -344,35 +344,6 @@ def scatter_pages_reference(
         allow_duplicate_destinations=True,
     )  # fmt: skip
     scatter_unchecked(src, dst, src_rows, dst_blocks, geometry, compression)
-
-
-def gather_pages_compressed_reference(
-    src: Sequence[torch.Tensor],
-    dst: torch.Tensor,
-    src_blocks: torch.Tensor,
-    dst_rows: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-) -> None:
-    """``gather_pages_reference`` with ``compression=compression_layout(src, group_size)``.
-
-    Kept for ``kvtriton/cli/_demo.py``, which calls it by this name; new code passes ``compression=``.
-    """
-    compression = compression_layout(src, group_size, name="src")
-    gather_pages_reference(src, dst, src_blocks, dst_rows, compression=compression)
-
-
-def scatter_pages_compressed_reference(
-    src: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    src_rows: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    *,
-    group_size: int | Sequence[int] = DEFAULT_GROUP_SIZE,
-) -> None:
-    """``scatter_pages_reference`` with ``compression=compression_layout(dst, group_size)`` (kept, as the gather's, for ``cli/_demo.py``)."""
-    compression = compression_layout(dst, group_size, name="dst")
-    scatter_pages_reference(src, dst, src_rows, dst_blocks, compression=compression)
 
 
 def gather_unchecked(

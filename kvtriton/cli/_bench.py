@@ -54,8 +54,7 @@ class Benchmark:
 
     def missing(self) -> str | None:
         """Why this benchmark cannot run with this interpreter (a package it needs is not installed), or None."""
-        from kvtriton.integrations._mooncake_local import mooncake_missing
-        from kvtriton.integrations._vllm_release import vllm_missing
+        from kvtriton.integrations import mooncake_missing, vllm_missing
 
         problems = [
             problem

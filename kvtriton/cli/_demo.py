@@ -11,8 +11,8 @@ job, and when no load happened at all (nothing was checked).
 
 ``--compression fp8-e4m3`` (lossy) stores the slab rows compressed: a loaded
 block then holds the dequantized values, so each one is checked bit for bit
-against what the torch reference (``gather_pages_compressed_reference`` then
-``scatter_pages_compressed_reference``) makes of the stored block, and the
+against what the torch reference (``gather_pages_reference`` then
+``scatter_pages_reference``, with the compression layout) makes of the stored block, and the
 report adds the bytes moved against uncompressed rows, the slots the same
 ``--capacity`` buys, and the element error against the original values.
 """
@@ -26,17 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtriton._byte_units import BARE_NUMBER_UNIT, SIZE_RULE, format_bytes, is_bare_number, parse_capacity
 from kvtriton.cli._main import add_choice_argument, command_error
 from kvtriton.manager.policies import policy_names
-from kvtriton.sim._geometry import (
-    BARE_NUMBER_UNIT,
-    PRESETS,
-    SIZE_RULE,
-    ModelGeometry,
-    format_bytes,
-    is_bare_number,
-    parse_capacity,
-)
+from kvtriton.sim import PRESETS, ModelGeometry
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +38,8 @@ if TYPE_CHECKING:
     from kvtriton._offload_types import ReqContext
     from kvtriton.kernels import KVCompression
     from kvtriton.manager import CPUOffloadingManager
-    from kvtriton.sim._workloads import Request
-    from kvtriton.worker._engine import TransferEngine, TransferResult
-    from kvtriton.worker._layout import PagedKV
+    from kvtriton.sim import Request
+    from kvtriton.worker import PagedKV, TransferEngine, TransferResult
 
 LAYOUTS = ("flash_attn", "flashinfer", "mla", "cross_layer", "pages")
 COMPRESSIONS = ("none", "fp8-e4m3")
@@ -295,8 +287,8 @@ class BlockContent:
         """
         import torch
 
-        from kvtriton.kernels._reference import gather_pages_compressed_reference, scatter_pages_compressed_reference
-        from kvtriton.worker._layout import byte_view
+        from kvtriton.kernels import compression_layout, gather_pages_reference, scatter_pages_reference
+        from kvtriton.worker import byte_view
 
         row = self.row(block_hash)
         layout = self.kv.compression_layout
@@ -309,9 +301,9 @@ class BlockContent:
         compressed = torch.empty((1, self.kv.row_bytes), dtype=torch.uint8, device=device)
         decoded = [torch.empty_like(page) for page in original]
         index = torch.zeros(1, dtype=torch.int64, device=device)
-        groups = [page.group_size for page in layout.pages]
-        gather_pages_compressed_reference(original, compressed, index, index, group_size=groups)
-        scatter_pages_compressed_reference(compressed, decoded, index, index, group_size=groups)
+        block_layout = compression_layout(original, [page.group_size for page in layout.pages])
+        gather_pages_reference(original, compressed, index, index, compression=block_layout)
+        scatter_pages_reference(compressed, decoded, index, index, compression=block_layout)
         for before, after in zip(original, decoded):
             self.error.add(before, after)
         return torch.cat([byte_view(page)[0] for page in decoded])
@@ -479,7 +471,7 @@ class DemoServer:
 
 def _workload(config: DemoConfig) -> list[Request]:
     """Requests behind a few shared system prompts, sized so one request fits the scaled-down GPU cache."""
-    from kvtriton.sim._workloads import generate
+    from kvtriton.sim import generate
 
     bs = config.geometry.block_size
     budget = config.gpu_blocks * bs
@@ -495,7 +487,7 @@ def _workload(config: DemoConfig) -> list[Request]:
 
 def _slots(config: DemoConfig, row_bytes: int) -> int:
     """Host slab slots that ``--capacity`` buys, or a ValueError naming the flag."""
-    from kvtriton.worker._slab import HostSlab
+    from kvtriton.worker import HostSlab
 
     try:
         return HostSlab.slots_for_budget(config.capacity_bytes, config.block_size_factor, row_bytes)
@@ -509,9 +501,9 @@ def _check_memory(config: DemoConfig, device: torch.device) -> None:
     Allocating first would be worse than a traceback: zeroing a cache larger
     than RAM wakes the OOM killer, which may pick another process.
     """
-    import kvtriton.worker._slab as slab_module
+    import kvtriton.worker as worker
 
-    available = slab_module.mem_available_bytes()
+    available = worker.mem_available_bytes()
     if available is None:
         return
     block_bytes = config.geometry.bytes_per_block  # the demo's caches are bf16, as the presets are
@@ -538,9 +530,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtriton.cli._progress import progress
     from kvtriton.manager import CPUOffloadingManager
-    from kvtriton.worker._engine import TransferEngine
-    from kvtriton.worker._layout import PagedKV
-    from kvtriton.worker._slab import HostSlab, SlabPinningError
+    from kvtriton.worker import HostSlab, PagedKV, SlabPinningError, TransferEngine
 
     config: DemoConfig | None = None
     try:

@@ -18,7 +18,7 @@ import platform
 import resource
 from dataclasses import asdict, dataclass
 
-from kvtriton.sim._geometry import SIZE_RULE, format_bytes, size_argument
+from kvtriton._byte_units import SIZE_RULE, format_bytes, size_argument
 
 TOO_LOW = "TOO LOW"
 """How every verdict that stops a slab of ``--slab-size`` from starting begins; ``info`` then exits 1."""
@@ -59,12 +59,7 @@ def _package_version(name: str) -> str:
 
 def vllm_verdict(version: str) -> str:
     """The installed vLLM's version, and whether kvtriton is tested on its release (the spec refuses it otherwise)."""
-    from kvtriton.integrations._vllm_release import (
-        ALLOW_UNTESTED_VLLM,
-        TESTED_VLLM_RELEASES,
-        tested_releases,
-        vllm_release,
-    )
+    from kvtriton.integrations import ALLOW_UNTESTED_VLLM, TESTED_VLLM_RELEASES, tested_releases, vllm_release
 
     if version == "not installed":
         return f"not installed (kvtriton's vLLM specs need vLLM {tested_releases()})"
@@ -75,7 +70,7 @@ def vllm_verdict(version: str) -> str:
 
 def _mooncake_version() -> str:
     """The Mooncake Store client's version under either of its distribution names, and whether the tier takes it."""
-    from kvtriton.integrations._mooncake_local import installed_mooncake_version, mooncake_version_problem
+    from kvtriton.integrations import installed_mooncake_version, mooncake_version_problem
 
     installed = installed_mooncake_version()
     if installed is None:
@@ -113,7 +108,7 @@ def collect_machine_info() -> MachineInfo:
     cuda = torch.cuda.is_available()
     soft_limit, _hard_limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     from kvtriton import __version__
-    from kvtriton.integrations._vllm_release import installed_vllm_version
+    from kvtriton.integrations import installed_vllm_version
 
     return MachineInfo(
         kvtriton=__version__,
@@ -136,7 +131,7 @@ def memlock_verdict(limit_bytes: int | None, slab_bytes: int | None) -> str:
     Never starts with :data:`TOO_LOW`: ``cudaHostRegister`` is not charged to
     the limit, so a slab larger than it pins all the same.
     """
-    from kvtriton.worker._slab import MEMLOCK_NOTE
+    from kvtriton.worker import MEMLOCK_NOTE
 
     limit = "unlimited" if limit_bytes is None else format_bytes(limit_bytes)
     if slab_bytes is None or limit_bytes is None or slab_bytes <= limit_bytes:
@@ -192,9 +187,7 @@ def measure_warmup() -> str:
 
     if not torch.cuda.is_available():
         return "not measured: no CUDA device (the kernels compile only for a GPU)"
-    from kvtriton.worker._engine import TransferEngine
-    from kvtriton.worker._layout import PagedKV
-    from kvtriton.worker._slab import HostSlab
+    from kvtriton.worker import HostSlab, PagedKV, TransferEngine
 
     kv = PagedKV.from_tensors([torch.zeros((2, 4, 16, 8, 128), dtype=torch.bfloat16, device="cuda")])
     try:
@@ -231,7 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from kvtriton.worker._slab import mem_available_bytes, memlock_limit_bytes
+    from kvtriton.worker import mem_available_bytes, memlock_limit_bytes
 
     slab_bytes: int | None = args.slab_size
     info = collect_machine_info()

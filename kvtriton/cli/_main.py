@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from kvtriton import __version__
-from kvtriton.sim._geometry import SIZE_RULE
+from kvtriton._byte_units import SIZE_RULE
 
 
 class _CommandModule(Protocol):

@@ -6,6 +6,26 @@ OffloadingConnector loads; ``kvtriton.integrations.mooncake`` is the
 imports neither vLLM nor Mooncake.
 """
 
-# The public surface here is the two entry modules above, which vLLM loads by path; the package itself
-# exports nothing, so that importing it never imports either of them.
-__all__: list[str] = []
+# The entry packages above are what vLLM loads by path; the package itself exports what the command line asks
+# of the installed vLLM and Mooncake, which must answer when either is absent or broken.
+from kvtriton.integrations._mooncake_local import installed_mooncake_version, mooncake_missing, mooncake_version_problem
+from kvtriton.integrations._vllm_release import (
+    ALLOW_UNTESTED_VLLM,
+    TESTED_VLLM_RELEASES,
+    installed_vllm_version,
+    tested_releases,
+    vllm_missing,
+    vllm_release,
+)
+
+__all__ = [
+    "ALLOW_UNTESTED_VLLM",
+    "TESTED_VLLM_RELEASES",
+    "installed_mooncake_version",
+    "installed_vllm_version",
+    "mooncake_missing",
+    "mooncake_version_problem",
+    "tested_releases",
+    "vllm_missing",
+    "vllm_release",
+]

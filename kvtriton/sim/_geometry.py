@@ -167,7 +167,7 @@ class ModelGeometry:
         fp8 scale (default: the head dimension, as ``PagedKV`` uses). fp8
         caches pass through unchanged (ratio 1). Imports torch.
         """
-        from kvtriton.kernels._compression import KVCompression
+        from kvtriton.kernels import KVCompression
 
         parsed = KVCompression.parse(compression, "compression")
         if parsed is KVCompression.NONE:
@@ -180,7 +180,7 @@ class ModelGeometry:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         import torch
 
-        from kvtriton.kernels._compressed_format import compression_layout
+        from kvtriton.kernels import compression_layout
 
         dtype = {
             KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT16: torch.float16,

@@ -15,10 +15,18 @@ from __future__ import annotations
 
 from kvtriton.worker._backends import TransferBackend
 from kvtriton.worker._engine import EngineStats, TransferEngine, TransferLane, TransferResult
-from kvtriton.worker._layout import KVLayout, PagedKV
+from kvtriton.worker._layout import KVLayout, PagedKV, byte_view
 from kvtriton.worker._plan import TransferDirection
 from kvtriton.worker._shared_region import RegionLayout, SharedRegion
-from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
+from kvtriton.worker._slab import (
+    MEMLOCK_NOTE,
+    HostSlab,
+    PageableSlabWarning,
+    SlabPinningError,
+    mem_available_bytes,
+    memlock_limit_bytes,
+)
+from kvtriton.worker._slot_digests import SlotDigests
 
 __all__ = [
     "EngineStats",
@@ -34,4 +42,10 @@ __all__ = [
     "TransferEngine",
     "TransferLane",
     "TransferResult",
+    # for the vLLM worker adapter and the command line
+    "MEMLOCK_NOTE",
+    "SlotDigests",
+    "byte_view",
+    "mem_available_bytes",
+    "memlock_limit_bytes",
 ]

@@ -65,10 +65,15 @@ import torch
 from numpy.typing import NDArray
 
 from kvtriton._choices import parse_choice
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels._launch import CopyLauncher
-from kvtriton.kernels._reference import gather_unchecked, scatter_unchecked
-from kvtriton.kernels._validation import PageGeometry
+from kvtriton.kernels import (
+    DEFAULT_BYTES_PER_ITER,
+    DEFAULT_NUM_PROGRAMS,
+    CopyLauncher,
+    PageGeometry,
+    gather_unchecked,
+    interpreter_problem,
+    scatter_unchecked,
+)
 from kvtriton.worker._cudart import MemcpyBatch, loaded_cudart, memcpy_2d_async, memcpy_batch
 from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._plan import TransferDirection, TransferPlan, host_tensor
@@ -106,12 +111,6 @@ AUTO_TABLE: tuple[AutoRule, ...] = (
     AutoRule("cpu", None, None, 0, TransferBackend.TORCH),
 )
 """What ``auto`` means: the last matching row wins (rows are ordered by ``min_page_bytes``)."""
-
-
-def _interpreter_problem() -> str | None:
-    from kvtriton.kernels._jit.interpreter_probe import interpreter_problem  # imports triton
-
-    return interpreter_problem()
 
 
 def choose_backend(
@@ -171,7 +170,7 @@ def choose_backend(
                 "use backend='dma'"
             )
         if device.type == "cpu":
-            problem = _interpreter_problem()
+            problem = interpreter_problem()  # imports triton
             if problem is not None:
                 raise ValueError(
                     f"backend='triton' on CPU runs Triton's interpreter, but {problem}; use backend='torch'"

@@ -42,8 +42,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtriton._choices import parse_choice
-from kvtriton.kernels import DEFAULT_GROUP_SIZE, CompressionLayout, KVCompression, compression_layout
-from kvtriton.kernels._validation import PageGeometry, describe_pages
+from kvtriton.kernels import (
+    DEFAULT_GROUP_SIZE,
+    CompressionLayout,
+    KVCompression,
+    PageGeometry,
+    compression_layout,
+    describe_pages,
+)
 
 
 class KVLayout(enum.Enum):

@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from kvtriton._int_argument import check_int
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.kernels._validation import check_index_range, check_unique
+from kvtriton.kernels import check_index_range, check_unique
 
 
 class TransferDirection(enum.Enum):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kvtriton.cli._demo as demo_module
+import kvtriton.worker
 import kvtriton.worker._backends as backends_module
 import kvtriton.worker._engine as engine_module
 import kvtriton.worker._slab as slab_module
@@ -181,7 +182,7 @@ def test_demo_refuses_more_memory_than_the_machine_has_before_allocating(
         allocated.append(1)
         return []
 
-    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 64 * 2**20)
+    monkeypatch.setattr(kvtriton.worker, "mem_available_bytes", lambda: 64 * 2**20)
     monkeypatch.setattr(demo_module, "build_cache", build_cache)
     assert main(["demo", *SMALL, "--capacity", "1GiB"]) == 2
     err = capsys.readouterr().err
@@ -205,7 +206,7 @@ def test_demo_capacity_follows_the_command_line_unit_rule(capacity: str | None, 
 def test_a_bare_capacity_too_large_for_the_machine_reminds_that_bare_numbers_are_gib(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 256 * 2**20)
+    monkeypatch.setattr(kvtriton.worker, "mem_available_bytes", lambda: 256 * 2**20)
     assert main(["demo", *SMALL, "--capacity", "96"]) == 2
     err = capsys.readouterr().err
     assert "--capacity 96 need" in err and "(a bare --capacity is GiB: write e.g. 96MiB for MiB)" in err
@@ -218,8 +219,8 @@ def test_demo_reports_a_host_slab_refusal_without_a_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # RAM shrinks between the demo's check and the slab's own (another process allocated it).
-    answers = iter([2**40, 2**20])
-    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: next(answers))
+    monkeypatch.setattr(kvtriton.worker, "mem_available_bytes", lambda: 2**40)  # the demo's check
+    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 2**20)  # the slab's own
     assert main(["demo", *SMALL]) == 2
     assert re.search(r"kvtriton demo: error: a slab of .* bytes of RAM are available", capsys.readouterr().err)
 
@@ -268,7 +269,7 @@ def test_a_slab_that_cannot_be_pinned_stops_the_demo_with_one_line_naming_the_fl
                 "cannot pin the 25165824-byte host slab; RLIMIT_MEMLOCK is 8388608 bytes"
             )
 
-    monkeypatch.setattr(slab_module, "HostSlab", UnpinnableSlab)
+    monkeypatch.setattr(kvtriton.worker, "HostSlab", UnpinnableSlab)
     assert main(["demo", *SMALL]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtriton demo: error: --capacity 24MiB: cannot pin the 25165824-byte host slab")
@@ -278,7 +279,7 @@ def test_a_slab_that_cannot_be_pinned_stops_the_demo_with_one_line_naming_the_fl
 @pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
 def test_allow_pageable_reaches_the_slab(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     recording_slab, _, allow_pageable_given = _recording_slab_class()
-    monkeypatch.setattr(slab_module, "HostSlab", recording_slab)
+    monkeypatch.setattr(kvtriton.worker, "HostSlab", recording_slab)
     assert main(["demo", *SMALL, "--requests", "2"]) == 0
     assert main(["demo", *SMALL, "--requests", "2", "--allow-pageable"]) == 0
     assert allow_pageable_given == [False, True]
@@ -293,8 +294,8 @@ def test_an_engine_the_slab_cannot_serve_is_refused_by_flag_and_the_slab_is_clos
         raise ValueError("backend='triton' needs a pinned slab on CUDA; pin the slab or use backend='dma'")
 
     recording_slab, slabs, _ = _recording_slab_class()
-    monkeypatch.setattr(slab_module, "HostSlab", recording_slab)
-    monkeypatch.setattr(engine_module, "TransferEngine", refuse)
+    monkeypatch.setattr(kvtriton.worker, "HostSlab", recording_slab)
+    monkeypatch.setattr(kvtriton.worker, "TransferEngine", refuse)
     assert main(["demo", *SMALL, "--backend", "triton"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtriton demo: error: --backend triton: backend='triton' needs a pinned slab")

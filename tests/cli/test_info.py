@@ -38,10 +38,10 @@ def test_a_low_memlock_limit_on_a_cuda_machine_does_not_fail_the_check(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
-    import kvtriton.worker._slab as slab_module
+    import kvtriton.worker as worker
 
-    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: 8 * 2**20)
-    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(worker, "memlock_limit_bytes", lambda: 8 * 2**20)
+    monkeypatch.setattr(worker, "mem_available_bytes", lambda: 64 * 2**30)
     real = info_module.collect_machine_info()
     monkeypatch.setattr(info_module, "collect_machine_info", lambda: dataclasses.replace(real, cuda_available=True))
     assert main(["info", "--json", "--slab-size", "1GiB"]) == 0
@@ -55,10 +55,10 @@ def test_a_slab_larger_than_the_available_ram_fails_the_check(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(info_module, "measure_warmup", lambda: "not measured: test")
-    import kvtriton.worker._slab as slab_module
+    import kvtriton.worker as worker
 
-    monkeypatch.setattr(slab_module, "memlock_limit_bytes", lambda: None)
-    monkeypatch.setattr(slab_module, "mem_available_bytes", lambda: 2**30)
+    monkeypatch.setattr(worker, "memlock_limit_bytes", lambda: None)
+    monkeypatch.setattr(worker, "mem_available_bytes", lambda: 2**30)
     assert main(["info", "--slab-size", "2GiB"]) == 1
     assert "memory verdict    TOO LOW for a 2.00 GiB slab: only 1.00 GiB is available" in capsys.readouterr().out
 

@@ -90,7 +90,7 @@ def test_triton_refuses_a_pageable_slab_on_cuda() -> None:
 def test_triton_on_cpu_without_a_working_interpreter_is_an_error_not_a_silent_torch_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(backends_module, "_interpreter_problem", lambda: "the interpreter is broken here")
+    monkeypatch.setattr(backends_module, "interpreter_problem", lambda: "the interpreter is broken here")
     kv = make_kv()
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab:
         with pytest.raises(

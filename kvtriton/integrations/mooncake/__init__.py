@@ -100,7 +100,7 @@ from kvtriton.integrations.vllm._surface import (
     get_offload_group_idx,
     mark_stored,
 )
-from kvtriton.kernels._compression import KVCompression
+from kvtriton.kernels import KVCompression
 
 if TYPE_CHECKING:
     from kvtriton.integrations.vllm._surface import OffloadingSpec

@@ -63,7 +63,7 @@ try:
     )
     from kvtriton.integrations.vllm._worker import GroupPages, VLLMOffloadingWorker
     from kvtriton.manager import CPUOffloadingManager, OffloadingManager
-    from kvtriton.worker._slab import HostSlab
+    from kvtriton.worker import HostSlab
 except ImportError as _error:
     # A vLLM release without the offloading interface this adapter is written
     # against: say so instead of naming one missing module.

@@ -22,11 +22,16 @@ import torch
 from kvtriton._choices import ChoiceT, parse_choice
 from kvtriton._private_files import PRIVATE, FileSharing
 from kvtriton.integrations.vllm._identity import IDENTITY_KEY
-from kvtriton.kernels import DEFAULT_NUM_PROGRAMS
-from kvtriton.kernels._compressed_format import ALIGNMENT, COMPRESSIBLE_DTYPES, DEFAULT_GROUP_SIZE, compression_layout
-from kvtriton.kernels._compression import KVCompression
+from kvtriton.kernels import (
+    ALIGNMENT,
+    COMPRESSIBLE_DTYPES,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_NUM_PROGRAMS,
+    KVCompression,
+    compression_layout,
+)
 from kvtriton.manager.policies import policy_names
-from kvtriton.worker._backends import TransferBackend
+from kvtriton.worker import TransferBackend
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,7 @@ from kvtriton.integrations.vllm._config import (
 )
 from kvtriton.integrations.vllm._surface import OffloadingConfig, check_vllm_release
 from kvtriton.integrations.vllm._worker import GroupPages
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._slab import HostSlab, SlabPinningError
+from kvtriton.worker import HostSlab, SlabPinningError, TransferEngine
 
 
 @dataclass(frozen=True, slots=True)

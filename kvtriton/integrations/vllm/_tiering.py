@@ -97,9 +97,7 @@ from kvtriton.integrations.vllm._surface import (
 )
 from kvtriton.integrations.vllm._worker import GroupPages, VLLMOffloadingWorker
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._shared_region import RegionLayout, SharedRegion
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker import HostSlab, RegionLayout, SharedRegion, TransferEngine
 
 logger = logging.getLogger(__name__)
 

@@ -48,11 +48,8 @@ from kvtriton.integrations.vllm._surface import (
     store_arguments,
     vllm_base,
 )
-from kvtriton.kernels._compression import KVCompression
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._layout import KVLayout, PagedKV
-from kvtriton.worker._slab import HostSlab
-from kvtriton.worker._slot_digests import SlotDigests
+from kvtriton.kernels import KVCompression
+from kvtriton.worker import HostSlab, KVLayout, PagedKV, SlotDigests, TransferEngine
 
 logger = logging.getLogger(__name__)
 
