@@ -465,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-count", type=int, default=24, help="--steps: steps per round (default: 24, 6 with --quick)"
     )
     parser.add_argument(
-        "--step-pause-ms", type=float, default=20.0, help="--steps: pause between steps, the forward pass (default: 20)"
+        "--step-pause-ms", type=float, default=40.0, help="--steps: pause between steps, the forward pass (default: 40)"
     )
     return parser
 

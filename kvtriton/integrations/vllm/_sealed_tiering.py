@@ -22,10 +22,12 @@ Seal off the scheduler thread (cascades)
     handed each job only once its seals are written: vLLM calls the tier's
     ``submit_store`` right after ``create_store_job``, and that call is held
     (:meth:`SealedTieringManager._submit_when_sealed`) until the seal thread
-    is done, then made by the next ``on_schedule_end`` (or at once when the
-    seal was already done). Meanwhile the slots stay pinned (the job is
-    registered, as vLLM registers it), ``has_pending_work`` stays true so the
-    engine keeps stepping, ``reset_cache`` waits for the seals first, and
+    is done, then made by the scheduler's next ``prepare_store``,
+    ``complete_store`` or ``on_schedule_end`` (or at once when the seal was
+    already done): the tier gets the chunk up to one step later than before.
+    Meanwhile the slots stay pinned (the job is registered, as vLLM registers
+    it), ``has_pending_work`` stays true so the engine keeps stepping,
+    ``reset_cache`` waits for the seals first, and
     ``shutdown`` cancels the seals not yet begun and joins the thread before
     the primary's memory goes. A seal that raises fails the store job: the
     tier never sees it, and vLLM learns it from the tier's
@@ -215,9 +217,17 @@ class SealedTieringManager(TieringOffloadingManager):
             self._cascading = False
 
     @override
+    def prepare_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.PrepareStoreOutput | None:
+        self._hand_over_sealed()  # a tier's write starts sooner, and so its slots are unpinned sooner
+        return super().prepare_store(keys, req_context)
+
+    @override
     def complete_store(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True
     ) -> None:
+        self._hand_over_sealed()  # the first call after a forward pass, during which the last seals were written
         with self._cascade():
             super().complete_store(keys, req_context, success)
 
