@@ -399,10 +399,12 @@ def _step_variants(results: Results) -> dict[str, JSONObject]:
 def tiers_steps_table(results: Results) -> str:
     """The scheduler thread's time in the tiered manager per step, per variant: median and range of the rounds."""
     table = [
-        [str(row.get("what")), f"{_num(row, 'median_ms'):.3f}", f"{_num(row, 'low_ms'):.3f} to {_num(row, 'high_ms'):.3f}"]
+        [str(row.get("what")), f"{_num(row, 'median_ms'):.3f}", f"{_num(row, 'low_ms'):.3f} to {_num(row, 'high_ms'):.3f}",
+         f"{_num(row, 'refused_steps'):g}"]
         for row in _step_variants(results).values()
     ]  # fmt: skip
-    return _table(["variant", "step time, ms (median)", "range of the rounds' medians, ms"], table, "lrr")
+    headers = ["variant", "step time, ms (median)", "range of the rounds' medians, ms", "stores refused (primary full)"]
+    return _table(headers, table, "lrrr")
 
 
 def tiers_steps_setup(results: Results) -> str:
