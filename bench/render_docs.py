@@ -392,6 +392,40 @@ def tiers_summary(results: Results) -> str:
     )
 
 
+def _step_variants(results: Results) -> dict[str, JSONObject]:
+    return {str(row.get("variant")): row for row in _list(results("tiers_steps").get("variants"))}
+
+
+def tiers_steps_table(results: Results) -> str:
+    """The scheduler thread's time in the tiered manager per step, per variant: median and range of the rounds."""
+    table = [
+        [str(row.get("what")), f"{_num(row, 'median_ms'):.3f}", f"{_num(row, 'low_ms'):.3f} to {_num(row, 'high_ms'):.3f}",
+         f"{_num(row, 'refused_steps'):g}"]
+        for row in _step_variants(results).values()
+    ]  # fmt: skip
+    headers = ["variant", "step time, ms (median)", "range of the rounds' medians, ms", "stores refused (primary full)"]
+    return _table(headers, table, "lrrr")
+
+
+def tiers_steps_setup(results: Results) -> str:
+    record = results("tiers_steps")
+    return (
+        f"{_num(record, 'batch'):g} chunks of {_num(record, 'chunk_bytes') / 2**20:g} MiB stored per step,"
+        f" {_num(record, 'steps'):g} steps per round, {_num(record, 'pause_ms'):g} ms between steps,"
+        f" {_num(record, 'rounds'):g} rounds"
+    )
+
+
+def tiers_steps_summary(results: Results) -> str:
+    variants = _step_variants(results)
+    before, now, none = (_num(variants[name], "median_ms") for name in
+                         ("fs-sealed-on-scheduler", "fs-sealed-off-thread", "no-tier"))  # fmt: skip
+    return (
+        f"{before:.3f} ms per step with the seals on the scheduler thread, {now:.3f} ms with them on the seal thread,"
+        f" against {none:.3f} ms without a secondary tier"
+    )
+
+
 def mooncake_table(results: Results) -> str:
     table: list[list[str]] = []
     for row in _list(results("tiers_mooncake").get("results")):
@@ -595,7 +629,8 @@ _NAMED_AFTER_THEMSELVES = (
     manager_headline_table, manager_headline_range, manager_headline_verdict, manager_before_range,
     manager_direct_table, manager_direct_range, manager_cap2048_table, manager_hit_rates_table,
     kernels_headline_table, kernels_fallback_ratio, kernels_contiguous_range, kernels_page_sizes, kernels_ptx_table,
-    engine_table, engine_summary, tiers_table, tiers_bookkeeping_table, tiers_summary, mooncake_table, mooncake_summary,
+    engine_table, engine_summary, tiers_table, tiers_bookkeeping_table, tiers_summary, tiers_steps_table,
+    tiers_steps_setup, tiers_steps_summary, mooncake_table, mooncake_summary,
     compression_table, compression_bytes, compression_tiny_table, compression_real_engine_table,
     compression_real_teacher_table, compression_real_setup, compression_real_summary, serving_table, serving_ratios,
 )  # fmt: skip
@@ -608,7 +643,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     **SIMULATE_RENDERERS,
     **{f"run-{name}": _dated(name) for name in
        ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "host_cost", "tiers", "tiers_mooncake",
-        "compression", "serving")},
+        "tiers_steps", "compression", "serving")},
 }  # fmt: skip
 """Every region name the docs may use, and what renders it."""
 

@@ -32,9 +32,24 @@ table times the primary-tier calls alone (promotion slot, cascade pin, lookup)
 per chunk, without I/O: the primary's whole share of the tier traffic,
 measured without the disk's noise. Writes ``bench/results/tiers.json``.
 
+``--steps`` measures something else instead: the time vLLM's scheduler thread
+spends in the tiered manager per step (``complete_store`` of the previous
+step's chunks, which cascades them; ``prepare_store`` of this step's;
+``on_schedule_end``), with kvtriton's primary, in three variants built alike
+and run in alternating order round after round: no secondary tier; the fs
+tier with every cascaded chunk sealed on the scheduler thread (as kvtriton
+did before); the fs tier with the seals on kvtriton's seal thread (what it
+does now). Chunks of ``--step-chunk-mib`` (16 MiB: the seal's cost grows with
+the chunk), ``--step-batch`` of them per step, ``--step-count`` steps per
+round with ``--step-pause-ms`` between steps standing in for the model's
+forward pass (the fs tier's writes and the seals run meanwhile). Prints and
+writes the median step time per variant (the median of each round's median)
+and the range of the rounds' medians: ``bench/results/tiers_steps.json``.
+
     python -m bench.tiers                    # 0.5, 2 and 4 MiB chunks, 128 MiB per pass
     python -m bench.tiers --quick            # smoke run: one small pass per size, no verdict, tiers-quick.json
     python -m bench.tiers --root /mnt/nvme/kv --total-mib 1024
+    python -m bench.tiers --steps            # scheduler step time, 7 rounds; --quick: one short round
 """
 
 from __future__ import annotations
@@ -58,7 +73,17 @@ from kvtriton.cli._progress import progress
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadKey
 
-__all__ = ["Bookkeeping", "PassResult", "build_parser", "main", "measure_bookkeeping", "run_pass"]
+__all__ = [
+    "STEP_VARIANTS",
+    "Bookkeeping",
+    "PassResult",
+    "StepRound",
+    "build_parser",
+    "main",
+    "measure_bookkeeping",
+    "measure_steps",
+    "run_pass",
+]
 
 GOAL_RATIO = 0.95
 BOOKKEEPING_CHUNKS = 4096
@@ -106,17 +131,16 @@ def _slot_bytes(primary: str, chunk_bytes: int) -> int:
     return RegionLayout.block_row_stride_for(1, 1, chunk_bytes) if primary == "kvtriton" else chunk_bytes
 
 
-def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int) -> object:
-    """A scheduler-side TieringOffloadingManager with ``primary`` and one fs tier under ``root``."""
+def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int, fs_tier: bool = True) -> object:
+    """A scheduler-side TieringOffloadingManager with ``primary`` and one fs tier under ``root`` (or none)."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     spec_name, module = _SPEC_NAMES[primary]
+    fs = {"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}
     extra: dict[str, object] = {
         "spec_name": spec_name,
         "cpu_bytes_to_use": chunks * _slot_bytes(primary, chunk_bytes),
-        "secondary_tiers": [
-            {"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}
-        ],
+        "secondary_tiers": [fs] if fs_tier else [],
     }
     if module is not None:
         extra["spec_module_path"] = module
@@ -250,6 +274,168 @@ def measure_bookkeeping(primary: str, chunks: int, batch: int) -> Bookkeeping:
     )
 
 
+STEP_VARIANTS = {
+    "no-tier": "no secondary tier",
+    "fs-sealed-on-scheduler": "fs tier, sealed on the scheduler thread (before)",
+    "fs-sealed-off-thread": "fs tier, sealed on the seal thread (now)",
+}
+"""The step-time variants (``--steps``), by name: what each one is."""
+STEP_CAPACITY_STEPS = 8
+"""The primary holds this many steps' chunks: enough that the chunks still being written to fs never fill it."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRound:
+    """One round of ``--steps`` for one variant: the scheduler thread's time in the manager, step by step."""
+
+    variant: str
+    step_ms: tuple[float, ...]
+    """Each step's ``complete_store`` + ``prepare_store`` + ``on_schedule_end``, in milliseconds."""
+    refused_steps: int
+    """Steps whose ``prepare_store`` found no room (every slot still pinned by a cascade): 0 in a fair run."""
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+
+def measure_steps(
+    variant: str, chunk_bytes: int, batch: int, steps: int, pause_s: float, root: Path, threads: int, first_key: int
+) -> StepRound:
+    """Run ``steps`` scheduler steps through kvtriton's tiered manager set up as ``variant``; time each step."""
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+
+    if variant not in STEP_VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(STEP_VARIANTS)}, got {variant!r}")
+    manager = _manager("kvtriton", chunk_bytes, STEP_CAPACITY_STEPS * batch, root, threads, variant != "no-tier")
+    assert isinstance(manager, TieringOffloadingManager)
+    if isinstance(manager, SealedTieringManager):
+        manager.seal_off_thread = variant == "fs-sealed-off-thread"
+    step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    slot_bytes = _slot_bytes("kvtriton", chunk_bytes)
+    payload = bytes(range(256)) * (chunk_bytes // 256)
+    view = manager.primary_tier.get_kv_memoryview().cast("B")
+    context = ReqContext(req_id="steps")
+    timings: list[float] = []
+    refused = 0
+    try:
+        manager.on_new_request(context)
+        previous: list[OffloadKey] = []
+        for step in range(steps):
+            keys = _keys(first_key + step * batch, batch)
+            started = time.perf_counter()
+            with manager.lock:
+                if previous:  # the workers stored the last step's chunks: they cascade to the tiers
+                    manager.complete_store(previous, context)
+                output = manager.prepare_store(keys, context)
+                manager.on_schedule_end(step_end)
+            timings.append((time.perf_counter() - started) * 1e3)
+            previous = []
+            if output is None or not output.keys_to_store:
+                refused += 1
+            else:  # untimed: the workers' copies into the slots
+                spec = output.store_spec
+                assert isinstance(spec, CPULoadStoreSpec)
+                for slot in spec.block_ids.tolist():
+                    view[slot * slot_bytes : slot * slot_bytes + chunk_bytes] = payload
+                previous = list(output.keys_to_store)
+            time.sleep(pause_s)  # the model's forward pass: the tier's writes and the seals run meanwhile
+        with manager.lock:
+            if previous:
+                manager.complete_store(previous, context)
+        while True:  # untimed: the last cascades land before the next round starts
+            with manager.lock:
+                manager.on_schedule_end(step_end)
+                if not manager.has_pending_work():
+                    break
+            time.sleep(STEP_S)
+        manager.on_request_finished(context)
+    finally:
+        view.release()
+        manager.shutdown()
+    return StepRound(variant, tuple(timings), refused)
+
+
+def _step_summary(rounds: list[StepRound]) -> dict[str, object]:
+    """One variant's record: the median of its rounds' median step times, and their range."""
+    medians = [round_.median_ms for round_ in rounds]
+    return {
+        "median_ms": statistics.median(medians),
+        "low_ms": min(medians),
+        "high_ms": max(medians),
+        "round_medians_ms": medians,
+        "refused_steps": sum(round_.refused_steps for round_ in rounds),
+    }
+
+
+def _run_steps(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--steps``: the scheduler's step time per variant (see the module docstring)."""
+    name: str = args.name if args.name is not None else "tiers_steps-quick" if args.quick else "tiers_steps"
+    rounds: int = args.repeats if args.repeats is not None else 1 if args.quick else 7
+    steps: int = 6 if args.quick else args.step_count
+    chunk_bytes = int(args.step_chunk_mib * (1 << 20))
+    pause_s: float = args.step_pause_ms / 1e3
+    if rounds < 1 or args.step_batch < 1 or steps < 1 or args.threads < 1 or pause_s < 0:
+        raise SystemExit(
+            "need --repeats, --step-batch, --step-count and --threads >= 1 and --step-pause-ms >= 0; got "
+            f"{rounds}, {args.step_batch}, {steps}, {args.threads}, {args.step_pause_ms}"
+        )
+    if chunk_bytes < 4096 or chunk_bytes % 4096:
+        raise SystemExit(
+            f"--step-chunk-mib must be a multiple of 4 KiB (the fs tier uses O_DIRECT), got {args.step_chunk_mib}"
+        )
+    base = Path(tempfile.mkdtemp(prefix="kvtriton-bench-steps-", dir=args.root))
+    order = tuple(STEP_VARIANTS)
+    plan = [variant for index in range(rounds) for variant in (order if index % 2 == 0 else order[::-1])]
+    print(
+        f"fs root: {base}; {rounds} rounds of {steps} steps, {args.step_batch} x {args.step_chunk_mib:g} MiB chunks"
+        f" stored per step, {args.step_pause_ms:g} ms between steps; {args.threads}+{args.threads} fs threads"
+    )
+    results: dict[str, list[StepRound]] = {variant: [] for variant in order}
+    first_key = 0
+    try:
+        for variant in progress(plan, total=len(plan), label="step rounds"):
+            root = base / "fs"
+            results[variant].append(
+                measure_steps(variant, chunk_bytes, args.step_batch, steps, pause_s, root, args.threads, first_key)
+            )
+            first_key += steps * args.step_batch
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    summaries = {variant: _step_summary(runs) for variant, runs in results.items()}
+    rows: list[list[object]] = [
+        [STEP_VARIANTS[variant], summary["median_ms"], f"{summary['low_ms']:.3f}-{summary['high_ms']:.3f}",
+         summary["refused_steps"]]
+        for variant, summary in summaries.items()
+    ]  # fmt: skip
+    print(f"scheduler thread's time in the manager per step, ms (median of {rounds} rounds' medians, their range):")
+    print(format_table(["variant", "median ms", "range ms", "refused steps"], rows))
+    path = write_json(
+        name,
+        {
+            "command": command_line("tiers", argv),
+            "smoke_run": bool(args.quick),
+            "chunk_bytes": chunk_bytes,
+            "batch": args.step_batch,
+            "steps": steps,
+            "pause_ms": args.step_pause_ms,
+            "rounds": rounds,
+            "threads": args.threads,
+            "variants": [
+                {"variant": variant, "what": STEP_VARIANTS[variant], **summaries[variant]} for variant in order
+            ],
+            "step_ms": {variant: [list(round_.step_ms) for round_ in runs] for variant, runs in results.items()},
+        },
+    )
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("tiers", __doc__)
     parser.add_argument(
@@ -268,7 +454,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="smoke run: 16 MiB per pass, one repeat, no goal verdict; writes tiers-quick.json",
     )
     parser.add_argument("--name", help="result file name without .json (default: tiers, tiers-quick with --quick)")
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="measure the scheduler's step time with and without the fs tier instead (tiers_steps.json)",
+    )
+    parser.add_argument("--step-chunk-mib", type=float, default=16.0, help="--steps: chunk size in MiB (default: 16)")
+    parser.add_argument("--step-batch", type=int, default=2, help="--steps: chunks stored per step (default: 2)")
+    parser.add_argument(
+        "--step-count", type=int, default=24, help="--steps: steps per round (default: 24, 6 with --quick)"
+    )
+    parser.add_argument(
+        "--step-pause-ms", type=float, default=40.0, help="--steps: pause between steps, the forward pass (default: 40)"
+    )
     return parser
+
+
+def _need_vllm() -> None:
+    try:
+        importlib.import_module("vllm.v1.kv_offload.tiering.manager")
+    except ImportError as error:
+        raise SystemExit(f"bench.tiers runs vLLM's tiered manager and needs vLLM 0.33: {error}") from None
 
 
 def _median_costs(runs: list[Bookkeeping]) -> dict[str, float]:
@@ -290,6 +496,9 @@ def _figures(results: list[PassResult], direction: str) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_vllm()
+    if args.steps:
+        _need_vllm()
+        return _run_steps(args, argv)
     name: str = args.name if args.name is not None else "tiers-quick" if args.quick else "tiers"
     repeats: int = args.repeats if args.repeats is not None else 1 if args.quick else 7
     total_mib: int = 16 if args.quick else args.total_mib
@@ -301,10 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [mib for mib, size in zip(args.chunk_mib, sizes) if size < 4096 or size % 4096]
     if bad:
         raise SystemExit(f"--chunk-mib must be multiples of 4 KiB (the fs tier reads with O_DIRECT), got {bad}")
-    try:
-        importlib.import_module("vllm.v1.kv_offload.tiering.manager")
-    except ImportError as error:
-        raise SystemExit(f"bench.tiers compares against vLLM's own primary and needs vLLM 0.33: {error}") from None
+    _need_vllm()
 
     base = Path(tempfile.mkdtemp(prefix="kvtriton-bench-tiers-", dir=args.root))
     print(

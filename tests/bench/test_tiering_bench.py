@@ -73,3 +73,36 @@ def test_the_primarys_own_calls_are_timed_per_chunk(primary: str) -> None:
     cost = tiers.measure_bookkeeping(primary, 64, 8)
     assert cost.primary == primary
     assert cost.write_us > 0 and cost.read_us > 0 and cost.lookup_us > 0
+
+
+@pytest.mark.parametrize("variant", tiers.STEP_VARIANTS)
+def test_a_step_round_times_every_step_and_cascades_every_chunk_when_there_is_a_tier(
+    variant: str, tmp_path: Path
+) -> None:
+    round_ = tiers.measure_steps(variant, 64 << 10, 2, 3, 0.0, tmp_path / "fs", 1, first_key=500)
+    assert (round_.variant, len(round_.step_ms), round_.refused_steps) == (variant, 3, 0)
+    assert all(ms > 0 for ms in round_.step_ms)
+    files = sorted((tmp_path / "fs").rglob("*.bin"))
+    # Three steps of two chunks, each cascaded (and sealed: 64 KiB and a page for the seal) where there is a tier.
+    assert [path.stat().st_size for path in files] == ([] if variant == "no-tier" else [(64 << 10) + 4096] * 6)
+
+
+def test_an_unknown_step_variant_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'fs-sealed-twice'"):
+        tiers.measure_steps("fs-sealed-twice", 64 << 10, 1, 1, 0.0, tmp_path, 1, first_key=0)
+
+
+def test_the_steps_mode_writes_each_variants_median_and_range_to_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path))
+    argv = ["--steps", "--quick", "--step-chunk-mib", "0.0625", "--step-pause-ms", "0", "--threads", "1"]
+    assert tiers.main([*argv, "--root", str(tmp_path)]) == 0
+    assert "scheduler thread's time in the manager per step" in capsys.readouterr().out
+    record = json.loads((tmp_path / "tiers_steps-quick.json").read_text())
+    assert record["smoke_run"] is True and (record["steps"], record["rounds"], record["batch"]) == (6, 1, 2)
+    assert [row["variant"] for row in record["variants"]] == list(tiers.STEP_VARIANTS)
+    for row in record["variants"]:
+        assert row["low_ms"] <= row["median_ms"] <= row["high_ms"] and row["refused_steps"] == 0
+        assert len(record["step_ms"][row["variant"]]) == 1 and len(record["step_ms"][row["variant"]][0]) == 6
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["tiers_steps-quick.json"]  # no tiers.json, no fs root

@@ -226,6 +226,10 @@ def _cascade_pins_trace(managers: list[OffloadingManager], policy: dict[str, obj
         **policy,
     }
     manager = tiering(managers, extra)
+    # Sealed on this thread, so that a cascade reaches its tiers within complete_store, as in vLLM's own test; the
+    # seal thread hands it over at the first end of a step after its seal instead (never sooner), a step the trace
+    # could not pin down (test_tiering_seal_thread.py covers that).
+    sealed_manager(manager).seal_off_thread = False
     context = ReqContext(req_id="r")
     manager.on_new_request(context)
     trace: list[object] = []

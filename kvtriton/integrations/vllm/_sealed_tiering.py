@@ -14,6 +14,27 @@ Seal (``create_store_job``)
     :class:`~kvtriton.worker._shared_region.RegionLayout`) get the seal of the
     bytes before them, the engine's identity fingerprint and the key. The
     tier then stores the seal with the chunk, as bytes like any others.
+Seal off the scheduler thread (cascades)
+    A cascade's seals (xxh3 over every chunk, 0.4-2.7 ms for 16-80 MiB) would
+    hold up vLLM's scheduler thread, and with it every request of the batch.
+    So the jobs of a cascade (``complete_store``) and of a request-level
+    cascade are sealed on one background thread instead, and the tier is
+    handed each job only once its seals are written: vLLM calls the tier's
+    ``submit_store`` right after ``create_store_job``, and that call is held
+    (:meth:`SealedTieringManager._submit_when_sealed`) until the seal thread
+    is done, then made by the scheduler's next ``prepare_store``,
+    ``complete_store`` or ``on_schedule_end`` (or at once when the seal was
+    already done): the tier gets the chunk up to one step later than before.
+    Meanwhile the slots stay pinned (the job is registered, as vLLM registers
+    it), ``has_pending_work`` stays true so the engine keeps stepping,
+    ``reset_cache`` waits for the seals first, and
+    ``shutdown`` cancels the seals not yet begun and joins the thread before
+    the primary's memory goes. A seal that raises fails the store job: the
+    tier never sees it, and vLLM learns it from the tier's
+    ``get_finished_jobs`` like any failed store (the slots are unpinned, the
+    failure counted). A peer's read through the ``ParentManager`` is still
+    sealed on the calling thread: that tier reads the slots as soon as
+    ``create_store_job`` returns, with no ``submit_store`` to hold.
 Verify (``_complete_promotion``)
     When a tier reports a promotion done, before vLLM's orchestrator marks the
     slots ready, every key the tier says it loaded is verified in its slot. A
@@ -53,10 +74,15 @@ is installed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Collection, Sequence
+import threading
+import time
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 
 import numpy as np
 from typing_extensions import override
@@ -67,6 +93,7 @@ from kvtriton.integrations.vllm._integrity_report import IntegrityReport
 from kvtriton.integrations.vllm._surface import (
     CPUPrimaryTierOffloadingManager,
     FileSystemTierManager,
+    JobId,
     JobMetadata,
     JobResult,
     OffloadingConnectorStats,
@@ -85,9 +112,29 @@ QUARANTINE_KEYS = 65536
 """Faulty keys remembered per tier (the oldest forgotten first): each then costs one more faulty read, never more."""
 
 
+SEAL_THREAD_NAME = "kvtriton_seal"
+"""The name (prefix) of the thread that seals cascaded chunks off vLLM's scheduler thread."""
+
+
 def tier_label(index: int, tier: SecondaryTierManager) -> str:
     """The ``tier`` label vLLM's orchestrator gives secondary tier ``index`` (``"1:fs"``)."""
     return f"{index + 1}:{tier.tier_type}"
+
+
+class SealingStopped(RuntimeError):
+    """The manager shut down while a job's slots were still being sealed: the rest of them are not."""
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingSeal:
+    """A cascade's store job whose slots are being sealed: its tier is handed the job only once that is done."""
+
+    job: TransferJob
+    tier_idx: int
+    sealed: Future[None]
+    """Done when every slot of the job is sealed; holds the exception when a seal failed."""
+    submit_store: Callable[[TransferJob], None] | None = None
+    """The tier's own ``submit_store``, once vLLM has called it for this job: the call waits here for the seals."""
 
 
 class SealedTieringManager(TieringOffloadingManager):
@@ -102,9 +149,23 @@ class SealedTieringManager(TieringOffloadingManager):
         identity: KVIdentity,
         tier_poll_interval_s: float,
     ) -> None:
-        super().__init__(primary_tier, secondary_tiers, tier_poll_interval_s)
+        tiers = list(secondary_tiers)
+        # Set before vLLM's constructor, which may start its tier-poll thread: that thread already asks the
+        # tiers for finished jobs, through the gates installed here.
+        self._pending_seals: dict[JobId, _PendingSeal] = {}
+        self._failed_seals: list[list[JobResult]] = [[] for _ in tiers]
+        """Per tier, the store jobs whose seal failed, reported as failed through the tier's ``get_finished_jobs``."""
+        self._cascading = False
+        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=SEAL_THREAD_NAME)
+        self._sealing_stopped = threading.Event()
+        for tier_idx, tier in enumerate(tiers):
+            self._gate(tier_idx, tier)
+        super().__init__(primary_tier, tiers, tier_poll_interval_s)
         self.identity = identity
         """What every chunk's seal names; shown on the primary's config info series."""
+        self.seal_off_thread = True
+        """Whether a cascade's seals run on the seal thread (the default) or on the calling thread, vLLM's scheduler
+        thread, as they did before; ``bench/tiers.py`` measures the scheduler's step time both ways."""
         view = primary_tier.get_kv_memoryview()  # (num_chunks, chunk_bytes)
         self._region = np.frombuffer(view, dtype=np.uint8)
         self._chunk_bytes = view.nbytes // max(1, len(view))
@@ -114,22 +175,174 @@ class SealedTieringManager(TieringOffloadingManager):
         """Each secondary tier's faults, by reason (the tier's index in ``secondary_tiers``)."""
         self._quarantined: list[dict[vllm_base.OffloadKey, None]] = [{} for _ in self.secondary_tiers]
 
+    def _gate(self, tier_idx: int, tier: SecondaryTierManager) -> None:
+        """Route ``tier``'s ``submit_store`` and ``get_finished_jobs`` through this manager, on this instance only.
+
+        vLLM's orchestrator calls ``tier.submit_store(job)`` right after
+        ``create_store_job``; the gate holds that call until the job's seals are
+        written. A job whose seal failed never reaches the tier, and is reported
+        failed among the tier's finished jobs, where vLLM unpins its slots.
+        """
+        submit_store = tier.submit_store
+        get_finished_jobs = tier.get_finished_jobs
+
+        def gated_submit_store(job_metadata: TransferJob) -> None:
+            self._submit_when_sealed(job_metadata, submit_store)
+
+        def gated_get_finished_jobs() -> Iterable[JobResult]:
+            return self._finished_with_failed_seals(tier_idx, get_finished_jobs)
+
+        tier.submit_store = gated_submit_store
+        tier.get_finished_jobs = gated_get_finished_jobs
+
     def _chunk(self, chunk_id: int) -> memoryview:
         start = chunk_id * self._chunk_bytes
         return self._region[start : start + self._chunk_bytes].data
+
+    def _seal_slots(self, slots: Sequence[tuple[vllm_base.OffloadKey, int]]) -> None:
+        """Seal each ``(key, chunk_id)`` slot in place; stops between chunks once the manager shuts down."""
+        fingerprint = self.identity.fingerprint
+        for done, (key, chunk_id) in enumerate(slots):
+            if self._sealing_stopped.is_set():
+                raise SealingStopped(f"shut down after sealing {done} of the {len(slots)} slots of a store job")
+            seal_in_place(self._chunk(chunk_id), key=key, fingerprint=fingerprint)
+
+    @contextlib.contextmanager
+    def _cascade(self) -> Generator[None]:
+        """While it is open, the store jobs ``create_store_job`` makes are sealed off the scheduler thread."""
+        self._cascading = True
+        try:
+            yield
+        finally:
+            self._cascading = False
+
+    @override
+    def prepare_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext
+    ) -> vllm_base.PrepareStoreOutput | None:
+        self._hand_over_sealed()  # a tier's write starts sooner, and so its slots are unpinned sooner
+        return super().prepare_store(keys, req_context)
+
+    @override
+    def complete_store(
+        self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, success: bool = True
+    ) -> None:
+        self._hand_over_sealed()  # the first call after a forward pass, during which the last seals were written
+        with self._cascade():
+            super().complete_store(keys, req_context, success)
+
+    @override
+    def _cascade_existing_chunks_to_request_level_tiers(
+        self, keys: Sequence[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, request_level_tiers: set[int]
+    ) -> None:
+        with self._cascade():
+            super()._cascade_existing_chunks_to_request_level_tiers(keys, req_context, request_level_tiers)
 
     @override
     def create_store_job(
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, tier_idx: int = 0
     ) -> TransferJob:
         job = super().create_store_job(keys, req_context, tier_idx)
-        fingerprint = self.identity.fingerprint
-        for key, chunk_id in zip(job.keys, job.chunk_ids.tolist()):
-            seal_in_place(self._chunk(chunk_id), key=key, fingerprint=fingerprint)
+        slots = list(zip(job.keys, job.chunk_ids.tolist()))  # taken here: the caller may reuse its collection
+        if not self._cascading:
+            # A peer's read through the ParentManager: its tier reads the slots as soon as this returns.
+            self._seal_slots(slots)
+            self._stored_anew(tier_idx, job)
+            return job
+        sealed: Future[None]
+        if self.seal_off_thread:
+            sealed = self._sealer.submit(self._seal_slots, slots)
+        else:
+            sealed = Future()
+            try:
+                self._seal_slots(slots)
+            except Exception as error:  # noqa: BLE001 -- as the seal thread's future does: the job fails, not the step
+                sealed.set_exception(error)
+            else:
+                sealed.set_result(None)
+        self._pending_seals[job.job_id] = _PendingSeal(job, tier_idx, sealed)
+        return job
+
+    def _stored_anew(self, tier_idx: int, job: TransferJob) -> None:
         quarantined = self._quarantined[tier_idx]
         for key in job.keys:
             quarantined.pop(key, None)  # stored anew: the tier may hold a good chunk again
-        return job
+
+    def _submit_when_sealed(self, job: TransferJob, submit_store: Callable[[TransferJob], None]) -> None:
+        """A tier's ``submit_store``: at once for a job already sealed, else once its seals are written."""
+        pending = self._pending_seals.get(job.job_id)
+        if pending is None:
+            submit_store(job)
+            return
+        pending.submit_store = submit_store
+        if pending.sealed.done():
+            self._hand_over(pending)
+
+    def _hand_over(self, pending: _PendingSeal) -> None:
+        """Give a sealed job to its tier, or, when its seal failed, fail it for the tier's next finished jobs."""
+        del self._pending_seals[pending.job.job_id]
+        submit_store = pending.submit_store
+        assert submit_store is not None and pending.sealed.done()
+        try:
+            error = pending.sealed.exception()
+        except CancelledError as cancelled:
+            error = cancelled
+        if error is None:
+            pending.job.submit_time = time.monotonic()  # when the tier got it: vLLM times the tier's I/O from here
+            self._stored_anew(pending.tier_idx, pending.job)
+            submit_store(pending.job)
+            return
+        logger.error(
+            "kvtriton could not seal store job %d for tier %s (%d chunks): the job fails, its chunks stay in the "
+            "primary",
+            pending.job.job_id,
+            tier_label(pending.tier_idx, self.secondary_tiers[pending.tier_idx]),
+            len(pending.job.keys),
+            exc_info=error,
+        )
+        self._failed_seals[pending.tier_idx].append(JobResult(job_id=pending.job.job_id, success=False))
+
+    def _hand_over_sealed(self) -> None:
+        """Give every tier the jobs sealed since the last step that vLLM has already submitted, in job order."""
+        for pending in list(self._pending_seals.values()):
+            if pending.submit_store is not None and pending.sealed.done():
+                self._hand_over(pending)
+
+    def _finished_with_failed_seals(
+        self, tier_idx: int, get_finished_jobs: Callable[[], Iterable[JobResult]]
+    ) -> Iterable[JobResult]:
+        """A tier's ``get_finished_jobs``, with the store jobs whose seal failed (the tier never saw them)."""
+        finished = get_finished_jobs()
+        failed = self._failed_seals[tier_idx]
+        if not failed:
+            return finished
+        self._failed_seals[tier_idx] = []
+        return [*finished, *failed]
+
+    @override
+    def on_schedule_end(self, context: vllm_base.ScheduleEndContext) -> None:
+        self._hand_over_sealed()  # first, so that the tiers' own end of step sees them
+        super().on_schedule_end(context)
+
+    @override
+    def has_pending_work(self) -> bool:
+        # A job held for its seal needs a step to reach its tier, even where vLLM 0.34 lets a polled tier idle.
+        return bool(self._pending_seals) or any(self._failed_seals) or super().has_pending_work()
+
+    @override
+    def reset_cache(self) -> None:
+        # vLLM drains every tier's jobs, then expects none in flight: the held ones must reach their tier first.
+        wait_for_futures([pending.sealed for pending in self._pending_seals.values()])
+        self._hand_over_sealed()
+        super().reset_cache()
+
+    @override
+    def shutdown(self) -> None:
+        # Before vLLM tears the tiers and the primary's memory down: no seal may be writing into it then. The seal
+        # in progress stops after its chunk; the jobs not begun are cancelled (their slots are never handed over).
+        self._sealing_stopped.set()
+        self._sealer.shutdown(wait=True, cancel_futures=True)
+        super().shutdown()
 
     @override
     def _initiate_promotion(self, tier_idx: int, key: vllm_base.OffloadKey, req_context: vllm_base.ReqContext) -> bool:

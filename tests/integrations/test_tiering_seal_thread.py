@@ -1,0 +1,291 @@
+"""A cascade's seals are written off vLLM's scheduler thread, and a tier never sees a chunk before its seal.
+
+vLLM's real TieringOffloadingManager and fs tier run on a tmp dir, behind
+kvtriton's tiered spec. The seal is replaced by :class:`HeldSeal`, which
+refuses to run on the test's thread (the scheduler's, here) and otherwise
+waits for the test's word before sealing: a scheduler call that returns while
+a seal is held proves the seal runs elsewhere. The fs tier's ``submit_store``
+is wrapped (on the class, before the manager is built) to check, when the tier
+is handed a job, that every one of its slots already holds its seal.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
+
+from tiering_fixtures.configs import drain, key, tiering_config
+from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics, TransferJob
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+import kvtriton.integrations.vllm._sealed_tiering as sealed_tiering
+from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal, seal_in_place, verify
+from kvtriton.integrations.vllm._sealed_tiering import SEAL_THREAD_NAME, SealedTieringManager
+
+CHUNK = 4096  # 2048-byte blocks, one rank and the seal, padded to a page
+PAYLOAD = CHUNK - SEAL_BYTES
+FILLS = {1: 0x11, 2: 0x22}
+END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+WAIT_S = 30.0
+"""Bound on every wait for another thread: only a broken build waits this long."""
+
+
+class HeldSeal:
+    """Stands in for ``seal_in_place``: refuses the scheduler's thread, waits for :attr:`release`, then seals."""
+
+    def __init__(self, failure: Exception | None = None) -> None:
+        self.scheduler_thread = threading.current_thread()
+        self.release = threading.Event()
+        """Set by the test: the seals held so far (and all later ones) go ahead."""
+        self.started = threading.Event()
+        """Set when the first seal has begun (on the seal thread)."""
+        self.threads: list[str] = []
+        """The name of the thread of each seal, in order."""
+        self.failure = failure
+        """Raised instead of sealing, once released."""
+
+    def __call__(self, chunk: memoryview, *, key: bytes, fingerprint: bytes) -> None:
+        thread = threading.current_thread()
+        self.threads.append(thread.name)
+        if thread is self.scheduler_thread:
+            raise AssertionError("a cascade's chunk was sealed on the scheduler's thread")
+        self.started.set()
+        if not self.release.wait(WAIT_S):
+            raise AssertionError(f"the test never released the seal within {WAIT_S} s")
+        if self.failure is not None:
+            raise self.failure
+        seal_in_place(chunk, key=key, fingerprint=fingerprint)
+
+
+HandedOver = list[list[tuple[OffloadKey, bytes]]]
+"""Per job the fs tier is handed, in order: each slot's key and bytes at that moment."""
+
+
+@pytest.fixture
+def handed_over(monkeypatch: pytest.MonkeyPatch) -> HandedOver:
+    """What the fs tier finds in its job's slots when it is handed the job (wraps its class before a build)."""
+    jobs: HandedOver = []
+    original = FileSystemTierManager.submit_store
+
+    def recording_submit_store(tier: FileSystemTierManager, job_metadata: TransferJob) -> None:
+        region = tier._primary_kv_view.cast("B")  # pyright: ignore[reportPrivateUsage] -- the bytes the tier reads
+        jobs.append(
+            [
+                (offload_key, bytes(region[chunk * CHUNK : (chunk + 1) * CHUNK]))
+                for offload_key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids.tolist())
+            ]
+        )
+        original(tier, job_metadata)
+
+    monkeypatch.setattr(FileSystemTierManager, "submit_store", recording_submit_store)
+    return jobs
+
+
+def seal_checks(manager: SealedTieringManager, jobs: HandedOver) -> list[list[IntegrityFault | None]]:
+    """Each handed-over slot's seal check (None: sealed for its key under the manager's identity)."""
+    fingerprint = manager.identity.fingerprint
+    return [[verify(chunk, key=offload_key, fingerprint=fingerprint) for offload_key, chunk in job] for job in jobs]
+
+
+def build(root: Path, managers: list[OffloadingManager] | None, chunks: int = 8) -> SealedTieringManager:
+    """kvtriton's tiered manager with one fs tier under ``root``; shut down after the test when ``managers`` is given."""
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": chunks * CHUNK,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}],
+    }
+    spec = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048))
+    manager = spec.get_manager()
+    assert isinstance(manager, SealedTieringManager)
+    if managers is not None:
+        managers.append(manager)
+    return manager
+
+
+def chunk_file(manager: SealedTieringManager, index: int) -> Path:
+    (tier,) = manager.secondary_tiers
+    assert isinstance(tier, FileSystemTierManager)
+    return Path(tier.file_mapper.get_file_name(key(index)))
+
+
+def stored(manager: SealedTieringManager, request: str, indices: tuple[int, ...] = tuple(FILLS)) -> ReqContext:
+    """Chunks ``key(indices)`` written into the primary as a worker would (their ``FILLS`` byte), not yet complete."""
+    context = ReqContext(req_id=request)
+    manager.on_new_request(context)
+    with manager.lock:
+        output = manager.prepare_store([key(index) for index in indices], context)
+    assert output is not None and isinstance(output.store_spec, CPULoadStoreSpec)
+    region = manager.primary_tier.get_kv_memoryview().cast("B")
+    for offload_key, slot in zip(output.keys_to_store, output.store_spec.chunk_ids.tolist()):
+        fill = next(FILLS.get(index, index) for index in indices if key(index) == offload_key)
+        region[slot * CHUNK : (slot + 1) * CHUNK] = bytes([fill]) * CHUNK  # the seal's room too: unsealed until sealed
+    return context
+
+
+def complete(manager: SealedTieringManager, context: ReqContext, indices: tuple[int, ...] = tuple(FILLS)) -> None:
+    """The scheduler's ``complete_store``: the primary holds the chunks, and they cascade to the fs tier."""
+    with manager.lock:
+        manager.complete_store([key(index) for index in indices], context)
+
+
+def sealed_file(manager: SealedTieringManager, index: int) -> bytes:
+    return seal(bytes([FILLS[index]]) * PAYLOAD, key=key(index), fingerprint=manager.identity.fingerprint)
+
+
+def hold_seals(monkeypatch: pytest.MonkeyPatch, failure: Exception | None = None) -> HeldSeal:
+    held = HeldSeal(failure)
+    monkeypatch.setattr(sealed_tiering, "seal_in_place", held)
+    return held
+
+
+def seal_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith(SEAL_THREAD_NAME)]
+
+
+def test_a_cascade_returns_while_its_seal_is_held_and_the_tier_gets_the_chunk_only_once_sealed(
+    managers: list[OffloadingManager],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    handed_over: HandedOver,
+) -> None:
+    held = hold_seals(monkeypatch)
+    manager = build(tmp_path, managers)
+    context = stored(manager, "store")
+    complete(manager, context)  # returns with the seal held: it is not computed on this thread
+    assert held.started.wait(WAIT_S)
+    for _ in range(3):  # steps go on; the tier is not handed a chunk whose seal is not written
+        with manager.lock:
+            manager.on_schedule_end(END_OF_STEP)
+            assert manager.has_pending_work()
+    assert handed_over == []
+    assert not any(chunk_file(manager, index).exists() for index in FILLS)
+
+    held.release.set()
+    drain(manager)
+    assert seal_checks(manager, handed_over) == [
+        [None, None]
+    ]  # one job, every slot sealed for its key when the tier got it
+    assert all(chunk_file(manager, index).read_bytes() == sealed_file(manager, index) for index in FILLS)
+    assert held.threads and all(name.startswith(SEAL_THREAD_NAME) for name in held.threads)
+    manager.on_request_finished(context)
+
+
+def test_a_seal_that_fails_fails_the_store_job_and_the_scheduler_carries_on(
+    managers: list[OffloadingManager],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    handed_over: HandedOver,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    held = hold_seals(monkeypatch, failure=ValueError("no room for the seal"))
+    held.release.set()
+    manager = build(tmp_path, managers, chunks=2)
+    context = stored(manager, "store")
+    complete(manager, context)  # no exception reaches the scheduler
+    drain(manager)
+    assert handed_over == [] and not any(chunk_file(manager, index).exists() for index in FILLS)
+    stats = manager.get_stats()
+    assert stats is not None
+    failures = stats.reduce()
+    assert sum(
+        float(value)
+        for name, value in failures.items()
+        if name.startswith(TieringOffloadingMetrics.CASCADE_JOB_FAILURES)
+    ) == 1  # fmt: skip
+    assert "could not seal store job" in caplog.text and "no room for the seal" in caplog.text
+    with manager.lock:  # the chunks stay in the primary, readable
+        assert all(manager.lookup(key(index), context) is LookupResult.HIT for index in FILLS)
+    manager.on_request_finished(context)
+    # ...and unpinned: two new chunks evict both from the two-chunk primary.
+    later = ReqContext(req_id="later")
+    manager.on_new_request(later)
+    with manager.lock:
+        output = manager.prepare_store([key(3), key(4)], later)
+    assert output is not None and sorted(output.evicted_keys) == [key(index) for index in FILLS]
+
+
+def test_shutdown_cancels_the_seals_not_begun_and_leaves_no_seal_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handed_over: HandedOver
+) -> None:
+    held = hold_seals(monkeypatch)
+    manager = build(tmp_path, None)  # shut down here, once
+    first = stored(manager, "first", (1, 2))
+    complete(manager, first, (1, 2))
+    second = stored(manager, "second", (3, 4))
+    complete(manager, second, (3, 4))  # queued behind the first job's held seal
+    assert held.started.wait(WAIT_S)
+    shutting_down = threading.Thread(target=manager.shutdown, name="test-shutdown")
+    shutting_down.start()
+    assert manager._sealing_stopped.wait(WAIT_S)  # pyright: ignore[reportPrivateUsage] -- shutdown has begun
+    held.release.set()  # the seal in progress finishes its chunk; the rest of its job and the second are dropped
+    shutting_down.join(WAIT_S)
+    assert not shutting_down.is_alive()
+    assert len(held.threads) == 1  # one chunk sealed; never a chunk after shutdown began, nor the queued job
+    assert handed_over == []
+    assert seal_threads() == []
+
+
+def test_reset_cache_waits_for_the_seals_and_hands_their_jobs_over_first(
+    managers: list[OffloadingManager],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    handed_over: HandedOver,
+) -> None:
+    held = hold_seals(monkeypatch)
+    manager = build(tmp_path, managers)
+    context = stored(manager, "store")
+    complete(manager, context)
+    assert held.started.wait(WAIT_S)
+    releaser = threading.Timer(0.05, held.release.set)  # while the reset below waits (or before: it must not matter)
+    releaser.start()
+    with manager.lock:
+        manager.reset_cache()  # vLLM drains the tiers and asserts no job is left: the held one went first
+        manager.on_reset_flushed()
+    releaser.join(WAIT_S)
+    assert seal_checks(manager, handed_over) == [[None, None]]
+    assert all(chunk_file(manager, index).read_bytes() == sealed_file(manager, index) for index in FILLS)
+    manager.on_request_finished(context)
+
+
+def test_a_peers_read_through_the_parent_manager_is_sealed_before_create_store_job_returns(
+    managers: list[OffloadingManager], tmp_path: Path
+) -> None:
+    """The p2p tier reads the slots as soon as ``create_store_job`` returns, with no ``submit_store`` to hold."""
+    manager = build(tmp_path, managers)
+    context = stored(manager, "store")
+    complete(manager, context)
+    drain(manager)
+    peer = ReqContext(req_id="peer")
+    manager.on_new_request(peer)
+    region = manager.primary_tier.get_kv_memoryview().cast("B")
+    fingerprint = manager.identity.fingerprint
+    with manager.lock:
+        output = manager.prepare_load([key(1)], peer)  # where key 1 is (its slot), pinned meanwhile
+        assert isinstance(output, CPULoadStoreSpec)
+        (chunk,) = output.chunk_ids.tolist()
+        region[(chunk + 1) * CHUNK - SEAL_BYTES : (chunk + 1) * CHUNK] = bytes(SEAL_BYTES)  # the cascade's seal, gone
+        job = manager.create_store_job([key(1)], peer, 0)  # what vLLM's _SecondaryTierFacingParent calls
+        assert job.chunk_ids.tolist() == [chunk]
+        assert verify(region[chunk * CHUNK : (chunk + 1) * CHUNK], key=key(1), fingerprint=fingerprint) is None
+
+
+@pytest.mark.parametrize("off_thread", [True, False])
+def test_every_seal_thread_is_gone_after_shutdown(tmp_path: Path, off_thread: bool, handed_over: HandedOver) -> None:
+    manager = build(tmp_path, None)
+    manager.seal_off_thread = off_thread
+    context = stored(manager, "store")
+    complete(manager, context)
+    if not off_thread:  # sealed on this thread: the tier gets the job within complete_store, as vLLM hands it
+        assert seal_checks(manager, handed_over) == [[None, None]]
+    drain(manager)
+    assert seal_checks(manager, handed_over) == [[None, None]]
+    manager.on_request_finished(context)
+    manager.shutdown()
+    assert seal_threads() == []
