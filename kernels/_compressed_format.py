@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtriton._int_argument import check_int
+
 from ._validation import PageGeometry, argument_names, check_index_pair, check_slab, describe_pages, slab_row_stride
 
 DEFAULT_GROUP_SIZE = 128
@@ -101,8 +103,7 @@ class CompressionLayout:
 
 
 def _check_group_size(group_size: int, label: str) -> None:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
-        raise ValueError(f"group_size for {label} must be an int >= 1, got {group_size!r}")
+    check_int(f"group_size for {label}", group_size, minimum=1)
 
 
 def compression_layout(

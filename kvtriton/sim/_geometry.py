@@ -15,8 +15,6 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-# One size rule for the command line and the serving logs; the parsers are named here too until every caller
-# imports them from the core.
 from kvtriton._byte_units import (
     BARE_NUMBER_UNIT as BARE_NUMBER_UNIT,
 )
@@ -41,6 +39,10 @@ from kvtriton._byte_units import (
 from kvtriton._byte_units import (
     size_list_argument as size_list_argument,
 )
+
+# One size rule for the command line and the serving logs; the parsers are named here too until every caller
+# imports them from the core.
+from kvtriton._int_argument import check_int
 from kvtriton._region_rows import block_row_stride
 
 GIB = 2**30
@@ -115,9 +117,7 @@ class ModelGeometry:
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value: object = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+            check_int(field_name, getattr(self, field_name), minimum=1)
         if self.kv_factor not in (1, 2):
             raise ValueError(f"kv_factor must be 1 (MLA) or 2 (K and V), got {self.kv_factor!r}")
         if (self.compression == "none") != (self.compressed_bytes_per_block is None):

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from kvtriton._int_argument import check_int
+
 
 class GpuPrefixCache:
     """A GPU KV cache of ``num_blocks`` blocks with vLLM's prefix caching and eviction order."""
@@ -33,8 +35,7 @@ class GpuPrefixCache:
     __slots__ = ("_blocks_of", "_front", "_hash_of", "_queue", "_refs", "evictions")
 
     def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside the typed world
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is vLLM's null block), got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, minimum=2)  # block 0 is vLLM's null block
         # The free queue is _front (reversed: its last entry is the queue's head) then _queue.
         # Only blocks without a hash are ever put at the head, and those are never hit, so
         # _front needs no removal; a dict keeps _queue's order and removes in O(1).

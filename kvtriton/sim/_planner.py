@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import CPUOffloadingManager
@@ -97,8 +98,7 @@ class KvtritonOrder:
     """Requests admitted before the oldest completes its loads and stores."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.in_flight, bool) or not isinstance(self.in_flight, int) or self.in_flight < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- callers outside the typed world
-            raise ValueError(f"in_flight must be an int >= 1, got {self.in_flight!r}")
+        check_int("in_flight", self.in_flight, minimum=1)
 
     def replay(
         self, requests: Sequence[PreparedRequest], manager: CPUOffloadingManager, block_size: int

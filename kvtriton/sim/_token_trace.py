@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtriton._int_argument import check_int
 from kvtriton.sim._workloads import check_block_size
 
 
@@ -57,9 +58,7 @@ class TokenWorkloadParams:
 
     def __post_init__(self) -> None:
         for name in ("requests", "system_prompts", "live_conversations", "vocab_size"):
-            value: object = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("system_tokens", "user_tokens", "turns", "answer_tokens"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:

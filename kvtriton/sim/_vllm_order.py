@@ -29,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+from kvtriton._int_argument import check_int
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import OffloadingManager
 from kvtriton.sim._replay import ManagerCalls, PreparedRequest, ReplayStats, positioned_contexts, vllm_order_calls
-from kvtriton.sim._vllm_server import ServerModel, check_int, replay_vllm_server
+from kvtriton.sim._vllm_server import ServerModel, replay_vllm_server
 
 DEFAULT_ARRIVALS = 4
 """New requests the scheduler admits per step."""

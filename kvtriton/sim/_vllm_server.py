@@ -85,6 +85,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import CPUOffloadingManager
@@ -117,13 +118,6 @@ CtxT = TypeVar("CtxT")
 
 class StalledRequest(RuntimeError):
     """A request deferred without end: vLLM's engine would never serve it either."""
-
-
-def check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

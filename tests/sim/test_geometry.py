@@ -53,7 +53,7 @@ def test_blocks_for_counts_only_whole_blocks() -> None:
 @pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size"])
 def test_non_positive_geometry_field_is_rejected_by_name(field: str) -> None:
     values: dict[str, int] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "block_size": 1, field: 0}
-    with pytest.raises(ValueError, match=f"{field} must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
         ModelGeometry(
             "bad",
             values["num_layers"],

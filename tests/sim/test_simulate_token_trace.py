@@ -63,7 +63,7 @@ def test_the_written_trace_reads_back_as_the_same_requests(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("requests", 0, "requests must be a positive integer, got 0"),
+        ("requests", 0, "requests must be >= 1, got 0"),
         ("user_tokens", (5, 2), r"user_tokens must be a range 1 <= low <= high, got \(5, 2\)"),
         ("conversation_share", 1.5, "conversation_share must be in 0..1, got 1.5"),
         ("first_token", 2000, "first_token must be in 0..vocab_size-1, got 2000"),
