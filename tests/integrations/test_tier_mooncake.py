@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations import _mooncake_local as mooncake_local
-from kvtriton.integrations.mooncake import MooncakeStoreTier, TierState, open_store
+from kvtriton.integrations.mooncake import MooncakeClient, MooncakeStoreTier, TierState, open_store
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
 from kvtriton.integrations.vllm._surface import LOOKUPS_MARK_PRESENT
 
@@ -248,8 +248,9 @@ def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
     seals = tier._seals_base  # pyright: ignore[reportPrivateUsage] -- the registered seal slots
     assert tier._primary_base == base  # pyright: ignore[reportPrivateUsage] -- the registered address is the primary's own
     calls: list[tuple[str, list[list[int]], list[list[int]]]] = []
-    store = tier._store  # pyright: ignore[reportPrivateUsage]
-    assert store is not None
+    client = tier._store  # pyright: ignore[reportPrivateUsage]
+    assert isinstance(client, MooncakeClient)
+    store = client.store
 
     class Spy:
         def batch_put_from_multi_buffers(
@@ -266,14 +267,14 @@ def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
             assert store is not None
             return store.batch_get_into_multi_buffers(keys, pointers, sizes)
 
-    tier._store = Spy()  # pyright: ignore[reportPrivateUsage,reportAttributeAccessIssue] -- a spy around the real client
+    client.store = Spy()  # pyright: ignore[reportAttributeAccessIssue] -- a spy around the real binding
     keys = chunk_keys(2, salt=8)
     memory.fill([0, 3], seed=8)
     try:
         assert run_job(tier, keys, [0, 3], load=False).success
         assert run_job(tier, keys, [1, 2], load=True).success
     finally:
-        tier._store = store  # pyright: ignore[reportPrivateUsage]
+        client.store = store
     sizes = [[CHUNK, SEAL_BYTES]] * 2
     assert calls == [
         ("put", [[base, seals], [base + 3 * CHUNK, seals + 3 * SEAL_BYTES]], sizes),
