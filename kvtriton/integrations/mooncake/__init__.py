@@ -123,6 +123,8 @@ class MooncakeStoreTier(RemoteTier):
         timeout_s: float = 5.0,
         io_threads: int = 4,
         reconnect_interval_s: float = 1.0,
+        retry_backoff_s: float = 1.0,
+        retry_backoff_max_s: float = 30.0,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
@@ -142,6 +144,8 @@ class MooncakeStoreTier(RemoteTier):
             timeout_s=timeout_s,
             io_threads=io_threads,
             reconnect_interval_s=reconnect_interval_s,
+            retry_backoff_s=retry_backoff_s,
+            retry_backoff_max_s=retry_backoff_max_s,
         )
         super().__init__(
             offloading_spec, primary_kv_view, tier_type, self.config.settings,
@@ -151,7 +155,8 @@ class MooncakeStoreTier(RemoteTier):
                 "metadata_server": metadata_server, "protocol": protocol, "rdma_devices": rdma_devices,
                 "local_buffer_size": local_buffer_size, "global_segment_size": global_segment_size,
                 "namespace": namespace, "timeout_s": timeout_s, "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s, "locality": locality,
+                "reconnect_interval_s": reconnect_interval_s, "retry_backoff_s": retry_backoff_s,
+                "retry_backoff_max_s": retry_backoff_max_s, "locality": locality,
             },
             locality=locality,
             backpressure_detector=backpressure_detector,

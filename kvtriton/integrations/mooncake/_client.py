@@ -104,6 +104,11 @@ class MooncakeClient(RemoteClient):
             logger.error("Mooncake refused to register %d bytes at %#x (status %d)", nbytes, address, status)
         return status == 0
 
+    def unregister_memory(self, address: int) -> None:
+        status = self.store.unregister_buffer(address)
+        if status != 0:
+            logger.warning("Mooncake did not unregister the memory at %#x (status %d)", address, status)
+
     def exist(self, keys: Sequence[str]) -> list[bool]:
         codes = self.store.batch_is_exist(list(keys))
         if any(is_connection_error(code) for code in codes):

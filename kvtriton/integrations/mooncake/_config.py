@@ -59,6 +59,10 @@ class MooncakeTierConfig:
     """Threads that run store and load jobs."""
     reconnect_interval_s: float = 1.0
     """Seconds between attempts to reach the master after it was lost (or before it was first reached)."""
+    retry_backoff_s: float = 1.0
+    """Seconds a degraded tier (an operation past its deadline: a stalled holder) waits before trying again."""
+    retry_backoff_max_s: float = 30.0
+    """The longest such wait (it doubles each time the tier degrades again soon after recovering)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.master_server_address, str) or not _is_host_port(self.master_server_address):  # pyright: ignore[reportUnnecessaryIsInstance] -- vLLM passes JSON values unchecked
@@ -83,6 +87,8 @@ class MooncakeTierConfig:
             timeout_s=self.timeout_s,
             io_threads=self.io_threads,
             reconnect_interval_s=self.reconnect_interval_s,
+            retry_backoff_s=self.retry_backoff_s,
+            retry_backoff_max_s=self.retry_backoff_max_s,
         )
 
     @property

@@ -48,6 +48,10 @@ class RemoteClient(Protocol):
         """Make ``nbytes`` at ``address`` readable and writable by the store's transfers; False when refused."""
         ...
 
+    def unregister_memory(self, address: int) -> None:
+        """Forget memory :meth:`register_memory` made available (only after every call using it returned)."""
+        ...
+
     def exist(self, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` the store holds, in one call; raises :class:`Unreachable`."""
         ...

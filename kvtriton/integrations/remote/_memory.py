@@ -152,6 +152,9 @@ class InMemoryClient(RemoteClient):
         self._registered.append((address, nbytes))
         return True
 
+    def unregister_memory(self, address: int) -> None:
+        self._registered = [(base, size) for base, size in self._registered if base != address]
+
     def _check_registered(self, segments: Sequence[Segment]) -> None:
         for address, nbytes in segments:
             if not any(base <= address and address + nbytes <= base + size for base, size in self._registered):
@@ -230,6 +233,8 @@ class InMemoryTierConfig:
     timeout_s: float = 5.0
     io_threads: int = 4
     reconnect_interval_s: float = 1.0
+    retry_backoff_s: float = 1.0
+    retry_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
@@ -243,6 +248,8 @@ class InMemoryTierConfig:
             timeout_s=self.timeout_s,
             io_threads=self.io_threads,
             reconnect_interval_s=self.reconnect_interval_s,
+            retry_backoff_s=self.retry_backoff_s,
+            retry_backoff_max_s=self.retry_backoff_max_s,
         )
 
 
@@ -262,6 +269,8 @@ class InMemoryStoreTier(RemoteTier):
         timeout_s: float = 5.0,
         io_threads: int = 4,
         reconnect_interval_s: float = 1.0,
+        retry_backoff_s: float = 1.0,
+        retry_backoff_max_s: float = 30.0,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
@@ -272,6 +281,8 @@ class InMemoryStoreTier(RemoteTier):
             timeout_s=timeout_s,
             io_threads=io_threads,
             reconnect_interval_s=reconnect_interval_s,
+            retry_backoff_s=retry_backoff_s,
+            retry_backoff_max_s=retry_backoff_max_s,
         )
         self.store = in_memory_store(store)
         super().__init__(
@@ -279,7 +290,8 @@ class InMemoryStoreTier(RemoteTier):
             endpoint=f"in-memory store {store!r}",
             label_arguments={
                 "store": store, "namespace": namespace, "timeout_s": timeout_s, "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s, "locality": locality,
+                "reconnect_interval_s": reconnect_interval_s, "retry_backoff_s": retry_backoff_s,
+                "retry_backoff_max_s": retry_backoff_max_s, "locality": locality,
             },
             locality=locality,
             backpressure_detector=backpressure_detector,

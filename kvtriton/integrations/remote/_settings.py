@@ -1,4 +1,4 @@
-"""The settings every remote tier shares: namespace, timeout, I/O threads, reconnection.
+"""The settings every remote tier shares: namespace, timeout, I/O threads, reconnection, back-off.
 
 A backend's own configuration (``MooncakeTierConfig``, ``InMemoryTierConfig``)
 holds these keys beside its own and hands them to the base as one
@@ -29,10 +29,20 @@ class RemoteTierSettings:
     """Threads that run store and load jobs."""
     reconnect_interval_s: float = 1.0
     """Seconds between attempts to reach the store after it was lost (or before it was first reached)."""
+    retry_backoff_s: float = 1.0
+    """Seconds a *degraded* tier (an operation ran past its deadline) waits before it tries the store again."""
+    retry_backoff_max_s: float = 30.0
+    """The longest such wait: each time the tier degrades again soon after it recovered, the wait doubles up to it."""
 
     def __post_init__(self) -> None:
         _check_seconds("timeout_s", self.timeout_s)
         _check_seconds("reconnect_interval_s", self.reconnect_interval_s)
+        _check_seconds("retry_backoff_s", self.retry_backoff_s)
+        _check_seconds("retry_backoff_max_s", self.retry_backoff_max_s)
+        if self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ValueError(
+                f"retry_backoff_max_s must be >= retry_backoff_s ({self.retry_backoff_s!r}), got {self.retry_backoff_max_s!r}"
+            )
         if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or self.io_threads < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
             raise ValueError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
         if not isinstance(self.namespace, str):  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import queue
 import threading
 import time
@@ -61,6 +62,7 @@ from kvtriton.integrations.vllm._config import compression_tag
 from kvtriton.integrations.vllm._identity import KVIdentity, compute_identity, vllm_identity
 from kvtriton.integrations.vllm._integrity_report import IntegrityReport, integrity_metric_definitions
 from kvtriton.integrations.vllm._surface import (
+    JOB_RESULTS_DEFER_RELEASE,
     TIER_LABEL,
     AsyncLookupManager,
     BackpressureDetector,
@@ -80,6 +82,7 @@ from kvtriton.integrations.vllm._surface import (
     ScheduleEndContext,
     SecondaryTierManager,
     TransferJob,
+    failed_load_result,
     get_offload_block_hash,
     get_offload_group_idx,
     mark_stored,
@@ -221,7 +224,32 @@ class TierState(enum.Enum):
     UP = "up"
     DOWN = "down"
     """The store was lost: everything misses until a probe answers."""
+    DEGRADED = "degraded"
+    """An operation ran past its deadline: everything misses until the back-off has passed, no abandoned call is
+    still inside the store, and a probe answers."""
     CLOSED = "closed"
+
+
+class FailureReason(enum.Enum):
+    """Why an operation failed: the ``reason`` label of ``vllm:kv_offload_remote_tier_failures``."""
+
+    DEADLINE = "deadline"
+    """It did not answer within ``timeout_s`` (a lookup, a queued or running job): a miss, or a failed store."""
+    UNREACHABLE = "unreachable"
+    """The store said it could not be reached (or could not be set up)."""
+    REFUSED = "refused"
+    """The tier was not up (connecting, down, degraded): failed at once, without touching the network."""
+    ERROR = "error"
+    """The store answered, but some keys failed (full, refused, a value of another size), or a call raised."""
+
+
+FAILURES = "vllm:kv_offload_remote_tier_failures"
+"""Counter, every remote tier: failed operations by tier and :class:`FailureReason`."""
+DEGRADED = "vllm:kv_offload_remote_tier_degraded"
+"""Gauge, every remote tier: 1 while the tier is degraded (an operation ran past its deadline), else 0."""
+ABANDONED_CALLS = "vllm:kv_offload_remote_tier_abandoned_calls"
+"""Gauge, every remote tier: calls still inside the store after their job failed at its deadline."""
+REASON_LABEL = "reason"
 
 
 @dataclass(frozen=True)
@@ -247,6 +275,10 @@ class RemoteTierStats:
     reconnects: int
     bytes_stored: int
     bytes_loaded: int
+    failures: Mapping[str, int]
+    """Failed operations by :class:`FailureReason` value (``"deadline"``, ...; a job or lookup counts once)."""
+    abandoned_calls: int
+    """Calls still inside the store whose job already failed at its deadline (their slots are kept aside)."""
 
 
 @dataclass
@@ -267,6 +299,19 @@ class _Counters:
     reconnects: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
+    failures: dict[FailureReason, int] = field(default_factory=lambda: dict.fromkeys(FailureReason, 0))
+    abandoned_calls: int = 0
+
+
+class _Phase(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    """An I/O thread is inside the store call."""
+    LANDING = "landing"
+    """The call returned in time: the I/O thread checks and delivers the result (no deadline applies any more)."""
+    DONE = "done"
+    ABANDONED = "abandoned"
+    """Failed at its deadline and reported; a call it had started may still be inside the store."""
 
 
 @dataclass
@@ -279,10 +324,16 @@ class _Job:
     chunk_ids: list[int]
     is_load: bool
     deadline: float
+    submitted: float = 0.0
     future: Future[None] | None = None
     succeeded: list[OffloadKey] = field(default_factory=lambda: [])
     failed: list[OffloadKey] = field(default_factory=lambda: [])
     seconds: float = 0.0
+    phase: _Phase = _Phase.QUEUED
+    overdue: bool = False
+    """The deadline passed while the call ran (counted once; a store then reports failed when the call returns)."""
+    call_returned: threading.Event = field(default_factory=threading.Event)
+    """Set once no store call of this job can touch memory any more (vLLM 0.34's ``deferred_release``)."""
 
 
 class _RemoteLookups(AsyncLookupManager):
@@ -364,6 +415,14 @@ class RemoteTier(SecondaryTierManager):
 
         self._jobs: dict[JobId, _Job] = {}
         """Submitted jobs not yet returned by get_finished_jobs (scheduler thread only)."""
+        self._in_flight: dict[JobId, _Job] = {}
+        """Every job whose call has not returned, reported or not (under ``_lock``): drain and shutdown wait on them."""
+        self._loads_into_primary = JOB_RESULTS_DEFER_RELEASE
+        """Loads write the primary's slots directly, and a load abandoned at its deadline hands vLLM a
+        ``deferred_release`` event (vLLM 0.34). Without it (0.33) a load lands in memory of its own first and is
+        copied into the primary only if it returned in time, so a late write never reaches a slot vLLM reused."""
+        self._backoff_s = settings.retry_backoff_s
+        self._recovered_at = -math.inf
         self._finished: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         prefix = f"kvtriton_{self.backend.lower()}"
         self._io = ThreadPoolExecutor(settings.io_threads, thread_name_prefix=f"{prefix}_{tier_type}")
@@ -401,18 +460,75 @@ class RemoteTier(SecondaryTierManager):
         return self._up.wait(timeout_s)
 
     def _supervise(self) -> None:
-        """Set the client up, then bring it back whenever an operation found the store gone."""
+        """Set the client up, then bring it back whenever an operation found the store gone or too slow."""
         while not self._stopping.is_set():
             state = self._state
             if state is TierState.CONNECTING:
                 self._connect()
             elif state is TierState.DOWN:
                 self._probe()
+            elif state is TierState.DEGRADED:
+                self._stopping.wait(self._backoff_s)
+                if self._state is TierState.DEGRADED and not self._stopping.is_set():
+                    self._retry_degraded()
+                continue
             if self._state is TierState.UP:
-                self._wake_supervisor.wait()  # until an operation reports the store lost, or shutdown
+                self._wake_supervisor.wait()  # until an operation reports the store lost or slow, or shutdown
                 self._wake_supervisor.clear()
             else:
                 self._stopping.wait(self.settings.reconnect_interval_s)
+
+    def _retry_degraded(self) -> None:
+        """After the back-off: up again if no abandoned call is still inside the store and a probe answers in time;
+        otherwise the next wait is twice as long (up to ``retry_backoff_max_s``)."""
+        with self._lock:
+            stuck = self._counters.abandoned_calls
+        if stuck:
+            logger.info("%s tier %r: %d call(s) still inside the store past their deadline; staying degraded",
+                        self.backend, self.tier_type, stuck)  # fmt: skip
+            self._longer_backoff()
+            return
+        store = self._store
+        started = time.monotonic()
+        found: list[bool] | FailureReason = FailureReason.REFUSED
+        if store is not None:
+            probed = store
+            found = self._bounded(lambda: probed.exist([self.keyspace.manifest_key]))
+        if not isinstance(found, list):
+            self._count_failure(time.monotonic() - started, _reason(found))
+            self._longer_backoff()
+            return
+        with self._lock:
+            if self._state is not TierState.DEGRADED:
+                return
+            self._state = TierState.UP
+            self._recovered_at = time.monotonic()
+        self._up.set()
+        logger.info("%s tier %r: %s answers in time again; serving", self.backend, self.tier_type, self.endpoint)
+
+    def _longer_backoff(self) -> None:
+        self._backoff_s = min(self._backoff_s * 2, self.settings.retry_backoff_max_s)
+
+    def _degrade(self, what: str) -> None:
+        """An operation ran past its deadline: stop using the store until it answers in time again (with back-off)."""
+        with self._lock:
+            if self._state is not TierState.UP:
+                return
+            self._state = TierState.DEGRADED
+            recently = time.monotonic() - self._recovered_at < self.settings.retry_backoff_max_s
+            self._backoff_s = (
+                min(self._backoff_s * 2, self.settings.retry_backoff_max_s)
+                if recently
+                else self.settings.retry_backoff_s
+            )
+            backoff = self._backoff_s
+        self._up.clear()
+        logger.warning(
+            "%s tier %r: %s did not answer within %.1f s (%s); degraded: every lookup misses and every job fails at "
+            "once for the next %.1f s, then it is tried again",
+            self.backend, self.tier_type, self.endpoint, self.settings.timeout_s, what, backoff,
+        )  # fmt: skip
+        self._wake_supervisor.set()
 
     def _connect(self) -> None:
         started = time.monotonic()
@@ -422,7 +538,7 @@ class RemoteTier(SecondaryTierManager):
             logger.exception("%s tier %r: store setup raised", self.backend, self.tier_type)
             store = None
         if store is None:
-            self._count_failure(time.monotonic() - started)
+            self._count_failure(time.monotonic() - started, FailureReason.UNREACHABLE)
             return
         for base, nbytes, what in (
             (self._primary_base, self._primary_array.nbytes, f"the primary's {self._primary_array.nbytes} bytes"),
@@ -431,7 +547,7 @@ class RemoteTier(SecondaryTierManager):
             if not store.register_memory(base, nbytes):
                 logger.error("%s tier %r: registering %s failed", self.backend, self.tier_type, what)
                 store.close()
-                self._count_failure(time.monotonic() - started)
+                self._count_failure(time.monotonic() - started, FailureReason.ERROR)
                 return
         with self._lock:
             if self._stopping.is_set():
@@ -451,9 +567,9 @@ class RemoteTier(SecondaryTierManager):
             self._state = TierState.CONNECTING
             return
         started = time.monotonic()
-        found = self._bounded(lambda: self._exist_or_none(store, [self.keyspace.manifest_key]))
-        if found is None or len(found) != 1:
-            self._count_failure(time.monotonic() - started)
+        found = self._bounded(lambda: store.exist([self.keyspace.manifest_key]))
+        if not isinstance(found, list) or len(found) != 1:
+            self._count_failure(time.monotonic() - started, _reason(found))
             return
         # A restarted store has forgotten every object, the manifest included.
         if not found[0] and not self._write_manifest(store):
@@ -463,13 +579,6 @@ class RemoteTier(SecondaryTierManager):
         logger.info("%s tier %r: %s is back", self.backend, self.tier_type, self.endpoint)
         self._set_up()
 
-    @staticmethod
-    def _exist_or_none(store: RemoteClient, keys: Sequence[str]) -> list[bool] | None:
-        try:
-            return store.exist(keys)
-        except Unreachable:
-            return None
-
     def _write_manifest(self, store: RemoteClient) -> bool:
         """Store the readable configuration behind the digest, once per digest; False when the store did not answer.
 
@@ -477,13 +586,13 @@ class RemoteTier(SecondaryTierManager):
         the digest, serving does not depend on it.
         """
         key = self.keyspace.manifest_key
-        exists = self._bounded(lambda: self._exist_or_none(store, [key]))
-        if exists is None or len(exists) != 1:
+        exists = self._bounded(lambda: store.exist([key]))
+        if not isinstance(exists, list) or len(exists) != 1:
             return False
         if exists[0]:
             return True
         status = self._bounded(lambda: store.put_value(key, self.keyspace.identity.manifest()))
-        if status is None or status is Outcome.UNREACHABLE:
+        if not isinstance(status, Outcome) or status is Outcome.UNREACHABLE:
             return False
         if status is not Outcome.OK:
             logger.warning("%s tier %r: storing the manifest %s failed", self.backend, self.tier_type, key)
@@ -508,26 +617,31 @@ class RemoteTier(SecondaryTierManager):
         )  # fmt: skip
         self._wake_supervisor.set()
 
-    def _bounded(self, call: Callable[[], _T]) -> _T | None:
-        """``call()`` on the existence-check thread; None when it does not return within the timeout."""
+    def _bounded(self, call: Callable[[], _T]) -> _T | FailureReason:
+        """``call()`` on the existence-check thread, or why it gave no answer: past the deadline (the store is then
+        taken for lost), unreachable, or raised."""
         try:
             future = self._exist_pool.submit(call)
         except RuntimeError:  # the pool is shut down
-            return None
+            return FailureReason.REFUSED
         try:
             return future.result(timeout=self.settings.timeout_s)
         except FutureTimeoutError:
             self._set_down()
-            return None
+            return FailureReason.DEADLINE
+        except Unreachable:
+            self._set_down()
+            return FailureReason.UNREACHABLE
         except Exception:  # the binding raised: treat it as no answer, and keep the calling thread alive
             logger.exception("%s tier %r: a store call raised", self.backend, self.tier_type)
-            return None
+            return FailureReason.ERROR
 
-    def _count_failure(self, seconds: float, ops: int = 1) -> None:
+    def _count_failure(self, seconds: float, reason: FailureReason) -> None:
         with self._lock:
-            self._counters.failed_ops += ops
+            self._counters.failed_ops += 1
             self._counters.failed_op_seconds += seconds
             self._counters.slowest_op_seconds = max(self._counters.slowest_op_seconds, seconds)
+            self._counters.failures[reason] += 1
 
     def _count_op(self, seconds: float) -> None:
         with self._lock:
@@ -543,30 +657,16 @@ class RemoteTier(SecondaryTierManager):
         with self._lock:
             self._counters.lookups += len(keys)
         if self._state is not TierState.UP or store is None:
-            self._count_failure(0.0)
+            self._count_failure(0.0, FailureReason.REFUSED)
             return [False] * len(keys)
         object_keys = [self.object_key(key) for key in keys]
         started = time.monotonic()
-        unreachable = False
-
-        def exist() -> list[bool]:
-            nonlocal unreachable
-            try:
-                return store.exist(object_keys)
-            except Unreachable:
-                unreachable = True
-                return [False] * len(object_keys)
-
-        found = self._bounded(exist)
+        found = self._bounded(lambda: store.exist(object_keys))
         seconds = time.monotonic() - started
-        if found is None or len(found) != len(keys):
-            self._count_failure(seconds)
+        if not isinstance(found, list) or len(found) != len(keys):
+            self._count_failure(seconds, _reason(found))
             return [False] * len(keys)
-        if unreachable:
-            self._count_failure(seconds)
-            self._set_down()
-        else:
-            self._count_op(seconds)
+        self._count_op(seconds)
         with self._lock:
             self._counters.lookup_hits += sum(found)
         return found
@@ -605,6 +705,7 @@ class RemoteTier(SecondaryTierManager):
         chunk_ids = [int(chunk) for chunk in job_metadata.chunk_ids]
         if len(chunk_ids) != len(keys):
             raise ValueError(f"job {job_metadata.job_id}: {len(keys)} keys but {len(chunk_ids)} chunk_ids")
+        now = time.monotonic()
         job = _Job(
             job_id=job_metadata.job_id,
             keys=keys,
@@ -613,14 +714,25 @@ class RemoteTier(SecondaryTierManager):
             seal_pointers=[self._seals_base + chunk * SEAL_BYTES for chunk in chunk_ids],
             chunk_ids=chunk_ids,
             is_load=is_load,
-            deadline=time.monotonic() + self.settings.timeout_s,
+            deadline=now + self.settings.timeout_s,
+            submitted=now,
         )
         self._jobs[job.job_id] = job
+        if self._state is not TierState.UP:  # fail at once: no I/O thread needed (they may all be in stalled calls)
+            self._count_failure(0.0, FailureReason.REFUSED)
+            self._fail_unrun(job)
+            return
         try:
             job.future = self._io.submit(self._run, job)
         except RuntimeError:  # shut down: the job fails like any other
-            job.failed = list(keys)
-            self._finished.put(job)
+            self._fail_unrun(job)
+
+    def _fail_unrun(self, job: _Job) -> None:
+        """Report ``job`` failed; it never reached the store."""
+        job.failed = list(job.keys)
+        job.phase = _Phase.DONE
+        job.call_returned.set()
+        self._finished.put(job)
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -631,7 +743,17 @@ class RemoteTier(SecondaryTierManager):
         self._submit(job_metadata, is_load=True)
 
     def _run(self, job: _Job) -> None:
-        """One job on an I/O thread: a single batch call, every key's result checked; always reaches ``_finished``."""
+        """One job on an I/O thread: a single batch call, every key's result checked.
+
+        Reaches ``_finished`` unless the job was abandoned at its deadline (then
+        it was reported already; a store is never abandoned while its call runs,
+        see :meth:`_expire`)."""
+        with self._lock:
+            if job.phase is _Phase.ABANDONED:  # failed at its deadline while queued: never touched memory
+                job.call_returned.set()
+                return
+            job.phase = _Phase.RUNNING
+            self._in_flight[job.job_id] = job
         started = time.monotonic()
         try:
             self._transfer(job)
@@ -640,42 +762,89 @@ class RemoteTier(SecondaryTierManager):
             job.failed = [key for key in job.keys if key not in set(job.succeeded)]
         finally:
             job.seconds = time.monotonic() - started
-            self._finished.put(job)
+            with self._lock:
+                abandoned = _abandoned(job)  # set by the scheduler thread meanwhile
+                if not abandoned:
+                    job.phase = _Phase.DONE
+                self._in_flight.pop(job.job_id, None)
+                late = abandoned or job.overdue
+                if late:
+                    self._counters.abandoned_calls -= 1
+                job.call_returned.set()
+            if late:
+                logger.warning("%s tier %r: %s job %d returned from the store after %.1f s, %.1f s past its deadline; "
+                               "its slots are free again", self.backend, self.tier_type,
+                               "load" if job.is_load else "store", job.job_id, time.monotonic() - job.submitted,
+                               time.monotonic() - job.deadline)  # fmt: skip
+            if not abandoned:
+                self._finished.put(job)
 
     def _transfer(self, job: _Job) -> None:
         store = self._store
         if self._state is not TierState.UP or store is None or time.monotonic() > job.deadline:
-            job.failed = list(job.keys)  # down, or queued past the timeout: fail without touching the network
-            self._count_failure(0.0)
+            job.failed = list(job.keys)  # not up, or queued past the deadline: fail without touching the network
+            self._count_failure(
+                0.0, FailureReason.REFUSED if self._state is not TierState.UP else FailureReason.DEADLINE
+            )
             return
-        segments: list[list[Segment]] = [
-            [(chunk, self._chunk_bytes), (seal, SEAL_BYTES)] for chunk, seal in zip(job.pointers, job.seal_pointers)
-        ]
         sealed_bytes = self._chunk_bytes + SEAL_BYTES
-        started = time.monotonic()
-        if job.is_load:
-            results = store.get(job.object_keys, segments)
+        staging: np.ndarray | None = None
+        if job.is_load and not self._loads_into_primary:
+            staging = np.empty((len(job.keys), sealed_bytes), dtype=np.uint8)
+            if not store.register_memory(staging.ctypes.data, staging.nbytes):
+                job.failed = list(job.keys)
+                self._count_failure(0.0, FailureReason.ERROR)
+                return
+            base = staging.ctypes.data
+            segments: list[list[Segment]] = [
+                [
+                    (base + index * sealed_bytes, self._chunk_bytes),
+                    (base + index * sealed_bytes + self._chunk_bytes, SEAL_BYTES),
+                ]
+                for index in range(len(job.keys))
+            ]
         else:
-            for key, chunk in zip(job.keys, job.chunk_ids):
-                self._seals[chunk] = np.frombuffer(self._seal_of(key, chunk), dtype=np.uint8)
-            results = store.put(job.object_keys, segments)
+            segments = [
+                [(chunk, self._chunk_bytes), (seal, SEAL_BYTES)] for chunk, seal in zip(job.pointers, job.seal_pointers)
+            ]
+        started = time.monotonic()
+        try:
+            if job.is_load:
+                results = store.get(job.object_keys, segments)
+            else:
+                for key, chunk in zip(job.keys, job.chunk_ids):
+                    self._seals[chunk] = np.frombuffer(self._seal_of(key, chunk), dtype=np.uint8)
+                results = store.put(job.object_keys, segments)
+        finally:
+            if staging is not None:
+                store.unregister_memory(staging.ctypes.data)
         seconds = time.monotonic() - started
+        with self._lock:
+            if job.phase is _Phase.ABANDONED:
+                return  # reported failed at its deadline: what the call wrote stays in memory vLLM keeps aside
+            job.phase = _Phase.LANDING
+            overdue = job.overdue
         if len(results) != len(job.keys):
             results = [Outcome.FAILED] * len(job.keys)
         wrong_size = 0
         faults = 0
-        for key, object_key, chunk, result in zip(job.keys, job.object_keys, job.chunk_ids, results):
+        for index, (key, object_key, chunk, result) in enumerate(
+            zip(job.keys, job.object_keys, job.chunk_ids, results)
+        ):
             if not job.is_load:
-                (job.succeeded if result is Outcome.OK else job.failed).append(key)
+                (job.succeeded if result is Outcome.OK and not overdue else job.failed).append(key)
                 continue
             fault: IntegrityFault | None = None
             if result == sealed_bytes:
-                fault = self._verify(key, chunk)
+                fault = self._verify(key, chunk, None if staging is None else staging[index])
             elif isinstance(result, int) or result is Outcome.FAILED:
                 fault = self._size_fault(store, object_key, result)
                 if fault is not None:
                     wrong_size += 1
             if result == sealed_bytes and fault is None:
+                if staging is not None:
+                    start = chunk * self._chunk_bytes
+                    self._primary_array[start : start + self._chunk_bytes] = staging[index, : self._chunk_bytes]
                 job.succeeded.append(key)
                 continue
             job.failed.append(key)
@@ -686,9 +855,10 @@ class RemoteTier(SecondaryTierManager):
         with self._lock:
             counters = self._counters
             counters.slowest_op_seconds = max(counters.slowest_op_seconds, seconds)
-            if job.failed:
+            if job.failed and not overdue:  # an overdue store was counted at its deadline
                 counters.failed_ops += 1
                 counters.failed_op_seconds += seconds
+                counters.failures[FailureReason.UNREACHABLE if lost_store else FailureReason.ERROR] += 1
             if job.is_load:
                 counters.loaded_keys += len(job.succeeded)
                 counters.load_failed_keys += len(job.failed)
@@ -699,7 +869,7 @@ class RemoteTier(SecondaryTierManager):
                 counters.stored_keys += len(job.succeeded)
                 counters.store_failed_keys += len(job.failed)
                 counters.bytes_stored += len(job.succeeded) * self._chunk_bytes
-        if job.failed:
+        if job.failed and not overdue:
             failed_results = sorted(
                 {_describe(result) for result, key in zip(results, job.keys) if key in set(job.failed)}
             )
@@ -717,11 +887,14 @@ class RemoteTier(SecondaryTierManager):
         """The seal of primary chunk ``chunk`` as the value of ``key``."""
         return seal_bytes(self._chunk_view(chunk), key=key, fingerprint=self.identity.fingerprint)
 
-    def _verify(self, key: OffloadKey, chunk: int) -> IntegrityFault | None:
-        """Whether the value just read into ``chunk`` and its seal slot is ``key``'s sealed chunk."""
-        return verify_seal(
-            self._chunk_view(chunk), self._seals[chunk].data, key=key, fingerprint=self.identity.fingerprint
-        )
+    def _verify(self, key: OffloadKey, chunk: int, landed: np.ndarray | None) -> IntegrityFault | None:
+        """Whether the value just read (into ``chunk`` and its seal slot, or into ``landed``: the chunk, then its seal)
+        is ``key``'s sealed chunk."""
+        if landed is not None:
+            payload, seal = landed[: self._chunk_bytes].data, landed[self._chunk_bytes :].data
+        else:
+            payload, seal = self._chunk_view(chunk), self._seals[chunk].data
+        return verify_seal(payload, seal, key=key, fingerprint=self.identity.fingerprint)
 
     def _size_fault(self, store: RemoteClient, object_key: str, result: int | Outcome) -> IntegrityFault | None:
         """Why a get that moved no sealed chunk failed: the value's size (torn or too long), or None (no value).
@@ -736,6 +909,43 @@ class RemoteTier(SecondaryTierManager):
         logger.warning("%s tier %r: %s holds %d bytes, not a %d-byte sealed chunk: a miss",
                        self.backend, self.tier_type, object_key, size, sealed_bytes)  # fmt: skip
         return IntegrityFault.TORN if size < sealed_bytes else IntegrityFault.WRONG_SIZE
+
+    def _expire(self, job: _Job, now: float) -> JobResult | None:
+        """The deadline of ``job`` has passed: its failure, when it can be reported now (scheduler thread).
+
+        A queued job fails at once (it never touched memory). A running load is
+        abandoned: reported failed now, its slots kept aside until the call
+        returns (vLLM 0.34's ``deferred_release``; on 0.33 the call writes only
+        the job's own landing memory). A running store stays unreported until
+        its call returns, then fails: its slots stay pinned by vLLM's read count
+        meanwhile, as vLLM has no way to keep a store's slots aside, and no
+        request waits on a cascade. Either way the failure is counted now and
+        the tier degrades.
+        """
+        with self._lock:
+            if job.overdue or job.phase not in (_Phase.QUEUED, _Phase.RUNNING):
+                return None
+            started = job.phase is _Phase.RUNNING
+            if started:
+                job.overdue = True
+                self._counters.abandoned_calls += 1
+            if not started or job.is_load:
+                job.phase = _Phase.ABANDONED
+            counters = self._counters
+            counters.failed_ops += 1
+            counters.failed_op_seconds += now - job.submitted
+            counters.failures[FailureReason.DEADLINE] += 1
+            if job.is_load:
+                counters.load_failed_keys += len(job.keys)
+        self._degrade(f"{'load' if job.is_load else 'store'} job {job.job_id} {'running' if started else 'queued'}")
+        if job.phase is not _Phase.ABANDONED:
+            return None  # a running store: reported when its call returns
+        self._jobs.pop(job.job_id, None)
+        if job.is_load:
+            self._lookups.mark_miss(job.keys)
+        if started and self._loads_into_primary:
+            return failed_load_result(job.job_id, None, now - job.submitted, 0, job.call_returned)
+        return JobResult(job.job_id, False, None, now - job.submitted, 0)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -755,31 +965,52 @@ class RemoteTier(SecondaryTierManager):
             elif job.succeeded and not job.is_load:
                 mark_stored(self._lookups, job.succeeded)  # a MISS cached before the put gives way (vLLM 0.34)
             results.append(JobResult(job.job_id, not job.failed, loaded_some, job.seconds, moved))
+        now = time.monotonic()
+        for job in [job for job in self._jobs.values() if now > job.deadline and not job.overdue]:
+            expired = self._expire(job, now)
+            if expired is not None:
+                results.append(expired)
         return results
 
     @override
     def has_pending_work(self) -> bool:
         return bool(self._jobs)
 
-    @override
-    def drain_jobs(self) -> None:
-        """Wait for every submitted job (queued ones are cancelled and fail), at most ``timeout_s`` past the last one's start."""
-        deadline = time.monotonic() + self.settings.timeout_s
+    def _wait_for_calls(self, bound_s: float | None) -> bool:
+        """Wait until no store call of any job (abandoned ones included) can touch memory; False when ``bound_s``
+        passed first. Unbounded, it logs a WARNING every ``timeout_s`` it keeps waiting."""
+        deadline = None if bound_s is None else time.monotonic() + bound_s
+        while True:
+            with self._lock:
+                running = list(self._in_flight.values())
+            if not running:
+                return True
+            wait_s = self.settings.timeout_s
+            if deadline is not None:
+                wait_s = min(wait_s, deadline - time.monotonic())
+                if wait_s <= 0:
+                    return False
+            if not running[0].call_returned.wait(wait_s) and bound_s is None:
+                logger.warning("%s tier %r: waiting for %d call(s) still inside the store (job %s) before the "
+                               "primary's slots can be reused", self.backend, self.tier_type, len(running),
+                               ", ".join(str(job.job_id) for job in running))  # fmt: skip
+
+    def _cancel_queued(self) -> None:
         for job in list(self._jobs.values()):
             future = job.future
-            if future is None:
-                continue
-            if future.cancel():
-                job.failed = list(job.keys)
-                self._finished.put(job)
-                continue
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeoutError:
-                # The call is still inside the store (bounded by its own timeout); aborting it could corrupt a slot.
-                logger.error("%s tier %r: job %d still running after %.1f s", self.backend, self.tier_type,
-                             job.job_id, self.settings.timeout_s)  # fmt: skip
-                deadline = time.monotonic()
+            if future is not None and future.cancel():
+                self._fail_unrun(job)
+
+    @override
+    def drain_jobs(self) -> None:
+        """Cancel queued jobs (they fail) and wait until no call is inside the store, abandoned ones included.
+
+        vLLM drains before it reuses every primary slot (a cache reset), so this
+        waits as long as the store holds a call, however long past the deadline
+        (a WARNING every ``timeout_s`` names the jobs): a slot reused under a
+        late write would hold another chunk's bytes."""
+        self._cancel_queued()
+        self._wait_for_calls(None)
 
     @override
     def shutdown(self) -> None:
@@ -790,7 +1021,8 @@ class RemoteTier(SecondaryTierManager):
             self._state = TierState.CLOSED
         self._up.clear()
         self._lookups.shutdown()
-        self.drain_jobs()
+        self._cancel_queued()
+        calls_done = self._wait_for_calls(self.settings.timeout_s)
         self._io.shutdown(wait=False, cancel_futures=True)
         self._exist_pool.shutdown(wait=False, cancel_futures=True)
         self._supervisor.join(self.settings.timeout_s)
@@ -801,11 +1033,11 @@ class RemoteTier(SecondaryTierManager):
             closer = threading.Thread(target=store.close, name=f"{prefix}_close", daemon=True)
             closer.start()
             closer.join(self.settings.timeout_s)
-            if closer.is_alive():
-                # The store still has the primary's memory registered: keep our export of it, so the
-                # primary's region stays mapped instead of being reused under a late transfer.
-                logger.warning("%s tier %r: the store did not close within %.1f s", self.backend, self.tier_type,
-                               self.settings.timeout_s)  # fmt: skip
+            if closer.is_alive() or not calls_done:
+                # The store still has the primary's memory registered, or a call inside it: keep our export of
+                # it, so the primary's region stays mapped instead of being reused under a late transfer.
+                logger.warning("%s tier %r: the store did not close, or a call did not return, within %.1f s",
+                               self.backend, self.tier_type, self.settings.timeout_s)  # fmt: skip
                 return
         # Drop our export of the primary's memory so the primary can unmap its region.
         self._primary_array = np.empty(0, dtype=np.uint8)
@@ -817,7 +1049,9 @@ class RemoteTier(SecondaryTierManager):
 
     def stats(self) -> RemoteTierStats:
         with self._lock:
-            return RemoteTierStats(state=self._state, **dataclasses.asdict(self._counters))
+            fields = dataclasses.asdict(self._counters)
+            fields["failures"] = {reason.value: count for reason, count in self._counters.failures.items()}
+            return RemoteTierStats(state=self._state, **fields)
 
     @classmethod
     @override
@@ -841,6 +1075,7 @@ class RemoteTier(SecondaryTierManager):
                 f"Times the tier reached the {backend} store again after losing it.", labels
             ),
             names.UP: OffloadingGaugeMetadata(f"1 while the {backend} store answers, else 0.", labels),
+            **remote_metric_definitions(),
             **integrity_metric_definitions(),
         }
 
@@ -862,8 +1097,41 @@ class RemoteTier(SecondaryTierManager):
             if delta:
                 stats.increase_counter(name, delta, labels)
         stats.set_gauge(names.UP, 1 if now.state is TierState.UP else 0, labels)
+        for reason, count in now.failures.items():
+            if count - last.failures[reason]:
+                stats.increase_counter(FAILURES, count - last.failures[reason], (self.tier_label, reason))
+        stats.set_gauge(DEGRADED, 1 if now.state is TierState.DEGRADED else 0, labels)
+        stats.set_gauge(ABANDONED_CALLS, now.abandoned_calls, labels)
         self.integrity.add_to(stats)
         return stats
+
+
+def remote_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """The metrics every remote tier adds, whatever its backend (one name each; the ``tier`` label tells them apart)."""
+    return {
+        FAILURES: OffloadingCounterMetadata(
+            "Remote-tier operations that failed, by reason: deadline (no answer within timeout_s: a miss or a failed "
+            "store), unreachable, refused (the tier was not up), error (the store answered with a failure).",
+            (TIER_LABEL, REASON_LABEL),
+        ),
+        DEGRADED: OffloadingGaugeMetadata(
+            "1 while the tier is degraded (an operation ran past its deadline; retried after a back-off), else 0.",
+            (TIER_LABEL,),
+        ),
+        ABANDONED_CALLS: OffloadingGaugeMetadata(
+            "Store calls still running after their job failed at its deadline (their primary slots kept aside).",
+            (TIER_LABEL,),
+        ),
+    }
+
+
+def _abandoned(job: _Job) -> bool:
+    return job.phase is _Phase.ABANDONED
+
+
+def _reason(answer: object) -> FailureReason:
+    """Why a bounded call gave no usable answer (a malformed one is the store's error)."""
+    return answer if isinstance(answer, FailureReason) else FailureReason.ERROR
 
 
 def _describe(result: int | Outcome) -> str:
