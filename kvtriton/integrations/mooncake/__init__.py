@@ -41,9 +41,13 @@ How it stays out of the scheduler's way
 
 How it fails
     Every failure is a miss, never a hang or wrong data. The master's RPC
-    timeout is the configured ``timeout_s``; a lookup that does not answer
-    within it is a miss; a job that waited longer than ``timeout_s`` in the
-    queue fails without running. Once an operation finds the master
+    timeout is the configured ``timeout_s``; every lookup, load and store has a
+    deadline ``timeout_s`` after it was asked for, past which it is a miss or a
+    failed store, counted by reason, and the tier is *degraded* (retried after
+    ``retry_backoff_s``, doubling up to ``retry_backoff_max_s``). A load still
+    inside the store at its deadline is abandoned: vLLM gets the failure then,
+    and the slots the call may still write are kept aside until it returns
+    (docs/tiers.md, "Deadlines, degraded tiers and abandoned calls"). Once an operation finds the master
     unreachable the tier is *down*: lookups miss and jobs fail at once, without
     touching the network, while one background thread probes the master every
     ``reconnect_interval_s`` and brings the tier back when it answers.
