@@ -207,16 +207,17 @@ class MooncakeCluster:
         the signal, and a thread running on another core can still answer a
         request that arrives in between (seen on a loaded 2-core machine).
         """
-        master = self._running(self.master)
-        master.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 5.0
-        while not _all_threads_stopped(master.pid):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master (pid {master.pid}) did not stop within 5 s of SIGSTOP")
-            time.sleep(0.005)
+        _stop(self._running(self.master), "mooncake_master")
 
     def resume_master(self) -> None:
         self._running(self.master).send_signal(signal.SIGCONT)
+
+    def hang_holder(self) -> None:
+        """SIGSTOP the storage holder (as :meth:`hang_master`): transfers to and from its segment stall."""
+        _stop(self._running(self.holder), "mooncake_client")
+
+    def resume_holder(self) -> None:
+        self._running(self.holder).send_signal(signal.SIGCONT)
 
     def kill_holder(self) -> None:
         holder = self._running(self.holder)
@@ -237,6 +238,16 @@ class MooncakeCluster:
                 process.kill()
             process.wait(5)
         self._started.clear()
+
+
+def _stop(process: subprocess.Popen[bytes], what: str) -> None:
+    """SIGSTOP ``process`` and return once every thread of it is stopped (a queued signal is not yet a stop)."""
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 5.0
+    while not _all_threads_stopped(process.pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} (pid {process.pid}) did not stop within 5 s of SIGSTOP")
+        time.sleep(0.005)
 
 
 def _all_threads_stopped(pid: int) -> bool:

@@ -135,6 +135,8 @@ class StepResult:
     """Per generated position: token id -> log-probability of the most likely tokens (empty without ``logprobs``)."""
     completions: list[Completion] = field(default_factory=list[Completion])
     """A :func:`generate_batch` step's results, one per prompt (empty for other steps)."""
+    seconds: float = 0.0
+    """A generate step's request, from submission to its last token (the settling steps after it excluded)."""
 
     def counter(self, name: str) -> float:
         """vLLM's counter ``name`` (e.g. ``vllm:external_prefix_cache_hits``) after this step, 0 when never set."""

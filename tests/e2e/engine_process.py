@@ -240,7 +240,9 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True, logprobs=step["logprobs"] or None
             )
             tables.by_request.clear()
+            request_started = time.monotonic()
             (output,) = llm.generate([{"prompt_token_ids": step["prompt"]}], sampling, use_tqdm=False)
+            record["seconds"] = time.monotonic() - request_started
             record["token_ids"] = list(output.outputs[0].token_ids)
             record["num_cached_tokens"] = output.num_cached_tokens
             if step["logprobs"]:

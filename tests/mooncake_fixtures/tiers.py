@@ -1,4 +1,4 @@
-"""Build a :class:`MooncakeStoreTier` over a numpy primary and drive it the way vLLM's tiering manager does."""
+"""Build a remote tier (Mooncake, in-memory) over a numpy primary and drive it the way vLLM's tiering manager does."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm_fixtures.builders import offloading_config
 
 from kvtriton.integrations.mooncake import MooncakeStoreTier
+from kvtriton.integrations.remote import InMemoryStoreTier, RemoteTier
 
-__all__ = ["Primary", "chunk_keys", "make_tier", "poll", "resolve_lookups", "run_job"]
+__all__ = ["Primary", "chunk_keys", "make_memory_tier", "make_tier", "poll", "resolve_lookups", "run_job", "submit"]
 
 _T = TypeVar("_T")
 
@@ -74,6 +75,23 @@ def make_tier(
     return tier
 
 
+def make_memory_tier(
+    store: str, primary: Primary, *, timeout_s: float = 5.0, **tier_config: object
+) -> InMemoryStoreTier:
+    """An in-memory tier (no server) over ``primary``, on the process's store called ``store``, once up."""
+    spec = CPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": primary.rows.nbytes}))
+    tier = InMemoryStoreTier(
+        spec,
+        primary.view,
+        "InMemoryStoreTier",
+        store=store,
+        timeout_s=timeout_s,
+        **tier_config,  # pyright: ignore[reportArgumentType] -- the tests pass config keys by name, as vLLM's factory does
+    )
+    assert tier.wait_until_up(timeout_s + 5), "the in-memory tier never came up"
+    return tier
+
+
 def poll(check: Callable[[], _T | None], timeout_s: float, what: str) -> _T:
     """``check()`` every few ms until it returns something; fails after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -88,12 +106,18 @@ def poll(check: Callable[[], _T | None], timeout_s: float, what: str) -> _T:
 _job_ids = iter(range(1, 1 << 62))
 
 
-def run_job(
-    tier: MooncakeStoreTier, keys: Sequence[OffloadKey], chunks: Sequence[int], *, load: bool, timeout_s: float = 15.0
-) -> JobResult:
-    """Submit one store (``load=False``) or load job and wait for its result through ``get_finished_jobs``."""
+def submit(tier: RemoteTier, keys: Sequence[OffloadKey], chunks: Sequence[int], *, load: bool) -> TransferJob:
+    """Submit one store (``load=False``) or load job, as vLLM's tiering manager does; the job."""
     job = TransferJob(next(_job_ids), list(keys), np.array(chunks, dtype=np.int64), load, ReqContext(req_id="job"))
     (tier.submit_load if load else tier.submit_store)(job)
+    return job
+
+
+def run_job(
+    tier: RemoteTier, keys: Sequence[OffloadKey], chunks: Sequence[int], *, load: bool, timeout_s: float = 15.0
+) -> JobResult:
+    """Submit one store (``load=False``) or load job and wait for its result through ``get_finished_jobs``."""
+    job = submit(tier, keys, chunks, load=load)
 
     def finished() -> JobResult | None:
         results = [result for result in tier.get_finished_jobs() if result.job_id == job.job_id]
@@ -103,7 +127,7 @@ def run_job(
 
 
 def resolve_lookups(
-    tier: MooncakeStoreTier, keys: Sequence[OffloadKey], request: str = "req", *, finish: bool = True
+    tier: RemoteTier, keys: Sequence[OffloadKey], request: str = "req", *, finish: bool = True
 ) -> list[LookupResult]:
     """Look ``keys`` up as the scheduler does, step after step, until no answer is RETRY; then the request
     finishes, unless ``finish=False`` (its verdicts stay cached while it runs)."""

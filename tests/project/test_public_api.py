@@ -66,8 +66,8 @@ def test_the_kernel_package_exports_its_torch_references_and_no_development_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kvtriton"
-# The two packages vLLM loads by their path: the documented spec_module_path and the Mooncake tier's module_path.
-ENTRY_PACKAGES = {"kvtriton.integrations.vllm", "kvtriton.integrations.mooncake"}
+# The packages vLLM loads by their path: the documented spec_module_path and the remote tiers' module_path (Mooncake, in-memory).
+ENTRY_PACKAGES = {"kvtriton.integrations.vllm", "kvtriton.integrations.mooncake", "kvtriton.integrations.remote"}
 
 
 def _module_name(source: Path) -> str:

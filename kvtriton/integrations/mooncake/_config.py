@@ -1,27 +1,26 @@
-"""The Mooncake Store tier's settings and the keys it files chunks under.
+"""The Mooncake Store tier's settings.
 
 :class:`MooncakeTierConfig` holds every configuration key of
 ``{"type": "MooncakeStoreTier", "module_path": "kvtriton.integrations.mooncake", ...}``
-with its default and validation; :class:`MooncakeKeyspace` turns an
-``OffloadKey`` into a Mooncake object key that two instances share only when
-their chunks hold the same bytes (docs/mooncake.md describes both).
+with its default and validation (docs/mooncake.md describes each); the keys
+every remote tier shares (namespace, timeout, threads, reconnection) are
+checked by :class:`~kvtriton.integrations.remote.RemoteTierSettings`. Object
+keys come from the remote tiers' keyspace (:class:`MooncakeKeyspace` is
+:class:`~kvtriton.integrations.remote.TierKeyspace`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-KEY_PREFIX = "kvt"
-"""Every object this tier writes starts with it: ``kvt/<digest>/...``."""
+from kvtriton.integrations.remote import ChunkIdentity, RemoteTierSettings, TierKeyspace
 
-NAMESPACE_DIGEST_CHARS = 32
-"""Hex characters of the namespace digest in each key (128 bits of SHA-256: collisions are out of reach)."""
+MooncakeKeyspace = TierKeyspace
+"""The Mooncake tier's object keys: the remote tiers' keyspace, ``kvt/<digest>/<block hash hex>/g<group>``."""
+
+__all__ = ["ChunkIdentity", "MooncakeKeyspace", "MooncakeTierConfig"]
 
 _PROTOCOLS = ("tcp", "rdma")
 
@@ -60,6 +59,10 @@ class MooncakeTierConfig:
     """Threads that run store and load jobs."""
     reconnect_interval_s: float = 1.0
     """Seconds between attempts to reach the master after it was lost (or before it was first reached)."""
+    retry_backoff_s: float = 1.0
+    """Seconds a degraded tier (an operation past its deadline: a stalled holder) waits before trying again."""
+    retry_backoff_max_s: float = 30.0
+    """The longest such wait (it doubles each time the tier degrades again soon after recovering)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.master_server_address, str) or not _is_host_port(self.master_server_address):  # pyright: ignore[reportUnnecessaryIsInstance] -- vLLM passes JSON values unchecked
@@ -72,16 +75,21 @@ class MooncakeTierConfig:
             value: object = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a byte count >= 0, got {value!r}")
-        for name in ("timeout_s", "reconnect_interval_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or self.io_threads < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
-            raise ValueError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
-        if not isinstance(self.namespace, str):  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
-            raise ValueError(f"namespace must be a string, got {self.namespace!r}")
+        _ = self.settings  # the keys every remote tier shares, checked where they are defined
         if not self.local_hostname:
             object.__setattr__(self, "local_hostname", _default_local_hostname())
+
+    @property
+    def settings(self) -> RemoteTierSettings:
+        """The keys the remote-tier base reads (validated there: a bad value names its key)."""
+        return RemoteTierSettings(
+            namespace=self.namespace,
+            timeout_s=self.timeout_s,
+            io_threads=self.io_threads,
+            reconnect_interval_s=self.reconnect_interval_s,
+            retry_backoff_s=self.retry_backoff_s,
+            retry_backoff_max_s=self.retry_backoff_max_s,
+        )
 
     @property
     def timeout_ms(self) -> int:
@@ -106,76 +114,3 @@ class MooncakeTierConfig:
 def _is_host_port(address: str) -> bool:
     host, sep, port = address.rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
-
-
-@dataclass(frozen=True)
-class ChunkIdentity:
-    """Everything that shapes a chunk's bytes: two instances share chunks only when all of it matches."""
-
-    model: str
-    dtype: str
-    tokens_per_block: tuple[int, ...]
-    """Tokens per block of each KV cache group."""
-    tokens_per_hash: int
-    blocks_per_chunk: int
-    chunk_bytes: int
-    world_size: int
-    tp_size: int
-    pp_size: int
-    pcp_size: int
-    dcp_size: int
-    kv_groups: tuple[tuple[str, ...], ...]
-    """Layer names of each KV cache group."""
-    layout_tag: str
-    """The primary tier's byte layout (``vllm-cpu`` or kvtriton's tag): a chunk of one is no chunk of the other.
-
-    kvtriton's tag names the row compression and its scale group size too
-    (``kvtriton-block-rows-v1+fp8-e4m3-g128``), so compressed and uncompressed
-    chunks live under different digests."""
-    canonical_format: str
-    namespace: str
-    fingerprint: str = ""
-    """The identity fingerprint (hex; kvtriton.integrations.vllm._identity): model, weights, dtypes, row format."""
-
-    def fields(self) -> dict[str, object]:
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "tokens_per_block": list(self.tokens_per_block),
-            "tokens_per_hash": self.tokens_per_hash,
-            "blocks_per_chunk": self.blocks_per_chunk,
-            "chunk_bytes": self.chunk_bytes,
-            "world_size": self.world_size,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
-            "pcp_size": self.pcp_size,
-            "dcp_size": self.dcp_size,
-            "kv_groups": [list(group) for group in self.kv_groups],
-            "layout_tag": self.layout_tag,
-            "canonical_format": self.canonical_format,
-            "namespace": self.namespace,
-            "fingerprint": self.fingerprint,
-        }
-
-    def manifest(self) -> bytes:
-        """The readable record stored under the manifest key: canonical JSON of every field."""
-        return json.dumps(self.fields(), sort_keys=True, separators=(",", ":")).encode()
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.manifest()).hexdigest()[:NAMESPACE_DIGEST_CHARS]
-
-
-class MooncakeKeyspace:
-    """Object keys of one :class:`ChunkIdentity`: ``kvt/<digest>/<block hash hex>/g<group>`` and ``kvt/<digest>/manifest``."""
-
-    def __init__(self, identity: ChunkIdentity) -> None:
-        self.identity = identity
-        self.digest = identity.digest()
-        self._prefix = f"{KEY_PREFIX}/{self.digest}/"
-        self.manifest_key = f"{self._prefix}manifest"
-
-    def object_key(self, block_hash: bytes, group: int) -> str:
-        return f"{self._prefix}{block_hash.hex()}/g{group}"
-
-    def describe(self) -> Mapping[str, object]:
-        return {"digest": self.digest, **self.identity.fields()}

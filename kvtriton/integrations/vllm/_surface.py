@@ -28,6 +28,7 @@ import importlib
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -187,6 +188,25 @@ POLICY_MUST_FINISH_REQUESTS: bool = "on_request_finished" in CachePolicy.__abstr
 SECONDARY_TIERS_REFUSE_MULTI_NODE: bool = _AT_LEAST_0_34
 """vLLM 0.34 refuses secondary tiers on an engine whose workers span nodes: the tiers run in the engine core and
 read only its node's host region."""
+
+
+JOB_RESULTS_DEFER_RELEASE: bool = "deferred_release" in {field.name for field in dataclasses.fields(JobResult)}
+"""vLLM 0.34's ``JobResult.deferred_release``: a failed promotion's primary chunks stay out of the free pool until
+the tier sets the event (its I/O can no longer write them); vLLM 0.33 frees them as the job is reported."""
+
+
+def failed_load_result(
+    job_id: JobId, successful_keys: Collection[OffloadKey] | None, seconds: float, moved: int, released: threading.Event
+) -> JobResult:
+    """A failed promotion whose transfer may still write its slots: vLLM keeps them aside until ``released`` is set.
+
+    Only where vLLM has the field (:data:`JOB_RESULTS_DEFER_RELEASE`); a tier
+    on vLLM 0.33 must never hand vLLM a slot its I/O may still write.
+    """
+    if not JOB_RESULTS_DEFER_RELEASE:
+        raise RuntimeError("this vLLM has no JobResult.deferred_release: a late write cannot be kept aside")
+    deferred: dict[str, Any] = {"deferred_release": released}  # 0.34's field
+    return JobResult(job_id, False, successful_keys, seconds, moved, **deferred)
 
 
 LOOKUPS_MARK_PRESENT: bool = hasattr(AsyncLookupManager, "mark_present")

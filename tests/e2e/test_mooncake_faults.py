@@ -1,0 +1,109 @@
+"""A Mooncake holder stalled (SIGSTOP) or killed under a real engine: every request ends with the reference tokens,
+within twice the tier's timeout of the fault-free request, and the engine shuts down cleanly (issue 41, item 2).
+
+One engine stores prompt A's chunks in the pool; then the holder is broken and
+another engine serves A: its lookups hit (the master answers), its promotion
+meets the broken holder, fails at the tier's deadline instead of waiting for the
+holder, and the engine recomputes A. The master's own faults are covered at the
+tier level (tests/integrations/test_tier_mooncake_failures.py). This module
+breaks its own cluster, so it has one of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
+
+from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.prompts import MAX_TOKENS, PROMPT_A
+
+if MOONCAKE_MISSING is not None:
+    pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
+
+TIMEOUT_S = 1.0
+"""The tier's timeout_s: small, so a fault costs a request at most about two seconds."""
+HITS = "vllm:external_prefix_cache_hits"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
+    # A stopped holder's segment stays listed for a minute (as with Mooncake's default of 10 s, while requests run):
+    # lookups hit and promotions reach the stopped holder, instead of the master dropping it after 2 s.
+    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-faults"), master_extra_args=("--client_ttl=60",))
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def engine(model: Path, cluster: MooncakeCluster, workdir: Path) -> EngineResult:
+    tier = {
+        "type": "MooncakeStoreTier",
+        "module_path": "kvtriton.integrations.mooncake",
+        "master_server_address": cluster.master_address,
+        "namespace": "faults",
+        "timeout_s": TIMEOUT_S,
+        "io_threads": 2,
+    }
+    config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
+    steps = [WAIT_TIERS_UP, generate(PROMPT_A, MAX_TOKENS, "A")]
+    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
+
+
+@pytest.fixture(scope="module")
+def writer(llama: Path, cluster: MooncakeCluster, e2e_dir: Path) -> EngineResult:
+    """Prompt A computed and its chunks stored in the pool (the manifest of the namespace with them)."""
+    return engine(llama, cluster, e2e_dir / "mooncake-faults-writer")
+
+
+def test_the_writer_stores_a_in_the_pool(writer: EngineResult, reference: EngineResult) -> None:
+    assert writer.step("A").token_ids == reference.step("A").token_ids
+    assert writer.delta("A", "vllm:kv_offload_tiering_write_bytes") > 0
+
+
+def test_a_stalled_holder_costs_a_request_at_most_twice_the_timeout(
+    writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
+) -> None:
+    del writer  # the pool holds A's chunks
+    workdir = e2e_dir / "mooncake-faults-stalled"
+    served = threading.Event()
+
+    def resume_once_abandoned() -> None:
+        """SIGCONT once the engine gave up on the holder: the process must not exit with a call still inside
+        Mooncake's client (its teardown crashes when the call returns after the interpreter is gone)."""
+        log = workdir / "engine.log"
+        while not served.wait(0.1):
+            if log.exists() and "did not answer within" in log.read_text(errors="replace"):
+                break
+        cluster.resume_holder()
+
+    cluster.hang_holder()
+    resumer = threading.Thread(target=resume_once_abandoned, daemon=True)
+    resumer.start()
+    try:
+        reader = engine(llama, cluster, workdir)
+    finally:
+        served.set()
+        resumer.join(30.0)
+        cluster.resume_holder()
+    request = reader.step("A")
+    assert request.token_ids == reference.step("A").token_ids
+    assert reader.delta("A", HITS) == 0  # the promotion failed: A was recomputed
+    assert "did not answer within 1.0 s" in reader.log  # the tier degraded at the deadline
+    assert request.seconds < 2 * TIMEOUT_S + reference.step("A").seconds, (request.seconds, reference.step("A"))
+
+
+def test_a_killed_holder_costs_a_request_at_most_twice_the_timeout(
+    writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
+) -> None:
+    del writer
+    cluster.kill_holder()
+    reader = engine(llama, cluster, e2e_dir / "mooncake-faults-killed")
+    request = reader.step("A")
+    assert request.token_ids == reference.step("A").token_ids
+    assert request.seconds < 2 * TIMEOUT_S + reference.step("A").seconds, (request.seconds, reference.step("A"))
