@@ -124,9 +124,13 @@ def compression_layout(
         elements = math.prod(page.shape[1:])
         compressed = page.dtype in COMPRESSIBLE_DTYPES
         entry = CompressedPage(
-            dtype=page.dtype, elements=elements, page_bytes=elements * page.element_size(),
-            compressed=compressed, group_size=min(size, elements) if compressed else 1, row_offset=offset,
-        )  # fmt: skip
+            dtype=page.dtype,
+            elements=elements,
+            page_bytes=elements * page.element_size(),
+            compressed=compressed,
+            group_size=min(size, elements) if compressed else 1,
+            row_offset=offset,
+        )
         entries.append(entry)
         offset += entry.region_bytes
     return CompressionLayout(tuple(entries))
@@ -196,7 +200,12 @@ def check_call(
         check_slab(slab, slab_name, dataclasses.replace(geometry, page_bytes=regions))
         check_scales_alignment(slab, slab_name)
     check_index_pair(
-        source, destination, geometry=geometry, slab=slab, to_slab=to_slab,
-        check_values=check_values, allow_duplicate_destinations=allow_duplicate_destinations,
-    )  # fmt: skip
+        source,
+        destination,
+        geometry=geometry,
+        slab=slab,
+        to_slab=to_slab,
+        check_values=check_values,
+        allow_duplicate_destinations=allow_duplicate_destinations,
+    )
     return geometry

@@ -143,11 +143,19 @@ def compress_config(
     pairs_wanted = max(1, bytes_per_iter // (tile_groups * columns * element_bytes))
     pairs = min(MAX_PAIRS, 1 << (pairs_wanted.bit_length() - 1))
     return CompressConfig(
-        num_pages=num_pages, elements=page.elements, group=page.group_size, group_columns=columns,
-        num_groups=page.num_groups, tile_groups=tile_groups, pairs=pairs, kind=_KINDS[page.dtype],
+        num_pages=num_pages,
+        elements=page.elements,
+        group=page.group_size,
+        group_columns=columns,
+        num_groups=page.num_groups,
+        tile_groups=tile_groups,
+        pairs=pairs,
+        kind=_KINDS[page.dtype],
         scales_offset=page.scales_offset,
-        page_word=page_word, slab_word=slab_word, element_bytes=element_bytes,
-    )  # fmt: skip
+        page_word=page_word,
+        slab_word=slab_word,
+        element_bytes=element_bytes,
+    )
 
 
 def page_table(pages: Sequence[torch.Tensor], geometry: PageGeometry, element_bytes: int) -> torch.Tensor:
@@ -248,9 +256,16 @@ class _SizedLaunch:
         }
 
     def run(
-        self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int, *, interpret: bool,
+        self,
+        to_slab: bool,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        count: int,
+        grid: int,
+        *,
+        interpret: bool,
         status: torch.Tensor | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """One launch over ``count`` pairs on ``grid`` programs (``status`` is the fp8 kernel's: a copy has none)."""
         del status
         from ._jit import copy_pages  # imports triton; a dictionary lookup after the first call
@@ -275,9 +290,14 @@ class _KindLaunch:
     """The prepared fp8-kernel launch of the compressible page tensors of one kind."""
 
     def __init__(
-        self, members: Sequence[int], pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry,
-        layout: CompressionLayout, bytes_per_iter: int,
-    ) -> None:  # fmt: skip
+        self,
+        members: Sequence[int],
+        pages: Sequence[torch.Tensor],
+        slab: torch.Tensor,
+        geometry: PageGeometry,
+        layout: CompressionLayout,
+        bytes_per_iter: int,
+    ) -> None:
         first = layout.pages[members[0]]
         kind_pages = [pages[t] for t in members]
         kind_geometry = layout.geometry_of(geometry, members)
@@ -293,23 +313,40 @@ class _KindLaunch:
         self.unused_status = torch.zeros(4, dtype=torch.int32, device=geometry.device)
 
     def run(
-        self, to_slab: bool, blocks: torch.Tensor, rows: torch.Tensor, count: int, grid: int, *, interpret: bool,
+        self,
+        to_slab: bool,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        count: int,
+        grid: int,
+        *,
+        interpret: bool,
         status: torch.Tensor | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """One launch over ``count`` pairs on ``grid`` programs; a gather flags NaN or infinity in ``status[0]``."""
         from ._jit import compress_pages  # imports triton
 
         arguments = CompressArguments(
-            self.table, self.slab, blocks, rows, self.unused_status if status is None else status, count,
-            self.row_stride, self.constexprs[to_slab], self.config.num_warps,
-        )  # fmt: skip
+            self.table,
+            self.slab,
+            blocks,
+            rows,
+            self.unused_status if status is None else status,
+            count,
+            self.row_stride,
+            self.constexprs[to_slab],
+            self.config.num_warps,
+        )
         compress_pages.launch_compress_pages(arguments, interpret=interpret, grid=grid)
 
 
 def _kind_launches(
-    pages: Sequence[torch.Tensor], slab: torch.Tensor, geometry: PageGeometry, layout: CompressionLayout,
+    pages: Sequence[torch.Tensor],
+    slab: torch.Tensor,
+    geometry: PageGeometry,
+    layout: CompressionLayout,
     bytes_per_iter: int,
-) -> list[_KindLaunch]:  # fmt: skip
+) -> list[_KindLaunch]:
     """The fp8-kernel launches of the compressible page tensors: one per kind (dtype, elements per page, group)."""
     kinds: dict[tuple[torch.dtype, int, int], list[int]] = {}
     for t, page in enumerate(layout.pages):

@@ -92,9 +92,18 @@ class CompressConfig:
 
 # The CompressConfig fields the kernel takes as constexprs, in parameter order (element_bytes only sizes tiles).
 _KERNEL_FIELDS = (
-    "num_pages", "elements", "group", "group_columns", "num_groups", "tile_groups", "pairs", "kind", "scales_offset",
-    "page_word", "slab_word",
-)  # fmt: skip
+    "num_pages",
+    "elements",
+    "group",
+    "group_columns",
+    "num_groups",
+    "tile_groups",
+    "pairs",
+    "kind",
+    "scales_offset",
+    "page_word",
+    "slab_word",
+)
 
 
 class CompressArguments(NamedTuple):

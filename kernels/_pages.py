@@ -113,9 +113,15 @@ def gather_pages(
     """
     check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
-        src, dst, src_blocks, dst_rows, to_slab=True, compression=compression,
-        check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
+        src,
+        dst,
+        src_blocks,
+        dst_rows,
+        to_slab=True,
+        compression=compression,
+        check_values=check_indices,
+        allow_duplicate_destinations=False,
+    )
     if not _run(True, list(src), dst, src_blocks, dst_rows, geometry, compression, num_programs, bytes_per_iter):
         raise non_finite_error("src")
 
@@ -139,9 +145,15 @@ def scatter_pages(
     """
     check_knobs(num_programs, bytes_per_iter)
     geometry = check_call(
-        dst, src, src_rows, dst_blocks, to_slab=False, compression=compression,
-        check_values=check_indices, allow_duplicate_destinations=False,
-    )  # fmt: skip
+        dst,
+        src,
+        src_rows,
+        dst_blocks,
+        to_slab=False,
+        compression=compression,
+        check_values=check_indices,
+        allow_duplicate_destinations=False,
+    )
     _run(False, list(dst), src, dst_blocks, src_rows, geometry, compression, num_programs, bytes_per_iter)
 
 
@@ -174,9 +186,14 @@ def _run(
     if path is KernelPath.INTERPRETER:
         interpreter_ready()
     launcher = CopyLauncher(
-        pages, slab, geometry, compression=compression, interpret=path is KernelPath.INTERPRETER,
-        num_programs=num_programs, bytes_per_iter=bytes_per_iter,
-    )  # fmt: skip
+        pages,
+        slab,
+        geometry,
+        compression=compression,
+        interpret=path is KernelPath.INTERPRETER,
+        num_programs=num_programs,
+        bytes_per_iter=bytes_per_iter,
+    )
     status = None
     if to_slab and compression is not None:
         status = torch.zeros(1, dtype=torch.int32, device=geometry.device)

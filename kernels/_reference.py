@@ -117,8 +117,11 @@ def _page_strided(page: torch.Tensor, geometry: PageGeometry, t: int) -> _Stride
 def _join(group: _Strided, page: _Strided) -> _Strided | None:
     """``group`` extended by the next page tensor, if one strided view still covers them all, else None."""
     same_shape = (group.storage.data_ptr(), group.storage.nbytes(), group.item_stride, group.page_bytes) == (
-        page.storage.data_ptr(), page.storage.nbytes(), page.item_stride, page.page_bytes,
-    )  # fmt: skip
+        page.storage.data_ptr(),
+        page.storage.nbytes(),
+        page.item_stride,
+        page.page_bytes,
+    )
     if not same_shape:
         return None
     pitch = page.offset - group.offset if group.pages == 1 else group.page_stride
@@ -323,9 +326,15 @@ def gather_pages_reference(
     :class:`~kvtriton.kernels.NonFiniteKVError` when a value is NaN or infinite.
     """
     geometry = check_call(
-        src, dst, src_blocks, dst_rows, to_slab=True, compression=compression, check_values=True,
+        src,
+        dst,
+        src_blocks,
+        dst_rows,
+        to_slab=True,
+        compression=compression,
+        check_values=True,
         allow_duplicate_destinations=True,
-    )  # fmt: skip
+    )
     if not gather_unchecked(src, dst, src_blocks, dst_rows, geometry, compression):
         raise non_finite_error("src")
 
@@ -340,9 +349,15 @@ def scatter_pages_reference(
 ) -> None:
     """Copy (``compression``: dequantize) slab row ``src_rows[i]`` back into block ``dst_blocks[i]`` of every page tensor in ``dst``."""
     geometry = check_call(
-        dst, src, src_rows, dst_blocks, to_slab=False, compression=compression, check_values=True,
+        dst,
+        src,
+        src_rows,
+        dst_blocks,
+        to_slab=False,
+        compression=compression,
+        check_values=True,
         allow_duplicate_destinations=True,
-    )  # fmt: skip
+    )
     scatter_unchecked(src, dst, src_rows, dst_blocks, geometry, compression)
 
 

@@ -30,7 +30,7 @@ _PTX_MUL32 = re.compile(r"\b(?:mul|mad)\.lo\.[su]32\b")
 _TTIR_MULI = re.compile(r"arith\.muli\s+(%[\w.#]+),\s*(%[\w.#]+)\s*:\s*(?:tensor<(?:\d+x)*)?(i\d+)")
 
 _BITS = {"b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "b32": 32, "u32": 32, "s32": 32, "f32": 32,
-         "b64": 64, "u64": 64, "s64": 64, "f64": 64}  # fmt: skip
+         "b64": 64, "u64": 64, "s64": 64, "f64": 64}  # fmt: skip  # a table: the widths in rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,19 +149,29 @@ def compile_copy_pages(
     asm = compile_asm(
         "copy_pages",
         signature={
-            "table_ptr": "*i64", "slab_ptr": f"*{element}", "blocks_ptr": f"*{index_type}",
-            "rows_ptr": f"*{index_type}", "num_pairs": "i32", "row_stride": "i64",
+            "table_ptr": "*i64",
+            "slab_ptr": f"*{element}",
+            "blocks_ptr": f"*{index_type}",
+            "rows_ptr": f"*{index_type}",
+            "num_pairs": "i32",
+            "row_stride": "i64",
         },
         constexprs={
-            "TO_SLAB": to_slab, "NUM_PAGES": config.num_pages, "PAGE_ELEMS": config.page_elems,
-            "CHUNK": config.chunk, "PAIRS": config.pairs, "UNIFORM": config.uniform, "EVEN": config.even, "WORD": config.word,
+            "TO_SLAB": to_slab,
+            "NUM_PAGES": config.num_pages,
+            "PAGE_ELEMS": config.page_elems,
+            "CHUNK": config.chunk,
+            "PAIRS": config.pairs,
+            "UNIFORM": config.uniform,
+            "EVEN": config.even,
+            "WORD": config.word,
         },
         # What Triton's launcher specialises for 16-byte aligned tensors and a
         # slab row stride that is a multiple of 16 elements.
         divisible_by_16=["table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "row_stride"],
         num_warps=config.num_warps,
         arch=arch,
-    )  # fmt: skip
+    )
     kind = "gather" if to_slab else "scatter"
     return CompiledKernel(name=f"{kind} {config.page_elems * config.element_bytes} B", ptx=asm["ptx"], ttir=asm["ttir"])
 
@@ -187,14 +197,19 @@ def _compile_compress(config: CompressConfig, to_slab: bool, arch: int) -> dict[
     return compile_asm(
         "compress_pages",
         signature={
-            "table_ptr": "*i64", "slab_ptr": "*u8", "blocks_ptr": "*i64", "rows_ptr": "*i64", "status_ptr": "*i32",
-            "num_pairs": "i32", "row_stride": "i64",
+            "table_ptr": "*i64",
+            "slab_ptr": "*u8",
+            "blocks_ptr": "*i64",
+            "rows_ptr": "*i64",
+            "status_ptr": "*i32",
+            "num_pairs": "i32",
+            "row_stride": "i64",
         },
         constexprs=config.kernel_constexprs(to_slab),
         divisible_by_16=["table_ptr", "slab_ptr", "blocks_ptr", "rows_ptr", "status_ptr", "row_stride"],
         num_warps=config.num_warps,
         arch=arch,
-    )  # fmt: skip
+    )
 
 
 def compile_compress_pages(requests: Sequence[tuple[CompressConfig, bool]], *, arch: int = 90) -> list[CompiledKernel]:
@@ -211,9 +226,12 @@ def compile_compress_pages(requests: Sequence[tuple[CompressConfig, bool]], *, a
 
 
 def compressed_production_config(
-    page_bytes: int, num_pages: int, dtype: torch.dtype = torch.bfloat16, group_size: int = 128,
+    page_bytes: int,
+    num_pages: int,
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int = 128,
     bytes_per_iter: int = DEFAULT_BYTES_PER_ITER,
-) -> CompressConfig:  # fmt: skip
+) -> CompressConfig:
     """The compressed launch configuration for ``num_pages`` 16-byte aligned pages of ``page_bytes`` of ``dtype``."""
     page = torch.empty((1, page_bytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype)
     (entry,) = compression_layout([page], group_size).pages

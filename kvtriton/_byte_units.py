@@ -40,7 +40,7 @@ _UNITS: dict[str, int] = {
     "m": 2**20, "mib": 2**20, "mb": 10**6,
     "g": 2**30, "gib": 2**30, "gb": 10**9,
     "t": 2**40, "tib": 2**40, "tb": 10**12,
-}  # fmt: skip
+}  # fmt: skip  # a table: one line per scale, binary and decimal units side by side
 _CAPACITY = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 """A number (a sign is read, so that ``-1`` is refused as not positive rather than as not a number) and a unit."""
 

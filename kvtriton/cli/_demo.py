@@ -479,9 +479,13 @@ def _workload(config: DemoConfig) -> list[Request]:
     user_max = max(bs, min(256, budget // 3))
     output = max(1, min(64, budget // 6))
     overrides: dict[str, str | int | float] = {
-        "requests": config.requests, "system_prompts": 3, "system_tokens": system,
-        "user_tokens_min": min(32, user_max), "user_tokens_max": user_max, "output_tokens": output,
-    }  # fmt: skip
+        "requests": config.requests,
+        "system_prompts": 3,
+        "system_tokens": system,
+        "user_tokens_min": min(32, user_max),
+        "user_tokens_max": user_max,
+        "output_tokens": output,
+    }
     return generate("shared-prompt", seed=config.seed, block_size=bs, overrides=overrides)
 
 
@@ -626,14 +630,17 @@ def _report(stats: DemoStats) -> None:
     lines = [
         ("requests", f"{stats.requests} ({stats.truncated_requests} truncated to the GPU cache)"),
         ("hit rate", f"{hit_rate:.1%} ({stats.hit_chunks} of {stats.prompt_chunks} prompt chunks)"),
-        ("jobs", f"{stats.load_jobs} loads, {stats.store_jobs} stores, {stats.failed_jobs} failed, "
-                 f"{stats.stores_refused} stores refused (no evictable slot)"),
+        (
+            "jobs",
+            f"{stats.load_jobs} loads, {stats.store_jobs} stores, {stats.failed_jobs} failed, "
+            f"{stats.stores_refused} stores refused (no evictable slot)",
+        ),
         ("evicted", f"{stats.evicted} chunks"),
         ("loaded", f"{format_bytes(stats.bytes_loaded)} at {_rate(stats.bytes_loaded, stats.load_seconds)}"),
         ("stored", f"{format_bytes(stats.bytes_stored)} at {_rate(stats.bytes_stored, stats.store_seconds)}"),
         ("verified", f"{stats.loaded_blocks} loaded blocks, {stats.mismatched_blocks} mismatched"),
         ("wall time", f"{stats.wall_seconds:.2f} s"),
-    ]  # fmt: skip
+    ]
     _print_aligned(lines)
     for where in stats.mismatches[:10]:
         print(f"MISMATCH {where}", file=sys.stderr)
@@ -654,9 +661,12 @@ def _report_compression(
     lines = [
         ("bytes moved", f"{moved_text} (loads + stores)"),
         ("slots", f"{slots} for --capacity, {slots / uncompressed_slots:.2f}x the {uncompressed_slots} uncompressed"),
-        ("element error", f"max |x - x'| {error.max_abs:.4g}, mean {mean:.4g}{relative} over {error.elements} elements"
-                          " of the checked blocks, against the original values"),
-    ]  # fmt: skip
+        (
+            "element error",
+            f"max |x - x'| {error.max_abs:.4g}, mean {mean:.4g}{relative} over {error.elements} elements"
+            " of the checked blocks, against the original values",
+        ),
+    ]
     _print_aligned(lines)
     print(f"note: {LOSSY_NOTE}")
 

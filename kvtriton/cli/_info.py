@@ -215,10 +215,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         return size
 
     parser.add_argument(
-        "--slab-size", type=slab_size, default=None, metavar="SIZE",
+        "--slab-size",
+        type=slab_size,
+        default=None,
+        metavar="SIZE",
         help="say whether this machine can pin and hold a host slab of this size (vLLM's cpu_bytes_to_use"
         f" per rank), e.g. 96GiB ({SIZE_RULE}; at most 128 PiB)",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:

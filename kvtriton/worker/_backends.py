@@ -231,9 +231,14 @@ class TritonCopy:
 
     def __init__(self, kv: PagedKV, slab: torch.Tensor, num_programs: int) -> None:
         self.launcher = CopyLauncher(
-            kv.pages, slab, kv.geometry, compression=kv.compression_layout, interpret=kv.device.type == "cpu",
-            num_programs=num_programs, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
-        )  # fmt: skip
+            kv.pages,
+            slab,
+            kv.geometry,
+            compression=kv.compression_layout,
+            interpret=kv.device.type == "cpu",
+            num_programs=num_programs,
+            bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+        )
 
     def warm_up(self) -> None:
         self.launcher.warm_up(torch.int64)
@@ -359,9 +364,14 @@ class _CopyEngineCopy:
     kind: TransferBackend
 
     def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None,
+        self,
+        kv: PagedKV,
+        slab: torch.Tensor,
+        registration_rows: int | None = None,
+        *,
+        slab_pinned: bool | None = None,
         batched: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.kv = kv
         self.slab = slab
         self.registration_rows = registration_rows
@@ -387,9 +397,14 @@ class DmaCopy(_CopyEngineCopy):
     wants_device_indices = False
 
     def __init__(
-        self, kv: PagedKV, slab: torch.Tensor, registration_rows: int | None = None, *, slab_pinned: bool | None = None,
+        self,
+        kv: PagedKV,
+        slab: torch.Tensor,
+        registration_rows: int | None = None,
+        *,
+        slab_pinned: bool | None = None,
         batched: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if kv.compression_layout is not None:
             raise ValueError(
                 "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"

@@ -80,9 +80,15 @@ def loaded_cudart() -> ctypes.CDLL | None:
         except OSError:
             continue
         library.cudaMemcpy2DAsync.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-        ]  # fmt: skip
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
         library.cudaMemcpy2DAsync.restype = ctypes.c_int
         library.cudaGetLastError.restype = ctypes.c_int
         library.cudaGetErrorName.argtypes = [ctypes.c_int]
@@ -226,9 +232,11 @@ class MemcpyBatch:
         self._call = call
         self.with_fail_index = with_fail_index
         self._attributes = MemcpyAttributes(
-            CUDA_MEMCPY_SRC_ACCESS_ORDER_STREAM, MemLocation(0, 0), MemLocation(0, 0),
+            CUDA_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            MemLocation(0, 0),
+            MemLocation(0, 0),
             CUDA_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
-        )  # fmt: skip
+        )
         self._attribute_index = (ctypes.c_size_t * 1)(0)  # copy 0 onwards use attribute 0: all of them
 
     def __call__(
@@ -256,9 +264,12 @@ class MemcpyBatch:
         # void* and size_t are 64-bit here: the int64 addresses and sizes are passed as the arrays C reads.
         packed = [np.ascontiguousarray(column, dtype=np.uint64) for column in (destinations, sources, sizes)]
         arguments: list[object] = [
-            *(column.ctypes.data for column in packed), count,
-            ctypes.addressof(self._attributes), ctypes.addressof(self._attribute_index), 1,
-        ]  # fmt: skip
+            *(column.ctypes.data for column in packed),
+            count,
+            ctypes.addressof(self._attributes),
+            ctypes.addressof(self._attribute_index),
+            1,
+        ]
         fail_index = ctypes.c_size_t(0)
         if self.with_fail_index:
             arguments.append(ctypes.addressof(fail_index))

@@ -276,8 +276,9 @@ def _lane_stream(device: torch.device, lane: TransferLane) -> tuple[torch.cuda.S
     if loaded_cudart() is None:
         logger.warning(
             "libcudart is not loaded in this process: the %s lane takes a stream from torch's pool, which other "
-            "streams of the process may share", lane.value,
-        )  # fmt: skip
+            "streams of the process may share",
+            lane.value,
+        )
         return torch.cuda.Stream(device, priority=-1 if urgent else 0), None
     with torch.cuda.device(device):
         least, greatest = stream_priority_range()
@@ -362,9 +363,13 @@ class TransferEngine(ClosesOnExit):
         for kind in chosen.values():
             if kind not in built:
                 built[kind] = make_backend(
-                    kind, kv, slab.rows, num_programs=num_programs, registration_rows=slab.registration_rows,
+                    kind,
+                    kv,
+                    slab.rows,
+                    num_programs=num_programs,
+                    registration_rows=slab.registration_rows,
                     slab_pinned=slab.pinned,
-                )  # fmt: skip
+                )
         self._backends: dict[TransferDirection, CopyBackend] = {
             direction: built[kind] for direction, kind in chosen.items()
         }
@@ -395,9 +400,15 @@ class TransferEngine(ClosesOnExit):
         logger.info(
             "transfer engine: %d page tensors, %d-byte rows (compression %s), %d slots x %d rows, backend %s on %s, "
             "warm-up %.3f s",
-            len(kv.pages), kv.row_bytes, kv.compression.value, slab.num_slots, slab.block_size_factor, self.backend_name,
-            kv.device, self.warmup_seconds,
-        )  # fmt: skip
+            len(kv.pages),
+            kv.row_bytes,
+            kv.compression.value,
+            slab.num_slots,
+            slab.block_size_factor,
+            self.backend_name,
+            kv.device,
+            self.warmup_seconds,
+        )
 
     def _warm_up(self, backends: list[CopyBackend]) -> float:
         """Compile every variant a job can need, now rather than on a live server's first job; the seconds it took."""
@@ -508,9 +519,12 @@ class TransferEngine(ClosesOnExit):
             "%d store job(s) (the last: job %d) met NaN or infinity in the GPU pages; kv_compression='%s' stored "
             "the NaN code there, so those blocks load back as NaN (%d such stores since the engine started; "
             "next warning in %.0f s at the earliest)",
-            self._non_finite_unwarned, job.job_id, self.kv.compression.value, self._non_finite_stores,
+            self._non_finite_unwarned,
+            job.job_id,
+            self.kv.compression.value,
+            self._non_finite_stores,
             NON_FINITE_WARNING_INTERVAL_S,
-        )  # fmt: skip
+        )
         self._non_finite_unwarned = 0
         self._non_finite_warned_at = now
 
@@ -576,14 +590,18 @@ class TransferEngine(ClosesOnExit):
         if self.slab.closed:
             logger.warning(
                 "%s job %r refused: the host slab is closed (its memory may be unpinned or unmapped); "
-                "shut the engine down before closing its slab", name, job_id,
-            )  # fmt: skip
+                "shut the engine down before closing its slab",
+                name,
+                job_id,
+            )
             return False
         if _graph_capture_underway():
             logger.warning(
                 "%s job %r refused: the current CUDA stream is capturing a graph; a captured copy would replay "
-                "this job's indices on every replay (submit transfers outside graph capture)", name, job_id,
-            )  # fmt: skip
+                "this job's indices on every replay (submit transfers outside graph capture)",
+                name,
+                job_id,
+            )
             return False
         if isinstance(job_id, bool) or not isinstance(job_id, int):  # pyright: ignore[reportUnnecessaryIsInstance] -- untyped callers
             logger.warning("%s job %r refused: job_id must be an int", name, job_id)
@@ -598,9 +616,13 @@ class TransferEngine(ClosesOnExit):
             return False
         try:
             plan = plan_transfer(
-                lane.direction, gpu, cpu, self.block_size_factor,
-                num_gpu_blocks=self.kv.num_blocks, num_slots=self.slab.num_slots,
-            )  # fmt: skip
+                lane.direction,
+                gpu,
+                cpu,
+                self.block_size_factor,
+                num_gpu_blocks=self.kv.num_blocks,
+                num_slots=self.slab.num_slots,
+            )
         except (TypeError, ValueError) as error:
             logger.warning("%s job %d refused: %s", name, job_id, error)
             return False

@@ -287,7 +287,10 @@ def remove_stale_regions(directory: str = REGION_DIRECTORY) -> list[RemovedRegio
         logger.warning(
             "removed %d stale kvtriton shared host region file(s) from %s, freeing %s: %s (%s; no process maps them: "
             "left by engines that crashed during start-up)",
-            len(removed), directory, format_bytes(sum(made.allocated_bytes for made in removed)),
-            ", ".join(os.path.basename(made.path) for made in removed), "; ".join(whose),
-        )  # fmt: skip
+            len(removed),
+            directory,
+            format_bytes(sum(made.allocated_bytes for made in removed)),
+            ", ".join(os.path.basename(made.path) for made in removed),
+            "; ".join(whose),
+        )
     return removed

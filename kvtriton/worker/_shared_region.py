@@ -570,9 +570,12 @@ class SharedRegion(ClosesOnExit):
                     "sized; free it (kvtriton removes its own stale regions at start) or lower cpu_bytes_to_use",
                 ) from error
         logger.info(
-            "populated rank %d's bytes of %s in %.3f s%s", rank, self.path, time.perf_counter() - started,
+            "populated rank %d's bytes of %s in %.3f s%s",
+            rank,
+            self.path,
+            time.perf_counter() - started,
             "" if node is None else f" on NUMA node {node}",
-        )  # fmt: skip
+        )
         if rank not in self._populated_ranks:  # a second slab of the same rank counts once
             self._add_one(POPULATED)
             self._populated_ranks.add(rank)

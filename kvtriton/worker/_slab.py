@@ -467,8 +467,12 @@ class HostSlab(ClosesOnExit):
             )
         logger.info(
             "host slab budget: %d bytes over %d rank(s) = %d bytes per rank -> %d slots of %d bytes",
-            cpu_bytes_to_use, world_size, per_rank, slots, slot_bytes,
-        )  # fmt: skip
+            cpu_bytes_to_use,
+            world_size,
+            per_rank,
+            slots,
+            slot_bytes,
+        )
         return slots
 
     def _pin(self, allow_pageable: bool) -> None:
@@ -505,14 +509,17 @@ class HostSlab(ClosesOnExit):
                 logger.warning(
                     "the host slab's registration at %#x is reached on the device at %#x: the triton backend "
                     "(which addresses every row from the slab's base) is refused for it; dma copies it",
-                    base + offset, device,
-                )  # fmt: skip
+                    base + offset,
+                    device,
+                )
         self.device_aliased = aliased
         self.registration_rows = rows_per_registration
         logger.info(
-            "pinned %d bytes of host slab in %d registration(s)%s", pinned_bytes, len(self._registered),
+            "pinned %d bytes of host slab in %d registration(s)%s",
+            pinned_bytes,
+            len(self._registered),
             " (this view's own pages of each shared row)" if own else "",
-        )  # fmt: skip
+        )
 
     def registration_plan(self) -> tuple[list[tuple[int, int]], int, bool]:
         """How pinning registers the slab: ``(offset, size)`` ranges from the buffer's start, the rows per
