@@ -24,7 +24,7 @@ store and return it with the chunk's bytes, and the workers' copies, which
 write each rank's bytes only, never touch it. The bytes of a chunk therefore
 differ from vLLM's own CPU primary tier's (``SharedOffloadRegion``), and the
 integration files them under a namespace of their own (see
-:mod:`kvtriton.integrations.vllm._tiering`).
+:mod:`kvtriton.integrations.vllm._tiered_spec`).
 
 Lifetime (:class:`SharedRegion`). The first process to arrive creates the file
 (after checking /dev/shm has room) and publishes its header at once, the

@@ -20,7 +20,7 @@ IMPORTED_WITHOUT_IT = (
     "kvtriton", "kvtriton.worker", "kvtriton.worker._slab", "kvtriton.worker._shared_region",
     "kvtriton.worker._slot_digests", "kvtriton._region_rows", "kvtriton.cli", "kvtriton.sim",
     # what a vLLM server loads (vLLM is installed here, as there)
-    "kvtriton.integrations.vllm", "kvtriton.integrations.vllm._worker", "kvtriton.integrations.vllm._tiering",
+    "kvtriton.integrations.vllm", "kvtriton.integrations.vllm._worker", "kvtriton.integrations.vllm._tiered_spec",
     # every step of bench/gpu_check.sh
     "bench.common", "bench.gpu_preflight", "bench.crossover", "bench.kernels", "bench.host_cost", "bench.gpu_summary",
 )  # fmt: skip

@@ -176,7 +176,7 @@ def stop_before_scheduler_joins() -> None:
     the scheduler has not mapped it: the start-up window a crash leaks the
     region in. The test that asks for it SIGKILLs the stopped process.
     """
-    from kvtriton.integrations.vllm._tiering import KVTritonTieringOffloadingSpec
+    from kvtriton.integrations.vllm._tiered_spec import KVTritonTieringOffloadingSpec
 
     build_manager = KVTritonTieringOffloadingSpec.get_manager
 

@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
-from kvtriton.integrations.vllm._tiering import LAYOUT_TAG
+from kvtriton.integrations.vllm._tiered_spec import LAYOUT_TAG
 
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 

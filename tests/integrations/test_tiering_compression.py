@@ -26,7 +26,7 @@ from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton._integrity import SEAL_BYTES
-from kvtriton.integrations.vllm._tiering import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag
+from kvtriton.integrations.vllm._tiered_spec import LAYOUT_TAG, KVTritonTieringOffloadingSpec, layout_tag
 from kvtriton.kernels._compression import dequantize_groups, quantize_groups
 
 COMPRESSED: dict[str, object] = {"kvtriton_kv_compression": "fp8-e4m3"}

@@ -31,7 +31,7 @@ from vllm_fixtures.builders import SHARED_POLICIES
 from kvtriton._integrity import SEAL_BYTES, seal
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
-from kvtriton.integrations.vllm._tiering import LAYOUT_TAG
+from kvtriton.integrations.vllm._tiered_spec import LAYOUT_TAG
 
 CHUNK = 4096  # 2048-byte blocks, one rank and a seal, padded to 4096 bytes
 PAYLOAD = CHUNK - SEAL_BYTES
@@ -196,7 +196,7 @@ def test_a_vllm_policy_runs_vllms_primary_over_kvtritons_region(
         "eviction_policy": "LRUCachePolicy",
         "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru",
     }
-    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiering"):
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiered_spec"):
         manager = tiering(managers, extra)
     assert "vLLM's own CPUPrimaryTierOffloadingManager ranks and evicts the primary tier" in caplog.text
     primary = manager.primary_tier

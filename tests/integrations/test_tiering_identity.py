@@ -43,7 +43,7 @@ def _identity_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_the_spec_computes_the_identity_and_its_manager_logs_it_in_one_start_up_line(
     caplog: pytest.LogCaptureFixture, managers: list[OffloadingManager]
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiering"):
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiered_spec"):
         spec = tiered_spec(BUDGET)
         identity = spec.identity
         assert identity.source == "computed" and identity.identity_key is None
@@ -75,7 +75,7 @@ def test_the_engine_core_and_every_worker_compute_one_complete_identity_and_it_i
     """vLLM's own Scheduler builds the engine core's connector without a current vLLM config, each worker's
     connector is built under one: both read the model's dtype and revision from the config the connector is
     built from."""
-    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiering"):
+    with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm._tiered_spec"):
         engine = start_tiered_vllm(revised_model, dict(BUDGET), world_size=2)
     try:
         in_use = engine.tiering

@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.integrations.vllm._tiering import LAYOUT_TAG, KVTritonPrimaryTier
+from kvtriton.integrations.vllm._tiered_spec import LAYOUT_TAG, KVTritonPrimaryTier
 from kvtriton.worker._engine import TransferEngine
 from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._shared_region import RegionLayout, SharedRegion

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_fixtures.builders import SHARED_POLICIES
 
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
-from kvtriton.integrations.vllm._tiering import KVTritonPrimaryTier
+from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 
 CHUNK = 4096  # 2048-byte blocks, one rank, padded to 4096 bytes
 A, B, C, D, E, F = (key(index) for index in range(1, 7))

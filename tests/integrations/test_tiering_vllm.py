@@ -32,7 +32,7 @@ from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton._keys import OffloadKey
-from kvtriton.integrations.vllm._tiering import KVTritonTieringWorker
+from kvtriton.integrations.vllm._tiered_spec import KVTritonTieringWorker
 from kvtriton.worker._shared_region import SharedRegion
 
 

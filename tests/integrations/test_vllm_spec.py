@@ -26,10 +26,9 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, canonical_kv_caches, offloading_config
 from vllm_fixtures.connector import submit_load, submit_store
 
-import kvtriton.integrations.vllm as vllm_module
+import kvtriton.integrations.vllm._single_tier_spec as single_tier_spec
 import kvtriton.worker._slab as slab_module
 from kvtriton.integrations.vllm import (
-    VERIFY_HOST_LOADS_NOTE,
     KVTritonOffloadingSpec,
     VLLMOffloadingManager,
     VLLMOffloadingWorker,
@@ -303,7 +302,7 @@ def test_the_spec_hands_kvtriton_pageable_slab_to_the_slab(monkeypatch: pytest.M
         asked.append(pageable_allowed)
         return HostSlab(num_slots, block_size_factor, row_bytes, pin=False)
 
-    monkeypatch.setattr(vllm_module, "open_host_slab", recording_open_host_slab)
+    monkeypatch.setattr(single_tier_spec, "open_host_slab", recording_open_host_slab)
     for value in (True, False):
         spec = KVTritonOffloadingSpec(
             offloading_config(
@@ -537,7 +536,7 @@ def test_verify_host_loads_shows_in_the_start_up_line_and_as_a_config_info_label
     with caplog.at_level(logging.INFO, logger="kvtriton.integrations.vllm"):
         spec = KVTritonOffloadingSpec(offloading_config(verified))
     (line,) = [record.getMessage() for record in caplog.records if "kvtriton offloading (rank" in record.getMessage()]
-    assert line.endswith(VERIFY_HOST_LOADS_NOTE) and "kvtriton_verify_host_loads=true" in line
+    assert line.endswith(single_tier_spec.VERIFY_HOST_LOADS_NOTE) and "kvtriton_verify_host_loads=true" in line
     manager = spec.get_manager()
     try:
         (info,) = manager.config_info()

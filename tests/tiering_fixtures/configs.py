@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from bench.common import offloading_config
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
-from kvtriton.integrations.vllm._tiering import KVTritonPrimaryTier
+from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 
 _STEP_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

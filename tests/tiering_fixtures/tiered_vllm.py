@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm_fixtures.in_process import BLOCK_SIZE, NUM_GPU_BLOCKS, InProcessVLLM, start_in_process_vllm
 from vllm_fixtures.requests import make_request
 
-from kvtriton.integrations.vllm._tiering import KVTritonPrimaryTier
+from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 from kvtriton.manager import CPUOffloadingManager
 
 __all__ = [

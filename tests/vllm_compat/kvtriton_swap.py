@@ -12,7 +12,7 @@ a file or inside a function, gets the replacement; no test body changes):
   ``num_chunks`` slots with those settings;
 * ``CPUPrimaryTierOffloadingManager(num_chunks, mmap_region, ...)`` builds
   kvtriton's primary tier as ``KVTritonTieringOffloadingSpec.get_manager()``
-  builds it (:func:`kvtriton.integrations.vllm._tiering.build_primary_tier`), over
+  builds it (:func:`kvtriton.integrations.vllm._tiered_spec.build_primary_tier`), over
   the test's region;
 * ``CPUOffloadingSpec`` and ``TieringOffloadingSpec`` are kvtriton's two specs
   (also what vLLM's ``OffloadingSpecFactory`` loads for those two names).
@@ -132,7 +132,7 @@ def _kvtriton_primary_tier(original: type) -> Callable[..., object]:
     def build(*args: object, **kwargs: object) -> object:
         from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
-        from kvtriton.integrations.vllm._tiering import build_primary_tier
+        from kvtriton.integrations.vllm._tiered_spec import build_primary_tier
 
         arguments = _bound(original, args, kwargs)
         info = arguments["info"]
@@ -193,7 +193,7 @@ def _swap() -> None:
     import vllm.v1.kv_offload.tiering.spec as tiering_spec
 
     import kvtriton.integrations.vllm as kvtriton_vllm
-    import kvtriton.integrations.vllm._tiering as kvtriton_tiering
+    import kvtriton.integrations.vllm._tiered_spec as kvtriton_tiering
     from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
 
     assert "TieringOffloadingSpec" in spec_factory.OffloadingSpecFactory._registry  # pyright: ignore[reportPrivateUsage] -- the names are registered (lazily loaded) before the swap

@@ -1,7 +1,7 @@
 """What kvtriton's two vLLM specs share: the parsed settings, the start-up checks, the worker's slab and engines.
 
 :class:`~kvtriton.integrations.vllm.KVTritonOffloadingSpec` (one host slab
-per rank) and :class:`~kvtriton.integrations.vllm._tiering.KVTritonTieringOffloadingSpec`
+per rank) and :class:`~kvtriton.integrations.vllm._tiered_spec.KVTritonTieringOffloadingSpec`
 (one shared region in front of vLLM's secondary tiers) differ in where the
 host memory lives and which manager the scheduler runs. Everything else is
 here, once: reading ``kv_connector_extra_config`` and vLLM's geometry

@@ -352,42 +352,42 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
     VLLMPrivateName(
         "secondary_tiers_hook",
         "vllm.v1.kv_offload.tiering.spec.TieringOffloadingSpec._get_secondary_tiers",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tiered_spec",
         "overridden, so that a bad secondary_tiers entry (missing package, unknown key, wrong class) is one line "
         "naming the tier instead of vLLM's bare error",
     ),
     VLLMPrivateName(
         "primary_num_chunks",
         "vllm.v1.kv_offload.tiering.manager.TieringOffloadingManager reads primary_tier._num_chunks",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tiered_spec",
         "KVTritonPrimaryTier sets _num_chunks: the orchestrator sizes its occupancy metrics from it",
     ),
     VLLMPrivateName(
         "restated_spec_attributes",
         "vllm.v1.kv_offload.tiering.spec.TieringOffloadingSpec attributes "
         + ", ".join(RESTATED_TIERING_SPEC_ATTRIBUTES),
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tiered_spec",
         "set by vLLM's parents from vLLM's own region layout; kvtriton's spec restates them for its own layout "
         "(RESTATED_TIERING_SPEC_ATTRIBUTES), and vLLM's tiers and metrics read them",
     ),
     VLLMPrivateName(
         "tier_class_assertion",
         "vllm.v1.kv_offload.tiering.factory.SecondaryTierFactory.get_tier_class raises AssertionError",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tier_configs",
         "vLLM asserts that an out-of-tree tier class is a SecondaryTierManager: kvtriton catches it "
         "(TIER_CLASS_REFUSED) to name the tier",
     ),
     VLLMPrivateName(
         "tier_factory_arguments",
         "vllm.v1.kv_offload.tiering.factory.SecondaryTierFactory.create_secondary_tier arguments and keys",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tier_configs",
         "the constructor arguments the factory fills itself (FACTORY_ARGUMENTS) and the tier keys it consumes "
         "(FACTORY_KEYS): kvtriton checks the rest of a tier's keys against the tier's constructor",
     ),
     VLLMPrivateName(
         "model_name_namespace",
         "vllm.v1.kv_offload.file_mapper.FileMapper names storage after config.model.name",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tiered_spec",
         "kvtriton rewrites the model name the secondary tiers see (with_model_name) to give its own chunk bytes "
         "a namespace of their own",
     ),
@@ -395,7 +395,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "primary_region_methods",
         "vllm.v1.kv_offload.tiering.manager.CPUPrimaryTierOffloadingManager reads mmap_region "
         "create_kv_memoryview and cleanup",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tiered_spec",
         "vLLM's own primary runs over kvtriton's shared region (a vLLM eviction policy), seen through an object "
         "with only these two methods",
     ),
@@ -411,7 +411,7 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "multi_node_refusal",
         f"vllm.v1.kv_offload.tiering.spec.{MULTI_NODE_REFUSAL} (vLLM 0.34; absent from 0.33), which "
         "TieringOffloadingSpec.create_worker calls",
-        "kvtriton.integrations.vllm._tiering",
+        "kvtriton.integrations.vllm._tiered_spec",
         "kvtriton's tiered spec overrides get_worker, so it runs vLLM's own refusal of secondary tiers on workers "
         "that span nodes (refuse_secondary_tiers_across_nodes) where vLLM's create_worker would",
     ),
