@@ -85,7 +85,7 @@ VLLM_KEYS = frozenset(
         # vLLM's CPU spec, which kvtriton's specs take over
         CPU_BYTES_TO_USE, EVICTION_POLICY, CACHE_POLICY_MODULE_PATH, STORE_THRESHOLD, MAX_TRACKER_SIZE,
     }
-) | TIERED_ONLY_KEYS  # fmt: skip
+) | TIERED_ONLY_KEYS  # fmt: skip  # a table: the keys grouped by what reads them
 """Every ``kv_connector_extra_config`` key vLLM 0.33's OffloadingConnector, spec factory and specs read.
 
 Read from vLLM 0.33's ``offloading_connector.py``, ``offloading/`` (its config
@@ -346,9 +346,10 @@ def check_vllm_policy(eviction_policy: str, cache_policy_module_path: str | None
     found: object = getattr(module, eviction_policy, None)
     if not (isinstance(found, type) and issubclass(found, CachePolicy)):
         defined = sorted(
-            name for name, value in vars(module).items()
+            name
+            for name, value in vars(module).items()
             if isinstance(value, type) and issubclass(value, CachePolicy) and value is not CachePolicy
-        )  # fmt: skip
+        )
         raise ValueError(
             f"{_where(EVICTION_POLICY)}={eviction_policy!r} is not a vLLM CachePolicy class of module "
             f"{cache_policy_module_path!r} ({module_key}); the CachePolicy classes it defines: {defined}"
@@ -426,8 +427,10 @@ def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]
     for key in ignored:
         logger.warning(
             "ignoring %s: only the %s spec (spec_name %s) reads it",
-            _where(key), "single-tier" if tiered else "tiered", reader,
-        )  # fmt: skip
+            _where(key),
+            "single-tier" if tiered else "tiered",
+            reader,
+        )
     return ignored
 
 
@@ -481,8 +484,11 @@ def check_budget(cpu_bytes_to_use: int, *, slot_bytes: int, world_size: int, slo
     if cpu_bytes_to_use > ram:
         logger.warning(
             "%s=%d exceeds this host's %d bytes of RAM: it only fits if the %d ranks are spread over several hosts",
-            where, cpu_bytes_to_use, ram, world_size,
-        )  # fmt: skip
+            where,
+            cpu_bytes_to_use,
+            ram,
+            world_size,
+        )
 
 
 def check_kv_geometry_known(*, canonical_layout: bool, worker_kv_bytes_per_block: int, host_memory: str) -> None:

@@ -96,8 +96,12 @@ class IntegrityReport:
         logger.warning(
             "kvtriton integrity: tier %s: chunk %s failed its check (reason %s: %s); it is a miss and will be "
             "recomputed%s",
-            self.tier_label, chunk, fault.value, _WHAT[fault], since,
-        )  # fmt: skip
+            self.tier_label,
+            chunk,
+            fault.value,
+            _WHAT[fault],
+            since,
+        )
 
     def counts(self) -> dict[IntegrityFault, int]:
         """Faults recorded since the tier started, by reason."""

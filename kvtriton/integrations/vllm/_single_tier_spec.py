@@ -140,12 +140,20 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
         logger.info(
             "kvtriton offloading (rank %d of %d): cpu_bytes_to_use=%d in total, %d bytes for this rank -> "
             "%d slots x %d blocks x %d bytes; eviction_policy=%s store_threshold=%d backend=%s kv_compression=%s%s%s",
-            config.parallel.rank, world_size, settings.cpu_bytes_to_use, settings.per_rank_bytes(world_size),
-            self.num_slots, self.blocks_per_chunk, self.row_bytes,
-            settings.eviction_policy, settings.store_threshold, settings.backend.value, settings.kv_compression.value,
+            config.parallel.rank,
+            world_size,
+            settings.cpu_bytes_to_use,
+            settings.per_rank_bytes(world_size),
+            self.num_slots,
+            self.blocks_per_chunk,
+            self.row_bytes,
+            settings.eviction_policy,
+            settings.store_threshold,
+            settings.backend.value,
+            settings.kv_compression.value,
             _compression_note(config.worker_kv_bytes_per_block, self.row_bytes),
             VERIFY_HOST_LOADS_NOTE if settings.verify_host_loads else "",
-        )  # fmt: skip
+        )
         log_vllm_policy(logger, settings, vllm_manager="CPUOffloadingManager", scope="")
         self._manager: vllm_base.OffloadingManager | None = None
         self._worker: VLLMOffloadingWorker | None = None
@@ -194,17 +202,25 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
                 logger.warning(
                     "the largest KV cache group holds %d bytes per block but vLLM sized the budget for %d: the "
                     "host slab uses %.2fx this rank's share of cpu_bytes_to_use",
-                    row_bytes, expected, row_bytes / expected,
-                )  # fmt: skip
+                    row_bytes,
+                    expected,
+                    row_bytes / expected,
+                )
             logger.info(
                 "kvtriton worker: %d KV cache group(s) moving %s bytes per block over %d page set(s); "
                 "slab rows of %d bytes",
-                len(groups.kv_of_group), list(groups.group_row_bytes), len(groups.kvs), row_bytes,
-            )  # fmt: skip
+                len(groups.kv_of_group),
+                list(groups.group_row_bytes),
+                len(groups.kvs),
+                row_bytes,
+            )
             slab = open_host_slab(
-                self.num_slots, self.blocks_per_chunk, row_bytes,
-                device=groups.device, pageable_allowed=self.settings.pageable_slab,
-            )  # fmt: skip
+                self.num_slots,
+                self.blocks_per_chunk,
+                row_bytes,
+                device=groups.device,
+                pageable_allowed=self.settings.pageable_slab,
+            )
             try:
                 engines = open_transfer_engines(groups, slab, self.settings)
             except BaseException:

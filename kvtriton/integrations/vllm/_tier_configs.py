@@ -130,10 +130,13 @@ def tier_failure(label: str, config: Mapping[str, Any], error: Exception) -> Exc
     if isinstance(error, OSError):
         failed = os.fsdecode(error.filename) if isinstance(error.filename, (str, bytes)) else None
         keys = [
-            key for key, value in config.items()
-            if isinstance(value, str) and value and failed is not None
+            key
+            for key, value in config.items()
+            if isinstance(value, str)
+            and value
+            and failed is not None
             and (failed == value or failed.startswith(value.rstrip("/") + "/"))
-        ]  # fmt: skip
+        ]
         where = f"{label} key {keys[0]!r}={config[keys[0]]!r}" if keys else label
         return ValueError(f"{where}: the tier cannot use it ({error.strerror or error}: {failed or '?'})")
     if isinstance(error, ImportError):

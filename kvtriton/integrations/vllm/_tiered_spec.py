@@ -385,10 +385,16 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         logger.info(
             "kvtriton tiered offloading (rank %d of %d): %s; %d secondary tier(s); eviction_policy=%s backend=%s "
             "kv_compression=%s%s; files %s",
-            config.parallel.rank, config.parallel.world_size, layout.describe(), len(self.secondary_tier_configs),
-            settings.eviction_policy, settings.backend.value, settings.kv_compression.value,
-            f"; secondary tiers namespaced with {self.layout_tag!r}", settings.file_sharing.describe(),
-        )  # fmt: skip
+            config.parallel.rank,
+            config.parallel.world_size,
+            layout.describe(),
+            len(self.secondary_tier_configs),
+            settings.eviction_policy,
+            settings.backend.value,
+            settings.kv_compression.value,
+            f"; secondary tiers namespaced with {self.layout_tag!r}",
+            settings.file_sharing.describe(),
+        )
         log_vllm_policy(logger, settings, vllm_manager="CPUPrimaryTierOffloadingManager", scope="the primary tier")
 
     @classmethod

@@ -357,8 +357,10 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             "cache from rank 0's KV bytes per block; a rank with more KV bytes per block (a pipeline-parallel "
             "stage holding more layers than the first) fits fewer slots. Split the layers evenly over the "
             "pipeline stages (VLLM_PP_LAYER_PARTITION).",
-            job_id, int(slots.block_ids.max()), num_slots,
-        )  # fmt: skip
+            job_id,
+            int(slots.block_ids.max()),
+            num_slots,
+        )
         return False
 
     def _parts(self, name: str, job_id: int, gpu: GPULoadStoreSpec, slots: CPULoadStoreSpec) -> list[_Part] | None:
@@ -369,8 +371,11 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         if len(gpu.group_sizes) != len(self._engine_of_group):
             logger.error(
                 "%s job %d refused: its GPU spec has %d groups but the KV cache has %d",
-                name, job_id, len(gpu.group_sizes), len(self._engine_of_group),
-            )  # fmt: skip
+                name,
+                job_id,
+                len(gpu.group_sizes),
+                len(self._engine_of_group),
+            )
             return None
         factor = self._block_size_factor
         slot_counts = [
@@ -381,15 +386,25 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             logger.error(
                 "%s job %d refused: the CPU spec holds %d slots but the GPU spec spans %d (group_sizes=%s, "
                 "block_indices=%s, block_size_factor=%d)",
-                name, job_id, slots.block_ids.size, sum(slot_counts), list(gpu.group_sizes), list(gpu.block_indices), factor,
-            )  # fmt: skip
+                name,
+                job_id,
+                slots.block_ids.size,
+                sum(slot_counts),
+                list(gpu.group_sizes),
+                list(gpu.block_indices),
+                factor,
+            )
             return None
         # Every id is checked before the first part is submitted, so a job is refused whole, never half run.
         if gpu.block_ids.size and not 0 <= int(gpu.block_ids.min()) <= int(gpu.block_ids.max()) < self._num_gpu_blocks:
             logger.error(
                 "%s job %d refused: GPU block ids span %d..%d, out of range for %d blocks",
-                name, job_id, int(gpu.block_ids.min()), int(gpu.block_ids.max()), self._num_gpu_blocks,
-            )  # fmt: skip
+                name,
+                job_id,
+                int(gpu.block_ids.min()),
+                int(gpu.block_ids.max()),
+                self._num_gpu_blocks,
+            )
             return None
         if slots.block_ids.size and int(slots.block_ids.min()) < 0:
             logger.error(
@@ -510,8 +525,9 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
             "load job %d refused by kvtriton_verify_host_loads: host slab slot(s) %s no longer hold the bytes their "
             "store left (or no store filled them). Something other than kvtriton's stores wrote into the slab, or "
             "its memory is faulty; the engine stops rather than load them",
-            job_id, changed[:16],
-        )  # fmt: skip
+            job_id,
+            changed[:16],
+        )
         return False
 
     def _submit_part(self, name: str, part: _Part, job_id: int, expedited: bool) -> bool:
