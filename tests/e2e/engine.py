@@ -17,8 +17,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,19 @@ def spec_config(spec_name: str, **extra: object) -> dict[str, object]:
 
 
 def generate(
-    prompt: Sequence[int], max_tokens: int, name: str, *, compare_to: str | None = None, logprobs: int = 0
+    prompt: Sequence[int],
+    max_tokens: int,
+    name: str,
+    *,
+    compare_to: str | None = None,
+    logprobs: int = 0,
+    cache_salt: str | None = None,
 ) -> dict[str, object]:
     """A step: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids).
+
+    With ``cache_salt``, the request carries vLLM's ``cache_salt`` (a tenant's
+    salt: its blocks' hashes, so every tier's keys, differ from other salts'
+    while its tokens do not).
 
     With ``compare_to`` (an earlier generate step's name), the step also
     records, for each full prompt block, whether its bytes in the KV cache
@@ -58,7 +69,7 @@ def generate(
     """
     return {
         "op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name, "compare_to": compare_to,
-        "logprobs": logprobs,
+        "logprobs": logprobs, "cache_salt": cache_salt,
     }  # fmt: skip
 
 
@@ -73,6 +84,48 @@ def generate_batch(
     """
     return {"op": "generate_batch", "prompts": [list(prompt) for prompt in prompts], "max_tokens": max_tokens, "name": name,
             "logprobs": logprobs}  # fmt: skip
+
+
+def barrier(name: str) -> dict[str, object]:
+    """A step: the engine writes ``<name>.reached`` in its working directory and waits (bounded by
+    :data:`e2e.engine_process.BARRIER_TIMEOUT_S`) until ``<name>.go`` exists there: a test injects a fault at a
+    known point of the engine's steps (:func:`faults_at`)."""
+    return {"op": "barrier", "name": name}
+
+
+@contextlib.contextmanager
+def faults_at(workdir: Path, faults: Sequence[tuple[str, Callable[[], object]]]) -> Generator[None]:
+    """While the block runs the engine in ``workdir``: as it reaches each :func:`barrier` of ``faults`` (in order), run
+    that fault's action, then let the engine go on.
+
+    Raises what an action raised (the engine's barrier then timed out); once the block ends, nothing more is run.
+    """
+    for name, _ in faults:  # an earlier run's marks in the same folder would release this engine too early
+        (workdir / f"{name}.reached").unlink(missing_ok=True)
+        (workdir / f"{name}.go").unlink(missing_ok=True)
+    ended = threading.Event()
+    errors: list[Exception] = []
+
+    def inject() -> None:
+        try:
+            for name, action in faults:
+                while not (workdir / f"{name}.reached").exists():
+                    if ended.wait(0.05):
+                        return
+                action()
+                (workdir / f"{name}.go").touch()
+        except Exception as error:  # noqa: BLE001 -- raised again in the test's own thread, below
+            errors.append(error)
+
+    injector = threading.Thread(target=inject, name="faults_at", daemon=True)
+    injector.start()
+    try:
+        yield
+    finally:
+        ended.set()
+        injector.join(30.0)
+        if errors:
+            raise errors[0]
 
 
 RESET_PREFIX_CACHE: dict[str, object] = {"op": "reset_prefix_cache"}
@@ -137,6 +190,9 @@ class StepResult:
     """A :func:`generate_batch` step's results, one per prompt (empty for other steps)."""
     seconds: float = 0.0
     """A generate step's request, from submission to its last token (the settling steps after it excluded)."""
+    gauges: dict[str, dict[str, float]] = field(default_factory=dict[str, dict[str, float]])
+    """vLLM's gauges after this step whose names start with ``vllm:kv_offload``: name -> labels -> value (the labels
+    as ``k=v`` pairs joined by commas)."""
 
     def counter(self, name: str) -> float:
         """vLLM's counter ``name`` (e.g. ``vllm:external_prefix_cache_hits``) after this step, 0 when never set."""

@@ -25,6 +25,8 @@ os.environ.update(ENGINE_ENV)
 import torch
 
 SETTLE_TIMEOUT_S = 30.0
+BARRIER_TIMEOUT_S = 60.0
+"""How long a barrier step waits for its test to let it go on."""
 FILLER_PROMPT = [3, 4, 5]
 """A prompt shorter than a block: generating it steps the engine (so finished transfers are reported) and stores nothing."""
 
@@ -38,6 +40,28 @@ def vllm_counters(llm: Any) -> dict[str, float]:
         if isinstance(metric, Counter):
             totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
     return totals
+
+
+def offloading_gauges(llm: Any) -> dict[str, dict[str, float]]:
+    """vLLM's ``vllm:kv_offload*`` gauges: name -> ``k=v,...`` labels -> value (the tiers' up/degraded states)."""
+    from vllm.v1.metrics.reader import Gauge
+
+    gauges: dict[str, dict[str, float]] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Gauge) and metric.name.startswith("vllm:kv_offload"):
+            labels = ",".join(f"{key}={value}" for key, value in sorted(metric.labels.items()))
+            gauges.setdefault(metric.name, {})[labels] = float(metric.value)
+    return gauges
+
+
+def barrier(name: str) -> None:
+    """Say ``name`` was reached (a file in the working directory) and wait, bounded, for the test's go-ahead."""
+    Path(f"{name}.reached").touch()
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while not Path(f"{name}.go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r}: no go-ahead within {BARRIER_TIMEOUT_S}s")
+        time.sleep(0.02)
 
 
 def _offloading_worker() -> Any:
@@ -241,7 +265,10 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
             )
             tables.by_request.clear()
             request_started = time.monotonic()
-            (output,) = llm.generate([{"prompt_token_ids": step["prompt"]}], sampling, use_tqdm=False)
+            prompt: dict[str, Any] = {"prompt_token_ids": step["prompt"]}
+            if step.get("cache_salt") is not None:
+                prompt["cache_salt"] = step["cache_salt"]
+            (output,) = llm.generate([prompt], sampling, use_tqdm=False)
             record["seconds"] = time.monotonic() - request_started
             record["token_ids"] = list(output.outputs[0].token_ids)
             record["num_cached_tokens"] = output.num_cached_tokens
@@ -292,6 +319,8 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 _step_engine(llm, filler)
         elif op == "wait_tiers_up":
             wait_tiers_up(llm)
+        elif op == "barrier":
+            barrier(step["name"])
         elif op == "damage_mooncake_values":
             _damage_mooncake_values(_offloading_manager(llm))
         elif op == "zero_kv_cache":
@@ -307,6 +336,7 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
         else:
             raise ValueError(f"unknown step op {op!r} in {step}")
         record["counters"] = vllm_counters(llm)
+        record["gauges"] = offloading_gauges(llm)
         result["steps"].append(record)
     return result
 

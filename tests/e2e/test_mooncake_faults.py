@@ -4,9 +4,10 @@ within twice the tier's timeout of the fault-free request, and the engine shuts 
 One engine stores prompt A's chunks in the pool; then the holder is broken and
 another engine serves A: its lookups hit (the master answers), its promotion
 meets the broken holder, fails at the tier's deadline instead of waiting for the
-holder, and the engine recomputes A. The master's own faults are covered at the
-tier level (tests/integrations/test_tier_mooncake_failures.py). This module
-breaks its own cluster, so it has one of its own.
+holder, and the engine recomputes A; an engine that exits with that call still
+stuck exits cleanly. The master's faults under a real engine are in
+test_mooncake_master_faults.py. This module breaks its own cluster, so it has
+one of its own; the holder's kill comes last.
 """
 
 from __future__ import annotations
@@ -96,6 +97,41 @@ def test_a_stalled_holder_costs_a_request_at_most_twice_the_timeout(
     assert reader.delta("A", HITS) == 0  # the promotion failed: A was recomputed
     assert "did not answer within 1.0 s" in reader.log  # the tier degraded at the deadline
     assert request.seconds < 2 * TIMEOUT_S + reference.step("A").seconds, (request.seconds, reference.step("A"))
+
+
+def test_an_engine_exiting_with_a_call_stuck_on_a_stalled_holder_exits_cleanly(
+    writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
+) -> None:
+    """The engine finishes and shuts down while its promotion is still stuck in the stopped holder.
+
+    Before, the tier's shutdown closed Mooncake's client under the stuck call,
+    and the process crashed (SIGSEGV) as it exited, once the call returned
+    (about a minute later, when the holder's connection gave up). Now the
+    client is left open and the process exits cleanly once the call returns:
+    here the test lets the holder go on as soon as the shutdown has said so.
+    """
+    del writer
+    workdir = e2e_dir / "mooncake-faults-stuck-at-exit"
+    ended = threading.Event()
+
+    def resume_once_left_open() -> None:
+        log = workdir / "engine.log"
+        while not ended.wait(0.1):
+            if log.exists() and "its client is left open" in log.read_text(errors="replace"):
+                break
+        cluster.resume_holder()
+
+    cluster.hang_holder()
+    resumer = threading.Thread(target=resume_once_left_open, daemon=True)
+    resumer.start()
+    try:
+        reader = engine(llama, cluster, workdir)  # raises unless the process exited with 0, leaving nothing behind
+    finally:
+        ended.set()
+        resumer.join(30.0)
+        cluster.resume_holder()
+    assert reader.step("A").token_ids == reference.step("A").token_ids
+    assert "1 call(s) still inside the store 1.0 s into shutdown: its client is left open" in reader.log
 
 
 def test_a_killed_holder_costs_a_request_at_most_twice_the_timeout(

@@ -191,6 +191,10 @@ class RemoteTierMetrics:
         )
 
 
+_LEFT_OPEN: list[RemoteClient] = []
+"""Clients a shutdown left open because a call was still inside them (:meth:`RemoteTier.shutdown`): held until the
+interpreter ends, after it has joined the I/O threads those calls run on."""
+
 _claimed_positions: weakref.WeakKeyDictionary[object, set[int]] = weakref.WeakKeyDictionary()
 """The ``secondary_tiers`` positions already taken by a remote tier of each spec (two equal configs get two)."""
 
@@ -1019,7 +1023,15 @@ class RemoteTier(SecondaryTierManager):
 
     @override
     def shutdown(self) -> None:
-        """Stop the threads and close the client, within about twice the timeout even with a hung store."""
+        """Stop the threads and close the client, within about twice the timeout even with a hung store.
+
+        A client with a call still inside the store after ``timeout_s`` is left
+        open, never closed under the call (:data:`_LEFT_OPEN`): Mooncake's client
+        frees its transfer engine on close, and the call, returning later (a
+        stalled holder's connection gives up after about a minute), then
+        crashed the process as it exited. The process instead waits for the
+        call as it exits (Python joins the I/O threads), and the client is
+        closed by its destructor after that."""
         self._stopping.set()
         self._wake_supervisor.set()
         with self._lock:
@@ -1033,15 +1045,22 @@ class RemoteTier(SecondaryTierManager):
         self._supervisor.join(self.settings.timeout_s)
         with self._lock:
             store, self._store = self._store, None
+            stuck = len(self._in_flight)
+        if store is not None and not calls_done:
+            _LEFT_OPEN.append(store)
+            logger.warning("%s tier %r: %d call(s) still inside the store %.1f s into shutdown: its client is left "
+                           "open, not closed under them; the process waits for them as it exits",
+                           self.backend, self.tier_type, stuck, self.settings.timeout_s)  # fmt: skip
+            return  # the primary's memory stays exported too: a late transfer may still write it
         if store is not None:
             prefix = f"kvtriton_{self.backend.lower()}"
             closer = threading.Thread(target=store.close, name=f"{prefix}_close", daemon=True)
             closer.start()
             closer.join(self.settings.timeout_s)
-            if closer.is_alive() or not calls_done:
-                # The store still has the primary's memory registered, or a call inside it: keep our export of
-                # it, so the primary's region stays mapped instead of being reused under a late transfer.
-                logger.warning("%s tier %r: the store did not close, or a call did not return, within %.1f s",
+            if closer.is_alive():
+                # The store still has the primary's memory registered: keep our export of it, so the primary's
+                # region stays mapped instead of being reused under a late transfer.
+                logger.warning("%s tier %r: the store did not close within %.1f s",
                                self.backend, self.tier_type, self.settings.timeout_s)  # fmt: skip
                 return
         # Drop our export of the primary's memory so the primary can unmap its region.
