@@ -39,6 +39,9 @@ CHUNK = 16 * 1024
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 STALL_S = 120.0
 """Longer than any test: a stalled call returns when the test resumes it."""
+DEADLINE_S = 2.0
+"""The tiers' timeout_s: long enough that an I/O thread has surely entered its call by then on a loaded machine
+(a job still queued at its deadline fails without running, which is another path)."""
 
 
 @pytest.fixture
@@ -89,7 +92,7 @@ def test_a_load_stalled_past_its_deadline_fails_at_once_and_its_slot_stays_aside
         pytest.skip("vLLM 0.33 has no JobResult.deferred_release: loads go through the tier's landing memory")
     name = fresh_store()
     memory = Primary(4, CHUNK)
-    tier = make_memory_tier(name, memory, timeout_s=0.5, retry_backoff_s=0.2, io_threads=1)
+    tier = make_memory_tier(name, memory, timeout_s=DEADLINE_S, retry_backoff_s=0.2, io_threads=1)
     tiers.append(tier)
     tier._loads_into_primary = into_primary  # pyright: ignore[reportPrivateUsage] -- both quarantine paths, on any vLLM
     keys = chunk_keys(1, salt=2)
@@ -141,7 +144,7 @@ def test_jobs_queued_behind_a_stalled_call_fail_at_their_deadline_without_reachi
 ) -> None:
     name = fresh_store()
     memory = Primary(6, CHUNK)
-    tier = make_memory_tier(name, memory, timeout_s=0.5, io_threads=1)
+    tier = make_memory_tier(name, memory, timeout_s=DEADLINE_S, io_threads=1)
     tiers.append(tier)
     keys = chunk_keys(3, salt=3)
     memory.fill([0, 1, 2], seed=3)
@@ -168,12 +171,13 @@ def test_a_stalled_store_job_is_counted_at_its_deadline_and_reported_failed_when
 ) -> None:
     name = fresh_store()
     memory = Primary(2, CHUNK)
-    tier = make_memory_tier(name, memory, timeout_s=0.5)
+    tier = make_memory_tier(name, memory, timeout_s=DEADLINE_S)
     tiers.append(tier)
     store = in_memory_store(name)
     store.stall("put", STALL_S)
     memory.fill([0], seed=4)
     job = submit(tier, chunk_keys(1, salt=4), [0], load=False)
+    poll(lambda: store.in_flight("put") == 1 or None, 30.0, "the put inside the store")
     # vLLM's scheduler polls every step; the deadline is checked there.
     poll(lambda: finished(tier, job.job_id) or (True if tier.state is TierState.DEGRADED else None), 30.0, "deadline")
     # Not reported: vLLM would release the slot's read pin, and a chunk written there meanwhile would be read
@@ -191,7 +195,7 @@ def test_drain_waits_for_an_abandoned_call_and_shutdown_is_bounded(
 ) -> None:
     name = fresh_store()
     memory = Primary(2, CHUNK)
-    tier = make_memory_tier(name, memory, timeout_s=0.5)
+    tier = make_memory_tier(name, memory, timeout_s=DEADLINE_S)
     keys = chunk_keys(1, salt=5)
     memory.fill([0], seed=5)
     assert run_job(tier, keys, [0], load=False).success
@@ -215,7 +219,7 @@ def test_drain_waits_for_an_abandoned_call_and_shutdown_is_bounded(
         tier.shutdown()  # bounded by the timeout: returns with the call still inside the store
     assert store.in_flight("get") == 1
     # Never closed under the call (Mooncake's client crashed the process when such a call returned).
-    assert "1 call(s) still inside the store 0.5 s into shutdown: its client is left open" in caplog.text
+    assert f"1 call(s) still inside the store {DEADLINE_S:.1f} s into shutdown: its client is left open" in caplog.text
     store.resume()
 
 
