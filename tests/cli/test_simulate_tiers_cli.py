@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvtriton.cli._main import main
+from kvtriton.sim._tier_models import TIER_MODELS, TierModel
 
 QUICK = ["--no-progress", "--no-plot"]
 SMALL = ["--workload", "system-prompts", "--requests", "80", "--block-size", "32", "--gpu-blocks", "120", *QUICK]
@@ -68,6 +69,37 @@ def test_the_cheapest_point_of_a_shared_pool_comes_with_its_tiered_config(
     assert config["eviction_policy"] == point["policy"]
     (tier,) = config["secondary_tiers"]
     assert (tier["type"], tier["module_path"]) == ("MooncakeStoreTier", "kvtriton.integrations.mooncake")
+
+
+def test_a_tier_registered_in_the_simulator_is_a_tier_choice_from_its_help_to_its_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A backend the command did not know, whose pool evicts as Mooncake's does (tests/sim/test_tier_models.py
+    # gives one a store model of its own).
+    ram = TierModel(
+        name="ram",
+        help="a shared DRAM pool of SIZE",
+        heading="a shared DRAM pool",
+        store=TIER_MODELS["mooncake"].store,
+        vllm_config={"type": "RamTier", "module_path": "example.ram"},
+        bought_as="a DRAM pool of {size}",
+        deployment="pool:      {size} of DRAM",
+        sized=True,
+    )
+    monkeypatch.setitem(TIER_MODELS, "ram", ram)
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal's width
+    assert "--tier fs|mooncake[:SIZE]|ram[:SIZE]" in help_text
+    assert "'ram:SIZE' (a shared DRAM pool of SIZE), or 'ram' to sweep its size" in help_text
+
+    flags = ["--tier", "ram:8GiB", "--capacities", "1,4", "--target-hit-rate", "0.2"]
+    record = simulate_json(tmp_path, capsys, *flags)
+    assert record["tier"] == "ram 8.00 GiB"
+    assert record["recommendation"]["kv_connector_extra_config"]["secondary_tiers"] == [dict(ram.vllm_config)]
+    assert main(["simulate", *SMALL, *flags, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "then a shared DRAM pool" in printed and "pool:      8.00 GiB of DRAM" in printed
 
 
 def test_the_tiered_answer_serves_with_the_scheduler_limits_it_was_simulated_with(
