@@ -8,7 +8,7 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import PENDING, ARCCachePolicy, ARCState, Block
-from tests.manager.conftest import k, ks
+from tests.manager.conftest import k, ks, request
 
 CTX = ReqContext(req_id="test")
 NONE: frozenset[OffloadKey] = frozenset()
@@ -188,27 +188,20 @@ def test_arc_manager_scenario_reuse_survives_a_scan() -> None:
     assert evicted == [[key] for key in ks(10, 11, 12, 13)]
 
 
-def positioned(req_id: str, *ids: int) -> ReqContext:
-    context = ReqContext(req_id=req_id)
-    for index, i in enumerate(ids):
-        context.set_offload_key_position(k(i), 16 * (index + 1))
-    return context
-
-
 def test_arc_a_block_reused_by_a_finished_request_outlives_a_scan_as_vllms_t2() -> None:
     # vLLM's T1 -> T2 scenario through its connector's calls (no touch), checked by evictions.
     manager = CPUOffloadingManager(4, cache_policy="arc", enable_events=True)
-    writer = positioned("writer", 0, 1)
+    writer = request("writer", 0, 1)
     out = manager.prepare_store(ks(0, 1), writer)
     assert out is not None
     manager.complete_store(out.keys_to_store, writer)
     manager.on_request_finished(writer)
-    reader = positioned("reader", 0)
+    reader = request("reader", 0)
     manager.prepare_load([k(0)], reader)
     manager.complete_load([k(0)], reader)
     manager.on_request_finished(reader)  # k0's reuse counts here: T1 -> T2
     for i in range(10, 15):
-        scan = positioned(f"scan{i}", i)
+        scan = request(f"scan{i}", i)
         out = manager.prepare_store([k(i)], scan)
         assert out is not None
         manager.complete_store(out.keys_to_store, scan)
@@ -220,7 +213,7 @@ def test_arc_a_block_reused_by_a_finished_request_outlives_a_scan_as_vllms_t2() 
 
 def test_arc_a_stored_block_is_not_a_reuse_and_a_retried_store_learns_from_its_ghost_once() -> None:
     manager = CPUOffloadingManager(2, cache_policy="arc", enable_events=True)
-    first = positioned("first", 0, 1, 2)
+    first = request("first", 0, 1, 2)
     for keys in ([k(0), k(1)], [k(2)]):
         out = manager.prepare_store(keys, first)
         assert out is not None
@@ -229,7 +222,7 @@ def test_arc_a_stored_block_is_not_a_reuse_and_a_retried_store_learns_from_its_g
     policy = manager.policy
     assert isinstance(policy, ARCCachePolicy)
     assert policy.state().t2 == () and policy.state().b1 == tuple(ks(0))
-    again = positioned("again", 0)
+    again = request("again", 0)
     out = manager.prepare_store([k(0)], again)  # a B1 ghost stored again: T1's target grows once
     # The end of "first" ranked its keys head to tail in T1 (k1, its head, most recent): k2 goes.
     assert out is not None and out.evicted_keys == [k(2)]
