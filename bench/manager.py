@@ -55,21 +55,23 @@ from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.cli._progress import progress
 from kvtriton.manager import CPUOffloadingManager, policy_names
-from kvtriton.sim._geometry import PRESETS
-from kvtriton.sim._replay import (
+from kvtriton.sim import (
+    PRESETS,
+    VLLM_ORDER_WORKLOADS,
     HookedManager,
     ManagerCalls,
+    PrefixSharingParams,
     PreparedRequest,
     ReplayStats,
     StoreOutput,
+    generate,
     hooked_calls,
     manager_calls,
     positioned_contexts,
     prepare,
     replay_calls,
+    replay_vllm_order,
 )
-from kvtriton.sim._vllm_order import replay_vllm_order
-from kvtriton.sim._workloads import VLLM_ORDER_WORKLOADS, PrefixSharingParams, generate
 
 __all__ = [
     "HeadlineRow",

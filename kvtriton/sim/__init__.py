@@ -1,40 +1,32 @@
 """The simulator: what kvtriton's manager would do for a workload, without a GPU.
 
 Workloads and traces, the replay of manager calls in kvtriton's order and in
-vLLM's, a model of a vLLM server (its scheduler and GPU prefix cache) and the
-capacity planner over them, which ``kvtriton simulate`` and the benchmarks
-drive. Built on the core only; imports neither torch nor triton (a geometry
-imports torch only to size a compressed row).
+vLLM's, a model of a vLLM server (its scheduler and GPU prefix cache), the
+tier models behind host memory and the capacity planners over them, which
+``kvtriton simulate`` and the benchmarks drive. Built on the core only;
+imports neither torch nor triton (a geometry imports torch only to size a
+compressed row).
 
-This list is what the command, the benchmarks and the docs' examples use;
-the modules behind it are private.
+This list is what leaves the room: what the command (``kvtriton.cli``), the
+benchmarks (``bench/``) and the docs' examples use, grouped by what it is
+for (the comments in ``__all__``). The modules behind it are private; the
+tests reach them directly.
 """
 
 from __future__ import annotations
 
-from kvtriton.sim._geometry import (
-    GIB,
-    PRESETS,
-    SIZE_RULE,
-    KVDtype,
-    ModelGeometry,
-    format_bytes,
-    parse_capacity,
-    parse_dtype,
-    size_argument,
-)
+# A model's bytes per block, and the sizes the command's flags take and print.
+from kvtriton.sim._geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_dtype, size_argument
 from kvtriton.sim._gpu_prefix_cache import GpuPrefixCache
 from kvtriton.sim._planner import (
     CALL_ORDER_ALIASES,
     CALL_ORDERS,
     COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_SWEEP_POINTS,
-    SPEC_EXTRA_CONFIG,
     CallOrder,
     KvtritonOrder,
     PointReport,
     Recommendation,
-    SweepPoint,
     TraceSummary,
     Track,
     VllmOrder,
@@ -46,7 +38,6 @@ from kvtriton.sim._planner import (
 from kvtriton.sim._replay import (
     HookedManager,
     ManagerCalls,
-    PositionedContext,
     PreparedRequest,
     ReplayStats,
     StoreOutput,
@@ -54,153 +45,103 @@ from kvtriton.sim._replay import (
     manager_calls,
     positioned_contexts,
     prepare,
-    replay,
     replay_calls,
-    vllm_order_calls,
 )
-from kvtriton.sim._secondary_tier import (
-    MOONCAKE_EVICTION_RATIO,
-    MOONCAKE_HIGH_WATERMARK,
-    RETRY,
-    FsTier,
-    MooncakePool,
-    SecondaryTier,
-    TierCounts,
-    TieredManager,
-    TierSpec,
-    parse_tier,
-    tiered_calls,
-)
+from kvtriton.sim._tier_models import TIER_MODELS, TierSpec, parse_tier, tier_choices, tier_help, tier_metavar
 from kvtriton.sim._tiered_planner import (
     DEFAULT_HOST_PRICE_RATIO,
-    TIERING_SPEC_EXTRA_CONFIG,
     TieredRecommendation,
     TieredReport,
-    TieredTrack,
     recommend_tiered,
     sweep_requests,
-    tier_extra_config,
-    tiered_point,
     tiered_sweep,
 )
-from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
-from kvtriton.sim._vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, replay_vllm_order, vllm_order
+from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, token_workload, write_trace
+from kvtriton.sim._vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, replay_vllm_order
 from kvtriton.sim._vllm_server import (
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_OUTPUT_TOKENS,
     DEFAULT_STORE_STEPS,
-    MAX_DEFERRALS,
-    RequestOutcome,
     ServerModel,
     ServerStats,
-    ServerStream,
-    StalledRequest,
     predict,
     replay_vllm_server,
-    replay_vllm_servers,
 )
-from kvtriton.sim._workloads import (
-    VLLM_ORDER_WORKLOADS,
-    WORKLOADS,
-    PrefixSharingParams,
-    Request,
-    Workload,
-    generate,
-    parse_trace,
-    read_trace,
-)
+from kvtriton.sim._workloads import VLLM_ORDER_WORKLOADS, WORKLOADS, PrefixSharingParams, Request, generate, read_trace
 
 __all__ = [
+    # A model's bytes per block, and the sizes the command's flags take and print.
+    "GIB",
+    "PRESETS",
+    "ModelGeometry",
+    "format_bytes",
+    "parse_dtype",
+    "size_argument",
+    # Workloads: the built-in generators and trace files (the command, bench/manager.py), and the token-level
+    # traces with which docs/simulate.md's fidelity example drives a real vLLM engine.
+    "VLLM_ORDER_WORKLOADS",
+    "WORKLOADS",
+    "PrefixSharingParams",
+    "Request",
+    "TokenRequest",
+    "TokenWorkloadParams",
+    "generate",
+    "read_trace",
+    "token_workload",
+    "write_trace",
+    # Replay over any manager, in kvtriton's call order and in vLLM's scheduler order: the loops the command
+    # drives and bench/manager.py times.
+    "HookedManager",
+    "ManagerCalls",
+    "PreparedRequest",
+    "ReplayStats",
+    "StoreOutput",
+    "hooked_calls",
+    "manager_calls",
+    "positioned_contexts",
+    "prepare",
+    "replay_calls",
+    "replay_vllm_order",
+    # The model of a vLLM server (its scheduler, GPU prefix cache, asynchronous loads and stores), its defaults
+    # (the command's flags) and its prediction (the docs' fidelity example).
+    "DEFAULT_ARRIVALS",
+    "DEFAULT_DECODE_STEPS",
+    "DEFAULT_LOAD_STEPS",
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_STORE_STEPS",
+    "GpuPrefixCache",
+    "ServerModel",
+    "ServerStats",
+    "predict",
+    "replay_vllm_server",
+    # The host-memory planner: sizes and policies swept in either call order, and the answer's vLLM config.
     "CALL_ORDERS",
     "CALL_ORDER_ALIASES",
     "COMPRESSION_EXTRA_CONFIG_KEY",
-    "DEFAULT_ARRIVALS",
-    "DEFAULT_DECODE_STEPS",
-    "DEFAULT_HOST_PRICE_RATIO",
-    "DEFAULT_LOAD_STEPS",
-    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
-    "DEFAULT_OUTPUT_TOKENS",
-    "DEFAULT_STORE_STEPS",
     "DEFAULT_SWEEP_POINTS",
-    "GIB",
-    "MAX_DEFERRALS",
-    "MOONCAKE_EVICTION_RATIO",
-    "MOONCAKE_HIGH_WATERMARK",
-    "PRESETS",
-    "RETRY",
-    "SIZE_RULE",
-    "SPEC_EXTRA_CONFIG",
-    "TIERING_SPEC_EXTRA_CONFIG",
-    "VLLM_ORDER_WORKLOADS",
-    "WORKLOADS",
     "CallOrder",
-    "FsTier",
-    "GpuPrefixCache",
-    "HookedManager",
-    "KVDtype",
     "KvtritonOrder",
-    "ManagerCalls",
-    "ModelGeometry",
-    "MooncakePool",
     "PointReport",
-    "PositionedContext",
-    "PrefixSharingParams",
-    "PreparedRequest",
     "Recommendation",
-    "ReplayStats",
-    "Request",
-    "RequestOutcome",
-    "SecondaryTier",
-    "ServerModel",
-    "ServerStats",
-    "ServerStream",
-    "StalledRequest",
-    "StoreOutput",
-    "SweepPoint",
-    "TierCounts",
-    "TierSpec",
-    "TieredManager",
-    "TieredRecommendation",
-    "TieredReport",
-    "TieredTrack",
-    "TokenRequest",
-    "TokenWorkloadParams",
     "TraceSummary",
     "Track",
     "VllmOrder",
-    "Workload",
-    "block_hashes",
     "default_capacities",
-    "format_bytes",
-    "generate",
-    "hooked_calls",
-    "manager_calls",
-    "parse_capacity",
-    "parse_dtype",
-    "parse_tier",
-    "parse_trace",
-    "positioned_contexts",
-    "predict",
-    "prepare",
-    "read_trace",
     "recommend",
-    "recommend_tiered",
-    "replay",
-    "replay_calls",
-    "replay_vllm_order",
-    "replay_vllm_server",
-    "replay_vllm_servers",
-    "size_argument",
     "summarize",
     "sweep",
+    # The tier models behind host memory (the registry: one entry a backend, --tier's choices and help) and the
+    # planner across both tiers.
+    "TIER_MODELS",
+    "TierSpec",
+    "parse_tier",
+    "tier_choices",
+    "tier_help",
+    "tier_metavar",
+    "DEFAULT_HOST_PRICE_RATIO",
+    "TieredRecommendation",
+    "TieredReport",
+    "recommend_tiered",
     "sweep_requests",
-    "tier_extra_config",
-    "tiered_calls",
-    "tiered_point",
     "tiered_sweep",
-    "token_workload",
-    "vllm_order",
-    "vllm_order_calls",
-    "write_trace",
 ]

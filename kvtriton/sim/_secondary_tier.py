@@ -35,7 +35,8 @@ it models, call by call:
   ``_read_bytes`` counts promoted chunks, ``_write_bytes`` cascaded ones,
   each at the host row's bytes (compressed rows with compression).
 
-Two tiers, each as its code behaves:
+Two tiers, each as its code behaves (``--tier`` finds them by name in
+:mod:`kvtriton.sim._tier_models`, the registry a new backend's model joins):
 
 * :class:`FsTier`, vLLM's ``fs``: a file per chunk, no capacity, never
   evicts; every cascade rewrites its file. It keeps what it holds across
@@ -58,17 +59,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtriton._integrity import SEAL_BYTES
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LookupResult, PrepareStoreOutput, ReqContext
 from kvtriton.manager import CPUOffloadingManager
-from kvtriton.sim._geometry import ModelGeometry, format_bytes, parse_capacity
 from kvtriton.sim._replay import ManagerCalls, hooked_calls
 
 MOONCAKE_HIGH_WATERMARK = 0.9
@@ -205,50 +203,6 @@ class MooncakePool:
     @property
     def refused_puts(self) -> int:
         return self._refused
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """A ``--tier`` value: ``fs``, or ``mooncake`` with the pool's size in bytes."""
-
-    kind: str
-    capacity_bytes: int | None = None
-    """The Mooncake pool's size (None for fs: no capacity)."""
-
-    def object_bytes(self, geometry: ModelGeometry) -> int:
-        """What one chunk takes in the tier: the region's sealed chunk, plus the seal Mooncake's value carries."""
-        return geometry.tiered_chunk_bytes + (SEAL_BYTES if self.kind == "mooncake" else 0)
-
-    def build(self, geometry: ModelGeometry) -> SecondaryTier:
-        """An empty tier of this kind for ``geometry``'s chunks."""
-        if self.capacity_bytes is None:
-            return FsTier()
-        objects = self.capacity_bytes // self.object_bytes(geometry)
-        if objects < 1:
-            raise ValueError(
-                f"a Mooncake pool of {format_bytes(self.capacity_bytes)} holds no chunk of"
-                f" {format_bytes(self.object_bytes(geometry))}"
-            )
-        return MooncakePool(objects)
-
-    def describe(self) -> str:
-        return "fs" if self.capacity_bytes is None else f"mooncake {format_bytes(self.capacity_bytes)}"
-
-
-_TIER = re.compile(r"^\s*(fs|mooncake)\s*(?::\s*(.+?))?\s*$", re.IGNORECASE)
-
-
-def parse_tier(text: str) -> TierSpec:
-    """``fs``, ``mooncake`` (its size swept) or ``mooncake:SIZE`` (``mooncake:64GiB``)."""
-    match = _TIER.match(text)
-    if match is None:
-        raise ValueError(f"tier must be fs, mooncake or mooncake:SIZE (e.g. mooncake:64GiB), got {text!r}")
-    kind, size = match.group(1).lower(), match.group(2)
-    if kind == "fs":
-        if size is not None:
-            raise ValueError(f"the fs tier has no capacity (it never evicts): give --tier fs, got {text!r}")
-        return TierSpec("fs")
-    return TierSpec("mooncake", parse_capacity(size) if size is not None else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import GIB, ModelGeometry
 from kvtriton.sim._planner import VllmOrder, host_extra_config
 from kvtriton.sim._replay import PreparedRequest, positioned_contexts
-from kvtriton.sim._secondary_tier import TierCounts, TieredManager, TierSpec, tiered_calls
+from kvtriton.sim._secondary_tier import TierCounts, TieredManager, tiered_calls
+from kvtriton.sim._tier_models import TierSpec, tier_extra_config
 from kvtriton.sim._vllm_server import ServerStream, StalledRequest, replay_vllm_servers
 
 TieredTrack = Callable[[Sequence[tuple[str, int, TierSpec]]], Iterable[tuple[str, int, TierSpec]]]
@@ -59,7 +60,7 @@ class TieredReport:
     bytes_per_chunk: int
     """One chunk's host row (compressed with compression): what each tier copy moves."""
     tier_object_bytes: int
-    """What one chunk takes in the tier (Mooncake adds its 64-byte seal)."""
+    """What one chunk takes in the tier (its model's ``object_overhead_bytes`` more: Mooncake's 64-byte seal)."""
     host_evictions: int
     """Host chunks evicted for the GPU's stores and for promotions."""
     host_load_bytes: int
@@ -86,7 +87,7 @@ class TieredReport:
 
     @property
     def tier_chunk_hit_rate(self) -> float:
-        """``chunk_hits / chunk_queries`` of tier ``1:fs`` or ``1:mooncake``."""
+        """``chunk_hits / chunk_queries`` of tier ``1:<kind>`` (``1:fs``, ``1:mooncake``)."""
         queries = self._count("tier_chunk_queries")
         return self._count("tier_chunk_hits") / queries if queries else 0.0
 
@@ -117,12 +118,12 @@ class TieredReport:
 
     @property
     def tier_fill_bytes(self) -> int:
-        """What the tier holds at the end: for ``fs``, the disk it filled over the trace."""
+        """What the tier holds at the end: for one without capacity (``fs``), what it filled over the trace."""
         return self._count("tier_chunks") * self.tier_object_bytes
 
     @property
     def tier_size_bytes(self) -> int:
-        """The tier's size as bought: the pool's capacity, or for ``fs`` what it filled."""
+        """The tier's size as bought: its capacity (a Mooncake pool's), or for one without (``fs``) what it filled."""
         return self.tier.capacity_bytes if self.tier.capacity_bytes is not None else self.tier_fill_bytes
 
     def cost(self, host_price_ratio: float) -> float:
@@ -251,17 +252,6 @@ def sweep_requests(
 ) -> int:
     """How many requests a :func:`tiered_sweep` replays in all: every server's stream at every point."""
     return len(policies) * len(host_capacities) * len(tiers) * sum(len(stream) for stream in streams)
-
-
-def tier_extra_config(tier: TierSpec) -> dict[str, object]:
-    """The ``secondary_tiers`` entry of ``tier``; the placeholders in angle brackets are the deployment's."""
-    if tier.kind == "fs":
-        return {"type": "fs", "root_dir": "<a directory on local NVMe>"}
-    return {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": "<mooncake_master host:port>",
-    }
 
 
 @dataclass(frozen=True, slots=True)

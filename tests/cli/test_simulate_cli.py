@@ -12,15 +12,9 @@ import pytest
 from kvtriton.cli._main import main
 from kvtriton.sim._token_trace import TokenWorkloadParams, token_workload, write_trace
 from kvtriton.sim._workloads import parse_trace
+from tests.cli.conftest import QUICK, SMALL, simulate_json
 
 REPO = Path(__file__).resolve().parents[2]
-QUICK = ["--no-progress", "--no-plot"]
-SMALL = ["--workload", "system-prompts", "--requests", "80", "--block-size", "32", *QUICK]
-
-
-def simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
-    assert main(["simulate", *flags, "--json", "--out", str(tmp_path)]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 # --------------------------------------------------------------------------

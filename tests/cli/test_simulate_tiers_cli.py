@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvtriton.cli._main import main
+from kvtriton.sim._tier_models import TIER_MODELS, TierModel
+from tests.cli.conftest import SMALL, simulate_json
 
-QUICK = ["--no-progress", "--no-plot"]
-SMALL = ["--workload", "system-prompts", "--requests", "80", "--block-size", "32", "--gpu-blocks", "120", *QUICK]
+TIERED = [*SMALL, "--gpu-blocks", "120"]
+"""The shared small run, in vLLM's call order with a GPU prefix cache of 120 blocks."""
 CHUNK = (4 << 20) + 4096
 """llama-3-8b's 32-token block (4 MiB) as the tiered spec's region holds it: its seal's room, padded to 4 KiB."""
-
-
-def simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
-    assert main(["simulate", *SMALL, *flags, "--json", "--out", str(tmp_path)]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def test_the_fs_tier_reports_each_tiers_counts_and_bytes_as_vllms_counters_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    record = simulate_json(tmp_path, capsys, "--tier", "fs", "--capacities", "1,4")
+    record = simulate_json(tmp_path, capsys, *TIERED, "--tier", "fs", "--capacities", "1,4")
     assert (record["tier"], record["servers"]) == ("fs", 1)
     assert record["python"] and record["platform"]  # where it ran, as the host-only record says
     points = record["points"]
@@ -52,7 +47,17 @@ def test_the_cheapest_point_of_a_shared_pool_comes_with_its_tiered_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     record = simulate_json(
-        tmp_path, capsys, "--tier", "mooncake:8GiB", "--capacities", "1,4", "--servers", "2", "--target-hit-rate", "0.2"
+        tmp_path,
+        capsys,
+        *TIERED,
+        "--tier",
+        "mooncake:8GiB",
+        "--capacities",
+        "1,4",
+        "--servers",
+        "2",
+        "--target-hit-rate",
+        "0.2",
     )
     answer = record["recommendation"]
     assert answer["reached"] is True
@@ -70,12 +75,43 @@ def test_the_cheapest_point_of_a_shared_pool_comes_with_its_tiered_config(
     assert (tier["type"], tier["module_path"]) == ("MooncakeStoreTier", "kvtriton.integrations.mooncake")
 
 
+def test_a_tier_registered_in_the_simulator_is_a_tier_choice_from_its_help_to_its_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A backend the command did not know, whose pool evicts as Mooncake's does (tests/sim/test_tier_models.py
+    # gives one a store model of its own).
+    ram = TierModel(
+        name="ram",
+        help="a shared DRAM pool of SIZE",
+        heading="a shared DRAM pool",
+        store=TIER_MODELS["mooncake"].store,
+        vllm_config={"type": "RamTier", "module_path": "example.ram"},
+        bought_as="a DRAM pool of {size}",
+        deployment="pool:      {size} of DRAM",
+        sized=True,
+    )
+    monkeypatch.setitem(TIER_MODELS, "ram", ram)
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal's width
+    assert "--tier fs|mooncake[:SIZE]|ram[:SIZE]" in help_text
+    assert "'ram:SIZE' (a shared DRAM pool of SIZE), or 'ram' to sweep its size" in help_text
+
+    flags = ["--tier", "ram:8GiB", "--capacities", "1,4", "--target-hit-rate", "0.2"]
+    record = simulate_json(tmp_path, capsys, *TIERED, *flags)
+    assert record["tier"] == "ram 8.00 GiB"
+    assert record["recommendation"]["kv_connector_extra_config"]["secondary_tiers"] == [dict(ram.vllm_config)]
+    assert main(["simulate", *TIERED, *flags, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "then a shared DRAM pool" in printed and "pool:      8.00 GiB of DRAM" in printed
+
+
 def test_the_tiered_answer_serves_with_the_scheduler_limits_it_was_simulated_with(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     flags = ["--tier", "fs", "--capacities", "1,4", "--target-hit-rate", "0.01"]
     limits = ["--max-num-seqs", "4", "--max-num-batched-tokens", "1024"]
-    assert main(["simulate", *SMALL, *flags, *limits, "--out", str(tmp_path)]) == 0
+    assert main(["simulate", *TIERED, *flags, *limits, "--out", str(tmp_path)]) == 0
     assert (
         "vllm serve <model> --block-size 32 --max-num-seqs 4 --max-num-batched-tokens 1024" in capsys.readouterr().out
     )
@@ -95,7 +131,7 @@ def test_a_tiered_mistake_is_refused_naming_the_flag_and_the_value(
 ) -> None:
     # argparse exits on a value it cannot parse; the command returns 2 on flags that do not go together.
     try:
-        status = main(["simulate", *SMALL, *flags, "--out", str(tmp_path)])
+        status = main(["simulate", *TIERED, *flags, "--out", str(tmp_path)])
     except SystemExit as exit_info:
         status = exit_info.code
     assert status == 2
@@ -118,7 +154,7 @@ def test_a_mooncake_run_of_one_long_point_prints_progress_lines_counted_in_reque
 
 
 def test_no_progress_silences_the_tiered_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    simulate_json(tmp_path, capsys, "--tier", "mooncake:8GiB", "--capacities", "1", "--policies", "lru")
+    simulate_json(tmp_path, capsys, *TIERED, "--tier", "mooncake:8GiB", "--capacities", "1", "--policies", "lru")
     assert "simulate (requests)" not in capsys.readouterr().err
 
 
@@ -128,7 +164,7 @@ def test_each_arrival_pattern_prints_tier_columns_that_add_up_to_the_rows_loads(
 ) -> None:
     """host hit + tier hit is vLLM hit, and the host tier's loads are every loaded chunk, whatever the arrivals."""
     record = simulate_json(
-        tmp_path, capsys, "--tier", "fs", "--capacities", "1,4", "--max-num-seqs", "4", "--arrivals", arrivals
+        tmp_path, capsys, *TIERED, "--tier", "fs", "--capacities", "1,4", "--max-num-seqs", "4", "--arrivals", arrivals
     )
     for point in record["points"]:
         counts = point["counts"]
@@ -147,5 +183,5 @@ def test_a_bad_arrival_pattern_is_refused_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
 ) -> None:
     with pytest.raises(SystemExit):
-        main(["simulate", *SMALL, "--arrivals", value, "--out", str(tmp_path)])
+        main(["simulate", *TIERED, "--arrivals", value, "--out", str(tmp_path)])
     assert message in capsys.readouterr().err

@@ -197,6 +197,11 @@ def indices(values: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def i64(*values: int) -> torch.Tensor:
+    """``values`` as the int64 CPU index tensor the references (and the validation cases) take."""
+    return indices(list(values), torch.int64, "cpu")
+
+
 def block_bytes(page: torch.Tensor, blocks: list[int]) -> torch.Tensor:
     """The raw bytes of ``page[blocks]`` as ``(len(blocks), page_bytes)`` uint8 on the CPU (NaN-safe to compare)."""
     picked = page[blocks].cpu().contiguous()

@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 import kvtriton.kernels._reference as reference
 from kvtriton.kernels import describe_pages
 from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
-from tests.kernels.kernel_cases import LAYOUTS, NUM_BLOCKS, ODD_BYTE_LAYOUTS, build_pages, build_slab, random_tensor
+from tests.kernels.kernel_cases import (
+    LAYOUTS,
+    NUM_BLOCKS,
+    ODD_BYTE_LAYOUTS,
+    build_pages,
+    build_slab,
+    i64,
+    random_tensor,
+)
 
 ROWS = 9
 ALL_LAYOUTS = [*LAYOUTS, *ODD_BYTE_LAYOUTS]
@@ -52,10 +60,6 @@ def loop_scatter(slab: torch.Tensor, pages: list[torch.Tensor], rows: list[int],
             column += data.numel()
 
 
-def i64(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
 pairs = st.integers(1, 8).flatmap(
     lambda n: st.tuples(
         st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=n, max_size=n),
@@ -74,7 +78,7 @@ def test_gather_reference_equals_the_per_block_loop(
     slab, expected = build_slab(case, ROWS, "cpu"), build_slab(case, ROWS, "cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reference, "_MIN_BYTES_PER_RUN", STRATEGIES[strategy])
-        gather_pages_reference(case.pages, slab, i64(blocks), i64(rows))
+        gather_pages_reference(case.pages, slab, i64(*blocks), i64(*rows))
     loop_gather(case.pages, expected, blocks, rows)
     assert torch.equal(slab, expected)
 
@@ -89,7 +93,7 @@ def test_scatter_reference_equals_the_per_block_loop(
     slab = build_slab(case, ROWS, "cpu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reference, "_MIN_BYTES_PER_RUN", STRATEGIES[strategy])
-        scatter_pages_reference(slab, case.pages, i64(rows), i64(blocks))
+        scatter_pages_reference(slab, case.pages, i64(*rows), i64(*blocks))
     loop_scatter(slab, oracle.pages, rows, blocks)
     for got, want in zip(case.memory(), oracle.memory()):
         assert torch.equal(got, want)
@@ -122,7 +126,7 @@ def test_a_slab_at_an_odd_byte_offset_narrows_the_words_and_stays_exact() -> Non
     slab, expected = wide[:, 1:], wide.clone()[:, 1:]
     groups = reference.page_groups(case.pages, slab, describe_pages(case.pages, "src"))
     assert {rows.dtype for _, rows in groups} == {torch.uint8}
-    gather_pages_reference(case.pages, slab, i64([5, 0, 3]), i64([1, 2, 8]))
+    gather_pages_reference(case.pages, slab, i64(5, 0, 3), i64(1, 2, 8))
     loop_gather(case.pages, expected, [5, 0, 3], [1, 2, 8])
     assert torch.equal(slab, expected)
 
@@ -148,9 +152,9 @@ def test_16_byte_words_keep_every_float_bit_pattern_even_with_denormals_flushed(
     slab = torch.zeros(ROWS, 2 * 96 * 8, dtype=torch.uint8)
     torch.set_flush_denormal(True)  # where supported: an arithmetic copy would now zero the subnormals
     try:
-        gather_pages_reference(pages, slab, i64([4, 1, 0]), i64([0, 5, 2]))
+        gather_pages_reference(pages, slab, i64(4, 1, 0), i64(0, 5, 2))
         layer.zero_()
-        scatter_pages_reference(slab, pages, i64([0, 5, 2]), i64([4, 1, 0]))
+        scatter_pages_reference(slab, pages, i64(0, 5, 2), i64(4, 1, 0))
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(layer[:, [4, 1, 0]].view(torch.int64), original[:, [4, 1, 0]].view(torch.int64))
@@ -161,7 +165,7 @@ def test_the_same_page_tensor_twice_scatters_as_the_sequential_loop() -> None:
     layer = random_tensor((NUM_BLOCKS, 64), torch.uint8, torch.Generator().manual_seed(3), "cpu")
     oracle = layer.clone()
     slab = build_slab(build_pages("odd_656", torch.uint8, "cpu"), ROWS, "cpu")
-    scatter_pages_reference(slab, [layer, layer], i64([1, 4]), i64([2, 0]))
+    scatter_pages_reference(slab, [layer, layer], i64(1, 4), i64(2, 0))
     loop_scatter(slab, [oracle, oracle], [1, 4], [2, 0])
     assert torch.equal(layer, oracle)
 
@@ -175,6 +179,6 @@ def test_page_tensors_that_no_view_covers_in_order_scatter_as_the_sequential_loo
     oracle_pages = [oracle_owner[:, page.storage_offset() : page.storage_offset() + page.shape[1]] for page in pages]
     slab = torch.randint(0, 256, (ROWS, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     assert len(reference.page_groups(pages, slab, describe_pages(pages, "dst"))) == 2
-    scatter_pages_reference(slab, pages, i64([3, 0, 6]), i64([5, 2, 1]))
+    scatter_pages_reference(slab, pages, i64(3, 0, 6), i64(5, 2, 1))
     loop_scatter(slab, oracle_pages, [3, 0, 6], [5, 2, 1])
     assert torch.equal(owner, oracle_owner)

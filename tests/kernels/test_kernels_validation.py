@@ -10,16 +10,12 @@ import torch
 
 from kvtriton.kernels import gather_pages, scatter_pages
 from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
-from tests.kernels.kernel_cases import PageCase, build_pages, build_slab, indices
+from tests.kernels.kernel_cases import PageCase, build_pages, build_slab, i64
 
 
 def make_case() -> tuple[PageCase, torch.Tensor]:
     case = build_pages("flash_attn", torch.bfloat16, "cpu")
     return case, build_slab(case, 4, "cpu")
-
-
-def i64(*values: int) -> torch.Tensor:
-    return indices(list(values), torch.int64, "cpu")
 
 
 def assert_nothing_written(

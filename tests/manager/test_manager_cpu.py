@@ -15,22 +15,15 @@ from collections.abc import Collection
 import numpy as np
 import pytest
 
-from kvtriton._keys import OffloadKey, make_offload_key
+from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import CPULoadStoreSpec, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext
 from kvtriton.manager import CPUOffloadingManager, ManagerStats, policy_names
 from kvtriton.manager.policies import POLICIES as POLICY_REGISTRY
+from tests.manager.conftest import k, ks
 
 CTX = ReqContext(req_id="test")
 POLICIES = policy_names()  # every registered policy meets the contract
 RECENCY_POLICIES = ["lru", "arc"]  # the policies that order by recency (touch moves a key), where a FIFO would not
-
-
-def k(i: int) -> OffloadKey:
-    return make_offload_key(f"block-{i}".encode())
-
-
-def ks(*ids: int) -> list[OffloadKey]:
-    return [k(i) for i in ids]
 
 
 def make_manager(policy: str, num_blocks: int = 4, events: bool = True) -> CPUOffloadingManager:

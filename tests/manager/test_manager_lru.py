@@ -8,30 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvtriton._keys import OffloadKey, make_offload_key
+from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.manager.policies import Block, LRUCachePolicy
+from tests.manager.conftest import k, ks, request
 
 CTX = ReqContext(req_id="test")
 NONE: frozenset[OffloadKey] = frozenset()
-
-
-def k(i: int, group: int = 0) -> OffloadKey:
-    return make_offload_key(f"block-{i}".encode(), group)
-
-
-def ks(*ids: int) -> list[OffloadKey]:
-    return [k(i) for i in ids]
-
-
-def request(req_id: str, *ids: int, groups: int = 1) -> ReqContext:
-    """A context where block ``ids[i]`` (every group of it) ends at token 16 * (i + 1)."""
-    context = ReqContext(req_id=req_id)
-    for index, i in enumerate(ids):
-        for group in range(groups):
-            context.set_offload_key_position(k(i, group), 16 * (index + 1))
-    return context
 
 
 def lru_with(*ids: int) -> LRUCachePolicy:

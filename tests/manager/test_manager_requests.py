@@ -16,22 +16,7 @@ from kvtriton._offload_types import OffloadingEvent, ReqContext
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.manager._request_access import head_to_tail
 from kvtriton.manager.policies import ARCCachePolicy, LRUCachePolicy
-
-
-def k(i: int) -> OffloadKey:
-    return make_offload_key(f"block-{i}".encode())
-
-
-def ks(*ids: int) -> list[OffloadKey]:
-    return [k(i) for i in ids]
-
-
-def request(req_id: str, *ids: int) -> ReqContext:
-    """A context that knows each key's end-token position (block i of the list ends at 16 * (i + 1))."""
-    context = ReqContext(req_id=req_id)
-    for index, key in enumerate(ks(*ids)):
-        context.set_offload_key_position(key, 16 * (index + 1))
-    return context
+from tests.manager.conftest import k, ks, request
 
 
 def lru_order(manager: CPUOffloadingManager) -> list[OffloadKey]:

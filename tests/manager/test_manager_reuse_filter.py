@@ -6,7 +6,7 @@ from collections.abc import Collection, Iterable
 
 import pytest
 
-from kvtriton._keys import OffloadKey, make_offload_key
+from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import (
     CPULoadStoreSpec,
     LoadStoreSpec,
@@ -16,16 +16,9 @@ from kvtriton._offload_types import (
     ReqContext,
 )
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, OffloadingManager, ReuseSignal
+from tests.manager.conftest import k, ks
 
 CTX = ReqContext(req_id="test")
-
-
-def k(i: int) -> OffloadKey:
-    return make_offload_key(f"block-{i}".encode())
-
-
-def ks(*ids: int) -> list[OffloadKey]:
-    return [k(i) for i in ids]
 
 
 class Recorder(OffloadingManager):

@@ -16,7 +16,8 @@ from kvtriton._keys import make_offload_key
 from kvtriton.sim._geometry import GIB, PRESETS, KVDtype, ModelGeometry
 from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import prepare
-from kvtriton.sim._secondary_tier import FsTier, MooncakePool, TierCounts, TierSpec, parse_tier
+from kvtriton.sim._secondary_tier import FsTier, MooncakePool, TierCounts
+from kvtriton.sim._tier_models import TierSpec, parse_tier
 from kvtriton.sim._tiered_planner import TieredReport, recommend_tiered, tiered_point
 from kvtriton.sim._vllm_server import ServerModel, StalledRequest, predict
 from kvtriton.sim._workloads import Request

@@ -12,30 +12,20 @@ import kvtriton.worker._backends as backends_module
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.worker._backends import TransferBackend, choose_backend
 from kvtriton.worker._engine import TransferEngine, TransferLane, TransferResult
-from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._plan import TransferDirection, plan_transfer
 from kvtriton.worker._slab import HostSlab
+from tests.worker.conftest import block_bytes, make_kv
 
 BLOCKS, SLOTS = 8, 6
 STORE_TYPE, LOAD_TYPE = ("GPU", "CPU"), ("CPU", "GPU")
 STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD
 
 
-def make_kv() -> PagedKV:
-    generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randint(-128, 127, (2, BLOCKS, 4, 2, 8), dtype=torch.int8, generator=generator) for _ in range(2)]
-    return PagedKV.from_tensors(tensors)
-
-
 @pytest.fixture
 def engine() -> Iterator[TransferEngine]:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab) as transfer:
         yield transfer
-
-
-def block_bytes(kv: PagedKV, block: int) -> bytes:
-    return b"".join(bytes(page[block].numpy().tobytes()) for page in kv.byte_pages())
 
 
 def store(engine: TransferEngine, job_id: int, blocks: Sequence[int], slots: Sequence[int]) -> bool:
@@ -91,7 +81,7 @@ def test_triton_on_cpu_without_a_working_interpreter_is_an_error_not_a_silent_to
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(backends_module, "interpreter_problem", lambda: "the interpreter is broken here")
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab:
         with pytest.raises(
             ValueError, match="backend='triton' on CPU runs Triton's interpreter, but the interpreter is broken"
@@ -101,7 +91,7 @@ def test_triton_on_cpu_without_a_working_interpreter_is_an_error_not_a_silent_to
 
 @pytest.mark.requires_interpreter
 def test_triton_on_cpu_really_runs_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     launches: list[bool] = []
     real = launch_module.CopyLauncher.launch
 
@@ -129,7 +119,7 @@ def test_each_direction_reports_the_backend_that_really_runs_it(monkeypatch: pyt
         backends_module.AutoRule("cpu", None, LOAD, 0, TransferBackend.DMA),
     )
     monkeypatch.setattr(backends_module, "AUTO_TABLE", table)
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab) as engine:
         assert engine.backends == {STORE: TransferBackend.TORCH, LOAD: TransferBackend.DMA}
         with pytest.raises(ValueError, match="stores run torch and loads run dma; read engine.backends"):
@@ -146,7 +136,7 @@ def test_the_dma_backend_copies_whole_runs_never_one_row_at_a_time() -> None:
 
 
 def test_warm_up_is_timed_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with caplog.at_level(logging.INFO, logger="kvtriton.worker._engine"):
         with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab) as engine:
             assert engine.warmup_seconds >= 0.0
@@ -255,7 +245,7 @@ def test_shutdown_keeps_results_and_refuses_new_jobs(engine: TransferEngine) -> 
 def test_an_empty_job_succeeds_at_once_without_touching_the_backend(
     backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, backend) as engine:
 
         def refuse(*args: object) -> None:
@@ -283,7 +273,7 @@ def test_an_expedited_job_id_shares_the_in_flight_check_with_other_lanes(engine:
 
 
 def test_the_engine_is_a_user_of_its_slab_and_closing_the_slab_drains_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     slab = HostSlab(SLOTS, 1, kv.row_bytes, pin=False)
     engine = TransferEngine(kv, slab)
     drained: list[bool] = []
@@ -310,7 +300,7 @@ def test_transfer_result_is_a_frozen_value() -> None:
 
 
 def test_block_size_factor_comes_from_the_slab() -> None:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with HostSlab(2, 3, kv.row_bytes, pin=False) as slab:
         engine = TransferEngine(kv, slab)
         assert engine.block_size_factor == 3
@@ -320,7 +310,7 @@ def test_block_size_factor_comes_from_the_slab() -> None:
 
 
 def test_construction_rejects_narrow_slabs_bad_backends_and_program_counts() -> None:
-    kv = make_kv()
+    kv = make_kv(BLOCKS)
     with HostSlab(2, 1, kv.row_bytes - 1, pin=False) as narrow:
         with pytest.raises(ValueError, match=f"slab rows hold {kv.row_bytes - 1} bytes but one block of kv needs"):
             TransferEngine(kv, narrow)

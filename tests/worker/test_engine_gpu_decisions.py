@@ -28,6 +28,7 @@ from kvtriton.worker._layout import PagedKV
 from kvtriton.worker._plan import TransferDirection, plan_transfer
 from kvtriton.worker._slab import HostSlab
 from tests.kernels.kernel_cases import build_sized_pages
+from tests.worker.conftest import block_bytes, make_kv
 
 STORE, LOAD = TransferDirection.STORE, TransferDirection.LOAD
 BLOCKS, SLOTS = 12, 12
@@ -35,19 +36,9 @@ CUDA = torch.device("cuda", 0)
 Indices = NDArray[np.int64]
 
 
-def make_kv() -> PagedKV:
-    generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randint(-128, 127, (2, BLOCKS, 4, 2, 8), dtype=torch.int8, generator=generator) for _ in range(2)]
-    return PagedKV.from_tensors(tensors)
-
-
-def block_bytes(kv: PagedKV, block: int) -> bytes:
-    return b"".join(bytes(page[block].numpy().tobytes()) for page in kv.byte_pages())
-
-
 @pytest.fixture
 def kv() -> PagedKV:
-    return make_kv()
+    return make_kv(BLOCKS)
 
 
 @pytest.fixture

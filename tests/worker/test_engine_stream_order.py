@@ -22,8 +22,8 @@ from kvtriton.worker._backends import DeviceIndices, TransferBackend
 from kvtriton.worker._engine import TransferEngine, TransferLane
 from kvtriton.worker._plan import TransferPlan
 from kvtriton.worker._slab import HostSlab
+from tests.worker.conftest import make_kv
 from tests.worker.cuda_stand_in import RecordingCuda, StandInStream
-from tests.worker.test_engine_gpu_decisions import make_kv
 
 BACKENDS = [
     pytest.param(TransferBackend.TRITON, marks=pytest.mark.requires_interpreter, id="triton"),
@@ -59,7 +59,7 @@ def on_the_cuda_path(engine: TransferEngine, cuda: RecordingCuda, monkeypatch: p
 def test_every_job_copies_after_the_compute_work_queued_before_it_and_is_seen_done_only_through_its_own_event(
     backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kv = make_kv()
+    kv = make_kv(12)
     cuda = RecordingCuda()  # the device runs the compute stream last: whatever is not ordered after it runs first
     with HostSlab(12, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, backend) as engine:
         cuda.install(monkeypatch)

@@ -65,6 +65,7 @@ from kvtriton.sim import (
     TierSpec,
     VllmOrder,
     sweep_requests,
+    tier_choices,
 )
 
 __all__ = ["add_arguments", "plot_stamp", "run"]
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         ("--servers", args.servers != 1),
     )
     if tier_only:
-        return command_error("simulate", f"{tier_only[0]} applies with --tier (fs or mooncake)")
+        return command_error("simulate", f"{tier_only[0]} applies with --tier ({tier_choices()})")
     try:
         result = host_sweep(
             requests,

@@ -22,6 +22,7 @@ from kvtriton.sim import (
     DEFAULT_STORE_STEPS,
     DEFAULT_SWEEP_POINTS,
     PRESETS,
+    TIER_MODELS,
     WORKLOADS,
     CallOrder,
     KvtritonOrder,
@@ -36,6 +37,8 @@ from kvtriton.sim import (
     parse_tier,
     read_trace,
     size_argument,
+    tier_help,
+    tier_metavar,
 )
 
 DEFAULT_OUT = "simulate-results"
@@ -423,20 +426,15 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "Stores cascade from host memory to the tier, a chunk found only there is promoted back first (the request"
         " waits for it). Each (policy, host size, tier size) point is printed with both tiers' rates.",
     )
-    tiers.add_argument(
-        "--tier",
-        type=_tier,
-        metavar="fs|mooncake[:SIZE]",
-        help="the second tier: 'fs' (vLLM's, a file per chunk, never evicts: the planner reports the disk it fills),"
-        " 'mooncake:SIZE' (a Mooncake Store pool of SIZE, evicting as its master does), or 'mooncake' to sweep"
-        " the pool's size (--tier-sizes)",
-    )
+    # The tier registry (kvtriton.sim.TIER_MODELS) names the tiers and says what each models.
+    tiers.add_argument("--tier", type=_tier, metavar=tier_metavar(), help=tier_help())
+    sized = "|".join(model.name for model in TIER_MODELS.values() if model.sized)
     tiers.add_argument(
         "--tier-sizes",
         type=_capacities,
         metavar="LIST",
-        help="--tier mooncake: pool sizes to sweep, comma-separated, units as --capacities (default: 4 sizes"
-        " doubling up to the first power-of-two GiB that holds the whole trace)",
+        help=f"--tier {sized}: tier sizes to sweep, comma-separated, units as --capacities (default:"
+        f" {DEFAULT_TIERED_POINTS} sizes doubling up to the first power-of-two GiB that holds the whole trace)",
     )
     tiers.add_argument(
         "--host-price-ratio",
@@ -629,18 +627,17 @@ DEFAULT_TIERED_POINTS = 4
 
 
 def tier_specs(args: argparse.Namespace, geometry: ModelGeometry, distinct_blocks: int) -> list[TierSpec]:
-    """The tier sizes to sweep: fs has one (it never evicts), a Mooncake pool its size or --tier-sizes."""
+    """The tier sizes to sweep: a tier without capacity (fs) has one point, a sized one its size or --tier-sizes."""
     tier: TierSpec = args.tier
     sizes: list[int] | None = args.tier_sizes
-    if tier.kind == "fs" or tier.capacity_bytes is not None:
+    if not tier.model.sized or tier.capacity_bytes is not None:
         if sizes is not None:
-            raise ValueError(
-                f"--tier-sizes sweeps a Mooncake pool's size; --tier {tier.describe()} has {'none' if tier.kind == 'fs' else 'one'}"
-            )
+            has = "one" if tier.model.sized else "none"
+            raise ValueError(f"--tier-sizes sweeps a tier's size; --tier {tier.describe()} has {has}")
         return [tier]
     if sizes is None:
         sizes = default_capacities(geometry, distinct_blocks, DEFAULT_TIERED_POINTS)
-    return [TierSpec("mooncake", size) for size in sizes]
+    return [TierSpec(tier.kind, size) for size in sizes]
 
 
 def server_streams(args: argparse.Namespace, block_size: int, first: list[Request]) -> list[list[Request]]:

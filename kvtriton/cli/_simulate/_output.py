@@ -22,8 +22,6 @@ from kvtriton.sim import (
     COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     GIB,
-    MOONCAKE_EVICTION_RATIO,
-    MOONCAKE_HIGH_WATERMARK,
     CallOrder,
     ModelGeometry,
     PointReport,
@@ -345,12 +343,7 @@ host tier's rates."""
 
 def tier_heading(tier: TierSpec, servers: int) -> str:
     shared = f", shared by {servers} servers" if servers > 1 else ""
-    if tier.kind == "fs":
-        return f"vLLM's fs tier (no capacity, never evicts: its column is the disk it filled){shared}"
-    return (
-        f"a Mooncake Store pool (its master evicts {MOONCAKE_EVICTION_RATIO:.0%} of the objects, least recently"
-        f" used first, past {MOONCAKE_HIGH_WATERMARK:.0%} full){shared}"
-    )
+    return f"{tier.model.heading}{shared}"
 
 
 def tiered_point_record(report: TieredReport, ratio: float) -> dict[str, object]:
@@ -376,13 +369,13 @@ def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str
                "tier evictions", "cost"]  # fmt: skip
     rows: list[list[str]] = []
     for report in reports:
-        mooncake = report.tier.kind == "mooncake"
+        sized = report.tier.model.sized  # else the tier's column is what it filled
         counts = report.counts
         if counts is None:  # stalled: the replay stopped, so there is nothing to count
-            tier_size = gib(report.tier.capacity_bytes or 0) if mooncake else "-"
+            tier_size = gib(report.tier.capacity_bytes or 0) if sized else "-"
             counted = ["stalled", *["-"] * 11]
         else:
-            tier_size = gib(report.tier_size_bytes) if mooncake else f"{gib(report.tier_fill_bytes)} filled"
+            tier_size = gib(report.tier_size_bytes) if sized else f"{gib(report.tier_fill_bytes)} filled"
             counted = [
                 percent(report.external_hit_rate),
                 percent(report.host_served_rate),
@@ -415,11 +408,8 @@ def tiered_recommendation_lines(
             f" {format_bytes(best.host_bytes)}, {best.tier.describe()}): try larger --capacities or --tier-sizes,"
             " or lower --target-hit-rate.",
         ]
-    tier_size = (
-        f"a Mooncake pool of {format_bytes(point.tier_size_bytes)}"
-        if point.tier.kind == "mooncake"
-        else f"an fs tier that fills {format_bytes(point.tier_fill_bytes)} over the trace"
-    )
+    tier = point.tier.model
+    tier_size = format_bytes(point.tier_size_bytes)  # a sized tier's capacity, else what it filled
     per_server = " per server" if servers > 1 else ""
     transfer = {
         "kv_connector": "OffloadingConnector",
@@ -429,22 +419,13 @@ def tiered_recommendation_lines(
     flags = _server_flags(geometry, order)
     lines = [
         f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
-        f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier_size},"
+        f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier.bought_as.format(size=tier_size)},"
         f" {percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
         "",
         *_serve_lines(found.extra_config, transfer, flags),
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
+        tier.deployment.format(size=tier_size),
     ]
-    if point.tier.kind == "mooncake":
-        lines.append(
-            f"pool:      the holders' --global_segment_size adding up to {format_bytes(point.tier_size_bytes)}"
-            ' (docs/tiers.md, "Deploying Mooncake Store")'
-        )
-    else:
-        lines.append(
-            f"disk:      {format_bytes(point.tier_fill_bytes)} under root_dir after this trace; fs never evicts,"
-            " so it keeps growing with every new prefix (clear it yourself)"
-        )
     if geometry.compression != "none":
         lines.append(
             f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
