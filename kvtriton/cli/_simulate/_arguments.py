@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvtriton.cli._main import add_choice_argument
-from kvtriton.manager.policies import policy_names
+from kvtriton.manager.policies import POLICIES, policy_names
 from kvtriton.sim import (
     CALL_ORDER_ALIASES,
     CALL_ORDERS,
@@ -44,7 +44,7 @@ from kvtriton.sim import (
 DEFAULT_OUT = "simulate-results"
 DEFAULT_WORKLOAD = "chat"
 DEFAULT_MODEL = "llama-3-8b"
-DEFAULT_POLICIES = ("lru", "arc")
+DEFAULT_POLICIES = tuple(POLICIES)  # every registered policy, in the order the registry lists them
 DEFAULT_BANDWIDTH_GBPS = 25.0
 DEFAULT_TARGET_HIT_RATE = 0.5
 COMPRESSIONS = ("none", "fp8-e4m3")
