@@ -226,8 +226,8 @@ def test_groups_of_one_block_hash_are_separate_objects(
         ({"protocol": "udp"}, "protocol must be one of ('tcp', 'rdma'), got 'udp'"),
         ({"protocol": "rdma"}, "rdma_devices must name the RDMA devices"),
         ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
-        ({"io_threads": 0}, "io_threads must be an integer >= 1, got 0"),
-        ({"global_segment_size": -1}, "global_segment_size must be a byte count >= 0, got -1"),
+        ({"io_threads": 0}, "io_threads must be >= 1, got 0"),
+        ({"global_segment_size": -1}, "global_segment_size must be >= 0, got -1"),
     ],
 )
 def test_bad_configuration_names_the_key_and_value(config: dict[str, object], message: str) -> None:

@@ -152,7 +152,7 @@ class MooncakeStoreTier(RemoteTier):
             retry_backoff_max_s=retry_backoff_max_s,
         )
         super().__init__(
-            offloading_spec, primary_kv_view, tier_type, self.config.settings,
+            offloading_spec, primary_kv_view, tier_type, self.config,
             endpoint=f"master {self.config.master_server_address}",
             label_arguments={
                 "master_server_address": master_server_address, "local_hostname": local_hostname,

@@ -15,6 +15,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from kvtriton._int_argument import check_int
 from kvtriton.integrations.remote import ChunkIdentity, RemoteTierSettings, TierKeyspace
 
 MooncakeKeyspace = TierKeyspace
@@ -33,9 +34,14 @@ def _default_local_hostname() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-@dataclass(frozen=True)
-class MooncakeTierConfig:
-    """Every key of the tier's configuration, validated; see docs/mooncake.md for each one."""
+@dataclass(frozen=True, kw_only=True)
+class MooncakeTierConfig(RemoteTierSettings):
+    """Every key of the tier's configuration, validated; see docs/mooncake.md for each one.
+
+    The keys every remote tier shares (``namespace``, ``timeout_s``,
+    ``io_threads``, ``reconnect_interval_s``, ``retry_backoff_s``,
+    ``retry_backoff_max_s``) are :class:`RemoteTierSettings`' fields, checked there.
+    """
 
     master_server_address: str
     """``host:port`` of ``mooncake_master`` (required)."""
@@ -51,18 +57,6 @@ class MooncakeTierConfig:
     """Bytes of the store client's own staging buffer (only the small manifest goes through it; chunks move zero-copy)."""
     global_segment_size: int = 0
     """Bytes this process contributes to the pool; 0: a serving process stores nothing itself, storage holders do."""
-    namespace: str = ""
-    """User namespace mixed into the key digest: instances share chunks only with the same namespace."""
-    timeout_s: float = 5.0
-    """Upper bound of every store operation (lookup, store, load, setup, drain, shutdown), in seconds."""
-    io_threads: int = 4
-    """Threads that run store and load jobs."""
-    reconnect_interval_s: float = 1.0
-    """Seconds between attempts to reach the master after it was lost (or before it was first reached)."""
-    retry_backoff_s: float = 1.0
-    """Seconds a degraded tier (an operation past its deadline: a stalled holder) waits before trying again."""
-    retry_backoff_max_s: float = 30.0
-    """The longest such wait (it doubles each time the tier degrades again soon after recovering)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.master_server_address, str) or not _is_host_port(self.master_server_address):  # pyright: ignore[reportUnnecessaryIsInstance] -- vLLM passes JSON values unchecked
@@ -72,24 +66,10 @@ class MooncakeTierConfig:
         if self.protocol == "rdma" and not self.rdma_devices:
             raise ValueError("rdma_devices must name the RDMA devices (e.g. 'mlx5_0') when protocol='rdma', got ''")
         for name in ("local_buffer_size", "global_segment_size"):
-            value: object = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a byte count >= 0, got {value!r}")
-        _ = self.settings  # the keys every remote tier shares, checked where they are defined
+            check_int(name, getattr(self, name), minimum=0)  # a byte count
+        super().__post_init__()  # the keys every remote tier shares
         if not self.local_hostname:
             object.__setattr__(self, "local_hostname", _default_local_hostname())
-
-    @property
-    def settings(self) -> RemoteTierSettings:
-        """The keys the remote-tier base reads (validated there: a bad value names its key)."""
-        return RemoteTierSettings(
-            namespace=self.namespace,
-            timeout_s=self.timeout_s,
-            io_threads=self.io_threads,
-            reconnect_interval_s=self.reconnect_interval_s,
-            retry_backoff_s=self.retry_backoff_s,
-            retry_backoff_max_s=self.retry_backoff_max_s,
-        )
 
     @property
     def timeout_ms(self) -> int:

@@ -223,34 +223,17 @@ class InMemoryClient(RemoteClient):
         self._registered.clear()
 
 
-@dataclass(frozen=True)
-class InMemoryTierConfig:
-    """Every key of the in-memory tier's configuration: its store's name and the keys every remote tier shares."""
+@dataclass(frozen=True, kw_only=True)
+class InMemoryTierConfig(RemoteTierSettings):
+    """Every key of the in-memory tier's configuration: its store's name, and the keys every remote tier shares."""
 
     store: str = "default"
     """The name of the process's :class:`InMemoryStore` the tier uses (tiers naming the same store share it)."""
-    namespace: str = ""
-    timeout_s: float = 5.0
-    io_threads: int = 4
-    reconnect_interval_s: float = 1.0
-    retry_backoff_s: float = 1.0
-    retry_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
             raise ValueError(f"store must be a non-empty string, got {self.store!r}")
-        _ = self.settings  # the shared keys are checked where they are defined
-
-    @property
-    def settings(self) -> RemoteTierSettings:
-        return RemoteTierSettings(
-            namespace=self.namespace,
-            timeout_s=self.timeout_s,
-            io_threads=self.io_threads,
-            reconnect_interval_s=self.reconnect_interval_s,
-            retry_backoff_s=self.retry_backoff_s,
-            retry_backoff_max_s=self.retry_backoff_max_s,
-        )
+        super().__post_init__()  # the keys every remote tier shares
 
 
 class InMemoryStoreTier(RemoteTier):
@@ -286,7 +269,7 @@ class InMemoryStoreTier(RemoteTier):
         )
         self.store = in_memory_store(store)
         super().__init__(
-            offloading_spec, primary_kv_view, tier_type, self.config.settings,
+            offloading_spec, primary_kv_view, tier_type, self.config,
             endpoint=f"in-memory store {store!r}",
             label_arguments={
                 "store": store, "namespace": namespace, "timeout_s": timeout_s, "io_threads": io_threads,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvtriton._int_argument import check_int
+
 
 def _check_seconds(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
@@ -43,7 +45,6 @@ class RemoteTierSettings:
             raise ValueError(
                 f"retry_backoff_max_s must be >= retry_backoff_s ({self.retry_backoff_s!r}), got {self.retry_backoff_max_s!r}"
             )
-        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or self.io_threads < 1:  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
-            raise ValueError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
+        check_int("io_threads", self.io_threads, minimum=1)
         if not isinstance(self.namespace, str):  # pyright: ignore[reportUnnecessaryIsInstance] -- JSON input
             raise ValueError(f"namespace must be a string, got {self.namespace!r}")
