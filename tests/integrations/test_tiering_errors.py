@@ -16,7 +16,7 @@ from kvtriton.manager import policy_names
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
-from tiering_fixtures.configs import tiering_config
+from tiering_fixtures.configs import OWN_ENGINE_PREFIX, own_engine_id, tiering_config
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from vllm.v1.kv_offload.tiering.backpressure import DropStorePolicy, EMABackpressureDetector
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -31,7 +31,8 @@ BUDGET: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
 
 
 def region_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("kvtriton_")}
+    """This process's regions: tests running beside it in other processes create and remove their own."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("kvtriton_") and OWN_ENGINE_PREFIX in name}
 
 
 def kv_caches(page_bytes: int) -> CanonicalKVCaches:
@@ -283,7 +284,7 @@ def test_dev_shm_too_small_is_refused_before_allocating_naming_both_sizes(monkey
 
 
 def test_uneven_pipeline_stages_are_refused_naming_both_layouts(tmp_path: Path) -> None:
-    engine_id = f"uneven-{uuid.uuid4().hex[:8]}"
+    engine_id = own_engine_id("uneven")
     before = region_files()
     scheduler = KVTritonTieringOffloadingSpec(tiering_config(BUDGET, world_size=2, engine_id=engine_id))
     manager = scheduler.get_manager()

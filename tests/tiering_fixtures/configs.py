@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -40,6 +41,15 @@ def managers() -> Iterator[list[OffloadingManager]]:
         manager.shutdown()
 
 
+def own_engine_id(purpose: str) -> str:
+    """A fresh engine id that names this process: ``kvtriton-tests-<pid>-<purpose>-<random>``."""
+    return f"{OWN_ENGINE_PREFIX}{purpose}-{uuid.uuid4().hex[:12]}"
+
+
+OWN_ENGINE_PREFIX = f"kvtriton-tests-{os.getpid()}-"
+"""What every engine id this process's tests make begins with (its regions' file names contain it)."""
+
+
 def tiering_config(
     extra_config: Mapping[str, object],
     *,
@@ -51,12 +61,16 @@ def tiering_config(
     model_name: str = "tiny-tiering",
     enable_events: bool = False,
 ) -> OffloadingConfig:
-    """The OffloadingConfig vLLM's connector builds for one full-attention group, with a fresh engine id."""
+    """The OffloadingConfig vLLM's connector builds for one full-attention group, with a fresh engine id.
+
+    The id names this process (:func:`own_engine_id`), so a test can tell its regions from those of tests
+    running beside it in other processes.
+    """
     return offloading_config(
         {**TIERING_EXTRA, **extra_config},
         enable_events=enable_events,
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        engine_id=engine_id or f"tiering-{uuid.uuid4().hex[:12]}",
+        engine_id=engine_id or own_engine_id("tiering"),
         model_name=model_name,
         blocks_per_chunk=blocks_per_chunk,
         world_size=world_size,
