@@ -173,12 +173,16 @@ def serving_setup(results: Results) -> str:
     workloads = _obj(record.get("workloads"), "workloads")
     requests = ", ".join(f"{_num(_obj(w, name), 'num_prompts', name):.0f} {name}" for name, w in workloads.items())
     load = _obj(record.get("load_average_1min"), "load_average_1min")
+    runs = record.get("runs")
+    minutes = sum(_num(_obj(run, "runs"), "wall_s", "runs") for run in cast(list[object], runs)) / 60 if isinstance(
+        runs, list) else 0.0  # fmt: skip
     return (f"{_num(record, 'rounds', 'rounds'):.0f} rounds, arms alternating, each round a fresh server per arm; "
             f"requests per round: {requests}; {_num(record, 'max_concurrency', 'record'):.0f} at a time; engine KV "
             f"cache {_num(record, 'engine_kv_bytes', 'record') / (1 << 20):.1f} MiB, kvtriton's host slab "
             f"{_num(record, 'host_bytes', 'record') / (1 << 20):.0f} MiB, the ceiling's engine cache "
             f"{_num(record, 'ceiling_engine_kv_bytes', 'record') / (1 << 20):.1f} MiB; the machine's 1-minute load "
-            f"average {_num(load, 'min', 'load'):.1f} to {_num(load, 'max', 'load'):.1f} on 2 cores")  # fmt: skip
+            f"average {_num(load, 'min', 'load'):.1f} to {_num(load, 'max', 'load'):.1f} on 2 cores; the servers ran for "
+            f"{minutes:.0f} minutes in all")  # fmt: skip
 
 
 def serving_summary(results: Results) -> str:

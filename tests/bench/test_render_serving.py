@@ -47,7 +47,7 @@ def _figures(arm: str, ttft: float, throughput: float) -> dict[str, float]:
 def _record(tmp_path: Path, *, quick: bool = False) -> Path:
     runs = {arm: {r: {w: _figures(arm, *pair) for w, pair in by_w.items()} for r, by_w in by_round.items()}
             for arm, by_round in ROUND_FIGURES.items()}  # fmt: skip
-    records = [{"round": r, "arm": arm, "figures": runs[arm][r], "load_average_before": [3.5, 3.0, 2.0], "load_average_after": [5.25, 4.0, 3.0]}
+    records = [{"round": r, "arm": arm, "figures": runs[arm][r], "wall_s": 100.0, "load_average_before": [3.5, 3.0, 2.0], "load_average_after": [5.25, 4.0, 3.0]}
                for r in (1, 2, 3) for arm in runs]  # fmt: skip
     args = argparse.Namespace(
         quick=quick, model=None, device="cpu", engine_kv_bytes=24 * 1_474_560, host_bytes=512 << 20
@@ -109,7 +109,7 @@ def test_goals_and_the_readme_line_say_what_was_met(tmp_path: Path) -> None:
     goal, measured = serving_goal_row(results)
     assert "90%" in goal and "0.97x" in goal and measured.endswith("(2 of 3 met)")
     setup = SERVING_RENDERERS["serving-setup"](results)
-    assert "3 rounds" in setup and "load average 3.5 to 5.2" in setup
+    assert "3 rounds" in setup and "load average 3.5 to 5.2" in setup and "15 minutes in all" in setup
 
 
 def test_a_region_renders_inside_a_document(tmp_path: Path) -> None:
@@ -138,4 +138,7 @@ def test_a_ceiling_gain_some_round_reverses_is_reported_as_noise_not_as_a_share(
     )
     assert "| `kvtriton` | multi-turn | 100 (rounds -400 to 1,000) | within the noise (" in SERVING_RENDERERS[
         "serving-ceiling-table"](results)  # fmt: skip
-    assert "is not measurable (the ceiling's own gain over no connector, 100 (rounds -400 to 1,000) ms, is within" in SERVING_RENDERERS["serving-summary"](results)
+    assert (
+        "is not measurable (the ceiling's own gain over no connector, 100 (rounds -400 to 1,000) ms, is within"
+        in SERVING_RENDERERS["serving-summary"](results)
+    )
