@@ -41,8 +41,11 @@ spell of a shared machine lands on every arm alike. Per arm, workload and
 figure the result holds every round and their median and range. It adds
 kvtriton's share of the ceiling's TTFT gain over no connector,
 ``(TTFT_none - TTFT_kvtriton) / (TTFT_none - TTFT_ceiling)`` of the median
-mean TTFTs, and the throughput of each arm against no connector, and says
-whether the goals are met (reported, not asserted): on prefix-heavy and
+mean TTFTs (claimed only where the ceiling beat no connector in every round:
+a gain that a round reverses is noise), its share of the prompt tokens the
+ceiling did not compute (which timing does not move), and the throughput of
+each arm against no connector, and says whether the goals are met
+(reported, not asserted): on prefix-heavy and
 multi-turn load kvtriton reaches :data:`CEILING_SHARE_GOAL` of the ceiling's
 gain, on no-reuse load its throughput is at least :data:`THROUGHPUT_GOAL`
 of no connector's. Where the prompt tokens came from (computed, the engine's
@@ -59,7 +62,9 @@ On a GPU server, run it with ``--device cuda`` (the CPU environment is then
 not forced), a larger ``--host-bytes`` and, for another model, ``--model
 DIR``; the engine KV cache stays small on purpose (``--engine-kv-bytes``).
 
-Writes ``bench/results/serving.json`` (``serving-quick.json`` for ``--quick``).
+Writes ``bench/results/serving.json`` (``serving-quick.json`` for ``--quick``);
+``--recompute`` runs nothing and derives the shares, ratios and goals again
+from the rounds a result file holds.
 """
 
 from __future__ import annotations
