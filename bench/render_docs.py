@@ -27,6 +27,7 @@ from typing import cast
 
 from bench.common import bench_parser
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
+from bench.render_serving import SERVING_RENDERERS, serving_goal_row
 from bench.render_simulate import SIMULATE_RENDERERS
 
 __all__ = ["MANAGER_SPEEDUP_GOAL", "RENDERERS", "RenderError", "Results", "render_text", "main", "stale_regions"]
@@ -549,41 +550,6 @@ def compression_real_setup(results: Results) -> str:
             f"fp8 stored {_num(real, 'fp8_stored_bytes_ratio'):.3f}x the fp32 bytes")  # fmt: skip
 
 
-# -- serving (bench/serving.py) ---------------------------------------------------------------------------
-
-
-def serving_table(results: Results) -> str:
-    """Per configuration and dataset: TTFT (mean, p99), throughput, and the prompt tokens by source."""
-    record = results("serving")
-    rows: list[list[str]] = []
-    for name, figures in _obj(record.get("results")).items():
-        if isinstance(figures, str):
-            rows.append([f"`{name}`", "all", figures, "", "", "", "", "", ""])
-            continue
-        for workload, value in _obj(figures).items():
-            f = _obj(value)
-            rows.append([
-                f"`{name}`", workload, f"{_num(f, 'mean_ttft_ms'):.0f}", f"{_num(f, 'p99_ttft_ms'):.0f}",
-                f"{_num(f, 'output_throughput'):.1f}", f"{_num(f, 'total_token_throughput'):.0f}",
-                f"{_num(f, 'computed_tokens'):.0f}", f"{_num(f, 'engine_cache_hit_tokens'):.0f}", f"{_num(f, 'connector_hit_tokens'):.0f}",
-            ])  # fmt: skip
-    headers = ["server", "dataset", "mean TTFT (ms)", "p99 TTFT (ms)", "output tok/s", "total tok/s", "prompt tokens computed",
-               "from the engine's cache", "from the connector"]  # fmt: skip
-    return _table(headers, rows, "llrrrrrrr")
-
-
-def serving_ratios(results: Results) -> str:
-    """kvtriton against no connector on each dataset: mean TTFT and output throughput ratios."""
-    runs = _obj(results("serving").get("results"))
-    base, kvtriton = _obj(runs.get("none")), _obj(runs.get("kvtriton"))
-    parts: list[str] = []
-    for workload in base:
-        b, k = _obj(base[workload]), _obj(kvtriton.get(workload))
-        parts.append(f"{workload}: mean TTFT {_x(_num(k, 'mean_ttft_ms') / _num(b, 'mean_ttft_ms'))}, output throughput "
-                     f"{_x(_num(k, 'output_throughput') / _num(b, 'output_throughput'))}")  # fmt: skip
-    return "; ".join(parts)
-
-
 # -- the summary --------------------------------------------------------------------------------------
 
 
@@ -614,6 +580,8 @@ def summary_table(results: Results) -> str:
          tiers_summary(results), when("tiers"), "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary-benchtierspy)"],
         ["Mooncake Store tier vs the raw Mooncake calls on the same chunks", f">= {_num(results('tiers_mooncake'), 'overhead_goal'):g}",
          mooncake_summary(results), when("tiers_mooncake"), "[Mooncake](#mooncake-store-tier-cascade-promotion-and-overhead-benchtiers_mooncakepy)"],
+        ["`vllm serve` TTFT and throughput, kvtriton against no connector and the ceiling (the engine's cache given kvtriton's host bytes)",
+         *serving_goal_row(results), when("serving"), "[serving](#serving-ttft-and-throughput-against-the-ceiling-benchservingpy)"],
     ]  # fmt: skip
     return _table(["what", "goal", "measured", "run", "where"], rows, "lllll")
 
@@ -632,7 +600,7 @@ _NAMED_AFTER_THEMSELVES = (
     engine_table, engine_summary, tiers_table, tiers_bookkeeping_table, tiers_summary, tiers_steps_table,
     tiers_steps_setup, tiers_steps_summary, mooncake_table, mooncake_summary,
     compression_table, compression_bytes, compression_tiny_table, compression_real_engine_table,
-    compression_real_teacher_table, compression_real_setup, compression_real_summary, serving_table, serving_ratios,
+    compression_real_teacher_table, compression_real_setup, compression_real_summary,
 )  # fmt: skip
 """The renderers whose region is their own name with dashes: ``manager_headline_table`` renders
 ``manager-headline-table``, so a region's name and its function cannot drift apart."""
@@ -641,6 +609,7 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     "summary": summary_table,
     **{renderer.__name__.replace("_", "-"): renderer for renderer in _NAMED_AFTER_THEMSELVES},
     **SIMULATE_RENDERERS,
+    **SERVING_RENDERERS,
     **{f"run-{name}": _dated(name) for name in
        ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "host_cost", "tiers", "tiers_mooncake",
         "tiers_steps", "compression", "serving")},
