@@ -185,15 +185,17 @@ class ModelGeometry:
         dtype = {
             KVDtype.FLOAT32: torch.float32, KVDtype.FLOAT16: torch.float16,
             KVDtype.BFLOAT16: torch.bfloat16, KVDtype.FP8: torch.float8_e4m3fn,
-        }[self.dtype]  # fmt: skip
+        }[self.dtype]  # fmt: skip  # a table: one dtype per line
         shape = (1, self.block_size, self.num_kv_heads, self.head_dim)
         pages = [torch.empty(shape, dtype=dtype, device="meta") for _ in range(self.kv_factor)]
         size = self.head_dim if group_size is None else group_size
         layer = compression_layout(pages, size)
         return dataclasses.replace(
-            self, compression=parsed.value, compressed_bytes_per_block=self.num_layers * layer.row_bytes,
+            self,
+            compression=parsed.value,
+            compressed_bytes_per_block=self.num_layers * layer.row_bytes,
             compression_group_size=size,
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         text = (

@@ -275,9 +275,18 @@ class _Request:
     """One request's state in the engine: the scheduler's and the connector's."""
 
     __slots__ = (
-        "blocks", "computed", "deferrals", "external", "generated", "index", "local",
-        "next_store", "num_prompt", "queries", "state",
-    )  # fmt: skip
+        "blocks",
+        "computed",
+        "deferrals",
+        "external",
+        "generated",
+        "index",
+        "local",
+        "next_store",
+        "num_prompt",
+        "queries",
+        "state",
+    )
 
     def __init__(self, index: int, num_prompt: int) -> None:
         self.index = index

@@ -413,11 +413,15 @@ def _zipf_prefixes_with_unique_tails(
 
 def _few_shot(params: FewShotParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _zipf_prefixes_with_unique_tails(
-        "few-shot", params, rng, block_size, stream,
+        "few-shot",
+        params,
+        rng,
+        block_size,
+        stream,
         prefixes=params.prefixes,
         prefix_tokens=(params.prefix_tokens_min, params.prefix_tokens_max),
         tail_tokens=(params.question_tokens_min, params.question_tokens_max),
-    )  # fmt: skip
+    )
 
 
 def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
@@ -439,11 +443,15 @@ def _prefix_sharing(params: PrefixSharingParams, rng: random.Random, block_size:
 
 def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     return _zipf_prefixes_with_unique_tails(
-        "system-prompts", params, rng, block_size, stream,
+        "system-prompts",
+        params,
+        rng,
+        block_size,
+        stream,
         prefixes=params.system_prompts,
         prefix_tokens=(params.system_tokens_min, params.system_tokens_max),
         tail_tokens=(params.user_tokens_min, params.user_tokens_max),
-    )  # fmt: skip
+    )
 
 
 def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:

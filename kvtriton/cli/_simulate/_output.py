@@ -148,9 +148,16 @@ class _Axes(Protocol):
     """The few matplotlib Axes methods the plot uses, typed (matplotlib's stubs leave ``**kwargs`` unknown)."""
 
     def plot(
-        self, x: Sequence[float], y: Sequence[float], *, marker: str, linestyle: str, markersize: float,
-        markerfacecolor: str, label: str,
-    ) -> object: ...  # fmt: skip
+        self,
+        x: Sequence[float],
+        y: Sequence[float],
+        *,
+        marker: str,
+        linestyle: str,
+        markersize: float,
+        markerfacecolor: str,
+        label: str,
+    ) -> object: ...
     def axhline(self, y: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
     def axvline(self, x: float, *, color: str, linestyle: str, linewidth: float, label: str) -> object: ...
     def set_xscale(self, value: str, *, base: int) -> None: ...
@@ -336,7 +343,7 @@ TABLE_HEADERS: dict[str, tuple[str, ...]] = {
              "evictions", "refused", "load s", "store s"),
     "kvtriton": ("policy", "GiB", "blocks", "hit blk", "hit tok", "stored GiB", "loaded GiB",
                  "evictions", "refused", "load s", "store s"),
-}  # fmt: skip
+}  # fmt: skip  # a table: one output kind per line
 """The table's columns per call order: in vLLM's, its reported rate and where prompt tokens came from; else the
 host tier's rates."""
 
@@ -366,7 +373,7 @@ def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str
     first-lookup chunk counters, the bytes each tier moves, the cost."""
     headers = ["policy", "host GiB", "tier GiB", "vLLM hit", "host hit", "tier hit", "1st lookup host",
                "1st lookup tier", "promoted", "host load GiB", "host store GiB", "tier read GiB", "tier write GiB",
-               "tier evictions", "cost"]  # fmt: skip
+               "tier evictions", "cost"]  # fmt: skip  # a table: the header row as printed
     rows: list[list[str]] = []
     for report in reports:
         sized = report.tier.model.sized  # else the tier's column is what it filled

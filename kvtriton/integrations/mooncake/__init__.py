@@ -152,19 +152,30 @@ class MooncakeStoreTier(RemoteTier):
             retry_backoff_max_s=retry_backoff_max_s,
         )
         super().__init__(
-            offloading_spec, primary_kv_view, tier_type, self.config,
+            offloading_spec,
+            primary_kv_view,
+            tier_type,
+            self.config,
             endpoint=f"master {self.config.master_server_address}",
             label_arguments={
-                "master_server_address": master_server_address, "local_hostname": local_hostname,
-                "metadata_server": metadata_server, "protocol": protocol, "rdma_devices": rdma_devices,
-                "local_buffer_size": local_buffer_size, "global_segment_size": global_segment_size,
-                "namespace": namespace, "timeout_s": timeout_s, "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s, "retry_backoff_s": retry_backoff_s,
-                "retry_backoff_max_s": retry_backoff_max_s, "locality": locality,
+                "master_server_address": master_server_address,
+                "local_hostname": local_hostname,
+                "metadata_server": metadata_server,
+                "protocol": protocol,
+                "rdma_devices": rdma_devices,
+                "local_buffer_size": local_buffer_size,
+                "global_segment_size": global_segment_size,
+                "namespace": namespace,
+                "timeout_s": timeout_s,
+                "io_threads": io_threads,
+                "reconnect_interval_s": reconnect_interval_s,
+                "retry_backoff_s": retry_backoff_s,
+                "retry_backoff_max_s": retry_backoff_max_s,
+                "locality": locality,
             },
             locality=locality,
             backpressure_detector=backpressure_detector,
-        )  # fmt: skip
+        )
         self.start()
 
     @override

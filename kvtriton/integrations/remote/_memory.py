@@ -269,16 +269,24 @@ class InMemoryStoreTier(RemoteTier):
         )
         self.store = in_memory_store(store)
         super().__init__(
-            offloading_spec, primary_kv_view, tier_type, self.config,
+            offloading_spec,
+            primary_kv_view,
+            tier_type,
+            self.config,
             endpoint=f"in-memory store {store!r}",
             label_arguments={
-                "store": store, "namespace": namespace, "timeout_s": timeout_s, "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s, "retry_backoff_s": retry_backoff_s,
-                "retry_backoff_max_s": retry_backoff_max_s, "locality": locality,
+                "store": store,
+                "namespace": namespace,
+                "timeout_s": timeout_s,
+                "io_threads": io_threads,
+                "reconnect_interval_s": reconnect_interval_s,
+                "retry_backoff_s": retry_backoff_s,
+                "retry_backoff_max_s": retry_backoff_max_s,
+                "locality": locality,
             },
             locality=locality,
             backpressure_detector=backpressure_detector,
-        )  # fmt: skip
+        )
         self.start()
 
     @override

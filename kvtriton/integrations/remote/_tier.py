@@ -447,9 +447,16 @@ class RemoteTier(SecondaryTierManager):
         self._supervisor.start()
         logger.info(
             "%s tier %r: %s, namespace digest %s (%s), %d-byte chunks + %d-byte seals, timeout %.1f s; %s",
-            self.backend, self.tier_type, self.endpoint, self.keyspace.digest, self.keyspace.identity.model,
-            self._chunk_bytes, SEAL_BYTES, self.settings.timeout_s, self.identity.describe(),
-        )  # fmt: skip
+            self.backend,
+            self.tier_type,
+            self.endpoint,
+            self.keyspace.digest,
+            self.keyspace.identity.model,
+            self._chunk_bytes,
+            SEAL_BYTES,
+            self.settings.timeout_s,
+            self.identity.describe(),
+        )
 
     @abstractmethod
     def open_client(self) -> RemoteClient | None:
@@ -493,8 +500,12 @@ class RemoteTier(SecondaryTierManager):
         with self._lock:
             stuck = self._counters.abandoned_calls
         if stuck:
-            logger.info("%s tier %r: %d call(s) still inside the store past their deadline; staying degraded",
-                        self.backend, self.tier_type, stuck)  # fmt: skip
+            logger.info(
+                "%s tier %r: %d call(s) still inside the store past their deadline; staying degraded",
+                self.backend,
+                self.tier_type,
+                stuck,
+            )
             self._longer_backoff()
             return
         store = self._store
@@ -535,8 +546,13 @@ class RemoteTier(SecondaryTierManager):
         logger.warning(
             "%s tier %r: %s did not answer within %.1f s (%s); degraded: every lookup misses and every job fails at "
             "once for the next %.1f s, then it is tried again",
-            self.backend, self.tier_type, self.endpoint, self.settings.timeout_s, what, backoff,
-        )  # fmt: skip
+            self.backend,
+            self.tier_type,
+            self.endpoint,
+            self.settings.timeout_s,
+            what,
+            backoff,
+        )
         self._wake_supervisor.set()
 
     def _connect(self) -> None:
@@ -622,8 +638,10 @@ class RemoteTier(SecondaryTierManager):
         self._up.clear()
         logger.warning(
             "%s tier %r: %s unreachable; every lookup misses until it answers again",
-            self.backend, self.tier_type, self.endpoint,
-        )  # fmt: skip
+            self.backend,
+            self.tier_type,
+            self.endpoint,
+        )
         self._wake_supervisor.set()
 
     def _bounded(self, call: Callable[[], _T]) -> _T | FailureReason:
@@ -781,10 +799,16 @@ class RemoteTier(SecondaryTierManager):
                     self._counters.abandoned_calls -= 1
                 job.call_returned.set()
             if late:
-                logger.warning("%s tier %r: %s job %d returned from the store after %.1f s, %.1f s past its deadline; "
-                               "its slots are free again", self.backend, self.tier_type,
-                               "load" if job.is_load else "store", job.job_id, time.monotonic() - job.submitted,
-                               time.monotonic() - job.deadline)  # fmt: skip
+                logger.warning(
+                    "%s tier %r: %s job %d returned from the store after %.1f s, %.1f s past its deadline; "
+                    "its slots are free again",
+                    self.backend,
+                    self.tier_type,
+                    "load" if job.is_load else "store",
+                    job.job_id,
+                    time.monotonic() - job.submitted,
+                    time.monotonic() - job.deadline,
+                )
             if not abandoned:
                 self._finished.put(job)
 
@@ -882,9 +906,16 @@ class RemoteTier(SecondaryTierManager):
             failed_results = sorted(
                 {_describe(result) for result, key in zip(results, job.keys) if key in set(job.failed)}
             )
-            logger.info("%s tier %r: %s job %d: %d of %d keys failed (%s)", self.backend, self.tier_type,
-                        "load" if job.is_load else "store", job.job_id, len(job.failed), len(job.keys),
-                        ", ".join(failed_results))  # fmt: skip
+            logger.info(
+                "%s tier %r: %s job %d: %d of %d keys failed (%s)",
+                self.backend,
+                self.tier_type,
+                "load" if job.is_load else "store",
+                job.job_id,
+                len(job.failed),
+                len(job.keys),
+                ", ".join(failed_results),
+            )
         if lost_store:
             self._set_down()
 
@@ -915,8 +946,14 @@ class RemoteTier(SecondaryTierManager):
         if size is None:
             return None
         sealed_bytes = self._chunk_bytes + SEAL_BYTES
-        logger.warning("%s tier %r: %s holds %d bytes, not a %d-byte sealed chunk: a miss",
-                       self.backend, self.tier_type, object_key, size, sealed_bytes)  # fmt: skip
+        logger.warning(
+            "%s tier %r: %s holds %d bytes, not a %d-byte sealed chunk: a miss",
+            self.backend,
+            self.tier_type,
+            object_key,
+            size,
+            sealed_bytes,
+        )
         return IntegrityFault.TORN if size < sealed_bytes else IntegrityFault.WRONG_SIZE
 
     def _expire(self, job: _Job, now: float) -> JobResult | None:
@@ -1000,9 +1037,14 @@ class RemoteTier(SecondaryTierManager):
                 if wait_s <= 0:
                     return False
             if not running[0].call_returned.wait(wait_s) and bound_s is None:
-                logger.warning("%s tier %r: waiting for %d call(s) still inside the store (job %s) before the "
-                               "primary's slots can be reused", self.backend, self.tier_type, len(running),
-                               ", ".join(str(job.job_id) for job in running))  # fmt: skip
+                logger.warning(
+                    "%s tier %r: waiting for %d call(s) still inside the store (job %s) before the "
+                    "primary's slots can be reused",
+                    self.backend,
+                    self.tier_type,
+                    len(running),
+                    ", ".join(str(job.job_id) for job in running),
+                )
 
     def _cancel_queued(self) -> None:
         for job in list(self._jobs.values()):
@@ -1048,9 +1090,14 @@ class RemoteTier(SecondaryTierManager):
             stuck = len(self._in_flight)
         if store is not None and not calls_done:
             _LEFT_OPEN.append(store)
-            logger.warning("%s tier %r: %d call(s) still inside the store %.1f s into shutdown: its client is left "
-                           "open, not closed under them; the process waits for them as it exits",
-                           self.backend, self.tier_type, stuck, self.settings.timeout_s)  # fmt: skip
+            logger.warning(
+                "%s tier %r: %d call(s) still inside the store %.1f s into shutdown: its client is left "
+                "open, not closed under them; the process waits for them as it exits",
+                self.backend,
+                self.tier_type,
+                stuck,
+                self.settings.timeout_s,
+            )
             return  # the primary's memory stays exported too: a late transfer may still write it
         if store is not None:
             prefix = f"kvtriton_{self.backend.lower()}"
@@ -1060,8 +1107,12 @@ class RemoteTier(SecondaryTierManager):
             if closer.is_alive():
                 # The store still has the primary's memory registered: keep our export of it, so the primary's
                 # region stays mapped instead of being reused under a late transfer.
-                logger.warning("%s tier %r: the store did not close within %.1f s",
-                               self.backend, self.tier_type, self.settings.timeout_s)  # fmt: skip
+                logger.warning(
+                    "%s tier %r: the store did not close within %.1f s",
+                    self.backend,
+                    self.tier_type,
+                    self.settings.timeout_s,
+                )
                 return
         # Drop our export of the primary's memory so the primary can unmap its region.
         self._primary_array = np.empty(0, dtype=np.uint8)
