@@ -38,7 +38,7 @@ SMOKE_RUN_NOTE = (
 
 ALL_QUICK_DURATION = "about 5 minutes on a 2-core CPU machine"
 """What ``kvtriton bench all`` takes in smoke runs (measured: 160-200 s on the 2-core development box, plus about
-2 minutes for ``serving``'s two servers)."""
+2.5 minutes for ``serving``'s quick round of servers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +105,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         Benchmark(
             "serving",
-            "`vllm serve` on SmolLM2-135M driven by `vllm bench serve` (prefix-heavy and no-reuse): TTFT, throughput and"
-            " hit tokens by source, without a connector, with kvtriton, with kvtriton fp8 and with vLLM's CPU offload",
+            "`vllm serve` on SmolLM2-135M driven by `vllm bench serve` (prefix-heavy, multi-turn and no-reuse), arms in"
+            " alternating rounds: TTFT, throughput and hit tokens by source without a connector, with kvtriton, with"
+            " kvtriton fp8, at the ceiling (kvtriton's host bytes given to the engine's own cache) and with vLLM's CPU"
+            " offload where the platform runs it",
             needs_vllm=True,
         ),
     )
