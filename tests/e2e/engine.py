@@ -207,6 +207,8 @@ class EngineResult:
     startup_s: float
     kv_bytes_per_block: int = 0
     blocks_per_chunk: int = 0
+    kvtriton_origin: str = ""
+    """The folder the engine imported kvtriton from (empty when the engine ran without a connector)."""
 
     def step(self, name: str) -> StepResult:
         (found,) = [step for step in self.steps if step.name == name]
@@ -227,10 +229,12 @@ class EngineResult:
         return self.steps[index].counter(counter) - before
 
 
-def engine_env() -> dict[str, str]:
-    """The environment of a test's engine process: this one's, with the repository and tests/ importable."""
+def engine_env(*, checkout_importable: bool = True) -> dict[str, str]:
+    """The environment of a test's engine process: this one's, with tests/ importable, and the repository too unless
+    ``checkout_importable`` is False (an installed kvtriton must then be the only one the process can import)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), *filter(None, [env.get("PYTHONPATH")])])
+    paths = [str(REPO)] if checkout_importable else []
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(TESTS), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -305,13 +309,21 @@ def _logprobs(pairs: list[list[list[float]]]) -> list[dict[int, float]]:
 
 
 def run_process(
-    module: str, job: dict[str, Any], workdir: Path, *, label: str, timeout_s: float = ENGINE_TIMEOUT_S
+    module: str,
+    job: dict[str, Any],
+    workdir: Path,
+    *,
+    label: str,
+    timeout_s: float = ENGINE_TIMEOUT_S,
+    interpreter: Path | None = None,
 ) -> tuple[dict[str, Any], str]:
     """Run ``python -m module JOB_JSON RESULT_JSON`` in a session of its own under ``workdir``; its result and log.
 
     Raises, naming ``label`` and with the end of the process's log, when it
     runs past ``timeout_s`` (then it is killed), fails, writes no result, or
-    leaves a process of its group behind.
+    leaves a process of its group behind. With ``interpreter`` (another
+    environment's python, e.g. one kvtriton's wheel is installed into), the
+    process runs under it and cannot import the checkout's kvtriton.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, result_path, log_path = workdir / "job.json", workdir / "result.json", workdir / "engine.log"
@@ -319,8 +331,9 @@ def run_process(
     result_path.unlink(missing_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", module, str(job_path), str(result_path)],
-            cwd=workdir, env=engine_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [str(interpreter or sys.executable), "-m", module, str(job_path), str(result_path)],
+            cwd=workdir, env=engine_env(checkout_importable=interpreter is None), stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )  # fmt: skip
         try:
             returncode: int | None = process.wait(timeout=timeout_s)
@@ -338,10 +351,18 @@ def run_process(
     return raw, output
 
 
-def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S) -> EngineResult:
-    """Run ``job`` in a new engine process (files under ``workdir``); raises with the process's log on any failure."""
+def run_engine(
+    job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEOUT_S, interpreter: Path | None = None
+) -> EngineResult:
+    """Run ``job`` in a new engine process (files under ``workdir``; under ``interpreter`` when given, as
+    :func:`run_process` says); raises with the process's log on any failure."""
     raw, output = run_process(
-        "e2e.engine_process", asdict(job), workdir, label="the engine process", timeout_s=timeout_s
+        "e2e.engine_process",
+        asdict(job),
+        workdir,
+        label="the engine process",
+        timeout_s=timeout_s,
+        interpreter=interpreter,
     )
     return EngineResult(
         steps=[_step_result(step) for step in raw["steps"]],
@@ -349,4 +370,5 @@ def run_engine(job: EngineJob, workdir: Path, *, timeout_s: float = ENGINE_TIMEO
         startup_s=raw["startup_s"],
         kv_bytes_per_block=raw.get("kv_bytes_per_block", 0),
         blocks_per_chunk=raw.get("blocks_per_chunk", 0),
+        kvtriton_origin=raw.get("kvtriton_origin", ""),
     )

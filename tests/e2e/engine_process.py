@@ -256,6 +256,7 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
         spec = _offloading_worker().spec
         result["kv_bytes_per_block"] = spec.config.worker_kv_bytes_per_block
         result["blocks_per_chunk"] = spec.blocks_per_chunk
+        result["kvtriton_origin"] = str(Path(sys.modules["kvtriton"].__file__ or "").parent)
     for step in job["steps"]:
         op = step["op"]
         record: dict[str, Any] = {"op": op, "name": step.get("name", op)}

@@ -1,61 +1,56 @@
-"""The wheel ships kernels/ as kvtriton.kernels and never as a top-level package; the kernels' development tools stay out."""
+"""The wheel ships every package of kvtriton (found, never listed), kernels/ as kvtriton.kernels and never as a top-level
+package; the kernels' development tools stay out. tests/e2e/test_installed_wheel.py installs the same wheel and runs it."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+from packaging_fixtures import ROOT, build_wheel
 
 
-def _source_copy(destination: Path) -> Path:
-    """The checkout's files as git sees them (untracked, unignored ones included), without a build/ of old runs.
-
-    setuptools reuses ``build/lib``: a file deleted since the last build would ship again from there.
-    """
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    for name in filter(None, listed.split("\0")):
-        source = ROOT / name
-        target = destination / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_symlink():
-            target.symlink_to(source.readlink())
-        elif source.is_file():
-            shutil.copy2(source, target)
-    return destination
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return zipfile.ZipFile(build_wheel(tmp_path_factory.mktemp("wheel")))
 
 
-def test_wheel_holds_kvtriton_kernels_and_no_top_level_kernels(tmp_path: Path) -> None:
-    source = _source_copy(tmp_path / "source")
-    wheels = tmp_path / "wheels"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--wheel-dir",
-            str(wheels),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-        cwd=tmp_path,
-    )
-    (wheel,) = wheels.glob("kvtriton-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+@pytest.fixture(scope="module")
+def wheel_names(wheel: zipfile.ZipFile) -> list[str]:
+    return wheel.namelist()
+
+
+def test_wheel_holds_every_package_of_the_tree(wheel_names: list[str]) -> None:
+    # The kvtriton/kernels symlink is followed, as the build follows it.
+    packages = {
+        str(init.parent.relative_to(ROOT))
+        for init in [*(ROOT / "kvtriton").rglob("__init__.py"), *(ROOT / "kvtriton" / "kernels").rglob("__init__.py")]
+        if "__pycache__" not in init.parts
+    }
+    shipped = {str(Path(name).parent) for name in wheel_names if name.endswith("/__init__.py")}
+    assert {"kvtriton/integrations/vllm", "kvtriton/integrations/mooncake", "kvtriton/kernels/_jit"} <= packages
+    assert packages == shipped
+    sources = {str(path.relative_to(ROOT)) for package in packages for path in (ROOT / package).glob("*.py")}
+    assert sources <= set(wheel_names)
+
+
+def test_wheel_holds_kvtriton_kernels_and_no_top_level_kernels(wheel_names: list[str]) -> None:
     kernel_sources = {Path(source).name for source in (ROOT / "kernels").rglob("*.py")}
-    shipped = {Path(name).name for name in names if name.startswith("kvtriton/kernels/")}
+    shipped = {Path(name).name for name in wheel_names if name.startswith("kvtriton/kernels/")}
     assert kernel_sources <= shipped
-    assert not [name for name in names if name.startswith("kernels/")]
-    assert not [name for name in names if name.startswith("kernels_dev/") or "codegen" in name or "compile_asm" in name]
-    assert "kvtriton/py.typed" in names
+    assert not [name for name in wheel_names if name.startswith("kernels/")]
+    assert not [
+        name for name in wheel_names if name.startswith("kernels_dev/") or "codegen" in name or "compile_asm" in name
+    ]
+    assert "kvtriton/py.typed" in wheel_names
+
+
+def test_wheel_declares_what_the_seal_needs(wheel: zipfile.ZipFile) -> None:
+    """xxhash (the chunk seal's checksum) comes with ``pip install kvtriton``: neither vLLM release brings it."""
+    (metadata,) = [name for name in wheel.namelist() if name.endswith(".dist-info/METADATA")]
+    requires = [
+        line.split(":", 1)[1].strip()
+        for line in wheel.read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    assert any(requirement.startswith("xxhash") for requirement in requires), requires
