@@ -606,9 +606,9 @@ class SharedRegion(ClosesOnExit):
         the header and waits until every rank has too (the same timeout): if
         CUDA refused any rank, every rank's slab is pageable (see the module
         docstring; one WARNING for the engine). ``pin`` and ``gpu`` work as
-        for :meth:`HostSlab.from_buffer`; ``allow_pageable`` only matters to
-        a slab that is not pinned at all, as there (a refused registration
-        always leads to pageable memory: the region has no other). Closing
+        for :meth:`HostSlab.from_buffer`; ``allow_pageable`` (the slab
+        opener's signature) changes nothing here: a refused registration
+        always leads to pageable memory, the region having no other. Closing
         the slab unpins it and leaves the mapping to this region.
         """
         layout = self.layout

@@ -657,7 +657,8 @@ class HostSlab(ClosesOnExit):
                 refusal.code, f"{refusal.detail}; cudaHostAlloc failed too with {error_name(code)}", refusal.nbytes
             )
         memory = (ctypes.c_ubyte * self.nbytes).from_address(pointer)
-        weakref.finalize(memory, _free_host_memory, allocator, pointer)
+        # Not at exit: the process's memory goes with it, and CUDA may be torn down by then.
+        weakref.finalize(memory, _free_host_memory, allocator, pointer).atexit = False
         flat = torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory``: freed with the last view
         self._setup(flat, self.num_slots, self.block_size_factor, self.row_bytes, self.row_bytes, 0, owns_memory=True)
         self._host_allocated = True
