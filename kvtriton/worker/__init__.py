@@ -20,8 +20,10 @@ from kvtriton.worker._plan import TransferDirection
 from kvtriton.worker._shared_region import RegionLayout, SharedRegion
 from kvtriton.worker._slab import (
     MEMLOCK_NOTE,
+    HostMemoryPath,
     HostSlab,
     PageableSlabWarning,
+    PinRefusal,
     SlabPinningError,
     mem_available_bytes,
     memlock_limit_bytes,
@@ -30,9 +32,11 @@ from kvtriton.worker._slot_digests import SlotDigests
 
 __all__ = [
     "EngineStats",
+    "HostMemoryPath",
     "HostSlab",
     "KVLayout",
     "PageableSlabWarning",
+    "PinRefusal",
     "PagedKV",
     "RegionLayout",
     "SharedRegion",

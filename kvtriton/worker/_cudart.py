@@ -10,6 +10,9 @@
   "not available" and the per-run path above is used instead) and
   ``cudaRuntimeGetVersion`` (the batch call lost its ``failIdx`` argument in
   CUDA 13, so its argument list depends on the version);
+* ``cudaHostAlloc`` / ``cudaFreeHost`` (a slab whose memory the driver
+  refuses to register, as in confidential-computing mode, takes pinned memory
+  the driver allocates instead);
 * ``cudaHostGetDevicePointer`` (the slab checks that every registration is
   reached on the device at its host address, which the Triton path relies on);
 * ``cudaStreamCreateWithPriority`` / ``cudaStreamDestroy`` /
@@ -93,6 +96,10 @@ def loaded_cudart() -> ctypes.CDLL | None:
         library.cudaGetLastError.restype = ctypes.c_int
         library.cudaGetErrorName.argtypes = [ctypes.c_int]
         library.cudaGetErrorName.restype = ctypes.c_char_p
+        library.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        library.cudaHostAlloc.restype = ctypes.c_int
+        library.cudaFreeHost.argtypes = [ctypes.c_void_p]
+        library.cudaFreeHost.restype = ctypes.c_int
         library.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
         library.cudaHostGetDevicePointer.restype = ctypes.c_int
         library.cudaStreamCreateWithPriority.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_int]
@@ -146,6 +153,35 @@ def host_device_pointer(host: int) -> int | None:
         cast(int, library.cudaHostGetDevicePointer(ctypes.byref(device), host, 0)),
     )
     return int(device.value or 0)
+
+
+CUDA_HOST_ALLOC_DEFAULT = 0
+"""``cudaHostAllocDefault``: page-locked, reached by every device at its host address (unified addressing), as torch's
+own pinned allocations are."""
+
+
+def host_alloc(nbytes: int) -> tuple[int, int]:
+    """``cudaHostAlloc(nbytes)``: ``(error code, address)``, the address 0 unless the code is 0 (``cudaSuccess``).
+
+    A failing call's last error is consumed here. ``CudaRuntimeError`` where
+    libcudart is not loaded.
+    """
+    library = _require_library("cudaHostAlloc")
+    pointer = ctypes.c_void_p()
+    code = cast(int, library.cudaHostAlloc(ctypes.byref(pointer), nbytes, CUDA_HOST_ALLOC_DEFAULT))
+    if code != 0:
+        last_error()
+        return code, 0
+    return 0, int(pointer.value or 0)
+
+
+def free_host(pointer: int) -> int:
+    """``cudaFreeHost(pointer)`` for memory :func:`host_alloc` gave: the error code (0: freed)."""
+    library = _require_library("cudaFreeHost")
+    code = cast(int, library.cudaFreeHost(pointer))
+    if code != 0:
+        last_error()
+    return code
 
 
 def stream_priority_range() -> tuple[int, int]:

@@ -20,8 +20,10 @@ outlives the processes that use it, whatever their engine id:
   namespace); a live creator only keeps a file a little longer.
 * **Counted.** The header counts the processes that mapped the region (the
   one completing the count unlinks the name: from then on the memory lives
-  exactly as long as some process maps it) and the worker ranks that
-  populated their bytes. Both are updated under a record lock on the header
+  exactly as long as some process maps it), the worker ranks that
+  populated their bytes, and the ranks that reported how pinning went (and
+  how many CUDA refused), from which every rank takes the same host memory
+  path and the scheduler reads it. Both are updated under a record lock on the header
   page (:func:`header_locked`), which the shared ``flock`` every mapper holds
   does not conflict with.
 
@@ -67,8 +69,9 @@ REGION_MODE = PRIVATE_FILE_MODE
 HEADER_BYTES = ROW_ALIGNMENT
 """The region starts with one header page (magic, mapper and populated counts, layout); rows follow, still aligned."""
 
-MAGIC = b"KVTRREG4"
-"""4: published whole (linked after its header is written) and held under a shared flock while mapped."""
+MAGIC = b"KVTRREG5"
+"""4: published whole (linked after its header is written) and held under a shared flock while mapped; 5: the
+ranks' pinning outcomes and the host memory path they agreed on."""
 _MAGIC_FAMILY = b"KVTRREG"  # every kvtriton region's magic starts so; the creator's pid sits at the same offset since 2
 
 
@@ -97,7 +100,16 @@ CREATOR = HeaderField(MAPPED.end, struct.Struct("<Q"))
 """The creator's process id (in its pid namespace)."""
 POPULATED = HeaderField(CREATOR.end, struct.Struct("<Q"))
 """Worker ranks that have populated their bytes."""
-LAYOUT_LENGTH = HeaderField(POPULATED.end, struct.Struct("<I"))
+PIN_REPORTED = HeaderField(POPULATED.end, struct.Struct("<Q"))
+"""Worker ranks that have said how their pinning went (pinned, refused, or not pinning at all)."""
+PIN_REFUSED = HeaderField(PIN_REPORTED.end, struct.Struct("<Q"))
+"""Worker ranks whose registration CUDA refused: one is enough for every rank to go pageable."""
+FIRST_REFUSAL = HeaderField(PIN_REFUSED.end, struct.Struct("<Q"))
+"""The first refused rank plus one (0: none yet) and its CUDA error, ``rank + 1 | code << 32``: that rank logs the
+engine's one WARNING."""
+MEMORY_PATH = HeaderField(FIRST_REFUSAL.end, struct.Struct("<I"))
+"""The slowest host memory path a rank took, plus one (0: no rank decided yet): what the gauge reports."""
+LAYOUT_LENGTH = HeaderField(MEMORY_PATH.end, struct.Struct("<I"))
 """Bytes of the layout JSON that follows."""
 LAYOUT_AT = LAYOUT_LENGTH.end
 

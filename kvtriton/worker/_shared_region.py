@@ -37,10 +37,27 @@ GPU's NUMA node, so that each rank's bytes sit next to the GPU that copies
 them, then counts itself in the header (``populated_count``). A rank pins
 only once every rank has populated (it waits for the count to reach
 ``world_size``, at most ``populate_timeout_s``): pinning earlier would fault
-the pages it shares with a rank still populating onto its own node. And each
-rank pins its own part only, where the layout allows it (see
-:func:`~kvtriton.worker._slab.own_row_ranges`), not world-size copies of the
-whole region's pinning work. Pages no rank populated (padding) are faulted in
+the pages it shares with a rank still populating onto its own node. Each
+rank registers every whole block row, the other ranks' bytes included, in
+pieces of about a GiB (:data:`~kvtriton.worker._slab.PIN_CHUNK_BYTES`): its
+own bytes sit a block row apart, so registering them alone would take one
+``cudaHostRegister`` per block row (tens of thousands for a 100 GB region,
+whatever the tensor parallelism; with one rank, every row whenever the
+seal's padding fills a page). The cost is pinning time: each rank pins the
+whole region, ``world_size`` times its own bytes (the pages are shared, so
+no more RAM is locked).
+
+Pinning refused (:class:`~kvtriton.worker._slab.HostMemoryPath`). A rank
+whose registration CUDA refuses (a GPU in confidential-computing mode
+refuses every size; a driver's size cap; a container's limits) cannot take
+other memory: the region is the memory every process shares. Every rank
+counts its outcome in the header (``PIN_REPORTED``, ``PIN_REFUSED``), waits
+until all have (at most ``populate_timeout_s``), and if any was refused all
+of them unpin and copy through pageable memory (the ``dma`` backend on the
+engine's copy threads): one path for the whole engine, decided from the same
+counts by every rank, with one WARNING, logged by the first refused rank.
+The path taken is kept in the header too (the slowest rank's), where the
+scheduler reads it (:attr:`SharedRegion.memory_path`) for the gauge. Pages no rank populated (padding) are faulted in
 by the first process that touches them. The file itself (its name, header,
 locks, and when a stale one is removed) is :mod:`kvtriton.worker._region_file`'s:
 it appears under its name complete, every process that maps it holds a shared
@@ -73,14 +90,19 @@ from kvtriton._int_argument import check_int
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton._region_rows import ROW_ALIGNMENT, block_row_stride
 from kvtriton.worker._closing import ClosesOnExit
+from kvtriton.worker._cudart import error_name
 from kvtriton.worker._numa import on_gpu_node, placement_gpu
 from kvtriton.worker._region_file import (
     CREATOR,
+    FIRST_REFUSAL,
     HEADER_BYTES,
     LAYOUT_AT,
     LAYOUT_LENGTH,
     MAGIC,
     MAPPED,
+    MEMORY_PATH,
+    PIN_REFUSED,
+    PIN_REPORTED,
     POPULATED,
     REGION_DIRECTORY,
     REGION_MODE,
@@ -96,7 +118,7 @@ from kvtriton.worker._region_file import (
     remove_stale_regions,
     staging_path,
 )
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker._slab import HostMemoryPath, HostSlab, PinRefusal
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +315,8 @@ class SharedRegion(ClosesOnExit):
         self._fd = -1
         self._file: os.stat_result | None = None  # the file this process mapped (its name may be another's later)
         self._populated_ranks: set[int] = set()
+        self._reported_ranks: set[int] = set()
+        self._refused_ranks: set[int] = set()
         remove_stale_regions(directory)
         for _ in range(_OPEN_ATTEMPTS):
             try:
@@ -483,21 +507,58 @@ class SharedRegion(ClosesOnExit):
 
     def _wait_for_every_rank(self, rank: int, timeout_s: float) -> None:
         """Block until every rank has populated its bytes; ``TimeoutError`` naming how many did, after ``timeout_s``."""
+        self._wait_for_count(POPULATED, rank, timeout_s, "populate its bytes of", " before pinning")
+
+    def _wait_for_count(self, counter: HeaderField, rank: int, timeout_s: float, what: str, why: str) -> None:
+        """Block until ``counter`` reaches ``world_size``; ``TimeoutError`` naming how many ranks did, after ``timeout_s``."""
         world = self.layout.world_size
         deadline = time.monotonic() + timeout_s
         started = time.perf_counter()
-        while (populated := self.populated_count) < world:
+        while (arrived := self._read_count(counter)) < world:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"rank {rank} waited {timeout_s} s for every rank to populate its bytes of {self.path} before "
-                    f"pinning, but only {populated} of {world} did: a rank that never takes its slab (it failed or "
-                    f"never started: see its log) holds the others here; raise populate_timeout_s if ranks are "
-                    f"only slow to start"
+                    f"rank {rank} waited {timeout_s} s for every rank to {what} {self.path}{why}, but only "
+                    f"{arrived} of {world} did: a rank that never takes its slab (it failed or never started: see its "
+                    f"log) holds the others here; raise populate_timeout_s if ranks are only slow to start"
                 )
             time.sleep(_POLL_S)
         logger.info(
-            "rank %d: all %d ranks populated %s after %.3f s", rank, world, self.path, time.perf_counter() - started
+            "rank %d: all %d ranks %s %s after %.3f s", rank, world, what, self.path, time.perf_counter() - started
         )
+
+    def _report_pinning(self, rank: int, refusal: PinRefusal | None) -> None:
+        """Count how ``rank``'s pinning went in the header (a rank once; a refusal once), under the header lock."""
+        region = self._require_mapping()
+        with header_locked(self._fd):
+            if rank not in self._reported_ranks:
+                PIN_REPORTED.write(region, PIN_REPORTED.read(region) + 1)
+                self._reported_ranks.add(rank)
+            if refusal is not None and rank not in self._refused_ranks:
+                PIN_REFUSED.write(region, PIN_REFUSED.read(region) + 1)
+                self._refused_ranks.add(rank)
+                if FIRST_REFUSAL.read(region) == 0:
+                    FIRST_REFUSAL.write(region, (rank + 1) | refusal.code << 32)
+
+    def _record_path(self, path: HostMemoryPath) -> None:
+        """Keep the slowest path any rank took in the header (the gauge reports the engine's slowest rank)."""
+        region = self._require_mapping()
+        with header_locked(self._fd):
+            MEMORY_PATH.write(region, max(MEMORY_PATH.read(region), int(path) + 1))
+
+    @property
+    def memory_path(self) -> HostMemoryPath | None:
+        """The host memory the ranks' copies go through (the slowest rank's); None before any rank took its slab.
+
+        Read from the header, so the scheduler process, which never pins,
+        reports it too (the value of kvtriton's host memory path gauge).
+        """
+        recorded = self._read_count(MEMORY_PATH)
+        return None if recorded == 0 else HostMemoryPath(recorded - 1)
+
+    @property
+    def refused_count(self) -> int:
+        """How many ranks CUDA refused to pin their view of the region (any one sends every rank to pageable)."""
+        return self._read_count(PIN_REFUSED)
 
     def _bytes(self) -> torch.Tensor:
         """The whole file as a uint8 tensor sharing the mapping."""
@@ -540,12 +601,15 @@ class SharedRegion(ClosesOnExit):
         device, see :mod:`kvtriton.worker._numa`) and counts the rank in the
         header. A slab that will be pinned then waits until every rank has
         done so (at most ``populate_timeout_s`` seconds, then ``TimeoutError``
-        naming how many ranks arrived; nothing is pinned). ``pin``,
-        ``allow_pageable`` and ``gpu`` work as for
-        :meth:`HostSlab.from_buffer`, which registers this rank's own pages
-        where the layout allows it (the rows start on a page boundary, after
-        the header page). Closing the slab unpins it and leaves the mapping
-        to this region.
+        naming how many ranks arrived; nothing is pinned), registers every
+        whole block row (:meth:`HostSlab.register`), counts how that went in
+        the header and waits until every rank has too (the same timeout): if
+        CUDA refused any rank, every rank's slab is pageable (see the module
+        docstring; one WARNING for the engine). ``pin`` and ``gpu`` work as
+        for :meth:`HostSlab.from_buffer`; ``allow_pageable`` (the slab
+        opener's signature) changes nothing here: a refused registration
+        always leads to pageable memory, the region having no other. Closing
+        the slab unpins it and leaves the mapping to this region.
         """
         layout = self.layout
         layout.rank_offset(rank)  # validates rank before any work
@@ -581,16 +645,67 @@ class SharedRegion(ClosesOnExit):
             self._populated_ranks.add(rank)
         if pinning:
             self._wait_for_every_rank(rank, populate_timeout_s)
-        return HostSlab.from_buffer(
+        slab = HostSlab.from_buffer(
             self.region_tensor().reshape(-1),
             layout.num_chunks,
             layout.block_size_factor,
             layout.rank_row_bytes,
             row_stride=layout.block_row_stride,
             row_offset=layout.rank_offset(rank),
-            pin=pin,
+            pin=pin if not pinning else False,  # a pinning rank registers below, and agrees with the others
             allow_pageable=allow_pageable,
             gpu=gpu,
+        )
+        try:
+            if not pinning:
+                self._report_pinning(rank, None)
+                self._record_path(HostMemoryPath.PAGEABLE)
+                return slab
+            self._report_pinning(rank, slab.register(gpu))
+            self._wait_for_count(PIN_REPORTED, rank, populate_timeout_s, "say how pinning went for", "")
+            self._agree_on_path(rank, slab)
+        except BaseException:
+            slab.close()
+            raise
+        return slab
+
+    def _agree_on_path(self, rank: int, slab: HostSlab) -> None:
+        """Take the path every rank takes: pinned unless CUDA refused some rank, then pageable for all (one WARNING).
+
+        Every rank has reported (pinned or refused) before this runs, so all
+        read the same counts. The first refused rank logs the engine's one
+        WARNING; the others say what they follow at INFO.
+        """
+        refused = self.refused_count
+        if refused == 0:
+            self._record_path(slab.memory_path)
+            return
+        slab.unregister()
+        self._record_path(HostMemoryPath.PAGEABLE)
+        first = self._read_count(FIRST_REFUSAL)
+        first_rank, code = (first & 0xFFFFFFFF) - 1, first >> 32
+        if rank != first_rank:
+            logger.info(
+                "rank %d: CUDA refused to pin rank %d's view of %s: this rank copies through %s too",
+                rank,
+                first_rank,
+                self.path,
+                HostMemoryPath.PAGEABLE.description,
+            )
+            return
+        logger.warning(
+            "CUDA refused to pin the shared host region %s for %d of %d rank(s) (cudaHostRegister failed with %s, "
+            "first on rank %d; a GPU in confidential-computing mode refuses every registration, a driver or "
+            "container may cap it): every rank copies through %s instead (host memory path %d); it costs "
+            "bandwidth: the driver stages each copy through its own pinned buffers, so a transfer holds a copy "
+            "thread for its whole length and moves at a fraction of the pinned rate",
+            self.path,
+            refused,
+            self.layout.world_size,
+            error_name(code),
+            first_rank,
+            HostMemoryPath.PAGEABLE.description,
+            HostMemoryPath.PAGEABLE,
         )
 
     def chunk_memoryview(self) -> memoryview:

@@ -15,16 +15,18 @@ Where the memory comes from:
   of a ``/dev/shm`` file shared by several ranks, say). It never unmaps it.
   With ``row_stride`` and ``row_offset`` the slab is one rank's strided view:
   every shared row is ``row_stride`` bytes and this rank's ``row_bytes`` start
-  ``row_offset`` bytes into it. Such a view pins only its own part where it
-  can (:func:`own_row_ranges`): one registration per run of rows whose pages
-  touch, over the pages that hold this rank's bytes, when the other ranks'
-  bytes between two rows fill at least one whole page somewhere; otherwise
-  every whole shared row, as a packed slab.
+  ``row_offset`` bytes into it.
 
 Pinning: with CUDA the memory is registered with ``cudaHostRegister`` chunk
 by chunk (one huge registration is slow or fails on some systems), and every
 chunk ends on a slot boundary that is also a host page boundary, so no slot
-straddles two registrations and no two registrations share a page. Every
+straddles two registrations and no two registrations share a page. A strided
+view registers every whole shared row it spans: the padding between its rows
+and, in a region shared by several ranks, the other ranks' bytes of those rows
+too. Its own rows sit a shared row apart (the kernels address rows with one
+stride, and vLLM's tiers need each chunk's bytes contiguous), so registering
+them alone costs one ``cudaHostRegister`` per row (tens of thousands for a
+100 GB region) where whole rows take one per :data:`PIN_CHUNK_BYTES`. Every
 chunk holds the same number of rows (:attr:`HostSlab.registration_rows`, the
 last one fewer): a run of consecutive rows may still cross a chunk boundary,
 so the copy backends cut runs there (one DMA may not span two registrations).
@@ -39,9 +41,20 @@ forked later (a tokenizer pool, say) must not turn the pinned pages
 copy-on-write, after which the process's writes would go to fresh pages the
 GPU never sees.
 
-When pinning fails the slab raises :class:`SlabPinningError`, one line naming
-the CUDA error, the bytes asked for and the RAM available, unless the caller
-opted into a pageable slab with ``allow_pageable=True`` (then a
+When the driver refuses to register a slab's own memory (a GPU in
+confidential-computing mode refuses every size with ``cudaErrorNotSupported``;
+a driver's size cap; a container's limits) the slab takes pinned memory the
+driver allocates instead (``cudaHostAlloc``, which confidential computing
+allows) with one WARNING, and its copies run as fast
+(:attr:`HostSlab.memory_path` is :attr:`HostMemoryPath.HOST_ALLOC`). Adopted
+memory cannot be replaced so: :meth:`HostSlab.register` reports the refusal
+to the memory's owner instead (a shared region decides with every rank, see
+:mod:`kvtriton.worker._shared_region`).
+
+When pinning fails anyway (``cudaHostAlloc`` refused too: out of RAM, say)
+the slab raises :class:`SlabPinningError`, one line naming the CUDA errors,
+the bytes asked for and the RAM available, unless the caller opted into a
+pageable slab with ``allow_pageable=True`` (then a
 :class:`PageableSlabWarning` says so). ``RLIMIT_MEMLOCK`` is named for
 information only: the NVIDIA driver pins registered memory with
 ``pin_user_pages`` and never charges it to the locked-memory limit, so the
@@ -50,11 +63,14 @@ limit neither allows nor refuses a pin, and nothing here skips pinning for it.
 Lifetime: transfer engines register themselves as users of the slab
 (:meth:`HostSlab.add_user`); :meth:`HostSlab.close` drains every live user's
 streams before it unregisters the memory, so no queued copy ever touches
-memory that is no longer pinned.
+memory that is no longer pinned. Memory from ``cudaHostAlloc`` is freed when
+no view of it remains.
 """
 
 from __future__ import annotations
 
+import ctypes
+import enum
 import logging
 import math
 import mmap
@@ -62,14 +78,22 @@ import os
 import resource
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Protocol, SupportsInt, cast
 
-import numpy as np
 import torch
 
 from kvtriton._int_argument import check_int
 from kvtriton.worker._closing import ClosesOnExit
-from kvtriton.worker._cudart import CudaRuntimeError, error_name, host_device_pointer, last_error, loaded_cudart
+from kvtriton.worker._cudart import (
+    CudaRuntimeError,
+    error_name,
+    free_host,
+    host_alloc,
+    host_device_pointer,
+    last_error,
+    loaded_cudart,
+)
 from kvtriton.worker._numa import on_gpu_node, placement_gpu
 
 logger = logging.getLogger(__name__)
@@ -87,6 +111,48 @@ MEMLOCK_NOTE = (
     "for information: the NVIDIA driver does not charge cudaHostRegister to it, so it neither allows nor stops a pin"
 )
 """What every mention of RLIMIT_MEMLOCK adds (the slab's failure message, ``kvtriton info``)."""
+
+
+class HostMemoryPath(enum.IntEnum):
+    """Which host memory the copies of a slab (or of a shared region's ranks) go through; the value is the gauge's.
+
+    Ordered from the fastest: where ranks differ, the slowest one's path is the engine's.
+    """
+
+    REGISTERED = 0
+    """Pinned in place: ``cudaHostRegister`` accepted the memory; copies run at full speed."""
+    HOST_ALLOC = 1
+    """Registration was refused; pinned memory from ``cudaHostAlloc`` instead: copies run at full speed."""
+    PAGEABLE = 2
+    """Not pinned: the ``dma`` backend copies on the engine's copy threads, the driver staging every copy."""
+
+    @property
+    def description(self) -> str:
+        """What the path is, for a log line: ``"pageable memory (...)"``."""
+        return _PATH_DESCRIPTIONS[self]
+
+
+_PATH_DESCRIPTIONS = {
+    HostMemoryPath.REGISTERED: "pinned memory (cudaHostRegister)",
+    HostMemoryPath.HOST_ALLOC: "pinned memory from cudaHostAlloc",
+    HostMemoryPath.PAGEABLE: "pageable memory (dma backend on copy threads)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PinRefusal:
+    """Why CUDA refused to pin a slab's memory (nothing of it stays registered)."""
+
+    code: int
+    """The CUDA error ``cudaHostRegister`` returned (801, ``cudaErrorNotSupported``, in confidential computing)."""
+    detail: str
+    """``cudaHostRegister failed with <name> (<code>) on bytes <a>..<b>``, and any fallback that failed too."""
+    nbytes: int
+    """The bytes the slab asked to pin."""
+
+    def message(self) -> str:
+        """The one-line failure :class:`SlabPinningError` and :class:`PageableSlabWarning` carry."""
+        return _pin_failure(self.nbytes, self.detail)
 
 
 class PageableSlabWarning(UserWarning):
@@ -139,12 +205,48 @@ class _CudaRuntime:
         return last_error()
 
 
+class _HostAllocator(Protocol):
+    """``cudaHostAlloc`` and ``cudaFreeHost``: where a slab's own memory could not be registered."""
+
+    def host_alloc(self, nbytes: int) -> tuple[int, int]:
+        """``(error code, address)``; the address is 0 unless the code is 0."""
+        ...
+
+    def free_host(self, pointer: int) -> int:
+        """The error code of freeing what :meth:`host_alloc` gave (0: freed)."""
+        ...
+
+
+class _CudaHostAllocator:
+    """The loaded libcudart's ``cudaHostAlloc`` and ``cudaFreeHost`` (:mod:`kvtriton.worker._cudart`)."""
+
+    def host_alloc(self, nbytes: int) -> tuple[int, int]:
+        return host_alloc(nbytes)
+
+    def free_host(self, pointer: int) -> int:
+        return free_host(pointer)
+
+
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
 def _registrar() -> _HostRegistrar:
     return _CudaRuntime()
+
+
+def _host_allocator() -> _HostAllocator | None:
+    """The runtime's host allocator; None where libcudart is not loaded (torch binds no ``cudaHostAlloc``)."""
+    return _CudaHostAllocator() if loaded_cudart() is not None else None
+
+
+def _free_host_memory(allocator: _HostAllocator, pointer: int) -> None:
+    """Free a slab's ``cudaHostAlloc`` memory once no view of it remains (a finaliser: it never raises)."""
+    code = allocator.free_host(pointer)
+    if code != 0:
+        logger.warning(
+            "cudaFreeHost(%#x) failed with %s: the host slab's memory stays allocated", pointer, error_name(code)
+        )
 
 
 def _device_pointer(host: int) -> int | None:
@@ -239,34 +341,6 @@ def pin_ranges(nbytes: int, slot_bytes: int, chunk_bytes: int, page_bytes: int) 
     return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
 
 
-def own_row_ranges(
-    num_rows: int, row_stride: int, row_offset: int, row_bytes: int, page_bytes: int
-) -> list[tuple[int, int]] | None:
-    """``(offset, size)`` registrations of the whole pages holding the rows' bytes, one per run of rows; or None.
-
-    Row ``r``'s bytes are ``[r*row_stride + row_offset, ... + row_bytes)`` from
-    a page-aligned base. Consecutive rows whose pages touch (no whole page of
-    other bytes between them) share one registration: each
-    ``cudaHostRegister`` costs a driver call, and a 100 GB region in rows of a
-    few MiB is tens of thousands of rows per rank. None where registering rows
-    apart would pin no fewer pages than whole shared rows (no whole page of
-    other bytes lies between any two rows) or would register a page twice (two
-    rows share one).
-    """
-    if num_rows < 2 or row_stride == row_bytes:
-        return None
-    starts = np.arange(num_rows, dtype=np.int64) * row_stride + row_offset
-    firsts = starts - starts % page_bytes
-    ends = -(-(starts + row_bytes) // page_bytes) * page_bytes
-    gaps = firsts[1:] - ends[:-1]
-    if bool((gaps < 0).any()) or not bool((gaps > 0).any()):
-        return None
-    cuts = np.flatnonzero(gaps > 0)  # a registration ends after row cuts[i]
-    first_rows = np.concatenate(([0], cuts + 1)).tolist()
-    last_rows = np.concatenate((cuts, [num_rows - 1])).tolist()
-    return [(int(firsts[a]), int(ends[b] - firsts[a])) for a, b in zip(first_rows, last_rows)]
-
-
 def _pin_failure(nbytes: int, detail: str) -> str:
     available = mem_available_bytes()
     available_text = "MemAvailable is unknown" if available is None else f"MemAvailable is {available} bytes"
@@ -334,11 +408,11 @@ class HostSlab(ClosesOnExit):
         ... + row_bytes]``: with the defaults (``row_stride = row_bytes``,
         ``row_offset = 0``) the rows are packed; a per-rank view of a shared
         buffer passes the shared row stride and this rank's offset in a row.
-        Pinning registers the pages holding this view's bytes, one
-        registration per row, where a whole page of other bytes lies between
-        two rows (:func:`own_row_ranges`), and every whole shared row the slab
-        spans otherwise (in this process's address space); either way the
-        buffer must start on a host page boundary when it is pinned.
+        Pinning registers every whole shared row the slab spans, in
+        slot- and page-aligned pieces (in this process's address space: the
+        buffer must start on a host page boundary when it is pinned); a
+        refused registration raises or warns as for an allocated slab, but
+        never takes other memory (:meth:`register` reports it instead).
         """
         _check_sizes(num_slots, block_size_factor, row_bytes)
         stride = row_bytes if row_stride is None else row_stride
@@ -385,12 +459,9 @@ class HostSlab(ClosesOnExit):
         self._span_bytes = min(self.num_rows * row_stride, int(flat.numel()))
         self._flat: torch.Tensor | None = flat
         self._registered: list[int] = []
+        self._host_allocated = False  # the memory came from cudaHostAlloc (its registration was refused)
         self.registration_rows: int | None = None
-        """Rows per CUDA registration while pinned (the last registration may hold fewer); None when pageable.
-
-        1 for a view that registers its own pages (:func:`own_row_ranges`): a
-        registration there may hold several rows, but the copy backends cut
-        their runs at every row, which never crosses one."""
+        """Rows per CUDA registration while pinned (the last registration may hold fewer); None when pageable."""
         self.device_aliased = True
         """Whether every registration is reached on the device at its host address (checked at pin time)."""
         self._users: list[weakref.ref[SlabUser]] = []
@@ -426,9 +497,52 @@ class HostSlab(ClosesOnExit):
                 )
             return
         with on_gpu_node(placement_gpu(gpu)) as node:
-            self._pin(allow_pageable)
-        if node is not None and self.pinned:
+            refusal = self._register()
+            if refusal is not None and self.owns_memory:
+                refusal = self._take_host_memory(refusal)
+        if refusal is not None:
+            if not allow_pageable:
+                raise SlabPinningError(refusal.message())
+            warnings.warn(
+                refusal.message() + "; allow_pageable=True: the slab stays pageable", PageableSlabWarning, stacklevel=3
+            )
+            return
+        if node is not None:
             logger.info("host slab pages placed on NUMA node %d", node)
+
+    def register(self, gpu: int | None = None) -> PinRefusal | None:
+        """Pin this slab's memory where it lies (``cudaHostRegister``); None when pinned, else why CUDA refused.
+
+        For a slab built unpinned over adopted memory whose owner decides what
+        a refusal leads to (a shared region: every rank together). Pages are
+        first touched on the CPUs of ``gpu``'s NUMA node (default the current
+        CUDA device). After a refusal nothing stays registered, nothing is
+        logged or warned, and the slab is pageable. ``ValueError`` when it is
+        closed or already pinned.
+        """
+        if self.closed or self.pinned:
+            raise ValueError(f"only an open, pageable slab can be registered; this one is {self!r}")
+        if gpu is not None:
+            check_int("gpu", gpu, minimum=0)
+        with on_gpu_node(placement_gpu(gpu)):
+            return self._register()
+
+    def unregister(self) -> None:
+        """Unpin memory :meth:`register` pinned (every rank of a shared region agreed to go pageable); idempotent.
+
+        The caller makes sure no engine copies over it yet (the engines are
+        built on what the slab is, pinned or not).
+        """
+        if self._host_allocated:
+            raise ValueError("a slab on cudaHostAlloc memory cannot be unpinned; close it")
+        self._unpin()
+
+    @property
+    def memory_path(self) -> HostMemoryPath:
+        """Which memory this slab's copies go through (the gauge's value; see :class:`HostMemoryPath`)."""
+        if self._host_allocated:
+            return HostMemoryPath.HOST_ALLOC
+        return HostMemoryPath.REGISTERED if self._registered else HostMemoryPath.PAGEABLE
 
     @classmethod
     def from_budget(
@@ -475,7 +589,12 @@ class HostSlab(ClosesOnExit):
         )
         return slots
 
-    def _pin(self, allow_pageable: bool) -> None:
+    def _register(self) -> PinRefusal | None:
+        """Register the slab's memory in :meth:`registration_plan`'s pieces; None when pinned, else why not.
+
+        A refused piece unregisters the pieces before it and consumes the
+        runtime's last error (so torch's next launch check does not report it).
+        """
         flat = self._flat
         assert flat is not None
         base = flat.data_ptr()
@@ -485,7 +604,7 @@ class HostSlab(ClosesOnExit):
                 "pinning it would share a page with other registrations (map it with mmap, or pass pin=False)"
             )
         registrar = _registrar()
-        ranges, rows_per_registration, own = self.registration_plan()
+        ranges, rows_per_registration = self.registration_plan()
         pinned_bytes = sum(size for _, size in ranges)
         aliased = True
         for offset, size in ranges:
@@ -493,46 +612,83 @@ class HostSlab(ClosesOnExit):
             if code != 0:
                 registrar.cudaGetLastError()  # consumed here, not by torch's next launch check
                 self._unpin()
-                message = _pin_failure(
-                    pinned_bytes, f"cudaHostRegister failed with {error_name(code)} on bytes {offset}..{offset + size}"
+                return PinRefusal(
+                    code,
+                    f"cudaHostRegister failed with {error_name(code)} on bytes {offset}..{offset + size}",
+                    pinned_bytes,
                 )
-                if not allow_pageable:
-                    raise SlabPinningError(message)
-                warnings.warn(
-                    message + "; allow_pageable=True: the slab stays pageable", PageableSlabWarning, stacklevel=4
-                )
-                return
             self._registered.append(base + offset)
-            device = _device_pointer(base + offset)
-            if device is not None and device != base + offset:
-                aliased = False
-                logger.warning(
-                    "the host slab's registration at %#x is reached on the device at %#x: the triton backend "
-                    "(which addresses every row from the slab's base) is refused for it; dma copies it",
-                    base + offset,
-                    device,
-                )
+            aliased &= self._reached_at_host_address(base + offset)
         self.device_aliased = aliased
         self.registration_rows = rows_per_registration
-        logger.info(
-            "pinned %d bytes of host slab in %d registration(s)%s",
-            pinned_bytes,
-            len(self._registered),
-            " (this view's own pages of each shared row)" if own else "",
-        )
+        logger.info("pinned %d bytes of host slab in %d registration(s)", pinned_bytes, len(self._registered))
+        return None
 
-    def registration_plan(self) -> tuple[list[tuple[int, int]], int, bool]:
-        """How pinning registers the slab: ``(offset, size)`` ranges from the buffer's start, the rows per
-        registration (:attr:`registration_rows` once pinned), and whether only this view's own pages are registered.
+    def _reached_at_host_address(self, host: int) -> bool:
+        """Whether the device reaches pinned memory at ``host`` there too (a warning when not)."""
+        device = _device_pointer(host)
+        if device is None or device == host:
+            return True
+        logger.warning(
+            "the host slab's pinned memory at %#x is reached on the device at %#x: the triton backend "
+            "(which addresses every row from the slab's base) is refused for it; dma copies it",
+            host,
+            device,
+        )
+        return False
+
+    def _take_host_memory(self, refusal: PinRefusal) -> PinRefusal | None:
+        """Move this (new, empty) slab onto pinned memory from ``cudaHostAlloc``; None when done, else why not.
+
+        Only for memory the slab allocated itself, before anyone saw it: its
+        mapping is simply dropped. ``cudaHostAlloc`` memory is not zeroed
+        (no slot is read before it is written) and is freed when no view of it
+        remains. Says so in one WARNING: what was refused, what is used
+        instead, what it costs.
         """
-        own = own_row_ranges(self.num_rows, self.row_stride, self.row_offset, self.row_bytes, HOST_PAGE_BYTES)
-        if own is not None:
-            # Only this view's pages: the other ranks' bytes between the rows are theirs to pin.
-            return own, 1, True
+        allocator = _host_allocator()
+        if allocator is None:
+            return PinRefusal(
+                refusal.code, f"{refusal.detail}; no cudaHostAlloc (libcudart is not loaded)", refusal.nbytes
+            )
+        code, pointer = allocator.host_alloc(self.nbytes)
+        if code != 0:
+            return PinRefusal(
+                refusal.code, f"{refusal.detail}; cudaHostAlloc failed too with {error_name(code)}", refusal.nbytes
+            )
+        memory = (ctypes.c_ubyte * self.nbytes).from_address(pointer)
+        # Not at exit: the process's memory goes with it, and CUDA may be torn down by then.
+        weakref.finalize(memory, _free_host_memory, allocator, pointer).atexit = False
+        flat = torch.frombuffer(memory, dtype=torch.uint8)  # holds ``memory``: freed with the last view
+        self._setup(flat, self.num_slots, self.block_size_factor, self.row_bytes, self.row_bytes, 0, owns_memory=True)
+        self._host_allocated = True
+        self.device_aliased = self._reached_at_host_address(pointer)
+        self.registration_rows = self.num_rows  # one allocation: no copy crosses a registration's end
+        logger.warning(
+            "CUDA refused to register the %d-byte host slab (%s; a GPU in confidential-computing mode refuses every "
+            "registration): using %s instead (host memory path %d), copies run at full speed; it costs nothing but "
+            "the lazy first touch: all %d bytes are allocated and pinned now",
+            self.nbytes,
+            refusal.detail,
+            HostMemoryPath.HOST_ALLOC.description,
+            HostMemoryPath.HOST_ALLOC,
+            self.nbytes,
+        )
+        return None
+
+    def registration_plan(self) -> tuple[list[tuple[int, int]], int]:
+        """How pinning registers the slab: ``(offset, size)`` ranges from the buffer's start, and the rows per
+        registration (:attr:`registration_rows` once pinned).
+
+        Every whole shared row the slab spans, in slot- and page-aligned pieces
+        of about :data:`PIN_CHUNK_BYTES` (:func:`pin_ranges`): the fewest
+        registrations, whatever lies between this view's rows (padding, other
+        ranks' bytes).
+        """
         slot_bytes = self.block_size_factor * self.row_stride
         ranges = pin_ranges(self._span_bytes, slot_bytes, PIN_CHUNK_BYTES, HOST_PAGE_BYTES)
         # Every registration but the last holds the same whole slots (pin_ranges' step).
-        return ranges, self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride, False
+        return ranges, self.num_rows if len(ranges) == 1 else ranges[0][1] // self.row_stride
 
     def _unpin(self) -> None:
         if not self._registered:
@@ -560,8 +716,8 @@ class HostSlab(ClosesOnExit):
 
     @property
     def pinned(self) -> bool:
-        """Whether the buffer is registered with CUDA (page-locked)."""
-        return bool(self._registered)
+        """Whether the buffer is page-locked for CUDA: registered, or allocated by ``cudaHostAlloc``."""
+        return bool(self._registered) or self._host_allocated
 
     @property
     def closed(self) -> bool:
@@ -585,6 +741,7 @@ class HostSlab(ClosesOnExit):
             if user is not None:
                 user.drain()
         self._unpin()
+        self._host_allocated = False  # the memory itself goes with its last view
         self._rows = None
         self._flat = None
 

@@ -26,7 +26,7 @@ import kvtriton.worker._shared_region as shared_region
 import kvtriton.worker._slab as slab_module
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.worker._shared_region import ROW_ALIGNMENT, RegionLayout, SharedRegion
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker._slab import HostMemoryPath, HostSlab
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = shared_region.HEADER_BYTES
@@ -274,7 +274,24 @@ PAGE = slab_module.HOST_PAGE_BYTES
 TWO_PAGE_RANKS = RegionLayout(3, 1, 2, 2 * PAGE)
 
 
-def test_each_rank_pins_only_after_every_rank_populated_and_only_its_own_pages(
+def take_slabs_together(regions: list[SharedRegion]) -> list[HostSlab]:
+    """Every rank's pinned slab, each rank on a thread of its own (a rank pins only once every rank populated)."""
+    slabs: list[HostSlab | None] = [None] * len(regions)
+
+    def take(rank: int) -> None:
+        slabs[rank] = regions[rank].rank_slab(rank)
+
+    threads = [threading.Thread(target=take, args=(rank,)) for rank in range(len(regions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    taken = [made for made in slabs if made is not None]
+    assert len(taken) == len(regions), "a rank did not take its slab"
+    return taken
+
+
+def test_each_rank_pins_only_after_every_rank_populated_in_one_registration_of_whole_rows(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     regions = [SharedRegion(name, TWO_PAGE_RANKS, 2) for _ in range(2)]
@@ -291,14 +308,49 @@ def test_each_rank_pins_only_after_every_rank_populated_and_only_its_own_pages(
         assert {populated for _, _, populated in registrar.registered} == {2}  # nobody pinned before both populated
         stride = TWO_PAGE_RANKS.block_row_stride
         assert stride == 5 * PAGE  # two ranks of two pages, and a page for the seal
+        for region in regions:
+            rows = region.region_tensor().data_ptr()
+            mine = [(ptr - rows, size) for ptr, size, _ in registrar.registered if rows <= ptr < rows + stride * 3]
+            # One registration of the three whole block rows (the other rank's pages and the seals' too), not
+            # three of this rank's two pages.
+            assert mine == [(0, 3 * stride)]
+        assert all(made.pinned and made.registration_rows == 3 for made in slabs)
+        assert regions[0].memory_path is HostMemoryPath.REGISTERED
+    finally:
+        for made in slabs:
+            made.close()
+        for region in regions:
+            region.close()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "blocks_per_chunk"),
+    [(1, 2), (1, 3), (2, 2), (2, 3), (4, 4)],  # one rank with even and odd blocks per chunk; two and four ranks
+)
+def test_each_rank_pins_the_region_in_one_registration_per_pin_chunk_whatever_the_ranks_and_blocks_per_chunk(
+    name: str, monkeypatch: pytest.MonkeyPatch, world_size: int, blocks_per_chunk: int
+) -> None:
+    # Page-sized rank rows: with one rank and an odd number of blocks per chunk the seal's padding fills a page
+    # after every row, and with several ranks every rank's rows sit a block row apart. Either used to cost one
+    # cudaHostRegister per block row (here 48 to 64 per rank; tens of thousands for a 100 GB region).
+    layout = RegionLayout(16, blocks_per_chunk, world_size, PAGE)
+    pieces_of_chunks = 4
+    monkeypatch.setattr(slab_module, "PIN_CHUNK_BYTES", pieces_of_chunks * layout.chunk_bytes)
+    regions = [SharedRegion(name, layout, world_size) for _ in range(world_size)]
+    registrar = as_if_on_cuda(monkeypatch, regions[0])
+    slabs: list[HostSlab] = []
+    try:
+        slabs = take_slabs_together(regions)
         for rank, region in enumerate(regions):
             rows = region.region_tensor().data_ptr()
             mine = sorted(
-                (ptr - rows, size) for ptr, size, _ in registrar.registered if rows <= ptr < rows + stride * 3
+                (ptr - rows, size) for ptr, size, _ in registrar.registered if rows <= ptr < rows + layout.region_bytes
             )
-            # One registration per block row, over this rank's two pages only: half the region, not all of it.
-            assert mine == [(row * stride + rank * 2 * PAGE, 2 * PAGE) for row in range(3)]
-        assert all(made.pinned and made.registration_rows == 1 for made in slabs)
+            piece = pieces_of_chunks * layout.chunk_bytes
+            # 16 chunks in pieces of 4: four registrations per rank, one after the other, covering every row.
+            assert mine == [(offset, piece) for offset in range(0, layout.region_bytes, piece)]
+            assert slabs[rank].registration_rows == pieces_of_chunks * blocks_per_chunk
+        assert len(registrar.registered) == 4 * world_size
     finally:
         for made in slabs:
             made.close()

@@ -11,7 +11,7 @@ import torch
 
 import kvtriton.worker._numa as numa_module
 import kvtriton.worker._slab as slab_module
-from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
+from kvtriton.worker._slab import HostMemoryPath, HostSlab, PageableSlabWarning, SlabPinningError
 
 
 @dataclass
@@ -464,23 +464,17 @@ def test_a_failing_device_address_query_keeps_the_slab_pinned_but_not_for_triton
     assert fake_cuda.unregistered  # closed normally: nothing leaked
 
 
-def test_a_strided_view_registers_its_own_pages_per_row_only_where_that_pins_fewer_pages() -> None:
-    page = 4096
-    # Rows of four pages, this view's bytes one and a half pages from 100 bytes in: pages 0-1 of every row.
-    assert slab_module.own_row_ranges(3, 4 * page, 100, page + page // 2, page) == [
-        (0, 2 * page), (4 * page, 2 * page), (8 * page, 2 * page),
-    ]  # fmt: skip
-    assert slab_module.own_row_ranges(3, 1000, 0, 1000, page) is None  # packed: nothing to leave out
-    assert slab_module.own_row_ranges(3, 2 * page, 0, page + 1, page) is None  # rows' pages touch: none left out
-    assert slab_module.own_row_ranges(3, 3000, 0, 1000, page) is None  # rows share a page: it would be registered twice
-    assert slab_module.own_row_ranges(1, 4 * page, 0, page, page) is None  # one row: one whole-row registration
-
-
-def test_a_strided_view_registers_each_run_of_rows_whose_pages_touch_once() -> None:
-    page = 4096
-    # Rows every page and a half, 1000 bytes each: rows 0 and 1 fill pages 0 and 1, page 2 holds only other bytes,
-    # rows 2 and 3 fill pages 3 and 4. Two registrations, not four; none covers page 2.
-    assert slab_module.own_row_ranges(4, 3 * page // 2, 0, 1000, page) == [(0, 2 * page), (3 * page, 2 * page)]
-    with HostSlab.from_buffer(bytearray(6 * page), 4, 1, 1000, row_stride=3 * page // 2, pin=False) as slab:
-        ranges, rows_per_registration, own = slab.registration_plan()
-        assert (ranges, rows_per_registration, own) == ([(0, 2 * page), (3 * page, 2 * page)], 1, True)
+def test_a_strided_view_registers_whole_shared_rows_in_slot_aligned_pieces_not_row_by_row(
+    fake_cuda: FakeRegistrar,
+) -> None:
+    page = slab_module.HOST_PAGE_BYTES  # PIN_CHUNK_BYTES is two pages here (the fixture)
+    # Rows of four pages, this view's bytes a page and a half from 100 bytes in: a whole page of other bytes
+    # lies between two rows, yet registering the view's own pages would cost one call per row.
+    buffer = mmap.mmap(-1, 6 * 4 * page, flags=mmap.MAP_PRIVATE)
+    with HostSlab.from_buffer(buffer, 3, 2, page + page // 2, row_stride=4 * page, row_offset=100) as slab:
+        ranges, rows_per_registration = slab.registration_plan()
+        # Slots of two four-page rows: each piece is one slot (the smallest slot- and page-aligned span).
+        assert (ranges, rows_per_registration) == ([(0, 8 * page), (8 * page, 8 * page), (16 * page, 8 * page)], 2)
+        base = slab.rows.data_ptr() - 100
+        assert fake_cuda.registered == [(base + offset, size) for offset, size in ranges]
+        assert slab.registration_rows == 2 and slab.memory_path is HostMemoryPath.REGISTERED
