@@ -79,8 +79,9 @@ class _ModuleSuggestions:
     import system asks this finder only after every finder before it found
     nothing, so an import that succeeds never reaches it, and before refusing
     it asks the finders placed after it, so it never hides a module one of
-    them serves. Only names under ``kvtriton.`` are answered; for every other
-    missing module it returns None at once, and Python's own error stands.
+    them serves. Only public names under ``kvtriton.`` are answered (what a
+    configuration names); for every other missing module, private ones
+    included, it returns None at once, and Python's own error stands.
     The one difference: ``importlib.util.find_spec`` of a missing
     ``kvtriton.*`` module raises this ``ModuleNotFoundError`` instead of
     returning None, as it already does for any dotted name whose parent is missing.
@@ -89,8 +90,8 @@ class _ModuleSuggestions:
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if not fullname.startswith("kvtriton."):
-            return None
+        if not fullname.startswith("kvtriton.") or any(part.startswith("_") for part in fullname.split(".")[1:]):
+            return None  # not kvtriton's, or a private name (``python -m kvtriton`` asks for kvtriton.__main__)
         after = sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []
         for finder in after:
             find = getattr(finder, "find_spec", None)

@@ -379,3 +379,20 @@ def test_an_empty_salt_hashes_as_no_salt_and_the_tenant_model_warns_about_it() -
     tenant_model = security.split("## The tenant model", 1)[1].split("\n## ", 1)[0]
     assert "**An empty salt is no salt.**" in tenant_model
     assert "non-empty salt of its own" in tenant_model
+
+
+@pytest.mark.parametrize("name", ["kvtriton._no_such_private_module", "kvtriton.integrations.vllm._confg"])
+def test_a_missing_private_kvtriton_module_keeps_pythons_own_error(name: str) -> None:
+    with pytest.raises(ModuleNotFoundError, match=rf"^No module named '{re.escape(name)}'$"):
+        importlib.import_module(name)
+    assert importlib.util.find_spec("kvtriton._no_such_private_module") is None
+
+
+def test_a_tier_module_path_typo_under_kvtriton_names_the_tier_and_the_module_meant() -> None:
+    tiers = [{"type": "MooncakeStoreTier", "module_path": "kvtriton.integrations.mooncak"}]
+    message = (
+        r"^secondary_tiers\[0\] \(type 'MooncakeStoreTier'\): module_path 'kvtriton\.integrations\.mooncak' cannot be "
+        r"imported \(No module named 'kvtriton\.integrations\.mooncak'; did you mean 'kvtriton\.integrations\.mooncake'\?"
+    )
+    with pytest.raises(ImportError, match=message):
+        KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
