@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -46,16 +47,14 @@ from kvtriton.integrations.vllm._surface import FileSystemTierManager
 from kvtriton.integrations.vllm._tier_configs import MAX_TIER_THREADS, THREAD_COUNT_KEYS
 
 BUDGET: dict[str, object] = {"cpu_bytes_to_use": 1 << 20}
-FS_THREADS = "vllm_kv_py_fs"
-"""The name prefix of vLLM's fs tier's I/O threads (its ``DualQueueThreadPool``)."""
 
 
 def fs_tier(root: Path, **keys: object) -> dict[str, object]:
     return {"type": "fs", "root_dir": str(root / "kv"), **keys}
 
 
-def fs_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name.startswith(FS_THREADS)]
+def threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread not in before]
 
 
 # --- the fs tier's thread counts ---------------------------------------------------------------------------------
@@ -84,47 +83,68 @@ def test_every_thread_count_key_of_vllms_fs_tier_is_bounded() -> None:
 
 
 def test_the_bounds_themselves_are_accepted(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
     tiers = [fs_tier(tmp_path, n_read_threads=1, n_write_threads=MAX_TIER_THREADS)]
     manager = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers})).get_manager()
     try:
-        assert len(fs_threads()) == 1 + MAX_TIER_THREADS
+        assert len(threads_since(before)) >= 1 + MAX_TIER_THREADS
     finally:
         manager.shutdown()
-    assert fs_threads() == []
+    assert threads_since(before) == []
 
 
-class FailingThreadStarts:
-    """``threading.Thread.start`` that refuses, as a process at its thread limit does, from the ``fail_at``-th start
-    of a thread whose name begins with one of ``prefixes``."""
+class ThreadStartsInTheFsTier:
+    """Counts the threads vLLM's fs tier starts while it is built and, from the ``fail_at``-th, refuses them as a
+    process at its thread limit does (``fail_at`` None: counts only)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, prefixes: Sequence[str], fail_at: int) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> None:
         self.started = 0
+        building = threading.local()
         real_start = threading.Thread.start
+        real_init = FileSystemTierManager.__init__
 
         def start(thread: threading.Thread) -> None:
-            if thread.name.startswith(tuple(prefixes)):
+            if getattr(building, "tier", False):
                 self.started += 1
-                if self.started >= fail_at:
+                if fail_at is not None and self.started >= fail_at:
                     raise RuntimeError("can't start new thread")
             real_start(thread)
 
+        def init(tier: FileSystemTierManager, *args: Any, **kwargs: Any) -> None:
+            building.tier = True
+            try:
+                real_init(tier, *args, **kwargs)
+            finally:
+                building.tier = False
+
         monkeypatch.setattr(threading.Thread, "start", start)
+        monkeypatch.setattr(FileSystemTierManager, "__init__", init)
 
 
-@pytest.mark.parametrize(
-    ("prefixes", "fail_at"),
-    [((FS_THREADS,), 3), ((FS_THREADS, "vllm_offloading_lookup_"), 5)],
-    ids=["in-the-pool", "after-the-pool"],
-)
+def fs_tier_thread_starts(tmp_path: Path) -> int:
+    """How many threads an fs tier with 2 readers and 2 writers starts while it is built."""
+    tiers = [fs_tier(tmp_path / "count", n_read_threads=2, n_write_threads=2)]
+    spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
+    with pytest.MonkeyPatch.context() as patched:
+        counter = ThreadStartsInTheFsTier(patched, None)
+        spec.get_manager().shutdown()
+    return counter.started
+
+
+@pytest.mark.parametrize("failing", ["third", "last"])
 def test_a_tier_whose_threads_cannot_all_start_leaves_none_running_and_the_next_spec_works(
-    prefixes: tuple[str, ...], fail_at: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    failing: str, tmp_path: Path
 ) -> None:
-    # 2 + 2 pool threads, then the tier's lookup thread: the failure comes inside the pool (2 started), or after
-    # it (the pool's 4 started, the lookup manager's fails), and either way they are stopped.
+    # 2 + 2 pool threads, then (vLLM 0.33) the tier's lookup thread: the third start fails inside the pool (two
+    # left running), the last after it (the pool's threads left running, held by a tier never assigned); either way
+    # they are stopped, and the next spec in the process starts its tier.
+    starts = fs_tier_thread_starts(tmp_path)
+    assert starts >= 4
+    before = set(threading.enumerate())
     tiers = [fs_tier(tmp_path, n_read_threads=2, n_write_threads=2)]
     spec = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": tiers}))
-    with monkeypatch.context() as patched:
-        FailingThreadStarts(patched, prefixes, fail_at)
+    with pytest.MonkeyPatch.context() as patched:
+        ThreadStartsInTheFsTier(patched, 3 if failing == "third" else starts)
         message = (
             r"^secondary_tiers\[0\] \(type 'fs'\): the engine core cannot start the tier's I/O threads \(can't start "
             r"new thread; n_read_threads=2, n_write_threads=2\); lower the tier's thread counts, or raise the "
@@ -132,14 +152,15 @@ def test_a_tier_whose_threads_cannot_all_start_leaves_none_running_and_the_next_
         )
         with pytest.raises(RuntimeError, match=message):
             spec.get_manager()
-    assert fs_threads() == []
+    assert threads_since(before) == []
     good = KVTritonTieringOffloadingSpec(tiering_config({**BUDGET, "secondary_tiers": [fs_tier(tmp_path / "next")]}))
     manager = good.get_manager()
     try:
         assert isinstance(manager, TieringOffloadingManager)
-        assert len(fs_threads()) == 32
+        assert len(threads_since(before)) >= 32  # vLLM's default: 16 readers and 16 writers
     finally:
         manager.shutdown()
+    assert threads_since(before) == []
 
 
 # --- locality ----------------------------------------------------------------------------------------------------
