@@ -9,7 +9,8 @@ Switch vLLM's CPU offloading to kvtriton by configuration alone::
 vLLM builds :class:`KVTritonOffloadingSpec` once in the scheduler process
 (which asks it for the manager) and once per worker (which asks it for the
 worker). The keys it reads are listed in :mod:`kvtriton.integrations.vllm._config`
-and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'``.
+and docs/vllm.md. vLLM is an optional dependency; the line that installs it is
+:data:`kvtriton.integrations._vllm_release.VLLM_INSTALL`, which the errors below quote.
 
 vLLM's spec factory takes the class with ``getattr(module, spec_name)``: a
 name this module does not define is answered by :func:`_no_such_name`, which
