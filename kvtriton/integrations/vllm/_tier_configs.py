@@ -4,9 +4,12 @@ Each entry names a tier type vLLM's ``SecondaryTierFactory`` resolves (a
 built-in such as ``fs``, or a ``module_path`` such as Mooncake's); this module
 resolves it the same way, says which package a built-in tier needs when it is
 missing, and checks every key the entry gives against the tier class's
-constructor (unknown keys with the closest known one, JSON types, the
+constructor (unknown keys with the closest known one, JSON types, thread
+counts within 1..:data:`MAX_TIER_THREADS`, ``locality``'s choices, the
 backpressure settings), so a typo stops the server naming the entry and the
-key instead of failing later inside the tier.
+key instead of failing later inside the tier. A tier that fails while it is
+built has the threads it started stopped (:func:`release_half_built`) and its
+error restated naming the tier (:func:`tier_failure`).
 """
 
 from __future__ import annotations
