@@ -9,14 +9,21 @@ argument and the bad value.
 from __future__ import annotations
 
 
-def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an int within ``minimum..maximum`` (either bound optional), else raise naming ``name``."""
+def check_int(
+    name: str, value: object, minimum: int | None = None, maximum: int | None = None, *, unit: str = ""
+) -> int:
+    """Return ``value`` if it is an int within ``minimum..maximum`` (either bound optional), else raise naming ``name``.
+
+    ``unit`` ("bytes", "seconds") follows the bound in the message, so that ``must be >= 1 bytes`` says what the
+    number counts.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    suffix = f" {unit}" if unit else ""
     if minimum is not None and maximum is not None and not minimum <= value <= maximum:
-        raise ValueError(f"{name} must be in {minimum}..{maximum}, got {value}")
+        raise ValueError(f"{name} must be in {minimum}..{maximum}{suffix}, got {value}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{name} must be >= {minimum}{suffix}, got {value}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise ValueError(f"{name} must be <= {maximum}{suffix}, got {value}")
     return value

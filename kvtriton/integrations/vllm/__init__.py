@@ -9,12 +9,19 @@ Switch vLLM's CPU offloading to kvtriton by configuration alone::
 vLLM builds :class:`KVTritonOffloadingSpec` once in the scheduler process
 (which asks it for the manager) and once per worker (which asks it for the
 worker). The keys it reads are listed in :mod:`kvtriton.integrations.vllm._config`
-and docs/vllm.md. vLLM is an optional dependency: ``pip install 'kvtriton[vllm]'``.
+and docs/vllm.md. vLLM is an optional dependency; the line that installs it is
+:data:`kvtriton.integrations._vllm_release.VLLM_INSTALL`, which the errors below quote.
+
+vLLM's spec factory takes the class with ``getattr(module, spec_name)``: a
+name this module does not define is answered by :func:`_no_such_name`, which
+names the spec closest to it and lists the specs.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from typing import TYPE_CHECKING, NoReturn
 
 from kvtriton.integrations._vllm_release import VLLM_INSTALL, installed_vllm_version, tested_releases
 
@@ -62,3 +69,30 @@ __all__ = [
     "VLLMOffloadingWorker",
     "open_host_slab",
 ]
+
+_SPECS = {
+    "KVTritonOffloadingSpec": "one host slab per rank",
+    "KVTritonTieringOffloadingSpec": "host memory in front of secondary_tiers",
+}
+"""The classes ``kv_connector_extra_config['spec_name']`` may name here, with what each is."""
+
+
+def _no_such_name(name: str) -> NoReturn:
+    """The module's ``__getattr__``: a missing public name is taken for a mistyped ``spec_name`` (how vLLM reads
+    it), answered with the closest spec in any case and the list; a private or dunder name gets Python's words."""
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    specs = ", ".join(f"{spec!r} ({what})" for spec, what in _SPECS.items())
+    by_lower_name = {spec.lower(): spec for spec in _SPECS}
+    close = difflib.get_close_matches(name.lower(), list(by_lower_name), n=1, cutoff=0.6)
+    where = "kv_connector_extra_config['spec_name']"
+    if close:
+        meant = by_lower_name[close[0]]
+        raise AttributeError(f"{__name__} has no spec {name!r}: did you mean {meant!r}? ({where}; the specs: {specs})")
+    raise AttributeError(f"{__name__} has no spec {name!r}; {where} is one of the specs: {specs}")
+
+
+if not TYPE_CHECKING:
+    # Hidden from the type checker: a module-level __getattr__ would make every misspelt import of this module
+    # type-check as a valid name.
+    __getattr__ = _no_such_name

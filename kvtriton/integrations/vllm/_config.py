@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtriton._choices import ChoiceT, parse_choice
+from kvtriton._int_argument import check_int
 from kvtriton._private_files import PRIVATE, FileSharing
 from kvtriton.integrations.vllm._identity import IDENTITY_KEY
 from kvtriton.kernels import (
@@ -96,6 +97,20 @@ also the key vLLM itself writes for ``--kv-offloading-size``. MultiConnector's
 and each child connector (this one) gets only its own ``kv_connector_extra_config``.
 """
 
+VLLM_INT_KEYS: dict[str, tuple[int, str]] = {
+    "blocks_per_chunk": (1, ""),
+    "block_size": (1, "tokens"),
+    "sync_load_budget_bytes": (0, "bytes"),
+}
+"""vLLM's integer keys with their minimum and unit, checked by kvtriton's rule (:func:`_parse_int`) when the spec is
+built: vLLM reads them with ``int()``, which truncates ``2.5`` to 2 and takes ``true`` for 1 without a word (and a
+word such as ``"x"`` in ``blocks_per_chunk`` or ``block_size`` fails in vLLM's own ``int()``, before any spec is
+loaded). ``null`` in ``blocks_per_chunk`` or ``block_size`` means "not given" to vLLM, and so here."""
+
+VLLM_BOOL_KEYS = frozenset({"canonical_layout", "offload_prompt_only", "self_describing_kv_events", "enable_telemetry"})
+"""vLLM's switches: read with ``bool()``, so any non-empty string, ``"false"`` included, turns one on; only JSON
+``true`` and ``false`` mean what they say."""
+
 _MISTAKEN_KEYS = {
     "cache_policy": (
         EVICTION_POLICY,
@@ -113,40 +128,46 @@ def _where(key: str) -> str:
     return f"kv_connector_extra_config[{key!r}]"
 
 
+def _integral(raw: object, *, round_down: bool) -> int | None:
+    """``raw`` as an int if it is one as typed: an int, an integral float or string; None for anything else.
+
+    JSON gives ints, but a shell user may write ``"68719476736"`` or
+    ``6.8719476736e10``. Bools and words are never counts, and a fraction
+    is refused unless ``round_down`` (a size in bytes, which vLLM itself
+    rounds down: its ``--kv-offloading-size 2.3`` arrives as ``2.3 * 2**30``).
+    """
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, float) and math.isfinite(raw) and (raw.is_integer() or round_down):
+        return math.floor(raw)
+    if isinstance(raw, str):
+        try:
+            return int(raw.strip())
+        except ValueError:
+            return None
+    return None
+
+
 def _parse_int(
     extra_config: Mapping[str, object], key: str, default: int | None, minimum: int, *, unit: str = ""
 ) -> int:
-    """Read ``key`` as an integer >= ``minimum``.
+    """Read ``key`` as an integer >= ``minimum`` (:func:`_integral`; a size in ``unit`` "bytes" rounds down).
 
-    JSON gives ints, but a shell user may write ``"68719476736"`` or
-    ``6.8719476736e10``: integral strings and floats are accepted, anything
-    else (bools, fractions, words) is rejected. A size in bytes (``unit``
-    "bytes") rounds a fractional number down, as vLLM's CPU spec does: vLLM's
-    own ``--kv-offloading-size 2.3`` arrives as ``2.3 * 2**30``.
+    The bound is checked by the project's one int check (:func:`~kvtriton._int_argument.check_int`); the
+    message names the key, the value as written and the type expected.
     """
+    suffix = f" {unit}" if unit else ""
     if key not in extra_config:
         if default is None:
-            raise ValueError(f"{_where(key)} is required (an integer >= {minimum}) but is missing")
+            raise ValueError(f"{_where(key)} is required (an integer >= {minimum}{suffix}) but is missing")
         return default
     raw = extra_config[key]
-    value: int | None = None
-    if isinstance(raw, bool):
-        value = None
-    elif isinstance(raw, int):
-        value = raw
-    elif isinstance(raw, float) and math.isfinite(raw) and (raw.is_integer() or unit == "bytes"):
-        value = math.floor(raw)
-    elif isinstance(raw, str):
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            value = None
-    suffix = f" {unit}" if unit else ""
+    value = _integral(raw, round_down=unit == "bytes")
     if value is None:
         raise ValueError(f"{_where(key)} must be an integer >= {minimum}{suffix}, got {type(raw).__name__} {raw!r}")
-    if value < minimum:
-        raise ValueError(f"{_where(key)} must be >= {minimum}{suffix}, got {raw!r}")
-    return value
+    return check_int(_where(key), value, minimum, unit=unit)
 
 
 def _parse_bool(extra_config: Mapping[str, object], key: str, default: bool) -> bool:
@@ -163,6 +184,21 @@ def _parse_bool(extra_config: Mapping[str, object], key: str, default: bool) -> 
         if word in _FALSE_WORDS:
             return False
     raise ValueError(f"{_where(key)} must be true or false, got {type(raw).__name__} {raw!r}")
+
+
+def check_vllm_values(extra_config: Mapping[str, object]) -> None:
+    """Refuse a value of one of vLLM's typed keys that vLLM would misread (:data:`VLLM_INT_KEYS`,
+    :data:`VLLM_BOOL_KEYS`), naming the key, the value and the type expected."""
+    for key, (minimum, unit) in VLLM_INT_KEYS.items():
+        if extra_config.get(key) is not None or key == "sync_load_budget_bytes":
+            _parse_int(extra_config, key, minimum, minimum, unit=unit)
+    for key in sorted(VLLM_BOOL_KEYS):
+        raw = extra_config.get(key, False)
+        if not isinstance(raw, bool):
+            raise ValueError(
+                f"{_where(key)} must be true or false (a JSON boolean: vLLM reads it with bool(), so any non-empty "
+                f"string, 'false' included, is true), got {type(raw).__name__} {raw!r}"
+            )
 
 
 def _parse_str(extra_config: Mapping[str, object], key: str, default: str) -> str:
@@ -239,8 +275,10 @@ class KVTritonOffloadConfig:
         """Parse vLLM's ``kv_connector_extra_config``; raises ``ValueError`` naming the bad key and value.
 
         Keys are only parsed here; an unknown key is :func:`check_keys`'s to
-        refuse, the policy is :func:`parse_policy`'s.
+        refuse, the policy is :func:`parse_policy`'s. vLLM's own typed keys
+        are checked here too (:func:`check_vllm_values`), though only vLLM reads them.
         """
+        check_vllm_values(extra_config)
         policy, module_path = parse_policy(extra_config)
         if is_vllm_policy(policy, module_path):
             check_vllm_policy(policy, module_path)
@@ -417,9 +455,10 @@ def check_keys(extra_config: Mapping[str, object], *, tiered: bool) -> list[str]
     unknown = [key for key in extra_config if key not in known]
     if unknown:
         named = "; ".join(f"{key!r} ({_closest_key(key, known)})" for key in unknown)
+        # The valid keys are in the message itself: a wheel install has no docs/ to look them up in.
         raise ValueError(
             f"kv_connector_extra_config has {'a key' if len(unknown) == 1 else 'keys'} neither kvtriton nor vLLM "
-            f"reads: {named}. The keys are listed in docs/vllm.md"
+            f"reads: {named}; kvtriton reads {sorted(_KVTRITON_KEYS)}, vLLM reads {sorted(VLLM_KEYS)}"
         )
     unread = _KVTRITON_SINGLE_TIER_ONLY_KEYS if tiered else TIERED_ONLY_KEYS | _KVTRITON_TIERED_ONLY_KEYS
     reader = "KVTritonOffloadingSpec" if tiered else "KVTritonTieringOffloadingSpec"
@@ -444,7 +483,7 @@ def _closest_key(key: str, known: frozenset[str]) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     if close:
         return f"did you mean {close[0]!r}?"
-    return f"kvtriton reads {sorted(_KVTRITON_KEYS)} besides vLLM's keys"
+    return "no known key is close"
 
 
 def host_ram_bytes() -> int | None:

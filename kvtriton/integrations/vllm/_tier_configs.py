@@ -4,9 +4,12 @@ Each entry names a tier type vLLM's ``SecondaryTierFactory`` resolves (a
 built-in such as ``fs``, or a ``module_path`` such as Mooncake's); this module
 resolves it the same way, says which package a built-in tier needs when it is
 missing, and checks every key the entry gives against the tier class's
-constructor (unknown keys with the closest known one, JSON types, the
+constructor (unknown keys with the closest known one, JSON types, thread
+counts within 1..:data:`MAX_TIER_THREADS`, ``locality``'s choices, the
 backpressure settings), so a typo stops the server naming the entry and the
-key instead of failing later inside the tier.
+key instead of failing later inside the tier. A tier that fails while it is
+built has the threads it started stopped (:func:`release_half_built`) and its
+error restated naming the tier (:func:`tier_failure`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import inspect
 import logging
 import math
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Collection, Mapping
 from typing import Any, cast
 
+from kvtriton._int_argument import check_int
 from kvtriton._private_files import tier_root_problem
 from kvtriton.integrations.vllm._surface import (
     FACTORY_ARGUMENTS,
@@ -26,6 +31,7 @@ from kvtriton.integrations.vllm._surface import (
     TIER_CLASS_REFUSED,
     BackpressureDetector,
     BackpressurePolicy,
+    Locality,
     SecondaryTierFactory,
     SecondaryTierManager,
     backpressure_class_problem,
@@ -78,9 +84,28 @@ def _json_types(annotation: object) -> tuple[tuple[type, ...], str] | None:
     return accepted, " or ".join(words)
 
 
+MAX_TIER_THREADS = 256
+"""The most I/O threads one thread-count key of a tier may ask for (:data:`THREAD_COUNT_KEYS`).
+
+vLLM's fs tier defaults to 16 readers and 16 writers; past a few hundred,
+threads only queue on the same disk. Each is a thread of the engine core, and
+a count in the tens of thousands exhausts the process's threads: vLLM's fs
+tier then fails with a bare ``RuntimeError: can't start new thread``.
+"""
+
+THREAD_COUNT_KEYS = frozenset({"n_read_threads", "n_write_threads", "io_threads", "num_threads"})
+"""The keys by which a tier's constructor takes a number of threads: vLLM's fs tier (``n_read_threads``,
+``n_write_threads``), its obj tier and kvtriton's remote tiers (``io_threads``), its p2p tier (``num_threads``).
+Each must be 1 to :data:`MAX_TIER_THREADS` (0 would leave the tier's jobs to nobody)."""
+
+LOCALITY_KEY = "locality"
+"""The tier key vLLM's fs and obj tiers (and kvtriton's remote tiers) read with ``Locality(value)``: case matters."""
+
+
 def _check_tier_values(label: str, config: dict[str, Any], parameters: Mapping[str, inspect.Parameter]) -> None:
-    """One line naming a tier key whose JSON value has the wrong type (``"n_read_threads": "4"``), before the tier
-    is built: the constructor would fail later, in the scheduler, with a bare TypeError naming neither."""
+    """One line naming a tier key whose JSON value has the wrong type (``"n_read_threads": "4"``) or is out of range
+    (a thread count, a ``locality``), before the tier is built: the constructor would fail later, in the scheduler,
+    with a bare error naming neither."""
     for name, parameter in parameters.items():
         if name not in config:
             continue
@@ -88,6 +113,25 @@ def _check_tier_values(label: str, config: dict[str, Any], parameters: Mapping[s
         value: object = config[name]
         if expected is not None and type(value) not in expected[0]:
             raise TypeError(f"{label} key {name!r} must be {expected[1]}, got {type(value).__name__} {value!r}")
+        if name in THREAD_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+            _check_thread_count(f"{label} key {name!r}", value)
+        if name == LOCALITY_KEY and value is not None:
+            _check_locality(f"{label} key {name!r}", value)
+
+
+def _check_thread_count(where: str, value: int) -> None:
+    try:
+        check_int(where, value, 1, MAX_TIER_THREADS)
+    except ValueError as error:
+        raise ValueError(
+            f"{error}: each is an I/O thread of the engine core (vLLM's fs tier starts 16 of each kind by default)"
+        ) from None
+
+
+def _check_locality(where: str, value: object) -> None:
+    valid = [member.value for member in Locality]
+    if value not in valid:
+        raise ValueError(f"{where} must be one of {valid} (upper case) or null, got {value!r}")
 
 
 def check_backpressure(where: str, value: object) -> None:
@@ -125,8 +169,83 @@ def check_poll_interval(extra_config: Mapping[str, object]) -> None:
         )
 
 
-def tier_failure(label: str, config: Mapping[str, Any], error: Exception) -> Exception:
-    """``error``, raised while vLLM built a tier, restated with the tier and (for a path) the key it came from."""
+def _is_thread_start_failure(error: BaseException) -> bool:
+    """Whether ``error`` is Python's refusal to start one more thread (the process or its cgroup is at its limit)."""
+    return isinstance(error, RuntimeError) and "start new thread" in str(error)
+
+
+def release_half_built(error: BaseException, threads_before: Collection[threading.Thread]) -> list[threading.Thread]:
+    """Stop the threads a failed tier constructor started and left running; returns any still running after.
+
+    A constructor that starts threads one by one (vLLM's fs tier, in its
+    thread pool's ``__init__``) leaves the ones it started running when a
+    later one fails, each waiting for jobs that never come, and nobody holds
+    the pool to stop them: in a process short of threads every later spec
+    then fails too. The objects it was building are still reachable from the
+    error's traceback (each ``__init__`` frame below the caller's holds its
+    ``self``), so each one's ``shutdown()`` is called, innermost first, until
+    no thread started since ``threads_before`` is left; when a half-built
+    object's own ``shutdown()`` fails (it reads an attribute never set), the
+    ``shutdown()`` of each object it already holds is called instead. Nothing
+    is called when the build left no thread running.
+    """
+    before = set(threads_before)
+
+    def left_running() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread not in before]
+
+    if not left_running():
+        return []
+    for half_built in reversed(_objects_under_construction(error)):
+        if not _shut_down(half_built):
+            for part in list(vars(half_built).values()) if hasattr(half_built, "__dict__") else []:
+                _shut_down(part)
+        if not left_running():
+            return []
+    return left_running()
+
+
+def _objects_under_construction(error: BaseException) -> list[object]:
+    """The ``self`` of every ``__init__`` that ``error`` ran through below the frame that caught it, outermost first."""
+    found: list[object] = []
+    frames = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    while frames is not None:
+        frame = frames.tb_frame
+        if frame.f_code.co_name == "__init__" and "self" in frame.f_locals:
+            found.append(frame.f_locals["self"])
+        frames = frames.tb_next
+    return found
+
+
+def _shut_down(part: object) -> bool:
+    """Call ``part.shutdown()`` if it has one; whether it ran without an error (a thread is no part to shut down)."""
+    shutdown = getattr(part, "shutdown", None)
+    if isinstance(part, threading.Thread) or not callable(shutdown):
+        return False
+    try:
+        shutdown()
+    except Exception:
+        logger.debug("shutting down the half-built %s failed", type(part).__name__, exc_info=True)
+        return False
+    return True
+
+
+def tier_failure(
+    label: str, config: Mapping[str, Any], error: Exception, *, threads_left: Collection[threading.Thread] = ()
+) -> Exception:
+    """``error``, raised while vLLM built a tier, restated with the tier and (for a path) the key it came from.
+
+    ``threads_left``: what :func:`release_half_built` could not stop, named so the operator knows the process is
+    short of them.
+    """
+    if _is_thread_start_failure(error):
+        counts = ", ".join(f"{key}={config[key]!r}" for key in sorted(THREAD_COUNT_KEYS) if key in config)
+        left = f"; {len(threads_left)} thread(s) it started are still running" if threads_left else ""
+        return RuntimeError(
+            f"{label}: the engine core cannot start the tier's I/O threads ({error}{'; ' + counts if counts else ''})"
+            f"{left}; lower the tier's thread counts, or raise the process's thread limit (ulimit -u, or the "
+            f"container's pids limit)"
+        )
     if isinstance(error, OSError):
         failed = os.fsdecode(error.filename) if isinstance(error.filename, (str, bytes)) else None
         keys = [
@@ -143,6 +262,8 @@ def tier_failure(label: str, config: Mapping[str, Any], error: Exception) -> Exc
         return ImportError(f"{label}: {error}")
     if isinstance(error, TypeError):
         return TypeError(f"{label}: {error}")
+    if isinstance(error, RuntimeError):
+        return RuntimeError(f"{label}: {error}")
     return ValueError(f"{label}: {error}")
 
 

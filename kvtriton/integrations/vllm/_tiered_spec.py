@@ -48,6 +48,7 @@ import copy
 import functools
 import logging
 import re
+import threading
 from collections.abc import Collection, Iterable
 from typing import Any, Protocol, cast
 
@@ -88,6 +89,7 @@ from kvtriton.integrations.vllm._surface import (
 from kvtriton.integrations.vllm._tier_configs import (
     check_backpressure,
     check_poll_interval,
+    release_half_built,
     resolve_tier,
     tier_failure,
     tier_label,
@@ -463,12 +465,18 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             view = cast("KVTritonPrimaryTier | CPUPrimaryTierOffloadingManager", primary).get_kv_memoryview()
             tier_spec = self.tier_facing_spec()
             for index, tier_config in enumerate(self.secondary_tier_configs):
+                threads_before = threading.enumerate()
                 try:
                     prepare_tier_root(tier_label(index, tier_config), tier_config, self.settings.file_sharing)
                     tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
-                except (OSError, ImportError, TypeError, ValueError) as error:
+                except Exception as error:
+                    # Before anything else: a half-built tier's threads would outlive this spec (and the next ones).
+                    left = release_half_built(error, threads_before)
+                    if not isinstance(error, (OSError, ImportError, TypeError, ValueError, RuntimeError)):
+                        raise
                     label = tier_label(index, tier_config)
-                    raise tier_failure(label, cast("dict[str, Any]", tier_config), error) from error
+                    config = cast("dict[str, Any]", tier_config)
+                    raise tier_failure(label, config, error, threads_left=left) from error
                 tiers.append(tier)
                 logger.info("created secondary tier #%d (%s)", index, tier.tier_type)
             manager = SealedTieringManager(
