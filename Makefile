@@ -10,7 +10,9 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # The vLLM release `make test` runs everything against, and the other supported release, whose compatibility
 # suite, worker contract tests, typing gate and real-engine smoke test `make compat-other` runs in a venv of
-# its own (docs/vllm.md, "Supported vLLM versions").
+# its own (docs/vllm.md, "Supported vLLM versions"). Both must be releases TESTED_VLLM_RELEASES names
+# (kvtriton/integrations/_vllm_release.py): the docs' table of releases is rendered from the two, and
+# tests/project/test_docs_figures.py checks it.
 VLLM_VERSION ?= 0.33.0
 OTHER_VLLM_VERSION ?= 0.34.0
 # pyright finds a venv as <venvPath>/.venv (pyproject.toml), so the other release's venv is .venv in a folder of its own.
@@ -31,7 +33,7 @@ VLLM_CPU_KERNELS := vllm/_C.abi3.so vllm/_C_AVX512.abi3.so vllm/_C_AVX2.abi3.so
 CORE_STAMP := $(VENV)/.kvtriton-core-installed
 STAMP := $(VENV)/.kvtriton-installed
 
-.PHONY: venv test typecheck lint pytest e2e compat compat-other demo clean
+.PHONY: venv test typecheck lint pytest e2e compat compat-other demo try clean
 
 venv: $(STAMP)
 
@@ -85,6 +87,12 @@ e2e: $(STAMP)
 
 demo: $(CORE_STAMP)
 	$(VENV)/bin/kvtriton demo
+
+# kvtriton in a real vLLM engine on CPU (docs/try-on-cpu.md): SmolLM2-135M-Instruct, one prompt, a prefix-cache reset,
+# the prompt again with its prefix from kvtriton's host slab; prints both answers and vLLM's metrics. The model is
+# prepared once under KVTRITON_CACHE_DIR (default ~/.cache/kvtriton); TRY_ARGS passes options (--workdir DIR).
+try: $(STAMP)
+	PYTHONPATH=tests $(PY) -m e2e.try_on_cpu $(TRY_ARGS)
 
 # The installed vLLM's own offloading tests, run as vLLM ships them and with kvtriton swapped in
 # (tests/vllm_compat; part of `make test` too). The release's tests are downloaded once,

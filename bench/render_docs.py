@@ -1,5 +1,11 @@
 """Write every benchmark figure in README.md and docs/ from bench/results/*.json: one source for each number.
 
+The supported vLLM releases are rendered the same way, from
+``TESTED_VLLM_RELEASES`` (kvtriton/integrations/_vllm_release.py) and the
+releases the Makefile's test environments install (``vllm-releases``,
+``vllm-requirement``, ``vllm-releases-table``, ...), so that no page can name
+another range than the one the code enforces.
+
 A figure in the docs sits between two markers, named after what renders it::
 
     <!-- generated:manager-headline-range -->ARC 2.54x to 2.80x<!-- /generated:manager-headline-range -->
@@ -29,6 +35,13 @@ from bench.common import bench_parser
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 from bench.render_serving import SERVING_RENDERERS, serving_goal_row
 from bench.render_simulate import SIMULATE_RENDERERS
+from kvtriton.integrations._vllm_release import (
+    ALLOW_UNTESTED_VLLM,
+    TESTED_VLLM_RANGE,
+    TESTED_VLLM_RELEASES,
+    tested_releases,
+    vllm_release,
+)
 
 __all__ = ["MANAGER_SPEEDUP_GOAL", "RENDERERS", "RenderError", "Results", "render_text", "main", "stale_regions"]
 
@@ -550,6 +563,76 @@ def compression_real_setup(results: Results) -> str:
             f"fp8 stored {_num(real, 'fp8_stored_bytes_ratio'):.3f}x the fp32 bytes")  # fmt: skip
 
 
+# -- the vLLM releases kvtriton supports (kvtriton/integrations/_vllm_release.py, the Makefile) ----------------
+
+
+MAKEFILE = REPO / "Makefile"
+_MAKE_RELEASES = {"VLLM_VERSION": "make test", "OTHER_VLLM_VERSION": "make compat-other"}
+"""The Makefile variables that pin the vLLM each test environment installs, and the target that builds it."""
+
+
+def makefile_vllm_versions(makefile: Path = MAKEFILE) -> dict[str, str]:
+    """The vLLM version each test environment installs, by its ``make`` target: ``{"make test": "0.33.0", ...}``."""
+    text = makefile.read_text(encoding="utf-8")
+    versions: dict[str, str] = {}
+    for variable, target in _MAKE_RELEASES.items():
+        match = re.search(rf"^{variable} \?= (\S+)$", text, re.MULTILINE)
+        if match is None:
+            raise RenderError(f"{makefile.name} sets no `{variable} ?= <version>` (the vLLM `{target}` installs)")
+        versions[target] = match.group(1)
+    return versions
+
+
+def _release(release: tuple[int, int]) -> str:
+    return f"{release[0]}.{release[1]}.x"
+
+
+def vllm_releases(results: Results) -> str:
+    """``vLLM 0.33.x and 0.34.x``: the releases kvtriton is tested on (``results`` unused: no benchmark says it)."""
+    names = [_release(release) for release in TESTED_VLLM_RELEASES]
+    return "vLLM " + (names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}")
+
+
+def vllm_requirement(results: Results) -> str:
+    """```vllm>=0.33,<0.35```: the tested releases as the requirement pip takes."""
+    return f"`vllm{TESTED_VLLM_RANGE}`"
+
+
+def vllm_make_test(results: Results) -> str:
+    """``vLLM 0.33.0``: the release ``make test`` installs and runs everything against."""
+    return f"vLLM {makefile_vllm_versions()['make test']}"
+
+
+def vllm_make_compat_other(results: Results) -> str:
+    """``vLLM 0.34.0``: the other release, which ``make compat-other`` installs in a venv of its own."""
+    return f"vLLM {makefile_vllm_versions()['make compat-other']}"
+
+
+def vllm_releases_table(results: Results) -> str:
+    """Each tested release, the ``make`` target that tests it (and on which version), and what any other one gets."""
+    tested_by: dict[tuple[int, int], list[str]] = {release: [] for release in TESTED_VLLM_RELEASES}
+    for target, version in makefile_vllm_versions().items():
+        release = vllm_release(version)
+        if release not in tested_by:
+            raise RenderError(
+                f"`{target}` installs vLLM {version}, which is not one of the tested releases {tested_releases()} "
+                "(TESTED_VLLM_RELEASES in kvtriton/integrations/_vllm_release.py): change one of them"
+            )
+        tested_by[release].append(f"`{target}`, on vLLM {version}")
+    rows: list[list[str]] = []
+    for release, targets in tested_by.items():
+        if not targets:
+            raise RenderError(
+                f"no make target installs vLLM {_release(release)}; set VLLM_VERSION or OTHER_VLLM_VERSION"
+            )
+        rows.append([_release(release), "supported", "; ".join(targets)])
+    rows.append([
+        "any other", f"refused when the spec is built, in one line naming the installed and the tested releases; "
+        f"`{ALLOW_UNTESTED_VLLM}=1` starts it anyway, with a WARNING", "not tested",
+    ])  # fmt: skip
+    return _table(["vLLM", "kvtriton", "tested by"], rows, "lll")
+
+
 # -- the summary --------------------------------------------------------------------------------------
 
 
@@ -601,6 +684,7 @@ _NAMED_AFTER_THEMSELVES = (
     tiers_steps_setup, tiers_steps_summary, mooncake_table, mooncake_summary,
     compression_table, compression_bytes, compression_tiny_table, compression_real_engine_table,
     compression_real_teacher_table, compression_real_setup, compression_real_summary,
+    vllm_releases, vllm_requirement, vllm_make_test, vllm_make_compat_other, vllm_releases_table,
 )  # fmt: skip
 """The renderers whose region is their own name with dashes: ``manager_headline_table`` renders
 ``manager-headline-table``, so a region's name and its function cannot drift apart."""

