@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvtriton.integrations._vllm_release import TESTED_VLLM_RANGE
 from kvtriton.manager import policy_names
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
@@ -165,7 +166,7 @@ def test_the_adapter_names_the_extra_to_install_when_vllm_is_absent() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "pip install 'kvtriton[vllm]'" in result.stdout
+    assert f"pip install 'vllm{TESTED_VLLM_RANGE}'" in result.stdout
 
 
 _BLOCKER = """
@@ -188,7 +189,7 @@ class Blocker(importlib.abc.MetaPathFinder):
 @pytest.mark.parametrize(
     ("blocked", "expected"),
     [
-        (("vllm",), "pip install 'kvtriton[vllm]'"),
+        (("vllm",), f"pip install 'vllm{TESTED_VLLM_RANGE}'"),
         # An older vLLM: the package imports, the offloading interface does not.
         (("vllm.v1.kv_offload.config",), "supports vLLM 0.33.x, 0.34.x"),
     ],

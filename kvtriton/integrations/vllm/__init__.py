@@ -34,7 +34,7 @@ try:
 except ImportError as _error:
     if _error.name == "vllm":
         raise ImportError(
-            f"kvtriton.integrations.vllm needs vLLM, which is not installed; install the extra with: {_EXTRA}"
+            f"kvtriton.integrations.vllm needs vLLM, which is not installed; install a vLLM kvtriton is tested on: {_EXTRA}"
         ) from _error
     raise ImportError(
         f"vLLM {installed_vllm_version()} is installed but cannot be imported ({_error}); "
