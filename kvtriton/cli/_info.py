@@ -77,7 +77,9 @@ def _mooncake_version() -> str:
         return "not installed (only the Mooncake Store tier needs it)"
     version, name = installed
     refused = (
-        " (refused by the Mooncake tier: too old, see docs/security.md)" if mooncake_version_problem(installed) else ""
+        " (refused by the Mooncake tier: too old, its transfer engine lets anyone who reaches it read this process's memory)"
+        if mooncake_version_problem(installed)
+        else ""
     )
     return f"{version} ({name}){refused}"
 

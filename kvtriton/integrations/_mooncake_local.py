@@ -68,8 +68,8 @@ def mooncake_version_problem(installed: tuple[str, str] | None = None) -> str | 
         return None
     return (
         f"{name} {version} is installed, but the Mooncake tier needs {minimum} or newer: older transfer engines let "
-        f"anyone who reaches their data port read and write this process's memory (CVE-2026-103764, "
-        f"docs/security.md); install the tested release: pip install --no-deps {MOONCAKE_PACKAGES}"
+        f"anyone who reaches their data port read and write this process's memory (CVE-2026-103764); install the "
+        f"tested release: pip install --no-deps {MOONCAKE_PACKAGES}"
     )
 
 
@@ -78,8 +78,8 @@ def mooncake_missing() -> str | None:
     if importlib.util.find_spec("mooncake") is not None:
         return None
     return (
-        "the mooncake package is not installed (the install line is in docs/mooncake.md#install: "
-        f"pip install --no-deps {MOONCAKE_PACKAGES}; make test installs it)"
+        f"the mooncake package is not installed: pip install --no-deps {MOONCAKE_PACKAGES} (its libraries need the "
+        "OS packages libibverbs1, libnuma1 and libcurl4; make test installs all of them)"
     )
 
 
