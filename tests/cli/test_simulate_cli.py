@@ -166,7 +166,10 @@ def test_the_smallest_size_reaching_the_target_is_printed_as_vllm_configuration(
     assert "smallest size reaching 5.0% (the hit rate vLLM reports)" in out
     line = next(line for line in out.splitlines() if "--kv-transfer-config" in line)
     assert json.loads(re.search(r"'(.*)'", line).group(1)) == found["kv_transfer_config"]  # pyright: ignore[reportOptionalMemberAccess] -- the line holds a quoted config
-    assert "vllm serve <model> --block-size 32 --max-num-seqs 4" in out
+    assert (
+        "vllm serve <model> --block-size 32 --tensor-parallel-size 1 --max-num-batched-tokens 2048 --max-num-seqs 4"
+        in out
+    )
     assert f"kvtriton info --slab-size {found['slab_bytes_per_rank']}B" in out
     assert "/dev/shm:  not used by KVTritonOffloadingSpec" in out
 

@@ -113,7 +113,8 @@ def test_the_tiered_answer_serves_with_the_scheduler_limits_it_was_simulated_wit
     limits = ["--max-num-seqs", "4", "--max-num-batched-tokens", "1024"]
     assert main(["simulate", *TIERED, *flags, *limits, "--out", str(tmp_path)]) == 0
     assert (
-        "vllm serve <model> --block-size 32 --max-num-seqs 4 --max-num-batched-tokens 1024" in capsys.readouterr().out
+        "vllm serve <model> --block-size 32 --tensor-parallel-size 1 --max-num-batched-tokens 1024 --max-num-seqs 4"
+        in capsys.readouterr().out
     )
 
 
