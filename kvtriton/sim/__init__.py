@@ -62,6 +62,7 @@ from kvtriton.sim._replay import (
 from kvtriton.sim._tier_models import TIER_MODELS, TierSpec, parse_tier, tier_choices, tier_help, tier_metavar
 from kvtriton.sim._tiered_planner import (
     DEFAULT_HOST_PRICE_RATIO,
+    Stall,
     TieredRecommendation,
     TieredReport,
     recommend_tiered,
@@ -75,6 +76,7 @@ from kvtriton.sim._vllm_server import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_STORE_STEPS,
+    MAX_DEFERRALS,
     ServerModel,
     ServerStats,
     predict,
@@ -137,6 +139,7 @@ __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_STORE_STEPS",
     "GpuPrefixCache",
+    "MAX_DEFERRALS",
     "ServerModel",
     "ServerStats",
     "predict",
@@ -167,6 +170,7 @@ __all__ = [
     "tier_help",
     "tier_metavar",
     "DEFAULT_HOST_PRICE_RATIO",
+    "Stall",
     "TieredRecommendation",
     "TieredReport",
     "recommend_tiered",

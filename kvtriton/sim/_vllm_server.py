@@ -123,6 +123,11 @@ CtxT = TypeVar("CtxT")
 class StalledRequest(RuntimeError):
     """A request deferred without end: vLLM's engine would never serve it either."""
 
+    def __init__(self, message: str, *, req_id: str, prompt_blocks: int) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+        self.prompt_blocks = prompt_blocks
+
 
 @dataclass(frozen=True, slots=True)
 class ServerModel:
@@ -618,8 +623,11 @@ class _ServerReplay(Generic[CtxT]):
             if state.deferrals > MAX_DEFERRALS:
                 raise StalledRequest(
                     f"request {request.req_id!r} was deferred {MAX_DEFERRALS} steps: its lookups never all hit at"
-                    " once (with a secondary tier: promoting its prefix into the host tier evicts the part already"
-                    " there, and vLLM would stall on it too); the host tier is too small for its prompt"
+                    " once (with a secondary tier: promoting the chunks it misses into the host tier evicts others"
+                    " of its prompt, for want of room or because the host tier's policy ranks them lowest), and"
+                    " vLLM would stall on it too",
+                    req_id=request.req_id,
+                    prompt_blocks=len(prompt),
                 )
             return "deferred"
         local_tokens, external_tokens = local * block_size, hits * block_size

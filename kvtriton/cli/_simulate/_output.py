@@ -21,6 +21,7 @@ from kvtriton.cli._simulate._computation import HostSweep, TieredSweep
 from kvtriton.sim import (
     COMPRESSION_EXTRA_CONFIG_KEY,
     GIB,
+    MAX_DEFERRALS,
     CallOrder,
     ModelGeometry,
     PointReport,
@@ -400,6 +401,50 @@ def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str
     return headers, rows
 
 
+def stall_lines(stalled: Sequence[TieredReport], geometry: ModelGeometry) -> list[str]:
+    """Why each stalled point stalled, from what its replay saw, and what that means for the answer."""
+    lines = [
+        f"stalled: a request waited {MAX_DEFERRALS} steps and never ran; vLLM 0.33's engine, whose tiered offloading"
+        " the replay follows call by call, would wait on it the same way. The answer skips these points:"
+    ]
+    self_evicting: set[str] = set()
+    for report in stalled:
+        point = f"  {report.policy.upper()}, host {format_bytes(report.host_bytes)}, {report.tier.describe()}:"
+        stall = report.stall
+        if stall is None:
+            lines.append(f"{point} a request never ran")
+            continue
+        request = f"request {stall.req_id!r} ({stall.prompt_chunks} chunks of prompt)"
+        if not stall.fits:
+            needed = format_bytes(stall.prompt_chunks * geometry.tiered_chunk_bytes)
+            lines.append(
+                f"{point} {request} does not fit the host tier's {stall.host_chunks} chunks: promoting the rest of"
+                f" it evicts what was promoted before; give each server at least {needed} of host memory"
+            )
+        elif stall.own_evictions:
+            self_evicting.add(report.policy)
+            lines.append(
+                f"{point} {request} fits the host tier's {stall.host_chunks} chunks, but its own promotions evicted"
+                f" chunks it had already found, step after step ({stall.own_evictions} evictions)"
+            )
+        else:
+            lines.append(f"{point} {request} fits the host tier, but its lookups never all hit in one step")
+    if self_evicting:
+        why = (
+            "LRU ranks a waiting request's chunks by when it was first seen (tails first), so as other requests"
+            " finish, they rank below everything else"
+            if "lru" in self_evicting
+            else "the policy ranked them below everything else"
+        )
+        lines.append(
+            "  A request that fits stalls when the host tier is full and the chunks it found rank lowest there: a"
+            f" lookup does not renew a chunk, and {why}; each chunk it promotes from the tier then evicts one it"
+            " found. Whether that happens depends on the order in which the requests meet, not on the size alone,"
+            " so a neighbouring size may not stall; do not deploy a stalled point."
+        )
+    return lines
+
+
 def tiered_recommendation_lines(
     found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int, tensor_parallel_size: int
 ) -> list[str]:
@@ -657,12 +702,10 @@ def tiered_lines(
         " they add up to vLLM hit); 1st lookup: vLLM's kv_offload_tiering_chunk_hits/_chunk_queries, which count"
         " what a tier answered each request's first lookup of a chunk (in a burst, before anything is stored)"
     )
-    if any(report.stalled for report in result.reports):
+    stalled = [report for report in result.reports if report.stalled]
+    if stalled:
         lines.append("")
-        lines.append(
-            "stalled: a request's prefix did not fit the host tier, so promoting it evicted what was already promoted"
-            " and the request never ran (vLLM's engine would stall the same way): give the host tier more room"
-        )
+        lines += stall_lines(stalled, geometry)
     lines.append("")
     lines += tiered_recommendation_lines(result.found, order, geometry, args.servers, args.tensor_parallel_size)
     return lines
