@@ -200,6 +200,17 @@ class VllmOrder:
             async_scheduling=False,
         )
 
+    def connector_settings(self, host_bytes: int, geometry: ModelGeometry) -> dict[str, object]:
+        """The ``kv_connector_extra_config`` keys of vLLM's connector the model ran with, for ``host_bytes``.
+
+        With ``sync_loads`` the model loads without limit: ``sync_load_budget_bytes`` is set where no step reaches
+        it, every one of ``max_num_seqs`` new requests loading the whole host tier (as GPU bytes).
+        """
+        if not self.sync_loads:
+            return {}
+        host_tier_gpu_bytes = max(geometry.blocks_for(host_bytes), 1) * geometry.bytes_per_block
+        return {"sync_load_budget_bytes": self.max_num_seqs * host_tier_gpu_bytes}
+
     def server_model(self) -> ServerModel:
         return ServerModel(
             max_num_seqs=self.max_num_seqs,
@@ -392,9 +403,18 @@ class Recommendation:
 
 
 def recommend(
-    reports: Sequence[PointReport], target: float, order: str, geometry: ModelGeometry, *, tensor_parallel_size: int = 1
+    reports: Sequence[PointReport],
+    target: float,
+    order: str,
+    geometry: ModelGeometry,
+    *,
+    tensor_parallel_size: int = 1,
+    server: VllmOrder | None = None,
 ) -> Recommendation:
-    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`)."""
+    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`).
+
+    ``server``: the server model the points ran behind, whose connector settings the config carries.
+    """
     if not reports:
         raise ValueError("no sweep points to choose from")
     rate_name = "the hit rate vLLM reports" if order == "vllm" else "the token hit rate"
@@ -404,6 +424,8 @@ def recommend(
         return Recommendation(target, rate_name, None, best, None, None, None, tensor_parallel_size)
     point = min(reaching, key=lambda report: (report.capacity_bytes, -report.rate(order)))
     extra = host_extra_config(SPEC_EXTRA_CONFIG, point.capacity_bytes, point.policy, geometry)
+    if server is not None:
+        extra.update(server.connector_settings(point.capacity_bytes, geometry))
     transfer: dict[str, object] = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

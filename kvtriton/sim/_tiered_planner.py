@@ -288,9 +288,17 @@ class TieredRecommendation:
 
 
 def recommend_tiered(
-    reports: Sequence[TieredReport], target: float, host_price_ratio: float, geometry: ModelGeometry
+    reports: Sequence[TieredReport],
+    target: float,
+    host_price_ratio: float,
+    geometry: ModelGeometry,
+    *,
+    server: VllmOrder | None = None,
 ) -> TieredRecommendation:
-    """The point of least :meth:`TieredReport.cost` whose combined rate reaches ``target`` (then the higher rate)."""
+    """The point of least :meth:`TieredReport.cost` whose combined rate reaches ``target`` (then the higher rate).
+
+    ``server``: the server model the points ran behind, whose connector settings the config carries.
+    """
     if not reports:
         raise ValueError("no sweep points to choose from")
     if not host_price_ratio > 0:
@@ -302,5 +310,7 @@ def recommend_tiered(
         return TieredRecommendation(target, host_price_ratio, None, best, None)
     point = min(reaching, key=lambda report: (report.cost(host_price_ratio), -report.external_hit_rate))
     extra = host_extra_config(TIERING_SPEC_EXTRA_CONFIG, point.host_bytes, point.policy, geometry)
+    if server is not None:
+        extra.update(server.connector_settings(point.host_bytes, geometry))
     extra["secondary_tiers"] = [tier_extra_config(point.tier)]
     return TieredRecommendation(target, host_price_ratio, point, best, extra)

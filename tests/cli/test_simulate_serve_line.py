@@ -98,7 +98,7 @@ class Case:
 
 TIERED = [*SMALL, "--gpu-blocks", "120", "--tier", "fs", "--capacities", "1,4", "--target-hit-rate", "0.01"]
 HOST = [*SMALL, "--capacities", "1,4", "--target-hit-rate", "0.01"]
-GIVEN = ["--max-num-seqs", "4", "--max-num-batched-tokens", "1024", "--tensor-parallel-size", "2"]
+GIVEN = ["--max-num-seqs", "4", "--max-num-batched-tokens", "1024", "--tensor-parallel-size", "2", "--sync-loads"]
 
 CASES = [
     Case(
@@ -169,6 +169,10 @@ def test_the_printed_line_parsed_by_vllm_is_the_server_the_model_ran(
             2,
         )
         assert (engine["enable_prefix_caching"], engine["num_gpu_blocks_override"]) == (True, 120)
+        # --sync-loads: vLLM loads within the step up to its budget, which the model leaves unlimited.
+        budget = engine["kv_connector_extra_config"]["sync_load_budget_bytes"]
+        assert budget >= 4 * engine["kv_connector_extra_config"]["cpu_bytes_to_use"]
+    assert "sync_load_budget_bytes" not in defaulted["kv_connector_extra_config"]
 
 
 def test_max_num_seqs_above_the_token_budget_is_refused_as_vllm_refuses_it(
