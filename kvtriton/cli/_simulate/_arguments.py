@@ -415,7 +415,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="vLLM's --tensor-parallel-size: the host memory is split over N worker processes, each pinning"
-        " its share (for the pinned-memory advice; default: 1)",
+        " its share (for the pinned-memory advice and the printed vllm serve line; default: 1)",
     )
 
 
