@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -237,6 +238,36 @@ def _out_problem(out: Path) -> str | None:
     return None
 
 
+_SIGNAL_ADVICE: dict[signal.Signals, str] = {
+    signal.SIGILL: "illegal instruction: a compiled library (torch, vLLM, triton) uses an instruction this CPU lacks,"
+    " e.g. an AVX-512 build on an AVX2 machine; install builds made for this CPU (lscpu lists its flags), and run"
+    " the benchmark alone to see which import dies",
+    signal.SIGKILL: "killed from outside, most often by the kernel's out-of-memory killer (dmesg says); free memory"
+    " or run the benchmark alone",
+    signal.SIGSEGV: "a crash in native code; run the benchmark alone with PYTHONFAULTHANDLER=1 to see where",
+    signal.SIGBUS: "a bus error, often a full /dev/shm or a file shrunk under a mapping (df -h /dev/shm)",
+    signal.SIGABRT: "aborted by native code; its own message is printed above",
+}
+"""What a benchmark killed by each signal most likely met, and what to do."""
+
+
+def exit_description(returncode: int) -> str:
+    """A child's return code in words: ``exit N``, or the signal that killed it (a negative code) and what to do."""
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        killer = signal.Signals(-returncode)
+    except ValueError:
+        return f"killed by signal {-returncode}"
+    advice = _SIGNAL_ADVICE.get(killer)
+    return f"killed by {killer.name}" + (f" ({advice})" if advice else "")
+
+
+def exit_status(returncode: int) -> int:
+    """The command's own exit status for a child's return code: a signal N as a shell reports it, 128 + N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
 def _written_since(folder: Path, started: float) -> list[Path]:
     if not folder.is_dir():
         return []
@@ -298,7 +329,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"== kvtriton bench {benchmark.name} ({kind}): {shown}  (in {checkout})", flush=True)
         began = time.perf_counter()
         returncode = subprocess.run(command, cwd=checkout, env=env, check=False).returncode
-        print(f"== {benchmark.name}: exit {returncode} after {time.perf_counter() - began:.1f} s", flush=True)
+        took = time.perf_counter() - began
+        print(f"== {benchmark.name}: {exit_description(returncode)} after {took:.1f} s", flush=True)
         if returncode != 0:
             failures.append((benchmark.name, returncode))
     if len(invocation.benchmarks) > 1:
@@ -311,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         for path in written:
             print(f"  {path}")
     if failures:
-        listed = ", ".join(f"{name} (exit {code})" for name, code in failures)
+        listed = ", ".join(f"{name} ({exit_description(code)})" for name, code in failures)
         print(f"kvtriton bench: error: failed: {listed}", file=sys.stderr)
-        return failures[0][1]
+        return exit_status(failures[0][1])
     return 0

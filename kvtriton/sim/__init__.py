@@ -16,7 +16,18 @@ tests reach them directly.
 from __future__ import annotations
 
 # A model's bytes per block, and the sizes the command's flags take and print.
-from kvtriton.sim._geometry import GIB, PRESETS, ModelGeometry, format_bytes, parse_dtype, size_argument
+from kvtriton.sim._geometry import (
+    GIB,
+    MAX_HOST_BYTES,
+    MAX_TIER_BYTES,
+    PRESETS,
+    ModelGeometry,
+    check_host_bytes,
+    check_tier_bytes,
+    format_bytes,
+    parse_dtype,
+    size_argument,
+)
 from kvtriton.sim._gpu_prefix_cache import GpuPrefixCache
 from kvtriton.sim._planner import (
     CALL_ORDER_ALIASES,
@@ -24,6 +35,7 @@ from kvtriton.sim._planner import (
     COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_SWEEP_POINTS,
     CallOrder,
+    EngineSettings,
     KvtritonOrder,
     PointReport,
     Recommendation,
@@ -50,6 +62,7 @@ from kvtriton.sim._replay import (
 from kvtriton.sim._tier_models import TIER_MODELS, TierSpec, parse_tier, tier_choices, tier_help, tier_metavar
 from kvtriton.sim._tiered_planner import (
     DEFAULT_HOST_PRICE_RATIO,
+    Stall,
     TieredRecommendation,
     TieredReport,
     recommend_tiered,
@@ -61,19 +74,33 @@ from kvtriton.sim._vllm_order import DEFAULT_ARRIVALS, DEFAULT_DECODE_STEPS, rep
 from kvtriton.sim._vllm_server import (
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_STORE_STEPS,
+    MAX_DEFERRALS,
     ServerModel,
     ServerStats,
     predict,
     replay_vllm_server,
 )
-from kvtriton.sim._workloads import VLLM_ORDER_WORKLOADS, WORKLOADS, PrefixSharingParams, Request, generate, read_trace
+from kvtriton.sim._workloads import (
+    VLLM_ORDER_WORKLOADS,
+    WORKLOADS,
+    PrefixSharingParams,
+    Request,
+    TraceBlockSizeMismatch,
+    generate,
+    read_trace,
+)
 
 __all__ = [
     # A model's bytes per block, and the sizes the command's flags take and print.
     "GIB",
+    "MAX_HOST_BYTES",
+    "MAX_TIER_BYTES",
     "PRESETS",
     "ModelGeometry",
+    "check_host_bytes",
+    "check_tier_bytes",
     "format_bytes",
     "parse_dtype",
     "size_argument",
@@ -85,6 +112,7 @@ __all__ = [
     "Request",
     "TokenRequest",
     "TokenWorkloadParams",
+    "TraceBlockSizeMismatch",
     "generate",
     "read_trace",
     "token_workload",
@@ -108,8 +136,10 @@ __all__ = [
     "DEFAULT_DECODE_STEPS",
     "DEFAULT_LOAD_STEPS",
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_STORE_STEPS",
     "GpuPrefixCache",
+    "MAX_DEFERRALS",
     "ServerModel",
     "ServerStats",
     "predict",
@@ -120,6 +150,7 @@ __all__ = [
     "COMPRESSION_EXTRA_CONFIG_KEY",
     "DEFAULT_SWEEP_POINTS",
     "CallOrder",
+    "EngineSettings",
     "KvtritonOrder",
     "PointReport",
     "Recommendation",
@@ -139,6 +170,7 @@ __all__ = [
     "tier_help",
     "tier_metavar",
     "DEFAULT_HOST_PRICE_RATIO",
+    "Stall",
     "TieredRecommendation",
     "TieredReport",
     "recommend_tiered",

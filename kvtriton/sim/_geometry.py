@@ -47,6 +47,37 @@ from kvtriton._region_rows import block_row_stride
 
 GIB = 2**30
 
+MAX_HOST_BYTES = 2**47
+"""The largest host memory size the planner takes: 128 TiB, the user address space of one x86-64 process (47
+bits), into which a vLLM worker maps its slab, and more RAM than any one server holds."""
+MAX_TIER_BYTES = 2**50
+"""The largest second-tier size the planner takes: 1 PiB, a Mooncake pool of 128 holders of 8 TiB each, beyond
+any deployment the tier models were written for."""
+
+
+def _check_bound(size: int, text: str, maximum: int, what: str) -> None:
+    if size > maximum:
+        raise ValueError(
+            f"{text.strip()!r} is {format_bytes(size)}, above the planner's bound of {format_bytes(maximum)} for {what}:"
+            " give a smaller size (a bare number is GiB)"
+        )
+
+
+def check_host_bytes(size: int, text: str) -> None:
+    """ValueError for a host memory size (typed as ``text``) above :data:`MAX_HOST_BYTES`, saying why that bound."""
+    _check_bound(
+        size,
+        text,
+        MAX_HOST_BYTES,
+        "host memory (a vLLM worker maps its slab into one x86-64 process's 128 TiB of user address space, and"
+        " no server holds that much RAM)",
+    )
+
+
+def check_tier_bytes(size: int, text: str) -> None:
+    """ValueError for a second-tier size (typed as ``text``) above :data:`MAX_TIER_BYTES`, saying why that bound."""
+    _check_bound(size, text, MAX_TIER_BYTES, "a second tier (a pool of 128 holders of 8 TiB each)")
+
 
 class KVDtype(enum.Enum):
     """Element types a KV cache is stored in."""

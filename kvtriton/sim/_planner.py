@@ -9,6 +9,7 @@ it. ``kvtriton simulate`` is the command over these.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from kvtriton.sim._vllm_order import DEFAULT_DECODE_STEPS
 from kvtriton.sim._vllm_server import (
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_STORE_STEPS,
     ServerModel,
     ServerStats,
@@ -83,6 +85,43 @@ def default_capacities(geometry: ModelGeometry, distinct_blocks: int, points: in
     return [capacity for capacity in capacities if geometry.blocks_for(capacity) >= 1]
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """The vLLM engine settings a replay modelled, each field named as vLLM's ``EngineArgs`` names it.
+
+    :meth:`flags` writes every setting as the ``vllm serve`` flag that sets it, given or defaulted, so that the
+    server the printed line starts is the one the replay modelled whatever vLLM's own defaults are on the
+    machine (they depend on the GPU). None: the call order modelled no such thing (kvtriton's order models no
+    scheduler), and the flag is left out.
+    """
+
+    block_size: int
+    """Tokens per block: the offloaded block and vLLM's GPU block alike (one GPU block per offloaded block)."""
+    tensor_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool | None = None
+    """The model splits a prompt over steps within the token budget."""
+    enable_prefix_caching: bool | None = None
+    """The engine's own GPU prefix cache (on with ``--gpu-blocks``)."""
+    num_gpu_blocks_override: int | None = None
+    """The GPU KV cache in blocks (``--gpu-blocks``); None with the prefix cache off: no GPU block limit is modelled."""
+    async_scheduling: bool | None = None
+    """The model is vLLM's synchronous scheduler (False): asynchronous scheduling shifts loads and stores a step."""
+
+    def flags(self) -> list[str]:
+        """The ``vllm serve`` flags that set these settings, in field order."""
+        flags: list[str] = []
+        for field in dataclasses.fields(self):
+            value: object = getattr(self, field.name)
+            flag = "--" + field.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag.removeprefix("--"))
+            elif value is not None:
+                flags.append(f"{flag} {value}")
+        return flags
+
+
 CALL_ORDERS = ("kvtriton", "vllm")
 """``kvtriton``: request by request with ``touch`` (:class:`KvtritonOrder`); ``vllm``: vLLM 0.33's connector (:class:`VllmOrder`)."""
 CALL_ORDER_ALIASES = {"engine": "kvtriton"}
@@ -105,6 +144,10 @@ class KvtritonOrder:
     ) -> tuple[ReplayStats, ServerStats | None]:
         return replay(requests, manager, block_size=block_size, in_flight=self.in_flight), None
 
+    def engine_settings(self, block_size: int, tensor_parallel_size: int) -> EngineSettings:
+        """Only the block size and the parallelism: this order models no vLLM scheduler."""
+        return EngineSettings(block_size, tensor_parallel_size)
+
 
 @dataclass(frozen=True, slots=True)
 class VllmOrder:
@@ -121,8 +164,8 @@ class VllmOrder:
     """Poisson arrivals, this many requests per scheduler step on average (``vllm bench serve --request-rate``)."""
     arrival_seed: int = 0
     """Seeds the Poisson arrivals' gaps."""
-    max_num_seqs: int | None = None
-    """vLLM's ``--max-num-seqs`` (None: no limit)."""
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    """vLLM's ``--max-num-seqs``: at most ``max_num_batched_tokens``, as vLLM requires."""
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """vLLM's ``--max-num-batched-tokens``."""
     gpu_blocks: int | None = None
@@ -138,6 +181,35 @@ class VllmOrder:
 
     def __post_init__(self) -> None:
         self.server_model()  # checks the knobs
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} is more than max_num_batched_tokens={self.max_num_batched_tokens},"
+                " which vLLM refuses (every running request takes at least one token a step)"
+            )
+
+    def engine_settings(self, block_size: int, tensor_parallel_size: int) -> EngineSettings:
+        """What the server model runs with, as the ``vllm serve`` flags that start that server."""
+        return EngineSettings(
+            block_size,
+            tensor_parallel_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=self.gpu_blocks is not None,
+            num_gpu_blocks_override=self.gpu_blocks,
+            async_scheduling=False,
+        )
+
+    def connector_settings(self, host_bytes: int, geometry: ModelGeometry) -> dict[str, object]:
+        """The ``kv_connector_extra_config`` keys of vLLM's connector the model ran with, for ``host_bytes``.
+
+        With ``sync_loads`` the model loads without limit: ``sync_load_budget_bytes`` is set where no step reaches
+        it, every one of ``max_num_seqs`` new requests loading the whole host tier (as GPU bytes).
+        """
+        if not self.sync_loads:
+            return {}
+        host_tier_gpu_bytes = max(geometry.blocks_for(host_bytes), 1) * geometry.bytes_per_block
+        return {"sync_load_budget_bytes": self.max_num_seqs * host_tier_gpu_bytes}
 
     def server_model(self) -> ServerModel:
         return ServerModel(
@@ -331,9 +403,18 @@ class Recommendation:
 
 
 def recommend(
-    reports: Sequence[PointReport], target: float, order: str, geometry: ModelGeometry, *, tensor_parallel_size: int = 1
+    reports: Sequence[PointReport],
+    target: float,
+    order: str,
+    geometry: ModelGeometry,
+    *,
+    tensor_parallel_size: int = 1,
+    server: VllmOrder | None = None,
 ) -> Recommendation:
-    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`)."""
+    """The smallest capacity (then the higher rate) whose rate reaches ``target`` (see :meth:`PointReport.rate`).
+
+    ``server``: the server model the points ran behind, whose connector settings the config carries.
+    """
     if not reports:
         raise ValueError("no sweep points to choose from")
     rate_name = "the hit rate vLLM reports" if order == "vllm" else "the token hit rate"
@@ -343,6 +424,8 @@ def recommend(
         return Recommendation(target, rate_name, None, best, None, None, None, tensor_parallel_size)
     point = min(reaching, key=lambda report: (report.capacity_bytes, -report.rate(order)))
     extra = host_extra_config(SPEC_EXTRA_CONFIG, point.capacity_bytes, point.policy, geometry)
+    if server is not None:
+        extra.update(server.connector_settings(point.capacity_bytes, geometry))
     transfer: dict[str, object] = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",

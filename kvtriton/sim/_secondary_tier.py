@@ -268,6 +268,8 @@ class _RequestState:
     allocated: bool = False
     counted: set[tuple[OffloadKey, bool]] = field(default_factory=set[tuple[OffloadKey, bool]])
     """(key, asked of the secondary tier) already counted in the chunk metrics."""
+    own_evictions: int = 0
+    """Chunks this request had looked up that its own promotions evicted from the host tier."""
 
 
 class TieredManager:
@@ -325,6 +327,7 @@ class TieredManager:
             self.promotion_failures += 1
             return LookupResult.MISS
         self.promotion_evictions += len(output.evicted_keys)
+        state.own_evictions += sum((evicted, False) in state.counted for evicted in output.evicted_keys)
         self._promotions.setdefault(context.req_id, (context, []))[1].extend(output.keys_to_store)
         self._promoted_for.setdefault(context.req_id, set()).update(output.keys_to_store)
         return LookupResult.HIT_PENDING
@@ -389,6 +392,11 @@ class TieredManager:
             if lookup is not None and lookup.phase == "queued":
                 lookup.phase = "in flight"
                 lookup.answer = self.tier.contains(key)
+
+    def own_evictions(self, req_id: str) -> int:
+        """Chunks request ``req_id`` had looked up that its own promotions evicted (0 for a request it forgot)."""
+        state = self._requests.get(req_id)
+        return 0 if state is None else state.own_evictions
 
     def has_pending_work(self) -> bool:
         """Tier jobs, promotions or existence checks not yet seen by the scheduler."""

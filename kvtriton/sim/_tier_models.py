@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvtriton._integrity import SEAL_BYTES
-from kvtriton.sim._geometry import ModelGeometry, format_bytes, parse_capacity
+from kvtriton.sim._geometry import ModelGeometry, check_tier_bytes, format_bytes, parse_capacity
 from kvtriton.sim._secondary_tier import (
     MOONCAKE_EVICTION_RATIO,
     MOONCAKE_HIGH_WATERMARK,
@@ -193,7 +193,9 @@ def parse_tier(text: str) -> TierSpec:
         raise ValueError(
             f"the {model.name} tier has no capacity (it never evicts): give --tier {model.name}, got {text!r}"
         )
-    return TierSpec(model.name, parse_capacity(size))
+    capacity = parse_capacity(size)
+    check_tier_bytes(capacity, size)
+    return TierSpec(model.name, capacity)
 
 
 def tier_extra_config(tier: TierSpec) -> dict[str, object]:

@@ -41,6 +41,23 @@ TIERING_SPEC_EXTRA_CONFIG: dict[str, object] = {
 
 
 @dataclass(frozen=True, slots=True)
+class Stall:
+    """Why a tiered point stalled: the request that never ran, its prompt against the host tier, what evicted it."""
+
+    req_id: str
+    prompt_chunks: int
+    host_chunks: int
+    """The host tier's capacity in chunks (one server's)."""
+    own_evictions: int
+    """Chunks the request had looked up that its own promotions evicted while it waited."""
+
+    @property
+    def fits(self) -> bool:
+        """The prompt fits the host tier: it stalled on its own evictions, not for want of room."""
+        return self.prompt_chunks <= self.host_chunks
+
+
+@dataclass(frozen=True, slots=True)
 class TieredReport:
     """One (policy, host size, tier size) point over every server, as vLLM's metrics report it; rates are fractions."""
 
@@ -70,6 +87,8 @@ class TieredReport:
     compression: str = "none"
     block_size: int = 16
     """Tokens per chunk (one block each)."""
+    stall: Stall | None = None
+    """With ``stalled``: the request that never ran and why."""
 
     @property
     def external_hit_rate(self) -> float:
@@ -187,10 +206,11 @@ def tiered_point(
         stats = replay_vllm_servers(
             server_streams, block_size=geometry.block_size, model=order.server_model(), on_finished=count
         )
-    except StalledRequest:
+    except StalledRequest as stuck:
         if on_finished is not None:
             on_finished(sum(len(requests) for requests in streams) - finished)
-        return stalled
+        own = max(manager.own_evictions(stuck.req_id) for manager in managers)
+        return dataclasses.replace(stalled, stall=Stall(stuck.req_id, stuck.prompt_blocks, blocks, own))
     return dataclasses.replace(
         stalled,
         stalled=False,
@@ -268,9 +288,17 @@ class TieredRecommendation:
 
 
 def recommend_tiered(
-    reports: Sequence[TieredReport], target: float, host_price_ratio: float, geometry: ModelGeometry
+    reports: Sequence[TieredReport],
+    target: float,
+    host_price_ratio: float,
+    geometry: ModelGeometry,
+    *,
+    server: VllmOrder | None = None,
 ) -> TieredRecommendation:
-    """The point of least :meth:`TieredReport.cost` whose combined rate reaches ``target`` (then the higher rate)."""
+    """The point of least :meth:`TieredReport.cost` whose combined rate reaches ``target`` (then the higher rate).
+
+    ``server``: the server model the points ran behind, whose connector settings the config carries.
+    """
     if not reports:
         raise ValueError("no sweep points to choose from")
     if not host_price_ratio > 0:
@@ -282,5 +310,7 @@ def recommend_tiered(
         return TieredRecommendation(target, host_price_ratio, None, best, None)
     point = min(reaching, key=lambda report: (report.cost(host_price_ratio), -report.external_hit_rate))
     extra = host_extra_config(TIERING_SPEC_EXTRA_CONFIG, point.host_bytes, point.policy, geometry)
+    if server is not None:
+        extra.update(server.connector_settings(point.host_bytes, geometry))
     extra["secondary_tiers"] = [tier_extra_config(point.tier)]
     return TieredRecommendation(target, host_price_ratio, point, best, extra)

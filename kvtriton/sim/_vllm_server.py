@@ -102,7 +102,11 @@ from kvtriton.sim._secondary_tier import SecondaryTier, TierCounts, TieredManage
 from kvtriton.sim._workloads import Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-"""vLLM 0.33's ``SchedulerConfig.max_num_batched_tokens`` default."""
+"""vLLM 0.33's ``SchedulerConfig.max_num_batched_tokens`` default, and ``vllm serve``'s on a GPU under 70 GiB
+(an H100 or H200 defaults to 8192: the planner's ``vllm serve`` line sets it, so the server runs what was modelled)."""
+DEFAULT_MAX_NUM_SEQS = 256
+"""``vllm serve``'s ``--max-num-seqs`` default in vLLM 0.33 on a GPU under 70 GiB (an H100 or H200: 1024,
+``SchedulerConfig``'s own: 128); the planner models it when none is given and writes it on its ``vllm serve`` line."""
 DEFAULT_OUTPUT_TOKENS = 1
 """Tokens each request generates (vLLM's ``max_tokens``)."""
 DEFAULT_LOAD_STEPS = 1
@@ -118,6 +122,11 @@ CtxT = TypeVar("CtxT")
 
 class StalledRequest(RuntimeError):
     """A request deferred without end: vLLM's engine would never serve it either."""
+
+    def __init__(self, message: str, *, req_id: str, prompt_blocks: int) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+        self.prompt_blocks = prompt_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,8 +623,11 @@ class _ServerReplay(Generic[CtxT]):
             if state.deferrals > MAX_DEFERRALS:
                 raise StalledRequest(
                     f"request {request.req_id!r} was deferred {MAX_DEFERRALS} steps: its lookups never all hit at"
-                    " once (with a secondary tier: promoting its prefix into the host tier evicts the part already"
-                    " there, and vLLM would stall on it too); the host tier is too small for its prompt"
+                    " once (with a secondary tier: promoting the chunks it misses into the host tier evicts others"
+                    " of its prompt, for want of room or because the host tier's policy ranks them lowest), and"
+                    " vLLM would stall on it too",
+                    req_id=request.req_id,
+                    prompt_blocks=len(prompt),
                 )
             return "deferred"
         local_tokens, external_tokens = local * block_size, hits * block_size

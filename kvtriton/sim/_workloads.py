@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import random
+import re
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -670,6 +671,41 @@ def _block_hash(value: object, line: str, field: str, index: int) -> bytes:
     raise ValueError(f"{line}: {field}[{index}] must be a non-empty string or a non-negative integer, got {value!r}")
 
 
+class TraceBlockSizeMismatch(ValueError):
+    """A trace read at another block size than it was written at: its block hashes cover ``written`` tokens each.
+
+    ``from_header``: the trace's header says so (certain); else a line's tokens fit only that likely block size.
+    """
+
+    def __init__(self, written: int, read_at: int, *, from_header: str | None, detail: str) -> None:
+        self.written = written
+        self.read_at = read_at
+        self.from_header = from_header
+        """The header line that records the block size (None: inferred from a line's tokens)."""
+        self.detail = detail
+        """What does not fit: the source and its header line, or the line and its tokens."""
+        if from_header is not None:
+            super().__init__(f"{detail}: written at {written} tokens per block, not {read_at}; read it at {written}")
+        else:
+            super().__init__(f"{detail}; it fits {written} tokens per block: read it at {written} if it was written so")
+
+
+TRACE_HEADER_BLOCK_SIZE = re.compile(r"\b(\d+) tokens per block\b")
+"""How a trace's leading ``#`` comment records its block size, as :func:`kvtriton.sim.write_trace` writes it
+(``# 300 requests, 16 tokens per block, written by ...``): a trace read at another block size is refused."""
+
+_LIKELY_BLOCK_SIZES = tuple(2**power for power in range(3, 10))
+"""Block sizes a trace is plausibly written at (vLLM's are powers of two: 8 to 512), for a line's hint."""
+
+
+def _fitting_block_size(blocks: int, tokens: int) -> int | None:
+    """The one likely block size at which ``blocks`` full blocks hold ``tokens`` tokens, or None (none, or several)."""
+    if blocks < 1:
+        return None
+    fitting = [size for size in _LIKELY_BLOCK_SIZES if blocks * size <= tokens < (blocks + 1) * size]
+    return fitting[0] if len(fitting) == 1 else None
+
+
 def _parse_line(text: str, line: str, block_size: int) -> Request:
     try:
         record: object = json.loads(text)
@@ -714,10 +750,14 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
     if isinstance(tokens, bool) or not isinstance(tokens, int):
         raise ValueError(f"{line}: tokens must be an integer, got {tokens!r}")
     if not full_tokens <= tokens < full_tokens + block_size:
-        raise ValueError(
+        detail = (
             f"{line}: tokens = {tokens} does not fit {len(blocks)} full blocks of {block_size} tokens"
             f" (expected {full_tokens}..{full_tokens + block_size - 1})"
         )
+        fitting = _fitting_block_size(len(blocks), tokens)
+        if fitting is not None:
+            raise TraceBlockSizeMismatch(fitting, block_size, from_header=None, detail=detail)
+        raise ValueError(detail)
     if tokens == 0:
         raise ValueError(
             f"{line}: blocks is empty and tokens is 0: a request has at least one prompt token (a prompt shorter"
@@ -732,16 +772,30 @@ def _parse_line(text: str, line: str, block_size: int) -> Request:
 def parse_trace(lines: Iterable[str], *, block_size: int = 16, source: str = "trace") -> Iterator[Request]:
     """Parse JSON-lines requests; a bad line raises ``ValueError`` naming ``source``, the line and why.
 
+    A ``#`` comment before the first request that says ``N tokens per block``
+    (:data:`TRACE_HEADER_BLOCK_SIZE`) records the block size the hashes were
+    computed at: another ``block_size`` raises :class:`TraceBlockSizeMismatch`,
+    as does a line whose tokens fit only another likely block size.
     Each line that is neither blank nor a ``#`` comment is an object:
     ``blocks`` (list of block hashes, strings or non-negative integers,
     required), ``tokens`` (prompt length, default ``len(blocks) * block_size``),
     ``output_blocks`` (default none) and ``id``.
     """
     check_block_size(block_size)
+    requests_seen = False
     for number, text in enumerate(lines, start=1):
         stripped = text.strip()
-        if stripped and not stripped.startswith("#"):
-            yield _parse_line(text, f"{source} line {number}", block_size)
+        if not stripped:
+            continue
+        if stripped.startswith("#"):
+            header = TRACE_HEADER_BLOCK_SIZE.search(stripped)
+            if not requests_seen and header is not None and int(header.group(1)) != block_size:
+                raise TraceBlockSizeMismatch(
+                    int(header.group(1)), block_size, from_header=stripped, detail=f"{source} line {number}"
+                )
+            continue
+        requests_seen = True
+        yield _parse_line(text, f"{source} line {number}", block_size)
 
 
 _GZIP_MAGIC = b"\x1f\x8b"

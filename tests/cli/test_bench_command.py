@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.cli._bench import ALL_QUICK_DURATION, BENCHMARKS, SMOKE_RUN_NOTE, find_checkout
+from kvtriton.cli._bench import ALL_QUICK_DURATION, BENCHMARKS, SMOKE_RUN_NOTE, exit_description, find_checkout
 from kvtriton.cli._main import main
 from kvtriton.integrations._vllm_release import VLLM_INSTALL
 
@@ -80,6 +80,35 @@ def test_failing_benchmark_is_named_and_its_exit_code_returned(
     captured = capfd.readouterr()
     assert "kernels table row" in captured.out  # later benchmarks still run
     assert "failed: manager (exit 3)" in captured.err
+
+
+def test_a_benchmark_killed_by_a_signal_is_said_in_words_with_what_to_do(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # An AVX-512 build of torch on an AVX2 machine dies of SIGILL: Python reported it as exit -4.
+    checkout = fake_checkout(tmp_path / "repo", {"kernels": 0})
+    (checkout / "bench" / "kernels.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    assert main(["bench", "kernels", "--checkout", str(checkout), "--out", str(tmp_path / "out")]) == 128 + 4
+    captured = capfd.readouterr()
+    assert "exit -4" not in captured.out + captured.err
+    assert "== kernels: killed by SIGILL (illegal instruction: a compiled library" in captured.out
+    assert "e.g. an AVX-512 build on an AVX2 machine; install builds made for this CPU" in captured.out
+    assert "failed: kernels (killed by SIGILL (illegal instruction:" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("returncode", "said"),
+    [
+        (0, "exit 0"),
+        (3, "exit 3"),
+        (-9, "killed by SIGKILL (killed from outside, most often by the kernel's out-of-memory killer"),
+        (-11, "killed by SIGSEGV (a crash in native code"),
+        (-15, "killed by SIGTERM"),
+        (-200, "killed by signal 200"),
+    ],
+)
+def test_every_return_code_is_said_in_words(returncode: int, said: str) -> None:
+    assert exit_description(returncode).startswith(said)
 
 
 def test_bench_without_a_source_checkout_says_so_and_exits_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

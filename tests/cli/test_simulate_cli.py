@@ -166,7 +166,10 @@ def test_the_smallest_size_reaching_the_target_is_printed_as_vllm_configuration(
     assert "smallest size reaching 5.0% (the hit rate vLLM reports)" in out
     line = next(line for line in out.splitlines() if "--kv-transfer-config" in line)
     assert json.loads(re.search(r"'(.*)'", line).group(1)) == found["kv_transfer_config"]  # pyright: ignore[reportOptionalMemberAccess] -- the line holds a quoted config
-    assert "vllm serve <model> --block-size 32 --max-num-seqs 4" in out
+    assert (
+        "vllm serve <model> --block-size 32 --tensor-parallel-size 1 --max-num-batched-tokens 2048 --max-num-seqs 4"
+        in out
+    )
     assert f"kvtriton info --slab-size {found['slab_bytes_per_rank']}B" in out
     assert "/dev/shm:  not used by KVTritonOffloadingSpec" in out
 
@@ -274,6 +277,19 @@ def test_a_bad_target_hit_rate_is_refused(value: str, capsys: pytest.CaptureFixt
         (["--policies", "lru,LRU"], "argument --policies: policy 'LRU' is listed twice in 'lru,LRU'"),
         (["--policies", "lru,,arc"], "argument --policies: item 2 of 'lru,,arc' is empty"),
         (["--arrivals", "2", "--sequential"], "argument --sequential: not allowed with argument --arrivals"),
+        (
+            ["--capacities", "1,1e30"],
+            "argument --capacities: '1e30' is 976562500000000019418578944.00 TiB, above the planner's bound of"
+            " 128.00 TiB for host memory (a vLLM worker maps its slab into one x86-64 process's 128 TiB of user"
+            " address space, and no server holds that much RAM): give a smaller size (a bare number is GiB)",
+        ),
+        (["--capacities", "129TiB"], "argument --capacities: '129TiB' is 129.00 TiB, above the planner's bound"),
+        (
+            ["--tier", "mooncake", "--tier-sizes", "1e9"],
+            "argument --tier-sizes: '1e9' is 976562.50 TiB, above the planner's bound of 1024.00 TiB for a second"
+            " tier (a pool of 128 holders of 8 TiB each): give a smaller size",
+        ),
+        (["--tier", "mooncake:2000TiB"], "argument --tier: '2000TiB' is 2000.00 TiB, above the planner's bound of"),
     ],
 )
 def test_bad_lists_are_refused_with_the_reason(
@@ -364,6 +380,35 @@ def test_a_token_workload_trace_runs_through_simulate(tmp_path: Path, capsys: py
     assert record["trace"]["requests"] == 60
     assert record["trace"]["prompt_tokens"] == sum(len(request.prompt) for request in requests)
     assert all(0 <= point["external_hit_rate"] <= 1 for point in record["points"])
+
+
+def test_a_trace_read_at_another_block_size_than_its_header_says_is_told_which_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests = token_workload(seed=1, params=TokenWorkloadParams(requests=20))
+    trace = write_trace(tmp_path / "at16.jsonl", requests, block_size=16)
+    header = "# 20 requests, 16 tokens per block, written by kvtriton.sim._token_trace"
+    assert main(["simulate", "--trace", str(trace), "--block-size", "32", *QUICK, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvtriton simulate: error: --trace {trace}: this trace was written at 16 tokens per block (its header:"
+        f" {header!r}), not at --block-size 32: pass --block-size 16"
+    )
+    at32 = write_trace(tmp_path / "at32.jsonl", requests, block_size=32)
+    assert main(["simulate", "--trace", str(at32), *QUICK, "--out", str(tmp_path)]) == 2
+    assert "not at the default --block-size, 16: pass --block-size 32" in capsys.readouterr().err
+
+
+def test_a_trace_without_a_header_whose_tokens_fit_another_block_size_is_told_which(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bare.jsonl"
+    trace.write_text('{"id": "r1", "blocks": ["h1", "h2", "h3"], "tokens": 56}\n')
+    assert main(["simulate", "--trace", str(trace), "--block-size", "32", *QUICK, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvtriton simulate: error: --trace {trace} line 1: tokens = 56 does not fit 3 full blocks of 32 tokens"
+        " (expected 96..127) at --block-size 32; it fits 16 tokens per block: if the trace was written at 16 tokens"
+        " per block, pass --block-size 16"
+    )
 
 
 def test_the_python_example_in_the_docs_runs_and_prints_what_it_says(

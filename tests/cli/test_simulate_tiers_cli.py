@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from kvtriton.cli._main import main
+from kvtriton.cli._simulate._output import stall_lines
+from kvtriton.sim import GIB, PRESETS, Stall, TieredReport, TierSpec
 from kvtriton.sim._tier_models import TIER_MODELS, TierModel
-from tests.cli.conftest import SMALL, simulate_json
+from tests.cli.conftest import QUICK, SMALL, simulate_json
 
 TIERED = [*SMALL, "--gpu-blocks", "120"]
 """The shared small run, in vLLM's call order with a GPU prefix cache of 120 blocks."""
@@ -113,7 +116,8 @@ def test_the_tiered_answer_serves_with_the_scheduler_limits_it_was_simulated_wit
     limits = ["--max-num-seqs", "4", "--max-num-batched-tokens", "1024"]
     assert main(["simulate", *TIERED, *flags, *limits, "--out", str(tmp_path)]) == 0
     assert (
-        "vllm serve <model> --block-size 32 --max-num-seqs 4 --max-num-batched-tokens 1024" in capsys.readouterr().out
+        "vllm serve <model> --block-size 32 --tensor-parallel-size 1 --max-num-batched-tokens 1024 --max-num-seqs 4"
+        in capsys.readouterr().out
     )
 
 
@@ -185,3 +189,38 @@ def test_a_bad_arrival_pattern_is_refused_naming_it(
     with pytest.raises(SystemExit):
         main(["simulate", *TIERED, "--arrivals", value, "--out", str(tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_a_stalled_point_says_which_request_never_ran_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--workload", "chat", "--requests", "100", "--tier", "mooncake:2GiB", "--capacities", "0.25,0.5"]
+    assert main(["simulate", *flags, "--policies", "lru", *QUICK, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stalled: a request waited 1000 steps and never ran; vLLM 0.33's engine" in out
+    assert (
+        "  LRU, host 256.00 MiB, mooncake 2.00 GiB: request 'chat-38-turn-2' (90 chunks of prompt) fits the host"
+        " tier's 127 chunks, but its own promotions evicted chunks it had already found, step after step" in out
+    )
+    assert "LRU ranks a waiting request's chunks by when it was first seen" in out
+    assert "a neighbouring size may not stall" in out
+    record = json.loads((tmp_path / "simulate-chat-tiered.json").read_text())
+    stalled, ran = record["points"]
+    assert stalled["stalled"] and stalled["stall"]["req_id"] == "chat-38-turn-2"
+    assert not ran["stalled"] and ran["stall"] is None
+
+
+def test_a_prompt_larger_than_the_host_tier_is_told_the_host_memory_it_needs() -> None:
+    geometry = PRESETS["llama-3-8b"]
+    report = TieredReport(
+        policy="arc", servers=1, host_bytes=GIB // 4, host_blocks=127, tier=TierSpec("fs"), stalled=True,
+        external_query_tokens=0, external_hit_tokens=0, counts=None, bytes_per_chunk=geometry.tiered_chunk_bytes,
+        tier_object_bytes=geometry.tiered_chunk_bytes, host_evictions=0, host_load_bytes=0, host_store_bytes=0,
+        stall=Stall("r7", prompt_chunks=145, host_chunks=127, own_evictions=12),
+    )  # fmt: skip
+    (_, line) = stall_lines([report], geometry)
+    assert line == (
+        "  ARC, host 256.00 MiB, fs: request 'r7' (145 chunks of prompt) does not fit the host tier's 127 chunks:"
+        " promoting the rest of it evicts what was promoted before; give each server at least 290.57 MiB of host"
+        " memory"
+    )

@@ -20,7 +20,7 @@ from kvtriton.sim._secondary_tier import FsTier, MooncakePool, TierCounts
 from kvtriton.sim._tier_models import TierSpec, parse_tier
 from kvtriton.sim._tiered_planner import TieredReport, recommend_tiered, tiered_point
 from kvtriton.sim._vllm_server import ServerModel, StalledRequest, predict
-from kvtriton.sim._workloads import Request
+from kvtriton.sim._workloads import Request, generate
 
 BLOCK = 16
 ONE_AT_A_TIME = ServerModel(sequential=True, store_steps=1)
@@ -181,6 +181,22 @@ def test_a_prompt_longer_than_the_host_tier_stalls_as_vllm_would() -> None:
         [prepare([request("a", 1, 2, 3)])], GEOMETRY, 2 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True)
     )
     assert not stalled.stalled  # a fresh disk has nothing to promote: the prompt is computed and stored
+
+
+def test_a_request_whose_own_promotions_evict_what_it_found_stalls_and_says_so() -> None:
+    # Found with `kvtriton simulate --workload chat --requests 100 --tier mooncake:2GiB --capacities 0.25`: the
+    # request's 90 chunks fit the host tier's 127, yet it never runs. The host tier is full, a lookup does not renew
+    # a chunk, and LRU ranks the chunks it found by when it was first seen, below those of requests that finished
+    # since: each chunk it promotes evicts one it found, step after step (vLLM 0.33's own LRU rule).
+    requests = prepare(generate("chat", seed=0, block_size=16, overrides={"requests": 100}))
+    llama = PRESETS["llama-3-8b"]
+    report = tiered_point([requests], llama, GIB // 4, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4))
+    assert report.stalled
+    assert report.stall is not None
+    assert (report.stall.req_id, report.stall.prompt_chunks, report.stall.host_chunks) == ("chat-38-turn-2", 90, 127)
+    assert report.stall.fits and report.stall.own_evictions > 0
+    roomier = tiered_point([requests], llama, GIB // 2, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4))
+    assert not roomier.stalled and roomier.stall is None
 
 
 def test_a_tier_is_named_fs_or_mooncake_with_an_optional_size() -> None:

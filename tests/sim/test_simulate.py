@@ -484,14 +484,14 @@ def test_vllm_call_order_is_recorded_and_matches_the_server_model_replay(
     record = json.loads(capsys.readouterr().out)
     assert record["call_order"] == {
         "name": "vllm", "arrivals": 3, "sequential": False, "concurrency": None, "request_rate": None,
-        "arrival_seed": 0, "max_num_seqs": None,
+        "arrival_seed": 0, "max_num_seqs": 256,
         "max_num_batched_tokens": 2048, "gpu_blocks": None, "decode_steps": 2, "load_steps": 1, "store_steps": 3,
         "sync_loads": True,
     }  # fmt: skip
     (point,) = record["points"]
     requests = prepare(generate("scan", seed=0, block_size=16, overrides={"requests": 60}))
     contexts = positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=16)
-    model = ServerModel(arrivals=3, output_tokens=2, sync_loads=True, store_steps=3)
+    model = ServerModel(arrivals=3, output_tokens=2, sync_loads=True, store_steps=3, max_num_seqs=256)
     expected = replay_vllm_server(
         vllm_order_calls(CPUOffloadingManager(point["num_blocks"])), requests, contexts, block_size=16, model=model
     )
@@ -507,7 +507,7 @@ def test_help_documents_the_vllm_order_knobs(capsys: pytest.CaptureFixture[str])
     for expected in [
         "--call-order", "(default: vllm when --gpu-blocks", "--arrivals", "(default: 4 per step when", "burst", "concurrency:N", "rate:R", "--decode-steps",
         "(default: 2)", "--sync-loads", "--gpu-blocks", "--max-num-seqs", "--sequential", "--load-steps",
-        "--store-steps", "--max-num-batched-tokens", "(default: 2048)", "--target-hit-rate", "default: 0.5)",
+        "--store-steps", "--max-num-batched-tokens", "(default: 2048,", "(default: 256,", "--target-hit-rate", "default: 0.5)",
         "--tensor-parallel-size", "prefix-tree:", "scan_fraction=0.15",
     ]:  # fmt: skip
         assert expected in text, expected

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtriton.sim._workloads import WORKLOADS, Request, generate, parse_trace, read_trace
+from kvtriton.sim._workloads import WORKLOADS, Request, TraceBlockSizeMismatch, generate, parse_trace, read_trace
 
 SMALL = {"requests": "60"}
 
@@ -367,3 +367,32 @@ def test_new_workloads_are_deterministic_per_seed(name: str) -> None:
 def test_scan_fraction_out_of_range_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="scan_fraction must be in 0..1, got 1.5"):
         generate("scan", overrides={"scan_fraction": "1.5"})
+
+
+def test_a_trace_header_records_its_block_size_and_another_is_refused() -> None:
+    lines = [
+        "# 2 requests, 16 tokens per block, written by kvtriton.sim._token_trace",
+        '{"blocks": ["a"], "tokens": 20}',
+    ]
+    assert [request.prompt_tokens for request in parse_trace(lines, block_size=16)] == [20]
+    with pytest.raises(TraceBlockSizeMismatch) as raised:
+        list(parse_trace(lines, block_size=32, source="t.jsonl"))
+    assert (raised.value.written, raised.value.read_at, raised.value.from_header) == (16, 32, lines[0])
+    assert str(raised.value) == ("t.jsonl line 1: written at 16 tokens per block, not 32; read it at 16")
+    # A comment after the first request is only a comment.
+    assert len(list(parse_trace([lines[1], "# 99 tokens per block"], block_size=16))) == 1
+
+
+def test_a_line_whose_tokens_fit_one_likely_block_size_names_it() -> None:
+    with pytest.raises(TraceBlockSizeMismatch) as raised:
+        list(parse_trace(['{"blocks": ["a", "b", "c"], "tokens": 56}'], block_size=32, source="t.jsonl"))
+    assert (raised.value.written, raised.value.from_header) == (16, None)
+    assert str(raised.value) == (
+        "t.jsonl line 1: tokens = 56 does not fit 3 full blocks of 32 tokens (expected 96..127); it fits 16 tokens"
+        " per block: read it at 16 if it was written so"
+    )
+    # 3 blocks and 40 tokens fit 10..13 tokens per block: no likely size, so the plain reason alone.
+    with pytest.raises(
+        ValueError, match=r"^t.jsonl line 1: tokens = 40 does not fit 3 full blocks of 32 tokens \(expected 96..127\)$"
+    ):
+        list(parse_trace(['{"blocks": ["a", "b", "c"], "tokens": 40}'], block_size=32, source="t.jsonl"))

@@ -19,6 +19,7 @@ from kvtriton.sim import (
     DEFAULT_HOST_PRICE_RATIO,
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_STORE_STEPS,
     DEFAULT_SWEEP_POINTS,
     PRESETS,
@@ -29,7 +30,10 @@ from kvtriton.sim import (
     ModelGeometry,
     Request,
     TierSpec,
+    TraceBlockSizeMismatch,
     VllmOrder,
+    check_host_bytes,
+    check_tier_bytes,
     default_capacities,
     format_bytes,
     generate,
@@ -104,18 +108,31 @@ def _listed(text: str, what: str) -> list[str]:
     return items
 
 
-def _capacities(text: str) -> list[int]:
-    sizes: dict[int, str] = {}
-    for item in _listed(text, "sizes"):
-        if item.startswith("-"):
-            raise argparse.ArgumentTypeError(f"sizes must be positive, got {item!r}")
-        size = size_argument(item)
-        if size in sizes:
-            raise argparse.ArgumentTypeError(
-                f"{sizes[size]!r} and {item!r} are the same size ({format_bytes(size)}): give each size once"
-            )
-        sizes[size] = item
-    return sorted(sizes)
+def _sizes(check_bound: Callable[[int, str], None]) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated sizes, each positive, once, and within ``check_bound``."""
+
+    def convert(text: str) -> list[int]:
+        sizes: dict[int, str] = {}
+        for item in _listed(text, "sizes"):
+            if item.startswith("-"):
+                raise argparse.ArgumentTypeError(f"sizes must be positive, got {item!r}")
+            size = size_argument(item)
+            try:
+                check_bound(size, item)
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+            if size in sizes:
+                raise argparse.ArgumentTypeError(
+                    f"{sizes[size]!r} and {item!r} are the same size ({format_bytes(size)}): give each size once"
+                )
+            sizes[size] = item
+        return sorted(sizes)
+
+    return convert
+
+
+_capacities = _sizes(check_host_bytes)
+_tier_sizes = _sizes(check_tier_bytes)
 
 
 def _policies(text: str) -> list[str]:
@@ -339,13 +356,15 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         metavar="N",
         help="vLLM's --max-num-seqs: requests running at once; requests waiting for a load do not count,"
-        " so a burst of them is admitted (default: no limit)",
+        f" so a burst of them is admitted (default: {DEFAULT_MAX_NUM_SEQS}, vllm serve's on a GPU under 70 GiB,"
+        " or --max-num-batched-tokens when that is lower; the printed vllm serve line sets it)",
     )
     server.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
         metavar="N",
-        help=f"vLLM's --max-num-batched-tokens: tokens computed per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        help=f"vLLM's --max-num-batched-tokens: tokens computed per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS},"
+        " vllm serve's on a GPU under 70 GiB; the printed vllm serve line sets it)",
     )
     arrival = server.add_mutually_exclusive_group()
     arrival.add_argument(
@@ -396,7 +415,7 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="vLLM's --tensor-parallel-size: the host memory is split over N worker processes, each pinning"
-        " its share (for the pinned-memory advice; default: 1)",
+        " its share (for the pinned-memory advice and the printed vllm serve line; default: 1)",
     )
 
 
@@ -431,7 +450,7 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     sized = "|".join(model.name for model in TIER_MODELS.values() if model.sized)
     tiers.add_argument(
         "--tier-sizes",
-        type=_capacities,
+        type=_tier_sizes,
         metavar="LIST",
         help=f"--tier {sized}: tier sizes to sweep, comma-separated, units as --capacities (default:"
         f" {DEFAULT_TIERED_POINTS} sizes doubling up to the first power-of-two GiB that holds the whole trace)",
@@ -541,6 +560,14 @@ def call_order_of(args: argparse.Namespace) -> CallOrder:
         raise ValueError(
             "--in-flight applies to --call-order kvtriton; vLLM's order admits with --max-num-seqs, --arrivals or --sequential"
         )
+    batched = _given(args.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    max_num_seqs = _given(args.max_num_seqs, min(DEFAULT_MAX_NUM_SEQS, batched))
+    if max_num_seqs > batched:
+        given = "" if args.max_num_batched_tokens is not None else " (its default)"
+        raise ValueError(
+            f"--max-num-seqs {max_num_seqs} is more than --max-num-batched-tokens {batched}{given}, which vLLM"
+            " refuses: lower --max-num-seqs or raise --max-num-batched-tokens"
+        )
     pattern: ArrivalPattern | None = args.arrivals
     if pattern is None:
         default = args.max_num_seqs is not None or args.sequential
@@ -551,8 +578,8 @@ def call_order_of(args: argparse.Namespace) -> CallOrder:
         concurrency=int(pattern.value) if pattern.kind == "concurrency" else None,
         request_rate=pattern.value if pattern.kind == "rate" else None,
         arrival_seed=args.seed if pattern.kind == "rate" else 0,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=_given(args.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
         gpu_blocks=args.gpu_blocks,
         decode_steps=_given(args.decode_steps, DEFAULT_DECODE_STEPS),
         load_steps=_given(args.load_steps, DEFAULT_LOAD_STEPS),
@@ -583,6 +610,17 @@ def load_trace(args: argparse.Namespace, block_size: int) -> tuple[Source, list[
         # Not is_file(): a pipe (`--trace <(ssh host cat trace.jsonl)`) is a fine trace too.
         try:
             requests = read_trace(path, block_size=block_size)
+        except TraceBlockSizeMismatch as mismatch:
+            read_at = f"--block-size {block_size}" if args.block_size else f"the default --block-size, {block_size}"
+            if mismatch.from_header is not None:
+                raise ValueError(
+                    f"--trace {path}: this trace was written at {mismatch.written} tokens per block (its header:"
+                    f" {mismatch.from_header!r}), not at {read_at}: pass --block-size {mismatch.written}"
+                ) from None
+            raise ValueError(
+                f"--trace {mismatch.detail} at {read_at}; it fits {mismatch.written} tokens per block: if the"
+                f" trace was written at {mismatch.written} tokens per block, pass --block-size {mismatch.written}"
+            ) from None
         except OSError as error:
             raise ValueError(f"--trace: cannot read {path}: {error.strerror or error}") from None
         stem = Path(path.name.removesuffix(".gz")).stem  # my-trace.jsonl.gz writes simulate-my-trace.json

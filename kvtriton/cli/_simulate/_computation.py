@@ -108,8 +108,13 @@ def host_sweep(
         for each in geometries
     }
     tp = tensor_parallel_size
-    found = recommend(curves[stored.compression], target_hit_rate, order.name, stored, tensor_parallel_size=tp)
-    uncompressed = recommend(curves["none"], target_hit_rate, order.name, geometry, tensor_parallel_size=tp)
+    server = order if isinstance(order, VllmOrder) else None
+    found = recommend(
+        curves[stored.compression], target_hit_rate, order.name, stored, tensor_parallel_size=tp, server=server
+    )
+    uncompressed = recommend(
+        curves["none"], target_hit_rate, order.name, geometry, tensor_parallel_size=tp, server=server
+    )
     return HostSweep(geometry, stored, order, summary, sizes, unlimited, unlimited_server, curves, found, uncompressed)
 
 
@@ -153,5 +158,5 @@ def tiered_points(
     host_sizes = holding_a_block(list(hosts or default_capacities(geometry, distinct, default_points)), geometry)
     on_finished = on_start(prepared, host_sizes, tier_sizes)
     reports = tiered_sweep(prepared, geometry, host_sizes, tier_sizes, policies, order, on_finished=on_finished)
-    found = recommend_tiered(reports, target_hit_rate, host_price_ratio, geometry)
+    found = recommend_tiered(reports, target_hit_rate, host_price_ratio, geometry, server=order)
     return TieredSweep(prepared, distinct, reports, found)

@@ -20,8 +20,8 @@ from kvtriton.cli._simulate._arguments import Source
 from kvtriton.cli._simulate._computation import HostSweep, TieredSweep
 from kvtriton.sim import (
     COMPRESSION_EXTRA_CONFIG_KEY,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     GIB,
+    MAX_DEFERRALS,
     CallOrder,
     ModelGeometry,
     PointReport,
@@ -88,9 +88,7 @@ def recommendation_lines(
                 f" {percent(ceiling)}, is all the offload tier gives; lower --target-hit-rate."
             )
         return lines
-    flags = _server_flags(geometry, order)
-    if found.tensor_parallel_size > 1:
-        flags.append(f"--tensor-parallel-size {found.tensor_parallel_size}")
+    flags = order.engine_settings(geometry.block_size, found.tensor_parallel_size).flags()
     slab = found.slab_bytes_per_rank
     workers = (
         "the worker process pins"
@@ -114,22 +112,24 @@ def recommendation_lines(
             f" {geometry.compression_group_size} elements: loaded KV differs from what was computed (docs/kernels.md,"
             ' "Compressed rows"); leave it out for bit-exact offload'
         )
-    if isinstance(order, VllmOrder) and order.gpu_blocks is None:
-        lines.append(
-            "note:      modelled with the engine's prefix cache off; give --gpu-blocks (vLLM's num_gpu_blocks) to"
-            " count only what the GPU cache does not serve, as vLLM does"
-        )
+    lines += engine_notes(order)
     return lines
 
 
-def _server_flags(geometry: ModelGeometry, order: CallOrder) -> list[str]:
-    """The ``vllm serve`` flags of the server the replay modelled: its block size and the scheduler limits given."""
-    flags = [f"--block-size {geometry.block_size}"]
-    if isinstance(order, VllmOrder) and order.max_num_seqs is not None:
-        flags.append(f"--max-num-seqs {order.max_num_seqs}")
-    if isinstance(order, VllmOrder) and order.max_num_batched_tokens != DEFAULT_MAX_NUM_BATCHED_TOKENS:
-        flags.append(f"--max-num-batched-tokens {order.max_num_batched_tokens}")
-    return flags
+def engine_notes(order: CallOrder) -> list[str]:
+    """What the printed ``vllm serve`` line leaves to vLLM, or sets only because the model did."""
+    if not isinstance(order, VllmOrder):
+        return [
+            "note:      --call-order kvtriton models no vLLM scheduler: the line sets the block size and parallelism only;"
+            " --call-order vllm plans the server's scheduler settings too and writes them on the line"
+        ]
+    if order.gpu_blocks is None:
+        return [
+            "note:      modelled with the engine's prefix cache off (--no-enable-prefix-caching on the line) and no"
+            " GPU block limit; give --gpu-blocks (vLLM's num_gpu_blocks) to model it on, as vLLM runs by default,"
+            " counting only what the GPU cache does not serve"
+        ]
+    return []
 
 
 def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[str]) -> list[str]:
@@ -310,7 +310,7 @@ def describe_server(order: VllmOrder) -> str:
         arrivals = "all requests at once"
     parts = [
         arrivals,
-        f"max_num_seqs {order.max_num_seqs}" if order.max_num_seqs is not None else "no max_num_seqs",
+        f"max_num_seqs {order.max_num_seqs}",
         f"{order.max_num_batched_tokens} batched tokens",
         f"{order.gpu_blocks} GPU blocks, prefix cache on" if order.gpu_blocks is not None else "prefix cache off",
         f"{order.decode_steps} output tokens",
@@ -401,8 +401,52 @@ def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str
     return headers, rows
 
 
+def stall_lines(stalled: Sequence[TieredReport], geometry: ModelGeometry) -> list[str]:
+    """Why each stalled point stalled, from what its replay saw, and what that means for the answer."""
+    lines = [
+        f"stalled: a request waited {MAX_DEFERRALS} steps and never ran; vLLM 0.33's engine, whose tiered offloading"
+        " the replay follows call by call, would wait on it the same way. The answer skips these points:"
+    ]
+    self_evicting: set[str] = set()
+    for report in stalled:
+        point = f"  {report.policy.upper()}, host {format_bytes(report.host_bytes)}, {report.tier.describe()}:"
+        stall = report.stall
+        if stall is None:
+            lines.append(f"{point} a request never ran")
+            continue
+        request = f"request {stall.req_id!r} ({stall.prompt_chunks} chunks of prompt)"
+        if not stall.fits:
+            needed = format_bytes(stall.prompt_chunks * geometry.tiered_chunk_bytes)
+            lines.append(
+                f"{point} {request} does not fit the host tier's {stall.host_chunks} chunks: promoting the rest of"
+                f" it evicts what was promoted before; give each server at least {needed} of host memory"
+            )
+        elif stall.own_evictions:
+            self_evicting.add(report.policy)
+            lines.append(
+                f"{point} {request} fits the host tier's {stall.host_chunks} chunks, but its own promotions evicted"
+                f" chunks it had already found, step after step ({stall.own_evictions} evictions)"
+            )
+        else:
+            lines.append(f"{point} {request} fits the host tier, but its lookups never all hit in one step")
+    if self_evicting:
+        why = (
+            "LRU ranks a waiting request's chunks by when it was first seen (tails first), so as other requests"
+            " finish, they rank below everything else"
+            if "lru" in self_evicting
+            else "the policy ranked them below everything else"
+        )
+        lines.append(
+            "  A request that fits stalls when the host tier is full and the chunks it found rank lowest there: a"
+            f" lookup does not renew a chunk, and {why}; each chunk it promotes from the tier then evicts one it"
+            " found. Whether that happens depends on the order in which the requests meet, not on the size alone,"
+            " so a neighbouring size may not stall; do not deploy a stalled point."
+        )
+    return lines
+
+
 def tiered_recommendation_lines(
-    found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int
+    found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int, tensor_parallel_size: int
 ) -> list[str]:
     target = percent(found.target)
     point = found.point
@@ -423,7 +467,7 @@ def tiered_recommendation_lines(
         "kv_role": "kv_both",
         "kv_connector_extra_config": found.extra_config,
     }
-    flags = _server_flags(geometry, order)
+    flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
     lines = [
         f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier.bought_as.format(size=tier_size)},"
@@ -529,6 +573,7 @@ def host_record(args: argparse.Namespace, source: Source, started: float, result
             "gpu_share": unlimited_server.gpu_share if unlimited_server is not None else 0.0,
         },
         call_order={"name": order.name, **asdict(order)},
+        engine_args=asdict(order.engine_settings(stored.block_size, args.tensor_parallel_size)),
         bandwidth_gbps=args.bandwidth,
         points=[asdict(report) for report in result.reports],
         recommendation=recommendation_record(found, stored),
@@ -657,14 +702,12 @@ def tiered_lines(
         " they add up to vLLM hit); 1st lookup: vLLM's kv_offload_tiering_chunk_hits/_chunk_queries, which count"
         " what a tier answered each request's first lookup of a chunk (in a burst, before anything is stored)"
     )
-    if any(report.stalled for report in result.reports):
+    stalled = [report for report in result.reports if report.stalled]
+    if stalled:
         lines.append("")
-        lines.append(
-            "stalled: a request's prefix did not fit the host tier, so promoting it evicted what was already promoted"
-            " and the request never ran (vLLM's engine would stall the same way): give the host tier more room"
-        )
+        lines += stall_lines(stalled, geometry)
     lines.append("")
-    lines += tiered_recommendation_lines(result.found, order, geometry, args.servers)
+    lines += tiered_recommendation_lines(result.found, order, geometry, args.servers, args.tensor_parallel_size)
     return lines
 
 
@@ -689,6 +732,7 @@ def tiered_record(
         stored_bytes_per_block=geometry.stored_bytes_per_block,
         working_set_bytes=result.distinct_blocks * geometry.stored_bytes_per_block,
         call_order={"name": order.name, **asdict(order)},
+        engine_args=asdict(order.engine_settings(geometry.block_size, args.tensor_parallel_size)),
         points=[tiered_point_record(report, args.host_price_ratio) for report in result.reports],
         recommendation={
             "target_hit_rate": found.target,
