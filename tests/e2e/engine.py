@@ -86,6 +86,25 @@ def generate_batch(
             "logprobs": logprobs}  # fmt: skip
 
 
+def generate_with_aborts(
+    prompts: Sequence[Sequence[int]], max_tokens: int, name: str, *, abort: Sequence[int], abort_after_steps: int
+) -> dict[str, object]:
+    """A step: ``prompts`` submitted together and stepped one engine step at a time; after ``abort_after_steps``
+    steps the prompts at the indices ``abort`` are aborted, the others run to their end.
+
+    Each prompt's result is a :class:`Completion` of :attr:`StepResult.completions`, in the order of ``prompts``;
+    an aborted prompt's is empty (or what it had generated, when it finished before the abort).
+    """
+    return {
+        "op": "generate_with_aborts",
+        "prompts": [list(prompt) for prompt in prompts],
+        "max_tokens": max_tokens,
+        "name": name,
+        "abort": list(abort),
+        "abort_after_steps": abort_after_steps,
+    }
+
+
 def barrier(name: str) -> dict[str, object]:
     """A step: the engine writes ``<name>.reached`` in its working directory and waits (bounded by
     :data:`e2e.engine_process.BARRIER_TIMEOUT_S`) until ``<name>.go`` exists there: a test injects a fault at a
@@ -230,11 +249,13 @@ class EngineResult:
 
 
 def engine_env(*, checkout_importable: bool = True) -> dict[str, str]:
-    """The environment of a test's engine process: this one's, with tests/ importable, and the repository too unless
-    ``checkout_importable`` is False (an installed kvtriton must then be the only one the process can import)."""
+    """The environment of a test's engine process: this one's, with the repository and tests/ importable; with
+    ``checkout_importable`` False, tests/ alone (not even this process's ``PYTHONPATH``, which may name a checkout):
+    an installed kvtriton must then be the only one the process can import."""
     env = dict(os.environ)
+    inherited = [env.get("PYTHONPATH", "")] if checkout_importable else []
     paths = [str(REPO)] if checkout_importable else []
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(TESTS), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(TESTS), *filter(None, inherited)])
     return env
 
 

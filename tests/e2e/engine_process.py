@@ -312,6 +312,36 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 for output in outputs
             ]
             _settle(llm, filler)
+        elif op == "generate_with_aborts":
+            # The prompts submitted together and stepped by hand, as a server's engine loop steps them: after
+            # ``abort_after_steps`` steps the ``abort`` ones are aborted mid-flight (with loads and stores of theirs
+            # possibly in flight), the others run to their end.
+            sampling = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
+            engine = llm.llm_engine
+            ids = [f"{record['name']}-{index}" for index in range(len(step["prompts"]))]
+            for request_id, prompt in zip(ids, step["prompts"], strict=True):
+                engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
+            finished: dict[str, Any] = {}
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S * 4
+            steps = 0
+            while engine.has_unfinished_requests():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{record['name']}: requests still unfinished after {steps} steps")
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                steps += 1
+                if steps == step["abort_after_steps"]:
+                    engine.abort_request([ids[index] for index in step["abort"]])
+            record["completions"] = [
+                {
+                    "token_ids": list(finished[request_id].outputs[0].token_ids) if request_id in finished else [],
+                    "num_cached_tokens": finished[request_id].num_cached_tokens if request_id in finished else 0,
+                    "logprobs": [],
+                }
+                for request_id in ids
+            ]
+            _settle(llm, filler)
         elif op == "reset_prefix_cache":
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
             while not llm.reset_prefix_cache():

@@ -7,6 +7,7 @@ engine process runs with only tests/ importable (:mod:`packaging_fixtures`).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -31,7 +32,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> InstalledWheel:
 
 def run_installed(installed: InstalledWheel, *command: str) -> str:
     """``command`` run in a folder outside the checkout; its output, or an AssertionError with it."""
-    done = subprocess.run(command, cwd=installed.prefix, capture_output=True, text=True, timeout=300, check=False)
+    # No PYTHONPATH: one naming a checkout (as a worktree's test run sets it) would stand in for the wheel.
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run(
+        command, cwd=installed.prefix, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, f"{command} exited with {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
