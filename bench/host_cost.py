@@ -31,7 +31,20 @@ per page tensor and pair; shuffled blocks into consecutive rows), best and
 median pass (``batch_arrays`` in the JSON). Pure host work: it runs the same
 with or without a GPU, and leaves out the call itself.
 
-Goals: at most 40 us per job at 64 page tensors and 60 us at 160.
+Then, where vLLM is installed (either release), the same counts through
+kvtriton's vLLM worker as vLLM 0.34 calls it (``device_pointers`` in the
+JSON): each job handed over as ``DevicePointers`` (one address per block and
+page tensor), which the worker reads back into block ids before its engine
+plans the copy, the launch again a no-op. Per job it times the whole of it
+(``submit_store`` + ``submit_load`` + ``get_finished``: ``job_us``) and the
+read-back alone (``decode_us``), best and median pass, each beside the same
+measurement of the package at ``DEVICE_POINTERS_BASELINE_COMMIT`` (the
+worker that looped over every page tensor), extracted and measured in a
+child process as the other baseline is. ``--no-device-pointers`` leaves
+them out; ``--real-launch`` does too.
+
+Goals: at most 40 us per job at 64 page tensors and 60 us at 160, for the
+engine's job and for vLLM 0.34's whole job through the worker alike.
 JSON goes to ``bench/results/host_cost.json`` (``$KVTRITON_BENCH_OUT``),
 rewritten after every measured tree and page-tensor count (``"complete":
 false`` until the end), so a run cut off keeps what it measured.

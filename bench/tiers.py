@@ -35,12 +35,15 @@ measured without the disk's noise. Writes ``bench/results/tiers.json``.
 ``--steps`` measures something else instead: the time vLLM's scheduler thread
 spends in the tiered manager per step (``complete_store`` of the previous
 step's chunks, which cascades them; ``prepare_store`` of this step's;
-``on_schedule_end``), with kvtriton's primary, in three variants built alike
+``on_schedule_end``), with kvtriton's primary, in five variants built alike
 and run in alternating order round after round: no secondary tier; the fs
 tier with every cascaded chunk sealed on the scheduler thread (as kvtriton
 did before); the fs tier with the seals on kvtriton's seal thread (what it
-does now). Chunks of ``--step-chunk-mib`` (16 MiB: the seal's cost grows with
-the chunk), ``--step-batch`` of them per step, ``--step-count`` steps per
+does now); and two promoting variants (each step's lookups of chunks found
+only in fs, then ``on_schedule_end``), each promoted chunk's seal checked
+under vLLM's manager lock (before) or on the seal thread (now). Chunks of
+``--step-chunk-mib`` (16 MiB: the seal's cost grows with the chunk),
+``--step-batch`` of them per step, ``--step-count`` steps per
 round with ``--step-pause-ms`` between steps standing in for the model's
 forward pass (the fs tier's writes and the seals run meanwhile). Prints and
 writes the median step time per variant (the median of each round's median)
@@ -383,7 +386,9 @@ def measure_promotion_steps(
 
     from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
 
-    manager = _manager("kvtriton", chunk_bytes, STEP_CAPACITY_STEPS * batch, root, threads)
+    # Room for every chunk of the round: a promotion refused for want of a slot (every one write-pending on a busy
+    # machine) would be a miss that says nothing about the checks.
+    manager = _manager("kvtriton", chunk_bytes, steps * batch, root, threads)
     assert isinstance(manager, SealedTieringManager)
     step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
     slot_bytes = _slot_bytes("kvtriton", chunk_bytes)
