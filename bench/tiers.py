@@ -35,12 +35,15 @@ measured without the disk's noise. Writes ``bench/results/tiers.json``.
 ``--steps`` measures something else instead: the time vLLM's scheduler thread
 spends in the tiered manager per step (``complete_store`` of the previous
 step's chunks, which cascades them; ``prepare_store`` of this step's;
-``on_schedule_end``), with kvtriton's primary, in three variants built alike
+``on_schedule_end``), with kvtriton's primary, in five variants built alike
 and run in alternating order round after round: no secondary tier; the fs
 tier with every cascaded chunk sealed on the scheduler thread (as kvtriton
 did before); the fs tier with the seals on kvtriton's seal thread (what it
-does now). Chunks of ``--step-chunk-mib`` (16 MiB: the seal's cost grows with
-the chunk), ``--step-batch`` of them per step, ``--step-count`` steps per
+does now); and two promoting variants (each step's lookups of chunks found
+only in fs, then ``on_schedule_end``), each promoted chunk's seal checked
+under vLLM's manager lock (before) or on the seal thread (now). Chunks of
+``--step-chunk-mib`` (16 MiB: the seal's cost grows with the chunk),
+``--step-batch`` of them per step, ``--step-count`` steps per
 round with ``--step-pause-ms`` between steps standing in for the model's
 forward pass (the fs tier's writes and the seals run meanwhile). Prints and
 writes the median step time per variant (the median of each round's median)
@@ -278,6 +281,8 @@ STEP_VARIANTS = {
     "no-tier": "no secondary tier",
     "fs-sealed-on-scheduler": "fs tier, sealed on the scheduler thread (before)",
     "fs-sealed-off-thread": "fs tier, sealed on the seal thread (now)",
+    "fs-promoted-checked-on-scheduler": "fs tier promoting, each chunk checked under the manager lock (before)",
+    "fs-promoted-checked-off-thread": "fs tier promoting, each chunk checked on the seal thread (now)",
 }
 """The step-time variants (``--steps``), by name: what each one is."""
 STEP_CAPACITY_STEPS = 8
@@ -292,7 +297,8 @@ class StepRound:
     step_ms: tuple[float, ...]
     """Each step's ``complete_store`` + ``prepare_store`` + ``on_schedule_end``, in milliseconds."""
     refused_steps: int
-    """Steps whose ``prepare_store`` found no room (every slot still pinned by a cascade): 0 in a fair run."""
+    """Steps whose ``prepare_store`` found no room (every slot still pinned by a cascade), or for a promotion variant
+    the chunks that ended a miss: 0 in a fair run."""
 
     @property
     def median_ms(self) -> float:
@@ -311,6 +317,8 @@ def measure_steps(
 
     if variant not in STEP_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(STEP_VARIANTS)}, got {variant!r}")
+    if variant.startswith("fs-promoted-"):
+        return measure_promotion_steps(variant, chunk_bytes, batch, steps, pause_s, root, threads, first_key)
     manager = _manager("kvtriton", chunk_bytes, STEP_CAPACITY_STEPS * batch, root, threads, variant != "no-tier")
     assert isinstance(manager, TieringOffloadingManager)
     if isinstance(manager, SealedTieringManager):
@@ -358,6 +366,84 @@ def measure_steps(
         view.release()
         manager.shutdown()
     return StepRound(variant, tuple(timings), refused)
+
+
+def measure_promotion_steps(
+    variant: str, chunk_bytes: int, batch: int, steps: int, pause_s: float, root: Path, threads: int, first_key: int
+) -> StepRound:
+    """``steps`` scheduler steps that each look up ``batch`` more chunks found only in the fs tier; time each step.
+
+    Untimed first: ``steps * batch`` chunks are stored, cascaded to fs and
+    forgotten by the primary (``reset_cache``). Then each step looks up its
+    new chunks and those still in flight (the fs tier answers asynchronously,
+    then reads the chunk into a primary slot; the step that takes the read's
+    completion checks the chunk's seal, on the scheduler thread before, on
+    the seal thread now), and ends (``on_schedule_end`` submits the reads).
+    A step's ``refused`` count is the chunks that ended a miss: 0 in a fair run.
+    """
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+
+    # Room for every chunk of the round: a promotion refused for want of a slot (every one write-pending on a busy
+    # machine) would be a miss that says nothing about the checks.
+    manager = _manager("kvtriton", chunk_bytes, steps * batch, root, threads)
+    assert isinstance(manager, SealedTieringManager)
+    step_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    slot_bytes = _slot_bytes("kvtriton", chunk_bytes)
+    payload = bytes(range(256)) * (chunk_bytes // 256)
+    view = manager.primary_tier.get_kv_memoryview().cast("B")
+    keys = _keys(first_key, steps * batch)
+    timings: list[float] = []
+    missed = 0
+
+    def settle() -> None:  # untimed: steps end until no tier job is in flight
+        while True:
+            with manager.lock:
+                manager.on_schedule_end(step_end)
+                if not manager.has_pending_work():
+                    return
+            time.sleep(STEP_S)
+
+    try:
+        storing = ReqContext(req_id="store")
+        manager.on_new_request(storing)
+        for start in range(0, len(keys), batch):  # untimed: the chunks reach fs, sealed, one batch at a time
+            with manager.lock:
+                output = manager.prepare_store(keys[start : start + batch], storing)
+            assert output is not None and isinstance(output.store_spec, CPULoadStoreSpec)
+            for slot in output.store_spec.block_ids.tolist():
+                view[slot * slot_bytes : slot * slot_bytes + chunk_bytes] = payload
+            with manager.lock:
+                manager.complete_store(output.keys_to_store, storing)
+            settle()
+        manager.on_request_finished(storing)
+        with manager.lock:  # the primary forgets them: each lookup below finds its chunk in fs only
+            manager.reset_cache()
+            manager.on_reset_flushed()
+        manager.seal_off_thread = variant == "fs-promoted-checked-off-thread"
+        context = ReqContext(req_id="steps")
+        manager.on_new_request(context)
+        in_flight: list[OffloadKey] = []
+        for step in range(steps):
+            in_flight += keys[step * batch : (step + 1) * batch]
+            started = time.perf_counter()
+            with manager.lock:
+                answers = [manager.lookup(key, context) for key in in_flight]
+                manager.on_schedule_end(step_end)
+            timings.append((time.perf_counter() - started) * 1e3)
+            missed += answers.count(LookupResult.MISS)
+            in_flight = [
+                key for key, answer in zip(in_flight, answers) if answer not in (LookupResult.HIT, LookupResult.MISS)
+            ]
+            time.sleep(pause_s)  # the model's forward pass: the fs reads and the checks run meanwhile
+        settle()
+        manager.on_request_finished(context)
+    finally:
+        view.release()
+        manager.shutdown()
+    return StepRound(variant, tuple(timings), missed)
 
 
 def _step_summary(rounds: list[StepRound]) -> dict[str, object]:

@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 STEPS = ["preflight", "cuda_tests", "fp8_tests", "crossover", "kernels", "host_cost"]
 FILES = {"summary.json", "preflight.txt", "tests.log", "steps.log", "crossover.json", "kernels.json", "host_cost.json"}
+FP8_COLD_ESTIMATE_S = 40
+"""The fp8 step's worst estimate: 24 fp8 variants compiled from an empty Triton cache."""
+PREFLIGHT_COLD_ESTIMATE_S = 25
+"""The pre-flight's worst estimate on a cold disk (the 1 GiB pins and the shared region's view)."""
+KERNELS_ESTIMATE_S = 45
+"""The kernels step's worst estimate."""
 GPU_RUN_LIMIT_S = 300  # start-up takes 2-4 minutes of a 15-minute lease: a run, a fix and a second run must fit
 
 
@@ -173,5 +179,9 @@ def test_every_step_budget_and_the_total_are_spelled_out_and_add_up() -> None:
     total = budgets.pop("TOTAL")
     assert set(budgets) == {name.upper() for name in STEPS}
     assert sum(budgets.values()) <= total <= GPU_RUN_LIMIT_S
-    assert budgets["PREFLIGHT"] == 25 and budgets["KERNELS"] == 75
+    # Headroom over the estimates for an H100 host with an empty Triton cache (bench/gpu_check.sh's header): the
+    # fp8 step compiles 24 variants in 28-40 s, the pre-flight pins up to 25 s on a cold disk, kernels <= 45 s.
+    assert budgets["FP8_TESTS"] >= 1.25 * FP8_COLD_ESTIMATE_S
+    assert budgets["PREFLIGHT"] >= 1.25 * PREFLIGHT_COLD_ESTIMATE_S
+    assert budgets["KERNELS"] >= 1.25 * KERNELS_ESTIMATE_S
     assert "--continue-on-collection-errors" in text  # one file that fails to collect loses its own cases only

@@ -12,6 +12,8 @@ is handed a job, that every one of its slots already holds its seal.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -288,4 +290,167 @@ def test_every_seal_thread_is_gone_after_shutdown(tmp_path: Path, off_thread: bo
     assert seal_checks(manager, handed_over) == [[None, None]]
     manager.on_request_finished(context)
     manager.shutdown()
+    assert seal_threads() == []
+
+
+# -- a promoted chunk's seal is checked off the manager lock ----------------------------------------------------------
+
+
+class HeldCheck:
+    """Stands in for ``verify``: refuses the scheduler's thread, waits for :attr:`release`, then checks (or fails)."""
+
+    def __init__(self, fault: IntegrityFault | None = None) -> None:
+        self.scheduler_thread = threading.current_thread()
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.threads: list[str] = []
+        self.fault = fault
+        """Returned instead of the real check's verdict, once released."""
+
+    def __call__(self, chunk: memoryview, *, key: bytes, fingerprint: bytes) -> IntegrityFault | None:
+        thread = threading.current_thread()
+        self.threads.append(thread.name)
+        if thread is self.scheduler_thread:
+            raise AssertionError("a promoted chunk was checked on the scheduler's thread, under the manager lock")
+        self.started.set()
+        if not self.release.wait(WAIT_S):
+            raise AssertionError(f"the test never released the check within {WAIT_S} s")
+        return self.fault if self.fault is not None else verify(chunk, key=key, fingerprint=fingerprint)
+
+
+def hold_checks(monkeypatch: pytest.MonkeyPatch, fault: IntegrityFault | None = None) -> HeldCheck:
+    held = HeldCheck(fault)
+    monkeypatch.setattr(sealed_tiering, "verify", held)
+    return held
+
+
+def cascaded_and_forgotten(manager: SealedTieringManager) -> None:
+    """Chunks ``key(1)`` and ``key(2)`` stored, sealed and written to fs, then forgotten by the primary."""
+    context = stored(manager, "store")
+    complete(manager, context)
+    drain(manager)
+    manager.on_request_finished(context)
+    with manager.lock:
+        manager.reset_cache()
+        manager.on_reset_flushed()
+
+
+def step(manager: SealedTieringManager, context: ReqContext) -> LookupResult:
+    """One scheduler step looking up ``key(1)``: the lookup, then the end of the step."""
+    with manager.lock:
+        answer = manager.lookup(key(1), context)
+        manager.on_schedule_end(END_OF_STEP)
+    return answer
+
+
+def step_until(
+    manager: SealedTieringManager, context: ReqContext, done: Callable[[LookupResult], bool]
+) -> LookupResult:
+    deadline = time.monotonic() + WAIT_S
+    while not done(answer := step(manager, context)):
+        assert time.monotonic() < deadline, f"the lookup still answers {answer.name} after {WAIT_S} s"
+        time.sleep(0.005)
+    return answer
+
+
+def promoted_payload(manager: SealedTieringManager, context: ReqContext) -> bytes:
+    with manager.lock:
+        spec = manager.prepare_load([key(1)], context)
+        manager.complete_load([key(1)], context)
+    assert isinstance(spec, CPULoadStoreSpec)
+    (slot,) = spec.chunk_ids.tolist()
+    return bytes(manager.primary_tier.get_kv_memoryview().cast("B")[slot * CHUNK : slot * CHUNK + PAYLOAD])
+
+
+def test_a_promotion_is_checked_off_the_lock_and_its_chunk_is_no_hit_until_the_check_passes(
+    managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = build(tmp_path, managers)
+    cascaded_and_forgotten(manager)
+    held = hold_checks(monkeypatch)
+    reader = ReqContext(req_id="read")
+    manager.on_new_request(reader)
+    step_until(manager, reader, lambda _: held.started.is_set())  # the fs tier has read it; the check is held
+    for _ in range(3):  # the scheduler's calls return meanwhile, and the chunk is not served unchecked
+        assert step(manager, reader) is LookupResult.HIT_PENDING
+        with manager.lock:
+            assert manager.has_pending_work()
+    held.release.set()
+    step_until(manager, reader, lambda answer: answer is LookupResult.HIT)
+    assert promoted_payload(manager, reader) == bytes([FILLS[1]]) * PAYLOAD
+    assert held.threads and all(name.startswith(SEAL_THREAD_NAME) for name in held.threads)
+    assert manager.integrity[0].total() == 0
+    manager.on_request_finished(reader)
+
+
+def test_a_promotion_whose_check_fails_off_the_lock_is_a_counted_miss(
+    managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = build(tmp_path, managers)
+    cascaded_and_forgotten(manager)
+    held = hold_checks(monkeypatch, IntegrityFault.CHECKSUM)
+    held.release.set()
+    reader = ReqContext(req_id="read")
+    manager.on_new_request(reader)
+    assert step_until(manager, reader, lambda answer: answer is LookupResult.MISS) is LookupResult.MISS
+    assert manager.integrity[0].counts()[IntegrityFault.CHECKSUM] == 1
+    assert not chunk_file(manager, 1).exists()  # dropped, as a faulty fs file is
+    assert step(manager, reader) is LookupResult.MISS and manager.integrity[0].total() == 1  # not promoted again
+    manager.on_request_finished(reader)
+
+
+def test_a_check_that_raises_fails_its_promotion_and_the_scheduler_carries_on(
+    managers: list[OffloadingManager],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    manager = build(tmp_path, managers)
+    cascaded_and_forgotten(manager)
+
+    def broken(chunk: memoryview, *, key: bytes, fingerprint: bytes) -> IntegrityFault | None:
+        raise OSError("the region is gone")
+
+    monkeypatch.setattr(sealed_tiering, "verify", broken)
+    reader = ReqContext(req_id="read")
+    manager.on_new_request(reader)
+    assert step_until(manager, reader, lambda answer: answer is LookupResult.MISS) is LookupResult.MISS
+    assert "could not check the chunks of promotion job" in caplog.text and "the region is gone" in caplog.text
+    assert step(manager, reader) is LookupResult.MISS  # not promoted again (that would loop), and uncounted
+    assert manager.integrity[0].total() == 0
+    manager.on_request_finished(reader)
+
+
+def test_reset_cache_waits_for_a_held_check_and_hands_the_promotion_to_vllm(
+    managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = build(tmp_path, managers)
+    cascaded_and_forgotten(manager)
+    held = hold_checks(monkeypatch)
+    reader = ReqContext(req_id="read")
+    manager.on_new_request(reader)
+    step_until(manager, reader, lambda _: held.started.is_set())
+    releaser = threading.Timer(0.05, held.release.set)
+    releaser.start()
+    with manager.lock:
+        manager.reset_cache()  # vLLM asserts no job is left after draining: the held promotion went first
+        manager.on_reset_flushed()
+        assert not manager.has_pending_work()
+    releaser.join(WAIT_S)
+    manager.on_request_finished(reader)
+
+
+def test_shutdown_stops_a_held_check_and_leaves_no_seal_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = build(tmp_path, None)  # shut down here, once
+    cascaded_and_forgotten(manager)
+    held = hold_checks(monkeypatch)
+    reader = ReqContext(req_id="read")
+    manager.on_new_request(reader)
+    step_until(manager, reader, lambda _: held.started.is_set())
+    shutting_down = threading.Thread(target=manager.shutdown, name="test-shutdown")
+    shutting_down.start()
+    assert manager._sealing_stopped.wait(WAIT_S)  # pyright: ignore[reportPrivateUsage] -- shutdown has begun
+    held.release.set()
+    shutting_down.join(WAIT_S)
+    assert not shutting_down.is_alive()
     assert seal_threads() == []

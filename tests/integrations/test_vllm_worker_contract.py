@@ -29,7 +29,12 @@ from vllm_fixtures.connector import device_side, submit_load, submit_store
 
 from kvtriton.integrations.vllm import KVTritonOffloadingSpec
 from kvtriton.integrations.vllm._surface import FAILED_TRANSFERS_ARE_REPORTED, WORKER_GETS_DEVICE_POINTERS
-from kvtriton.integrations.vllm._worker import VLLMOffloadingWorker, block_ids_from_pointers
+from kvtriton.integrations.vllm._worker import (
+    PointerLayout,
+    VLLMOffloadingWorker,
+    _int64_view,  # pyright: ignore[reportPrivateUsage] -- the test checks that pointers are viewed, not copied
+    block_ids_from_pointers,
+)
 from kvtriton.worker._slab import PageableSlabWarning
 
 NUM_BLOCKS = 24
@@ -190,27 +195,81 @@ def test_device_pointers_that_name_no_block_of_the_kv_cache_fail_the_job_instead
     worker.shutdown()
 
 
+@dataclass
+class Pointers:
+    """vLLM 0.34's ``DevicePointers``, by its fields (vLLM 0.33 has no such class)."""
+
+    ptrs: np.ndarray
+    sizes: np.ndarray
+    group_block_counts: tuple[int, ...]
+    group_data_ref_counts: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+TWO_GROUPS = PointerLayout([[(1000, 10), (5000, 20)], [(9000, 4)]])
+"""Group 0: two references of different strides; group 1: one."""
+
+
+def _pointers(ptrs: list[int]) -> Pointers:
+    return Pointers(np.array(ptrs, dtype=np.uint64), np.zeros(len(ptrs), np.uint64), (2, 1), (2, 1), (0, 1))
+
+
 def test_block_ids_are_read_back_from_every_reference_of_each_group_and_checked() -> None:
     """The decoding on its own: ids from the first reference, the other references' addresses checked."""
-    bases = [[(1000, 10), (5000, 20)], [(9000, 4)]]
-
-    @dataclass
-    class Pointers:
-        ptrs: np.ndarray
-        sizes: np.ndarray
-        group_block_counts: tuple[int, ...]
-        group_data_ref_counts: tuple[int, ...]
-        block_indices: tuple[int, ...]
-
-    def pointers(ptrs: list[int]) -> Pointers:
-        return Pointers(np.array(ptrs, dtype=np.uint64), np.zeros(len(ptrs), np.uint64), (2, 1), (2, 1), (0, 1))
-
-    spec = block_ids_from_pointers(pointers([1030, 1070, 5060, 5140, 9008]), bases)
+    spec = block_ids_from_pointers(_pointers([1030, 1070, 5060, 5140, 9008]), TWO_GROUPS)
     assert spec.block_ids.tolist() == [3, 7, 2] and list(spec.group_sizes) == [2, 1]
     assert list(spec.block_indices) == [0, 1]
-    with pytest.raises(ValueError, match="data reference 1 name other blocks"):
-        block_ids_from_pointers(pointers([1030, 1070, 5060, 5160, 9008]), bases)
-    with pytest.raises(ValueError, match="not a block"):
-        block_ids_from_pointers(pointers([1031, 1070, 5060, 5140, 9008]), bases)
+    with pytest.raises(ValueError, match=r"group 0's data reference 1 name other blocks: block 1's address is 0x1428"):
+        block_ids_from_pointers(_pointers([1030, 1070, 5060, 5160, 9008]), TWO_GROUPS)
+    with pytest.raises(ValueError, match=r"device pointer 0 of group 0 \(address 0x407\) is not a block"):
+        block_ids_from_pointers(_pointers([1031, 1070, 5060, 5140, 9008]), TWO_GROUPS)
+    with pytest.raises(ValueError, match="not a block"):  # below the tensor: a negative block id
+        block_ids_from_pointers(_pointers([990, 1070, 5060, 5140, 9008]), TWO_GROUPS)
+    with pytest.raises(ValueError, match="group 1 .* is not a block"):
+        block_ids_from_pointers(_pointers([1030, 1070, 5060, 5140, 9009]), TWO_GROUPS)
     with pytest.raises(ValueError, match="account for"):
-        block_ids_from_pointers(pointers([1030, 1070, 5060, 5140, 9008, 9012]), bases)
+        block_ids_from_pointers(_pointers([1030, 1070, 5060, 5140, 9008, 9012]), TWO_GROUPS)
+    with pytest.raises(ValueError, match="account for"):
+        block_ids_from_pointers(_pointers([1030, 1070, 5060, 5140]), TWO_GROUPS)
+
+
+def test_an_address_above_2_to_the_63_names_no_block() -> None:
+    """vLLM's pointers are uint64; read as int64 (a view, not a copy) such an address is negative."""
+    layout = PointerLayout([[(1000, 10)]])
+    pointers = Pointers(np.array([2**63 + 1000], dtype=np.uint64), np.zeros(1, np.uint64), (1,), (1,), (0,))
+    with pytest.raises(ValueError, match="not a block"):
+        block_ids_from_pointers(pointers, layout)
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["one stride", "per-reference strides"])
+def test_a_wrong_pointer_in_any_reference_row_of_a_wide_group_is_caught(uniform: bool) -> None:
+    """160 references of 256 blocks: the rows are compared in slices, and every slice's rows are checked."""
+    refs, blocks = 160, 256
+    bases = [(2**40 + ref * 2**30, 4096 if uniform else 4096 + 64 * ref) for ref in range(refs)]
+    layout = PointerLayout([bases])
+    ids = np.random.default_rng(0).permutation(1024)[:blocks]
+    grid = np.array([[base + int(block) * stride for block in ids] for base, stride in bases], dtype=np.uint64)
+
+    def decode(values: np.ndarray) -> np.ndarray:
+        pointers = Pointers(values.reshape(-1), np.zeros(values.size, np.uint64), (blocks,), (refs,), (0,))
+        return block_ids_from_pointers(pointers, layout).block_ids
+
+    assert decode(grid).tolist() == ids.tolist()
+    for ref, position in [(1, 0), (31, 255), (32, 7), (100, 100), (159, 255)]:
+        wrong = grid.copy()
+        wrong[ref, position] += bases[ref][1]  # the next block: a real block, but not the one row 0 names
+        with pytest.raises(ValueError, match=f"data reference {ref} name other blocks: block {position}'s"):
+            decode(wrong)
+
+
+def test_pointers_are_viewed_not_copied() -> None:
+    """The hot path reads vLLM's uint64 array in place (no astype copy of every pointer)."""
+    layout = PointerLayout([[(1000, 10), (5000, 10)]])
+    pointers = Pointers(np.array([1030, 1070, 5030, 5070], dtype=np.uint64), np.zeros(4, np.uint64), (2,), (2,), (0,))
+    assert np.shares_memory(_int64_view(pointers.ptrs), pointers.ptrs)
+    assert block_ids_from_pointers(pointers, layout).block_ids.tolist() == [3, 7]
+
+
+def test_a_block_stride_below_one_is_refused_when_the_layout_is_built() -> None:
+    with pytest.raises(ValueError, match=r"pointer_bases\[0\]\[1\] has block stride 0"):
+        PointerLayout([[(1000, 10), (2000, 0)]])

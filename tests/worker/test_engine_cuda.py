@@ -248,15 +248,19 @@ def test_an_empty_job_succeeds_at_once_on_every_backend(tensors: list[torch.Tens
         assert sorted((r.job_id, r.success, r.transfer_size) for r in results) == [(1, True, 0), (2, True, 0)]
 
 
-def test_a_pageable_slab_job_returns_before_the_forward_pass_ends(tensors: list[torch.Tensor]) -> None:
+def test_a_pageable_slab_job_returns_before_the_forward_pass_ends_and_stores_what_it_wrote(
+    tensors: list[torch.Tensor],
+) -> None:
     kv = PagedKV.from_tensors(tensors)
     with HostSlab(SLOTS, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab) as transfer:
         assert transfer.backend is TransferBackend.DMA
-        expected = block_bytes(transfer, 4)
-        spin_compute_stream()  # the "forward pass"
+        spin_compute_stream()  # the "forward pass"...
+        for layer in tensors:
+            layer[:, 4] = 1.5  # ...which writes the block, queued behind the spin
         store(transfer, 0, [4], [3])
         # submit_* returned while the compute stream is still busy: it did not wait for it.
         assert not torch.cuda.current_stream().query()
+        expected = block_bytes(transfer, 4)  # synchronises: the block as the forward pass left it
         # Lanes are unordered, and a pageable host-to-device copy reads host memory when it is issued: the load
         # must not be submitted before the store it reads has finished.
         finish(transfer, 0)
@@ -264,6 +268,8 @@ def test_a_pageable_slab_job_returns_before_the_forward_pass_ends(tensors: list[
         load(transfer, 1, [3], [7])
         assert not torch.cuda.current_stream().query()
         finish(transfer, 1)
+        # The worker thread's copy waited for the write queued before the store (not the bytes from before it).
+        assert torch.all(slab.rows[3, : kv.row_bytes].view(torch.bfloat16) == 1.5)
         assert row_bytes(transfer, 3) == expected and block_bytes(transfer, 7) == expected
 
 

@@ -8,11 +8,16 @@ only through its own event, recorded after its copy on its own lane. Both are
 properties of the host code that queues the work, so the stand-in
 (tests/worker/cuda_stand_in.py) checks them for every lane and every backend
 without a GPU, the copy itself running on the CPU as the engine's CPU path
-runs it. tests/worker/test_engine_cuda.py checks the same on a real GPU, with
+runs it, on both CUDA paths: a pinned slab's (the copies queued by the
+submitting thread) and a pageable slab's (queued by each lane's worker
+thread, behind an event the submitting thread records on the compute
+stream). tests/worker/test_engine_cuda.py checks the same on a real GPU, with
 a long kernel on the compute stream.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,22 +54,51 @@ def record_copies(cuda: RecordingCuda, monkeypatch: pytest.MonkeyPatch) -> dict[
     return queued
 
 
-def on_the_cuda_path(engine: TransferEngine, cuda: RecordingCuda, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Send a CPU engine's jobs down its CUDA path, onto stand-in lane streams (its copies still run on the CPU)."""
+PATHS = [
+    *(pytest.param(backend.values[0], False, marks=backend.marks, id=f"{backend.id}-pinned") for backend in BACKENDS),
+    # Triton refuses a pageable slab on CUDA (the engine picks dma there), so the threaded path never runs it.
+    *(pytest.param(backend.values[0], True, id=f"{backend.id}-pageable") for backend in BACKENDS[1:]),
+]
+"""Each backend on the engine's two CUDA paths: copies queued by the submitting thread (a pinned slab), or by each
+lane's worker thread (a pageable slab, whose copies block the thread that issues them)."""
+
+
+def on_the_cuda_path(
+    engine: TransferEngine, cuda: RecordingCuda, monkeypatch: pytest.MonkeyPatch, threaded: bool
+) -> list[ThreadPoolExecutor]:
+    """Send a CPU engine's jobs down its CUDA path, onto stand-in lane streams (its copies still run on the CPU).
+
+    ``threaded``: the pageable slab's path, through one worker thread per lane (returned; the engine's shutdown
+    joins them).
+    """
     monkeypatch.setattr(engine, "_cuda", True)
     monkeypatch.setattr(engine, "_streams", {lane: cuda.Stream() for lane in TransferLane})
+    if not threaded:
+        return []
+    workers = {
+        lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stand-in-{lane.name}") for lane in TransferLane
+    }
+    monkeypatch.setattr(engine, "_threaded", True)
+    monkeypatch.setattr(engine, "_workers", workers)
+    return list(workers.values())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def issued(workers: list[ThreadPoolExecutor]) -> None:
+    """Wait until each lane's worker thread has queued the copies handed to it so far (one thread per lane)."""
+    for worker in workers:
+        worker.submit(lambda: None).result()
+
+
+@pytest.mark.parametrize(("backend", "threaded"), PATHS)
 def test_every_job_copies_after_the_compute_work_queued_before_it_and_is_seen_done_only_through_its_own_event(
-    backend: TransferBackend, monkeypatch: pytest.MonkeyPatch
+    backend: TransferBackend, threaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kv = make_kv(12)
     cuda = RecordingCuda()  # the device runs the compute stream last: whatever is not ordered after it runs first
     with HostSlab(12, 1, kv.row_bytes, pin=False) as slab, TransferEngine(kv, slab, backend) as engine:
         cuda.install(monkeypatch)
         queued = record_copies(cuda, monkeypatch)
-        on_the_cuda_path(engine, cuda, monkeypatch)
+        workers = on_the_cuda_path(engine, cuda, monkeypatch, threaded)
         compute_before: dict[int, int] = {}
         for job_id, lane in enumerate(JOB_LANES):
             cuda.compute.enqueue(f"forward pass before job {job_id}")
@@ -75,6 +109,7 @@ def test_every_job_copies_after_the_compute_work_queued_before_it_and_is_seen_do
             else:
                 assert engine.submit_load(job_id, slots, blocks, expedited=lane is TransferLane.EXPEDITED_LOAD)
             cuda.compute.enqueue(f"forward pass after job {job_id}")
+        issued(workers)  # the pageable path queues its copies on its worker threads, after submit_* returned
 
         for job_id, lane in enumerate(JOB_LANES):
             stream, position = queued[job_id]

@@ -35,7 +35,7 @@ Seal off the scheduler thread (cascades)
     failure counted). A peer's read through the ``ParentManager`` is still
     sealed on the calling thread: that tier reads the slots as soon as
     ``create_store_job`` returns, with no ``submit_store`` to hold.
-Verify (``_complete_promotion``)
+Verify (the tier's ``get_finished_jobs``, then ``_complete_promotion``)
     When a tier reports a promotion done, before vLLM's orchestrator marks the
     slots ready, every key the tier says it loaded is verified in its slot. A
     faulty key is taken out of the job's ``successful_keys``: vLLM then frees
@@ -43,6 +43,22 @@ Verify (``_complete_promotion``)
     load it from the tier, and the engine recomputes the block. The fault is
     counted in ``vllm:kv_offload_integrity_failures{tier,reason}`` with a
     rate-limited WARNING (:mod:`kvtriton.integrations.vllm._integrity_report`).
+Verify off the manager lock
+    Verifying is the seal's cost again (0.4-2.7 ms a chunk), and vLLM polls the
+    tiers with its manager lock held, which the scheduler waits for. So the
+    seals of a finished promotion are checked on the seal thread: the tier's
+    result is held back from vLLM (:meth:`SealedTieringManager._verified_promotions`)
+    until the check is done, and handed over at the next poll after it (the
+    scheduler's next lookup, ``prepare_store`` or ``on_schedule_end``, or the
+    tier-poll thread's round). Meanwhile the job stays registered, so its
+    slots stay write-pending: a lookup of its keys answers HIT_PENDING, never
+    HIT, until the verdict is in; ``has_pending_work`` stays true;
+    ``reset_cache`` waits for the checks; ``shutdown`` stops them with the
+    seals. A check that raises fails every key of its job (a miss, logged, and
+    quarantined as below, uncounted: no fault was found). A promotion
+    whose result reaches ``_complete_promotion`` unchecked (a tier reporting a
+    job it was never handed through the gate) is verified there, on the
+    calling thread: no chunk becomes a hit unverified.
 Size (``_initiate_promotion``)
     Before vLLM's fs tier reads a chunk file, its length is checked: a file
     shorter than a sealed chunk (cut short, empty) is
@@ -76,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -85,7 +102,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 
 import numpy as np
-from typing_extensions import override
+from typing_extensions import TypeVar, override
 
 from kvtriton._integrity import IntegrityFault, seal_in_place, verify
 from kvtriton.integrations.vllm._identity import KVIdentity
@@ -105,6 +122,8 @@ from kvtriton.integrations.vllm._surface import (
 
 logger = logging.getLogger(__name__)
 
+_Result = TypeVar("_Result")
+
 IDENTITY_INFO_KEYS = ("kvtriton_identity", "kvtriton_identity_source")
 """The labels the primary tier's ``vllm:kv_offload_config_info`` series gains: the fingerprint and its source."""
 
@@ -116,6 +135,12 @@ SEAL_THREAD_NAME = "kvtriton_seal"
 """The name (prefix) of the thread that seals cascaded chunks off vLLM's scheduler thread."""
 
 
+def _loaded_slots(job: TransferJob, result: JobResult) -> list[tuple[vllm_base.OffloadKey, int]]:
+    """The ``(key, chunk_id)`` slots a finished promotion says it filled: the chunks to check."""
+    loaded = set(job.keys if result.success else result.successful_keys or ())
+    return [(key, chunk_id) for key, chunk_id in zip(job.keys, job.chunk_ids.tolist()) if key in loaded]
+
+
 def tier_label(index: int, tier: SecondaryTierManager) -> str:
     """The ``tier`` label vLLM's orchestrator gives secondary tier ``index`` (``"1:fs"``)."""
     return f"{index + 1}:{tier.tier_type}"
@@ -123,6 +148,20 @@ def tier_label(index: int, tier: SecondaryTierManager) -> str:
 
 class SealingStopped(RuntimeError):
     """The manager shut down while a job's slots were still being sealed: the rest of them are not."""
+
+
+Faults = list[tuple[vllm_base.OffloadKey, IntegrityFault]]
+"""The keys of a promotion whose chunk failed its seal check, each with the reason."""
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingVerification:
+    """A promotion its tier reports done, held back from vLLM until the seal thread has checked its chunks."""
+
+    result: JobResult
+    tier_idx: int
+    faults: Future[Faults]
+    """Done when every loaded chunk is checked; holds the exception when the check itself failed."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -155,6 +194,15 @@ class SealedTieringManager(TieringOffloadingManager):
         self._pending_seals: dict[JobId, _PendingSeal] = {}
         self._failed_seals: list[list[JobResult]] = [[] for _ in tiers]
         """Per tier, the store jobs whose seal failed, reported as failed through the tier's ``get_finished_jobs``."""
+        self._promotions: dict[JobId, TransferJob] = {}
+        """The promotions handed to a tier (through the gate), until the tier reports them."""
+        self._verifying: dict[JobId, _PendingVerification] = {}
+        """Finished promotions held back from vLLM while the seal thread checks their chunks, in job order."""
+        self._verdicts: dict[JobId, list[tuple[vllm_base.OffloadKey, IntegrityFault]] | None] = {}
+        """Checked promotions handed to vLLM, until its ``_complete_promotion``: the faulty keys (None: the check
+        itself failed, every key is a miss)."""
+        self._draining = False
+        """Set while ``reset_cache`` runs: a tier's finished promotions are checked before they are returned."""
         self._cascading = False
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=SEAL_THREAD_NAME)
         self._sealing_stopped = threading.Event()
@@ -164,8 +212,9 @@ class SealedTieringManager(TieringOffloadingManager):
         self.identity = identity
         """What every chunk's seal names; shown on the primary's config info series."""
         self.seal_off_thread = True
-        """Whether a cascade's seals run on the seal thread (the default) or on the calling thread, vLLM's scheduler
-        thread, as they did before; ``bench/tiers.py`` measures the scheduler's step time both ways."""
+        """Whether a cascade's seals and a promotion's checks run on the seal thread (the default) or on the calling
+        thread, under vLLM's manager lock, as they did before; ``bench/tiers.py`` measures the scheduler's step time
+        both ways."""
         view = primary_tier.get_kv_memoryview()  # (num_chunks, chunk_bytes)
         self._region = np.frombuffer(view, dtype=np.uint8)
         self._chunk_bytes = view.nbytes // max(1, len(view))
@@ -184,15 +233,21 @@ class SealedTieringManager(TieringOffloadingManager):
         failed among the tier's finished jobs, where vLLM unpins its slots.
         """
         submit_store = tier.submit_store
+        submit_load = tier.submit_load
         get_finished_jobs = tier.get_finished_jobs
 
         def gated_submit_store(job_metadata: TransferJob) -> None:
             self._submit_when_sealed(job_metadata, submit_store)
 
+        def gated_submit_load(job_metadata: TransferJob) -> None:
+            self._promotions[job_metadata.job_id] = job_metadata  # its result is checked before vLLM sees it
+            submit_load(job_metadata)
+
         def gated_get_finished_jobs() -> Iterable[JobResult]:
-            return self._finished_with_failed_seals(tier_idx, get_finished_jobs)
+            return self._verified_promotions(tier_idx, self._finished_with_failed_seals(tier_idx, get_finished_jobs))
 
         tier.submit_store = gated_submit_store
+        tier.submit_load = gated_submit_load
         tier.get_finished_jobs = gated_get_finished_jobs
 
     def _chunk(self, chunk_id: int) -> memoryview:
@@ -206,6 +261,29 @@ class SealedTieringManager(TieringOffloadingManager):
             if self._sealing_stopped.is_set():
                 raise SealingStopped(f"shut down after sealing {done} of the {len(slots)} slots of a store job")
             seal_in_place(self._chunk(chunk_id), key=key, fingerprint=fingerprint)
+
+    def _check_slots(self, slots: Sequence[tuple[vllm_base.OffloadKey, int]]) -> Faults:
+        """The ``(key, chunk_id)`` slots whose chunk fails its seal check, with the reason; stops like a seal."""
+        fingerprint = self.identity.fingerprint
+        faults: Faults = []
+        for done, (key, chunk_id) in enumerate(slots):
+            if self._sealing_stopped.is_set():
+                raise SealingStopped(f"shut down after checking {done} of the {len(slots)} chunks of a promotion")
+            fault = verify(self._chunk(chunk_id), key=key, fingerprint=fingerprint)
+            if fault is not None:
+                faults.append((key, fault))
+        return faults
+
+    def _off_the_lock(self, work: Callable[[], _Result]) -> Future[_Result]:
+        """``work`` on the seal thread, or, with :attr:`seal_off_thread` False, here and now (as before)."""
+        if self.seal_off_thread:
+            return self._sealer.submit(work)
+        done: Future[_Result] = Future()
+        try:
+            done.set_result(work())
+        except Exception as error:  # noqa: BLE001 -- as the seal thread's future holds it: the job fails, not the step
+            done.set_exception(error)
+        return done
 
     @contextlib.contextmanager
     def _cascade(self) -> Generator[None]:
@@ -249,17 +327,7 @@ class SealedTieringManager(TieringOffloadingManager):
             self._seal_slots(slots)
             self._stored_anew(tier_idx, job)
             return job
-        sealed: Future[None]
-        if self.seal_off_thread:
-            sealed = self._sealer.submit(self._seal_slots, slots)
-        else:
-            sealed = Future()
-            try:
-                self._seal_slots(slots)
-            except Exception as error:  # noqa: BLE001 -- as the seal thread's future does: the job fails, not the step
-                sealed.set_exception(error)
-            else:
-                sealed.set_result(None)
+        sealed = self._off_the_lock(functools.partial(self._seal_slots, slots))
         self._pending_seals[job.job_id] = _PendingSeal(job, tier_idx, sealed)
         return job
 
@@ -319,6 +387,48 @@ class SealedTieringManager(TieringOffloadingManager):
         self._failed_seals[tier_idx] = []
         return [*finished, *failed]
 
+    def _verified_promotions(self, tier_idx: int, finished: Iterable[JobResult]) -> list[JobResult]:
+        """A tier's finished jobs as vLLM may see them: each promotion only once its chunks are checked.
+
+        A promotion just reported is held and its check started (on the seal
+        thread); one held earlier whose check is done is returned now, in job
+        order, its verdict kept for :meth:`_complete_promotion`. While
+        ``reset_cache`` drains the tiers, every check is waited for.
+        """
+        ready: list[JobResult] = []
+        for result in finished:
+            job = self._promotions.pop(result.job_id, None)
+            slots = [] if job is None else _loaded_slots(job, result)
+            if not slots:  # not a promotion, or nothing loaded: nothing to check
+                ready.append(result)
+                continue
+            check = functools.partial(self._check_slots, slots)
+            self._verifying[result.job_id] = _PendingVerification(result, tier_idx, self._off_the_lock(check))
+        for job_id, pending in list(self._verifying.items()):
+            if pending.tier_idx != tier_idx:
+                continue
+            if self._draining:
+                wait_for_futures([pending.faults])
+            if not pending.faults.done():
+                continue
+            del self._verifying[job_id]
+            self._verdicts[job_id] = self._verdict(tier_idx, job_id, pending.faults)
+            ready.append(pending.result)
+        return ready
+
+    def _verdict(self, tier_idx: int, job_id: JobId, faults: Future[Faults]) -> Faults | None:
+        """A finished check's faulty keys, or None (logged) when the check itself failed."""
+        try:
+            return faults.result()
+        except (Exception, CancelledError) as error:  # the promotion fails, not the step
+            logger.error(
+                "kvtriton could not check the chunks of promotion job %d from tier %s: every key of it is a miss",
+                job_id,
+                tier_label(tier_idx, self.secondary_tiers[tier_idx]),
+                exc_info=error,
+            )
+            return None
+
     @override
     def on_schedule_end(self, context: vllm_base.ScheduleEndContext) -> None:
         self._hand_over_sealed()  # first, so that the tiers' own end of step sees them
@@ -327,14 +437,21 @@ class SealedTieringManager(TieringOffloadingManager):
     @override
     def has_pending_work(self) -> bool:
         # A job held for its seal needs a step to reach its tier, even where vLLM 0.34 lets a polled tier idle.
-        return bool(self._pending_seals) or any(self._failed_seals) or super().has_pending_work()
+        # A promotion held for its check needs a step (a poll) to reach vLLM too.
+        pending = bool(self._pending_seals) or bool(self._verifying) or any(self._failed_seals)
+        return pending or super().has_pending_work()
 
     @override
     def reset_cache(self) -> None:
         # vLLM drains every tier's jobs, then expects none in flight: the held ones must reach their tier first.
         wait_for_futures([pending.sealed for pending in self._pending_seals.values()])
         self._hand_over_sealed()
-        super().reset_cache()
+        # vLLM then drains the tiers and takes their finished jobs: every promotion's check is waited for there.
+        self._draining = True
+        try:
+            super().reset_cache()
+        finally:
+            self._draining = False
 
     @override
     def shutdown(self) -> None:
@@ -377,16 +494,19 @@ class SealedTieringManager(TieringOffloadingManager):
     @override
     def _complete_promotion(self, job_metadata: JobMetadata, completed_job: JobResult) -> None:
         job = job_metadata.transfer_job
-        loaded = set(job.keys if completed_job.success else completed_job.successful_keys or ())
-        faulty: set[vllm_base.OffloadKey] = set()
-        for key, chunk_id in zip(job.keys, job.chunk_ids.tolist()):
-            if key not in loaded:
-                continue
-            fault = verify(self._chunk(chunk_id), key=key, fingerprint=self.identity.fingerprint)
-            if fault is not None:
-                faulty.add(key)
+        if completed_job.job_id in self._verdicts:
+            faults = self._verdicts.pop(completed_job.job_id)
+        else:  # never held for a check (see the module docstring): checked here, never served unchecked
+            faults = self._check_slots(_loaded_slots(job, completed_job))
+        if faults is None:  # unchecked: a miss, and kept from being promoted again at once (that would loop)
+            for key, _ in _loaded_slots(job, completed_job):
+                self._quarantine(job_metadata.tier_idx, key)
+            completed_job = dataclasses.replace(completed_job, success=False, successful_keys=None)
+        elif faults:
+            for key, fault in faults:
                 self._reject(job_metadata.tier_idx, key, fault)
-        if faulty:
+            loaded = set(job.keys if completed_job.success else completed_job.successful_keys or ())
+            faulty = {key for key, _ in faults}
             good = tuple(key for key in job.keys if key in loaded and key not in faulty)
             completed_job = dataclasses.replace(completed_job, success=False, successful_keys=good or None)
         super()._complete_promotion(job_metadata, completed_job)
@@ -402,6 +522,10 @@ class SealedTieringManager(TieringOffloadingManager):
             except OSError as error:
                 logger.debug("could not remove the faulty chunk file %s: %s", name, error)
         self.integrity[tier_idx].record(fault, name)
+        self._quarantine(tier_idx, key)
+
+    def _quarantine(self, tier_idx: int, key: vllm_base.OffloadKey) -> None:
+        """Keep ``key`` from being promoted from tier ``tier_idx`` until this engine stores it there anew."""
         quarantined = self._quarantined[tier_idx]
         quarantined[key] = None
         if len(quarantined) > QUARANTINE_KEYS:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from typing_extensions import override
 
@@ -132,8 +133,8 @@ class GroupPages:
     group_row_bytes: tuple[int, ...]
     pointer_bases: tuple[tuple[tuple[int, int], ...], ...] = ()
     """Per group, per data reference in vLLM's order (repeats included): ``(base address, block stride)`` of the
-    referenced tensor, as vLLM 0.34 resolves a block's address (``base + block_id * stride``); see
-    :func:`block_ids_from_pointers`."""
+    referenced tensor, as vLLM 0.34 resolves a block's address (``base + block_id * stride``); the worker keeps them
+    as a :class:`PointerLayout` (see :func:`block_ids_from_pointers`)."""
 
     @property
     def row_bytes(self) -> int:
@@ -209,56 +210,155 @@ class GroupPages:
         )
 
 
-def block_ids_from_pointers(
-    pointers: DevicePointers, pointer_bases: Sequence[Sequence[tuple[int, int]]]
-) -> GPULoadStoreSpec:
+_CHECK_CHUNK_ELEMENTS = 8192
+"""Pointers compared per numpy call (64 KiB of int64): larger temporaries would come from fresh pages (glibc maps
+big allocations anew each time), and their page faults cost more than the comparison itself."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _GroupAddresses:
+    """One group's data references as arrays: the base address and block stride of each, as a column."""
+
+    bases: npt.NDArray[np.int64]
+    """``(references, 1)``: each reference's tensor address."""
+    strides: npt.NDArray[np.int64]
+    """``(references, 1)``: each reference's block stride in bytes."""
+    first_base: int
+    first_stride: int
+    uniform_stride: bool
+    """Every reference has the first one's stride (the usual case): a block sits at the same offset in each."""
+
+    @classmethod
+    def of(cls, group: int, bases: Sequence[tuple[int, int]]) -> _GroupAddresses:
+        """Group ``group``'s ``(base address, block stride)`` per reference; ``ValueError`` for a stride below 1."""
+        for ref, (_, stride) in enumerate(bases):
+            if stride < 1:
+                raise ValueError(f"pointer_bases[{group}][{ref}] has block stride {stride}: expected at least 1")
+        first_base, first_stride = bases[0] if bases else (0, 1)
+        return cls(
+            bases=np.array([[base] for base, _ in bases], dtype=np.int64).reshape(-1, 1),
+            strides=np.array([[stride] for _, stride in bases], dtype=np.int64).reshape(-1, 1),
+            first_base=first_base,
+            first_stride=first_stride,
+            uniform_stride=all(stride == first_stride for _, stride in bases),
+        )
+
+    @property
+    def references(self) -> int:
+        return len(self.bases)
+
+
+class PointerLayout:
+    """Where vLLM 0.34 puts each block of each group: what :func:`block_ids_from_pointers` reads pointers against.
+
+    ``pointer_bases[g][r]`` is the ``(base address, block stride)`` of group
+    ``g``'s data reference ``r`` (:attr:`GroupPages.pointer_bases`). They are
+    kept as arrays, built once, so that a job's pointers are checked with one
+    comparison per group instead of a loop over its references.
+    """
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, pointer_bases: Sequence[Sequence[tuple[int, int]]]) -> None:
+        self._groups = tuple(_GroupAddresses.of(group, bases) for group, bases in enumerate(pointer_bases))
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def group(self, index: int) -> _GroupAddresses:
+        return self._groups[index]
+
+
+def _int64_view(ptrs: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """vLLM's ``uint64`` pointers viewed as ``int64``, not copied (addresses fit 63 bits, so differences are signed).
+
+    An address of 2**63 or more reads negative here and so names no block.
+    """
+    array = np.asarray(ptrs)
+    if array.dtype.kind not in "iu" or array.dtype.itemsize != 8:
+        array = array.astype(np.uint64)  # not vLLM's own type: one copy, for a caller that passed a list
+    return array.reshape(-1).view(np.int64)
+
+
+def block_ids_from_pointers(pointers: DevicePointers, layout: PointerLayout) -> GPULoadStoreSpec:
     """The block ids behind vLLM 0.34's resolved ``DevicePointers``; ``ValueError`` naming what does not fit.
 
     vLLM resolves each block id to one address per data reference of its
     group (``base + block_id * stride``, flat, group by group, reference by
     reference). kvtriton's kernels index pages by block id, so the ids are
-    read back from the group's first reference and every other reference's
-    addresses are checked against them: a vLLM whose pointers mean something
-    else is refused, never copied from.
+    read back from the group's first reference and every reference's
+    addresses are checked against them, all of a group's at once: a vLLM
+    whose pointers mean something else is refused, never copied from.
     """
-    # Addresses fit 63 bits on every platform vLLM runs on: signed, so that differences are signed too.
-    ptrs = np.asarray(pointers.ptrs, dtype=np.uint64).astype(np.int64)
+    ptrs = _int64_view(pointers.ptrs)
     counts = tuple(pointers.group_block_counts)
     ref_counts = tuple(pointers.group_data_ref_counts)
-    if (
-        len(counts) != len(pointer_bases)
-        or len(ref_counts) != len(counts)
-        or len(pointers.block_indices) != len(counts)
-    ):
+    if len(counts) != len(layout) or len(ref_counts) != len(counts) or len(pointers.block_indices) != len(counts):
         raise ValueError(
             f"device pointers for {len(counts)} groups (group_data_ref_counts={list(ref_counts)}, "
-            f"block_indices={list(pointers.block_indices)}), but the KV cache has {len(pointer_bases)} groups"
+            f"block_indices={list(pointers.block_indices)}), but the KV cache has {len(layout)} groups"
         )
-    block_ids = np.zeros(sum(counts), dtype=np.int64)
-    ptr_start = block_start = 0
-    for group, (count, ref_count, bases) in enumerate(zip(counts, ref_counts, pointer_bases)):
-        if not count:
-            continue
-        if ref_count != len(bases):
-            raise ValueError(
-                f"device pointers give group {group} {ref_count} data references, the KV cache {len(bases)}"
+    expected = sum(count * ref_count for count, ref_count in zip(counts, ref_counts))
+    if expected != ptrs.size:
+        raise ValueError(f"{ptrs.size} device pointers, but the group counts account for {expected}")
+    if len(counts) == 1:  # the usual case: the group's ids are the job's, no copy into a joint array
+        block_ids = _group_block_ids(0, ptrs, counts[0], ref_counts[0], layout.group(0))
+        return GPULoadStoreSpec(block_ids, counts, pointers.block_indices)
+    parts: list[npt.NDArray[np.int64]] = []
+    ptr_start = 0
+    for group, (count, ref_count) in enumerate(zip(counts, ref_counts)):
+        size = count * ref_count
+        parts.append(_group_block_ids(group, ptrs[ptr_start : ptr_start + size], count, ref_count, layout.group(group)))
+        ptr_start += size
+    return GPULoadStoreSpec(np.concatenate(parts), counts, pointers.block_indices)
+
+
+def _group_block_ids(
+    group: int, ptrs: npt.NDArray[np.int64], count: int, ref_count: int, addresses: _GroupAddresses
+) -> npt.NDArray[np.int64]:
+    """Group ``group``'s block ids from its ``ref_count * count`` pointers, every one of them checked."""
+    if not count:
+        return np.zeros(0, dtype=np.int64)
+    if ref_count != addresses.references:
+        raise ValueError(
+            f"device pointers give group {group} {ref_count} data references, the KV cache {addresses.references}"
+        )
+    if not ref_count:
+        return np.zeros(count, dtype=np.int64)
+    grid = ptrs.reshape(ref_count, count)  # a view: row r holds reference r's address of each block
+    block_ids = (grid[0] - addresses.first_base) // addresses.first_stride
+    if int(block_ids.min()) < 0:
+        raise _mismatch(group, grid, block_ids, addresses)
+    # Row r must read bases[r] + block_ids * strides[r] (row 0 too: that check catches an address inside a block),
+    # compared as offsets from each base, a few rows per numpy call.
+    offsets = block_ids * addresses.first_stride if addresses.uniform_stride else None
+    rows = max(1, _CHECK_CHUNK_ELEMENTS // count)
+    for start in range(0, ref_count, rows):
+        stop = min(start + rows, ref_count)
+        want = offsets if offsets is not None else block_ids * addresses.strides[start:stop]
+        if not np.equal(grid[start:stop] - addresses.bases[start:stop], want).all():
+            raise _mismatch(group, grid, block_ids, addresses)
+    return block_ids
+
+
+def _mismatch(
+    group: int, grid: npt.NDArray[np.int64], block_ids: npt.NDArray[np.int64], addresses: _GroupAddresses
+) -> ValueError:
+    """The error for a group whose pointers do not all name its blocks: the first pointer that does not fit."""
+    first_offsets = grid[0] - addresses.first_base
+    for position, offset in enumerate(first_offsets.tolist()):
+        if offset < 0 or offset % addresses.first_stride:
+            return ValueError(
+                f"device pointer {position} of group {group} (address {int(grid[0, position]):#x}) is not a block "
+                f"of its KV cache tensor (base {addresses.first_base:#x}, block stride {addresses.first_stride})"
             )
-        if ref_count:
-            base, stride = bases[0]
-            offsets = ptrs[ptr_start : ptr_start + count] - base
-            ids = offsets // stride
-            if (offsets % stride).any() or int(ids.min()) < 0:
-                raise ValueError(f"a device pointer of group {group} is not a block of its KV cache tensor")
-            for ref, (ref_base, ref_stride) in enumerate(bases[1:], start=1):
-                start = ptr_start + ref * count
-                if not np.array_equal(ptrs[start : start + count], ref_base + ids * ref_stride):
-                    raise ValueError(f"the device pointers of group {group}'s data reference {ref} name other blocks")
-            block_ids[block_start : block_start + count] = ids
-        ptr_start += count * ref_count
-        block_start += count
-    if ptr_start != ptrs.size:
-        raise ValueError(f"{ptrs.size} device pointers, but the group counts account for {ptr_start}")
-    return GPULoadStoreSpec(block_ids, counts, pointers.block_indices)
+    wanted = addresses.bases + block_ids * addresses.strides
+    ref, position = (int(index) for index in np.argwhere(grid != wanted)[0])
+    return ValueError(
+        f"the device pointers of group {group}'s data reference {ref} name other blocks: block {position}'s address "
+        f"is {int(grid[ref, position]):#x}, but block {int(block_ids[position])} of that reference is at "
+        f"{int(wanted[ref, position]):#x}"
+    )
 
 
 def _slot_spec(spec: vllm_base.LoadStoreSpec) -> CPULoadStoreSpec | None:
@@ -335,7 +435,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         """Jobs split into several parts, until their last part is reported."""
         self._finished_now: list[vllm_base.TransferResult] = []
         """Jobs done at submission: empty ones (succeeded) and, on vLLM 0.34, refused ones (failed)."""
-        self._pointer_bases = tuple(tuple(bases) for bases in pointer_bases)
+        self._pointer_layout = PointerLayout(pointer_bases)
         self._unreported: set[int] = set()
         """Every job id accepted and not yet reported (an abandoned job's stays until its parts drain)."""
         self._digests = SlotDigests(slab) if verify_loads else None
@@ -511,7 +611,7 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         """
         if isinstance(device, vllm_base.GPULoadStoreSpec):
             return GPULoadStoreSpec(device.block_ids, device.group_sizes, device.block_indices)
-        return block_ids_from_pointers(device, self._pointer_bases)
+        return block_ids_from_pointers(device, self._pointer_layout)
 
     def _slots_unchanged(self, job_id: int, slots: CPULoadStoreSpec) -> bool:
         """With ``verify_loads``: whether every slot the load reads holds what its store left; logs the slots when
@@ -571,13 +671,22 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         (``device_ptrs``); the parameter's name differs, so the override takes
         the call as it comes and binds it to the installed vLLM's signature.
         """
-        job_id, device, slots = store_arguments(args, kwargs)
+        if len(args) == 3 and not kwargs:
+            # As vLLM's connector calls it, on either release: positional, nothing to bind (binding costs ~5 us).
+            job_id, device, slots = args
+        else:
+            job_id, device, slots = store_arguments(args, kwargs)
         return self._submit("store", job_id, device, slots)
 
     @override
     def submit_load(self, *args: Any, **kwargs: Any) -> bool:
         """``submit_load(job_id, slot spec, device side, expedited=False)``, taken as :meth:`submit_store` says."""
-        job_id, slots, device, expedited = load_arguments(args, kwargs)
+        if len(args) == 3 and kwargs.keys() <= {"expedited"}:
+            # As vLLM's connector calls it, on either release (see submit_store).
+            job_id, slots, device = args
+            expedited = bool(kwargs.get("expedited", False))
+        else:
+            job_id, slots, device, expedited = load_arguments(args, kwargs)
         # vLLM's sync loads: it waits for them within the step, so each engine
         # runs them on its own expedited stream, never behind earlier loads.
         return self._submit("load", job_id, device, slots, expedited)
