@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 from typing_extensions import override
 
 from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment, Unreachable
+from kvtriton.integrations.remote._metrics import RemoteTierMetrics
 from kvtriton.integrations.remote._settings import RemoteTierSettings
-from kvtriton.integrations.remote._tier import RemoteTier, RemoteTierMetrics
+from kvtriton.integrations.remote._tier import RemoteTier
 
 if TYPE_CHECKING:
     from kvtriton.integrations.vllm._surface import BackpressureDetector, OffloadingSpec
