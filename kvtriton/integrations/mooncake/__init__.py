@@ -56,7 +56,7 @@ How it fails
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from typing_extensions import override
 
@@ -72,15 +72,13 @@ from kvtriton.integrations.remote import (
     RemoteClient,
     RemoteTier,
     RemoteTierMetrics,
+    RemoteTierSettings,
     RemoteTierStats,
     TierState,
     chunk_identity,
     kv_identity,
 )
 from kvtriton.integrations.vllm._surface import ConfigInfoMapping
-
-if TYPE_CHECKING:
-    from kvtriton.integrations.vllm._surface import BackpressureDetector, OffloadingSpec
 
 __all__ = [
     "MooncakeClient",
@@ -104,79 +102,22 @@ MooncakeTierStats = RemoteTierStats
 """The tier's counters (:meth:`MooncakeStoreTier.stats`): the remote tiers' stats."""
 
 
-class MooncakeStoreTier(RemoteTier):
+class MooncakeStoreTier(RemoteTier[MooncakeTierConfig]):
     """A vLLM secondary tier over Mooncake Store (see the module docstring): the remote-tier base with a
-    Mooncake client."""
+    Mooncake client. Its keys are :class:`MooncakeTierConfig`'s (docs/mooncake.md)."""
 
     backend: ClassVar[str] = "Mooncake"
     metrics: ClassVar[RemoteTierMetrics] = MooncakeTierMetrics
+    config_type: ClassVar[type[RemoteTierSettings]] = MooncakeTierConfig
 
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        master_server_address: str,
-        local_hostname: str = "",
-        metadata_server: str = "P2PHANDSHAKE",
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        local_buffer_size: int = 16 * 1024 * 1024,
-        global_segment_size: int = 0,
-        namespace: str = "",
-        timeout_s: float = 5.0,
-        io_threads: int = 4,
-        reconnect_interval_s: float = 1.0,
-        retry_backoff_s: float = 1.0,
-        retry_backoff_max_s: float = 30.0,
-        locality: str | None = None,
-        backpressure_detector: BackpressureDetector | None = None,
-    ) -> None:
-        """The keyword arguments after ``tier_type`` are the tier's configuration (docs/mooncake.md)."""
-        outdated = mooncake_version_problem()
-        if outdated is not None:
-            raise ImportError(outdated)
-        self.config = MooncakeTierConfig(
-            master_server_address=master_server_address,
-            local_hostname=local_hostname,
-            metadata_server=metadata_server,
-            protocol=protocol,
-            rdma_devices=rdma_devices,
-            local_buffer_size=local_buffer_size,
-            global_segment_size=global_segment_size,
-            namespace=namespace,
-            timeout_s=timeout_s,
-            io_threads=io_threads,
-            reconnect_interval_s=reconnect_interval_s,
-            retry_backoff_s=retry_backoff_s,
-            retry_backoff_max_s=retry_backoff_max_s,
-        )
-        super().__init__(
-            offloading_spec,
-            primary_kv_view,
-            tier_type,
-            self.config,
-            endpoint=f"master {self.config.master_server_address}",
-            label_arguments={
-                "master_server_address": master_server_address,
-                "local_hostname": local_hostname,
-                "metadata_server": metadata_server,
-                "protocol": protocol,
-                "rdma_devices": rdma_devices,
-                "local_buffer_size": local_buffer_size,
-                "global_segment_size": global_segment_size,
-                "namespace": namespace,
-                "timeout_s": timeout_s,
-                "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s,
-                "retry_backoff_s": retry_backoff_s,
-                "retry_backoff_max_s": retry_backoff_max_s,
-                "locality": locality,
-            },
-            locality=locality,
-            backpressure_detector=backpressure_detector,
-        )
-        self.start()
+    @classmethod
+    @override
+    def installation_problem(cls) -> str | None:
+        return mooncake_version_problem()
+
+    @override
+    def describe_store(self) -> str:
+        return f"master {self.config.master_server_address}"
 
     @override
     def open_client(self) -> RemoteClient | None:

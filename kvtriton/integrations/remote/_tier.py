@@ -49,10 +49,10 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, cast
 
-from typing_extensions import override
+from typing_extensions import TypeVar, override
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations.remote._client import RemoteClient
@@ -70,7 +70,7 @@ from kvtriton.integrations.remote._metrics import (
     vllm_tier_label,
 )
 from kvtriton.integrations.remote._seals import SealedSlots
-from kvtriton.integrations.remote._settings import RemoteTierSettings
+from kvtriton.integrations.remote._settings import RemoteTierSettings, tier_constructor_signature
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
 from kvtriton.integrations.vllm._integrity_report import IntegrityReport
 from kvtriton.integrations.vllm._surface import (
@@ -98,6 +98,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ConfigT = TypeVar("ConfigT", bound=RemoteTierSettings, default=RemoteTierSettings, covariant=True)
+"""A backend's configuration type (:attr:`RemoteTier.config_type`)."""
+
 _LEFT_OPEN: list[RemoteClient] = []
 """Clients a shutdown left open because a call was still inside them (:meth:`RemoteTier.shutdown`): held until the
 interpreter ends, after it has joined the I/O threads those calls run on."""
@@ -115,12 +118,16 @@ class _RemoteLookups(AsyncLookupManager):
         return self._tier.exists(keys)
 
 
-class RemoteTier(SecondaryTierManager):
+class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
     """A vLLM secondary tier over a remote store reached through a :class:`RemoteClient` (see the module docstring).
 
-    A backend sets :attr:`backend` and :attr:`metrics`, implements
-    :meth:`open_client`, and passes its configuration's shared keys as
-    ``settings``; docs/tiers.md, "Adding a tier backend", walks through one.
+    A backend names its configuration (:attr:`config_type`), sets :attr:`backend`
+    and :attr:`metrics`, and implements :meth:`open_client` and
+    :meth:`describe_store`; it writes no constructor: vLLM passes every key of the
+    tier's configuration by name, the base builds :attr:`config` from them, and
+    each backend's constructor signature is its configuration's fields
+    (:func:`~kvtriton.integrations.remote._settings.tier_constructor_signature`).
+    docs/tiers.md, "Adding a tier backend", walks through one.
     """
 
     medium: ClassVar[Medium | None] = None
@@ -129,26 +136,46 @@ class RemoteTier(SecondaryTierManager):
     """The backend's name in log lines (``Mooncake tier '...': ...``)."""
     metrics: ClassVar[RemoteTierMetrics] = RemoteTierMetrics.with_prefix("remote")
     """The names of the backend's metrics."""
+    config_type: ClassVar[type[RemoteTierSettings]] = RemoteTierSettings
+    """The backend's configuration: a frozen dataclass of every key the tier takes (a subclass of
+    :class:`RemoteTierSettings`, which holds the keys every remote tier shares), validated when it is built."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Give each backend a constructor whose signature lists its configuration's keys, as vLLM's config check
+        (and anyone calling ``inspect.signature``) reads them; the keys are written once, in :attr:`config_type`."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            return  # a backend that writes its own constructor states its own signature
+
+        def __init__(self: RemoteTier[Any], *args: Any, **keys: Any) -> None:
+            super(cls, self).__init__(*args, **keys)
+
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__doc__ = f"Every key of :class:`{cls.config_type.__name__}` by name, as vLLM passes them."
+        vars(__init__)["__signature__"] = tier_constructor_signature(RemoteTier.__init__, cls.config_type)
+        type.__setattr__(cls, "__init__", __init__)
 
     def __init__(
         self,
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        settings: RemoteTierSettings,
         *,
-        endpoint: str,
-        label_arguments: Mapping[str, object],
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        **keys: Any,
     ) -> None:
-        """``settings``: the configuration's shared keys; ``endpoint``: where the store is, for log lines;
-        ``label_arguments``: every configuration key as given, to find this tier's position for its ``tier`` label."""
+        """``keys``: every key of the tier's configuration (:attr:`config_type`), by name; starts connecting."""
+        problem = self.installation_problem()
+        if problem is not None:
+            raise ImportError(problem)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.settings = settings
-        self.endpoint = endpoint
+        self._config = cast("ConfigT", self.config_type(**keys))  # config_type is the class ConfigT names
+        settings: RemoteTierSettings = self._config
+        self.endpoint = self.describe_store()
+        """Where the store is, for log lines."""
         self.locality = Locality(locality) if locality is not None else None
-        self.tier_label: str = vllm_tier_label(offloading_spec, tier_type, label_arguments)
+        self.tier_label: str = vllm_tier_label(offloading_spec, tier_type, {**keys, "locality": locality})
         """The ``tier`` label of this tier's metrics: vLLM's own for it (``"1:MooncakeStoreTier"``)."""
         who = f"{self.backend} tier {tier_type!r}"
         self.integrity = IntegrityReport(self.tier_label)
@@ -171,7 +198,7 @@ class RemoteTier(SecondaryTierManager):
         prefix = f"kvtriton_{self.backend.lower()}"
         self._supervisor = Supervisor(
             who=who,
-            endpoint=endpoint,
+            endpoint=self.endpoint,
             thread_prefix=prefix,
             tier_type=tier_type,
             settings=settings,
@@ -191,9 +218,21 @@ class RemoteTier(SecondaryTierManager):
             io_threads=settings.io_threads,
             thread_name=f"{prefix}_{tier_type}",
         )
+        self._start()
 
-    def start(self) -> None:
-        """Start connecting in the background; a subclass calls it last in its constructor."""
+    @property
+    def config(self) -> ConfigT:
+        """The tier's configuration, validated (a bad key or value raised naming it)."""
+        return self._config
+
+    @classmethod
+    def installation_problem(cls) -> str | None:
+        """Why the backend's client library cannot serve (raised as an ImportError before anything starts), or
+        None; a backend whose library may be missing or outdated overrides it."""
+        return None
+
+    def _start(self) -> None:
+        """Start connecting in the background (last in the constructor: the backend is complete by then)."""
         self._supervisor.thread.start()
         logger.info(
             "%s tier %r: %s, namespace digest %s (%s), %d-byte chunks + %d-byte seals, timeout %.1f s; %s",
@@ -204,7 +243,7 @@ class RemoteTier(SecondaryTierManager):
             self.keyspace.identity.model,
             self.block_size_bytes,
             SEAL_BYTES,
-            self.settings.timeout_s,
+            self.config.timeout_s,
             self.identity.describe(),
         )
 
@@ -212,6 +251,11 @@ class RemoteTier(SecondaryTierManager):
     def open_client(self) -> RemoteClient | None:
         """A client set up against the store, or None when setup failed (bounded by the timeout); on the
         supervisor thread. A backend implements it."""
+
+    @abstractmethod
+    def describe_store(self) -> str:
+        """Where the store is, for log lines (``master 10.0.0.5:50051``), from :attr:`config`. A backend implements
+        it."""
 
     @property
     def state(self) -> TierState:
@@ -313,7 +357,7 @@ class RemoteTier(SecondaryTierManager):
         crashed the process as it exited. The process instead waits for the
         call as it exits (Python joins the I/O threads), and the client is
         closed by its destructor after that."""
-        timeout_s = self.settings.timeout_s
+        timeout_s = self.config.timeout_s
         self._supervisor.stop()
         self._lookups.shutdown()
         self._jobs.cancel_queued()
