@@ -56,6 +56,7 @@ How it fails
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 from typing_extensions import override
@@ -66,8 +67,10 @@ from kvtriton.integrations.mooncake._client import (
     StoreClient,
     is_connection_error,
     open_store,
+    set_up_store,
 )
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.mooncake._setup_failure import setup_failure_line
 from kvtriton.integrations.remote import (
     RemoteClient,
     RemoteTier,
@@ -79,6 +82,8 @@ from kvtriton.integrations.remote import (
     kv_identity,
 )
 from kvtriton.integrations.vllm._surface import ConfigInfoMapping
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MooncakeClient",
@@ -119,10 +124,25 @@ class MooncakeStoreTier(RemoteTier[MooncakeTierConfig]):
     def describe_store(self) -> str:
         return f"master {self.config.master_server_address}"
 
+    _failed_setups: int = 0
+    """Setups that failed in a row (on the supervisor thread): the first says why at WARNING, the rest at DEBUG."""
+
     @override
     def open_client(self) -> RemoteClient | None:
-        store = open_store(self.config)
-        return None if store is None else MooncakeClient(store)
+        who = f"{self.backend} tier {self.tier_type!r}"
+        store = set_up_store(self.config)
+        if isinstance(store, int):
+            logger.log(
+                logging.DEBUG if self._failed_setups else logging.WARNING,
+                "%s",
+                setup_failure_line(self.config, store, who=who),
+            )
+            self._failed_setups += 1
+            return None
+        if self._failed_setups:
+            logger.info("%s: set up against %s after %d failed attempt(s)", who, self.endpoint, self._failed_setups)
+            self._failed_setups = 0
+        return MooncakeClient(store)
 
     @classmethod
     @override
