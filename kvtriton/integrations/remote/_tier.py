@@ -1,11 +1,12 @@
 """RemoteTier: what every remote secondary tier does, once, over a :class:`RemoteClient`.
 
-A backend subclasses :class:`RemoteTier`, names itself (:attr:`RemoteTier.backend`,
-:attr:`RemoteTier.metrics`) and opens its client (:meth:`RemoteTier.open_client`);
-everything else is here, in parts each named for its job: the supervisor
+A backend subclasses :class:`RemoteTier`, names its configuration and itself
+(:attr:`RemoteTier.config_type`, :attr:`RemoteTier.backend`, :attr:`RemoteTier.metrics`)
+and opens its client (:meth:`RemoteTier.open_client`); everything else is here, in parts each named for its job: the supervisor
 (:mod:`._supervisor`: up, degraded, down, back-off, probes), the jobs
 (:mod:`._jobs`: submit, run, deadline, quarantine, drain), the seals
-(:mod:`._seals`) and the counters and metrics (:mod:`._metrics`).
+(:mod:`._seals`), the lookups (:mod:`._lookups`) and the counters and metrics
+(:mod:`._metrics`).
 :class:`RemoteTier` composes them into vLLM's ``SecondaryTierManager``:
 
 How it moves data
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, cast
@@ -59,13 +59,12 @@ from kvtriton.integrations.remote._client import RemoteClient
 from kvtriton.integrations.remote._identity import chunk_identity, kv_identity
 from kvtriton.integrations.remote._jobs import JobRunner
 from kvtriton.integrations.remote._keyspace import TierKeyspace
+from kvtriton.integrations.remote._lookups import RemoteLookups
 from kvtriton.integrations.remote._metrics import (
     Counters,
-    FailureReason,
     RemoteTierMetrics,
     RemoteTierStats,
     connector_stats,
-    failure_reason,
     metric_definitions,
     vllm_tier_label,
 )
@@ -74,7 +73,6 @@ from kvtriton.integrations.remote._settings import RemoteTierSettings, tier_cons
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
 from kvtriton.integrations.vllm._integrity_report import IntegrityReport
 from kvtriton.integrations.vllm._surface import (
-    AsyncLookupManager,
     BackpressureDetector,
     CacheHitSource,
     JobResult,
@@ -104,18 +102,6 @@ ConfigT = TypeVar("ConfigT", bound=RemoteTierSettings, default=RemoteTierSetting
 _LEFT_OPEN: list[RemoteClient] = []
 """Clients a shutdown left open because a call was still inside them (:meth:`RemoteTier.shutdown`): held until the
 interpreter ends, after it has joined the I/O threads those calls run on."""
-
-
-class _RemoteLookups(AsyncLookupManager):
-    """vLLM's async lookup bookkeeping; each step's keys are checked in one bounded ``exist``."""
-
-    def __init__(self, tier: RemoteTier) -> None:
-        super().__init__(tier_type=tier.tier_type)
-        self._tier = tier
-
-    @override
-    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.exists(keys)
 
 
 class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
@@ -209,7 +195,7 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
         )
         self._reported = self.stats()
         """The counters as of the last get_stats (vLLM's metrics take increments)."""
-        self._lookups = _RemoteLookups(self)
+        self._lookups = RemoteLookups(tier_type, self._supervisor, self.object_key)
         self._jobs = JobRunner(
             supervisor=self._supervisor,
             slots=self._slots,
@@ -271,24 +257,7 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
 
     def exists(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Which ``keys`` the store holds, in one ``exist``; all False when down or past the timeout."""
-        supervisor = self._supervisor
-        store = supervisor.store
-        with self._lock:
-            self._counters.lookups += len(keys)
-        if supervisor.state is not TierState.UP or store is None:
-            self._counters.count_failure(0.0, FailureReason.REFUSED)
-            return [False] * len(keys)
-        object_keys = [self.object_key(key) for key in keys]
-        started = time.monotonic()
-        found = supervisor.bounded(lambda: store.exist(object_keys))
-        seconds = time.monotonic() - started
-        if not isinstance(found, list) or len(found) != len(keys):
-            self._counters.count_failure(seconds, failure_reason(found))
-            return [False] * len(keys)
-        self._counters.count_op(seconds)
-        with self._lock:
-            self._counters.lookup_hits += sum(found)
-        return found
+        return self._lookups.exists(keys)
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
