@@ -9,6 +9,7 @@ machine, not performance goals.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
 
@@ -193,7 +194,7 @@ def test_a_full_store_evicts_or_refuses_and_every_load_is_exact_or_a_miss(
 
 
 def test_a_tier_started_before_its_master_misses_until_the_master_appears(
-    tmp_path_factory: pytest.TempPathFactory, tiers: list[MooncakeStoreTier]
+    tmp_path_factory: pytest.TempPathFactory, tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = MooncakeCluster(tmp_path_factory.mktemp("mooncake-late"))
     try:
@@ -206,8 +207,14 @@ def test_a_tier_started_before_its_master_misses_until_the_master_appears(
         keys = chunk_keys(1, salt=15)
         assert resolve_lookups(tier, keys) == [MISS]
         assert not run_job(tier, keys, [0], load=False).success
-        cluster.start()
-        assert tier.wait_until_up(15.0)
+        with caplog.at_level(logging.INFO, logger="kvtriton.integrations.mooncake"):
+            cluster.start()
+            assert tier.wait_until_up(15.0)
+        assert re.search(
+            rf"Mooncake tier 'MooncakeStoreTier': set up against master {cluster.master_address} after \d+ failed "
+            r"attempt\(s\)",
+            caplog.text,
+        )
         written = memory.fill([1], seed=15)
         assert run_job(tier, keys, [1], load=False).success
         assert run_job(tier, keys, [2], load=True).success and memory.chunk(2) == written[0]

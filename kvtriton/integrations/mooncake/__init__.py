@@ -129,18 +129,19 @@ class MooncakeStoreTier(RemoteTier[MooncakeTierConfig]):
 
     @override
     def open_client(self) -> RemoteClient | None:
-        who = f"{self.backend} tier {self.tier_type!r}"
         store = set_up_store(self.config)
         if isinstance(store, int):
             logger.log(
                 logging.DEBUG if self._failed_setups else logging.WARNING,
                 "%s",
-                setup_failure_line(self.config, store, who=who),
+                setup_failure_line(self.config, store, who=self.who),
             )
             self._failed_setups += 1
             return None
         if self._failed_setups:
-            logger.info("%s: set up against %s after %d failed attempt(s)", who, self.endpoint, self._failed_setups)
+            logger.info(
+                "%s: set up against %s after %d failed attempt(s)", self.who, self.endpoint, self._failed_setups
+            )
             self._failed_setups = 0
         return MooncakeClient(store)
 

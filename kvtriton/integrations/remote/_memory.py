@@ -1,7 +1,7 @@
 """An in-memory remote tier: a dict-backed store in this process, with faults on demand.
 
-It is the smallest complete backend of :class:`RemoteTier` (docs/tiers.md,
-"Adding a tier backend", walks through it), and the store the tests use to
+It is the smallest complete backend of :class:`RemoteTier` in the package
+(docs/tiers.md, "Adding a tier backend", builds one like it), and the store the tests use to
 exercise the base without a server: :class:`InMemoryStore` holds the values,
 :class:`InMemoryClient` is the :class:`RemoteClient` a tier drives, and the
 store injects the faults a real one has (:meth:`InMemoryStore.stall`: calls

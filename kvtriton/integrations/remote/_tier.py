@@ -163,7 +163,9 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
         self.locality = Locality(locality) if locality is not None else None
         self.tier_label: str = vllm_tier_label(offloading_spec, tier_type, {**keys, "locality": locality})
         """The ``tier`` label of this tier's metrics: vLLM's own for it (``"1:MooncakeStoreTier"``)."""
-        who = f"{self.backend} tier {tier_type!r}"
+        self.who = f"{self.backend} tier {tier_type!r}"
+        """The tier in log lines (``Mooncake tier 'MooncakeStoreTier'``)."""
+        who = self.who
         self.integrity = IntegrityReport(self.tier_label)
         """Values that failed their seal check: counted by reason, warned about at a bounded rate."""
         self.identity = kv_identity(offloading_spec, settings.namespace)
