@@ -245,10 +245,10 @@ def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
     tier = make_tier(cluster.master_address, memory, namespace="zero-copy")
     tiers.append(tier)
     base = memory.rows.ctypes.data
-    seals = tier._seals_base  # pyright: ignore[reportPrivateUsage] -- the registered seal slots
-    assert tier._primary_base == base  # pyright: ignore[reportPrivateUsage] -- the registered address is the primary's own
+    seals = tier._slots.seals_base  # pyright: ignore[reportPrivateUsage] -- the registered seal slots
+    assert tier._slots.primary_base == base  # pyright: ignore[reportPrivateUsage] -- the registered address is the primary's own
     calls: list[tuple[str, list[list[int]], list[list[int]]]] = []
-    client = tier._store  # pyright: ignore[reportPrivateUsage]
+    client = tier._supervisor.store  # pyright: ignore[reportPrivateUsage]
     assert isinstance(client, MooncakeClient)
     store = client.store
 

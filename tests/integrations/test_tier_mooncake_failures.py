@@ -8,6 +8,8 @@ machine, not performance goals.
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Iterator
 
@@ -20,13 +22,16 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 
 import numpy as np
 
-# The fixture by its own name (`x as x`: imported for pytest to find, not to call).
+# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
+from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.managers import own_cluster as own_cluster
 from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvtriton.integrations.mooncake import MooncakeStoreTier, MooncakeTierMetrics, TierState
+from kvtriton.integrations._mooncake_local import LOOPBACK, free_port
+from kvtriton.integrations.mooncake import MooncakeStoreTier, MooncakeTierConfig, MooncakeTierMetrics, TierState
+from kvtriton.integrations.mooncake._setup_failure import setup_failure_line
 
 CHUNK = 64 * 1024
 SLACK_S = 2.0
@@ -189,7 +194,7 @@ def test_a_full_store_evicts_or_refuses_and_every_load_is_exact_or_a_miss(
 
 
 def test_a_tier_started_before_its_master_misses_until_the_master_appears(
-    tmp_path_factory: pytest.TempPathFactory, tiers: list[MooncakeStoreTier]
+    tmp_path_factory: pytest.TempPathFactory, tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = MooncakeCluster(tmp_path_factory.mktemp("mooncake-late"))
     try:
@@ -202,8 +207,14 @@ def test_a_tier_started_before_its_master_misses_until_the_master_appears(
         keys = chunk_keys(1, salt=15)
         assert resolve_lookups(tier, keys) == [MISS]
         assert not run_job(tier, keys, [0], load=False).success
-        cluster.start()
-        assert tier.wait_until_up(15.0)
+        with caplog.at_level(logging.INFO, logger="kvtriton.integrations.mooncake"):
+            cluster.start()
+            assert tier.wait_until_up(15.0)
+        assert re.search(
+            rf"Mooncake tier 'MooncakeStoreTier': set up against master {cluster.master_address} after \d+ failed "
+            r"attempt\(s\)",
+            caplog.text,
+        )
         written = memory.fill([1], seed=15)
         assert run_job(tier, keys, [1], load=False).success
         assert run_job(tier, keys, [2], load=True).success and memory.chunk(2) == written[0]
@@ -212,3 +223,63 @@ def test_a_tier_started_before_its_master_misses_until_the_master_appears(
             tier.shutdown()
         tiers.clear()
         cluster.stop()
+
+
+STARTS_DOWN = "The tier starts down: every lookup is a miss and every job fails until the setup succeeds; it is retried"
+
+
+def setup_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.WARNING and "Mooncake store setup failed" in record.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("bad_key", ["master_server_address", "metadata_server"])
+def test_a_failed_setup_says_once_which_key_and_address_failed_and_that_the_tier_is_down_until_it_answers(
+    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture, bad_key: str
+) -> None:
+    closed = f"{LOOPBACK}:{free_port()}"  # nothing listens there
+    bad = {"master_server_address": closed, "metadata_server": f"http://{closed}/metadata"}[bad_key]
+    config = {"master_server_address": cluster.master_address, bad_key: bad}
+    memory = Primary(4, CHUNK)
+    with caplog.at_level(logging.DEBUG, logger="kvtriton.integrations.mooncake"):
+        tier = make_tier(
+            config.pop("master_server_address"),
+            memory,
+            namespace="setup",
+            wait_up=False,
+            timeout_s=2.0,
+            reconnect_interval_s=0.2,
+            **config,
+        )
+        tiers.append(tier)
+        poll(lambda: True if tier.stats().failures["unreachable"] >= 2 else None, 30.0, "two failed setups")
+        assert tier.state is TierState.CONNECTING
+        assert resolve_lookups(tier, chunk_keys(1, salt=16)) == [MISS]
+    (line,) = setup_warnings(caplog)  # once, however often it is retried
+    assert line.startswith("Mooncake tier 'MooncakeStoreTier': Mooncake store setup failed with status -")
+    assert f"{bad_key} {bad!r} refused the connection (nothing listens there)" in line
+    assert f"{STARTS_DOWN} every 0.2 s" in line
+    other = ({"master_server_address", "metadata_server"} - {bad_key}).pop()
+    assert other not in line and "local_hostname" not in line  # only the key that failed
+
+
+def test_a_setup_failure_names_a_local_hostname_this_machine_cannot_listen_at(cluster: MooncakeCluster) -> None:
+    # Mooncake's own setup takes such a local_hostname and falls back to a port of its own; the line still names it
+    # when the setup fails for any reason.
+    config = MooncakeTierConfig(master_server_address=cluster.master_address, local_hostname=f"{LOOPBACK}:99999")
+    line = setup_failure_line(config, -1, who="Mooncake tier 'MooncakeStoreTier'")
+    assert f"local_hostname '{LOOPBACK}:99999' has port 99999, outside 1-65535" in line
+    assert "master_server_address" not in line and "metadata_server" not in line
+    assert f"{STARTS_DOWN} every 1 s" in line
+
+
+def test_a_setup_failure_with_every_address_answering_names_each_key_it_was_given(cluster: MooncakeCluster) -> None:
+    config = MooncakeTierConfig(master_server_address=cluster.master_address, local_hostname=LOOPBACK)
+    line = setup_failure_line(config, -1, who="Mooncake")
+    assert (
+        f"each of master_server_address {cluster.master_address!r}, local_hostname '{LOOPBACK}' answers from here, "
+        "so see Mooncake's own lines above" in line
+    )

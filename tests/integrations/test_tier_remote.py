@@ -32,7 +32,7 @@ from kvtriton.integrations.remote import (
     TierState,
     in_memory_store,
 )
-from kvtriton.integrations.remote._tier import ABANDONED_CALLS, DEGRADED, FAILURES
+from kvtriton.integrations.remote._metrics import ABANDONED_CALLS, DEGRADED, FAILURES
 from kvtriton.integrations.vllm._surface import JOB_RESULTS_DEFER_RELEASE
 
 CHUNK = 16 * 1024
@@ -94,7 +94,7 @@ def test_a_load_stalled_past_its_deadline_fails_at_once_and_its_slot_stays_aside
     memory = Primary(4, CHUNK)
     tier = make_memory_tier(name, memory, timeout_s=DEADLINE_S, retry_backoff_s=0.2, io_threads=1)
     tiers.append(tier)
-    tier._loads_into_primary = into_primary  # pyright: ignore[reportPrivateUsage] -- both quarantine paths, on any vLLM
+    tier._jobs.loads_into_primary = into_primary  # pyright: ignore[reportPrivateUsage] -- both quarantine paths, on any vLLM
     keys = chunk_keys(1, salt=2)
     written = memory.fill([0], seed=2)
     assert run_job(tier, keys, [0], load=False).success
@@ -256,7 +256,7 @@ def test_the_back_off_doubles_when_the_tier_degrades_again_soon_after_recovering
     for _ in range(4):
         store.stall("get", STALL_S)
         assert not run_job(tier, keys, [1], load=True).success
-        waits.append(tier._backoff_s)  # pyright: ignore[reportPrivateUsage] -- the wait before the next try
+        waits.append(tier._supervisor.backoff_s)  # pyright: ignore[reportPrivateUsage] -- the wait before the next try
         store.resume()
         poll(lambda: True if tier.state is TierState.UP else None, 30.0, "recovery")
     assert waits == [0.2, 0.4, 0.8, 0.8]

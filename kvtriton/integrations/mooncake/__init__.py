@@ -56,7 +56,8 @@ How it fails
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import logging
+from typing import ClassVar
 
 from typing_extensions import override
 
@@ -66,12 +67,15 @@ from kvtriton.integrations.mooncake._client import (
     StoreClient,
     is_connection_error,
     open_store,
+    set_up_store,
 )
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.mooncake._setup_failure import setup_failure_line
 from kvtriton.integrations.remote import (
     RemoteClient,
     RemoteTier,
     RemoteTierMetrics,
+    RemoteTierSettings,
     RemoteTierStats,
     TierState,
     chunk_identity,
@@ -79,8 +83,7 @@ from kvtriton.integrations.remote import (
 )
 from kvtriton.integrations.vllm._surface import ConfigInfoMapping
 
-if TYPE_CHECKING:
-    from kvtriton.integrations.vllm._surface import BackpressureDetector, OffloadingSpec
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MooncakeClient",
@@ -104,84 +107,43 @@ MooncakeTierStats = RemoteTierStats
 """The tier's counters (:meth:`MooncakeStoreTier.stats`): the remote tiers' stats."""
 
 
-class MooncakeStoreTier(RemoteTier):
+class MooncakeStoreTier(RemoteTier[MooncakeTierConfig]):
     """A vLLM secondary tier over Mooncake Store (see the module docstring): the remote-tier base with a
-    Mooncake client."""
+    Mooncake client. Its keys are :class:`MooncakeTierConfig`'s (docs/mooncake.md)."""
 
     backend: ClassVar[str] = "Mooncake"
     metrics: ClassVar[RemoteTierMetrics] = MooncakeTierMetrics
+    config_type: ClassVar[type[RemoteTierSettings]] = MooncakeTierConfig
 
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        master_server_address: str,
-        local_hostname: str = "",
-        metadata_server: str = "P2PHANDSHAKE",
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        local_buffer_size: int = 16 * 1024 * 1024,
-        global_segment_size: int = 0,
-        namespace: str = "",
-        timeout_s: float = 5.0,
-        io_threads: int = 4,
-        reconnect_interval_s: float = 1.0,
-        retry_backoff_s: float = 1.0,
-        retry_backoff_max_s: float = 30.0,
-        locality: str | None = None,
-        backpressure_detector: BackpressureDetector | None = None,
-    ) -> None:
-        """The keyword arguments after ``tier_type`` are the tier's configuration (docs/mooncake.md)."""
-        outdated = mooncake_version_problem()
-        if outdated is not None:
-            raise ImportError(outdated)
-        self.config = MooncakeTierConfig(
-            master_server_address=master_server_address,
-            local_hostname=local_hostname,
-            metadata_server=metadata_server,
-            protocol=protocol,
-            rdma_devices=rdma_devices,
-            local_buffer_size=local_buffer_size,
-            global_segment_size=global_segment_size,
-            namespace=namespace,
-            timeout_s=timeout_s,
-            io_threads=io_threads,
-            reconnect_interval_s=reconnect_interval_s,
-            retry_backoff_s=retry_backoff_s,
-            retry_backoff_max_s=retry_backoff_max_s,
-        )
-        super().__init__(
-            offloading_spec,
-            primary_kv_view,
-            tier_type,
-            self.config,
-            endpoint=f"master {self.config.master_server_address}",
-            label_arguments={
-                "master_server_address": master_server_address,
-                "local_hostname": local_hostname,
-                "metadata_server": metadata_server,
-                "protocol": protocol,
-                "rdma_devices": rdma_devices,
-                "local_buffer_size": local_buffer_size,
-                "global_segment_size": global_segment_size,
-                "namespace": namespace,
-                "timeout_s": timeout_s,
-                "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s,
-                "retry_backoff_s": retry_backoff_s,
-                "retry_backoff_max_s": retry_backoff_max_s,
-                "locality": locality,
-            },
-            locality=locality,
-            backpressure_detector=backpressure_detector,
-        )
-        self.start()
+    @classmethod
+    @override
+    def installation_problem(cls) -> str | None:
+        return mooncake_version_problem()
+
+    @override
+    def describe_store(self) -> str:
+        return f"master {self.config.master_server_address}"
+
+    _failed_setups: int = 0
+    """Setups that failed in a row (on the supervisor thread): the first says why at WARNING, the rest at DEBUG."""
 
     @override
     def open_client(self) -> RemoteClient | None:
-        store = open_store(self.config)
-        return None if store is None else MooncakeClient(store)
+        store = set_up_store(self.config)
+        if isinstance(store, int):
+            logger.log(
+                logging.DEBUG if self._failed_setups else logging.WARNING,
+                "%s",
+                setup_failure_line(self.config, store, who=self.who),
+            )
+            self._failed_setups += 1
+            return None
+        if self._failed_setups:
+            logger.info(
+                "%s: set up against %s after %d failed attempt(s)", self.who, self.endpoint, self._failed_setups
+            )
+            self._failed_setups = 0
+        return MooncakeClient(store)
 
     @classmethod
     @override

@@ -2,7 +2,7 @@
 
 :class:`StoreClient` is the part of ``mooncake.store.MooncakeDistributedStore``
 the tier uses (the package ships no type information); :func:`open_store` sets
-one up against the configured master; :class:`MooncakeClient` turns its status
+one up against the configured master (and says which key failed when it cannot); :class:`MooncakeClient` turns its status
 codes into the remote tiers' outcomes.
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.mooncake._setup_failure import setup_failure_line
 from kvtriton.integrations.remote import Outcome, RemoteClient, Segment, Unreachable
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ class StoreClient(Protocol):
     def close(self) -> int: ...
 
 
-def open_store(config: MooncakeTierConfig) -> StoreClient | None:
-    """A store client set up against ``config``'s master, or None when setup fails (bounded by the timeout's settings).
+def set_up_store(config: MooncakeTierConfig) -> StoreClient | int:
+    """A store client set up against ``config``'s master, or Mooncake's status when setup failed (bounded by the
+    timeout's settings).
 
     Mooncake reads its RPC timeout and setup retries from the environment when
     a client is created, so :meth:`MooncakeTierConfig.mooncake_environment` is
@@ -80,8 +82,17 @@ def open_store(config: MooncakeTierConfig) -> StoreClient | None:
         config.master_server_address,
     )
     if status != 0:
-        logger.warning("Mooncake store setup against %s failed with status %d", config.master_server_address, status)
         store.close()
+        return status
+    return store
+
+
+def open_store(config: MooncakeTierConfig) -> StoreClient | None:
+    """A store client set up against ``config``'s master, or None when setup failed (logged as a WARNING naming the
+    key and address that failed, :func:`~kvtriton.integrations.mooncake._setup_failure.setup_failure_line`)."""
+    store = set_up_store(config)
+    if isinstance(store, int):
+        logger.warning("%s", setup_failure_line(config, store, who="Mooncake"))
         return None
     return store
 

@@ -15,6 +15,7 @@ in-memory tier by module path::
 from __future__ import annotations
 
 from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment, Unreachable
+from kvtriton.integrations.remote._identity import chunk_identity, kv_identity
 from kvtriton.integrations.remote._keyspace import ChunkIdentity, TierKeyspace
 from kvtriton.integrations.remote._memory import (
     InMemoryClient,
@@ -23,16 +24,10 @@ from kvtriton.integrations.remote._memory import (
     InMemoryTierConfig,
     in_memory_store,
 )
+from kvtriton.integrations.remote._metrics import RemoteTierMetrics, RemoteTierStats, vllm_tier_label
 from kvtriton.integrations.remote._settings import RemoteTierSettings
-from kvtriton.integrations.remote._tier import (
-    RemoteTier,
-    RemoteTierMetrics,
-    RemoteTierStats,
-    TierState,
-    chunk_identity,
-    kv_identity,
-    vllm_tier_label,
-)
+from kvtriton.integrations.remote._supervisor import TierState
+from kvtriton.integrations.remote._tier import RemoteTier
 
 __all__ = [
     "ChunkIdentity",

@@ -1,7 +1,7 @@
 """An in-memory remote tier: a dict-backed store in this process, with faults on demand.
 
-It is the smallest complete backend of :class:`RemoteTier` (docs/tiers.md,
-"Adding a tier backend", walks through it), and the store the tests use to
+It is the smallest complete backend of :class:`RemoteTier` in the package
+(docs/tiers.md, "Adding a tier backend", builds one like it), and the store the tests use to
 exercise the base without a server: :class:`InMemoryStore` holds the values,
 :class:`InMemoryClient` is the :class:`RemoteClient` a tier drives, and the
 store injects the faults a real one has (:meth:`InMemoryStore.stall`: calls
@@ -22,16 +22,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
 from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment, Unreachable
+from kvtriton.integrations.remote._metrics import RemoteTierMetrics
 from kvtriton.integrations.remote._settings import RemoteTierSettings
-from kvtriton.integrations.remote._tier import RemoteTier, RemoteTierMetrics
-
-if TYPE_CHECKING:
-    from kvtriton.integrations.vllm._surface import BackpressureDetector, OffloadingSpec
+from kvtriton.integrations.remote._tier import RemoteTier
 
 OPERATIONS = ("exist", "put", "get")
 """The calls a fault applies to."""
@@ -236,58 +233,22 @@ class InMemoryTierConfig(RemoteTierSettings):
         super().__post_init__()  # the keys every remote tier shares
 
 
-class InMemoryStoreTier(RemoteTier):
-    """A secondary tier over an :class:`InMemoryStore` of this process (see the module docstring)."""
+class InMemoryStoreTier(RemoteTier[InMemoryTierConfig]):
+    """A secondary tier over an :class:`InMemoryStore` of this process (see the module docstring); its keys are
+    :class:`InMemoryTierConfig`'s."""
 
     backend = "InMemory"
     metrics = RemoteTierMetrics.with_prefix("in_memory")
+    config_type = InMemoryTierConfig
 
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        store: str = "default",
-        namespace: str = "",
-        timeout_s: float = 5.0,
-        io_threads: int = 4,
-        reconnect_interval_s: float = 1.0,
-        retry_backoff_s: float = 1.0,
-        retry_backoff_max_s: float = 30.0,
-        locality: str | None = None,
-        backpressure_detector: BackpressureDetector | None = None,
-    ) -> None:
-        """The keyword arguments after ``tier_type`` are the tier's configuration (:class:`InMemoryTierConfig`)."""
-        self.config = InMemoryTierConfig(
-            store=store,
-            namespace=namespace,
-            timeout_s=timeout_s,
-            io_threads=io_threads,
-            reconnect_interval_s=reconnect_interval_s,
-            retry_backoff_s=retry_backoff_s,
-            retry_backoff_max_s=retry_backoff_max_s,
-        )
-        self.store = in_memory_store(store)
-        super().__init__(
-            offloading_spec,
-            primary_kv_view,
-            tier_type,
-            self.config,
-            endpoint=f"in-memory store {store!r}",
-            label_arguments={
-                "store": store,
-                "namespace": namespace,
-                "timeout_s": timeout_s,
-                "io_threads": io_threads,
-                "reconnect_interval_s": reconnect_interval_s,
-                "retry_backoff_s": retry_backoff_s,
-                "retry_backoff_max_s": retry_backoff_max_s,
-                "locality": locality,
-            },
-            locality=locality,
-            backpressure_detector=backpressure_detector,
-        )
-        self.start()
+    @property
+    def store(self) -> InMemoryStore:
+        """The process's store this tier uses (the one its ``store`` key names)."""
+        return in_memory_store(self.config.store)
+
+    @override
+    def describe_store(self) -> str:
+        return f"in-memory store {self.config.store!r}"
 
     @override
     def open_client(self) -> RemoteClient | None:
