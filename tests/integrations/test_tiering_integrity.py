@@ -27,8 +27,11 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 import kvtriton._integrity as integrity
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal, seal_bytes
+from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
 from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
-from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+from kvtriton.integrations.vllm._sealed_tiering import HOST_MEMORY_PATH, SealedTieringManager
+from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
+from kvtriton.worker import HostMemoryPath, SharedRegion
 
 CHUNK = 4096  # 2048-byte blocks, one rank and the seal, padded to a page
 PAYLOAD = CHUNK - SEAL_BYTES
@@ -266,3 +269,20 @@ def test_the_tiered_spec_declares_the_integrity_metric_by_tier_and_reason() -> N
 
     metric = KVTritonTieringOffloadingSpec.build_metric_definitions({"secondary_tiers": []})[INTEGRITY_FAILURES]
     assert tuple(metric.labelnames) == ("tier", "reason")
+
+
+def test_the_tiered_manager_reports_the_host_memory_path_its_ranks_took(
+    managers: list[OffloadingManager], tmp_path: Path
+) -> None:
+    manager = build(managers, tmp_path)
+    assert HOST_MEMORY_PATH in KVTritonTieringOffloadingSpec.build_metric_definitions({})
+
+    def gauge() -> float | None:
+        stats = manager.get_stats()
+        return None if stats is None else stats.reduce().get(HOST_MEMORY_PATH)
+
+    assert gauge() is None  # no rank has taken its slab yet
+    primary = manager.primary_tier
+    assert isinstance(primary, KVTritonPrimaryTier) and isinstance(primary.region, SharedRegion)
+    primary.region.rank_slab(0, pin=False).close()  # this machine has no CUDA: the rank's copies are pageable
+    assert gauge() == int(HostMemoryPath.PAGEABLE) == 2

@@ -176,6 +176,23 @@ class _PendingSeal:
     """The tier's own ``submit_store``, once vLLM has called it for this job: the call waits here for the seals."""
 
 
+HOST_MEMORY_PATH = "vllm:kv_offload_kvtriton_host_memory_path"
+"""The gauge of the host memory the ranks' copies go through (the slowest rank's ``HostMemoryPath``): 0 pinned in
+place, 1 pinned ``cudaHostAlloc`` memory, 2 pageable (CUDA refused to pin, as in confidential computing)."""
+
+
+def host_memory_path_definition() -> dict[str, vllm_base.OffloadingMetricMetadata]:
+    """:data:`HOST_MEMORY_PATH` as the tiered spec declares it (vLLM's logger refuses an undeclared metric)."""
+    return {
+        HOST_MEMORY_PATH: vllm_base.OffloadingGaugeMetadata(
+            documentation=(
+                "Host memory kvtriton's copies go through: 0 pinned in place (cudaHostRegister), 1 pinned "
+                "cudaHostAlloc memory, 2 pageable (registration refused, as in confidential computing: slower copies)."
+            ),
+        )
+    }
+
+
 class SealedTieringManager(TieringOffloadingManager):
     """vLLM's ``TieringOffloadingManager`` that seals what its tiers read and verifies what they return (see the
     module docstring)."""
@@ -187,8 +204,11 @@ class SealedTieringManager(TieringOffloadingManager):
         *,
         identity: KVIdentity,
         tier_poll_interval_s: float,
+        host_memory_path: Callable[[], int | None] = lambda: None,
     ) -> None:
         tiers = list(secondary_tiers)
+        self._host_memory_path = host_memory_path
+        """The region's host memory path (None until a rank took its slab), read for :data:`HOST_MEMORY_PATH`."""
         # Set before vLLM's constructor, which may start its tier-poll thread: that thread already asks the
         # tiers for finished jobs, through the gates installed here.
         self._pending_seals: dict[JobId, _PendingSeal] = {}
@@ -537,6 +557,9 @@ class SealedTieringManager(TieringOffloadingManager):
         faults = OffloadingConnectorStats()
         for report in self.integrity:
             report.add_to(faults)
+        path = self._host_memory_path()
+        if path is not None:
+            faults.set_gauge(HOST_MEMORY_PATH, path)
         if faults.is_empty():
             return stats
         if stats is None:

@@ -69,7 +69,11 @@ from kvtriton.integrations.vllm._config import (
 from kvtriton.integrations.vllm._identity import KVIdentity, vllm_identity
 from kvtriton.integrations.vllm._integrity_report import integrity_metric_definitions
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
-from kvtriton.integrations.vllm._sealed_tiering import IDENTITY_INFO_KEYS, SealedTieringManager
+from kvtriton.integrations.vllm._sealed_tiering import (
+    IDENTITY_INFO_KEYS,
+    SealedTieringManager,
+    host_memory_path_definition,
+)
 from kvtriton.integrations.vllm._spec_core import log_vllm_policy, open_pinned_slab, open_transfer_engines, spec_basis
 from kvtriton.integrations.vllm._surface import (
     VLLM_VERSION,
@@ -145,6 +149,11 @@ class ChunkRegion(Protocol):
 
     def close(self) -> None:
         """Unmap (the last process to close removes it)."""
+        ...
+
+    @property
+    def memory_path(self) -> int | None:
+        """The host memory the ranks' copies go through (``HostMemoryPath``), None before any rank took its slab."""
         ...
 
 
@@ -402,7 +411,11 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     @classmethod
     @override
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, vllm_base.OffloadingMetricMetadata]:
-        return {**super().build_metric_definitions(extra_config), **integrity_metric_definitions()}
+        return {
+            **super().build_metric_definitions(extra_config),
+            **integrity_metric_definitions(),
+            **host_memory_path_definition(),
+        }
 
     @classmethod
     @override
@@ -486,6 +499,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 secondary_tiers=tiers,
                 identity=self.identity,
                 tier_poll_interval_s=self.tier_poll_interval_s,
+                host_memory_path=lambda: region.memory_path,
             )
         except BaseException:
             for tier in reversed(tiers):
