@@ -103,11 +103,14 @@ compat: $(STAMP)
 # The other supported vLLM release, in its own venv (built as `make test` builds .venv, with that release):
 # pyright strict against its types, its own offloading tests with kvtriton swapped in, the worker driven as its
 # connector drives it, the vLLM surface's checks, the remote-tier base (0.34 keeps an abandoned load's slots aside
-# through its deferred release) and the seal thread's hand-over to vLLM's tiering, and a real-engine smoke test
-# (single tier on CPU, reference tokens). CI runs it after `make test` (.ci/run).
+# through its deferred release) and the seal thread's hand-over to vLLM's tiering, and real engines on CPU: the single
+# tier, the wheel installed beside vLLM, load and abort, the fs tier and Mooncake across processes, `vllm serve`.
+# CI runs it after `make test` (.ci/run).
 OTHER_TESTS := tests/vllm_compat tests/integrations/test_vllm_worker_contract.py tests/integrations/test_vllm_surface.py \
 	tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_connector.py \
-	tests/integrations/test_tier_remote.py tests/integrations/test_tiering_seal_thread.py tests/e2e/test_single_tier.py
+	tests/integrations/test_tier_remote.py tests/integrations/test_tiering_seal_thread.py tests/e2e/test_single_tier.py \
+	tests/e2e/test_installed_wheel.py tests/e2e/test_preemption_aborts.py tests/e2e/test_fs_tier.py tests/e2e/test_mooncake.py \
+	tests/e2e/test_serve.py
 compat-other:
 	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
 	$(OTHER_VENV)/bin/python -m pyright --venvpath $(OTHER_ROOT)
