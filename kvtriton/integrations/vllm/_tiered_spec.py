@@ -151,11 +151,6 @@ class ChunkRegion(Protocol):
         """Unmap (the last process to close removes it)."""
         ...
 
-    @property
-    def memory_path(self) -> int | None:
-        """The host memory the ranks' copies go through (``HostMemoryPath``), None before any rank took its slab."""
-        ...
-
 
 class _VLLMRegionView:
     """A :class:`ChunkRegion` as vLLM's ``CPUPrimaryTierOffloadingManager`` reads its ``mmap_region``."""
