@@ -31,15 +31,24 @@ class Xxh3State(Protocol):
     def digest(self) -> bytes: ...
 
 
+MISSING_XXHASH = (
+    "kvtriton seals chunks and digests slots with xxh3-128 from the 'xxhash' package, which this environment lacks "
+    "(vLLM does not bring it, and `pip install --no-deps` skips it); install it: pip install 'xxhash>=2.0'"
+)
+"""What a seal, a slot digest, and a spec that will need them at start, say when ``xxhash`` is not installed."""
+
+
+def require_xxhash() -> None:
+    """``ModuleNotFoundError`` (:data:`MISSING_XXHASH`) unless ``xxhash`` imports: for a spec to refuse at start-up
+    rather than at its first seal, mid-serve."""
+    _xxhash()
+
+
 def _xxhash() -> ModuleType:
     try:
         import xxhash
     except ImportError as error:
-        raise ModuleNotFoundError(
-            "kvtriton seals chunks and digests slots with xxh3-128 from the 'xxhash' package, which this "
-            "environment lacks; install it (pip install 'xxhash>=2.0'), as kvtriton's dependencies list it",
-            name="xxhash",
-        ) from error
+        raise ModuleNotFoundError(MISSING_XXHASH, name="xxhash") from error
     return xxhash
 
 

@@ -8,6 +8,7 @@ fails there.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,38 @@ def test_the_first_seal_and_the_first_slot_digest_name_the_missing_package() -> 
     lines = run.stdout.splitlines()
     assert len(lines) == 2
     assert all(line.startswith("xxhash | ") and "pip install 'xxhash>=2.0'" in line for line in lines)
+
+
+def test_the_specs_that_will_seal_refuse_at_start_up_naming_the_package() -> None:
+    """The tiered spec seals every chunk a tier gets, the single-tier debug mode digests every slot: without xxhash
+    each refuses when vLLM builds it, not at its first seal mid-serve; the single-tier spec without the debug mode
+    needs nothing."""
+    code = (
+        "from tiering_fixtures.configs import tiering_config\n"
+        "from vllm_fixtures.builders import offloading_config\n"
+        "from vllm.v1.kv_offload.factory import OffloadingSpecFactory\n"
+        "fs = [{'type': 'fs', 'root_dir': '/tmp/kvtriton-never-written'}]\n"
+        "configs = [tiering_config({'cpu_bytes_to_use': 1 << 20, 'secondary_tiers': fs}),\n"
+        "           offloading_config({'cpu_bytes_to_use': 1 << 20, 'kvtriton_verify_host_loads': True})]\n"
+        "for config in configs:\n"
+        "    try:\n"
+        "        OffloadingSpecFactory.create_spec(config)\n"
+        "    except ModuleNotFoundError as error:\n"
+        "        print(error.name, '|', error)\n"
+        "OffloadingSpecFactory.create_spec(offloading_config({'cpu_bytes_to_use': 1 << 20}))\n"
+        "print('plain spec built')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", WITHOUT_XXHASH + code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "plain spec built"
+    assert len(lines) == 3
+    assert all(line.startswith("xxhash | ") and "pip install 'xxhash>=2.0'" in line for line in lines[:2])

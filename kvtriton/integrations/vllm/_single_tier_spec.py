@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from kvtriton._xxh3 import require_xxhash
 from kvtriton.integrations.vllm._config import KVTritonOffloadConfig, check_budget, is_vllm_policy, parse_policy
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager, metric_definitions, reuse_filter
 from kvtriton.integrations.vllm._spec_core import (
@@ -120,6 +121,8 @@ class KVTritonOffloadingSpec(vllm_base.OffloadingSpec):
         super().__init__(config)
         basis = spec_basis(config, tiered=False, host_memory="the host slab")
         settings = basis.settings
+        if settings.verify_host_loads:
+            require_xxhash()  # the debug mode digests every slot it stores: refuse now, not at the first store
         world_size = config.parallel.world_size
         self.kv_dtype: torch.dtype | None = basis.kv_dtype
         """The KV cache's element dtype, which compression reads the byte pages as; None without compression."""

@@ -55,6 +55,7 @@ from typing import Any, Protocol, cast
 import torch
 from typing_extensions import override
 
+from kvtriton._xxh3 import require_xxhash
 from kvtriton._private_files import prepare_tier_root
 from kvtriton.integrations.vllm._config import (
     CACHE_POLICY_MODULE_PATH,
@@ -341,6 +342,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         extra = config.extra_config
+        # Every chunk a secondary tier gets is sealed: without xxhash the spec would start, then fail at its first seal.
+        require_xxhash()
         # Parsed first: a bad or missing key is reported as kvtriton reports it,
         # before vLLM's parent classes read the same keys.
         basis = spec_basis(config, tiered=True, host_memory="the shared host region")
