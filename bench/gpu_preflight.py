@@ -22,8 +22,8 @@ registration: what a server pays per GiB at start-up), then one rank's view
 of a shared region holding 1 GiB of its own (``PF_PIN_REGION``, information:
 no step needs it): rank 0 of 8, 640 KiB per block row (a 70B model's K and V
 at tensor parallelism 8), 16 blocks per chunk, pinned as the tiering spec's
-ranks pin (one registration per run of rows, :func:`probe_region_pin`), with
-its registrations counted; and last one tiny launch of the copy kernel
+ranks pin (whole rows, every rank's bytes of them, in slot-aligned pieces of
+at most 1 GiB: :func:`probe_region_pin`), with its registrations counted; and last one tiny launch of the copy kernel
 (``PF_TRITON_LAUNCH``), whose compile proves the C compiler, ``Python.h`` and
 ``ptxas`` are really there. Every import of kvtriton happens inside the check
 that needs it: one that fails (a package the machine lacks) is reported by
@@ -136,8 +136,9 @@ def probe_region_pin(own_bytes: int, pin: bool) -> PinProbe:
     :data:`REGION_RANK_ROW_BYTES` per block row, :data:`REGION_BLOCKS_PER_CHUNK`
     rows per chunk, laid out as the tiering spec's shared region lays it out
     (``kvtriton._region_rows.block_row_stride``), in an anonymous mapping:
-    only this rank's pages are touched and registered, one registration per
-    run of rows (``HostSlab.registration_plan``, counted). ``own_bytes`` is
+    only this rank's pages are touched; the whole rows are registered (every
+    rank's bytes of them, as a rank of the region pins them), in slot-aligned
+    pieces of at most ``PIN_CHUNK_BYTES`` (``HostSlab.registration_plan``, counted). ``own_bytes`` is
     rounded down to whole chunks. Any failure is returned, never raised.
     """
     started = time.perf_counter()

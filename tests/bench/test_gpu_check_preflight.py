@@ -19,7 +19,8 @@ from bench.gpu_preflight import (
     probe_pin,
     probe_region_pin,
 )
-from kvtriton.worker._slab import SlabPinningError
+from kvtriton._region_rows import block_row_stride
+from kvtriton.worker._slab import PIN_CHUNK_BYTES, SlabPinningError
 
 
 class _Slab:
@@ -68,12 +69,14 @@ def test_a_pin_whose_import_fails_reports_the_missing_module_instead_of_stopping
         )
 
 
-def test_the_region_view_is_pinned_one_registration_per_row_of_its_own_pages() -> None:
+def test_the_region_view_is_pinned_as_whole_rows_in_pieces_of_at_most_a_gib() -> None:
     probe = probe_region_pin(1 << 30, False)  # pageable: the registrations are the ones a pin would make
     rows = (1 << 30) // REGION_RANK_ROW_BYTES // 16 * 16
     assert probe.error is None and probe.nbytes == rows * REGION_RANK_ROW_BYTES
-    # The other seven ranks' bytes (over 4 MiB) lie between two rows of this rank's: no two rows share one.
-    assert probe.registrations == rows == 1632
+    # A rank registers whole rows (the other seven ranks' bytes of them too), a whole number of 16-row chunks per
+    # registration of at most 1 GiB: 102 chunks of 83.9 MB, 12 to a piece, in 9 pieces (one per row before).
+    chunk_bytes = 16 * block_row_stride(16, 8, REGION_RANK_ROW_BYTES)
+    assert probe.registrations == -(-(rows // 16) // (PIN_CHUNK_BYTES // chunk_bytes)) == 9
 
 
 @pytest.mark.parametrize("nbytes", [0, (1 << 20) + 1])
