@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
-from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, barrier, faults_at, generate, run_engine, spec_config
 from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
@@ -28,6 +28,12 @@ if MOONCAKE_MISSING is not None:
 TIMEOUT_S = 1.0
 """The tier's timeout_s: small, so a fault costs a request at most about two seconds."""
 HITS = "vllm:external_prefix_cache_hits"
+STALL = "stall"
+"""The barrier at which a test stops the holder: the engine is up and its tier reached the pool, A not yet sent.
+
+Stopping the holder before the engine starts instead would keep it stopped for the whole start-up: on a loaded
+machine that can pass the master's client_ttl (60 s), and the master then drops the holder with every object on it
+(A's chunks, the namespace's manifest), so A's lookups miss and no promotion ever meets the stalled holder."""
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluste
         started.stop()
 
 
-def engine(model: Path, cluster: MooncakeCluster, workdir: Path) -> EngineResult:
+def engine(model: Path, cluster: MooncakeCluster, workdir: Path, *, stall_before_a: bool = False) -> EngineResult:
+    """An engine on the pool serving prompt A; with ``stall_before_a`` it waits at :data:`STALL` before A."""
     tier = {
         "type": "MooncakeStoreTier",
         "module_path": "kvtriton.integrations.mooncake",
@@ -52,7 +59,7 @@ def engine(model: Path, cluster: MooncakeCluster, workdir: Path) -> EngineResult
         "io_threads": 2,
     }
     config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
-    steps = [WAIT_TIERS_UP, generate(PROMPT_A, MAX_TOKENS, "A")]
+    steps = [WAIT_TIERS_UP, *([barrier(STALL)] if stall_before_a else []), generate(PROMPT_A, MAX_TOKENS, "A")]
     return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
 
 
@@ -83,11 +90,11 @@ def test_a_stalled_holder_costs_a_request_at_most_twice_the_timeout(
                 break
         cluster.resume_holder()
 
-    cluster.hang_holder()
     resumer = threading.Thread(target=resume_once_abandoned, daemon=True)
     resumer.start()
     try:
-        reader = engine(llama, cluster, workdir)
+        with faults_at(workdir, [(STALL, cluster.hang_holder)]):
+            reader = engine(llama, cluster, workdir, stall_before_a=True)
     finally:
         served.set()
         resumer.join(30.0)
@@ -121,11 +128,12 @@ def test_an_engine_exiting_with_a_call_stuck_on_a_stalled_holder_exits_cleanly(
                 break
         cluster.resume_holder()
 
-    cluster.hang_holder()
     resumer = threading.Thread(target=resume_once_left_open, daemon=True)
     resumer.start()
     try:
-        reader = engine(llama, cluster, workdir)  # raises unless the process exited with 0, leaving nothing behind
+        with faults_at(workdir, [(STALL, cluster.hang_holder)]):
+            # Raises unless the process exited with 0, leaving nothing behind.
+            reader = engine(llama, cluster, workdir, stall_before_a=True)
     finally:
         ended.set()
         resumer.join(30.0)

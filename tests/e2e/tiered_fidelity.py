@@ -44,6 +44,7 @@ from bench.tiny_models import TinyLlama
 from e2e.engine import run_process, spec_config
 from e2e.fidelity_table import HITS, LOCAL_HITS, QUERIES, FidelitySetup, distinct_blocks, kv_bytes_per_block, workload
 from kvtriton._integrity import SEAL_BYTES
+from kvtriton.integrations._vllm_release import installed_vllm_version
 from kvtriton.sim._secondary_tier import FsTier, MooncakePool, SecondaryTier, TierCounts
 from kvtriton.sim._token_trace import TokenRequest, write_trace
 from kvtriton.sim._vllm_server import ServerModel, ServerStats, predict
@@ -362,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 comparisons += compare(setup, model_dir, workdir / kind, kind, progress=True)
     distinct = distinct_blocks(workload(setup.engine), setup.engine.block_size)
-    print(f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d} with vLLM 0.33.0 on CPU.\n")
+    print(
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d} with vLLM {installed_vllm_version()} on CPU.\n"
+    )
     print(markdown(setup, comparisons, distinct))
     return 0
 

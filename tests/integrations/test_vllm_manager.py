@@ -521,10 +521,10 @@ def test_metric_definitions_declare_what_get_stats_reports_with_vllms_names_and_
     )
     # Every name get_stats reports is declared (vLLM's Prometheus logger asserts it).
     manager = make_manager(num_slots=4, store_threshold=2)
-    context = ReqContext(req_id="r1")
     with manager.lock:
-        manager.prepare_store(to_keys([1]), context)
-        manager.prepare_store(to_keys([1]), context)
+        # Two requests offer key 1: its second use on either release (0.34 counts a request's offers once).
+        manager.prepare_store(to_keys([1]), ReqContext(req_id="r1"))
+        manager.prepare_store(to_keys([1]), ReqContext(req_id="r2"))
     stats = manager.get_stats()
     assert isinstance(stats, OffloadingConnectorStats)
     types, _ = stats.metric_sections()

@@ -35,7 +35,8 @@ from kvtriton.integrations.vllm import (
     VLLMOffloadingWorker,
     open_host_slab,
 )
-from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager, ReuseSignal
+from kvtriton.integrations.vllm._manager import STORE_OFFER_SIGNAL
+from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +120,8 @@ def test_store_threshold_below_two_stores_everything_and_two_or_more_filters() -
     backing = filtered_manager.backing
     assert isinstance(backing, FilterReusedOffloadingManager)
     assert (backing.store_threshold, backing.max_tracker_size) == (3, 10)
-    assert backing.count_on is ReuseSignal.STORE_OFFER  # vLLM 0.33's admission rule
+    # The installed vLLM's admission rule (each offer on 0.33, a request's first offer on 0.34).
+    assert backing.count_on is STORE_OFFER_SIGNAL
     assert filtered.get_manager() is filtered_manager  # one manager per spec
 
 
