@@ -55,8 +55,8 @@ from typing import Any, Protocol, cast
 import torch
 from typing_extensions import override
 
-from kvtriton._xxh3 import require_xxhash
 from kvtriton._private_files import prepare_tier_root
+from kvtriton._xxh3 import require_xxhash
 from kvtriton.integrations.vllm._config import (
     CACHE_POLICY_MODULE_PATH,
     EVICTION_POLICY,
