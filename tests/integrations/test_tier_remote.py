@@ -279,3 +279,21 @@ def test_bad_settings_are_refused_naming_the_key_and_the_value(arguments: dict[s
         RemoteTierSettings(**arguments)  # pyright: ignore[reportArgumentType] -- deliberately bad values
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         InMemoryTierConfig(**arguments)  # pyright: ignore[reportArgumentType] -- every backend's config checks them
+
+
+def test_shutdown_leaves_the_client_open_under_an_existence_check_still_inside_the_store(
+    tiers: list[InMemoryStoreTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lookup's ``exist`` given up on at its deadline is still inside the store: closing the client under it is
+    what crashed Mooncake's engine processes as they exited (a stopped holder, seen on vLLM 0.34)."""
+    name = fresh_store()
+    tier = make_memory_tier(name, Primary(2, CHUNK), timeout_s=DEADLINE_S)
+    store = in_memory_store(name)
+    store.stall("exist", STALL_S)
+    assert tier.exists(chunk_keys(1, salt=9)) == [False]  # at the deadline, not after the stall
+    assert store.in_flight("exist") == 1 and tier.state is TierState.DOWN
+    with caplog.at_level(logging.WARNING, logger="kvtriton.integrations.remote._tier"):
+        tier.shutdown()
+    assert store.in_flight("exist") == 1
+    assert f"1 call(s) still inside the store {DEADLINE_S:.1f} s into shutdown: its client is left open" in caplog.text
+    store.resume()

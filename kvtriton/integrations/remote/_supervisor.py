@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TypeVar
 
@@ -85,6 +85,9 @@ class Supervisor:
         self._recovered_at = -math.inf
         # One thread for existence checks, so a caller can stop waiting on a hung store after the timeout.
         self._exist_pool = ThreadPoolExecutor(1, thread_name_prefix=f"{thread_prefix}_lookup_{tier_type}")
+        self._late: list[Future[object]] = []
+        """Bounded calls given up on at their deadline: until they return they are inside the store, whose client
+        must not be closed under them (:meth:`late_calls`)."""
         self.thread = threading.Thread(
             target=self._supervise, name=f"{thread_prefix}_supervisor_{tier_type}", daemon=True
         )
@@ -254,6 +257,8 @@ class Supervisor:
         try:
             return future.result(timeout=self.settings.timeout_s)
         except FutureTimeoutError:
+            with self.lock:
+                self._late.append(future)  # pyright: ignore[reportArgumentType] -- kept only to ask done()
             self.set_down()
             return FailureReason.DEADLINE
         except Unreachable:
@@ -262,6 +267,12 @@ class Supervisor:
         except Exception:  # the binding raised: treat it as no answer, and keep the calling thread alive
             logger.exception("%s: a store call raised", self.who)
             return FailureReason.ERROR
+
+    def late_calls(self) -> int:
+        """How many bounded calls given up on at their deadline are still inside the store."""
+        with self.lock:
+            self._late = [future for future in self._late if not future.done()]
+            return len(self._late)
 
     def stop(self) -> None:
         """Closed: nothing touches the store from now on; the thread ends within ``timeout_s``."""

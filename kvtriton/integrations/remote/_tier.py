@@ -335,10 +335,12 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
         calls_done = self._jobs.wait_for_calls(timeout_s)
         self._jobs.shutdown()
         self._supervisor.join()
+        # A lookup's existence check given up on at its deadline is inside the store as much as a job's call.
+        late_checks = self._supervisor.late_calls()
         with self._lock:
             store, self._supervisor.store = self._supervisor.store, None
-            stuck = len(self._jobs.in_flight)
-        if store is not None and not calls_done:
+            stuck = len(self._jobs.in_flight) + late_checks
+        if store is not None and (not calls_done or late_checks):
             _LEFT_OPEN.append(store)
             logger.warning(
                 "%s tier %r: %d call(s) still inside the store %.1f s into shutdown: its client is left "
