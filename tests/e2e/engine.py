@@ -53,8 +53,13 @@ def generate(
     compare_to: str | None = None,
     logprobs: int = 0,
     cache_salt: str | None = None,
+    settle: bool = True,
 ) -> dict[str, object]:
     """A step: greedy generation of ``max_tokens`` tokens after ``prompt`` (token ids).
+
+    With ``settle`` (the default) the step ends once every offloading transfer
+    in flight has finished; without it, as soon as the request has (the next
+    step or the shutdown then meets the transfers still running).
 
     With ``cache_salt``, the request carries vLLM's ``cache_salt`` (a tenant's
     salt: its blocks' hashes, so every tier's keys, differ from other salts'
@@ -69,7 +74,7 @@ def generate(
     """
     return {
         "op": "generate", "prompt": list(prompt), "max_tokens": max_tokens, "name": name, "compare_to": compare_to,
-        "logprobs": logprobs, "cache_salt": cache_salt,
+        "logprobs": logprobs, "cache_salt": cache_salt, "settle": settle,
     }  # fmt: skip
 
 

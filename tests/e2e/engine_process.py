@@ -295,7 +295,8 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
                 raise ValueError(
                     f"compare_to needs a model with one KV cache group, this one has {len(group_block_ids)}"
                 )
-            _settle(llm, filler)
+            if step.get("settle", True):
+                _settle(llm, filler)
         elif op == "generate_batch":
             # Every prompt in one generate call: vLLM schedules them together, as a server batches requests.
             sampling = SamplingParams(

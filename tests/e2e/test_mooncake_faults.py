@@ -48,8 +48,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluste
         started.stop()
 
 
-def engine(model: Path, cluster: MooncakeCluster, workdir: Path, *, stall_before_a: bool = False) -> EngineResult:
-    """An engine on the pool serving prompt A; with ``stall_before_a`` it waits at :data:`STALL` before A."""
+def engine(
+    model: Path, cluster: MooncakeCluster, workdir: Path, *, stall_before_a: bool = False, settle: bool = True
+) -> EngineResult:
+    """An engine on the pool serving prompt A; with ``stall_before_a`` it waits at :data:`STALL` before A; without
+    ``settle`` it shuts down as soon as A is served, with its transfers still in flight."""
     tier = {
         "type": "MooncakeStoreTier",
         "module_path": "kvtriton.integrations.mooncake",
@@ -59,7 +62,11 @@ def engine(model: Path, cluster: MooncakeCluster, workdir: Path, *, stall_before
         "io_threads": 2,
     }
     config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
-    steps = [WAIT_TIERS_UP, *([barrier(STALL)] if stall_before_a else []), generate(PROMPT_A, MAX_TOKENS, "A")]
+    steps = [
+        WAIT_TIERS_UP,
+        *([barrier(STALL)] if stall_before_a else []),
+        generate(PROMPT_A, MAX_TOKENS, "A", settle=settle),
+    ]
     return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
 
 
@@ -133,7 +140,9 @@ def test_an_engine_exiting_with_a_call_stuck_on_a_stalled_holder_exits_cleanly(
     try:
         with faults_at(workdir, [(STALL, cluster.hang_holder)]):
             # Raises unless the process exited with 0, leaving nothing behind.
-            reader = engine(llama, cluster, workdir, stall_before_a=True)
+            # Not settled: on vLLM 0.34 has_pending_work counts the abandoned load's deferred release until its
+            # call returns, which it does only once the holder goes on, after the shutdown.
+            reader = engine(llama, cluster, workdir, stall_before_a=True, settle=False)
     finally:
         ended.set()
         resumer.join(30.0)
