@@ -40,28 +40,44 @@ WAIT_S = 30.0
 """Bound on every wait for another thread: only a broken build waits this long."""
 
 
-class HeldSeal:
-    """Stands in for ``seal_in_place``: refuses the scheduler's thread, waits for :attr:`release`, then seals."""
+class Held:
+    """Stands in for a call of the seal thread's: refuses the scheduler's thread, waits for :attr:`release`."""
 
-    def __init__(self, failure: Exception | None = None) -> None:
+    what = "a seal"
+    """The call held, as the failures name it."""
+
+    def __init__(self) -> None:
         self.scheduler_thread = threading.current_thread()
         self.release = threading.Event()
-        """Set by the test: the seals held so far (and all later ones) go ahead."""
+        """Set by the test: the calls held so far (and all later ones) go ahead."""
         self.started = threading.Event()
-        """Set when the first seal has begun (on the seal thread)."""
+        """Set when the first call has begun (on the seal thread)."""
         self.threads: list[str] = []
-        """The name of the thread of each seal, in order."""
+        """The name of the thread of each call, in order."""
+
+    def hold(self) -> None:
+        """Record this thread, refuse the scheduler's, and wait (bounded) for the test's release."""
+        thread = threading.current_thread()
+        self.threads.append(thread.name)
+        if thread is self.scheduler_thread:
+            raise AssertionError(f"{self.what} ran on the scheduler's thread, under the manager lock")
+        self.started.set()
+        if not self.release.wait(WAIT_S):
+            raise AssertionError(f"the test never released {self.what} within {WAIT_S} s")
+
+
+class HeldSeal(Held):
+    """Stands in for ``seal_in_place``: held (:class:`Held`), then seals (or fails)."""
+
+    what = "a cascade's seal"
+
+    def __init__(self, failure: Exception | None = None) -> None:
+        super().__init__()
         self.failure = failure
         """Raised instead of sealing, once released."""
 
     def __call__(self, chunk: memoryview, *, key: bytes, fingerprint: bytes) -> None:
-        thread = threading.current_thread()
-        self.threads.append(thread.name)
-        if thread is self.scheduler_thread:
-            raise AssertionError("a cascade's chunk was sealed on the scheduler's thread")
-        self.started.set()
-        if not self.release.wait(WAIT_S):
-            raise AssertionError(f"the test never released the seal within {WAIT_S} s")
+        self.hold()
         if self.failure is not None:
             raise self.failure
         seal_in_place(chunk, key=key, fingerprint=fingerprint)
@@ -296,25 +312,18 @@ def test_every_seal_thread_is_gone_after_shutdown(tmp_path: Path, off_thread: bo
 # -- a promoted chunk's seal is checked off the manager lock ----------------------------------------------------------
 
 
-class HeldCheck:
-    """Stands in for ``verify``: refuses the scheduler's thread, waits for :attr:`release`, then checks (or fails)."""
+class HeldCheck(Held):
+    """Stands in for ``verify``: held (:class:`Held`), then checks (or fails)."""
+
+    what = "a promoted chunk's check"
 
     def __init__(self, fault: IntegrityFault | None = None) -> None:
-        self.scheduler_thread = threading.current_thread()
-        self.release = threading.Event()
-        self.started = threading.Event()
-        self.threads: list[str] = []
+        super().__init__()
         self.fault = fault
         """Returned instead of the real check's verdict, once released."""
 
     def __call__(self, chunk: memoryview, *, key: bytes, fingerprint: bytes) -> IntegrityFault | None:
-        thread = threading.current_thread()
-        self.threads.append(thread.name)
-        if thread is self.scheduler_thread:
-            raise AssertionError("a promoted chunk was checked on the scheduler's thread, under the manager lock")
-        self.started.set()
-        if not self.release.wait(WAIT_S):
-            raise AssertionError(f"the test never released the check within {WAIT_S} s")
+        self.hold()
         return self.fault if self.fault is not None else verify(chunk, key=key, fingerprint=fingerprint)
 
 
