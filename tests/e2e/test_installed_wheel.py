@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from packaging_fixtures import ROOT, InstalledWheel, build_wheel, install_beside_test_venv
+from packaging_fixtures import InstalledWheel, build_wheel, install_beside_test_venv, package_folders
 
 from e2e.engine import RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import MAX_TOKENS, PROMPT_A
@@ -42,9 +42,8 @@ def run_installed(installed: InstalledWheel, *command: str) -> str:
 
 
 def every_package() -> list[str]:
-    """Every package of the checkout's kvtriton, as a dotted name (the kvtriton/kernels symlink followed)."""
-    inits = [*(ROOT / "kvtriton").rglob("__init__.py"), *(ROOT / "kvtriton" / "kernels").rglob("__init__.py")]
-    return sorted({".".join(init.parent.relative_to(ROOT).parts) for init in inits})
+    """Every package of the checkout's kvtriton, as a dotted name."""
+    return [".".join(folder.parts) for folder in package_folders()]
 
 
 def test_every_package_and_documented_name_imports_from_the_wheel(installed: InstalledWheel) -> None:

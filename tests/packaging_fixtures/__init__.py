@@ -22,6 +22,13 @@ EDITABLE_PTH_PREFIX = "__editable__.kvtriton"
 """setuptools' name for the ``.pth`` of an editable kvtriton (``pip install -e``): the one the new environment skips."""
 
 
+def package_folders() -> list[Path]:
+    """Every package folder of the checkout's kvtriton, relative to the checkout (``kvtriton/kernels``, a symlink
+    that ``rglob`` does not enter, walked as the build walks it)."""
+    inits = [*(ROOT / "kvtriton").rglob("__init__.py"), *(ROOT / "kvtriton" / "kernels").rglob("__init__.py")]
+    return sorted({init.parent.relative_to(ROOT) for init in inits if "__pycache__" not in init.parts})
+
+
 def source_copy(destination: Path) -> Path:
     """The checkout's files as git sees them (untracked, unignored ones included), without a build/ of old runs.
 

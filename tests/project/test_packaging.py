@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from packaging_fixtures import ROOT, build_wheel
+from packaging_fixtures import ROOT, build_wheel, package_folders
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +21,7 @@ def wheel_names(wheel: zipfile.ZipFile) -> list[str]:
 
 
 def test_wheel_holds_every_package_of_the_tree(wheel_names: list[str]) -> None:
-    # The kvtriton/kernels symlink is followed, as the build follows it.
-    packages = {
-        str(init.parent.relative_to(ROOT))
-        for init in [*(ROOT / "kvtriton").rglob("__init__.py"), *(ROOT / "kvtriton" / "kernels").rglob("__init__.py")]
-        if "__pycache__" not in init.parts
-    }
+    packages = {str(folder) for folder in package_folders()}
     shipped = {str(Path(name).parent) for name in wheel_names if name.endswith("/__init__.py")}
     assert {"kvtriton/integrations/vllm", "kvtriton/integrations/mooncake", "kvtriton/kernels/_jit"} <= packages
     assert packages == shipped
