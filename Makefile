@@ -13,8 +13,8 @@ PY := $(VENV)/bin/python
 # its own (docs/vllm.md, "Supported vLLM versions"). Both must be releases TESTED_VLLM_RELEASES names
 # (kvtriton/integrations/_vllm_release.py): the docs' table of releases is rendered from the two, and
 # tests/project/test_docs_figures.py checks it.
-VLLM_VERSION ?= 0.33.0
-OTHER_VLLM_VERSION ?= 0.34.0
+VLLM_VERSION ?= 0.34.0
+OTHER_VLLM_VERSION ?= 0.33.0
 # pyright finds a venv as <venvPath>/.venv (pyproject.toml), so the other release's venv is .venv in a folder of its own.
 OTHER_ROOT ?= .vllm-$(OTHER_VLLM_VERSION)
 OTHER_VENV := $(OTHER_ROOT)/.venv
