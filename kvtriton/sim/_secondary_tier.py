@@ -281,9 +281,11 @@ class TieredManager:
     same tier.
     """
 
-    def __init__(self, primary: CPUOffloadingManager, tier: SecondaryTier) -> None:
+    def __init__(self, primary: CPUOffloadingManager, tier: SecondaryTier, *, stores_mark_present: bool) -> None:
         self.primary = primary
         self.tier = tier
+        self.stores_mark_present = stores_mark_present
+        """A finished store turns the verdicts cached for its keys into hits (``ServerModel.stores_mark_present``)."""
         self._lookups: dict[OffloadKey, _Lookup] = {}
         self._queued: list[OffloadKey] = []
         self._need_drain = False
@@ -469,6 +471,24 @@ class TieredManager:
             else:
                 self.cascaded_chunks += len(job.succeeded)
                 self.primary.complete_load(job.keys, ReqContext(req_id=job.context.req_id))
+                if self.stores_mark_present:
+                    self._mark_present(job.succeeded)
+
+    def _mark_present(self, keys: Sequence[OffloadKey]) -> None:
+        """vLLM's ``AsyncLookupManager.mark_present``: a store newer than any verdict or check of its keys wins.
+
+        A cached MISS, and a check queued or in flight (whose answer is then
+        ignored), become a resolved HIT; a verdict no request holds is
+        dropped; a key never looked up gets no verdict.
+        """
+        for key in keys:
+            lookup = self._lookups.get(key)
+            if lookup is None or lookup.found is True:
+                continue
+            if not lookup.requests:
+                del self._lookups[key]
+                continue
+            lookup.phase, lookup.found = "resolved", True
 
     def _maybe_finalize(self, state: _RequestState) -> None:
         """The tier forgets the request's lookups once it finished and its last host store completed."""

@@ -167,7 +167,13 @@ def tiered_point(
     """
     shared = tier.build(geometry)
     blocks = host_bytes // geometry.tiered_chunk_bytes
-    managers = [TieredManager(CPUOffloadingManager(blocks, cache_policy=policy), shared) for _ in streams]
+    server = order.server_model()
+    managers = [
+        TieredManager(
+            CPUOffloadingManager(blocks, cache_policy=policy), shared, stores_mark_present=server.stores_mark_present
+        )
+        for _ in streams
+    ]
     server_streams = [
         ServerStream(
             tiered_calls(manager),
@@ -203,9 +209,7 @@ def tiered_point(
             on_finished(requests)
 
     try:
-        stats = replay_vllm_servers(
-            server_streams, block_size=geometry.block_size, model=order.server_model(), on_finished=count
-        )
+        stats = replay_vllm_servers(server_streams, block_size=geometry.block_size, model=server, on_finished=count)
     except StalledRequest as stuck:
         if on_finished is not None:
             on_finished(sum(len(requests) for requests in streams) - finished)

@@ -155,6 +155,11 @@ class ServerModel:
     store_steps: int = DEFAULT_STORE_STEPS
     sync_loads: bool = False
     """Loads complete within the step that schedules them (vLLM's ``sync_load_budget_bytes``, unbounded)."""
+    stores_mark_present: bool = True
+    """A tier's finished store turns the lookup verdicts cached for its keys into hits (vLLM's lookup cache's
+    ``mark_present``, which the home release has; :class:`~kvtriton.sim._secondary_tier.TieredManager`). False: a
+    verdict cached before the store stands until the requests that asked for it end. A caller beside a real engine
+    takes it from the installed vLLM (``kvtriton.integrations.vllm``'s ``LOOKUPS_MARK_PRESENT``)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "gpu_blocks", "arrivals"):
@@ -870,6 +875,6 @@ def predict(
     contexts = positioned_contexts(prepared, lambda req_id: ReqContext(req_id=req_id), block_size=block_size)
     if tier is None:
         return replay_vllm_server(vllm_order_calls(manager), prepared, contexts, block_size=block_size, model=model)
-    tiered = TieredManager(manager, tier)
+    tiered = TieredManager(manager, tier, stores_mark_present=(model or ServerModel()).stores_mark_present)
     stats = replay_vllm_server(tiered_calls(tiered), prepared, contexts, block_size=block_size, model=model)
     return dataclasses.replace(stats, tiers=tiered.counts())

@@ -45,6 +45,7 @@ from e2e.engine import run_process, spec_config
 from e2e.fidelity_table import HITS, LOCAL_HITS, QUERIES, FidelitySetup, distinct_blocks, kv_bytes_per_block, workload
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations._vllm_release import installed_vllm_version
+from kvtriton.integrations.vllm._surface import LOOKUPS_MARK_PRESENT
 from kvtriton.sim._secondary_tier import FsTier, MooncakePool, SecondaryTier, TierCounts
 from kvtriton.sim._token_trace import TokenRequest, write_trace
 from kvtriton.sim._vllm_server import ServerModel, ServerStats, predict
@@ -96,7 +97,12 @@ class TieredSetup:
 
     def server_model(self, mode: str) -> ServerModel:
         """The simulator's settings for the engine in ``mode``: ``--arrivals concurrency:N`` or ``burst``."""
-        return dataclasses.replace(self.engine.server_model(), sequential=False, concurrency=MODES[mode])
+        return dataclasses.replace(
+            self.engine.server_model(),
+            sequential=False,
+            concurrency=MODES[mode],
+            stores_mark_present=LOOKUPS_MARK_PRESENT,  # the rule of the vLLM the engines run
+        )
 
 
 @dataclass(frozen=True, slots=True)
