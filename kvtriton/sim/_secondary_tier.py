@@ -1,4 +1,4 @@
-"""A second tier behind the host tier, as vLLM 0.33's tiered offloading runs it (``vllm/v1/kv_offload/tiering``).
+"""A second tier behind the host tier, as vLLM's tiered offloading runs it (``vllm/v1/kv_offload/tiering``).
 
 :class:`TieredManager` is the model of vLLM's ``TieringOffloadingManager``
 over kvtriton's host tier (``KVTritonTieringOffloadingSpec``) and one

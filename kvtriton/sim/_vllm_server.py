@@ -1,4 +1,4 @@
-"""A trace replayed through a model of a vLLM 0.33 server: its scheduler, its GPU prefix cache, its transfer timing.
+"""A trace replayed through a model of a vLLM server: its scheduler, its GPU prefix cache, its transfer timing.
 
 :func:`replay_vllm_server` is the simulator's one loop in vLLM's call order:
 ``kvtriton simulate --call-order vllm`` sets it from the server's settings,
@@ -102,10 +102,10 @@ from kvtriton.sim._secondary_tier import SecondaryTier, TierCounts, TieredManage
 from kvtriton.sim._workloads import Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-"""vLLM 0.33's ``SchedulerConfig.max_num_batched_tokens`` default, and ``vllm serve``'s on a GPU under 70 GiB
+"""vLLM's ``SchedulerConfig.max_num_batched_tokens`` default, and ``vllm serve``'s on a GPU under 70 GiB
 (an H100 or H200 defaults to 8192: the planner's ``vllm serve`` line sets it, so the server runs what was modelled)."""
 DEFAULT_MAX_NUM_SEQS = 256
-"""``vllm serve``'s ``--max-num-seqs`` default in vLLM 0.33 on a GPU under 70 GiB (an H100 or H200: 1024,
+"""``vllm serve``'s ``--max-num-seqs`` default on a GPU under 70 GiB (an H100 or H200: 1024,
 ``SchedulerConfig``'s own: 128); the planner models it when none is given and writes it on its ``vllm serve`` line."""
 DEFAULT_OUTPUT_TOKENS = 1
 """Tokens each request generates (vLLM's ``max_tokens``)."""
