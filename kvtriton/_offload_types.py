@@ -181,6 +181,21 @@ class GPULoadStoreSpec(LoadStoreSpec):
         self.group_sizes: tuple[int, ...] = tuple(sizes)
         self.block_indices: tuple[int, ...] = tuple(indices)
 
+    @classmethod
+    def from_checked(
+        cls, block_ids: NDArray[np.int64], group_sizes: tuple[int, ...], block_indices: tuple[int, ...]
+    ) -> GPULoadStoreSpec:
+        """A spec over ids its caller computed and checked as :meth:`__init__` would (not checked, not copied).
+
+        For the worker's hot path, which reads the ids back from vLLM's device
+        pointers into a fresh ``int64`` array and has checked the group counts.
+        """
+        spec = cls.__new__(cls)
+        spec.block_ids = block_ids
+        spec.group_sizes = group_sizes
+        spec.block_indices = block_indices
+        return spec
+
     @staticmethod
     def medium() -> str:
         return GPULoadStoreSpec.MEDIUM

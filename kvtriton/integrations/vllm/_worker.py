@@ -291,26 +291,29 @@ def block_ids_from_pointers(pointers: DevicePointers, layout: PointerLayout) -> 
     whose pointers mean something else is refused, never copied from.
     """
     ptrs = _int64_view(pointers.ptrs)
-    counts = tuple(pointers.group_block_counts)
+    counts = tuple(int(count) for count in pointers.group_block_counts)
     ref_counts = tuple(pointers.group_data_ref_counts)
     if len(counts) != len(layout) or len(ref_counts) != len(counts) or len(pointers.block_indices) != len(counts):
         raise ValueError(
             f"device pointers for {len(counts)} groups (group_data_ref_counts={list(ref_counts)}, "
             f"block_indices={list(pointers.block_indices)}), but the KV cache has {len(layout)} groups"
         )
+    indices = tuple(int(index) for index in pointers.block_indices)
+    if any(count < 0 for count in counts) or any(index < 0 for index in indices):
+        raise ValueError(f"device pointers with negative group counts {list(counts)} or block indices {list(indices)}")
     expected = sum(count * ref_count for count, ref_count in zip(counts, ref_counts))
     if expected != ptrs.size:
         raise ValueError(f"{ptrs.size} device pointers, but the group counts account for {expected}")
     if len(counts) == 1:  # the usual case: the group's ids are the job's, no copy into a joint array
         block_ids = _group_block_ids(0, ptrs, counts[0], ref_counts[0], layout.group(0))
-        return GPULoadStoreSpec(block_ids, counts, pointers.block_indices)
+        return GPULoadStoreSpec.from_checked(block_ids, counts, indices)
     parts: list[npt.NDArray[np.int64]] = []
     ptr_start = 0
     for group, (count, ref_count) in enumerate(zip(counts, ref_counts)):
         size = count * ref_count
         parts.append(_group_block_ids(group, ptrs[ptr_start : ptr_start + size], count, ref_count, layout.group(group)))
         ptr_start += size
-    return GPULoadStoreSpec(np.concatenate(parts), counts, pointers.block_indices)
+    return GPULoadStoreSpec.from_checked(np.concatenate(parts), counts, indices)
 
 
 def _group_block_ids(
