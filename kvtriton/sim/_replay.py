@@ -98,7 +98,7 @@ class ManagerCalls(Generic[CtxT]):
 
     :func:`manager_calls` builds them for a kvtriton manager; ``bench/manager.py``
     builds them for vLLM's, with its per-request hooks and without ``touch``
-    (its 0.33 connector no longer calls it).
+    (its connector never calls it).
     """
 
     lookup: Callable[[OffloadKey, CtxT], object]
@@ -161,7 +161,7 @@ def positioned_contexts(
 
 
 class HookedManager(Protocol):
-    """A manager with vLLM 0.33's request hooks, seen the way the replay calls it.
+    """A manager with vLLM's request hooks, seen the way the replay calls it.
 
     vLLM's ``CPUOffloadingManager`` and kvtriton's ``VLLMOffloadingManager``
     fit once cast (their keys are vLLM's ``OffloadKey``, the same bytes under

@@ -295,7 +295,7 @@ def test_prepare_store_rule5_never_used_slots_go_before_freed_ones(policy: str) 
     manager.complete_store(ks(3), CTX, success=False)  # slot 3 freed, slot 4 never used
     assert slots(store(manager, ks(4, 5)).store_spec) == [4, 3]
     # Full now. Without token positions a call's keys rank in offer order, the
-    # first least recent (vLLM 0.33's rule): k0, k1, k2, k4, k5, so k0 goes
+    # first least recent (vLLM's rule): k0, k1, k2, k4, k5, so k0 goes
     # and slot 0 is reused.
     out = store(manager, ks(6))
     assert (out.evicted_keys, slots(out.store_spec)) == (ks(0), [0])

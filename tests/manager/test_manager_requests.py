@@ -2,7 +2,7 @@
 
 The LRU ranking rule by rule is in tests/manager/test_manager_lru.py; here: the
 request record (what counts as reused, inserted, learnt from), ARC's request
-scenarios as vLLM 0.33's tests state them, and policies without the hooks.
+scenarios as vLLM's tests state them, and policies without the hooks.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def test_a_loading_requests_new_blocks_rank_where_it_first_used_the_cache() -> N
     manager.on_request_finished(other)
     manager.complete_load(ks(0, 1), loader)
     store_for(manager, loader, 2)
-    # vLLM 0.33 ranks an active request's new block at the moment of its first
+    # vLLM ranks an active request's new block at the moment of its first
     # use: below what others used since, and below its own head.
     assert lru_order(manager) == ks(2, 1, 0, 7)
     manager.on_request_finished(loader)
