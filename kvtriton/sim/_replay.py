@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.manager import OffloadingManager
@@ -225,8 +226,7 @@ def replay_calls(
     their blocks and stores in progress look up as ``HIT_PENDING``, which
     counts as a miss here (an engine would wait).
     """
-    if in_flight < 1:
-        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    check_int("in_flight", in_flight, minimum=1)
     check_block_size(block_size)
     if len(contexts) != len(requests):
         raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
+from kvtriton._int_argument import check_int
+
 _HASH_BYTES = 16
 
 
@@ -94,8 +96,7 @@ class _Sequence:
 
 def check_block_size(block_size: int) -> None:
     """The one rule for a trace's tokens per block, wherever a block size comes in."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_int("block_size", block_size, minimum=1)
 
 
 def _one_segment(block_size: int, segment_id: int, length: int) -> _Sequence:
@@ -565,8 +566,7 @@ class Workload(Generic[P]):
     ) -> list[Request]:
         """The trace for ``seed``; ``stream`` > 0 is another server's: the same shared prompts, its own requests."""
         check_block_size(block_size)
-        if isinstance(stream, bool) or stream < 0:
-            raise ValueError(f"stream must be an int >= 0, got {stream!r}")
+        check_int("stream", stream, minimum=0)
         return self.build(self.params(overrides or {}), random.Random(seed), block_size, stream)
 
 
