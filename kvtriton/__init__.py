@@ -26,6 +26,7 @@ from kvtriton._offload_types import (
     PrepareStoreOutput,
     ReqContext,
 )
+from kvtriton._version import __version__ as __version__
 from kvtriton.manager import (
     CPUOffloadingManager,
     FilterReusedOffloadingManager,
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
         TransferLane,
         TransferResult,
     )
-
-__version__ = "0.1.0"
 
 # Worker-side names (``kvtriton.worker``'s list, the part a server needs); they import torch.
 _WORKER_NAMES = frozenset(

@@ -33,15 +33,15 @@ class OffloadingManager(ABC):
     ``complete_load`` around a load job and ``prepare_store`` /
     ``complete_store`` around a store job; ``take_events`` drains the
     stored / evicted notifications. An engine may bracket a request's calls
-    with ``on_new_request`` / ``on_request_finished`` (vLLM 0.33 does, and
-    never calls ``touch``).
+    with ``on_new_request`` / ``on_request_finished`` (vLLM's connector does,
+    and never calls ``touch``).
     """
 
     def on_new_request(self, req_context: ReqContext) -> None:
         """Start tracking the request of ``req_context``: its loads and stores rank its keys from now on.
 
         Optional: a manager called without the request hooks keeps its
-        ``touch``-driven behaviour. vLLM 0.33's connector calls this once per
+        ``touch``-driven behaviour. vLLM's connector calls this once per
         request before any other call for it.
         """
         del req_context

@@ -89,9 +89,9 @@ class CPUOffloadingManager(OffloadingManager):
     an ``OffloadingEvent`` for ``take_events`` (a store's names the request
     that completed it); with ``report_dropped_stores``
     too, a failed store queues a ``metadata_only`` removal of its keys (what
-    vLLM 0.33 emits, so its events tracker can drop what it recorded).
+    vLLM emits, so its events tracker can drop what it recorded).
 
-    Recency is vLLM 0.33's: every ``prepare_load`` and ``prepare_store``
+    Recency is vLLM's: every ``prepare_load`` and ``prepare_store``
     records the keys of its request in the request's context
     (``kvtriton.manager._request_access``), the policy ranks a running
     request's keys by their token positions, and ``on_request_finished``
@@ -447,7 +447,7 @@ class CPUOffloadingManager(OffloadingManager):
         Every key must have a store in flight (``prepare_store`` returned it
         and it was not completed since): otherwise ``ValueError`` names the
         first key without one and nothing changes, as in ``complete_load``.
-        With ``skip_without_store`` such keys are skipped instead, vLLM 0.33's
+        With ``skip_without_store`` such keys are skipped instead, vLLM's
         rule (vLLM's own tests complete a batch that names keys stored
         earlier); the vLLM adapter completes that way.
         """

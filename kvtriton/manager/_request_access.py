@@ -1,6 +1,6 @@
-"""What a manager remembers about one request: the keys it accessed, as vLLM 0.33's manager records them.
+"""What a manager remembers about one request: the keys it accessed, as vLLM's manager records them.
 
-vLLM 0.33's connector never calls ``touch``: the recency signal it gives is
+vLLM's connector never calls ``touch``: the recency signal it gives is
 each key's token position in the request's context and the end of the
 request (``on_request_finished``). A manager records here, for every request
 that loads or offers keys, the keys in the order it first saw them, which of
@@ -102,7 +102,7 @@ _suffix = itemgetter(slice(-4, None))
 
 
 def head_to_tail(keys: list[OffloadKey], positions: list[int | None]) -> list[OffloadKey]:
-    """A finished request's ``keys`` (first-seen order, ``positions`` co-indexed) ordered as vLLM 0.33 orders them.
+    """A finished request's ``keys`` (first-seen order, ``positions`` co-indexed) ordered as vLLM orders them.
 
     KV cache group by group (group 0 first), each group by token position
     when every key of the group has one; then, when every key has a

@@ -14,12 +14,18 @@ from kvtriton.manager._base import OffloadingManager, override
 
 
 class ReuseSignal(enum.Enum):
-    """Which call counts as one use of a key."""
+    """Which call counts as one use of a key.
+
+    The store-offer signals are the two rules vLLM's own filter has followed;
+    which one the installed vLLM follows is the vLLM integration's to say
+    (``STORE_OFFER_SIGNAL`` in ``kvtriton.integrations.vllm._manager``), the
+    manager knows only the rules.
+    """
 
     LOOKUP = "lookup"
-    """Each ``lookup`` counts (docs/manager.md, "The reuse filter"; vLLM's filter before 0.33)."""
+    """Each ``lookup`` counts (docs/manager.md, "The reuse filter"; as vLLM's filter counted before it counted store offers)."""
     STORE_OFFER = "store_offer"
-    """Each ``prepare_store`` that offers the key counts, once per call (vLLM 0.33's admission).
+    """Each ``prepare_store`` that offers the key counts, once per call (a vLLM admission rule).
 
     vLLM's connector looks keys up only from the first chunk the GPU lacks and
     stops at the first miss, so counting lookups admits a repeated prompt one
@@ -27,7 +33,7 @@ class ReuseSignal(enum.Enum):
     computation.
     """
     STORE_OFFER_PER_REQUEST = "store_offer_per_request"
-    """A request's first offer of the key counts, its later offers do not (vLLM 0.34's admission).
+    """A request's first offer of the key counts, its later offers do not (vLLM's later admission rule).
 
     The connector offers a key again when ``prepare_store`` found no room (a
     retry) and when a preempted request is scheduled anew (a re-offer): the
@@ -91,7 +97,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._max_tracked = max_tracker_size
         self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._stores_skipped = 0
-        # Bumped by reset_cache: a request's offered keys from before a reset count again (vLLM 0.34's rule).
+        # Bumped by reset_cache: a request's offered keys from before a reset count again (vLLM's rule).
         self._generation = 0
         self._holds: Callable[[OffloadKey], bool] | None = (
             backing.__contains__ if isinstance(backing, _HoldsKeys) else None
@@ -124,7 +130,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         vLLM's ``kv_offload_stores_skipped``: a key the backing manager
         already caches is never counted (it would not be stored anyway), and
         with ``ReuseSignal.STORE_OFFER_PER_REQUEST`` a key counts once per
-        request however often the request offers it (vLLM 0.34).
+        request however often the request offers it (as vLLM counts it).
         """
         return self._stores_skipped
 
@@ -154,7 +160,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         holds, and such an offer would never be admitted. So the tracked keys
         count first (moving to the recent end), and a new key takes only room
         that a key outside the offer gives up; the rest wait for a later offer
-        (vLLM 0.33 records offers the same way).
+        (vLLM records offers the same way).
         """
         counts = self._counts
         offer = dict.fromkeys(keys)  # a key repeated in one offer counts once

@@ -207,8 +207,8 @@ class ModelGeometry:
             return dataclasses.replace(
                 self, compression="none", compressed_bytes_per_block=None, compression_group_size=None
             )
-        if group_size is not None and (isinstance(group_size, bool) or group_size < 1):
-            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        if group_size is not None:
+            check_int("group_size", group_size, minimum=1)
         import torch
 
         from kvtriton.kernels import compression_layout

@@ -1,4 +1,4 @@
-"""The engine's own prefix cache: vLLM 0.33's GPU block pool with prefix caching, as bookkeeping.
+"""The engine's own prefix cache: vLLM's GPU block pool with prefix caching, as bookkeeping.
 
 A serving engine answers a prompt's leading blocks from its GPU KV cache
 before it asks the offload tier, so the offload tier only sees what the GPU

@@ -123,7 +123,7 @@ class EngineSettings:
 
 
 CALL_ORDERS = ("kvtriton", "vllm")
-"""``kvtriton``: request by request with ``touch`` (:class:`KvtritonOrder`); ``vllm``: vLLM 0.33's connector (:class:`VllmOrder`)."""
+"""``kvtriton``: request by request with ``touch`` (:class:`KvtritonOrder`); ``vllm``: vLLM's connector (:class:`VllmOrder`)."""
 CALL_ORDER_ALIASES = {"engine": "kvtriton"}
 """Earlier documented names of a call order: ``engine`` was kvtriton's own order."""
 
@@ -151,7 +151,7 @@ class KvtritonOrder:
 
 @dataclass(frozen=True, slots=True)
 class VllmOrder:
-    """vLLM 0.33's connector order, step by step, behind a model of the server (:mod:`kvtriton.sim._vllm_server`)."""
+    """vLLM's connector order, step by step, behind a model of the server (:mod:`kvtriton.sim._vllm_server`)."""
 
     name: ClassVar[str] = "vllm"
     arrivals: int | None = None

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey, make_offload_key
 from kvtriton._offload_types import LookupResult, ReqContext
 from kvtriton.manager import OffloadingManager
@@ -98,7 +99,7 @@ class ManagerCalls(Generic[CtxT]):
 
     :func:`manager_calls` builds them for a kvtriton manager; ``bench/manager.py``
     builds them for vLLM's, with its per-request hooks and without ``touch``
-    (its 0.33 connector no longer calls it).
+    (its connector never calls it).
     """
 
     lookup: Callable[[OffloadKey, CtxT], object]
@@ -161,7 +162,7 @@ def positioned_contexts(
 
 
 class HookedManager(Protocol):
-    """A manager with vLLM 0.33's request hooks, seen the way the replay calls it.
+    """A manager with vLLM's request hooks, seen the way the replay calls it.
 
     vLLM's ``CPUOffloadingManager`` and kvtriton's ``VLLMOffloadingManager``
     fit once cast (their keys are vLLM's ``OffloadKey``, the same bytes under
@@ -225,8 +226,7 @@ def replay_calls(
     their blocks and stores in progress look up as ``HIT_PENDING``, which
     counts as a miss here (an engine would wait).
     """
-    if in_flight < 1:
-        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    check_int("in_flight", in_flight, minimum=1)
     check_block_size(block_size)
     if len(contexts) != len(requests):
         raise ValueError(f"contexts has {len(contexts)} entries for {len(requests)} requests")

@@ -1,4 +1,4 @@
-"""vLLM 0.33's connector call order over the host tier alone: the server model with fixed arrivals and no GPU cache.
+"""vLLM's connector call order over the host tier alone: the server model with fixed arrivals and no GPU cache.
 
 :mod:`kvtriton.sim._replay` calls a manager request by request, the way
 kvtriton's own API is meant to be driven (with ``touch``). vLLM's connector

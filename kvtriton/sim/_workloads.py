@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
+from typing_extensions import Self
+
+from kvtriton._int_argument import check_int
+
 _HASH_BYTES = 16
 
 
@@ -94,8 +98,7 @@ class _Sequence:
 
 def check_block_size(block_size: int) -> None:
     """The one rule for a trace's tokens per block, wherever a block size comes in."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_int("block_size", block_size, minimum=1)
 
 
 def _one_segment(block_size: int, segment_id: int, length: int) -> _Sequence:
@@ -117,41 +120,78 @@ def _request(req_id: str, sequence: _Sequence, output_tokens: int, output_segmen
 # Built-in workloads
 
 
-def _check_positive(params: object, *names: str) -> None:
-    for name in names:
-        value: object = getattr(params, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{name} must be positive, got {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
-def _check_range(params: object, low: str, high: str) -> None:
-    _check_positive(params, low, high)
-    if getattr(params, low) > getattr(params, high):
-        raise ValueError(f"{low} must be <= {high}, got {getattr(params, low)} > {getattr(params, high)}")
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """A parameter drawn anew for each request (or turn, or example) from ``low..high``, both ends included.
+
+    A user sets it as two parameters, ``X_min`` and ``X_max`` (:meth:`_WorkloadParams.by_user_name`).
+    """
+
+    low: int
+    high: int
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+    def check(self, name: str) -> None:
+        _check_positive(f"{name}_min", self.low)
+        _check_positive(f"{name}_max", self.high)
+        if self.low > self.high:
+            raise ValueError(f"{name}_min must be <= {name}_max, got {self.low} > {self.high}")
 
 
 @dataclass(frozen=True, slots=True)
 class _WorkloadParams:
     """What every workload's parameters share: one rule that checks them all.
 
-    Every field must be positive, and every ``X_min`` must be <= its
-    ``X_max``, except the fields in ``_checked_apart``, which the class checks
-    itself after these (in its ``_check_apart``). The single fields are checked
-    first, then the ranges, each in declaration order, so the first bad value
-    named is always the same one.
+    Every field must be positive, and every :class:`_Range` field's low end
+    <= its high end, except the fields in ``_checked_apart``, which the class
+    checks itself after these (in its ``_check_apart``). The single fields are
+    checked first, then the ranges, each in declaration order, so the first
+    bad value named is always the same one.
     """
 
     _checked_apart: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        names = [field.name for field in dataclasses.fields(self) if field.name not in self._checked_apart]
-        _check_positive(self, *(name for name in names if not name.endswith(("_min", "_max"))))
-        for name in names:
-            if name.endswith("_min"):
-                _check_range(self, name, name.removesuffix("_min") + "_max")
+        checked = [(name, value) for name, value in self._fields() if name not in self._checked_apart]
+        for name, value in sorted(checked, key=lambda field: isinstance(field[1], _Range)):  # stable: singles first
+            if isinstance(value, _Range):
+                value.check(name)
+            else:
+                _check_positive(name, value)
         self._check_apart()
+
+    def _fields(self) -> list[tuple[str, object]]:
+        return [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]
+
+    def by_user_name(self) -> dict[str, object]:
+        """The values by the names a user sets them by, in declaration order: a range as ``X_min`` and ``X_max``."""
+        values: dict[str, object] = {}
+        for name, value in self._fields():
+            if isinstance(value, _Range):
+                values[f"{name}_min"], values[f"{name}_max"] = value.low, value.high
+            else:
+                values[name] = value
+        return values
+
+    def with_user_values(self, changes: Mapping[str, int | float]) -> Self:
+        """These parameters with ``changes`` (by :meth:`by_user_name`'s names) applied, checked anew."""
+        values = {**self.by_user_name(), **changes}
+        fields = {
+            name: dataclasses.replace(value, low=values[f"{name}_min"], high=values[f"{name}_max"])
+            if isinstance(value, _Range)
+            else values[name]
+            for name, value in self._fields()
+        }
+        return dataclasses.replace(self, **fields)
 
     def _check_apart(self) -> None:
         """The checks of the fields in ``_checked_apart`` (none by default)."""
@@ -164,8 +204,7 @@ class SharedPromptParams(_WorkloadParams):
     requests: int = 1000
     system_prompts: int = 4
     system_tokens: int = 2048
-    user_tokens_min: int = 32
-    user_tokens_max: int = 512
+    user_tokens: _Range = _Range(32, 512)
     output_tokens: int = 128
 
 
@@ -175,13 +214,10 @@ class ChatParams(_WorkloadParams):
 
     requests: int = 1000
     active_conversations: int = 48
-    turns_min: int = 2
-    turns_max: int = 10
+    turns: _Range = _Range(2, 10)
     system_tokens: int = 256
-    user_tokens_min: int = 16
-    user_tokens_max: int = 256
-    output_tokens_min: int = 64
-    output_tokens_max: int = 512
+    user_tokens: _Range = _Range(16, 256)
+    output_tokens: _Range = _Range(64, 512)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +227,8 @@ class FewShotParams(_WorkloadParams):
     requests: int = 1000
     prefixes: int = 200
     zipf_s: float = 1.0
-    prefix_tokens_min: int = 512
-    prefix_tokens_max: int = 2048
-    question_tokens_min: int = 16
-    question_tokens_max: int = 128
+    prefix_tokens: _Range = _Range(512, 2048)
+    question_tokens: _Range = _Range(16, 128)
     output_tokens: int = 32
 
 
@@ -230,10 +264,8 @@ class SystemPromptsParams(_WorkloadParams):
     requests: int = 2000
     system_prompts: int = 40
     zipf_s: float = 1.0
-    system_tokens_min: int = 256
-    system_tokens_max: int = 1024
-    user_tokens_min: int = 32
-    user_tokens_max: int = 512
+    system_tokens: _Range = _Range(256, 1024)
+    user_tokens: _Range = _Range(32, 512)
     output_tokens: int = 64
 
 
@@ -243,13 +275,10 @@ class MultiTurnParams(_WorkloadParams):
 
     requests: int = 1500
     active_conversations: int = 32
-    turns_min: int = 2
-    turns_max: int = 8
+    turns: _Range = _Range(2, 8)
     system_tokens: int = 512
-    user_tokens_min: int = 16
-    user_tokens_max: int = 256
-    answer_tokens_min: int = 64
-    answer_tokens_max: int = 384
+    user_tokens: _Range = _Range(16, 256)
+    answer_tokens: _Range = _Range(64, 384)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,10 +290,8 @@ class PrefixTreeParams(_WorkloadParams):
     zipf_s: float = 1.0
     header_tokens: int = 256
     examples_per_task: int = 8
-    example_tokens_min: int = 64
-    example_tokens_max: int = 256
-    question_tokens_min: int = 32
-    question_tokens_max: int = 256
+    example_tokens: _Range = _Range(64, 256)
+    question_tokens: _Range = _Range(32, 256)
     output_tokens: int = 32
 
 
@@ -275,13 +302,10 @@ class ScanParams(_WorkloadParams):
     requests: int = 2000
     hot_prompts: int = 60
     zipf_s: float = 0.9
-    hot_tokens_min: int = 128
-    hot_tokens_max: int = 768
+    hot_tokens: _Range = _Range(128, 768)
     scan_fraction: float = 0.15
-    document_tokens_min: int = 1024
-    document_tokens_max: int = 4096
-    question_tokens_min: int = 16
-    question_tokens_max: int = 128
+    document_tokens: _Range = _Range(1024, 4096)
+    question_tokens: _Range = _Range(16, 128)
     output_tokens: int = 32
 
     _checked_apart: ClassVar[tuple[str, ...]] = ("scan_fraction",)
@@ -320,7 +344,7 @@ def _shared_prompt(params: SharedPromptParams, rng: random.Random, block_size: i
     requests: list[Request] = []
     for index in range(params.requests):
         sequence = rng.choice(prompts).copy()
-        sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
+        sequence.append(ids.new(), params.user_tokens.draw(rng))
         requests.append(_request(f"shared-{index}", sequence, params.output_tokens, ids.new()))
     return requests
 
@@ -340,7 +364,7 @@ def _interleaved_conversations(
     block_size: int,
     stream: int,
     *,
-    answer_tokens: tuple[int, int],
+    answer_tokens: _Range,
 ) -> list[Request]:
     """Conversations behind one system prompt, a random active one taking each turn.
 
@@ -355,15 +379,15 @@ def _interleaved_conversations(
     started = itertools.count()
 
     def start() -> _Conversation:
-        return _Conversation(f"{name}-{next(started)}", system.copy(), rng.randint(params.turns_min, params.turns_max))
+        return _Conversation(f"{name}-{next(started)}", system.copy(), params.turns.draw(rng))
 
     active = [start() for _ in range(params.active_conversations)]
     generated: list[Request] = []
     for _ in range(params.requests):
         slot = rng.randrange(len(active))
         conversation = active[slot]
-        conversation.sequence.append(ids.new(), rng.randint(params.user_tokens_min, params.user_tokens_max))
-        answer = rng.randint(*answer_tokens)
+        conversation.sequence.append(ids.new(), params.user_tokens.draw(rng))
+        answer = answer_tokens.draw(rng)
         generated.append(
             _request(f"{conversation.name}-turn-{conversation.turn}", conversation.sequence, answer, ids.new())
         )
@@ -375,7 +399,7 @@ def _interleaved_conversations(
 
 
 def _chat(params: ChatParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
-    answer_tokens = (params.output_tokens_min, params.output_tokens_max)
+    answer_tokens = params.output_tokens
     return _interleaved_conversations("chat", params, rng, block_size, stream, answer_tokens=answer_tokens)
 
 
@@ -392,22 +416,22 @@ def _zipf_prefixes_with_unique_tails(
     stream: int,
     *,
     prefixes: int,
-    prefix_tokens: tuple[int, int],
-    tail_tokens: tuple[int, int],
+    prefix_tokens: _Range,
+    tail_tokens: _Range,
 ) -> list[Request]:
     """Requests that each pick one of ``prefixes`` shared prompts by Zipf popularity, then add a unique tail.
 
     The keywords are what the two workloads name differently; the rest is read from ``params``.
     """
     ids = _SegmentIds()
-    shared = [_one_segment(block_size, ids.new(), rng.randint(*prefix_tokens)) for _ in range(prefixes)]
+    shared = [_one_segment(block_size, ids.new(), prefix_tokens.draw(rng)) for _ in range(prefixes)]
     ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(prefixes, params.zipf_s)
     generated: list[Request] = []
     for index in range(params.requests):
         (chosen,) = rng.choices(shared, cum_weights=cumulative)
         sequence = chosen.copy()
-        sequence.append(ids.new(), rng.randint(*tail_tokens))
+        sequence.append(ids.new(), tail_tokens.draw(rng))
         generated.append(_request(f"{name}-{index}", sequence, params.output_tokens, ids.new()))
     return generated
 
@@ -420,8 +444,8 @@ def _few_shot(params: FewShotParams, rng: random.Random, block_size: int, stream
         block_size,
         stream,
         prefixes=params.prefixes,
-        prefix_tokens=(params.prefix_tokens_min, params.prefix_tokens_max),
-        tail_tokens=(params.question_tokens_min, params.question_tokens_max),
+        prefix_tokens=params.prefix_tokens,
+        tail_tokens=params.question_tokens,
     )
 
 
@@ -450,13 +474,13 @@ def _system_prompts(params: SystemPromptsParams, rng: random.Random, block_size:
         block_size,
         stream,
         prefixes=params.system_prompts,
-        prefix_tokens=(params.system_tokens_min, params.system_tokens_max),
-        tail_tokens=(params.user_tokens_min, params.user_tokens_max),
+        prefix_tokens=params.system_tokens,
+        tail_tokens=params.user_tokens,
     )
 
 
 def _multi_turn(params: MultiTurnParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
-    answer_tokens = (params.answer_tokens_min, params.answer_tokens_max)
+    answer_tokens = params.answer_tokens
     return _interleaved_conversations("multi-turn", params, rng, block_size, stream, answer_tokens=answer_tokens)
 
 
@@ -465,10 +489,7 @@ def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int, 
     # Per task: its header, then its examples as (content id, length), always in the same order.
     tasks: list[tuple[int, list[tuple[int, int]]]] = []
     for _ in range(params.tasks):
-        examples = [
-            (ids.new(), rng.randint(params.example_tokens_min, params.example_tokens_max))
-            for _ in range(params.examples_per_task)
-        ]
+        examples = [(ids.new(), params.example_tokens.draw(rng)) for _ in range(params.examples_per_task)]
         tasks.append((ids.new(), examples))
     ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(params.tasks, params.zipf_s)
@@ -478,32 +499,27 @@ def _prefix_tree(params: PrefixTreeParams, rng: random.Random, block_size: int, 
         sequence = _one_segment(block_size, header, params.header_tokens)
         for example, length in examples[: rng.randint(0, params.examples_per_task)]:
             sequence.append(example, length)
-        sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
+        sequence.append(ids.new(), params.question_tokens.draw(rng))
         requests.append(_request(f"prefix-tree-{index}", sequence, params.output_tokens, ids.new()))
     return requests
 
 
 def _scan(params: ScanParams, rng: random.Random, block_size: int, stream: int) -> list[Request]:
     ids = _SegmentIds()
-    hot = [
-        _one_segment(block_size, ids.new(), rng.randint(params.hot_tokens_min, params.hot_tokens_max))
-        for _ in range(params.hot_prompts)
-    ]
+    hot = [_one_segment(block_size, ids.new(), params.hot_tokens.draw(rng)) for _ in range(params.hot_prompts)]
     ids.begin_stream(rng, stream)
     cumulative = _zipf_cumulative(params.hot_prompts, params.zipf_s)
     requests: list[Request] = []
     for index in range(params.requests):
         if rng.random() < params.scan_fraction:
             # A document read once: every block is new and never asked for again.
-            sequence = _one_segment(
-                block_size, ids.new(), rng.randint(params.document_tokens_min, params.document_tokens_max)
-            )
+            sequence = _one_segment(block_size, ids.new(), params.document_tokens.draw(rng))
             name = f"scan-document-{index}"
         else:
             (chosen,) = rng.choices(hot, cum_weights=cumulative)
             sequence = chosen.copy()
             name = f"scan-hot-{index}"
-        sequence.append(ids.new(), rng.randint(params.question_tokens_min, params.question_tokens_max))
+        sequence.append(ids.new(), params.question_tokens.draw(rng))
         requests.append(_request(name, sequence, params.output_tokens, ids.new()))
     return requests
 
@@ -537,8 +553,8 @@ class Workload(Generic[P]):
     """``(params, rng, block_size, stream)``: ``stream`` numbers the server drawing requests (0: the only one)."""
 
     def parameters(self) -> dict[str, object]:
-        """Parameter names and default values, in declaration order."""
-        return {field.name: getattr(self.defaults, field.name) for field in dataclasses.fields(self.defaults)}
+        """Parameter names and default values, in declaration order (a range as ``X_min`` and ``X_max``)."""
+        return self.defaults.by_user_name()
 
     def params(self, overrides: Mapping[str, str | int | float]) -> P:
         """The default parameters with ``overrides`` applied (strings are parsed as the field's type)."""
@@ -551,7 +567,7 @@ class Workload(Generic[P]):
                 )
             changes[name] = _convert(raw, known[name], f"parameter {name} of workload {self.name!r}")
         try:
-            return dataclasses.replace(self.defaults, **changes)
+            return self.defaults.with_user_values(changes)
         except ValueError as error:  # a value out of range, or values that contradict each other
             raise ValueError(f"workload {self.name!r}: {error}") from None
 
@@ -565,8 +581,7 @@ class Workload(Generic[P]):
     ) -> list[Request]:
         """The trace for ``seed``; ``stream`` > 0 is another server's: the same shared prompts, its own requests."""
         check_block_size(block_size)
-        if isinstance(stream, bool) or stream < 0:
-            raise ValueError(f"stream must be an int >= 0, got {stream!r}")
+        check_int("stream", stream, minimum=0)
         return self.build(self.params(overrides or {}), random.Random(seed), block_size, stream)
 
 

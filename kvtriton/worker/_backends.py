@@ -57,6 +57,7 @@ A backend only copies: the engine plans, stages indices, orders and times jobs.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -362,6 +363,8 @@ class _CopyEngineCopy:
     """
 
     kind: TransferBackend
+    compresses = True
+    """Whether it can store rows compressed (``kv_compression``); the dma backend moves the pages' bytes as they are."""
 
     def __init__(
         self,
@@ -372,6 +375,11 @@ class _CopyEngineCopy:
         slab_pinned: bool | None = None,
         batched: bool = True,
     ) -> None:
+        if kv.compression_layout is not None and not self.compresses:
+            raise ValueError(
+                f"the {self.kind.value} backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or"
+                " 'torch'"
+            )
         self.kv = kv
         self.slab = slab
         self.registration_rows = registration_rows
@@ -395,22 +403,12 @@ class DmaCopy(_CopyEngineCopy):
 
     kind = TransferBackend.DMA
     wants_device_indices = False
+    compresses = False
 
-    def __init__(
-        self,
-        kv: PagedKV,
-        slab: torch.Tensor,
-        registration_rows: int | None = None,
-        *,
-        slab_pinned: bool | None = None,
-        batched: bool = True,
-    ) -> None:
-        if kv.compression_layout is not None:
-            raise ValueError(
-                "the dma backend cannot compress rows; kv_compression='fp8-e4m3' needs 'triton' or 'torch'"
-            )
-        super().__init__(kv, slab, registration_rows, slab_pinned=slab_pinned, batched=batched)
-        self._byte_pages = kv.byte_pages()
+    @functools.cached_property
+    def _byte_pages(self) -> list[torch.Tensor]:
+        """The page tensors as bytes, for the copies on the host (made at the first)."""
+        return self.kv.byte_pages()
 
     def batch_arrays(self, plan: TransferPlan) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
         """Destination, source and size of every copy the batch call queues for ``plan``: one per (page tensor, pair).

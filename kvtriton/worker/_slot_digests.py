@@ -2,9 +2,9 @@
 
 kvtriton trusts its host slab: a chunk a tier hands back is verified once, when
 it enters the slab, and from then on the slab's bytes (and those the GPU stored)
-are loaded as they are. vLLM 0.33 cannot take a failed load from the host back
-(its offloading worker asserts that every transfer succeeded), so a check on
-every load would have nothing to fall back on but stopping the engine.
+are loaded as they are. vLLM cannot take a refused load from the host back
+(its offloading worker asserts that every transfer it submits is accepted), so
+a check on every load would have nothing to fall back on but stopping the engine.
 
 That is what this check is for, opt-in, while debugging (a kernel writing the
 wrong slot, a process writing into pinned memory, faulty RAM): the worker takes

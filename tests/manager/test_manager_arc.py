@@ -33,7 +33,7 @@ def state(
 
 
 def test_arc_insert_goes_to_the_recent_end_of_t1_in_offer_order() -> None:
-    # vLLM 0.33's ARC inserts a batch key by key: the first key is the least recent.
+    # vLLM's ARC inserts a batch key by key: the first key is the least recent.
     policy = arc_with(8, 0)
     policy.insert(ks(1, 2), [Block(1), Block(2)], {}, CTX)
     assert policy.state() == state(t1=(0, 1, 2))

@@ -30,6 +30,14 @@ def make_manager(policy: str, num_blocks: int = 4, events: bool = True) -> CPUOf
     return CPUOffloadingManager(num_blocks, cache_policy=policy, enable_events=events)
 
 
+def full_manager(policy: str, num_blocks: int) -> CPUOffloadingManager:
+    """A manager whose every block holds a stored key: k0 in slot 0, k1 in slot 1, ... (stored in that order)."""
+    manager = make_manager(policy, num_blocks)
+    for i in range(num_blocks):
+        store(manager, ks(i))
+    return manager
+
+
 def slots(spec: object) -> list[int]:
     assert isinstance(spec, CPULoadStoreSpec)
     assert spec.block_ids.dtype == np.int64
@@ -198,9 +206,7 @@ def test_prepare_store_rule2_nothing_new_gives_an_empty_output_not_none(policy: 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prepare_store_rule3_evicts_exactly_the_shortfall(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=4)
-    for i in range(4):
-        store(manager, ks(i))
+    manager = full_manager(policy, 4)
     out = manager.prepare_store(ks(10, 11), CTX)
     assert out is not None
     assert out.evicted_keys == ks(0, 1)
@@ -211,9 +217,7 @@ def test_prepare_store_rule3_evicts_exactly_the_shortfall(policy: str) -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prepare_store_rule3_every_key_named_in_the_call_is_protected(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=3)
-    for i in range(3):
-        store(manager, ks(i))
+    manager = full_manager(policy, 3)
     # k0 is the eviction candidate, but it is named in the call.
     out = manager.prepare_store(ks(0, 5), CTX)
     assert out is not None
@@ -254,9 +258,7 @@ def test_prepare_store_rule3_none_when_the_call_needs_more_than_capacity(policy:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prepare_store_rule4_evictions_in_order_with_one_removed_event(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=3)
-    for i in range(3):
-        store(manager, ks(i))
+    manager = full_manager(policy, 3)
     assert list(manager.take_events()) == [stored(0), stored(1), stored(2)]
     out = manager.prepare_store(ks(7, 8, 9), CTX)
     assert out is not None
@@ -295,7 +297,7 @@ def test_prepare_store_rule5_never_used_slots_go_before_freed_ones(policy: str) 
     manager.complete_store(ks(3), CTX, success=False)  # slot 3 freed, slot 4 never used
     assert slots(store(manager, ks(4, 5)).store_spec) == [4, 3]
     # Full now. Without token positions a call's keys rank in offer order, the
-    # first least recent (vLLM 0.33's rule): k0, k1, k2, k4, k5, so k0 goes
+    # first least recent (vLLM's rule): k0, k1, k2, k4, k5, so k0 goes
     # and slot 0 is reused.
     out = store(manager, ks(6))
     assert (out.evicted_keys, slots(out.store_spec)) == (ks(0), [0])
@@ -303,9 +305,7 @@ def test_prepare_store_rule5_never_used_slots_go_before_freed_ones(policy: str) 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prepare_store_rule5_evicted_slots_are_reused_last_freed_first(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=3)
-    for i in range(3):
-        store(manager, ks(i))  # k0 -> 0, k1 -> 1, k2 -> 2
+    manager = full_manager(policy, 3)
     out = manager.prepare_store(ks(7, 8), CTX)
     assert out is not None
     assert out.evicted_keys == ks(0, 1)  # slots 0 then 1 freed
@@ -517,9 +517,7 @@ def test_touch_ignores_unknown_keys(policy: str) -> None:
 
 @pytest.mark.parametrize("policy", RECENCY_POLICIES)
 def test_touch_makes_the_first_key_most_recent(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=3)
-    for i in range(3):
-        store(manager, ks(i))
+    manager = full_manager(policy, 3)
     manager.touch(ks(0, 1, 2), CTX)  # visited 2, 1, 0: k0 most recent
     out = manager.prepare_store(ks(7, 8), CTX)
     assert out is not None and out.evicted_keys == ks(2, 1)

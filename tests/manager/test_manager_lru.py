@@ -1,4 +1,4 @@
-"""LRUCachePolicy, rule by rule of docs/manager.md ("Recency"): vLLM 0.33's ranking.
+"""LRUCachePolicy, rule by rule of docs/manager.md ("Recency"): vLLM's ranking.
 
 Each test states one rule and checks it through the policy's order
 (``ordered_keys``, least recent first) or the manager's exact evictions.
@@ -86,7 +86,7 @@ def test_remove_and_clear_forget_keys() -> None:
 
 
 def test_vllms_cpu_manager_scenario_with_exact_evictions() -> None:
-    # vLLM 0.33's test_cpu_manager sequence, one shared context without positions.
+    # vLLM's test_cpu_manager sequence, one shared context without positions.
     manager = CPUOffloadingManager(4, enable_events=True)
     assert store(manager, CTX, ks(1, 2)) == []
     assert store(manager, CTX, ks(2, 3, 4, 5)) == ks(1)

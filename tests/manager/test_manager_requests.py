@@ -2,7 +2,7 @@
 
 The LRU ranking rule by rule is in tests/manager/test_manager_lru.py; here: the
 request record (what counts as reused, inserted, learnt from), ARC's request
-scenarios as vLLM 0.33's tests state them, and policies without the hooks.
+scenarios as vLLM's tests state them, and policies without the hooks.
 """
 
 from __future__ import annotations
@@ -31,12 +31,17 @@ def store_for(manager: CPUOffloadingManager, context: ReqContext, *ids: int) -> 
     manager.complete_store(out.keys_to_store, context)
 
 
+def stored_request(manager: CPUOffloadingManager, name: str, *ids: int) -> None:
+    """A whole request: announced, stores the keys ``ids`` (token positions in order), finished."""
+    context = request(name, *ids)
+    manager.on_new_request(context)
+    store_for(manager, context, *ids)
+    manager.on_request_finished(context)
+
+
 def test_a_loading_request_ranks_its_shared_head_above_its_new_tail_whatever_came_between() -> None:
     manager = CPUOffloadingManager(16)
-    first = request("first", 0, 1)
-    manager.on_new_request(first)
-    store_for(manager, first, 0, 1)
-    manager.on_request_finished(first)
+    stored_request(manager, "first", 0, 1)
 
     second = request("second", 0, 1, 2, 3)
     manager.on_new_request(second)
@@ -77,10 +82,7 @@ def test_arc_counts_a_reuse_at_finish_and_never_a_store() -> None:
     manager = CPUOffloadingManager(8, "arc")
     policy = manager.policy
     assert isinstance(policy, ARCCachePolicy)
-    first = request("first", 0, 1)
-    manager.on_new_request(first)
-    store_for(manager, first, 0, 1)
-    manager.on_request_finished(first)
+    stored_request(manager, "first", 0, 1)
     assert policy.state().t2 == ()  # stored, not reused
 
     second = request("second", 0, 1, 2)
@@ -202,10 +204,7 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
 
     monkeypatch.setitem(POLICIES, "touch-only", TouchOnly)
     manager = CPUOffloadingManager(8, "touch-only")
-    first = request("first", 0, 1)
-    manager.on_new_request(first)
-    store_for(manager, first, 0, 1)
-    manager.on_request_finished(first)
+    stored_request(manager, "first", 0, 1)
     second = request("second", 0, 1, 2)
     manager.on_new_request(second)
     manager.prepare_load(ks(0, 1), second)
@@ -218,22 +217,16 @@ def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.M
 
 def test_a_loading_requests_new_blocks_rank_where_it_first_used_the_cache() -> None:
     manager = CPUOffloadingManager(16)
-    first = request("first", 0, 1)
-    manager.on_new_request(first)
-    store_for(manager, first, 0, 1)
-    manager.on_request_finished(first)
+    stored_request(manager, "first", 0, 1)
 
     loader = request("loader", 0, 1, 2)
     manager.on_new_request(loader)
     manager.prepare_load(ks(0, 1), loader)
     # Another request stores and finishes after the loader's first load.
-    other = request("other", 7)
-    manager.on_new_request(other)
-    store_for(manager, other, 7)
-    manager.on_request_finished(other)
+    stored_request(manager, "other", 7)
     manager.complete_load(ks(0, 1), loader)
     store_for(manager, loader, 2)
-    # vLLM 0.33 ranks an active request's new block at the moment of its first
+    # vLLM ranks an active request's new block at the moment of its first
     # use: below what others used since, and below its own head.
     assert lru_order(manager) == ks(2, 1, 0, 7)
     manager.on_request_finished(loader)

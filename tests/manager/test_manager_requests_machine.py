@@ -7,8 +7,8 @@ complete_store (success and failure), on_request_finished and reset_cache for
 them on a small cache. The reference model is the installed vLLM's
 ``CPUOffloadingManager`` given the same calls with its own contexts: every
 store must answer the same keys, slots and evictions, every lookup the same
-result, every event batch the same events (on vLLM 0.34 a stored one names the
-same request). Besides, after every step no slot
+result, every event batch the same events (where vLLM's events carry the request,
+EVENTS_CARRY_REQ_CONTEXT, a stored one names the same request). Besides, after every step no slot
 is held by two keys, the policy tracks exactly the cached keys, the counts add
 up, and an eviction only ever takes a ready, idle key that the store did not
 name. The ranking rule by rule is in tests/manager/test_manager_lru.py.
@@ -126,10 +126,10 @@ class RequestMachine(RuleBasedStateMachine):
     @precondition(lambda self: MANAGER_HAS_TOUCH and bool(self.requests))
     @rule(index=st.integers(min_value=0), keys=key_lists)
     def touch(self, index: int, keys: list[OffloadKey]) -> None:
-        """vLLM 0.33's manager has ``touch`` (0.34 removed it: MANAGER_HAS_TOUCH)."""
+        """Only where the installed vLLM's manager has ``touch`` (MANAGER_HAS_TOUCH)."""
         context, reference = self.requests[index % len(self.requests)]
         self.manager.touch(keys, context)
-        getattr(self.vllm, "touch")(keys, reference)  # by name: 0.34's manager type has no touch
+        getattr(self.vllm, "touch")(keys, reference)  # by name: the manager type of a vLLM without touch has none
 
     @precondition(lambda self: bool(self.loads))
     @rule(index=st.integers(min_value=0))
@@ -168,9 +168,9 @@ class RequestMachine(RuleBasedStateMachine):
         theirs = [(list(event.keys), event.removed, event.metadata_only, event) for event in self.vllm.take_events()]
         assert [entry[:3] for entry in ours] == [entry[:3] for entry in theirs]
         if EVENTS_CARRY_REQ_CONTEXT:
-            # A stored event names the request whose store completed (vLLM 0.34): the same request on both sides.
+            # A stored event names the request whose store completed: the same request on both sides.
             for (_, removed, _, event), (_, _, _, reference) in zip(ours, theirs):
-                expected: VLLMReqContext | None = getattr(reference, "req_context")  # by name: 0.34's field
+                expected: VLLMReqContext | None = getattr(reference, "req_context")  # by name: only such events have it
                 assert (event.req_context and event.req_context.req_id) == (expected and expected.req_id)
                 assert removed or event.req_context is not None
 

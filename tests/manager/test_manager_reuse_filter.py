@@ -209,7 +209,7 @@ def test_filter_counting_offers_per_request_does_not_count_the_retries_of_an_off
 ) -> None:
     # prepare_store answered None (no room): the connector offers the same keys
     # again through the same context. The retries neither admit a key only this
-    # request offered nor count its skip again (vLLM 0.34's counted_keys).
+    # request offered nor count its skip again (as vLLM's counted_keys does).
     cpu = CPUOffloadingManager(2)
     manager = per_request_filter(cpu, threshold)
     pinned, warm, cold = ks(100, 101), k(1), k(2)
@@ -264,7 +264,7 @@ def test_filter_counting_offers_per_request_keeps_a_re_offered_key_tracked_and_c
     manager.prepare_store(ks(0), context)
     manager.prepare_store(ks(2), ReqContext(req_id="third"))
     assert [manager.use_count(key) for key in ks(0, 1, 2)] == [1, 0, 1]
-    # After reset_cache the request's earlier offers are forgotten (as vLLM 0.34's request state is).
+    # After reset_cache the request's earlier offers are forgotten (as vLLM's request state is).
     manager.reset_cache()
     manager.prepare_store(ks(0), context)
     assert manager.use_count(k(0)) == 2

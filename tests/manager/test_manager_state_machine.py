@@ -9,7 +9,7 @@ model: the exact new keys and slots, evictions only of ready idle keys not
 named in the call, ``None`` exactly when no room can be made (and then
 nothing changed at all). A completion of keys without a store or load in
 flight must raise and change nothing. For LRU the model also tracks the exact
-recency order (vLLM 0.33's rule without token positions: a store appends its
+recency order (vLLM's rule without token positions: a store appends its
 keys in offer order, a touch moves its keys up in reverse), so the evicted
 keys themselves are checked; the ranking by positions is held to vLLM's own
 manager in tests/manager/test_manager_requests_machine.py.

@@ -187,7 +187,7 @@ def test_a_request_whose_own_promotions_evict_what_it_found_stalls_and_says_so()
     # Found with `kvtriton simulate --workload chat --requests 100 --tier mooncake:2GiB --capacities 0.25`: the
     # request's 90 chunks fit the host tier's 127, yet it never runs. The host tier is full, a lookup does not renew
     # a chunk, and LRU ranks the chunks it found by when it was first seen, below those of requests that finished
-    # since: each chunk it promotes evicts one it found, step after step (vLLM 0.33's own LRU rule).
+    # since: each chunk it promotes evicts one it found, step after step (vLLM's own LRU rule).
     requests = prepare(generate("chat", seed=0, block_size=16, overrides={"requests": 100}))
     llama = PRESETS["llama-3-8b"]
     report = tiered_point([requests], llama, GIB // 4, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4))

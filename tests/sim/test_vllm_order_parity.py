@@ -1,4 +1,4 @@
-"""Hit-rate parity with vLLM 0.33's own CPU manager, both driven in vLLM's call order.
+"""Hit-rate parity with the installed vLLM's own CPU manager, both driven in vLLM's call order.
 
 For each of the four workloads measured in docs/manager.md and three
 capacities (5 %, 10 % and 20 % of the trace's distinct prompt blocks), the

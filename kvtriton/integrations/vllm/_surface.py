@@ -84,7 +84,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager as Tieri
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as TieringOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource as CacheHitSource
 
-import kvtriton
+from kvtriton._version import __version__ as KVTRITON_VERSION
 from kvtriton.integrations._vllm_release import (
     ALLOW_UNTESTED_VLLM,
     TESTED_VLLM_RANGE,
@@ -122,11 +122,11 @@ def check_vllm_release(spec_logger: logging.Logger = logger, environ: Mapping[st
     """
     if VLLM_RELEASE in TESTED_VLLM_RELEASES:
         spec_logger.info(
-            "kvtriton %s on vLLM %s (tested on vLLM %s)", kvtriton.__version__, VLLM_VERSION, tested_releases()
+            "kvtriton %s on vLLM %s (tested on vLLM %s)", KVTRITON_VERSION, VLLM_VERSION, tested_releases()
         )
         return
     problem = (
-        f"kvtriton {kvtriton.__version__} is tested on vLLM {tested_releases()}, but vLLM {VLLM_VERSION} is "
+        f"kvtriton {KVTRITON_VERSION} is tested on vLLM {tested_releases()}, but vLLM {VLLM_VERSION} is "
         f"installed: install a tested release (pip install 'vllm{TESTED_VLLM_RANGE}') or a kvtriton that supports "
         f"vLLM {VLLM_VERSION}"
     )

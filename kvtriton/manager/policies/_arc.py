@@ -41,7 +41,7 @@ def _take(entries: Iterator[tuple[OffloadKey, Block]], n: int, protected: Contai
 
 
 class ARCCachePolicy:
-    """Balances recency (T1: seen once) against frequency (T2: seen again), as vLLM 0.33's ARC does.
+    """Balances recency (T1: seen once) against frequency (T2: seen again), as vLLM's ARC does.
 
     B1 and B2 remember keys recently evicted from T1 and T2 (keys only, no
     slots). A store of a key still in B1 means T1 was too small, so the T1

@@ -2,7 +2,7 @@
 
 A policy decides *which* ready, idle block to evict; the manager owns
 everything else (slots, reader counts, events, what each request accessed).
-The hooks and their order are vLLM 0.33's (``vllm/v1/kv_offload/cpu/policies``),
+The hooks and their order are vLLM's (``vllm/v1/kv_offload/cpu/policies``),
 so a policy ranks blocks exactly as vLLM's does when given the same calls.
 """
 
@@ -91,7 +91,7 @@ class CachePolicy(Protocol):
         One call per ``prepare_store``, keys in offer order. ``positions``
         holds the token positions the request's record read for its keys
         (a key missing or None there: ask ``req_context``). Without positions
-        the first key is the least recent, as in vLLM 0.33.
+        the first key is the least recent, as in vLLM.
         """
         ...
 
@@ -118,7 +118,7 @@ class CachePolicy(Protocol):
 
 @runtime_checkable
 class RequestAwarePolicy(CachePolicy, Protocol):
-    """A policy that takes the request-scoped signal, vLLM 0.33's hooks (LRU and ARC implement it).
+    """A policy that takes the request-scoped signal, vLLM's hooks (LRU and ARC implement it).
 
     For every request the manager calls ``on_store_miss`` before a store
     allocates, ``on_request_access`` with the keys the request sees for the

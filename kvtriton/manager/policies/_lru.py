@@ -1,4 +1,4 @@
-"""Least-recently-used eviction, ranked as vLLM 0.33 ranks it."""
+"""Least-recently-used eviction, ranked as vLLM ranks it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _bucket_rank(item: tuple[OffloadKey, _Ranked]) -> tuple[int, OffloadKey]:
 
 
 class LRUCachePolicy:
-    """Evicts the ready, idle block of lowest rank: vLLM 0.33's LRU rule.
+    """Evicts the ready, idle block of lowest rank: vLLM's LRU rule.
 
     One counter hands out *ticks*. A block's rank is ``(tick, 0)`` after it
     was stored without a token position, touched, or named by a request that
