@@ -59,13 +59,11 @@ import torch
 from bench.common import bench_parser, format_table, quick_name, write_json
 from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
-from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.cli._progress import progress
-from kvtriton.kernels._compressed_format import compression_layout
+from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.cli import progress
+from kvtriton.kernels import compression_layout
 from kvtriton.kernels._compression import E4M3_MAX, dequantize_groups, quantize_groups
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._layout import PagedKV
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker import HostSlab, PagedKV, TransferEngine
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 K_OUTLIER_CHANNELS = 6

@@ -31,11 +31,9 @@ import torch
 
 from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, write_json
 from bench.kernels import RUN_BLOCKS, KiB, gpu_blocks
-from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.cli._progress import progress
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._layout import PagedKV
-from kvtriton.worker._slab import HostSlab
+from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.cli import progress
+from kvtriton.worker import HostSlab, PagedKV, TransferEngine
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,9 +181,8 @@ def launch_tiny_copy(device: torch.device) -> str:
     """
     import torch
 
-    from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
-    from kvtriton.kernels._launch import CopyLauncher
-    from kvtriton.worker._layout import PagedKV
+    from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, CopyLauncher
+    from kvtriton.worker import PagedKV
 
     blocks, words = 4, 8  # 64-byte pages
     pages = [
@@ -304,7 +303,7 @@ class Preflight:
         label = "triton launch"
         try:
             if device.type == "cpu":
-                from kvtriton.kernels._jit.interpreter_probe import interpreter_problem
+                from kvtriton.kernels import interpreter_problem
 
                 problem = interpreter_problem()
                 if problem is not None:  # the dry run cannot interpret here; that says nothing about a GPU

@@ -70,19 +70,21 @@ import torch
 
 from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
 from kernels_dev.compiled_variants import compiled_variants, format_variant
-from kvtriton.cli._progress import progress
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
-from kvtriton.kernels._launch import CopyLauncher
-from kvtriton.kernels._reference import (
+from kvtriton.cli import progress
+from kvtriton.kernels import (
+    DEFAULT_BYTES_PER_ITER,
+    DEFAULT_NUM_PROGRAMS,
+    CopyLauncher,
+    KVCompression,
+    compression_layout,
     gather_pages_reference,
     gather_unchecked,
     scatter_pages_reference,
     scatter_unchecked,
 )
+from kvtriton.worker import HostSlab, PagedKV, TransferDirection
 from kvtriton.worker._backends import DmaCopy
-from kvtriton.worker._layout import PagedKV
-from kvtriton.worker._plan import TransferDirection, TransferPlan
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker._plan import TransferPlan
 
 KiB = 1024
 LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}

@@ -51,9 +51,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Protocol, TypeVar, cast
 
 from bench.common import bench_parser, command_line, format_table, quick_name, write_json
-from kvtriton._keys import OffloadKey
-from kvtriton._offload_types import ReqContext
-from kvtriton.cli._progress import progress
+from kvtriton import OffloadKey, ReqContext
+from kvtriton.cli import progress
 from kvtriton.manager import CPUOffloadingManager, policy_names
 from kvtriton.sim import (
     PRESETS,
@@ -226,7 +225,7 @@ def _load_vllm() -> _Vllm | str:
         return manager_cls(capacity, cache_policy=policy, enable_events=False)
 
     def make_adapter(capacity: int, policy: str) -> _VllmManager:
-        from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
+        from kvtriton.integrations.vllm import VLLMOffloadingManager
 
         cpu = CPUOffloadingManager(capacity, policy)
         # The adapter takes vLLM's ReqContext; the protocol names only the part the replay uses.

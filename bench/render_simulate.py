@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtriton.cli._main import main as kvtriton
+    from kvtriton.cli import main as kvtriton
 
     args = build_parser().parse_args(argv)
     results_dir, images_dir = cast(Path, args.results).resolve(), cast(Path, args.images).resolve()

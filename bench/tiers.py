@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING
 
 from bench.common import bench_parser, command_line, format_table, offloading_config, write_json
 from bench.third_party_logs import quiet_vllm
-from kvtriton.cli._progress import progress
+from kvtriton.cli import progress
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadKey
@@ -313,7 +313,7 @@ def measure_steps(
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+    from kvtriton.integrations.vllm import SealedTieringManager
 
     if variant not in STEP_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(STEP_VARIANTS)}, got {variant!r}")
@@ -384,7 +384,7 @@ def measure_promotion_steps(
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+    from kvtriton.integrations.vllm import SealedTieringManager
 
     # Room for every chunk of the round: a promotion refused for want of a slot (every one write-pending on a busy
     # machine) would be a miss that says nothing about the checks.

@@ -48,9 +48,8 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from bench.common import bench_parser, format_table, offloading_config, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
-from kvtriton.integrations._mooncake_local import MooncakeCluster, mooncake_missing
-from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
-from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations import MooncakeCluster, mooncake_missing
+from kvtriton.integrations.mooncake import MooncakeStoreTier, MooncakeTierConfig, open_store
 
 MIB = 1024 * 1024
 DEFAULT_CHUNK_MIB = (0.5, 2.0, 4.0)
