@@ -153,9 +153,14 @@ def probe_region_pin(own_bytes: int, pin: bool) -> PinProbe:
         buffer = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE)  # virtual: untouched pages cost nothing
         started = time.perf_counter()
         slab = HostSlab.from_buffer(
-            buffer, rows // REGION_BLOCKS_PER_CHUNK, REGION_BLOCKS_PER_CHUNK, REGION_RANK_ROW_BYTES,
-            row_stride=stride, row_offset=0, pin=pin,
-        )  # fmt: skip
+            buffer,
+            rows // REGION_BLOCKS_PER_CHUNK,
+            REGION_BLOCKS_PER_CHUNK,
+            REGION_RANK_ROW_BYTES,
+            row_stride=stride,
+            row_offset=0,
+            pin=pin,
+        )
         seconds = time.perf_counter() - started
         registrations = len(slab.registration_plan()[0])
         slab.close()
@@ -192,9 +197,13 @@ def launch_tiny_copy(device: torch.device) -> str:
     slab = torch.zeros((blocks, 2 * words * 8), dtype=torch.uint8, device=device)
     started = time.perf_counter()
     launcher = CopyLauncher(
-        pages, slab, PagedKV(pages, ["k", "v"]).geometry,
-        interpret=device.type == "cpu", num_programs=1, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
-    )  # fmt: skip
+        pages,
+        slab,
+        PagedKV(pages, ["k", "v"]).geometry,
+        interpret=device.type == "cpu",
+        num_programs=1,
+        bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+    )
     order = torch.tensor([2, 0, 3, 1], dtype=torch.int64, device=device)
     launcher.launch(True, order, torch.arange(blocks, dtype=torch.int64, device=device))
     if device.type == "cuda":

@@ -362,8 +362,13 @@ HIT_RATE_BLOCK_TOKENS = 64
 
 def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> tuple[list[str], list[list[object]]]:
     """Block hit rates (%) of vLLM's manager and of kvtriton through its adapter, vLLM's call order, per workload and capacity."""
-    headers = ["workload / slots", "vLLM 0.33 LRU", "kvtriton LRU via the adapter",
-               "vLLM ARC", "kvtriton ARC via the adapter"]  # fmt: skip
+    headers = [
+        "workload / slots",
+        "vLLM 0.33 LRU",
+        "kvtriton LRU via the adapter",
+        "vLLM ARC",
+        "kvtriton ARC via the adapter",
+    ]
     rows: list[list[object]] = []
     for workload in progress(workloads, total=len(workloads), label="hit rates"):
         requests = prepare(generate(workload, seed=0, block_size=block_tokens))
@@ -386,14 +391,28 @@ def _rate(timing: Timing) -> str:
 
 def format_headline(rows: Sequence[HeadlineRow]) -> str:
     headers = [
-        "workload", "policy", "slots", "vLLM blocks/s (range)", "kvtriton via adapter blocks/s (range)",
-        "speed-up", "vLLM hit %", "kvtriton hit %",
-    ]  # fmt: skip
+        "workload",
+        "policy",
+        "slots",
+        "vLLM blocks/s (range)",
+        "kvtriton via adapter blocks/s (range)",
+        "speed-up",
+        "vLLM hit %",
+        "kvtriton hit %",
+    ]
     table: list[list[object]] = [
-        [row.workload, row.policy, row.capacity, _rate(row.vllm), _rate(row.kvtriton_via_vllm_adapter),
-         f"{row.speedup:.2f}x", f"{100 * row.vllm.hit_rate:.2f}", f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}"]
+        [
+            row.workload,
+            row.policy,
+            row.capacity,
+            _rate(row.vllm),
+            _rate(row.kvtriton_via_vllm_adapter),
+            f"{row.speedup:.2f}x",
+            f"{100 * row.vllm.hit_rate:.2f}",
+            f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}",
+        ]
         for row in rows
-    ]  # fmt: skip
+    ]
     return format_table(headers, table)
 
 
@@ -593,8 +612,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
-        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up",
-                    "via adapter blocks/s", "via adapter hit rate", "adapter speed-up"]  # fmt: skip
+        headers += [
+            "vLLM blocks/s",
+            "vLLM hit rate",
+            "speed-up",
+            "via adapter blocks/s",
+            "via adapter hit rate",
+            "adapter speed-up",
+        ]
     table: list[list[object]] = []
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]
