@@ -59,13 +59,11 @@ import torch
 from bench.common import bench_parser, format_table, quick_name, write_json
 from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
-from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.cli._progress import progress
-from kvtriton.kernels._compressed_format import compression_layout
+from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.cli import progress
+from kvtriton.kernels import compression_layout
 from kvtriton.kernels._compression import E4M3_MAX, dequantize_groups, quantize_groups
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._layout import PagedKV
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker import HostSlab, PagedKV, TransferEngine
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 K_OUTLIER_CHANNELS = 6
@@ -154,11 +152,17 @@ def bytes_per_block() -> list[dict[str, object]]:
                 (result,) = engine.get_finished()
                 moved[kv.compression.value] = result.transfer_size
         layout = compression_layout(plain.pages, HEAD_DIM)
-        rows.append({
-            "dtype": str(dtype).removeprefix("torch."), "group_size": HEAD_DIM, "raw_row_bytes": plain.row_bytes,
-            "compressed_row_bytes": compressed.row_bytes, "format_ratio": layout.ratio,
-            "engine_bytes_moved_ratio": moved["fp8-e4m3"] / moved["none"], "blocks_per_gib_gain": plain.row_bytes / compressed.row_bytes,
-        })  # fmt: skip
+        rows.append(
+            {
+                "dtype": str(dtype).removeprefix("torch."),
+                "group_size": HEAD_DIM,
+                "raw_row_bytes": plain.row_bytes,
+                "compressed_row_bytes": compressed.row_bytes,
+                "format_ratio": layout.ratio,
+                "engine_bytes_moved_ratio": moved["fp8-e4m3"] / moved["none"],
+                "blocks_per_gib_gain": plain.row_bytes / compressed.row_bytes,
+            }
+        )
     return rows
 
 
@@ -418,9 +422,10 @@ def real_model_figures(prompts: int, tokens: int) -> dict[str, object] | str:
     jobs = {
         "none": real_text_job(model.path, cold_and_local, None),
         "kvtriton": real_text_job(model.path, steps, single_tier_config()),
-        "kvtriton fp8-e4m3": real_text_job(model.path, [s for s in steps if s.get("name") != "local"],
-                                           single_tier_config(kv_compression="fp8-e4m3")),
-    }  # fmt: skip
+        "kvtriton fp8-e4m3": real_text_job(
+            model.path, [s for s in steps if s.get("name") != "local"], single_tier_config(kv_compression="fp8-e4m3")
+        ),
+    }
     vllm_fp8_problem = fp8_kv_cache_problem()
     if vllm_fp8_problem is None:
         jobs["vLLM fp8 KV cache"] = real_text_job(model.path, cold_and_local, None, kv_cache_dtype="fp8")
@@ -457,40 +462,80 @@ def real_model_figures(prompts: int, tokens: int) -> dict[str, object] | str:
     hf_model: Any = (
         cast(Any, AutoModelForCausalLM).from_pretrained(model.path, dtype=torch.float32).eval()
     )  # untyped factory
-    teacher_forced = teacher_forced_figures(hf_model, model.reference_text, {
-        "kvtriton fp8-e4m3": cpu_page_schemes(REAL_BLOCK_TOKENS),
-        "vLLM fp8 KV cache (emulated: e4m3, scale 1.0)": (scale_one_fp8, scale_one_fp8),
-    })  # fmt: skip
+    teacher_forced = teacher_forced_figures(
+        hf_model,
+        model.reference_text,
+        {
+            "kvtriton fp8-e4m3": cpu_page_schemes(REAL_BLOCK_TOKENS),
+            "vLLM fp8 KV cache (emulated: e4m3, scale 1.0)": (scale_one_fp8, scale_one_fp8),
+        },
+    )
     lengths = [len(chat) for chat in chats]
     return {
-        "model": MODEL_NAME, "dtype": "float32", "block_size": REAL_BLOCK_TOKENS, "prompts": len(chats),
-        "prompt_tokens": [min(lengths), max(lengths)], "shared_prompt_tokens": model.system_prompt_tokens,
-        "generated_tokens": tokens, "engine": engine, "fp8_stored_bytes_ratio": stored / raw,
-        "teacher_forced": teacher_forced, "teacher_forced_prefix_tokens": REAL_PREFIX_BLOCKS * REAL_BLOCK_TOKENS,
+        "model": MODEL_NAME,
+        "dtype": "float32",
+        "block_size": REAL_BLOCK_TOKENS,
+        "prompts": len(chats),
+        "prompt_tokens": [min(lengths), max(lengths)],
+        "shared_prompt_tokens": model.system_prompt_tokens,
+        "generated_tokens": tokens,
+        "engine": engine,
+        "fp8_stored_bytes_ratio": stored / raw,
+        "teacher_forced": teacher_forced,
+        "teacher_forced_prefix_tokens": REAL_PREFIX_BLOCKS * REAL_BLOCK_TOKENS,
         "teacher_forced_text_tokens": len(model.reference_text),
-    }  # fmt: skip
+    }
 
 
 def print_real_model(real: Mapping[str, Any]) -> None:
     """The real model's two tables: greedy agreement through real engines, and teacher-forced drift."""
-    print(f"\n{real['model']} ({real['dtype']}), {real['prompts']} chat prompts of {real['prompt_tokens'][0]}-"
-          f"{real['prompt_tokens'][1]} tokens ({real['shared_prompt_tokens']} shared), {real['generated_tokens']} greedy "
-          "tokens, the prefix loaded after a prefix-cache reset, against the same prefix from vLLM's own cache:")  # fmt: skip
-    print(format_table(
-        ["run", "first token agrees", "whole sequence agrees", "mean first divergence", "mean |d logprob|", "max |d logprob|"],
-        [[name, f"{f['first_token_agreement']:.0f}/{f['prompts']:.0f}", f"{f['sequence_agreement']:.0f}/{f['prompts']:.0f}",
-          f"{f['mean_first_divergence']:.1f}", f"{f['mean_abs_logprob_drift']:.4f}", f"{f['max_abs_logprob_drift']:.4f}"]
-         for name, f in real["engine"].items()],
-    ))  # fmt: skip
+    print(
+        f"\n{real['model']} ({real['dtype']}), {real['prompts']} chat prompts of {real['prompt_tokens'][0]}-"
+        f"{real['prompt_tokens'][1]} tokens ({real['shared_prompt_tokens']} shared), {real['generated_tokens']} greedy "
+        "tokens, the prefix loaded after a prefix-cache reset, against the same prefix from vLLM's own cache:"
+    )
+    print(
+        format_table(
+            [
+                "run",
+                "first token agrees",
+                "whole sequence agrees",
+                "mean first divergence",
+                "mean |d logprob|",
+                "max |d logprob|",
+            ],
+            [
+                [
+                    name,
+                    f"{f['first_token_agreement']:.0f}/{f['prompts']:.0f}",
+                    f"{f['sequence_agreement']:.0f}/{f['prompts']:.0f}",
+                    f"{f['mean_first_divergence']:.1f}",
+                    f"{f['mean_abs_logprob_drift']:.4f}",
+                    f"{f['max_abs_logprob_drift']:.4f}",
+                ]
+                for name, f in real["engine"].items()
+            ],
+        )
+    )
     print(
         f"\nteacher-forced over a {real['teacher_forced_text_tokens']}-token text, the first "
         f"{real['teacher_forced_prefix_tokens']} tokens cached through each scheme:"
     )
-    print(format_table(
-        ["scheme", "top-1 agreement", "mean |d logprob|", "max |d logprob|", "mean KL (nats)"],
-        [[name, f"{f['top1_agreement']:.3f}", f"{f['mean_abs_logprob_drift']:.4f}", f"{f['max_abs_logprob_drift']:.4f}",
-          f"{f['mean_kl_nats']:.5f}"] for name, f in real["teacher_forced"].items()],
-    ))  # fmt: skip
+    print(
+        format_table(
+            ["scheme", "top-1 agreement", "mean |d logprob|", "max |d logprob|", "mean KL (nats)"],
+            [
+                [
+                    name,
+                    f"{f['top1_agreement']:.3f}",
+                    f"{f['mean_abs_logprob_drift']:.4f}",
+                    f"{f['max_abs_logprob_drift']:.4f}",
+                    f"{f['mean_kl_nats']:.5f}",
+                ]
+                for name, f in real["teacher_forced"].items()
+            ],
+        )
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -571,41 +616,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         "attention rel. err",
     ]
     table = [
-        [name, f"{f['k_relative_rms_error']:.4f}", f"{f['k_max_error_over_rms']:.3f}", f"{f['k_share_over_bound']:.4f}",
-         f"{f['v_relative_rms_error']:.4f}", f"{f['v_share_over_bound']:.4f}", f"{f['attention_relative_error']:.4f}"]
+        [
+            name,
+            f"{f['k_relative_rms_error']:.4f}",
+            f"{f['k_max_error_over_rms']:.3f}",
+            f"{f['k_share_over_bound']:.4f}",
+            f"{f['v_relative_rms_error']:.4f}",
+            f"{f['v_share_over_bound']:.4f}",
+            f"{f['attention_relative_error']:.4f}",
+        ]
         for name, f in sums.items()
-    ]  # fmt: skip
+    ]
     print(f"synthetic Llama-3-8B-shaped layer: {tokens} tokens, {HEADS} KV heads x {HEAD_DIM}, bf16, {seeds} seed(s)")
     print(format_table(headers, table))
     sizes = bytes_per_block()
     print("\nbytes per block (2 layers x K,V pages of 16 tokens x 8 heads x 128; G = 128):")
-    print(format_table(
-        ["dtype", "raw B", "compressed B", "format ratio", "engine bytes moved ratio", "blocks per GiB gain"],
-        [[row["dtype"], row["raw_row_bytes"], row["compressed_row_bytes"], f"{row['format_ratio']:.4f}",
-          f"{row['engine_bytes_moved_ratio']:.4f}", f"{row['blocks_per_gib_gain']:.3f}x"] for row in sizes],
-    ))  # fmt: skip
+    print(
+        format_table(
+            ["dtype", "raw B", "compressed B", "format ratio", "engine bytes moved ratio", "blocks per GiB gain"],
+            [
+                [
+                    row["dtype"],
+                    row["raw_row_bytes"],
+                    row["compressed_row_bytes"],
+                    f"{row['format_ratio']:.4f}",
+                    f"{row['engine_bytes_moved_ratio']:.4f}",
+                    f"{row['blocks_per_gib_gain']:.3f}x",
+                ]
+                for row in sizes
+            ],
+        )
+    )
     tiny: dict[str, dict[str, float]] | str = "skipped (--prompts 0)"
     if prompts:
         tiny = tiny_model_figures(
             {
-                f"group fp8 (G={TINY_HEAD_DIM}, head vectors)": (group_fp8_any(TINY_HEAD_DIM), group_fp8_any(TINY_HEAD_DIM)),
+                f"group fp8 (G={TINY_HEAD_DIM}, head vectors)": (
+                    group_fp8_any(TINY_HEAD_DIM),
+                    group_fp8_any(TINY_HEAD_DIM),
+                ),
                 "group fp8 (G=128, vLLM CPU pages)": cpu_page_schemes(TINY_BLOCK_TOKENS),
                 "per-tensor fp8": (per_tensor_fp8, per_tensor_fp8),
             },
-            prompts, torch.Generator().manual_seed(0),
-        )  # fmt: skip
+            prompts,
+            torch.Generator().manual_seed(0),
+        )
     if isinstance(tiny, str):
         print(f"\ntiny model: {tiny}")
     else:
-        print(f"\nthe end-to-end tests' tiny Llama, bf16, {prompts} random prompts; a cached prefix of "
-              f"{TINY_PREFIX_TOKENS} tokens, {TINY_SUFFIX_TOKENS} more prompt tokens, {TINY_DECODE_TOKENS} teacher-forced greedy tokens:")  # fmt: skip
-        print(format_table(
-            ["scheme", "K rel. RMS err", "V rel. RMS err", "attention rel. err", "top-1 agree", "first token agree",
-             "mean |d logprob|", "max |d logprob|", "mean KL (nats)"],
-            [[name, f"{f['k_relative_rms_error']:.4f}", f"{f['v_relative_rms_error']:.4f}", f"{f['attention_relative_error']:.4f}",
-              f"{f['top1_agreement']:.3f}", f"{f['first_token_top1_agreement']:.3f}", f"{f['mean_abs_logprob_drift']:.4f}",
-              f"{f['max_abs_logprob_drift']:.4f}", f"{f['mean_kl_nats']:.5f}"] for name, f in tiny.items()],
-        ))  # fmt: skip
+        print(
+            f"\nthe end-to-end tests' tiny Llama, bf16, {prompts} random prompts; a cached prefix of "
+            f"{TINY_PREFIX_TOKENS} tokens, {TINY_SUFFIX_TOKENS} more prompt tokens, {TINY_DECODE_TOKENS} teacher-forced greedy tokens:"
+        )
+        print(
+            format_table(
+                [
+                    "scheme",
+                    "K rel. RMS err",
+                    "V rel. RMS err",
+                    "attention rel. err",
+                    "top-1 agree",
+                    "first token agree",
+                    "mean |d logprob|",
+                    "max |d logprob|",
+                    "mean KL (nats)",
+                ],
+                [
+                    [
+                        name,
+                        f"{f['k_relative_rms_error']:.4f}",
+                        f"{f['v_relative_rms_error']:.4f}",
+                        f"{f['attention_relative_error']:.4f}",
+                        f"{f['top1_agreement']:.3f}",
+                        f"{f['first_token_top1_agreement']:.3f}",
+                        f"{f['mean_abs_logprob_drift']:.4f}",
+                        f"{f['max_abs_logprob_drift']:.4f}",
+                        f"{f['mean_kl_nats']:.5f}",
+                    ]
+                    for name, f in tiny.items()
+                ],
+            )
+        )
     real: dict[str, object] | str = "skipped (--real-prompts 0 or --quick)"
     if real_prompts:
         real = real_model_figures(real_prompts, args.real_tokens)
@@ -614,12 +705,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print_real_model(real)
     payload: dict[str, object] = {
-        "smoke_run": args.quick, "tokens": tokens, "heads": HEADS, "head_dim": HEAD_DIM,
-        "queries": args.queries, "seeds": seeds, "k_outlier_channels_per_head": K_OUTLIER_CHANNELS,
-        "v_outlier_channels_per_head": V_OUTLIER_CHANNELS, "accuracy": sums, "bytes": sizes,
-        "tiny_model": tiny, "tiny_model_prompts": prompts, "real_model": real,
+        "smoke_run": args.quick,
+        "tokens": tokens,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "queries": args.queries,
+        "seeds": seeds,
+        "k_outlier_channels_per_head": K_OUTLIER_CHANNELS,
+        "v_outlier_channels_per_head": V_OUTLIER_CHANNELS,
+        "accuracy": sums,
+        "bytes": sizes,
+        "tiny_model": tiny,
+        "tiny_model_prompts": prompts,
+        "real_model": real,
         "note": "errors are averaged over seeds; attention error is ||o' - o|| / ||o|| over every query and head, in float64",
-    }  # fmt: skip
+    }
     print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")
     return 0
 

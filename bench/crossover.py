@@ -31,11 +31,9 @@ import torch
 
 from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, write_json
 from bench.kernels import RUN_BLOCKS, KiB, gpu_blocks
-from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.cli._progress import progress
-from kvtriton.worker._engine import TransferEngine
-from kvtriton.worker._layout import PagedKV
-from kvtriton.worker._slab import HostSlab
+from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtriton.cli import progress
+from kvtriton.worker import HostSlab, PagedKV, TransferEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +127,11 @@ class Verdict:
 
     def payload(self) -> dict[str, object]:
         return {
-            "crossover_page_bytes": self.crossings, "auto_table_min_page_bytes": self.rules,
-            "auto_table_rows": self.rows, "verdict_page_bytes": self.page_sizes,
-        }  # fmt: skip
+            "crossover_page_bytes": self.crossings,
+            "auto_table_min_page_bytes": self.rules,
+            "auto_table_rows": self.rows,
+            "verdict_page_bytes": self.page_sizes,
+        }
 
 
 def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Verdict:
@@ -147,9 +147,10 @@ def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Ve
     rules = suggested_rules(crossings, patterns)
     rows = {
         direction: auto_rule_line(direction, size)
-        if size is not None else f"no dma row for {direction} ({fast} wins at some size with some pattern)"
+        if size is not None
+        else f"no dma row for {direction} ({fast} wins at some size with some pattern)"
         for direction, size in rules.items()
-    }  # fmt: skip
+    }
     return Verdict(crossings, rules, rows, sorted({t.page_bytes for t in timings}))
 
 
@@ -196,11 +197,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     timings: list[Timing] = []
     payload: dict[str, object] = {
-        "device": device, "layers": args.layers, "blocks": args.blocks, "jobs": args.jobs, "compared": [fast, "dma"],
-        "smoke_run": args.quick, "complete": False, "results": [],
+        "device": device,
+        "layers": args.layers,
+        "blocks": args.blocks,
+        "jobs": args.jobs,
+        "compared": [fast, "dma"],
+        "smoke_run": args.quick,
+        "complete": False,
+        "results": [],
         "note": "job times are the engine's CUDA-event timings, each store finished before its load; a crossover sets "
-                "AUTO_TABLE's min_page_bytes for dma; bandwidth_GBps is 10^9 bytes per second",
-    }  # fmt: skip
+        "AUTO_TABLE's min_page_bytes for dma; bandwidth_GBps is 10^9 bytes per second",
+    }
     cases = [(size, pattern) for size in page_sizes for pattern in patterns]
     for page_bytes, pattern in progress(cases, len(cases), "dma vs triton", stream=sys.stderr):
         elements = page_bytes // 2  # bf16 pages of (elements,) each

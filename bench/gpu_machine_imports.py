@@ -108,9 +108,13 @@ class _Blocking(importlib.abc.MetaPathFinder):
     not found."""
 
     def __init__(
-        self, finder: MetaPathFinderProtocol, allowed: frozenset[str], distributions: frozenset[str],
-        folders: Sequence[Path], blocked: set[str],
-    ) -> None:  # fmt: skip
+        self,
+        finder: MetaPathFinderProtocol,
+        allowed: frozenset[str],
+        distributions: frozenset[str],
+        folders: Sequence[Path],
+        blocked: set[str],
+    ) -> None:
         self._finder = finder
         self._allowed = allowed
         self._distributions = distributions

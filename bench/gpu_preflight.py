@@ -153,9 +153,14 @@ def probe_region_pin(own_bytes: int, pin: bool) -> PinProbe:
         buffer = mmap.mmap(-1, rows * stride, flags=mmap.MAP_PRIVATE)  # virtual: untouched pages cost nothing
         started = time.perf_counter()
         slab = HostSlab.from_buffer(
-            buffer, rows // REGION_BLOCKS_PER_CHUNK, REGION_BLOCKS_PER_CHUNK, REGION_RANK_ROW_BYTES,
-            row_stride=stride, row_offset=0, pin=pin,
-        )  # fmt: skip
+            buffer,
+            rows // REGION_BLOCKS_PER_CHUNK,
+            REGION_BLOCKS_PER_CHUNK,
+            REGION_RANK_ROW_BYTES,
+            row_stride=stride,
+            row_offset=0,
+            pin=pin,
+        )
         seconds = time.perf_counter() - started
         registrations = len(slab.registration_plan()[0])
         slab.close()
@@ -181,9 +186,8 @@ def launch_tiny_copy(device: torch.device) -> str:
     """
     import torch
 
-    from kvtriton.kernels import DEFAULT_BYTES_PER_ITER
-    from kvtriton.kernels._launch import CopyLauncher
-    from kvtriton.worker._layout import PagedKV
+    from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, CopyLauncher
+    from kvtriton.worker import PagedKV
 
     blocks, words = 4, 8  # 64-byte pages
     pages = [
@@ -193,9 +197,13 @@ def launch_tiny_copy(device: torch.device) -> str:
     slab = torch.zeros((blocks, 2 * words * 8), dtype=torch.uint8, device=device)
     started = time.perf_counter()
     launcher = CopyLauncher(
-        pages, slab, PagedKV(pages, ["k", "v"]).geometry,
-        interpret=device.type == "cpu", num_programs=1, bytes_per_iter=DEFAULT_BYTES_PER_ITER,
-    )  # fmt: skip
+        pages,
+        slab,
+        PagedKV(pages, ["k", "v"]).geometry,
+        interpret=device.type == "cpu",
+        num_programs=1,
+        bytes_per_iter=DEFAULT_BYTES_PER_ITER,
+    )
     order = torch.tensor([2, 0, 3, 1], dtype=torch.int64, device=device)
     launcher.launch(True, order, torch.arange(blocks, dtype=torch.int64, device=device))
     if device.type == "cuda":
@@ -304,7 +312,7 @@ class Preflight:
         label = "triton launch"
         try:
             if device.type == "cpu":
-                from kvtriton.kernels._jit.interpreter_probe import interpreter_problem
+                from kvtriton.kernels import interpreter_problem
 
                 problem = interpreter_problem()
                 if problem is not None:  # the dry run cannot interpret here; that says nothing about a GPU

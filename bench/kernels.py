@@ -70,19 +70,21 @@ import torch
 
 from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
 from kernels_dev.compiled_variants import compiled_variants, format_variant
-from kvtriton.cli._progress import progress
-from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, DEFAULT_NUM_PROGRAMS, KVCompression, compression_layout
-from kvtriton.kernels._launch import CopyLauncher
-from kvtriton.kernels._reference import (
+from kvtriton.cli import progress
+from kvtriton.kernels import (
+    DEFAULT_BYTES_PER_ITER,
+    DEFAULT_NUM_PROGRAMS,
+    CopyLauncher,
+    KVCompression,
+    compression_layout,
     gather_pages_reference,
     gather_unchecked,
     scatter_pages_reference,
     scatter_unchecked,
 )
+from kvtriton.worker import HostSlab, PagedKV, TransferDirection
 from kvtriton.worker._backends import DmaCopy
-from kvtriton.worker._layout import PagedKV
-from kvtriton.worker._plan import TransferDirection, TransferPlan
-from kvtriton.worker._slab import HostSlab
+from kvtriton.worker._plan import TransferPlan
 
 KiB = 1024
 LLAMA3_8B = {"layers": 32, "page_bytes": 32 * KiB, "blocks": 256}
@@ -267,9 +269,13 @@ def _loop(fixture: Fixture, to_slab: bool) -> Callable[[], object]:
 def _triton(fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int) -> Callable[[], object]:
     """One launch of a ``CopyLauncher`` prepared here, outside the timed call, as the engine prepares it."""
     launcher = CopyLauncher(
-        fixture.pages, fixture.slab, _paged(fixture.pages).geometry,
-        interpret=False, num_programs=num_programs, bytes_per_iter=bytes_per_iter,
-    )  # fmt: skip
+        fixture.pages,
+        fixture.slab,
+        _paged(fixture.pages).geometry,
+        interpret=False,
+        num_programs=num_programs,
+        bytes_per_iter=bytes_per_iter,
+    )
     return functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows)
 
 
@@ -348,9 +354,14 @@ def base_method(name: str) -> str:
 
 
 def methods(
-    fixture: Fixture, to_slab: bool, num_programs: int, bytes_per_iter: int, only: Sequence[str] | None = None,
-    fp8_programs: Sequence[int] = (), triton_programs: Sequence[int] = (),
-) -> dict[str, Contender]:  # fmt: skip
+    fixture: Fixture,
+    to_slab: bool,
+    num_programs: int,
+    bytes_per_iter: int,
+    only: Sequence[str] | None = None,
+    fp8_programs: Sequence[int] = (),
+    triton_programs: Sequence[int] = (),
+) -> dict[str, Contender]:
     """The contenders for one fixture and direction (CUDA-only ones where there is a GPU); ``only`` keeps those named.
 
     ``triton`` is a prepared :class:`~kvtriton.kernels._launch.CopyLauncher`,
@@ -407,9 +418,14 @@ def _compressed_methods(
 
             def make(programs: int = programs) -> Callable[[], object]:
                 launcher = CopyLauncher(
-                    pages, slab, geometry, compression=layout, interpret=False, num_programs=programs,
+                    pages,
+                    slab,
+                    geometry,
+                    compression=layout,
+                    interpret=False,
+                    num_programs=programs,
                     bytes_per_iter=bytes_per_iter,
-                )  # fmt: skip
+                )
                 return functools.partial(launcher.launch, to_slab, fixture.blocks, fixture.rows, status)
 
             name = "triton-fp8" if programs == num_programs else f"triton-fp8-p{programs}"
@@ -481,10 +497,17 @@ def time_round_robin(
 
 
 def run_job(
-    job: Job, device: torch.device, pin: bool, repeats: int, num_programs: int, bytes_per_iter: int,
-    only: Sequence[str] | None = None, compression: KVCompression = KVCompression.NONE,
-    fp8_programs: Sequence[int] = (), triton_programs: Sequence[int] = (),
-) -> tuple[list[Result], list[ContenderError]]:  # fmt: skip
+    job: Job,
+    device: torch.device,
+    pin: bool,
+    repeats: int,
+    num_programs: int,
+    bytes_per_iter: int,
+    only: Sequence[str] | None = None,
+    compression: KVCompression = KVCompression.NONE,
+    fp8_programs: Sequence[int] = (),
+    triton_programs: Sequence[int] = (),
+) -> tuple[list[Result], list[ContenderError]]:
     """The rows of every method that ran for ``job`` in both directions, and the error of each one that raised."""
     fixture = Fixture(job, device, pin, compression=compression)
     results: list[Result] = []
@@ -498,10 +521,21 @@ def run_job(
         ceiling = timings.get("contiguous")
         for method, seconds in timings.items():
             results.append(
-                Result(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, job.pattern, job.group, seconds,
-                       job.total_bytes / seconds / 1e9, None if ceiling is None else ceiling / seconds,
-                       contenders[method].programs)
-            )  # fmt: skip
+                Result(
+                    kernel,
+                    method,
+                    job.page_bytes,
+                    job.blocks,
+                    job.layers,
+                    job.rows,
+                    job.pattern,
+                    job.group,
+                    seconds,
+                    job.total_bytes / seconds / 1e9,
+                    None if ceiling is None else ceiling / seconds,
+                    contenders[method].programs,
+                )
+            )
         failures += [
             ContenderError(kernel, method, job.page_bytes, job.blocks, job.layers, job.rows, job.pattern, error)
             for method, error in errors.items()
@@ -539,8 +573,17 @@ def print_ptx_summary(
 
     def table_row(kernel: CompiledKernel, tile: str, multiplies: str) -> list[object]:
         accesses, wide = kernel.accesses(), wide_loads(kernel)
-        return [kernel.name, tile, kernel.threads, accesses.widest_load, accesses.widest_store,
-                kernel.loop_accesses().describe(), wide, f"{wide * 16 / KiB:g}", multiplies]  # fmt: skip
+        return [
+            kernel.name,
+            tile,
+            kernel.threads,
+            accesses.widest_load,
+            accesses.widest_store,
+            kernel.loop_accesses().describe(),
+            wide,
+            f"{wide * 16 / KiB:g}",
+            multiplies,
+        ]
 
     for page in page_sizes:
         config = production_config(page, num_pages, bytes_per_iter)
@@ -551,23 +594,44 @@ def print_ptx_summary(
             loop = kernel.loop_accesses()
             narrow = kernel.narrow_multiplies()
             rows.append(table_row(kernel, tile, "none" if not narrow else ", ".join(narrow)))
-            records.append({
-                "kernel": kernel.name, "pairs": config.pairs, "chunk_bytes": config.chunk * config.element_bytes,
-                "threads": kernel.threads, "loads": accesses.loads, "stores": accesses.stores,
-                "loop_loads_per_thread": loop.loads, "loop_stores_per_thread": loop.stores,
-                "loads_16b_per_iteration_per_program": wide_loads(kernel), "narrow_multiplies": narrow,
-            })  # fmt: skip
+            records.append(
+                {
+                    "kernel": kernel.name,
+                    "pairs": config.pairs,
+                    "chunk_bytes": config.chunk * config.element_bytes,
+                    "threads": kernel.threads,
+                    "loads": accesses.loads,
+                    "stores": accesses.stores,
+                    "loop_loads_per_thread": loop.loads,
+                    "loop_stores_per_thread": loop.stores,
+                    "loads_16b_per_iteration_per_program": wide_loads(kernel),
+                    "narrow_multiplies": narrow,
+                }
+            )
     baseline = compile_descriptor_copy()
     rows.append(table_row(baseline, "-", "-"))
     accesses = baseline.accesses()
-    records.append({
-        "kernel": baseline.name, "loads": accesses.loads, "stores": accesses.stores,
-        "loop_loads_per_thread": baseline.loop_accesses().loads,
-    })  # fmt: skip
+    records.append(
+        {
+            "kernel": baseline.name,
+            "loads": accesses.loads,
+            "stores": accesses.stores,
+            "loop_loads_per_thread": baseline.loop_accesses().loads,
+        }
+    )
     print("PTX for sm_90 (compiled on this machine, no GPU needed): global access width in bytes per thread;")
     print(f"'per iteration' = the persistent loop's body, per thread; bytes_per_iter = {bytes_per_iter}")
-    headers = ["kernel", "tile (pairs x chunk)", "threads", "widest ld", "widest st", "per iteration, per thread",
-               "16B loads/iter/program", "16B KiB/iter", "32-bit address multiplies"]  # fmt: skip
+    headers = [
+        "kernel",
+        "tile (pairs x chunk)",
+        "threads",
+        "widest ld",
+        "widest st",
+        "per iteration, per thread",
+        "16B loads/iter/program",
+        "16B KiB/iter",
+        "32-bit address multiplies",
+    ]
     print(format_table(headers, rows))
     return records
 
@@ -653,11 +717,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="smoke run: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats; writes <name>-quick, no verdicts",
     )
     parser.add_argument(
-        "--gpu-check", action="store_true",
+        "--gpu-check",
+        action="store_true",
         help="the trimmed run of bench/gpu_check.sh: triton, dma and contiguous at 32/4/16/64 KiB pages "
         "(or --page-kib; 32 KiB first), --blocks 256, one loop reference point, the fp8 gather at 16/32/64 programs, "
         "JSON after every case",
-    )  # fmt: skip
+    )
     parser.add_argument("--no-plot", action="store_true", help="write no PNG (the GPU check brings back few files)")
     parser.add_argument(
         "--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)"
@@ -667,19 +732,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)"
     )
     parser.add_argument(
-        "--fp8-programs", type=int, nargs="+",
+        "--fp8-programs",
+        type=int,
+        nargs="+",
         help="with --compression: program counts to time the fp8 gather at besides --num-programs, as triton-fp8-p<N> "
         f"(default: none; --gpu-check: {' '.join(map(str, FP8_PROGRAM_COUNTS))})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--triton-programs", type=int, nargs="+",
+        "--triton-programs",
+        type=int,
+        nargs="+",
         help="program counts to time plain triton at besides --num-programs, as triton-p<N> "
         f"(default: none; --gpu-check: {' '.join(map(str, TRITON_PROGRAM_COUNTS))})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--compression", choices=[member.value for member in KVCompression], default="none",
+        "--compression",
+        choices=[member.value for member in KVCompression],
+        default="none",
         help="also time the fused fp8 kernels against the plain ones in the same run (default: none)",
-    )  # fmt: skip
+    )
     return parser.parse_args(argv)
 
 
@@ -728,20 +799,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("CPU only: timing the torch paths; Triton timings need CUDA (interpreter timings are not performance).")
     jobs = headline + sweep_jobs(page_sizes, block_counts, layers, args.max_mib * 2**20)
     payload: dict[str, object] = {
-        "device": str(device), "pinned_slab": pin, "num_programs": args.num_programs, "bytes_per_iter": args.bytes_per_iter,
-        "repeats": repeats, "smoke_run": args.quick, "complete": False, "results": [], "errors": [],
+        "device": str(device),
+        "pinned_slab": pin,
+        "num_programs": args.num_programs,
+        "bytes_per_iter": args.bytes_per_iter,
+        "repeats": repeats,
+        "smoke_run": args.quick,
+        "complete": False,
+        "results": [],
+        "errors": [],
         "note": "ratios are against one contiguous copy of the same bytes measured in the same run; "
-                "bandwidth_GBps is 10^9 bytes per second",
-    }  # fmt: skip
+        "bandwidth_GBps is 10^9 bytes per second",
+    }
     results: list[Result] = []
     failures: list[ContenderError] = []
     for index, job in enumerate(progress(jobs, len(jobs), "kernel bench", stream=sys.stderr)):
         # --gpu-check: the per-block loop only at the first (headline) case, as a reference point.
         job_methods = (*only, "loop") if only is not None and index == 0 else only
         job_results, job_failures = run_job(
-            job, device, pin, repeats, args.num_programs, args.bytes_per_iter, job_methods, compression, fp8_programs,
+            job,
+            device,
+            pin,
+            repeats,
+            args.num_programs,
+            args.bytes_per_iter,
+            job_methods,
+            compression,
+            fp8_programs,
             triton_programs,
-        )  # fmt: skip
+        )
         results += job_results
         failures += job_failures
         payload["results"] = [asdict(r) for r in results]
@@ -752,8 +838,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             payload["compiled_variants"] = compiled_variants()
         write_json(name, payload)  # after every case: a run cut short keeps what finished
     headers = ["kernel", "method", "page KiB", "blocks", "layers", "gpu blocks", "slab rows", "GB/s", "x contiguous"]
-    table = [[r.kernel, r.method, r.page_bytes // KiB, r.blocks, r.layers, r.pattern, r.rows, r.bandwidth_GBps,
-              r.vs_contiguous] for r in results]  # fmt: skip
+    table = [
+        [
+            r.kernel,
+            r.method,
+            r.page_bytes // KiB,
+            r.blocks,
+            r.layers,
+            r.pattern,
+            r.rows,
+            r.bandwidth_GBps,
+            r.vs_contiguous,
+        ]
+        for r in results
+    ]
     print(format_table(headers, table))
     head = [r for r in results if r.group == "headline"]
     if headline:
@@ -825,9 +923,19 @@ def fp8_ratios(results: Sequence[Result]) -> list[Fp8Ratio]:
         for other in results:
             if other.case == r.case and other.method == plain:
                 ratios.append(
-                    Fp8Ratio(r.kernel, plain, r.page_bytes, r.blocks, r.layers, r.pattern, r.rows,
-                             other.seconds / r.seconds, r.method, r.programs)
-                )  # fmt: skip
+                    Fp8Ratio(
+                        r.kernel,
+                        plain,
+                        r.page_bytes,
+                        r.blocks,
+                        r.layers,
+                        r.pattern,
+                        r.rows,
+                        other.seconds / r.seconds,
+                        r.method,
+                        r.programs,
+                    )
+                )
     return ratios
 
 

@@ -51,9 +51,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Protocol, TypeVar, cast
 
 from bench.common import bench_parser, command_line, format_table, quick_name, write_json
-from kvtriton._keys import OffloadKey
-from kvtriton._offload_types import ReqContext
-from kvtriton.cli._progress import progress
+from kvtriton import OffloadKey, ReqContext
+from kvtriton.cli import progress
 from kvtriton.manager import CPUOffloadingManager, policy_names
 from kvtriton.sim import (
     PRESETS,
@@ -226,7 +225,7 @@ def _load_vllm() -> _Vllm | str:
         return manager_cls(capacity, cache_policy=policy, enable_events=False)
 
     def make_adapter(capacity: int, policy: str) -> _VllmManager:
-        from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
+        from kvtriton.integrations.vllm import VLLMOffloadingManager
 
         cpu = CPUOffloadingManager(capacity, policy)
         # The adapter takes vLLM's ReqContext; the protocol names only the part the replay uses.
@@ -363,8 +362,13 @@ HIT_RATE_BLOCK_TOKENS = 64
 
 def hit_rate_table(vllm: _Vllm, workloads: Sequence[str], block_tokens: int) -> tuple[list[str], list[list[object]]]:
     """Block hit rates (%) of vLLM's manager and of kvtriton through its adapter, vLLM's call order, per workload and capacity."""
-    headers = ["workload / slots", "vLLM 0.33 LRU", "kvtriton LRU via the adapter",
-               "vLLM ARC", "kvtriton ARC via the adapter"]  # fmt: skip
+    headers = [
+        "workload / slots",
+        "vLLM 0.33 LRU",
+        "kvtriton LRU via the adapter",
+        "vLLM ARC",
+        "kvtriton ARC via the adapter",
+    ]
     rows: list[list[object]] = []
     for workload in progress(workloads, total=len(workloads), label="hit rates"):
         requests = prepare(generate(workload, seed=0, block_size=block_tokens))
@@ -387,14 +391,28 @@ def _rate(timing: Timing) -> str:
 
 def format_headline(rows: Sequence[HeadlineRow]) -> str:
     headers = [
-        "workload", "policy", "slots", "vLLM blocks/s (range)", "kvtriton via adapter blocks/s (range)",
-        "speed-up", "vLLM hit %", "kvtriton hit %",
-    ]  # fmt: skip
+        "workload",
+        "policy",
+        "slots",
+        "vLLM blocks/s (range)",
+        "kvtriton via adapter blocks/s (range)",
+        "speed-up",
+        "vLLM hit %",
+        "kvtriton hit %",
+    ]
     table: list[list[object]] = [
-        [row.workload, row.policy, row.capacity, _rate(row.vllm), _rate(row.kvtriton_via_vllm_adapter),
-         f"{row.speedup:.2f}x", f"{100 * row.vllm.hit_rate:.2f}", f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}"]
+        [
+            row.workload,
+            row.policy,
+            row.capacity,
+            _rate(row.vllm),
+            _rate(row.kvtriton_via_vllm_adapter),
+            f"{row.speedup:.2f}x",
+            f"{100 * row.vllm.hit_rate:.2f}",
+            f"{100 * row.kvtriton_via_vllm_adapter.hit_rate:.2f}",
+        ]
         for row in rows
-    ]  # fmt: skip
+    ]
     return format_table(headers, table)
 
 
@@ -594,8 +612,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     headers = ["policy", "kvtriton blocks/s", "kvtriton hit rate"]
     if isinstance(vllm, _Vllm):
-        headers += ["vLLM blocks/s", "vLLM hit rate", "speed-up",
-                    "via adapter blocks/s", "via adapter hit rate", "adapter speed-up"]  # fmt: skip
+        headers += [
+            "vLLM blocks/s",
+            "vLLM hit rate",
+            "speed-up",
+            "via adapter blocks/s",
+            "via adapter hit rate",
+            "adapter speed-up",
+        ]
     table: list[list[object]] = []
     for row in rows:
         line: list[object] = [row.policy, row.kvtriton.blocks_per_s, row.kvtriton.hit_rate]

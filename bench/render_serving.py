@@ -99,10 +99,28 @@ def serving_table(results: Results) -> str:
             def cell(metric: str, form: str = "{:,.0f}", f: JSONObject = f, where: str = where) -> str:
                 return _spread(_obj(f.get(metric), f"{where}.{metric}"), f"{where}.{metric}", form)
 
-            rows.append([f"`{arm}`", workload, cell("mean_ttft_ms"), cell("p99_ttft_ms"), cell("total_token_throughput"),
-                         cell("computed_tokens"), cell("engine_cache_hit_tokens"), cell("connector_hit_tokens")])  # fmt: skip
-    headers = ["arm", "workload", "mean TTFT (ms)", "p99 TTFT (ms)", "total tok/s", "prompt tokens computed",
-               "from the engine's cache", "from the connector"]  # fmt: skip
+            rows.append(
+                [
+                    f"`{arm}`",
+                    workload,
+                    cell("mean_ttft_ms"),
+                    cell("p99_ttft_ms"),
+                    cell("total_token_throughput"),
+                    cell("computed_tokens"),
+                    cell("engine_cache_hit_tokens"),
+                    cell("connector_hit_tokens"),
+                ]
+            )
+    headers = [
+        "arm",
+        "workload",
+        "mean TTFT (ms)",
+        "p99 TTFT (ms)",
+        "total tok/s",
+        "prompt tokens computed",
+        "from the engine's cache",
+        "from the connector",
+    ]
     return _table(headers, rows, "llrrrrrr")
 
 
@@ -126,11 +144,17 @@ def serving_ceiling_table(results: Results) -> str:
                     share, hits = _share(entry, where), _hit_share(entry, where)
                 else:
                     share = hits = "(it is the ceiling)"
-            rows.append([f"`{arm}`", workload, gain, share, hits,
-                         _ratio(_obj(ratio, f"throughput_vs_none.{where}"), where)])  # fmt: skip
-    headers = ["arm", "workload", "the ceiling's mean-TTFT gain over no connector (ms)",
-               "share of the ceiling's TTFT gain", "share of the prompt tokens the ceiling did not compute",
-               "total throughput vs no connector"]  # fmt: skip
+            rows.append(
+                [f"`{arm}`", workload, gain, share, hits, _ratio(_obj(ratio, f"throughput_vs_none.{where}"), where)]
+            )
+    headers = [
+        "arm",
+        "workload",
+        "the ceiling's mean-TTFT gain over no connector (ms)",
+        "share of the ceiling's TTFT gain",
+        "share of the prompt tokens the ceiling did not compute",
+        "total throughput vs no connector",
+    ]
     return _table(headers, rows, "llrrrr")
 
 
@@ -174,15 +198,20 @@ def serving_setup(results: Results) -> str:
     requests = ", ".join(f"{_num(_obj(w, name), 'num_prompts', name):.0f} {name}" for name, w in workloads.items())
     load = _obj(record.get("load_average_1min"), "load_average_1min")
     runs = record.get("runs")
-    minutes = sum(_num(_obj(run, "runs"), "wall_s", "runs") for run in cast(list[object], runs)) / 60 if isinstance(
-        runs, list) else 0.0  # fmt: skip
-    return (f"{_num(record, 'rounds', 'rounds'):.0f} rounds, arms alternating, each round a fresh server per arm; "
-            f"requests per round: {requests}; {_num(record, 'max_concurrency', 'record'):.0f} at a time; engine KV "
-            f"cache {_num(record, 'engine_kv_bytes', 'record') / (1 << 20):.1f} MiB, kvtriton's host slab "
-            f"{_num(record, 'host_bytes', 'record') / (1 << 20):.0f} MiB, the ceiling's engine cache "
-            f"{_num(record, 'ceiling_engine_kv_bytes', 'record') / (1 << 20):.1f} MiB; the machine's 1-minute load "
-            f"average {_num(load, 'min', 'load'):.1f} to {_num(load, 'max', 'load'):.1f} on 2 cores; the servers ran for "
-            f"{minutes:.0f} minutes in all")  # fmt: skip
+    minutes = (
+        sum(_num(_obj(run, "runs"), "wall_s", "runs") for run in cast(list[object], runs)) / 60
+        if isinstance(runs, list)
+        else 0.0
+    )
+    return (
+        f"{_num(record, 'rounds', 'rounds'):.0f} rounds, arms alternating, each round a fresh server per arm; "
+        f"requests per round: {requests}; {_num(record, 'max_concurrency', 'record'):.0f} at a time; engine KV "
+        f"cache {_num(record, 'engine_kv_bytes', 'record') / (1 << 20):.1f} MiB, kvtriton's host slab "
+        f"{_num(record, 'host_bytes', 'record') / (1 << 20):.0f} MiB, the ceiling's engine cache "
+        f"{_num(record, 'ceiling_engine_kv_bytes', 'record') / (1 << 20):.1f} MiB; the machine's 1-minute load "
+        f"average {_num(load, 'min', 'load'):.1f} to {_num(load, 'max', 'load'):.1f} on 2 cores; the servers ran for "
+        f"{minutes:.0f} minutes in all"
+    )
 
 
 def serving_summary(results: Results) -> str:
@@ -196,11 +225,14 @@ def serving_summary(results: Results) -> str:
             hits = f"kvtriton served {_hit_share(share, workload)} of the prompt tokens the ceiling did not compute"
             if verdict.get("measured") is None:
                 gain = _gain(_obj(share.get("gain_ms"), f"{workload}.gain_ms"), workload)
-                parts.append(f"on {workload} load {hits}, and its share of the ceiling's TTFT gain is not measurable "
-                             f"(the ceiling's own gain over no connector, {gain} ms, is within the noise)")  # fmt: skip
+                parts.append(
+                    f"on {workload} load {hits}, and its share of the ceiling's TTFT gain is not measurable "
+                    f"(the ceiling's own gain over no connector, {gain} ms, is within the noise)"
+                )
             else:
-                parts.append(f"on {workload} load {hits} and reached {_share(share, workload)} of the ceiling's "
-                             "TTFT gain")  # fmt: skip
+                parts.append(
+                    f"on {workload} load {hits} and reached {_share(share, workload)} of the ceiling's TTFT gain"
+                )
         elif verdict.get("measured") is None:
             parts.append(f"on {workload} load: not measurable")
         else:

@@ -225,8 +225,11 @@ def fp8_shift(results: Results) -> str:
 def _first_at_ceiling(record: JSONObject, policy: str, within: float) -> float:
     """The smallest size at which ``policy`` comes within ``within`` (a fraction) of the ceiling."""
     ceiling = _ceiling(record)
-    sizes = [float(cast(float, p["capacity_gib"])) for p in _points(record) if p["policy"] == policy
-             and _rate(record, p) >= ceiling - within]  # fmt: skip
+    sizes = [
+        float(cast(float, p["capacity_gib"]))
+        for p in _points(record)
+        if p["policy"] == policy and _rate(record, p) >= ceiling - within
+    ]
     if not sizes:
         _fail(f"{policy} never comes within {100 * within:.1f} points of the ceiling in `{_command(record)}`")
     return min(sizes)
@@ -291,12 +294,23 @@ def run_date(results: Results) -> str:
 
 
 SIMULATE_RENDERERS: dict[str, Callable[[Results], str]] = {
-    **{"simulate-" + renderer.__name__.replace("_", "-"): renderer for renderer in (
-        chat_seconds, fp8_shift, prefix_sharing_command, few_shot_output, vllm_output, vllm_gpu_share, few_shot_knee,
-        few_shot_arc_ahead, chat_lru_ahead, vllm_ceiling,
-    )},
+    **{
+        "simulate-" + renderer.__name__.replace("_", "-"): renderer
+        for renderer in (
+            chat_seconds,
+            fp8_shift,
+            prefix_sharing_command,
+            few_shot_output,
+            vllm_output,
+            vllm_gpu_share,
+            few_shot_knee,
+            few_shot_arc_ahead,
+            chat_lru_ahead,
+            vllm_ceiling,
+        )
+    },
     "run-simulate": run_date,
-}  # fmt: skip
+}
 """The generated regions of docs/simulate.md, by name, and what renders each (render_docs' signature): ``simulate-``
 and the renderer's name with dashes, so the two cannot drift apart."""
 
@@ -306,16 +320,21 @@ and the renderer's name with dashes, so the two cannot drift apart."""
 
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser("render_simulate", __doc__)
-    parser.add_argument("--results", type=Path, default=RESULTS,
-                        help="folder for the JSON records (default: bench/results)")  # fmt: skip
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="folder for the JSON records (default: bench/results)"
+    )
     parser.add_argument("--images", type=Path, default=IMAGES, help="folder for the plots (default: docs/img)")
-    parser.add_argument("--only", choices=[run.name for run in RUNS], action="append",
-                        help="make only this run (repeatable; default: every run)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        choices=[run.name for run in RUNS],
+        action="append",
+        help="make only this run (repeatable; default: every run)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtriton.cli._main import main as kvtriton
+    from kvtriton.cli import main as kvtriton
 
     args = build_parser().parse_args(argv)
     results_dir, images_dir = cast(Path, args.results).resolve(), cast(Path, args.images).resolve()

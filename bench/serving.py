@@ -159,8 +159,18 @@ REUSE_WORKLOADS = ("prefix-heavy", "multi-turn")
 NO_REUSE_WORKLOAD = "no-reuse"
 VLLM_OFFLOAD = "vLLM CPU offload"
 CEILING = "ceiling"
-SPREAD_METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput", "total_token_throughput",
-                  "duration", "prompt_tokens", "engine_cache_hit_tokens", "connector_hit_tokens", "computed_tokens")  # fmt: skip
+SPREAD_METRICS = (
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "output_throughput",
+    "total_token_throughput",
+    "duration",
+    "prompt_tokens",
+    "engine_cache_hit_tokens",
+    "connector_hit_tokens",
+    "computed_tokens",
+)
 """The figures whose median and range over the rounds the result keeps."""
 PROMETHEUS_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{[^}]*\})? (?P<value>\S+)$", re.MULTILINE)
 
@@ -177,10 +187,15 @@ class Configuration:
 
 def _kvtriton(host_bytes: int, **extra: object) -> tuple[str, ...]:
     config = {
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"spec_name": "KVTritonOffloadingSpec", "spec_module_path": "kvtriton.integrations.vllm",
-                                      "cpu_bytes_to_use": host_bytes, **extra},
-    }  # fmt: skip
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KVTritonOffloadingSpec",
+            "spec_module_path": "kvtriton.integrations.vllm",
+            "cpu_bytes_to_use": host_bytes,
+            **extra,
+        },
+    }
     return ("--kv-transfer-config", json.dumps(config))
 
 
@@ -283,12 +298,26 @@ class Sizes:
     multi_turn: MultiTurn
 
 
-FULL_SIZES = Sizes(prefix_len=128, suffix_len=32, num_prefixes=9, prefix_prompts=18, random_prompts=12, output_len=4,
-                   multi_turn=MultiTurn(conversations=6, turns=3, opening_words=70, user_words=20, reply_words=10))  # fmt: skip
+FULL_SIZES = Sizes(
+    prefix_len=128,
+    suffix_len=32,
+    num_prefixes=9,
+    prefix_prompts=18,
+    random_prompts=12,
+    output_len=4,
+    multi_turn=MultiTurn(conversations=6, turns=3, opening_words=70, user_words=20, reply_words=10),
+)
 """About 20-25 minutes for 3 rounds of the four arms on a 2-core machine: every workload here computes 2,000 to
 3,000 prompt tokens without reuse, and 4 output tokens a request (the TTFT is the figure; decoding is not)."""
-QUICK_SIZES = Sizes(prefix_len=64, suffix_len=32, num_prefixes=2, prefix_prompts=4, random_prompts=4, output_len=2,
-                    multi_turn=MultiTurn(conversations=2, turns=2, opening_words=40, user_words=10, reply_words=5))  # fmt: skip
+QUICK_SIZES = Sizes(
+    prefix_len=64,
+    suffix_len=32,
+    num_prefixes=2,
+    prefix_prompts=4,
+    random_prompts=4,
+    output_len=2,
+    multi_turn=MultiTurn(conversations=2, turns=2, opening_words=40, user_words=10, reply_words=5),
+)
 
 
 def workloads(sizes: Sizes, multi_turn_path: Path) -> list[Workload]:
@@ -296,27 +325,56 @@ def workloads(sizes: Sizes, multi_turn_path: Path) -> list[Workload]:
     ``multi_turn_path``, which :func:`write_sharegpt` writes)."""
     mt = sizes.multi_turn
     return [
-        Workload("prefix-heavy", (
-            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(sizes.prefix_len),
-            "--prefix-repetition-suffix-len", str(sizes.suffix_len),
-            "--prefix-repetition-num-prefixes", str(sizes.num_prefixes),
-            "--prefix-repetition-output-len", str(sizes.output_len),
-        ), sizes.prefix_prompts,
+        Workload(
+            "prefix-heavy",
+            (
+                "--dataset-name",
+                "prefix_repetition",
+                "--prefix-repetition-prefix-len",
+                str(sizes.prefix_len),
+                "--prefix-repetition-suffix-len",
+                str(sizes.suffix_len),
+                "--prefix-repetition-num-prefixes",
+                str(sizes.num_prefixes),
+                "--prefix-repetition-output-len",
+                str(sizes.output_len),
+            ),
+            sizes.prefix_prompts,
             f"`prefix_repetition`: {sizes.num_prefixes} prefixes of {sizes.prefix_len} tokens, each followed by "
-            f"{sizes.suffix_len} random tokens, {sizes.prefix_prompts} requests shuffled"),
-        Workload("multi-turn", (
-            "--dataset-name", "sharegpt", "--dataset-path", str(multi_turn_path), "--disable-shuffle",
-            "--sharegpt-output-len", str(sizes.output_len),
-        ), mt.conversations * mt.turns,
+            f"{sizes.suffix_len} random tokens, {sizes.prefix_prompts} requests shuffled",
+        ),
+        Workload(
+            "multi-turn",
+            (
+                "--dataset-name",
+                "sharegpt",
+                "--dataset-path",
+                str(multi_turn_path),
+                "--disable-shuffle",
+                "--sharegpt-output-len",
+                str(sizes.output_len),
+            ),
+            mt.conversations * mt.turns,
             f"{mt.conversations} conversations of {mt.turns} turns (an opening of {mt.opening_words} words, "
             f"{mt.user_words}-word user turns, {mt.reply_words}-word replies), sent turn by turn across the "
-            "conversations (`sharegpt` reader, in order)"),
-        Workload(NO_REUSE_WORKLOAD, (
-            "--dataset-name", "random", "--random-input-len", str(sizes.prefix_len + sizes.suffix_len),
-            "--random-output-len", str(sizes.output_len), "--random-range-ratio", "0",
-        ), sizes.random_prompts,
-            f"`random`: {sizes.random_prompts} prompts of {sizes.prefix_len + sizes.suffix_len} random tokens"),
-    ]  # fmt: skip
+            "conversations (`sharegpt` reader, in order)",
+        ),
+        Workload(
+            NO_REUSE_WORKLOAD,
+            (
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                str(sizes.prefix_len + sizes.suffix_len),
+                "--random-output-len",
+                str(sizes.output_len),
+                "--random-range-ratio",
+                "0",
+            ),
+            sizes.random_prompts,
+            f"`random`: {sizes.random_prompts} prompts of {sizes.prefix_len + sizes.suffix_len} random tokens",
+        ),
+    ]
 
 
 def serve_command(
@@ -325,22 +383,61 @@ def serve_command(
     """``vllm serve`` for ``configuration`` on the loopback (fp32, block size 32, 2 sequences at a time)."""
     kv_bytes = engine_kv_bytes + configuration.extra_engine_kv_bytes
     return [
-        python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", LOOPBACK, "--port", str(port),
-        "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-        "--max-num-seqs", str(MAX_CONCURRENCY), "--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(MAX_CONCURRENCY),
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
         *configuration.serve_args,
-    ]  # fmt: skip
+    ]
 
 
 def bench_serve_args(model: Path, url: str, workload: Workload) -> list[str]:
     """The arguments of ``vllm bench serve`` for ``workload``, :data:`MAX_CONCURRENCY` requests at a time."""
     return [
-        "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", str(model),
-        "--tokenizer", str(model), *workload.args, "--num-prompts", str(workload.num_prompts),
-        "--max-concurrency", str(MAX_CONCURRENCY), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
-        "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(model),
+        *workload.args,
+        "--num-prompts",
+        str(workload.num_prompts),
+        "--max-concurrency",
+        str(MAX_CONCURRENCY),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
         "--disable-tqdm",
-    ]  # fmt: skip
+    ]
 
 
 # -- statistics ---------------------------------------------------------------------------------------------
@@ -396,14 +493,27 @@ def prompt_token_sources(before: Mapping[str, float], after: Mapping[str, float]
 
     prompt = grew("vllm:prompt_tokens_total")
     local, external = grew("vllm:prefix_cache_hits_total"), grew("vllm:external_prefix_cache_hits_total")
-    return {"prompt_tokens": prompt, "engine_cache_hit_tokens": local, "connector_hit_tokens": external,
-            "computed_tokens": prompt - local - external}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "engine_cache_hit_tokens": local,
+        "connector_hit_tokens": external,
+        "computed_tokens": prompt - local - external,
+    }
 
 
 def summarize(result: Mapping[str, object], sources: Mapping[str, float]) -> dict[str, float]:
     """The figures of one ``vllm bench serve`` result (and the prompt tokens' sources) this benchmark reports."""
-    keys = ("completed", "mean_ttft_ms", "p99_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "output_throughput",
-            "total_token_throughput", "request_throughput", "duration")  # fmt: skip
+    keys = (
+        "completed",
+        "mean_ttft_ms",
+        "p99_ttft_ms",
+        "median_ttft_ms",
+        "mean_tpot_ms",
+        "output_throughput",
+        "total_token_throughput",
+        "request_throughput",
+        "duration",
+    )
     figures: dict[str, float] = {}
     for key in keys:
         value = result.get(key)
@@ -457,11 +567,19 @@ def shares(runs: Runs, arm: str) -> dict[str, dict[str, object]]:
         ]
         gains = [runs["none"][r][workload]["mean_ttft_ms"] - runs[CEILING][r][workload]["mean_ttft_ms"] for r in rounds]
         known = [share for share in per_round if share is not None]
-        out[workload] = {"share": ceiling_share(*medians), "rounds": per_round,
-                         "min": min(known) if known else None, "max": max(known) if known else None,
-                         "gain_ms": {"of_medians": medians[0] - medians[2], "rounds": gains,
-                                     "min": min(gains, default=None), "max": max(gains, default=None)},
-                         "hit_tokens_share": ceiling_share(*hits, higher_is_better=True)}  # fmt: skip
+        out[workload] = {
+            "share": ceiling_share(*medians),
+            "rounds": per_round,
+            "min": min(known) if known else None,
+            "max": max(known) if known else None,
+            "gain_ms": {
+                "of_medians": medians[0] - medians[2],
+                "rounds": gains,
+                "min": min(gains, default=None),
+                "max": max(gains, default=None),
+            },
+            "hit_tokens_share": ceiling_share(*hits, higher_is_better=True),
+        }
     return out
 
 
@@ -475,8 +593,12 @@ def throughput_ratios(runs: Runs, arm: str) -> dict[str, dict[str, object]]:
             for r in sorted(runs[arm])
             if r in runs["none"]
         ]
-        out[workload] = {"ratio": _median(runs, arm, workload, metric) / _median(runs, "none", workload, metric),
-                         "rounds": per_round, "min": min(per_round), "max": max(per_round)}  # fmt: skip
+        out[workload] = {
+            "ratio": _median(runs, arm, workload, metric) / _median(runs, "none", workload, metric),
+            "rounds": per_round,
+            "min": min(per_round),
+            "max": max(per_round),
+        }
     return out
 
 
@@ -499,14 +621,26 @@ def goals(
         if not isinstance(slowest_gain, float | int) or slowest_gain <= 0:
             reason = "the ceiling was not faster than no connector in every round: its gain is within the noise"
         measured = share if isinstance(share, float) and reason is None else None
-        verdicts.append({"goal": f"{workload}: kvtriton's share of the ceiling's TTFT gain >= {CEILING_SHARE_GOAL:.0%}",
-                         "workload": workload, "measured": measured, "reason": reason,
-                         "met": None if measured is None else measured >= CEILING_SHARE_GOAL})  # fmt: skip
+        verdicts.append(
+            {
+                "goal": f"{workload}: kvtriton's share of the ceiling's TTFT gain >= {CEILING_SHARE_GOAL:.0%}",
+                "workload": workload,
+                "measured": measured,
+                "reason": reason,
+                "met": None if measured is None else measured >= CEILING_SHARE_GOAL,
+            }
+        )
     ratio = ratio_by_workload.get(NO_REUSE_WORKLOAD, {}).get("ratio")
     measured = ratio if isinstance(ratio, float) else None
-    verdicts.append({"goal": f"{NO_REUSE_WORKLOAD}: kvtriton's throughput >= {THROUGHPUT_GOAL:g}x no connector's",
-                     "workload": NO_REUSE_WORKLOAD, "measured": measured, "reason": None,
-                     "met": None if measured is None else measured >= THROUGHPUT_GOAL})  # fmt: skip
+    verdicts.append(
+        {
+            "goal": f"{NO_REUSE_WORKLOAD}: kvtriton's throughput >= {THROUGHPUT_GOAL:g}x no connector's",
+            "workload": NO_REUSE_WORKLOAD,
+            "measured": measured,
+            "reason": None,
+            "met": None if measured is None else measured >= THROUGHPUT_GOAL,
+        }
+    )
     return verdicts
 
 
@@ -631,15 +765,24 @@ def run_arm(
             result = run_client(bench_serve_args(model, url, workload), folder / "client.log")
             completed = result.get("completed")
             if completed != workload.num_prompts:
-                raise RuntimeError(f"{configuration.name}, {workload.name}: {completed} of {workload.num_prompts} "
-                                   f"requests completed; the client's log: {folder / 'client.log'}")  # fmt: skip
+                raise RuntimeError(
+                    f"{configuration.name}, {workload.name}: {completed} of {workload.num_prompts} "
+                    f"requests completed; the client's log: {folder / 'client.log'}"
+                )
             after = prometheus_totals(_get(f"{url}/metrics") or "")
             figures[workload.name] = f = summarize(result, prompt_token_sources(before, after))
-            _say(f"{progress} {configuration.name}, {workload.name}: mean TTFT {f['mean_ttft_ms']:.0f} ms, "
-                 f"{f['total_token_throughput']:.0f} tok/s, {f['duration']:.0f} s; prompt tokens from the connector "
-                 f"{f['connector_hit_tokens']:.0f}, the engine's cache {f['engine_cache_hit_tokens']:.0f}")  # fmt: skip
-    return {"figures": figures, "start_s": start_s, "load_average_before": list(load_before),
-            "load_average_after": list(os.getloadavg()), "wall_s": time.monotonic() - started}  # fmt: skip
+            _say(
+                f"{progress} {configuration.name}, {workload.name}: mean TTFT {f['mean_ttft_ms']:.0f} ms, "
+                f"{f['total_token_throughput']:.0f} tok/s, {f['duration']:.0f} s; prompt tokens from the connector "
+                f"{f['connector_hit_tokens']:.0f}, the engine's cache {f['engine_cache_hit_tokens']:.0f}"
+            )
+    return {
+        "figures": figures,
+        "start_s": start_s,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def _say(line: str) -> None:
@@ -665,18 +808,33 @@ def _stopped_by_sigterm() -> Generator[None]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = bench_parser("serving", __doc__)
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
-                        help=f"rounds; each runs every arm once, on a fresh server (default: {ROUNDS}; >= 3 but in a smoke run)")  # fmt: skip
-    parser.add_argument("--configurations", default=",".join(ARMS),
-                        help=f"comma-separated, from: {', '.join(ARMS)} (default: all; none and ceiling are always run)")  # fmt: skip
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help=f"rounds; each runs every arm once, on a fresh server (default: {ROUNDS}; >= 3 but in a smoke run)",
+    )
+    parser.add_argument(
+        "--configurations",
+        default=",".join(ARMS),
+        help=f"comma-separated, from: {', '.join(ARMS)} (default: all; none and ceiling are always run)",
+    )
     parser.add_argument(
         "--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct, prepared and cached)"
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="vLLM's platform (default: cpu)")
-    parser.add_argument("--engine-kv-bytes", type=int, default=ENGINE_KV_BYTES,
-                        help=f"the engine's own KV cache (default: {ENGINE_KV_BYTES:,} bytes, 24 blocks of SmolLM2-135M)")  # fmt: skip
-    parser.add_argument("--host-bytes", type=int, default=HOST_BYTES,
-                        help=f"kvtriton's host slab, and what the ceiling adds to the engine's cache (default: {HOST_BYTES >> 20} MiB)")  # fmt: skip
+    parser.add_argument(
+        "--engine-kv-bytes",
+        type=int,
+        default=ENGINE_KV_BYTES,
+        help=f"the engine's own KV cache (default: {ENGINE_KV_BYTES:,} bytes, 24 blocks of SmolLM2-135M)",
+    )
+    parser.add_argument(
+        "--host-bytes",
+        type=int,
+        default=HOST_BYTES,
+        help=f"kvtriton's host slab, and what the ceiling adds to the engine's cache (default: {HOST_BYTES >> 20} MiB)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -749,8 +907,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else f", about {elapsed / (index - 1) * (len(schedule) - index + 1) / 60:.0f} min left"
                 )
                 progress = f"[round {r}/{rounds}, {index}/{len(schedule)}{eta}]"
-                record = run_arm(all_configurations[arm], model, chosen, engine_kv_bytes=args.engine_kv_bytes, env=env,
-                                 folder=scratch / f"{r}-{arm.replace(' ', '-')}", progress=progress)  # fmt: skip
+                record = run_arm(
+                    all_configurations[arm],
+                    model,
+                    chosen,
+                    engine_kv_bytes=args.engine_kv_bytes,
+                    env=env,
+                    folder=scratch / f"{r}-{arm.replace(' ', '-')}",
+                    progress=progress,
+                )
                 runs[arm][r] = cast(dict[str, dict[str, float]], record["figures"])
                 records.append({"round": r, "arm": arm, **record})
     finally:
@@ -774,8 +939,15 @@ def derived(runs: Runs, unavailable: Mapping[str, str]) -> dict[str, object]:
     for arm, by_workload in summary.items():
         for workload, figures in by_workload.items():
             ttft, tput = figures["mean_ttft_ms"], figures["total_token_throughput"]
-            rows.append([arm, workload, _triple(ttft, "{:.0f}"), _triple(tput, "{:.0f}"),
-                         _triple(figures["connector_hit_tokens"], "{:.0f}")])  # fmt: skip
+            rows.append(
+                [
+                    arm,
+                    workload,
+                    _triple(ttft, "{:.0f}"),
+                    _triple(tput, "{:.0f}"),
+                    _triple(figures["connector_hit_tokens"], "{:.0f}"),
+                ]
+            )
     for arm, problem in unavailable.items():
         rows.append([arm, "-", problem, "", ""])
     print(
@@ -783,10 +955,16 @@ def derived(runs: Runs, unavailable: Mapping[str, str]) -> dict[str, object]:
     )
     for verdict in verdicts:
         measured = verdict["measured"]
-        print(f"goal {verdict['goal']}: measured {measured if measured is None else f'{measured:.3f}'}, "
-              f"{'met' if verdict['met'] else 'not met' if verdict['met'] is False else 'not measurable'}")  # fmt: skip
-    return {"results": {**summary, **unavailable}, "ceiling_share": share, "throughput_vs_none": ratio,
-            "goals": {"ceiling_share": CEILING_SHARE_GOAL, "throughput": THROUGHPUT_GOAL, "verdicts": verdicts}}  # fmt: skip
+        print(
+            f"goal {verdict['goal']}: measured {measured if measured is None else f'{measured:.3f}'}, "
+            f"{'met' if verdict['met'] else 'not met' if verdict['met'] is False else 'not measurable'}"
+        )
+    return {
+        "results": {**summary, **unavailable},
+        "ceiling_share": share,
+        "throughput_vs_none": ratio,
+        "goals": {"ceiling_share": CEILING_SHARE_GOAL, "throughput": THROUGHPUT_GOAL, "verdicts": verdicts},
+    }
 
 
 def recompute(path: Path) -> Path:
@@ -818,22 +996,34 @@ def report(
     rounds: int,
 ) -> dict[str, object]:
     """The result file's payload (and the table printed): every round, the spreads, the shares, the goals."""
-    loads = [value for record in records for key in ("load_average_before", "load_average_after")
-             for value in cast(list[float], record[key])[:1]]  # fmt: skip
+    loads = [
+        value
+        for record in records
+        for key in ("load_average_before", "load_average_after")
+        for value in cast(list[float], record[key])[:1]
+    ]
     return {
-        "smoke_run": args.quick, "command": command_line("serving", None),
-        "model": str(model) if args.model is not None else "SmolLM2-135M-Instruct", "device": args.device,
-        "rounds": rounds, "max_concurrency": MAX_CONCURRENCY, "max_model_len": MAX_MODEL_LEN,
-        "engine_kv_bytes": args.engine_kv_bytes, "host_bytes": args.host_bytes, "block_size": BLOCK_SIZE,
+        "smoke_run": args.quick,
+        "command": command_line("serving", None),
+        "model": str(model) if args.model is not None else "SmolLM2-135M-Instruct",
+        "device": args.device,
+        "rounds": rounds,
+        "max_concurrency": MAX_CONCURRENCY,
+        "max_model_len": MAX_MODEL_LEN,
+        "engine_kv_bytes": args.engine_kv_bytes,
+        "host_bytes": args.host_bytes,
+        "block_size": BLOCK_SIZE,
         "ceiling_engine_kv_bytes": args.engine_kv_bytes + args.host_bytes,
-        "workloads": {w.name: {"description": w.description, "num_prompts": w.num_prompts,
-                               "vllm_bench_serve": _shown_command(w)} for w in chosen},
+        "workloads": {
+            w.name: {"description": w.description, "num_prompts": w.num_prompts, "vllm_bench_serve": _shown_command(w)}
+            for w in chosen
+        },
         "multi_turn": {"conversations": sizes.multi_turn.conversations, "turns": sizes.multi_turn.turns},
         "schedule": [[record["round"], record["arm"]] for record in records],
         "load_average_1min": {"min": min(loads), "max": max(loads)} if loads else None,
         **derived(runs, unavailable),
         "runs": list(records),
-    }  # fmt: skip
+    }
 
 
 def _shown_command(workload: Workload) -> str:

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING
 
 from bench.common import bench_parser, command_line, format_table, offloading_config, write_json
 from bench.third_party_logs import quiet_vllm
-from kvtriton.cli._progress import progress
+from kvtriton.cli import progress
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadKey
@@ -313,7 +313,7 @@ def measure_steps(
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+    from kvtriton.integrations.vllm import SealedTieringManager
 
     if variant not in STEP_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(STEP_VARIANTS)}, got {variant!r}")
@@ -384,7 +384,7 @@ def measure_promotion_steps(
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
+    from kvtriton.integrations.vllm import SealedTieringManager
 
     # Room for every chunk of the round: a promotion refused for want of a slot (every one write-pending on a busy
     # machine) would be a miss that says nothing about the checks.
@@ -495,10 +495,14 @@ def _run_steps(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     summaries = {variant: _step_summary(runs) for variant, runs in results.items()}
     rows: list[list[object]] = [
-        [STEP_VARIANTS[variant], summary["median_ms"], f"{summary['low_ms']:.3f}-{summary['high_ms']:.3f}",
-         summary["refused_steps"]]
+        [
+            STEP_VARIANTS[variant],
+            summary["median_ms"],
+            f"{summary['low_ms']:.3f}-{summary['high_ms']:.3f}",
+            summary["refused_steps"],
+        ]
         for variant, summary in summaries.items()
-    ]  # fmt: skip
+    ]
     print(f"scheduler thread's time in the manager per step, ms (median of {rounds} rounds' medians, their range):")
     print(format_table(["variant", "median ms", "range ms", "refused steps"], rows))
     path = write_json(
@@ -622,8 +626,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    headers = ["chunk MiB", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s",
-               "ratio", "median ratio", "vLLM/vLLM (A/A)"]  # fmt: skip
+    headers = [
+        "chunk MiB",
+        "direction",
+        "vLLM chunks/s",
+        "vLLM GB/s",
+        "kvtriton chunks/s",
+        "kvtriton GB/s",
+        "ratio",
+        "median ratio",
+        "vLLM/vLLM (A/A)",
+    ]
     table: list[list[object]] = []
     records: list[dict[str, object]] = []
     worst = float("inf")
@@ -638,14 +651,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             worst = min(worst, ratio)
             worst_median = min(worst_median, median_ratio)
             noise = max(noise, abs(1.0 - same_ratio))
-            table.append([
-                size / (1 << 20), direction, theirs["chunks_per_s"], theirs["gb_per_s"],
-                ours["chunks_per_s"], ours["gb_per_s"], ratio, median_ratio, same_ratio,
-            ])  # fmt: skip
-            records.append({
-                "chunk_bytes": size, "direction": direction, "ratio": ratio, "median_ratio": median_ratio,
-                "vllm_vs_vllm_median_ratio": same_ratio, "vllm": theirs, "kvtriton": ours,
-            })  # fmt: skip
+            table.append(
+                [
+                    size / (1 << 20),
+                    direction,
+                    theirs["chunks_per_s"],
+                    theirs["gb_per_s"],
+                    ours["chunks_per_s"],
+                    ours["gb_per_s"],
+                    ratio,
+                    median_ratio,
+                    same_ratio,
+                ]
+            )
+            records.append(
+                {
+                    "chunk_bytes": size,
+                    "direction": direction,
+                    "ratio": ratio,
+                    "median_ratio": median_ratio,
+                    "vllm_vs_vllm_median_ratio": same_ratio,
+                    "vllm": theirs,
+                    "kvtriton": ours,
+                }
+            )
     print(format_table(headers, table))
 
     # The primary's own share, without I/O: deterministic where the passes above are at the mercy of the disk.

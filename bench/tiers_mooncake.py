@@ -48,9 +48,8 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from bench.common import bench_parser, format_table, offloading_config, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
-from kvtriton.integrations._mooncake_local import MooncakeCluster, mooncake_missing
-from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
-from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations import MooncakeCluster, mooncake_missing
+from kvtriton.integrations.mooncake import MooncakeStoreTier, MooncakeTierConfig, open_store
 
 MIB = 1024 * 1024
 DEFAULT_CHUNK_MIB = (0.5, 2.0, 4.0)
@@ -185,13 +184,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.mooncake_log:
         print(native_log.summary("the Mooncake client library") + " (--mooncake-log shows it as it comes)")
 
-    headers = ["chunk MiB", "chunks", "store GB/s", "raw store", "fs store", "load GB/s", "raw load", "fs load",
-               "store ratio", "load ratio", "promo steps", "promo ms"]  # fmt: skip
+    headers = [
+        "chunk MiB",
+        "chunks",
+        "store GB/s",
+        "raw store",
+        "fs store",
+        "load GB/s",
+        "raw load",
+        "fs load",
+        "store ratio",
+        "load ratio",
+        "promo steps",
+        "promo ms",
+    ]
     rows = [
-        [r.chunk_mib, r.chunks, r.mooncake_store_gbps, r.raw_store_gbps, r.fs_store_gbps, r.mooncake_load_gbps, r.raw_load_gbps,
-         r.fs_load_gbps, r.store_overhead_ratio, r.load_overhead_ratio, r.promotion_steps, r.promotion_ms]
+        [
+            r.chunk_mib,
+            r.chunks,
+            r.mooncake_store_gbps,
+            r.raw_store_gbps,
+            r.fs_store_gbps,
+            r.mooncake_load_gbps,
+            r.raw_load_gbps,
+            r.fs_load_gbps,
+            r.store_overhead_ratio,
+            r.load_overhead_ratio,
+            r.promotion_steps,
+            r.promotion_ms,
+        ]
         for r in results
-    ]  # fmt: skip
+    ]
     print(format_table(headers, rows))
     worst = min(min(r.store_overhead_ratio, r.load_overhead_ratio) for r in results)
     if quick:
@@ -367,8 +390,10 @@ def measure_size(
                 times[path].append(run())
 
         # The fastest store and the fastest load of each path's timed runs.
-        fastest = {path: (min(store_s for store_s, _ in timed), min(load_s for _, load_s in timed))
-                   for path, timed in times.items()}  # fmt: skip
+        fastest = {
+            path: (min(store_s for store_s, _ in timed), min(load_s for _, load_s in timed))
+            for path, timed in times.items()
+        }
         steps, millis = promotion_latency(tier, promotions, step_ms, keys_for(next(run_ids)), chunks, job_ids)
         promoted = min(promotions, chunks)
         if not np.array_equal(rows[chunks : chunks + promoted], rows[:promoted]):
@@ -381,8 +406,11 @@ def measure_size(
         shutil.rmtree(fs_root, ignore_errors=True)
     (tier_store, tier_load), (raw_store, raw_load) = fastest["mooncake"], fastest["raw"]
     # mooncake_store_gbps, mooncake_load_gbps, raw_store_gbps ... fs_load_gbps
-    bandwidths = {f"{path}_{direction}_gbps": gbps(total, seconds)
-                  for path, both in fastest.items() for direction, seconds in zip(("store", "load"), both)}  # fmt: skip
+    bandwidths = {
+        f"{path}_{direction}_gbps": gbps(total, seconds)
+        for path, both in fastest.items()
+        for direction, seconds in zip(("store", "load"), both)
+    }
     return SizeResult(
         chunk_mib=chunk_mib,
         chunks=chunks,

@@ -61,7 +61,7 @@ from typing import ClassVar
 
 from typing_extensions import override
 
-from kvtriton.integrations._mooncake_local import mooncake_version_problem
+from kvtriton.integrations import mooncake_version_problem
 from kvtriton.integrations.mooncake._client import (
     MooncakeClient,
     StoreClient,
@@ -81,7 +81,7 @@ from kvtriton.integrations.remote import (
     chunk_identity,
     kv_identity,
 )
-from kvtriton.integrations.vllm._surface import ConfigInfoMapping
+from kvtriton.integrations.vllm import ConfigInfoMapping
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtriton.integrations.remote._keyspace import ChunkIdentity
-from kvtriton.integrations.vllm._config import compression_tag
-from kvtriton.integrations.vllm._identity import KVIdentity, compute_identity, vllm_identity
+from kvtriton.integrations.vllm import KVIdentity, compression_tag, compute_identity, vllm_identity
 from kvtriton.kernels import KVCompression
 
 if TYPE_CHECKING:
-    from kvtriton.integrations.vllm._surface import OffloadingSpec
+    from kvtriton.integrations.vllm import OffloadingSpec
 
 DEFAULT_LAYOUT_TAG = "vllm-cpu"
 """The layout tag of a primary that does not name its own: vLLM's CPU primary."""

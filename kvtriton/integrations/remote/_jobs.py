@@ -28,7 +28,7 @@ from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment
 from kvtriton.integrations.remote._metrics import Counters, FailureReason
 from kvtriton.integrations.remote._seals import SealedSlots
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
-from kvtriton.integrations.vllm._surface import (
+from kvtriton.integrations.vllm import (
     JOB_RESULTS_DEFER_RELEASE,
     JobId,
     JobResult,
@@ -41,7 +41,7 @@ from kvtriton.integrations.vllm._surface import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvtriton.integrations.vllm._surface import AsyncLookupManager
+    from kvtriton.integrations.vllm import AsyncLookupManager
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from kvtriton.integrations.remote._metrics import FailureReason, failure_reason
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
-from kvtriton.integrations.vllm._surface import AsyncLookupManager, OffloadKey, ReqContext
+from kvtriton.integrations.vllm import AsyncLookupManager, OffloadKey, ReqContext
 
 
 class RemoteLookups(AsyncLookupManager):

@@ -17,13 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from kvtriton.integrations.vllm._integrity_report import IntegrityReport, integrity_metric_definitions
-from kvtriton.integrations.vllm._surface import (
+from kvtriton.integrations.vllm import (
     TIER_LABEL,
+    IntegrityReport,
     OffloadingConnectorStats,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
+    integrity_metric_definitions,
 )
 
 if TYPE_CHECKING:

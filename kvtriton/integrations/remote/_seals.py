@@ -19,8 +19,7 @@ import numpy as np
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
 from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment
 from kvtriton.integrations.remote._supervisor import MemoryRegion
-from kvtriton.integrations.vllm._integrity_report import IntegrityReport
-from kvtriton.integrations.vllm._surface import OffloadKey
+from kvtriton.integrations.vllm import IntegrityReport, OffloadKey
 
 logger = logging.getLogger(__name__)
 

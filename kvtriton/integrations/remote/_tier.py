@@ -71,10 +71,10 @@ from kvtriton.integrations.remote._metrics import (
 from kvtriton.integrations.remote._seals import SealedSlots
 from kvtriton.integrations.remote._settings import RemoteTierSettings, tier_constructor_signature
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
-from kvtriton.integrations.vllm._integrity_report import IntegrityReport
-from kvtriton.integrations.vllm._surface import (
+from kvtriton.integrations.vllm import (
     BackpressureDetector,
     CacheHitSource,
+    IntegrityReport,
     JobResult,
     Locality,
     LookupResult,
@@ -92,7 +92,7 @@ from kvtriton.integrations.vllm._surface import (
 )
 
 if TYPE_CHECKING:
-    from kvtriton.integrations.vllm._surface import OffloadingSpec
+    from kvtriton.integrations.vllm import OffloadingSpec
 
 logger = logging.getLogger(__name__)
 

@@ -42,11 +42,42 @@ except ImportError as _error:
     ) from _error
 
 try:
-    from kvtriton.integrations.vllm._config import KVTritonOffloadConfig
+    from kvtriton.integrations.vllm._config import KVTritonOffloadConfig, compression_tag
+    from kvtriton.integrations.vllm._identity import KVIdentity, compute_identity, vllm_identity
+    from kvtriton.integrations.vllm._integrity_report import IntegrityReport, integrity_metric_definitions
     from kvtriton.integrations.vllm._logging import attach_to_vllm_logging
     from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
+    from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
     from kvtriton.integrations.vllm._single_tier_spec import KVTritonOffloadingSpec
     from kvtriton.integrations.vllm._spec_core import open_host_slab
+    from kvtriton.integrations.vllm._surface import (
+        JOB_RESULTS_DEFER_RELEASE,
+        TIER_LABEL,
+        AsyncLookupManager,
+        BackpressureDetector,
+        CacheHitSource,
+        ConfigInfoMapping,
+        JobId,
+        JobResult,
+        Locality,
+        LookupResult,
+        Medium,
+        OffloadingConnectorStats,
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+        OffloadingMetricMetadata,
+        OffloadingSpec,
+        OffloadKey,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+        SecondaryTierManager,
+        TransferJob,
+        failed_load_result,
+        get_offload_block_hash,
+        get_offload_group_idx,
+        mark_stored,
+    )
     from kvtriton.integrations.vllm._tiered_spec import KVTritonTieringOffloadingSpec
     from kvtriton.integrations.vllm._worker import VLLMOffloadingWorker
 except ImportError as _error:
@@ -62,12 +93,50 @@ except ImportError as _error:
 attach_to_vllm_logging()
 
 __all__ = [
+    # what a deployment names (spec_name) and what a user builds or reads
     "KVTritonOffloadConfig",
     "KVTritonOffloadingSpec",
     "KVTritonTieringOffloadingSpec",
     "VLLMOffloadingManager",
     "VLLMOffloadingWorker",
     "open_host_slab",
+    # what kvtriton's own vLLM tiers (kvtriton.integrations.remote, .mooncake) and the tiering benchmark build
+    # on: vLLM's tier interface as the surface module re-exports it (one place to follow a vLLM release), the
+    # release's differences resolved there, and the engine identity, integrity report and sealed manager; each
+    # is documented where it is defined
+    "JOB_RESULTS_DEFER_RELEASE",
+    "TIER_LABEL",
+    "AsyncLookupManager",
+    "BackpressureDetector",
+    "CacheHitSource",
+    "ConfigInfoMapping",
+    "IntegrityReport",
+    "JobId",
+    "JobResult",
+    "KVIdentity",
+    "Locality",
+    "LookupResult",
+    "Medium",
+    "OffloadKey",
+    "OffloadingConnectorStats",
+    "OffloadingCounterMetadata",
+    "OffloadingGaugeMetadata",
+    "OffloadingMetricMetadata",
+    "OffloadingSpec",
+    "ReqContext",
+    "RequestOffloadingContext",
+    "ScheduleEndContext",
+    "SealedTieringManager",
+    "SecondaryTierManager",
+    "TransferJob",
+    "compression_tag",
+    "compute_identity",
+    "failed_load_result",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "integrity_metric_definitions",
+    "mark_stored",
+    "vllm_identity",
 ]
 
 _SPECS = {
