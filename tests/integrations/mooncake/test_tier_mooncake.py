@@ -3,7 +3,7 @@
 Round trips are bit-exact through the tier's own calls (submit_store /
 submit_load / lookup / get_finished_jobs); the keyspace separates layouts; a
 value of the wrong size is a miss. Breaking the store is in
-tests/integrations/test_tier_mooncake_failures.py.
+tests/integrations/mooncake/test_tier_mooncake_failures.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from kvtriton.integrations._mooncake_local import (
     mooncake_version_problem,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def makefile_value(name: str) -> str:

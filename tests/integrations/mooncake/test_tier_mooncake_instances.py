@@ -30,7 +30,7 @@ import torch
 from mooncake_fixtures.instance import FULL_BLOCKS
 from tiering_fixtures.tiered_vllm import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredVLLM, kv_spec
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[2]
 INSTANCE_TIMEOUT_S = 120
 
 

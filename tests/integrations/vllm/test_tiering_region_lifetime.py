@@ -26,7 +26,7 @@ import kvtriton.worker._shared_region as shared_region
 from kvtriton.worker._region_file import REGION_MODE, remove_stale_regions
 from kvtriton.worker._shared_region import HEADER_BYTES, RegionLayout, SharedRegion
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LAYOUT = RegionLayout(2, 1, 1, 4096)
 CHILD_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

@@ -605,7 +605,7 @@ def test_the_summary_line_in_docs_operations_is_the_one_logged() -> None:
     from kvtriton.integrations.vllm._manager import summary_line
     from kvtriton.manager import ManagerStats
 
-    page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text(encoding="utf-8")
+    page = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text(encoding="utf-8")
     (documented,) = [line for line in page.splitlines() if line.startswith("kvtriton summary:")]
     before = ManagerStats(capacity=4, used=0, pending=0, loading=0, evictable=0, lookups=0, hits=0)
     after = ManagerStats(capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=2, hits=1, stores=2, loads=1)

@@ -39,7 +39,7 @@ from kvtriton.integrations.vllm._manager import STORE_OFFER_SIGNAL
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations" / "vllm").glob("*.py"))
 
 
