@@ -53,10 +53,21 @@ def start_instance(
     log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 -- handed to the child, closed right after the spawn
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_fixtures.instance", cluster.master_address, "shared", str(blocks_per_chunk), str(out),
-             *([str(go_file)] if go_file else [])],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mooncake_fixtures.instance",
+                cluster.master_address,
+                "shared",
+                str(blocks_per_chunk),
+                str(out),
+                *([str(go_file)] if go_file else []),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
     finally:
         log.close()
     return process, out

@@ -214,9 +214,12 @@ def test_the_keys_are_filed_under_the_identity_so_changed_weights_see_only_misse
         config = offloading_config({"cpu_bytes_to_use": memory.rows.nbytes})
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, name=str(model)))
         tier = MooncakeStoreTier(
-            CPUOffloadingSpec(config), memory.view, "MooncakeStoreTier",
-            master_server_address=cluster.master_address, namespace="redeployed",
-        )  # fmt: skip
+            CPUOffloadingSpec(config),
+            memory.view,
+            "MooncakeStoreTier",
+            master_server_address=cluster.master_address,
+            namespace="redeployed",
+        )
         tiers.append(tier)
         assert tier.wait_until_up(10.0)
         return tier

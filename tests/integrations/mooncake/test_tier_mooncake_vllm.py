@@ -131,10 +131,15 @@ def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier
         "cpu_bytes_to_use": 16 * BLOCK_BYTES,
         "secondary_tiers": [
             {"type": "fs", "root_dir": str(tmp_path / "fs")},
-            {"type": "MooncakeStoreTier", "module_path": "kvtriton.integrations.mooncake",
-             "master_server_address": cluster.master_address, "namespace": "vllm-metrics", "timeout_s": 5.0},
+            {
+                "type": "MooncakeStoreTier",
+                "module_path": "kvtriton.integrations.mooncake",
+                "master_server_address": cluster.master_address,
+                "namespace": "vllm-metrics",
+                "timeout_s": 5.0,
+            },
         ],
-    }  # fmt: skip
+    }
     config = offloading_config(extra, worker_kv_bytes_per_block=BLOCK_BYTES)
     manager = TieringOffloadingSpec(dataclasses.replace(config, engine_id="mooncake-metrics")).get_manager()
     assert isinstance(manager, TieringOffloadingManager)

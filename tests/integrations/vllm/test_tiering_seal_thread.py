@@ -212,11 +212,12 @@ def test_a_seal_that_fails_fails_the_store_job_and_the_scheduler_carries_on(
     stats = manager.get_stats()
     assert stats is not None
     failures = stats.reduce()
-    assert sum(
+    cascade_failures = [
         float(value)
         for name, value in failures.items()
         if name.startswith(TieringOffloadingMetrics.CASCADE_JOB_FAILURES)
-    ) == 1  # fmt: skip
+    ]
+    assert sum(cascade_failures) == 1
     assert "could not seal store job" in caplog.text and "no room for the seal" in caplog.text
     with manager.lock:  # the chunks stay in the primary, readable
         assert all(manager.lookup(key(index), context) is LookupResult.HIT for index in FILLS)

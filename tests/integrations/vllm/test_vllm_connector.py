@@ -61,9 +61,12 @@ WINDOW_SPEC = SlidingWindowSpec(
 )
 PADDING_BYTES = 64
 PADDED_SPEC = FullAttentionSpec(
-    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16,
+    block_size=BLOCK_SIZE,
+    num_kv_heads=2,
+    head_size=8,
+    dtype=torch.float16,
     page_size_padded=KV_SPEC.page_size_bytes + PADDING_BYTES,
-)  # fmt: skip
+)
 """Each block's page is padded by 64 bytes the model never writes (as vLLM pads pages to a common size)."""
 ONE_GROUP: list[tuple[list[str], KVCacheSpec]] = [(list(LAYERS), KV_SPEC)]
 HYBRID: list[tuple[list[str], KVCacheSpec]] = [(["layer0"], KV_SPEC), (["layer1"], WINDOW_SPEC)]
@@ -231,9 +234,15 @@ def make_engine(
     recorder = RecordingWorker(connector.worker)
     connector.worker = recorder
     return Engine(
-        scheduler=scheduler, workers=workers, aggregator=KVOutputAggregator(1), kv=kv, pages=pages,
-        groups=[names for names, _ in groups], recorder=recorder, canonical=handed[0],
-    )  # fmt: skip
+        scheduler=scheduler,
+        workers=workers,
+        aggregator=KVOutputAggregator(1),
+        kv=kv,
+        pages=pages,
+        groups=[names for names, _ in groups],
+        recorder=recorder,
+        canonical=handed[0],
+    )
 
 
 def replay_on_vllms_cpu_worker(engine: Engine) -> dict[int, int | None]:
