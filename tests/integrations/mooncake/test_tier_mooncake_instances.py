@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,13 +31,6 @@ from tiering_fixtures.tiered_vllm import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredVL
 
 TESTS_DIR = Path(__file__).resolve().parents[2]
 INSTANCE_TIMEOUT_S = 120
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path / "mooncake").start()
-    yield started
-    started.stop()
 
 
 def start_instance(

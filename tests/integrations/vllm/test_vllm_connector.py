@@ -45,7 +45,6 @@ from vllm_fixtures.in_process import (
     NUM_GPU_BLOCKS,
     InProcessVLLM,
     start_in_process_vllm,
-    tiny_model_config,
 )
 from vllm_fixtures.requests import make_request
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
@@ -120,11 +119,6 @@ class RecordingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return tiny_model_config()
 
 
 @dataclass(kw_only=True)
