@@ -1,4 +1,10 @@
-"""The fixtures the vLLM adapter's tests share, found by pytest by name (no test module imports them)."""
+"""The fixtures the vLLM adapter's tests share, found by pytest by name (no test module imports them).
+
+tests/integrations/ is split by the package each test covers (vllm/, remote/, mooncake/), with no __init__.py
+anywhere and no conftest.py in tests/integrations/ itself: either would put that folder on sys.path, where the
+folders vllm/ and mooncake/ would import as namespace packages wherever the real packages are not installed. So
+test module names stay unique across the suite.
+"""
 
 from __future__ import annotations
 
