@@ -105,7 +105,7 @@ def test_a_built_in_tier_whose_module_imports_a_missing_package_names_it() -> No
     ("key", "value", "expected"),
     [("n_read_threads", "4", "an integer"), ("n_write_threads", True, "an integer"), ("root_dir", 7, "a string"),
      ("enable_kv_events", "yes", "true or false"), ("locality", 3, "a string or null")],
-)  # fmt: skip
+)  # fmt: skip  # a table: one bad value a row, with what the error asks for
 def test_a_tier_value_of_the_wrong_type_names_the_tier_and_the_key_before_anything_is_built(
     key: str, value: object, expected: str
 ) -> None:

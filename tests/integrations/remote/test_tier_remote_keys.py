@@ -34,7 +34,7 @@ from kvtriton.integrations.remote import InMemoryStoreTier, InMemoryTierConfig, 
 from kvtriton.integrations.vllm._surface import FACTORY_ARGUMENTS
 from kvtriton.integrations.vllm._tier_configs import resolve_tier
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "tiers.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "tiers.md"
 DOCS_MODULE = "kvtriton_docs_dict_tier"
 """The module the docs' example backend is loaded as, so that vLLM's factory finds it by ``module_path``."""
 CHUNK = 4096

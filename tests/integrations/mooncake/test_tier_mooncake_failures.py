@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterator
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
@@ -21,10 +20,6 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np
-
-# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster
-from mooncake_fixtures.managers import own_cluster as own_cluster
 from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, poll, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -39,14 +34,6 @@ SLACK_S = 2.0
 MISS = LookupResult.MISS
 
 
-@pytest.fixture
-def tiers() -> Iterator[list[MooncakeStoreTier]]:
-    made: list[MooncakeStoreTier] = []
-    yield made
-    for tier in made:
-        tier.shutdown()
-
-
 def timed(call: object) -> float:
     assert callable(call)
     started = time.monotonic()
@@ -55,11 +42,11 @@ def timed(call: object) -> float:
 
 
 def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects_when_it_returns(
-    own_cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    own_cluster: MooncakeCluster, own_tiers: list[MooncakeStoreTier]
 ) -> None:
     memory = Primary(8, CHUNK)
     tier = make_tier(own_cluster.master_address, memory, namespace="killed", timeout_s=5.0, reconnect_interval_s=0.2)
-    tiers.append(tier)
+    own_tiers.append(tier)
     keys = chunk_keys(2, salt=10)
     memory.fill([0, 1], seed=10)
     assert run_job(tier, keys, [0, 1], load=False).success
@@ -102,9 +89,7 @@ def test_a_killed_master_makes_misses_within_the_timeout_and_the_tier_reconnects
     )
 
 
-def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(
-    own_cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
-) -> None:
+def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(own_cluster: MooncakeCluster) -> None:
     timeout_s = 2.0
     memory = Primary(8, CHUNK)
     tier = make_tier(own_cluster.master_address, memory, namespace="hung", timeout_s=timeout_s, io_threads=1)
@@ -140,11 +125,11 @@ def test_a_hung_master_bounds_lookups_jobs_drain_and_shutdown_by_the_timeout(
 
 
 def test_a_vanished_holder_turns_its_chunks_into_misses_never_wrong_bytes(
-    own_cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    own_cluster: MooncakeCluster, own_tiers: list[MooncakeStoreTier]
 ) -> None:
     memory = Primary(8, CHUNK)
     tier = make_tier(own_cluster.master_address, memory, namespace="holder", timeout_s=5.0)
-    tiers.append(tier)
+    own_tiers.append(tier)
     keys = chunk_keys(3, salt=13)
     memory.fill([0, 1, 2], seed=13)
     assert run_job(tier, keys, [0, 1, 2], load=False).success
@@ -162,14 +147,14 @@ def test_a_vanished_holder_turns_its_chunks_into_misses_never_wrong_bytes(
 
 
 def test_a_full_store_evicts_or_refuses_and_every_load_is_exact_or_a_miss(
-    tmp_path_factory: pytest.TempPathFactory, tiers: list[MooncakeStoreTier]
+    tmp_path_factory: pytest.TempPathFactory, own_tiers: list[MooncakeStoreTier]
 ) -> None:
     chunk = 1024 * 1024
     cluster = MooncakeCluster(tmp_path_factory.mktemp("mooncake-full"), holder_bytes=16 * chunk).start()
     try:
         memory = Primary(48, chunk)
         tier = make_tier(cluster.master_address, memory, namespace="full")
-        tiers.append(tier)
+        own_tiers.append(tier)
         keys = chunk_keys(24, salt=14)
         written = memory.fill(range(24), seed=14)
         outcomes = [
@@ -187,14 +172,14 @@ def test_a_full_store_evicts_or_refuses_and_every_load_is_exact_or_a_miss(
                 assert memory.chunk(24 + index) == written[index], f"chunk {index} loaded wrong bytes"
         assert tier.stats().load_failed_keys == 24 - len(arrived)
     finally:
-        for tier in tiers:
+        for tier in own_tiers:
             tier.shutdown()
-        tiers.clear()
+        own_tiers.clear()
         cluster.stop()
 
 
 def test_a_tier_started_before_its_master_misses_until_the_master_appears(
-    tmp_path_factory: pytest.TempPathFactory, tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture
+    tmp_path_factory: pytest.TempPathFactory, own_tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = MooncakeCluster(tmp_path_factory.mktemp("mooncake-late"))
     try:
@@ -202,7 +187,7 @@ def test_a_tier_started_before_its_master_misses_until_the_master_appears(
         tier = make_tier(
             cluster.master_address, memory, namespace="late", wait_up=False, timeout_s=5.0, reconnect_interval_s=0.2
         )
-        tiers.append(tier)
+        own_tiers.append(tier)
         assert tier.state is TierState.CONNECTING
         keys = chunk_keys(1, salt=15)
         assert resolve_lookups(tier, keys) == [MISS]
@@ -219,9 +204,9 @@ def test_a_tier_started_before_its_master_misses_until_the_master_appears(
         assert run_job(tier, keys, [1], load=False).success
         assert run_job(tier, keys, [2], load=True).success and memory.chunk(2) == written[0]
     finally:
-        for tier in tiers:
+        for tier in own_tiers:
             tier.shutdown()
-        tiers.clear()
+        own_tiers.clear()
         cluster.stop()
 
 
@@ -238,7 +223,7 @@ def setup_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.mark.parametrize("bad_key", ["master_server_address", "metadata_server"])
 def test_a_failed_setup_says_once_which_key_and_address_failed_and_that_the_tier_is_down_until_it_answers(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture, bad_key: str
+    cluster: MooncakeCluster, own_tiers: list[MooncakeStoreTier], caplog: pytest.LogCaptureFixture, bad_key: str
 ) -> None:
     closed = f"{LOOPBACK}:{free_port()}"  # nothing listens there
     bad = {"master_server_address": closed, "metadata_server": f"http://{closed}/metadata"}[bad_key]
@@ -254,7 +239,7 @@ def test_a_failed_setup_says_once_which_key_and_address_failed_and_that_the_tier
             reconnect_interval_s=0.2,
             **config,
         )
-        tiers.append(tier)
+        own_tiers.append(tier)
         poll(lambda: True if tier.stats().failures["unreachable"] >= 2 else None, 30.0, "two failed setups")
         assert tier.state is TierState.CONNECTING
         assert resolve_lookups(tier, chunk_keys(1, salt=16)) == [MISS]

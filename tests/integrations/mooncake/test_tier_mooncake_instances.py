@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,15 +29,8 @@ import torch
 from mooncake_fixtures.instance import FULL_BLOCKS
 from tiering_fixtures.tiered_vllm import BLOCK_SIZE, HEAD_SIZE, LAYERS, TieredVLLM, kv_spec
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[2]
 INSTANCE_TIMEOUT_S = 120
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path / "mooncake").start()
-    yield started
-    started.stop()
 
 
 def start_instance(
@@ -53,10 +45,21 @@ def start_instance(
     log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 -- handed to the child, closed right after the spawn
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_fixtures.instance", cluster.master_address, "shared", str(blocks_per_chunk), str(out),
-             *([str(go_file)] if go_file else [])],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mooncake_fixtures.instance",
+                cluster.master_address,
+                "shared",
+                str(blocks_per_chunk),
+                str(out),
+                *([str(go_file)] if go_file else []),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
     finally:
         log.close()
     return process, out

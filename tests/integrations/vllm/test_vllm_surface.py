@@ -201,14 +201,14 @@ def test_the_installed_vllm_still_has_the_private_name(key: str) -> None:
 
 
 def test_every_inventory_entry_names_a_kvtriton_module_that_exists() -> None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for entry in VLLM_PRIVATE_NAMES:
         assert (root / (entry.used_by.replace(".", "/") + ".py")).is_file(), entry.used_by
 
 
 def test_only_the_surface_imports_vllm() -> None:
     """Every vLLM name the package uses comes through kvtriton.integrations.vllm._surface (one edit per release)."""
-    root = Path(__file__).resolve().parents[2] / "kvtriton"
+    root = Path(__file__).resolve().parents[3] / "kvtriton"
     importers: list[str] = []
     for path in sorted(root.rglob("*.py")):
         if (

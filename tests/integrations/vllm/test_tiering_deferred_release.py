@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import key, primary_of, tiering
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.deferring_tier import DeferringTier
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec

@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import key, tiering_config
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VLLMCPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory

@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
+from fs_round_trip import loaded_blocks
 from tiering_fixtures.tiered_vllm import (
     BLOCK_SIZE,
     LAYERS,
@@ -28,17 +29,11 @@ from tiering_fixtures.tiered_vllm import (
     start_tiered_vllm,
 )
 from vllm.config import ModelConfig
-from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton._keys import OffloadKey
 from kvtriton.integrations.vllm._tiered_spec import KVTritonTieringWorker
 from kvtriton.worker._shared_region import SharedRegion
-
-
-@pytest.fixture(scope="module")
-def config() -> ModelConfig:
-    return tiny_model_config()  # the slow part (~10 s once): vLLM inspects the model class
 
 
 @pytest.fixture
@@ -68,14 +63,14 @@ PROMPT = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a parti
     ids=["1block", "2blocks", "2ranks", "2ranks-2blocks"],
 )
 def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
-    config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path, blocks_per_chunk: int, world_size: int
+    model_config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path, blocks_per_chunk: int, world_size: int
 ) -> None:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": budget(8, blocks_per_chunk, world_size),
         "blocks_per_chunk": blocks_per_chunk,
         "secondary_tiers": [fs_tier(tmp_path)],
     }
-    engine = start_tiered_vllm(config, extra, world_size=world_size)
+    engine = start_tiered_vllm(model_config, extra, world_size=world_size)
     engines.append(engine)
     assert all(
         isinstance(worker.connector_worker.worker, KVTritonTieringWorker)
@@ -103,18 +98,11 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
     # The fs tier checks for files on its own thread: its first answer is RETRY, so the request waits.
     assert engine.step().num_scheduled_tokens.get("second", 0) == 0
     assert engine.cpu.stats().used == 0  # nothing promoted yet
-    loaded_blocks: list[int] = []
-
-    def loaded() -> bool:
-        if engine.load_jobs and not loaded_blocks:
-            loaded_blocks.extend(engine.gpu_blocks("second")[:4])
-        return "second" not in engine.scheduler.requests
-
-    engine.step_until(loaded, "the second request finished")
+    loaded = loaded_blocks(engine, "second", 4)
     assert engine.load_jobs, "the prompt was never loaded from the tiers"
     assert [index for request, index in engine.computed if request == "second"] == []  # nothing recomputed
     for rank in range(world_size):
-        assert [engine.block_bytes(rank, block) for block in loaded_blocks] == [
+        assert [engine.block_bytes(rank, block) for block in loaded] == [
             engine.expected_bytes(rank, index) for index in range(4)
         ], f"rank {rank}'s blocks differ after the promotion"
     stats = engine.cpu.stats()
@@ -122,9 +110,11 @@ def test_a_prompt_cascaded_to_fs_is_promoted_and_loaded_back_bit_exact(
 
 
 def test_a_promotion_that_fails_halfway_keeps_the_chunks_that_arrived_and_recomputes_the_rest(
-    config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path
+    model_config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path
 ) -> None:
-    engine = start_tiered_vllm(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
+    engine = start_tiered_vllm(
+        model_config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]}
+    )
     engines.append(engine)
     engine.serve("first", PROMPT)
     keys = [OffloadKey(key) for key in engine.cpu.slot_map()]
@@ -158,9 +148,11 @@ def test_a_promotion_that_fails_halfway_keeps_the_chunks_that_arrived_and_recomp
 
 
 def test_a_connector_cache_reset_drains_the_tiers_cascades_first(
-    config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path
+    model_config: ModelConfig, engines: list[TieredVLLM], tmp_path: Path
 ) -> None:
-    engine = start_tiered_vllm(config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]})
+    engine = start_tiered_vllm(
+        model_config, {"cpu_bytes_to_use": budget(8, 1, 1), "secondary_tiers": [fs_tier(tmp_path)]}
+    )
     engines.append(engine)
     engine.scheduler.add_request(make_request("first", PROMPT))
     # Step only until the GPU -> host stores completed: their cascades to fs are then in flight or queued.

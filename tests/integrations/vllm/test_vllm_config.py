@@ -195,7 +195,7 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
          r"\['eviction_policy'\]='arc' is a policy vLLM's CachePolicyFactory has registered, which vLLM loads without "
          r"ever reading kv_connector_extra_config\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.arc'"),
     ],
-)  # fmt: skip
+)  # fmt: skip  # a table: one bad policy setting a case, its message beneath
 def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(
     extra: dict[str, object], message: str
 ) -> None:
@@ -301,10 +301,11 @@ def test_every_key_vllms_offloading_code_reads_from_the_extra_config_is_accepted
 
 
 def test_a_budget_below_one_slot_says_the_unit_is_bytes() -> None:
-    with pytest.raises(ValueError, match=(
+    below_one_slot = (
         r"kv_connector_extra_config\['cpu_bytes_to_use'\]=64: 64 bytes is less than one slot of 4096 bytes; "
         r"the value is in bytes \(vLLM's --kv-offloading-size is in GiB"
-    )):  # fmt: skip
+    )
+    with pytest.raises(ValueError, match=below_one_slot):
         check_budget(64, slot_bytes=4096, world_size=1)
     with pytest.raises(
         ValueError, match=r"8192 bytes \(4096 bytes per rank over world_size=2\) is less than one chunk"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, primary_of, settle_lookup, tiering, tiering_config, wait_for_hit
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.config import OffloadingGroupConfig
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
@@ -64,9 +64,8 @@ def test_with_one_block_per_chunk_and_room_for_the_seal_in_the_padding_the_geome
             {**extra, "spec_name": "TieringOffloadingSpec"}, worker_kv_bytes_per_block=1000, world_size=world_size
         )
     )
-    assert (ours.num_chunks, ours.kv_bytes_per_chunk, ours.cpu_page_size_per_worker) == (
-        theirs.num_chunks, theirs.kv_bytes_per_chunk, theirs.cpu_page_size_per_worker,
-    )  # fmt: skip
+    geometry = operator.attrgetter("num_chunks", "kv_bytes_per_chunk", "cpu_page_size_per_worker")
+    assert geometry(ours) == geometry(theirs)
     assert ours.layout_tag == LAYOUT_TAG  # the bytes still differ: kvtriton's chunk ends in its seal
 
 

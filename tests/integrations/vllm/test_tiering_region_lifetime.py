@@ -26,7 +26,7 @@ import kvtriton.worker._shared_region as shared_region
 from kvtriton.worker._region_file import REGION_MODE, remove_stale_regions
 from kvtriton.worker._shared_region import HEADER_BYTES, RegionLayout, SharedRegion
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LAYOUT = RegionLayout(2, 1, 1, 4096)
 CHILD_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -59,8 +59,12 @@ def crashed_creator(directory: Path, name: str, expected_mappers: int) -> int:
     """Run a child that creates region ``name`` and dies before the other mappers came; its pid."""
     child = subprocess.run(
         [sys.executable, "-c", child_code(directory, name, expected_mappers, then="print(os.getpid()); os._exit(0)")],
-        check=True, env=CHILD_ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        check=True,
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return int(child.stdout)
 
 
@@ -69,8 +73,11 @@ def live_creator(directory: Path, name: str, expected_mappers: int) -> subproces
     then = "print('ready', flush=True); sys.stdin.read(); os._exit(0)"
     child = subprocess.Popen(
         [sys.executable, "-c", child_code(directory, name, expected_mappers, then=then)],
-        env=CHILD_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=CHILD_ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout is not None and child.stdout.readline() == "ready\n"
     return child
 

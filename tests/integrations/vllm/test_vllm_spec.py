@@ -39,7 +39,7 @@ from kvtriton.integrations.vllm._manager import STORE_OFFER_SIGNAL
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations" / "vllm").glob("*.py"))
 
 
@@ -224,8 +224,11 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     probe.write_text("from vllm.v1.kv_offload.base import LookupResult\n\nresult: int = LookupResult.MISS\n")
     result = subprocess.run(
         [sys.executable, "-m", "pyright", "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     report = json.loads(result.stdout)
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
     # The glob must find the adapter itself; any new file of the vllm package joins the check unasked.
@@ -423,7 +426,7 @@ def test_a_tiered_only_key_in_the_single_tier_spec_is_warned_about(caplog: pytes
          r"\['eviction_policy'\]='LRUPolicy' is not a vLLM CachePolicy class of module "
          r"'vllm.v1.kv_offload.cpu.policies.lru' .*the CachePolicy classes it defines: \['LRUCachePolicy'\]"),
     ],
-)  # fmt: skip
+)  # fmt: skip  # a table: one bad policy setting a case, its message beneath
 def test_a_cache_policy_module_path_vllm_would_not_use_is_refused_naming_the_keys(
     extra: dict[str, object], message: str
 ) -> None:

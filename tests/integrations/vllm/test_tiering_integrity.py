@@ -19,7 +19,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, tiering_config
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory

@@ -45,7 +45,6 @@ from vllm_fixtures.in_process import (
     NUM_GPU_BLOCKS,
     InProcessVLLM,
     start_in_process_vllm,
-    tiny_model_config,
 )
 from vllm_fixtures.requests import make_request
 from vllm_fixtures.vllm_cpu_worker import vllm_cpu_worker
@@ -61,9 +60,12 @@ WINDOW_SPEC = SlidingWindowSpec(
 )
 PADDING_BYTES = 64
 PADDED_SPEC = FullAttentionSpec(
-    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float16,
+    block_size=BLOCK_SIZE,
+    num_kv_heads=2,
+    head_size=8,
+    dtype=torch.float16,
     page_size_padded=KV_SPEC.page_size_bytes + PADDING_BYTES,
-)  # fmt: skip
+)
 """Each block's page is padded by 64 bytes the model never writes (as vLLM pads pages to a common size)."""
 ONE_GROUP: list[tuple[list[str], KVCacheSpec]] = [(list(LAYERS), KV_SPEC)]
 HYBRID: list[tuple[list[str], KVCacheSpec]] = [(["layer0"], KV_SPEC), (["layer1"], WINDOW_SPEC)]
@@ -117,11 +119,6 @@ class RecordingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return tiny_model_config()
 
 
 @dataclass(kw_only=True)
@@ -231,9 +228,15 @@ def make_engine(
     recorder = RecordingWorker(connector.worker)
     connector.worker = recorder
     return Engine(
-        scheduler=scheduler, workers=workers, aggregator=KVOutputAggregator(1), kv=kv, pages=pages,
-        groups=[names for names, _ in groups], recorder=recorder, canonical=handed[0],
-    )  # fmt: skip
+        scheduler=scheduler,
+        workers=workers,
+        aggregator=KVOutputAggregator(1),
+        kv=kv,
+        pages=pages,
+        groups=[names for names, _ in groups],
+        recorder=recorder,
+        canonical=handed[0],
+    )
 
 
 def replay_on_vllms_cpu_worker(engine: Engine) -> dict[int, int | None]:

@@ -16,8 +16,7 @@ import json
 import logging
 import shutil
 import struct
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,14 +30,13 @@ import dataclasses
 
 import numpy as np
 import xxhash
-from mooncake_fixtures.tiers import Primary, chunk_keys, make_tier, resolve_lookups, run_job
+from mooncake_fixtures.tiers import Primary, chunk_keys, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm_fixtures.builders import TINY_MODEL_DIR, offloading_config
 
 from kvtriton._integrity import ROW_FORMAT_VERSION, SEAL_BYTES, IntegrityFault, key_digest
-from kvtriton.integrations.mooncake import MooncakeStoreTier, StoreClient, TierState, open_store
-from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.mooncake import MooncakeStoreTier, StoreClient, TierState
 from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
 
 CHUNK = 64 * 1024
@@ -46,33 +44,6 @@ SEALED = CHUNK + SEAL_BYTES
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 LABEL = "MooncakeStoreTier"
 """The tier label of a tier built outside vLLM's factory (vLLM's adds the position: ``1:MooncakeStoreTier``)."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-integrity")).start()
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="module")
-def tiers() -> Iterator[list[MooncakeStoreTier]]:
-    made: list[MooncakeStoreTier] = []
-    yield made
-    closers = [threading.Thread(target=tier.shutdown) for tier in made]
-    for closer in closers:
-        closer.start()
-    for closer in closers:
-        closer.join()
-
-
-@pytest.fixture(scope="module")
-def store(cluster: MooncakeCluster) -> Iterator[StoreClient]:
-    """A plain client of the same pool: what a broken or foreign writer would use."""
-    client = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
-    assert client is not None
-    yield client
-    client.close()
 
 
 def _plant(store: StoreClient, object_key: str, value: bytes) -> None:
@@ -101,11 +72,10 @@ def _stale_value(chunk: bytes, key: OffloadKey, fingerprint: bytes) -> bytes:
 
 
 def test_a_stored_value_is_the_chunk_followed_by_its_seal(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier], store: StoreClient
+    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
 ) -> None:
     memory = Primary(2, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="sealed")
-    tiers.append(tier)
+    tier = new_tier(memory, "sealed")
     (key,) = chunk_keys(1, salt=40)
     (written,) = memory.fill([0], seed=40)
     assert run_job(tier, [key], [0], load=False).success
@@ -128,15 +98,13 @@ def test_a_stored_value_is_the_chunk_followed_by_its_seal(
     ids=lambda fault: fault.value,
 )
 def test_each_planted_value_is_a_counted_miss_and_the_tier_serves_on(
-    cluster: MooncakeCluster,
-    tiers: list[MooncakeStoreTier],
+    new_tier: Callable[..., MooncakeStoreTier],
     store: StoreClient,
     fault: IntegrityFault,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     memory = Primary(8, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace=f"planted-{fault.value}")
-    tiers.append(tier)
+    tier = new_tier(memory, f"planted-{fault.value}")
     salt = 50 + list(IntegrityFault).index(fault)
     good, victim, donor = chunk_keys(3, salt=salt)
     written = memory.fill([0, 1, 2], seed=salt)
@@ -159,10 +127,7 @@ def test_each_planted_value_is_a_counted_miss_and_the_tier_serves_on(
         planted = _stale_value(written[1], victim, tier.identity.fingerprint)
     else:  # another identity's intact value: the same chunk sealed by an engine with a bf16 KV cache
         other_memory = Primary(2, CHUNK)
-        other = make_tier(
-            cluster.master_address, other_memory, namespace=f"planted-{fault.value}", dtype_override="bfloat16"
-        )
-        tiers.append(other)
+        other = new_tier(other_memory, f"planted-{fault.value}", dtype_override="bfloat16")
         assert other.identity.fingerprint != tier.identity.fingerprint
         other_memory.rows[0] = np.frombuffer(written[1], dtype=np.uint8)
         assert run_job(other, [victim], [0], load=False).success
@@ -189,11 +154,10 @@ def test_each_planted_value_is_a_counted_miss_and_the_tier_serves_on(
 
 
 def test_a_value_of_the_right_size_with_other_bytes_is_a_miss(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier], store: StoreClient
+    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
 ) -> None:
     memory = Primary(4, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="right-size")
-    tiers.append(tier)
+    tier = new_tier(memory, "right-size")
     (key,) = chunk_keys(1, salt=60)
     _plant(store, tier.object_key(key), np.random.default_rng(60).integers(0, 256, SEALED, dtype=np.uint8).tobytes())
     result = run_job(tier, [key], [1], load=True)
@@ -214,9 +178,12 @@ def test_the_keys_are_filed_under_the_identity_so_changed_weights_see_only_misse
         config = offloading_config({"cpu_bytes_to_use": memory.rows.nbytes})
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, name=str(model)))
         tier = MooncakeStoreTier(
-            CPUOffloadingSpec(config), memory.view, "MooncakeStoreTier",
-            master_server_address=cluster.master_address, namespace="redeployed",
-        )  # fmt: skip
+            CPUOffloadingSpec(config),
+            memory.view,
+            "MooncakeStoreTier",
+            master_server_address=cluster.master_address,
+            namespace="redeployed",
+        )
         tiers.append(tier)
         assert tier.wait_until_up(10.0)
         return tier

@@ -28,7 +28,7 @@ from kvtriton._integrity import SEAL_BYTES
 from kvtriton.worker._shared_region import ROW_ALIGNMENT, RegionLayout, SharedRegion
 from kvtriton.worker._slab import HostMemoryPath, HostSlab
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HEADER = shared_region.HEADER_BYTES
 
 

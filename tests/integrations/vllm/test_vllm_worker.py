@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from unittest import mock
 
@@ -298,19 +298,27 @@ def hybrid_layers(seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(-128, 128, shape, generator=generator, dtype=torch.int8) for shape in HYBRID_SHAPES]
 
 
-def hybrid_worker(layers: list[torch.Tensor], blocks_per_chunk: int = BLOCKS_PER_CHUNK) -> VLLMOffloadingWorker:
+def spec_and_worker(
+    layers: list[torch.Tensor],
+    group_refs: list[list[tuple[int, int]]],
+    extra: Mapping[str, object],
+    bytes_per_block: int,
+    blocks_per_chunk: int = 1,
+) -> tuple[KVTritonOffloadingSpec, VLLMOffloadingWorker]:
+    """kvtriton's spec for ``extra`` and the worker it builds over ``layers`` (a pageable slab's warning silenced)."""
     spec = KVTritonOffloadingSpec(
-        offloading_config(
-            {"cpu_bytes_to_use": NUM_SLOTS * blocks_per_chunk * HYBRID_PADDED_BYTES},
-            worker_kv_bytes_per_block=HYBRID_PADDED_BYTES,
-            blocks_per_chunk=blocks_per_chunk,
-        )
+        offloading_config(extra, worker_kv_bytes_per_block=bytes_per_block, blocks_per_chunk=blocks_per_chunk)
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PageableSlabWarning)
-        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=HYBRID_REFS))
+        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=group_refs))
     assert isinstance(worker, VLLMOffloadingWorker)
-    return worker
+    return spec, worker
+
+
+def hybrid_worker(layers: list[torch.Tensor], blocks_per_chunk: int = BLOCKS_PER_CHUNK) -> VLLMOffloadingWorker:
+    budget = {"cpu_bytes_to_use": NUM_SLOTS * blocks_per_chunk * HYBRID_PADDED_BYTES}
+    return spec_and_worker(layers, HYBRID_REFS, budget, HYBRID_PADDED_BYTES, blocks_per_chunk)[1]
 
 
 def test_a_hybrid_models_group_moves_only_its_own_tensors_at_their_unpadded_size() -> None:
@@ -555,17 +563,12 @@ def test_with_compression_each_group_compresses_its_unpadded_pages_and_reports_t
     layers = compressed_layers()
     original = [layer.clone() for layer in layers]
     rows = compressed_rows(layers)
-    spec = KVTritonOffloadingSpec(
-        offloading_config(
-            {"cpu_bytes_to_use": 1 << 20, "kvtriton_kv_compression": "fp8-e4m3", "kvtriton_backend": "torch"},
-            worker_kv_bytes_per_block=COMPRESSED_PADDED_BYTES,
-            blocks_per_chunk=BLOCKS_PER_CHUNK,
-        )
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PageableSlabWarning)
-        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=COMPRESSED_REFS))
-    assert isinstance(worker, VLLMOffloadingWorker)
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 1 << 20,
+        "kvtriton_kv_compression": "fp8-e4m3",
+        "kvtriton_backend": "torch",
+    }
+    spec, worker = spec_and_worker(layers, COMPRESSED_REFS, extra, COMPRESSED_PADDED_BYTES, BLOCKS_PER_CHUNK)
     assert [engine.kv.compression for engine in worker.engines] == [KVCompression.FP8_E4M3] * 2
     assert [engine.kv.row_bytes for engine in worker.engines] == list(rows)
     assert [engine.kv.raw_row_bytes for engine in worker.engines] == [2 * (128 + 64), 2 * 42]
@@ -592,13 +595,7 @@ def test_with_compression_each_group_compresses_its_unpadded_pages_and_reports_t
 def test_without_compression_the_same_pages_round_trip_bit_exact_in_raw_rows() -> None:
     layers = compressed_layers()
     original = [layer.clone() for layer in layers]
-    spec = KVTritonOffloadingSpec(
-        offloading_config({"cpu_bytes_to_use": 1 << 20}, worker_kv_bytes_per_block=COMPRESSED_PADDED_BYTES)
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PageableSlabWarning)
-        worker = spec.get_worker(canonical_kv_caches(layers, group_refs=COMPRESSED_REFS))
-    assert isinstance(worker, VLLMOffloadingWorker)
+    _, worker = spec_and_worker(layers, COMPRESSED_REFS, {"cpu_bytes_to_use": 1 << 20}, COMPRESSED_PADDED_BYTES)
     assert [engine.kv.row_bytes for engine in worker.engines] == [2 * (128 + 64), 2 * 42]
     assert worker.submit_store(0, gpu([1, 3], group_sizes=[1, 1]), CPULoadStoreSpec([0, 1]))
     assert finished(worker)[0].transfer_size == 2 * (128 + 64) + 2 * 42

@@ -18,10 +18,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
-from tiering_fixtures.configs import drain, key, settle_lookup, tiering_config, wait_for_hit
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
+from fs_round_trip import read_back, store
+from tiering_fixtures.configs import key, settle_lookup, tiering_config
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
@@ -141,39 +140,9 @@ def build(
     return manager
 
 
-def store(manager: TieringOffloadingManager, index: int, fill: int) -> None:
-    """Store chunk ``key(index)`` holding ``fill`` bytes, and wait until it is cascaded to fs."""
-    context = ReqContext(req_id=f"store-{index}")
-    manager.on_new_request(context)
-    with manager.lock:
-        output = manager.prepare_store([key(index)], context)
-    assert output is not None and isinstance(output.store_spec, VLLMCPULoadStoreSpec)
-    (slot,) = output.store_spec.chunk_ids.tolist()
-    flat = manager.primary_tier.get_kv_memoryview().cast("B")
-    size = len(flat) // manager.primary_tier._num_chunks  # pyright: ignore[reportPrivateUsage] -- vLLM's primary has no public count
-    flat[slot * size : (slot + 1) * size] = bytes([fill]) * size
-    with manager.lock:
-        manager.complete_store([key(index)], context)
-    drain(manager)
-    manager.on_request_finished(context)
-
-
 def payload(chunk: bytes, manager: TieringOffloadingManager) -> bytes:
     """The KV bytes of a chunk read back: all of vLLM's, all but the seal of kvtriton's."""
     return chunk if type(manager) is TieringOffloadingManager else chunk[:-SEAL_BYTES]
-
-
-def read_back(manager: TieringOffloadingManager, index: int) -> bytes:
-    context = ReqContext(req_id=f"load-{index}")
-    manager.on_new_request(context)
-    wait_for_hit(manager, key(index), context)
-    with manager.lock:
-        spec = manager.prepare_load([key(index)], context)
-    assert isinstance(spec, VLLMCPULoadStoreSpec)
-    (slot,) = spec.chunk_ids.tolist()
-    flat = manager.primary_tier.get_kv_memoryview().cast("B")
-    size = len(flat) // manager.primary_tier._num_chunks  # pyright: ignore[reportPrivateUsage] -- as above
-    return bytes(flat[slot * size : (slot + 1) * size])
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])

@@ -13,7 +13,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.configs import tiering_config
 from tiering_fixtures.tiered_vllm import start_tiered_vllm
 from vllm.config import ModelConfig

@@ -8,6 +8,7 @@ complete_load when the workers report, take_events, get_stats, reset_cache.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import pytest
@@ -379,9 +380,8 @@ def test_a_stored_event_is_the_one_the_installed_vllms_cpu_manager_emits() -> No
     context = ReqContext(req_id="writer")
     (event,) = stored_events(ours, context)
     (expected,) = stored_events(vllms, context)
-    assert (event.keys, event.medium, event.removed, event.metadata_only, event.removal_expected) == (
-        expected.keys, expected.medium, expected.removed, expected.metadata_only, expected.removal_expected,
-    )  # fmt: skip
+    fields = operator.attrgetter("keys", "medium", "removed", "metadata_only", "removal_expected")
+    assert fields(event) == fields(expected)
     assert event.removal_expected is surface.EVENTS_CARRY_REQ_CONTEXT
     if surface.EVENTS_CARRY_REQ_CONTEXT:  # read by name: 0.34's field, absent from 0.33's type
         assert getattr(event, "req_context") is getattr(expected, "req_context") is context
@@ -591,9 +591,19 @@ def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(
 
     def snapshot(loads: int, stores: int) -> ManagerStats:
         return ManagerStats(
-            capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=0, hits=0, pending_hits=0,
-            evictions=0, stores=stores, loads=loads, failed_stores=0,
-        )  # fmt: skip
+            capacity=4,
+            used=2,
+            pending=0,
+            loading=0,
+            evictable=2,
+            lookups=0,
+            hits=0,
+            pending_hits=0,
+            evictions=0,
+            stores=stores,
+            loads=loads,
+            failed_stores=0,
+        )
 
     line = summary_line(snapshot(0, 0), snapshot(1, 2), 61, bytes_per_chunk)
     assert f"loaded 1 chunks ({loaded}), stored 2 chunks ({stored})" in line
@@ -605,7 +615,7 @@ def test_the_summary_line_in_docs_operations_is_the_one_logged() -> None:
     from kvtriton.integrations.vllm._manager import summary_line
     from kvtriton.manager import ManagerStats
 
-    page = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text(encoding="utf-8")
+    page = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text(encoding="utf-8")
     (documented,) = [line for line in page.splitlines() if line.startswith("kvtriton summary:")]
     before = ManagerStats(capacity=4, used=0, pending=0, loading=0, evictable=0, lookups=0, hits=0)
     after = ManagerStats(capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=2, hits=1, stores=2, loads=1)

@@ -396,7 +396,7 @@ def test_an_empty_salt_hashes_as_no_salt_and_the_tenant_model_warns_about_it() -
     unsalted = salted_block_hashes(None)
     assert salted_block_hashes("") == unsalted
     assert salted_block_hashes("tenant-a") != unsalted
-    security = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text(encoding="utf-8")
+    security = (Path(__file__).resolve().parents[3] / "docs" / "security.md").read_text(encoding="utf-8")
     tenant_model = security.split("## The tenant model", 1)[1].split("\n## ", 1)[0]
     assert "**An empty salt is no salt.**" in tenant_model
     assert "non-empty salt of its own" in tenant_model

@@ -11,6 +11,7 @@ primary's memory; every primary<->Mooncake move is the tiering manager's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,12 +23,8 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np
-
-# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.managers import promote, serve_and_cascade, started
 from mooncake_fixtures.tiers import chunk_keys
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -38,48 +35,46 @@ from kvtriton.integrations.mooncake import MooncakeStoreTier, MooncakeTierMetric
 BLOCK_BYTES = 64 * 1024
 
 
+TierEntry = Callable[[str], dict[str, object]]
+"""The type of the folder's ``tier_entry`` fixture (tests/integrations/mooncake/conftest.py)."""
+
+
 def tiered_manager(
-    cluster: MooncakeCluster, engine_id: str, made: list[OffloadingManager], block_bytes: int = BLOCK_BYTES
+    tier_entry: TierEntry, engine_id: str, made: list[OffloadingManager], block_bytes: int = BLOCK_BYTES
 ) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
     """vLLM's TieringOffloadingSpec with the Mooncake tier loaded by module path; returns the tier and the primary's rows."""
-    tier_config = {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": cluster.master_address,
-        "namespace": "vllm-manager",
-        "timeout_s": 5.0,
-    }
     config = offloading_config(
-        {"cpu_bytes_to_use": 16 * block_bytes, "secondary_tiers": [tier_config]}, worker_kv_bytes_per_block=block_bytes
+        {"cpu_bytes_to_use": 16 * block_bytes, "secondary_tiers": [tier_entry("vllm-manager")]},
+        worker_kv_bytes_per_block=block_bytes,
     )
     spec = TieringOffloadingSpec(dataclasses.replace(config, engine_id=engine_id))
     return started(spec.get_manager(), made)
 
 
 def test_chunks_cascaded_by_one_vllm_manager_are_promoted_bit_exact_by_another_and_missed_by_another_layout(
-    cluster: MooncakeCluster, managers: list[OffloadingManager]
+    tier_entry: TierEntry, managers: list[OffloadingManager]
 ) -> None:
-    first, first_tier, first_rows = tiered_manager(cluster, "mooncake-first", managers)
+    first, first_tier, first_rows = tiered_manager(tier_entry, "mooncake-first", managers)
     keys = chunk_keys(3, salt=30)
     written = serve_and_cascade(first, first_rows, keys, seed=30)
     assert first_tier.stats().stored_keys == 3
 
-    second, second_tier, second_rows = tiered_manager(cluster, "mooncake-second", managers)
+    second, second_tier, second_rows = tiered_manager(tier_entry, "mooncake-second", managers)
     assert not second_rows.any()  # an empty primary
     assert promote(second, second_rows, keys) == written
     stats = second_tier.stats()
     assert (stats.lookup_hits, stats.loaded_keys, stats.load_failed_keys) == (3, 3, 0)
 
-    third, third_tier, third_rows = tiered_manager(cluster, "mooncake-third", managers, block_bytes=BLOCK_BYTES // 2)
+    third, third_tier, third_rows = tiered_manager(tier_entry, "mooncake-third", managers, block_bytes=BLOCK_BYTES // 2)
     assert third_tier.keyspace.digest != second_tier.keyspace.digest
     assert promote(third, third_rows, keys) is None
     assert third_tier.stats().loaded_keys == 0
 
 
 def test_vllm_builds_the_tier_from_its_documented_defaults(
-    cluster: MooncakeCluster, managers: list[OffloadingManager]
+    cluster: MooncakeCluster, tier_entry: TierEntry, managers: list[OffloadingManager]
 ) -> None:
-    _, tier, _ = tiered_manager(cluster, "mooncake-defaults", managers)
+    _, tier, _ = tiered_manager(tier_entry, "mooncake-defaults", managers)
     config = tier.config
     assert (config.metadata_server, config.protocol, config.global_segment_size, config.io_threads) == (
         "P2PHANDSHAKE",
@@ -114,7 +109,7 @@ def test_vllm_declares_the_tiers_metrics_and_info_labels() -> None:
 
 
 def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier_label(
-    cluster: MooncakeCluster, managers: list[OffloadingManager], tmp_path: Path
+    tier_entry: TierEntry, managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
     """Through vLLM's Prometheus metrics (what PrometheusStatLogger exports) and vLLM's reader (LLM.get_metrics())."""
     from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
@@ -131,10 +126,9 @@ def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier
         "cpu_bytes_to_use": 16 * BLOCK_BYTES,
         "secondary_tiers": [
             {"type": "fs", "root_dir": str(tmp_path / "fs")},
-            {"type": "MooncakeStoreTier", "module_path": "kvtriton.integrations.mooncake",
-             "master_server_address": cluster.master_address, "namespace": "vllm-metrics", "timeout_s": 5.0},
+            tier_entry("vllm-metrics"),
         ],
-    }  # fmt: skip
+    }
     config = offloading_config(extra, worker_kv_bytes_per_block=BLOCK_BYTES)
     manager = TieringOffloadingSpec(dataclasses.replace(config, engine_id="mooncake-metrics")).get_manager()
     assert isinstance(manager, TieringOffloadingManager)
@@ -182,11 +176,11 @@ def test_the_tiers_metrics_are_read_where_vllms_tier_metrics_are_with_vllms_tier
         unregister_vllm_metrics()
 
 
-def test_after_shutdown_the_primary_unmaps_its_region(cluster: MooncakeCluster) -> None:
+def test_after_shutdown_the_primary_unmaps_its_region(tier_entry: TierEntry) -> None:
     # The tier holds the primary's memory registered with Mooncake; once the store is closed it lets go,
     # so vLLM's primary can unmap its region instead of keeping it mapped for a native user.
     made: list[OffloadingManager] = []
-    manager, _, rows = tiered_manager(cluster, "mooncake-unmap", made)
+    manager, _, rows = tiered_manager(tier_entry, "mooncake-unmap", made)
     del rows  # the test's own view of the primary
     region = manager.primary_tier._mmap_region  # pyright: ignore[reportPrivateUsage] -- vLLM's CPU primary keeps its region private
     manager.shutdown()

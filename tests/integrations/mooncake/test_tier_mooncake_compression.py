@@ -9,44 +9,37 @@ the same compression promotes the chunks bit-exact; one without misses.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
-from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
+from mooncake_fixtures import MOONCAKE_MISSING
 
 if MOONCAKE_MISSING is not None:
     pytest.skip(MOONCAKE_MISSING, allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np
-
-# The fixtures by their own names (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.managers import promote, serve_and_cascade, started
 from mooncake_fixtures.tiers import chunk_keys
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.configs import tiering_config
 from vllm.v1.kv_offload.base import OffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
-from kvtriton.integrations.mooncake._config import MooncakeTierConfig
+from kvtriton.integrations.mooncake import MooncakeStoreTier, StoreClient
 from kvtriton.integrations.vllm._tiered_spec import LAYOUT_TAG
 
 TAG = f"{LAYOUT_TAG}+fp8-e4m3-g128"
 
 
+TierEntry = Callable[[str], dict[str, object]]
+"""The type of the folder's ``tier_entry`` fixture (tests/integrations/mooncake/conftest.py)."""
+
+
 def kvtriton_manager(
-    cluster: MooncakeCluster, made: list[OffloadingManager], *, compressed: bool
+    tier_entry: TierEntry, made: list[OffloadingManager], *, compressed: bool
 ) -> tuple[TieringOffloadingManager, MooncakeStoreTier, np.ndarray]:
-    tier_config = {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": cluster.master_address,
-        "namespace": "compression",
-        "timeout_s": 5.0,
-    }
-    extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_config]}
+    extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [tier_entry("compression")]}
     if compressed:
         extra["kvtriton_kv_compression"] = "fp8-e4m3"
     return started(
@@ -55,36 +48,31 @@ def kvtriton_manager(
 
 
 def test_compressed_chunks_are_promoted_by_a_compressed_engine_and_missed_by_an_uncompressed_one(
-    cluster: MooncakeCluster, managers: list[OffloadingManager]
+    tier_entry: TierEntry, managers: list[OffloadingManager]
 ) -> None:
-    writer, writer_tier, writer_rows = kvtriton_manager(cluster, managers, compressed=True)
+    writer, writer_tier, writer_rows = kvtriton_manager(tier_entry, managers, compressed=True)
     assert writer_tier.keyspace.identity.layout_tag == TAG
     assert writer_tier.keyspace.identity.chunk_bytes == 4096
     keys = chunk_keys(3, salt=77)
     written = serve_and_cascade(writer, writer_rows, keys, seed=77)
     assert writer_tier.stats().stored_keys == 3
 
-    plain, plain_tier, plain_rows = kvtriton_manager(cluster, managers, compressed=False)
+    plain, plain_tier, plain_rows = kvtriton_manager(tier_entry, managers, compressed=False)
     assert plain_tier.keyspace.identity.chunk_bytes == 4096  # same size: only the digest tells them apart
     assert plain_tier.keyspace.digest != writer_tier.keyspace.digest
     assert promote(plain, plain_rows, keys) is None
     assert plain_tier.stats().loaded_keys == 0
 
-    reader, reader_tier, reader_rows = kvtriton_manager(cluster, managers, compressed=True)
+    reader, reader_tier, reader_rows = kvtriton_manager(tier_entry, managers, compressed=True)
     assert reader_tier.keyspace.digest == writer_tier.keyspace.digest
     assert promote(reader, reader_rows, keys) == written
     assert reader_tier.stats().loaded_keys == 3
 
 
 def test_the_manifest_behind_a_compressed_digest_names_the_compression_and_its_group_size(
-    cluster: MooncakeCluster, managers: list[OffloadingManager]
+    tier_entry: TierEntry, managers: list[OffloadingManager], store: StoreClient
 ) -> None:
-    _, tier, _ = kvtriton_manager(cluster, managers, compressed=True)
-    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
-    assert store is not None
-    try:
-        manifest = json.loads(store.get(tier.keyspace.manifest_key))
-    finally:
-        store.close()
+    _, tier, _ = kvtriton_manager(tier_entry, managers, compressed=True)
+    manifest = json.loads(store.get(tier.keyspace.manifest_key))
     assert manifest["layout_tag"] == TAG
     assert str(manifest["model"]).startswith(f"tiny-tiering@{TAG}@id-")

@@ -3,16 +3,15 @@
 Round trips are bit-exact through the tier's own calls (submit_store /
 submit_load / lookup / get_finished_jobs); the keyspace separates layouts; a
 value of the wrong size is a miss. Breaking the store is in
-tests/integrations/test_tier_mooncake_failures.py.
+tests/integrations/mooncake/test_tier_mooncake_failures.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,15 +22,12 @@ if MOONCAKE_MISSING is not None:
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import numpy as np
-
-# The fixture by its own name (`x as x`: imported for pytest to find, not to call).
-from mooncake_fixtures.managers import cluster as cluster
 from mooncake_fixtures.tiers import END_OF_STEP, Primary, chunk_keys, make_tier, resolve_lookups, run_job
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations import _mooncake_local as mooncake_local
-from kvtriton.integrations.mooncake import MooncakeClient, MooncakeStoreTier, TierState, open_store
+from kvtriton.integrations.mooncake import MooncakeClient, MooncakeStoreTier, StoreClient, TierState
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
 from kvtriton.integrations.vllm._surface import JOB_RESULTS_DEFER_RELEASE, LOOKUPS_MARK_PRESENT
 
@@ -39,28 +35,12 @@ CHUNK = 64 * 1024
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-@pytest.fixture(scope="module")
-def tiers() -> Iterator[list[MooncakeStoreTier]]:
-    """Every tier the module's tests build (each its own namespace), shut down together at the end.
-
-    Closing a Mooncake client takes a second; closing them side by side keeps that out of every test.
-    """
-    made: list[MooncakeStoreTier] = []
-    yield made
-    closers = [threading.Thread(target=tier.shutdown) for tier in made]
-    for closer in closers:
-        closer.start()
-    for closer in closers:
-        closer.join()
-
-
 def test_chunks_stored_by_one_tier_load_bit_exact_into_another_primary(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier],
 ) -> None:
     writer_memory, reader_memory = Primary(8, CHUNK), Primary(8, CHUNK)
-    writer = make_tier(cluster.master_address, writer_memory, namespace="roundtrip")
-    reader = make_tier(cluster.master_address, reader_memory, namespace="roundtrip")
-    tiers += [writer, reader]
+    writer = new_tier(writer_memory, "roundtrip")
+    reader = new_tier(reader_memory, "roundtrip")
     keys = chunk_keys(4, salt=1)
     written = writer_memory.fill([1, 3, 5, 7], seed=1)
 
@@ -79,12 +59,9 @@ def test_chunks_stored_by_one_tier_load_bit_exact_into_another_primary(
     assert writer.stats().stored_keys == 4
 
 
-def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
-) -> None:
+def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(new_tier: Callable[..., MooncakeStoreTier]) -> None:
     memory = Primary(2, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="retry")
-    tiers.append(tier)
+    tier = new_tier(memory, "retry")
     key = chunk_keys(1, salt=2)[0]
     memory.fill([0], seed=2)
     assert run_job(tier, [key], [0], load=False).success
@@ -110,19 +87,15 @@ def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(
     ],
 )
 def test_another_layout_or_namespace_sees_only_misses(
-    cluster: MooncakeCluster,
-    tiers: list[MooncakeStoreTier],
+    new_tier: Callable[..., MooncakeStoreTier],
     what: str,
     reader_namespace: str,
     reader_dtype: str | None,
     reader_chunk: int,
 ) -> None:
     writer_memory = Primary(4, CHUNK)
-    writer = make_tier(cluster.master_address, writer_memory, namespace="layout")
-    reader = make_tier(
-        cluster.master_address, Primary(4, reader_chunk), namespace=reader_namespace, dtype_override=reader_dtype
-    )
-    tiers += [writer, reader]
+    writer = new_tier(writer_memory, "layout")
+    reader = new_tier(Primary(4, reader_chunk), reader_namespace, dtype_override=reader_dtype)
     keys = chunk_keys(3, salt=3)
     writer_memory.fill([0, 1, 2], seed=3)
     assert run_job(writer, keys, [0, 1, 2], load=False).success
@@ -132,38 +105,25 @@ def test_another_layout_or_namespace_sees_only_misses(
 
 
 def test_the_manifest_key_holds_the_configuration_behind_the_digest(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
 ) -> None:
-    tier = make_tier(cluster.master_address, Primary(2, CHUNK), namespace="manifest")
-    tiers.append(tier)
-    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
-    assert store is not None
-    try:
-        manifest = json.loads(store.get(tier.keyspace.manifest_key))
-    finally:
-        store.close()
+    tier = new_tier(Primary(2, CHUNK), "manifest")
+    manifest = json.loads(store.get(tier.keyspace.manifest_key))
     assert manifest == tier.keyspace.identity.fields()
     assert (manifest["namespace"], manifest["chunk_bytes"], manifest["layout_tag"]) == ("manifest", CHUNK, "vllm-cpu")
     assert tier.keyspace.manifest_key == f"kvt/{tier.keyspace.digest}/manifest"
 
 
 def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
 ) -> None:
     memory = Primary(8, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="wrong-size")
-    tiers.append(tier)
+    tier = new_tier(memory, "wrong-size")
     keys = chunk_keys(3, salt=4)
     written = memory.fill([0, 1, 2], seed=4)
     assert run_job(tier, [keys[0], keys[2]], [0, 2], load=False).success
     # Another writer filed a shorter value under the middle key.
-    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
-    assert store is not None
-    try:
-        assert store.put(tier.keyspace.object_key(bytes([4, 1]) * 16, 0), b"short value") == 0
-    finally:
-        store.close()
-
+    assert store.put(tier.keyspace.object_key(bytes([4, 1]) * 16, 0), b"short value") == 0
     assert resolve_lookups(tier, keys) == [HIT] * 3  # it exists, so the lookup says so ...
     result = run_job(tier, keys, [5, 6, 7], load=True)
     assert not result.success
@@ -176,28 +136,23 @@ def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(
     assert (stats.loaded_keys, stats.load_failed_keys, stats.wrong_size_keys) == (2, 1, 1)
 
 
-def test_a_larger_value_is_a_miss_and_writes_nothing(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> None:
+def test_a_larger_value_is_a_miss_and_writes_nothing(
+    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
+) -> None:
     memory = Primary(2, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="too-large")
-    tiers.append(tier)
+    tier = new_tier(memory, "too-large")
     key = chunk_keys(1, salt=5)
-    store = open_store(MooncakeTierConfig(master_server_address=cluster.master_address))
-    assert store is not None
-    try:
-        assert store.put(tier.keyspace.object_key(bytes([5, 0]) * 16, 0), b"x" * (2 * CHUNK)) == 0
-    finally:
-        store.close()
+    assert store.put(tier.keyspace.object_key(bytes([5, 0]) * 16, 0), b"x" * (2 * CHUNK)) == 0
     result = run_job(tier, key, [1], load=True)
     assert (result.success, result.successful_keys) == (False, None)
     assert not memory.rows.any()
 
 
 def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier],
 ) -> None:
     memory = Primary(4, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="again")
-    tiers.append(tier)
+    tier = new_tier(memory, "again")
     keys = chunk_keys(2, salt=6)
     written = memory.fill([0, 1], seed=6)
     assert run_job(tier, keys, [0, 1], load=False).success
@@ -206,12 +161,9 @@ def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(
     assert [memory.chunk(2), memory.chunk(3)] == written
 
 
-def test_groups_of_one_block_hash_are_separate_objects(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
-) -> None:
+def test_groups_of_one_block_hash_are_separate_objects(new_tier: Callable[..., MooncakeStoreTier]) -> None:
     memory = Primary(4, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="groups")
-    tiers.append(tier)
+    tier = new_tier(memory, "groups")
     group0, group1 = chunk_keys(1, salt=7, group=0), chunk_keys(1, salt=7, group=1)
     written = memory.fill([0, 1], seed=7)
     assert run_job(tier, group0 + group1, [0, 1], load=False).success
@@ -237,13 +189,12 @@ def test_bad_configuration_names_the_key_and_value(config: dict[str, object], me
 
 
 def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier],
 ) -> None:
     # Zero copy: the tier hands Mooncake addresses inside the primary (registered once) and in its registered
     # seal slots (one per chunk, beside the chunk's bytes in the same value), never a bytes object.
     memory = Primary(4, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="zero-copy")
-    tiers.append(tier)
+    tier = new_tier(memory, "zero-copy")
     base = memory.rows.ctypes.data
     seals = tier._slots.seals_base  # pyright: ignore[reportPrivateUsage] -- the registered seal slots
     assert tier._slots.primary_base == base  # pyright: ignore[reportPrivateUsage] -- the registered address is the primary's own
@@ -299,12 +250,11 @@ def test_log_files_of_the_cluster_exist(cluster: MooncakeCluster) -> None:
 
 
 def test_the_tier_master_and_holder_talk_only_to_the_loopback(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier], cluster: MooncakeCluster
 ) -> None:
     psutil = pytest.importorskip("psutil")
     memory = Primary(4, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="loopback")
-    tiers.append(tier)
+    tier = new_tier(memory, "loopback")
     keys = chunk_keys(2, salt=9)
     memory.fill([0, 1], seed=9)
     assert run_job(tier, keys, [0, 1], load=False).success and run_job(tier, keys, [2, 3], load=True).success
@@ -333,21 +283,19 @@ def stale_miss_then_store(tier: MooncakeStoreTier, memory: Primary, key: Offload
     not LOOKUPS_MARK_PRESENT, reason="LOOKUPS_MARK_PRESENT: vLLM 0.34's AsyncLookupManager.mark_present"
 )
 def test_on_vllm_0_34_a_key_just_stored_is_a_hit_for_the_next_request_despite_a_miss_cached_before(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier],
 ) -> None:
     memory = Primary(2, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="mark-present")
-    tiers.append(tier)
+    tier = new_tier(memory, "mark-present")
     assert stale_miss_then_store(tier, memory, chunk_keys(1, salt=3)[0]) is HIT
 
 
 @pytest.mark.skipif(LOOKUPS_MARK_PRESENT, reason="not LOOKUPS_MARK_PRESENT: vLLM 0.33's lookup cache keeps its verdict")
 def test_on_vllm_0_33_a_miss_cached_before_a_store_stands_while_its_request_runs(
-    cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]
+    new_tier: Callable[..., MooncakeStoreTier],
 ) -> None:
     memory = Primary(2, CHUNK)
-    tier = make_tier(cluster.master_address, memory, namespace="stale-miss")
-    tiers.append(tier)
+    tier = new_tier(memory, "stale-miss")
     assert stale_miss_then_store(tier, memory, chunk_keys(1, salt=4)[0]) is MISS
 
 

@@ -15,14 +15,13 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
+from fs_round_trip import loaded_blocks, read_back, store
 from tiering_fixtures.configs import key, settle_lookup, tiering_config
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from tiering_fixtures.tiered_vllm import BLOCK_SIZE, LAYERS, TieredVLLM, fs_tier, start_tiered_vllm
 from vllm.config import ModelConfig
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
-from vllm_fixtures.in_process import tiny_model_config
 from vllm_fixtures.requests import make_request
 
 from kvtriton._integrity import SEAL_BYTES
@@ -58,8 +57,6 @@ def test_the_compressed_spec_sizes_the_region_in_compressed_rows_and_tags_the_ti
 def test_a_compressed_and_an_uncompressed_engine_on_one_fs_root_never_read_each_others_chunks(
     managers: list[OffloadingManager], tmp_path: Path
 ) -> None:
-    from test_tiering_layout import read_back, store  # the hand-driven store and load of the layout tests
-
     built: list[TieringOffloadingManager] = []
     for compression in ({}, COMPRESSED):
         extra: dict[str, object] = {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [fs_tier(tmp_path)], **compression}
@@ -93,20 +90,15 @@ def fp8_round_trip(block: torch.Tensor) -> torch.Tensor:
     return dequantize_groups(codes, scales, 128, flat.dtype).view(block.shape)
 
 
-@pytest.fixture(scope="module")
-def config() -> ModelConfig:
-    return tiny_model_config()
-
-
 PROMPT = list(range(300, 300 + 4 * BLOCK_SIZE + 3))
 
 
 def test_a_compressed_prompt_cascaded_to_fs_is_promoted_and_loaded_back_as_the_fp8_round_trip(
-    config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_config: ModelConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(TieredVLLM, "pattern", staticmethod(finite_pattern))
     engine = start_tiered_vllm(
-        config, {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [fs_tier(tmp_path)], **COMPRESSED}
+        model_config, {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [fs_tier(tmp_path)], **COMPRESSED}
     )
     try:
         worker = engine.workers[0].connector_worker
@@ -122,16 +114,9 @@ def test_a_compressed_prompt_cascaded_to_fs_is_promoted_and_loaded_back_as_the_f
         engine.scrub()
         engine.computed.clear()
         engine.scheduler.add_request(make_request("second", PROMPT))
-        loaded_blocks: list[int] = []
-
-        def loaded() -> bool:
-            if engine.load_jobs and not loaded_blocks:
-                loaded_blocks.extend(engine.gpu_blocks("second")[:4])
-            return "second" not in engine.scheduler.requests
-
-        engine.step_until(loaded, "the second request finished")
+        loaded = loaded_blocks(engine, "second", 4)
         assert [index for request, index in engine.computed if request == "second"] == []  # every block came from fs
-        for index, block in enumerate(loaded_blocks):
+        for index, block in enumerate(loaded):
             for name in LAYERS:
                 want = fp8_round_trip(finite_pattern(0, index, name, engine.kvs[0][name][0].shape))
                 assert torch.equal(engine.kvs[0][name][block], want), (index, name)

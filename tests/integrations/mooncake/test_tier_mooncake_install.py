@@ -15,7 +15,7 @@ from kvtriton.integrations._mooncake_local import (
     mooncake_version_problem,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def makefile_value(name: str) -> str:
@@ -60,7 +60,7 @@ def test_the_missing_package_message_gives_the_same_line(monkeypatch: pytest.Mon
     ("version", "refused"),
     [("0.3.12", True), ("0.3.11.post1", True), ("0.2.9", True), ("dev", True), ("0.3.13", False),
      ("0.3.13.post1", False), ("0.3.14rc1", False), ("0.4.0", False)],
-)  # fmt: skip
+)  # fmt: skip  # a table: the versions refused and taken, in rows
 def test_a_mooncake_older_than_the_minimum_is_refused_naming_the_advisory_and_the_install_line(
     version: str, refused: bool
 ) -> None:

@@ -21,7 +21,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import drain, key, tiering_config
-from tiering_fixtures.configs import managers as managers  # the fixture, by its own name
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -212,11 +211,12 @@ def test_a_seal_that_fails_fails_the_store_job_and_the_scheduler_carries_on(
     stats = manager.get_stats()
     assert stats is not None
     failures = stats.reduce()
-    assert sum(
+    cascade_failures = [
         float(value)
         for name, value in failures.items()
         if name.startswith(TieringOffloadingMetrics.CASCADE_JOB_FAILURES)
-    ) == 1  # fmt: skip
+    ]
+    assert sum(cascade_failures) == 1
     assert "could not seal store job" in caplog.text and "no room for the seal" in caplog.text
     with manager.lock:  # the chunks stay in the primary, readable
         assert all(manager.lookup(key(index), context) is LookupResult.HIT for index in FILLS)
@@ -333,8 +333,9 @@ def hold_checks(monkeypatch: pytest.MonkeyPatch, fault: IntegrityFault | None = 
     return held
 
 
-def cascaded_and_forgotten(manager: SealedTieringManager) -> None:
-    """Chunks ``key(1)`` and ``key(2)`` stored, sealed and written to fs, then forgotten by the primary."""
+def cascaded_and_forgotten(manager: SealedTieringManager) -> ReqContext:
+    """Chunks ``key(1)`` and ``key(2)`` stored, sealed and written to fs, then forgotten by the primary; the request
+    that is to read them back, begun."""
     context = stored(manager, "store")
     complete(manager, context)
     drain(manager)
@@ -342,6 +343,9 @@ def cascaded_and_forgotten(manager: SealedTieringManager) -> None:
     with manager.lock:
         manager.reset_cache()
         manager.on_reset_flushed()
+    reader = ReqContext(req_id="read")
+    manager.on_new_request(reader)
+    return reader
 
 
 def step(manager: SealedTieringManager, context: ReqContext) -> LookupResult:
@@ -375,10 +379,8 @@ def test_a_promotion_is_checked_off_the_lock_and_its_chunk_is_no_hit_until_the_c
     managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     manager = build(tmp_path, managers)
-    cascaded_and_forgotten(manager)
+    reader = cascaded_and_forgotten(manager)
     held = hold_checks(monkeypatch)
-    reader = ReqContext(req_id="read")
-    manager.on_new_request(reader)
     step_until(manager, reader, lambda _: held.started.is_set())  # the fs tier has read it; the check is held
     for _ in range(3):  # the scheduler's calls return meanwhile, and the chunk is not served unchecked
         assert step(manager, reader) is LookupResult.HIT_PENDING
@@ -396,11 +398,9 @@ def test_a_promotion_whose_check_fails_off_the_lock_is_a_counted_miss(
     managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     manager = build(tmp_path, managers)
-    cascaded_and_forgotten(manager)
+    reader = cascaded_and_forgotten(manager)
     held = hold_checks(monkeypatch, IntegrityFault.CHECKSUM)
     held.release.set()
-    reader = ReqContext(req_id="read")
-    manager.on_new_request(reader)
     assert step_until(manager, reader, lambda answer: answer is LookupResult.MISS) is LookupResult.MISS
     assert manager.integrity[0].counts()[IntegrityFault.CHECKSUM] == 1
     assert not chunk_file(manager, 1).exists()  # dropped, as a faulty fs file is
@@ -415,14 +415,12 @@ def test_a_check_that_raises_fails_its_promotion_and_the_scheduler_carries_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     manager = build(tmp_path, managers)
-    cascaded_and_forgotten(manager)
+    reader = cascaded_and_forgotten(manager)
 
     def broken(chunk: memoryview, *, key: bytes, fingerprint: bytes) -> IntegrityFault | None:
         raise OSError("the region is gone")
 
     monkeypatch.setattr(sealed_tiering, "verify", broken)
-    reader = ReqContext(req_id="read")
-    manager.on_new_request(reader)
     assert step_until(manager, reader, lambda answer: answer is LookupResult.MISS) is LookupResult.MISS
     assert "could not check the chunks of promotion job" in caplog.text and "the region is gone" in caplog.text
     assert step(manager, reader) is LookupResult.MISS  # not promoted again (that would loop), and uncounted
@@ -434,10 +432,8 @@ def test_reset_cache_waits_for_a_held_check_and_hands_the_promotion_to_vllm(
     managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     manager = build(tmp_path, managers)
-    cascaded_and_forgotten(manager)
+    reader = cascaded_and_forgotten(manager)
     held = hold_checks(monkeypatch)
-    reader = ReqContext(req_id="read")
-    manager.on_new_request(reader)
     step_until(manager, reader, lambda _: held.started.is_set())
     releaser = threading.Timer(0.05, held.release.set)
     releaser.start()
@@ -451,10 +447,8 @@ def test_reset_cache_waits_for_a_held_check_and_hands_the_promotion_to_vllm(
 
 def test_shutdown_stops_a_held_check_and_leaves_no_seal_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = build(tmp_path, None)  # shut down here, once
-    cascaded_and_forgotten(manager)
+    reader = cascaded_and_forgotten(manager)
     held = hold_checks(monkeypatch)
-    reader = ReqContext(req_id="read")
-    manager.on_new_request(reader)
     step_until(manager, reader, lambda _: held.started.is_set())
     shutting_down = threading.Thread(target=manager.shutdown, name="test-shutdown")
     shutting_down.start()
