@@ -117,7 +117,7 @@ def probe_pin(nbytes: int, pin: bool, make_slab: SlabFactory | None = None) -> P
     started = time.perf_counter()
     try:
         if make_slab is None:
-            from kvtriton.worker._slab import HostSlab  # inside the try: a failed import is a finding too
+            from kvtriton.worker import HostSlab  # inside the try: a failed import is a finding too
 
             make_slab = HostSlab
         started = time.perf_counter()
@@ -145,7 +145,7 @@ def probe_region_pin(own_bytes: int, pin: bool) -> PinProbe:
     rows = own_bytes // REGION_RANK_ROW_BYTES // REGION_BLOCKS_PER_CHUNK * REGION_BLOCKS_PER_CHUNK
     try:
         from kvtriton._region_rows import block_row_stride
-        from kvtriton.worker._slab import HostSlab
+        from kvtriton.worker import HostSlab
 
         if rows < REGION_BLOCKS_PER_CHUNK:
             raise ValueError(f"own_bytes {own_bytes} holds no chunk of {REGION_BLOCKS_PER_CHUNK} block rows")

@@ -150,7 +150,7 @@ def measure_device_pointers(
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     from kvtriton import HostSlab, PagedKV, TransferEngine
-    from kvtriton.integrations.vllm._worker import VLLMOffloadingWorker
+    from kvtriton.integrations.vllm import VLLMOffloadingWorker
 
     setattr(importlib.import_module("kvtriton.kernels._jit.copy_pages"), "launch_copy_pages", _no_launch)
 
@@ -199,11 +199,17 @@ def measure_device_pointers(
             if repeat:
                 job_samples.append(elapsed / (2 * jobs) * 1e6)
                 decode_samples.append(decoded / jobs * 1e6)
-        results.append({
-            "page_tensors": page_tensors, "blocks": blocks, "pointers": int(ptrs.size),
-            "job_us": min(job_samples), "median_job_us": statistics.median(job_samples),
-            "decode_us": min(decode_samples), "median_decode_us": statistics.median(decode_samples),
-        })  # fmt: skip
+        results.append(
+            {
+                "page_tensors": page_tensors,
+                "blocks": blocks,
+                "pointers": int(ptrs.size),
+                "job_us": min(job_samples),
+                "median_job_us": statistics.median(job_samples),
+                "decode_us": min(decode_samples),
+                "median_decode_us": statistics.median(decode_samples),
+            }
+        )
     worker.shutdown()
     return results
 
@@ -215,9 +221,9 @@ def measure_batch_arrays(
     import numpy as np
     import torch
 
+    from kvtriton.worker import PagedKV, TransferDirection
     from kvtriton.worker._backends import DmaCopy
-    from kvtriton.worker._layout import PagedKV
-    from kvtriton.worker._plan import TransferDirection, TransferPlan
+    from kvtriton.worker._plan import TransferPlan
 
     generator = np.random.default_rng(0)
     # Addresses are all the arrays read: small CPU pages stand in for any device's.
@@ -238,10 +244,15 @@ def measure_batch_arrays(
                 backend.batch_arrays(plan)
             if repeat:
                 samples.append((time.perf_counter() - started) / jobs * 1e6)
-        results.append({
-            "page_tensors": page_tensors, "blocks": blocks, "copies": page_tensors * blocks,
-            "arrays_us": min(samples), "median_arrays_us": statistics.median(samples),
-        })  # fmt: skip
+        results.append(
+            {
+                "page_tensors": page_tensors,
+                "blocks": blocks,
+                "copies": page_tensors * blocks,
+                "arrays_us": min(samples),
+                "median_arrays_us": statistics.median(samples),
+            }
+        )
     return results
 
 
@@ -250,8 +261,9 @@ def _extract_baseline(destination: Path, commit: str = BASELINE_COMMIT) -> Path:
     try:
         archive = subprocess.run(
             ["git", "-C", str(ROOT), "archive", commit, "kvtriton", "kernels"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+        )
     except (OSError, subprocess.CalledProcessError) as error:
         detail = error.stderr.decode().strip() if isinstance(error, subprocess.CalledProcessError) else str(error)
         raise SystemExit(
@@ -278,10 +290,21 @@ def _run_child(
     if device == "cpu":
         environment["TRITON_INTERPRET"] = "1"  # the Triton path on CPU tensors (else the torch fallback runs)
     command = [
-        sys.executable, str(Path(__file__).resolve()), mode, "--page-tensors", str(page_tensors),
-        "--blocks", *map(str, block_counts), "--jobs", str(jobs), "--repeats", str(repeats), "--device", device,
+        sys.executable,
+        str(Path(__file__).resolve()),
+        mode,
+        "--page-tensors",
+        str(page_tensors),
+        "--blocks",
+        *map(str, block_counts),
+        "--jobs",
+        str(jobs),
+        "--repeats",
+        str(repeats),
+        "--device",
+        device,
         *(["--real-launch"] if real_launch else []),
-    ]  # fmt: skip
+    ]
     child = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
     if child.returncode != 0:
         raise SystemExit(f"bench/host_cost.py: measuring {tree} failed:\n{child.stderr}")
@@ -302,15 +325,19 @@ def result_rows(
         for index, blocks in enumerate(block_counts):
             now = measured["current", count][index]
             row: dict[str, object] = {
-                "page_tensors": count, "blocks": blocks, "current_us": now["us_per_job"],
-                "current_median_us": now["median_us_per_job"], "goal_us": None if goals is None else goals.get(count),
-            }  # fmt: skip
+                "page_tensors": count,
+                "blocks": blocks,
+                "current_us": now["us_per_job"],
+                "current_median_us": now["median_us_per_job"],
+                "goal_us": None if goals is None else goals.get(count),
+            }
             if ("baseline", count) in measured:
                 before = measured["baseline", count][index]
                 row |= {
-                    "baseline_us": before["us_per_job"], "baseline_median_us": before["median_us_per_job"],
+                    "baseline_us": before["us_per_job"],
+                    "baseline_median_us": before["median_us_per_job"],
                     "speedup": before["us_per_job"] / now["us_per_job"],
-                }  # fmt: skip
+                }
             rows.append(row)
     return rows
 
@@ -398,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # Imported only here: a --measure child may run with PYTHONPATH at the baseline tree, which has no bench/.
     from bench.common import chosen_device, format_table, quick_name, write_json
-    from kvtriton.cli._progress import progress
+    from kvtriton.cli import progress
 
     device = chosen_device(args.device)
     name = quick_name(args.name) if args.quick else args.name
@@ -415,8 +442,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def payload(complete: bool) -> dict[str, object]:
         return {
-            "device": device, "backend": "triton", "jobs_per_pass": 2 * args.jobs, "repeats": args.repeats,
-            "real_launch": args.real_launch, "smoke_run": args.quick, "complete": complete,
+            "device": device,
+            "backend": "triton",
+            "jobs_per_pass": 2 * args.jobs,
+            "repeats": args.repeats,
+            "real_launch": args.real_launch,
+            "smoke_run": args.quick,
+            "complete": complete,
             "baseline_commit": None if args.no_baseline else BASELINE_COMMIT,
             "results": result_rows(measured, args.page_tensors, args.blocks, None if args.quick else GOALS_US),
             "batch_arrays": batch_arrays,
@@ -424,10 +456,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "device_pointers": device_pointer_rows(
                 pointers_measured, args.page_tensors, None if args.quick else GOALS_US
             ),
-            "note": ("host microseconds per submitted job, the real kernel launch included" if args.real_launch
-                     else "host microseconds per submitted job with the kernel launch replaced by a no-op")
-                    + "; baseline and current (when both) measured in the same run, each in its own child process",
-        }  # fmt: skip
+            "note": (
+                "host microseconds per submitted job, the real kernel launch included"
+                if args.real_launch
+                else "host microseconds per submitted job with the kernel launch replaced by a no-op"
+            )
+            + "; baseline and current (when both) measured in the same run, each in its own child process",
+        }
 
     with tempfile.TemporaryDirectory(prefix="kvtriton-baseline-") as scratch:
         if not args.no_baseline:
@@ -463,25 +498,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goal us/job",
     ]
     table = [
-        [r["page_tensors"], r["blocks"], r["current_us"], r["current_median_us"], r.get("baseline_us", "-"),
-         r.get("baseline_median_us", "-"), r.get("speedup", "-"), r["goal_us"] or "-"]
+        [
+            r["page_tensors"],
+            r["blocks"],
+            r["current_us"],
+            r["current_median_us"],
+            r.get("baseline_us", "-"),
+            r.get("baseline_median_us", "-"),
+            r.get("speedup", "-"),
+            r["goal_us"] or "-",
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     print(format_table(headers, table))
     print("\ndma batch path: host us per job building the cudaMemcpyBatchAsync arrays (one copy per page of each pair)")
-    print(format_table(
-        ["page tensors", "blocks", "copies", "us/job", "(median)"],
-        [[r["page_tensors"], r["blocks"], r["copies"], r["arrays_us"], r["median_arrays_us"]] for r in batch_arrays],
-    ))  # fmt: skip
+    print(
+        format_table(
+            ["page tensors", "blocks", "copies", "us/job", "(median)"],
+            [
+                [r["page_tensors"], r["blocks"], r["copies"], r["arrays_us"], r["median_arrays_us"]]
+                for r in batch_arrays
+            ],
+        )
+    )
     pointer_rows = device_pointer_rows(pointers_measured, args.page_tensors, None if args.quick else GOALS_US)
     if pointer_rows:
         print("\nvLLM 0.34 job through the worker (device pointers in): us per job, and reading the pointers back")
-        print(format_table(
-            ["page tensors", "blocks", "job us", "(median)", "baseline", "decode us", "(median)", "baseline", "goal"],
-            [[r["page_tensors"], r["blocks"], r["job_us"], r["median_job_us"], r.get("baseline_job_us", "-"),
-              r["decode_us"], r["median_decode_us"], r.get("baseline_decode_us", "-"), r["goal_us"] or "-"]
-             for r in pointer_rows],
-        ))  # fmt: skip
+        print(
+            format_table(
+                [
+                    "page tensors",
+                    "blocks",
+                    "job us",
+                    "(median)",
+                    "baseline",
+                    "decode us",
+                    "(median)",
+                    "baseline",
+                    "goal",
+                ],
+                [
+                    [
+                        r["page_tensors"],
+                        r["blocks"],
+                        r["job_us"],
+                        r["median_job_us"],
+                        r.get("baseline_job_us", "-"),
+                        r["decode_us"],
+                        r["median_decode_us"],
+                        r.get("baseline_decode_us", "-"),
+                        r["goal_us"] or "-",
+                    ]
+                    for r in pointer_rows
+                ],
+            )
+        )
     elif not args.no_device_pointers and not args.real_launch:
         print("\nvLLM is not installed: no device_pointers rows (the vLLM 0.34 job through the worker)")
     print(f"wrote {write_json(name, payload(complete=True))}")

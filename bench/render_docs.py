@@ -35,7 +35,7 @@ from bench.common import bench_parser
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 from bench.render_serving import SERVING_RENDERERS, serving_goal_row
 from bench.render_simulate import SIMULATE_RENDERERS
-from kvtriton.integrations._vllm_release import (
+from kvtriton.integrations import (
     ALLOW_UNTESTED_VLLM,
     TESTED_VLLM_RANGE,
     TESTED_VLLM_RELEASES,
@@ -146,14 +146,26 @@ def manager_headline_table(results: Results) -> str:
     rows: list[list[str]] = []
     for row in _headline_rows(results):
         theirs, ours = _obj(row.get("vllm")), _obj(row.get("kvtriton_via_vllm_adapter"))
-        rows.append([
-            str(row.get("workload")), str(row.get("policy")).upper(), _count(_num(row, "capacity")),
-            _median_range(theirs), _median_range(ours),
-            _x(_num(row, "speedup")),
-            f"{_pct(_num(theirs, 'hit_rate'))} / {_pct(_num(ours, 'hit_rate'))}",
-        ])  # fmt: skip
-    headers = ["workload", "policy", "slots", "vLLM blocks/s (range)", "kvtriton via adapter blocks/s (range)",
-               "speed-up", "hit rate (vLLM / kvtriton)"]  # fmt: skip
+        rows.append(
+            [
+                str(row.get("workload")),
+                str(row.get("policy")).upper(),
+                _count(_num(row, "capacity")),
+                _median_range(theirs),
+                _median_range(ours),
+                _x(_num(row, "speedup")),
+                f"{_pct(_num(theirs, 'hit_rate'))} / {_pct(_num(ours, 'hit_rate'))}",
+            ]
+        )
+    headers = [
+        "workload",
+        "policy",
+        "slots",
+        "vLLM blocks/s (range)",
+        "kvtriton via adapter blocks/s (range)",
+        "speed-up",
+        "hit rate (vLLM / kvtriton)",
+    ]
     return _table(headers, rows, "llrrrrl")
 
 
@@ -192,13 +204,24 @@ def _direct_table(record: JSONObject) -> str:
     for row in _list(record.get("results")):
         ours, theirs = _obj(row.get("kvtriton")), _obj(row.get("vllm"))
         adapter = _obj(row.get("kvtriton_via_vllm_adapter"))
-        rows.append([
-            str(row.get("policy")).upper(), _count(_num(ours, "blocks_per_s")), _count(_num(theirs, "blocks_per_s")),
-            _x(_num(row, "speedup")), f"{_pct(_num(ours, 'hit_rate'))} / {_pct(_num(theirs, 'hit_rate'))}",
-            f"{_count(_num(adapter, 'blocks_per_s'))}, {_x(_num(row, 'adapter_speedup'))}, {_pct(_num(adapter, 'hit_rate'))}",
-        ])  # fmt: skip
-    headers = ["policy", "kvtriton blocks/s", "vLLM blocks/s", "speed-up", "hit rate (kvtriton / vLLM)",
-               "through the vLLM adapter: blocks/s, speed-up, hit rate"]  # fmt: skip
+        rows.append(
+            [
+                str(row.get("policy")).upper(),
+                _count(_num(ours, "blocks_per_s")),
+                _count(_num(theirs, "blocks_per_s")),
+                _x(_num(row, "speedup")),
+                f"{_pct(_num(ours, 'hit_rate'))} / {_pct(_num(theirs, 'hit_rate'))}",
+                f"{_count(_num(adapter, 'blocks_per_s'))}, {_x(_num(row, 'adapter_speedup'))}, {_pct(_num(adapter, 'hit_rate'))}",
+            ]
+        )
+    headers = [
+        "policy",
+        "kvtriton blocks/s",
+        "vLLM blocks/s",
+        "speed-up",
+        "hit rate (kvtriton / vLLM)",
+        "through the vLLM adapter: blocks/s, speed-up, hit rate",
+    ]
     caption = f"{_count(_num(record, 'capacity'))} slots, `{record.get('command')}`, {run_date(record)}, {run_machine(record)}:"
     return caption + "\n\n" + _table(headers, rows, "lrrrll")
 
@@ -320,8 +343,14 @@ def kernels_ptx_table(results: Results) -> str:
     table: list[list[str]] = []
     for row in _list(results("kernels_ptx").get("ptx")):
         multiplies = cast(list[object], row.get("narrow_multiplies") or [])
-        table.append([str(row.get("kernel")), widths(row.get("loads")), widths(row.get("stores")),
-                      "none" if not multiplies else f"{len(multiplies)}"])  # fmt: skip
+        table.append(
+            [
+                str(row.get("kernel")),
+                widths(row.get("loads")),
+                widths(row.get("stores")),
+                "none" if not multiplies else f"{len(multiplies)}",
+            ]
+        )
     return _table(
         ["kernel, page size", "global loads", "global stores", "32-bit multiplies feeding an address"], table, "llll"
     )
@@ -329,8 +358,12 @@ def kernels_ptx_table(results: Results) -> str:
 
 def kernels_ptx_summary(results: Results) -> str:
     rows = _list(results("kernels_ptx").get("ptx"))
-    aligned = [row for row in rows if re.fullmatch(r"(gather|scatter) \d+ B", str(row.get("kernel")))
-               and int(str(row["kernel"]).split()[1]) % 16 == 0]  # fmt: skip
+    aligned = [
+        row
+        for row in rows
+        if re.fullmatch(r"(gather|scatter) \d+ B", str(row.get("kernel")))
+        and int(str(row["kernel"]).split()[1]) % 16 == 0
+    ]
     wide = all(
         max(int(width) for width in _obj(row.get(kind))) == 16 for row in aligned for kind in ("loads", "stores")
     )
@@ -347,12 +380,16 @@ def kernels_ptx_summary(results: Results) -> str:
 def engine_table(results: Results) -> str:
     table: list[list[str]] = []
     for row in _list(results("host_cost").get("results")):
-        table.append([
-            _count(_num(row, "page_tensors")), _count(_num(row, "blocks")),
-            f"{_num(row, 'current_us'):.1f} ({_num(row, 'current_median_us'):.1f})",
-            f"{_num(row, 'baseline_us'):.0f} ({_num(row, 'baseline_median_us'):.0f})",
-            f"{_num(row, 'speedup'):.0f}x", f"{_num(row, 'goal_us'):g}",
-        ])  # fmt: skip
+        table.append(
+            [
+                _count(_num(row, "page_tensors")),
+                _count(_num(row, "blocks")),
+                f"{_num(row, 'current_us'):.1f} ({_num(row, 'current_median_us'):.1f})",
+                f"{_num(row, 'baseline_us'):.0f} ({_num(row, 'baseline_median_us'):.0f})",
+                f"{_num(row, 'speedup'):.0f}x",
+                f"{_num(row, 'goal_us'):g}",
+            ]
+        )
     headers = ["page tensors", "blocks", "now (us/job)", "baseline (us/job)", "speed-up", "goal (us/job)"]
     return _table(headers, table, "rrrrrr")
 
@@ -376,14 +413,30 @@ def tiers_table(results: Results) -> str:
     table: list[list[str]] = []
     for row in _list(results("tiers").get("results")):
         theirs, ours = _obj(row.get("vllm")), _obj(row.get("kvtriton"))
-        table.append([
-            f"{_num(row, 'chunk_bytes') / 2**20:g} MiB",
-            str(row.get("direction")), _count(_num(theirs, "chunks_per_s")), f"{gb_per_s(theirs):.2f}",
-            _count(_num(ours, "chunks_per_s")), f"{gb_per_s(ours):.2f}", f"{_num(row, 'ratio'):.2f}",
-            f"{_num(row, 'median_ratio'):.2f}", f"{_num(row, 'vllm_vs_vllm_median_ratio'):.2f}",
-        ])  # fmt: skip
-    headers = ["chunk", "direction", "vLLM chunks/s", "vLLM GB/s", "kvtriton chunks/s", "kvtriton GB/s",
-               "ratio (best)", "ratio (median)", "vLLM/vLLM (A/A, median)"]  # fmt: skip
+        table.append(
+            [
+                f"{_num(row, 'chunk_bytes') / 2**20:g} MiB",
+                str(row.get("direction")),
+                _count(_num(theirs, "chunks_per_s")),
+                f"{gb_per_s(theirs):.2f}",
+                _count(_num(ours, "chunks_per_s")),
+                f"{gb_per_s(ours):.2f}",
+                f"{_num(row, 'ratio'):.2f}",
+                f"{_num(row, 'median_ratio'):.2f}",
+                f"{_num(row, 'vllm_vs_vllm_median_ratio'):.2f}",
+            ]
+        )
+    headers = [
+        "chunk",
+        "direction",
+        "vLLM chunks/s",
+        "vLLM GB/s",
+        "kvtriton chunks/s",
+        "kvtriton GB/s",
+        "ratio (best)",
+        "ratio (median)",
+        "vLLM/vLLM (A/A, median)",
+    ]
     return _table(headers, table, "rlrrrrrrr")
 
 
@@ -393,8 +446,12 @@ def tiers_bookkeeping_table(results: Results) -> str:
         [name, *(f"{_num(_obj(costs[key]), field):.2f}" for field in ("write_us", "read_us", "lookup_us"))]
         for key, name in (("vllm", "vLLM"), ("kvtriton", "kvtriton"))
     ]
-    headers = ["primary", "promotion slot (`prepare_write` + `complete_write`)",
-               "cascade pin (`prepare_read` + `complete_read`)", "`lookup`"]  # fmt: skip
+    headers = [
+        "primary",
+        "promotion slot (`prepare_write` + `complete_write`)",
+        "cascade pin (`prepare_read` + `complete_read`)",
+        "`lookup`",
+    ]
     return _table(headers, table, "lrrr")
 
 
@@ -413,10 +470,14 @@ def _step_variants(results: Results) -> dict[str, JSONObject]:
 def tiers_steps_table(results: Results) -> str:
     """The scheduler thread's time in the tiered manager per step, per variant: median and range of the rounds."""
     table = [
-        [str(row.get("what")), f"{_num(row, 'median_ms'):.3f}", f"{_num(row, 'low_ms'):.3f} to {_num(row, 'high_ms'):.3f}",
-         f"{_num(row, 'refused_steps'):g}"]
+        [
+            str(row.get("what")),
+            f"{_num(row, 'median_ms'):.3f}",
+            f"{_num(row, 'low_ms'):.3f} to {_num(row, 'high_ms'):.3f}",
+            f"{_num(row, 'refused_steps'):g}",
+        ]
         for row in _step_variants(results).values()
-    ]  # fmt: skip
+    ]
     headers = ["variant", "step time, ms (median)", "range of the rounds' medians, ms", "stores refused (primary full)"]
     return _table(headers, table, "lrrr")
 
@@ -432,8 +493,9 @@ def tiers_steps_setup(results: Results) -> str:
 
 def tiers_steps_summary(results: Results) -> str:
     variants = _step_variants(results)
-    before, now, none = (_num(variants[name], "median_ms") for name in
-                         ("fs-sealed-on-scheduler", "fs-sealed-off-thread", "no-tier"))  # fmt: skip
+    before, now, none = (
+        _num(variants[name], "median_ms") for name in ("fs-sealed-on-scheduler", "fs-sealed-off-thread", "no-tier")
+    )
     return (
         f"{before:.3f} ms per step with the seals on the scheduler thread, {now:.3f} ms with them on the seal thread,"
         f" against {none:.3f} ms without a secondary tier"
@@ -443,15 +505,37 @@ def tiers_steps_summary(results: Results) -> str:
 def mooncake_table(results: Results) -> str:
     table: list[list[str]] = []
     for row in _list(results("tiers_mooncake").get("results")):
-        table.append([
-            f"{_num(row, 'chunk_mib'):g} MiB",
-            *(f"{_num(row, key):.2f}" for key in ("mooncake_store_gbps", "raw_store_gbps", "fs_store_gbps",
-                                                   "mooncake_load_gbps", "raw_load_gbps", "fs_load_gbps",
-                                                   "store_overhead_ratio", "load_overhead_ratio")),
-            f"{_num(row, 'promotion_steps'):g} steps, {_num(row, 'promotion_ms'):.1f} ms",
-        ])  # fmt: skip
-    headers = ["chunk", "tier store GB/s", "raw store", "fs store", "tier load GB/s", "raw load", "fs load",
-               "store ratio", "load ratio", "promotion"]  # fmt: skip
+        table.append(
+            [
+                f"{_num(row, 'chunk_mib'):g} MiB",
+                *(
+                    f"{_num(row, key):.2f}"
+                    for key in (
+                        "mooncake_store_gbps",
+                        "raw_store_gbps",
+                        "fs_store_gbps",
+                        "mooncake_load_gbps",
+                        "raw_load_gbps",
+                        "fs_load_gbps",
+                        "store_overhead_ratio",
+                        "load_overhead_ratio",
+                    )
+                ),
+                f"{_num(row, 'promotion_steps'):g} steps, {_num(row, 'promotion_ms'):.1f} ms",
+            ]
+        )
+    headers = [
+        "chunk",
+        "tier store GB/s",
+        "raw store",
+        "fs store",
+        "tier load GB/s",
+        "raw load",
+        "fs load",
+        "store ratio",
+        "load ratio",
+        "promotion",
+    ]
     return _table(headers, table, "rrrrrrrrrr")
 
 
@@ -468,14 +552,24 @@ def compression_table(results: Results) -> str:
     """Per scheme: K and V relative RMS error, the largest K error over its RMS, the attention output's error."""
     accuracy = _obj(results("compression").get("accuracy"))
     table = [
-        [f"`{name}`", *(f"{_pct(_num(figures, key))}" for key in ("k_relative_rms_error", "v_relative_rms_error")),
-         f"{_num(figures, 'k_max_error_over_rms'):.2f}",
-         *(f"{_pct(_num(figures, key))}" for key in ("attention_relative_error", "attention_relative_error_k_only")),
-         f"{_pct(max(_num(figures, 'k_share_over_bound'), _num(figures, 'v_share_over_bound')))}"]
+        [
+            f"`{name}`",
+            *(f"{_pct(_num(figures, key))}" for key in ("k_relative_rms_error", "v_relative_rms_error")),
+            f"{_num(figures, 'k_max_error_over_rms'):.2f}",
+            *(f"{_pct(_num(figures, key))}" for key in ("attention_relative_error", "attention_relative_error_k_only")),
+            f"{_pct(max(_num(figures, 'k_share_over_bound'), _num(figures, 'v_share_over_bound')))}",
+        ]
         for name, figures in ((name, _obj(value)) for name, value in accuracy.items())
-    ]  # fmt: skip
-    headers = ["scheme", "K rel. RMS error", "V rel. RMS error", "K max error / RMS", "attention rel. error",
-               "attention, K only", "elements over the bound"]  # fmt: skip
+    ]
+    headers = [
+        "scheme",
+        "K rel. RMS error",
+        "V rel. RMS error",
+        "K max error / RMS",
+        "attention rel. error",
+        "attention, K only",
+        "elements over the bound",
+    ]
     return _table(headers, table, "lrrrrrr")
 
 
@@ -496,13 +590,35 @@ def compression_tiny_table(results: Results) -> str:
             f"bench/results/compression.json has no tiny-model figures ({tiny}): rerun python -m bench.compression"
         )
     table = [
-        [f"`{name}`", *(f"{_pct(_num(figures, key))}" for key in ("k_relative_rms_error", "v_relative_rms_error", "attention_relative_error",
-                                                                    "top1_agreement", "first_token_top1_agreement")),
-         f"{_num(figures, 'mean_abs_logprob_drift'):.3f}", f"{_num(figures, 'max_abs_logprob_drift'):.3f}", f"{_num(figures, 'mean_kl_nats'):.4f}"]
+        [
+            f"`{name}`",
+            *(
+                f"{_pct(_num(figures, key))}"
+                for key in (
+                    "k_relative_rms_error",
+                    "v_relative_rms_error",
+                    "attention_relative_error",
+                    "top1_agreement",
+                    "first_token_top1_agreement",
+                )
+            ),
+            f"{_num(figures, 'mean_abs_logprob_drift'):.3f}",
+            f"{_num(figures, 'max_abs_logprob_drift'):.3f}",
+            f"{_num(figures, 'mean_kl_nats'):.4f}",
+        ]
         for name, figures in ((name, _obj(value)) for name, value in _obj(tiny).items())
-    ]  # fmt: skip
-    headers = ["scheme", "K rel. RMS error", "V rel. RMS error", "attention rel. error (all layers)", "top-1 agreement",
-               "first token", "mean abs. logprob drift", "largest", "mean KL (nats)"]  # fmt: skip
+    ]
+    headers = [
+        "scheme",
+        "K rel. RMS error",
+        "V rel. RMS error",
+        "attention rel. error (all layers)",
+        "top-1 agreement",
+        "first token",
+        "mean abs. logprob drift",
+        "largest",
+        "mean KL (nats)",
+    ]
     return _table(headers, table, "lrrrrrrrr")
 
 
@@ -518,13 +634,24 @@ def _real_model(results: Results) -> JSONObject:
 def compression_real_engine_table(results: Results) -> str:
     """SmolLM2-135M through real vLLM engines: greedy agreement with the exact prefix, per run."""
     rows = [
-        [f"`{name}`", f"{_num(f, 'first_token_agreement'):.0f}/{_num(f, 'prompts'):.0f}",
-         f"{_num(f, 'sequence_agreement'):.0f}/{_num(f, 'prompts'):.0f}", f"{_num(f, 'mean_first_divergence'):.1f}",
-         f"{_num(f, 'mean_abs_logprob_drift'):.4f}", f"{_num(f, 'max_abs_logprob_drift'):.4f}"]
+        [
+            f"`{name}`",
+            f"{_num(f, 'first_token_agreement'):.0f}/{_num(f, 'prompts'):.0f}",
+            f"{_num(f, 'sequence_agreement'):.0f}/{_num(f, 'prompts'):.0f}",
+            f"{_num(f, 'mean_first_divergence'):.1f}",
+            f"{_num(f, 'mean_abs_logprob_drift'):.4f}",
+            f"{_num(f, 'max_abs_logprob_drift'):.4f}",
+        ]
         for name, f in ((name, _obj(value)) for name, value in _obj(_real_model(results).get("engine")).items())
-    ]  # fmt: skip
-    headers = ["run", "first token agrees", "whole sequence agrees", "mean position of the first divergence",
-               "mean abs. logprob drift", "largest"]  # fmt: skip
+    ]
+    headers = [
+        "run",
+        "first token agrees",
+        "whole sequence agrees",
+        "mean position of the first divergence",
+        "mean abs. logprob drift",
+        "largest",
+    ]
     return _table(headers, rows, "lrrrrr")
 
 
@@ -536,8 +663,10 @@ def compression_real_summary(results: Results) -> str:
         if name not in engine:
             return "was not measured (the CPU of that run has no AVX-512, which vLLM's CPU fp8 KV cache needs)"
         f = _obj(engine.get(name))
-        return (f"agreed with the exact run on {_num(f, 'first_token_agreement'):.0f} of {_num(f, 'prompts'):.0f} prompts"
-                f" and first diverged at token {_num(f, 'mean_first_divergence'):.1f} on average")  # fmt: skip
+        return (
+            f"agreed with the exact run on {_num(f, 'first_token_agreement'):.0f} of {_num(f, 'prompts'):.0f} prompts"
+            f" and first diverged at token {_num(f, 'mean_first_divergence'):.1f} on average"
+        )
 
     return (
         f"with kvtriton fp8 the first generated token {agreement('kvtriton fp8-e4m3')}; with vLLM's own"
@@ -548,19 +677,26 @@ def compression_real_summary(results: Results) -> str:
 def compression_real_teacher_table(results: Results) -> str:
     """SmolLM2-135M teacher-forced over a real text: per-token log-probability drift per scheme."""
     rows = [
-        [f"`{name}`", _pct(_num(f, "top1_agreement")), f"{_num(f, 'mean_abs_logprob_drift'):.4f}",
-         f"{_num(f, 'max_abs_logprob_drift'):.4f}", f"{_num(f, 'mean_kl_nats'):.5f}"]
+        [
+            f"`{name}`",
+            _pct(_num(f, "top1_agreement")),
+            f"{_num(f, 'mean_abs_logprob_drift'):.4f}",
+            f"{_num(f, 'max_abs_logprob_drift'):.4f}",
+            f"{_num(f, 'mean_kl_nats'):.5f}",
+        ]
         for name, f in ((name, _obj(value)) for name, value in _obj(_real_model(results).get("teacher_forced")).items())
-    ]  # fmt: skip
+    ]
     return _table(["scheme", "top-1 agreement", "mean abs. logprob drift", "largest", "mean KL (nats)"], rows, "lrrrr")
 
 
 def compression_real_setup(results: Results) -> str:
     real = _real_model(results)
     tokens = cast(list[object], real.get("prompt_tokens"))
-    return (f"{_num(real, 'prompts'):.0f} chat prompts of {tokens[0]}-{tokens[1]} tokens "
-            f"({_num(real, 'shared_prompt_tokens'):.0f} shared), {_num(real, 'generated_tokens'):.0f} greedy tokens each; "
-            f"fp8 stored {_num(real, 'fp8_stored_bytes_ratio'):.3f}x the fp32 bytes")  # fmt: skip
+    return (
+        f"{_num(real, 'prompts'):.0f} chat prompts of {tokens[0]}-{tokens[1]} tokens "
+        f"({_num(real, 'shared_prompt_tokens'):.0f} shared), {_num(real, 'generated_tokens'):.0f} greedy tokens each; "
+        f"fp8 stored {_num(real, 'fp8_stored_bytes_ratio'):.3f}x the fp32 bytes"
+    )
 
 
 # -- the vLLM releases kvtriton supports (kvtriton/integrations/_vllm_release.py, the Makefile) ----------------
@@ -626,10 +762,14 @@ def vllm_releases_table(results: Results) -> str:
                 f"no make target installs vLLM {_release(release)}; set VLLM_VERSION or OTHER_VLLM_VERSION"
             )
         rows.append([_release(release), "supported", "; ".join(targets)])
-    rows.append([
-        "any other", f"refused when the spec is built, in one line naming the installed and the tested releases; "
-        f"`{ALLOW_UNTESTED_VLLM}=1` starts it anyway, with a WARNING", "not tested",
-    ])  # fmt: skip
+    rows.append(
+        [
+            "any other",
+            f"refused when the spec is built, in one line naming the installed and the tested releases; "
+            f"`{ALLOW_UNTESTED_VLLM}=1` starts it anyway, with a WARNING",
+            "not tested",
+        ]
+    )
     return _table(["vLLM", "kvtriton", "tested by"], rows, "lll")
 
 
@@ -640,32 +780,75 @@ def summary_table(results: Results) -> str:
     def when(name: str) -> str:
         return _dated(name)(results)
 
-    goals = {f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
-             for r in _list(results("host_cost").get("results"))}  # fmt: skip
+    goals = {
+        f"<= {_num(r, 'goal_us'):g} us at {_num(r, 'page_tensors'):g} page tensors"
+        for r in _list(results("host_cost").get("results"))
+    }
     engine_goals = ", ".join(sorted(goals))
     rows = [
-        ["manager blocks/s vs vLLM 0.33's `CPUOffloadingManager`, kvtriton through its vLLM adapter, vLLM's call order, 4 workloads",
-         f">= {MANAGER_SPEEDUP_GOAL:g}x for both policies on every workload, hit rate no lower",
-         f"{manager_headline_range(results)}; {manager_headline_verdict(results).split(': ', 1)[1]}",
-         when("manager"), "[manager](#scheduler-side-manager)"],
-        ["the same, kvtriton's own API (direct calls, `prefix-sharing` trace)",
-         f"none of its own (the first goal, 2x, became the {MANAGER_SPEEDUP_GOAL:g}x above)",
-         manager_direct_range(results), when("manager"), "[direct calls](#direct-calls-kvtritons-own-api)"],
-        ["CPU fallback gather / scatter vs one contiguous copy, Llama-3-8B job", f">= {KERNEL_FALLBACK_GOAL:g}",
-         kernels_fallback_ratio(results), when("kernels"), "[kernels on CPU](#kernels-on-cpu-the-torch-fallback)"],
-        ["Triton kernels vs contiguous copy (pages >= 16 KiB), vs per-block loop (4-32 KiB), GPU", ">= 0.9, >= 5x",
-         kernels_triton_summary(results), when("kernels"), "[kernels on GPU](#kernels-on-a-gpu)"],
-        ["kernels' generated code for sm_90", "16-byte accesses, 64-bit address math", kernels_ptx_summary(results),
-         when("kernels_ptx"), "[PTX](#generated-code-no-gpu-needed)"],
-        ["engine host cost per job (kernel launch stubbed), median", engine_goals, engine_summary(results), when("host_cost"),
-         "[engine](#engine-host-cost-per-job)"],
-        ["tier traffic through kvtriton's primary vs vLLM's CPU primary, behind the `fs` tier", ">= 0.95",
-         tiers_summary(results), when("tiers"), "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary-benchtierspy)"],
-        ["Mooncake Store tier vs the raw Mooncake calls on the same chunks", f">= {_num(results('tiers_mooncake'), 'overhead_goal'):g}",
-         mooncake_summary(results), when("tiers_mooncake"), "[Mooncake](#mooncake-store-tier-cascade-promotion-and-overhead-benchtiers_mooncakepy)"],
-        ["`vllm serve` TTFT and throughput, kvtriton against no connector and the ceiling (the engine's cache given kvtriton's host bytes)",
-         *serving_goal_row(results), when("serving"), "[serving](#serving-ttft-and-throughput-against-the-ceiling-benchservingpy)"],
-    ]  # fmt: skip
+        [
+            "manager blocks/s vs vLLM 0.33's `CPUOffloadingManager`, kvtriton through its vLLM adapter, vLLM's call order, 4 workloads",
+            f">= {MANAGER_SPEEDUP_GOAL:g}x for both policies on every workload, hit rate no lower",
+            f"{manager_headline_range(results)}; {manager_headline_verdict(results).split(': ', 1)[1]}",
+            when("manager"),
+            "[manager](#scheduler-side-manager)",
+        ],
+        [
+            "the same, kvtriton's own API (direct calls, `prefix-sharing` trace)",
+            f"none of its own (the first goal, 2x, became the {MANAGER_SPEEDUP_GOAL:g}x above)",
+            manager_direct_range(results),
+            when("manager"),
+            "[direct calls](#direct-calls-kvtritons-own-api)",
+        ],
+        [
+            "CPU fallback gather / scatter vs one contiguous copy, Llama-3-8B job",
+            f">= {KERNEL_FALLBACK_GOAL:g}",
+            kernels_fallback_ratio(results),
+            when("kernels"),
+            "[kernels on CPU](#kernels-on-cpu-the-torch-fallback)",
+        ],
+        [
+            "Triton kernels vs contiguous copy (pages >= 16 KiB), vs per-block loop (4-32 KiB), GPU",
+            ">= 0.9, >= 5x",
+            kernels_triton_summary(results),
+            when("kernels"),
+            "[kernels on GPU](#kernels-on-a-gpu)",
+        ],
+        [
+            "kernels' generated code for sm_90",
+            "16-byte accesses, 64-bit address math",
+            kernels_ptx_summary(results),
+            when("kernels_ptx"),
+            "[PTX](#generated-code-no-gpu-needed)",
+        ],
+        [
+            "engine host cost per job (kernel launch stubbed), median",
+            engine_goals,
+            engine_summary(results),
+            when("host_cost"),
+            "[engine](#engine-host-cost-per-job)",
+        ],
+        [
+            "tier traffic through kvtriton's primary vs vLLM's CPU primary, behind the `fs` tier",
+            ">= 0.95",
+            tiers_summary(results),
+            when("tiers"),
+            "[tiers](#tiered-offloading-kvtritons-primary-tier-vs-vllms-cpu-primary-benchtierspy)",
+        ],
+        [
+            "Mooncake Store tier vs the raw Mooncake calls on the same chunks",
+            f">= {_num(results('tiers_mooncake'), 'overhead_goal'):g}",
+            mooncake_summary(results),
+            when("tiers_mooncake"),
+            "[Mooncake](#mooncake-store-tier-cascade-promotion-and-overhead-benchtiers_mooncakepy)",
+        ],
+        [
+            "`vllm serve` TTFT and throughput, kvtriton against no connector and the ceiling (the engine's cache given kvtriton's host bytes)",
+            *serving_goal_row(results),
+            when("serving"),
+            "[serving](#serving-ttft-and-throughput-against-the-ceiling-benchservingpy)",
+        ],
+    ]
     return _table(["what", "goal", "measured", "run", "where"], rows, "lllll")
 
 
@@ -677,15 +860,42 @@ def _dated(name: str) -> Callable[[Results], str]:
 
 
 _NAMED_AFTER_THEMSELVES = (
-    manager_headline_table, manager_headline_range, manager_headline_verdict, manager_before_range,
-    manager_direct_table, manager_direct_range, manager_cap2048_table, manager_hit_rates_table,
-    kernels_headline_table, kernels_fallback_ratio, kernels_contiguous_range, kernels_page_sizes, kernels_ptx_table,
-    engine_table, engine_summary, tiers_table, tiers_bookkeeping_table, tiers_summary, tiers_steps_table,
-    tiers_steps_setup, tiers_steps_summary, mooncake_table, mooncake_summary,
-    compression_table, compression_bytes, compression_tiny_table, compression_real_engine_table,
-    compression_real_teacher_table, compression_real_setup, compression_real_summary,
-    vllm_releases, vllm_requirement, vllm_make_test, vllm_make_compat_other, vllm_releases_table,
-)  # fmt: skip
+    manager_headline_table,
+    manager_headline_range,
+    manager_headline_verdict,
+    manager_before_range,
+    manager_direct_table,
+    manager_direct_range,
+    manager_cap2048_table,
+    manager_hit_rates_table,
+    kernels_headline_table,
+    kernels_fallback_ratio,
+    kernels_contiguous_range,
+    kernels_page_sizes,
+    kernels_ptx_table,
+    engine_table,
+    engine_summary,
+    tiers_table,
+    tiers_bookkeeping_table,
+    tiers_summary,
+    tiers_steps_table,
+    tiers_steps_setup,
+    tiers_steps_summary,
+    mooncake_table,
+    mooncake_summary,
+    compression_table,
+    compression_bytes,
+    compression_tiny_table,
+    compression_real_engine_table,
+    compression_real_teacher_table,
+    compression_real_setup,
+    compression_real_summary,
+    vllm_releases,
+    vllm_requirement,
+    vllm_make_test,
+    vllm_make_compat_other,
+    vllm_releases_table,
+)
 """The renderers whose region is their own name with dashes: ``manager_headline_table`` renders
 ``manager-headline-table``, so a region's name and its function cannot drift apart."""
 
@@ -694,10 +904,23 @@ RENDERERS: dict[str, Callable[[Results], str]] = {
     **{renderer.__name__.replace("_", "-"): renderer for renderer in _NAMED_AFTER_THEMSELVES},
     **SIMULATE_RENDERERS,
     **SERVING_RENDERERS,
-    **{f"run-{name}": _dated(name) for name in
-       ("manager", "manager_cap2048", "manager_hit_rates", "kernels", "kernels_ptx", "host_cost", "tiers", "tiers_mooncake",
-        "tiers_steps", "compression", "serving")},
-}  # fmt: skip
+    **{
+        f"run-{name}": _dated(name)
+        for name in (
+            "manager",
+            "manager_cap2048",
+            "manager_hit_rates",
+            "kernels",
+            "kernels_ptx",
+            "host_cost",
+            "tiers",
+            "tiers_mooncake",
+            "tiers_steps",
+            "compression",
+            "serving",
+        )
+    },
+}
 """Every region name the docs may use, and what renders it."""
 
 

@@ -18,8 +18,16 @@ from kvtriton.manager._base import OffloadingManager, override
 from kvtriton.manager._request_access import RequestAccess, head_to_tail
 from kvtriton.manager._slot_pool import SlotPool
 from kvtriton.manager._stats import ManagerStats
-from kvtriton.manager.policies._base import PENDING, Block, CachePolicy, KeyRun, RequestAwarePolicy, run_keys
-from kvtriton.manager.policies._registry import canonical_policy_name, make_policy
+from kvtriton.manager.policies import (
+    PENDING,
+    Block,
+    CachePolicy,
+    KeyRun,
+    RequestAwarePolicy,
+    canonical_policy_name,
+    make_policy,
+    run_keys,
+)
 
 _MEDIUM = CPULoadStoreSpec.MEDIUM
 # Module-level names: lookup, the hottest call, returns these without an enum attribute lookup.

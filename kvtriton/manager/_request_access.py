@@ -21,7 +21,7 @@ from operator import is_not, itemgetter, lt
 from typing import cast
 
 from kvtriton._keys import OffloadKey
-from kvtriton.manager.policies._base import KeyRun, Use
+from kvtriton.manager.policies import KeyRun, Use
 
 _REUSED, _INSERTED, _SEEN = Use.REUSED, Use.INSERTED, Use.SEEN
 

@@ -140,48 +140,6 @@ def _private_reaches(importer: str, source: Path) -> list[tuple[int, str]]:
 
 BENCH = PACKAGE.parent / "bench"
 
-# Files of other owners moving onto the rule in the same stretch (issue 51), with the private names each still
-# imports; an entry that no longer matches its file fails test_the_waiting_list_is_current, so it goes with the fix.
-NOT_THROUGH_THE_DOOR_YET: dict[str, frozenset[str]] = {
-    "kvtriton/manager/_cpu.py": frozenset(
-        f"kvtriton.manager.policies.{name}"
-        for name in (
-            "_base.PENDING",
-            "_base.Block",
-            "_base.CachePolicy",
-            "_base.KeyRun",
-            "_base.RequestAwarePolicy",
-            "_base.run_keys",
-            "_registry.canonical_policy_name",
-            "_registry.make_policy",
-        )
-    ),
-    "kvtriton/manager/_request_access.py": frozenset(
-        {"kvtriton.manager.policies._base.KeyRun", "kvtriton.manager.policies._base.Use"}
-    ),
-    # tests/bench/test_gpu_check_preflight.py stands in for an import the GPU machine fails by blocking this very
-    # module in sys.modules; kvtriton.worker (which loads it either way) is the door once the test blocks that
-    "bench/gpu_preflight.py": frozenset({"kvtriton.worker._slab.HostSlab"}),
-    "bench/host_cost.py": frozenset(
-        {
-            "kvtriton.cli._progress.progress",
-            "kvtriton.integrations.vllm._worker.VLLMOffloadingWorker",
-            "kvtriton.worker._layout.PagedKV",
-            "kvtriton.worker._plan.TransferDirection",
-        }
-    ),
-    "bench/render_docs.py": frozenset(
-        f"kvtriton.integrations._vllm_release.{name}"
-        for name in (
-            "ALLOW_UNTESTED_VLLM",
-            "TESTED_VLLM_RANGE",
-            "TESTED_VLLM_RELEASES",
-            "tested_releases",
-            "vllm_release",
-        )
-    ),
-}
-
 
 def _reaches_outside_the_rule() -> dict[str, list[tuple[int, str]]]:
     """Per file (its path from the repository root): each import of a private kvtriton module or name from outside
@@ -209,22 +167,10 @@ def test_a_private_module_is_imported_only_from_inside_its_package() -> None:
         f"{path}:{line} imports {name}"
         for path, reaches in sorted(_reaches_outside_the_rule().items())
         for line, name in reaches
-        if name not in NOT_THROUGH_THE_DOOR_YET.get(path, ())
     ]
     assert not offenders, (
         "import the package (and export the name in its __all__) instead, or for a benchmark that needs a private "
         "name, list it with why in bench/_internals.py:\n" + "\n".join(offenders)
-    )
-
-
-def test_the_waiting_list_is_current() -> None:
-    reaches = _reaches_outside_the_rule()
-    stale = {
-        path: sorted(names - {name for _, name in reaches.get(path, [])})
-        for path, names in NOT_THROUGH_THE_DOOR_YET.items()
-    }
-    assert {path: names for path, names in stale.items() if names} == {}, (
-        "these no longer reach in: drop them from NOT_THROUGH_THE_DOOR_YET"
     )
 
 
