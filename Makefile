@@ -9,7 +9,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # The vLLM release `make test` runs everything against, and the other supported release, whose compatibility
-# suite, worker contract tests, typing gate and real-engine smoke test `make compat-other` runs in a venv of
+# suite, worker contract tests, typing gate and real-engine scenarios `make compat-other` runs in a venv of
 # its own (docs/vllm.md, "Supported vLLM versions"). Both must be releases TESTED_VLLM_RELEASES names
 # (kvtriton/integrations/_vllm_release.py): the docs' table of releases is rendered from the two, and
 # tests/project/test_docs_figures.py checks it.
@@ -102,15 +102,19 @@ compat: $(STAMP)
 
 # The other supported vLLM release, in its own venv (built as `make test` builds .venv, with that release):
 # pyright strict against its types, its own offloading tests with kvtriton swapped in, the worker driven as its
-# connector drives it, the vLLM surface's checks, the remote-tier base (0.34 keeps an abandoned load's slots aside
-# through its deferred release) and the seal thread's hand-over to vLLM's tiering, and real engines on CPU: the single
-# tier, the wheel installed beside vLLM, load and abort, the fs tier and Mooncake across processes, `vllm serve`.
-# CI runs it after `make test` (.ci/run).
-OTHER_TESTS := tests/vllm_compat tests/integrations/test_vllm_worker_contract.py tests/integrations/test_vllm_surface.py \
-	tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_connector.py \
-	tests/integrations/test_tier_remote.py tests/integrations/test_tiering_seal_thread.py tests/e2e/test_single_tier.py \
-	tests/e2e/test_installed_wheel.py tests/e2e/test_preemption_aborts.py tests/e2e/test_fs_tier.py tests/e2e/test_mooncake.py \
-	tests/e2e/test_serve.py
+# connector drives it, the vLLM surface's checks, the remote-tier base and the seal thread's hand-over to vLLM's
+# tiering (the two releases differ in how a failed or abandoned job is reported), and the same real-engine scenarios
+# as `make test`: the single tier, the wheel installed beside vLLM, load and abort, the fs tier and Mooncake across
+# processes, `vllm serve`, fail closed, and the fault cases (a full or read-only fs root, a killed or stalled Mooncake
+# holder, a restarted master, an engine killed during start-up). CI runs it after `make test` (.ci/run).
+OTHER_TESTS := tests/vllm_compat tests/integrations/vllm/test_vllm_worker_contract.py \
+	tests/integrations/vllm/test_vllm_surface.py tests/integrations/vllm/test_vllm_worker.py \
+	tests/integrations/vllm/test_vllm_connector.py tests/integrations/remote/test_tier_remote.py \
+	tests/integrations/vllm/test_tiering_seal_thread.py \
+	tests/e2e/test_single_tier.py tests/e2e/test_installed_wheel.py tests/e2e/test_preemption_aborts.py \
+	tests/e2e/test_fs_tier.py tests/e2e/test_mooncake.py tests/e2e/test_serve.py tests/e2e/test_fail_closed.py \
+	tests/e2e/test_fs_tier_faults.py tests/e2e/test_mooncake_faults.py tests/e2e/test_mooncake_master_faults.py \
+	tests/e2e/test_start_up_crash.py
 compat-other:
 	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
 	$(OTHER_VENV)/bin/python -m pyright --venvpath $(OTHER_ROOT)

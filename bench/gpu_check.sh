@@ -183,7 +183,7 @@ decide_skips
 PYTEST=(env PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PYTHON" -m pytest -p _hypothesis_pytestplugin -v -rfEs --tb=short
     -p no:cacheprovider --continue-on-collection-errors --durations=10 -k "cuda or slab")
 TEST_FILES=(tests/worker/test_engine_cuda.py)
-missing SHM_OK || TEST_FILES+=(tests/integrations/test_tiering_cuda.py)
+missing SHM_OK || TEST_FILES+=(tests/integrations/vllm/test_tiering_cuda.py)
 TEST_FILES+=(tests/kernels/test_kernels_large_offsets.py tests/worker/test_slab.py tests/worker/test_compression_engine.py
     tests/kernels/test_kernels_gather.py tests/kernels/test_kernels_scatter.py)
 if [[ -n $tests_missing ]]; then skip cuda_tests "$BUDGET_CUDA_TESTS" "$tests_missing"

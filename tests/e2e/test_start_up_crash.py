@@ -97,7 +97,7 @@ def test_an_engine_killed_during_start_up_leaks_no_region_and_the_restart_serves
         end_process_group(process)  # reaps it (and stops it, if an assertion above failed first)
     # The crash left the region unheld: the restart removes it, or, when the e2e tests run two at a time, an engine
     # of another test starting meanwhile does (any kvtriton start on the host does). The removal's log line is
-    # checked where it is deterministic, in tests/integrations/test_tiering_region_lifetime.py.
+    # checked where it is deterministic, in tests/integrations/vllm/test_tiering_region_lifetime.py.
     restarted = run_engine(tiered_job(llama, restarted_id, stop=False), e2e_dir / "start-up-restart")
     assert restarted.step("A").token_ids == reference.step("A").token_ids
     assert kvtriton_files(crashed_id) == [] and kvtriton_files(restarted_id) == []

@@ -4,7 +4,7 @@ A stand-in CUDA runtime refuses every ``cudaHostRegister`` as a GPU in
 confidential-computing mode does (``cudaErrorNotSupported``, 801), or only
 some ranks' (a driver's size cap, a container's limits on one rank). Several
 SharedRegion objects in one process stand in for the engine's processes,
-each rank on a thread of its own, as in tests/integrations/test_tiering_region.py.
+each rank on a thread of its own, as in tests/integrations/vllm/test_tiering_region.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and 0.34.x). Everything kvtriton takes from vLLM comes through this module:
   outside the tested range unless ``KVTRITON_ALLOW_UNTESTED_VLLM=1``;
 * the inventory of vLLM's private names kvtriton relies on
   (:data:`VLLM_PRIVATE_NAMES`: what, where kvtriton uses it, why), which
-  ``tests/integrations/test_vllm_surface.py`` checks against the installed
+  ``tests/integrations/vllm/test_vllm_surface.py`` checks against the installed
   vLLM, failing with the entry's name.
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM

@@ -493,7 +493,7 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             manager = SealedTieringManager(
                 # The orchestrator is typed for vLLM's CPU primary; KVTritonPrimaryTier
                 # offers every method and attribute it uses (see the class docstring).
-                primary_tier=primary,  # pyright: ignore[reportArgumentType] -- duck-typed primary, checked by tests/integrations/test_tiering_contract.py
+                primary_tier=primary,  # pyright: ignore[reportArgumentType] -- duck-typed primary, checked by tests/integrations/vllm/test_tiering_contract.py
                 secondary_tiers=tiers,
                 identity=self.identity,
                 tier_poll_interval_s=self.tier_poll_interval_s,
