@@ -67,11 +67,11 @@ def key_id_of(secret: bytes) -> str:
 
 
 def check_key_id(value: object, *, where: str) -> str:
-    """``value`` as a key id (16 lowercase hex digits, as a start-up line prints it); ``ValueError`` naming ``where``."""
+    """``value`` as a key id (16 lowercase hex digits: :attr:`MasterKey.key_id`); ``ValueError`` naming ``where``."""
     if not isinstance(value, str) or not _KEY_ID.fullmatch(value):
         raise ValueError(
-            f"{where} must be a key id: {2 * KEY_ID_BYTES} lowercase hex digits, as the start-up line "
-            f"'encryption on, key id ...' prints it, got {value!r}"
+            f"{where} must be a key id: {2 * KEY_ID_BYTES} lowercase hex digits, the key_id of the master key "
+            f"rotated out, got {value!r}"
         )
     return value
 
