@@ -63,7 +63,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from bench.common import bench_parser, command_line, format_table, quick_name, readable_bytes, write_json
-from kvtriton.cli._progress import progress
+from kvtriton.cli import progress
 from kvtriton.encryption import MasterKey, SealedBox, TenantKeys, associated_data, sealed_length
 
 CHUNK_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)

@@ -37,6 +37,8 @@ FORBIDDEN = {
     "kernels": ("kvtriton.manager", "kvtriton.worker", "kvtriton.integrations", "kvtriton.sim", "kvtriton.cli"),
     "integrations": ("kvtriton.sim", "kvtriton.cli"),
     "sim": ("kvtriton.integrations", "kvtriton.cli"),
+    # The cipher and its keys serve the tiers: they know nothing of who seals what.
+    "encryption": ("kvtriton.manager", "kvtriton.worker", "kvtriton.integrations", "kvtriton.sim", "kvtriton.cli"),
 }
 
 
