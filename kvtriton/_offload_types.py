@@ -79,7 +79,7 @@ def _as_block_id_array(block_ids: BlockIds, name: str) -> NDArray[np.int64]:
         return np.empty(0, dtype=np.int64)
     if array.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
-    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+    if array.dtype.kind not in "iu":  # signed or unsigned integers (a bool array is kind "b")
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     return array.astype(np.int64, copy=True)
 

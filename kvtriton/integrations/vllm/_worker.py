@@ -210,11 +210,6 @@ class GroupPages:
         )
 
 
-_CHECK_CHUNK_ELEMENTS = 8192
-"""Pointers compared per numpy call (64 KiB of int64): larger temporaries would come from fresh pages (glibc maps
-big allocations anew each time), and their page faults cost more than the comparison itself."""
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class _GroupAddresses:
     """One group's data references as arrays: the base address and block stride of each, as a column."""
@@ -329,18 +324,13 @@ def _group_block_ids(
     if not ref_count:
         return np.zeros(count, dtype=np.int64)
     grid = ptrs.reshape(ref_count, count)  # a view: row r holds reference r's address of each block
-    block_ids = (grid[0] - addresses.first_base) // addresses.first_stride
-    if int(block_ids.min()) < 0:
+    # Every address is checked, all of the group's in one comparison: row r must read bases[r] + block_ids *
+    # strides[r], the ids read from row 0 (a whole block from its base: an address inside a block is refused).
+    from_bases = grid - addresses.bases
+    block_ids, inside_block = np.divmod(from_bases[0], addresses.first_stride)
+    want = from_bases[0] if addresses.uniform_stride else block_ids * addresses.strides
+    if not np.equal(from_bases, want).all() or inside_block.any() or int(block_ids.min()) < 0:
         raise _mismatch(group, grid, block_ids, addresses)
-    # Row r must read bases[r] + block_ids * strides[r] (row 0 too: that check catches an address inside a block),
-    # compared as offsets from each base, a few rows per numpy call.
-    offsets = block_ids * addresses.first_stride if addresses.uniform_stride else None
-    rows = max(1, _CHECK_CHUNK_ELEMENTS // count)
-    for start in range(0, ref_count, rows):
-        stop = min(start + rows, ref_count)
-        want = offsets if offsets is not None else block_ids * addresses.strides[start:stop]
-        if not np.equal(grid[start:stop] - addresses.bases[start:stop], want).all():
-            raise _mismatch(group, grid, block_ids, addresses)
     return block_ids
 
 
