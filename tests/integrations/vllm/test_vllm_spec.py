@@ -40,7 +40,6 @@ from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.worker._slab import HostSlab, PageableSlabWarning, SlabPinningError
 
 ROOT = Path(__file__).resolve().parents[3]
-ADAPTER_FILES = sorted((ROOT / "kvtriton" / "integrations" / "vllm").glob("*.py"))
 
 
 def test_vllms_factory_loads_the_spec_from_spec_name_and_module_path() -> None:
@@ -217,13 +216,13 @@ else:
     assert "cause: No module named" in result.stdout  # the original error stays attached
 
 
-def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_path: Path) -> None:
-    # A probe that misuses a vLLM type must fail: proves pyright sees vLLM's
-    # annotations (py.typed) rather than Unknown, so "clean" means something.
+def test_pyright_sees_vllms_real_types(tmp_path: Path) -> None:
+    # `make typecheck` holds the adapter to pyright strict; that means something only if pyright reads vLLM's
+    # annotations (py.typed) rather than Unknown: a probe that misuses a vLLM type must fail.
     probe = tmp_path / "probe.py"
     probe.write_text("from vllm.v1.kv_offload.base import LookupResult\n\nresult: int = LookupResult.MISS\n")
     result = subprocess.run(
-        [sys.executable, "-m", "pyright", "--outputjson", *map(str, ADAPTER_FILES), str(probe)],
+        [sys.executable, "-m", "pyright", "--outputjson", str(probe)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -231,8 +230,6 @@ def test_pyright_strict_is_clean_on_the_adapter_against_vllms_real_types(tmp_pat
     )
     report = json.loads(result.stdout)
     errors = [d for d in report["generalDiagnostics"] if d["severity"] == "error"]
-    # The glob must find the adapter itself; any new file of the vllm package joins the check unasked.
-    assert {"__init__.py", "_spec_core.py", "_manager.py", "_worker.py"} <= {p.name for p in ADAPTER_FILES}
     assert [(Path(d["file"]).name, d["rule"]) for d in errors] == [("probe.py", "reportAssignmentType")]
 
 
