@@ -8,4 +8,4 @@ line) imports it from here rather than from the package's public list, whose
 from __future__ import annotations
 
 __version__ = "0.1.0"
-"""The release; pyproject.toml's ``[project] version`` states the same one for the wheel."""
+"""The release, written here alone: pyproject.toml reads it for the wheel (``[tool.setuptools.dynamic]``)."""

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from packaging_fixtures import ROOT, build_wheel, package_folders
 
+import kvtriton
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
@@ -38,6 +40,11 @@ def test_wheel_holds_kvtriton_kernels_and_no_top_level_kernels(wheel_names: list
         name for name in wheel_names if name.startswith("kernels_dev/") or "codegen" in name or "compile_asm" in name
     ]
     assert "kvtriton/py.typed" in wheel_names
+
+
+def test_wheel_carries_the_version_kvtriton_reports(wheel: zipfile.ZipFile) -> None:
+    (metadata,) = [name for name in wheel.namelist() if name.endswith(".dist-info/METADATA")]
+    assert f"Version: {kvtriton.__version__}" in wheel.read(metadata).decode().splitlines()
 
 
 def test_wheel_declares_what_the_seal_needs(wheel: zipfile.ZipFile) -> None:
