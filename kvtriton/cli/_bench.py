@@ -79,7 +79,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     for benchmark in (
         Benchmark(
             "manager",
-            "kvtriton's manager through its vLLM adapter against vLLM 0.33's, in vLLM's call order on four workloads"
+            "kvtriton's manager through its vLLM adapter against vLLM's own, in vLLM's call order on four workloads"
             " (blocks/s, hit rates), then kvtriton's direct calls",
         ),
         Benchmark("kernels", "gather/scatter GB/s against the torch, copy-loop and contiguous-copy baselines"),

@@ -64,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtriton._int_argument import check_int
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import LookupResult, PrepareStoreOutput, ReqContext
 from kvtriton.manager import CPUOffloadingManager
@@ -155,9 +156,7 @@ class MooncakePool:
         high_watermark: float = MOONCAKE_HIGH_WATERMARK,
         eviction_ratio: float = MOONCAKE_EVICTION_RATIO,
     ) -> None:
-        if isinstance(capacity_objects, bool) or capacity_objects < 1:
-            raise ValueError(f"capacity_objects must be >= 1, got {capacity_objects!r}")
-        self.capacity_objects = capacity_objects
+        self.capacity_objects = check_int("capacity_objects", capacity_objects, 1)
         self.high_watermark = high_watermark
         self.eviction_ratio = eviction_ratio
         self._objects: OrderedDict[OffloadKey, None] = OrderedDict()  # least recently leased first

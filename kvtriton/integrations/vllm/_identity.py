@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtriton._int_argument import check_int
 from kvtriton._integrity import FINGERPRINT_BYTES, ROW_FORMAT_VERSION
 
 if TYPE_CHECKING:
@@ -148,9 +149,7 @@ class IdentityParts:
 
     def __post_init__(self) -> None:
         for name in ("bytes_per_block", "blocks_per_chunk", "tokens_per_hash", "world_size", "tp_size", "pp_size"):
-            value: object = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if self.rank is not None and not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be None or in 0..{self.world_size - 1} (world_size), got {self.rank!r}")
 

@@ -217,7 +217,7 @@ def test_a_bad_identity_key_is_refused_naming_the_key(raw: object) -> None:
 def test_bad_parts_are_refused_naming_the_field(model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"rank must be None or in 0\.\.1 \(world_size\), got 2"):
         _parts(model_dir, rank=2)
-    with pytest.raises(ValueError, match="bytes_per_block must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="bytes_per_block must be >= 1, got 0"):
         _parts(model_dir, bytes_per_block=0)
 
 
