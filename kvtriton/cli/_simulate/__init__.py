@@ -46,6 +46,7 @@ from kvtriton.cli._simulate._arguments import (
     tier_specs,
 )
 from kvtriton.cli._simulate._computation import host_sweep, tiered_points
+from kvtriton.cli._simulate._fleet import fleet_routing, run_fleet
 from kvtriton.cli._simulate._output import (
     SweepProgress,
     host_lines,
@@ -88,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         return command_error("simulate", error)
     stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
+    try:
+        routing = fleet_routing(args)  # after call_order_of, which names --engines itself under kvtriton's order
+    except ValueError as error:
+        return command_error("simulate", error)
+    if routing is not None and isinstance(order, VllmOrder):  # --engines selects vLLM's order (call_order_of)
+        return run_fleet(args, stored, order, routing, source, requests, started)
     if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (call_order_of)
         return _run_tiered(args, stored, order, source, requests, started)
     tier_only = given_flags(
