@@ -20,10 +20,12 @@ from kvtriton.sim._fleet import (
     POOL_KNEE_POINTS,
     EngineReport,
     FleetPoint,
+    FleetRecommendation,
     PoolKnee,
     fleet_point,
     fleet_sweep,
     pool_knees,
+    recommend_fleet,
 )
 
 # A model's bytes per block, and the sizes the command's flags take and print.
@@ -203,11 +205,13 @@ __all__ = [
     "ROUTERS",
     "EngineReport",
     "FleetPoint",
+    "FleetRecommendation",
     "PoolKnee",
     "RouterName",
     "fleet_point",
     "fleet_sweep",
     "pool_knees",
+    "recommend_fleet",
     "route",
     "split_streams",
 ]

@@ -41,6 +41,7 @@ from kvtriton.sim._tiered_planner import (
     Stall,
     TieredReport,
     _summed,  # pyright: ignore[reportPrivateUsage] -- the one rule for adding servers' counts over a shared tier
+    recommend_tiered,
 )
 from kvtriton.sim._vllm_server import ServerStats, ServerStream, StalledRequest, replay_vllm_servers
 
@@ -391,3 +392,48 @@ def pool_knees(points: Sequence[FleetPoint], within_points: float = POOL_KNEE_PO
         knee = next(p for p in ran if 100 * (largest.hit_share - p.hit_share) <= within_points + 1e-9)
         knees.append(PoolKnee(policy, host, within_points, knee, largest))
     return knees
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRecommendation:
+    """The cheapest fleet point whose hit share reaches the target, and the configuration every engine starts with."""
+
+    target: float
+    """A hit share: the share of the fleet's prompt tokens no engine computes."""
+    host_price_ratio: float
+    point: FleetPoint | None
+    """None when no point tried reaches the target."""
+    best: FleetPoint
+    """The point with the highest hit share (the closest one when none reaches the target)."""
+    extra_config: dict[str, object] | None
+    """Every engine's ``kv_connector_extra_config`` (they differ in nothing: one pool, one host size, one policy)."""
+
+
+def recommend_fleet(
+    points: Sequence[FleetPoint],
+    target: float,
+    host_price_ratio: float,
+    geometry: ModelGeometry,
+    *,
+    server: VllmOrder | None = None,
+) -> FleetRecommendation:
+    """The point of least cost (every engine's host memory at ``host_price_ratio`` times a pool GiB, plus the pool)
+    whose :attr:`FleetPoint.hit_share` reaches ``target`` (then the higher share).
+
+    The fleet's target is a hit share, not the rate vLLM reports: that rate counts only the tokens each engine's
+    GPU cache did not serve, so a router that makes the GPU caches hit (prefix-affinity) would look worse by it
+    while computing less.
+    """
+    if not points:
+        raise ValueError("no fleet points to choose from")
+    if not host_price_ratio > 0:
+        raise ValueError(f"host_price_ratio must be positive, got {host_price_ratio!r}")
+    usable = [point for point in points if not point.stalled] or list(points)
+    best = max(usable, key=lambda point: (point.hit_share, -point.report.cost(host_price_ratio)))
+    reaching = [point for point in usable if not point.stalled and point.hit_share >= target - 1e-12]
+    if not reaching:
+        return FleetRecommendation(target, host_price_ratio, None, best, None)
+    chosen = min(reaching, key=lambda point: (point.report.cost(host_price_ratio), -point.hit_share))
+    # The configuration is the tiered planner's for that one point: one rule for the spec's keys.
+    config = recommend_tiered([chosen.report], 0.0, host_price_ratio, geometry, server=server).extra_config
+    return FleetRecommendation(target, host_price_ratio, chosen, best, config)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kvtriton._keys import OffloadKey
-from kvtriton.sim._fleet import EngineReport, FleetPoint, fleet_point, fleet_sweep, pool_knees
+from kvtriton.sim._fleet import EngineReport, FleetPoint, fleet_point, fleet_sweep, pool_knees, recommend_fleet
 from kvtriton.sim._geometry import GIB, PRESETS, KVDtype, ModelGeometry
 from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import PreparedRequest, prepare
@@ -211,6 +211,29 @@ def test_the_knee_is_per_policy_and_host_size_skips_stalled_points_and_says_when
     assert (none.knee, none.largest, none.at_largest) == (None, None, False)
     with pytest.raises(ValueError, match="within_points must be >= 0"):
         pool_knees(points, within_points=-1)
+
+
+def test_the_answer_is_the_cheapest_point_whose_hit_share_reaches_the_target_not_vllms_rate() -> None:
+    # Host memory priced 10x a pool GiB: 1 GiB host + 8 GiB pool costs 18, 1 + 2 costs 12, 4 + 2 costs 42.
+    points = [synthetic(8, 300), synthetic(2, 450), synthetic(2, 290, host_gib=4)]
+    # vLLM's rate counts only what the GPU did not serve: a point whose GPU served most has a low one.
+    points[1] = dataclasses.replace(points[1], report=dataclasses.replace(points[1].report, external_hit_tokens=10))
+    found = recommend_fleet(points, 0.5, 10.0, GEOMETRY)
+    assert found.point is points[1] and found.best is points[2]
+    assert found.extra_config is not None and found.extra_config["cpu_bytes_to_use"] == GIB
+    assert found.extra_config["secondary_tiers"] == [
+        {
+            "type": "MooncakeStoreTier",
+            "module_path": "kvtriton.integrations.mooncake",
+            "master_server_address": "<mooncake_master host:port>",
+        }
+    ]
+    assert recommend_fleet(points, 0.7, 10.0, GEOMETRY).point is points[0]  # 70%, cheaper than 71%
+    assert recommend_fleet(points, 0.705, 10.0, GEOMETRY).point is points[2]
+    missed = recommend_fleet(points, 0.9, 10.0, GEOMETRY)
+    assert (missed.point, missed.best, missed.extra_config) == (None, points[2], None)
+    with pytest.raises(ValueError, match="no fleet points"):
+        recommend_fleet([], 0.5, 10.0, GEOMETRY)
 
 
 def test_a_sweep_runs_every_policy_host_and_pool_size_in_order() -> None:

@@ -439,7 +439,8 @@ def _add_answer_arguments(sim: argparse._ArgumentGroup) -> None:  # pyright: ign
         default=DEFAULT_TARGET_HIT_RATE,
         metavar="RATE",
         help="print the vLLM configuration of the smallest size whose hit rate reaches RATE, a fraction or a"
-        " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise;"
+        " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise; with --engines,"
+        " the fleet's hit share, the prompt tokens no engine computes;"
         f" default: {DEFAULT_TARGET_HIT_RATE:g})",
     )
 

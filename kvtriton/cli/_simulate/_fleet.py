@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -21,23 +22,24 @@ from kvtriton.cli._simulate._output import (
     gib,
     percent,
     record_of,
+    serve_command_lines,
     stall_lines,
     table,
     tiered_point_record,
-    tiered_recommendation_lines,
     write_and_print,
 )
 from kvtriton.sim import (
+    COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_AFFINITY_BLOCKS,
     DEFAULT_ROUTER,
     POOL_KNEE_POINTS,
     FleetPoint,
+    FleetRecommendation,
     ModelGeometry,
     PoolKnee,
     PreparedRequest,
     Request,
     RouterName,
-    TieredRecommendation,
     TierSpec,
     VllmOrder,
     default_capacities,
@@ -45,7 +47,7 @@ from kvtriton.sim import (
     format_bytes,
     pool_knees,
     prepare,
-    recommend_tiered,
+    recommend_fleet,
     route,
     split_streams,
     summarize,
@@ -117,13 +119,8 @@ class FleetSweep:
     distinct_blocks: int
     points: list[FleetPoint]
     knees: list[PoolKnee]
-    found: TieredRecommendation
-    """The cheapest point reaching the target, as the tiered planner picks it among the fleet's totals."""
-
-    def point_of(self, found: TieredRecommendation) -> FleetPoint:
-        """The fleet point whose totals ``found`` chose (its point, else its best)."""
-        chosen = found.point or found.best
-        return next(point for point in self.points if point.report is chosen)
+    found: FleetRecommendation
+    """The cheapest point whose hit share reaches the target."""
 
 
 def fleet_points(
@@ -166,9 +163,7 @@ def fleet_points(
         affinity_blocks=routing.affinity_blocks,
         on_finished=on_finished,
     )
-    found = recommend_tiered(
-        [point.report for point in points], target_hit_rate, host_price_ratio, geometry, server=order
-    )
+    found = recommend_fleet(points, target_hit_rate, host_price_ratio, geometry, server=order)
     return FleetSweep(routing, trace, streams, distinct, points, pool_knees(points), found)
 
 
@@ -218,8 +213,8 @@ def knee_lines(knees: Sequence[PoolKnee]) -> list[str]:
         size = format_bytes(point.pool.capacity_bytes or 0)
         if knee.at_largest:
             lines.append(
-                f"{pair} {size}, the largest tried ({percent(point.hit_share)}): a larger pool may still pay;"
-                " try larger --tier-sizes"
+                f"{pair} {size}, the largest pool that ran ({percent(point.hit_share)}): a larger pool may still"
+                " pay; try larger --tier-sizes"
             )
             continue
         lines.append(
@@ -293,14 +288,65 @@ def fleet_lines(
         lines += stall_lines(stalled, geometry)
     lines.append("")
     lines += knee_lines(result.knees)
-    shown = result.point_of(result.found)
+    shown = result.found.point or result.found.best
     if not shown.stalled:
         lines.append("")
         lines += engine_lines(shown)
     lines.append("")
-    lines += tiered_recommendation_lines(
-        result.found, order, geometry, routing.engines, args.tensor_parallel_size, engine_requests=per_engine
-    )
+    lines += answer_lines(result.found, order, geometry, args.tensor_parallel_size, per_engine)
+    return lines
+
+
+def answer_lines(
+    found: FleetRecommendation,
+    order: VllmOrder,
+    geometry: ModelGeometry,
+    tensor_parallel_size: int,
+    engine_requests: Sequence[int],
+) -> list[str]:
+    """The cheapest point reaching the target: its configuration once, then every engine's `vllm serve` line, and
+    the pool to provision; or why no point reached it."""
+    target = percent(found.target)
+    price = f"host memory priced {found.host_price_ratio:g}x a pool GiB"
+    point = found.point
+    if point is None or found.extra_config is None:
+        best = found.best
+        return [
+            f"NO POINT TRIED REACHES THE TARGET: the fleet's hit share stays below {target} ({price});",
+            f"  the best is {percent(best.hit_share)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)}"
+            f" per engine, {best.pool.describe()} pool): try larger --capacities or --tier-sizes, or lower"
+            " --target-hit-rate.",
+        ]
+    pool = point.pool.model
+    pool_size = format_bytes(point.pool.capacity_bytes or 0)
+    transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": found.extra_config,
+    }
+    flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
+    lines = [
+        f"cheapest point reaching a hit share of {target} ({price}): {format_bytes(point.host_bytes)} of host memory"
+        f" per engine with {point.policy.upper()} and {pool.bought_as.format(size=pool_size)} shared by"
+        f" {len(engine_requests)} engines, {percent(point.hit_share)} (vLLM hit {percent(point.report.external_hit_rate)};"
+        f" cost {point.report.cost(found.host_price_ratio):.3g} pool-GiB)",
+        "",
+        "kv_connector_extra_config (every engine's):",
+        "  " + json.dumps(found.extra_config),
+        "",
+    ]
+    for engine, requests in enumerate(engine_requests):
+        lines.append(f"# engine {engine} of {len(engine_requests)} ({requests} requests routed to it)")
+        lines += serve_command_lines(transfer, flags)
+    lines += [
+        f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free on each"
+        " engine's machine",
+        pool.deployment.format(size=pool_size),
+    ]
+    if geometry.compression != "none":
+        lines.append(
+            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
+        )
     return lines
 
 
@@ -364,9 +410,10 @@ def fleet_record(
         recommendation={
             "target_hit_rate": found.target,
             "reached": found.point is not None,
-            "point": _fleet_point_record(result.point_of(found), ratio) if found.point is not None else None,
+            "rate": "hit share: the share of the fleet's prompt tokens no engine computes",
+            "point": _fleet_point_record(found.point, ratio) if found.point is not None else None,
             "kv_connector_extra_config": found.extra_config,
-            "pool_bytes": found.point.tier.capacity_bytes if found.point is not None else None,
+            "pool_bytes": found.point.pool.capacity_bytes if found.point is not None else None,
         },
     )
 

@@ -134,10 +134,15 @@ def engine_notes(order: CallOrder) -> list[str]:
 
 def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[str]) -> list[str]:
     """How to start vLLM with the configuration found: its extra config, then the `vllm serve` command line."""
-    return ["kv_connector_extra_config:", "  " + json.dumps(extra_config), "", *_command_lines(transfer_config, flags)]
+    return [
+        "kv_connector_extra_config:",
+        "  " + json.dumps(extra_config),
+        "",
+        *serve_command_lines(transfer_config, flags),
+    ]
 
 
-def _command_lines(transfer_config: object, flags: Sequence[str]) -> list[str]:
+def serve_command_lines(transfer_config: object, flags: Sequence[str]) -> list[str]:
     """The `vllm serve` command line that starts the server with ``transfer_config``, and a blank line."""
     return [
         "vllm serve <model> " + " ".join(flags) + " \\",
@@ -448,19 +453,8 @@ def stall_lines(stalled: Sequence[TieredReport], geometry: ModelGeometry) -> lis
 
 
 def tiered_recommendation_lines(
-    found: TieredRecommendation,
-    order: VllmOrder,
-    geometry: ModelGeometry,
-    servers: int,
-    tensor_parallel_size: int,
-    *,
-    engine_requests: Sequence[int] | None = None,
+    found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int, tensor_parallel_size: int
 ) -> list[str]:
-    """The cheapest point's configuration, or why none reached the target.
-
-    ``engine_requests``: a fleet's requests per engine; the ``vllm serve`` line is then printed for every engine,
-    each under a ``# engine I of N`` comment, the pool being the one they share.
-    """
     target = percent(found.target)
     point = found.point
     price = f"host memory priced {found.host_price_ratio:g}x a tier GiB"
@@ -481,22 +475,13 @@ def tiered_recommendation_lines(
         "kv_connector_extra_config": found.extra_config,
     }
     flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
-    if engine_requests is None:
-        serve = _serve_lines(found.extra_config, transfer, flags)
-    else:
-        per_server = " per engine"
-        serve = ["kv_connector_extra_config (every engine's):", "  " + json.dumps(found.extra_config), ""]
-        for engine, requests in enumerate(engine_requests):
-            serve.append(f"# engine {engine} of {len(engine_requests)} ({requests} requests routed to it)")
-            serve += _command_lines(transfer, flags)
     lines = [
         f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier.bought_as.format(size=tier_size)},"
         f" {percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
         "",
-        *serve,
-        f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free"
-        + (" on each engine's machine" if engine_requests is not None else ""),
+        *_serve_lines(found.extra_config, transfer, flags),
+        f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
         tier.deployment.format(size=tier_size),
     ]
     if geometry.compression != "none":
