@@ -16,6 +16,12 @@ in front of the offload tier, and its asynchronous loads and stores, so the
 hit rate reported is the one vLLM's metrics show
 (``external_prefix_cache_hits / external_prefix_cache_queries``).
 
+With ``--engines N`` (:mod:`kvtriton.cli._simulate._fleet`) the trace is
+routed (round-robin, or by a hash of the prompt's first blocks) to N engines,
+each the server model above with its own host tier, all sharing one Mooncake
+pool: each engine's hits, the pool size past which a larger pool stops
+paying, and every engine's ``vllm serve`` line.
+
 With ``--compression fp8-e4m3`` (lossy) every size is swept twice: with
 uncompressed rows and with fp8-e4m3 rows, whose bytes per block come from the
 compression format itself (:meth:`ModelGeometry.with_compression`, the only
