@@ -15,6 +15,19 @@ tests reach them directly.
 
 from __future__ import annotations
 
+# A fleet: engines behind a router, each with its own host tier, sharing one pool (kvtriton simulate --engines).
+from kvtriton.sim._fleet import (
+    POOL_KNEE_POINTS,
+    EngineReport,
+    FleetPoint,
+    FleetRecommendation,
+    PoolKnee,
+    fleet_point,
+    fleet_sweep,
+    pool_knees,
+    recommend_fleet,
+)
+
 # A model's bytes per block, and the sizes the command's flags take and print.
 from kvtriton.sim._geometry import (
     GIB,
@@ -58,6 +71,14 @@ from kvtriton.sim._replay import (
     positioned_contexts,
     prepare,
     replay_calls,
+)
+from kvtriton.sim._router import (
+    DEFAULT_AFFINITY_BLOCKS,
+    DEFAULT_ROUTER,
+    ROUTERS,
+    RouterName,
+    route,
+    split_streams,
 )
 from kvtriton.sim._tier_models import TIER_MODELS, TierSpec, parse_tier, tier_choices, tier_help, tier_metavar
 from kvtriton.sim._tiered_planner import (
@@ -176,4 +197,21 @@ __all__ = [
     "recommend_tiered",
     "sweep_requests",
     "tiered_sweep",
+    # A fleet: N engines behind a router (round-robin or prefix-affinity), each with its own host tier, sharing
+    # one Mooncake pool; its points per engine and the pool size past which a larger pool stops paying.
+    "DEFAULT_AFFINITY_BLOCKS",
+    "DEFAULT_ROUTER",
+    "POOL_KNEE_POINTS",
+    "ROUTERS",
+    "EngineReport",
+    "FleetPoint",
+    "FleetRecommendation",
+    "PoolKnee",
+    "RouterName",
+    "fleet_point",
+    "fleet_sweep",
+    "pool_knees",
+    "recommend_fleet",
+    "route",
+    "split_streams",
 ]

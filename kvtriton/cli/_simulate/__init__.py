@@ -16,6 +16,12 @@ in front of the offload tier, and its asynchronous loads and stores, so the
 hit rate reported is the one vLLM's metrics show
 (``external_prefix_cache_hits / external_prefix_cache_queries``).
 
+With ``--engines N`` (:mod:`kvtriton.cli._simulate._fleet`) the trace is
+routed (round-robin, or by a hash of the prompt's first blocks) to N engines,
+each the server model above with its own host tier, all sharing one Mooncake
+pool: each engine's hits, the pool size past which a larger pool stops
+paying, and every engine's ``vllm serve`` line.
+
 With ``--compression fp8-e4m3`` (lossy) every size is swept twice: with
 uncompressed rows and with fp8-e4m3 rows, whose bytes per block come from the
 compression format itself (:meth:`ModelGeometry.with_compression`, the only
@@ -46,6 +52,7 @@ from kvtriton.cli._simulate._arguments import (
     tier_specs,
 )
 from kvtriton.cli._simulate._computation import host_sweep, tiered_points
+from kvtriton.cli._simulate._fleet import fleet_routing, run_fleet
 from kvtriton.cli._simulate._output import (
     SweepProgress,
     host_lines,
@@ -88,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         return command_error("simulate", error)
     stored = geometries[-1]  # the geometry the recommendation is for: the compressed one when asked
+    try:
+        routing = fleet_routing(args)  # after call_order_of, which names --engines itself under kvtriton's order
+    except ValueError as error:
+        return command_error("simulate", error)
+    if routing is not None and isinstance(order, VllmOrder):  # --engines selects vLLM's order (call_order_of)
+        return run_fleet(args, stored, order, routing, source, requests, started)
     if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (call_order_of)
         return _run_tiered(args, stored, order, source, requests, started)
     tier_only = given_flags(

@@ -9,20 +9,24 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from kvtriton.cli._main import add_choice_argument
+from kvtriton.cli._main import add_choice_argument, choice_argument
 from kvtriton.manager.policies import POLICIES, policy_names
 from kvtriton.sim import (
     CALL_ORDER_ALIASES,
     CALL_ORDERS,
+    DEFAULT_AFFINITY_BLOCKS,
     DEFAULT_ARRIVALS,
     DEFAULT_DECODE_STEPS,
     DEFAULT_HOST_PRICE_RATIO,
     DEFAULT_LOAD_STEPS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_ROUTER,
     DEFAULT_STORE_STEPS,
     DEFAULT_SWEEP_POINTS,
+    POOL_KNEE_POINTS,
     PRESETS,
+    ROUTERS,
     TIER_MODELS,
     WORKLOADS,
     CallOrder,
@@ -235,6 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser, description: str) -> None:
     _add_server_arguments(parser)
     _add_answer_arguments(sweep_group)
     _add_tier_arguments(parser)
+    _add_fleet_arguments(parser)
     _add_output_arguments(parser)
 
 
@@ -434,7 +439,8 @@ def _add_answer_arguments(sim: argparse._ArgumentGroup) -> None:  # pyright: ign
         default=DEFAULT_TARGET_HIT_RATE,
         metavar="RATE",
         help="print the vLLM configuration of the smallest size whose hit rate reaches RATE, a fraction or a"
-        " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise;"
+        " percentage (the rate vLLM reports with --call-order vllm, the token hit rate otherwise; with --engines,"
+        " the fleet's hit share, the prompt tokens no engine computes;"
         f" default: {DEFAULT_TARGET_HIT_RATE:g})",
     )
 
@@ -471,6 +477,39 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         help="N servers share the tier (one Mooncake pool, or one fs root): each has its own host tier of each"
         " size and its own request stream (the workload with seed --seed, stream 0..N-1: the popular prompts"
         " are common, the requests each server's own); built-in workloads only (default: 1)",
+    )
+
+
+def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    fleet = parser.add_argument_group(
+        "fleet (N engines behind a router, sharing one Mooncake pool; implies --call-order vllm and --tier mooncake)",
+        "The trace is routed to N engines, each with its own GPU prefix cache and host tier of each --capacities"
+        " size, all in front of one pool of each --tier-sizes size (or --tier mooncake:SIZE). The server model's"
+        " flags (--gpu-blocks, --max-num-seqs, --arrivals, ...) are each engine's. Prints each engine's hits, the"
+        f" pool size past which a larger pool buys less than {POOL_KNEE_POINTS:g} point of hit share, and the"
+        " vllm serve line of every engine.",
+    )
+    fleet.add_argument(
+        "--engines",
+        type=_positive_int,
+        metavar="N",
+        help="model a fleet of N engines sharing one pool (default: one engine, no fleet)",
+    )
+    fleet.add_argument(
+        "--router",
+        type=choice_argument(ROUTERS),
+        choices=ROUTERS,
+        help="--engines: which engine serves each request: 'round-robin' (request i to engine i mod N) or"
+        " 'prefix-affinity' (a hash of the prompt's first --affinity-blocks blocks picks the engine, so requests"
+        f" sharing that prefix meet on one engine) (default: {DEFAULT_ROUTER})",
+    )
+    fleet.add_argument(
+        "--affinity-blocks",
+        type=_positive_int,
+        metavar="K",
+        help="--router prefix-affinity: blocks of the prompt the router hashes; pick K past the prefix every"
+        f" request shares (one system prompt) and within the prefixes groups of requests share (default:"
+        f" {DEFAULT_AFFINITY_BLOCKS})",
     )
 
 
@@ -531,6 +570,7 @@ def call_order_of(args: argparse.Namespace) -> CallOrder:
         ("--max-num-seqs", args.max_num_seqs is not None),
         ("--sequential", args.sequential),
         ("--tier", args.tier is not None),
+        ("--engines", args.engines is not None),
     )
     # The server model's other knobs: given alone they do not select vLLM's order (each has a default there).
     model_flags = given_flags(

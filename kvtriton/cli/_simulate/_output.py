@@ -138,6 +138,13 @@ def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[
         "kv_connector_extra_config:",
         "  " + json.dumps(extra_config),
         "",
+        *serve_command_lines(transfer_config, flags),
+    ]
+
+
+def serve_command_lines(transfer_config: object, flags: Sequence[str]) -> list[str]:
+    """The `vllm serve` command line that starts the server with ``transfer_config``, and a blank line."""
+    return [
         "vllm serve <model> " + " ".join(flags) + " \\",
         f"  --kv-transfer-config '{json.dumps(transfer_config, separators=(',', ':'))}'",
         "",
