@@ -30,7 +30,6 @@ from typing import overload
 
 from kvtriton._keys import OffloadKey
 from kvtriton._offload_types import ReqContext
-from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import ModelGeometry
 from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import ManagerCalls, PreparedRequest, StoreOutput
@@ -40,8 +39,9 @@ from kvtriton.sim._tier_models import TierSpec
 from kvtriton.sim._tiered_planner import (
     Stall,
     TieredReport,
-    _summed,  # pyright: ignore[reportPrivateUsage] -- the one rule for adding servers' counts over a shared tier
+    managers_over,
     recommend_tiered,
+    summed_counts,
 )
 from kvtriton.sim._vllm_server import ServerStats, ServerStream, StalledRequest, replay_vllm_servers
 
@@ -259,7 +259,8 @@ def fleet_point(
     fresh ``pool``. ``on_finished`` counts requests as they finish (a stalled point reports the rest at once)."""
     shared = pool.build(geometry)
     blocks = host_bytes // geometry.tiered_chunk_bytes
-    managers = [TieredManager(CPUOffloadingManager(blocks, cache_policy=policy), shared) for _ in streams]
+    server = order.server_model()
+    managers = managers_over(shared, len(streams), blocks, policy, server)
     contexts = [_Contexts(requests, geometry.block_size) for requests in streams]
     server_streams = [
         ServerStream(each.calls(tiered_calls(manager)), requests, each)
@@ -292,9 +293,7 @@ def fleet_point(
             on_finished(requests)
 
     try:
-        stats = replay_vllm_servers(
-            server_streams, block_size=geometry.block_size, model=order.server_model(), on_finished=count
-        )
+        stats = replay_vllm_servers(server_streams, block_size=geometry.block_size, model=server, on_finished=count)
     except StalledRequest as stuck:
         if on_finished is not None:
             on_finished(sum(len(requests) for requests in streams) - finished)
@@ -306,7 +305,7 @@ def fleet_point(
         stalled=False,
         external_query_tokens=sum(each.external_query_tokens for each in stats),
         external_hit_tokens=sum(each.external_hit_tokens for each in stats),
-        counts=_summed([manager.counts() for manager in managers]),
+        counts=summed_counts([manager.counts() for manager in managers]),
         host_evictions=sum(each.replay.evictions for each in stats)
         + sum(manager.promotion_evictions for manager in managers),
         host_load_bytes=sum(each.replay.hit_blocks for each in stats) * geometry.stored_bytes_per_block,

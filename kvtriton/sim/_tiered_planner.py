@@ -21,9 +21,9 @@ from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim._geometry import GIB, ModelGeometry
 from kvtriton.sim._planner import VllmOrder, host_extra_config
 from kvtriton.sim._replay import PreparedRequest, positioned_contexts
-from kvtriton.sim._secondary_tier import TierCounts, TieredManager, tiered_calls
+from kvtriton.sim._secondary_tier import SecondaryTier, TierCounts, TieredManager, tiered_calls
 from kvtriton.sim._tier_models import TierSpec, tier_extra_config
-from kvtriton.sim._vllm_server import ServerStream, StalledRequest, replay_vllm_servers
+from kvtriton.sim._vllm_server import ServerModel, ServerStream, StalledRequest, replay_vllm_servers
 
 TieredTrack = Callable[[Sequence[tuple[str, int, TierSpec]]], Iterable[tuple[str, int, TierSpec]]]
 """Wraps a tiered sweep's (policy, host size, tier) grid as it is replayed (the command's progress bar)."""
@@ -168,12 +168,7 @@ def tiered_point(
     shared = tier.build(geometry)
     blocks = host_bytes // geometry.tiered_chunk_bytes
     server = order.server_model()
-    managers = [
-        TieredManager(
-            CPUOffloadingManager(blocks, cache_policy=policy), shared, stores_mark_present=server.stores_mark_present
-        )
-        for _ in streams
-    ]
+    managers = managers_over(shared, len(streams), blocks, policy, server)
     server_streams = [
         ServerStream(
             tiered_calls(manager),
@@ -220,7 +215,7 @@ def tiered_point(
         stalled=False,
         external_query_tokens=sum(each.external_query_tokens for each in stats),
         external_hit_tokens=sum(each.external_hit_tokens for each in stats),
-        counts=_summed([manager.counts() for manager in managers]),
+        counts=summed_counts([manager.counts() for manager in managers]),
         host_evictions=sum(each.replay.evictions for each in stats)
         + sum(manager.promotion_evictions for manager in managers),
         host_load_bytes=sum(each.replay.hit_blocks for each in stats) * geometry.stored_bytes_per_block,
@@ -232,7 +227,20 @@ _SHARED_TIER_COUNTS = ("kind", "tier_chunks", "tier_peak_chunks", "tier_eviction
 """The :class:`TierCounts` fields about the one shared tier itself; every other field is one server's traffic."""
 
 
-def _summed(counts: Sequence[TierCounts]) -> TierCounts:
+def managers_over(
+    tier: SecondaryTier, servers: int, blocks: int, policy: str, server: ServerModel
+) -> list[TieredManager]:
+    """One host tier of ``blocks`` chunks under ``policy`` per server, each vLLM's tiering in front of the one
+    shared ``tier``, with the rules of ``server``'s vLLM."""
+    return [
+        TieredManager(
+            CPUOffloadingManager(blocks, cache_policy=policy), tier, stores_mark_present=server.stores_mark_present
+        )
+        for _ in range(servers)
+    ]
+
+
+def summed_counts(counts: Sequence[TierCounts]) -> TierCounts:
     """Every server's counts added up; the tier's own (what it holds, evicts, refuses) are the one shared tier's."""
     first = counts[0]  # every manager reads the one shared tier, so its own counts are the same in each
     per_server = {
