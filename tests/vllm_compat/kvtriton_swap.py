@@ -36,6 +36,8 @@ writes every test's outcome as JSON: ``outcomes`` maps each node id to
 ``--kvtriton-not-run`` value to the node ids it deselected, ``constructed``
 each swapped manager class to how many kvtriton objects it built, and
 ``specs`` vLLM's two spec names to the class vLLM's factory loads for them.
+At the end of the session it stops any child process a failed test left
+running (:func:`_stop_orphaned_children`), so that a run always ends.
 """
 
 from __future__ import annotations
@@ -289,6 +291,30 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         }
         with open(path, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=1, sort_keys=True)
+    _stop_orphaned_children()
+
+
+def _stop_orphaned_children() -> None:
+    """Stop the child processes a failed test left running, so the run ends instead of hanging at exit.
+
+    A few of vLLM's tests start worker processes that block until the test
+    releases them (``test_multiprocess_race_construct_and_write``: four
+    spawned children wait on a queue its last lines fill). When such a test
+    fails first (its 30 s wait for children that import torch and vLLM, on a
+    loaded machine), the children wait forever, and ``multiprocessing`` joins
+    every non-daemon child at exit: the whole run would hang until the
+    caller's timeout and report nothing. The failure itself is already
+    recorded (and run again on its own by the caller).
+    """
+    import multiprocessing
+
+    orphans = multiprocessing.active_children()
+    for child in orphans:
+        child.terminate()
+    for child in orphans:
+        child.join(timeout=10)
+    if orphans:
+        print(f"kvtriton_swap: stopped {len(orphans)} child process(es) a test left running", flush=True)
 
 
 if os.environ.get("KVTRITON_SWAP") == "1":

@@ -230,3 +230,35 @@ def test_allow_list_entries_still_fail(release: Release, allowed: dict[str, str]
         f"allow-listed tests that pass now on vLLM {release.version} (remove them from its list in "
         f"tests/vllm_compat/allow_list.py): {passing}"
     )
+
+
+ORPHANING_TEST = """
+import multiprocessing
+
+
+def _wait_for_release(queue):
+    queue.get()  # blocks until the test releases it, which the failing test never does
+
+
+def test_fails_before_releasing_its_child():
+    queue = multiprocessing.get_context("spawn").Queue()
+    multiprocessing.get_context("spawn").Process(target=_wait_for_release, args=(queue,)).start()
+    assert False, "fails before it releases its child"
+"""
+
+
+def test_a_run_whose_failed_test_left_a_child_waiting_still_ends(tmp_path: Path) -> None:
+    # As vLLM's test_multiprocess_race_construct_and_write does when its wait for its children times out: without
+    # the plugin's clean-up, multiprocessing joins the waiting child at exit and the run hangs (until RUN_TIMEOUT_S).
+    (tmp_path / "test_orphan.py").write_text(ORPHANING_TEST)
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(PLUGIN_DIR), "KVTRITON_SWAP": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvtriton_swap",
+         f"--kvtriton-report={report}", "--rootdir", str(tmp_path), "test_orphan.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert "stopped 1 child process(es) a test left running" in done.stdout, done.stdout[-2000:]
+    assert json.loads(report.read_text())["outcomes"] == {
+        "test_orphan.py::test_fails_before_releasing_its_child": "failed"
+    }
