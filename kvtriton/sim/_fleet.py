@@ -36,14 +36,8 @@ from kvtriton.sim._replay import ManagerCalls, PreparedRequest, StoreOutput
 from kvtriton.sim._router import RouterName
 from kvtriton.sim._secondary_tier import TieredManager, tiered_calls
 from kvtriton.sim._tier_models import TierSpec
-from kvtriton.sim._tiered_planner import (
-    Stall,
-    TieredReport,
-    managers_over,
-    recommend_tiered,
-    summed_counts,
-)
-from kvtriton.sim._vllm_server import ServerStats, ServerStream, StalledRequest, replay_vllm_servers
+from kvtriton.sim._tiered_planner import TieredReport, recommend_tiered, replay_tiered
+from kvtriton.sim._vllm_server import ServerStats, ServerStream
 
 POOL_KNEE_POINTS = 1.0
 """A pool size stops paying once its hit share is within this many percentage points of the largest pool tried."""
@@ -257,65 +251,22 @@ def fleet_point(
 ) -> FleetPoint:
     """One point: engine ``i`` replays ``streams[i]`` behind its own host tier of ``host_bytes``, all in front of one
     fresh ``pool``. ``on_finished`` counts requests as they finish (a stalled point reports the rest at once)."""
-    shared = pool.build(geometry)
-    blocks = host_bytes // geometry.tiered_chunk_bytes
-    server = order.server_model()
-    managers = managers_over(shared, len(streams), blocks, policy, server)
-    contexts = [_Contexts(requests, geometry.block_size) for requests in streams]
-    server_streams = [
-        ServerStream(each.calls(tiered_calls(manager)), requests, each)
-        for manager, requests, each in zip(managers, streams, contexts)
-    ]
-    empty = TieredReport(
-        policy=policy,
-        servers=len(streams),
-        host_bytes=host_bytes,
-        host_blocks=blocks,
-        tier=pool,
-        stalled=True,
-        external_query_tokens=0,
-        external_hit_tokens=0,
-        counts=None,
-        bytes_per_chunk=geometry.tiered_chunk_bytes,
-        tier_object_bytes=pool.object_bytes(geometry),
-        host_evictions=0,
-        host_load_bytes=0,
-        host_store_bytes=0,
-        compression=geometry.compression,
-        block_size=geometry.block_size,
-    )
-    finished = 0
 
-    def count(requests: int) -> None:
-        nonlocal finished
-        finished += requests
-        if on_finished is not None:
-            on_finished(requests)
+    def server_streams(managers: Sequence[TieredManager]) -> list[ServerStream[ReqContext]]:
+        contexts = [_Contexts(requests, geometry.block_size) for requests in streams]
+        return [
+            ServerStream(each.calls(tiered_calls(manager)), requests, each)
+            for manager, requests, each in zip(managers, streams, contexts)
+        ]
 
-    try:
-        stats = replay_vllm_servers(server_streams, block_size=geometry.block_size, model=server, on_finished=count)
-    except StalledRequest as stuck:
-        if on_finished is not None:
-            on_finished(sum(len(requests) for requests in streams) - finished)
-        own = max(manager.own_evictions(stuck.req_id) for manager in managers)
-        stall = Stall(stuck.req_id, stuck.prompt_blocks, blocks, own)
-        return FleetPoint(router, affinity_blocks, dataclasses.replace(empty, stall=stall), ())
-    report = dataclasses.replace(
-        empty,
-        stalled=False,
-        external_query_tokens=sum(each.external_query_tokens for each in stats),
-        external_hit_tokens=sum(each.external_hit_tokens for each in stats),
-        counts=summed_counts([manager.counts() for manager in managers]),
-        host_evictions=sum(each.replay.evictions for each in stats)
-        + sum(manager.promotion_evictions for manager in managers),
-        host_load_bytes=sum(each.replay.hit_blocks for each in stats) * geometry.stored_bytes_per_block,
-        host_store_bytes=sum(each.replay.blocks_stored for each in stats) * geometry.stored_bytes_per_block,
+    replay = replay_tiered(
+        streams, geometry, host_bytes, pool, policy, order, server_streams=server_streams, on_finished=on_finished
     )
     engines = tuple(
         EngineReport.of(index, each, manager, geometry.block_size)
-        for index, (each, manager) in enumerate(zip(stats, managers))
+        for index, (each, manager) in enumerate(zip(replay.stats, replay.managers))
     )
-    return FleetPoint(router, affinity_blocks, report, engines)
+    return FleetPoint(router, affinity_blocks, replay.report, engines)
 
 
 def fleet_sweep(

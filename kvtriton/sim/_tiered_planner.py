@@ -23,7 +23,7 @@ from kvtriton.sim._planner import VllmOrder, host_extra_config
 from kvtriton.sim._replay import PreparedRequest, positioned_contexts
 from kvtriton.sim._secondary_tier import SecondaryTier, TierCounts, TieredManager, tiered_calls
 from kvtriton.sim._tier_models import TierSpec, tier_extra_config
-from kvtriton.sim._vllm_server import ServerModel, ServerStream, StalledRequest, replay_vllm_servers
+from kvtriton.sim._vllm_server import ServerModel, ServerStats, ServerStream, StalledRequest, replay_vllm_servers
 
 TieredTrack = Callable[[Sequence[tuple[str, int, TierSpec]]], Iterable[tuple[str, int, TierSpec]]]
 """Wraps a tiered sweep's (policy, host size, tier) grid as it is replayed (the command's progress bar)."""
@@ -165,18 +165,49 @@ def tiered_point(
     ``on_finished`` counts the requests as they finish (see :func:`tiered_sweep`); a stalled point reports the
     requests it will never finish at once, so that every point counts all of its requests.
     """
+
+    def server_streams(managers: Sequence[TieredManager]) -> list[ServerStream[ReqContext]]:
+        return [
+            ServerStream(
+                tiered_calls(manager),
+                requests,
+                positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=geometry.block_size),
+            )
+            for manager, requests in zip(managers, streams)
+        ]
+
+    return replay_tiered(
+        streams, geometry, host_bytes, tier, policy, order, server_streams=server_streams, on_finished=on_finished
+    ).report
+
+
+@dataclass(frozen=True, slots=True)
+class TieredReplay:
+    """One point's replay: its report, and (unless it stalled) each server's stats and manager."""
+
+    report: TieredReport
+    stats: Sequence[ServerStats]
+    managers: Sequence[TieredManager]
+
+
+def replay_tiered(
+    streams: Sequence[Sequence[PreparedRequest]],
+    geometry: ModelGeometry,
+    host_bytes: int,
+    tier: TierSpec,
+    policy: str,
+    order: VllmOrder,
+    *,
+    server_streams: Callable[[Sequence[TieredManager]], list[ServerStream[ReqContext]]],
+    on_finished: Callable[[int], None] | None = None,
+) -> TieredReplay:
+    """Every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``, replayed as the
+    streams ``server_streams`` makes over the servers' managers; the one replay of :func:`tiered_point` and of a
+    fleet's point. A stalled point reports the requests it will never finish to ``on_finished`` at once."""
     shared = tier.build(geometry)
     blocks = host_bytes // geometry.tiered_chunk_bytes
     server = order.server_model()
     managers = managers_over(shared, len(streams), blocks, policy, server)
-    server_streams = [
-        ServerStream(
-            tiered_calls(manager),
-            requests,
-            positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=geometry.block_size),
-        )
-        for manager, requests in zip(managers, streams)
-    ]
     stalled = TieredReport(
         policy=policy,
         servers=len(streams),
@@ -204,13 +235,17 @@ def tiered_point(
             on_finished(requests)
 
     try:
-        stats = replay_vllm_servers(server_streams, block_size=geometry.block_size, model=server, on_finished=count)
+        stats = replay_vllm_servers(
+            server_streams(managers), block_size=geometry.block_size, model=server, on_finished=count
+        )
     except StalledRequest as stuck:
         if on_finished is not None:
             on_finished(sum(len(requests) for requests in streams) - finished)
         own = max(manager.own_evictions(stuck.req_id) for manager in managers)
-        return dataclasses.replace(stalled, stall=Stall(stuck.req_id, stuck.prompt_blocks, blocks, own))
-    return dataclasses.replace(
+        return TieredReplay(
+            dataclasses.replace(stalled, stall=Stall(stuck.req_id, stuck.prompt_blocks, blocks, own)), (), ()
+        )
+    report = dataclasses.replace(
         stalled,
         stalled=False,
         external_query_tokens=sum(each.external_query_tokens for each in stats),
@@ -221,6 +256,7 @@ def tiered_point(
         host_load_bytes=sum(each.replay.hit_blocks for each in stats) * geometry.stored_bytes_per_block,
         host_store_bytes=sum(each.replay.blocks_stored for each in stats) * geometry.stored_bytes_per_block,
     )
+    return TieredReplay(report, stats, managers)
 
 
 _SHARED_TIER_COUNTS = ("kind", "tier_chunks", "tier_peak_chunks", "tier_evictions", "tier_refused_puts")
