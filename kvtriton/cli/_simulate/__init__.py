@@ -63,6 +63,7 @@ from kvtriton.cli._simulate._output import (
     tiered_lines,
     tiered_record,
     write_and_print,
+    write_and_report,
 )
 from kvtriton.sim import (
     DEFAULT_HOST_PRICE_RATIO,
@@ -184,8 +185,4 @@ def _run_tiered(
         bar.finish()
     record = tiered_record(args, source, started, result, geometry, order)
     lines = tiered_lines(args, source, result, geometry, order)
-    json_path = write_and_print(args, f"simulate-{source.name}-tiered.json", record, lines)
-    if json_path is None:
-        return 2
-    print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
-    return 0
+    return write_and_report(args, f"simulate-{source.name}-tiered.json", record, lines)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -26,7 +25,7 @@ from kvtriton.cli._simulate._output import (
     stall_lines,
     table,
     tiered_point_record,
-    write_and_print,
+    write_and_report,
 )
 from kvtriton.sim import (
     COMPRESSION_EXTRA_CONFIG_KEY,
@@ -455,8 +454,4 @@ def run_fleet(
         bar.finish()
     record = fleet_record(args, source, started, result, geometry, order)
     lines = fleet_lines(args, source, result, geometry, order)
-    json_path = write_and_print(args, f"simulate-{source.name}-fleet.json", record, lines)
-    if json_path is None:
-        return 2
-    print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
-    return 0
+    return write_and_report(args, f"simulate-{source.name}-fleet.json", record, lines)

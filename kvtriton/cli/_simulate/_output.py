@@ -538,6 +538,15 @@ def write_and_print(args: argparse.Namespace, name: str, record: dict[str, objec
     return json_path
 
 
+def write_and_report(args: argparse.Namespace, name: str, record: dict[str, object], lines: list[str]) -> int:
+    """:func:`write_and_print`, then the line naming the file written: the command's exit status (2: not written)."""
+    json_path = write_and_print(args, name, record, lines)
+    if json_path is None:
+        return 2
+    print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 # --------------------------------------------------------------------------
 # A host-only sweep
 
