@@ -9,12 +9,8 @@ fails there.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-WITHOUT_XXHASH = "import sys\nsys.modules['xxhash'] = None  # import xxhash now raises ImportError\n"
+from packaging_fixtures import ROOT, run_python_without
 
 IMPORTED_WITHOUT_IT = (
     # the engine and everything under kvtriton.worker (the shared region's layout reaches the seal's size)
@@ -27,19 +23,8 @@ IMPORTED_WITHOUT_IT = (
 )  # fmt: skip
 
 
-def run_without_xxhash(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", WITHOUT_XXHASH + code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-
-
 def test_every_module_the_engine_a_vllm_server_and_the_gpu_check_load_imports_without_xxhash() -> None:
-    run = run_without_xxhash("\n".join(f"import {module}" for module in IMPORTED_WITHOUT_IT))
+    run = run_python_without("xxhash", "\n".join(f"import {module}" for module in IMPORTED_WITHOUT_IT))
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -56,7 +41,7 @@ def test_the_first_seal_and_the_first_slot_digest_name_the_missing_package() -> 
         "    except ModuleNotFoundError as error:\n"
         "        print(error.name, '|', error)\n"
     )
-    run = run_without_xxhash(code)
+    run = run_python_without("xxhash", code)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == 2
@@ -82,14 +67,8 @@ def test_the_specs_that_will_seal_refuse_at_start_up_naming_the_package() -> Non
         "OffloadingSpecFactory.create_spec(offloading_config({'cpu_bytes_to_use': 1 << 20}))\n"
         "print('plain spec built')\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", WITHOUT_XXHASH + code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    run = run_python_without(
+        "xxhash", code, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()

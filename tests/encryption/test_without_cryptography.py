@@ -7,28 +7,11 @@ fails there.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from packaging_fixtures import run_python_without
 
 import kvtriton.encryption._sealed_box as sealed_box_module
 from kvtriton.encryption import MasterKey, SealedBox, TenantKeys, require_cryptography
-
-ROOT = Path(__file__).resolve().parents[2]
-WITHOUT_CRYPTOGRAPHY = "import sys\nsys.modules['cryptography'] = None  # import cryptography now raises ImportError\n"
-
-
-def run_without_cryptography(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", WITHOUT_CRYPTOGRAPHY + code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
 
 
 def test_kvtriton_and_its_encryption_package_import_without_loading_a_cipher_library() -> None:
@@ -40,7 +23,7 @@ def test_kvtriton_and_its_encryption_package_import_without_loading_a_cipher_lib
         "TenantKeys(MasterKey(bytes(32), source='test')).key_for('a', b'model')\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] in ('cryptography', 'pyaegis')))\n"
     )
-    run = run_without_cryptography(code)
+    run = run_python_without("cryptography", code)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "[]"
 
@@ -55,7 +38,7 @@ def test_building_a_sealed_box_without_cryptography_names_the_package_and_the_ex
         "    except ModuleNotFoundError as error:\n"
         "        print(error.name, '|', error)\n"
     )
-    run = run_without_cryptography(code)
+    run = run_python_without("cryptography", code)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == 2

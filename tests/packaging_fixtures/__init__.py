@@ -1,4 +1,5 @@
-"""kvtriton as users get it: a wheel built from a copy of the checkout, installed non-editable into a new environment.
+"""kvtriton as users get it: a wheel built from a copy of the checkout, installed non-editable into a new environment,
+and an interpreter that lacks one of its optional dependencies (:func:`run_python_without`).
 
 The environment is a new venv that sees the test venv's packages (vLLM, torch,
 triton, Mooncake, numpy, xxhash: a vLLM server's environment) through one
@@ -20,6 +21,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 EDITABLE_PTH_PREFIX = "__editable__.kvtriton"
 """setuptools' name for the ``.pth`` of an editable kvtriton (``pip install -e``): the one the new environment skips."""
+
+
+def run_python_without(
+    package: str, code: str, *, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter at the checkout's root where ``import package`` fails, as it fails in an
+    environment that lacks an optional dependency (``sys.modules[package] = None`` is how Python spells it)."""
+    blocked = f"import sys\nsys.modules[{package!r}] = None  # import {package} now raises ImportError\n"
+    return subprocess.run(
+        [sys.executable, "-c", blocked + code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
 
 
 def package_folders() -> list[Path]:
