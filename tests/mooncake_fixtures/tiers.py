@@ -14,6 +14,7 @@ from vllm_fixtures.builders import offloading_config
 
 from kvtriton.integrations.mooncake import MooncakeStoreTier
 from kvtriton.integrations.remote import InMemoryStoreTier, RemoteTier
+from kvtriton.integrations.vllm import RequestTenant, TierEncryption
 
 __all__ = ["Primary", "chunk_keys", "make_memory_tier", "make_tier", "poll", "resolve_lookups", "run_job", "submit"]
 
@@ -45,6 +46,20 @@ def chunk_keys(count: int, salt: int = 0, group: int = 0) -> list[OffloadKey]:
     return [make_offload_key(bytes([salt % 256, index % 256]) * 16, group) for index in range(count)]
 
 
+def _spec(config_bytes: int, encryption: TierEncryption | None, dtype_override: str | None = None) -> CPUOffloadingSpec:
+    """vLLM's CPU spec over ``config_bytes`` of host memory; with ``encryption`` it carries it as kvtriton's encrypting
+    tiered spec does (``spec.encryption``), so the tier seals per tenant."""
+    config = offloading_config({"cpu_bytes_to_use": config_bytes})
+    if dtype_override is not None:
+        import dataclasses
+
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_override))
+    spec = CPUOffloadingSpec(config)
+    if encryption is not None:
+        setattr(spec, "encryption", encryption)  # vLLM's spec declares no such attribute
+    return spec
+
+
 def make_tier(
     master_address: str,
     primary: Primary,
@@ -53,14 +68,10 @@ def make_tier(
     timeout_s: float = 5.0,
     dtype_override: str | None = None,
     wait_up: bool = True,
+    encryption: TierEncryption | None = None,
     **tier_config: object,
 ) -> MooncakeStoreTier:
-    config = offloading_config({"cpu_bytes_to_use": primary.rows.nbytes})
-    if dtype_override is not None:
-        import dataclasses
-
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype_override))
-    spec = CPUOffloadingSpec(config)
+    spec = _spec(primary.rows.nbytes, encryption, dtype_override)
     tier = MooncakeStoreTier(
         spec,
         primary.view,
@@ -76,10 +87,16 @@ def make_tier(
 
 
 def make_memory_tier(
-    store: str, primary: Primary, *, timeout_s: float = 5.0, **tier_config: object
+    store: str,
+    primary: Primary,
+    *,
+    timeout_s: float = 5.0,
+    encryption: TierEncryption | None = None,
+    **tier_config: object,
 ) -> InMemoryStoreTier:
-    """An in-memory tier (no server) over ``primary``, on the process's store called ``store``, once up."""
-    spec = CPUOffloadingSpec(offloading_config({"cpu_bytes_to_use": primary.rows.nbytes}))
+    """An in-memory tier (no server) over ``primary``, on the process's store called ``store``, once up; with
+    ``encryption``, one that seals per tenant."""
+    spec = _spec(primary.rows.nbytes, encryption)
     tier = InMemoryStoreTier(
         spec,
         primary.view,
@@ -106,18 +123,35 @@ def poll(check: Callable[[], _T | None], timeout_s: float, what: str) -> _T:
 _job_ids = iter(range(1, 1 << 62))
 
 
-def submit(tier: RemoteTier, keys: Sequence[OffloadKey], chunks: Sequence[int], *, load: bool) -> TransferJob:
-    """Submit one store (``load=False``) or load job, as vLLM's tiering manager does; the job."""
-    job = TransferJob(next(_job_ids), list(keys), np.array(chunks, dtype=np.int64), load, ReqContext(req_id="job"))
+def submit(
+    tier: RemoteTier,
+    keys: Sequence[OffloadKey],
+    chunks: Sequence[int],
+    *,
+    load: bool,
+    tenant: RequestTenant | None = None,
+) -> TransferJob:
+    """Submit one store (``load=False``) or load job, as vLLM's tiering manager does; the job. ``tenant``: recorded
+    on the job's request context, as kvtriton's hook on vLLM's connector records it."""
+    context = ReqContext(req_id="job")
+    if tenant is not None:
+        context.set_state(tenant)
+    job = TransferJob(next(_job_ids), list(keys), np.array(chunks, dtype=np.int64), load, context)
     (tier.submit_load if load else tier.submit_store)(job)
     return job
 
 
 def run_job(
-    tier: RemoteTier, keys: Sequence[OffloadKey], chunks: Sequence[int], *, load: bool, timeout_s: float = 15.0
+    tier: RemoteTier,
+    keys: Sequence[OffloadKey],
+    chunks: Sequence[int],
+    *,
+    load: bool,
+    timeout_s: float = 15.0,
+    tenant: RequestTenant | None = None,
 ) -> JobResult:
     """Submit one store (``load=False``) or load job and wait for its result through ``get_finished_jobs``."""
-    job = submit(tier, keys, chunks, load=load)
+    job = submit(tier, keys, chunks, load=load, tenant=tenant)
 
     def finished() -> JobResult | None:
         results = [result for result in tier.get_finished_jobs() if result.job_id == job.job_id]

@@ -8,6 +8,12 @@ failed at once, its slots kept aside until the call returns (vLLM 0.34's
 ``deferred_release``; on 0.33 the call writes the job's own landing memory);
 a store still inside the store is counted failed at once and reported when
 its call returns. Either way the tier degrades (:class:`Supervisor`).
+
+An encrypting tier (:class:`~kvtriton.integrations.remote._seals.EncryptedSlots`)
+takes each job's tenant from its request's context when it is submitted (a
+job whose context names none fails: nothing is stored unsealed, nothing
+opened with a guessed key); its stores seal into an egress buffer of their
+own and its loads always land apart, on the I/O thread.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtriton.encryption import SealedBox
 from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment
 from kvtriton.integrations.remote._metrics import Counters, FailureReason
-from kvtriton.integrations.remote._seals import SealedSlots
+from kvtriton.integrations.remote._seals import EncryptedSlots, SealedSlots
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
 from kvtriton.integrations.vllm import (
     JOB_RESULTS_DEFER_RELEASE,
@@ -36,6 +43,7 @@ from kvtriton.integrations.vllm import (
     TransferJob,
     failed_load_result,
     mark_stored,
+    request_tenant,
 )
 
 if TYPE_CHECKING:
@@ -77,6 +85,8 @@ class _Job:
     """The deadline passed while the call ran (counted once; a store then reports failed when the call returns)."""
     call_returned: threading.Event = field(default_factory=threading.Event)
     """Set once no store call of this job can touch memory any more (vLLM 0.34's ``deferred_release``)."""
+    box: SealedBox | None = None
+    """An encrypting tier's: the box of the job's tenant, which seals its values or opens them."""
 
     @property
     def kind(self) -> str:
@@ -108,10 +118,12 @@ class JobRunner:
         """Submitted jobs not yet returned by get_finished_jobs (scheduler thread only)."""
         self.in_flight: dict[JobId, _Job] = {}
         """Every job whose call has not returned, reported or not (under ``lock``): drain and shutdown wait on them."""
-        self.loads_into_primary = JOB_RESULTS_DEFER_RELEASE
+        self.loads_into_primary = JOB_RESULTS_DEFER_RELEASE and not slots.encrypts
         """Loads write the primary's slots directly, and a load abandoned at its deadline hands vLLM a
         ``deferred_release`` event (vLLM 0.34). Without it (0.33) a load lands in memory of its own first and is
-        copied into the primary only if it returned in time, so a late write never reaches a slot vLLM reused."""
+        copied into the primary only if it returned in time, so a late write never reaches a slot vLLM reused; an
+        encrypting tier's loads always land apart, and are opened into the primary only if they returned in time."""
+        self._warned_no_tenant = False
         self._finished: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix=thread_name)
 
@@ -133,6 +145,12 @@ class JobRunner:
             submitted=now,
         )
         self.jobs[job.job_id] = job
+        if isinstance(self.slots, EncryptedSlots):
+            tenant = request_tenant(job_metadata.req_context)
+            if tenant is None:
+                self._refuse_without_tenant(job)
+                return
+            job.box = self.slots.box(tenant)
         if self.supervisor.state is not TierState.UP:  # fail at once: no I/O thread needed (all may be stalled)
             self.counters.count_failure(0.0, FailureReason.REFUSED)
             self._fail_unrun(job)
@@ -141,6 +159,21 @@ class JobRunner:
             job.future = self._io.submit(self._run, job)
         except RuntimeError:  # shut down: the job fails like any other
             self._fail_unrun(job)
+
+    def _refuse_without_tenant(self, job: _Job) -> None:
+        """Fail an encrypting tier's job whose request names no tenant (a context vLLM's connector did not build:
+        a peer's, a tool's): it is neither stored in the clear nor opened with a key guessed for it."""
+        self.counters.count_failure(0.0, FailureReason.NO_TENANT)
+        if not self._warned_no_tenant:
+            self._warned_no_tenant = True
+            logger.warning(
+                "%s: %s job %d names no tenant (its request context does not carry the cache_salt kvtriton records "
+                "on the contexts vLLM's connector builds): it fails, as every such job will (counted as no_tenant)",
+                self.who,
+                job.kind,
+                job.job_id,
+            )
+        self._fail_unrun(job)
 
     def _fail_unrun(self, job: _Job) -> None:
         """Report ``job`` failed; it never reached the store."""
@@ -200,27 +233,35 @@ class JobRunner:
             )
             return
         slots = self.slots
+        started = time.monotonic()
+        # The job's own memory, when its values do not move straight between the primary and the store: a load's
+        # landing rows, an encrypting store's sealed boxes (egress).
+        own: np.ndarray | None = None
         landing: np.ndarray | None = None
         if job.is_load and not self.loads_into_primary:
-            landing = np.empty((len(job.keys), slots.sealed_bytes), dtype=np.uint8)
-            if not store.register_memory(landing.ctypes.data, landing.nbytes):
-                job.failed = list(job.keys)
-                self.counters.count_failure(0.0, FailureReason.ERROR)
-                return
+            own = landing = np.empty((len(job.keys), slots.sealed_bytes), dtype=np.uint8)
             segments: list[list[Segment]] = slots.landing_segments(landing)
+        elif not job.is_load and isinstance(slots, EncryptedSlots) and job.box is not None:
+            own = np.empty((len(job.keys), slots.sealed_bytes), dtype=np.uint8)
+            slots.seal_into(job.box, job.keys, job.chunk_ids, own)
+            segments = slots.row_segments(own)
         else:
             segments = slots.segments(job.pointers, job.seal_pointers)
-        started = time.monotonic()
+        if own is not None and not store.register_memory(own.ctypes.data, own.nbytes):
+            job.failed = list(job.keys)
+            self.counters.count_failure(0.0, FailureReason.ERROR)
+            return
         try:
             if job.is_load:
                 results = store.get(job.object_keys, segments)
             else:
-                for key, chunk in zip(job.keys, job.chunk_ids):
-                    slots.seal(key, chunk)
+                if own is None:
+                    for key, chunk in zip(job.keys, job.chunk_ids):
+                        slots.seal(key, chunk)
                 results = store.put(job.object_keys, segments)
         finally:
-            if landing is not None:
-                store.unregister_memory(landing.ctypes.data)
+            if own is not None:
+                store.unregister_memory(own.ctypes.data)
         seconds = time.monotonic() - started
         with self.lock:
             if job.phase is _Phase.ABANDONED:
@@ -251,7 +292,7 @@ class JobRunner:
                 (job.succeeded if result is Outcome.OK and not overdue else job.failed).append(key)
                 continue
             checked = self.slots.check_load(
-                store, key, object_key, chunk, result, None if landing is None else landing[index]
+                store, key, object_key, chunk, result, None if landing is None else landing[index], job.box
             )
             (job.succeeded if checked.loaded else job.failed).append(key)
             wrong_size += checked.wrong_size

@@ -105,6 +105,8 @@ class FailureReason(enum.Enum):
     """The tier was not up (connecting, down, degraded): failed at once, without touching the network."""
     ERROR = "error"
     """The store answered, but some keys failed (full, refused, a value of another size), or a call raised."""
+    NO_TENANT = "no_tenant"
+    """An encrypting tier's job whose request named no tenant (no ``cache_salt`` record): failed, never sent."""
 
 
 def failure_reason(answer: object) -> FailureReason:

@@ -7,6 +7,13 @@ as it owns the chunk, and every value is the chunk followed by its seal
 (:mod:`kvtriton._integrity`). A load is verified before the chunk becomes a
 hit; a value that fails is a miss for that key only, counted by reason in
 the tier's :class:`~kvtriton.integrations.vllm._integrity_report.IntegrityReport`.
+
+:class:`EncryptedSlots` (``kvtriton_encryption``) registers nothing of the
+primary's plaintext: a store seals each chunk with its tenant's key into
+memory of the job's own (an *egress* buffer, a sealed box per key) and puts
+that; a load lands in memory of its own and opens each box straight into its
+primary chunk. The box's tag is the integrity check, in the same one pass
+over the bytes as the cipher: no xxh3 seal besides.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal_bytes, verify_seal
+from kvtriton.encryption import OpenFailure, SealedBox, associated_data, sealed_length
 from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment
 from kvtriton.integrations.remote._supervisor import MemoryRegion
-from kvtriton.integrations.vllm import IntegrityReport, OffloadKey
+from kvtriton.integrations.vllm import IntegrityReport, OffloadKey, RequestTenant, TierEncryption
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +37,7 @@ class KeyLoaded(NamedTuple):
 
     loaded: bool
     """The key's sealed chunk, verified, is in the primary now."""
-    fault: IntegrityFault | None
+    fault: IntegrityFault | OpenFailure | None
     """Why the value was not the key's sealed chunk (recorded), or None (loaded, or no value)."""
     wrong_size: bool
     """The value had not a sealed chunk's size."""
@@ -37,6 +45,10 @@ class KeyLoaded(NamedTuple):
 
 class SealedSlots:
     """The primary's chunks and their seal slots, as the store's transfers read and write them."""
+
+    encrypts: bool = False
+    """Whether every value is a sealed box (:class:`EncryptedSlots`): stores go through an egress buffer, loads
+    land in memory of their own."""
 
     def __init__(
         self, primary_kv_view: memoryview, chunk_bytes: int, *, fingerprint: bytes, integrity: IntegrityReport, who: str
@@ -109,33 +121,37 @@ class SealedSlots:
         chunk: int,
         result: int | Outcome,
         landed: np.ndarray | None,
+        box: SealedBox | None = None,
     ) -> KeyLoaded:
-        """Whether one key of a load gave ``key``'s sealed chunk (copied into the primary from ``landed``, the
-        key's landing row, when the load used one), and if not, why."""
-        fault: IntegrityFault | None = None
+        """Whether one key of a load gave ``key``'s sealed chunk (taken into the primary from ``landed``, the key's
+        landing row, when the load used one; opened with ``box`` when the tier encrypts), and if not, why."""
+        fault: IntegrityFault | OpenFailure | None = None
         wrong_size = False
         if result == self.sealed_bytes:
-            fault = self._verify(key, chunk, landed)
+            fault = self._accept(key, chunk, landed, box)
+            if fault is None:
+                return KeyLoaded(loaded=True, fault=None, wrong_size=False)
         elif isinstance(result, int) or result is Outcome.FAILED:
             fault = self._size_fault(store, object_key, result)
             wrong_size = fault is not None
-        if result == self.sealed_bytes and fault is None:
-            if landed is not None:
-                start = chunk * self.chunk_bytes
-                self.primary[start : start + self.chunk_bytes] = landed[: self.chunk_bytes]
-            return KeyLoaded(loaded=True, fault=None, wrong_size=False)
         if fault is not None:
             self.integrity.record(fault, object_key)
         return KeyLoaded(loaded=False, fault=fault, wrong_size=wrong_size)
 
-    def _verify(self, key: OffloadKey, chunk: int, landed: np.ndarray | None) -> IntegrityFault | None:
-        """Whether the value just read (into ``chunk`` and its seal slot, or into ``landed``: the chunk, then its seal)
-        is ``key``'s sealed chunk."""
-        if landed is not None:
-            payload, seal = landed[: self.chunk_bytes].data, landed[self.chunk_bytes :].data
-        else:
-            payload, seal = self._chunk_view(chunk), self.seals[chunk].data
-        return verify_seal(payload, seal, key=key, fingerprint=self.fingerprint)
+    def _accept(
+        self, key: OffloadKey, chunk: int, landed: np.ndarray | None, box: SealedBox | None
+    ) -> IntegrityFault | OpenFailure | None:
+        """Verify the value just read (into ``chunk`` and its seal slot, or into ``landed``: the chunk, then its
+        seal) as ``key``'s sealed chunk and, when it landed apart, copy it into the primary; why not, if it is not."""
+        if landed is None:
+            return verify_seal(self._chunk_view(chunk), self.seals[chunk].data, key=key, fingerprint=self.fingerprint)
+        fault = verify_seal(
+            landed[: self.chunk_bytes].data, landed[self.chunk_bytes :].data, key=key, fingerprint=self.fingerprint
+        )
+        if fault is None:
+            start = chunk * self.chunk_bytes
+            self.primary[start : start + self.chunk_bytes] = landed[: self.chunk_bytes]
+        return fault
 
     def _size_fault(self, store: RemoteClient, object_key: str, result: int | Outcome) -> IntegrityFault | None:
         """Why a get that moved no sealed chunk failed: the value's size (torn or too long), or None (no value).
@@ -150,3 +166,71 @@ class SealedSlots:
             "%s: %s holds %d bytes, not a %d-byte sealed chunk: a miss", self.who, object_key, size, self.sealed_bytes
         )
         return IntegrityFault.TORN if size < self.sealed_bytes else IntegrityFault.WRONG_SIZE
+
+
+class EncryptedSlots(SealedSlots):
+    """The primary's chunks as an encrypting tier moves them: every value a sealed box of its tenant (see the module
+    docstring); nothing of the primary is registered with the store."""
+
+    encrypts = True
+
+    def __init__(
+        self,
+        primary_kv_view: memoryview,
+        chunk_bytes: int,
+        *,
+        fingerprint: bytes,
+        integrity: IntegrityReport,
+        who: str,
+        encryption: TierEncryption,
+        layout: str,
+        tier: str,
+    ) -> None:
+        """``layout``: what shapes the chunk's bytes (the tier's namespace digest); ``tier``: the tier's type name.
+        Both are in every box's associated data, with the key and ``fingerprint``."""
+        super().__init__(primary_kv_view, chunk_bytes, fingerprint=fingerprint, integrity=integrity, who=who)
+        self.sealed_bytes = sealed_length(chunk_bytes)
+        self.seals = np.zeros((0, SEAL_BYTES), dtype=np.uint8)  # the box's tag is the seal
+        self.seals_base = self.seals.ctypes.data
+        self._encryption = encryption
+        self._layout = layout
+        self._tier = tier
+
+    def regions(self) -> list[MemoryRegion]:
+        """Nothing: the store never reads or writes the primary's plaintext, only each job's sealed boxes."""
+        return []
+
+    def release(self) -> None:
+        self.primary = np.empty(0, dtype=np.uint8)
+
+    def box(self, tenant: RequestTenant) -> SealedBox:
+        """The box of ``tenant``'s chunks on this tier."""
+        return self._encryption.box(tenant, self.fingerprint)
+
+    def _associated_data(self, key: OffloadKey) -> bytes:
+        return associated_data(
+            object_key=bytes(key), model_identity=self.fingerprint, layout=self._layout, tier=self._tier
+        )
+
+    def seal_into(self, box: SealedBox, keys: list[OffloadKey], chunks: list[int], egress: np.ndarray) -> None:
+        """Seal each primary chunk in ``chunks`` as its key's value into its row of ``egress``, on an I/O thread
+        (the cipher releases the GIL)."""
+        for row, (key, chunk) in zip(egress, zip(keys, chunks)):
+            box.seal_into(self._chunk_view(chunk), self._associated_data(key), row.data)
+
+    def row_segments(self, rows: np.ndarray) -> list[list[Segment]]:
+        """Each value's one segment: its row of ``rows`` (an egress or a landing buffer, ``sealed_bytes`` a row)."""
+        base = rows.ctypes.data
+        return [[(base + index * self.sealed_bytes, self.sealed_bytes)] for index in range(len(rows))]
+
+    def landing_segments(self, landing: np.ndarray) -> list[list[Segment]]:
+        return self.row_segments(landing)
+
+    def _accept(
+        self, key: OffloadKey, chunk: int, landed: np.ndarray | None, box: SealedBox | None
+    ) -> IntegrityFault | OpenFailure | None:
+        """Open the box that landed straight into primary chunk ``chunk`` (the tag fails for anything but ``key``'s
+        chunk of this tenant, model, layout and tier under the current key)."""
+        if landed is None or box is None:
+            raise ValueError(f"{self.who}: an encrypted load must land apart and name its tenant's box")
+        return box.open_into(landed.data, self._associated_data(key), self._chunk_view(chunk))

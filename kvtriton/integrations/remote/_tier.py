@@ -68,7 +68,7 @@ from kvtriton.integrations.remote._metrics import (
     metric_definitions,
     vllm_tier_label,
 )
-from kvtriton.integrations.remote._seals import SealedSlots
+from kvtriton.integrations.remote._seals import EncryptedSlots, SealedSlots
 from kvtriton.integrations.remote._settings import RemoteTierSettings, tier_constructor_signature
 from kvtriton.integrations.remote._supervisor import Supervisor, TierState
 from kvtriton.integrations.vllm import (
@@ -89,6 +89,7 @@ from kvtriton.integrations.vllm import (
     TransferJob,
     get_offload_block_hash,
     get_offload_group_idx,
+    spec_encryption,
 )
 
 if TYPE_CHECKING:
@@ -122,6 +123,10 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
     """The backend's name in log lines (``Mooncake tier '...': ...``)."""
     metrics: ClassVar[RemoteTierMetrics] = RemoteTierMetrics.with_prefix("remote")
     """The names of the backend's metrics."""
+    kvtriton_seals_per_tenant: ClassVar[bool] = True
+    """Every remote tier can encrypt: behind a spec with ``kvtriton_encryption`` each value is a sealed box of its
+    tenant (:class:`~kvtriton.integrations.remote._seals.EncryptedSlots`), so the spec accepts it
+    (:data:`~kvtriton.integrations.vllm.ENCRYPTING_TIER_ATTRIBUTE`)."""
     config_type: ClassVar[type[RemoteTierSettings]] = RemoteTierSettings
     """The backend's configuration: a frozen dataclass of every key the tier takes (a subclass of
     :class:`RemoteTierSettings`, which holds the keys every remote tier shares), validated when it is built."""
@@ -170,15 +175,29 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
         """Values that failed their seal check: counted by reason, warned about at a bounded rate."""
         self.identity = kv_identity(offloading_spec, settings.namespace)
         """What every value's seal names and the keys are filed under (docs/tiers.md, "Integrity")."""
-        self._slots = SealedSlots(
-            primary_kv_view,
-            self.block_size_bytes,
-            fingerprint=self.identity.fingerprint,
-            integrity=self.integrity,
-            who=who,
-        )
         self.keyspace = TierKeyspace(
             chunk_identity(offloading_spec, self.block_size_bytes, settings.namespace, self.identity.hex)
+        )
+        encryption = spec_encryption(offloading_spec)
+        self._slots = (
+            SealedSlots(
+                primary_kv_view,
+                self.block_size_bytes,
+                fingerprint=self.identity.fingerprint,
+                integrity=self.integrity,
+                who=who,
+            )
+            if encryption is None
+            else EncryptedSlots(
+                primary_kv_view,
+                self.block_size_bytes,
+                fingerprint=self.identity.fingerprint,
+                integrity=self.integrity,
+                who=who,
+                encryption=encryption,
+                layout=self.keyspace.digest,
+                tier=tier_type,
+            )
         )
         self._lock = threading.Lock()
         """Guards the counters, the state, the client handle and the jobs' phases (taken by every thread)."""
@@ -222,15 +241,20 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
     def _start(self) -> None:
         """Start connecting in the background (last in the constructor: the backend is complete by then)."""
         self._supervisor.thread.start()
+        sealing = (
+            f"{SEAL_BYTES}-byte seals"
+            if not self._slots.encrypts
+            else f"{self._slots.sealed_bytes - self.block_size_bytes}-byte sealed boxes per tenant (encrypted)"
+        )
         logger.info(
-            "%s tier %r: %s, namespace digest %s (%s), %d-byte chunks + %d-byte seals, timeout %.1f s; %s",
+            "%s tier %r: %s, namespace digest %s (%s), %d-byte chunks + %s, timeout %.1f s; %s",
             self.backend,
             self.tier_type,
             self.endpoint,
             self.keyspace.digest,
             self.keyspace.identity.model,
             self.block_size_bytes,
-            SEAL_BYTES,
+            sealing,
             self.config.timeout_s,
             self.identity.describe(),
         )

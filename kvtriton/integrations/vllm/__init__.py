@@ -43,6 +43,7 @@ except ImportError as _error:
 
 try:
     from kvtriton.integrations.vllm._config import KVTritonOffloadConfig, compression_tag
+    from kvtriton.integrations.vllm._encryption import ENCRYPTING_TIER_ATTRIBUTE, TierEncryption, spec_encryption
     from kvtriton.integrations.vllm._identity import KVIdentity, compute_identity, vllm_identity
     from kvtriton.integrations.vllm._integrity_report import IntegrityReport, integrity_metric_definitions
     from kvtriton.integrations.vllm._logging import attach_to_vllm_logging
@@ -70,6 +71,7 @@ try:
         OffloadKey,
         ReqContext,
         RequestOffloadingContext,
+        RequestTenant,
         ScheduleEndContext,
         SecondaryTierManager,
         TransferJob,
@@ -77,6 +79,7 @@ try:
         get_offload_block_hash,
         get_offload_group_idx,
         mark_stored,
+        request_tenant,
     )
     from kvtriton.integrations.vllm._tiered_spec import KVTritonTieringOffloadingSpec
     from kvtriton.integrations.vllm._worker import VLLMOffloadingWorker
@@ -103,7 +106,8 @@ __all__ = [
     # what kvtriton's own vLLM tiers (kvtriton.integrations.remote, .mooncake) and the tiering benchmark build
     # on: vLLM's tier interface as the surface module re-exports it (one place to follow a vLLM release), the
     # release's differences resolved there, and the engine identity, integrity report and sealed manager; each
-    # is documented where it is defined
+    # is documented where it is defined; and the encryption per tenant a tier seals its chunks with
+    "ENCRYPTING_TIER_ATTRIBUTE",
     "JOB_RESULTS_DEFER_RELEASE",
     "TIER_LABEL",
     "AsyncLookupManager",
@@ -125,9 +129,11 @@ __all__ = [
     "OffloadingSpec",
     "ReqContext",
     "RequestOffloadingContext",
+    "RequestTenant",
     "ScheduleEndContext",
     "SealedTieringManager",
     "SecondaryTierManager",
+    "TierEncryption",
     "TransferJob",
     "compression_tag",
     "compute_identity",
@@ -136,6 +142,8 @@ __all__ = [
     "get_offload_group_idx",
     "integrity_metric_definitions",
     "mark_stored",
+    "request_tenant",
+    "spec_encryption",
     "vllm_identity",
 ]
 

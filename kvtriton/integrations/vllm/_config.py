@@ -48,6 +48,7 @@ KVTRITON_KV_COMPRESSION = "kvtriton_kv_compression"
 KVTRITON_SUMMARY_INTERVAL_S = "kvtriton_summary_interval_s"
 KVTRITON_VERIFY_HOST_LOADS = "kvtriton_verify_host_loads"
 KVTRITON_SHARED_GROUP = "kvtriton_shared_group"
+KVTRITON_ENCRYPTION = "kvtriton_encryption"
 DEFAULT_SUMMARY_INTERVAL_S = 60
 """Seconds of activity between two ``kvtriton summary:`` log lines (the adapter's own default too)."""
 
@@ -60,11 +61,12 @@ _KVTRITON_KEYS = frozenset(
         KVTRITON_SUMMARY_INTERVAL_S,
         KVTRITON_VERIFY_HOST_LOADS,
         KVTRITON_SHARED_GROUP,
+        KVTRITON_ENCRYPTION,
         IDENTITY_KEY,
     }
 )
 
-_KVTRITON_TIERED_ONLY_KEYS = frozenset({IDENTITY_KEY, KVTRITON_SHARED_GROUP})
+_KVTRITON_TIERED_ONLY_KEYS = frozenset({IDENTITY_KEY, KVTRITON_SHARED_GROUP, KVTRITON_ENCRYPTION})
 """kvtriton's keys that only the tiered spec reads: the single-tier spec hands no chunk to any tier."""
 
 _KVTRITON_SINGLE_TIER_ONLY_KEYS = frozenset({KVTRITON_VERIFY_HOST_LOADS})

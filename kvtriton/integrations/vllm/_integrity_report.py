@@ -5,7 +5,9 @@ Every tier that verifies what comes back (kvtriton's Mooncake tier in its own
 :class:`IntegrityReport` and calls :meth:`IntegrityReport.record` for each
 faulty chunk (which is then a miss). The report counts the faults in
 ``vllm:kv_offload_integrity_failures{tier, reason}`` (:data:`INTEGRITY_FAILURES`;
-``reason`` is :class:`~kvtriton._integrity.IntegrityFault`'s value) and logs a
+``reason`` is :class:`~kvtriton._integrity.IntegrityFault`'s value, or for a
+sealed box that did not open ``decrypt_`` and
+:class:`~kvtriton.encryption.OpenFailure`'s value: :func:`reason_label`) and logs a
 WARNING naming the tier, the reason and the chunk; within
 :data:`WARNING_INTERVAL_S` of one WARNING for a tier and reason, the next
 faults of that tier and reason are only counted, and the next WARNING says how
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from kvtriton._integrity import IntegrityFault
+from kvtriton.encryption import OpenFailure
 from kvtriton.integrations.vllm._surface import (
     TIER_LABEL,
     OffloadingConnectorStats,
@@ -44,15 +47,35 @@ _WHAT = {
     IntegrityFault.OTHER_KEY: "it is another key's chunk",
     IntegrityFault.STALE_FORMAT: "it was written by another kvtriton row format",
     IntegrityFault.OTHER_FINGERPRINT: "it belongs to another identity (model, weights, dtype, layout, rank or compression)",
+    OpenFailure.TAG_MISMATCH: "its authentication tag fails: a byte changed, or it was sealed as another object, "
+    "model, layout, tier or tenant",
+    OpenFailure.RETIRED_KEY: "it was sealed under a master key that was retired",
+    OpenFailure.OTHER_KEY: "it was sealed under another master key (another deployment's, or the wrong key file)",
+    OpenFailure.TRUNCATED: "the sealed box is cut short",
+    OpenFailure.WRONG_LENGTH: "the sealed box is longer than a sealed chunk",
+    OpenFailure.UNKNOWN_FORMAT: "it is no sealed box of this kvtriton (unencrypted, or another format)",
 }
+
+Fault = IntegrityFault | OpenFailure
+"""Why a chunk that came back from a tier is a miss: a failed seal check, or a sealed box that did not open."""
+
+
+def reason_label(fault: Fault) -> str:
+    """The metric's ``reason`` label of ``fault``: the seal check's own names, ``decrypt_`` before a box's (their
+    values overlap: ``other_key`` is another object's chunk for one, another master key for the other)."""
+    return f"decrypt_{fault.value}" if isinstance(fault, OpenFailure) else fault.value
+
+
+REASON_LABELS = tuple(reason_label(fault) for fault in (*IntegrityFault, *OpenFailure))
+"""Every ``reason`` the metric may carry."""
 
 
 def integrity_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """The metric a tier adds to its ``build_metric_definitions``."""
     return {
         INTEGRITY_FAILURES: OffloadingCounterMetadata(
-            "Chunks loaded from a tier that failed kvtriton's integrity check and were treated as misses, by reason "
-            "(checksum, torn, wrong_size, other_key, stale_format, other_fingerprint).",
+            "Chunks loaded from a tier that failed kvtriton's integrity check (or, encrypted, did not open) and were "
+            f"treated as misses, by reason ({', '.join(REASON_LABELS)}).",
             (TIER_LABEL, REASON_LABEL),
         )
     }
@@ -76,35 +99,37 @@ class IntegrityReport:
         self._interval = warning_interval_s
         self._clock = clock or time.monotonic
         self._lock = threading.Lock()
-        self._counts: dict[IntegrityFault, int] = dict.fromkeys(IntegrityFault, 0)
-        self._reported: dict[IntegrityFault, int] = dict.fromkeys(IntegrityFault, 0)
-        self._last_warning: dict[IntegrityFault, float] = {}
-        self._unwarned: dict[IntegrityFault, int] = dict.fromkeys(IntegrityFault, 0)
+        # Keyed by the reason label: the two enums' members are strings, and equal values would share a key.
+        self._counts: dict[str, int] = dict.fromkeys(REASON_LABELS, 0)
+        self._reported: dict[str, int] = dict.fromkeys(REASON_LABELS, 0)
+        self._last_warning: dict[str, float] = {}
+        self._unwarned: dict[str, int] = dict.fromkeys(REASON_LABELS, 0)
 
-    def record(self, fault: IntegrityFault, chunk: str) -> None:
+    def record(self, fault: Fault, chunk: str) -> None:
         """Count one faulty chunk (named by ``chunk``: its key or object name) and warn unless warned lately."""
+        reason = reason_label(fault)
         now = self._clock()
         with self._lock:
-            self._counts[fault] += 1
-            last = self._last_warning.get(fault)
+            self._counts[reason] += 1
+            last = self._last_warning.get(reason)
             if last is not None and now - last < self._interval:
-                self._unwarned[fault] += 1
+                self._unwarned[reason] += 1
                 return
-            self._last_warning[fault] = now
-            unwarned, self._unwarned[fault] = self._unwarned[fault], 0
-        since = f"; {unwarned} more {fault.value} fault(s) since the last warning" if unwarned else ""
+            self._last_warning[reason] = now
+            unwarned, self._unwarned[reason] = self._unwarned[reason], 0
+        since = f"; {unwarned} more {reason} fault(s) since the last warning" if unwarned else ""
         logger.warning(
             "kvtriton integrity: tier %s: chunk %s failed its check (reason %s: %s); it is a miss and will be "
             "recomputed%s",
             self.tier_label,
             chunk,
-            fault.value,
+            reason,
             _WHAT[fault],
             since,
         )
 
-    def counts(self) -> dict[IntegrityFault, int]:
-        """Faults recorded since the tier started, by reason."""
+    def counts(self) -> dict[str, int]:
+        """Faults recorded since the tier started, by reason label (:func:`reason_label`)."""
         with self._lock:
             return dict(self._counts)
 
@@ -117,6 +142,6 @@ class IntegrityReport:
         with self._lock:
             deltas = {fault: count - self._reported[fault] for fault, count in self._counts.items()}
             self._reported = dict(self._counts)
-        for fault, delta in deltas.items():
+        for reason, delta in deltas.items():
             if delta:
-                stats.increase_counter(INTEGRITY_FAILURES, delta, (self.tier_label, fault.value))
+                stats.increase_counter(INTEGRITY_FAILURES, delta, (self.tier_label, reason))

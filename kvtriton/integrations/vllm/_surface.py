@@ -31,7 +31,7 @@ import os
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy.typing as npt
 from vllm import envs as vllm_envs
@@ -227,6 +227,62 @@ def mark_stored(lookups: AsyncLookupManager, keys: Collection[OffloadKey]) -> No
     if LOOKUPS_MARK_PRESENT:
         mark_present: Any = getattr(lookups, "mark_present")
         mark_present(keys)
+
+
+REQ_CONTEXT_FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
+REQ_CONTEXT_FACTORY = "_create_req_context"
+"""The function of vLLM's connector scheduler that builds each request's ``ReqContext`` from its ``Request``."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTenant:
+    """The tenant of a request: its ``cache_salt`` (None: the shared tenant), on the request's ``ReqContext``.
+
+    vLLM's ``ReqContext`` does not carry the salt, yet every job a tier gets
+    names the context of the request it serves; :func:`install_tenant_hook`
+    has vLLM's connector put this record on each context it builds, and
+    :func:`request_tenant` reads it back (``ReqContext.get_state``).
+    """
+
+    cache_salt: str | None
+
+
+def request_tenant(req_context: ReqContext) -> RequestTenant | None:
+    """The tenant :func:`install_tenant_hook` recorded on ``req_context``; None for a context built without it (a
+    peer's, a test's)."""
+    return req_context.get_state(RequestTenant)
+
+
+def install_tenant_hook() -> None:
+    """Have vLLM's connector scheduler record each request's tenant (:class:`RequestTenant`) on its ``ReqContext``.
+
+    Wraps the scheduler module's ``_create_req_context`` (the inventory's
+    ``request_context_factory``; it takes the ``Request`` first on both
+    releases) in this process, once; calling it again changes nothing. An
+    encrypting spec calls it when it is built, in the engine core, before the
+    connector builds any context. Raises ``RuntimeError`` when the installed
+    vLLM has no such function, so encryption never starts without tenants.
+    """
+    module = importlib.import_module(REQ_CONTEXT_FACTORY_MODULE)
+    original: Any = getattr(module, REQ_CONTEXT_FACTORY, None)
+    if not callable(original):
+        raise RuntimeError(
+            f"vLLM {VLLM_VERSION} has no {REQ_CONTEXT_FACTORY_MODULE}.{REQ_CONTEXT_FACTORY}: kvtriton cannot learn "
+            "each request's cache_salt, so it cannot encrypt per tenant; remove kvtriton_encryption or use a vLLM "
+            f"kvtriton is tested on ({tested_releases()})"
+        )
+    if getattr(original, "kvtriton_tenant_hook", False):
+        return
+
+    def create_req_context(req: Any, *args: Any, **kwargs: Any) -> ReqContext:
+        context = cast("ReqContext", original(req, *args, **kwargs))
+        salt: object = getattr(req, "cache_salt", None)
+        context.set_state(RequestTenant(salt if isinstance(salt, str) and salt else None))
+        return context
+
+    vars(create_req_context)["kvtriton_tenant_hook"] = True
+    create_req_context.__wrapped__ = original  # pyright: ignore[reportFunctionMemberAccess] -- functools' convention
+    setattr(module, REQ_CONTEXT_FACTORY, create_req_context)
 
 
 def refuse_secondary_tiers_across_nodes() -> None:
@@ -431,6 +487,13 @@ VLLM_PRIVATE_NAMES: tuple[VLLMPrivateName, ...] = (
         "how vLLM's tier factory resolves backpressure_cls and policy_cls (a short name in its backpressure module, "
         "a dotted one as module.Class): backpressure_class_problem resolves them the same way at start-up, so a "
         "bad one is one line naming the key instead of a raw AttributeError from the scheduler",
+    ),
+    VLLMPrivateName(
+        "request_context_factory",
+        f"{REQ_CONTEXT_FACTORY_MODULE}.{REQ_CONTEXT_FACTORY}(req, ...) builds every request's ReqContext",
+        "kvtriton.integrations.vllm._surface",
+        "with kvtriton_encryption, install_tenant_hook wraps it to record the request's cache_salt on the context "
+        "(RequestTenant), from which a tier picks the tenant's key for each job",
     ),
     VLLMPrivateName(
         "fs_file_mapper",

@@ -67,6 +67,7 @@ from kvtriton.integrations.vllm._config import (
     is_vllm_policy,
     parse_policy,
 )
+from kvtriton.integrations.vllm._encryption import EncryptionSetting, TierEncryption, refuse_plaintext_tiers
 from kvtriton.integrations.vllm._identity import KVIdentity, vllm_identity
 from kvtriton.integrations.vllm._integrity_report import integrity_metric_definitions
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
@@ -84,6 +85,7 @@ from kvtriton.integrations.vllm._surface import (
     SecondaryTierFactory,
     SecondaryTierManager,
     TieringOffloadingSpec,
+    install_tenant_hook,
     refuse_secondary_tiers_across_nodes,
     vllm_base,
     with_model_name,
@@ -361,8 +363,17 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         row_stride = RegionLayout.block_row_stride_for(blocks_per_chunk, config.parallel.world_size, row_bytes)
         # One region on this host holds every rank's bytes: the whole budget must fit its RAM.
         check_budget(settings.cpu_bytes_to_use, slot_bytes=blocks_per_chunk * row_stride, world_size=1, slot="chunk")
-        self._get_secondary_tiers(dict(extra))
+        tier_classes = self._get_secondary_tiers(dict(extra))
+        encryption_setting = EncryptionSetting.from_extra_config(extra)
+        if encryption_setting is not None:
+            refuse_plaintext_tiers(
+                [(tier_label(index, config), tier_class) for index, (config, tier_class) in enumerate(tier_classes)]
+            )
         super().__init__(config)
+        self.encryption: TierEncryption | None = (
+            None if encryption_setting is None else TierEncryption.from_setting(encryption_setting)
+        )
+        """With ``kvtriton_encryption``: the tenants' keys the secondary tiers seal and open chunks with."""
         # Every rank keeps its own copy of replicated (MLA) KV: the region has
         # a place for each rank, and each rank's worker stores its own bytes.
         self.replicated_layout = False
@@ -461,6 +472,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
     def get_manager(self) -> vllm_base.OffloadingManager:
         if self._manager is not None:
             return self._manager
+        if self.encryption is not None:
+            install_tenant_hook()  # before the connector builds any request's context: each names its tenant
         region = self._open_region()
         primary: vllm_base.OffloadingManager | None = None
         tiers: list[SecondaryTierManager] = []
@@ -513,6 +526,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         # Logged here, where the identity is used (the seals, the tiers' namespace, the metrics): once per
         # engine, by its engine core; the workers compute the same identity and use none of it.
         logger.info("kvtriton tiered offloading %s", self.identity.describe())
+        if self.encryption is not None:
+            logger.info("kvtriton tiered offloading: %s", self.encryption.describe())
         self._manager = manager
         return manager
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from typing import Any
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
@@ -227,7 +228,7 @@ def test_a_failed_setup_says_once_which_key_and_address_failed_and_that_the_tier
 ) -> None:
     closed = f"{LOOPBACK}:{free_port()}"  # nothing listens there
     bad = {"master_server_address": closed, "metadata_server": f"http://{closed}/metadata"}[bad_key]
-    config = {"master_server_address": cluster.master_address, bad_key: bad}
+    config: dict[str, Any] = {"master_server_address": cluster.master_address, bad_key: bad}  # tier keys by name
     memory = Primary(4, CHUNK)
     with caplog.at_level(logging.DEBUG, logger="kvtriton.integrations.mooncake"):
         tier = make_tier(

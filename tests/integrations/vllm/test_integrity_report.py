@@ -53,7 +53,7 @@ def test_faults_are_counted_and_reported_as_increments() -> None:
     report.record(IntegrityFault.CHECKSUM, "kvt/abc/02/g0")
     report.record(IntegrityFault.OTHER_FINGERPRINT, "kvt/abc/03/g0")
     assert report.total() == 3
-    assert report.counts()[IntegrityFault.CHECKSUM] == 2
+    assert report.counts()[IntegrityFault.CHECKSUM.value] == 2
     first = OffloadingConnectorStats()
     report.add_to(first)
     assert _counters(first) == {"checksum": 2, "other_fingerprint": 1}
@@ -80,4 +80,4 @@ def test_warnings_name_the_tier_and_reason_and_are_rate_limited(caplog: pytest.L
     assert TIER in messages[0] and "reason checksum" in messages[0] and "chunk-0" in messages[0]
     assert "reason other_key" in messages[1]
     assert "chunk-late" in messages[2] and "4 more checksum fault(s)" in messages[2]
-    assert report.counts()[IntegrityFault.CHECKSUM] == 6
+    assert report.counts()[IntegrityFault.CHECKSUM.value] == 6

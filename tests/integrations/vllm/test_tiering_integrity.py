@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 import kvtriton._integrity as integrity
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal, seal_bytes
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
-from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
+from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES, REASON_LABELS
 from kvtriton.integrations.vllm._sealed_tiering import HOST_MEMORY_PATH, SealedTieringManager
 from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 from kvtriton.worker import HostMemoryPath, SharedRegion
@@ -201,7 +201,9 @@ def test_a_faulty_chunk_file_is_a_miss_counted_by_reason_and_the_good_keys_are_s
 
     assert look_up(manager, "after-damage") == {1: intact(1), 2: None, 3: intact(3)}
     (report,) = manager.integrity
-    assert report.tier_label == "1:fs" and report.counts() == {fault: int(fault is reason) for fault in IntegrityFault}
+    assert report.tier_label == "1:fs" and report.counts() == {
+        label: int(label == reason.value) for label in REASON_LABELS
+    }
     assert not chunk_file(manager, 2).exists()  # removed, as vLLM's fs tier removes a file cut short
     stats = manager.get_stats()
     assert stats is not None
@@ -220,7 +222,7 @@ def test_behind_vllms_own_primary_a_faulty_chunk_is_a_miss_too(
     store_all(manager)
     copy_key_1_over(chunk_file(manager, 2), manager)
     assert look_up(manager, "after-damage") == {1: intact(1), 2: None, 3: intact(3)}
-    assert manager.integrity[0].counts()[IntegrityFault.OTHER_KEY] == 1
+    assert manager.integrity[0].counts()[IntegrityFault.OTHER_KEY.value] == 1
 
 
 def test_a_key_that_failed_is_promoted_again_once_this_engine_stored_it_afresh(

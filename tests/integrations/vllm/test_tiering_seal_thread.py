@@ -402,7 +402,7 @@ def test_a_promotion_whose_check_fails_off_the_lock_is_a_counted_miss(
     held = hold_checks(monkeypatch, IntegrityFault.CHECKSUM)
     held.release.set()
     assert step_until(manager, reader, lambda answer: answer is LookupResult.MISS) is LookupResult.MISS
-    assert manager.integrity[0].counts()[IntegrityFault.CHECKSUM] == 1
+    assert manager.integrity[0].counts()[IntegrityFault.CHECKSUM.value] == 1
     assert not chunk_file(manager, 1).exists()  # dropped, as a faulty fs file is
     assert step(manager, reader) is LookupResult.MISS and manager.integrity[0].total() == 1  # not promoted again
     manager.on_request_finished(reader)

@@ -34,7 +34,7 @@ from kvtriton.worker._backends import TransferBackend
 GIB = 1 << 30
 NO_CLOSE_KEY = "no known key is close"
 VALID_KEYS = (
-    "kvtriton reads ['kvtriton_backend', 'kvtriton_identity_key', 'kvtriton_kv_compression', 'kvtriton_num_programs', "
+    "kvtriton reads ['kvtriton_backend', 'kvtriton_encryption', 'kvtriton_identity_key', 'kvtriton_kv_compression', 'kvtriton_num_programs', "
     "'kvtriton_pageable_slab', 'kvtriton_shared_group', 'kvtriton_summary_interval_s', 'kvtriton_verify_host_loads'], "
     f"vLLM reads {sorted(VLLM_KEYS)}"
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -168,10 +169,20 @@ def _check_backpressure_class_import() -> None:
     assert "_import_class(bp_cls_name)" in source and "_import_class(policy_cls_name)" in source
 
 
+def _check_request_context_factory() -> None:
+    module = importlib.import_module(surface.REQ_CONTEXT_FACTORY_MODULE)
+    factory = getattr(module, surface.REQ_CONTEXT_FACTORY)
+    assert next(iter(inspect.signature(factory).parameters)) == "req"
+    # The connector builds every request's context through the module's name, so the hook's wrapper is what runs.
+    source = inspect.getsource(module)
+    assert source.count(f"{surface.REQ_CONTEXT_FACTORY}(request") >= 2
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "backpressure_class_import": _check_backpressure_class_import,
     "connector_vllm_config": _check_connector_vllm_config,
     "promotion_hooks": _check_promotion_hooks,
+    "request_context_factory": _check_request_context_factory,
     "fs_file_mapper": _check_fs_file_mapper,
     "multi_node_refusal": _check_multi_node_refusal,
     "policy_registry": _check_policy_registry,
