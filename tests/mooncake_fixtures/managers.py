@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtriton.integrations._mooncake_local import MooncakeCluster
 from kvtriton.integrations.mooncake import MooncakeStoreTier
+from kvtriton.integrations.vllm import RequestTenant
 from mooncake_fixtures.tiers import END_OF_STEP
 
 __all__ = ["cluster", "own_cluster", "promote", "serve_and_cascade", "settle", "started"]
@@ -58,11 +59,24 @@ def started(
     return manager, tier, np.asarray(manager.primary_tier.get_kv_memoryview())
 
 
+def _context(req_id: str, tenant: RequestTenant | None) -> ReqContext:
+    """A request's context as vLLM's connector builds it; ``tenant``: what kvtriton's hook records on it."""
+    context = ReqContext(req_id=req_id)
+    if tenant is not None:
+        context.set_state(tenant)
+    return context
+
+
 def serve_and_cascade(
-    manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey], seed: int
+    manager: TieringOffloadingManager,
+    rows: np.ndarray,
+    keys: list[OffloadKey],
+    seed: int,
+    *,
+    tenant: RequestTenant | None = None,
 ) -> list[bytes]:
     """The GPU->primary half of a prompt's store (done by vLLM's worker on a GPU), then the manager's cascade."""
-    context = ReqContext(req_id=f"store-{seed}")
+    context = _context(f"store-{seed}", tenant)
     with manager.lock:
         manager.on_new_request(context)
         prepared = manager.prepare_store(keys, context)
@@ -79,9 +93,15 @@ def serve_and_cascade(
     return written
 
 
-def promote(manager: TieringOffloadingManager, rows: np.ndarray, keys: list[OffloadKey]) -> list[bytes] | None:
+def promote(
+    manager: TieringOffloadingManager,
+    rows: np.ndarray,
+    keys: list[OffloadKey],
+    *,
+    tenant: RequestTenant | None = None,
+) -> list[bytes] | None:
     """Look ``keys`` up step after step as vLLM's scheduler does; the promoted chunks' bytes, or None on a miss."""
-    context = ReqContext(req_id="promote")
+    context = _context("promote", tenant)
     with manager.lock:
         manager.on_new_request(context)
     deadline = time.monotonic() + 15.0

@@ -75,6 +75,14 @@ Quarantine (``_initiate_promotion``)
     also loses the faulty file, as it loses a file cut short, so that the next
     cascade writes the chunk afresh instead of skipping a file that exists.
 
+Tiers that seal their own (``kvtriton_encryption``)
+    An encrypting spec's tiers (kvtriton's remote tiers, each value a box
+    sealed with its tenant's key: :mod:`kvtriton.integrations.vllm._encryption`)
+    are named in ``self_sealing_tiers``: the box's tag is their chunks'
+    integrity check, made in the cipher's one pass, so none of the steps above
+    applies to them (no xxh3 seal before a cascade, no check after a
+    promotion; a box that fails to open is the tier's own counted miss).
+
 Why here and not in the primary's ``complete_write``: by then vLLM has already
 counted the key as loaded from the tier, and nothing would stop the next lookup
 from promoting the same faulty chunk again. vLLM learns which keys of a
@@ -205,8 +213,11 @@ class SealedTieringManager(TieringOffloadingManager):
         identity: KVIdentity,
         tier_poll_interval_s: float,
         host_memory_path: Callable[[], int | None] = lambda: None,
+        self_sealing_tiers: Collection[int] = (),
     ) -> None:
+        """``self_sealing_tiers``: the indexes of the tiers whose values are sealed boxes (see the module docstring)."""
         tiers = list(secondary_tiers)
+        self._self_sealing = frozenset(self_sealing_tiers)
         self._host_memory_path = host_memory_path
         """The region's host memory path (None until a rank took its slab), read for :data:`HOST_MEMORY_PATH`."""
         # Set before vLLM's constructor, which may start its tier-poll thread: that thread already asks the
@@ -227,7 +238,8 @@ class SealedTieringManager(TieringOffloadingManager):
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=SEAL_THREAD_NAME)
         self._sealing_stopped = threading.Event()
         for tier_idx, tier in enumerate(tiers):
-            self._gate(tier_idx, tier)
+            if tier_idx not in self._self_sealing:
+                self._gate(tier_idx, tier)
         super().__init__(primary_tier, tiers, tier_poll_interval_s)
         self.identity = identity
         """What every chunk's seal names; shown on the primary's config info series."""
@@ -341,6 +353,9 @@ class SealedTieringManager(TieringOffloadingManager):
         self, keys: Collection[vllm_base.OffloadKey], req_context: vllm_base.ReqContext, tier_idx: int = 0
     ) -> TransferJob:
         job = super().create_store_job(keys, req_context, tier_idx)
+        if tier_idx in self._self_sealing:
+            self._stored_anew(tier_idx, job)
+            return job
         slots = list(zip(job.keys, job.chunk_ids.tolist()))  # taken here: the caller may reuse its collection
         if not self._cascading:
             # A peer's read through the ParentManager: its tier reads the slots as soon as this returns.
@@ -514,6 +529,9 @@ class SealedTieringManager(TieringOffloadingManager):
     @override
     def _complete_promotion(self, job_metadata: JobMetadata, completed_job: JobResult) -> None:
         job = job_metadata.transfer_job
+        if job_metadata.tier_idx in self._self_sealing:  # opened by the tier itself, box by box
+            super()._complete_promotion(job_metadata, completed_job)
+            return
         if completed_job.job_id in self._verdicts:
             faults = self._verdicts.pop(completed_job.job_id)
         else:  # never held for a check (see the module docstring): checked here, never served unchecked

@@ -511,6 +511,8 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 identity=self.identity,
                 tier_poll_interval_s=self.tier_poll_interval_s,
                 host_memory_path=lambda: region.memory_path,
+                # Encrypting, every tier left is one that seals its values itself (the others were refused).
+                self_sealing_tiers=range(len(tiers)) if self.encryption is not None else (),
             )
         except BaseException:
             for tier in reversed(tiers):

@@ -14,18 +14,24 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 pytest.importorskip("cryptography", reason="encryption needs kvtriton's [encryption] extra")
 
+from mooncake_fixtures.managers import promote, serve_and_cascade
 from mooncake_fixtures.tiers import Primary, chunk_keys, make_memory_tier, resolve_lookups, run_job
-from vllm.v1.kv_offload.base import LookupResult
+from tiering_fixtures.configs import managers as managers
+from tiering_fixtures.configs import tiering
+from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtriton.encryption import MasterKey, sealed_length
 from kvtriton.integrations.remote import InMemoryStoreTier, RemoteTier, in_memory_store
 from kvtriton.integrations.vllm import ENCRYPTING_TIER_ATTRIBUTE, RequestTenant, TierEncryption
 from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
+from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 
 CHUNK = 16 * 1024
 RUN = 64
@@ -197,3 +203,53 @@ def test_an_encrypting_tier_registers_none_of_the_primary_s_plaintext(tiers: lis
     tier = make_memory_tier(name, Primary(2, CHUNK), encryption=encrypting())
     tiers.append(tier)
     assert tier._slots.regions() == []  # pyright: ignore[reportPrivateUsage] -- what the store is handed
+
+
+# --- through kvtriton's tiered spec and vLLM's orchestrator ----------------------------------------------------
+
+
+KEY_VARIABLE = "KVTRITON_TEST_TIER_MASTER_KEY"
+
+
+def encrypting_manager(
+    managers: list[OffloadingManager], store: str, monkeypatch: pytest.MonkeyPatch, master: MasterKey = MASTER
+) -> tuple[TieringOffloadingManager, InMemoryStoreTier, np.ndarray]:
+    """kvtriton's tiered spec with ``kvtriton_encryption`` (the key in a variable) over one in-memory tier."""
+    monkeypatch.setenv(KEY_VARIABLE, master.secret.hex())
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": 1 << 20,
+        "secondary_tiers": [
+            {"type": "InMemoryStoreTier", "module_path": "kvtriton.integrations.remote", "store": store}
+        ],
+        "kvtriton_encryption": {"master_key_env": KEY_VARIABLE},
+    }
+    manager = tiering(managers, extra, worker_kv_bytes_per_block=CHUNK)
+    (tier,) = manager.secondary_tiers
+    assert isinstance(tier, InMemoryStoreTier) and tier.wait_until_up(10.0)
+    return manager, tier, np.asarray(manager.primary_tier.get_kv_memoryview())
+
+
+def test_behind_the_tiered_spec_a_tenant_s_chunks_round_trip_sealed_once_and_other_tenants_miss(
+    managers: list[OffloadingManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = fresh_store()
+    writer, writer_tier, writer_rows = encrypting_manager(managers, name, monkeypatch)
+    keys = chunk_keys(3, salt=8)
+    written = serve_and_cascade(writer, writer_rows, keys, seed=8, tenant=ALICE)
+    assert writer_tier.stats().stored_keys == 3
+    # One pass: the orchestrator wrote no xxh3 seal into the slots (the box's tag is the check).
+    primary = writer.primary_tier
+    assert isinstance(primary, KVTritonPrimaryTier)
+    slots = {bytes(key): slot for key, slot in primary.cpu.slot_map().items()}
+    assert [writer_rows[slots[bytes(key)]].tobytes() for key in keys] == written
+    for value in stored_values(name).values():
+        assert not any(holds_a_run_of(value, chunk) for chunk in written)
+
+    reader, reader_tier, reader_rows = encrypting_manager(managers, name, monkeypatch)
+    assert promote(reader, reader_rows, keys, tenant=ALICE) == written
+    assert promote(reader, reader_rows, chunk_keys(3, salt=9), tenant=ALICE) is None  # never stored
+
+    stranger, stranger_tier, stranger_rows = encrypting_manager(managers, name, monkeypatch)
+    assert promote(stranger, stranger_rows, keys, tenant=RequestTenant("mallory")) is None
+    assert stranger_tier.integrity.counts()["decrypt_tag_mismatch"] >= 1
+    assert reader_tier.integrity.total() == 0
