@@ -160,6 +160,10 @@ ZERO_KV_CACHE: dict[str, object] = {"op": "zero_kv_cache"}
 """A step: zero every KV cache tensor (after a reset: what a later load writes is all that is there)."""
 OVERWRITE_HOST_SLAB: dict[str, object] = {"op": "overwrite_host_slab"}
 """A step: overwrite every byte of kvtriton's host slab with random bytes (single-tier spec)."""
+CHECK_MOONCAKE_VALUES_SEALED: dict[str, object] = {"op": "check_mooncake_values_sealed"}
+"""A step: read back, through a Mooncake client of its own, the value of every chunk kvtriton's primary holds and
+count (:attr:`StepResult.measured`) the values (``values``) and those holding any 64-byte run of the chunk's
+plaintext in the primary (``with_plaintext``)."""
 DAMAGE_MOONCAKE_VALUES: dict[str, object] = {"op": "damage_mooncake_values"}
 """A step: through a Mooncake client of its own (a broken writer), replace the value of every chunk kvtriton's
 primary holds, in every Mooncake tier, by one of the same size with 64 bytes flipped in its middle."""
@@ -214,6 +218,8 @@ class StepResult:
     """A :func:`generate_batch` step's results, one per prompt (empty for other steps)."""
     seconds: float = 0.0
     """A generate step's request, from submission to its last token (the settling steps after it excluded)."""
+    measured: dict[str, int] = field(default_factory=dict[str, int])
+    """What a check step counted (:data:`CHECK_MOONCAKE_VALUES_SEALED`); empty for other steps."""
     gauges: dict[str, dict[str, float]] = field(default_factory=dict[str, dict[str, float]])
     """vLLM's gauges after this step whose names start with ``vllm:kv_offload``: name -> labels -> value (the labels
     as ``k=v`` pairs joined by commas)."""

@@ -110,6 +110,42 @@ def _damage_mooncake_values(manager: Any) -> None:
             client.close()
 
 
+PLAINTEXT_RUN = 64
+"""The plaintext run no encrypted value may hold (issue 48's test)."""
+
+
+def _check_mooncake_values_sealed(manager: Any) -> dict[str, int]:
+    """Count the pool's values of the chunks kvtriton's primary holds, and those holding any ``PLAINTEXT_RUN``-byte
+    run (at any offset) of the chunk's bytes in the primary."""
+    import numpy as np
+
+    from kvtriton.integrations.mooncake import MooncakeStoreTier, open_store
+
+    primary = manager.primary_tier
+    slots = primary.cpu.slot_map()
+    view = primary.get_kv_memoryview()
+    rows = np.frombuffer(view, dtype=np.uint8).reshape(len(view), -1)
+    tiers = [tier for tier in manager.secondary_tiers if isinstance(tier, MooncakeStoreTier)]
+    assert slots and tiers, (slots, tiers)
+    counted = {"values": 0, "with_plaintext": 0}
+    for tier in tiers:
+        client = open_store(tier.config)
+        assert client is not None
+        try:
+            for key, slot in slots.items():
+                value = bytes(client.get(tier.object_key(key)))
+                assert value, f"no value under {tier.object_key(key)}"
+                plaintext = rows[slot].tobytes()
+                runs = {plaintext[start : start + PLAINTEXT_RUN] for start in range(len(plaintext) - PLAINTEXT_RUN + 1)}
+                counted["values"] += 1
+                counted["with_plaintext"] += any(
+                    value[start : start + PLAINTEXT_RUN] in runs for start in range(len(value) - PLAINTEXT_RUN + 1)
+                )
+        finally:
+            client.close()
+    return counted
+
+
 def _kv_caches(llm: Any) -> list[Any]:
     """The model runner's KV cache tensors, one per attention layer, each indexed by block id first."""
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -353,6 +389,8 @@ def _run_steps(llm: Any, job: dict[str, Any], *, startup_s: float) -> dict[str, 
             wait_tiers_up(llm)
         elif op == "barrier":
             barrier(step["name"])
+        elif op == "check_mooncake_values_sealed":
+            record["measured"] = _check_mooncake_values_sealed(_offloading_manager(llm))
         elif op == "damage_mooncake_values":
             _damage_mooncake_values(_offloading_manager(llm))
         elif op == "zero_kv_cache":

@@ -11,7 +11,16 @@ import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
 from bench.tiny_models import TinyLlama
-from e2e.engine import DAMAGE_MOONCAKE_VALUES, WAIT_TIERS_UP, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import (
+    CHECK_MOONCAKE_VALUES_SEALED,
+    DAMAGE_MOONCAKE_VALUES,
+    WAIT_TIERS_UP,
+    EngineJob,
+    EngineResult,
+    generate,
+    run_engine,
+    spec_config,
+)
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
@@ -49,11 +58,14 @@ def model(e2e_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def writer(model: Path, cluster: MooncakeCluster, e2e_dir: Path) -> EngineResult:
-    return mooncake_engine(model, cluster, "shared", e2e_dir / "mooncake-writer")
+    return mooncake_engine(model, cluster, "shared", e2e_dir / "mooncake-writer", then=[CHECK_MOONCAKE_VALUES_SEALED])
 
 
 def test_first_process_stores_every_full_block_in_mooncake(writer: EngineResult, reference: EngineResult) -> None:
     assert writer.step("A").token_ids == reference.step("A").token_ids
+    # Without kvtriton_encryption every value holds its chunk in the clear (what test_encryption.py checks is gone).
+    measured = writer.step("check_mooncake_values_sealed").measured
+    assert measured["values"] == len(PROMPT_A) // BLOCK_SIZE == measured["with_plaintext"]
     assert writer.delta("A", HITS) == 0
     assert (
         writer.delta("A", "vllm:kv_offload_tiering_write_bytes")
