@@ -35,13 +35,17 @@ measured without the disk's noise. Writes ``bench/results/tiers.json``.
 ``--steps`` measures something else instead: the time vLLM's scheduler thread
 spends in the tiered manager per step (``complete_store`` of the previous
 step's chunks, which cascades them; ``prepare_store`` of this step's;
-``on_schedule_end``), with kvtriton's primary, in five variants built alike
+``on_schedule_end``), with kvtriton's primary, in seven variants built alike
 and run in alternating order round after round: no secondary tier; the fs
 tier with every cascaded chunk sealed on the scheduler thread (as kvtriton
 did before); the fs tier with the seals on kvtriton's seal thread (what it
-does now); and two promoting variants (each step's lookups of chunks found
+does now); two promoting variants (each step's lookups of chunks found
 only in fs, then ``on_schedule_end``), each promoted chunk's seal checked
-under vLLM's manager lock (before) or on the seal thread (now). Chunks of
+under vLLM's manager lock (before) or on the seal thread (now); and the
+in-memory remote tier (the Mooncake tier's base, a store in this process)
+storing chunks in the clear, and with ``kvtriton_encryption`` sealing each
+chunk for its tenant on the tier's I/O threads (issue 48's goal: within 10 %
+of the plaintext variant). Chunks of
 ``--step-chunk-mib`` (16 MiB: the seal's cost grows with the chunk),
 ``--step-batch`` of them per step, ``--step-count`` steps per
 round with ``--step-pause-ms`` between steps standing in for the model's
@@ -59,6 +63,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import secrets
 import shutil
 import statistics
 import tempfile
@@ -134,17 +140,38 @@ def _slot_bytes(primary: str, chunk_bytes: int) -> int:
     return RegionLayout.block_row_stride_for(1, 1, chunk_bytes) if primary == "kvtriton" else chunk_bytes
 
 
-def _manager(primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int, fs_tier: bool = True) -> object:
-    """A scheduler-side TieringOffloadingManager with ``primary`` and one fs tier under ``root`` (or none)."""
+ENCRYPTION_KEY_VARIABLE = "KVTRITON_BENCH_MASTER_KEY"
+"""The variable the encrypting step variant's master key is in (a fresh random key for each run)."""
+
+
+def _manager(
+    primary: str, chunk_bytes: int, chunks: int, root: Path, threads: int, tier: str = "fs", *, encrypted: bool = False
+) -> object:
+    """A scheduler-side TieringOffloadingManager with ``primary`` and one tier: ``fs`` under ``root``, ``memory``
+    (the in-memory remote tier, on a store of its own), or ``none``; ``encrypted``: with ``kvtriton_encryption``."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     spec_name, module = _SPEC_NAMES[primary]
-    fs = {"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}
+    tiers: dict[str, list[dict[str, object]]] = {
+        "fs": [{"type": "fs", "root_dir": str(root), "n_read_threads": threads, "n_write_threads": threads}],
+        "memory": [
+            {
+                "type": "InMemoryStoreTier",
+                "module_path": "kvtriton.integrations.remote",
+                "store": f"bench-{uuid.uuid4().hex[:12]}",
+                "io_threads": threads,
+            }
+        ],
+        "none": [],
+    }
     extra: dict[str, object] = {
         "spec_name": spec_name,
         "cpu_bytes_to_use": chunks * _slot_bytes(primary, chunk_bytes),
-        "secondary_tiers": [fs] if fs_tier else [],
+        "secondary_tiers": tiers[tier],
     }
+    if encrypted:
+        os.environ.setdefault(ENCRYPTION_KEY_VARIABLE, secrets.token_hex(32))
+        extra["kvtriton_encryption"] = {"master_key_env": ENCRYPTION_KEY_VARIABLE}
     if module is not None:
         extra["spec_module_path"] = module
     config = offloading_config(
@@ -283,6 +310,8 @@ STEP_VARIANTS = {
     "fs-sealed-off-thread": "fs tier, sealed on the seal thread (now)",
     "fs-promoted-checked-on-scheduler": "fs tier promoting, each chunk checked under the manager lock (before)",
     "fs-promoted-checked-off-thread": "fs tier promoting, each chunk checked on the seal thread (now)",
+    "memory-plain": "in-memory remote tier (the Mooncake tier's base), chunks stored in the clear",
+    "memory-encrypted": "in-memory remote tier with kvtriton_encryption: each chunk sealed for its tenant",
 }
 """The step-time variants (``--steps``), by name: what each one is."""
 STEP_CAPACITY_STEPS = 8
@@ -313,13 +342,23 @@ def measure_steps(
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-    from kvtriton.integrations.vllm import SealedTieringManager
+    from kvtriton.integrations.remote import InMemoryStoreTier
+    from kvtriton.integrations.vllm import RequestTenant, SealedTieringManager
 
     if variant not in STEP_VARIANTS:
         raise ValueError(f"variant must be one of {sorted(STEP_VARIANTS)}, got {variant!r}")
     if variant.startswith("fs-promoted-"):
         return measure_promotion_steps(variant, chunk_bytes, batch, steps, pause_s, root, threads, first_key)
-    manager = _manager("kvtriton", chunk_bytes, STEP_CAPACITY_STEPS * batch, root, threads, variant != "no-tier")
+    tier = "none" if variant == "no-tier" else "memory" if variant.startswith("memory-") else "fs"
+    manager = _manager(
+        "kvtriton",
+        chunk_bytes,
+        STEP_CAPACITY_STEPS * batch,
+        root,
+        threads,
+        tier,
+        encrypted=variant == "memory-encrypted",
+    )
     assert isinstance(manager, TieringOffloadingManager)
     if isinstance(manager, SealedTieringManager):
         manager.seal_off_thread = variant == "fs-sealed-off-thread"
@@ -328,6 +367,7 @@ def measure_steps(
     payload = bytes(range(256)) * (chunk_bytes // 256)
     view = manager.primary_tier.get_kv_memoryview().cast("B")
     context = ReqContext(req_id="steps")
+    context.set_state(RequestTenant("bench-tenant"))  # as vLLM's connector records it: an encrypting tier needs it
     timings: list[float] = []
     refused = 0
     try:
@@ -362,8 +402,15 @@ def measure_steps(
                     break
             time.sleep(STEP_S)
         manager.on_request_finished(context)
+        for secondary in manager.secondary_tiers:
+            if isinstance(secondary, InMemoryStoreTier) and secondary.stats().store_failed_keys:
+                # A figure for stores that never happened would flatter the variant: refuse it instead.
+                raise RuntimeError(f"{variant}: {secondary.stats().store_failed_keys} chunk(s) failed to store")
     finally:
         view.release()
+        for secondary in manager.secondary_tiers:
+            if isinstance(secondary, InMemoryStoreTier):
+                secondary.store.clear()  # the values of this round only: the next round starts with an empty store
         manager.shutdown()
     return StepRound(variant, tuple(timings), refused)
 

@@ -241,7 +241,9 @@ class JobRunner:
         if job.is_load and not self.loads_into_primary:
             own = landing = np.empty((len(job.keys), slots.sealed_bytes), dtype=np.uint8)
             segments: list[list[Segment]] = slots.landing_segments(landing)
-        elif not job.is_load and isinstance(slots, EncryptedSlots) and job.box is not None:
+        elif not job.is_load and isinstance(slots, EncryptedSlots):
+            if job.box is None:  # submit() names every encrypting job's box; never store one in the clear
+                raise RuntimeError(f"store job {job.job_id} of an encrypting tier has no tenant's box")
             own = np.empty((len(job.keys), slots.sealed_bytes), dtype=np.uint8)
             slots.seal_into(job.box, job.keys, job.chunk_ids, own)
             segments = slots.row_segments(own)
