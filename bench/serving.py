@@ -1028,12 +1028,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     notes = {arm: note for arm in arms if (note := all_configurations[arm].note)}
-    payload = report(runs, unavailable, records, sizes=sizes, chosen=chosen, model=model, args=args, rounds=rounds)
-    payload = {
-        **payload,
-        "arm_notes": notes,
-        **({"lmcache": _lmcache_record(args.host_bytes)} if LMCACHE in runs else {}),
-    }
+    payload = report(
+        runs, unavailable, records, sizes=sizes, chosen=chosen, model=model, args=args, rounds=rounds, notes=notes
+    )
+    if LMCACHE in runs:
+        payload["lmcache"] = _lmcache_record(args.host_bytes)
     print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")
     return 0
 
@@ -1115,8 +1114,10 @@ def report(
     model: Path,
     args: argparse.Namespace,
     rounds: int,
+    notes: Mapping[str, str] | None = None,
 ) -> dict[str, object]:
-    """The result file's payload (and the table printed): every round, the spreads, the shares, the goals."""
+    """The result file's payload (and the table printed): every round, the spreads, the shares, the goals, and what a
+    reader must know about an arm (``notes``, by arm)."""
     loads = [
         value
         for record in records
@@ -1142,6 +1143,7 @@ def report(
         "multi_turn": {"conversations": sizes.multi_turn.conversations, "turns": sizes.multi_turn.turns},
         "schedule": [[record["round"], record["arm"]] for record in records],
         "load_average_1min": {"min": min(loads), "max": max(loads)} if loads else None,
+        "arm_notes": dict(notes or {}),
         **derived(runs, unavailable),
         "runs": list(records),
     }
