@@ -184,10 +184,10 @@ LMCACHE = "LMCache"
 LMCACHE_VERSION = "0.5.6"
 """The LMCache release the arm and its CPU copy path (:mod:`bench.lmcache_cpu_connector`) were written against."""
 LMCACHE_CHUNK_SIZE = BLOCK_SIZE
-"""LMCache's chunk: one engine block. LMCache reuses whole chunks only; its default (256 tokens) would reuse nothing
-of these workloads' prompts (160 to 300 tokens) but an identical one, and LMCache's docs advise smaller chunks for
-short sequences. One block is the finest chunk vLLM can load (a chunk must be a multiple of the block size), the
-granularity kvtriton reuses at: the comparison is of the two copy and lookup paths, not of their chunking."""
+"""LMCache's chunk (``chunk_size`` in its configuration reference, default 256): one engine block. LMCache reuses
+whole chunks of a prefix only, so its default would reuse nothing of these workloads' prompts (160 to 300 tokens) but
+a whole identical prompt. One block is the finest chunk vLLM can load (a chunk must be a multiple of the block size)
+and the granularity kvtriton reuses at: the comparison is of the two copy and lookup paths, not of their chunking."""
 LMCACHE_SAVE_UNFULL_CHUNK = True
 """Save a request's last, partial chunk (LMCache's documented default; its 0.5.6 code drops it unless told)."""
 LMCACHE_ENV_DIR = ".bench-lmcache"
