@@ -149,13 +149,22 @@ def _lmcache_absent(record: JSONObject) -> str:
     )
 
 
+def _reversed(entry: Mapping[str, object], where: str) -> bool:
+    """Whether the paired rounds' ratios fall on both sides of 1: one arm ahead in one round, behind in another."""
+    if entry.get("min") is None or entry.get("max") is None:
+        return False
+    return _num(entry, "min", where) < 1 < _num(entry, "max", where)
+
+
 def _paired(entry: Mapping[str, object], where: str) -> str:
-    """A ratio of the medians and the paired rounds' range."""
+    """A ratio of the medians and the paired rounds' range; "within the noise" where some round reverses it."""
     value = _num(entry, "ratio", where)
-    low, high = entry.get("min"), entry.get("max")
-    if low is None or high is None:
+    if entry.get("min") is None or entry.get("max") is None:
         return f"{value:.2f}x"
-    return f"{value:.2f}x (rounds {_num(entry, 'min', where):.2f}x to {_num(entry, 'max', where):.2f}x)"
+    rounds = f"rounds {_num(entry, 'min', where):.2f}x to {_num(entry, 'max', where):.2f}x"
+    if _reversed(entry, where):
+        return f"within the noise ({value:.2f}x of the medians, {rounds})"
+    return f"{value:.2f}x ({rounds})"
 
 
 def serving_versus_lmcache(results: Results) -> str:
@@ -297,6 +306,11 @@ def serving_summary(results: Results) -> str:
         against = ", ".join(
             f"{workload} {_num(ttft, 'ratio', workload):.2f}x the TTFT and {_num(tput, 'ratio', workload):.2f}x the "
             "throughput"
+            + (
+                " (within the noise: some round reverses it)"
+                if _reversed(ttft, workload) or _reversed(tput, workload)
+                else ""
+            )
             for workload, value in versus.items()
             for by_metric in [_obj(value, workload)]
             for ttft, tput in [

@@ -165,6 +165,15 @@ def test_lmcache_stands_beside_kvtriton_with_its_caveat_and_the_ratios_of_the_pa
     # prefix-heavy medians: kvtriton 640 ms and 140 tok/s, LMCache 800 ms and 112 tok/s; rounds 0.75, 0.75, 0.80.
     assert "| prefix-heavy | 0.80x (rounds 0.75x to 0.80x) | 1.25x (rounds 1.25x to 1.25x) |" in versus
     assert "| no-reuse | 1.01x (rounds 1.01x to 1.06x) | 0.99x (rounds 0.96x to 0.99x) |" in versus
+    # A ratio some paired round reverses says nothing of which is faster.
+    record = json.loads((tmp_path / "serving.json").read_text())
+    record["kvtriton_vs_lmcache"]["multi-turn"]["mean_ttft_ms"] |= {"ratio": 0.9, "min": 0.5, "max": 1.5}
+    (tmp_path / "serving.json").write_text(json.dumps(record))
+    noisy = Results(tmp_path)
+    assert "| multi-turn | within the noise (0.90x of the medians, rounds 0.50x to 1.50x) |" in SERVING_RENDERERS[
+        "serving-versus-lmcache"](noisy)  # fmt: skip
+    assert "multi-turn 0.90x the TTFT and 1.00x the throughput (within the noise: some round reverses it)" in \
+        SERVING_RENDERERS["serving-summary"](noisy)  # fmt: skip
     summary = SERVING_RENDERERS["serving-summary"](results)
     assert "against LMCache in the same server (its CPU copy path the benchmark's): kvtriton had prefix-heavy " \
         "0.80x the TTFT and 1.25x the throughput" in summary  # fmt: skip
