@@ -18,6 +18,8 @@ __all__ = ["SERVING_RENDERERS", "serving_goal_row"]
 
 NAME = "serving"
 """The result file (``bench/results/serving.json``)."""
+LMCACHE = "LMCache"
+"""The LMCache arm's name (bench/serving.py's ``LMCACHE``; not imported, so that rendering needs no vLLM)."""
 
 
 def _obj(value: object, where: str) -> JSONObject:
@@ -121,7 +123,68 @@ def serving_table(results: Results) -> str:
         "from the engine's cache",
         "from the connector",
     ]
-    return _table(headers, rows, "llrrrrrr")
+    return _table(headers, rows, "llrrrrrr") + _notes(record)
+
+
+def _notes(record: JSONObject) -> str:
+    """What the result says a reader must know about an arm (its caveat), one line each, under the table."""
+    notes = record.get("arm_notes")
+    if not isinstance(notes, dict) or not notes:
+        return ""
+    lines = [f"* `{arm}`: {note}" for arm, note in cast(JSONObject, notes).items()]
+    return "\n\n" + "\n".join(lines)
+
+
+def _versus(record: JSONObject) -> JSONObject:
+    return _obj(record.get("kvtriton_vs_lmcache", {}), "kvtriton_vs_lmcache")
+
+
+def _lmcache_absent(record: JSONObject) -> str:
+    """Why the result has no LMCache figures: the arm's own line (skipped), or that it was not asked for."""
+    reason = _obj(record.get("results"), "results").get(LMCACHE)
+    return (
+        f"LMCache was not measured in this run: {reason}"
+        if isinstance(reason, str)
+        else ("LMCache was not measured in this run (run `bench/serving.py` with its LMCache arm)")
+    )
+
+
+def _reversed(entry: Mapping[str, object], where: str) -> bool:
+    """Whether the paired rounds' ratios fall on both sides of 1: one arm ahead in one round, behind in another."""
+    if entry.get("min") is None or entry.get("max") is None:
+        return False
+    return _num(entry, "min", where) < 1 < _num(entry, "max", where)
+
+
+def _paired(entry: Mapping[str, object], where: str) -> str:
+    """A ratio of the medians and the paired rounds' range; "within the noise" where some round reverses it."""
+    value = _num(entry, "ratio", where)
+    if entry.get("min") is None or entry.get("max") is None:
+        return f"{value:.2f}x"
+    rounds = f"rounds {_num(entry, 'min', where):.2f}x to {_num(entry, 'max', where):.2f}x"
+    if _reversed(entry, where):
+        return f"within the noise ({value:.2f}x of the medians, {rounds})"
+    return f"{value:.2f}x ({rounds})"
+
+
+def serving_versus_lmcache(results: Results) -> str:
+    """Per workload: kvtriton's mean TTFT and throughput over LMCache's, of the medians and each paired round's."""
+    record = _record(results)
+    versus = _versus(record)
+    if not versus:
+        return _lmcache_absent(record)
+    rows: list[list[str]] = []
+    for workload, value in versus.items():
+        by_metric = _obj(value, f"kvtriton_vs_lmcache.{workload}")
+        ttft = _obj(by_metric.get("mean_ttft_ms"), f"kvtriton_vs_lmcache.{workload}.mean_ttft_ms")
+        tput = _obj(by_metric.get("total_token_throughput"), f"kvtriton_vs_lmcache.{workload}.total_token_throughput")
+        rows.append([workload, _paired(ttft, workload), _paired(tput, workload)])
+    headers = [
+        "workload",
+        "kvtriton's mean TTFT / LMCache's (below 1: kvtriton answers sooner)",
+        "kvtriton's total throughput / LMCache's (above 1: kvtriton serves more)",
+    ]
+    return _table(headers, rows, "lrr")
 
 
 def serving_ceiling_table(results: Results) -> str:
@@ -238,6 +301,23 @@ def serving_summary(results: Results) -> str:
         else:
             ratio = _obj(_obj(_obj(record.get("throughput_vs_none"), "t").get("kvtriton"), "k").get(workload), workload)
             parts.append(f"on {workload} load its throughput was {_ratio(ratio, workload)} no connector's")
+    versus = _versus(record)
+    if versus:
+        against = ", ".join(
+            f"{workload} {_num(ttft, 'ratio', workload):.2f}x the TTFT and {_num(tput, 'ratio', workload):.2f}x the "
+            "throughput"
+            + (
+                " (within the noise: some round reverses it)"
+                if _reversed(ttft, workload) or _reversed(tput, workload)
+                else ""
+            )
+            for workload, value in versus.items()
+            for by_metric in [_obj(value, workload)]
+            for ttft, tput in [
+                (_obj(by_metric.get("mean_ttft_ms"), workload), _obj(by_metric.get("total_token_throughput"), workload))
+            ]
+        )
+        parts.append(f"against LMCache in the same server (its CPU copy path the benchmark's): kvtriton had {against}")
     return f"{'; '.join(parts)} (medians of {_num(record, 'rounds', 'rounds'):.0f} alternating rounds)"
 
 
@@ -266,6 +346,13 @@ def _measured(verdict: JSONObject) -> str:
 
 SERVING_RENDERERS: dict[str, Callable[[Results], str]] = {
     renderer.__name__.replace("_", "-"): renderer
-    for renderer in (serving_table, serving_ceiling_table, serving_goals, serving_setup, serving_summary)
+    for renderer in (
+        serving_table,
+        serving_ceiling_table,
+        serving_versus_lmcache,
+        serving_goals,
+        serving_setup,
+        serving_summary,
+    )
 }
 """The serving regions, each named after its renderer with dashes."""

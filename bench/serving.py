@@ -12,6 +12,27 @@ gone from it when it comes back):
 * ``kvtriton fp8-e4m3``: the same, stored compressed
   (``kvtriton_kv_compression``; kvtriton's own fp8, in its kernels, not
   vLLM's fp8 KV cache);
+* ``LMCache``: LMCache 0.5.6 (:data:`LMCACHE_VERSION`) behind vLLM's
+  ``LMCacheConnectorV1``: its cache engine and local CPU backend, with
+  kvtriton's host bytes (``max_local_cpu_size``), chunks of one engine block
+  (:data:`LMCACHE_CHUNK_SIZE`) and partial chunks saved (LMCache's documented
+  default; its 0.5.6 code defaults to dropping them). LMCache has no copy path
+  between vLLM's paged CPU cache and its buffers, so the benchmark supplies
+  one (:mod:`bench.lmcache_cpu_connector`, loaded through vLLM's
+  ``kv_connector_module_path``): that copy is the benchmark's, not LMCache's
+  own; everything else is LMCache's. LMCache hashes with Python's ``hash()``
+  across vLLM's processes, so the arm's servers run with ``PYTHONHASHSEED``
+  pinned. The arm is optional: LMCache is not a kvtriton dependency and its
+  declared requirements pull CUDA packages, so it lives in an environment of
+  the benchmark's own, layered over the project's ``.venv``::
+
+      purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+      .venv/bin/python -m venv --without-pip .bench-lmcache && echo "import site; site.addsitedir('$(.venv/bin/python -c "$purelib")')" > "$(.bench-lmcache/bin/python -c "$purelib")/project_venv.pth"
+      .bench-lmcache/bin/python -m pip install --no-deps lmcache==0.5.6 numba llvmlite sortedcontainers aiofile caio aiofiles
+
+  and the benchmark run with ``.bench-lmcache/bin/python -m bench.serving``
+  (the servers run on the benchmark's own interpreter). Without LMCache the
+  arm is skipped with one line saying how to install it;
 * ``ceiling``: no connector, kvtriton's host bytes given to the engine's own
   KV cache instead (``--kv-cache-memory-bytes`` of both together): what an
   offload that cost nothing would reach;
@@ -72,6 +93,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import random
@@ -158,6 +180,18 @@ THROUGHPUT_GOAL = 0.97
 REUSE_WORKLOADS = ("prefix-heavy", "multi-turn")
 NO_REUSE_WORKLOAD = "no-reuse"
 VLLM_OFFLOAD = "vLLM CPU offload"
+LMCACHE = "LMCache"
+LMCACHE_VERSION = "0.5.6"
+"""The LMCache release the arm and its CPU copy path (:mod:`bench.lmcache_cpu_connector`) were written against."""
+LMCACHE_CHUNK_SIZE = BLOCK_SIZE
+"""LMCache's chunk (``chunk_size`` in its configuration reference, default 256): one engine block. LMCache reuses
+whole chunks of a prefix only, so its default would reuse nothing of these workloads' prompts (160 to 300 tokens) but
+a whole identical prompt. One block is the finest chunk vLLM can load (a chunk must be a multiple of the block size)
+and the granularity kvtriton reuses at: the comparison is of the two copy and lookup paths, not of their chunking."""
+LMCACHE_SAVE_UNFULL_CHUNK = True
+"""Save a request's last, partial chunk (LMCache's documented default; its 0.5.6 code drops it unless told)."""
+LMCACHE_ENV_DIR = ".bench-lmcache"
+"""The benchmark's own environment that holds LMCache (the module docstring says how to make it)."""
 CEILING = "ceiling"
 SPREAD_METRICS = (
     "mean_ttft_ms",
@@ -183,6 +217,10 @@ class Configuration:
     serve_args: tuple[str, ...]
     extra_engine_kv_bytes: int = 0
     """Bytes added to the engine's own KV cache (the ceiling: kvtriton's host bytes)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables this arm's server needs on top of :func:`server_env`'s."""
+    note: str = ""
+    """What a reader must know about this arm (the result file and the docs carry it)."""
 
 
 def _kvtriton(host_bytes: int, **extra: object) -> tuple[str, ...]:
@@ -199,6 +237,36 @@ def _kvtriton(host_bytes: int, **extra: object) -> tuple[str, ...]:
     return ("--kv-transfer-config", json.dumps(config))
 
 
+def lmcache_settings(host_bytes: int) -> dict[str, object]:
+    """LMCache's settings for the arm (``lmcache.``-prefixed keys of vLLM's ``kv_connector_extra_config``, which
+    LMCache's vLLM adapter applies over its defaults): its local CPU backend with ``host_bytes``."""
+    return {
+        "lmcache.chunk_size": LMCACHE_CHUNK_SIZE,
+        "lmcache.local_cpu": True,
+        "lmcache.max_local_cpu_size": host_bytes / (1 << 30),  # LMCache's GB are 2**30 bytes
+        "lmcache.save_unfull_chunk": LMCACHE_SAVE_UNFULL_CHUNK,
+    }
+
+
+def _lmcache(host_bytes: int) -> Configuration:
+    config = {
+        "kv_connector": "LMCacheCPUConnectorV1",
+        "kv_connector_module_path": "bench.lmcache_cpu_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": lmcache_settings(host_bytes),
+    }
+    note = (
+        f"LMCache {LMCACHE_VERSION} (its cache engine and local CPU backend, {host_bytes >> 20} MiB) behind vLLM's "
+        f"LMCacheConnectorV1; chunks of {LMCACHE_CHUNK_SIZE} tokens (one engine block), partial chunks "
+        f"{'saved' if LMCACHE_SAVE_UNFULL_CHUNK else 'dropped'}; the copy between vLLM's paged CPU cache and "
+        "LMCache's buffers is the benchmark's (bench/lmcache_cpu_connector.py), not LMCache's own, which has none "
+        "for vLLM's CPU platform"
+    )
+    # LMCache keys chunks by Python's hash() of their tokens in vLLM's scheduler and its worker: one seed for both.
+    env = (("PYTHONHASHSEED", "0"), ("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"))
+    return Configuration(LMCACHE, ("--kv-transfer-config", json.dumps(config)), env=env, note=note)
+
+
 def configurations(host_bytes: int = HOST_BYTES) -> dict[str, Configuration]:
     """The servers compared, in the order each round runs them, for a host memory of ``host_bytes``."""
     return {
@@ -207,6 +275,7 @@ def configurations(host_bytes: int = HOST_BYTES) -> dict[str, Configuration]:
             Configuration("none", ()),
             Configuration("kvtriton", _kvtriton(host_bytes)),
             Configuration("kvtriton fp8-e4m3", _kvtriton(host_bytes, kvtriton_kv_compression="fp8-e4m3")),
+            _lmcache(host_bytes),
             Configuration(CEILING, (), extra_engine_kv_bytes=host_bytes),
             Configuration(
                 VLLM_OFFLOAD,
@@ -602,6 +671,24 @@ def throughput_ratios(runs: Runs, arm: str) -> dict[str, dict[str, object]]:
     return out
 
 
+def versus(runs: Runs, arm: str, other: str) -> dict[str, dict[str, dict[str, object]]]:
+    """``arm`` against ``other`` per workload: mean TTFT (below 1: ``arm`` answers sooner) and total throughput
+    (above 1: ``arm`` serves more) as ratios of the medians, with each paired round's ratio and their range."""
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    paired = [r for r in sorted(runs[arm]) if r in runs[other]]
+    for workload in runs[arm][min(runs[arm])]:
+        out[workload] = {}
+        for metric in ("mean_ttft_ms", "total_token_throughput"):
+            per_round = [runs[arm][r][workload][metric] / runs[other][r][workload][metric] for r in paired]
+            out[workload][metric] = {
+                "ratio": _median(runs, arm, workload, metric) / _median(runs, other, workload, metric),
+                "rounds": per_round,
+                "min": min(per_round, default=None),
+                "max": max(per_round, default=None),
+            }
+    return out
+
+
 def goals(
     share_by_workload: Mapping[str, Mapping[str, object]], ratio_by_workload: Mapping[str, Mapping[str, object]]
 ) -> list[dict[str, object]]:
@@ -660,6 +747,22 @@ def vllm_offload_problem(env: Mapping[str, str]) -> str | None:
     return (
         f"not available on this platform ({platform}): vLLM's CPU offloading runs on CUDA-alike and XPU platforms only"
     )
+
+
+def lmcache_problem() -> str | None:
+    """None when LMCache imports in this interpreter (the servers run on it too), else the one line that says why
+    the arm is skipped and how to install it."""
+    try:
+        version = importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError:
+        return (
+            f"skipped: LMCache is not installed in this Python ({sys.executable}); make the benchmark's own "
+            f"environment {LMCACHE_ENV_DIR}/ (bench/serving.py's docstring, docs/benchmarks.md) and run "
+            f"{LMCACHE_ENV_DIR}/bin/python -m bench.serving"
+        )
+    if version != LMCACHE_VERSION:
+        _say(f"== {LMCACHE}: {version} installed, the arm was written against {LMCACHE_VERSION}")
+    return None
 
 
 def _free_port() -> int:
@@ -756,7 +859,7 @@ def run_arm(
     started = time.monotonic()
     _say(f"{progress} {configuration.name}: starting vllm serve (load average {load_before[0]:.1f})")
     figures: dict[str, dict[str, float]] = {}
-    with served(command, env, folder / "serve.log") as url:
+    with served(command, {**env, **dict(configuration.env)}, folder / "serve.log") as url:
         start_s = time.monotonic() - started
         _warm_up(url, model)
         _say(f"{progress} {configuration.name}: up in {start_s:.0f} s")
@@ -816,8 +919,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--configurations",
-        default=",".join(ARMS),
-        help=f"comma-separated, from: {', '.join(ARMS)} (default: all; none and ceiling are always run)",
+        help=f"comma-separated, from: {', '.join(ARMS)} (default: all; none and ceiling are always run; with --quick, "
+        "none and the named ones, default kvtriton)",
     )
     parser.add_argument(
         "--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct, prepared and cached)"
@@ -849,15 +952,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def chosen_arms(text: str, *, quick: bool) -> list[str]:
-    """The arms to run, in :data:`ARMS` order: the named ones plus ``none`` and the ceiling, which every figure is
-    measured against (a smoke run: none and kvtriton only)."""
-    named = [name.strip() for name in text.split(",") if name.strip()]
+def chosen_arms(text: str | None, *, quick: bool) -> list[str]:
+    """The arms to run, in :data:`ARMS` order: the named ones (all when ``text`` is None) plus ``none`` and the
+    ceiling, which every figure is measured against; a smoke run: ``none`` and the named ones (kvtriton when none
+    is named), no ceiling."""
+    named = list(ARMS) if text is None else [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in named if name not in ARMS]
     if unknown or not named:
         raise SystemExit(f"--configurations: unknown {unknown or named!r} (choose from {', '.join(ARMS)})")
     if quick:
-        return ["none", "kvtriton"]
+        return ["none", *(arm for arm in ARMS if arm in named and arm != "none")] if text else ["none", "kvtriton"]
     return [arm for arm in ARMS if arm in named or arm in ("none", CEILING)]
 
 
@@ -876,7 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--host-bytes must be > 0, got {args.host_bytes}")
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if args.quick:
-        print("SMOKE RUN (--quick): one round of none and kvtriton, a few short requests; the figures are no verdict.")
+        print(f"SMOKE RUN (--quick): one round of {', '.join(arms)}, a few short requests; the figures are no verdict.")
     if args.model is None:
         from bench.real_model import prepared_model
 
@@ -889,6 +993,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if VLLM_OFFLOAD in arms and (problem := vllm_offload_problem(env)) is not None:
         unavailable[VLLM_OFFLOAD] = problem
         _say(f"== {VLLM_OFFLOAD}: {problem}")
+    if LMCACHE in arms and (problem := lmcache_problem()) is not None:
+        unavailable[LMCACHE] = problem
+        _say(f"== {LMCACHE}: {problem}")
     running = [arm for arm in arms if arm not in unavailable]
     schedule = alternating_schedule(running, rounds)
     scratch = Path(tempfile.mkdtemp(prefix="bench-serving-"))
@@ -920,7 +1027,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 records.append({"round": r, "arm": arm, **record})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    payload = report(runs, unavailable, records, sizes=sizes, chosen=chosen, model=model, args=args, rounds=rounds)
+    notes = {arm: note for arm in arms if (note := all_configurations[arm].note)}
+    payload = report(
+        runs, unavailable, records, sizes=sizes, chosen=chosen, model=model, args=args, rounds=rounds, notes=notes
+    )
+    if LMCACHE in runs:
+        payload["lmcache"] = _lmcache_record(args.host_bytes)
     print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")
     return 0
 
@@ -959,10 +1071,18 @@ def derived(runs: Runs, unavailable: Mapping[str, str]) -> dict[str, object]:
             f"goal {verdict['goal']}: measured {measured if measured is None else f'{measured:.3f}'}, "
             f"{'met' if verdict['met'] else 'not met' if verdict['met'] is False else 'not measurable'}"
         )
+    against_lmcache = versus(runs, "kvtriton", LMCACHE) if "kvtriton" in runs and LMCACHE in runs else {}
+    for workload, by_metric in against_lmcache.items():
+        ttft, tput = by_metric["mean_ttft_ms"], by_metric["total_token_throughput"]
+        print(
+            f"kvtriton against LMCache, {workload}: mean TTFT {ttft['ratio']:.2f}x, "
+            f"throughput {tput['ratio']:.2f}x (medians)"
+        )
     return {
         "results": {**summary, **unavailable},
         "ceiling_share": share,
         "throughput_vs_none": ratio,
+        "kvtriton_vs_lmcache": against_lmcache,
         "goals": {"ceiling_share": CEILING_SHARE_GOAL, "throughput": THROUGHPUT_GOAL, "verdicts": verdicts},
     }
 
@@ -994,8 +1114,10 @@ def report(
     model: Path,
     args: argparse.Namespace,
     rounds: int,
+    notes: Mapping[str, str] | None = None,
 ) -> dict[str, object]:
-    """The result file's payload (and the table printed): every round, the spreads, the shares, the goals."""
+    """The result file's payload (and the table printed): every round, the spreads, the shares, the goals, and what a
+    reader must know about an arm (``notes``, by arm)."""
     loads = [
         value
         for record in records
@@ -1021,8 +1143,19 @@ def report(
         "multi_turn": {"conversations": sizes.multi_turn.conversations, "turns": sizes.multi_turn.turns},
         "schedule": [[record["round"], record["arm"]] for record in records],
         "load_average_1min": {"min": min(loads), "max": max(loads)} if loads else None,
+        "arm_notes": dict(notes or {}),
         **derived(runs, unavailable),
         "runs": list(records),
+    }
+
+
+def _lmcache_record(host_bytes: int) -> dict[str, object]:
+    """What the LMCache arm ran: the installed release and the settings it was given."""
+    return {
+        "version": importlib.metadata.version("lmcache"),
+        "settings": lmcache_settings(host_bytes),
+        "copy_path": "bench/lmcache_cpu_connector.py (the benchmark's, not LMCache's own)",
+        "server_env": dict(configurations(host_bytes)[LMCACHE].env),
     }
 
 

@@ -10,16 +10,25 @@ and goals.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.metadata
 import json
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
+from bench import serving
 from bench.serving import (
     ARMS,
+    BLOCK_SIZE,
     CEILING,
     CEILING_SHARE_GOAL,
     FULL_SIZES,
+    LMCACHE,
+    LMCACHE_CHUNK_SIZE,
+    LMCACHE_VERSION,
     MAX_CONCURRENCY,
     THROUGHPUT_GOAL,
     MultiTurn,
@@ -30,18 +39,22 @@ from bench.serving import (
     chosen_arms,
     configurations,
     goals,
+    lmcache_problem,
+    lmcache_settings,
     main,
     multi_turn_prompts,
     prometheus_totals,
     prompt_token_sources,
     recompute,
     report,
+    run_arm,
     serve_command,
     server_env,
     shares,
     spread,
     summarize,
     throughput_ratios,
+    versus,
     vllm_offload_problem,
     workloads,
     write_sharegpt,
@@ -112,6 +125,97 @@ def test_servers_differ_only_in_their_offloading_arguments_and_the_ceiling_in_it
     assert "--kv-offloading-size" in commands["vLLM CPU offload"]
 
 
+def test_the_lmcache_arm_runs_lmcaches_connector_over_the_benchmarks_cpu_copy_path_with_kvtritons_host_bytes(
+    tmp_path: Path,
+) -> None:
+    lmcache_connector = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector")
+    lmcache = configurations(host_bytes=256 << 20)[LMCACHE]
+    transfer = json.loads(serve_command(tmp_path, 8000, lmcache, engine_kv_bytes=64 << 20)[-1])
+    # vLLM loads the class named kv_connector from the module: it must be there, and be vLLM's LMCache connector.
+    module = importlib.import_module(transfer["kv_connector_module_path"])
+    assert issubclass(getattr(module, transfer["kv_connector"]), lmcache_connector.LMCacheConnectorV1)
+    settings = transfer["kv_connector_extra_config"]
+    assert settings == lmcache_settings(256 << 20)
+    # The same host memory as kvtriton, in LMCache's GB (2**30 bytes).
+    assert settings["lmcache.local_cpu"] is True and settings["lmcache.max_local_cpu_size"] * (1 << 30) == 256 << 20
+    # vLLM loads whole blocks: a chunk that is not a multiple of the block size could never be loaded whole.
+    assert settings["lmcache.chunk_size"] == LMCACHE_CHUNK_SIZE and LMCACHE_CHUNK_SIZE % BLOCK_SIZE == 0
+    assert settings["lmcache.save_unfull_chunk"] is True
+    # LMCache keys chunks by Python's hash() in two processes: the seed is pinned, for this arm's server only.
+    assert dict(lmcache.env)["PYTHONHASHSEED"] == "0"
+    assert all(not c.env for name, c in configurations().items() if name != LMCACHE)
+    assert LMCACHE_VERSION in lmcache.note and "not LMCache's own" in lmcache.note
+
+
+def test_the_lmcache_arm_is_skipped_with_one_line_saying_how_to_install_it_where_lmcache_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    problem = lmcache_problem()
+    assert problem is not None and problem.startswith("skipped: LMCache is not installed") and "\n" not in problem
+    assert ".bench-lmcache/bin/python -m bench.serving" in problem
+    monkeypatch.setattr(importlib.metadata, "version", {"lmcache": LMCACHE_VERSION}.__getitem__)
+    assert lmcache_problem() is None
+    monkeypatch.setattr(importlib.metadata, "version", {"lmcache": "0.9.0"}.__getitem__)
+    assert lmcache_problem() is None  # another release runs, and the run says so
+    assert f"0.9.0 installed, the arm was written against {LMCACHE_VERSION}" in capsys.readouterr().err
+
+
+def _no_warm_up(url: str, model: Path) -> None:
+    """The servers here are stand-ins: nothing to warm up."""
+
+
+def _no_metrics(url: str) -> str:
+    return ""
+
+
+def test_a_run_without_lmcache_records_the_skip_and_runs_every_other_arm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTRITON_BENCH_OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(serving, "lmcache_problem", lambda: "skipped: not here")
+    started: list[tuple[str, dict[str, str]]] = []
+
+    @contextlib.contextmanager
+    def served(command: list[str], env: Mapping[str, str], log_path: Path) -> Generator[str]:
+        started.append((command[command.index("--kv-cache-memory-bytes") + 1], dict(env)))
+        yield "http://127.0.0.1:1"
+
+    monkeypatch.setattr(serving, "served", served)
+    monkeypatch.setattr(serving, "_warm_up", _no_warm_up)
+    monkeypatch.setattr(serving, "_get", _no_metrics)
+    result: dict[str, object] = {"completed": 4, **dict.fromkeys(("mean_ttft_ms", "p99_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+              "output_throughput", "total_token_throughput", "request_throughput", "duration"), 1.0)}  # fmt: skip
+
+    def run_client(args: Sequence[str], log_path: Path) -> dict[str, object]:
+        return result
+
+    monkeypatch.setattr(serving, "run_client", run_client)
+    assert main(["--quick", "--configurations", f"kvtriton,{LMCACHE}", "--model", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "out" / "serving-quick.json").read_text())
+    assert written["results"][LMCACHE] == "skipped: not here"
+    assert [arm for _, arm in written["schedule"]] == ["none", "kvtriton"] and len(started) == 2
+    assert "lmcache" not in written and "PYTHONHASHSEED" not in started[1][1]
+
+
+def test_the_lmcache_arms_server_gets_its_pinned_hash_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, str]] = []
+
+    @contextlib.contextmanager
+    def served(command: list[str], env: Mapping[str, str], log_path: Path) -> Generator[str]:
+        seen.append(dict(env))
+        yield "http://127.0.0.1:1"
+
+    monkeypatch.setattr(serving, "served", served)
+    monkeypatch.setattr(serving, "_warm_up", _no_warm_up)
+    run_arm(configurations()[LMCACHE], tmp_path, [], engine_kv_bytes=1, env={"A": "1", "PYTHONHASHSEED": "random"},
+            folder=tmp_path / "arm", progress="")  # fmt: skip
+    assert seen == [{"A": "1", "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}]
+
+
 def test_the_server_environment_drops_the_variable_that_would_override_every_arms_cache_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -175,10 +279,11 @@ def test_arms_alternate_round_by_round() -> None:
         alternating_schedule(["a", "a"], 1)
 
 
-def test_no_connector_and_the_ceiling_always_run_and_a_smoke_run_keeps_two_arms() -> None:
+def test_no_connector_and_the_ceiling_always_run_and_a_smoke_run_keeps_none_and_the_named_arms() -> None:
     assert chosen_arms("kvtriton", quick=False) == ["none", "kvtriton", CEILING]
-    assert chosen_arms(",".join(ARMS), quick=False) == list(ARMS)
-    assert chosen_arms("kvtriton fp8-e4m3", quick=True) == ["none", "kvtriton"]
+    assert chosen_arms(",".join(ARMS), quick=False) == list(ARMS) == chosen_arms(None, quick=False)
+    assert chosen_arms(None, quick=True) == ["none", "kvtriton"]
+    assert chosen_arms(f"{LMCACHE},kvtriton", quick=True) == ["none", "kvtriton", LMCACHE]
 
 
 def test_spread_is_the_median_and_range_of_the_rounds_in_their_order() -> None:
@@ -241,6 +346,17 @@ def test_throughput_ratios_of_the_medians_and_of_each_round() -> None:
     ratio = throughput_ratios(RUNS, "kvtriton")["no-reuse"]
     assert ratio["ratio"] == pytest.approx(94 / 95)
     assert ratio["rounds"] == pytest.approx([0.98, 0.96, 94 / 95]) and ratio["min"] == pytest.approx(0.96)
+
+
+def test_kvtriton_against_lmcache_is_the_ratio_of_the_medians_with_each_paired_rounds() -> None:
+    runs = {**RUNS, LMCACHE: {r: {w: _figures(f["mean_ttft_ms"] * 2, f["total_token_throughput"] / 2)
+                                  for w, f in RUNS["none"][r].items()} for r in (1, 2)}}  # fmt: skip
+    against = versus(runs, "kvtriton", LMCACHE)["prefix-heavy"]
+    # Medians over its own rounds: kvtriton 640 ms and 140 tok/s; LMCache (rounds 1 and 2) 3,000 ms and 37.5 tok/s.
+    assert against["mean_ttft_ms"]["ratio"] == pytest.approx(640 / 3000)
+    assert against["mean_ttft_ms"]["rounds"] == pytest.approx([0.3, 0.3])  # round 3 has no LMCache to pair with
+    assert against["total_token_throughput"]["ratio"] == pytest.approx(140 / 37.5)
+    assert against["total_token_throughput"]["min"] == pytest.approx(3.0)
 
 
 def test_goals_are_reported_met_not_met_or_not_measurable() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from bench.render_docs import RENDERERS, RenderError, Results, render_text
 from bench.render_serving import SERVING_RENDERERS, serving_goal_row
-from bench.serving import CEILING, FULL_SIZES, recompute, report, workloads
+from bench.serving import CEILING, FULL_SIZES, LMCACHE, recompute, report, workloads
 
 ROUND_FIGURES = {
     # arm -> round -> workload -> (mean TTFT ms, total tok/s); round 2 is a slow spell for every arm.
@@ -32,7 +32,15 @@ ROUND_FIGURES = {
 }  # fmt: skip
 
 
-HITS = {"none": (480.0, 0.0), "kvtriton": (480.0, 640.0), CEILING: (1120.0, 0.0)}
+LMCACHE_FIGURES = {
+    # LMCache: slower than kvtriton on prefix-heavy, as fast on multi-turn, as no connector on no-reuse.
+    1: {"prefix-heavy": (800, 120), "multi-turn": (1500, 100), "no-reuse": (900, 100)},
+    2: {"prefix-heavy": (1600, 60), "multi-turn": (2500, 50), "no-reuse": (1800, 50)},
+    3: {"prefix-heavy": (800, 112), "multi-turn": (1600, 95), "no-reuse": (950, 95)},
+}
+LMCACHE_NOTE = "LMCache 0.5.6 ...; the copy path is the benchmark's, not LMCache's own"
+
+HITS = {"none": (480.0, 0.0), "kvtriton": (480.0, 640.0), CEILING: (1120.0, 0.0), LMCACHE: (480.0, 640.0)}
 """The prompt tokens from the engine's cache and from the connector, by arm (the same every round)."""
 
 
@@ -44,17 +52,20 @@ def _figures(arm: str, ttft: float, throughput: float) -> dict[str, float]:
             "connector_hit_tokens": connector, "computed_tokens": 2880.0 - engine - connector}  # fmt: skip
 
 
-def _record(tmp_path: Path, *, quick: bool = False) -> Path:
+def _record(tmp_path: Path, *, quick: bool = False, lmcache: bool = False) -> Path:
+    figures = {**ROUND_FIGURES, LMCACHE: LMCACHE_FIGURES} if lmcache else ROUND_FIGURES
     runs = {arm: {r: {w: _figures(arm, *pair) for w, pair in by_w.items()} for r, by_w in by_round.items()}
-            for arm, by_round in ROUND_FIGURES.items()}  # fmt: skip
+            for arm, by_round in figures.items()}  # fmt: skip
     records = [{"round": r, "arm": arm, "figures": runs[arm][r], "wall_s": 100.0, "load_average_before": [3.5, 3.0, 2.0], "load_average_after": [5.25, 4.0, 3.0]}
                for r in (1, 2, 3) for arm in runs]  # fmt: skip
     args = argparse.Namespace(
         quick=quick, model=None, device="cpu", engine_kv_bytes=24 * 1_474_560, host_bytes=512 << 20
     )
-    payload = report(runs, {"vLLM CPU offload": "not available on this platform (CpuPlatform)"}, records,
-                     sizes=FULL_SIZES, chosen=workloads(FULL_SIZES, tmp_path / "mt.json"), model=tmp_path, args=args,
-                     rounds=3)  # fmt: skip
+    unavailable = {"vLLM CPU offload": "not available on this platform (CpuPlatform)"}
+    if not lmcache:
+        unavailable[LMCACHE] = "skipped: LMCache is not installed in this Python"
+    payload = report(runs, unavailable, records, sizes=FULL_SIZES, chosen=workloads(FULL_SIZES, tmp_path / "mt.json"),
+                     model=tmp_path, args=args, rounds=3, notes={LMCACHE: LMCACHE_NOTE} if lmcache else {})  # fmt: skip
     path = tmp_path / "serving.json"
     path.write_text(json.dumps({"machine": {"date": "2026-12-06T16:00:00+00:00", "device_name": "cpu"}, **payload}))
     return tmp_path
@@ -142,3 +153,40 @@ def test_a_ceiling_gain_some_round_reverses_is_reported_as_noise_not_as_a_share(
         "is not measurable (the ceiling's own gain over no connector, 100 (rounds -400 to 1,000) ms, is within"
         in SERVING_RENDERERS["serving-summary"](results)
     )
+
+
+def test_lmcache_stands_beside_kvtriton_with_its_caveat_and_the_ratios_of_the_paired_rounds(tmp_path: Path) -> None:
+    results = Results(_record(tmp_path, lmcache=True))
+    table = SERVING_RENDERERS["serving-table"](results)
+    assert "| `LMCache` | prefix-heavy | 800 (800-1,600) |" in table
+    # The arm's caveat, from the result, under the table: its copy path is not LMCache's own.
+    assert table.endswith(f"\n\n* `LMCache`: {LMCACHE_NOTE}")
+    versus = SERVING_RENDERERS["serving-versus-lmcache"](results)
+    # prefix-heavy medians: kvtriton 640 ms and 140 tok/s, LMCache 800 ms and 112 tok/s; rounds 0.75, 0.75, 0.80.
+    assert "| prefix-heavy | 0.80x (rounds 0.75x to 0.80x) | 1.25x (rounds 1.25x to 1.25x) |" in versus
+    assert "| no-reuse | 1.01x (rounds 1.01x to 1.06x) | 0.99x (rounds 0.96x to 0.99x) |" in versus
+    # A ratio some paired round reverses says nothing of which is faster.
+    record = json.loads((tmp_path / "serving.json").read_text())
+    record["kvtriton_vs_lmcache"]["multi-turn"]["mean_ttft_ms"] |= {"ratio": 0.9, "min": 0.5, "max": 1.5}
+    (tmp_path / "serving.json").write_text(json.dumps(record))
+    noisy = Results(tmp_path)
+    assert "| multi-turn | within the noise (0.90x of the medians, rounds 0.50x to 1.50x) |" in SERVING_RENDERERS[
+        "serving-versus-lmcache"](noisy)  # fmt: skip
+    assert "multi-turn 0.90x the TTFT and 1.00x the throughput (within the noise: some round reverses it)" in \
+        SERVING_RENDERERS["serving-summary"](noisy)  # fmt: skip
+    summary = SERVING_RENDERERS["serving-summary"](results)
+    assert "against LMCache in the same server (its CPU copy path the benchmark's): kvtriton had prefix-heavy " \
+        "0.80x the TTFT and 1.25x the throughput" in summary  # fmt: skip
+    # kvtriton's shares are unchanged by another arm beside it; LMCache gets its own.
+    assert "| `LMCache` | prefix-heavy | 500 (rounds 500 to 1,000) | 60% (rounds 40% to 60%) |" in SERVING_RENDERERS[
+        "serving-ceiling-table"](results)  # fmt: skip
+
+
+def test_without_lmcache_the_comparison_says_why_it_is_missing(tmp_path: Path) -> None:
+    results = Results(_record(tmp_path))
+    assert SERVING_RENDERERS["serving-versus-lmcache"](results) == (
+        "LMCache was not measured in this run: skipped: LMCache is not installed in this Python"
+    )
+    assert "| `LMCache` | all | skipped: LMCache is not installed in this Python |" in SERVING_RENDERERS[
+        "serving-table"](results)  # fmt: skip
+    assert "LMCache" not in SERVING_RENDERERS["serving-summary"](results)
