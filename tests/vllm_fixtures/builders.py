@@ -6,8 +6,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.request import Request
 
 from bench.common import offloading_config as bench_offloading_config
 from kvtriton.integrations.vllm._surface import registered_cache_policies
@@ -83,3 +87,19 @@ def canonical_kv_caches(
         [CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=size) for index, size in group] for group in group_refs
     ]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
+def salted_request(salt: str | None, *, prompt_tokens: int = 64, block_size: int = 16) -> Request:
+    """A vLLM ``Request`` of ``prompt_tokens`` tokens carrying ``cache_salt=salt``, its block hashes computed as
+    vLLM's scheduler computes them (sha256, blocks of ``block_size``)."""
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=1)
+    params.update_from_generation_config({}, 2)
+    return Request(
+        request_id=f"salt-{salt!r}",
+        prompt_token_ids=list(range(prompt_tokens)),
+        sampling_params=params,
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )

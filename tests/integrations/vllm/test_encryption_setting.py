@@ -21,10 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it
 pytest.importorskip("cryptography", reason="encryption needs kvtriton's [encryption] extra")
 
 from tiering_fixtures.configs import tiering_config
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request
+from vllm_fixtures.builders import salted_request
 
 from kvtriton.encryption import MasterKey, MasterKeyError
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec, RequestTenant, TierEncryption, request_tenant
@@ -187,20 +184,6 @@ def test_the_manager_s_start_up_line_says_encryption_is_on_and_the_key_id(
 
 
 # --- the tenant hook ---------------------------------------------------------------------------------------------
-
-
-def salted_request(salt: str | None) -> Request:
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=1)
-    params.update_from_generation_config({}, 2)
-    return Request(
-        request_id=f"tenant-{salt!r}",
-        prompt_token_ids=list(range(32)),
-        sampling_params=params,
-        pooling_params=None,
-        cache_salt=salt,
-        block_hasher=get_request_block_hasher(16, sha256),
-    )
 
 
 @pytest.mark.parametrize(("salt", "tenant"), [("alice", "alice"), (None, None), ("", None)])

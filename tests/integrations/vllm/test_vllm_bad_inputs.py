@@ -27,12 +27,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 from tiering_fixtures.configs import tiering_config
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
-from vllm.v1.request import Request
+from vllm_fixtures.builders import salted_request
 
 import kvtriton.integrations.vllm as vllm_integration
 from kvtriton.integrations.vllm import KVTritonTieringOffloadingSpec
@@ -377,18 +374,7 @@ def test_kvtritons_finder_is_not_asked_about_a_module_that_exists() -> None:
 
 
 def salted_block_hashes(salt: str | None) -> list[bytes]:
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=1)
-    params.update_from_generation_config({}, 2)
-    request = Request(
-        request_id=f"salt-{salt!r}",
-        prompt_token_ids=list(range(64)),
-        sampling_params=params,
-        pooling_params=None,
-        cache_salt=salt,
-        block_hasher=get_request_block_hasher(16, sha256),
-    )
-    return [bytes(block_hash) for block_hash in request.block_hashes]
+    return [bytes(block_hash) for block_hash in salted_request(salt).block_hashes]
 
 
 def test_an_empty_salt_hashes_as_no_salt_and_the_tenant_model_warns_about_it() -> None:
