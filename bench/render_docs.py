@@ -521,6 +521,7 @@ def mooncake_table(results: Results) -> str:
                         "load_overhead_ratio",
                     )
                 ),
+                *_encrypted_ratios(row),
                 f"{_num(row, 'promotion_steps'):g} steps, {_num(row, 'promotion_ms'):.1f} ms",
             ]
         )
@@ -534,9 +535,21 @@ def mooncake_table(results: Results) -> str:
         "fs load",
         "store ratio",
         "load ratio",
+        "sealed / clear store",
+        "sealed / clear load",
         "promotion",
     ]
-    return _table(headers, table, "rrrrrrrrrr")
+    return _table(headers, table, "rrrrrrrrrrrr")
+
+
+def _encrypted_ratios(row: JSONObject) -> list[str]:
+    """The tier's throughput with ``kvtriton_encryption`` over without it, store and load ("-": not measured then)."""
+    if "mooncake_encrypted_store_gbps" not in row:
+        return ["-", "-"]
+    return [
+        f"{_num(row, f'mooncake_encrypted_{direction}_gbps') / _num(row, f'mooncake_{direction}_gbps'):.2f}"
+        for direction in ("store", "load")
+    ]
 
 
 def mooncake_summary(results: Results) -> str:
