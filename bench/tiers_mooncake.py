@@ -55,8 +55,8 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 from bench.common import bench_parser, format_table, offloading_config, write_json
 from bench.third_party_logs import native_log_captured, quiet_vllm
-from kvtriton.integrations import MooncakeCluster, mooncake_missing
 from kvtriton.encryption import MasterKey
+from kvtriton.integrations import MooncakeCluster, mooncake_missing
 from kvtriton.integrations.mooncake import MooncakeStoreTier, MooncakeTierConfig, open_store
 from kvtriton.integrations.vllm import RequestTenant, TierEncryption
 
