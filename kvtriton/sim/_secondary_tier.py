@@ -86,6 +86,8 @@ class _Retry:
 RETRY = _Retry()
 """The answer of a lookup whose tier existence check has not run yet: the request tries again next step."""
 
+_HIT, _HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING  # read once: lookup is the replay's hottest call
+
 
 class SecondaryTier(Protocol):
     """What the orchestrator model asks of a secondary tier's store."""
@@ -265,8 +267,10 @@ class _RequestState:
     pending_stores: int = 0
     finished: bool = False
     allocated: bool = False
-    counted: set[tuple[OffloadKey, bool]] = field(default_factory=set[tuple[OffloadKey, bool]])
-    """(key, asked of the secondary tier) already counted in the chunk metrics."""
+    host_counted: set[OffloadKey] = field(default_factory=set[OffloadKey])
+    """Keys whose host tier answer is already counted in the chunk metrics."""
+    tier_counted: set[OffloadKey] = field(default_factory=set[OffloadKey])
+    """Keys whose secondary tier answer is already counted in the chunk metrics."""
     own_evictions: int = 0
     """Chunks this request had looked up that its own promotions evicted from the host tier."""
     asked: list[OffloadKey] = field(default_factory=list[OffloadKey])
@@ -318,10 +322,11 @@ class TieredManager:
             self._poll()
         state = self._requests[context.req_id]
         primary = self.primary.lookup(key, context)
-        if primary is LookupResult.HIT_PENDING:
+        if primary is _HIT_PENDING:
             return primary
-        self._count(state, key, tier=False, hit=primary is LookupResult.HIT)
-        if primary is LookupResult.HIT:
+        hit = primary is _HIT
+        self._count(state, key, tier=False, hit=hit)
+        if hit:
             return primary
         found = self._existence(key, state)
         if found is None:
@@ -335,7 +340,7 @@ class TieredManager:
             self.promotion_failures += 1
             return LookupResult.MISS
         self.promotion_evictions += len(output.evicted_keys)
-        state.own_evictions += sum((evicted, False) in state.counted for evicted in output.evicted_keys)
+        state.own_evictions += sum(evicted in state.host_counted for evicted in output.evicted_keys)
         self._promotions.setdefault(context.req_id, (context, []))[1].extend(output.keys_to_store)
         self._promoted_for.setdefault(context.req_id, set()).update(output.keys_to_store)
         return LookupResult.HIT_PENDING
@@ -414,9 +419,10 @@ class TieredManager:
     # -- internals ----------------------------------------------------------------------------
 
     def _count(self, state: _RequestState, key: OffloadKey, *, tier: bool, hit: bool) -> None:
-        if state.allocated or (key, tier) in state.counted:
+        counted = state.tier_counted if tier else state.host_counted
+        if state.allocated or key in counted:
             return
-        state.counted.add((key, tier))
+        counted.add(key)
         if tier:
             self.tier_chunk_queries += 1
             self.tier_chunk_hits += hit

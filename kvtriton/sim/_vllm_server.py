@@ -607,23 +607,22 @@ class _ServerReplay(Generic[CtxT]):
         if pool is not None:
             # The last token is always computed: at most the full blocks before it come from the GPU cache.
             most = (state.num_tokens - 1) // block_size
-            full_blocks = (
-                prompt if most <= len(prompt) else [self._key_of_block(state, index) for index in range(most)]
-            )
+            full_blocks = prompt if most <= len(prompt) else [self._key_of_block(state, index) for index in range(most)]
             local_blocks = pool.cached_prefix(full_blocks, most)
         else:
             local_blocks = []
         local = len(local_blocks)
         hits = 0
         wait = False
+        lookup, hit, pending, retry = calls.lookup, calls.hit, calls.pending, calls.retry
         for key in prompt[local:]:
-            result = calls.lookup(key, context)
-            if result is calls.hit:
+            result = lookup(key, context)
+            if result is hit:
                 hits += 1
-            elif result is calls.pending:
+            elif result is pending:
                 hits += 1
                 wait = True
-            elif result is calls.retry and result is not None:
+            elif result is retry and result is not None:
                 wait = True  # a tier's existence check is still out: vLLM scans on, so every check starts now
             else:
                 break
