@@ -269,9 +269,9 @@ def collector_paused() -> Generator[None]:
     A tiered replay allocates millions of objects that outlive many steps (each request's context, lookups and
     stores) and makes no reference cycles: with the collector off, a 30,000-request fleet replay left under
     20,000 objects for it, the replay's results included. Each of the collector's passes still walks the
-    young objects and what they point to, which costs more as the heap grows: a third of a 100-engine fleet's
-    replay at 30,000 requests and more at 100,000 (``bench/fleet_scale.py``), so the cost per request rose with
-    the trace's length. Reference counting frees everything the replay drops, collector or not.
+    young objects and what they point to, which costs more as the heap grows: 17% of a 100-engine fleet's
+    replay at 10,000 requests, 27% at 100,000 (``bench/fleet_scale.py``'s point, CPU time), so the cost per
+    request rose with the trace's length. Reference counting frees everything the replay drops, collector or not.
     """
     enabled = gc.isenabled()
     gc.disable()
