@@ -2,11 +2,16 @@
 
 ``kvtriton simulate --engines N`` replays every engine through the
 single-engine server model in lockstep (``kvtriton.sim.fleet_point``). This
-benchmark times one fleet point at increasing request counts and fits the
-growth: seconds = a * requests^b by least squares on the logarithms, so
-b = 1 is a cost linear in requests. Each request count is a fresh fleet on a
-fresh trace; only the replay is timed (the trace's generation and routing are
-recorded beside it).
+benchmark times one fleet point at increasing request counts (10k, 100k and
+1M by default) and reports, per count, the replay's seconds (wall clock and
+this process's CPU time: the machine may be shared, and its load average is
+recorded beside each point), requests per second and microseconds per request,
+then the growth: ``per_request_growth``, the time per request of the largest
+count over the smallest's (1.0: linear in requests), and the exponent b of
+seconds = a * requests^b fitted by least squares on the logarithms. Each
+request count is a fresh fleet on a fresh trace; only the replay is timed
+(the trace's generation and routing are recorded beside it). A point that
+runs longer than :data:`PROGRESS_SECONDS` prints its progress as it goes.
 
 The trace: the ``system-prompts`` workload (Zipf-popular system prompts, each
 request ending in a unique user message; 16-token blocks, about 56 blocks a
@@ -31,10 +36,12 @@ import argparse
 import dataclasses
 import gc
 import math
+import os
 import resource
 import sys
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from bench.common import bench_parser, command_line, format_table, quick_name, write_json
 from kvtriton.sim import (
@@ -50,7 +57,16 @@ from kvtriton.sim import (
     split_streams,
 )
 
-__all__ = ["FULL_REQUESTS", "QUICK_REQUESTS", "build_parser", "fitted_exponent", "main", "trace"]
+__all__ = [
+    "FULL_REQUESTS",
+    "QUICK_REQUESTS",
+    "Progress",
+    "build_parser",
+    "fitted_exponent",
+    "main",
+    "per_request_growth",
+    "trace",
+]
 
 FULL_REQUESTS = (10_000, 100_000, 1_000_000)
 QUICK_REQUESTS = (200, 400, 800)
@@ -64,6 +80,8 @@ BLOCK_SIZE = 16
 HOST_BYTES = 4 * GIB
 POOL = TierSpec("mooncake", 1024 * GIB)
 ORDER = VllmOrder(gpu_blocks=2048, max_num_seqs=16, concurrency=8)
+PROGRESS_SECONDS = 30.0
+"""A point's replay prints a progress line this often (a million requests take minutes)."""
 
 
 def trace(requests: int, seed: int = 0) -> list[PreparedRequest]:
@@ -89,6 +107,43 @@ def fitted_exponent(requests: Sequence[int], seconds: Sequence[float]) -> float 
     return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
 
 
+def per_request_growth(requests: Sequence[int], seconds: Sequence[float]) -> float | None:
+    """Time per request at the largest count over that at the smallest (1.0: linear; None below two counts)."""
+    if len(requests) < 2:
+        return None
+    smallest = min(range(len(requests)), key=requests.__getitem__)
+    largest = max(range(len(requests)), key=requests.__getitem__)
+    if requests[smallest] == requests[largest] or seconds[smallest] <= 0:
+        return None
+    return (seconds[largest] / requests[largest]) / (seconds[smallest] / requests[smallest])
+
+
+class Progress:
+    """Counts a replay's finished requests and prints a line every ``every`` seconds: done, rate, time left."""
+
+    def __init__(self, total: int, every: float = PROGRESS_SECONDS) -> None:
+        self.total = total
+        self.every = every
+        self.done = 0
+        self.started = time.perf_counter()
+        self._next = self.started + every
+
+    def __call__(self, finished: int) -> None:
+        self.done += finished
+        now = time.perf_counter()
+        if now < self._next or self.done >= self.total:
+            return
+        self._next = now + self.every
+        elapsed = now - self.started
+        rate = self.done / elapsed
+        left = (self.total - self.done) / rate if rate else math.inf
+        print(
+            f"  {self.done:,} of {self.total:,} requests ({100 * self.done / self.total:.0f}%) in {elapsed:.0f} s:"
+            f" {rate:,.0f} requests/s, about {left:.0f} s left",
+            flush=True,
+        )
+
+
 def _peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -102,15 +157,23 @@ def measure(requests: int, engines: int) -> dict[str, object]:
     streams = split_streams(requests_trace, engines, route(requests_trace, engines, "round-robin"))
     prepared_seconds = time.perf_counter() - started
     gc.collect()
-    started = time.perf_counter()
-    point = fleet_point(streams, PRESETS["llama-3-8b"], HOST_BYTES, POOL, "lru", ORDER, router="round-robin")
-    seconds = time.perf_counter() - started
+    load_before = os.getloadavg()[0]
+    progress = Progress(requests)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    point = fleet_point(
+        streams, PRESETS["llama-3-8b"], HOST_BYTES, POOL, "lru", ORDER, router="round-robin", on_finished=progress
+    )
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     counts = point.report.counts
     return {
         "requests": requests,
         "engines": engines,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "requests_per_second": requests / seconds,
         "us_per_request": 1e6 * seconds / requests,
+        "cpu_us_per_request": 1e6 * cpu_seconds / requests,
+        "load_average": [load_before, os.getloadavg()[0]],
         "trace_seconds": prepared_seconds,
         "prompt_blocks": sum(len(each.prompt_keys) for each in requests_trace),
         "stalled": point.stalled,
@@ -142,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _record(
     args: argparse.Namespace, argv: Sequence[str] | None, counts: Sequence[int], rows: Sequence[dict[str, object]]
 ) -> dict[str, object]:
-    exponent = fitted_exponent(
-        [int(str(row["requests"])) for row in rows], [float(str(row["seconds"])) for row in rows]
-    )
+    requests = [int(str(row["requests"])) for row in rows]
+    seconds = [float(str(row["seconds"])) for row in rows]
+    cpu_seconds = [float(str(row["cpu_seconds"])) for row in rows]
     return {
         "command": command_line("fleet_scale", argv),
         "quick": args.quick,
@@ -155,9 +218,12 @@ def _record(
         "host_bytes_per_engine": HOST_BYTES,
         "pool_bytes": POOL.capacity_bytes,
         "server": dataclasses.asdict(ORDER),
+        "cpu_count": os.cpu_count(),
         "rows": list(rows),
-        "fitted_exponent": exponent,
-        "total_seconds": sum(float(str(row["seconds"])) for row in rows),
+        "per_request_growth": per_request_growth(requests, seconds),
+        "cpu_per_request_growth": per_request_growth(requests, cpu_seconds),
+        "fitted_exponent": fitted_exponent(requests, seconds),
+        "total_seconds": sum(seconds),
     }
 
 
@@ -170,11 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = quick_name(args.name) if args.quick else args.name
     rows: list[dict[str, object]] = []
     for count in counts:
+        print(f"{count:,} requests on {engines} engines: generating the trace, then the replay", flush=True)
         row = measure(count, engines)
         rows.append(row)
         print(
-            f"{count} requests on {engines} engines: {row['seconds']:.1f} s"
-            f" ({row['us_per_request']:.0f} us per request)",
+            f"{count:,} requests on {engines} engines: {row['seconds']:.1f} s ({row['cpu_seconds']:.1f} s of CPU),"
+            f" {row['requests_per_second']:,.0f} requests/s, {row['us_per_request']:.0f} us per request",
             flush=True,
         )
         # Written after every count ("complete": false until the last): a long run stopped early keeps what it timed.
@@ -184,17 +251,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(
         format_table(
-            ["requests", "engines", "seconds", "us/request", "hit share", "pool hit share", "peak RSS GiB"],
+            ["requests", "engines", "seconds", "CPU s", "requests/s", "us/request", "load", "hit share",
+             "pool hit share", "peak RSS GiB"],
             [
-                [row["requests"], row["engines"], row["seconds"], row["us_per_request"], row["hit_share"],
+                [row["requests"], row["engines"], row["seconds"], row["cpu_seconds"], row["requests_per_second"],
+                 row["us_per_request"], max(cast("list[float]", row["load_average"])), row["hit_share"],
                  row["pool_hit_share"], int(str(row["peak_rss_bytes"])) / GIB]
                 for row in rows
             ],
         )
     )  # fmt: skip
-    exponent = record["fitted_exponent"]
-    growth = f"{exponent:.2f} (1.00: linear in requests)" if isinstance(exponent, float) else "n/a (one request count)"
-    print(f"fitted growth: seconds ~ requests^{growth}")
+    growth, exponent = record["per_request_growth"], record["fitted_exponent"]
+    if isinstance(growth, float) and isinstance(exponent, float):
+        print(
+            f"growth: {growth:.2f}x the time per request from {counts[0]:,} to {counts[-1]:,} requests (1.00: linear);"
+            f" fitted seconds ~ requests^{exponent:.2f}"
+        )
+    else:
+        print("growth: n/a (one request count)")
     if args.quick:
         print("SMOKE RUN (--quick): the figures only show the benchmark works")
     print(f"wrote {path}")

@@ -105,6 +105,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             " and the bytes a block moves and holds",
         ),
         Benchmark(
+            "fleet_scale",
+            "`kvtriton simulate`'s fleet model: seconds and requests/s to replay 100 engines sharing one Mooncake"
+            " pool at 10k, 100k and 1M requests, and how the time per request grows",
+        ),
+        Benchmark(
             "serving",
             "`vllm serve` on SmolLM2-135M driven by `vllm bench serve` (prefix-heavy, multi-turn and no-reuse), arms in"
             " alternating rounds: TTFT, throughput and hit tokens by source without a connector, with kvtriton, with"

@@ -86,6 +86,8 @@ class _Retry:
 RETRY = _Retry()
 """The answer of a lookup whose tier existence check has not run yet: the request tries again next step."""
 
+_HIT, _HIT_PENDING = LookupResult.HIT, LookupResult.HIT_PENDING  # read once: lookup is the replay's hottest call
+
 
 class SecondaryTier(Protocol):
     """What the orchestrator model asks of a secondary tier's store."""
@@ -265,10 +267,15 @@ class _RequestState:
     pending_stores: int = 0
     finished: bool = False
     allocated: bool = False
-    counted: set[tuple[OffloadKey, bool]] = field(default_factory=set[tuple[OffloadKey, bool]])
-    """(key, asked of the secondary tier) already counted in the chunk metrics."""
+    host_counted: set[OffloadKey] = field(default_factory=set[OffloadKey])
+    """Keys whose host tier answer is already counted in the chunk metrics."""
+    tier_counted: set[OffloadKey] = field(default_factory=set[OffloadKey])
+    """Keys whose secondary tier answer is already counted in the chunk metrics."""
     own_evictions: int = 0
     """Chunks this request had looked up that its own promotions evicted from the host tier."""
+    asked: list[OffloadKey] = field(default_factory=list[OffloadKey])
+    """The keys whose existence verdict this request holds (it is in their lookup's ``requests``): the only
+    lookups its end can let go, so finalizing it never walks the other requests' lookups."""
 
 
 class TieredManager:
@@ -287,6 +294,9 @@ class TieredManager:
         """A finished store turns the verdicts cached for its keys into hits (``ServerModel.stores_mark_present``)."""
         self._lookups: dict[OffloadKey, _Lookup] = {}
         self._queued: list[OffloadKey] = []
+        # The lookups of _lookups in phase "in flight" (the same objects): the next drain resolves exactly these,
+        # so a step costs what it checked, not every verdict still held.
+        self._in_flight: dict[OffloadKey, _Lookup] = {}
         self._need_drain = False
         self._jobs: list[_Job] = []
         self._promotions: dict[str, tuple[ReqContext, list[OffloadKey]]] = {}
@@ -308,15 +318,17 @@ class TieredManager:
         self._requests[context.req_id] = _RequestState(context)
 
     def lookup(self, key: OffloadKey, context: ReqContext) -> object:
-        self._maybe_poll()
+        if not self._polled:  # _maybe_poll, inline: the replay's most frequent call
+            self._poll()
         state = self._requests[context.req_id]
         primary = self.primary.lookup(key, context)
-        if primary is LookupResult.HIT_PENDING:
+        if primary is _HIT_PENDING:
             return primary
-        self._count(state, key, tier=False, hit=primary is LookupResult.HIT)
-        if primary is LookupResult.HIT:
+        hit = primary is _HIT
+        self._count(state, key, tier=False, hit=hit)
+        if hit:
             return primary
-        found = self._existence(key, context.req_id)
+        found = self._existence(key, state)
         if found is None:
             return RETRY
         self._count(state, key, tier=True, hit=found)
@@ -328,7 +340,7 @@ class TieredManager:
             self.promotion_failures += 1
             return LookupResult.MISS
         self.promotion_evictions += len(output.evicted_keys)
-        state.own_evictions += sum((evicted, False) in state.counted for evicted in output.evicted_keys)
+        state.own_evictions += sum(evicted in state.host_counted for evicted in output.evicted_keys)
         self._promotions.setdefault(context.req_id, (context, []))[1].extend(output.keys_to_store)
         self._promoted_for.setdefault(context.req_id, set()).update(output.keys_to_store)
         return LookupResult.HIT_PENDING
@@ -393,6 +405,7 @@ class TieredManager:
             if lookup is not None and lookup.phase == "queued":
                 lookup.phase = "in flight"
                 lookup.answer = self.tier.contains(key)
+                self._in_flight[key] = lookup
 
     def own_evictions(self, req_id: str) -> int:
         """Chunks request ``req_id`` had looked up that its own promotions evicted (0 for a request it forgot)."""
@@ -401,19 +414,15 @@ class TieredManager:
 
     def has_pending_work(self) -> bool:
         """Tier jobs, promotions or existence checks not yet seen by the scheduler."""
-        return bool(
-            self._jobs
-            or self._promotions
-            or self._queued
-            or any(lookup.phase == "in flight" for lookup in self._lookups.values())
-        )
+        return bool(self._jobs or self._promotions or self._queued or self._in_flight)
 
     # -- internals ----------------------------------------------------------------------------
 
     def _count(self, state: _RequestState, key: OffloadKey, *, tier: bool, hit: bool) -> None:
-        if state.allocated or (key, tier) in state.counted:
+        counted = state.tier_counted if tier else state.host_counted
+        if state.allocated or key in counted:
             return
-        state.counted.add((key, tier))
+        counted.add(key)
         if tier:
             self.tier_chunk_queries += 1
             self.tier_chunk_hits += hit
@@ -421,7 +430,7 @@ class TieredManager:
             self.host_chunk_queries += 1
             self.host_chunk_hits += hit
 
-    def _existence(self, key: OffloadKey, req_id: str) -> bool | None:
+    def _existence(self, key: OffloadKey, state: _RequestState) -> bool | None:
         """vLLM's ``AsyncLookupManager.lookup``: the cached verdict, or None (queued for this step's check)."""
         if self._need_drain:
             self._drain()
@@ -430,17 +439,21 @@ class TieredManager:
         if lookup is None:
             lookup = self._lookups[key] = _Lookup()
             self._queued.append(key)
-        lookup.requests.add(req_id)
+        req_id = state.context.req_id
+        if req_id not in lookup.requests:
+            lookup.requests.add(req_id)
+            state.asked.append(key)
         return lookup.found
 
     def _drain(self) -> None:
-        for key, lookup in list(self._lookups.items()):
-            if lookup.phase != "in flight":
-                continue
+        """The checks in flight come back: each verdict a request holds is resolved, the others dropped."""
+        lookups = self._lookups
+        for key, lookup in self._in_flight.items():
             if not lookup.requests:
-                del self._lookups[key]
+                del lookups[key]
                 continue
             lookup.phase, lookup.found = "resolved", lookup.answer
+        self._in_flight.clear()
 
     def _maybe_poll(self) -> None:
         if not self._polled:
@@ -457,7 +470,8 @@ class TieredManager:
         for job in done:
             if job.is_promotion:
                 self.promotions += len(job.succeeded)
-                lost = [key for key in job.keys if key not in set(job.succeeded)]
+                succeeded = set(job.succeeded)
+                lost = [key for key in job.keys if key not in succeeded]
                 if job.succeeded:
                     self.primary.complete_store(job.succeeded, job.context)
                 if lost:
@@ -484,6 +498,8 @@ class TieredManager:
             lookup = self._lookups.get(key)
             if lookup is None or lookup.found is True:
                 continue
+            if lookup.phase == "in flight":
+                del self._in_flight[key]  # its answer is ignored: it leaves the checks the next drain resolves
             if not lookup.requests:
                 del self._lookups[key]
                 continue
@@ -494,11 +510,14 @@ class TieredManager:
         if not state.finished or state.pending_stores:
             return
         req_id = state.context.req_id
-        for key, lookup in list(self._lookups.items()):
-            if req_id in lookup.requests:
+        lookups = self._lookups
+        # A key asked twice (its lookup dropped and made again meanwhile) is met twice: the second finds no req_id.
+        for key in state.asked:
+            lookup = lookups.get(key)
+            if lookup is not None and req_id in lookup.requests:
                 lookup.requests.discard(req_id)
                 if not lookup.requests and lookup.phase != "in flight":
-                    del self._lookups[key]
+                    del lookups[key]
         del self._requests[req_id]
         self._promoted_for.pop(req_id, None)
 

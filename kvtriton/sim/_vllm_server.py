@@ -290,6 +290,7 @@ class _Request:
 
     __slots__ = (
         "blocks",
+        "cached_blocks",
         "computed",
         "deferrals",
         "external",
@@ -309,6 +310,8 @@ class _Request:
         self.computed = 0
         self.generated = 0
         self.blocks: list[int] = []
+        self.cached_blocks = 0
+        """How many of ``blocks``, from the first, the GPU prefix cache has been told hold their hash."""
         self.next_store = 0
         self.local = 0
         self.external = 0
@@ -602,21 +605,24 @@ class _ServerReplay(Generic[CtxT]):
             self.pending_stops += 1
             return "deferred"
         if pool is not None:
-            full_blocks = [self._key_of_block(state, index) for index in range(state.num_tokens // block_size)]
-            local_blocks = pool.cached_prefix(full_blocks, (state.num_tokens - 1) // block_size)
+            # The last token is always computed: at most the full blocks before it come from the GPU cache.
+            most = (state.num_tokens - 1) // block_size
+            full_blocks = prompt if most <= len(prompt) else [self._key_of_block(state, index) for index in range(most)]
+            local_blocks = pool.cached_prefix(full_blocks, most)
         else:
             local_blocks = []
         local = len(local_blocks)
         hits = 0
         wait = False
+        lookup, hit, pending, retry = calls.lookup, calls.hit, calls.pending, calls.retry
         for key in prompt[local:]:
-            result = calls.lookup(key, context)
-            if result is calls.hit:
+            result = lookup(key, context)
+            if result is hit:
                 hits += 1
-            elif result is calls.pending:
+            elif result is pending:
                 hits += 1
                 wait = True
-            elif result is calls.retry and result is not None:
+            elif result is retry and result is not None:
                 wait = True  # a tier's existence check is still out: vLLM scans on, so every check starts now
             else:
                 break
@@ -657,6 +663,7 @@ class _ServerReplay(Generic[CtxT]):
                 return "no room"
             pool.touch(local_blocks)
             state.blocks = list(local_blocks)
+            state.cached_blocks = 0
             self._grow(state, cached_tokens + new)
             # The connector sees the new request's whole block table, its prefix hits too.
             self.allocated_this_step.update(local_blocks)
@@ -809,6 +816,7 @@ class _ServerReplay(Generic[CtxT]):
         assert self.pool is not None  # only a bounded pool runs out of blocks
         self.pool.free(victim.blocks)
         victim.blocks = []
+        victim.cached_blocks = 0
         victim.computed = 0
         victim.state = "waiting"
         self.waiting.appendleft(victim)
@@ -817,10 +825,23 @@ class _ServerReplay(Generic[CtxT]):
                 job.due = self.step_number
 
     def _cache_up_to(self, state: _Request, num_tokens: int) -> None:
-        if self.pool is None:
+        """Register the request's full blocks up to ``num_tokens`` in the GPU prefix cache (vLLM's cache_blocks).
+
+        Only the blocks past those registered before: a block the request holds keeps its hash until it is
+        freed (only a free block is reused), so registering it again would change nothing; the count starts
+        over when the request's block table does (admission, preemption).
+        """
+        pool = self.pool
+        if pool is None:
             return
-        for index in range(min(num_tokens, state.num_tokens) // self.block_size):
-            self.pool.cache(state.blocks[index], self._key_of_block(state, index))
+        end = min(num_tokens, state.num_tokens) // self.block_size
+        if end <= state.cached_blocks:
+            return
+        blocks = state.blocks
+        prompt = self.requests[state.index].prompt_keys
+        for index in range(state.cached_blocks, end):
+            pool.cache(blocks[index], prompt[index] if index < len(prompt) else self._key_of_block(state, index))
+        state.cached_blocks = end
 
     def stats(self) -> ServerStats:
         ordered = tuple(self.outcomes[index] for index in range(len(self.states)))

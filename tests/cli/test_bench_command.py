@@ -128,11 +128,11 @@ def test_bench_names_a_missing_benchmark_module(tmp_path: Path, capfd: pytest.Ca
     [
         (
             [],
-            "which benchmark? name one of manager, kernels, host_cost, tiers, tiers_mooncake, compression, serving, all",
+            "which benchmark? name one of manager, kernels, host_cost, tiers, tiers_mooncake, compression, fleet_scale, serving, all",
         ),
         (
             ["disk"],
-            "invalid benchmark 'disk' (choose from manager, kernels, host_cost, tiers, tiers_mooncake, compression, serving, all)",
+            "invalid benchmark 'disk' (choose from manager, kernels, host_cost, tiers, tiers_mooncake, compression, fleet_scale, serving, all)",
         ),
         (
             ["manager", "--requests", "5"],
@@ -181,7 +181,7 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
     assert (
         "--full" in text
         and "--out" in text
-        and "{manager,kernels,host_cost,tiers,tiers_mooncake,compression,serving,all} [-- ARGS]" in text
+        and "{manager,kernels,host_cost,tiers,tiers_mooncake,compression,fleet_scale,serving,all} [-- ARGS]" in text
     )
 
 
@@ -192,6 +192,7 @@ def test_help_lists_the_benchmarks_and_their_quick_flags(capsys: pytest.CaptureF
         ("kernels", []),
         ("host_cost", ["--no-baseline"]),
         ("compression", []),
+        ("fleet_scale", ["--requests", "60,30", "--engines", "3"]),
     ],
 )
 def test_real_benchmark_accepts_its_quick_flags_and_records_the_machine(

@@ -4,6 +4,8 @@ engine against the single-engine model."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,7 +16,7 @@ from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import PreparedRequest, prepare
 from kvtriton.sim._router import route, split_streams
 from kvtriton.sim._tier_models import TierSpec
-from kvtriton.sim._tiered_planner import TieredReport, tiered_point
+from kvtriton.sim._tiered_planner import TieredReport, collector_paused, tiered_point
 from kvtriton.sim._vllm_server import predict
 from kvtriton.sim._workloads import Request, generate
 
@@ -246,3 +248,38 @@ def test_a_sweep_runs_every_policy_host_and_pool_size_in_order() -> None:
     assert [(p.policy, p.host_bytes // 4096, p.pool.capacity_bytes) for p in points] == [
         (policy, host, pool.capacity_bytes) for policy in ("lru", "arc") for host in (4, 8) for pool in pools
     ]
+
+
+# -- what a long replay costs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def collector_enabled() -> Iterator[None]:
+    """The cyclic collector on for the test, then as it was."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+def test_the_collector_is_paused_while_a_fleet_replays_and_left_as_it_was(collector_enabled: None) -> None:
+    seen: list[bool] = []
+    trace = prepare(generate("system-prompts", seed=3, block_size=BLOCK, overrides={"requests": 12}))
+    streams = split_streams(trace, 2, route(trace, 2, "round-robin"))
+    fleet_point(
+        streams, GEOMETRY, 64 * 4096, TierSpec("mooncake", 1000 * POOL_OBJECT), "lru", VllmOrder(concurrency=2),
+        router="round-robin", on_finished=lambda _finished: seen.append(gc.isenabled()),
+    )  # fmt: skip
+    assert seen and not any(seen)  # every progress report came from inside the replay, the collector off
+    assert gc.isenabled()
+    gc.disable()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # one that was off stays off
+    with pytest.raises(RuntimeError, match="stop"), collector_paused():
+        raise RuntimeError("stop")
+    gc.enable()
+    with pytest.raises(RuntimeError, match="stop"), collector_paused():
+        raise RuntimeError("stop")
+    assert gc.isenabled()  # back on after a replay that raised (a stalled point raises through it)
