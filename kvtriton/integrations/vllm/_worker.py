@@ -304,7 +304,9 @@ def _int64_view(ptrs: npt.ArrayLike) -> npt.NDArray[np.int64]:
     array = np.asarray(ptrs)
     if array.dtype.kind not in "iu" or array.dtype.itemsize != 8:
         array = array.astype(np.uint64)  # not vLLM's own type: one copy, for a caller that passed a list
-    return array.reshape(-1).view(np.int64)
+    if array.ndim != 1:  # vLLM's is flat already: no reshape call on the hot path
+        array = array.reshape(-1)
+    return array.view(np.int64)
 
 
 def block_ids_from_pointers(pointers: DevicePointers, layout: PointerLayout) -> GPULoadStoreSpec:
