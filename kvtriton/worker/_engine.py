@@ -241,12 +241,15 @@ class _Staging:
         """Whether the job staged here last (finished) met NaN or infinity in a compressed store."""
         return int(self.status[0]) != 0
 
-    def stage(self, plan: TransferPlan) -> DeviceIndices:
+    def stage(self, plan: TransferPlan, *, clear_status: bool = True) -> DeviceIndices:
+        """Put ``plan``'s indices where the kernel reads them; ``clear_status`` for a job whose kernel may flag
+        NaN or infinity in :attr:`status` (a compressed store), the only ones whose status is read back."""
         count = plan.num_rows
         rows_at = staged_rows_at(count)
         self.host_numpy[:count] = plan.gpu_blocks
         self.host_numpy[rows_at : rows_at + count] = plan.slab_rows
-        self.status.zero_()  # free staging: no kernel reads or writes it now
+        if clear_status:
+            self.status.zero_()  # free staging: no kernel reads or writes it now
         if self.device is not self.host:
             used = rows_at + count
             self.device[:used].copy_(self.host[:used], non_blocking=True)
@@ -490,8 +493,8 @@ class TransferEngine(ClosesOnExit):
                 job = queue.popleft()
                 self._unreported.discard(job.job_id)
                 success = job.completion.succeeded()
-                if success:
-                    self._count_non_finite(job)
+                if success and job.staging is not None:
+                    self._count_non_finite(job.job_id, lane, job.staging)
                 results.append(
                     TransferResult(
                         job_id=job.job_id,
@@ -504,11 +507,13 @@ class TransferEngine(ClosesOnExit):
                 self._recycle(job)
         return results
 
-    def _count_non_finite(self, job: _Job) -> None:
+    def _flags_non_finite(self, lane: TransferLane) -> bool:
+        """Whether ``lane``'s kernel flags NaN or infinity in its staging's status: compressed stores alone."""
+        return lane is TransferLane.STORE and self.kv.compression_layout is not None
+
+    def _count_non_finite(self, job_id: int, lane: TransferLane, staging: _Staging) -> None:
         """Count a finished compressed store that met NaN or infinity; warn at most once per interval."""
-        if job.staging is None or job.lane is not TransferLane.STORE or self.kv.compression_layout is None:
-            return
-        if not job.staging.met_non_finite():
+        if not self._flags_non_finite(lane) or not staging.met_non_finite():
             return
         self._non_finite_stores += 1
         self._non_finite_unwarned += 1
@@ -520,7 +525,7 @@ class TransferEngine(ClosesOnExit):
             "the NaN code there, so those blocks load back as NaN (%d such stores since the engine started; "
             "next warning in %.0f s at the earliest)",
             self._non_finite_unwarned,
-            job.job_id,
+            job_id,
             self.kv.compression.value,
             self._non_finite_stores,
             NON_FINITE_WARNING_INTERVAL_S,
@@ -674,11 +679,11 @@ class TransferEngine(ClosesOnExit):
         started = time.perf_counter()
         backend = self._backends[plan.direction]
         staging = self._take_staging(lane, plan.num_rows) if backend.wants_device_indices else None
-        device = staging.stage(plan) if staging is not None else None
+        device = staging.stage(plan, clear_status=self._flags_non_finite(lane)) if staging is not None else None
         success = self._copy(job_id, lane, plan, device)
         if staging is not None:
             if success:
-                self._count_non_finite(_Job(job_id, lane, 0, _Finished(True, 0.0), staging))
+                self._count_non_finite(job_id, lane, staging)
             self._free_staging[lane].append(staging)  # the copy already ran: reusable at once
         completion = _Finished(success, time.perf_counter() - started)
         return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, completion)
@@ -697,7 +702,7 @@ class TransferEngine(ClosesOnExit):
             events = self._take_events()
             self._follow_compute(lane, compute)
             events.start.record(stream)
-            device = staging.stage(plan) if staging is not None else None
+            device = staging.stage(plan, clear_status=self._flags_non_finite(lane)) if staging is not None else None
             success = self._copy(job_id, lane, plan, device)
             events.end.record(stream)
         return _Job(job_id, lane, plan.num_rows * self.kv.row_bytes, _Events(events, success), staging)
@@ -735,7 +740,9 @@ class TransferEngine(ClosesOnExit):
                 with torch.cuda.device(self.kv.device), torch.cuda.stream(stream):
                     stream.wait_event(ready)
                     events.start.record(stream)
-                    device = staging.stage(plan) if staging is not None else None
+                    device = (
+                        staging.stage(plan, clear_status=self._flags_non_finite(lane)) if staging is not None else None
+                    )
                     success = self._copy(job_id, lane, plan, device)
                     events.end.record(stream)
                 return success

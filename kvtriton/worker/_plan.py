@@ -67,6 +67,11 @@ def _check_factor(block_size_factor: int) -> None:
 def slots_needed(gpu: GPULoadStoreSpec, block_size_factor: int) -> int:
     """How many slots ``gpu`` spans: the length the matching CPU spec must have."""
     _check_factor(block_size_factor)
+    return _slots_spanned(gpu, block_size_factor)
+
+
+def _slots_spanned(gpu: GPULoadStoreSpec, block_size_factor: int) -> int:
+    """:func:`slots_needed` for a factor already checked (the planner checks it once per job)."""
     if block_size_factor == 1:
         return len(gpu.block_ids)
     total = 0
@@ -98,7 +103,7 @@ def plan_transfer(
     if not isinstance(cpu, CPULoadStoreSpec):  # pyright: ignore[reportUnnecessaryIsInstance] -- same
         raise TypeError(f"cpu must be a CPULoadStoreSpec, got {type(cpu).__name__}")
     f = block_size_factor
-    expected = slots_needed(gpu, f)
+    expected = _slots_spanned(gpu, f)
     slots = cpu.block_ids
     if len(slots) != expected:
         raise ValueError(

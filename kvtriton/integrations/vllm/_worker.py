@@ -31,6 +31,7 @@ is installed.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +219,8 @@ class _GroupAddresses:
     """``(references, 1)``: each reference's tensor address."""
     strides: npt.NDArray[np.int64]
     """``(references, 1)``: each reference's block stride in bytes."""
+    base_steps: npt.NDArray[np.int64]
+    """``(references - 1,)``: how far each reference's base lies past the previous reference's."""
     first_base: int
     first_stride: int
     uniform_stride: bool
@@ -230,9 +233,11 @@ class _GroupAddresses:
             if stride < 1:
                 raise ValueError(f"pointer_bases[{group}][{ref}] has block stride {stride}: expected at least 1")
         first_base, first_stride = bases[0] if bases else (0, 1)
+        base_column = np.array([base for base, _ in bases], dtype=np.int64).reshape(-1, 1)
         return cls(
-            bases=np.array([[base] for base, _ in bases], dtype=np.int64).reshape(-1, 1),
-            strides=np.array([[stride] for _, stride in bases], dtype=np.int64).reshape(-1, 1),
+            bases=base_column,
+            strides=np.array([stride for _, stride in bases], dtype=np.int64).reshape(-1, 1),
+            base_steps=np.diff(base_column[:, 0]),
             first_base=first_base,
             first_stride=first_stride,
             uniform_stride=all(stride == first_stride for _, stride in bases),
@@ -241,6 +246,33 @@ class _GroupAddresses:
     @property
     def references(self) -> int:
         return len(self.bases)
+
+    def addresses(self, block_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``(references, blocks)``: where vLLM puts each block of each reference (``base + block_id * stride``)."""
+        return self.bases + block_ids * self.strides
+
+    def name_blocks(self, ptrs: npt.NDArray[np.int64], block_ids: npt.NDArray[np.int64]) -> bool:
+        """Whether ``ptrs`` (reference-major, one per reference and block) are the addresses of ``block_ids``.
+
+        Every pointer is compared. With one block stride for every reference
+        (the usual case) a block's address in reference ``r + 1`` lies
+        ``base_steps[r]`` past its address in reference ``r``, whatever the
+        block; so the differences between neighbouring references are
+        compared, block with next block, over the flat array. Flat operations
+        run numpy's contiguous loops, which are several times faster than
+        broadcasting a column over 160 references of 256 blocks (the cost
+        ``bench/host_cost.py`` measures). That, with ``block_ids`` read
+        from reference 0, makes every reference's addresses exactly
+        :meth:`addresses`.
+        """
+        count = len(block_ids)
+        if not self.uniform_stride:
+            return bool(np.array_equal(ptrs.reshape(-1, count), self.addresses(block_ids)))
+        steps = ptrs[count:] - ptrs[:-count]  # per reference r and block: reference r + 1's address minus r's
+        step_changes = steps[1:] != steps[:-1]  # a block's step against the next block's ...
+        step_changes[count - 1 :: count] = False  # ... within one reference (one's last block, the next's first differ)
+        # count_nonzero: numpy's cheapest test of a bool array (``any`` costs four times as much on a short one).
+        return not np.count_nonzero(step_changes) and not np.count_nonzero(steps[::count] != self.base_steps)
 
 
 class PointerLayout:
@@ -272,7 +304,9 @@ def _int64_view(ptrs: npt.ArrayLike) -> npt.NDArray[np.int64]:
     array = np.asarray(ptrs)
     if array.dtype.kind not in "iu" or array.dtype.itemsize != 8:
         array = array.astype(np.uint64)  # not vLLM's own type: one copy, for a caller that passed a list
-    return array.reshape(-1).view(np.int64)
+    if array.ndim != 1:  # vLLM's is flat already: no reshape call on the hot path
+        array = array.reshape(-1)
+    return array.view(np.int64)
 
 
 def block_ids_from_pointers(pointers: DevicePointers, layout: PointerLayout) -> GPULoadStoreSpec:
@@ -286,17 +320,18 @@ def block_ids_from_pointers(pointers: DevicePointers, layout: PointerLayout) -> 
     whose pointers mean something else is refused, never copied from.
     """
     ptrs = _int64_view(pointers.ptrs)
-    counts = tuple(int(count) for count in pointers.group_block_counts)
+    # map, min and sum over the counts rather than generator expressions: a few microseconds of every job.
+    counts = tuple(map(int, pointers.group_block_counts))
     ref_counts = tuple(pointers.group_data_ref_counts)
-    if len(counts) != len(layout) or len(ref_counts) != len(counts) or len(pointers.block_indices) != len(counts):
+    indices = tuple(map(int, pointers.block_indices))
+    if len(counts) != len(layout) or len(ref_counts) != len(counts) or len(indices) != len(counts):
         raise ValueError(
             f"device pointers for {len(counts)} groups (group_data_ref_counts={list(ref_counts)}, "
-            f"block_indices={list(pointers.block_indices)}), but the KV cache has {len(layout)} groups"
+            f"block_indices={list(indices)}), but the KV cache has {len(layout)} groups"
         )
-    indices = tuple(int(index) for index in pointers.block_indices)
-    if any(count < 0 for count in counts) or any(index < 0 for index in indices):
+    if min(counts, default=0) < 0 or min(indices, default=0) < 0:
         raise ValueError(f"device pointers with negative group counts {list(counts)} or block indices {list(indices)}")
-    expected = sum(count * ref_count for count, ref_count in zip(counts, ref_counts))
+    expected = sum(map(operator.mul, counts, ref_counts))
     if expected != ptrs.size:
         raise ValueError(f"{ptrs.size} device pointers, but the group counts account for {expected}")
     if len(counts) == 1:  # the usual case: the group's ids are the job's, no copy into a joint array
@@ -323,14 +358,10 @@ def _group_block_ids(
         )
     if not ref_count:
         return np.zeros(count, dtype=np.int64)
-    grid = ptrs.reshape(ref_count, count)  # a view: row r holds reference r's address of each block
-    # Every address is checked, all of the group's in one comparison: row r must read bases[r] + block_ids *
-    # strides[r], the ids read from row 0 (a whole block from its base: an address inside a block is refused).
-    from_bases = grid - addresses.bases
-    block_ids, inside_block = np.divmod(from_bases[0], addresses.first_stride)
-    want = from_bases[0] if addresses.uniform_stride else block_ids * addresses.strides
-    if not np.equal(from_bases, want).all() or inside_block.any() or int(block_ids.min()) < 0:
-        raise _mismatch(group, grid, block_ids, addresses)
+    # The ids, read from reference 0: whole blocks from its base (an address inside a block, or below it, is refused).
+    block_ids, inside_block = np.divmod(ptrs[:count] - addresses.first_base, addresses.first_stride)
+    if np.count_nonzero(inside_block) or int(block_ids.min()) < 0 or not addresses.name_blocks(ptrs, block_ids):
+        raise _mismatch(group, ptrs.reshape(ref_count, count), block_ids, addresses)
     return block_ids
 
 
@@ -345,7 +376,7 @@ def _mismatch(
                 f"device pointer {position} of group {group} (address {int(grid[0, position]):#x}) is not a block "
                 f"of its KV cache tensor (base {addresses.first_base:#x}, block stride {addresses.first_stride})"
             )
-    wanted = addresses.bases + block_ids * addresses.strides
+    wanted = addresses.addresses(block_ids)
     ref, position = (int(index) for index in np.argwhere(grid != wanted)[0])
     return ValueError(
         f"the device pointers of group {group}'s data reference {ref} name other blocks: block {position}'s address "

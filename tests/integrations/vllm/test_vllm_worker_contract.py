@@ -262,6 +262,19 @@ def test_a_wrong_pointer_in_any_reference_row_of_a_wide_group_is_caught(uniform:
             decode(wrong)
 
 
+@pytest.mark.parametrize("ref", [1, 63, 64])
+def test_a_reference_whose_every_pointer_is_shifted_by_whole_blocks_is_caught(ref: int) -> None:
+    """Each reference's pointers consistent among themselves but one block off: only its base says so."""
+    refs, blocks = 65, 16
+    bases = [(2**40 + index * 2**30, 4096) for index in range(refs)]
+    layout = PointerLayout([bases])
+    grid = np.array([[base + block * stride for block in range(blocks)] for base, stride in bases], dtype=np.uint64)
+    grid[ref] += np.uint64(4096)  # every block of this reference names the next block
+    pointers = Pointers(grid.reshape(-1), np.zeros(grid.size, np.uint64), (blocks,), (refs,), (0,))
+    with pytest.raises(ValueError, match=f"data reference {ref} name other blocks: block 0's address"):
+        block_ids_from_pointers(pointers, layout)
+
+
 def test_pointers_are_viewed_not_copied() -> None:
     """The hot path reads vLLM's uint64 array in place (no astype copy of every pointer)."""
     layout = PointerLayout([[(1000, 10), (5000, 10)]])
