@@ -54,7 +54,7 @@ _COMMANDS: tuple[_Command, ...] = (
     _Command(
         "bench",
         "kvtriton.cli._bench",
-        "run the benchmarks of a source checkout (manager, kernels, host_cost, tiers, tiers_mooncake, compression, serving): smoke runs by"
+        "run the benchmarks of a source checkout (manager, kernels, host_cost, tiers, tiers_mooncake, compression, fleet_scale, serving): smoke runs by"
         " default, --full for figures",
     ),
 )
