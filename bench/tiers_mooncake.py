@@ -336,26 +336,22 @@ def measure_size(
         rows[chunks:] = 0
 
     total = chunks * chunk_bytes
-    tier = MooncakeStoreTier(
-        spec,
-        view,
-        "MooncakeStoreTier",
-        master_server_address=master,
-        namespace="bench",
-        io_threads=threads,
-        timeout_s=30.0,
-    )
+
+    def mooncake_tier(tier_spec: CPUOffloadingSpec) -> MooncakeStoreTier:
+        return MooncakeStoreTier(
+            tier_spec,
+            view,
+            "MooncakeStoreTier",
+            master_server_address=master,
+            namespace="bench",
+            io_threads=threads,
+            timeout_s=30.0,
+        )
+
+    tier = mooncake_tier(spec)
     encrypting_spec = copy.copy(spec)
     setattr(encrypting_spec, "encryption", TierEncryption(MasterKey(os.urandom(32), source="a random key of the run")))
-    encrypted_tier = MooncakeStoreTier(
-        encrypting_spec,
-        view,
-        "MooncakeStoreTier",
-        master_server_address=master,
-        namespace="bench",
-        io_threads=threads,
-        timeout_s=30.0,
-    )
+    encrypted_tier = mooncake_tier(encrypting_spec)
     store = open_store(MooncakeTierConfig(master_server_address=master, timeout_s=30.0))
     if store is None or not tier.wait_until_up(30.0) or not encrypted_tier.wait_until_up(30.0):
         raise RuntimeError(f"could not reach the Mooncake master at {master}")

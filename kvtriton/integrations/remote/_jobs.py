@@ -118,7 +118,7 @@ class JobRunner:
         """Submitted jobs not yet returned by get_finished_jobs (scheduler thread only)."""
         self.in_flight: dict[JobId, _Job] = {}
         """Every job whose call has not returned, reported or not (under ``lock``): drain and shutdown wait on them."""
-        self.loads_into_primary = JOB_RESULTS_DEFER_RELEASE and not slots.encrypts
+        self.loads_into_primary = JOB_RESULTS_DEFER_RELEASE and not isinstance(slots, EncryptedSlots)
         """Loads write the primary's slots directly, and a load abandoned at its deadline hands vLLM a
         ``deferred_release`` event (vLLM 0.34). Without it (0.33) a load lands in memory of its own first and is
         copied into the primary only if it returned in time, so a late write never reaches a slot vLLM reused; an

@@ -46,10 +46,6 @@ class KeyLoaded(NamedTuple):
 class SealedSlots:
     """The primary's chunks and their seal slots, as the store's transfers read and write them."""
 
-    encrypts: bool = False
-    """Whether every value is a sealed box (:class:`EncryptedSlots`): stores go through an egress buffer, loads
-    land in memory of their own."""
-
     def __init__(
         self, primary_kv_view: memoryview, chunk_bytes: int, *, fingerprint: bytes, integrity: IntegrityReport, who: str
     ) -> None:
@@ -171,8 +167,6 @@ class SealedSlots:
 class EncryptedSlots(SealedSlots):
     """The primary's chunks as an encrypting tier moves them: every value a sealed box of its tenant (see the module
     docstring); nothing of the primary is registered with the store."""
-
-    encrypts = True
 
     def __init__(
         self,

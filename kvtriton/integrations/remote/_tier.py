@@ -243,7 +243,7 @@ class RemoteTier(SecondaryTierManager, Generic[ConfigT]):
         self._supervisor.thread.start()
         sealing = (
             f"{SEAL_BYTES}-byte seals"
-            if not self._slots.encrypts
+            if not isinstance(self._slots, EncryptedSlots)
             else f"{self._slots.sealed_bytes - self.block_size_bytes}-byte sealed boxes per tenant (encrypted)"
         )
         logger.info(
