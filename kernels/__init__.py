@@ -31,7 +31,7 @@ from ._pages import (
     select_path,
 )
 from ._reference import gather_pages_reference, gather_unchecked, scatter_pages_reference, scatter_unchecked
-from ._validation import PageGeometry, check_index_range, check_unique, describe_pages
+from ._validation import PageGeometry, check_host_indices, check_index_range, check_unique, describe_pages
 
 __all__ = [
     # the copy calls and what describes them
@@ -54,6 +54,7 @@ __all__ = [
     "scatter_pages_reference",
     # the launch layer kvtriton.worker drives
     "CopyLauncher",
+    "check_host_indices",
     "check_index_range",
     "check_unique",
     "gather_unchecked",

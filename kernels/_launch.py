@@ -233,14 +233,11 @@ class _SizedLaunch:
         self.table = page_table(pages, geometry, self.config.element_bytes)
         self.slab = slab_elements(slab, self.config.element_bytes)
         self.row_stride = slab_row_stride(slab) // self.config.element_bytes
-        config, empty = self.config, self.table[:0]
-        self.templates = {
-            to_slab: CopyArguments(
-                self.table,
-                self.slab,
-                empty,
-                empty,
-                0,
+        config = self.config
+        # Per direction, the arguments after a job's own three (``blocks``, ``rows``, ``num_pairs``): a launch
+        # builds its tuple from them, at less than half the cost of a template's ``_replace``.
+        self._fixed_tails = {
+            to_slab: (
                 self.row_stride,
                 to_slab,
                 config.num_pages,
@@ -270,7 +267,7 @@ class _SizedLaunch:
         del status
         from ._jit import copy_pages  # imports triton; a dictionary lookup after the first call
 
-        arguments = self.templates[to_slab]._replace(blocks=blocks, rows=rows, num_pairs=count)
+        arguments = CopyArguments(self.table, self.slab, blocks, rows, count, *self._fixed_tails[to_slab])
         if _variant_log is not None:
             _variant_log.add(copy_pages.specialization_key(arguments))
         copy_pages.launch_copy_pages(arguments, interpret=interpret, grid=grid)
@@ -305,7 +302,7 @@ class _KindLaunch:
         self.row_stride = slab_row_stride(slab)
         slab_word = min(16, word_width(slab.data_ptr(), self.row_stride))  # >= 4: check_scales_alignment
         self.config = compress_config(first, len(members), bytes_per_iter, page_word=page_word, slab_word=slab_word)
-        # Built once per direction, as the copy launches' templates are: a launch only looks them up.
+        # Built once per direction, as the copy launches' fixed arguments are: a launch only looks them up.
         self.constexprs = {to_slab: self.config.kernel_constexprs(to_slab) for to_slab in (True, False)}
         self.table = page_table(kind_pages, kind_geometry, 1)
         self.slab = slab

@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from kvtriton._int_argument import check_int
 from kvtriton._offload_types import CPULoadStoreSpec, GPULoadStoreSpec
-from kvtriton.kernels import check_index_range, check_unique
+from kvtriton.kernels import check_host_indices, check_unique
 
 
 class TransferDirection(enum.Enum):
@@ -111,15 +111,16 @@ def plan_transfer(
             f"({len(gpu.block_ids)} GPU blocks, group_sizes={list(gpu.group_sizes)}, "
             f"block_indices={list(gpu.block_indices)}, block_size_factor={f})"
         )
-    if num_gpu_blocks is not None:
-        check_index_range(gpu.block_ids, "GPU block_ids", num_gpu_blocks, "GPU blocks")
-    if num_slots is not None:
-        check_index_range(slots, "CPU block_ids", num_slots, "slots")
     rows = slots if f == 1 else _rows(gpu, slots, f)  # one block per slot: row = slot
-    if direction is TransferDirection.STORE:
+    # Each side's range, and that the destination (GPU blocks, or slab rows: slots when one block fills one) is
+    # written once; one sort checks both of the destination's.
+    store = direction is TransferDirection.STORE
+    check_host_indices(
+        gpu.block_ids, "GPU block_ids", num_gpu_blocks, "GPU blocks", unique_as=None if store else "GPU block_ids"
+    )
+    check_host_indices(slots, "CPU block_ids", num_slots, "slots", unique_as="slab rows" if store and f == 1 else None)
+    if store and f > 1:
         check_unique(rows, "slab rows")
-    else:
-        check_unique(gpu.block_ids, "GPU block_ids")
     return TransferPlan(direction=direction, gpu_blocks=gpu.block_ids, slab_rows=rows)
 
 

@@ -90,11 +90,20 @@ def test_out_of_range_ids_are_refused() -> None:
         plan_transfer(STORE, GPULoadStoreSpec([1]), CPULoadStoreSpec([4]), 1, num_gpu_blocks=8, num_slots=4)
 
 
-def test_a_job_writing_one_destination_twice_is_refused() -> None:
+@pytest.mark.parametrize("bounds", [{}, {"num_gpu_blocks": 8, "num_slots": 4}], ids=["unbounded", "bounded"])
+def test_a_job_writing_one_destination_twice_is_refused(bounds: dict[str, int]) -> None:
+    # Bounded, the destination's range and uniqueness are checked in one sort: the same refusals.
     with pytest.raises(ValueError, match="slab rows names destination 2 more than once"):
-        plan_transfer(STORE, GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([2, 2]), 1)
+        plan_transfer(STORE, GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([2, 2]), 1, **bounds)
     with pytest.raises(ValueError, match="GPU block_ids names destination 3 more than once"):
-        plan_transfer(LOAD, GPULoadStoreSpec([3, 3]), CPULoadStoreSpec([0, 1]), 1)
+        plan_transfer(LOAD, GPULoadStoreSpec([3, 3]), CPULoadStoreSpec([0, 1]), 1, **bounds)
+
+
+def test_a_destination_out_of_range_is_refused_before_its_repeats() -> None:
+    with pytest.raises(ValueError, match=re.escape("CPU block_ids[1] = 4 is out of range: there are 4 slots")):
+        plan_transfer(STORE, GPULoadStoreSpec([0, 1, 2]), CPULoadStoreSpec([2, 4, 2]), 1, num_gpu_blocks=8, num_slots=4)
+    with pytest.raises(ValueError, match=re.escape("GPU block_ids[0] = -1 is out of range: there are 8 GPU blocks")):
+        plan_transfer(LOAD, GPULoadStoreSpec([-1, 3, 3]), CPULoadStoreSpec([0, 1, 2]), 1, num_gpu_blocks=8, num_slots=4)
 
 
 def test_reading_one_source_twice_is_allowed() -> None:

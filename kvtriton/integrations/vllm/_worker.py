@@ -591,8 +591,6 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
                 "%s job %d refused: %s is a %s, not a CPU slot spec", name, job_id, side, type(slot_spec).__name__
             )
             return self._refuse(job_id)
-        if not self._slots_fit(job_id, slots):
-            return self._refuse(job_id)
         try:
             gpu = self.device_blocks(device)
         except ValueError as error:
@@ -601,8 +599,13 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         if name == "load" and not self._slots_unchanged(job_id, slots):
             return self._refuse(job_id)
         if self._single_engine and gpu.block_ids.size:
-            # The hot path: the engine checks the rest itself and reports the job as it is.
+            # The hot path: the engine checks the rest itself (slot ids in range among them) and reports the job
+            # as it is. Only a refused job pays for the slot check that names the likely cause.
             accepted = self._submit_part(name, _Part(0, gpu, slots), job_id, expedited)
+            if not accepted:
+                self._slots_fit(job_id, slots)
+        elif not self._slots_fit(job_id, slots):  # before any part runs: a job is refused whole, never half run
+            return self._refuse(job_id)
         else:
             accepted = self._submit_parts(name, job_id, gpu, slots, expedited)
         if not accepted:
@@ -642,6 +645,8 @@ class VLLMOffloadingWorker(vllm_base.OffloadingWorker):
         not (vLLM then stops the engine: it cannot fall back on recomputing)."""
         if self._digests is None:
             return True
+        if not self._slots_fit(job_id, slots):  # a slot beyond the slab has no bytes to compare
+            return False
         changed = self._digests.changed(slots.slot_list())
         if not changed:
             return True

@@ -238,6 +238,12 @@ def test_verify_host_loads_refuses_a_load_of_a_slot_changed_since_its_store(capl
     assert rig.worker.submit_load(5, CPULoadStoreSpec([4]), gpu([0, 1]))
     assert finished(rig.worker)[5].success
     assert [rig.block(1, b) for b in (0, 1)] == [rig.original_block(1, b) for b in (7, 9)]
+
+    # A slot beyond the slab has no digest to compare: refused with the likely cause, before any is computed.
+    with caplog.at_level(logging.ERROR, logger="kvtriton.integrations.vllm._worker"):
+        beyond = rig.worker.submit_load(6, CPULoadStoreSpec([NUM_SLOTS + 1]), gpu([0, 1]))
+    assert f"slot {NUM_SLOTS + 1}" in caplog.text and f"holds {NUM_SLOTS} slots" in caplog.text
+    assert_refused(rig.worker, {6: beyond})
     rig.worker.shutdown()
 
 
