@@ -76,8 +76,11 @@ lint: $(STAMP)
 
 # Two test processes by default (pytest-xdist), each file kept in one of them (--dist loadfile) so a
 # file's shared engine starts once; the CI machine has 2 cores. PYTEST_WORKERS=0 runs in one process.
+# Files are handed out in collection order, where tests/conftest.py puts the slow ones (engines) first; xdist's
+# default would hand out the files with the most tests first instead, leaving the few-test engine files for last.
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 pytest: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 test: typecheck lint pytest
 
@@ -119,7 +122,7 @@ OTHER_TESTS := tests/vllm_compat tests/integrations/vllm/test_vllm_worker_contra
 compat-other:
 	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
 	$(OTHER_VENV)/bin/python -m pyright --venvpath $(OTHER_ROOT)
-	$(OTHER_VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider $(OTHER_TESTS)
+	$(OTHER_VENV)/bin/python -m pytest -q $(XDIST) -p no:cacheprovider $(OTHER_TESTS)
 
 clean:
 	rm -rf $(VENV) $(OTHER_ROOT) build dist *.egg-info
