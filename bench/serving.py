@@ -193,6 +193,10 @@ LMCACHE_SAVE_UNFULL_CHUNK = True
 LMCACHE_ENV_DIR = ".bench-lmcache"
 """The benchmark's own environment that holds LMCache (the module docstring says how to make it)."""
 CEILING = "ceiling"
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+TIER_SOURCES = ("host", "disk", "p2p", "external_unspecified")
+"""The sources of prompt tokens an offload serves (vLLM's ``CacheHitSource`` but ``device``, the engine's own cache):
+kvtriton's host memory, vLLM's fs tier (``disk``), a peer, and a tier vLLM cannot name (Mooncake, LMCache)."""
 SPREAD_METRICS = (
     "mean_ttft_ms",
     "median_ttft_ms",
@@ -206,7 +210,11 @@ SPREAD_METRICS = (
     "computed_tokens",
 )
 """The figures whose median and range over the rounds the result keeps."""
-PROMETHEUS_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{[^}]*\})? (?P<value>\S+)$", re.MULTILINE)
+SOURCE_METRICS = tuple(f"{source}_hit_tokens" for source in TIER_SOURCES)
+"""The prompt tokens each source served, kept beside :data:`SPREAD_METRICS` where the rounds have them (results
+written before 2026-12-08 do not)."""
+PROMETHEUS_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$", re.MULTILINE)
+SOURCE_LABEL = re.compile(r'(?:^|,)source="(?P<source>[^"]*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,14 +551,19 @@ def ceiling_share(none: float, kvtriton: float, ceiling: float, *, higher_is_bet
 
 
 def prometheus_totals(text: str) -> dict[str, float]:
-    """Every sample of a Prometheus text exposition, summed over its label sets, by name."""
+    """Every sample of a Prometheus text exposition, summed over its label sets, by name; a sample with a
+    ``source`` label also under ``name/source``."""
     totals: dict[str, float] = {}
     for match in PROMETHEUS_LINE.finditer(text):
         try:
             value = float(match.group("value"))
         except ValueError:
             continue
-        totals[match.group("name")] = totals.get(match.group("name"), 0.0) + value
+        names = [match.group("name")]
+        if (source := SOURCE_LABEL.search(match.group("labels") or "")) is not None:
+            names.append(f"{names[0]}/{source.group('source')}")
+        for name in names:
+            totals[name] = totals.get(name, 0.0) + value
     return totals
 
 
@@ -567,6 +580,7 @@ def prompt_token_sources(before: Mapping[str, float], after: Mapping[str, float]
         "engine_cache_hit_tokens": local,
         "connector_hit_tokens": external,
         "computed_tokens": prompt - local - external,
+        **{f"{source}_hit_tokens": grew(f"{CACHED_BY_SOURCE}/{source}") for source in TIER_SOURCES},
     }
 
 
@@ -597,12 +611,17 @@ Runs = Mapping[str, Mapping[int, Mapping[str, Mapping[str, float]]]]
 
 
 def aggregate(runs: Runs) -> dict[str, dict[str, dict[str, dict[str, object]]]]:
-    """Per arm, workload and figure of :data:`SPREAD_METRICS`: :func:`spread` over the rounds (in round order)."""
+    """Per arm, workload and figure of :data:`SPREAD_METRICS` (and :data:`SOURCE_METRICS` where every round has
+    them): :func:`spread` over the rounds (in round order)."""
     out: dict[str, dict[str, dict[str, dict[str, object]]]] = {}
     for arm, by_round in runs.items():
         rounds = [by_round[r] for r in sorted(by_round)]
         out[arm] = {
-            workload: {metric: spread([r[workload][metric] for r in rounds]) for metric in SPREAD_METRICS}
+            workload: {
+                metric: spread([r[workload][metric] for r in rounds])
+                for metric in (*SPREAD_METRICS, *SOURCE_METRICS)
+                if metric in SPREAD_METRICS or all(metric in r[workload] for r in rounds)
+            }
             for workload in rounds[0]
         }
     return out

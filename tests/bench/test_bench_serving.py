@@ -72,6 +72,9 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 232.0
 vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 512.0
 vllm:kv_offload_load_bytes_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 7.0
 vllm:kv_offload_load_bytes_total{engine="0",model_name="m",transfer_type="disk_to_GPU"} 3.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 200.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="host"} 384.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="disk"} 128.0
 """
 
 
@@ -79,13 +82,16 @@ def test_prometheus_totals_sum_every_label_set_and_skip_comments() -> None:
     totals = prometheus_totals(METRICS_AFTER + "# a comment 1.0\n")
     assert totals["vllm:kv_offload_load_bytes_total"] == 10.0
     assert totals["vllm:prompt_tokens_total"] == 1100.0
+    assert totals["vllm:prompt_tokens_cached_by_source_total"] == 712.0  # every source's, and each one's own:
+    assert totals["vllm:prompt_tokens_cached_by_source_total/host"] == 384.0
     assert "#" not in "".join(totals)
 
 
 def test_prompt_tokens_are_split_into_computed_engine_cache_and_connector_hits() -> None:
     sources = prompt_token_sources(prometheus_totals(METRICS_BEFORE), prometheus_totals(METRICS_AFTER))
     assert sources == {"prompt_tokens": 1000.0, "engine_cache_hit_tokens": 200.0, "connector_hit_tokens": 512.0,
-                       "computed_tokens": 288.0}  # fmt: skip
+                       "computed_tokens": 288.0, "host_hit_tokens": 384.0, "disk_hit_tokens": 128.0,
+                       "p2p_hit_tokens": 0.0, "external_unspecified_hit_tokens": 0.0}  # fmt: skip
 
 
 def test_summary_keeps_the_reported_figures_and_names_a_missing_one() -> None:
