@@ -18,7 +18,7 @@ comes, and only a tier behind it can serve them. The arms:
   tier behind the host memory, on a fresh directory per server;
 * ``kvtriton + Mooncake``: the same with kvtriton's Mooncake Store tier, a
   master and a storage holder started on 127.0.0.1 per server;
-* ``kvtriton + Mooncake, encrypted``: the same with ``kvtriton_encryption``
+* ``kvtriton + encrypted Mooncake``: the same with ``kvtriton_encryption``
   (a random master key per run, in the server's environment): every value
   sealed per tenant; against the arm before, the cost of encryption when
   serving (issue 48's goal: within 5 % in TTFT and throughput);
@@ -101,7 +101,7 @@ KVTRITON, FS, MOONCAKE, ENCRYPTED, LMCACHE_DISK = (
     "kvtriton",
     "kvtriton + fs",
     "kvtriton + Mooncake",
-    "kvtriton + Mooncake, encrypted",
+    "kvtriton + encrypted Mooncake",
     "LMCache + disk",
 )
 ARMS = ("none", KVTRITON, FS, MOONCAKE, ENCRYPTED, LMCACHE_DISK, CEILING)
