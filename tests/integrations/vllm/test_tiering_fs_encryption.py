@@ -262,3 +262,15 @@ def test_chunks_beyond_the_free_egress_rows_are_not_stored_and_the_rest_round_tr
     reader = build(managers, tmp_path / "fs", writer_key)
     assert look_up(reader, "tenant-a") == {1: plaintext(1), 2: None, 3: None}
     assert failures(reader) == {}
+
+
+def test_the_egress_area_is_bounded_and_reuses_the_rows_given_back_last() -> None:
+    assert egress.egress_rows(8, CHUNK) == 8  # a small region: one row per chunk at most
+    assert egress.egress_rows(1 << 20, 2 << 20) == 512  # 1 GiB of 2 MiB chunks
+    assert egress.egress_rows(1 << 20, 64 << 20) == 64  # huge chunks: still room for a long prompt's
+    area = egress.EgressArea(4, CHUNK)
+    assert area.view().shape == (4, CHUNK) and area.rows.ctypes.data % 4096 == 0  # O_DIRECT needs aligned rows
+    first = area.take(3)
+    assert area.take(5) == [3] and area.free == 0  # fewer than asked when fewer are free
+    area.give_back(first)
+    assert area.take(3) == first  # the rows touched last come back first: the pages resident stay few
