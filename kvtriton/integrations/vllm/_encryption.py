@@ -17,12 +17,16 @@ which records it on every context vLLM's connector builds
 (:class:`~kvtriton.integrations.vllm._surface.RequestTenant`), and each job a
 tier gets names its request's context.
 
-Which tiers can seal: only those that move a chunk through memory of their
+Which tiers store ciphertext: those that move a chunk through memory of their
 own (kvtriton's remote-tier base: Mooncake, the in-memory store, a backend of
-your own), which set :data:`ENCRYPTING_TIER_ATTRIBUTE`. vLLM's own ``fs``,
-``obj`` and ``p2p`` tiers read a chunk straight from the primary's memory and
-write it as it is, so with encryption on they are refused at start-up
-(:func:`refuse_plaintext_tiers`).
+your own), which set :data:`ENCRYPTING_TIER_ATTRIBUTE` and seal each value
+themselves; and vLLM's ``fs`` tier, which kvtriton builds over an egress area
+instead of the primary's memory and hands only sealed chunks
+(:mod:`kvtriton.integrations.vllm._egress`, :func:`is_egress_tier`). vLLM's
+``obj`` and ``p2p`` tiers, and any other, are refused at start-up
+(:func:`refuse_plaintext_tiers`): ``p2p`` serves a peer's read straight from
+the primary's memory, and ``obj`` moves it through NIXL registrations that
+kvtriton has not tested over an egress area.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from kvtriton.encryption import (
     require_cryptography,
 )
 from kvtriton.integrations.vllm._config import KVTRITON_ENCRYPTION
-from kvtriton.integrations.vllm._surface import OffloadingSpec, RequestTenant
+from kvtriton.integrations.vllm._surface import FileSystemTierManager, OffloadingSpec, RequestTenant
 
 logger = logging.getLogger(__name__)
 
@@ -187,18 +191,25 @@ def spec_encryption(spec: OffloadingSpec) -> TierEncryption | None:
     return found if isinstance(found, TierEncryption) else None
 
 
+def is_egress_tier(tier_class: type) -> bool:
+    """Whether an encrypting spec builds ``tier_class`` over its egress area and hands it only sealed chunks: vLLM's
+    fs tier (exactly: a subclass may move the bytes otherwise)."""
+    return tier_class is FileSystemTierManager
+
+
 def refuse_plaintext_tiers(tier_classes: Sequence[tuple[str, type]]) -> None:
     """Refuse, at start-up, every secondary tier that would store chunks unsealed under ``kvtriton_encryption``.
 
-    ``tier_classes``: each tier's label (``secondary_tiers[0] (type 'fs')``) and class. A tier seals
-    only when its class sets :data:`ENCRYPTING_TIER_ATTRIBUTE`.
+    ``tier_classes``: each tier's label (``secondary_tiers[0] (type 'obj')``) and class. A tier is accepted
+    when its class sets :data:`ENCRYPTING_TIER_ATTRIBUTE` or :func:`is_egress_tier` holds.
     """
     for label, tier_class in tier_classes:
-        if getattr(tier_class, ENCRYPTING_TIER_ATTRIBUTE, False) is True:
+        if getattr(tier_class, ENCRYPTING_TIER_ATTRIBUTE, False) is True or is_egress_tier(tier_class):
             continue
         raise ValueError(
             f"{_where()} is set, but {label} ({tier_class.__qualname__}) reads each chunk straight "
-            "from host memory and stores it as it is, in the clear; kvtriton seals only the tiers built on its "
-            "remote-tier base (MooncakeStoreTier in kvtriton.integrations.mooncake, or a backend of "
+            "from host memory and stores it as it is, in the clear; kvtriton hands ciphertext only to vLLM's fs "
+            "tier (type 'fs', through its egress area) and to the tiers built on its remote-tier base "
+            "(MooncakeStoreTier in kvtriton.integrations.mooncake, or a backend of "
             "kvtriton.integrations.remote.RemoteTier): use one of them, or remove kvtriton_encryption"
         )

@@ -83,6 +83,23 @@ Tiers that seal their own (``kvtriton_encryption``)
     applies to them (no xxh3 seal before a cascade, no check after a
     promotion; a box that fails to open is the tier's own counted miss).
 
+Tiers handed ciphertext (``kvtriton_encryption``, vLLM's ``fs`` tier)
+    An encrypting spec builds vLLM's fs tier over an egress area
+    (:mod:`kvtriton.integrations.vllm._egress`), not over the primary's
+    region, and names it in ``egress_tiers``. Each job is handed to the tier
+    as a copy whose ``chunk_ids`` are egress rows (vLLM's own job, which it
+    unpins and completes by key, keeps the primary slots). A cascade takes a
+    row per chunk (the chunks beyond the free rows are left out of the tier's
+    copy: a skipped store, never a plaintext one), and the seal thread seals
+    each slot with its request's tenant's key into its row before the tier is
+    handed the job, as above; the rows come back when the tier reports the
+    job. A promotion takes a row per chunk for the tier to read the files
+    into (too few free, or no tenant on the request: the promotion fails, a
+    miss), and the seal thread opens each row into its slot, off the manager
+    lock, as it checks seals above. The box's tag is the seal: no xxh3 for
+    these chunks; a box that does not open is a fault as above, counted as
+    ``decrypt_<reason>``, its file removed and its key quarantined.
+
 Why here and not in the primary's ``complete_write``: by then vLLM has already
 counted the key as loaded from the tier, and nothing would stop the next lookup
 from promoting the same faulty chunk again. vLLM learns which keys of a
@@ -113,8 +130,10 @@ import numpy as np
 from typing_extensions import TypeVar, override
 
 from kvtriton._integrity import IntegrityFault, seal_in_place, verify
+from kvtriton.encryption import SealedBox
+from kvtriton.integrations.vllm._egress import EgressCipher
 from kvtriton.integrations.vllm._identity import KVIdentity
-from kvtriton.integrations.vllm._integrity_report import IntegrityReport
+from kvtriton.integrations.vllm._integrity_report import Fault, IntegrityReport
 from kvtriton.integrations.vllm._surface import (
     CPUPrimaryTierOffloadingManager,
     FileSystemTierManager,
@@ -125,6 +144,7 @@ from kvtriton.integrations.vllm._surface import (
     SecondaryTierManager,
     TieringOffloadingManager,
     TransferJob,
+    request_tenant,
     vllm_base,
 )
 
@@ -158,8 +178,8 @@ class SealingStopped(RuntimeError):
     """The manager shut down while a job's slots were still being sealed: the rest of them are not."""
 
 
-Faults = list[tuple[vllm_base.OffloadKey, IntegrityFault]]
-"""The keys of a promotion whose chunk failed its seal check, each with the reason."""
+Faults = list[tuple[vllm_base.OffloadKey, Fault]]
+"""The keys of a promotion whose chunk failed its seal check (or, encrypted, did not open), each with the reason."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -180,6 +200,8 @@ class _PendingSeal:
     tier_idx: int
     sealed: Future[None]
     """Done when every slot of the job is sealed; holds the exception when a seal failed."""
+    tier_job: TransferJob
+    """What the tier is handed: ``job`` itself, or for an egress tier its copy over egress rows."""
     submit_store: Callable[[TransferJob], None] | None = None
     """The tier's own ``submit_store``, once vLLM has called it for this job: the call waits here for the seals."""
 
@@ -214,10 +236,24 @@ class SealedTieringManager(TieringOffloadingManager):
         tier_poll_interval_s: float,
         host_memory_path: Callable[[], int | None] = lambda: None,
         self_sealing_tiers: Collection[int] = (),
+        egress: EgressCipher | None = None,
+        egress_tiers: Collection[int] = (),
     ) -> None:
-        """``self_sealing_tiers``: the indexes of the tiers whose values are sealed boxes (see the module docstring)."""
+        """``self_sealing_tiers``: the indexes of the tiers whose values are sealed boxes; ``egress_tiers``: those
+        built over ``egress``'s area, handed ciphertext (see the module docstring)."""
         tiers = list(secondary_tiers)
         self._self_sealing = frozenset(self_sealing_tiers)
+        self._egress_tiers = frozenset(egress_tiers)
+        if self._egress_tiers and egress is None:
+            raise ValueError(f"egress_tiers {sorted(self._egress_tiers)} need the egress area they are built over")
+        self._egress = egress
+        self._egress_rows: dict[JobId, list[int]] = {}
+        """The egress rows of each job handed to an egress tier, until the tier reports it (or its seal fails)."""
+        self._landing_boxes: dict[JobId, SealedBox] = {}
+        """The tenant's box of each promotion from an egress tier, until its rows are opened."""
+        self.egress_left_out = 0
+        """Chunks an egress tier was not handed (no free egress row, or no tenant on the request)."""
+        self._warned_egress = False
         self._host_memory_path = host_memory_path
         """The region's host memory path (None until a rank took its slab), read for :data:`HOST_MEMORY_PATH`."""
         # Set before vLLM's constructor, which may start its tier-poll thread: that thread already asks the
@@ -229,7 +265,7 @@ class SealedTieringManager(TieringOffloadingManager):
         """The promotions handed to a tier (through the gate), until the tier reports them."""
         self._verifying: dict[JobId, _PendingVerification] = {}
         """Finished promotions held back from vLLM while the seal thread checks their chunks, in job order."""
-        self._verdicts: dict[JobId, list[tuple[vllm_base.OffloadKey, IntegrityFault]] | None] = {}
+        self._verdicts: dict[JobId, Faults | None] = {}
         """Checked promotions handed to vLLM, until its ``_complete_promotion``: the faulty keys (None: the check
         itself failed, every key is a miss)."""
         self._draining = False
@@ -272,8 +308,15 @@ class SealedTieringManager(TieringOffloadingManager):
             self._submit_when_sealed(job_metadata, submit_store)
 
         def gated_submit_load(job_metadata: TransferJob) -> None:
+            tier_job = job_metadata
+            if tier_idx in self._egress_tiers:
+                landing = self._egress_landing(tier_idx, job_metadata)
+                if landing is None:  # the tier never sees it: failed with the tier's next finished jobs
+                    self._failed_seals[tier_idx].append(JobResult(job_id=job_metadata.job_id, success=False))
+                    return
+                tier_job = landing
             self._promotions[job_metadata.job_id] = job_metadata  # its result is checked before vLLM sees it
-            submit_load(job_metadata)
+            submit_load(tier_job)
 
         def gated_get_finished_jobs() -> Iterable[JobResult]:
             return self._verified_promotions(tier_idx, self._finished_with_failed_seals(tier_idx, get_finished_jobs))
@@ -283,8 +326,7 @@ class SealedTieringManager(TieringOffloadingManager):
         tier.get_finished_jobs = gated_get_finished_jobs
 
     def _chunk(self, chunk_id: int) -> memoryview:
-        start = chunk_id * self._chunk_bytes
-        return self._region[start : start + self._chunk_bytes].data
+        return self._slot(chunk_id).data
 
     def _seal_slots(self, slots: Sequence[tuple[vllm_base.OffloadKey, int]]) -> None:
         """Seal each ``(key, chunk_id)`` slot in place; stops between chunks once the manager shuts down."""
@@ -293,6 +335,99 @@ class SealedTieringManager(TieringOffloadingManager):
             if self._sealing_stopped.is_set():
                 raise SealingStopped(f"shut down after sealing {done} of the {len(slots)} slots of a store job")
             seal_in_place(self._chunk(chunk_id), key=key, fingerprint=fingerprint)
+
+    def _seal_into_rows(
+        self, tier: str, box: SealedBox, slots: Sequence[tuple[vllm_base.OffloadKey, int, int]]
+    ) -> None:
+        """Seal each ``(key, chunk_id, row)`` slot into its egress row; stops between chunks like a seal."""
+        egress = self._egress
+        assert egress is not None
+        for done, (key, chunk_id, row) in enumerate(slots):
+            if self._sealing_stopped.is_set():
+                raise SealingStopped(f"shut down after sealing {done} of the {len(slots)} slots of a store job")
+            egress.seal(box, key, tier, self._slot(chunk_id), row)
+
+    def _open_rows(self, tier: str, box: SealedBox, slots: Sequence[tuple[vllm_base.OffloadKey, int, int]]) -> Faults:
+        """Open each ``(key, chunk_id, row)`` egress row into its slot: the keys whose box did not open, with why."""
+        egress = self._egress
+        assert egress is not None
+        faults: Faults = []
+        for done, (key, chunk_id, row) in enumerate(slots):
+            if self._sealing_stopped.is_set():
+                raise SealingStopped(f"shut down after opening {done} of the {len(slots)} chunks of a promotion")
+            failure = egress.open(box, key, tier, row, self._slot(chunk_id))
+            if failure is not None:
+                faults.append((key, failure))
+        return faults
+
+    def _slot(self, chunk_id: int) -> np.ndarray:
+        start = chunk_id * self._chunk_bytes
+        return self._region[start : start + self._chunk_bytes]
+
+    def _egress_box(self, tier_idx: int, job: TransferJob) -> SealedBox | None:
+        """The box of the tenant of ``job``'s request, or None (warned once) when its context names none."""
+        assert self._egress is not None
+        tenant = request_tenant(job.req_context)
+        if tenant is None:
+            self._left_out(tier_idx, job, len(job.keys), "its request context names no tenant")
+            return None
+        return self._egress.box(tenant)
+
+    def _left_out(self, tier_idx: int, job: TransferJob, count: int, why: str) -> None:
+        """Count ``count`` chunks of ``job`` an egress tier is not handed, warning the first time."""
+        self.egress_left_out += count
+        if self._warned_egress:
+            logger.debug("kvtriton egress: %d chunk(s) of job %d left out: %s", count, job.job_id, why)
+            return
+        self._warned_egress = True
+        logger.warning(
+            "kvtriton encryption: tier %s is not handed %d chunk(s) of %s job %d: %s (a store skipped, a "
+            "promotion a miss; never plaintext); later ones are logged at DEBUG",
+            tier_label(tier_idx, self.secondary_tiers[tier_idx]),
+            count,
+            "promotion" if job.is_promotion else "store",
+            job.job_id,
+            why,
+        )
+
+    def _egress_store(self, tier_idx: int, job: TransferJob) -> tuple[TransferJob, Callable[[], None]]:
+        """The copy of store ``job`` an egress tier is handed (the chunks that got a row), and the work that seals
+        them into their rows."""
+        assert self._egress is not None
+        keys = list(job.keys)
+        box = self._egress_box(tier_idx, job)
+        rows = [] if box is None else self._egress.area.take(len(keys))
+        if box is not None and len(rows) < len(keys):
+            self._left_out(tier_idx, job, len(keys) - len(rows), "every egress row is in use")
+        self._egress_rows[job.job_id] = rows
+        tier_job = dataclasses.replace(job, keys=keys[: len(rows)], chunk_ids=np.array(rows, dtype=np.int32))
+        if box is None or not rows:
+            return tier_job, lambda: None
+        slots = list(zip(keys, job.chunk_ids.tolist(), rows))
+        tier = self.secondary_tiers[tier_idx].tier_type
+        return tier_job, functools.partial(self._seal_into_rows, tier, box, slots)
+
+    def _egress_landing(self, tier_idx: int, job: TransferJob) -> TransferJob | None:
+        """The copy of promotion ``job`` an egress tier is handed, landing in egress rows; None when it cannot be
+        (no tenant, or too few free rows: the promotion fails, a miss)."""
+        assert self._egress is not None
+        box = self._egress_box(tier_idx, job)
+        if box is None:
+            return None
+        rows = self._egress.area.take(len(job.keys))
+        if len(rows) < len(job.keys):
+            self._egress.area.give_back(rows)
+            self._left_out(tier_idx, job, len(job.keys), "too few egress rows are free to land them")
+            return None
+        self._egress_rows[job.job_id] = rows
+        self._landing_boxes[job.job_id] = box
+        return dataclasses.replace(job, chunk_ids=np.array(rows, dtype=np.int32))
+
+    def _give_back_rows(self, job_id: JobId) -> None:
+        rows = self._egress_rows.pop(job_id, None)
+        if rows:
+            assert self._egress is not None
+            self._egress.area.give_back(rows)
 
     def _check_slots(self, slots: Sequence[tuple[vllm_base.OffloadKey, int]]) -> Faults:
         """The ``(key, chunk_id)`` slots whose chunk fails its seal check, with the reason; stops like a seal."""
@@ -356,14 +491,18 @@ class SealedTieringManager(TieringOffloadingManager):
         if tier_idx in self._self_sealing:
             self._stored_anew(tier_idx, job)
             return job
-        slots = list(zip(job.keys, job.chunk_ids.tolist()))  # taken here: the caller may reuse its collection
+        if tier_idx in self._egress_tiers:
+            tier_job, seal = self._egress_store(tier_idx, job)
+        else:
+            slots = list(zip(job.keys, job.chunk_ids.tolist()))  # taken here: the caller may reuse its collection
+            tier_job, seal = job, functools.partial(self._seal_slots, slots)
         if not self._cascading:
             # A peer's read through the ParentManager: its tier reads the slots as soon as this returns.
-            self._seal_slots(slots)
+            seal()
             self._stored_anew(tier_idx, job)
-            return job
-        sealed = self._off_the_lock(functools.partial(self._seal_slots, slots))
-        self._pending_seals[job.job_id] = _PendingSeal(job, tier_idx, sealed)
+            return tier_job
+        sealed = self._off_the_lock(seal)
+        self._pending_seals[job.job_id] = _PendingSeal(job, tier_idx, sealed, tier_job)
         return job
 
     def _stored_anew(self, tier_idx: int, job: TransferJob) -> None:
@@ -392,9 +531,11 @@ class SealedTieringManager(TieringOffloadingManager):
             error = cancelled
         if error is None:
             pending.job.submit_time = time.monotonic()  # when the tier got it: vLLM times the tier's I/O from here
+            pending.tier_job.submit_time = pending.job.submit_time
             self._stored_anew(pending.tier_idx, pending.job)
-            submit_store(pending.job)
+            submit_store(pending.tier_job)
             return
+        self._give_back_rows(pending.job.job_id)
         logger.error(
             "kvtriton could not seal store job %d for tier %s (%d chunks): the job fails, its chunks stay in the "
             "primary",
@@ -434,11 +575,15 @@ class SealedTieringManager(TieringOffloadingManager):
         for result in finished:
             job = self._promotions.pop(result.job_id, None)
             slots = [] if job is None else _loaded_slots(job, result)
-            if not slots:  # not a promotion, or nothing loaded: nothing to check
+            if not slots:  # not a promotion, or nothing loaded: nothing to check (nor to open)
+                self._give_back_rows(result.job_id)
+                self._landing_boxes.pop(result.job_id, None)
                 ready.append(result)
                 continue
-            check = functools.partial(self._check_slots, slots)
-            self._verifying[result.job_id] = _PendingVerification(result, tier_idx, self._off_the_lock(check))
+            assert job is not None
+            self._verifying[result.job_id] = _PendingVerification(
+                result, tier_idx, self._off_the_lock(self._check_of(tier_idx, job, slots))
+            )
         for job_id, pending in list(self._verifying.items()):
             if pending.tier_idx != tier_idx:
                 continue
@@ -447,9 +592,22 @@ class SealedTieringManager(TieringOffloadingManager):
             if not pending.faults.done():
                 continue
             del self._verifying[job_id]
+            self._give_back_rows(job_id)  # opened (or failed): the rows are free for the next job
             self._verdicts[job_id] = self._verdict(tier_idx, job_id, pending.faults)
             ready.append(pending.result)
         return ready
+
+    def _check_of(
+        self, tier_idx: int, job: TransferJob, slots: list[tuple[vllm_base.OffloadKey, int]]
+    ) -> Callable[[], Faults]:
+        """The work that checks a promotion's loaded ``slots``: their seals, or for an egress tier the opening of
+        their rows into them."""
+        if tier_idx not in self._egress_tiers:
+            return functools.partial(self._check_slots, slots)
+        box = self._landing_boxes.pop(job.job_id)
+        row_of = dict(zip(job.keys, self._egress_rows[job.job_id]))
+        tier = self.secondary_tiers[tier_idx].tier_type
+        return functools.partial(self._open_rows, tier, box, [(key, chunk, row_of[key]) for key, chunk in slots])
 
     def _verdict(self, tier_idx: int, job_id: JobId, faults: Future[Faults]) -> Faults | None:
         """A finished check's faulty keys, or None (logged) when the check itself failed."""
@@ -532,8 +690,11 @@ class SealedTieringManager(TieringOffloadingManager):
         if job_metadata.tier_idx in self._self_sealing:  # opened by the tier itself, box by box
             super()._complete_promotion(job_metadata, completed_job)
             return
+        faults: Faults | None
         if completed_job.job_id in self._verdicts:
             faults = self._verdicts.pop(completed_job.job_id)
+        elif job_metadata.tier_idx in self._egress_tiers:  # never landed apart, so never opened: nothing to serve
+            faults = None if _loaded_slots(job, completed_job) else []
         else:  # never held for a check (see the module docstring): checked here, never served unchecked
             faults = self._check_slots(_loaded_slots(job, completed_job))
         if faults is None:  # unchecked: a miss, and kept from being promoted again at once (that would loop)
@@ -549,7 +710,7 @@ class SealedTieringManager(TieringOffloadingManager):
             completed_job = dataclasses.replace(completed_job, success=False, successful_keys=good or None)
         super()._complete_promotion(job_metadata, completed_job)
 
-    def _reject(self, tier_idx: int, key: vllm_base.OffloadKey, fault: IntegrityFault) -> None:
+    def _reject(self, tier_idx: int, key: vllm_base.OffloadKey, fault: Fault) -> None:
         """Count a faulty chunk, keep its key from being promoted from that tier again, drop a faulty fs file."""
         tier = self.secondary_tiers[tier_idx]
         name = key.hex()

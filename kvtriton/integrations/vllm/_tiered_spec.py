@@ -36,7 +36,11 @@ The pieces:
   tag names the compression and its scale group size too (``+fp8-e4m3-g128``);
 * fail closed (:class:`~kvtriton.integrations.vllm._sealed_tiering.SealedTieringManager`):
   every chunk a secondary tier reads is sealed first, every chunk it returns
-  is verified before it becomes a hit (docs/tiers.md, "Integrity").
+  is verified before it becomes a hit (docs/tiers.md, "Integrity");
+* encrypted (``kvtriton_encryption``): kvtriton's remote tiers seal each value
+  with its tenant's key themselves; vLLM's fs tier is built over an egress
+  area (:mod:`kvtriton.integrations.vllm._egress`) and handed only sealed
+  chunks; any other tier is refused at start-up (docs/security.md).
 
 Import it through :mod:`kvtriton.integrations.vllm`, which checks that vLLM
 is installed.
@@ -67,7 +71,13 @@ from kvtriton.integrations.vllm._config import (
     is_vllm_policy,
     parse_policy,
 )
-from kvtriton.integrations.vllm._encryption import EncryptionSetting, TierEncryption, refuse_plaintext_tiers
+from kvtriton.integrations.vllm._egress import EgressArea, EgressCipher, egress_rows
+from kvtriton.integrations.vllm._encryption import (
+    EncryptionSetting,
+    TierEncryption,
+    is_egress_tier,
+    refuse_plaintext_tiers,
+)
 from kvtriton.integrations.vllm._identity import KVIdentity, vllm_identity
 from kvtriton.integrations.vllm._integrity_report import integrity_metric_definitions
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
@@ -468,6 +478,29 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
         tagged.config = with_model_name(self.config, self.tier_namespace())
         return tagged
 
+    def _egress_cipher(self) -> EgressCipher | None:
+        """The egress area vLLM's fs tier is built over when encrypting (:mod:`kvtriton.integrations.vllm._egress`),
+        or None: not encrypting, or no such tier."""
+        if self.encryption is None or not any(
+            is_egress_tier(resolve_tier(index, config)) for index, config in enumerate(self.secondary_tier_configs)
+        ):
+            return None
+        layout = self.region_layout
+        rows = egress_rows(layout.num_chunks, layout.chunk_bytes)
+        logger.info(
+            "kvtriton encryption: vLLM's fs tier gets only sealed chunks, through an egress area of %d rows of %d "
+            "bytes (%.1f MiB at most, resident only as rows are used)",
+            rows,
+            layout.chunk_bytes,
+            rows * layout.chunk_bytes / (1 << 20),
+        )
+        return EgressCipher(
+            EgressArea(rows, layout.chunk_bytes),
+            self.encryption,
+            fingerprint=self.identity.fingerprint,
+            layout=self.layout_tag,
+        )
+
     @override
     def get_manager(self) -> vllm_base.OffloadingManager:
         if self._manager is not None:
@@ -488,11 +521,17 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
             )
             view = cast("KVTritonPrimaryTier | CPUPrimaryTierOffloadingManager", primary).get_kv_memoryview()
             tier_spec = self.tier_facing_spec()
+            egress = self._egress_cipher()
+            egress_tiers: list[int] = []
             for index, tier_config in enumerate(self.secondary_tier_configs):
                 threads_before = threading.enumerate()
+                tier_view = view
+                if egress is not None and is_egress_tier(resolve_tier(index, tier_config)):
+                    tier_view = egress.area.view()  # the tier's only view of the KV: sealed chunks
+                    egress_tiers.append(index)
                 try:
                     prepare_tier_root(tier_label(index, tier_config), tier_config, self.settings.file_sharing)
-                    tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
+                    tier = SecondaryTierFactory.create_secondary_tier(tier_config, tier_view, tier_spec)  # pyright: ignore[reportUnknownMemberType] -- vLLM annotates tier configs as a bare dict
                 except Exception as error:
                     # Before anything else: a half-built tier's threads would outlive this spec (and the next ones).
                     left = release_half_built(error, threads_before)
@@ -511,8 +550,13 @@ class KVTritonTieringOffloadingSpec(TieringOffloadingSpec):
                 identity=self.identity,
                 tier_poll_interval_s=self.tier_poll_interval_s,
                 host_memory_path=lambda: region.memory_path,
-                # Encrypting, every tier left is one that seals its values itself (the others were refused).
-                self_sealing_tiers=range(len(tiers)) if self.encryption is not None else (),
+                # Encrypting, every tier is one handed ciphertext or one that seals its values itself (the others
+                # were refused).
+                self_sealing_tiers=[index for index in range(len(tiers)) if index not in egress_tiers]
+                if self.encryption is not None
+                else (),
+                egress=egress,
+                egress_tiers=egress_tiers,
             )
         except BaseException:
             for tier in reversed(tiers):

@@ -1,10 +1,11 @@
 """``kvtriton_encryption`` in the tiered spec: the setting, every refusal at start-up, the tenant hook, the line.
 
 Each refusal is one line naming the key, the value and what to do; a tier
-that would store chunks in the clear (vLLM's fs tier) is refused with the
-tier named; the master key is read at start-up (a key file others may read
-stops the start); the connector's contexts carry each request's tenant once
-the spec is built.
+that would store chunks in the clear (one that reads host memory itself, as
+vLLM's obj and p2p tiers do) is refused with the tier named, while vLLM's fs
+tier is built over the egress area; the master key is read at start-up (a
+key file others may read stops the start); the connector's contexts carry
+each request's tenant once the spec is built.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import inspect
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -142,24 +143,48 @@ def test_a_key_in_an_unset_variable_stops_the_start(monkeypatch: pytest.MonkeyPa
     assert spec_with({"master_key_env": "KVTRITON_TEST_MASTER_KEY"}).encryption is not None
 
 
-def test_vllm_s_fs_tier_is_refused_with_one_line_naming_it_and_what_to_use(tmp_path: Path) -> None:
-    tiers: list[dict[str, object]] = [MEMORY_TIER, {"type": "fs", "root_dir": str(tmp_path / "kv")}]
+def test_a_tier_that_reads_host_memory_itself_is_refused_with_one_line_naming_it_and_what_to_use(
+    tmp_path: Path,
+) -> None:
+    tiers: list[dict[str, object]] = [
+        MEMORY_TIER,
+        {"type": "fs", "root_dir": str(tmp_path / "kv")},
+        {"type": "DeferringTier", "module_path": "tiering_fixtures.deferring_tier"},
+    ]
     with pytest.raises(ValueError) as refused:
         spec_with({"master_key_file": str(key_file(tmp_path))}, tiers)
     message = str(refused.value)
     assert "\n" not in message
-    assert "secondary_tiers[1] (type 'fs')" in message and FileSystemTierManager.__qualname__ in message
-    assert "MooncakeStoreTier" in message and "remove kvtriton_encryption" in message
+    assert "secondary_tiers[2] (type 'DeferringTier')" in message and "DeferringTier)" in message
+    assert "vLLM's fs tier" in message and "MooncakeStoreTier" in message and "remove kvtriton_encryption" in message
     assert not (tmp_path / "kv").exists()
+
+
+def test_vllm_s_fs_tier_is_accepted_and_built_over_the_egress_area(tmp_path: Path) -> None:
+    tiers: list[dict[str, object]] = [{"type": "fs", "root_dir": str(tmp_path / "kv")}]
+    spec = spec_with({"master_key_file": str(key_file(tmp_path))}, tiers)
+    manager = spec.get_manager()
+    try:
+        (tier,) = cast("Any", manager).secondary_tiers
+        assert isinstance(tier, FileSystemTierManager)
+        # The tier's only memory is the egress area, never the primary's region (whose chunks it could read).
+        assert tier._primary_kv_view.obj is not cast("Any", manager).primary_tier.get_kv_memoryview().obj  # pyright: ignore[reportPrivateUsage] -- the view vLLM's fs tier copies through
+    finally:
+        manager.shutdown()
 
 
 def test_refusal_covers_any_class_without_the_attribute() -> None:
     class SealsTier:
         kvtriton_seals_per_tenant = True
 
-    refuse_plaintext_tiers([("a", SealsTier)])
+    class FsSubclass(FileSystemTierManager):
+        """A subclass may move the bytes otherwise: only vLLM's own fs tier is built over the egress area."""
+
+    refuse_plaintext_tiers([("a", SealsTier), ("b", FileSystemTierManager)])
     with pytest.raises(ValueError, match=r"but b \(dict\) reads"):
         refuse_plaintext_tiers([("a", SealsTier), ("b", dict)])
+    with pytest.raises(ValueError, match=r"but c \(.*FsSubclass\) reads"):
+        refuse_plaintext_tiers([("c", FsSubclass)])
 
 
 def test_the_single_tier_spec_only_warns_about_the_setting(caplog: pytest.LogCaptureFixture) -> None:
