@@ -118,7 +118,7 @@ OTHER_TESTS := tests/vllm_compat tests/integrations/vllm/test_vllm_worker_contra
 	tests/e2e/test_single_tier.py tests/e2e/test_installed_wheel.py tests/e2e/test_preemption_aborts.py \
 	tests/e2e/test_fs_tier.py tests/e2e/test_mooncake.py tests/e2e/test_serve.py tests/e2e/test_fail_closed.py \
 	tests/e2e/test_fs_tier_faults.py tests/e2e/test_mooncake_faults.py tests/e2e/test_mooncake_master_faults.py \
-	tests/e2e/test_start_up_crash.py tests/e2e/test_encryption.py tests/e2e/test_fs_encryption.py
+	tests/e2e/test_start_up_crash.py tests/e2e/test_encryption.py
 compat-other:
 	$(MAKE) --no-print-directory VENV=$(OTHER_VENV) VLLM_VERSION=$(OTHER_VLLM_VERSION) venv
 	$(OTHER_VENV)/bin/python -m pyright --venvpath $(OTHER_ROOT)

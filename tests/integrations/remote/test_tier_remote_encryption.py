@@ -22,6 +22,7 @@ pytest.importorskip("cryptography", reason="encryption needs kvtriton's [encrypt
 
 from mooncake_fixtures.managers import promote, serve_and_cascade
 from mooncake_fixtures.tiers import Primary, chunk_keys, make_memory_tier, resolve_lookups, run_job
+from plaintext_runs import holds_plaintext_run
 from tiering_fixtures.configs import managers as managers
 from tiering_fixtures.configs import tiering
 from vllm.v1.kv_offload.base import LookupResult, OffloadingManager
@@ -34,8 +35,6 @@ from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
 from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 
 CHUNK = 16 * 1024
-RUN = 64
-"""The plaintext run no stored value may hold (the issue's test)."""
 ALICE, BOB = RequestTenant("alice"), RequestTenant(None)
 MASTER = MasterKey(bytes(range(32)), source="test key")
 OTHER_MASTER = MasterKey(bytes(range(1, 33)), source="another test key")
@@ -55,12 +54,6 @@ def fresh_store() -> str:
 
 def encrypting(master: MasterKey = MASTER, retired: tuple[str, ...] = ()) -> TierEncryption:
     return TierEncryption(master, retired)
-
-
-def holds_a_run_of(value: bytes, plaintext: bytes) -> bool:
-    """Whether ``value`` holds any ``RUN``-byte run of ``plaintext`` (at every offset, not only aligned ones)."""
-    runs = {plaintext[start : start + RUN] for start in range(0, len(plaintext) - RUN + 1)}
-    return any(value[start : start + RUN] in runs for start in range(0, len(value) - RUN + 1))
 
 
 def stored_values(store_name: str) -> dict[str, bytes]:
@@ -92,7 +85,7 @@ def test_a_tenant_s_chunks_are_stored_as_sealed_boxes_and_come_back_bit_exact(ti
     values = stored_values(name)
     assert len(values) == 2 and {len(value) for value in values.values()} == {sealed_length(CHUNK)}
     for value in values.values():
-        assert not any(holds_a_run_of(value, chunk) for chunk in written)
+        assert not any(holds_plaintext_run(value, chunk) for chunk in written)
     assert writer.stats().stored_keys == 2
 
     assert resolve_lookups(reader, keys) == [LookupResult.HIT, LookupResult.HIT]
@@ -110,7 +103,7 @@ def test_an_unencrypted_tier_s_values_would_hold_the_plaintext(tiers: list[InMem
     (written,) = memory.fill([0], seed=3)
     assert run_job(tier, chunk_keys(1, salt=3), [0], load=False).success
     (value,) = stored_values(name).values()
-    assert holds_a_run_of(value, written)
+    assert holds_plaintext_run(value, written)
 
 
 @pytest.mark.parametrize(
@@ -243,7 +236,7 @@ def test_behind_the_tiered_spec_a_tenant_s_chunks_round_trip_sealed_once_and_oth
     slots = {bytes(key): slot for key, slot in primary.cpu.slot_map().items()}
     assert [writer_rows[slots[bytes(key)]].tobytes() for key in keys] == written
     for value in stored_values(name).values():
-        assert not any(holds_a_run_of(value, chunk) for chunk in written)
+        assert not any(holds_plaintext_run(value, chunk) for chunk in written)
 
     reader, reader_tier, reader_rows = encrypting_manager(managers, name, monkeypatch)
     assert promote(reader, reader_rows, keys, tenant=ALICE) == written

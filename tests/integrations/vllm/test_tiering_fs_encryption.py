@@ -23,24 +23,19 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 pytest.importorskip("cryptography", reason="encryption needs kvtriton's [encryption] extra")
 
+from plaintext_runs import holds_plaintext_run
 from tiering_fixtures.configs import drain, key, tiering_config
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from tiering_fixtures.fs_round_trip import CHUNK, FS_TIER, PAYLOAD, chunk_file, store
+from tiering_fixtures.fs_round_trip import look_up as look_up_keys
+from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 import kvtriton.integrations.vllm._egress as egress
-from kvtriton._integrity import SEAL_BYTES
 from kvtriton.encryption import MasterKey
 from kvtriton.integrations.vllm import RequestTenant
 from kvtriton.integrations.vllm._sealed_tiering import SealedTieringManager
 
-CHUNK = 4096  # 2048-byte blocks, one rank and the seal, padded to a page
-PAYLOAD = CHUNK - SEAL_BYTES
 KEYS = (1, 2, 3)
-END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-RUN = 64
-"""No chunk file may hold a run of this many bytes of its chunk's plaintext."""
 
 
 def plaintext(index: int) -> bytes:
@@ -60,7 +55,7 @@ def build(
 ) -> SealedTieringManager:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": 8 * CHUNK,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}],
+        "secondary_tiers": [{**FS_TIER, "root_dir": str(root)}],
     }
     if key_path is not None:
         extra["kvtriton_encryption"] = {"master_key_file": str(key_path), "retired_key_ids": list(retired)}
@@ -71,16 +66,6 @@ def build(
     return manager
 
 
-def fs_of(manager: SealedTieringManager) -> FileSystemTierManager:
-    (tier,) = manager.secondary_tiers
-    assert isinstance(tier, FileSystemTierManager)
-    return tier
-
-
-def chunk_file(manager: SealedTieringManager, index: int) -> Path:
-    return Path(fs_of(manager).file_mapper.get_file_name(key(index)))
-
-
 def context_of(request: str, tenant: str | None) -> ReqContext:
     """A request's context as the connector builds it, with the tenant kvtriton's hook records."""
     context = ReqContext(req_id=request)
@@ -88,68 +73,14 @@ def context_of(request: str, tenant: str | None) -> ReqContext:
     return context
 
 
-def flat(manager: SealedTieringManager) -> memoryview:
-    return manager.primary_tier.get_kv_memoryview().cast("B")
-
-
 def store_all(manager: SealedTieringManager, tenant: str | None) -> None:
     """Store ``key(1..3)`` holding their :func:`plaintext` (a worker's copy), cascade them to fs, forget them."""
-    context = context_of("store", tenant)
-    keys = [key(index) for index in KEYS]
-    manager.on_new_request(context)
-    with manager.lock:
-        output = manager.prepare_store(keys, context)
-    assert output is not None and isinstance(output.store_spec, VLLMCPULoadStoreSpec)
-    region = flat(manager)
-    by_key = {key(index): plaintext(index) for index in KEYS}
-    for stored, slot in zip(output.keys_to_store, output.store_spec.chunk_ids.tolist()):
-        region[slot * CHUNK : slot * CHUNK + PAYLOAD] = by_key[stored]
-    with manager.lock:
-        manager.complete_store(keys, context)
-    drain(manager)
-    manager.on_request_finished(context)
-    with manager.lock:  # the primary forgets its copies: the next lookups go to the fs tier
-        manager.reset_cache()
-        manager.on_reset_flushed()
+    store(manager, {index: plaintext(index) for index in KEYS}, context_of("store", tenant))
 
 
 def look_up(manager: SealedTieringManager, tenant: str | None) -> dict[int, bytes | None]:
-    """Each key's promoted KV, or None for a miss, as vLLM's scheduler asks step after step."""
-    context = context_of(f"read-{time.monotonic_ns()}", tenant)
-    manager.on_new_request(context)
-    deadline = time.monotonic() + 15.0
-    while True:
-        with manager.lock:
-            answers = {index: manager.lookup(key(index), context) for index in KEYS}
-            manager.on_schedule_end(END_OF_STEP)
-        if all(answer in (LookupResult.HIT, LookupResult.MISS) for answer in answers.values()):
-            break
-        assert time.monotonic() < deadline, f"lookups never settled: {answers}"
-        time.sleep(0.005)
-    found: dict[int, bytes | None] = {}
-    region = flat(manager)
-    for index, answer in answers.items():
-        found[index] = None
-        if answer is LookupResult.HIT:
-            with manager.lock:
-                spec = manager.prepare_load([key(index)], context)
-                manager.complete_load([key(index)], context)
-            assert isinstance(spec, VLLMCPULoadStoreSpec)
-            (slot,) = spec.chunk_ids.tolist()
-            found[index] = bytes(region[slot * CHUNK : slot * CHUNK + PAYLOAD])
-    manager.on_request_finished(context)
-    return found
-
-
-def holds_plaintext_run(data: bytes, plain: bytes) -> bool:
-    """Whether ``data`` holds any :data:`RUN`-byte run of ``plain``.
-
-    Any such run contains one of ``plain``'s ``RUN // 2``-byte pieces at a multiple of ``RUN // 2``, so ``data``
-    is searched for those at every offset (a stricter test than the runs themselves).
-    """
-    half = RUN // 2
-    pieces = {plain[start : start + half] for start in range(0, len(plain) - half + 1, half)}
-    return any(data[offset : offset + half] in pieces for offset in range(len(data) - half + 1))
+    """Each key's promoted KV, or None for a miss."""
+    return look_up_keys(manager, KEYS, context_of(f"read-{time.monotonic_ns()}", tenant))
 
 
 def failures(manager: SealedTieringManager) -> dict[str, int]:

@@ -10,7 +10,6 @@ tier's label and the reason, and is not promoted again.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,11 +17,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
-from tiering_fixtures.configs import drain, key, tiering_config
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, ScheduleEndContext
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VLLMCPULoadStoreSpec
+from tiering_fixtures.configs import key, tiering_config
+from tiering_fixtures.fs_round_trip import CHUNK, FS_TIER, PAYLOAD, chunk_file, store
+from tiering_fixtures.fs_round_trip import look_up as look_up_keys
+from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
 import kvtriton._integrity as integrity
 from kvtriton._integrity import SEAL_BYTES, IntegrityFault, seal, seal_bytes
@@ -32,10 +31,7 @@ from kvtriton.integrations.vllm._sealed_tiering import HOST_MEMORY_PATH, SealedT
 from kvtriton.integrations.vllm._tiered_spec import KVTritonPrimaryTier
 from kvtriton.worker import HostMemoryPath, SharedRegion
 
-CHUNK = 4096  # 2048-byte blocks, one rank and the seal, padded to a page
-PAYLOAD = CHUNK - SEAL_BYTES
 FILLS = {1: 0x11, 2: 0x22, 3: 0x33}
-END_OF_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
 VLLM_POLICY: dict[str, object] = {
@@ -50,7 +46,7 @@ def build(
 ) -> SealedTieringManager:
     extra: dict[str, object] = {
         "cpu_bytes_to_use": 8 * CHUNK,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "n_read_threads": 1, "n_write_threads": 1}],
+        "secondary_tiers": [{**FS_TIER, "root_dir": str(root)}],
         **(policy or {}),
     }
     spec = OffloadingSpecFactory.create_spec(tiering_config(extra, worker_kv_bytes_per_block=2048, **config))  # pyright: ignore[reportArgumentType] -- keyword pass-through
@@ -60,68 +56,15 @@ def build(
     return manager
 
 
-def fs_of(manager: SealedTieringManager) -> FileSystemTierManager:
-    (tier,) = manager.secondary_tiers
-    assert isinstance(tier, FileSystemTierManager)
-    return tier
-
-
-def chunk_file(manager: SealedTieringManager, index: int) -> Path:
-    return Path(fs_of(manager).file_mapper.get_file_name(key(index)))
-
-
-def flat(manager: SealedTieringManager) -> memoryview:
-    return manager.primary_tier.get_kv_memoryview().cast("B")
-
-
 def store_all(manager: SealedTieringManager) -> None:
-    """Store chunks ``key(1..3)`` holding their ``FILLS`` byte (a worker's copy), cascade them to fs, forget them."""
-    context = ReqContext(req_id="store")
-    keys = [key(index) for index in FILLS]
-    manager.on_new_request(context)
-    with manager.lock:
-        output = manager.prepare_store(keys, context)
-    assert output is not None and isinstance(output.store_spec, VLLMCPULoadStoreSpec)
-    region = flat(manager)
-    fill_of = {key(index): fill for index, fill in FILLS.items()}
-    for stored, slot in zip(output.keys_to_store, output.store_spec.chunk_ids.tolist()):
-        region[slot * CHUNK : (slot + 1) * CHUNK] = bytes([fill_of[stored]]) * CHUNK  # the seal's room gets sealed
-    with manager.lock:
-        manager.complete_store(keys, context)
-    drain(manager)
-    manager.on_request_finished(context)
+    """Store chunks ``key(1..3)`` holding their ``FILLS`` byte (a worker's copy; the seal's room gets sealed),
+    cascade them to fs, forget them."""
+    store(manager, {index: bytes([fill]) * CHUNK for index, fill in FILLS.items()}, ReqContext(req_id="store"))
     assert all(chunk_file(manager, index).stat().st_size == CHUNK for index in FILLS)
-    with manager.lock:  # the primary forgets its copies: the next lookups go to the fs tier
-        manager.reset_cache()
-        manager.on_reset_flushed()
 
 
 def look_up(manager: SealedTieringManager, request: str) -> dict[int, bytes | None]:
-    """Each key's promoted payload, or None for a miss, as vLLM's scheduler asks step after step."""
-    context = ReqContext(req_id=request)
-    manager.on_new_request(context)
-    deadline = time.monotonic() + 15.0
-    while True:
-        with manager.lock:
-            answers = {index: manager.lookup(key(index), context) for index in FILLS}
-            manager.on_schedule_end(END_OF_STEP)
-        if all(answer in (LookupResult.HIT, LookupResult.MISS) for answer in answers.values()):
-            break
-        assert time.monotonic() < deadline, f"lookups never settled: {answers}"
-        time.sleep(0.005)
-    found: dict[int, bytes | None] = {}
-    region = flat(manager)
-    for index, answer in answers.items():
-        found[index] = None
-        if answer is LookupResult.HIT:
-            with manager.lock:
-                spec = manager.prepare_load([key(index)], context)
-                manager.complete_load([key(index)], context)
-            assert isinstance(spec, VLLMCPULoadStoreSpec)
-            (slot,) = spec.chunk_ids.tolist()
-            found[index] = bytes(region[slot * CHUNK : slot * CHUNK + PAYLOAD])
-    manager.on_request_finished(context)
-    return found
+    return look_up_keys(manager, tuple(FILLS), ReqContext(req_id=request))
 
 
 def intact(index: int) -> bytes:
