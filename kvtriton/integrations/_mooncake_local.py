@@ -191,8 +191,13 @@ class MooncakeCluster:
             time.sleep(0.05)
 
     def start(self) -> MooncakeCluster:
-        self.start_master()
-        self.start_holder()
+        """Start the master, then the holder; if either fails to start, stop what did (nothing is left running)."""
+        try:
+            self.start_master()
+            self.start_holder()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def kill_master(self) -> None:
