@@ -116,7 +116,7 @@ from pathlib import Path
 from types import FrameType
 from typing import cast
 
-from bench.common import bench_parser, command_line, format_table, quick_name, results_dir, write_json
+from bench.common import bench_parser, command_line, format_table, result_name, results_dir, write_json
 
 __all__ = [
     "ARMS",
@@ -929,7 +929,7 @@ def _stopped_by_sigterm() -> Generator[None]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = bench_parser("serving", __doc__)
+    parser = bench_parser("serving", __doc__, quick="one round of none and kvtriton, a few short requests")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -957,12 +957,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=HOST_BYTES,
         help=f"kvtriton's host slab, and what the ceiling adds to the engine's cache (default: {HOST_BYTES >> 20} MiB)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: one round of none and kvtriton, a few short requests; writes serving-quick.json",
-    )
-    parser.add_argument("--name", default="serving", help="result file stem (default: serving)")
     parser.add_argument(
         "--recompute",
         action="store_true",
@@ -1052,7 +1046,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if LMCACHE in runs:
         payload["lmcache"] = _lmcache_record(args.host_bytes)
-    print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")
+    print(f"wrote {write_json(result_name(args), payload)}")
     return 0
 
 
