@@ -13,6 +13,7 @@ import kvtriton.worker._slab as slab_module
 from kvtriton.cli._main import main
 from kvtriton.manager import policy_names
 from kvtriton.worker._layout import PagedKV
+from tests.cli.conftest import usage_error
 
 SMALL = ["--model", "qwen2.5-7b", "--gpu-blocks", "16", "--capacity", "24MiB", "--requests", "8", "--no-progress"]
 
@@ -55,21 +56,6 @@ def test_demo_runs_clean_for_other_layouts_policies_and_backends(
     assert "0 mismatched" in capsys.readouterr().out
 
 
-@pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
-def test_demo_exits_nonzero_when_a_loaded_block_differs(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def copy_nothing(*args: object, **kwargs: object) -> None:
-        """A load that silently moves no bytes."""
-
-    monkeypatch.setattr(backends_module, "scatter_unchecked", copy_nothing)
-    # Pinned to the patched torch backend: on a CUDA machine "auto" would pick triton and copy for real.
-    assert main(["demo", *SMALL, "--device", "cpu", "--backend", "torch"]) == 1
-    captured = capsys.readouterr()
-    assert "FAILED" in captured.out
-    assert "MISMATCH" in captured.err
-
-
 COMPRESSED_SMALL = [
     *SMALL[:-3],
     "--requests",
@@ -107,14 +93,20 @@ def test_compressed_demo_checks_loads_against_the_reference_and_reports_bytes_sl
 
 
 @pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
-def test_compressed_demo_fails_when_a_load_writes_other_values_than_the_reference(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "flags",
+    # Pinned to the patched torch backend: on a CUDA machine "auto" would pick triton and copy for real.
+    [[*SMALL, "--device", "cpu", "--backend", "torch"], COMPRESSED_SMALL],
+    ids=["plain", "compressed"],
+)
+def test_demo_exits_nonzero_when_a_load_writes_other_bytes_than_the_reference(
+    flags: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def decode_nothing(*args: object, **kwargs: object) -> None:
-        """A compressed load that silently writes nothing."""
+    def copy_nothing(*args: object, **kwargs: object) -> None:
+        """A load that silently moves (or decodes) nothing."""
 
-    monkeypatch.setattr(backends_module, "scatter_unchecked", decode_nothing)
-    assert main(["demo", *COMPRESSED_SMALL]) == 1
+    monkeypatch.setattr(backends_module, "scatter_unchecked", copy_nothing)
+    assert main(["demo", *flags]) == 1
     captured = capsys.readouterr()
     assert "FAILED" in captured.out and "MISMATCH" in captured.err
 
@@ -327,10 +319,7 @@ def test_every_choice_flag_takes_its_names_in_any_case() -> None:
 def test_a_bad_choice_names_the_flag_and_lists_the_names(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as raised:
-        main(["demo", *flags])
-    assert raised.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(["demo", *flags], capsys)
 
 
 def test_the_default_layout_follows_the_model() -> None:
