@@ -15,17 +15,19 @@ from kvtriton.cli._simulate._computation import TierGrid
 from kvtriton.cli._simulate._output import (
     describe_server,
     gib,
+    lossy_tiers_lines,
     offloading_transfer_config,
     percent,
+    properties,
     record_of,
     serve_command_lines,
     table,
     tier_record_fields,
     tier_sweep_lines,
     tiered_point_record,
+    unreached_lines,
 )
 from kvtriton.sim import (
-    COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_AFFINITY_BLOCKS,
     DEFAULT_ROUTER,
     POOL_KNEE_POINTS,
@@ -285,12 +287,11 @@ def answer_lines(
     point = found.point
     if point is None or found.extra_config is None:
         best = found.best
-        return [
-            f"NO POINT TRIED REACHES THE TARGET: the fleet's hit share stays below {target} ({price});",
-            f"  the best is {percent(best.hit_share)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)}"
-            f" per engine, {best.pool.describe()} pool): try larger --capacities or --tier-sizes, or lower"
-            " --target-hit-rate.",
-        ]
+        return unreached_lines(
+            f"the fleet's hit share stays below {target} ({price})",
+            f"{percent(best.hit_share)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)} per engine,"
+            f" {best.pool.describe()} pool)",
+        )
     pool = point.pool.model
     pool_size = format_bytes(point.pool.capacity_bytes or 0)
     flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
@@ -311,23 +312,18 @@ def answer_lines(
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free on each"
         " engine's machine",
         pool.deployment.format(size=pool_size),
+        *lossy_tiers_lines(geometry),
     ]
-    if geometry.compression != "none":
-        lines.append(
-            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
-        )
     return lines
 
 
 def _fleet_point_record(point: FleetPoint, ratio: float) -> dict[str, object]:
     return {
         **tiered_point_record(point.report, ratio),
-        "hit_share": point.hit_share,
-        "prompt_tokens": point.prompt_tokens,
-        "gpu_hit_tokens": point.gpu_hit_tokens,
-        "host_hit_tokens": point.host_hit_tokens,
-        "pool_hit_tokens": point.pool_hit_tokens,
-        "computed_tokens": point.computed_tokens,
+        **properties(
+            point,
+            ("hit_share", "prompt_tokens", "gpu_hit_tokens", "host_hit_tokens", "pool_hit_tokens", "computed_tokens"),
+        ),
         "engines": [asdict(engine) for engine in point.engines],
     }
 

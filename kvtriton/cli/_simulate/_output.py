@@ -366,19 +366,15 @@ def tier_heading(tier: TierSpec, servers: int) -> str:
     return f"{tier.model.heading}{shared}"
 
 
+def properties(value: object, names: Iterable[str]) -> dict[str, object]:
+    """``value``'s attributes ``names`` under their own names: the derived figures a record adds to the counts."""
+    return {name: getattr(value, name) for name in names}
+
+
 def tiered_point_record(report: TieredReport, ratio: float) -> dict[str, object]:
-    return {
-        **asdict(report),
-        "external_hit_rate": report.external_hit_rate,
-        "host_served_rate": report.host_served_rate,
-        "tier_served_rate": report.tier_served_rate,
-        "host_chunk_hit_rate": report.host_chunk_hit_rate,
-        "tier_chunk_hit_rate": report.tier_chunk_hit_rate,
-        "tier_read_bytes": report.tier_read_bytes,
-        "tier_write_bytes": report.tier_write_bytes,
-        "tier_fill_bytes": report.tier_fill_bytes,
-        "cost_tier_gib": report.cost(ratio),
-    }
+    derived = ("external_hit_rate", "host_served_rate", "tier_served_rate", "host_chunk_hit_rate",
+               "tier_chunk_hit_rate", "tier_read_bytes", "tier_write_bytes", "tier_fill_bytes")  # fmt: skip
+    return {**asdict(report), **properties(report, derived), "cost_tier_gib": report.cost(ratio)}
 
 
 def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str], list[list[str]]]:
@@ -458,6 +454,21 @@ def stall_lines(stalled: Sequence[TieredReport], geometry: ModelGeometry) -> lis
     return lines
 
 
+def unreached_lines(shortfall: str, best: str) -> list[str]:
+    """A tiered or fleet sweep's answer when no point reached the target: the ``shortfall``, the ``best`` point."""
+    return [
+        f"NO POINT TRIED REACHES THE TARGET: {shortfall};",
+        f"  the best is {best}: try larger --capacities or --tier-sizes, or lower --target-hit-rate.",
+    ]
+
+
+def lossy_tiers_lines(geometry: ModelGeometry) -> list[str]:
+    """With compressed rows, the line saying both tiers hold them (none without)."""
+    if geometry.compression == "none":
+        return []
+    return [f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"]
+
+
 def tiered_recommendation_lines(
     found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int, tensor_parallel_size: int
 ) -> list[str]:
@@ -466,17 +477,16 @@ def tiered_recommendation_lines(
     price = f"host memory priced {found.host_price_ratio:g}x a tier GiB"
     if point is None or found.extra_config is None:
         best = found.best
-        return [
-            f"NO POINT TRIED REACHES THE TARGET: the hit rate vLLM reports stays below {target} ({price});",
-            f"  the best is {percent(best.external_hit_rate)} ({best.policy.upper()}, host"
-            f" {format_bytes(best.host_bytes)}, {best.tier.describe()}): try larger --capacities or --tier-sizes,"
-            " or lower --target-hit-rate.",
-        ]
+        return unreached_lines(
+            f"the hit rate vLLM reports stays below {target} ({price})",
+            f"{percent(best.external_hit_rate)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)},"
+            f" {best.tier.describe()})",
+        )
     tier = point.tier.model
     tier_size = format_bytes(point.tier_size_bytes)  # a sized tier's capacity, else what it filled
     per_server = " per server" if servers > 1 else ""
     flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
-    lines = [
+    return [
         f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier.bought_as.format(size=tier_size)},"
         f" {percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
@@ -484,12 +494,8 @@ def tiered_recommendation_lines(
         *_serve_lines(found.extra_config, offloading_transfer_config(found.extra_config), flags),
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
         tier.deployment.format(size=tier_size),
+        *lossy_tiers_lines(geometry),
     ]
-    if geometry.compression != "none":
-        lines.append(
-            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
-        )
-    return lines
 
 
 @dataclass(frozen=True, slots=True)
