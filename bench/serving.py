@@ -109,7 +109,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -527,6 +527,17 @@ def alternating_schedule(arms: Sequence[str], rounds: int) -> list[tuple[int, st
     if not arms or len(set(arms)) != len(arms):
         raise ValueError(f"arms must be distinct and not empty, got {list(arms)}")
     return [(r, arm) for r in range(1, rounds + 1) for arm in arms]
+
+
+def with_progress(schedule: Sequence[tuple[int, str]]) -> Iterator[tuple[int, str, str]]:
+    """Each ``(round, arm)`` of ``schedule`` as it runs, with its label ``[round R/ROUNDS, I/N, about M min left]``
+    (the minutes left estimated from the time the runs before it took)."""
+    rounds = schedule[-1][0] if schedule else 0
+    began = time.monotonic()
+    for index, (r, arm) in enumerate(schedule, start=1):
+        elapsed = time.monotonic() - began
+        eta = "" if index == 1 else f", about {elapsed / (index - 1) * (len(schedule) - index + 1) / 60:.0f} min left"
+        yield r, arm, f"[round {r}/{rounds}, {index}/{len(schedule)}{eta}]"
 
 
 def spread(values: Sequence[float]) -> dict[str, object]:
@@ -1016,17 +1027,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = workloads(sizes, mt_path)
     runs: dict[str, dict[int, dict[str, dict[str, float]]]] = {arm: {} for arm in running}
     records: list[dict[str, object]] = []
-    began = time.monotonic()
     try:
         with _stopped_by_sigterm():
-            for index, (r, arm) in enumerate(schedule, start=1):
-                elapsed = time.monotonic() - began
-                eta = (
-                    ""
-                    if index == 1
-                    else f", about {elapsed / (index - 1) * (len(schedule) - index + 1) / 60:.0f} min left"
-                )
-                progress = f"[round {r}/{rounds}, {index}/{len(schedule)}{eta}]"
+            for r, arm, progress in with_progress(schedule):
                 record = run_arm(
                     all_configurations[arm],
                     model,
