@@ -24,6 +24,13 @@ def _field(out: str, name: str) -> str:
     return match.group(1)
 
 
+def _blocks_verified(out: str) -> int:
+    """The loaded blocks the demo's ``verified`` line counts, after checking that none of them mismatched."""
+    verified = re.fullmatch(r"(\d+) loaded blocks, 0 mismatched", _field(out, "verified"))
+    assert verified is not None, _field(out, "verified")
+    return int(verified.group(1))
+
+
 @pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
 def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL]) == 0
@@ -31,8 +38,7 @@ def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys:
     assert "qwen2.5-7b: 28 layers" in out
     hits = re.match(r"(\d+\.\d)% \((\d+) of (\d+) prompt chunks\)", _field(out, "hit rate"))
     assert hits is not None and int(hits.group(2)) > 0
-    verified = re.match(r"(\d+) loaded blocks, (\d+) mismatched", _field(out, "verified"))
-    assert verified is not None and int(verified.group(1)) == int(hits.group(2)) and verified.group(2) == "0"
+    assert _blocks_verified(out) == int(hits.group(2))
     assert re.match(r"[1-9]\d* loads, [1-9]\d* stores, 0 failed", _field(out, "jobs"))
     assert "OK: every loaded block matched" in out
 
@@ -78,8 +84,7 @@ def test_compressed_demo_checks_loads_against_the_reference_and_reports_bytes_sl
     assert main(["demo", *COMPRESSED_SMALL]) == 0
     out = capsys.readouterr().out
     assert "compression fp8-e4m3: 462.00 KiB per slab row (0.516x); LOSSY" in out
-    verified = re.match(r"(\d+) loaded blocks, 0 mismatched", _field(out, "verified"))
-    assert verified is not None and int(verified.group(1)) > 0
+    assert _blocks_verified(out) > 0
     moved = re.match(r".* = (\d\.\d+)x the .* uncompressed rows", _field(out, "bytes moved"))
     assert moved is not None and moved.group(1) == "0.516"  # 462 KiB of 896 KiB per block, loads and stores alike
     slots = re.match(r"(\d+) for --capacity, (\d\.\d+)x the (\d+) uncompressed", _field(out, "slots"))
@@ -339,7 +344,7 @@ def test_rates_are_in_gb_per_second_as_in_the_benchmarks(capsys: pytest.CaptureF
 def test_a_run_that_loads_nothing_verified_nothing_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL, "--requests", "1"]) == 1
     out = capsys.readouterr().out
-    assert _field(out, "verified") == "0 loaded blocks, 0 mismatched"
+    assert _blocks_verified(out) == 0
     assert "NOTHING VERIFIED: no request found a stored chunk" in out and "OK" not in out
 
 
