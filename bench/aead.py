@@ -62,7 +62,7 @@ from typing import Protocol, cast
 import numpy as np
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-from bench.common import bench_parser, command_line, format_table, quick_name, readable_bytes, write_json
+from bench.common import bench_parser, command_line, format_table, readable_bytes, result_name, write_json
 from kvtriton.cli import progress
 from kvtriton.encryption import MasterKey, SealedBox, TenantKeys, associated_data, sealed_length
 
@@ -482,11 +482,9 @@ def tables(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = bench_parser("aead", __doc__)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: two small chunk sizes, short timings")
+    parser = bench_parser("aead", __doc__, quick="two small chunk sizes, short timings")
     parser.add_argument("--seconds", type=float, default=0.1, help="time of one figure in one round (default: 0.1)")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median is kept (default: 7)")
-    parser.add_argument("--name", default="aead", help="result file stem (default: aead)")
     return parser.parse_args(argv)
 
 
@@ -534,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "calls": [asdict(figure) for figure in probe],
         },
     }
-    path = write_json(quick_name(args.name) if args.quick else args.name, payload)
+    path = write_json(result_name(args), payload)
     print(f"\nwrote {path}")
     return 0
 

@@ -73,9 +73,30 @@ def quick_name(name: str) -> str:
     return name if name.endswith("-quick") else f"{name}-quick"
 
 
-def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
-    """The parser of ``python -m bench.<module>``, described by the first line of its docstring ``doc``."""
-    return argparse.ArgumentParser(prog=f"python -m bench.{module}", description=doc.splitlines()[0] if doc else None)
+def bench_parser(
+    module: str, doc: str | None, *, quick: str | None = None, device: bool = False
+) -> argparse.ArgumentParser:
+    """The parser of ``python -m bench.<module>``, described by the first line of its docstring ``doc``.
+
+    ``quick``: what ``--quick``, a smoke run, runs (it writes ``<name>-quick.json``); with it come ``--name``, the result file stem (default
+    ``module``), and :func:`result_name`, the stem a run writes. ``device``: ``--device`` (auto, cpu or cuda),
+    read with :func:`chosen_device`.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{module}", description=doc.splitlines()[0] if doc else None)
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}; writes <name>-quick.json")
+        parser.add_argument("--name", default=module, help=f"result file stem (default: {module})")
+    if device:
+        parser.add_argument(
+            "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)"
+        )
+    return parser
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """The stem of the result file a run writes: ``--name``, with ``-quick`` for a smoke run (``--quick``)."""
+    name: str = args.name
+    return quick_name(name) if args.quick else name
 
 
 def command_line(module: str, argv: Sequence[str] | None) -> str:

@@ -56,7 +56,7 @@ from typing import Any, cast
 
 import torch
 
-from bench.common import bench_parser, format_table, quick_name, write_json
+from bench.common import bench_parser, format_table, result_name, write_json
 from bench.tiny_models import HEAD_DIM as TINY_HEAD_DIM
 from bench.tiny_models import VOCAB_SIZE, TinyLlama
 from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec
@@ -539,7 +539,7 @@ def print_real_model(real: Mapping[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = bench_parser("compression", __doc__)
+    parser = bench_parser("compression", __doc__, quick="512 tokens, 1 seed, 4 prompts, no real model")
     parser.add_argument("--tokens", type=int, default=4096, help="cached tokens of the synthetic layer (default: 4096)")
     parser.add_argument(
         "--queries", type=int, default=32, help="random queries per head for the attention error (default: 32)"
@@ -557,12 +557,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="SmolLM2-135M chat prompts through real vLLM engines (default: 8, at most 8; 0 skips the real model)",
     )
     parser.add_argument("--real-tokens", type=int, default=32, help="greedy tokens per real-model prompt (default: 32)")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 512 tokens, 1 seed, 4 prompts, no real model; writes compression-quick.json",
-    )
-    parser.add_argument("--name", default="compression", help="result file stem (default: compression)")
     return parser.parse_args(argv)
 
 
@@ -720,7 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "real_model": real,
         "note": "errors are averaged over seeds; attention error is ||o' - o|| / ||o|| over every query and head, in float64",
     }
-    print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")
+    print(f"wrote {write_json(result_name(args), payload)}")
     return 0
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, write_json
+from bench.common import bench_parser, chosen_device, format_table, readable_bytes, result_name, write_json
 from bench.kernels import RUN_BLOCKS, KiB, gpu_blocks
 from kvtriton import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtriton.cli import progress
@@ -155,7 +155,9 @@ def verdict(timings: Sequence[Timing], fast: str, patterns: Sequence[str]) -> Ve
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = bench_parser("crossover", __doc__)
+    parser = bench_parser(
+        "crossover", __doc__, quick="1 and 4 KiB pages, 2 layers, 16 blocks, 1 job, no verdicts", device=True
+    )
     parser.add_argument(
         "--page-kib",
         type=float,
@@ -166,15 +168,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=16, help="layers, two page tensors (K, V) each (default: 16)")
     parser.add_argument("--blocks", type=int, default=128, help="blocks per job, a multiple of 16 (default: 128)")
     parser.add_argument("--jobs", type=int, default=5, help="timed jobs per direction, median reported (default: 5)")
-    parser.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 1 and 4 KiB pages, 2 layers, 16 blocks, 1 job; writes <name>-quick, no verdicts",
-    )
-    parser.add_argument("--name", default="crossover", help="result file stem (default: crossover)")
     return parser.parse_args(argv)
 
 
@@ -185,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("SMOKE RUN (--quick): tiny sizes, one job; the figures below are no verdict on anything.")
     if args.blocks < RUN_BLOCKS or args.blocks % RUN_BLOCKS:
         raise SystemExit(f"--blocks must be a positive multiple of {RUN_BLOCKS}, got {args.blocks}")
-    name = quick_name(args.name) if args.quick else args.name
+    name = result_name(args)
     device = chosen_device(args.device)
     fast = "triton" if device == "cuda" else "torch"  # on CPU a rehearsal: the interpreter's timings mean nothing
     page_sizes = sorted({int(kib * KiB) for kib in args.page_kib})

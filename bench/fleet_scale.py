@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import cast
 
-from bench.common import bench_parser, command_line, format_table, quick_name, write_json
+from bench.common import bench_parser, command_line, format_table, result_name, write_json
 from kvtriton.sim import (
     GIB,
     PRESETS,
@@ -187,7 +187,7 @@ def measure(requests: int, engines: int) -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = bench_parser("fleet_scale", __doc__)
+    parser = bench_parser("fleet_scale", __doc__, quick="10 engines, a few hundred requests")
     parser.add_argument(
         "--requests",
         type=lambda text: [int(item) for item in text.split(",")],
@@ -197,8 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engines", type=int, help=f"engines in the fleet (default: {FULL_ENGINES}; --quick: {QUICK_ENGINES})"
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 10 engines, a few hundred requests")
-    parser.add_argument("--name", default="fleet_scale", help="result file stem (default: fleet_scale)")
     return parser
 
 
@@ -233,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines: int = args.engines or (QUICK_ENGINES if args.quick else FULL_ENGINES)
     if any(count < 1 for count in counts) or engines < 1:
         raise SystemExit(f"--requests and --engines must be positive, got {counts} and {engines}")
-    name = quick_name(args.name) if args.quick else args.name
+    name = result_name(args)
     rows: list[dict[str, object]] = []
     for count in counts:
         print(f"{count:,} requests on {engines} engines: generating the trace, then the replay", flush=True)

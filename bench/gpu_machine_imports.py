@@ -30,6 +30,7 @@ import re
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -103,48 +104,42 @@ def _found_in(spec: importlib.machinery.ModuleSpec, folders: Sequence[Path]) -> 
     return False
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as a plain finder
 class _Blocking(importlib.abc.MetaPathFinder):
     """Wraps one finder of ``sys.meta_path``: top-level modules and distributions outside the allowed sets are
     not found."""
 
-    def __init__(
-        self,
-        finder: MetaPathFinderProtocol,
-        allowed: frozenset[str],
-        distributions: frozenset[str],
-        folders: Sequence[Path],
-        blocked: set[str],
-    ) -> None:
-        self._finder = finder
-        self._allowed = allowed
-        self._distributions = distributions
-        self._folders = folders
-        self._blocked = blocked
+    finder: MetaPathFinderProtocol
+    allowed: frozenset[str]
+    distributions: frozenset[str]
+    folders: Sequence[Path]
+    blocked: set[str]
+    """Where each refused top-level name is added."""
 
     def find_distributions(
         self, context: importlib.metadata.DistributionFinder.Context | None = None
     ) -> Iterator[importlib.metadata.Distribution]:
-        find = getattr(self._finder, "find_distributions", None)
+        find = getattr(self.finder, "find_distributions", None)
         if find is None:
             return
         found: Iterable[importlib.metadata.Distribution] = find(
             context or importlib.metadata.DistributionFinder.Context()
         )
         for distribution in found:
-            if _normalized(distribution.metadata["Name"] or "") in self._distributions:
+            if _normalized(distribution.metadata["Name"] or "") in self.distributions:
                 yield distribution
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        spec = self._finder.find_spec(fullname, path, target)
-        if spec is None or "." in fullname or fullname in self._allowed or _found_in(spec, self._folders):
+        spec = self.finder.find_spec(fullname, path, target)
+        if spec is None or "." in fullname or fullname in self.allowed or _found_in(spec, self.folders):
             return spec
-        self._blocked.add(fullname)
+        self.blocked.add(fullname)
         return None
 
     def invalidate_caches(self) -> None:
-        invalidate = getattr(self._finder, "invalidate_caches", None)
+        invalidate = getattr(self.finder, "invalidate_caches", None)
         if invalidate is not None:
             invalidate()
 

@@ -62,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 BASELINE_COMMIT = "fa74cdaf86b93282005aaa3dde83ab972f9adb78"
@@ -311,57 +311,61 @@ def _run_child(
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def result_rows(
-    measured: Mapping[tuple[str, int], Sequence[Mapping[str, float]]],
+Measured = Mapping[tuple[str, int], Sequence[Mapping[str, float]]]
+"""Figures per (tree: ``current`` or ``baseline``, page tensors): one mapping per job measured."""
+
+
+def _beside_baseline(
+    measured: Measured,
     page_tensors: Sequence[int],
-    block_counts: Sequence[int],
-    goals: Mapping[int, float] | None,
+    row: Callable[[int, int, Mapping[str, float], Mapping[str, float] | None], dict[str, object]],
+) -> list[dict[str, object]]:
+    """``row(page tensors, job index, current figures, baseline figures or None)`` per job of each page-tensor count
+    measured on the current tree."""
+    return [
+        row(count, index, now, measured["baseline", count][index] if ("baseline", count) in measured else None)
+        for count in page_tensors
+        for index, now in enumerate(measured.get(("current", count), ()))
+    ]
+
+
+def result_rows(
+    measured: Measured, page_tensors: Sequence[int], block_counts: Sequence[int], goals: Mapping[int, float] | None
 ) -> list[dict[str, object]]:
     """A row per block count of each page-tensor count measured on the current tree, beside its baseline if measured."""
-    rows: list[dict[str, object]] = []
-    for count in page_tensors:
-        if ("current", count) not in measured:
-            continue
-        for index, blocks in enumerate(block_counts):
-            now = measured["current", count][index]
-            row: dict[str, object] = {
-                "page_tensors": count,
-                "blocks": blocks,
-                "current_us": now["us_per_job"],
-                "current_median_us": now["median_us_per_job"],
-                "goal_us": None if goals is None else goals.get(count),
+
+    def row(count: int, index: int, now: Mapping[str, float], before: Mapping[str, float] | None) -> dict[str, object]:
+        figures: dict[str, object] = {
+            "page_tensors": count,
+            "blocks": block_counts[index],
+            "current_us": now["us_per_job"],
+            "current_median_us": now["median_us_per_job"],
+            "goal_us": None if goals is None else goals.get(count),
+        }
+        if before is not None:
+            figures |= {
+                "baseline_us": before["us_per_job"],
+                "baseline_median_us": before["median_us_per_job"],
+                "speedup": before["us_per_job"] / now["us_per_job"],
             }
-            if ("baseline", count) in measured:
-                before = measured["baseline", count][index]
-                row |= {
-                    "baseline_us": before["us_per_job"],
-                    "baseline_median_us": before["median_us_per_job"],
-                    "speedup": before["us_per_job"] / now["us_per_job"],
-                }
-            rows.append(row)
-    return rows
+        return figures
+
+    return _beside_baseline(measured, page_tensors, row)
 
 
 def device_pointer_rows(
-    measured: Mapping[tuple[str, int], Sequence[Mapping[str, float]]],
-    page_tensors: Sequence[int],
-    goals: Mapping[int, float] | None,
+    measured: Measured, page_tensors: Sequence[int], goals: Mapping[int, float] | None
 ) -> list[dict[str, object]]:
     """A row per block count of each page-tensor count of the vLLM 0.34 job, beside its baseline if measured."""
-    rows: list[dict[str, object]] = []
-    for count in page_tensors:
-        if ("current", count) not in measured:
-            continue
-        for index, now in enumerate(measured["current", count]):
-            row: dict[str, object] = {**now, "goal_us": None if goals is None else goals.get(count)}
-            if ("baseline", count) in measured:
-                before = measured["baseline", count][index]
-                row |= {
-                    f"baseline_{key}": before[key]
-                    for key in ("job_us", "median_job_us", "decode_us", "median_decode_us")
-                }
-            rows.append(row)
-    return rows
+
+    def row(count: int, index: int, now: Mapping[str, float], before: Mapping[str, float] | None) -> dict[str, object]:
+        figures: dict[str, object] = {**now, "goal_us": None if goals is None else goals.get(count)}
+        if before is not None:
+            keys = ("job_us", "median_job_us", "decode_us", "median_decode_us")
+            figures |= {f"baseline_{key}": before[key] for key in keys}
+        return figures
+
+    return _beside_baseline(measured, page_tensors, row)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -424,11 +428,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     # Imported only here: a --measure child may run with PYTHONPATH at the baseline tree, which has no bench/.
-    from bench.common import chosen_device, format_table, quick_name, write_json
+    from bench.common import chosen_device, format_table, result_name, write_json
     from kvtriton.cli import progress
 
     device = chosen_device(args.device)
-    name = quick_name(args.name) if args.quick else args.name
+    name = result_name(args)
     if args.real_launch:
         args.no_baseline = True  # the launch is in the figure now; the baseline measured without it
     if args.quick:

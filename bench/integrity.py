@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from bench.common import format_table, quick_name, readable_bytes, write_json
+from bench.common import bench_parser, format_table, readable_bytes, result_name, write_json
 from kvtriton._integrity import FINGERPRINT_BYTES, SEAL_BYTES, seal_bytes, verify
 
 CHUNK_SIZES = (64 << 10, 2 << 20, 8 << 20, 32 << 20)
@@ -135,13 +135,9 @@ def tables(checksums: Sequence[ChecksumFigure], seals: Sequence[SealFigure]) -> 
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.integrity", description="GB/s of checksum per candidate and of kvtriton's seal and verify"
-    )
-    parser.add_argument("--quick", action="store_true", help="a smoke run: two small chunk sizes, short timings")
+    parser = bench_parser("integrity", __doc__, quick="two small chunk sizes, short timings")
     parser.add_argument("--seconds", type=float, default=0.2, help="length of one timing (default: 0.2)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure, the median is kept (default: 5)")
-    parser.add_argument("--name", default="integrity", help="result file stem (default: integrity)")
     return parser.parse_args(argv)
 
 
@@ -160,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "checksum": [dataclasses.asdict(figure) for figure in checksums],
         "seal": [dataclasses.asdict(figure) for figure in seals],
     }
-    path = write_json(quick_name(args.name) if args.quick else args.name, payload)
+    path = write_json(result_name(args), payload)
     print(f"\nwrote {path}")
     return 0
 

@@ -68,7 +68,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bench.common import bench_parser, chosen_device, format_table, quick_name, readable_bytes, results_dir, write_json
+from bench.common import bench_parser, chosen_device, format_table, readable_bytes, result_name, results_dir, write_json
 from kernels_dev.compiled_variants import compiled_variants, format_variant
 from kvtriton.cli import progress
 from kvtriton.kernels import (
@@ -110,8 +110,8 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
-class ContenderError:
-    """A method that raised while it was prepared or timed in one case and direction: its row is missing."""
+class MethodCase:
+    """One method in one direction (``kernel``) of one job: what a result row and an error row both name first."""
 
     kernel: str
     method: str
@@ -120,18 +120,17 @@ class ContenderError:
     layers: int
     rows: str
     pattern: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContenderError(MethodCase):
+    """A method that raised while it was prepared or timed in one case and direction: its row is missing."""
+
     error: str
 
 
 @dataclass(frozen=True, slots=True)
-class Result:
-    kernel: str
-    method: str
-    page_bytes: int
-    blocks: int
-    layers: int
-    rows: str
-    pattern: str
+class Result(MethodCase):
     group: str
     seconds: float
     bandwidth_GBps: float
@@ -676,7 +675,9 @@ def plot(results: Sequence[Result], path_stem: str) -> str | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = bench_parser("kernels", __doc__)
+    parser = bench_parser(
+        "kernels", __doc__, quick="4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats, no verdicts", device=True
+    )
     parser.add_argument(
         "--page-kib", type=int, nargs="+", help="page sizes in KiB (default: 1 4 16 64 256; --gpu-check: 4 16 32 64)"
     )
@@ -706,15 +707,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"bytes per program iteration (default: {DEFAULT_BYTES_PER_ITER})",
     )
     parser.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available (default)"
-    )
-    parser.add_argument(
         "--no-pin", action="store_true", help="use a pageable slab on CUDA (the Triton path then refuses it)"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 4 and 32 KiB pages, 32 blocks, 4 layers, 3 repeats; writes <name>-quick, no verdicts",
     )
     parser.add_argument(
         "--gpu-check",
@@ -727,7 +720,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ptx", action="store_true", help="print the sm_90 access-width summary and exit (no GPU needed)"
     )
-    parser.add_argument("--name", default="kernels", help="result file stem (default: kernels)")
     parser.add_argument(
         "--no-headline", action="store_true", help="skip the four Llama-3-8B headline jobs (run the sweep only)"
     )
@@ -775,7 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     device = torch.device(chosen_device(args.device))
     pin = device.type == "cuda" and not args.no_pin
-    name = quick_name(args.name) if args.quick else args.name
+    name = result_name(args)
     compression = KVCompression.parse(args.compression, "--compression")
     only: tuple[str, ...] | None = None
     if args.quick:

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol, TypeVar, cast
 
-from bench.common import bench_parser, command_line, format_table, quick_name, write_json
+from bench.common import bench_parser, command_line, format_table, result_name, write_json
 from kvtriton import OffloadKey, ReqContext
 from kvtriton.cli import progress
 from kvtriton.manager import CPUOffloadingManager, policy_names
@@ -62,7 +62,6 @@ from kvtriton.sim import (
     PrefixSharingParams,
     PreparedRequest,
     ReplayStats,
-    StoreOutput,
     generate,
     hooked_calls,
     manager_calls,
@@ -187,15 +186,10 @@ class _VllmContext(Protocol):
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None: ...
 
 
-class _VllmManager(Protocol):
-    def lookup(self, key: OffloadKey, req_context: _VllmContext, /) -> object: ...
-    def prepare_load(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> object: ...
+class _VllmManager(HookedManager, Protocol):
+    """vLLM's manager as the replay calls it (:class:`HookedManager`), and its ``touch``."""
+
     def touch(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> None: ...
-    def prepare_store(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> StoreOutput | None: ...
-    def complete_load(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> None: ...
-    def complete_store(self, keys: Sequence[OffloadKey], req_context: _VllmContext, /) -> None: ...
-    def on_new_request(self, req_context: _VllmContext, /) -> object: ...
-    def on_request_finished(self, req_context: _VllmContext, /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +240,7 @@ def _load_vllm() -> _Vllm | str:
 
 def _vllm_calls(vllm: _Vllm, manager: _VllmManager, with_touch: bool = False) -> ManagerCalls[_VllmContext]:
     """The replay calls of a vLLM 0.33 manager, with its per-request hooks (and ``touch`` if asked for)."""
-    calls = hooked_calls(cast(HookedManager, manager), hit=vllm.hit, pending=vllm.pending)
+    calls = hooked_calls(manager, hit=vllm.hit, pending=vllm.pending)
     return replace(calls, touch=manager.touch) if with_touch else calls
 
 
@@ -389,17 +383,19 @@ def _rate(timing: Timing) -> str:
     return f"{timing.median:,.0f} ({timing.low:,.0f}-{timing.high:,.0f})"
 
 
+HEADLINE_COLUMNS = (
+    "workload",
+    "policy",
+    "slots",
+    "vLLM blocks/s (range)",
+    "kvtriton via adapter blocks/s (range)",
+    "speed-up",
+)
+"""The headline table's columns up to the hit rates, here and in the docs (bench/render_docs.py)."""
+
+
 def format_headline(rows: Sequence[HeadlineRow]) -> str:
-    headers = [
-        "workload",
-        "policy",
-        "slots",
-        "vLLM blocks/s (range)",
-        "kvtriton via adapter blocks/s (range)",
-        "speed-up",
-        "vLLM hit %",
-        "kvtriton hit %",
-    ]
+    headers = [*HEADLINE_COLUMNS, "vLLM hit %", "kvtriton hit %"]
     table: list[list[object]] = [
         [
             row.workload,
@@ -430,7 +426,12 @@ with their help; the option's type and default are the field's."""
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = PrefixSharingParams()
-    parser = bench_parser("manager", __doc__)
+    parser = bench_parser(
+        "manager",
+        __doc__,
+        quick=f"{QUICK_REQUESTS} requests, {QUICK_HEADLINE_REQUESTS} per headline trace and one round / replay unless"
+        " told otherwise; its figures judge nothing",
+    )
     parser.add_argument(
         "--requests",
         type=int,
@@ -454,19 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeats", type=int, help="replays per manager; the fastest counts (default 3; 1 with --quick)"
     )
     parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"smoke run: {QUICK_REQUESTS} requests, {QUICK_HEADLINE_REQUESTS} per headline trace and one round / replay"
-        " unless told otherwise; its figures judge nothing and go to <name>-quick.json",
-    )
-    parser.add_argument(
         "--policies", nargs="+", default=policy_names(), choices=policy_names(), help="policies to run (default: all)"
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is importable")
     parser.add_argument(
         "--vllm-touch", action="store_true", help="also call touch() on vLLM (its 0.33 connector does not)"
     )
-    parser.add_argument("--name", default="manager", help="result file name under bench/results/ (default %(default)s)")
     head = parser.add_argument_group("headline (vLLM's call order; needs vLLM)")
     head.add_argument(
         "--workloads",
@@ -517,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quick: bool = args.quick
     # A smoke run never overwrites a measured result (`kvtriton bench` already names it <name>-quick).
-    name: str = quick_name(args.name) if quick else args.name
+    name = result_name(args)
     repeats: int = args.repeats if args.repeats is not None else 1 if quick else 3
     capacity: int = args.slots
     inflight: int = args.inflight

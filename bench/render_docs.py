@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import cast
 
 from bench.common import bench_parser
+from bench.manager import HEADLINE_COLUMNS
 from bench.render_results import REPO, RESULTS, JSONObject, RenderError, Results
 from bench.render_serving import SERVING_RENDERERS, serving_goal_row
 from bench.render_simulate import SIMULATE_RENDERERS
@@ -157,16 +158,7 @@ def manager_headline_table(results: Results) -> str:
                 f"{_pct(_num(theirs, 'hit_rate'))} / {_pct(_num(ours, 'hit_rate'))}",
             ]
         )
-    headers = [
-        "workload",
-        "policy",
-        "slots",
-        "vLLM blocks/s (range)",
-        "kvtriton via adapter blocks/s (range)",
-        "speed-up",
-        "hit rate (vLLM / kvtriton)",
-    ]
-    return _table(headers, rows, "llrrrrl")
+    return _table([*HEADLINE_COLUMNS, "hit rate (vLLM / kvtriton)"], rows, "llrrrrl")
 
 
 def manager_headline_range(results: Results, name: str = "manager") -> str:

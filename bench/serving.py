@@ -109,14 +109,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import cast
 
-from bench.common import bench_parser, command_line, format_table, quick_name, results_dir, write_json
+from bench.common import bench_parser, command_line, format_table, result_name, results_dir, write_json
 
 __all__ = [
     "ARMS",
@@ -529,6 +529,17 @@ def alternating_schedule(arms: Sequence[str], rounds: int) -> list[tuple[int, st
     return [(r, arm) for r in range(1, rounds + 1) for arm in arms]
 
 
+def with_progress(schedule: Sequence[tuple[int, str]]) -> Iterator[tuple[int, str, str]]:
+    """Each ``(round, arm)`` of ``schedule`` as it runs, with its label ``[round R/ROUNDS, I/N, about M min left]``
+    (the minutes left estimated from the time the runs before it took)."""
+    rounds = schedule[-1][0] if schedule else 0
+    began = time.monotonic()
+    for index, (r, arm) in enumerate(schedule, start=1):
+        elapsed = time.monotonic() - began
+        eta = "" if index == 1 else f", about {elapsed / (index - 1) * (len(schedule) - index + 1) / 60:.0f} min left"
+        yield r, arm, f"[round {r}/{rounds}, {index}/{len(schedule)}{eta}]"
+
+
 def spread(values: Sequence[float]) -> dict[str, object]:
     """The rounds' values, their median and their range."""
     if not values:
@@ -929,7 +940,7 @@ def _stopped_by_sigterm() -> Generator[None]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = bench_parser("serving", __doc__)
+    parser = bench_parser("serving", __doc__, quick="one round of none and kvtriton, a few short requests")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -957,12 +968,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=HOST_BYTES,
         help=f"kvtriton's host slab, and what the ceiling adds to the engine's cache (default: {HOST_BYTES >> 20} MiB)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: one round of none and kvtriton, a few short requests; writes serving-quick.json",
-    )
-    parser.add_argument("--name", default="serving", help="result file stem (default: serving)")
     parser.add_argument(
         "--recompute",
         action="store_true",
@@ -1022,17 +1027,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = workloads(sizes, mt_path)
     runs: dict[str, dict[int, dict[str, dict[str, float]]]] = {arm: {} for arm in running}
     records: list[dict[str, object]] = []
-    began = time.monotonic()
     try:
         with _stopped_by_sigterm():
-            for index, (r, arm) in enumerate(schedule, start=1):
-                elapsed = time.monotonic() - began
-                eta = (
-                    ""
-                    if index == 1
-                    else f", about {elapsed / (index - 1) * (len(schedule) - index + 1) / 60:.0f} min left"
-                )
-                progress = f"[round {r}/{rounds}, {index}/{len(schedule)}{eta}]"
+            for r, arm, progress in with_progress(schedule):
                 record = run_arm(
                     all_configurations[arm],
                     model,
@@ -1052,7 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if LMCACHE in runs:
         payload["lmcache"] = _lmcache_record(args.host_bytes)
-    print(f"wrote {write_json(quick_name(args.name) if args.quick else args.name, payload)}")
+    print(f"wrote {write_json(result_name(args), payload)}")
     return 0
 
 

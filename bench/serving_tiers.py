@@ -55,12 +55,11 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
-from bench.common import bench_parser, command_line, format_table, quick_name, write_json
+from bench.common import bench_parser, command_line, format_table, result_name, write_json
 from bench.serving import (
     BLOCK_SIZE,
     CEILING,
@@ -79,6 +78,7 @@ from bench.serving import (
     multi_turn_prompts,
     run_arm,
     server_env,
+    with_progress,
     write_sharegpt,
 )
 
@@ -284,11 +284,9 @@ def table(runs: Runs) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[bool, int, list[str], str, Path | None]:
-    parser = bench_parser("serving_tiers", __doc__)
-    parser.add_argument("--quick", action="store_true", help="smoke run: one round, two short conversations")
+    parser = bench_parser("serving_tiers", __doc__, quick="one round, two short conversations")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"alternating rounds (default: {ROUNDS}, >= 3)")
     parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)} (default: all; none is always run)")
-    parser.add_argument("--name", default="serving_tiers", help="result file stem (default: serving_tiers)")
     parser.add_argument("--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct, prepared once)")
     args = parser.parse_args(argv)
     named = list(ARMS) if args.arms is None else [name.strip() for name in args.arms.split(",") if name.strip()]
@@ -297,7 +295,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[bool, int, list[str], str, P
     if not args.quick and args.rounds < 3:
         parser.error(f"--rounds must be >= 3 (a median and a spread), got {args.rounds}")
     arms = [arm for arm in ARMS if arm in named or arm == "none"]
-    return args.quick, 1 if args.quick else args.rounds, arms, args.name, args.model
+    return args.quick, 1 if args.quick else args.rounds, arms, result_name(args), args.model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -323,16 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, dict[int, dict[str, dict[str, float]]]] = {arm: {} for arm in arms}
     records: list[dict[str, object]] = []
     schedule = alternating_schedule(arms, rounds)
-    began = time.monotonic()
     try:
         with _stopped_by_sigterm():
-            for index, (r, arm) in enumerate(schedule, start=1):
-                elapsed = time.monotonic() - began
-                eta = (
-                    ""
-                    if index == 1
-                    else f", about {elapsed / (index - 1) * (len(schedule) - index + 1) / 60:.0f} min left"
-                )
+            for r, arm, progress in with_progress(schedule):
                 folder = scratch / f"{r}-{ARMS.index(arm)}"
                 with arm_configuration(arm, folder) as configuration:
                     record = run_arm(
@@ -342,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         engine_kv_bytes=ENGINE_KV_BYTES,
                         env=env,
                         folder=folder / "server",
-                        progress=f"[round {r}/{rounds}, {index}/{len(schedule)}{eta}]",
+                        progress=progress,
                     )
                 runs[arm][r] = cast(dict[str, dict[str, float]], record["figures"])
                 records.append({"round": r, "arm": arm, **record})
@@ -371,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": records,
         "load_average_1min": os.getloadavg()[0],
     }
-    print(f"wrote {write_json(quick_name(name) if quick else name, payload)}")
+    print(f"wrote {write_json(name, payload)}")
     return 0
 
 

@@ -80,7 +80,8 @@ from bench.third_party_logs import quiet_vllm
 from kvtriton.cli import progress
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadKey
+    from vllm.v1.kv_offload.base import OffloadKey, ScheduleEndContext
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 __all__ = [
     "STEP_VARIANTS",
@@ -195,6 +196,16 @@ def _batches(keys: list[OffloadKey], batch: int) -> list[list[OffloadKey]]:
     return [keys[start : start + batch] for start in range(0, len(keys), batch)]
 
 
+def _settle(manager: TieringOffloadingManager, step_end: ScheduleEndContext) -> None:
+    """End steps until no tier job is in flight."""
+    while True:
+        with manager.lock:
+            manager.on_schedule_end(step_end)
+            if not manager.has_pending_work():
+                return
+        time.sleep(STEP_S)
+
+
 def run_pass(
     primary: str, chunk_bytes: int, chunks: int, batch: int, root: Path, threads: int, first_key: int
 ) -> PassResult:
@@ -230,12 +241,7 @@ def run_pass(
             with manager.lock:
                 manager.complete_store(batch_keys, context)
                 manager.on_schedule_end(step_end)
-        while True:
-            with manager.lock:
-                manager.on_schedule_end(step_end)
-                if not manager.has_pending_work():
-                    break
-            time.sleep(STEP_S)
+        _settle(manager, step_end)
         cascade_s = time.perf_counter() - started
         manager.on_request_finished(context)
 
@@ -395,12 +401,7 @@ def measure_steps(
         with manager.lock:
             if previous:
                 manager.complete_store(previous, context)
-        while True:  # untimed: the last cascades land before the next round starts
-            with manager.lock:
-                manager.on_schedule_end(step_end)
-                if not manager.has_pending_work():
-                    break
-            time.sleep(STEP_S)
+        _settle(manager, step_end)  # untimed: the last cascades land before the next round starts
         manager.on_request_finished(context)
         for secondary in manager.secondary_tiers:
             if isinstance(secondary, InMemoryStoreTier) and secondary.stats().store_failed_keys:
@@ -445,14 +446,6 @@ def measure_promotion_steps(
     timings: list[float] = []
     missed = 0
 
-    def settle() -> None:  # untimed: steps end until no tier job is in flight
-        while True:
-            with manager.lock:
-                manager.on_schedule_end(step_end)
-                if not manager.has_pending_work():
-                    return
-            time.sleep(STEP_S)
-
     try:
         storing = ReqContext(req_id="store")
         manager.on_new_request(storing)
@@ -464,7 +457,7 @@ def measure_promotion_steps(
                 view[slot * slot_bytes : slot * slot_bytes + chunk_bytes] = payload
             with manager.lock:
                 manager.complete_store(output.keys_to_store, storing)
-            settle()
+            _settle(manager, step_end)  # untimed
         manager.on_request_finished(storing)
         with manager.lock:  # the primary forgets them: each lookup below finds its chunk in fs only
             manager.reset_cache()
@@ -485,7 +478,7 @@ def measure_promotion_steps(
                 key for key, answer in zip(in_flight, answers) if answer not in (LookupResult.HIT, LookupResult.MISS)
             ]
             time.sleep(pause_s)  # the model's forward pass: the fs reads and the checks run meanwhile
-        settle()
+        _settle(manager, step_end)  # untimed
         manager.on_request_finished(context)
     finally:
         view.release()

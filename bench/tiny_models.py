@@ -19,6 +19,15 @@ from typing import Any
 VOCAB_SIZE = 1024
 HEAD_DIM = 32
 """The smallest head size vLLM's CPU attention kernels are built for."""
+_SHARED_CONFIG: dict[str, Any] = {
+    "max_position_embeddings": 1024,
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.2,
+    "dtype": "float32",
+}
+"""What every tiny model's config sets alike: the tokenizer's vocabulary and ids, wide float32 weights."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +54,7 @@ class TinyLlama:
             num_key_value_heads=self.num_kv_heads,
             head_dim=HEAD_DIM,
             num_hidden_layers=self.num_layers,
-            max_position_embeddings=1024,
-            vocab_size=VOCAB_SIZE,
-            bos_token_id=1,
-            eos_token_id=2,
-            initializer_range=0.2,
-            dtype="float32",
+            **_SHARED_CONFIG,
         )
         if self.layer_types is not None:
             # vLLM's Llama reads these per layer (sliding window where "sliding_attention"); saved in config.json.
@@ -61,10 +65,7 @@ class TinyLlama:
 
     def write(self, directory: Path, *, seed: int = 0) -> Path:
         """Save the checkpoint and tokenizer under ``directory`` (created) and return it."""
-        directory.mkdir(parents=True, exist_ok=True)
-        self.build(seed=seed).save_pretrained(directory)
-        write_tokenizer(directory)
-        return directory
+        return _save(self.build(seed=seed), directory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,6 @@ class TinyDeepseekV2:
         import torch
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-        directory.mkdir(parents=True, exist_ok=True)
         config = DeepseekV2Config(
             hidden_size=self.num_heads * 64,
             intermediate_size=256,
@@ -95,17 +95,18 @@ class TinyDeepseekV2:
             qk_rope_head_dim=64,
             qk_nope_head_dim=32,
             v_head_dim=32,
-            max_position_embeddings=1024,
-            vocab_size=VOCAB_SIZE,
-            bos_token_id=1,
-            eos_token_id=2,
-            initializer_range=0.2,
-            dtype="float32",
+            **_SHARED_CONFIG,
         )
         torch.manual_seed(seed)  # pyright: ignore[reportUnknownMemberType] -- torch's stub leaves the seed untyped
-        DeepseekV2ForCausalLM(config).save_pretrained(directory)  # pyright: ignore[reportUnknownMemberType] -- transformers leaves **kwargs untyped
-        write_tokenizer(directory)
-        return directory
+        return _save(DeepseekV2ForCausalLM(config), directory)
+
+
+def _save(model: Any, directory: Path) -> Path:
+    """Save ``model``'s checkpoint and the tokenizer under ``directory`` (created) and return it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
 
 
 def write_tokenizer(directory: Path) -> None:

@@ -1,4 +1,5 @@
-"""Helpers the command-line tests share: a small quick `kvtriton simulate` run and its JSON record.
+"""Helpers the command-line tests share: a small quick `kvtriton simulate` run and its JSON record, and a refused
+command line's message.
 
 Test modules import them as ``from tests.cli.conftest import ...`` (by that
 full name: ``from conftest import`` would find whichever folder's conftest
@@ -25,3 +26,11 @@ def simulate_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: st
     """``kvtriton simulate FLAGS --json`` into ``tmp_path``: its record, as printed on stdout."""
     assert main(["simulate", *flags, "--json", "--out", str(tmp_path)]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``kvtriton ARGV`` writes on stderr as it refuses the command line (argparse's exit status 2)."""
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    return capsys.readouterr().err

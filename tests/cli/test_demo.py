@@ -13,6 +13,7 @@ import kvtriton.worker._slab as slab_module
 from kvtriton.cli._main import main
 from kvtriton.manager import policy_names
 from kvtriton.worker._layout import PagedKV
+from tests.cli.conftest import usage_error
 
 SMALL = ["--model", "qwen2.5-7b", "--gpu-blocks", "16", "--capacity", "24MiB", "--requests", "8", "--no-progress"]
 
@@ -23,6 +24,13 @@ def _field(out: str, name: str) -> str:
     return match.group(1)
 
 
+def _blocks_verified(out: str) -> int:
+    """The loaded blocks the demo's ``verified`` line counts, after checking that none of them mismatched."""
+    verified = re.fullmatch(r"(\d+) loaded blocks, 0 mismatched", _field(out, "verified"))
+    assert verified is not None, _field(out, "verified")
+    return int(verified.group(1))
+
+
 @pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
 def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL]) == 0
@@ -30,8 +38,7 @@ def test_demo_replays_requests_with_hits_and_verifies_every_loaded_block(capsys:
     assert "qwen2.5-7b: 28 layers" in out
     hits = re.match(r"(\d+\.\d)% \((\d+) of (\d+) prompt chunks\)", _field(out, "hit rate"))
     assert hits is not None and int(hits.group(2)) > 0
-    verified = re.match(r"(\d+) loaded blocks, (\d+) mismatched", _field(out, "verified"))
-    assert verified is not None and int(verified.group(1)) == int(hits.group(2)) and verified.group(2) == "0"
+    assert _blocks_verified(out) == int(hits.group(2))
     assert re.match(r"[1-9]\d* loads, [1-9]\d* stores, 0 failed", _field(out, "jobs"))
     assert "OK: every loaded block matched" in out
 
@@ -53,21 +60,6 @@ def test_demo_runs_clean_for_other_layouts_policies_and_backends(
 ) -> None:
     assert main(["demo", *SMALL, *flags]) == 0
     assert "0 mismatched" in capsys.readouterr().out
-
-
-@pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
-def test_demo_exits_nonzero_when_a_loaded_block_differs(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def copy_nothing(*args: object, **kwargs: object) -> None:
-        """A load that silently moves no bytes."""
-
-    monkeypatch.setattr(backends_module, "scatter_unchecked", copy_nothing)
-    # Pinned to the patched torch backend: on a CUDA machine "auto" would pick triton and copy for real.
-    assert main(["demo", *SMALL, "--device", "cpu", "--backend", "torch"]) == 1
-    captured = capsys.readouterr()
-    assert "FAILED" in captured.out
-    assert "MISMATCH" in captured.err
 
 
 COMPRESSED_SMALL = [
@@ -92,8 +84,7 @@ def test_compressed_demo_checks_loads_against_the_reference_and_reports_bytes_sl
     assert main(["demo", *COMPRESSED_SMALL]) == 0
     out = capsys.readouterr().out
     assert "compression fp8-e4m3: 462.00 KiB per slab row (0.516x); LOSSY" in out
-    verified = re.match(r"(\d+) loaded blocks, 0 mismatched", _field(out, "verified"))
-    assert verified is not None and int(verified.group(1)) > 0
+    assert _blocks_verified(out) > 0
     moved = re.match(r".* = (\d\.\d+)x the .* uncompressed rows", _field(out, "bytes moved"))
     assert moved is not None and moved.group(1) == "0.516"  # 462 KiB of 896 KiB per block, loads and stores alike
     slots = re.match(r"(\d+) for --capacity, (\d\.\d+)x the (\d+) uncompressed", _field(out, "slots"))
@@ -107,14 +98,20 @@ def test_compressed_demo_checks_loads_against_the_reference_and_reports_bytes_sl
 
 
 @pytest.mark.filterwarnings("ignore::kvtriton.worker._slab.PageableSlabWarning")
-def test_compressed_demo_fails_when_a_load_writes_other_values_than_the_reference(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "flags",
+    # Pinned to the patched torch backend: on a CUDA machine "auto" would pick triton and copy for real.
+    [[*SMALL, "--device", "cpu", "--backend", "torch"], COMPRESSED_SMALL],
+    ids=["plain", "compressed"],
+)
+def test_demo_exits_nonzero_when_a_load_writes_other_bytes_than_the_reference(
+    flags: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def decode_nothing(*args: object, **kwargs: object) -> None:
-        """A compressed load that silently writes nothing."""
+    def copy_nothing(*args: object, **kwargs: object) -> None:
+        """A load that silently moves (or decodes) nothing."""
 
-    monkeypatch.setattr(backends_module, "scatter_unchecked", decode_nothing)
-    assert main(["demo", *COMPRESSED_SMALL]) == 1
+    monkeypatch.setattr(backends_module, "scatter_unchecked", copy_nothing)
+    assert main(["demo", *flags]) == 1
     captured = capsys.readouterr()
     assert "FAILED" in captured.out and "MISMATCH" in captured.err
 
@@ -327,10 +324,7 @@ def test_every_choice_flag_takes_its_names_in_any_case() -> None:
 def test_a_bad_choice_names_the_flag_and_lists_the_names(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as raised:
-        main(["demo", *flags])
-    assert raised.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(["demo", *flags], capsys)
 
 
 def test_the_default_layout_follows_the_model() -> None:
@@ -350,7 +344,7 @@ def test_rates_are_in_gb_per_second_as_in_the_benchmarks(capsys: pytest.CaptureF
 def test_a_run_that_loads_nothing_verified_nothing_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL, "--requests", "1"]) == 1
     out = capsys.readouterr().out
-    assert _field(out, "verified") == "0 loaded blocks, 0 mismatched"
+    assert _blocks_verified(out) == 0
     assert "NOTHING VERIFIED: no request found a stored chunk" in out and "OK" not in out
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvtriton.cli._main import main
 from kvtriton.sim._token_trace import TokenWorkloadParams, token_workload, write_trace
 from kvtriton.sim._workloads import parse_trace
-from tests.cli.conftest import QUICK, SMALL, simulate_json
+from tests.cli.conftest import QUICK, SMALL, simulate_json, usage_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -250,13 +250,8 @@ def test_a_target_larger_sizes_would_reach_asks_for_larger_capacities(
 
 @pytest.mark.parametrize("value", ["0", "1.5", "150%", "-0.2", "half", "nan"])
 def test_a_bad_target_hit_rate_is_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as raised:
-        main(["simulate", "--target-hit-rate", value])
-    assert raised.value.code == 2
-    assert (
-        "argument --target-hit-rate: expected a hit rate as a fraction in (0, 1] or a percentage"
-        in capsys.readouterr().err
-    )
+    err = usage_error(["simulate", "--target-hit-rate", value], capsys)
+    assert "argument --target-hit-rate: expected a hit rate as a fraction in (0, 1] or a percentage" in err
 
 
 # --------------------------------------------------------------------------
@@ -295,10 +290,7 @@ def test_a_bad_target_hit_rate_is_refused(value: str, capsys: pytest.CaptureFixt
 def test_bad_lists_are_refused_with_the_reason(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as raised:
-        main(["simulate", *flags])
-    assert raised.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in usage_error(["simulate", *flags], capsys)
 
 
 @pytest.mark.parametrize(
@@ -540,9 +532,7 @@ def test_a_group_size_without_compression_is_refused(capsys: pytest.CaptureFixtu
 def test_bad_compression_flags_are_refused_by_name(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit):
-        main(["simulate", *SMALL, *flags])
-    assert message in capsys.readouterr().err
+    assert message in usage_error(["simulate", *SMALL, *flags], capsys)
 
 
 def test_the_plot_draws_both_curves_per_policy_with_compression(

@@ -11,7 +11,7 @@ from kvtriton.cli._main import main
 from kvtriton.cli._simulate._output import stall_lines
 from kvtriton.sim import GIB, PRESETS, Stall, TieredReport, TierSpec
 from kvtriton.sim._tier_models import TIER_MODELS, TierModel
-from tests.cli.conftest import QUICK, SMALL, simulate_json
+from tests.cli.conftest import QUICK, SMALL, simulate_json, usage_error
 
 TIERED = [*SMALL, "--gpu-blocks", "120"]
 """The shared small run, in vLLM's call order with a GPU prefix cache of 120 blocks."""
@@ -186,9 +186,7 @@ def test_each_arrival_pattern_prints_tier_columns_that_add_up_to_the_rows_loads(
 def test_a_bad_arrival_pattern_is_refused_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
 ) -> None:
-    with pytest.raises(SystemExit):
-        main(["simulate", *TIERED, "--arrivals", value, "--out", str(tmp_path)])
-    assert message in capsys.readouterr().err
+    assert message in usage_error(["simulate", *TIERED, "--arrivals", value, "--out", str(tmp_path)], capsys)
 
 
 def test_a_stalled_point_says_which_request_never_ran_and_why(

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, TypedDict, Unpack
 
 import pytest
 import torch
+
+from kvtriton.kernels import CompressionLayout, gather_pages, scatter_pages
+from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -225,3 +229,70 @@ def build_sized_pages(
         return PageCase(name=f"strided{sizes}", pages=pages, owners=[owner])
     owners = [random_tensor((num_blocks, size), torch.uint8, generator, device) for size in sizes]
     return PageCase(name=f"sized{sizes}", pages=list(owners), owners=owners)
+
+
+class LaunchKnobs(TypedDict, total=False):
+    """The kernels' launch knobs a test may set (the reference takes none)."""
+
+    num_programs: int
+    bytes_per_iter: int
+
+
+BLOCKS = [4, 0, 5]
+ROWS = [2, 7, 3]
+"""The GPU blocks and slab rows most kernel tests copy between: out of order, block 0 and row 7 of 9 included."""
+
+
+def run_both(
+    direction: Literal["gather", "scatter"],
+    layout: str,
+    dtype: torch.dtype,
+    device: str,
+    blocks: list[int],
+    rows: list[int],
+    index_dtype: torch.dtype,
+    padding: int = 16,
+    **knobs: Unpack[LaunchKnobs],
+) -> None:
+    """:func:`copy_with_both` on a ``layout`` case and a 9-row slab ``padding`` bytes wider than its rows."""
+    case, oracle = build_pages(layout, dtype, device), build_pages(layout, dtype, "cpu")
+    slab, expected = build_slab(case, 9, device, extra_bytes=padding), build_slab(oracle, 9, "cpu", extra_bytes=padding)
+    copy_with_both(direction, case, oracle, slab, expected, blocks, rows, index_dtype, **knobs)
+
+
+def copy_with_both(
+    direction: Literal["gather", "scatter"],
+    case: PageCase,
+    oracle: PageCase,
+    slab: torch.Tensor,
+    expected: torch.Tensor,
+    blocks: list[int],
+    rows: list[int],
+    block_dtype: torch.dtype = torch.int64,
+    row_dtype: torch.dtype | None = None,
+    *,
+    compression: CompressionLayout | None = None,
+    **knobs: Unpack[LaunchKnobs],
+) -> None:
+    """Copy GPU blocks ``blocks`` <-> slab rows ``rows`` with the kernel between ``case`` and ``slab``, and with the
+    torch reference between their bit-identical CPU twins ``oracle`` and ``expected``: afterwards every byte of the
+    slabs and of the cases' memory must agree, which also shows the side copied from was only read.
+
+    ``row_dtype`` defaults to ``block_dtype``.
+    """
+    device = case.pages[0].device.type
+
+    def index(where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return indices(blocks, block_dtype, where), indices(rows, row_dtype or block_dtype, where)
+
+    (blocks_there, rows_there), (blocks_cpu, rows_cpu) = index(device), index("cpu")
+    if direction == "gather":
+        gather_pages(case.pages, slab, blocks_there, rows_there, compression=compression, **knobs)
+        gather_pages_reference(oracle.pages, expected, blocks_cpu, rows_cpu, compression=compression)
+    else:
+        scatter_pages(slab, case.pages, rows_there, blocks_there, compression=compression, **knobs)
+        scatter_pages_reference(expected, oracle.pages, rows_cpu, blocks_cpu, compression=compression)
+    synchronize(device)
+    assert torch.equal(slab.cpu(), expected)
+    for got, want in zip(case.memory(), oracle.memory()):
+        assert torch.equal(got, want)

@@ -15,20 +15,20 @@ from kvtriton.kernels import (
     scatter_pages,
 )
 from kvtriton.kernels._compression import TINY_GROUP, decode_e4m3, dequantize_groups, encode_e4m3, quantize_groups
-from kvtriton.kernels._reference import gather_pages_reference, int_list, scatter_pages_reference
+from kvtriton.kernels._reference import gather_pages_reference, int_list
 from kvtriton.worker._layout import PagedKV
 from tests.kernels.kernel_cases import (
+    BLOCKS,
     COMPRESSIBLE_DTYPES,
+    ROWS,
     build_pages,
     build_slab,
+    copy_with_both,
     devices,
     indices,
     kv_tensor,
-    synchronize,
 )
 
-BLOCKS = [4, 0, 5]
-ROWS = [2, 7, 3]
 GROUP = 8  # the test layouts' head dimension
 
 
@@ -234,45 +234,15 @@ def run_both(layout: str, dtype: torch.dtype, device: str, group: int, blocks: l
     case = build_pages(layout, dtype, device, kv_values=True)
     oracle = build_pages(layout, dtype, "cpu", kv_values=True)
     compression = compression_layout(oracle.pages, group)
-    row_bytes = compression.row_bytes
-    slab = build_slab(case, 9, device, row_bytes=row_bytes)
-    expected = build_slab(oracle, 9, "cpu", row_bytes=row_bytes)
-    gather_pages(
-        case.pages,
-        slab,
-        indices(blocks, torch.int64, device),
-        indices(rows, torch.int32, device),
-        compression=compression,
+    slab = build_slab(case, 9, device, row_bytes=compression.row_bytes)
+    expected = build_slab(oracle, 9, "cpu", row_bytes=compression.row_bytes)
+    copy_with_both(
+        "gather", case, oracle, slab, expected, blocks, rows, torch.int64, torch.int32, compression=compression
     )
-    synchronize(device)
-    gather_pages_reference(
-        oracle.pages,
-        expected,
-        indices(blocks, torch.int64, "cpu"),
-        indices(rows, torch.int32, "cpu"),
-        compression=compression,
-    )
-    assert torch.equal(slab.cpu(), expected)
     for owner in [*case.owners, *oracle.owners]:
         owner.view(torch.uint8).fill_(0xA5)
     targets = [1, 3, 5][: len(blocks)]  # other blocks than the gathered ones, each once
-    scatter_pages(
-        slab,
-        case.pages,
-        indices(rows, torch.int64, device),
-        indices(targets, torch.int64, device),
-        compression=compression,
-    )
-    synchronize(device)
-    scatter_pages_reference(
-        expected,
-        oracle.pages,
-        indices(rows, torch.int64, "cpu"),
-        indices(targets, torch.int64, "cpu"),
-        compression=compression,
-    )
-    for got, want in zip(case.memory(), oracle.memory()):
-        assert torch.equal(got, want)
+    copy_with_both("scatter", case, oracle, slab, expected, targets, rows, compression=compression)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -300,27 +270,13 @@ def test_one_block_gathered_into_several_rows_matches_the_reference(device: str)
 @pytest.mark.parametrize("device", devices())
 def test_a_small_tile_budget_walks_several_chunks_per_page_and_still_matches(device: str) -> None:
     case = build_pages("flash_attn", torch.bfloat16, device, kv_values=True)
-    layout = compression_layout(case.pages, 4)
+    oracle = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
+    layout = compression_layout(oracle.pages, 4)
     slab = build_slab(case, 9, device, row_bytes=layout.row_bytes)
-    expected = slab.clone().cpu()
-    gather_pages(
-        case.pages,
-        slab,
-        indices(BLOCKS, torch.int64, device),
-        indices(ROWS, torch.int64, device),
-        compression=layout,
-        bytes_per_iter=16,
-        num_programs=3,
+    expected = build_slab(oracle, 9, "cpu", row_bytes=layout.row_bytes)
+    copy_with_both(
+        "gather", case, oracle, slab, expected, BLOCKS, ROWS, compression=layout, bytes_per_iter=16, num_programs=3
     )
-    synchronize(device)
-    gather_pages_reference(
-        [page.cpu() for page in case.pages],
-        expected,
-        indices(BLOCKS, torch.int64, "cpu"),
-        indices(ROWS, torch.int64, "cpu"),
-        compression=layout,
-    )
-    assert torch.equal(slab.cpu(), expected)
 
 
 def test_empty_indices_write_nothing() -> None:
@@ -374,41 +330,15 @@ def test_tiles_of_several_pairs_with_a_partial_last_tile_match_the_reference() -
     from kvtriton.kernels._launch import compress_config
 
     case = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
+    oracle = build_pages("flash_attn", torch.bfloat16, "cpu", kv_values=True)
     layout = compression_layout(case.pages, GROUP)
     assert compress_config(layout.pages[0], len(case.pages), 512).pairs == 4
     blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
     slab = build_slab(case, 9, "cpu", row_bytes=layout.row_bytes)
-    expected = slab.clone()
-    gather_pages(
-        case.pages,
-        slab,
-        indices(blocks, torch.int64, "cpu"),
-        indices(rows, torch.int64, "cpu"),
-        compression=layout,
-        bytes_per_iter=512,
-        num_programs=2,
+    expected = build_slab(oracle, 9, "cpu", row_bytes=layout.row_bytes)
+    copy_with_both(
+        "gather", case, oracle, slab, expected, blocks, rows, compression=layout, bytes_per_iter=512, num_programs=2
     )
-    gather_pages_reference(
-        case.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu"), compression=layout
-    )
-    assert torch.equal(slab, expected)
-    decoded = [torch.zeros_like(owner) for owner in case.owners]
-    pages = [layer[kv] for layer in decoded for kv in range(2)]
-    oracle = [torch.zeros_like(owner) for owner in case.owners]
-    oracle_pages = [layer[kv] for layer in oracle for kv in range(2)]
-    scatter_pages(
-        slab,
-        pages,
-        indices(rows, torch.int64, "cpu"),
-        indices(blocks, torch.int64, "cpu"),
-        compression=layout,
-        bytes_per_iter=512,
-    )
-    scatter_pages_reference(
-        expected,
-        oracle_pages,
-        indices(rows, torch.int64, "cpu"),
-        indices(blocks, torch.int64, "cpu"),
-        compression=layout,
-    )
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(decoded, oracle))
+    for owner in [*case.owners, *oracle.owners]:
+        owner.zero_()
+    copy_with_both("scatter", case, oracle, slab, expected, blocks, rows, compression=layout, bytes_per_iter=512)

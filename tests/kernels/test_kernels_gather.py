@@ -1,74 +1,60 @@
-"""gather_pages: GPU blocks of every page tensor -> slab rows, bit for bit as the torch reference."""
+"""gather_pages: GPU blocks of every page tensor -> slab rows, bit for bit as the torch reference.
+
+The layout x dtype x padding matrix runs here for both directions, scatter_pages included."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import pytest
 import torch
 
 from kvtriton.kernels import KernelPath, gather_pages, select_path
-from kvtriton.kernels._reference import gather_pages_reference
 from tests.kernels.kernel_cases import (
+    BLOCKS,
     DTYPES,
     LAYOUTS,
     ODD_BYTE_LAYOUTS,
+    ROWS,
     block_bytes,
     build_pages,
     build_slab,
     devices,
     indices,
     over_slab_paddings,
+    run_both,
     synchronize,
 )
-
-BLOCKS = [4, 0, 5]
-ROWS = [2, 7, 3]
-
-
-def run_both(
-    layout: str,
-    dtype: torch.dtype,
-    device: str,
-    blocks: list[int],
-    rows: list[int],
-    index_dtype: torch.dtype,
-    padding: int = 16,
-) -> None:
-    """Gather with the kernel on ``device`` and with the reference on CPU; every byte must agree."""
-    case = build_pages(layout, dtype, device)
-    oracle = build_pages(layout, dtype, "cpu")
-    slab = build_slab(case, 9, device, extra_bytes=padding)
-    expected = build_slab(oracle, 9, "cpu", extra_bytes=padding)
-    gather_pages(case.pages, slab, indices(blocks, index_dtype, device), indices(rows, index_dtype, device))
-    synchronize(device)
-    gather_pages_reference(
-        oracle.pages, expected, indices(blocks, index_dtype, "cpu"), indices(rows, index_dtype, "cpu")
-    )
-    assert torch.equal(slab.cpu(), expected)
-    # The source is only read.
-    for got, want in zip(case.memory(), oracle.memory()):
-        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("device", devices())
 @over_slab_paddings
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gather_matches_reference_bit_for_bit(layout: str, dtype: str, padding: int, device: str) -> None:
-    index_dtype = torch.int32 if list(LAYOUTS).index(layout) % 2 else torch.int64
-    run_both(layout, DTYPES[dtype], device, BLOCKS, ROWS, index_dtype, padding)
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_gather_and_scatter_match_reference_bit_for_bit(
+    direction: Literal["gather", "scatter"], layout: str, dtype: str, padding: int, device: str
+) -> None:
+    # int32 indices on every other layout, scatter on the layouts where gather takes int64.
+    narrow = (list(LAYOUTS).index(layout) + (direction == "scatter")) % 2
+    run_both(direction, layout, DTYPES[dtype], device, BLOCKS, ROWS, torch.int32 if narrow else torch.int64, padding)
 
 
 @pytest.mark.parametrize("device", devices())
 @over_slab_paddings
 @pytest.mark.parametrize("layout", list(ODD_BYTE_LAYOUTS))
-def test_gather_handles_odd_page_sizes_byte_by_byte(layout: str, padding: int, device: str) -> None:
-    run_both(layout, torch.uint8, device, BLOCKS, ROWS, torch.int64, padding)
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_gather_and_scatter_handle_odd_page_sizes_byte_by_byte(
+    direction: Literal["gather", "scatter"], layout: str, padding: int, device: str
+) -> None:
+    index_dtype = torch.int64 if direction == "gather" else torch.int32
+    run_both(direction, layout, torch.uint8, device, BLOCKS, ROWS, index_dtype, padding)
 
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_gather_accepts_int32_and_int64_indices(index_dtype: torch.dtype, device: str) -> None:
-    run_both("flash_attn", torch.bfloat16, device, [5, 1], [0, 8], index_dtype)
+    run_both("gather", "flash_attn", torch.bfloat16, device, [5, 1], [0, 8], index_dtype)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -89,7 +75,7 @@ def test_gather_places_each_block_in_its_row_and_leaves_other_rows_alone(device:
 
 @pytest.mark.parametrize("device", devices())
 def test_gather_reads_the_same_block_into_several_rows(device: str) -> None:
-    run_both("cross_layer", torch.bfloat16, device, [3, 3, 3], [0, 4, 8], torch.int64)
+    run_both("gather", "cross_layer", torch.bfloat16, device, [3, 3, 3], [0, 4, 8], torch.int64)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -104,36 +90,14 @@ def test_gather_with_empty_indices_writes_nothing(device: str) -> None:
 @pytest.mark.parametrize("device", devices())
 def test_gather_with_more_pairs_than_programs_covers_every_pair(device: str) -> None:
     # 6 pairs x 4 pages = 24 work units on a grid of 3 programs: each program loops.
-    case = build_pages("flash_attn", torch.int8, device)
-    oracle = build_pages("flash_attn", torch.int8, "cpu")
-    blocks, rows = [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1]
-    slab, expected = build_slab(case, 9, device), build_slab(oracle, 9, "cpu")
-    gather_pages(
-        case.pages, slab, indices(blocks, torch.int64, device), indices(rows, torch.int64, device), num_programs=3
+    run_both(
+        "gather", "flash_attn", torch.int8, device, [5, 4, 3, 2, 1, 0], [0, 2, 4, 6, 8, 1], torch.int64, num_programs=3
     )
-    synchronize(device)
-    gather_pages_reference(
-        oracle.pages, expected, indices(blocks, torch.int64, "cpu"), indices(rows, torch.int64, "cpu")
-    )
-    assert torch.equal(slab.cpu(), expected)
 
 
 @pytest.mark.parametrize("bytes_per_iter", [16, 64, 4096])
 def test_gather_result_does_not_depend_on_bytes_per_iter(bytes_per_iter: int) -> None:
-    case = build_pages("odd_656", torch.bfloat16, "cpu")
-    oracle = build_pages("odd_656", torch.bfloat16, "cpu")
-    slab, expected = build_slab(case, 9, "cpu"), build_slab(oracle, 9, "cpu")
-    gather_pages(
-        case.pages,
-        slab,
-        indices(BLOCKS, torch.int64, "cpu"),
-        indices(ROWS, torch.int64, "cpu"),
-        bytes_per_iter=bytes_per_iter,
-    )
-    gather_pages_reference(
-        oracle.pages, expected, indices(BLOCKS, torch.int64, "cpu"), indices(ROWS, torch.int64, "cpu")
-    )
-    assert torch.equal(slab, expected)
+    run_both("gather", "odd_656", torch.bfloat16, "cpu", BLOCKS, ROWS, torch.int64, bytes_per_iter=bytes_per_iter)
 
 
 def test_cpu_tensors_take_the_interpreter_under_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,7 +119,7 @@ def test_the_interpreter_path_runs_the_triton_kernel_not_the_reference(monkeypat
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(pages_module, "gather_unchecked", refuse)
-    run_both("mla", torch.float16, "cpu", BLOCKS, ROWS, torch.int64)
+    run_both("gather", "mla", torch.float16, "cpu", BLOCKS, ROWS, torch.int64)
 
 
 def test_without_triton_interpret_cpu_tensors_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +130,7 @@ def test_without_triton_interpret_cpu_tensors_take_the_torch_path(monkeypatch: p
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(launch_module, "CopyLauncher", refuse)
-    run_both("mla", torch.float16, "cpu", BLOCKS, ROWS, torch.int64)
+    run_both("gather", "mla", torch.float16, "cpu", BLOCKS, ROWS, torch.int64)
 
 
 @pytest.mark.requires_interpreter

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
 from kvtriton.kernels import DEFAULT_BYTES_PER_ITER, gather_pages, scatter_pages
 from kvtriton.kernels._launch import make_config
 from kvtriton.kernels._launch_arguments import MAX_NUM_WARPS, MAX_PAIRS, word_width
-from kvtriton.kernels._reference import gather_pages_reference, scatter_pages_reference
-from tests.kernels.kernel_cases import build_sized_pages, build_slab, indices
+from tests.kernels.kernel_cases import build_sized_pages, build_slab, copy_with_both, indices
 
 # 11 pairs: several tiles with a partial last one (4 + 4 + 3, 2 x 5 + 1, ...).
 NUM_BLOCKS = 16
@@ -74,41 +75,38 @@ def _pairs(sizes: tuple[int, ...], bytes_per_iter: int) -> int:
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("tile", list(TILES.values()), ids=list(TILES))
-def test_tiled_gather_matches_the_reference_with_a_partial_last_tile(
-    tile: tuple[tuple[int, ...], int, int], strided: bool
+@pytest.mark.parametrize(
+    ("direction", "blocks", "rows"),
+    [("gather", GATHER_BLOCKS, GATHER_ROWS), ("scatter", SCATTER_BLOCKS, SCATTER_ROWS)],
+    ids=["gather", "scatter"],
+)
+def test_a_tiled_copy_matches_the_reference_with_a_partial_last_tile(
+    direction: Literal["gather", "scatter"],
+    blocks: list[int],
+    rows: list[int],
+    tile: tuple[tuple[int, ...], int, int],
+    strided: bool,
 ) -> None:
     sizes, bytes_per_iter, pairs = tile
-    assert _pairs(sizes, bytes_per_iter) == pairs and len(GATHER_BLOCKS) % pairs != 0
+    assert _pairs(sizes, bytes_per_iter) == pairs and len(blocks) % pairs != 0
     case = build_sized_pages(sizes, NUM_BLOCKS, "cpu", strided=strided)
     oracle = build_sized_pages(sizes, NUM_BLOCKS, "cpu", strided=strided)
     slab, expected = build_slab(case, SLAB_ROWS, "cpu"), build_slab(oracle, SLAB_ROWS, "cpu")
-    blocks, rows = indices(GATHER_BLOCKS, torch.int32, "cpu"), indices(GATHER_ROWS, torch.int64, "cpu")
-    # 2 programs walk every tile; the last tile of 4 holds 3 live pairs.
-    gather_pages(case.pages, slab, blocks, rows, num_programs=2, bytes_per_iter=bytes_per_iter)
-    gather_pages_reference(oracle.pages, expected, blocks, rows)
-    assert torch.equal(slab, expected)
-    for got, want in zip(case.memory(), oracle.memory()):
-        assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("tile", list(TILES.values()), ids=list(TILES))
-def test_tiled_scatter_matches_the_reference_with_a_partial_last_tile(
-    tile: tuple[tuple[int, ...], int, int], strided: bool
-) -> None:
-    sizes, bytes_per_iter, pairs = tile
-    assert _pairs(sizes, bytes_per_iter) == pairs and len(GATHER_BLOCKS) % pairs != 0
-    case = build_sized_pages(sizes, NUM_BLOCKS, "cpu", strided=strided)
-    oracle = build_sized_pages(sizes, NUM_BLOCKS, "cpu", strided=strided)
-    slab = build_slab(case, SLAB_ROWS, "cpu")
-    slab_before = slab.clone()
-    rows, blocks = indices(SCATTER_ROWS, torch.int64, "cpu"), indices(SCATTER_BLOCKS, torch.int32, "cpu")
-    scatter_pages(slab, case.pages, rows, blocks, num_programs=2, bytes_per_iter=bytes_per_iter)
-    scatter_pages_reference(slab_before, oracle.pages, rows, blocks)
-    # Blocks not named (and bytes between strided pages) keep their bytes.
-    for got, want in zip(case.memory(), oracle.memory()):
-        assert torch.equal(got, want)
-    assert torch.equal(slab, slab_before)
+    # 2 programs walk every tile; the last tile of 4 holds 3 live pairs. Blocks not named (and bytes between
+    # strided pages) keep their bytes.
+    copy_with_both(
+        direction,
+        case,
+        oracle,
+        slab,
+        expected,
+        blocks,
+        rows,
+        torch.int32,
+        torch.int64,
+        num_programs=2,
+        bytes_per_iter=bytes_per_iter,
+    )
 
 
 @pytest.mark.parametrize("bytes_per_iter", [1024, DEFAULT_BYTES_PER_ITER], ids=["one-pair-per-unit", "tile-of-16"])

@@ -1,4 +1,6 @@
-"""scatter_pages: slab rows -> GPU blocks of every page tensor, bit for bit as the torch reference."""
+"""scatter_pages: slab rows -> GPU blocks of every page tensor, bit for bit as the torch reference.
+
+The layout x dtype x padding matrix of both directions is in test_kernels_gather.py."""
 
 from __future__ import annotations
 
@@ -6,62 +8,16 @@ import pytest
 import torch
 
 from kvtriton.kernels import gather_pages, scatter_pages
-from kvtriton.kernels._reference import scatter_pages_reference
 from tests.kernels.kernel_cases import (
-    DTYPES,
-    LAYOUTS,
-    ODD_BYTE_LAYOUTS,
+    BLOCKS,
+    ROWS,
     block_bytes,
     build_pages,
     build_slab,
     devices,
     indices,
-    over_slab_paddings,
+    run_both,
 )
-
-ROWS = [2, 7, 3]
-BLOCKS = [4, 0, 5]
-
-
-def run_both(
-    layout: str,
-    dtype: torch.dtype,
-    device: str,
-    rows: list[int],
-    blocks: list[int],
-    index_dtype: torch.dtype,
-    padding: int = 16,
-) -> None:
-    """Scatter with the kernel on ``device`` and with the reference on CPU; every byte must agree."""
-    case = build_pages(layout, dtype, device)
-    oracle = build_pages(layout, dtype, "cpu")
-    slab = build_slab(case, 9, device, extra_bytes=padding)
-    source = build_slab(oracle, 9, "cpu", extra_bytes=padding)
-    slab_before = slab.clone()
-    scatter_pages(slab, case.pages, indices(rows, index_dtype, device), indices(blocks, index_dtype, device))
-    scatter_pages_reference(
-        source, oracle.pages, indices(rows, index_dtype, "cpu"), indices(blocks, index_dtype, "cpu")
-    )
-    for got, want in zip(case.memory(), oracle.memory()):
-        assert torch.equal(got, want)
-    # The slab is only read.
-    assert torch.equal(slab, slab_before)
-
-
-@pytest.mark.parametrize("device", devices())
-@over_slab_paddings
-@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_scatter_matches_reference_bit_for_bit(layout: str, dtype: str, padding: int, device: str) -> None:
-    index_dtype = torch.int64 if list(LAYOUTS).index(layout) % 2 else torch.int32
-    run_both(layout, DTYPES[dtype], device, ROWS, BLOCKS, index_dtype, padding)
-
-
-@pytest.mark.parametrize("device", devices())
-@over_slab_paddings
-@pytest.mark.parametrize("layout", list(ODD_BYTE_LAYOUTS))
-def test_scatter_handles_odd_page_sizes_byte_by_byte(layout: str, padding: int, device: str) -> None:
-    run_both(layout, torch.uint8, device, ROWS, BLOCKS, torch.int32, padding)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -108,4 +64,4 @@ def test_scatter_with_empty_indices_writes_nothing(device: str) -> None:
 
 @pytest.mark.parametrize("device", devices())
 def test_scatter_reads_one_row_into_several_blocks(device: str) -> None:
-    run_both("flashinfer", torch.int8, device, [6, 6, 6], [0, 3, 5], torch.int64)
+    run_both("scatter", "flashinfer", torch.int8, device, [0, 3, 5], [6, 6, 6], torch.int64)

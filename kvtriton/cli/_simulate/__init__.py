@@ -38,10 +38,8 @@ import sys
 import time
 
 from kvtriton.cli._main import command_error
-from kvtriton.cli._progress import ProgressBar
 from kvtriton.cli._simulate import _arguments
 from kvtriton.cli._simulate._arguments import (
-    DEFAULT_TIERED_POINTS,
     Source,
     call_order_of,
     compressed_geometries,
@@ -49,10 +47,9 @@ from kvtriton.cli._simulate._arguments import (
     given_flags,
     load_trace,
     server_streams,
-    tier_specs,
 )
-from kvtriton.cli._simulate._computation import host_sweep, tiered_points
-from kvtriton.cli._simulate._fleet import fleet_routing, run_fleet
+from kvtriton.cli._simulate._computation import TierGrid, host_sweep, tiered_points
+from kvtriton.cli._simulate._fleet import Routing, fleet_lines, fleet_points, fleet_record, fleet_routing
 from kvtriton.cli._simulate._output import (
     SweepProgress,
     host_lines,
@@ -60,17 +57,15 @@ from kvtriton.cli._simulate._output import (
     host_record,
     plot,
     plot_stamp,
+    run_tier_sweep,
     tiered_lines,
     tiered_record,
     write_and_print,
-    write_and_report,
 )
 from kvtriton.sim import (
     DEFAULT_HOST_PRICE_RATIO,
     ModelGeometry,
-    PreparedRequest,
     Request,
-    TierSpec,
     VllmOrder,
     sweep_requests,
     tier_choices,
@@ -100,10 +95,9 @@ def run(args: argparse.Namespace) -> int:
         routing = fleet_routing(args)  # after call_order_of, which names --engines itself under kvtriton's order
     except ValueError as error:
         return command_error("simulate", error)
-    if routing is not None and isinstance(order, VllmOrder):  # --engines selects vLLM's order (call_order_of)
-        return run_fleet(args, stored, order, routing, source, requests, started)
-    if args.tier is not None and isinstance(order, VllmOrder):  # --tier selects vLLM's order (call_order_of)
-        return _run_tiered(args, stored, order, source, requests, started)
+    # --engines and --tier select vLLM's order (call_order_of); --engines sets --tier (fleet_routing)
+    if args.tier is not None and isinstance(order, VllmOrder):
+        return _run_tiered(args, stored, order, routing, source, requests, started)
     tier_only = given_flags(
         ("--tier-sizes", args.tier_sizes is not None),
         ("--host-price-ratio", args.host_price_ratio != DEFAULT_HOST_PRICE_RATIO),
@@ -151,38 +145,30 @@ def _run_tiered(
     args: argparse.Namespace,
     geometry: ModelGeometry,
     order: VllmOrder,
+    routing: Routing | None,
     source: Source,
     requests: list[Request],
     started: float,
 ) -> int:
-    """``--tier``: the (policy, host size, tier size) sweep, a table per policy, the cheapest point as vLLM's config."""
-    bars: list[ProgressBar] = []
-
-    def start_bar(streams: list[list[PreparedRequest]], hosts: list[int], tiers: list[TierSpec]) -> ProgressBar:
-        # Counted in requests, not points: one point of a long trace (or of many servers) can take minutes.
-        bar = ProgressBar(
-            sweep_requests(streams, hosts, tiers, args.policies), "simulate (requests)", enabled=not args.no_progress
+    """``--tier``: the (policy, host size, tier size) sweep, a table per policy, the cheapest point as vLLM's config;
+    with ``--engines N`` (``routing``) a fleet's sweep, the knees, each engine, every engine's line."""
+    grid = TierGrid.of(args, geometry, order)
+    if routing is not None:
+        return run_tier_sweep(
+            args,
+            f"simulate-{source.name}-fleet.json",
+            lambda start_bar: fleet_points(requests, routing, grid, on_start=start_bar),
+            lambda result: fleet_record(args, source, started, result, geometry, order),
+            lambda result: fleet_lines(args, source, result, geometry, order),
         )
-        bars.append(bar)
-        return bar
-
-    try:
-        result = tiered_points(
+    return run_tier_sweep(
+        args,
+        f"simulate-{source.name}-tiered.json",
+        lambda start_bar: tiered_points(
             server_streams(args, geometry.block_size, requests),
-            geometry,
-            args.capacities,
-            lambda distinct: tier_specs(args, geometry, distinct),
-            args.policies,
-            order,
-            target_hit_rate=args.target_hit_rate,
-            host_price_ratio=args.host_price_ratio,
-            default_points=DEFAULT_TIERED_POINTS,
-            on_start=lambda streams, hosts, tiers: start_bar(streams, hosts, tiers).advance,
-        )
-    except (ValueError, RuntimeError) as error:
-        return command_error("simulate", error)
-    for bar in bars:
-        bar.finish()
-    record = tiered_record(args, source, started, result, geometry, order)
-    lines = tiered_lines(args, source, result, geometry, order)
-    return write_and_report(args, f"simulate-{source.name}-tiered.json", record, lines)
+            grid,
+            on_start=lambda streams, hosts, tiers: start_bar(sweep_requests(streams, hosts, tiers, args.policies)),
+        ),
+        lambda result: tiered_record(args, source, started, result, geometry, order),
+        lambda result: tiered_lines(args, source, result, geometry, order),
+    )

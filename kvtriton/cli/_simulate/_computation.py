@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtriton.cli._simulate._arguments import holding_a_block
+from kvtriton.cli._simulate._arguments import DEFAULT_TIERED_POINTS, holding_a_block, tier_specs
 from kvtriton.manager import CPUOffloadingManager
 from kvtriton.sim import (
     CallOrder,
@@ -119,6 +120,42 @@ def host_sweep(
 
 
 @dataclass(frozen=True, slots=True)
+class TierGrid:
+    """What a tiered or a fleet sweep tries, and the rule that picks its cheapest point."""
+
+    geometry: ModelGeometry
+    hosts: Sequence[int] | None
+    """Host sizes (per server or engine); None: the default sizes for the trace."""
+    tiers: Callable[[int], list[TierSpec]]
+    """The second tier's sizes for a trace of so many distinct blocks."""
+    policies: Sequence[str]
+    order: VllmOrder
+    target_hit_rate: float
+    host_price_ratio: float
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, geometry: ModelGeometry, order: VllmOrder) -> TierGrid:
+        return cls(
+            geometry,
+            args.capacities,
+            lambda distinct: tier_specs(args, geometry, distinct),
+            args.policies,
+            order,
+            args.target_hit_rate,
+            args.host_price_ratio,
+        )
+
+    def sizes(self, distinct_blocks: int) -> tuple[list[int], list[TierSpec]]:
+        """The host sizes and the tier sizes for a trace of ``distinct_blocks``; ValueError for a host size that holds
+        no block or a tier that holds no chunk, before any replay."""
+        tier_sizes = self.tiers(distinct_blocks)
+        for tier in tier_sizes:
+            tier.build(self.geometry)
+        hosts = self.hosts or default_capacities(self.geometry, distinct_blocks, DEFAULT_TIERED_POINTS)
+        return holding_a_block(list(hosts), self.geometry), tier_sizes
+
+
+@dataclass(frozen=True, slots=True)
 class TieredSweep:
     """A sweep of (policy, host size, tier size) points behind a second tier, and its cheapest point."""
 
@@ -132,31 +169,21 @@ class TieredSweep:
 
 def tiered_points(
     streams: Sequence[Sequence[Request]],
-    geometry: ModelGeometry,
-    hosts: Sequence[int] | None,
-    tiers: Callable[[int], list[TierSpec]],
-    policies: Sequence[str],
-    order: VllmOrder,
+    grid: TierGrid,
     *,
-    target_hit_rate: float,
-    host_price_ratio: float,
-    default_points: int,
     on_start: Callable[[list[list[PreparedRequest]], list[int], list[TierSpec]], Callable[[int], None]],
 ) -> TieredSweep:
-    """Every tiered point of ``streams``, and the cheapest reaching the target.
+    """Every point of ``grid`` over ``streams``, and the cheapest reaching the target.
 
-    ``hosts`` None: ``default_points`` sizes for the trace; ``tiers(distinct
-    blocks)`` the tier sizes. ``on_start(streams, hosts, tiers)`` is called
-    before the replays and returns what each finished request is told to (a
-    progress bar). ValueError or RuntimeError for what cannot run.
+    ``on_start(streams, hosts, tiers)`` is called before the replays and returns what each finished request is
+    told to (a progress bar). ValueError or RuntimeError for what cannot run.
     """
     prepared = [prepare(stream) for stream in streams]
     distinct = summarize([request for stream in prepared for request in stream]).distinct_blocks
-    tier_sizes = tiers(distinct)
-    for tier in tier_sizes:
-        tier.build(geometry)  # refuses a pool that holds no chunk
-    host_sizes = holding_a_block(list(hosts or default_capacities(geometry, distinct, default_points)), geometry)
+    host_sizes, tier_sizes = grid.sizes(distinct)
     on_finished = on_start(prepared, host_sizes, tier_sizes)
-    reports = tiered_sweep(prepared, geometry, host_sizes, tier_sizes, policies, order, on_finished=on_finished)
-    found = recommend_tiered(reports, target_hit_rate, host_price_ratio, geometry, server=order)
+    reports = tiered_sweep(
+        prepared, grid.geometry, host_sizes, tier_sizes, grid.policies, grid.order, on_finished=on_finished
+    )
+    found = recommend_tiered(reports, grid.target_hit_rate, grid.host_price_ratio, grid.geometry, server=grid.order)
     return TieredSweep(prepared, distinct, reports, found)

@@ -7,28 +7,27 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvtriton.cli._main import command_error
-from kvtriton.cli._progress import ProgressBar
 from kvtriton.cli._simulate._arguments import (
-    DEFAULT_TIERED_POINTS,
     Source,
     given_flags,
-    holding_a_block,
-    tier_specs,
 )
+from kvtriton.cli._simulate._computation import TierGrid
 from kvtriton.cli._simulate._output import (
     describe_server,
     gib,
+    lossy_tiers_lines,
+    offloading_transfer_config,
     percent,
+    properties,
     record_of,
     serve_command_lines,
-    stall_lines,
     table,
+    tier_record_fields,
+    tier_sweep_lines,
     tiered_point_record,
-    write_and_report,
+    unreached_lines,
 )
 from kvtriton.sim import (
-    COMPRESSION_EXTRA_CONFIG_KEY,
     DEFAULT_AFFINITY_BLOCKS,
     DEFAULT_ROUTER,
     POOL_KNEE_POINTS,
@@ -41,7 +40,6 @@ from kvtriton.sim import (
     RouterName,
     TierSpec,
     VllmOrder,
-    default_capacities,
     fleet_sweep,
     format_bytes,
     pool_knees,
@@ -123,46 +121,32 @@ class FleetSweep:
 
 
 def fleet_points(
-    requests: Sequence[Request],
-    geometry: ModelGeometry,
-    routing: Routing,
-    hosts: Sequence[int] | None,
-    tiers: Callable[[int], list[TierSpec]],
-    policies: Sequence[str],
-    order: VllmOrder,
-    *,
-    target_hit_rate: float,
-    host_price_ratio: float,
-    on_start: Callable[[int], Callable[[int], None]],
+    requests: Sequence[Request], routing: Routing, grid: TierGrid, *, on_start: Callable[[int], Callable[[int], None]]
 ) -> FleetSweep:
-    """Route the trace, replay every point, read the knees and the cheapest point reaching the target.
+    """Route the trace, replay every point of ``grid``, read the knees and the cheapest point reaching the target.
 
-    ``hosts`` None: the tiered sweep's default host sizes for the trace; ``tiers(distinct blocks)`` the pool
-    sizes. ``on_start(requests to replay)`` returns what each finished request is told to (a progress bar).
+    ``on_start(requests to replay)`` returns what each finished request is told to (a progress bar).
     """
     trace = prepare(requests)
     distinct = summarize(trace).distinct_blocks
-    pools = tiers(distinct)
-    for pool in pools:
-        pool.build(geometry)  # refuses a pool that holds no chunk, before any replay
-    host_sizes = holding_a_block(list(hosts or default_capacities(geometry, distinct, DEFAULT_TIERED_POINTS)), geometry)
+    host_sizes, pools = grid.sizes(distinct)
     assignment = route(
         trace, routing.engines, routing.router, affinity_blocks=routing.affinity_blocks or DEFAULT_AFFINITY_BLOCKS
     )
     streams = split_streams(trace, routing.engines, assignment)
-    on_finished = on_start(len(policies) * len(host_sizes) * len(pools) * len(trace))
+    on_finished = on_start(len(grid.policies) * len(host_sizes) * len(pools) * len(trace))
     points = fleet_sweep(
         streams,
-        geometry,
+        grid.geometry,
         host_sizes,
         pools,
-        policies,
-        order,
+        grid.policies,
+        grid.order,
         router=routing.router,
         affinity_blocks=routing.affinity_blocks,
         on_finished=on_finished,
     )
-    found = recommend_fleet(points, target_hit_rate, host_price_ratio, geometry, server=order)
+    found = recommend_fleet(points, grid.target_hit_rate, grid.host_price_ratio, grid.geometry, server=grid.order)
     return FleetSweep(routing, trace, streams, distinct, points, pool_knees(points), found)
 
 
@@ -260,31 +244,24 @@ def fleet_lines(
 ) -> list[str]:
     """What a fleet sweep prints: the trace and its routing, a table per policy, the knees, each engine, the answer."""
     routing = result.routing
-    summary = summarize(result.trace)
     per_engine = [len(stream) for stream in result.streams]
-    working_set = result.distinct_blocks * geometry.stored_bytes_per_block
-    lines = [
-        f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
-        f" ({summary.prompt_tokens} tokens)",
-        f"geometry  {geometry.describe()}",
-        f"working set {format_bytes(working_set)} ({result.distinct_blocks} distinct blocks)",
-        f"server    each engine: {describe_server(order)}",
-        f"fleet     {routing.engines} engines behind {routing.describe()}: {min(per_engine)} to {max(per_engine)}"
-        f" requests per engine",
-        f"tiers     host memory per engine, then {args.tier.model.heading}, shared by {routing.engines} engines",
-    ]
-    for policy in args.policies:
-        lines.append("")
-        lines += table(*_fleet_rows([p for p in result.points if p.policy == policy], args.host_price_ratio))
-    lines.append("")
-    lines.append(
+    lines = tier_sweep_lines(
+        args,
+        source,
+        summarize(result.trace),
+        geometry,
+        result.distinct_blocks,
+        [
+            f"server    each engine: {describe_server(order)}",
+            f"fleet     {routing.engines} engines behind {routing.describe()}: {min(per_engine)} to {max(per_engine)}"
+            f" requests per engine",
+            f"tiers     host memory per engine, then {args.tier.model.heading}, shared by {routing.engines} engines",
+        ],
+        lambda policy: _fleet_rows([p for p in result.points if p.policy == policy], args.host_price_ratio),
         "hit share, GPU, host hit, pool hit, computed: shares of the fleet's prompt tokens (the first is every"
-        " token no engine computed); vLLM hit: external hits over external queries, summed over the engines"
+        " token no engine computed); vLLM hit: external hits over external queries, summed over the engines",
+        [point.report for point in result.points if point.stalled],
     )
-    stalled = [point.report for point in result.points if point.stalled]
-    if stalled:
-        lines.append("")
-        lines += stall_lines(stalled, geometry)
     lines.append("")
     lines += knee_lines(result.knees)
     shown = result.found.point or result.found.best
@@ -310,19 +287,13 @@ def answer_lines(
     point = found.point
     if point is None or found.extra_config is None:
         best = found.best
-        return [
-            f"NO POINT TRIED REACHES THE TARGET: the fleet's hit share stays below {target} ({price});",
-            f"  the best is {percent(best.hit_share)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)}"
-            f" per engine, {best.pool.describe()} pool): try larger --capacities or --tier-sizes, or lower"
-            " --target-hit-rate.",
-        ]
+        return unreached_lines(
+            f"the fleet's hit share stays below {target} ({price})",
+            f"{percent(best.hit_share)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)} per engine,"
+            f" {best.pool.describe()} pool)",
+        )
     pool = point.pool.model
     pool_size = format_bytes(point.pool.capacity_bytes or 0)
-    transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": found.extra_config,
-    }
     flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
     lines = [
         f"cheapest point reaching a hit share of {target} ({price}): {format_bytes(point.host_bytes)} of host memory"
@@ -336,28 +307,23 @@ def answer_lines(
     ]
     for engine, requests in enumerate(engine_requests):
         lines.append(f"# engine {engine} of {len(engine_requests)} ({requests} requests routed to it)")
-        lines += serve_command_lines(transfer, flags)
+        lines += serve_command_lines(offloading_transfer_config(found.extra_config), flags)
     lines += [
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free on each"
         " engine's machine",
         pool.deployment.format(size=pool_size),
+        *lossy_tiers_lines(geometry),
     ]
-    if geometry.compression != "none":
-        lines.append(
-            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
-        )
     return lines
 
 
 def _fleet_point_record(point: FleetPoint, ratio: float) -> dict[str, object]:
     return {
         **tiered_point_record(point.report, ratio),
-        "hit_share": point.hit_share,
-        "prompt_tokens": point.prompt_tokens,
-        "gpu_hit_tokens": point.gpu_hit_tokens,
-        "host_hit_tokens": point.host_hit_tokens,
-        "pool_hit_tokens": point.pool_hit_tokens,
-        "computed_tokens": point.computed_tokens,
+        **properties(
+            point,
+            ("hit_share", "prompt_tokens", "gpu_hit_tokens", "host_hit_tokens", "pool_hit_tokens", "computed_tokens"),
+        ),
         "engines": [asdict(engine) for engine in point.engines],
     }
 
@@ -381,13 +347,7 @@ def fleet_record(
         router=routing.router,
         affinity_blocks=routing.affinity_blocks,
         requests_per_engine=[len(stream) for stream in result.streams],
-        tier=args.tier.describe(),
-        host_price_ratio=ratio,
-        compression=geometry.compression,
-        stored_bytes_per_block=geometry.stored_bytes_per_block,
-        working_set_bytes=result.distinct_blocks * geometry.stored_bytes_per_block,
-        call_order={"name": order.name, **asdict(order)},
-        engine_args=asdict(order.engine_settings(geometry.block_size, args.tensor_parallel_size)),
+        **tier_record_fields(args, geometry, order, result.distinct_blocks),
         points=[_fleet_point_record(point, ratio) for point in result.points],
         pool_knee={
             "rule": "the smallest pool whose hit share is within within_points percentage points of the largest"
@@ -415,43 +375,3 @@ def fleet_record(
             "pool_bytes": found.point.pool.capacity_bytes if found.point is not None else None,
         },
     )
-
-
-def run_fleet(
-    args: argparse.Namespace,
-    geometry: ModelGeometry,
-    order: VllmOrder,
-    routing: Routing,
-    source: Source,
-    requests: list[Request],
-    started: float,
-) -> int:
-    """``--engines N``: the fleet's sweep, a table per policy, the knees, each engine, every engine's line."""
-    bars: list[ProgressBar] = []
-
-    def start_bar(total: int) -> Callable[[int], None]:
-        # Counted in requests: one point of a million-request fleet takes minutes.
-        bar = ProgressBar(total, "simulate (requests)", enabled=not args.no_progress)
-        bars.append(bar)
-        return bar.advance
-
-    try:
-        result = fleet_points(
-            requests,
-            geometry,
-            routing,
-            args.capacities,
-            lambda distinct: tier_specs(args, geometry, distinct),
-            args.policies,
-            order,
-            target_hit_rate=args.target_hit_rate,
-            host_price_ratio=args.host_price_ratio,
-            on_start=start_bar,
-        )
-    except (ValueError, RuntimeError) as error:
-        return command_error("simulate", error)
-    for bar in bars:
-        bar.finish()
-    record = fleet_record(args, source, started, result, geometry, order)
-    lines = fleet_lines(args, source, result, geometry, order)
-    return write_and_report(args, f"simulate-{source.name}-fleet.json", record, lines)

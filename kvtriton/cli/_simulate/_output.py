@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar, cast
 
 from kvtriton.cli._main import command_error
-from kvtriton.cli._progress import progress
+from kvtriton.cli._progress import ProgressBar, progress
 from kvtriton.cli._simulate._arguments import Source
 from kvtriton.cli._simulate._computation import HostSweep, TieredSweep
 from kvtriton.sim import (
@@ -29,6 +29,7 @@ from kvtriton.sim import (
     TieredRecommendation,
     TieredReport,
     TierSpec,
+    TraceSummary,
     VllmOrder,
     format_bytes,
     summarize,
@@ -140,6 +141,11 @@ def _serve_lines(extra_config: object, transfer_config: object, flags: Sequence[
         "",
         *serve_command_lines(transfer_config, flags),
     ]
+
+
+def offloading_transfer_config(extra_config: object) -> dict[str, object]:
+    """vLLM's ``--kv-transfer-config`` for its OffloadingConnector with ``extra_config`` (a tiered or fleet answer)."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
 
 
 def serve_command_lines(transfer_config: object, flags: Sequence[str]) -> list[str]:
@@ -360,19 +366,15 @@ def tier_heading(tier: TierSpec, servers: int) -> str:
     return f"{tier.model.heading}{shared}"
 
 
+def properties(value: object, names: Iterable[str]) -> dict[str, object]:
+    """``value``'s attributes ``names`` under their own names: the derived figures a record adds to the counts."""
+    return {name: getattr(value, name) for name in names}
+
+
 def tiered_point_record(report: TieredReport, ratio: float) -> dict[str, object]:
-    return {
-        **asdict(report),
-        "external_hit_rate": report.external_hit_rate,
-        "host_served_rate": report.host_served_rate,
-        "tier_served_rate": report.tier_served_rate,
-        "host_chunk_hit_rate": report.host_chunk_hit_rate,
-        "tier_chunk_hit_rate": report.tier_chunk_hit_rate,
-        "tier_read_bytes": report.tier_read_bytes,
-        "tier_write_bytes": report.tier_write_bytes,
-        "tier_fill_bytes": report.tier_fill_bytes,
-        "cost_tier_gib": report.cost(ratio),
-    }
+    derived = ("external_hit_rate", "host_served_rate", "tier_served_rate", "host_chunk_hit_rate",
+               "tier_chunk_hit_rate", "tier_read_bytes", "tier_write_bytes", "tier_fill_bytes")  # fmt: skip
+    return {**asdict(report), **properties(report, derived), "cost_tier_gib": report.cost(ratio)}
 
 
 def tiered_rows(reports: Sequence[TieredReport], ratio: float) -> tuple[list[str], list[list[str]]]:
@@ -452,6 +454,21 @@ def stall_lines(stalled: Sequence[TieredReport], geometry: ModelGeometry) -> lis
     return lines
 
 
+def unreached_lines(shortfall: str, best: str) -> list[str]:
+    """A tiered or fleet sweep's answer when no point reached the target: the ``shortfall``, the ``best`` point."""
+    return [
+        f"NO POINT TRIED REACHES THE TARGET: {shortfall};",
+        f"  the best is {best}: try larger --capacities or --tier-sizes, or lower --target-hit-rate.",
+    ]
+
+
+def lossy_tiers_lines(geometry: ModelGeometry) -> list[str]:
+    """With compressed rows, the line saying both tiers hold them (none without)."""
+    if geometry.compression == "none":
+        return []
+    return [f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"]
+
+
 def tiered_recommendation_lines(
     found: TieredRecommendation, order: VllmOrder, geometry: ModelGeometry, servers: int, tensor_parallel_size: int
 ) -> list[str]:
@@ -460,35 +477,25 @@ def tiered_recommendation_lines(
     price = f"host memory priced {found.host_price_ratio:g}x a tier GiB"
     if point is None or found.extra_config is None:
         best = found.best
-        return [
-            f"NO POINT TRIED REACHES THE TARGET: the hit rate vLLM reports stays below {target} ({price});",
-            f"  the best is {percent(best.external_hit_rate)} ({best.policy.upper()}, host"
-            f" {format_bytes(best.host_bytes)}, {best.tier.describe()}): try larger --capacities or --tier-sizes,"
-            " or lower --target-hit-rate.",
-        ]
+        return unreached_lines(
+            f"the hit rate vLLM reports stays below {target} ({price})",
+            f"{percent(best.external_hit_rate)} ({best.policy.upper()}, host {format_bytes(best.host_bytes)},"
+            f" {best.tier.describe()})",
+        )
     tier = point.tier.model
     tier_size = format_bytes(point.tier_size_bytes)  # a sized tier's capacity, else what it filled
     per_server = " per server" if servers > 1 else ""
-    transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": found.extra_config,
-    }
     flags = order.engine_settings(geometry.block_size, tensor_parallel_size).flags()
-    lines = [
+    return [
         f"cheapest point reaching {target} (the hit rate vLLM reports; {price}):"
         f" {format_bytes(point.host_bytes)} of host memory{per_server} with {point.policy.upper()} and {tier.bought_as.format(size=tier_size)},"
         f" {percent(point.external_hit_rate)} (cost {point.cost(found.host_price_ratio):.3g} tier-GiB)",
         "",
-        *_serve_lines(found.extra_config, transfer, flags),
+        *_serve_lines(found.extra_config, offloading_transfer_config(found.extra_config), flags),
         f"/dev/shm:  the tiering spec maps its host memory there: about {format_bytes(point.host_bytes)} free",
         tier.deployment.format(size=tier_size),
+        *lossy_tiers_lines(geometry),
     ]
-    if geometry.compression != "none":
-        lines.append(
-            f"lossy:     {COMPRESSION_EXTRA_CONFIG_KEY}={geometry.compression}: both tiers hold the compressed rows"
-        )
-    return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,6 +552,88 @@ def write_and_report(args: argparse.Namespace, name: str, record: dict[str, obje
         return 2
     print(f"wrote {json_path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+StartBar = Callable[[int], Callable[[int], None]]
+"""``start_bar(total requests)``: opens a progress bar and returns its ``advance``."""
+SweepT = TypeVar("SweepT")
+
+
+def run_tier_sweep(
+    args: argparse.Namespace,
+    name: str,
+    sweep: Callable[[StartBar], SweepT],
+    record: Callable[[SweepT], dict[str, object]],
+    lines: Callable[[SweepT], list[str]],
+) -> int:
+    """Run ``sweep(start_bar)``, then :func:`write_and_report` its ``record`` and ``lines`` as ``name``: the command's
+    exit status (ValueError or RuntimeError from the sweep: its error).
+
+    The bars count requests, not points: one point of a long trace, of many servers or of a fleet takes minutes.
+    """
+    bars: list[ProgressBar] = []
+
+    def start_bar(total: int) -> Callable[[int], None]:
+        bar = ProgressBar(total, "simulate (requests)", enabled=not args.no_progress)
+        bars.append(bar)
+        return bar.advance
+
+    try:
+        result = sweep(start_bar)
+    except (ValueError, RuntimeError) as error:
+        return command_error("simulate", error)
+    for bar in bars:
+        bar.finish()
+    return write_and_report(args, name, record(result), lines(result))
+
+
+def tier_record_fields(
+    args: argparse.Namespace, geometry: ModelGeometry, order: VllmOrder, distinct_blocks: int
+) -> dict[str, object]:
+    """The fields a tiered and a fleet record share: the tier, the price, the stored bytes, vLLM's settings."""
+    return {
+        "tier": args.tier.describe(),
+        "host_price_ratio": args.host_price_ratio,
+        "compression": geometry.compression,
+        "stored_bytes_per_block": geometry.stored_bytes_per_block,
+        "working_set_bytes": distinct_blocks * geometry.stored_bytes_per_block,
+        "call_order": {"name": order.name, **asdict(order)},
+        "engine_args": asdict(order.engine_settings(geometry.block_size, args.tensor_parallel_size)),
+    }
+
+
+def tier_sweep_lines(
+    args: argparse.Namespace,
+    source: Source,
+    summary: TraceSummary,
+    geometry: ModelGeometry,
+    distinct_blocks: int,
+    setup: Sequence[str],
+    rows_of: Callable[[str], tuple[list[str], list[list[str]]]],
+    key: str,
+    stalled: Sequence[TieredReport],
+) -> list[str]:
+    """How a tiered and a fleet sweep start: the trace, the geometry, the working set, the ``setup`` lines, a table
+    per policy (``rows_of(policy)``), the ``key`` to its columns, and what stalled.
+
+    With ``--servers`` above 1 the trace and the working set are each server's.
+    """
+    per_server = args.servers > 1
+    every_server = ", every server's" if per_server else ""
+    lines = [
+        f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
+        f" ({summary.prompt_tokens} tokens)" + (f", per server; {args.servers} servers" if per_server else ""),
+        f"geometry  {geometry.describe()}",
+        f"working set {format_bytes(distinct_blocks * geometry.stored_bytes_per_block)}"
+        f" ({distinct_blocks} distinct blocks{every_server})",
+        *setup,
+    ]
+    for policy in args.policies:
+        lines += ["", *table(*rows_of(policy))]
+    lines += ["", key]
+    if stalled:
+        lines += ["", *stall_lines(stalled, geometry)]
+    return lines
 
 
 # --------------------------------------------------------------------------
@@ -697,31 +786,22 @@ def tiered_lines(
     args: argparse.Namespace, source: Source, result: TieredSweep, geometry: ModelGeometry, order: VllmOrder
 ) -> list[str]:
     """What a tiered sweep prints: the trace, the tiers, a table per policy, the cheapest point's configuration."""
-    summary = summarize(result.streams[0])
-    working_set = result.distinct_blocks * geometry.stored_bytes_per_block
-    lines = [
-        f"trace     {source.name}: {summary.requests} requests, {summary.prompt_blocks} prompt blocks"
-        f" ({summary.prompt_tokens} tokens)" + (f", per server; {args.servers} servers" if args.servers > 1 else ""),
-        f"geometry  {geometry.describe()}",
-        f"working set {format_bytes(working_set)} ({result.distinct_blocks} distinct blocks"
-        + (", every server's" if args.servers > 1 else "")
-        + ")",
-        f"server    {describe_server(order)}",
-        f"tiers     host memory per server, then {tier_heading(args.tier, args.servers)}",
-    ]
-    for policy in args.policies:
-        lines.append("")
-        lines += table(*tiered_rows([r for r in result.reports if r.policy == policy], args.host_price_ratio))
-    lines.append("")
-    lines.append(
+    lines = tier_sweep_lines(
+        args,
+        source,
+        summarize(result.streams[0]),
+        geometry,
+        result.distinct_blocks,
+        [
+            f"server    {describe_server(order)}",
+            f"tiers     host memory per server, then {tier_heading(args.tier, args.servers)}",
+        ],
+        lambda policy: tiered_rows([r for r in result.reports if r.policy == policy], args.host_price_ratio),
         "host hit, tier hit: the prompt tokens vLLM queried that each tier served (prompt_tokens_cached_by_source;"
         " they add up to vLLM hit); 1st lookup: vLLM's kv_offload_tiering_chunk_hits/_chunk_queries, which count"
-        " what a tier answered each request's first lookup of a chunk (in a burst, before anything is stored)"
+        " what a tier answered each request's first lookup of a chunk (in a burst, before anything is stored)",
+        [report for report in result.reports if report.stalled],
     )
-    stalled = [report for report in result.reports if report.stalled]
-    if stalled:
-        lines.append("")
-        lines += stall_lines(stalled, geometry)
     lines.append("")
     lines += tiered_recommendation_lines(result.found, order, geometry, args.servers, args.tensor_parallel_size)
     return lines
@@ -742,13 +822,7 @@ def tiered_record(
         source,
         started,
         servers=args.servers,
-        tier=args.tier.describe(),
-        host_price_ratio=args.host_price_ratio,
-        compression=geometry.compression,
-        stored_bytes_per_block=geometry.stored_bytes_per_block,
-        working_set_bytes=result.distinct_blocks * geometry.stored_bytes_per_block,
-        call_order={"name": order.name, **asdict(order)},
-        engine_args=asdict(order.engine_settings(geometry.block_size, args.tensor_parallel_size)),
+        **tier_record_fields(args, geometry, order, result.distinct_blocks),
         points=[tiered_point_record(report, args.host_price_ratio) for report in result.reports],
         recommendation={
             "target_hit_rate": found.target,
