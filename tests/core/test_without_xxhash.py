@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from packaging_fixtures import ROOT, run_python_without
+from packaging_fixtures import ROOT, missing_package_errors, run_python_without
 
 IMPORTED_WITHOUT_IT = (
     # the engine and everything under kvtriton.worker (the shared region's layout reaches the seal's size)
@@ -29,21 +29,14 @@ def test_every_module_the_engine_a_vllm_server_and_the_gpu_check_load_imports_wi
 
 
 def test_the_first_seal_and_the_first_slot_digest_name_the_missing_package() -> None:
-    code = (
+    setup = (
         "from kvtriton._integrity import SEAL_BYTES, seal\n"
         "from kvtriton.worker._slab import HostSlab\n"
         "from kvtriton.worker._slot_digests import SlotDigests\n"
-        "assert SEAL_BYTES == 64\n"
-        "for attempt in (lambda: seal(b'x', key=b'k', fingerprint=bytes(16)),\n"
-        "                lambda: SlotDigests(HostSlab(2, 1, 64, pin=False)).record([0])):\n"
-        "    try:\n"
-        "        attempt()\n"
-        "    except ModuleNotFoundError as error:\n"
-        "        print(error.name, '|', error)\n"
+        "assert SEAL_BYTES == 64"
     )
-    run = run_python_without("xxhash", code)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
+    attempts = ("seal(b'x', key=b'k', fingerprint=bytes(16))", "SlotDigests(HostSlab(2, 1, 64, pin=False)).record([0])")
+    lines = missing_package_errors("xxhash", setup, attempts)
     assert len(lines) == 2
     assert all(line.startswith("xxhash | ") and "pip install 'xxhash>=2.0'" in line for line in lines)
 
@@ -52,26 +45,19 @@ def test_the_specs_that_will_seal_refuse_at_start_up_naming_the_package() -> Non
     """The tiered spec seals every chunk a tier gets, the single-tier debug mode digests every slot: without xxhash
     each refuses when vLLM builds it, not at its first seal mid-serve; the single-tier spec without the debug mode
     needs nothing."""
-    code = (
+    setup = (
         "from tiering_fixtures.configs import tiering_config\n"
         "from vllm_fixtures.builders import offloading_config\n"
         "from vllm.v1.kv_offload.factory import OffloadingSpecFactory\n"
         "fs = [{'type': 'fs', 'root_dir': '/tmp/kvtriton-never-written'}]\n"
-        "configs = [tiering_config({'cpu_bytes_to_use': 1 << 20, 'secondary_tiers': fs}),\n"
-        "           offloading_config({'cpu_bytes_to_use': 1 << 20, 'kvtriton_verify_host_loads': True})]\n"
-        "for config in configs:\n"
-        "    try:\n"
-        "        OffloadingSpecFactory.create_spec(config)\n"
-        "    except ModuleNotFoundError as error:\n"
-        "        print(error.name, '|', error)\n"
-        "OffloadingSpecFactory.create_spec(offloading_config({'cpu_bytes_to_use': 1 << 20}))\n"
-        "print('plain spec built')\n"
+        "plain = OffloadingSpecFactory.create_spec(offloading_config({'cpu_bytes_to_use': 1 << 20}))"
     )
-    run = run_python_without(
-        "xxhash", code, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    attempts = (
+        "OffloadingSpecFactory.create_spec(tiering_config({'cpu_bytes_to_use': 1 << 20, 'secondary_tiers': fs}))",
+        "OffloadingSpecFactory.create_spec(offloading_config({'cpu_bytes_to_use': 1 << 20, "
+        "'kvtriton_verify_host_loads': True}))",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert lines[-1] == "plain spec built"
-    assert len(lines) == 3
-    assert all(line.startswith("xxhash | ") and "pip install 'xxhash>=2.0'" in line for line in lines[:2])
+    paths = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    lines = missing_package_errors("xxhash", setup, attempts, env={**os.environ, "PYTHONPATH": paths})
+    assert len(lines) == 2  # the plain spec, built first, needed nothing
+    assert all(line.startswith("xxhash | ") and "pip install 'xxhash>=2.0'" in line for line in lines)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,26 @@ def run_python_without(
         timeout=240,
         check=False,
     )
+
+
+def missing_package_errors(
+    package: str, setup: str, attempts: Sequence[str], *, env: dict[str, str] | None = None
+) -> list[str]:
+    """What each of ``attempts`` (calls, as source) raises in a fresh interpreter without ``package``, after ``setup``:
+    one ``"<module name> | <message>"`` line per ``ModuleNotFoundError``, in order (an attempt that raises none
+    adds no line). The interpreter must exit cleanly."""
+    calls = ", ".join(f"lambda: {attempt}" for attempt in attempts)
+    code = (
+        f"{setup}\n"
+        f"for attempt in ({calls},):\n"
+        "    try:\n"
+        "        attempt()\n"
+        "    except ModuleNotFoundError as error:\n"
+        "        print(error.name, '|', error)\n"
+    )
+    run = run_python_without(package, code, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
 
 
 def package_folders() -> list[Path]:
