@@ -34,14 +34,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG
-from vllm_fixtures.in_process import cpu_vllm_config, model_runner_output, new_scheduler, tiny_model_config
+from vllm_fixtures.in_process import (
+    cpu_vllm_config,
+    model_runner_output,
+    new_scheduler,
+    offloading_manager,
+    tiny_model_config,
+)
 from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
@@ -148,10 +153,9 @@ def run_vllm(
 ) -> tuple[Counts, tuple[int, int, int]]:
     """Serve ``requests`` with vLLM's scheduler; per-request counts and vLLM's (external queries, hits, preemptions)."""
     scheduler = make_scheduler(model_config, setting)
+    manager = offloading_manager(scheduler, VLLMOffloadingManager)
     connector = scheduler.connector
-    assert isinstance(connector, OffloadingConnector) and connector.connector_scheduler is not None
-    manager = connector.connector_scheduler.manager
-    assert isinstance(manager, VLLMOffloadingManager)
+    assert connector is not None
     assert manager.cpu.stats().capacity == setting.slots
 
     local: dict[str, int] = {}

@@ -20,7 +20,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import vllm.distributed.parallel_state as parallel_state
@@ -67,6 +67,7 @@ __all__ = [
     "cpu_vllm_config",
     "model_runner_output",
     "new_scheduler",
+    "offloading_manager",
     "parallel_as",
     "start_in_process_vllm",
     "tiny_model_config",
@@ -75,6 +76,8 @@ __all__ = [
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 32
+
+_Manager = TypeVar("_Manager")
 
 
 def tiny_model_config() -> ModelConfig:
@@ -248,6 +251,15 @@ def new_scheduler(
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=vllm_config.cache_config.block_size,
     )
+
+
+def offloading_manager(scheduler: Scheduler, kind: type[_Manager]) -> _Manager:
+    """The manager, a ``kind``, that vLLM's OffloadingConnector drives on ``scheduler``'s side."""
+    connector = scheduler.connector
+    assert isinstance(connector, OffloadingConnector)
+    manager = connector.scheduler.manager
+    assert isinstance(manager, kind)
+    return manager
 
 
 def start_in_process_vllm(

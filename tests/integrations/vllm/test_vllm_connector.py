@@ -44,6 +44,7 @@ from vllm_fixtures.in_process import (
     BLOCK_SIZE,
     NUM_GPU_BLOCKS,
     InProcessVLLM,
+    offloading_manager,
     start_in_process_vllm,
 )
 from vllm_fixtures.requests import make_request
@@ -149,11 +150,7 @@ class Engine(InProcessVLLM):
 
     @property
     def manager(self) -> VLLMOffloadingManager:
-        connector = self.scheduler.connector
-        assert isinstance(connector, OffloadingConnector)
-        manager = connector.scheduler.manager
-        assert isinstance(manager, VLLMOffloadingManager)
-        return manager
+        return offloading_manager(self.scheduler, VLLMOffloadingManager)
 
     def cpu_manager(self) -> CPUOffloadingManager:
         return self.manager.cpu
