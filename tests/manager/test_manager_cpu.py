@@ -544,13 +544,19 @@ def test_events_disabled_yield_nothing_and_store_nothing(policy: str) -> None:
 # --- reset_cache -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> None:
+def busy_manager(policy: str) -> CPUOffloadingManager:
+    """4 slots: blocks 0 and 1 stored, 1 loading, 2 pending; looked up 0 to 3 (hit, hit, pending hit, miss)."""
     manager = make_manager(policy, num_blocks=4)
     store(manager, ks(0, 1))
-    manager.prepare_load(ks(0), CTX)
     manager.prepare_store(ks(2), CTX)
-    manager.lookup(k(0), CTX)
+    manager.prepare_load(ks(1), CTX)
+    lookups(manager, 0, 1, 2, 3)
+    return manager
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> None:
+    manager = busy_manager(policy)
     manager.take_events()
     manager.reset_cache()
     assert lookups(manager, 0, 1, 2) == [MISS, MISS, MISS]
@@ -558,7 +564,7 @@ def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> Non
     assert manager.slot_map() == {}
     stats = manager.stats()
     assert (stats.used, stats.pending, stats.loading, stats.evictable) == (0, 0, 0, 0)
-    assert (stats.lookups, stats.hits) == (4, 1)  # traffic counters survive
+    assert (stats.lookups, stats.hits) == (7, 2)  # traffic counters survive
     out = manager.prepare_store(ks(5), CTX)
     assert out is not None and slots(out.store_spec) == [0]  # slots start fresh
 
@@ -568,12 +574,7 @@ def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> Non
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_stats_snapshot_counts_occupancy_and_traffic(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=4)
-    store(manager, ks(0, 1))
-    manager.prepare_store(ks(2), CTX)
-    manager.prepare_load(ks(1), CTX)
-    lookups(manager, 0, 1, 2, 3)
-    stats = manager.stats()
+    stats = busy_manager(policy).stats()
     assert stats == ManagerStats(
         capacity=4,
         used=3,
