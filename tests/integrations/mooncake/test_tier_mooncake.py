@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from tests.integrations.mooncake.conftest import NewTier
 
 CHUNK = 64 * 1024
+Transfer = Callable[[list[str], list[list[int]], list[list[int]]], list[int]]
+"""A Mooncake binding's batch transfer: ``(keys, pointers, sizes)`` to a code per key."""
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
@@ -194,28 +198,20 @@ def test_stores_and_loads_move_through_registered_memory_not_python_bytes(new_ti
     assert isinstance(client, MooncakeClient)
     store = client.store
 
-    class Spy:
-        def register_buffer(self, buffer_ptr: int, size: int) -> int:
-            return store.register_buffer(buffer_ptr, size)
+    def recorded(kind: str, transfer: Transfer) -> Transfer:
+        def record_then_transfer(keys: list[str], pointers: list[list[int]], sizes: list[list[int]]) -> list[int]:
+            calls.append((kind, pointers, sizes))
+            return transfer(keys, pointers, sizes)
 
-        def unregister_buffer(self, buffer_ptr: int) -> int:
-            return store.unregister_buffer(buffer_ptr)
+        return record_then_transfer
 
-        def batch_put_from_multi_buffers(
-            self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
-        ) -> list[int]:
-            calls.append(("put", pointers, sizes))
-            assert store is not None
-            return store.batch_put_from_multi_buffers(keys, pointers, sizes)
-
-        def batch_get_into_multi_buffers(
-            self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
-        ) -> list[int]:
-            calls.append(("get", pointers, sizes))
-            assert store is not None
-            return store.batch_get_into_multi_buffers(keys, pointers, sizes)
-
-    client.store = Spy()  # pyright: ignore[reportAttributeAccessIssue] -- a spy around the real binding
+    # A spy around the real binding: each batch transfer's pointers and sizes recorded, then made.
+    client.store = SimpleNamespace(  # pyright: ignore[reportAttributeAccessIssue] -- duck-typed as the binding
+        register_buffer=store.register_buffer,
+        unregister_buffer=store.unregister_buffer,
+        batch_put_from_multi_buffers=recorded("put", store.batch_put_from_multi_buffers),
+        batch_get_into_multi_buffers=recorded("get", store.batch_get_into_multi_buffers),
+    )
     keys = chunk_keys(2, salt=8)
     memory.fill([0, 3], seed=8)
     try:
