@@ -31,6 +31,12 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 ENGINE_TIMEOUT_S = 240.0
 """One engine process, start-up included (20-40 s on a loaded 2-core machine)."""
+HITS = "vllm:external_prefix_cache_hits"
+"""vLLM's counter of prompt tokens the connector loaded (its external prefix cache hits)."""
+LOADED = "vllm:kv_offload_load_bytes"
+"""vLLM's counter of bytes the offloading connector loaded into the GPU."""
+STORED = "vllm:kv_offload_store_bytes"
+"""vLLM's counter of bytes the offloading connector stored from the GPU."""
 
 
 def spec_config(spec_name: str, **extra: object) -> dict[str, object]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.engine import (
+    HITS,
     RESET_PREFIX_CACHE,
     EngineJob,
     EngineResult,
@@ -32,7 +33,6 @@ from e2e.engine import (
 )
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
 CASCADE_FAILURES = "vllm:kv_offload_tiering_cascade_job_failures"

@@ -14,6 +14,7 @@ from bench.tiny_models import TinyLlama
 from e2e.engine import (
     CHECK_MOONCAKE_VALUES_SEALED,
     DAMAGE_MOONCAKE_VALUES,
+    HITS,
     EngineResult,
     generate,
     mooncake_job,
@@ -27,7 +28,6 @@ if MOONCAKE_MISSING is not None:
 # The fixture by its own name (`x as x`: imported for pytest to find, not to call).
 from mooncake_fixtures.managers import cluster as cluster
 
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
-from e2e.engine import EngineResult, barrier, faults_at, generate, mooncake_cluster, mooncake_job, run_engine
+from e2e.engine import HITS, EngineResult, barrier, faults_at, generate, mooncake_cluster, mooncake_job, run_engine
 from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
@@ -27,7 +27,6 @@ if MOONCAKE_MISSING is not None:
 
 TIMEOUT_S = 1.0
 """The tier's timeout_s: small, so a fault costs a request at most about two seconds."""
-HITS = "vllm:external_prefix_cache_hits"
 STALL = "stall"
 """The barrier at which a test stops the holder: the engine is up and its tier reached the pool, A not yet sent.
 

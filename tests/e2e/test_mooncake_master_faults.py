@@ -22,6 +22,7 @@ import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
 from e2e.engine import (
+    HITS,
     WAIT_TIERS_UP,
     EngineJob,
     EngineResult,
@@ -39,7 +40,6 @@ if MOONCAKE_MISSING is not None:
 
 TIMEOUT_S = 1.0
 """The tier's timeout_s: small, so a fault costs a request at most about two seconds."""
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 FAILURES = "vllm:kv_offload_remote_tier_failures"
 UP = "vllm:kv_offload_mooncake_up"
