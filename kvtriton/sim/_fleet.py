@@ -9,7 +9,7 @@ own host tier, every manager in front of the one shared pool (a
 :class:`~kvtriton.sim._secondary_tier.MooncakePool`, capacity-limited, its
 master's eviction rule). A prefix one engine cascades into the pool is a pool
 hit for every other engine that asks for it later. A fleet of one engine is
-the single-engine tiered point exactly (:func:`kvtriton.sim._tiered_planner.tiered_point`).
+the single-engine tiered point exactly (:func:`kvtriton.sim._tiered_planner.replay_tiered`).
 
 :func:`fleet_sweep` runs every (policy, host size, pool size) point;
 :func:`pool_knees` reads, per (policy, host size), the pool size at which

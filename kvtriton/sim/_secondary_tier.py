@@ -162,8 +162,8 @@ class MooncakePool:
         self.high_watermark = high_watermark
         self.eviction_ratio = eviction_ratio
         self._objects: OrderedDict[OffloadKey, None] = OrderedDict()  # least recently leased first
-        self._evictions = 0
-        self._refused = 0
+        self.evictions = 0
+        self.refused_puts = 0
 
     def _lease(self, key: OffloadKey) -> bool:
         if key not in self._objects:
@@ -181,7 +181,7 @@ class MooncakePool:
         if key in self._objects:
             return True  # the object exists: Mooncake keeps it and leaves its lease as it was
         if len(self._objects) >= self.capacity_objects:
-            self._refused += 1  # no space to allocate: the put fails until the master evicts
+            self.refused_puts += 1  # no space to allocate: the put fails until the master evicts
             return False
         self._objects[key] = None
         used = len(self._objects) / self.capacity_objects
@@ -190,20 +190,12 @@ class MooncakePool:
             target = max(self.eviction_ratio, used - self.high_watermark + self.eviction_ratio)
             for _ in range(min(math.ceil(len(self._objects) * target), len(self._objects))):
                 self._objects.popitem(last=False)
-                self._evictions += 1
+                self.evictions += 1
         return True
 
     @property
     def chunks(self) -> int:
         return len(self._objects)
-
-    @property
-    def evictions(self) -> int:
-        return self._evictions
-
-    @property
-    def refused_puts(self) -> int:
-        return self._refused
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,37 +152,6 @@ class TieredReport:
         return (self.servers * self.host_bytes * host_price_ratio + self.tier_size_bytes) / GIB
 
 
-def tiered_point(
-    streams: Sequence[Sequence[PreparedRequest]],
-    geometry: ModelGeometry,
-    host_bytes: int,
-    tier: TierSpec,
-    policy: str,
-    order: VllmOrder,
-    *,
-    on_finished: Callable[[int], None] | None = None,
-) -> TieredReport:
-    """One point: every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``.
-
-    ``on_finished`` counts the requests as they finish (see :func:`tiered_sweep`); a stalled point reports the
-    requests it will never finish at once, so that every point counts all of its requests.
-    """
-
-    def server_streams(managers: Sequence[TieredManager]) -> list[ServerStream[ReqContext]]:
-        return [
-            ServerStream(
-                tiered_calls(manager),
-                requests,
-                positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=geometry.block_size),
-            )
-            for manager, requests in zip(managers, streams)
-        ]
-
-    return replay_tiered(
-        streams, geometry, host_bytes, tier, policy, order, server_streams=server_streams, on_finished=on_finished
-    ).report
-
-
 @dataclass(frozen=True, slots=True)
 class TieredReplay:
     """One point's replay: its report, and (unless it stalled) each server's stats and manager."""
@@ -200,12 +169,27 @@ def replay_tiered(
     policy: str,
     order: VllmOrder,
     *,
-    server_streams: Callable[[Sequence[TieredManager]], list[ServerStream[ReqContext]]],
+    server_streams: Callable[[Sequence[TieredManager]], list[ServerStream[ReqContext]]] | None = None,
     on_finished: Callable[[int], None] | None = None,
 ) -> TieredReplay:
-    """Every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``, replayed as the
-    streams ``server_streams`` makes over the servers' managers; the one replay of :func:`tiered_point` and of a
-    fleet's point. A stalled point reports the requests it will never finish to ``on_finished`` at once."""
+    """One point: every stream behind its own host tier of ``host_bytes``, all in front of one fresh ``tier``.
+
+    The streams are replayed as ``server_streams`` makes them over the servers' managers (None: each request
+    with its positioned context); the one replay of a tiered sweep's point and of a fleet's point.
+    ``on_finished`` counts the requests as they finish (see :func:`tiered_sweep`); a stalled point reports the
+    requests it will never finish at once, so that every point counts all of its requests.
+    """
+
+    def positioned_streams(managers: Sequence[TieredManager]) -> list[ServerStream[ReqContext]]:
+        return [
+            ServerStream(
+                tiered_calls(manager),
+                requests,
+                positioned_contexts(requests, lambda req_id: ReqContext(req_id=req_id), block_size=geometry.block_size),
+            )
+            for manager, requests in zip(managers, streams)
+        ]
+
     shared = tier.build(geometry)
     blocks = host_bytes // geometry.tiered_chunk_bytes
     server = order.server_model()
@@ -239,7 +223,10 @@ def replay_tiered(
     try:
         with collector_paused():
             stats = replay_vllm_servers(
-                server_streams(managers), block_size=geometry.block_size, model=server, on_finished=count
+                (server_streams or positioned_streams)(managers),
+                block_size=geometry.block_size,
+                model=server,
+                on_finished=count,
             )
     except StalledRequest as stuck:
         if on_finished is not None:
@@ -330,7 +317,7 @@ def tiered_sweep(
     """
     grid = [(policy, host, tier) for policy in policies for host in host_capacities for tier in tiers]
     return [
-        tiered_point(streams, geometry, host, tier, policy, order, on_finished=on_finished)
+        replay_tiered(streams, geometry, host, tier, policy, order, on_finished=on_finished).report
         for policy, host, tier in (grid if track is None else track(grid))
     ]
 

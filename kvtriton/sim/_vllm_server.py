@@ -230,6 +230,11 @@ class ServerStats:
     replay: ReplayStats
     """The offload tier's counts; its ``hit_blocks`` / ``hit_tokens`` are the external hits."""
     outcomes: tuple[RequestOutcome, ...]
+    prompt_tokens: int
+    """The outcomes' totals from here to ``external_hit_tokens``."""
+    gpu_hit_tokens: int
+    external_query_tokens: int
+    external_hit_tokens: int
     steps: int
     gpu_evictions: int
     """GPU-cached blocks reused for other tokens."""
@@ -241,22 +246,6 @@ class ServerStats:
     """Running requests preempted because a running request found no free GPU block for its next tokens."""
     tiers: TierCounts | None = None
     """With a secondary tier: the host tier's and the tier's counts as vLLM's tiering metrics report them."""
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(outcome.prompt_tokens for outcome in self.outcomes)
-
-    @property
-    def gpu_hit_tokens(self) -> int:
-        return sum(outcome.gpu_hit_tokens for outcome in self.outcomes)
-
-    @property
-    def external_query_tokens(self) -> int:
-        return sum(outcome.external_query_tokens for outcome in self.outcomes)
-
-    @property
-    def external_hit_tokens(self) -> int:
-        return sum(outcome.external_hit_tokens for outcome in self.outcomes)
 
     @property
     def external_hit_rate(self) -> float:
@@ -845,7 +834,8 @@ class _ServerReplay(Generic[CtxT]):
 
     def stats(self) -> ServerStats:
         ordered = tuple(self.outcomes[index] for index in range(len(self.states)))
-        external_blocks = sum(outcome.external_hit_tokens for outcome in ordered) // self.block_size
+        external_hit_tokens = sum(outcome.external_hit_tokens for outcome in ordered)
+        external_blocks = external_hit_tokens // self.block_size
         return ServerStats(
             replay=ReplayStats(
                 requests=len(self.requests),
@@ -860,6 +850,10 @@ class _ServerReplay(Generic[CtxT]):
                 pending_stops=self.pending_stops,
             ),
             outcomes=ordered,
+            prompt_tokens=sum(outcome.prompt_tokens for outcome in ordered),
+            gpu_hit_tokens=sum(outcome.gpu_hit_tokens for outcome in ordered),
+            external_query_tokens=sum(outcome.external_query_tokens for outcome in ordered),
+            external_hit_tokens=external_hit_tokens,
             steps=self.step_number,
             gpu_evictions=self.pool.evictions if self.pool is not None else 0,
             max_admitted_per_step=self.max_admitted,

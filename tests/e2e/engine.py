@@ -24,12 +24,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtriton.integrations._mooncake_local import MooncakeCluster
 from kvtriton.worker._shared_region import RegionLayout
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 ENGINE_TIMEOUT_S = 240.0
 """One engine process, start-up included (20-40 s on a loaded 2-core machine)."""
+HITS = "vllm:external_prefix_cache_hits"
+"""vLLM's counter of prompt tokens the connector loaded (its external prefix cache hits)."""
+LOADED = "vllm:kv_offload_load_bytes"
+"""vLLM's counter of bytes the offloading connector loaded into the GPU."""
+STORED = "vllm:kv_offload_store_bytes"
+"""vLLM's counter of bytes the offloading connector stored from the GPU."""
 
 
 def spec_config(spec_name: str, **extra: object) -> dict[str, object]:
@@ -43,6 +50,48 @@ def spec_config(spec_name: str, **extra: object) -> dict[str, object]:
             **extra,
         },
     }
+
+
+def mooncake_tier(master_address: str, namespace: str, *, timeout_s: float = 5.0, **keys: object) -> dict[str, object]:
+    """A ``secondary_tiers`` entry: kvtriton's Mooncake Store tier on ``master_address`` under ``namespace``, two I/O
+    threads, and ``keys``."""
+    return {
+        "type": "MooncakeStoreTier",
+        "module_path": "kvtriton.integrations.mooncake",
+        "master_server_address": master_address,
+        "namespace": namespace,
+        "timeout_s": timeout_s,
+        "io_threads": 2,
+        **keys,
+    }
+
+
+def mooncake_job(
+    model: Path,
+    master_address: str,
+    namespace: str,
+    steps: Sequence[dict[str, object]],
+    *,
+    timeout_s: float = 5.0,
+    **tier_keys: object,
+) -> EngineJob:
+    """An engine on the tiered spec, 8 MiB of host memory in front of :func:`mooncake_tier`, running ``steps`` once
+    its tier is up."""
+    tier = mooncake_tier(master_address, namespace, timeout_s=timeout_s, **tier_keys)
+    config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
+    return EngineJob(model=str(model), steps=[WAIT_TIERS_UP, *steps], kv_transfer_config=config)
+
+
+def mooncake_cluster(folder: Path) -> Generator[MooncakeCluster]:
+    """A module's own Mooncake master and holder in ``folder``, for tests that stop or kill them: the master keeps
+    a silent client listed for a minute (``--client_ttl=60``, not the fixtures' 2 s), so that a holder stays listed
+    while it or the master is stopped. Stopped when the generator closes (a fixture's ``yield from``)."""
+    started = MooncakeCluster(folder, master_extra_args=("--client_ttl=60",))
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 def generate(

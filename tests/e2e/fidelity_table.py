@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.tiny_models import HEAD_DIM, TinyLlama
-from e2e.engine import run_process, spec_config
+from e2e.engine import HITS, run_process, spec_config
 from kvtriton.sim._token_trace import TokenRequest, TokenWorkloadParams, block_hashes, token_workload, write_trace
 from kvtriton.sim._vllm_server import DEFAULT_STORE_STEPS, ServerModel, ServerStats, predict
 from kvtriton.sim._workloads import read_trace
@@ -39,7 +39,6 @@ from kvtriton.sim._workloads import read_trace
 ENGINES_AT_ONCE = 2
 """Fidelity engines run side by side (each in a process of its own)."""
 
-HITS = "vllm:external_prefix_cache_hits"
 QUERIES = "vllm:external_prefix_cache_queries"
 LOCAL_HITS = "vllm:prefix_cache_hits"
 BYTES_PER_ELEMENT = 4

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from e2e.engine import RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import HITS, RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 
 

@@ -24,7 +24,10 @@ import pytest
 from bench.compression import GreedyAgreement, greedy_agreement
 from bench.real_model import PreparedModel
 from e2e.engine import (
+    HITS,
+    LOADED,
     RESET_PREFIX_CACHE,
+    STORED,
     ZERO_KV_CACHE,
     EngineJob,
     EngineResult,
@@ -37,9 +40,6 @@ from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 from e2e.real_text import REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 from e2e.vllm_cpu import fp8_kv_cache_problem
 
-HITS = "vllm:external_prefix_cache_hits"
-LOADED = "vllm:kv_offload_load_bytes"
-STORED = "vllm:kv_offload_store_bytes"
 FULL_BLOCKS = len(PROMPT_A) // BLOCK_SIZE
 TOP_LOGPROBS = 20
 """Log-probabilities recorded per generated position (vLLM's default ``max_logprobs``)."""

@@ -31,11 +31,10 @@ import pytest
 import xxhash
 
 from bench.tiny_models import TinyLlama
-from e2e.engine import EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import HITS, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS
 from kvtriton._integrity import SEAL_BYTES
 
-HITS = "vllm:external_prefix_cache_hits"
 FAULTS = "vllm:kv_offload_integrity_failures"
 FULL_BLOCKS = 4
 SEAL_FIELDS = struct.Struct("<16s16sQI4s")

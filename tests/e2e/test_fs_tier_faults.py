@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.engine import (
+    HITS,
     RESET_PREFIX_CACHE,
     EngineJob,
     EngineResult,
@@ -32,7 +33,6 @@ from e2e.engine import (
 )
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
 CASCADE_FAILURES = "vllm:kv_offload_tiering_cascade_job_failures"
@@ -125,31 +125,26 @@ def assert_serving_went_on(result: EngineResult, reference: EngineResult) -> Non
     assert "block I/O failed" in result.log
 
 
-def test_a_full_root_fails_the_cascades_and_serving_goes_on(
-    small_root: Path, llama: Path, tmp_path: Path, reference: EngineResult
+@pytest.mark.parametrize(
+    ("break_root", "logged"),
+    [(fill, "No space left on device"), (make_read_only, "Read-only file system")],
+    ids=["full", "read-only"],
+)
+def test_a_broken_root_fails_the_cascades_and_serving_goes_on(
+    break_root: Callable[[Path], None],
+    logged: str,
+    small_root: Path,
+    llama: Path,
+    tmp_path: Path,
+    reference: EngineResult,
 ) -> None:
     before: list[Path] = []
 
-    def fill_after_the_first_prefix(root: Path) -> None:
+    def break_after_the_first_prefix(root: Path) -> None:
         before.extend(chunk_files(root))
-        fill(root)
+        break_root(root)
 
-    result = engine_with_fault(llama, small_root, tmp_path / "engine", fill_after_the_first_prefix)
+    result = engine_with_fault(llama, small_root, tmp_path / "engine", break_after_the_first_prefix)
     assert_serving_went_on(result, reference)
-    assert "No space left on device" in result.log
+    assert logged in result.log
     assert before and chunk_files(small_root) == before  # nothing half-written left behind
-
-
-def test_a_read_only_root_fails_the_cascades_and_serving_goes_on(
-    small_root: Path, llama: Path, tmp_path: Path, reference: EngineResult
-) -> None:
-    before: list[Path] = []
-
-    def remount_after_the_first_prefix(root: Path) -> None:
-        before.extend(chunk_files(root))
-        make_read_only(root)
-
-    result = engine_with_fault(llama, small_root, tmp_path / "engine", remount_after_the_first_prefix)
-    assert_serving_went_on(result, reference)
-    assert "Read-only file system" in result.log
-    assert before and chunk_files(small_root) == before

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from packaging_fixtures import InstalledWheel, build_wheel, install_beside_test_venv, package_folders
 
-from e2e.engine import RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import HITS, LOADED, RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 DOCUMENTED_MODULES = {
@@ -94,5 +94,5 @@ def test_an_engine_serves_through_the_installed_wheel(
     assert Path(served.kvtriton_origin).resolve() == (installed.site_packages / "kvtriton").resolve()
     assert served.step("cold").token_ids == reference.step("A").token_ids
     assert served.step("warm").token_ids == reference.step("A").token_ids
-    assert served.delta("warm", "vllm:external_prefix_cache_hits") > 0
-    assert served.delta("warm", "vllm:kv_offload_load_bytes") > 0
+    assert served.delta("warm", HITS) > 0
+    assert served.delta("warm", LOADED) > 0

@@ -14,12 +14,11 @@ from bench.tiny_models import TinyLlama
 from e2e.engine import (
     CHECK_MOONCAKE_VALUES_SEALED,
     DAMAGE_MOONCAKE_VALUES,
-    WAIT_TIERS_UP,
-    EngineJob,
+    HITS,
     EngineResult,
     generate,
+    mooncake_job,
     run_engine,
-    spec_config,
 )
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
@@ -29,24 +28,14 @@ if MOONCAKE_MISSING is not None:
 # The fixture by its own name (`x as x`: imported for pytest to find, not to call).
 from mooncake_fixtures.managers import cluster as cluster
 
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def mooncake_engine(
     model: Path, cluster: MooncakeCluster, namespace: str, workdir: Path, *, then: Sequence[dict[str, object]] = ()
 ) -> EngineResult:
-    tier = {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": cluster.master_address,
-        "namespace": namespace,
-        "timeout_s": 5.0,
-        "io_threads": 2,
-    }
-    config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
-    steps = [WAIT_TIERS_UP, generate(PROMPT_A, MAX_TOKENS, "A"), *then]
-    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
+    steps = [generate(PROMPT_A, MAX_TOKENS, "A"), *then]
+    return run_engine(mooncake_job(model, cluster.master_address, namespace, steps), workdir)
 
 
 @pytest.fixture(scope="module")

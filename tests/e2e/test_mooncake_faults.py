@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
-from e2e.engine import WAIT_TIERS_UP, EngineJob, EngineResult, barrier, faults_at, generate, run_engine, spec_config
+from e2e.engine import HITS, EngineResult, barrier, faults_at, generate, mooncake_cluster, mooncake_job, run_engine
 from e2e.prompts import MAX_TOKENS, PROMPT_A
 
 if MOONCAKE_MISSING is not None:
@@ -27,7 +27,6 @@ if MOONCAKE_MISSING is not None:
 
 TIMEOUT_S = 1.0
 """The tier's timeout_s: small, so a fault costs a request at most about two seconds."""
-HITS = "vllm:external_prefix_cache_hits"
 STALL = "stall"
 """The barrier at which a test stops the holder: the engine is up and its tier reached the pool, A not yet sent.
 
@@ -40,12 +39,7 @@ machine that can pass the master's client_ttl (60 s), and the master then drops 
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
     # A stopped holder's segment stays listed for a minute (as with Mooncake's default of 10 s, while requests run):
     # lookups hit and promotions reach the stopped holder, instead of the master dropping it after 2 s.
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-faults"), master_extra_args=("--client_ttl=60",))
-    started.start()
-    try:
-        yield started
-    finally:
-        started.stop()
+    yield from mooncake_cluster(tmp_path_factory.mktemp("mooncake-faults"))
 
 
 def engine(
@@ -53,21 +47,8 @@ def engine(
 ) -> EngineResult:
     """An engine on the pool serving prompt A; with ``stall_before_a`` it waits at :data:`STALL` before A; without
     ``settle`` it shuts down as soon as A is served, with its transfers still in flight."""
-    tier = {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": cluster.master_address,
-        "namespace": "faults",
-        "timeout_s": TIMEOUT_S,
-        "io_threads": 2,
-    }
-    config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
-    steps = [
-        WAIT_TIERS_UP,
-        *([barrier(STALL)] if stall_before_a else []),
-        generate(PROMPT_A, MAX_TOKENS, "A", settle=settle),
-    ]
-    return run_engine(EngineJob(model=str(model), steps=steps, kv_transfer_config=config), workdir)
+    steps = [*([barrier(STALL)] if stall_before_a else []), generate(PROMPT_A, MAX_TOKENS, "A", settle=settle)]
+    return run_engine(mooncake_job(model, cluster.master_address, "faults", steps, timeout_s=TIMEOUT_S), workdir)
 
 
 @pytest.fixture(scope="module")
@@ -81,31 +62,38 @@ def test_the_writer_stores_a_in_the_pool(writer: EngineResult, reference: Engine
     assert writer.delta("A", "vllm:kv_offload_tiering_write_bytes") > 0
 
 
+def engine_with_a_stalled_holder(
+    model: Path, cluster: MooncakeCluster, workdir: Path, resume_once_logged: str, *, settle: bool = True
+) -> EngineResult:
+    """:func:`engine` with the holder stopped at :data:`STALL`, and let go on (SIGCONT) once the engine's log says
+    ``resume_once_logged`` (or the engine is done): the process must not exit with a call still inside Mooncake's
+    client (its teardown crashes when the call returns after the interpreter is gone)."""
+    done = threading.Event()
+
+    def resume() -> None:
+        log = workdir / "engine.log"
+        while not done.wait(0.1):
+            if log.exists() and resume_once_logged in log.read_text(errors="replace"):
+                break
+        cluster.resume_holder()
+
+    resumer = threading.Thread(target=resume, daemon=True)
+    resumer.start()
+    try:
+        with faults_at(workdir, [(STALL, cluster.hang_holder)]):
+            return engine(model, cluster, workdir, stall_before_a=True, settle=settle)
+    finally:
+        done.set()
+        resumer.join(30.0)
+        cluster.resume_holder()
+
+
 def test_a_stalled_holder_costs_a_request_at_most_twice_the_timeout(
     writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir: Path, reference: EngineResult
 ) -> None:
     del writer  # the pool holds A's chunks
-    workdir = e2e_dir / "mooncake-faults-stalled"
-    served = threading.Event()
-
-    def resume_once_abandoned() -> None:
-        """SIGCONT once the engine gave up on the holder: the process must not exit with a call still inside
-        Mooncake's client (its teardown crashes when the call returns after the interpreter is gone)."""
-        log = workdir / "engine.log"
-        while not served.wait(0.1):
-            if log.exists() and "did not answer within" in log.read_text(errors="replace"):
-                break
-        cluster.resume_holder()
-
-    resumer = threading.Thread(target=resume_once_abandoned, daemon=True)
-    resumer.start()
-    try:
-        with faults_at(workdir, [(STALL, cluster.hang_holder)]):
-            reader = engine(llama, cluster, workdir, stall_before_a=True)
-    finally:
-        served.set()
-        resumer.join(30.0)
-        cluster.resume_holder()
+    # Let go once the engine gave up on the holder.
+    reader = engine_with_a_stalled_holder(llama, cluster, e2e_dir / "mooncake-faults-stalled", "did not answer within")
     request = reader.step("A")
     assert request.token_ids == reference.step("A").token_ids
     assert reader.delta("A", HITS) == 0  # the promotion failed: A was recomputed
@@ -125,28 +113,11 @@ def test_an_engine_exiting_with_a_call_stuck_on_a_stalled_holder_exits_cleanly(
     here the test lets the holder go on as soon as the shutdown has said so.
     """
     del writer
+    # Raises unless the process exited with 0, leaving nothing behind. Not settled: on vLLM 0.34 has_pending_work
+    # counts the abandoned load's deferred release until its call returns, which it does only once the holder goes
+    # on, after the shutdown.
     workdir = e2e_dir / "mooncake-faults-stuck-at-exit"
-    ended = threading.Event()
-
-    def resume_once_left_open() -> None:
-        log = workdir / "engine.log"
-        while not ended.wait(0.1):
-            if log.exists() and "its client is left open" in log.read_text(errors="replace"):
-                break
-        cluster.resume_holder()
-
-    resumer = threading.Thread(target=resume_once_left_open, daemon=True)
-    resumer.start()
-    try:
-        with faults_at(workdir, [(STALL, cluster.hang_holder)]):
-            # Raises unless the process exited with 0, leaving nothing behind.
-            # Not settled: on vLLM 0.34 has_pending_work counts the abandoned load's deferred release until its
-            # call returns, which it does only once the holder goes on, after the shutdown.
-            reader = engine(llama, cluster, workdir, stall_before_a=True, settle=False)
-    finally:
-        ended.set()
-        resumer.join(30.0)
-        cluster.resume_holder()
+    reader = engine_with_a_stalled_holder(llama, cluster, workdir, "its client is left open", settle=False)
     assert reader.step("A").token_ids == reference.step("A").token_ids
     assert "1 call(s) still inside the store 1.0 s into shutdown: its client is left open" in reader.log
 

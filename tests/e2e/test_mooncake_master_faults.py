@@ -22,14 +22,16 @@ import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
 
 from e2e.engine import (
+    HITS,
     WAIT_TIERS_UP,
     EngineJob,
     EngineResult,
     barrier,
     faults_at,
     generate,
+    mooncake_cluster,
+    mooncake_job,
     run_engine,
-    spec_config,
 )
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
@@ -38,7 +40,6 @@ if MOONCAKE_MISSING is not None:
 
 TIMEOUT_S = 1.0
 """The tier's timeout_s: small, so a fault costs a request at most about two seconds."""
-HITS = "vllm:external_prefix_cache_hits"
 FULL_TOKENS = len(PROMPT_A) // BLOCK_SIZE * BLOCK_SIZE
 FAILURES = "vllm:kv_offload_remote_tier_failures"
 UP = "vllm:kv_offload_mooncake_up"
@@ -52,26 +53,13 @@ FAULTED = ("stalled-stored", "stalled-new", "killed-stored", "killed-new")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
     # The holder stays listed through the master's stall (its heartbeats are not answered meanwhile): with the
     # fixtures' 2 s TTL the resumed master would drop it, and with it the chunks the reader should hit afterwards.
-    started = MooncakeCluster(tmp_path_factory.mktemp("mooncake-master"), master_extra_args=("--client_ttl=60",))
-    started.start()
-    try:
-        yield started
-    finally:
-        started.stop()
+    yield from mooncake_cluster(tmp_path_factory.mktemp("mooncake-master"))
 
 
-def mooncake_job(model: Path, cluster: MooncakeCluster, steps: list[dict[str, object]]) -> EngineJob:
-    tier = {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": cluster.master_address,
-        "namespace": "master-faults",
-        "timeout_s": TIMEOUT_S,
-        "reconnect_interval_s": 0.5,
-        "io_threads": 2,
-    }
-    config = spec_config("KVTritonTieringOffloadingSpec", cpu_bytes_to_use=8 << 20, secondary_tiers=[tier])
-    return EngineJob(model=str(model), steps=[WAIT_TIERS_UP, *steps], kv_transfer_config=config)
+def job(model: Path, cluster: MooncakeCluster, steps: list[dict[str, object]]) -> EngineJob:
+    return mooncake_job(
+        model, cluster.master_address, "master-faults", steps, timeout_s=TIMEOUT_S, reconnect_interval_s=0.5
+    )
 
 
 def request(name: str, salt: str) -> dict[str, object]:
@@ -82,7 +70,7 @@ def request(name: str, salt: str) -> dict[str, object]:
 def writer(llama: Path, cluster: MooncakeCluster, e2e_dir: Path) -> EngineResult:
     """Prompt A stored in the pool under the salts the reader later asks for."""
     steps = [request(f"tenant-{name}", f"tenant-{name}") for name in ("a", "stall", "resume", "kill")]
-    return run_engine(mooncake_job(llama, cluster, steps), e2e_dir / "mooncake-master-writer")
+    return run_engine(job(llama, cluster, steps), e2e_dir / "mooncake-master-writer")
 
 
 def restart(cluster: MooncakeCluster) -> None:
@@ -120,7 +108,7 @@ def reader(writer: EngineResult, llama: Path, cluster: MooncakeCluster, e2e_dir:
     ]
     with faults_at(workdir, faults):
         try:
-            return run_engine(mooncake_job(llama, cluster, steps), workdir)
+            return run_engine(job(llama, cluster, steps), workdir)
         finally:
             if cluster.master is not None and cluster.master.poll() is None:
                 cluster.resume_master()  # never leave a stopped master behind, whatever failed
@@ -171,7 +159,7 @@ def test_after_a_restart_the_engine_stores_again_and_a_new_engine_hits(
     assert reader.delta("restarted", WRITE_BYTES) > 0  # cascaded into the restarted master's pool
     assert reader.step("restarted").counter(RECONNECTS) >= 2  # after the stall and after the restart
     newcomer = run_engine(
-        mooncake_job(llama, cluster, [request("restarted", "after-restart")]), e2e_dir / "mooncake-master-newcomer"
+        job(llama, cluster, [request("restarted", "after-restart")]), e2e_dir / "mooncake-master-newcomer"
     )
     assert newcomer.delta("restarted", HITS) == FULL_TOKENS
     assert newcomer.step("restarted").token_ids == reference.step("A").token_ids

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from e2e.engine import (
+    HITS,
+    LOADED,
     RESET_PREFIX_CACHE,
     EngineJob,
     EngineResult,
@@ -72,5 +74,5 @@ def test_the_engine_preempted_and_the_fresh_round_loaded_from_kvtriton(
 ) -> None:
     _, kvtriton = load_and_abort
     assert kvtriton.delta("aborted", "vllm:num_preemptions") + kvtriton.delta("fresh", "vllm:num_preemptions") > 0
-    assert kvtriton.delta("fresh", "vllm:external_prefix_cache_hits") > 0
-    assert kvtriton.delta("fresh", "vllm:kv_offload_load_bytes") > 0
+    assert kvtriton.delta("fresh", HITS) > 0
+    assert kvtriton.delta("fresh", LOADED) > 0

@@ -10,11 +10,9 @@ be equal to the last one.
 from __future__ import annotations
 
 from bench.real_model import PreparedModel
+from e2e.engine import HITS, LOADED, STORED
 from e2e.real_text import BLOCK_SIZE, REAL_TEXT_PROMPTS, RealTextRuns, distinct_full_blocks
 
-HITS = "vllm:external_prefix_cache_hits"
-LOADED = "vllm:kv_offload_load_bytes"
-STORED = "vllm:kv_offload_store_bytes"
 WRITTEN = "vllm:kv_offload_tiering_write_bytes"
 READ = "vllm:kv_offload_tiering_read_bytes"
 

@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 from e2e.engine import (
+    HITS,
+    LOADED,
     OVERWRITE_HOST_SLAB,
     RESET_PREFIX_CACHE,
+    STORED,
     ZERO_KV_CACHE,
     EngineJob,
     EngineResult,
@@ -17,10 +20,6 @@ from e2e.engine import (
     spec_config,
 )
 from e2e.prompts import MAX_TOKENS, PROMPT_A
-
-HITS = "vllm:external_prefix_cache_hits"
-LOADED = "vllm:kv_offload_load_bytes"
-STORED = "vllm:kv_offload_store_bytes"
 
 
 def single_tier_run(model: Path, block_size: int, workdir: Path) -> EngineResult:
@@ -40,17 +39,21 @@ def single_tier_run(model: Path, block_size: int, workdir: Path) -> EngineResult
     )
 
 
+SingleTier = tuple[int, int, EngineResult]
+"""A block size, prompt A's full blocks at that size, and the run."""
+
+
 @pytest.fixture(scope="module", params=[32, 64], ids=lambda size: f"block{size}")
-def single_tier(request: pytest.FixtureRequest, llama: Path, e2e_dir: Path) -> tuple[int, EngineResult]:
+def single_tier(request: pytest.FixtureRequest, llama: Path, e2e_dir: Path) -> SingleTier:
     block_size: int = request.param
-    return block_size, single_tier_run(llama, block_size, e2e_dir / f"single-tier-{block_size}")
+    run = single_tier_run(llama, block_size, e2e_dir / f"single-tier-{block_size}")
+    return block_size, len(PROMPT_A) // block_size, run
 
 
 def test_cold_run_gives_reference_tokens_and_stores_every_full_block(
-    single_tier: tuple[int, EngineResult], reference: EngineResult
+    single_tier: SingleTier, reference: EngineResult
 ) -> None:
-    block_size, run = single_tier
-    full_blocks = len(PROMPT_A) // block_size
+    _, full_blocks, run = single_tier
     cold = run.step("cold")
     assert cold.token_ids == reference.step("A").token_ids
     assert run.delta("cold", HITS) == 0
@@ -58,10 +61,9 @@ def test_cold_run_gives_reference_tokens_and_stores_every_full_block(
 
 
 def test_warm_run_loads_every_full_block_and_gives_reference_tokens(
-    single_tier: tuple[int, EngineResult], reference: EngineResult
+    single_tier: SingleTier, reference: EngineResult
 ) -> None:
-    block_size, run = single_tier
-    full_blocks = len(PROMPT_A) // block_size
+    block_size, full_blocks, run = single_tier
     warm = run.step("warm")
     assert run.delta("warm", HITS) == full_blocks * block_size, "every full block is an external hit"
     assert warm.num_cached_tokens == full_blocks * block_size
@@ -71,10 +73,9 @@ def test_warm_run_loads_every_full_block_and_gives_reference_tokens(
     assert warm.token_ids == reference.step("A").token_ids
 
 
-def test_tokens_come_from_the_offloaded_bytes(single_tier: tuple[int, EngineResult], reference: EngineResult) -> None:
+def test_tokens_come_from_the_offloaded_bytes(single_tier: SingleTier, reference: EngineResult) -> None:
     """Negative control: with the host slab overwritten, the loaded prefix is garbage and the tokens change."""
-    block_size, run = single_tier
-    full_blocks = len(PROMPT_A) // block_size
+    block_size, full_blocks, run = single_tier
     overwritten = run.step("overwritten")
     assert run.delta("overwritten", HITS) == full_blocks * block_size
     assert overwritten.blocks_equal == [False] * full_blocks

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from e2e.engine import RESET_PREFIX_CACHE, EngineJob, EngineResult, generate, run_engine, spec_config
+from e2e.engine import HITS, RESET_PREFIX_CACHE, STORED, EngineJob, EngineResult, generate, run_engine, spec_config
 from e2e.prompts import BLOCK_SIZE, MAX_TOKENS, PROMPT_A
 
 FULL_BLOCKS = len(PROMPT_A) // BLOCK_SIZE
-STORED = "vllm:kv_offload_store_bytes"
 
 
 @pytest.fixture(scope="module")
@@ -35,5 +34,5 @@ def test_a_repeat_served_from_the_gpu_prefix_cache_offloads_the_prompt(threshold
 
 
 def test_the_offloaded_prompt_serves_the_next_request(threshold_run: EngineResult, reference: EngineResult) -> None:
-    assert threshold_run.delta("after_reset", "vllm:external_prefix_cache_hits") == FULL_BLOCKS * BLOCK_SIZE
+    assert threshold_run.delta("after_reset", HITS) == FULL_BLOCKS * BLOCK_SIZE
     assert threshold_run.step("after_reset").token_ids == reference.step("A").token_ids

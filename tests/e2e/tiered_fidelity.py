@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.tiny_models import TinyLlama
-from e2e.engine import run_process, spec_config
+from e2e.engine import mooncake_tier, run_process, spec_config
 from e2e.fidelity_table import HITS, LOCAL_HITS, QUERIES, FidelitySetup, distinct_blocks, kv_bytes_per_block, workload
 from kvtriton._integrity import SEAL_BYTES
 from kvtriton.integrations._vllm_release import installed_vllm_version
@@ -172,14 +172,7 @@ def tier_config(kind: str, mode: str, workdir: Path, mooncake_master: str | None
         return {"type": "fs", "root_dir": str(workdir / f"fs-{name}")}
     if mooncake_master is None:
         raise ValueError("the Mooncake tier needs a master's address")
-    return {
-        "type": "MooncakeStoreTier",
-        "module_path": "kvtriton.integrations.mooncake",
-        "master_server_address": mooncake_master,
-        "namespace": f"fidelity-{name}-{workdir.name}",
-        "timeout_s": 5.0,
-        "io_threads": 2,
-    }
+    return mooncake_tier(mooncake_master, f"fidelity-{name}-{workdir.name}")
 
 
 def measure_runs(

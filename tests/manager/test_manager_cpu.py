@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 import pytest
@@ -62,6 +62,14 @@ def stored(*ids: int) -> OffloadingEvent:
 
 def lookups(manager: CPUOffloadingManager, *ids: int) -> list[LookupResult]:
     return [manager.lookup(k(i), CTX) for i in ids]
+
+
+def refused(manager: CPUOffloadingManager, message: str, call: Callable[[], object]) -> None:
+    """``call()`` raises ``ValueError`` with ``message`` (literal text) and leaves the manager's counts as they were."""
+    before = manager.stats()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+    assert manager.stats() == before
 
 
 MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
@@ -357,10 +365,7 @@ def test_complete_store_of_a_key_without_a_store_in_flight_raises_naming_it_and_
     store(manager, ks(0))
     manager.prepare_store(ks(1), CTX)
     manager.take_events()
-    before = manager.stats()
-    with pytest.raises(ValueError, match=re.escape(f"complete_store: key {k(bad)!r} {why}")):
-        manager.complete_store(ks(*named), CTX, success=success)
-    assert manager.stats() == before
+    refused(manager, f"complete_store: key {k(bad)!r} {why}", lambda: manager.complete_store(ks(*named), CTX, success))
     assert lookups(manager, 0, 1) == [HIT, HIT_PENDING]
     assert list(manager.take_events()) == []
 
@@ -428,11 +433,8 @@ def test_prepare_load_of_a_key_not_ready_raises_naming_it_and_pins_nothing(polic
     store(manager, ks(0, 1))
     if bad == "pending":
         manager.prepare_store(ks(2), CTX)
-    before = manager.stats()
-    with pytest.raises(ValueError, match=re.escape(f"prepare_load: key {k(2)!r} is")):
-        manager.prepare_load(ks(0, 1, 2), CTX)
-    assert manager.stats() == before
-    assert before.loading == 0
+    refused(manager, f"prepare_load: key {k(2)!r} is", lambda: manager.prepare_load(ks(0, 1, 2), CTX))
+    assert manager.stats().loading == 0
     # Nothing was pinned: both ready blocks can still be evicted.
     if bad == "pending":
         manager.complete_store(ks(2), CTX, success=False)
@@ -464,16 +466,10 @@ def test_complete_load_without_a_matching_load_raises_and_changes_nothing(policy
     manager = make_manager(policy)
     store(manager, ks(0, 1))
     manager.prepare_load(ks(0), CTX)
-    before = manager.stats()
-    with pytest.raises(ValueError, match=re.escape(f"complete_load: key {k(1)!r} has no load in flight")):
-        manager.complete_load(ks(0, 1), CTX)
-    assert manager.stats() == before
-    with pytest.raises(ValueError, match=re.escape(f"complete_load: key {k(9)!r}")):
-        manager.complete_load(ks(9), CTX)
+    refused(manager, f"complete_load: key {k(1)!r} has no load in flight", lambda: manager.complete_load(ks(0, 1), CTX))
+    refused(manager, f"complete_load: key {k(9)!r}", lambda: manager.complete_load(ks(9), CTX))
     # The same key twice needs two readers.
-    with pytest.raises(ValueError, match=re.escape(f"key {k(0)!r}")):
-        manager.complete_load([k(0), k(0)], CTX)
-    assert manager.stats() == before
+    refused(manager, f"key {k(0)!r}", lambda: manager.complete_load([k(0), k(0)], CTX))
     manager.complete_load(ks(0), CTX)
     assert manager.stats().loading == 0
 
@@ -485,19 +481,21 @@ def test_a_failed_load_call_names_its_first_bad_key_whatever_follows(policy: str
     manager = make_manager(policy)
     store(manager, ks(0, 1))
     manager.prepare_store(ks(2), CTX)  # k2 stays pending
-    before = manager.stats()
-    with pytest.raises(ValueError, match=re.escape(f"prepare_load: key {k(2)!r} is still pending")):
-        manager.prepare_load([k(0), k(2), k(9)], CTX)
-    with pytest.raises(ValueError, match=re.escape(f"prepare_load: key {k(9)!r} is not cached")):
-        manager.prepare_load([k(0), k(9), k(2)], CTX)
-    assert manager.stats() == before
+    refused(
+        manager, f"prepare_load: key {k(2)!r} is still pending", lambda: manager.prepare_load([k(0), k(2), k(9)], CTX)
+    )
+    refused(manager, f"prepare_load: key {k(9)!r} is not cached", lambda: manager.prepare_load([k(0), k(9), k(2)], CTX))
     manager.prepare_load(ks(0), CTX)
-    loading = manager.stats()
-    with pytest.raises(ValueError, match=re.escape(f"complete_load: key {k(1)!r} has no load in flight")):
-        manager.complete_load([k(0), k(1), k(9)], CTX)
-    with pytest.raises(ValueError, match=re.escape(f"complete_load: key {k(0)!r} has no load in flight")):
-        manager.complete_load([k(0), k(0), k(9)], CTX)
-    assert manager.stats() == loading
+    refused(
+        manager,
+        f"complete_load: key {k(1)!r} has no load in flight",
+        lambda: manager.complete_load([k(0), k(1), k(9)], CTX),
+    )
+    refused(
+        manager,
+        f"complete_load: key {k(0)!r} has no load in flight",
+        lambda: manager.complete_load([k(0), k(0), k(9)], CTX),
+    )
     manager.complete_load(ks(0), CTX)
     assert manager.stats().loading == 0
 
@@ -546,13 +544,19 @@ def test_events_disabled_yield_nothing_and_store_nothing(policy: str) -> None:
 # --- reset_cache -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> None:
+def busy_manager(policy: str) -> CPUOffloadingManager:
+    """4 slots: blocks 0 and 1 stored, 1 loading, 2 pending; looked up 0 to 3 (hit, hit, pending hit, miss)."""
     manager = make_manager(policy, num_blocks=4)
     store(manager, ks(0, 1))
-    manager.prepare_load(ks(0), CTX)
     manager.prepare_store(ks(2), CTX)
-    manager.lookup(k(0), CTX)
+    manager.prepare_load(ks(1), CTX)
+    lookups(manager, 0, 1, 2, 3)
+    return manager
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> None:
+    manager = busy_manager(policy)
     manager.take_events()
     manager.reset_cache()
     assert lookups(manager, 0, 1, 2) == [MISS, MISS, MISS]
@@ -560,7 +564,7 @@ def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> Non
     assert manager.slot_map() == {}
     stats = manager.stats()
     assert (stats.used, stats.pending, stats.loading, stats.evictable) == (0, 0, 0, 0)
-    assert (stats.lookups, stats.hits) == (4, 1)  # traffic counters survive
+    assert (stats.lookups, stats.hits) == (7, 2)  # traffic counters survive
     out = manager.prepare_store(ks(5), CTX)
     assert out is not None and slots(out.store_spec) == [0]  # slots start fresh
 
@@ -570,12 +574,7 @@ def test_reset_cache_drops_every_key_and_slot_without_events(policy: str) -> Non
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_stats_snapshot_counts_occupancy_and_traffic(policy: str) -> None:
-    manager = make_manager(policy, num_blocks=4)
-    store(manager, ks(0, 1))
-    manager.prepare_store(ks(2), CTX)
-    manager.prepare_load(ks(1), CTX)
-    lookups(manager, 0, 1, 2, 3)
-    stats = manager.stats()
+    stats = busy_manager(policy).stats()
     assert stats == ManagerStats(
         capacity=4,
         used=3,

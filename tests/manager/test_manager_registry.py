@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Container, Mapping, Sequence
 
 import pytest
 
-from kvtriton._keys import OffloadKey, make_offload_key
+from kvtriton._keys import make_offload_key
 from kvtriton._offload_types import ReqContext
 from kvtriton.manager import (
     POLICIES,
     ARCCachePolicy,
-    Block,
     CPUOffloadingManager,
     LRUCachePolicy,
     make_policy,
     policy_names,
 )
 from kvtriton.manager.policies import CachePolicy
+from tests.manager.conftest import NewestFirst
 
 
 def test_registry_builds_each_policy_by_name() -> None:
@@ -31,43 +30,6 @@ def test_registry_rejects_an_unknown_name_listing_the_valid_ones() -> None:
         ValueError, match=rf"cache_policy must be one of {re.escape(str(policy_names()))}, got 'nosuch'"
     ):
         make_policy("nosuch", 4)
-
-
-class NewestFirst:
-    """A toy policy for the test: evicts the most recently inserted idle block."""
-
-    def __init__(self, capacity: int) -> None:
-        self.blocks: dict[OffloadKey, Block] = {}
-
-    def get(self, key: OffloadKey) -> Block | None:
-        return self.blocks.get(key)
-
-    def insert(
-        self,
-        keys: Sequence[OffloadKey],
-        blocks: Sequence[Block],
-        positions: Mapping[OffloadKey, int | None],
-        req_context: ReqContext,
-    ) -> None:
-        del positions, req_context
-        self.blocks.update(zip(keys, blocks))
-
-    def remove(self, key: OffloadKey) -> None:
-        self.blocks.pop(key, None)
-
-    def touch(self, keys: Collection[OffloadKey]) -> None:
-        pass
-
-    def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
-        idle = [key for key, block in reversed(self.blocks.items()) if block.ref_cnt == 0 and key not in protected]
-        if len(idle) < n:
-            return None
-        for key in idle[:n]:
-            del self.blocks[key]
-        return idle[:n]
-
-    def clear(self) -> None:
-        self.blocks.clear()
 
 
 def test_a_registered_policy_is_selectable_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

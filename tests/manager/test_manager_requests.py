@@ -7,7 +7,7 @@ scenarios as vLLM's tests state them, and policies without the hooks.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 
 import pytest
 
@@ -16,7 +16,7 @@ from kvtriton._offload_types import OffloadingEvent, ReqContext
 from kvtriton.manager import CPUOffloadingManager, FilterReusedOffloadingManager
 from kvtriton.manager._request_access import head_to_tail
 from kvtriton.manager.policies import ARCCachePolicy, LRUCachePolicy
-from tests.manager.conftest import k, ks, request
+from tests.manager.conftest import NewestFirst, k, ks, request
 
 
 def lru_order(manager: CPUOffloadingManager) -> list[OffloadKey]:
@@ -165,42 +165,15 @@ def test_a_dropped_key_stored_again_before_the_drain_is_left_out() -> None:
 
 
 def test_a_policy_without_request_hooks_gets_touch_instead(monkeypatch: pytest.MonkeyPatch) -> None:
-    from collections.abc import Container, Sequence
-
-    from kvtriton.manager.policies import POLICIES, Block
+    from kvtriton.manager.policies import POLICIES
 
     touched: list[list[OffloadKey]] = []
 
-    class TouchOnly:
-        """Only the CachePolicy methods, answered by an LRU."""
-
-        def __init__(self, capacity: int) -> None:
-            self.lru = LRUCachePolicy(capacity)
-
-        def get(self, key: OffloadKey) -> Block | None:
-            return self.lru.get(key)
-
-        def insert(
-            self,
-            keys: Sequence[OffloadKey],
-            blocks: Sequence[Block],
-            positions: Mapping[OffloadKey, int | None],
-            req_context: ReqContext,
-        ) -> None:
-            self.lru.insert(keys, blocks, positions, req_context)
-
-        def remove(self, key: OffloadKey) -> None:
-            self.lru.remove(key)
+    class TouchOnly(NewestFirst):
+        """Only the CachePolicy methods, recording each touch."""
 
         def touch(self, keys: Collection[OffloadKey]) -> None:
             touched.append(list(keys))
-            self.lru.touch(keys)
-
-        def evict(self, n: int, protected: Container[OffloadKey]) -> list[OffloadKey] | None:
-            return self.lru.evict(n, protected)
-
-        def clear(self) -> None:
-            self.lru.clear()
 
     monkeypatch.setitem(POLICIES, "touch-only", TouchOnly)
     manager = CPUOffloadingManager(8, "touch-only")

@@ -16,7 +16,7 @@ from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import PreparedRequest, prepare
 from kvtriton.sim._router import route, split_streams
 from kvtriton.sim._tier_models import TierSpec
-from kvtriton.sim._tiered_planner import TieredReport, collector_paused, tiered_point
+from kvtriton.sim._tiered_planner import TieredReport, collector_paused, replay_tiered
 from kvtriton.sim._vllm_server import predict
 from kvtriton.sim._workloads import Request, generate
 
@@ -146,7 +146,7 @@ def test_a_fleet_of_one_engine_is_the_single_engine_tiered_model_exactly(order: 
     host = 40 * geometry.tiered_chunk_bytes
     pool = TierSpec("mooncake", 120 * pool_object_bytes(geometry))
     point = fleet_point([trace], geometry, host, pool, "lru", order, router="round-robin")
-    assert point.report == tiered_point([trace], geometry, host, pool, "lru", order)
+    assert point.report == replay_tiered([trace], geometry, host, pool, "lru", order).report
     # And request by request through predict(), the one-engine entry point, on a pool of the same size.
     single = predict(
         [Request(each.req_id, hashes(each.prompt_keys), each.prompt_tokens, hashes(each.output_keys)) for each in trace],

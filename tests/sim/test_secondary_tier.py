@@ -18,7 +18,7 @@ from kvtriton.sim._planner import VllmOrder
 from kvtriton.sim._replay import prepare
 from kvtriton.sim._secondary_tier import FsTier, MooncakePool, TierCounts
 from kvtriton.sim._tier_models import TierSpec, parse_tier
-from kvtriton.sim._tiered_planner import TieredReport, recommend_tiered, tiered_point
+from kvtriton.sim._tiered_planner import TieredReport, recommend_tiered, replay_tiered
 from kvtriton.sim._vllm_server import ServerModel, StalledRequest, predict
 from kvtriton.sim._workloads import Request, generate
 
@@ -80,7 +80,7 @@ def test_a_second_request_hits_what_the_first_promoted_in_the_host_tier() -> Non
 def test_the_fs_tier_never_evicts_and_reports_the_disk_it_filled() -> None:
     requests = prepare([request(f"r{index}", 10 * index + 1, 10 * index + 2, 10 * index + 3) for index in range(5)])
     # A 2048-byte block is a 4096-byte chunk in the tiered spec's region (its seal's room, padded to 4 KiB).
-    report = tiered_point([requests], GEOMETRY, 6 * 4096, TierSpec("fs"), "lru", VllmOrder(sequential=True))
+    report = replay_tiered([requests], GEOMETRY, 6 * 4096, TierSpec("fs"), "lru", VllmOrder(sequential=True)).report
     assert report.counts is not None
     # 15 distinct blocks, each written once; the 6-block host tier evicted 9 of them, the disk none.
     assert (report.counts.cascaded_chunks, report.counts.tier_chunks, report.counts.tier_evictions) == (15, 15, 0)
@@ -116,7 +116,7 @@ def test_compression_shrinks_both_tiers_bytes_and_mooncake_adds_its_seal() -> No
     assert isinstance(built, MooncakePool) and built.capacity_objects == 10  # 41600 // 4160
     assert TierSpec("mooncake", 41_600).build(GEOMETRY).chunks == 0
     requests = prepare([request("a", 1, 2, 3)])
-    report = tiered_point([requests], compressed, 4 * 4096, pool, "lru", VllmOrder(sequential=True))
+    report = replay_tiered([requests], compressed, 4 * 4096, pool, "lru", VllmOrder(sequential=True)).report
     assert report.counts is not None and report.counts.cascaded_chunks == 3
     assert (report.bytes_per_chunk, report.tier_write_bytes, report.tier_fill_bytes) == (4096, 3 * 4096, 3 * 4160)
     assert report.host_store_bytes == 3 * 1280  # the GPU copies move the rows, not the padding
@@ -160,13 +160,13 @@ def test_servers_share_one_tier_so_one_servers_cascade_serves_another() -> None:
     # step 4's window. Server 1 first serves two one-block requests (steps 1-2 and 3-4); b arrives in step 5, its
     # existence checks run then and find server 0's chunks: promoted in step 6, loaded in step 7.
     streams = [prepare([request("a", 1, 2)]), prepare([request("c", 7), request("d", 8), request("b", 1, 2)])]
-    shared = tiered_point(streams, GEOMETRY, 4 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True))
+    shared = replay_tiered(streams, GEOMETRY, 4 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True)).report
     assert shared.counts is not None
     assert (shared.counts.tier_chunk_hits, shared.counts.promotions) == (2, 2)
     assert (shared.external_hit_tokens, shared.counts.tier_chunks) == (32, 4)
     # One filler fewer and b asks before the cascade lands: the disk has nothing for it yet.
     early = [streams[0], prepare([request("c", 7), request("b", 1, 2)])]
-    missed = tiered_point(early, GEOMETRY, 4 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True))
+    missed = replay_tiered(early, GEOMETRY, 4 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True)).report
     assert missed.counts is not None
     assert (missed.counts.tier_chunk_hits, missed.external_hit_tokens) == (0, 0)
 
@@ -177,9 +177,9 @@ def test_a_prompt_longer_than_the_host_tier_stalls_as_vllm_would() -> None:
     # Promoting block 3 into a 2-slot host tier evicts block 1, promoted the step before, and so on for ever.
     with pytest.raises(StalledRequest, match="request 'a' was deferred 1000 steps"):
         predict([request("a", 1, 2, 3)], slots=2, block_size=BLOCK, model=ONE_AT_A_TIME, tier=disk)
-    stalled = tiered_point(
+    stalled = replay_tiered(
         [prepare([request("a", 1, 2, 3)])], GEOMETRY, 2 * 2048, TierSpec("fs"), "lru", VllmOrder(sequential=True)
-    )
+    ).report
     assert not stalled.stalled  # a fresh disk has nothing to promote: the prompt is computed and stored
 
 
@@ -190,12 +190,16 @@ def test_a_request_whose_own_promotions_evict_what_it_found_stalls_and_says_so()
     # since: each chunk it promotes evicts one it found, step after step (vLLM's own LRU rule).
     requests = prepare(generate("chat", seed=0, block_size=16, overrides={"requests": 100}))
     llama = PRESETS["llama-3-8b"]
-    report = tiered_point([requests], llama, GIB // 4, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4))
+    report = replay_tiered(
+        [requests], llama, GIB // 4, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4)
+    ).report
     assert report.stalled
     assert report.stall is not None
     assert (report.stall.req_id, report.stall.prompt_chunks, report.stall.host_chunks) == ("chat-38-turn-2", 90, 127)
     assert report.stall.fits and report.stall.own_evictions > 0
-    roomier = tiered_point([requests], llama, GIB // 2, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4))
+    roomier = replay_tiered(
+        [requests], llama, GIB // 2, TierSpec("mooncake", 2 * GIB), "lru", VllmOrder(arrivals=4)
+    ).report
     assert not roomier.stalled and roomier.stall is None
 
 
@@ -235,7 +239,7 @@ def test_each_tiers_column_is_consistent_with_the_points_loads(arrivals: str, ho
     """What each tier served adds up to vLLM's combined rate and to the bytes the host tier loaded, in every mode."""
     order = VllmOrder(max_num_seqs=4, store_steps=1, **ARRIVALS[arrivals])  # pyright: ignore[reportArgumentType] -- the modes' keyword arguments
     tier = TierSpec(kind, None if kind == "fs" else 64 * GIB)
-    report = tiered_point([prepare(SHARED_PROMPTS)], GEOMETRY, host_bytes, tier, "lru", order)
+    report = replay_tiered([prepare(SHARED_PROMPTS)], GEOMETRY, host_bytes, tier, "lru", order).report
     counts = report.counts
     assert counts is not None and report.external_hit_tokens > 0
     loaded = counts.host_loaded_chunks + counts.tier_loaded_chunks
@@ -251,7 +255,7 @@ def test_in_a_burst_vllms_first_lookup_counters_miss_what_the_host_tier_then_ser
     """Every request of a burst looks its prefix up in step 1, before anything is stored: vLLM's chunk counters
     (first lookups) read 0 hits for both tiers, yet the host tier serves the shared prefixes once stored."""
     order = VllmOrder(max_num_seqs=4, store_steps=1)
-    report = tiered_point([prepare(SHARED_PROMPTS)], GEOMETRY, 64 * 2048 * 3, TierSpec("fs"), "lru", order)
+    report = replay_tiered([prepare(SHARED_PROMPTS)], GEOMETRY, 64 * 2048 * 3, TierSpec("fs"), "lru", order).report
     assert report.counts is not None
     assert (report.counts.host_chunk_hits, report.counts.tier_chunk_hits) == (0, 0)
     assert report.counts.host_chunk_queries > 0

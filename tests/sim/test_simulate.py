@@ -379,7 +379,6 @@ def test_bad_flags_exit_with_a_message_naming_the_value(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--param", "turns=3"], "workload 'chat' has no parameter 'turns'"),
         (["--capacities", "1MiB"], "--capacities: 1.00 MiB holds no block of 2.00 MiB"),
         (["--trace", "/no/such/trace.jsonl"], "--trace: no such file: /no/such/trace.jsonl"),
         (["--param", "requests=0"], "--param: workload 'chat': requests must be positive, got 0"),

@@ -29,20 +29,24 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR
-from vllm_fixtures.in_process import model_runner_output
+from vllm_fixtures.builders import SPEC_EXTRA_CONFIG
+from vllm_fixtures.in_process import (
+    cpu_vllm_config,
+    model_runner_output,
+    new_scheduler,
+    offloading_manager,
+    tiny_model_config,
+)
 from vllm_fixtures.requests import BLOCK_SIZE, EOS, make_request
 
 from kvtriton.integrations.vllm._manager import VLLMOffloadingManager
@@ -127,44 +131,21 @@ Counts = dict[str, tuple[int, int, int]]
 
 @pytest.fixture(scope="module")
 def model_config() -> ModelConfig:
-    return ModelConfig(model=str(TINY_MODEL_DIR), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=1024)
+    return tiny_model_config()
 
 
 def make_scheduler(model_config: ModelConfig, setting: Setting) -> Scheduler:
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=setting.max_num_seqs,
-            max_num_batched_tokens=setting.max_num_batched_tokens,
-            max_model_len=1024,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            engine_id=f"simulate-parity-{uuid.uuid4().hex[:12]}",
-            kv_connector_extra_config={
-                **SPEC_EXTRA_CONFIG,
-                "cpu_bytes_to_use": setting.slots * BYTES_PER_BLOCK,
-                "eviction_policy": setting.policy,
-            },
-        ),
-        device_config=DeviceConfig("cpu"),
+    vllm_config = cpu_vllm_config(
+        model_config,
+        {**SPEC_EXTRA_CONFIG, "cpu_bytes_to_use": setting.slots * BYTES_PER_BLOCK, "eviction_policy": setting.policy},
+        max_num_seqs=setting.max_num_seqs,
+        max_num_batched_tokens=setting.max_num_batched_tokens,
+        engine_id=f"simulate-parity-{uuid.uuid4().hex[:12]}",
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=setting.gpu_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, KV_SPEC)]
     )
-    vllm_config.cache_config.num_gpu_blocks = setting.gpu_blocks
-    scheduler_class = AsyncScheduler if setting.async_scheduling else Scheduler
-    return scheduler_class(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-    )
+    return new_scheduler(vllm_config, kv_cache_config, AsyncScheduler if setting.async_scheduling else Scheduler)
 
 
 def run_vllm(
@@ -172,10 +153,9 @@ def run_vllm(
 ) -> tuple[Counts, tuple[int, int, int]]:
     """Serve ``requests`` with vLLM's scheduler; per-request counts and vLLM's (external queries, hits, preemptions)."""
     scheduler = make_scheduler(model_config, setting)
+    manager = offloading_manager(scheduler, VLLMOffloadingManager)
     connector = scheduler.connector
-    assert isinstance(connector, OffloadingConnector) and connector.connector_scheduler is not None
-    manager = connector.connector_scheduler.manager
-    assert isinstance(manager, VLLMOffloadingManager)
+    assert connector is not None
     assert manager.cpu.stats().capacity == setting.slots
 
     local: dict[str, int] = {}

@@ -28,7 +28,7 @@ from kvtriton.sim._tier_models import (
     tier_metavar,
     tier_names,
 )
-from kvtriton.sim._tiered_planner import recommend_tiered, tiered_point
+from kvtriton.sim._tiered_planner import recommend_tiered, replay_tiered
 from kvtriton.sim._workloads import Request
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "simulate.md"
@@ -102,7 +102,7 @@ def test_a_new_backend_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) ->
     prompts = [Request("r1", (b"a" * 16, b"b" * 16), 2 * BLOCK + 8)]
     pool = TierSpec("ram", 10 * (GEOMETRY.tiered_chunk_bytes + 128))
     order = VllmOrder(sequential=True, store_steps=1)
-    report = tiered_point([prepare(prompts)], GEOMETRY, 4 * GEOMETRY.tiered_chunk_bytes, pool, "lru", order)
+    report = replay_tiered([prepare(prompts)], GEOMETRY, 4 * GEOMETRY.tiered_chunk_bytes, pool, "lru", order).report
     assert report.counts is not None and report.counts.kind == "ram"
     assert (report.counts.cascaded_chunks, report.counts.tier_chunks) == (2, 2)
     assert report.tier_object_bytes == GEOMETRY.tiered_chunk_bytes + 128

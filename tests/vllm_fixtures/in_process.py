@@ -20,7 +20,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import vllm.distributed.parallel_state as parallel_state
@@ -33,6 +33,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.config.cache import CacheDType
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1 import offloading_connector as connector_module
@@ -63,7 +64,10 @@ __all__ = [
     "BLOCK_SIZE",
     "NUM_GPU_BLOCKS",
     "InProcessVLLM",
+    "cpu_vllm_config",
     "model_runner_output",
+    "new_scheduler",
+    "offloading_manager",
     "parallel_as",
     "start_in_process_vllm",
     "tiny_model_config",
@@ -72,6 +76,8 @@ __all__ = [
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 32
+
+_Manager = TypeVar("_Manager")
 
 
 def tiny_model_config() -> ModelConfig:
@@ -199,6 +205,63 @@ class InProcessVLLM:
         self.scheduler.shutdown()
 
 
+def cpu_vllm_config(
+    model_config: ModelConfig,
+    extra_config: Mapping[str, object],
+    *,
+    block_size: int = BLOCK_SIZE,
+    cache_dtype: CacheDType = "auto",
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 256,
+    engine_id: str | None = None,
+) -> VllmConfig:
+    """An engine on CPU with chunked prefill and prefix caching, vLLM's OffloadingConnector given ``extra_config``
+    (the whole ``kv_connector_extra_config``); ``engine_id`` None: vLLM draws one."""
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size, cache_dtype=cache_dtype, gpu_memory_utilization=0.9, enable_prefix_caching=True
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            engine_id=engine_id,
+            kv_connector_extra_config=dict(extra_config),
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def new_scheduler(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, scheduler_class: type[Scheduler] = Scheduler
+) -> Scheduler:
+    """vLLM's ``scheduler_class`` over the GPU blocks of ``kv_cache_config``, logging stats."""
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return scheduler_class(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+    )
+
+
+def offloading_manager(scheduler: Scheduler, kind: type[_Manager]) -> _Manager:
+    """The manager, a ``kind``, that vLLM's OffloadingConnector drives on ``scheduler``'s side."""
+    connector = scheduler.connector
+    assert isinstance(connector, OffloadingConnector)
+    manager = connector.scheduler.manager
+    assert isinstance(manager, kind)
+    return manager
+
+
 def start_in_process_vllm(
     model_config: ModelConfig,
     extra_config: Mapping[str, object],
@@ -214,34 +277,12 @@ def start_in_process_vllm(
     name and module included); ``layer_caches(rank)`` gives the layer caches
     a rank's connector registers (the CPU "GPU").
     """
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            max_model_len=1024,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            engine_id=engine_id or f"in-process-{uuid.uuid4().hex[:12]}",
-            kv_connector_extra_config=dict(extra_config),
-        ),
-        device_config=DeviceConfig("cpu"),
+    vllm_config = cpu_vllm_config(
+        model_config, extra_config, engine_id=engine_id or f"in-process-{uuid.uuid4().hex[:12]}"
     )
     kv_cache_config = KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
-    vllm_config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
     with parallel_as(0, world_size):
-        scheduler = Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=BLOCK_SIZE,
-        )
+        scheduler = new_scheduler(vllm_config, kv_cache_config)
     connector = scheduler.connector
     assert isinstance(connector, OffloadingConnector)
     # The scheduler side counts one completion per worker of its parallel config (1 here).

@@ -20,8 +20,9 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from typing_extensions import override
 
@@ -29,6 +30,9 @@ from kvtriton.integrations.remote._client import Outcome, RemoteClient, Segment,
 from kvtriton.integrations.remote._metrics import RemoteTierMetrics
 from kvtriton.integrations.remote._settings import RemoteTierSettings
 from kvtriton.integrations.remote._tier import RemoteTier
+
+_Moved = TypeVar("_Moved")
+"""What one key's transfer gives: an outcome (put), or the bytes read or an outcome (get)."""
 
 OPERATIONS = ("exist", "put", "get")
 """The calls a fault applies to."""
@@ -164,47 +168,49 @@ class InMemoryClient(RemoteClient):
         finally:
             self.store.leave("exist")
 
-    def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Outcome]:
+    def _transfer(
+        self,
+        operation: str,
+        keys: Sequence[str],
+        segments: Sequence[Sequence[Segment]],
+        move: Callable[[str, Sequence[Segment]], _Moved],
+    ) -> list[_Moved | Outcome]:
+        """``move(key, pieces)`` for every key inside the store's ``operation``: every key UNREACHABLE while the
+        store is, FAILED while the operation fails."""
         for pieces in segments:
             self._check_registered(pieces)
         try:
-            failing = self.store.enter("put")
+            failing = self.store.enter(operation)
         except Unreachable:
             return [Outcome.UNREACHABLE] * len(keys)
         try:
             if failing:
                 return [Outcome.FAILED] * len(keys)
-            for key, pieces in zip(keys, segments, strict=True):
-                self.store.set_value(key, b"".join(ctypes.string_at(address, nbytes) for address, nbytes in pieces))
-            return [Outcome.OK] * len(keys)
+            return [move(key, pieces) for key, pieces in zip(keys, segments, strict=True)]
         finally:
-            self.store.leave("put")
+            self.store.leave(operation)
+
+    def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[Outcome]:
+        def write(key: str, pieces: Sequence[Segment]) -> Outcome:
+            self.store.set_value(key, b"".join(ctypes.string_at(address, nbytes) for address, nbytes in pieces))
+            return Outcome.OK
+
+        return self._transfer("put", keys, segments, write)
 
     def get(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[int | Outcome]:
-        for pieces in segments:
-            self._check_registered(pieces)
-        try:
-            failing = self.store.enter("get")
-        except Unreachable:
-            return [Outcome.UNREACHABLE] * len(keys)
-        try:
-            results: list[int | Outcome] = []
-            for key, pieces in zip(keys, segments, strict=True):
-                value = self.store.value(key)
-                if failing or value is None:
-                    results.append(Outcome.FAILED if failing else Outcome.ABSENT)
-                    continue
-                if len(value) != sum(nbytes for _, nbytes in pieces):
-                    results.append(Outcome.FAILED)  # as Mooncake: a value of another size moves nothing
-                    continue
-                offset = 0
-                for address, nbytes in pieces:
-                    ctypes.memmove(address, value[offset : offset + nbytes], nbytes)
-                    offset += nbytes
-                results.append(len(value))
-            return results
-        finally:
-            self.store.leave("get")
+        def read(key: str, pieces: Sequence[Segment]) -> int | Outcome:
+            value = self.store.value(key)
+            if value is None:
+                return Outcome.ABSENT
+            if len(value) != sum(nbytes for _, nbytes in pieces):
+                return Outcome.FAILED  # as Mooncake: a value of another size moves nothing
+            offset = 0
+            for address, nbytes in pieces:
+                ctypes.memmove(address, value[offset : offset + nbytes], nbytes)
+                offset += nbytes
+            return len(value)
+
+        return self._transfer("get", keys, segments, read)
 
     def size_of(self, key: str) -> int | None:
         value = self.store.value(key)

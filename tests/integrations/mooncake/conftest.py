@@ -1,4 +1,5 @@
-"""The fixtures the Mooncake tier's tests share, found by pytest by name (no test module imports them).
+"""The fixtures the Mooncake tier's tests share, found by pytest by name (test modules import only the
+:class:`NewTier` type, for their annotations).
 
 A Mooncake cluster (master and storage holder on the loopback) starts once per test module (``cluster``) or
 once per test for a test that kills, hangs or restarts it (``own_cluster``); the tiers and the plain client a
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
@@ -19,6 +20,13 @@ if TYPE_CHECKING:
 
     from kvtriton.integrations._mooncake_local import MooncakeCluster
     from kvtriton.integrations.mooncake import MooncakeStoreTier, StoreClient
+
+
+class NewTier(Protocol):
+    """The ``new_tier`` fixture's type, for the tests that take it (imported under ``TYPE_CHECKING``)."""
+
+    def __call__(self, memory: Primary, namespace: str, *, dtype_override: str | None = None) -> MooncakeStoreTier: ...
+
 
 if importlib.util.find_spec("vllm") is not None:
     # These import vLLM; without it the folder's modules skip themselves (pytest.importorskip) and
@@ -56,7 +64,7 @@ if importlib.util.find_spec("vllm") is not None:
         return entry
 
     @pytest.fixture
-    def new_tier(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> Callable[..., MooncakeStoreTier]:
+    def new_tier(cluster: MooncakeCluster, tiers: list[MooncakeStoreTier]) -> NewTier:
         """``new_tier(memory, namespace, dtype_override=None)``: ``make_tier`` on the module's cluster, the tier kept
         in ``tiers`` to be shut down with the module."""
 

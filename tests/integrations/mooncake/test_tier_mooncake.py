@@ -13,6 +13,8 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
@@ -31,13 +33,16 @@ from kvtriton.integrations.mooncake import MooncakeClient, MooncakeStoreTier, St
 from kvtriton.integrations.mooncake._config import MooncakeTierConfig
 from kvtriton.integrations.vllm._surface import JOB_RESULTS_DEFER_RELEASE, LOOKUPS_MARK_PRESENT
 
+if TYPE_CHECKING:
+    from tests.integrations.mooncake.conftest import NewTier
+
 CHUNK = 64 * 1024
+Transfer = Callable[[list[str], list[list[int]], list[list[int]]], list[int]]
+"""A Mooncake binding's batch transfer: ``(keys, pointers, sizes)`` to a code per key."""
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-def test_chunks_stored_by_one_tier_load_bit_exact_into_another_primary(
-    new_tier: Callable[..., MooncakeStoreTier],
-) -> None:
+def test_chunks_stored_by_one_tier_load_bit_exact_into_another_primary(new_tier: NewTier) -> None:
     writer_memory, reader_memory = Primary(8, CHUNK), Primary(8, CHUNK)
     writer = new_tier(writer_memory, "roundtrip")
     reader = new_tier(reader_memory, "roundtrip")
@@ -59,7 +64,7 @@ def test_chunks_stored_by_one_tier_load_bit_exact_into_another_primary(
     assert writer.stats().stored_keys == 4
 
 
-def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(new_tier: Callable[..., MooncakeStoreTier]) -> None:
+def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(new_tier: NewTier) -> None:
     memory = Primary(2, CHUNK)
     tier = new_tier(memory, "retry")
     key = chunk_keys(1, salt=2)[0]
@@ -87,7 +92,7 @@ def test_a_lookup_answers_retry_until_a_step_has_sent_it_then_hit(new_tier: Call
     ],
 )
 def test_another_layout_or_namespace_sees_only_misses(
-    new_tier: Callable[..., MooncakeStoreTier],
+    new_tier: NewTier,
     what: str,
     reader_namespace: str,
     reader_dtype: str | None,
@@ -104,9 +109,7 @@ def test_another_layout_or_namespace_sees_only_misses(
     assert resolve_lookups(writer, keys) == [HIT] * 3
 
 
-def test_the_manifest_key_holds_the_configuration_behind_the_digest(
-    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
-) -> None:
+def test_the_manifest_key_holds_the_configuration_behind_the_digest(new_tier: NewTier, store: StoreClient) -> None:
     tier = new_tier(Primary(2, CHUNK), "manifest")
     manifest = json.loads(store.get(tier.keyspace.manifest_key))
     assert manifest == tier.keyspace.identity.fields()
@@ -114,9 +117,7 @@ def test_the_manifest_key_holds_the_configuration_behind_the_digest(
     assert tier.keyspace.manifest_key == f"kvt/{tier.keyspace.digest}/manifest"
 
 
-def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(
-    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
-) -> None:
+def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(new_tier: NewTier, store: StoreClient) -> None:
     memory = Primary(8, CHUNK)
     tier = new_tier(memory, "wrong-size")
     keys = chunk_keys(3, salt=4)
@@ -136,9 +137,7 @@ def test_a_value_of_the_wrong_size_is_a_miss_for_that_key_only(
     assert (stats.loaded_keys, stats.load_failed_keys, stats.wrong_size_keys) == (2, 1, 1)
 
 
-def test_a_larger_value_is_a_miss_and_writes_nothing(
-    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
-) -> None:
+def test_a_larger_value_is_a_miss_and_writes_nothing(new_tier: NewTier, store: StoreClient) -> None:
     memory = Primary(2, CHUNK)
     tier = new_tier(memory, "too-large")
     key = chunk_keys(1, salt=5)
@@ -148,9 +147,7 @@ def test_a_larger_value_is_a_miss_and_writes_nothing(
     assert not memory.rows.any()
 
 
-def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(
-    new_tier: Callable[..., MooncakeStoreTier],
-) -> None:
+def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(new_tier: NewTier) -> None:
     memory = Primary(4, CHUNK)
     tier = new_tier(memory, "again")
     keys = chunk_keys(2, salt=6)
@@ -161,7 +158,7 @@ def test_a_store_of_keys_already_present_succeeds_and_keeps_the_bytes(
     assert [memory.chunk(2), memory.chunk(3)] == written
 
 
-def test_groups_of_one_block_hash_are_separate_objects(new_tier: Callable[..., MooncakeStoreTier]) -> None:
+def test_groups_of_one_block_hash_are_separate_objects(new_tier: NewTier) -> None:
     memory = Primary(4, CHUNK)
     tier = new_tier(memory, "groups")
     group0, group1 = chunk_keys(1, salt=7, group=0), chunk_keys(1, salt=7, group=1)
@@ -188,9 +185,7 @@ def test_bad_configuration_names_the_key_and_value(config: dict[str, object], me
         MooncakeTierConfig(**arguments)  # pyright: ignore[reportArgumentType] -- deliberately bad values
 
 
-def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
-    new_tier: Callable[..., MooncakeStoreTier],
-) -> None:
+def test_stores_and_loads_move_through_registered_memory_not_python_bytes(new_tier: NewTier) -> None:
     # Zero copy: the tier hands Mooncake addresses inside the primary (registered once) and in its registered
     # seal slots (one per chunk, beside the chunk's bytes in the same value), never a bytes object.
     memory = Primary(4, CHUNK)
@@ -203,28 +198,20 @@ def test_stores_and_loads_move_through_registered_memory_not_python_bytes(
     assert isinstance(client, MooncakeClient)
     store = client.store
 
-    class Spy:
-        def register_buffer(self, buffer_ptr: int, size: int) -> int:
-            return store.register_buffer(buffer_ptr, size)
+    def recorded(kind: str, transfer: Transfer) -> Transfer:
+        def record_then_transfer(keys: list[str], pointers: list[list[int]], sizes: list[list[int]]) -> list[int]:
+            calls.append((kind, pointers, sizes))
+            return transfer(keys, pointers, sizes)
 
-        def unregister_buffer(self, buffer_ptr: int) -> int:
-            return store.unregister_buffer(buffer_ptr)
+        return record_then_transfer
 
-        def batch_put_from_multi_buffers(
-            self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
-        ) -> list[int]:
-            calls.append(("put", pointers, sizes))
-            assert store is not None
-            return store.batch_put_from_multi_buffers(keys, pointers, sizes)
-
-        def batch_get_into_multi_buffers(
-            self, keys: list[str], pointers: list[list[int]], sizes: list[list[int]]
-        ) -> list[int]:
-            calls.append(("get", pointers, sizes))
-            assert store is not None
-            return store.batch_get_into_multi_buffers(keys, pointers, sizes)
-
-    client.store = Spy()  # pyright: ignore[reportAttributeAccessIssue] -- a spy around the real binding
+    # A spy around the real binding: each batch transfer's pointers and sizes recorded, then made.
+    client.store = SimpleNamespace(  # pyright: ignore[reportAttributeAccessIssue] -- duck-typed as the binding
+        register_buffer=store.register_buffer,
+        unregister_buffer=store.unregister_buffer,
+        batch_put_from_multi_buffers=recorded("put", store.batch_put_from_multi_buffers),
+        batch_get_into_multi_buffers=recorded("get", store.batch_get_into_multi_buffers),
+    )
     keys = chunk_keys(2, salt=8)
     memory.fill([0, 3], seed=8)
     try:
@@ -249,9 +236,7 @@ def test_log_files_of_the_cluster_exist(cluster: MooncakeCluster) -> None:
     assert Path(cluster.log_dir / "holder.log").stat().st_size > 0
 
 
-def test_the_tier_master_and_holder_talk_only_to_the_loopback(
-    new_tier: Callable[..., MooncakeStoreTier], cluster: MooncakeCluster
-) -> None:
+def test_the_tier_master_and_holder_talk_only_to_the_loopback(new_tier: NewTier, cluster: MooncakeCluster) -> None:
     psutil = pytest.importorskip("psutil")
     memory = Primary(4, CHUNK)
     tier = new_tier(memory, "loopback")
@@ -283,7 +268,7 @@ def stale_miss_then_store(tier: MooncakeStoreTier, memory: Primary, key: Offload
     not LOOKUPS_MARK_PRESENT, reason="LOOKUPS_MARK_PRESENT: vLLM 0.34's AsyncLookupManager.mark_present"
 )
 def test_on_vllm_0_34_a_key_just_stored_is_a_hit_for_the_next_request_despite_a_miss_cached_before(
-    new_tier: Callable[..., MooncakeStoreTier],
+    new_tier: NewTier,
 ) -> None:
     memory = Primary(2, CHUNK)
     tier = new_tier(memory, "mark-present")
@@ -291,9 +276,7 @@ def test_on_vllm_0_34_a_key_just_stored_is_a_hit_for_the_next_request_despite_a_
 
 
 @pytest.mark.skipif(LOOKUPS_MARK_PRESENT, reason="not LOOKUPS_MARK_PRESENT: vLLM 0.33's lookup cache keeps its verdict")
-def test_on_vllm_0_33_a_miss_cached_before_a_store_stands_while_its_request_runs(
-    new_tier: Callable[..., MooncakeStoreTier],
-) -> None:
+def test_on_vllm_0_33_a_miss_cached_before_a_store_stands_while_its_request_runs(new_tier: NewTier) -> None:
     memory = Primary(2, CHUNK)
     tier = new_tier(memory, "stale-miss")
     assert stale_miss_then_store(tier, memory, chunk_keys(1, salt=4)[0]) is MISS

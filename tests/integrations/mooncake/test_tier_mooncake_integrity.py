@@ -16,8 +16,8 @@ import json
 import logging
 import shutil
 import struct
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from mooncake_fixtures import MOONCAKE_MISSING, MooncakeCluster
@@ -38,6 +38,9 @@ from vllm_fixtures.builders import TINY_MODEL_DIR, offloading_config
 from kvtriton._integrity import ROW_FORMAT_VERSION, SEAL_BYTES, IntegrityFault, key_digest
 from kvtriton.integrations.mooncake import MooncakeStoreTier, StoreClient, TierState
 from kvtriton.integrations.vllm._integrity_report import INTEGRITY_FAILURES
+
+if TYPE_CHECKING:
+    from tests.integrations.mooncake.conftest import NewTier
 
 CHUNK = 64 * 1024
 SEALED = CHUNK + SEAL_BYTES
@@ -71,9 +74,7 @@ def _stale_value(chunk: bytes, key: OffloadKey, fingerprint: bytes) -> bytes:
     return chunk + state.digest() + checked
 
 
-def test_a_stored_value_is_the_chunk_followed_by_its_seal(
-    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
-) -> None:
+def test_a_stored_value_is_the_chunk_followed_by_its_seal(new_tier: NewTier, store: StoreClient) -> None:
     memory = Primary(2, CHUNK)
     tier = new_tier(memory, "sealed")
     (key,) = chunk_keys(1, salt=40)
@@ -98,7 +99,7 @@ def test_a_stored_value_is_the_chunk_followed_by_its_seal(
     ids=lambda fault: fault.value,
 )
 def test_each_planted_value_is_a_counted_miss_and_the_tier_serves_on(
-    new_tier: Callable[..., MooncakeStoreTier],
+    new_tier: NewTier,
     store: StoreClient,
     fault: IntegrityFault,
     caplog: pytest.LogCaptureFixture,
@@ -153,9 +154,7 @@ def test_each_planted_value_is_a_counted_miss_and_the_tier_serves_on(
     assert again.success and memory.chunk(6) == written[0]
 
 
-def test_a_value_of_the_right_size_with_other_bytes_is_a_miss(
-    new_tier: Callable[..., MooncakeStoreTier], store: StoreClient
-) -> None:
+def test_a_value_of_the_right_size_with_other_bytes_is_a_miss(new_tier: NewTier, store: StoreClient) -> None:
     memory = Primary(4, CHUNK)
     tier = new_tier(memory, "right-size")
     (key,) = chunk_keys(1, salt=60)

@@ -186,14 +186,19 @@ def test_a_policy_kvtriton_does_not_implement_is_left_to_vllm() -> None:
         ({"eviction_policy": "Fifo", "cache_policy_module_path": "no_such.policies"},
          r"\['cache_policy_module_path'\]='no_such.policies' cannot be imported "
          r"\(ModuleNotFoundError: No module named 'no_such'\)"),
+        # vLLM's registered ARC would run and the module would never be imported.
         ({"eviction_policy": "arc", "cache_policy_module_path": "my_policies_typo"},
-         r"\['cache_policy_module_path'\]='my_policies_typo' cannot be imported"),
+         r"\['cache_policy_module_path'\]='my_policies_typo' cannot be imported \(ModuleNotFoundError"),
+        ({"cache_policy_module_path": "arc"}, r"\['cache_policy_module_path'\]='arc' cannot be imported"),
         ({"eviction_policy": "ARC", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc"},
          r"\['eviction_policy'\]='ARC' is not a vLLM CachePolicy class of module "
          r"'vllm.v1.kv_offload.cpu.policies.arc'"),
         ({"eviction_policy": "arc", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.arc"},
          r"\['eviction_policy'\]='arc' is a policy vLLM's CachePolicyFactory has registered, which vLLM loads without "
          r"ever reading kv_connector_extra_config\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.arc'"),
+        ({"eviction_policy": "LRUPolicy", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"},
+         r"\['eviction_policy'\]='LRUPolicy' is not a vLLM CachePolicy class of module "
+         r"'vllm.v1.kv_offload.cpu.policies.lru' .*the CachePolicy classes it defines: \['LRUCachePolicy'\]"),
     ],
 )  # fmt: skip  # a table: one bad policy setting a case, its message beneath
 def test_a_policy_neither_kvtriton_nor_vllm_resolves_is_refused_naming_the_keys(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from unittest import mock
 
 import pytest
@@ -44,6 +44,7 @@ from vllm_fixtures.in_process import (
     BLOCK_SIZE,
     NUM_GPU_BLOCKS,
     InProcessVLLM,
+    offloading_manager,
     start_in_process_vllm,
 )
 from vllm_fixtures.requests import make_request
@@ -149,11 +150,7 @@ class Engine(InProcessVLLM):
 
     @property
     def manager(self) -> VLLMOffloadingManager:
-        connector = self.scheduler.connector
-        assert isinstance(connector, OffloadingConnector)
-        manager = connector.scheduler.manager
-        assert isinstance(manager, VLLMOffloadingManager)
-        return manager
+        return offloading_manager(self.scheduler, VLLMOffloadingManager)
 
     def cpu_manager(self) -> CPUOffloadingManager:
         return self.manager.cpu
@@ -257,10 +254,23 @@ def replay_on_vllms_cpu_worker(engine: Engine) -> dict[int, int | None]:
     return sizes
 
 
+class NewEngine(Protocol):
+    def __call__(
+        self, extra_config: dict[str, object], groups: list[tuple[list[str], KVCacheSpec]] = ..., /
+    ) -> Engine: ...
+
+
 @pytest.fixture
-def engines(model_config: ModelConfig) -> Iterator[list[Engine]]:
+def new_engine(model_config: ModelConfig) -> Iterator[NewEngine]:
+    """``new_engine(extra_config, groups=ONE_GROUP)``: :func:`make_engine` on the module's model, shut down after
+    the test."""
     made: list[Engine] = []
-    yield made
+
+    def new(extra_config: dict[str, object], groups: list[tuple[list[str], KVCacheSpec]] = ONE_GROUP, /) -> Engine:
+        made.append(make_engine(model_config, extra_config, groups))
+        return made[-1]
+
+    yield new
     for engine in made:
         engine.shutdown()
 
@@ -269,14 +279,10 @@ PAGE_BYTES = KV_SPEC.page_size_bytes
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
-    model_config: ModelConfig, engines: list[Engine], blocks_per_chunk: int
-) -> None:
-    engine = make_engine(
-        model_config,
-        {"cpu_bytes_to_use": 8 * blocks_per_chunk * PAGE_BYTES * len(LAYERS), "blocks_per_chunk": blocks_per_chunk},
+def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(new_engine: NewEngine, blocks_per_chunk: int) -> None:
+    engine = new_engine(
+        {"cpu_bytes_to_use": 8 * blocks_per_chunk * PAGE_BYTES * len(LAYERS), "blocks_per_chunk": blocks_per_chunk}
     )
-    engines.append(engine)
     assert len(engine.kvtriton_worker.engines) == 1  # one group referencing every tensor: one engine, no split
 
     prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 5))  # 4 full blocks and a partial one
@@ -301,15 +307,10 @@ def test_a_repeated_prompt_is_loaded_from_the_host_slab_bit_exact(
     assert (stats.hits, stats.loading) == (4 // blocks_per_chunk, 0)
 
 
-def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(
-    model_config: ModelConfig, engines: list[Engine]
-) -> None:
+def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(new_engine: NewEngine) -> None:
     # With a sync-load budget vLLM loads a hit within the step that schedules
     # it and waits for it there: kvtriton must not queue it behind other loads.
-    engine = make_engine(
-        model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "sync_load_budget_bytes": 1 << 30}
-    )
-    engines.append(engine)
+    engine = new_engine({"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "sync_load_budget_bytes": 1 << 30})
     prompt = list(range(1100, 1100 + 4 * BLOCK_SIZE + 5))
     engine.scheduler.add_request(make_request("first", prompt))
     engine.run(model_request="first")
@@ -331,11 +332,8 @@ def test_a_sync_load_runs_on_the_engines_expedited_lane_within_the_step(
     engine.run()
 
 
-def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(
-    model_config: ModelConfig, engines: list[Engine]
-) -> None:
-    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
-    engines.append(engine)
+def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(new_engine: NewEngine) -> None:
+    engine = new_engine({"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
     engine.scheduler.add_request(make_request("once", list(range(3 * BLOCK_SIZE))))
     engine.run(model_request="once")
     assert not isinstance(engine.manager.backing, CPUOffloadingManager)  # the reuse filter is in front
@@ -343,14 +341,11 @@ def test_a_prompt_seen_once_is_not_stored_with_a_store_threshold(
     assert engine.store_jobs == []
 
 
-def test_with_a_store_threshold_a_prompt_computed_twice_is_stored_whole(
-    model_config: ModelConfig, engines: list[Engine]
-) -> None:
+def test_with_a_store_threshold_a_prompt_computed_twice_is_stored_whole(new_engine: NewEngine) -> None:
     # vLLM looks keys up only until the first miss, so the filter counts store
     # offers (as vLLM 0.33 does): a prompt is admitted whole on its second
     # computation, not one chunk per repeat.
-    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
-    engines.append(engine)
+    engine = new_engine({"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS), "store_threshold": 2})
     prompt = list(range(300, 300 + 4 * BLOCK_SIZE))
     engine.scheduler.add_request(make_request("first", prompt))
     engine.run(model_request="first")
@@ -365,17 +360,15 @@ def test_with_a_store_threshold_a_prompt_computed_twice_is_stored_whole(
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 4])
 def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
-    model_config: ModelConfig, engines: list[Engine], blocks_per_chunk: int
+    new_engine: NewEngine, blocks_per_chunk: int
 ) -> None:
     # Two KV cache groups: GPU specs carry group_sizes, and the window group's
     # load starts at its block 4 (blocks_per_chunk=1) or half-way into its
     # first chunk (blocks_per_chunk=4, block_indices=[0, 2]).
-    engine = make_engine(
-        model_config,
+    engine = new_engine(
         {"cpu_bytes_to_use": 64 * blocks_per_chunk * PAGE_BYTES, "blocks_per_chunk": blocks_per_chunk},
         HYBRID,
     )
-    engines.append(engine)
     prompt = list(range(500, 500 + 6 * BLOCK_SIZE + 5))
     engine.scheduler.add_request(make_request("first", prompt))
     engine.run(model_request="first")
@@ -415,18 +408,14 @@ def test_a_hybrid_model_loads_its_full_prefix_and_its_sliding_window_bit_exact(
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
-def test_padded_pages_move_only_their_real_bytes_bit_exact(
-    model_config: ModelConfig, engines: list[Engine], blocks_per_chunk: int
-) -> None:
-    engine = make_engine(
-        model_config,
+def test_padded_pages_move_only_their_real_bytes_bit_exact(new_engine: NewEngine, blocks_per_chunk: int) -> None:
+    engine = new_engine(
         {
             "cpu_bytes_to_use": 8 * blocks_per_chunk * PADDED_SPEC.page_size_bytes * len(LAYERS),
             "blocks_per_chunk": blocks_per_chunk,
         },
         PADDED,
     )
-    engines.append(engine)
     real_row = PAGE_BYTES * len(LAYERS)
     assert engine.kvtriton_worker.engines[0].slab.row_bytes == real_row  # the slab holds no padding
     prompt = list(range(900, 900 + 4 * BLOCK_SIZE + 3))
@@ -454,10 +443,9 @@ def test_padded_pages_move_only_their_real_bytes_bit_exact(
 
 
 def test_a_connector_cache_reset_with_stores_in_flight_forgets_every_chunk_and_stores_them_again(
-    model_config: ModelConfig, engines: list[Engine]
+    new_engine: NewEngine,
 ) -> None:
-    engine = make_engine(model_config, {"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS)})
-    engines.append(engine)
+    engine = new_engine({"cpu_bytes_to_use": 8 * PAGE_BYTES * len(LAYERS)})
     prompt = list(range(700, 700 + 3 * BLOCK_SIZE + 1))
     engine.scheduler.add_request(make_request("first", prompt))
     while engine.scheduler.has_unfinished_requests():

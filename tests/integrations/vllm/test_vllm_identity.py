@@ -13,20 +13,13 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it from requirements-vllm.txt)")
 
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-    set_current_vllm_config,
-)
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.config.cache import CacheDType
 from vllm.config.model import ModelDType
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm_fixtures.builders import SPEC_EXTRA_CONFIG, TINY_MODEL_DIR, offloading_config
+from vllm_fixtures.in_process import cpu_vllm_config
 
 from kvtriton._integrity import FINGERPRINT_BYTES, ROW_FORMAT_VERSION
 from kvtriton.integrations.vllm._identity import (
@@ -233,20 +226,8 @@ def _vllm_config(
     max_num_seqs: int = 4,
 ) -> VllmConfig:
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=0, max_model_len=1024)
-    return VllmConfig(
-        model_config=model,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=256,
-            max_model_len=1024,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=dict(SPEC_EXTRA_CONFIG)
-        ),
-        device_config=DeviceConfig("cpu"),
+    return cpu_vllm_config(
+        model, SPEC_EXTRA_CONFIG, block_size=block_size, cache_dtype=cache_dtype, max_num_seqs=max_num_seqs
     )
 
 

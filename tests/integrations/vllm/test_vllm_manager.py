@@ -591,18 +591,7 @@ def test_the_summary_line_gives_bytes_in_the_unit_that_fits_them(
 
     def snapshot(loads: int, stores: int) -> ManagerStats:
         return ManagerStats(
-            capacity=4,
-            used=2,
-            pending=0,
-            loading=0,
-            evictable=2,
-            lookups=0,
-            hits=0,
-            pending_hits=0,
-            evictions=0,
-            stores=stores,
-            loads=loads,
-            failed_stores=0,
+            capacity=4, used=2, pending=0, loading=0, evictable=2, lookups=0, hits=0, stores=stores, loads=loads
         )
 
     line = summary_line(snapshot(0, 0), snapshot(1, 2), 61, bytes_per_chunk)

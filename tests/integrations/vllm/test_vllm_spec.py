@@ -409,28 +409,6 @@ def test_a_tiered_only_key_in_the_single_tier_spec_is_warned_about(caplog: pytes
     assert "ignoring kv_connector_extra_config['secondary_tiers']: only the tiered spec" in caplog.text
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        # vLLM's registered ARC would run and the module would never be imported.
-        ({"eviction_policy": "arc", "cache_policy_module_path": "my_policies_typo"},
-         r"\['cache_policy_module_path'\]='my_policies_typo' cannot be imported \(ModuleNotFoundError"),
-        ({"cache_policy_module_path": "arc"}, r"\['cache_policy_module_path'\]='arc' cannot be imported"),
-        ({"eviction_policy": "lru", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"},
-         r"\['eviction_policy'\]='lru' is a policy vLLM's CachePolicyFactory has registered, which vLLM loads "
-         r"without ever reading .*\['cache_policy_module_path'\]='vllm.v1.kv_offload.cpu.policies.lru'"),
-        ({"eviction_policy": "LRUPolicy", "cache_policy_module_path": "vllm.v1.kv_offload.cpu.policies.lru"},
-         r"\['eviction_policy'\]='LRUPolicy' is not a vLLM CachePolicy class of module "
-         r"'vllm.v1.kv_offload.cpu.policies.lru' .*the CachePolicy classes it defines: \['LRUCachePolicy'\]"),
-    ],
-)  # fmt: skip  # a table: one bad policy setting a case, its message beneath
-def test_a_cache_policy_module_path_vllm_would_not_use_is_refused_naming_the_keys(
-    extra: dict[str, object], message: str
-) -> None:
-    with pytest.raises(ValueError, match=message):
-        KVTritonOffloadingSpec(offloading_config({"cpu_bytes_to_use": 1 << 20, **extra}))
-
-
 def test_the_old_cache_policy_key_is_refused_pointing_at_eviction_policy() -> None:
     # Following a hint to cache_policy_module_path would have run vLLM's LRU instead of kvtriton's ARC.
     message = r"'cache_policy' \(did you mean 'eviction_policy'\? 'cache_policy' is the manager's argument"
