@@ -284,7 +284,9 @@ def table(runs: Runs) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[bool, int, list[str], str, Path | None]:
-    parser = bench_parser("serving_tiers", __doc__, quick="one round of every arm, eight short conversations of two turns")
+    parser = bench_parser(
+        "serving_tiers", __doc__, quick="one round of every arm, eight short conversations of two turns"
+    )
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"alternating rounds (default: {ROUNDS}, >= 3)")
     parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)} (default: all; none is always run)")
     parser.add_argument("--model", type=Path, help="a model folder (default: SmolLM2-135M-Instruct, prepared once)")
