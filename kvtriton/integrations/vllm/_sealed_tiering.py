@@ -48,9 +48,14 @@ Verify off the manager lock
     tiers with its manager lock held, which the scheduler waits for. So the
     seals of a finished promotion are checked on the seal thread: the tier's
     result is held back from vLLM (:meth:`SealedTieringManager._verified_promotions`)
-    until the check is done, and handed over at the next poll after it (the
-    scheduler's next lookup, ``prepare_store`` or ``on_schedule_end``, or the
-    tier-poll thread's round). Meanwhile the job stays registered, so its
+    until the check is done. The poll that starts a check waits for it up to
+    :data:`CHECK_WAIT_S`: a check done by then (a few chunks' worth) hands the
+    promotion over in that same poll, so the request it serves is not kept a
+    scheduler step longer than vLLM's own tiering keeps it; a longer check is
+    handed over at the next poll after it is done (the scheduler's next lookup,
+    ``prepare_store`` or ``on_schedule_end``, or the tier-poll thread's
+    round), the scheduler having waited at most that bound. Meanwhile the job
+    stays registered, so its
     slots stay write-pending: a lookup of its keys answers HIT_PENDING, never
     HIT, until the verdict is in; ``has_pending_work`` stays true;
     ``reset_cache`` waits for the checks; ``shutdown`` stops them with the
@@ -158,6 +163,10 @@ IDENTITY_INFO_KEYS = ("kvtriton_identity", "kvtriton_identity_source")
 QUARANTINE_KEYS = 65536
 """Faulty keys remembered per tier (the oldest forgotten first): each then costs one more faulty read, never more."""
 
+
+CHECK_WAIT_S = 0.002
+"""How long a poll waits, under vLLM's manager lock, for the promotion checks it has just started (0.4-2.7 ms a
+chunk for a seal): checks done by then are handed to vLLM in that poll, a step sooner than at the next poll."""
 
 SEAL_THREAD_NAME = "kvtriton_seal"
 """The name (prefix) of the thread that seals cascaded chunks off vLLM's scheduler thread."""
@@ -567,11 +576,13 @@ class SealedTieringManager(TieringOffloadingManager):
         """A tier's finished jobs as vLLM may see them: each promotion only once its chunks are checked.
 
         A promotion just reported is held and its check started (on the seal
-        thread); one held earlier whose check is done is returned now, in job
-        order, its verdict kept for :meth:`_complete_promotion`. While
+        thread), which this poll waits for up to :data:`CHECK_WAIT_S`; each
+        held promotion whose check is done is returned now, in job order, its
+        verdict kept for :meth:`_complete_promotion`. While
         ``reset_cache`` drains the tiers, every check is waited for.
         """
         ready: list[JobResult] = []
+        started: list[Future[Faults]] = []
         for result in finished:
             job = self._promotions.pop(result.job_id, None)
             slots = [] if job is None else _loaded_slots(job, result)
@@ -581,9 +592,11 @@ class SealedTieringManager(TieringOffloadingManager):
                 ready.append(result)
                 continue
             assert job is not None
-            self._verifying[result.job_id] = _PendingVerification(
-                result, tier_idx, self._off_the_lock(self._check_of(tier_idx, job, slots))
-            )
+            check = self._off_the_lock(self._check_of(tier_idx, job, slots))
+            self._verifying[result.job_id] = _PendingVerification(result, tier_idx, check)
+            started.append(check)
+        if started:
+            wait_for_futures(started, timeout=CHECK_WAIT_S)
         for job_id, pending in list(self._verifying.items()):
             if pending.tier_idx != tier_idx:
                 continue

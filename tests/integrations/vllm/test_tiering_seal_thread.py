@@ -394,6 +394,35 @@ def test_a_promotion_is_checked_off_the_lock_and_its_chunk_is_no_hit_until_the_c
     manager.on_request_finished(reader)
 
 
+@pytest.mark.parametrize("wait_s", [30.0, 0.0], ids=["waits", "never-waits"])
+def test_a_check_done_within_the_wait_hands_its_promotion_over_in_the_poll_that_found_the_read_done(
+    managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait_s: float
+) -> None:
+    """vLLM's own tiering makes a promoted chunk a hit at the poll that finds the tier's read done; the check must not
+    cost the request a scheduler step more when it is quick (a bound no check reaches here, so the outcome does not
+    hang on this machine's speed; without the wait, the check is handed over a poll later)."""
+    monkeypatch.setattr(sealed_tiering, "CHECK_WAIT_S", wait_s)
+    checks: list[float] = []
+
+    def slow_check(chunk: memoryview, *, key: bytes, fingerprint: bytes) -> IntegrityFault | None:
+        time.sleep(0.05)  # longer than the moment between starting the check and looking at it, never waited for
+        checks.append(time.monotonic())
+        return verify(chunk, key=key, fingerprint=fingerprint)
+
+    monkeypatch.setattr(sealed_tiering, "verify", slow_check)
+    manager = build(tmp_path, managers)
+    reader = cascaded_and_forgotten(manager)
+    step_until(manager, reader, lambda answer: answer is LookupResult.HIT_PENDING)  # the fs tier reads the chunk
+    time.sleep(1.0)  # ... and has read it long before this
+    answer = step(manager, reader)
+    if wait_s:
+        assert checks and answer is LookupResult.HIT  # found read, checked and handed over in one poll
+    else:
+        assert answer is LookupResult.HIT_PENDING  # the check still runs: handed over at a later poll
+        step_until(manager, reader, lambda answer: answer is LookupResult.HIT)
+    manager.on_request_finished(reader)
+
+
 def test_a_promotion_whose_check_fails_off_the_lock_is_a_counted_miss(
     managers: list[OffloadingManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
