@@ -37,6 +37,7 @@ from mooncake_fixtures import MOONCAKE_MISSING
 from bench.tiny_models import TinyLlama
 from e2e.engine import (
     CHECK_MOONCAKE_VALUES_SEALED,
+    DAMAGE_MOONCAKE_VALUES,
     WAIT_TIERS_UP,
     EngineJob,
     EngineResult,
@@ -207,3 +208,29 @@ def test_a_reader_without_the_writer_s_key_misses_counted_and_gives_the_referenc
     assert f"(reason {reason}:" in reader.log
     assert reader.step("A").token_ids == reference.step("A").token_ids
     assert keys[key].read_text().strip() not in reader.log
+
+
+def test_a_flipped_byte_in_what_the_tier_holds_is_a_counted_miss_and_the_reference_tokens(
+    tier: SealedTier, writer: EngineResult, keys: dict[str, Path], reference: EngineResult, e2e_dir: Path
+) -> None:
+    """Last in the module: it damages what the writer left. Mooncake: an engine of the same tenant flips 64 bytes in
+    the middle of each of its values in the pool; fs: one byte in the middle of each chunk file of a reader's copy."""
+    del writer
+    steps = [generate(PROMPT_A, MAX_TOKENS, "A", cache_salt="tenant-a")]
+    if tier.name == "mooncake":
+        tier.engine(keys["writer"], "damager", [*steps, DAMAGE_MOONCAKE_VALUES], ())
+        reader = tier.engine(keys["writer"], "after-damage", steps, ())
+    else:
+
+        def flip_every_chunk_file(root: Path) -> None:
+            for path in root.rglob("*.bin"):
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+
+        flip_every_chunk_file(e2e_dir / "encryption-fs-root")  # every reader before this one had its own copy
+        reader = tier.engine(keys["writer"], "after-damage", steps, ())
+    assert reader.delta("A", HITS) == 0
+    assert reader.delta("A", DECRYPT_FAILURES) >= 1
+    assert "(reason decrypt_tag_mismatch:" in reader.log
+    assert reader.step("A").token_ids == reference.step("A").token_ids
