@@ -137,6 +137,8 @@ __all__ = [
     "configurations",
     "derived",
     "goals",
+    "kvtriton_arguments",
+    "lmcache_configuration",
     "main",
     "multi_turn_prompts",
     "prometheus_totals",
@@ -231,12 +233,13 @@ class Configuration:
     """What a reader must know about this arm (the result file and the docs carry it)."""
 
 
-def _kvtriton(host_bytes: int, **extra: object) -> tuple[str, ...]:
+def kvtriton_arguments(host_bytes: int, spec_name: str = "KVTritonOffloadingSpec", **extra: object) -> tuple[str, ...]:
+    """``vllm serve``'s ``--kv-transfer-config`` for kvtriton's spec ``spec_name`` with ``host_bytes``, plus ``extra``."""
     config = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "spec_name": "KVTritonOffloadingSpec",
+            "spec_name": spec_name,
             "spec_module_path": "kvtriton.integrations.vllm",
             "cpu_bytes_to_use": host_bytes,
             **extra,
@@ -256,15 +259,24 @@ def lmcache_settings(host_bytes: int) -> dict[str, object]:
     }
 
 
-def _lmcache(host_bytes: int) -> Configuration:
+def lmcache_configuration(
+    host_bytes: int, name: str = LMCACHE, *, disk: Path | None = None, disk_gb: float = 0.0
+) -> Configuration:
+    """The LMCache arm ``name``: its local CPU backend with ``host_bytes``, and its local disk backend of
+    ``disk_gb`` in folder ``disk`` behind it when given."""
+    settings = lmcache_settings(host_bytes)
+    backends = f"local CPU backend, {host_bytes >> 20} MiB"
+    if disk is not None:
+        settings |= {"lmcache.local_disk": f"file://{disk}/", "lmcache.max_local_disk_size": disk_gb}
+        backends += f", and its local disk backend, {disk_gb:g} GB"
     config = {
         "kv_connector": "LMCacheCPUConnectorV1",
         "kv_connector_module_path": "bench.lmcache_cpu_connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": lmcache_settings(host_bytes),
+        "kv_connector_extra_config": settings,
     }
     note = (
-        f"LMCache {LMCACHE_VERSION} (its cache engine and local CPU backend, {host_bytes >> 20} MiB) behind vLLM's "
+        f"LMCache {LMCACHE_VERSION} (its cache engine and {backends}) behind vLLM's "
         f"LMCacheConnectorV1; chunks of {LMCACHE_CHUNK_SIZE} tokens (one engine block), partial chunks "
         f"{'saved' if LMCACHE_SAVE_UNFULL_CHUNK else 'dropped'}; the copy between vLLM's paged CPU cache and "
         "LMCache's buffers is the benchmark's (bench/lmcache_cpu_connector.py), not LMCache's own, which has none "
@@ -272,7 +284,7 @@ def _lmcache(host_bytes: int) -> Configuration:
     )
     # LMCache keys chunks by Python's hash() of their tokens in vLLM's scheduler and its worker: one seed for both.
     env = (("PYTHONHASHSEED", "0"), ("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"))
-    return Configuration(LMCACHE, ("--kv-transfer-config", json.dumps(config)), env=env, note=note)
+    return Configuration(name, ("--kv-transfer-config", json.dumps(config)), env=env, note=note)
 
 
 def configurations(host_bytes: int = HOST_BYTES) -> dict[str, Configuration]:
@@ -281,9 +293,9 @@ def configurations(host_bytes: int = HOST_BYTES) -> dict[str, Configuration]:
         c.name: c
         for c in (
             Configuration("none", ()),
-            Configuration("kvtriton", _kvtriton(host_bytes)),
-            Configuration("kvtriton fp8-e4m3", _kvtriton(host_bytes, kvtriton_kv_compression="fp8-e4m3")),
-            _lmcache(host_bytes),
+            Configuration("kvtriton", kvtriton_arguments(host_bytes)),
+            Configuration("kvtriton fp8-e4m3", kvtriton_arguments(host_bytes, kvtriton_kv_compression="fp8-e4m3")),
+            lmcache_configuration(host_bytes),
             Configuration(CEILING, (), extra_engine_kv_bytes=host_bytes),
             Configuration(
                 VLLM_OFFLOAD,

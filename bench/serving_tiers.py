@@ -48,7 +48,6 @@ Writes ``bench/results/serving_tiers.json`` (``serving_tiers-quick.json`` for ``
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -73,8 +72,9 @@ from bench.serving import (
     _stopped_by_sigterm,  # pyright: ignore[reportPrivateUsage] -- serving's guard, which stops every server on SIGTERM
     aggregate,
     alternating_schedule,
+    kvtriton_arguments,
+    lmcache_configuration,
     lmcache_problem,
-    lmcache_settings,
     multi_turn_prompts,
     run_arm,
     server_env,
@@ -119,19 +119,8 @@ def _say(line: str) -> None:
 
 
 def _offloading(spec_name: str, **extra: object) -> tuple[str, ...]:
-    """``vllm serve``'s ``--kv-transfer-config`` for one of kvtriton's specs, synchronous loads, the host bytes."""
-    config = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": spec_name,
-            "spec_module_path": "kvtriton.integrations.vllm",
-            "cpu_bytes_to_use": TIER_HOST_BYTES,
-            "sync_load_budget_bytes": SYNC_LOAD_BUDGET_BYTES,
-            **extra,
-        },
-    }
-    return ("--kv-transfer-config", json.dumps(config))
+    """kvtriton's spec ``spec_name`` with the arms' host bytes, loading within the step."""
+    return kvtriton_arguments(TIER_HOST_BYTES, spec_name, sync_load_budget_bytes=SYNC_LOAD_BUDGET_BYTES, **extra)
 
 
 def _tiered_configuration(arm: str, tier: Mapping[str, object]) -> Configuration:
@@ -175,20 +164,7 @@ def arm_configuration(arm: str, folder: Path) -> Generator[Configuration]:
         finally:
             cluster.stop()
     elif arm == LMCACHE_DISK:
-        settings = {
-            **lmcache_settings(TIER_HOST_BYTES),
-            "lmcache.local_disk": f"file://{folder / 'lmcache-disk'}/",
-            "lmcache.max_local_disk_size": LMCACHE_DISK_GB,
-        }
-        config = {
-            "kv_connector": "LMCacheCPUConnectorV1",
-            "kv_connector_module_path": "bench.lmcache_cpu_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": settings,
-        }
-        # LMCache keys chunks by Python's hash() of their tokens in vLLM's scheduler and its worker: one seed for both.
-        env = (("PYTHONHASHSEED", "0"), ("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"))
-        yield Configuration(arm, ("--kv-transfer-config", json.dumps(config)), env=env)
+        yield lmcache_configuration(TIER_HOST_BYTES, arm, disk=folder / "lmcache-disk", disk_gb=LMCACHE_DISK_GB)
     else:
         raise ValueError(f"unknown arm {arm!r} (choose from {', '.join(ARMS)})")
 
